@@ -1,0 +1,1 @@
+"""Repository-level pytest configuration (markers and defaults only)."""

@@ -1,0 +1,1 @@
+"""The model zoo (`fsdp_conformance.models`)."""
