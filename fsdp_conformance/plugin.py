@@ -1,5 +1,263 @@
 """pytest plugin of fsdp-conformance (registered through the ``pytest11`` entry point).
 
-Import-light: torch is imported only inside hooks and fixtures.
+A test that asks for the ``dist`` fixture runs in every rank::
+
+    @pytest.mark.world_size(2)
+    def test_all_reduce(dist):
+        t = torch.ones(1) * dist.rank
+        torch.distributed.all_reduce(t)
+        assert t.item() == 1
+
+Import-light: torch is imported only inside hooks and fixtures (and, for the process modes,
+only in the rank processes).
 """
 from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from typing import Any
+
+import pytest
+
+_MODES = ("process", "process-fresh", "thread")
+
+
+@dataclasses.dataclass
+class PluginState:
+    """Per-session plugin state (in ``config.stash``)."""
+
+    # --fsdp-mode
+    mode: str
+    # --fsdp-timeout
+    timeout: float
+    # --fsdp-world-size
+    world_size: int
+    # --fsdp-impl
+    impl: str
+    # --fsdp-backend / FSDP_CONFORMANCE_BACKEND
+    backend: str | None
+    # fsdp_conformance.world.runtime.Runtime, created on the first test that uses ranks
+    runtime: Any = None
+
+    def get_runtime(self) -> Any:
+        if self.runtime is None:
+            from fsdp_conformance.world import runtime
+
+            self.runtime = runtime.Runtime(
+                runtime.RuntimeOptions(
+                    mode=self.mode,
+                    timeout=self.timeout,
+                    world_size=self.world_size,
+                    impl=self.impl,
+                    backend=self.backend,
+                )
+            )
+            runtime.set_active_runtime(self.runtime)
+        return self.runtime
+
+
+STATE_KEY = pytest.StashKey[PluginState]()
+
+
+# -----------------------------------------------------------------------------
+# Options and markers
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("fsdp-conformance", "fsdp-conformance: running tests in N ranks")
+    group.addoption(
+        "--fsdp-mode",
+        choices=_MODES,
+        default=os.environ.get("FSDP_CONFORMANCE_MODE", "process"),
+        help="how ranks run: 'process' (reused rank processes, default), 'process-fresh' "
+        "(new processes per test) or 'thread' (threads of the pytest process). "
+        "Env: FSDP_CONFORMANCE_MODE.",
+    )
+    group.addoption(
+        "--fsdp-timeout",
+        type=float,
+        default=float(os.environ.get("FSDP_CONFORMANCE_TIMEOUT", "120")),
+        metavar="SECONDS",
+        help="fail a test still running in its ranks after this many seconds, with every "
+        "rank's Python stack (default 120).",
+    )
+    group.addoption(
+        "--fsdp-world-size",
+        type=int,
+        default=2,
+        metavar="N",
+        help="ranks for tests without @pytest.mark.world_size (default 2).",
+    )
+    group.addoption(
+        "--fsdp-impl",
+        default="impl",
+        metavar="NAME",
+        help="FSDP implementation under test: 'impl', 'torch-fsdp1', 'torch-fsdp2' or "
+        "'pkg.module:ATTR' (default 'impl').",
+    )
+    group.addoption(
+        "--fsdp-backend",
+        default=os.environ.get("FSDP_CONFORMANCE_BACKEND") or None,
+        metavar="NAME",
+        help="process group backend override ('gloo', 'nccl'); default: gloo on CPU, nccl "
+        "when each rank gets its own GPU. Env: FSDP_CONFORMANCE_BACKEND.",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "world_size(n): run the test body in n ranks (needs the `dist` fixture)"
+    )
+    config.addinivalue_line(
+        "markers",
+        "fsdp_mode(name): run this test's ranks as 'process', 'process-fresh' or 'thread'",
+    )
+    config.addinivalue_line(
+        "markers", "fsdp_timeout(seconds): per-test override of --fsdp-timeout"
+    )
+    config.addinivalue_line(
+        "markers", "gpus(n): the test needs n GPUs (skipped with a reason when fewer exist)"
+    )
+    config.addinivalue_line(
+        "markers", "cuda: the test needs one GPU per rank (skipped on CPU-only hosts)"
+    )
+    config.stash[STATE_KEY] = PluginState(
+        mode=config.getoption("fsdp_mode"),
+        timeout=config.getoption("fsdp_timeout"),
+        world_size=config.getoption("fsdp_world_size"),
+        impl=config.getoption("fsdp_impl"),
+        backend=config.getoption("fsdp_backend"),
+    )
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    state = config.stash.get(STATE_KEY, None)
+    if state is not None and state.runtime is not None:
+        from fsdp_conformance.world import runtime
+
+        state.runtime.close()
+        if runtime._active is state.runtime:
+            runtime.set_active_runtime(None)
+        state.runtime = None
+
+
+# -----------------------------------------------------------------------------
+# Fixtures
+
+
+def _marker_arg(item: pytest.Item, name: str, default: Any) -> Any:
+    marker = item.get_closest_marker(name)
+    if marker is None:
+        return default
+    if marker.args:
+        return marker.args[0]
+    return default if name != "cuda" else None
+
+
+def _world_size(item: pytest.Item, state: PluginState) -> int:
+    return int(_marker_arg(item, "world_size", state.world_size))
+
+
+def _mode(item: pytest.Item, state: PluginState) -> str:
+    mode = _marker_arg(item, "fsdp_mode", state.mode)
+    if mode not in _MODES:
+        raise pytest.UsageError(
+            f"{item.nodeid}: fsdp_mode({mode!r}) is not one of {', '.join(_MODES)}"
+        )
+    return mode
+
+
+@pytest.fixture
+def dist(request: pytest.FixtureRequest) -> Any:
+    """The rank context: ``rank``, ``world_size``, ``group``, ``device``, ``backend``,
+    ``tmp_path``, ``impl``, ``barrier()``. The test body runs in every rank."""
+    from fsdp_conformance.world.context import DistPlaceholder
+
+    state = request.config.stash[STATE_KEY]
+    return DistPlaceholder(
+        _world_size(request.node, state), _mode(request.node, state), state.impl
+    )
+
+
+@pytest.fixture(scope="session")
+def fsdp_impl(request: pytest.FixtureRequest) -> str:
+    """The --fsdp-impl name of the FSDP implementation under test."""
+    return request.config.stash[STATE_KEY].impl
+
+
+# -----------------------------------------------------------------------------
+# Running test bodies in ranks
+
+
+def _target(item: pytest.Function) -> Any:
+    from fsdp_conformance.world.protocol import TestTarget
+
+    module = item.module
+    class_path: list[str] = []
+    node = item.parent
+    while node is not None and isinstance(node, pytest.Class):
+        class_path.insert(0, node.name)
+        node = node.parent
+    return TestTarget(
+        module_name=module.__name__,
+        module_file=getattr(module, "__file__", None),
+        class_path=tuple(class_path),
+        function_name=item.originalname,
+    )
+
+
+def _gpus_needed(item: pytest.Item, world_size: int) -> int:
+    gpus = item.get_closest_marker("gpus")
+    needed = int(gpus.args[0]) if gpus is not None and gpus.args else 0
+    if item.get_closest_marker("cuda") is not None:
+        needed = max(needed, world_size)
+    return needed
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
+    if "dist" not in pyfuncitem._fixtureinfo.argnames:
+        return None
+    from fsdp_conformance.world import runtime as runtime_module
+    from fsdp_conformance.world.execute import build_kwargs
+    from fsdp_conformance.world.protocol import FAILED, SKIPPED, XFAILED
+
+    state = pyfuncitem.config.stash[STATE_KEY]
+    runtime = state.get_runtime()
+    world_size = _world_size(pyfuncitem, state)
+    kwargs = {
+        name: pyfuncitem.funcargs[name]
+        for name in pyfuncitem._fixtureinfo.argnames
+        if name != "dist"
+    }
+    function = pyfuncitem.obj
+
+    def thread_body(ctx: Any) -> None:
+        function(**build_kwargs(kwargs, ctx))
+
+    request = runtime_module.TestRequest(
+        target=_target(pyfuncitem),
+        kwargs=kwargs,
+        test_id=pyfuncitem.nodeid,
+        world_size=world_size,
+        mode=_mode(pyfuncitem, state),
+        timeout=float(_marker_arg(pyfuncitem, "fsdp_timeout", state.timeout)),
+        gpus=_gpus_needed(pyfuncitem, world_size),
+        thread_body=thread_body,
+    )
+    try:
+        result = runtime.run(request)
+    except runtime_module.FixtureNotPicklable as exc:
+        pytest.fail(str(exc), pytrace=False)
+    output = result.output()
+    if output:
+        sys.stdout.write(output)
+    verdict = result.verdict
+    if verdict.status == FAILED:
+        pytest.fail(verdict.message, pytrace=False)
+    if verdict.status == SKIPPED:
+        pytest.skip(verdict.message)
+    if verdict.status == XFAILED:
+        pytest.xfail(verdict.message)
+    return True

@@ -1,1 +1,33 @@
+"""Running a test in N ranks: reused processes, fresh processes or threads.
 
+Importing this package does not import torch; names resolve on first access.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# public name -> module that defines it
+_EXPORTS: dict[str, str] = {
+    "InRank": "fsdp_conformance.world.protocol",
+    "RankContext": "fsdp_conformance.world.context",
+    "current_context": "fsdp_conformance.world.rank_main",
+    "Runtime": "fsdp_conformance.world.runtime",
+    "RuntimeOptions": "fsdp_conformance.world.runtime",
+    "get_runtime": "fsdp_conformance.world.runtime",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fsdp_conformance.world' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

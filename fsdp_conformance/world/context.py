@@ -1,0 +1,64 @@
+"""The ``dist`` object a test body receives in every rank."""
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+from typing import Any
+
+
+@dataclasses.dataclass
+class RankContext:
+    """One rank's view of the test world (the value of the ``dist`` fixture inside a rank)."""
+
+    # this rank's index in the default process group
+    rank: int
+    # number of ranks
+    world_size: int
+    # the default process group (``torch.distributed.group.WORLD``)
+    group: Any
+    # the rank's device: cpu, or cuda:<its own GPU> under nccl
+    device: Any
+    # "gloo", "nccl" or "threaded" (thread mode)
+    backend: str
+    # per-test directory shared by all ranks of this test; removed after the test
+    tmp_path: pathlib.Path
+    # --fsdp-impl: name of the FSDP implementation under test
+    impl: str = "impl"
+    # "process", "process-fresh" or "thread"
+    mode: str = "process"
+    # GPU indices this test holds (one per rank under nccl), () on CPU
+    gpu_ids: tuple[int, ...] = ()
+    # pytest node id of the running test
+    test_id: str = ""
+
+    def barrier(self) -> None:
+        """Block until every rank reached this barrier (on the default group)."""
+        import torch.distributed as torch_dist
+
+        if self.backend == "nccl":
+            torch_dist.barrier(group=self.group, device_ids=[self.device.index])
+        else:
+            torch_dist.barrier(group=self.group)
+
+
+class DistPlaceholder:
+    """The ``dist`` fixture's value in the pytest process, where no rank exists.
+
+    The test body never sees it (it runs in the ranks); fixtures that depend on ``dist``
+    can read the world's shape, but not per-rank state.
+    """
+
+    def __init__(self, world_size: int, mode: str, impl: str) -> None:
+        self.world_size = world_size
+        self.mode = mode
+        self.impl = impl
+
+    def __getattr__(self, name: str) -> Any:
+        raise AttributeError(
+            f"dist.{name} is only available inside the test body, which runs in every rank; "
+            "in a fixture, return fsdp_conformance.world.InRank(factory, ...) to build a value "
+            "inside each rank"
+        )
+
+    def __repr__(self) -> str:
+        return f"<dist placeholder world_size={self.world_size} mode={self.mode}>"

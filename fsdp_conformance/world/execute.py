@@ -1,0 +1,213 @@
+"""Running one test body inside a rank: import the test, seed, call, classify the outcome.
+
+Shared by the process ranks (``rank_main``) and the thread ranks (``threads``).
+"""
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.util
+import inspect
+import os
+import random
+import sys
+import time
+import traceback
+import types
+from typing import Any, Callable
+
+from fsdp_conformance.world.protocol import (
+    FAILED,
+    PASSED,
+    SKIPPED,
+    XFAILED,
+    InRank,
+    RankOutcome,
+    TestTarget,
+)
+
+# -----------------------------------------------------------------------------
+# Importing the test
+
+
+def load_test_module(name: str, file: str | None) -> types.ModuleType:
+    """Import the test module ``name`` from ``file``, with pytest's assertion rewriting.
+
+    Reuses the module when it was already loaded from the same file (process mode keeps
+    rank processes across tests); a module of the same name from another file replaces it.
+    """
+    if name == "__main__":  # a unittest script run as `python test_x.py`
+        name = "__mp_main__"
+    module = sys.modules.get(name)
+    if module is not None and _same_file(getattr(module, "__file__", None), file):
+        return module
+    if file is None:
+        return importlib.import_module(name)
+    parent = name.rpartition(".")[0]
+    if parent:
+        importlib.import_module(parent)
+    spec = importlib.util.spec_from_file_location(name, file)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load test module {name!r} from {file}")
+    module = importlib.util.module_from_spec(spec)
+    with open(file, "rb") as source_file:
+        source = source_file.read()
+    code = _compile_with_assert_rewriting(source, file)
+    sys.modules[name] = module
+    try:
+        exec(code, module.__dict__)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    return module
+
+
+def _same_file(a: str | None, b: str | None) -> bool:
+    if a is None or b is None:
+        return a == b
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def _compile_with_assert_rewriting(source: bytes, file: str) -> types.CodeType:
+    tree = ast.parse(source, filename=file)
+    try:
+        from _pytest.assertion import rewrite, util
+
+        rewrite.rewrite_asserts(tree, source, file, None)
+        util._reprcompare = _reprcompare  # rich `==` explanations, as pytest shows them
+    except Exception:  # pytest internals moved: plain asserts still work
+        tree = ast.parse(source, filename=file)
+    return compile(tree, file, "exec", dont_inherit=True)
+
+
+class _AssertConfig:
+    """The two things pytest's assertion explanations need from a Config."""
+
+    def get_verbosity(self, verbosity_type: str | None = None) -> int:
+        return 0
+
+    def get_terminal_writer(self) -> Any:
+        from _pytest._io import TerminalWriter
+
+        return TerminalWriter(file=open(os.devnull, "w"))  # noqa: SIM115  (no highlighting)
+
+
+def _reprcompare(op: str, left: Any, right: Any) -> str | None:
+    from _pytest.assertion import util
+
+    lines = util.assertrepr_compare(_AssertConfig(), op, left, right)
+    return "\n~".join(lines) if lines else None
+
+
+def resolve_target(target: TestTarget) -> Callable[..., Any]:
+    """Return the callable that runs the test body (a function or a bound method)."""
+    module = load_test_module(target.module_name, target.module_file)
+    owner: Any = module
+    for attribute in target.class_path:
+        owner = getattr(owner, attribute)
+    if target.kind == "unittest":
+        case = owner(target.function_name)
+        return case.debug  # setUp, the test method, tearDown; exceptions propagate
+    if target.class_path:
+        owner = owner()  # pytest instantiates test classes without arguments, per test
+    return getattr(owner, target.function_name)
+
+
+# -----------------------------------------------------------------------------
+# Per-test state
+
+
+def seed_all(seed: int) -> None:
+    """Seed torch (all devices), ``random`` and numpy (when importable)."""
+    import torch
+
+    torch.manual_seed(seed)
+    random.seed(seed)
+    try:
+        import numpy
+    except ImportError:
+        return
+    numpy.random.seed(seed)
+
+
+def build_kwargs(values: dict[str, Any], ctx: Any) -> dict[str, Any]:
+    """Resolve :class:`InRank` fixture values in this rank and add ``dist``."""
+    kwargs = {}
+    for name, value in values.items():
+        if isinstance(value, InRank):
+            extra = {}
+            try:
+                parameters = inspect.signature(value.factory).parameters
+            except (TypeError, ValueError):
+                parameters = {}
+            if "dist" in parameters:
+                extra["dist"] = ctx
+            value = value.factory(*value.args, **value.kwargs, **extra)
+        kwargs[name] = value
+    kwargs["dist"] = ctx
+    return kwargs
+
+
+# -----------------------------------------------------------------------------
+# Calling and classifying
+
+
+def call_and_classify(rank: int, body: Callable[[], Any]) -> RankOutcome:
+    """Call ``body`` and turn its result or exception into a :class:`RankOutcome`."""
+    start = time.perf_counter()
+    try:
+        body()
+    except BaseException as exc:  # noqa: BLE001  (everything is reported to the parent)
+        outcome = classify_exception(rank, exc)
+    else:
+        outcome = RankOutcome(rank, PASSED)
+    outcome.duration = time.perf_counter() - start
+    return outcome
+
+
+def classify_exception(rank: int, exc: BaseException) -> RankOutcome:
+    import unittest
+
+    from _pytest.outcomes import Failed, Skipped, XFailed
+
+    if isinstance(exc, Skipped):
+        return RankOutcome(rank, SKIPPED, message=str(exc.msg))
+    if isinstance(exc, unittest.SkipTest):
+        return RankOutcome(rank, SKIPPED, message=str(exc))
+    if isinstance(exc, XFailed):
+        return RankOutcome(rank, XFAILED, message=str(exc.msg))
+    if isinstance(exc, Failed) and not exc.pytrace:
+        return RankOutcome(rank, FAILED, message=str(exc.msg))
+    return RankOutcome(
+        rank,
+        FAILED,
+        message=_one_line(exc),
+        traceback=format_user_traceback(exc),
+    )
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    first = text.splitlines()[0] if text else ""
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+_HARNESS_DIR = os.path.dirname(os.path.abspath(__file__))
+_PLUGIN_FILE = os.path.join(os.path.dirname(_HARNESS_DIR), "plugin.py")
+
+
+def format_user_traceback(exc: BaseException) -> str:
+    """Format ``exc`` with the leading harness frames (this package's world/) removed."""
+    tb = exc.__traceback__
+    while tb is not None and (
+        os.path.dirname(os.path.abspath(tb.tb_frame.f_code.co_filename)) == _HARNESS_DIR
+        or os.path.abspath(tb.tb_frame.f_code.co_filename) == _PLUGIN_FILE
+        or "__unittest" in tb.tb_frame.f_globals  # unittest's own frames (debug(), asserts)
+    ):
+        tb = tb.tb_next
+    if tb is None:
+        tb = exc.__traceback__
+    return "".join(traceback.format_exception(type(exc), exc, tb))

@@ -1,0 +1,104 @@
+"""GPUs for rank sets: how many there are, and a cross-process pool so that no GPU serves
+two tests at once (pytest-xdist workers share the machine's GPUs).
+
+The pool is a directory of lock files, one per GPU, locked with ``fcntl.flock``: a lock
+disappears with the process that held it, so a crashed worker never strands a GPU.
+``FSDP_CONFORMANCE_FAKE_GPUS=N`` pretends N GPUs exist (the pool logic then runs on a CPU
+host; the ranks use gloo on CPU and ``dist.gpu_ids`` shows the GPUs they hold).
+"""
+from __future__ import annotations
+
+import fcntl
+import glob
+import os
+import tempfile
+import time
+
+ENV_FAKE_GPUS = "FSDP_CONFORMANCE_FAKE_GPUS"
+ENV_LOCK_DIR = "FSDP_CONFORMANCE_GPU_LOCK_DIR"
+# Seconds between attempts to take GPUs that other workers hold.
+POLL_S = 0.05
+
+
+def fake_gpu_count() -> int | None:
+    """The fake GPU count from the environment, or None when not faking."""
+    text = os.environ.get(ENV_FAKE_GPUS, "").strip()
+    return int(text) if text else None
+
+
+def gpu_count() -> int:
+    """GPUs visible to this process (the fake count when set); avoids importing torch on
+    hosts without GPU device files."""
+    fake = fake_gpu_count()
+    if fake is not None:
+        return fake
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) == "":
+        return 0
+    if not glob.glob("/dev/nvidia[0-9]*") and not os.path.exists("/dev/kfd"):
+        return 0
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def lock_dir() -> str:
+    """Directory of the per-GPU lock files (shared by every pytest process of this user)."""
+    path = os.environ.get(ENV_LOCK_DIR) or os.path.join(
+        tempfile.gettempdir(), f"fsdp-conformance-gpu-locks-{os.getuid()}"
+    )
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+class GpuLease:
+    """GPUs held by one test; give them back with :meth:`release`."""
+
+    def __init__(self, ids: tuple[int, ...], files: list) -> None:
+        # GPU indices held, in rank order
+        self.ids = ids
+        # open, flock-ed lock files (closing one releases its GPU)
+        self._files = files
+
+    def release(self) -> None:
+        for file in self._files:
+            file.close()
+        self._files = []
+
+
+def acquire_gpus(count: int, total: int, timeout: float, prefer: tuple[int, ...] = ()) -> GpuLease:
+    """Take ``count`` of the ``total`` GPUs, all or none, waiting up to ``timeout`` seconds.
+
+    Args:
+        count: GPUs wanted.
+        total: GPUs on the machine.
+        timeout: seconds to wait for other processes to free GPUs.
+        prefer: GPUs to try first (those an existing rank set already uses).
+
+    Raises:
+        TimeoutError: fewer than ``count`` GPUs became free in time.
+    """
+    directory = lock_dir()
+    order = list(prefer) + [g for g in range(total) if g not in prefer]
+    deadline = time.monotonic() + timeout
+    while True:
+        held: list = []
+        ids: list[int] = []
+        for gpu in order:
+            file = open(os.path.join(directory, f"gpu{gpu}.lock"), "a")  # noqa: SIM115
+            try:
+                fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                file.close()
+                continue
+            held.append(file)
+            ids.append(gpu)
+            if len(ids) == count:
+                return GpuLease(tuple(ids), held)
+        for file in held:  # all or none: never hold some GPUs while waiting for more
+            file.close()
+        if time.monotonic() >= deadline:
+            raise TimeoutError(
+                f"could not get {count} of {total} GPUs within {timeout:g} s "
+                f"(other pytest workers hold them; lock files in {directory})"
+            )
+        time.sleep(POLL_S)

@@ -1,0 +1,325 @@
+"""Rank processes, seen from the parent: spawn a rank set, run a test in it, tear it down.
+
+A :class:`RankSet` is ``world_size`` processes that initialised one default process group
+(FileStore rendezvous in the set's private directory) and then run tests on request.
+``process`` mode keeps a set across tests; ``process-fresh`` makes one per test.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from multiprocessing.connection import Connection, wait
+
+from fsdp_conformance.world import rank_main
+from fsdp_conformance.world.protocol import DIED, HUNG, PASSED, SKIPPED, RankOutcome
+
+# Seconds the other ranks get to finish after one rank failed, died or skipped before they are
+# reported as stuck (typically blocked in a collective with the failed rank) and killed.
+GRACE_S = 3.0
+# Seconds to wait for a rank's faulthandler dump to be written after SIGUSR1.
+DUMP_WAIT_S = 3.0
+# Seconds a rank gets to exit on request before it is killed.
+EXIT_WAIT_S = 2.0
+
+_RANK_COMMAND = "from fsdp_conformance.world.rank_main import main; main()"
+
+
+class RankSetError(RuntimeError):
+    """A rank set could not be started (rendezvous, backend or import failure)."""
+
+
+def describe_exit(returncode: int | None) -> str:
+    """'exited with code 3' / 'killed by signal SIGKILL (9)' for a rank's return code."""
+    if returncode is None:
+        return "is still running"
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = "unknown signal"
+        return f"killed by signal {name} ({-returncode})"
+    return f"exited with code {returncode}"
+
+
+@dataclasses.dataclass
+class RunReport:
+    """Everything the parent learnt from one test in a rank set."""
+
+    # one outcome per rank
+    outcomes: dict[int, RankOutcome]
+    # what each rank printed during the test (stdout and stderr), minus stack dumps
+    logs: dict[int, str]
+    # False when the set must not run another test (a rank died, hung, failed or could not reset)
+    reusable: bool
+
+
+class RankSet:
+    """``world_size`` rank processes sharing one default process group."""
+
+    def __init__(
+        self,
+        world_size: int,
+        backend: str,
+        parent_dir: str,
+        timeout: float,
+        mode: str,
+        gpu_ids: tuple[int, ...] = (),
+    ) -> None:
+        # - Shape
+        self.world_size = world_size
+        self.backend = backend
+        self.gpu_ids = gpu_ids
+        self.mode = mode
+        self.timeout = timeout
+        # - Files: the FileStore and one output log per rank, removed by kill()
+        self.dir = tempfile.mkdtemp(prefix=f"ranks-ws{world_size}-", dir=parent_dir)
+        self.log_paths = [os.path.join(self.dir, f"rank{r}.log") for r in range(world_size)]
+        # read position in each log: output before it was already reported
+        self.log_offsets = [0] * world_size
+        # - Processes and their connections, index = rank
+        self.procs: list[subprocess.Popen] = []
+        self.conns: list[Connection] = []
+        # output read while taking stack dumps, not yet handed to a RunReport
+        self.unreported_output = [""] * world_size
+        # number of tests run, for reuse statistics
+        self.tests_run = 0
+        self.closed = False
+
+    # -------------------------------------------------------------------------
+    # Lifecycle
+
+    def start(self) -> None:
+        """Spawn the ranks and wait until all joined the process group.
+
+        Raises:
+            RankSetError: a rank failed to start; the set is killed.
+        """
+        try:
+            self._spawn()
+            self._await_ready(time.monotonic() + self.timeout)
+        except BaseException:
+            self.kill()
+            raise
+
+    def _spawn(self) -> None:
+        store = os.path.join(self.dir, "store")
+        for rank in range(self.world_size):
+            parent_sock, child_sock = socket.socketpair()
+            env = dict(os.environ)
+            env.update(
+                {
+                    rank_main.ENV_FD: str(child_sock.fileno()),
+                    rank_main.ENV_RANK: str(rank),
+                    rank_main.ENV_WORLD_SIZE: str(self.world_size),
+                    rank_main.ENV_STORE: store,
+                    rank_main.ENV_BACKEND: self.backend,
+                    rank_main.ENV_GPU_IDS: ",".join(map(str, self.gpu_ids)),
+                    rank_main.ENV_TIMEOUT: str(self.timeout),
+                    rank_main.ENV_MODE: self.mode,
+                    "PYTHONUNBUFFERED": "1",
+                }
+            )
+            with open(self.log_paths[rank], "wb") as log:
+                proc = subprocess.Popen(
+                    [sys.executable, "-c", _RANK_COMMAND],
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    pass_fds=[child_sock.fileno()],
+                    env=env,
+                    start_new_session=True,  # Ctrl-C goes to pytest, which kills the set
+                )
+            child_sock.close()
+            self.procs.append(proc)
+            self.conns.append(Connection(parent_sock.detach()))
+
+    def _await_ready(self, deadline: float) -> None:
+        pending = dict(enumerate(self.conns))
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                dumps = self._dump_stacks(list(pending))
+                raise RankSetError(
+                    f"ranks {sorted(pending)} did not join the process group within "
+                    f"{self.timeout:g} s (backend {self.backend}).\n"
+                    + "\n".join(f"--- rank {r} ---\n{dumps[r]}" for r in sorted(pending))
+                )
+            for conn in wait(list(pending.values()), timeout=remaining):
+                rank = self.conns.index(conn)
+                try:
+                    message = conn.recv()
+                except (EOFError, OSError):
+                    returncode = self._reap(rank)
+                    raise RankSetError(
+                        f"rank {rank} {describe_exit(returncode)} while starting:\n"
+                        + self._read_log(rank)
+                    ) from None
+                if message[0] == "error":
+                    raise RankSetError(f"rank {rank} failed to start:\n{message[1]}")
+                del pending[rank]
+
+    def close(self) -> None:
+        """Ask the ranks to exit, then make sure they are gone; remove the set's files."""
+        if self.closed:
+            return
+        for conn in self.conns:
+            try:
+                conn.send(("exit",))
+            except OSError:
+                pass
+        deadline = time.monotonic() + EXIT_WAIT_S
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill()
+
+    def kill(self) -> None:
+        """Kill every rank (and anything it started), reap them, remove the set's files."""
+        if self.closed:
+            return
+        self.closed = True
+        for proc in self.procs:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:  # pragma: no cover - unkillable (D state)
+                pass
+        for conn in self.conns:
+            conn.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _reap(self, rank: int) -> int | None:
+        try:
+            return self.procs[rank].wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            return None
+
+    # -------------------------------------------------------------------------
+    # Running a test
+
+    def run(self, task_blob: bytes, timeout: float) -> RunReport:
+        """Run one pickled :class:`RankTask` in every rank and collect the outcomes.
+
+        Never waits longer than ``timeout`` (+ the stack-dump time): ranks still running
+        then are reported HUNG with their Python stacks and the set is not reusable.
+        """
+        self.tests_run += 1
+        outcomes: dict[int, RankOutcome] = {}
+        reusable = True
+        try:
+            for rank, conn in enumerate(self.conns):
+                try:
+                    conn.send(("run", task_blob))
+                except OSError:
+                    pass  # noticed below as EOF
+            deadline = time.monotonic() + timeout
+            # when the first rank failed / died / skipped; the others then get GRACE_S
+            trouble_since: float | None = None
+            pending = dict(enumerate(self.conns))
+            while pending:
+                now = time.monotonic()
+                limit = deadline if trouble_since is None else min(deadline, trouble_since + GRACE_S)
+                if now >= limit:
+                    dumps = self._dump_stacks(list(pending))
+                    for rank in pending:
+                        if now >= deadline:
+                            why = f"did not finish within the timeout of {timeout:g} s"
+                        else:
+                            why = (
+                                f"was still running {GRACE_S:g} s after another rank "
+                                "stopped (probably waiting in a collective)"
+                            )
+                        outcomes[rank] = RankOutcome(rank, HUNG, message=why, traceback=dumps[rank])
+                    reusable = False
+                    break
+                for conn in wait(list(pending.values()), timeout=limit - now):
+                    rank = self.conns.index(conn)
+                    del pending[rank]
+                    try:
+                        message = conn.recv()
+                    except (EOFError, OSError):
+                        returncode = self._reap(rank)
+                        outcomes[rank] = RankOutcome(
+                            rank, DIED, message=f"rank {rank} {describe_exit(returncode)}"
+                        )
+                        reusable = False
+                        trouble_since = trouble_since or time.monotonic()
+                        continue
+                    _, outcome, rank_reusable = message
+                    outcomes[rank] = outcome
+                    reusable = reusable and rank_reusable
+                    if outcome.status not in (PASSED, SKIPPED):
+                        reusable = False
+                    if outcome.status != PASSED:
+                        trouble_since = trouble_since or time.monotonic()
+        except BaseException:
+            self.kill()  # KeyboardInterrupt or a harness bug: leave nothing behind
+            raise
+        logs = {}
+        for rank in range(self.world_size):
+            logs[rank] = self.unreported_output[rank] + self._read_log(rank)
+            self.unreported_output[rank] = ""
+        if not reusable:
+            self.kill()
+        return RunReport(outcomes=outcomes, logs=logs, reusable=reusable)
+
+    # -------------------------------------------------------------------------
+    # Output and stack dumps
+
+    def _read_log(self, rank: int) -> str:
+        try:
+            with open(self.log_paths[rank], "rb") as log:
+                log.seek(self.log_offsets[rank])
+                data = log.read()
+        except OSError:
+            return ""
+        self.log_offsets[rank] += len(data)
+        return data.decode("utf-8", errors="replace")
+
+    def _dump_stacks(self, ranks: list[int]) -> dict[int, str]:
+        """Make each rank write all its threads' Python stacks (faulthandler on SIGUSR1)."""
+        for rank in ranks:
+            # output so far belongs to the rank's log, not to the dump
+            self.unreported_output[rank] += self._read_log(rank)
+            if self.procs[rank].poll() is None:
+                try:
+                    os.kill(self.procs[rank].pid, signal.SIGUSR1)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + DUMP_WAIT_S
+        sizes = {rank: -1 for rank in ranks}
+        while time.monotonic() < deadline:
+            time.sleep(0.1)
+            now = {rank: os.path.getsize(self.log_paths[rank]) for rank in ranks}
+            written = all(now[r] > self.log_offsets[r] for r in ranks)
+            if written and now == sizes:
+                break
+            sizes = now
+        dumps = {}
+        for rank in ranks:
+            text = _drop_watchdog_thread(self._read_log(rank))
+            if not text.strip():
+                text = f"(no stack dump: the rank {describe_exit(self.procs[rank].poll())})"
+            dumps[rank] = text
+        return dumps
+
+
+def _drop_watchdog_thread(dump: str) -> str:
+    """Remove the rank's parent-watchdog thread from a faulthandler dump (noise)."""
+    blocks = dump.split("\n\n")
+    kept = [b for b in blocks if "in _watch_parent" not in b]
+    return "\n\n".join(kept)

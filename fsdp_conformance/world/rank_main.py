@@ -1,0 +1,232 @@
+"""Entry point of a rank process (``process`` and ``process-fresh`` modes).
+
+Started by :class:`fsdp_conformance.world.procs.RankSet` as
+``python -c "from fsdp_conformance.world.rank_main import main; main()"`` with the
+parent connection's file descriptor and the rank's coordinates in the environment.
+
+[Note: leaving a rank]
+A rank leaves with ``os._exit`` after flushing its output and sending its last message:
+ranks sometimes abort during interpreter-exit garbage collection after
+``destroy_process_group`` ("THPVariable_clear INTERNAL ASSERT", "terminate called without
+an active exception"), which would turn a passing test into a crash report.
+"""
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import os
+import pickle
+import signal
+import sys
+import threading
+import time
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
+
+# Environment variables the parent sets for a rank process.
+ENV_FD = "FSDP_CONFORMANCE_CONN_FD"
+ENV_RANK = "FSDP_CONFORMANCE_RANK"
+ENV_WORLD_SIZE = "FSDP_CONFORMANCE_WORLD_SIZE"
+ENV_STORE = "FSDP_CONFORMANCE_STORE"
+ENV_BACKEND = "FSDP_CONFORMANCE_RANK_BACKEND"
+ENV_GPU_IDS = "FSDP_CONFORMANCE_RANK_GPUS"
+ENV_TIMEOUT = "FSDP_CONFORMANCE_RANK_TIMEOUT"
+ENV_MODE = "FSDP_CONFORMANCE_RANK_MODE"
+ENV_FAKE_GPUS = "FSDP_CONFORMANCE_FAKE_GPUS"
+
+# Seconds between checks that the parent is still alive (an orphaned rank exits).
+PARENT_POLL_S = 0.5
+
+
+def _leave(code: int) -> None:
+    """Flush and leave without interpreter teardown; see [Note: leaving a rank]."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001
+            pass
+    os._exit(code)
+
+
+def _watch_parent(parent_pid: int) -> None:
+    while True:
+        time.sleep(PARENT_POLL_S)
+        if os.getppid() != parent_pid:
+            _leave(70)
+
+
+class _RankProcess:
+    """State of one rank process across the tests it runs."""
+
+    def __init__(self) -> None:
+        # - Coordinates (fixed for the process lifetime)
+        self.rank = int(os.environ[ENV_RANK])
+        self.world_size = int(os.environ[ENV_WORLD_SIZE])
+        self.backend = os.environ[ENV_BACKEND]
+        self.mode = os.environ.get(ENV_MODE, "process")
+        gpu_text = os.environ.get(ENV_GPU_IDS, "")
+        # GPUs held by the rank set, one per rank, () on CPU
+        self.gpu_ids = tuple(int(g) for g in gpu_text.split(",") if g)
+        self.timeout = float(os.environ.get(ENV_TIMEOUT, "120"))
+        # - Connection to the parent
+        self.conn = Connection(int(os.environ[ENV_FD]))
+        # - Process-global state restored after every test
+        self.base_environ: dict[str, str] = {}
+        self.base_sys_path: list[str] = list(sys.path)
+        self.torch_defaults: dict[str, Any] = {}
+
+    def start(self) -> None:
+        import torch
+        import torch.distributed as dist
+
+        if self.backend == "nccl":
+            torch.cuda.set_device(self.gpu_ids[self.rank])
+            device = torch.device("cuda", self.gpu_ids[self.rank])
+        else:
+            device = torch.device("cpu")
+        self.device = device
+        store = dist.FileStore(os.environ[ENV_STORE], self.world_size)
+        dist.init_process_group(
+            backend=self.backend,
+            store=store,
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=datetime.timedelta(seconds=self.timeout),
+            **({"device_id": device} if self.backend == "nccl" else {}),
+        )
+        self.group = dist.group.WORLD
+        if self.backend == "nccl":
+            dist.barrier(device_ids=[device.index])
+        else:
+            dist.barrier()
+        self.base_environ = dict(os.environ)
+        self.torch_defaults = {
+            "dtype": torch.get_default_dtype(),
+            "grad": torch.is_grad_enabled(),
+            "deterministic": torch.are_deterministic_algorithms_enabled(),
+            "anomaly": torch.is_anomaly_enabled(),
+            "threads": torch.get_num_threads(),
+        }
+
+    # - One test
+
+    def run(self, task: Any) -> Any:
+        import pathlib
+
+        from fsdp_conformance.world import execute
+        from fsdp_conformance.world.context import RankContext
+
+        self._enter(task)
+        ctx = RankContext(
+            rank=self.rank,
+            world_size=self.world_size,
+            group=self.group,
+            device=self.device,
+            backend=self.backend,
+            tmp_path=pathlib.Path(task.tmp_path),
+            impl=task.impl,
+            mode=self.mode,
+            gpu_ids=self.gpu_ids,
+            test_id=task.test_id,
+        )
+
+        def body() -> None:
+            call = execute.resolve_target(task.target)
+            values = pickle.loads(task.kwargs_blob)
+            if task.target.kind == "unittest":
+                _current_context.ctx = ctx
+                try:
+                    call()
+                finally:
+                    _current_context.ctx = None
+            else:
+                call(**execute.build_kwargs(values, ctx))
+
+        execute.seed_all(task.seed)
+        return execute.call_and_classify(self.rank, body)
+
+    def _enter(self, task: Any) -> None:
+        os.environ.clear()
+        os.environ.update(task.environ)
+        for key in (ENV_RANK, ENV_WORLD_SIZE, ENV_BACKEND, ENV_GPU_IDS, ENV_MODE):
+            os.environ[key] = self.base_environ.get(key, "")
+        os.environ["RANK"] = str(self.rank)
+        os.environ["LOCAL_RANK"] = str(self.rank)
+        os.environ["WORLD_SIZE"] = str(self.world_size)
+        sys.path[:] = list(task.sys_path) + [p for p in self.base_sys_path if p not in task.sys_path]
+        try:
+            os.chdir(task.cwd)
+        except OSError:
+            pass
+
+    def reset(self) -> None:
+        """Undo what a passing test may have left: groups, global hooks, torch flags."""
+        import torch
+        import torch.distributed as dist
+        from torch.nn.modules import module as nn_module
+
+        world = dist.distributed_c10d._world
+        for group in list(world.pg_map):
+            if group is not world.default_pg:
+                dist.destroy_process_group(group)
+        for name in dir(nn_module):
+            if name.startswith("_global_") and name.endswith("_hooks"):
+                hooks = getattr(nn_module, name)
+                if isinstance(hooks, dict):
+                    hooks.clear()
+        defaults = self.torch_defaults
+        torch.set_default_dtype(defaults["dtype"])
+        torch.set_grad_enabled(defaults["grad"])
+        torch.use_deterministic_algorithms(defaults["deterministic"])
+        torch.autograd.set_detect_anomaly(defaults["anomaly"])
+        if torch.get_num_threads() != defaults["threads"]:
+            torch.set_num_threads(defaults["threads"])
+
+
+class _CurrentContext(threading.local):
+    ctx: Any = None
+
+
+# The rank context of the test running in this process/thread (FSDPTest reads it).
+_current_context = _CurrentContext()
+
+
+def current_context() -> Any:
+    """The :class:`RankContext` of the test running in this rank, or None."""
+    return _current_context.ctx
+
+
+def main() -> None:
+    """Rank process main loop: initialise, then run tests until told to exit."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and kills us
+    faulthandler.enable(all_threads=True)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent's hang dump
+    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+    process = _RankProcess()
+    try:
+        process.start()
+    except BaseException:  # noqa: BLE001
+        process.conn.send(("error", traceback.format_exc()))
+        _leave(1)
+    process.conn.send(("ready", os.getpid()))
+    while True:
+        try:
+            message = process.conn.recv()
+        except (EOFError, OSError):
+            _leave(0)
+        if message[0] == "exit":
+            _leave(0)
+        task = pickle.loads(message[1])
+        outcome = process.run(task)
+        try:
+            process.reset()
+            reusable = True
+        except BaseException:  # noqa: BLE001  a broken reset would poison the next test
+            traceback.print_exc()
+            reusable = False
+        sys.stdout.flush()
+        sys.stderr.flush()
+        process.conn.send(("result", outcome, reusable))
+        if not reusable:
+            _leave(71)

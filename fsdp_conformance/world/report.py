@@ -1,0 +1,78 @@
+"""Turning the ranks' outcomes of one test into one verdict and one readable message."""
+from __future__ import annotations
+
+import dataclasses
+
+from fsdp_conformance.world.protocol import (
+    ABORTED,
+    DIED,
+    FAILED,
+    HUNG,
+    PASSED,
+    SKIPPED,
+    XFAILED,
+    RankOutcome,
+)
+
+# Order in which problems are reported: the cause first, its consequences after.
+_SEVERITY = {DIED: 0, FAILED: 1, HUNG: 2, ABORTED: 3}
+
+
+@dataclasses.dataclass
+class Verdict:
+    """The test's result as pytest / unittest should report it."""
+
+    # PASSED, FAILED, SKIPPED or XFAILED
+    status: str
+    # failure report, skip / xfail reason; "" when passed
+    message: str = ""
+
+
+def summarize(outcomes: dict[int, RankOutcome], world_size: int) -> Verdict:
+    """Combine per-rank outcomes: any failure fails, then xfail, then skip, else pass."""
+    missing = [r for r in range(world_size) if r not in outcomes]
+    for rank in missing:  # defensive: a rank that reported nothing is a harness bug
+        outcomes[rank] = RankOutcome(rank, HUNG, message="reported no result")
+    problems = sorted(
+        (o for o in outcomes.values() if o.status in _SEVERITY),
+        key=lambda o: (_SEVERITY[o.status], o.rank),
+    )
+    if problems:
+        return Verdict(FAILED, _failure_message(problems, outcomes, world_size))
+    for status in (XFAILED, SKIPPED):
+        ranks = [o for o in sorted(outcomes.values(), key=lambda o: o.rank) if o.status == status]
+        if ranks:
+            return Verdict(status, ranks[0].message)
+    return Verdict(PASSED)
+
+
+def _headline(outcome: RankOutcome, world_size: int) -> str:
+    who = f"rank {outcome.rank} of {world_size}"
+    if outcome.status == DIED:
+        return f"{who} died: {outcome.message.removeprefix(f'rank {outcome.rank} ')}"
+    if outcome.status == HUNG:
+        return f"{who} hung: {outcome.message}"
+    if outcome.status == ABORTED:
+        return f"{who} aborted: {outcome.message}"
+    return f"{who} failed: {outcome.message}"
+
+
+def _failure_message(
+    problems: list[RankOutcome], outcomes: dict[int, RankOutcome], world_size: int
+) -> str:
+    lines = [_headline(o, world_size) for o in problems]
+    passed = sorted(o.rank for o in outcomes.values() if o.status == PASSED)
+    if passed:
+        lines.append(f"ranks that passed: {', '.join(map(str, passed))}")
+    shown: dict[str, int] = {}  # traceback text -> first rank that showed it
+    for outcome in problems:
+        details = outcome.traceback.rstrip()
+        if not details:
+            continue
+        if details in shown:
+            lines.append(f"\n===== rank {outcome.rank}: same traceback as rank {shown[details]} =====")
+            continue
+        shown[details] = outcome.rank
+        title = "stack dump" if outcome.status == HUNG else "traceback"
+        lines.append(f"\n===== rank {outcome.rank} {title} =====\n{details}")
+    return "\n".join(lines)

@@ -1,0 +1,221 @@
+"""``thread`` mode: the ranks are threads of the pytest process, on torch's threaded
+process group (``torch.testing._internal.distributed.multi_threaded_pg``).
+
+[Note: per-rank RNG in threads]
+torch has one default CPU generator per process, shared by all threads: ``torch.manual_seed``
+in one rank thread reseeds the others, and a rank that seeds and then builds a model races
+with the other ranks doing the same (measured: 2-3 of 6 threaded parity tests fail).
+So each rank owns an RNG state (torch's default generator, ``random`` and numpy) and the rank
+threads take turns: a rank runs Python only while it holds the *baton*; taking the baton
+installs the rank's RNG state, giving it back saves it. A rank gives the baton back while it
+waits for the other ranks -- inside a collective of the threaded process group and in the
+store-based barrier of ``new_group`` -- and when its test body ends. Consequences:
+- each rank sees exactly the random numbers it would see alone, whatever the interleaving;
+- rank threads never run Python concurrently (collectives are the only switch points), so
+  code that waits for another rank outside a collective (a busy loop on a shared flag)
+  deadlocks and fails at the timeout.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import pathlib
+import random
+import sys
+import threading
+import time
+import traceback
+from typing import Any, Callable, Iterator
+
+from fsdp_conformance.world import execute
+from fsdp_conformance.world.context import RankContext
+from fsdp_conformance.world.protocol import ABORTED, FAILED, HUNG, PASSED, RankOutcome
+
+# The rank thread's (baton, rank), or None outside rank threads.
+_local = threading.local()
+
+
+class RngBaton:
+    """Mutual exclusion between rank threads that swaps per-rank RNG state on hand-over.
+
+    See [Note: per-rank RNG in threads].
+    """
+
+    def __init__(self, world_size: int, seed: int) -> None:
+        self._lock = threading.Lock()
+        # rank -> (torch state, random state, numpy state or None); None before first use
+        self._states: dict[int, tuple[Any, Any, Any] | None] = dict.fromkeys(range(world_size))
+        self._seed = seed
+
+    def acquire(self, rank: int) -> None:
+        import torch
+
+        self._lock.acquire()
+        state = self._states[rank]
+        if state is None:
+            execute.seed_all(self._seed)
+            return
+        torch_state, random_state, numpy_state = state
+        torch.set_rng_state(torch_state)
+        random.setstate(random_state)
+        if numpy_state is not None:
+            sys.modules["numpy"].random.set_state(numpy_state)
+
+    def release(self, rank: int) -> None:
+        import torch
+
+        numpy = sys.modules.get("numpy")
+        self._states[rank] = (
+            torch.get_rng_state(),
+            random.getstate(),
+            numpy.random.get_state() if numpy is not None else None,
+        )
+        self._lock.release()
+
+
+@contextlib.contextmanager
+def _baton_released() -> Iterator[None]:
+    held = getattr(_local, "held", None)
+    if held is None:
+        yield
+        return
+    baton, rank = held
+    baton.release(rank)
+    try:
+        yield
+    finally:
+        baton.acquire(rank)
+
+
+@contextlib.contextmanager
+def _patched_wait_points(mtpg: Any) -> Iterator[None]:
+    """Give the baton back wherever a rank thread waits for the other ranks."""
+    import torch.distributed.distributed_c10d as c10d
+
+    original_join = mtpg.Collective.join
+    original_barrier = c10d._store_based_barrier
+
+    def join(self: Any, rank: int, data: Any) -> Any:
+        with _baton_released():
+            return original_join(self, rank, data)
+
+    def store_based_barrier(*args: Any, **kwargs: Any) -> Any:
+        with _baton_released():
+            return original_barrier(*args, **kwargs)
+
+    mtpg.Collective.join = join
+    c10d._store_based_barrier = store_based_barrier
+    mtpg._store_based_barrier = store_based_barrier
+    try:
+        yield
+    finally:
+        mtpg.Collective.join = original_join
+        c10d._store_based_barrier = original_barrier
+        mtpg._store_based_barrier = original_barrier
+
+
+def run_threaded(
+    world_size: int,
+    body: Callable[[RankContext], None],
+    *,
+    timeout: float,
+    tmp_path: str,
+    seed: int,
+    impl: str,
+    test_id: str,
+) -> dict[int, RankOutcome]:
+    """Run ``body(ctx)`` in ``world_size`` rank threads; return one outcome per rank.
+
+    A rank still running at the timeout is reported HUNG with its stack; its thread is
+    left behind (a daemon: Python threads cannot be killed) after the threaded process
+    group was told to terminate.
+    """
+    import torch.distributed as dist
+    from torch.testing._internal.distributed import multi_threaded_pg as mtpg
+
+    import torch
+
+    mtpg.ProcessLocalGroup.reset()
+    # per-thread registry of process group names (each rank thread has group "0")
+    torch._C._distributed_c10d._set_thread_isolation_mode(True)
+    if not isinstance(dist.distributed_c10d._world, mtpg.ThreadLocalWorld):
+        # (still installed when an earlier test left a hung rank thread behind)
+        mtpg._install_threaded_pg()
+    store = dist.HashStore()
+    baton = RngBaton(world_size, seed)
+    outcomes: dict[int, RankOutcome] = {}
+
+    def rank_thread(rank: int) -> None:
+        try:
+            dist.init_process_group(
+                "threaded",
+                rank=rank,
+                world_size=world_size,
+                store=store,
+                timeout=datetime.timedelta(seconds=timeout),
+            )
+            import torch
+
+            ctx = RankContext(
+                rank=rank,
+                world_size=world_size,
+                group=dist.group.WORLD,
+                device=torch.device("cpu"),
+                backend="threaded",
+                tmp_path=pathlib.Path(tmp_path),
+                impl=impl,
+                mode="thread",
+                test_id=test_id,
+            )
+            from fsdp_conformance.world import rank_main
+
+            baton.acquire(rank)
+            _local.held = (baton, rank)
+            rank_main._current_context.ctx = ctx
+            try:
+                outcome = execute.call_and_classify(rank, lambda: body(ctx))
+            finally:
+                _local.held = None
+                rank_main._current_context.ctx = None
+                baton.release(rank)
+        except BaseException as exc:  # noqa: BLE001  init failure
+            outcome = execute.classify_exception(rank, exc)
+        if outcome.status == FAILED and "Test termination event occurs" in outcome.message:
+            outcome = RankOutcome(rank, ABORTED, message="stopped because another rank failed")
+        elif outcome.status != PASSED:
+            # wake the ranks waiting for this one in a collective
+            mtpg.ProcessLocalGroup.exception_handle(None)
+        outcomes[rank] = outcome
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+    threads = [
+        threading.Thread(target=rank_thread, args=(r,), name=f"fsdp-rank-{r}", daemon=True)
+        for r in range(world_size)
+    ]
+    try:
+        with _patched_wait_points(mtpg):
+            for thread in threads:
+                thread.start()
+            deadline = time.monotonic() + timeout
+            for thread in threads:
+                thread.join(timeout=max(0.0, deadline - time.monotonic()))
+            hung = [r for r, t in enumerate(threads) if t.is_alive()]
+            if hung:
+                frames = sys._current_frames()
+                for rank in hung:
+                    frame = frames.get(threads[rank].ident)
+                    stack = "".join(traceback.format_stack(frame)) if frame else "(no frame)"
+                    outcomes[rank] = RankOutcome(
+                        rank,
+                        HUNG,
+                        message=f"did not finish within the timeout of {timeout:g} s",
+                        traceback=f"Stack of rank thread {rank} (most recent call last):\n{stack}",
+                    )
+                mtpg.ProcessLocalGroup.exception_handle(None)  # release collective waiters
+    finally:
+        if not any(t.is_alive() for t in threads):
+            mtpg._uninstall_threaded_pg()
+            mtpg.ProcessLocalGroup.reset()
+            torch._C._distributed_c10d._set_thread_isolation_mode(False)
+    return dict(outcomes)
