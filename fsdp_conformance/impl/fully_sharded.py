@@ -1,0 +1,713 @@
+"""The module wrapper: construction and validation, forward, summon_full_params, state dicts."""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.modules.module import _IncompatibleKeys
+
+from fsdp_conformance.impl import runtime, trace
+from fsdp_conformance.impl.api import (
+    BackwardPrefetch,
+    CPUOffload,
+    MixedPrecision,
+    ShardedFlatParameter,
+    ShardingStrategy,
+    StateDictType,
+)
+from fsdp_conformance.impl.device import accelerator_available
+from fsdp_conformance.impl.flat_param import FlatParamHandle
+from fsdp_conformance.impl.state import (
+    HandleTrainingState,
+    TrainingState,
+    assert_state,
+    transition,
+)
+
+AutoWrapPolicy = Callable[..., bool]
+
+_WRAPPED = "_fsdp_wrapped_module"
+
+
+class FullyShardedDataParallel(nn.Module):
+    """Shard ``module``'s parameters over ``process_group`` (flat-parameter FSDP, FSDP1 family).
+
+    The parameters of ``module`` that are not inside a nested FSDP instance or an ignored
+    module are flattened into one flat parameter; each rank keeps one shard. They are
+    all-gathered before forward and backward and freed after (per ``sharding_strategy``);
+    gradients are reduce-scattered. Nested instances are built inner-first, by hand or
+    with ``auto_wrap_policy``; the outermost instance becomes the root at its first forward.
+
+    Args:
+        module: the module to wrap.
+        process_group: group to shard over (default: the default group). A one-rank group
+            (e.g. an MoE expert) behaves like ``NO_SHARD``.
+        sharding_strategy: FULL_SHARD, SHARD_GRAD_OP or NO_SHARD.
+        cpu_offload: ``CPUOffload(offload_params=True)`` keeps shards and gradients on CPU.
+        auto_wrap_policy: ``policy(module, recurse, nonwrapped_numel) -> bool`` (torch's
+            signature, called with keywords); matching submodules are wrapped inner-first
+            with the same arguments.
+        backward_prefetch: BACKWARD_PRE, BACKWARD_POST or None.
+        mixed_precision: dtypes for compute/communication; master shards stay fp32.
+        device_id: compute device (int = CUDA index, or ``torch.device``); default: the
+            parameters' device.
+        sync_module_states: broadcast parameters and buffers from rank 0 (shapes are
+            checked across ranks first).
+        forward_prefetch: issue the next instance's all-gather in pre-forward (static graphs).
+        limit_all_gathers: rate-limit all-gathers (see ``limiter.py``).
+        ignored_modules: modules whose parameters and buffers FSDP leaves alone.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        process_group: Any = None,
+        sharding_strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD,
+        cpu_offload: CPUOffload | None = None,
+        auto_wrap_policy: AutoWrapPolicy | None = None,
+        backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
+        mixed_precision: MixedPrecision | None = None,
+        device_id: int | torch.device | None = None,
+        sync_module_states: bool = False,
+        forward_prefetch: bool = False,
+        limit_all_gathers: bool = True,
+        ignored_modules: Iterable[nn.Module] | None = None,
+    ) -> None:
+        _check_arguments(module, sharding_strategy, cpu_offload, backward_prefetch, mixed_precision)
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "FullyShardedDataParallel needs an initialized process group; call "
+                "torch.distributed.init_process_group() before wrapping"
+            )
+        super().__init__()
+        process_group = process_group if process_group is not None else dist.group.WORLD
+        ignored = _expand_ignored(ignored_modules)
+        for nested in _nested_instances(module):
+            if nested._is_root is not None:
+                raise ValueError(
+                    f"cannot wrap {type(module).__name__}: its nested FSDP instance around "
+                    f"{type(nested.module).__name__} already ran forward (it was lazily "
+                    "initialized as a root); construct the outer FSDP instances before the first "
+                    "forward of any inner one"
+                )
+        if auto_wrap_policy is not None:
+            child_kwargs = dict(
+                process_group=process_group,
+                sharding_strategy=sharding_strategy,
+                cpu_offload=cpu_offload,
+                backward_prefetch=backward_prefetch,
+                mixed_precision=mixed_precision,
+                device_id=device_id,
+                sync_module_states=sync_module_states,
+                forward_prefetch=forward_prefetch,
+                limit_all_gathers=limit_all_gathers,
+                ignored_modules=ignored_modules,
+            )
+            _recursive_wrap(module, auto_wrap_policy, ignored, child_kwargs, only_children=True)
+
+        # - Configuration
+        # process group the flat parameter is sharded over
+        self.process_group = process_group
+        # requested sharding strategy (a one-rank group runs NO_SHARD)
+        self.sharding_strategy = sharding_strategy
+        # CPU offload configuration
+        self.cpu_offload = cpu_offload or CPUOffload()
+        # when the next instance is prefetched in backward
+        self.backward_prefetch = backward_prefetch
+        # mixed precision configuration (None: full precision)
+        self.mixed_precision = mixed_precision
+        # prefetch the next instance in pre-forward
+        self.forward_prefetch = forward_prefetch
+        # rate-limit all-gathers with the free-event queue
+        self.limit_all_gathers = limit_all_gathers
+        # modules (with their descendants) FSDP does not manage
+        self._ignored_modules = ignored
+
+        # - States (see state.py)
+        # instance-level training state
+        self.training_state = TrainingState.IDLE
+        # flat-parameter training state
+        self.handle_training_state = HandleTrainingState.IDLE
+        # None before lazy init, then whether this instance is the root
+        self._is_root: bool | None = None
+        # state shared with the root's other instances (set at lazy init)
+        self._root_state: runtime.RootState | None = None
+        # device handle (streams/events); set at lazy init or by install_device_handle
+        self._device_handle: Any = None
+        # dotted path from the root with wrapper names removed (set at lazy init)
+        self._fqn: str | None = None
+
+        # - Per-iteration flags
+        # pre-forward ran since the iteration started
+        self._ran_forward = False
+        # pre-backward hook ran in this backward
+        self._ran_pre_backward = False
+        # post-backward hook ran in this backward
+        self._ran_post_backward = False
+        # the current forward is an activation-checkpoint recompute
+        self._recomputing = False
+        # False inside no_sync(): gradients accumulate unsharded, no reduction
+        self._sync_gradients = True
+        # (module id, buffer name) -> dtype before the mixed-precision cast
+        self._orig_buffer_dtypes: dict[tuple[int, str], torch.dtype] = {}
+        # per summon_full_params: (full flat tensor, saved attributes) or None
+        self._summon: tuple[torch.Tensor, list[tuple[nn.Module, str, Any]]] | None = None
+
+        params = _collect_params(module, ignored)
+        # device the computation runs on
+        self.compute_device = _compute_device(module, params, device_id)
+        if self.compute_device.type != "cpu" and not self.cpu_offload.offload_params:
+            module.to(self.compute_device)
+        if sync_module_states:
+            _sync_module_states(module, params, process_group)
+        # the flat parameter and its buffers (None: no parameters to manage)
+        self._handle: FlatParamHandle | None = None
+        if params:
+            _check_uniform(module, params)
+            self._handle = FlatParamHandle(
+                self,
+                params,
+                process_group,
+                sharding_strategy,
+                mixed_precision,
+                self.cpu_offload.offload_params,
+                self.compute_device,
+                pin_memory=accelerator_available(),
+            )
+            for _, _, param in params:
+                param._fsdp_flattened = True
+            self.register_parameter("_flat_param", self._handle.flat_param)
+            if self._handle.requires_grad:
+                self._handle.unsharded.register_post_accumulate_grad_hook(
+                    _PostBackwardHook(self)
+                )
+        module.__dict__["_fsdp_wrapped"] = True
+        # the wrapped module (public as ``module``)
+        self._fsdp_wrapped_module = module
+
+    # ------------------------------------------------------------------ observable attributes
+    @property
+    def module(self) -> nn.Module:
+        """The wrapped module."""
+        return self._fsdp_wrapped_module
+
+    @property
+    def is_root(self) -> bool | None:
+        """None before lazy init, then whether this instance is the root."""
+        return self._is_root
+
+    @property
+    def is_unsharded(self) -> bool:
+        """True while the unsharded flat parameter storage is allocated."""
+        return self._handle is not None and self._handle.is_unsharded
+
+    @property
+    def flat_param(self) -> nn.Parameter | None:
+        """This rank's shard of the flat parameter (None if the instance has no parameters)."""
+        return self._handle.flat_param if self._handle is not None else None
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == _WRAPPED:
+                raise
+            return getattr(self._fsdp_wrapped_module, name)
+
+    def _fsdp_name(self) -> str:
+        inner = type(self.__dict__["_modules"][_WRAPPED]).__name__ if _WRAPPED in self._modules else "?"
+        where = self._fqn if self._fqn else "<root>" if self._is_root else "<not yet initialized>"
+        return f"'{where}' ({inner})"
+
+    @staticmethod
+    def fsdp_modules(module: nn.Module, root_only: bool = False) -> list[FullyShardedDataParallel]:
+        """FSDP instances in ``module``'s tree, pre-order (outermost first).
+
+        Args:
+            module: any module.
+            root_only: only instances with no FSDP ancestor inside ``module``.
+        """
+        if not root_only:
+            return [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
+        found: list[FullyShardedDataParallel] = []
+
+        def visit(m: nn.Module) -> None:
+            if isinstance(m, FullyShardedDataParallel):
+                found.append(m)
+                return
+            for child in m.children():
+                visit(child)
+
+        visit(module)
+        return found
+
+    def _assert_state(self, state: Any) -> None:
+        """Raise AssertionError unless this instance is in ``state`` (or one of several).
+
+        Args:
+            state: a ``TrainingState``/``HandleTrainingState`` or a list of them.
+        """
+        assert_state(self, state)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.training_state == TrainingState.SUMMON_FULL_PARAMS:
+            raise RuntimeError(
+                f"forward of FSDP instance {self._fsdp_name()} called inside "
+                "summon_full_params; exit the summon_full_params context before forward"
+            )
+        with torch.autograd.profiler.record_function("FullyShardedDataParallel.forward"):
+            runtime.root_pre_forward(self)
+            args, kwargs = runtime.pre_forward(self, args, kwargs)
+            output = self._fsdp_wrapped_module(*args, **kwargs)
+            return runtime.post_forward(self, output)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally (unsharded, no communication) inside the block.
+
+        The first backward after the block reduces the accumulated gradients.
+        """
+        if self._is_root is False:
+            raise RuntimeError(
+                f"no_sync() called on the non-root FSDP instance {self._fsdp_name()}; call it on "
+                "the root (outermost) instance"
+            )
+        instances = self.fsdp_modules(self)
+        previous = [instance._sync_gradients for instance in instances]
+        for instance in instances:
+            instance._sync_gradients = False
+        try:
+            yield
+        finally:
+            for instance, value in zip(instances, previous):
+                instance._sync_gradients = value
+
+    # ------------------------------------------------------------------ summon_full_params
+    @contextlib.contextmanager
+    def summon_full_params(
+        self,
+        writeback: bool = True,
+        rank0_only: bool = False,
+        offload_to_cpu: bool = False,
+        recurse: bool = True,
+    ) -> Iterator[None]:
+        """Expose the full (unsharded, original-dtype) parameters inside the block.
+
+        The original parameter attributes of the wrapped modules become views of the
+        gathered flat parameter. A collective: call on all ranks.
+
+        Args:
+            writeback: copy modifications back into the shards on exit.
+            rank0_only: only global rank 0 gets the full parameters (needs writeback=False).
+            offload_to_cpu: gather into CPU memory.
+            recurse: also unshard every nested instance (default True).
+        """
+        if rank0_only and writeback:
+            raise ValueError(
+                "summon_full_params(rank0_only=True, writeback=True) is not supported: other "
+                "ranks would write back nothing; pass writeback=False"
+            )
+        instances = self.fsdp_modules(self) if recurse else [self]
+        for instance in instances:
+            if instance.training_state != TrainingState.IDLE:
+                raise RuntimeError(
+                    f"summon_full_params on {self._fsdp_name()} while FSDP instance "
+                    f"{instance._fsdp_name()} is in {instance.training_state.name}; call it "
+                    "outside forward/backward (before forward or after backward) and not nested "
+                    "in another summon_full_params"
+                )
+        gets_params = not rank0_only or dist.get_rank() == 0
+        entered: list[FullyShardedDataParallel] = []
+        try:
+            for instance in instances:
+                transition(instance, TrainingState.SUMMON_FULL_PARAMS, "summon_full_params")
+                transition(instance, HandleTrainingState.SUMMON_FULL_PARAMS, "summon_full_params")
+                entered.append(instance)
+                handle = instance._handle
+                if handle is None:
+                    continue
+                full = handle.gather_full_precision(offload_to_cpu and gets_params, not writeback)
+                saved = [(s.module, s.name, s.module.__dict__.get(s.name)) for s in handle.slots]
+                instance._summon = (full, saved)
+                if gets_params:
+                    with torch.no_grad():
+                        handle.use_views(full)
+            yield
+        finally:
+            for instance in reversed(entered):
+                if instance._summon is not None:
+                    full, saved = instance._summon
+                    instance._summon = None
+                    if writeback:
+                        instance._handle.write_back(full)
+                    for module, name, value in saved:
+                        module.__dict__[name] = value
+                    if instance._handle.sharded:
+                        trace.emit("free", instance, event=None, phase="summon")
+                instance.handle_training_state = HandleTrainingState.IDLE
+                instance.training_state = TrainingState.IDLE
+
+    # ------------------------------------------------------------------ state dicts
+    def _state_entries(self) -> Iterator[tuple[str, str, nn.Module, str | None]]:
+        """(kind, clean name, module, attribute) for every state entry under this instance.
+
+        kind: "flat" (an FSDP instance's flat parameter; module is the instance),
+        "param" (a flattened original parameter), "plain" (an unmanaged parameter),
+        "buffer" (a persistent buffer).
+        """
+        owned: dict[int, list[str]] = {}
+        for instance in self.fsdp_modules(self):
+            if instance._handle is not None:
+                for slot in instance._handle.slots:
+                    names = owned.setdefault(id(slot.module), [])
+                    if slot.name not in names:
+                        names.append(slot.name)
+
+        def walk(module: nn.Module, prefix: str) -> Iterator[tuple[str, str, nn.Module, str | None]]:
+            if isinstance(module, FullyShardedDataParallel):
+                if module._handle is not None:
+                    yield "flat", prefix + "_flat_param", module, None
+                module = module._fsdp_wrapped_module
+            for name in owned.get(id(module), ()):
+                yield "param", prefix + name, module, name
+            for name, param in module._parameters.items():
+                if param is not None:
+                    yield "plain", prefix + name, module, name
+            for name, buffer in module._buffers.items():
+                if buffer is not None and name not in module._non_persistent_buffers_set:
+                    yield "buffer", prefix + name, module, name
+            for name, child in module._modules.items():
+                if child is not None:
+                    yield from walk(child, prefix + name + ".")
+
+        return walk(self, "")
+
+    def state_dict(  # type: ignore[override]
+        self,
+        *args: Any,
+        destination: dict[str, Any] | None = None,
+        prefix: str = "",
+        keep_vars: bool = False,
+        state_dict_type: StateDictType = StateDictType.FULL_STATE_DICT,
+        rank0_only: bool = False,
+        offload_to_cpu: bool = False,
+    ) -> dict[str, Any]:
+        """Full (original names, unsharded) or sharded state dict. Full is a collective.
+
+        Args:
+            destination, prefix, keep_vars: as ``nn.Module.state_dict`` (positional too).
+            state_dict_type: FULL_STATE_DICT or SHARDED_STATE_DICT.
+            rank0_only: full form only; other ranks return an empty dict.
+            offload_to_cpu: full form only; tensors are returned on CPU.
+        """
+        if args:
+            destination, prefix, keep_vars = (list(args) + [destination, prefix, keep_vars][len(args):])[:3]
+        result: dict[str, Any] = destination if destination is not None else {}
+        if state_dict_type == StateDictType.SHARDED_STATE_DICT:
+            for kind, name, module, attr in self._state_entries():
+                if kind == "flat":
+                    handle = module._handle
+                    result[prefix + name] = ShardedFlatParameter(
+                        handle.flat_param.detach().clone(),
+                        handle.rank,
+                        handle.world_size,
+                        handle.numel,
+                    )
+                elif kind != "param":
+                    result[prefix + name] = self._plain_value(kind, module, attr)
+            return result
+        with self.summon_full_params(
+            writeback=False, rank0_only=rank0_only, offload_to_cpu=offload_to_cpu
+        ):
+            if rank0_only and dist.get_rank() != 0:
+                return result
+            for kind, name, module, attr in self._state_entries():
+                if kind == "flat":
+                    continue
+                value = (
+                    module.__dict__[attr].detach().clone()
+                    if kind == "param"
+                    else self._plain_value(kind, module, attr)
+                )
+                result[prefix + name] = value.cpu() if offload_to_cpu else value
+        return result
+
+    def _plain_value(self, kind: str, module: nn.Module, attr: str) -> torch.Tensor:
+        if kind == "plain":
+            return module._parameters[attr].detach().clone()
+        buffer = module._buffers[attr].detach().clone()
+        dtype = self._orig_buffer_dtypes.get((id(module), attr))
+        return buffer.to(dtype) if dtype is not None else buffer
+
+    def load_state_dict(  # type: ignore[override]
+        self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False
+    ) -> _IncompatibleKeys:
+        """Load a full or sharded state dict (the form is detected). Full is a collective.
+
+        Args:
+            state_dict: from ``state_dict()`` (any form), or an unwrapped module's state dict.
+            strict: raise if keys are missing or unexpected.
+            assign: unsupported (must be False).
+        """
+        if assign:
+            raise ValueError("FullyShardedDataParallel.load_state_dict does not support assign=True")
+        entries = list(self._state_entries())
+        sharded = any(isinstance(v, ShardedFlatParameter) for v in state_dict.values())
+        if sharded:
+            expected = [e for e in entries if e[0] != "param"]
+        else:
+            expected = [e for e in entries if e[0] != "flat"]
+        expected_names = {e[1] for e in expected}
+        missing = [e[1] for e in expected if e[1] not in state_dict]
+        unexpected = [k for k in state_dict if k not in expected_names]
+        if strict and (missing or unexpected):
+            raise RuntimeError(
+                f"Error loading state dict into FSDP instance {self._fsdp_name()}: missing keys "
+                f"{missing}, unexpected keys {unexpected}; pass strict=False to skip them"
+            )
+        present = [e for e in expected if e[1] in state_dict]
+        if sharded:
+            for kind, name, module, _ in present:
+                if kind == "flat":
+                    _check_shard(name, module, state_dict[name])
+        with torch.no_grad():
+            if sharded:
+                for kind, name, module, attr in present:
+                    if kind == "flat":
+                        module._handle.flat_param.copy_(state_dict[name].shard)
+                    else:
+                        self._load_plain(kind, module, attr, state_dict[name])
+            else:
+                with self.summon_full_params(writeback=True):
+                    for kind, name, module, attr in present:
+                        if kind == "param":
+                            module.__dict__[attr].copy_(state_dict[name])
+                        else:
+                            self._load_plain(kind, module, attr, state_dict[name])
+        return _IncompatibleKeys(missing, unexpected)
+
+    @staticmethod
+    def _load_plain(kind: str, module: nn.Module, attr: str, value: torch.Tensor) -> None:
+        target = module._parameters[attr] if kind == "plain" else module._buffers[attr]
+        target.copy_(value)
+
+
+class _PostBackwardHook:
+    """Post-accumulate-grad hook of an instance's unsharded leaf."""
+
+    def __init__(self, instance: FullyShardedDataParallel) -> None:
+        # the instance whose gradient is ready when the hook runs
+        self.instance = instance
+
+    def __call__(self, unsharded: torch.Tensor) -> None:
+        runtime.post_backward_hook(self.instance, unsharded)
+
+
+# ---------------------------------------------------------------------------- construction helpers
+def _check_arguments(
+    module: Any,
+    sharding_strategy: Any,
+    cpu_offload: Any,
+    backward_prefetch: Any,
+    mixed_precision: Any,
+) -> None:
+    if isinstance(module, FullyShardedDataParallel):
+        raise ValueError(
+            f"module is already a FullyShardedDataParallel instance (around "
+            f"{type(module.module).__name__}); wrap each module once"
+        )
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"FullyShardedDataParallel expects an nn.Module, got {type(module).__name__}")
+    if module.__dict__.get("_fsdp_wrapped", False):
+        raise ValueError(
+            f"{type(module).__name__} is already wrapped by another FullyShardedDataParallel "
+            "instance; wrap each module once"
+        )
+    if not isinstance(sharding_strategy, ShardingStrategy):
+        raise TypeError(f"sharding_strategy must be a ShardingStrategy, got {sharding_strategy!r}")
+    if cpu_offload is not None and not isinstance(cpu_offload, CPUOffload):
+        raise TypeError(f"cpu_offload must be CPUOffload or None, got {cpu_offload!r}")
+    if backward_prefetch is not None and not isinstance(backward_prefetch, BackwardPrefetch):
+        raise TypeError(f"backward_prefetch must be BackwardPrefetch or None, got {backward_prefetch!r}")
+    if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
+        raise TypeError(f"mixed_precision must be MixedPrecision or None, got {mixed_precision!r}")
+
+
+def _expand_ignored(ignored_modules: Iterable[nn.Module] | None) -> set[nn.Module]:
+    ignored: set[nn.Module] = set()
+    for module in ignored_modules or ():
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"ignored_modules must contain nn.Modules, got {type(module).__name__}")
+        if isinstance(module, FullyShardedDataParallel):
+            raise ValueError("ignored_modules must not contain FullyShardedDataParallel instances")
+        ignored.update(module.modules())
+    return ignored
+
+
+def _nested_instances(module: nn.Module) -> list[FullyShardedDataParallel]:
+    return FullyShardedDataParallel.fsdp_modules(module)
+
+
+def _recursive_wrap(
+    module: nn.Module,
+    policy: AutoWrapPolicy,
+    ignored: set[nn.Module],
+    kwargs: dict[str, Any],
+    only_children: bool,
+) -> tuple[nn.Module, int]:
+    """torch's auto-wrap recursion: children first, then the module with what is left."""
+    ignored_params = {id(p) for m in ignored for p in m.parameters(recurse=False)}
+    nonwrapped = sum(p.numel() for p in module.parameters() if id(p) not in ignored_params)
+    if not policy(module=module, recurse=True, nonwrapped_numel=nonwrapped):
+        return module, 0
+    wrapped_numel = 0
+    for name, child in module.named_children():
+        if child in ignored or isinstance(child, FullyShardedDataParallel):
+            continue
+        new_child, numel = _recursive_wrap(child, policy, ignored, kwargs, only_children=False)
+        if new_child is not child:
+            setattr(module, name, new_child)
+        wrapped_numel += numel
+    remainder = nonwrapped - wrapped_numel
+    if not only_children and policy(module=module, recurse=False, nonwrapped_numel=remainder):
+        return FullyShardedDataParallel(module, **kwargs), nonwrapped
+    return module, wrapped_numel
+
+
+def _collect_params(
+    module: nn.Module, ignored: set[nn.Module]
+) -> list[tuple[nn.Module, str, nn.Parameter]]:
+    """(module, name, parameter) for every parameter this instance manages, in order."""
+    found: list[tuple[nn.Module, str, nn.Parameter]] = []
+    seen: set[tuple[int, str]] = set()
+
+    def visit(m: nn.Module, path: str) -> None:
+        if isinstance(m, FullyShardedDataParallel) or m in ignored:
+            return
+        for name, param in m._parameters.items():
+            if param is None or (id(m), name) in seen:
+                continue
+            if getattr(param, "_fsdp_flattened", False):
+                raise ValueError(
+                    f"parameter '{path}{name}' is shared with a nested FSDP instance that already "
+                    "flattened it; wrap all modules sharing a parameter in the same instance"
+                )
+            seen.add((id(m), name))
+            found.append((m, name, param))
+        for name, child in m._modules.items():
+            if child is not None:
+                visit(child, f"{path}{name}.")
+
+    visit(module, "")
+    return found
+
+
+def _compute_device(
+    module: nn.Module,
+    params: list[tuple[nn.Module, str, nn.Parameter]],
+    device_id: int | torch.device | None,
+) -> torch.device:
+    devices: dict[torch.device, str] = {}
+    names = {id(m): n for n, m in module.named_modules()}
+    for m, name, param in params:
+        devices.setdefault(param.device, f"{names.get(id(m), '?')}.{name}".lstrip("."))
+    if len(devices) > 1:
+        listing = ", ".join(f"{d} (e.g. '{n}')" for d, n in devices.items())
+        raise ValueError(
+            f"{type(module).__name__} has parameters on mixed devices: {listing}; move the "
+            "module to one device (module.to(device)) before wrapping it with FSDP"
+        )
+    if any(d.type == "meta" for d in devices):
+        raise ValueError(
+            f"{type(module).__name__} has parameters on the meta device; materialize them "
+            "(module.to_empty(device=...) and initialize) before wrapping it with FSDP"
+        )
+    if device_id is not None:
+        device = torch.device("cuda", device_id) if isinstance(device_id, int) else torch.device(device_id)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", 0)
+        return device
+    return next(iter(devices)) if devices else torch.device("cpu")
+
+
+def _check_uniform(module: nn.Module, params: list[tuple[nn.Module, str, nn.Parameter]]) -> None:
+    dtypes = {p.dtype for _, _, p in params}
+    grads = {p.requires_grad for _, _, p in params}
+    if len(dtypes) > 1:
+        raise ValueError(
+            f"FSDP flattens {type(module).__name__}'s parameters into one tensor but they have "
+            f"dtypes {sorted(map(str, dtypes))}; cast them to one dtype or wrap them separately"
+        )
+    if len(grads) > 1:
+        raise ValueError(
+            f"{type(module).__name__} mixes parameters with and without requires_grad in one "
+            "FSDP instance; wrap the frozen ones separately or put them in ignored_modules"
+        )
+
+
+def _sync_module_states(
+    module: nn.Module, params: list[tuple[nn.Module, str, nn.Parameter]], group: Any
+) -> None:
+    """Check shapes across ranks (one object all-gather), then broadcast from rank 0."""
+    if group.size() == 1:
+        return
+    names = {id(m): n for n, m in module.named_modules()}
+    tensors: list[tuple[str, torch.Tensor]] = []
+    seen: set[int] = set()
+    for m, name, param in params:
+        if id(param) not in seen:
+            seen.add(id(param))
+            tensors.append((f"{names.get(id(m), '?')}.{name}".lstrip("."), param.data))
+    for name, buffer in module.named_buffers():
+        tensors.append((name, buffer))
+    local = [(name, tuple(t.shape), str(t.dtype)) for name, t in tensors]
+    gathered: list[Any] = [None] * group.size()
+    dist.all_gather_object(gathered, local, group=group)
+    reference = gathered[0]
+    for rank, other in enumerate(gathered):
+        if other == reference:
+            continue
+        detail = next(
+            (f"'{a[0]}' is {a[1]} {a[2]} on rank 0 but {b[1]} {b[2]} on rank {rank}"
+             for a, b in zip(reference, other) if a != b),
+            f"rank 0 has {len(reference)} tensors, rank {rank} has {len(other)}",
+        )
+        raise ValueError(
+            f"sync_module_states=True: {type(module).__name__} differs across ranks: {detail}; "
+            "build the same model on every rank before wrapping"
+        )
+    source = dist.get_global_rank(group, 0)
+    with torch.no_grad():
+        for _, tensor in tensors:
+            dist.broadcast(tensor, src=source, group=group)
+
+
+def _check_shard(name: str, instance: FullyShardedDataParallel, value: Any) -> None:
+    handle = instance._handle
+    if not isinstance(value, ShardedFlatParameter):
+        raise ValueError(
+            f"state dict entry '{name}' must be a ShardedFlatParameter from "
+            "state_dict(state_dict_type=SHARDED_STATE_DICT), got {type(value).__name__}"
+        )
+    if value.world_size != handle.world_size:
+        raise ValueError(
+            f"sharded state dict entry '{name}' was saved with world size {value.world_size} but "
+            f"FSDP instance {instance._fsdp_name()} has a process group of size "
+            f"{handle.world_size}; load a full state dict (FULL_STATE_DICT) to change world size"
+        )
+    if value.rank != handle.rank:
+        raise ValueError(
+            f"sharded state dict entry '{name}' holds rank {value.rank}'s shard but this is rank "
+            f"{handle.rank}; each rank must load its own shard"
+        )
+    if value.unpadded_numel != handle.numel or value.shard.numel() != handle.shard_numel:
+        raise ValueError(
+            f"sharded state dict entry '{name}' has {value.unpadded_numel} elements "
+            f"(shard {value.shard.numel()}) but FSDP instance {instance._fsdp_name()} has "
+            f"{handle.numel} (shard {handle.shard_numel}); the model differs from the saved one"
+        )
