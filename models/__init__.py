@@ -1,1 +1,38 @@
-"""The model zoo (`fsdp_conformance.models`)."""
+"""The model zoo (`fsdp_conformance.models`): seed 000's FSDP test models, implementation-free.
+
+Every model takes the process group and a `wrap` callable (`wrap(module, **overrides)`; None =
+the unwrapped reference), is seeded without the global RNG, and has `get_input(device)`,
+`get_loss(input, output)` and `run_backward(loss)`. The caller wraps the root, with the model's
+`ROOT_WRAP_CONFIG` merged into its config. No module here imports an FSDP implementation.
+"""
+from __future__ import annotations
+
+from .common import DelayHooks, DeviceInit, Wrap, move_after_wrap, move_before_wrap, seeded_init_
+from .ddp import DummyDDP
+from .delay import cycles_per_ms, sleep_cycles, sleep_ms
+from .delayed import ModuleWithDelay, NestedWrappedModuleWithDelay
+from .moe import MixtureOfExperts
+from .nested import ALWAYS_WRAP, AlwaysWrapNestedWrappedModule, NestedWrappedModule
+from .overlap import Layer
+from .transformer import TransformerWithSharedParams
+
+__all__ = [
+    "ALWAYS_WRAP",
+    "AlwaysWrapNestedWrappedModule",
+    "DelayHooks",
+    "DeviceInit",
+    "DummyDDP",
+    "Layer",
+    "MixtureOfExperts",
+    "ModuleWithDelay",
+    "NestedWrappedModule",
+    "NestedWrappedModuleWithDelay",
+    "TransformerWithSharedParams",
+    "Wrap",
+    "cycles_per_ms",
+    "move_after_wrap",
+    "move_before_wrap",
+    "seeded_init_",
+    "sleep_cycles",
+    "sleep_ms",
+]

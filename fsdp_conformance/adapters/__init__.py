@@ -1,1 +1,30 @@
+"""Adapters: how the conformance suite drives one FSDP implementation (DESIGN §2).
 
+`get_adapter(name)` with "impl", "torch-fsdp1", "torch-fsdp2" or "pkg.module:ATTR"; the
+protocol is `Adapter` (base.py), feature names are `Feature` (features.py), canonical states are
+`InstanceState` / `RootState` (states.py). See docs/adapters.md.
+"""
+from __future__ import annotations
+
+from .base import Adapter, AdapterWrap, UnsupportedFeatureError, clean_param_name
+from .features import ALL_FEATURES, ALWAYS_WRAP, Feature, MixedPrecisionConfig, normalize_config
+from .registry import BUILTIN_ADAPTERS, get_adapter
+from .states import LEGAL_INSTANCE_TRANSITIONS, LEGAL_ROOT_TRANSITIONS, InstanceState, RootState
+
+__all__ = [
+    "ALL_FEATURES",
+    "ALWAYS_WRAP",
+    "Adapter",
+    "AdapterWrap",
+    "BUILTIN_ADAPTERS",
+    "Feature",
+    "InstanceState",
+    "LEGAL_INSTANCE_TRANSITIONS",
+    "LEGAL_ROOT_TRANSITIONS",
+    "MixedPrecisionConfig",
+    "RootState",
+    "UnsupportedFeatureError",
+    "clean_param_name",
+    "get_adapter",
+    "normalize_config",
+]

@@ -1,0 +1,290 @@
+"""The adapter protocol: how the suite drives one FSDP implementation (DESIGN §2).
+
+An `Adapter` wraps modules, finds FSDP instances, maps their training states to the canonical
+states (`states.py`), reads full parameters, and declares what it supports (`features.py`).
+Subclasses implement the `_`-prefixed primitives; the public methods add validation, skips and
+shared behaviour. Observer hooks (`observe`, `install_device_handle`) are optional: an adapter
+that lacks them simply does not declare `comm_trace` / `device_handle`.
+
+[Note: observation]
+`observe(callback, instances=None)` calls `callback(op, instance, info)` for each operation an
+instance performs, *before* the operation happens: "all_gather" (issue of an unshard),
+"free" (the unsharded parameters are about to be freed), "reduce_scatter" / "all_reduce"
+(gradient reduction about to be issued). `instances=None` observes every instance in this
+process. The delay hooks of the model zoo (`delay_before_reduction`, `delay_before_free`) are
+built on it, so they need `comm_trace`.
+"""
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from .features import ALL_FEATURES, Feature, features_for, normalize_config
+from .states import InstanceState, RootState
+
+# callback(op, instance, info) -- see [Note: observation]
+Observer = Callable[[str, nn.Module, dict], None]
+REDUCE_OPS = ("reduce_scatter", "all_reduce")
+
+# Prefixes FSDP wrappers insert into parameter names (torch FSDP1, activation checkpointing)
+_WRAPPER_NAME_PARTS = re.compile(r"(_fsdp_wrapped_module|_checkpoint_wrapped_module)\.")
+
+
+class UnsupportedFeatureError(NotImplementedError):
+    """An adapter was asked for a feature it does not declare; the suite turns it into a skip."""
+
+    def __init__(self, adapter: str, feature: str, reason: str) -> None:
+        super().__init__(f"adapter {adapter!r} does not support {feature!r}: {reason}")
+        self.adapter = adapter  # the adapter's name
+        self.feature = feature  # the feature name (features.Feature)
+        self.reason = reason  # why, in words
+
+
+def clean_param_name(name: str) -> str:
+    """`name` without the segments FSDP wrappers insert (names of the unwrapped model)."""
+    return _WRAPPER_NAME_PARTS.sub("", name)
+
+
+class Adapter:
+    """Base class of adapters. Subclasses set `name` and implement the `_` primitives."""
+
+    # Name given to get_adapter (or the `pkg.module:ATTR` path)
+    name: str = "adapter"
+
+    # ------------------------------------------------------------------ capabilities
+    def unsupported(self) -> dict[str, str]:
+        """Feature -> reason for each feature this adapter does not support (on this host)."""
+        return {}
+
+    @property
+    def capabilities(self) -> frozenset[str]:
+        """The features this adapter supports on this host."""
+        return ALL_FEATURES - set(self.unsupported())
+
+    def unsupported_reason(self, feature: str) -> str | None:
+        """Why `feature` is unsupported, or None when it is supported."""
+        if feature not in ALL_FEATURES:
+            raise ValueError(f"unknown feature {feature!r}; known: {sorted(ALL_FEATURES)}")
+        return self.unsupported().get(feature)
+
+    def supports(self, *features: str) -> bool:
+        """Whether every one of `features` is supported."""
+        return all(self.unsupported_reason(feature) is None for feature in features)
+
+    def check(self, *features: str) -> None:
+        """Raise UnsupportedFeatureError for the first unsupported feature."""
+        for feature in sorted(features):
+            reason = self.unsupported_reason(feature)
+            if reason is not None:
+                raise UnsupportedFeatureError(self.name, feature, reason)
+
+    def require(self, *features: str) -> None:
+        """pytest.skip (naming the adapter, feature and reason) unless all are supported."""
+        try:
+            self.check(*features)
+        except UnsupportedFeatureError as error:
+            import pytest
+
+            pytest.skip(str(error))
+
+    def features_for(self, **config: Any) -> frozenset[str]:
+        """The features a wrap config needs (validates the config)."""
+        return features_for(normalize_config(config))
+
+    # ------------------------------------------------------------------ wrapping
+    def wrap(self, module: nn.Module, *, process_group: Any = None, **config: Any) -> nn.Module:
+        """Wrap `module` as an FSDP instance (children first if `auto_wrap_policy` is given).
+
+        Args:
+            module: the module to shard; already-wrapped submodules stay their own instances.
+            process_group: the group to shard over (None = the default group).
+            **config: the seed's FSDP1 keywords, see [Note: config vocabulary] in features.py.
+
+        Raises:
+            UnsupportedFeatureError: the config needs a feature this adapter lacks.
+        """
+        normalized = normalize_config(config)
+        self.check(*features_for(normalized))
+        return self._wrap(module, process_group, normalized)
+
+    def wrapper(self, **config: Any) -> AdapterWrap:
+        """A `wrap` callable for the model zoo: `wrapper(**config)(module, **overrides)`."""
+        normalized = normalize_config(config)
+        self.check(*features_for(normalized))
+        return AdapterWrap(self, config)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The module that was passed to the root `wrap` (the zoo model)."""
+        return model
+
+    # ------------------------------------------------------------------ instances and states
+    def instances(self, model: nn.Module) -> list[nn.Module]:
+        """FSDP instances in `model`, pre-order (outermost first)."""
+        raise NotImplementedError
+
+    def training_state(self, instance: nn.Module) -> InstanceState:
+        """The canonical instance state of `instance`."""
+        raise NotImplementedError
+
+    def root_state(self, instance: nn.Module) -> RootState:
+        """The canonical coarse (root-level) state of `instance`."""
+        raise NotImplementedError
+
+    def is_unsharded(self, instance: nn.Module) -> bool:
+        """Whether `instance`'s unsharded parameters are currently allocated."""
+        raise NotImplementedError
+
+    def assert_state(self, instance: nn.Module, *states: RootState) -> None:
+        """Call the implementation's own state assertion (needs `assert_state`)."""
+        self.check(Feature.ASSERT_STATE)
+        self._assert_state(instance, states)
+
+    # ------------------------------------------------------------------ full parameters
+    def summon_full_params(
+        self, model: nn.Module, *, writeback: bool = False
+    ) -> contextlib.AbstractContextManager[None]:
+        """Context manager: inside, every instance in `model` holds its full parameters.
+
+        Args:
+            writeback: copy changes made inside back to the shards (needs
+                `summon_full_params_writeback`). Off by default: parity only reads.
+        """
+        if writeback:
+            self.check(Feature.SUMMON_FULL_PARAMS_WRITEBACK)
+        return self._summon_full_params(model, writeback)
+
+    def full_params(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Detached copies of the full parameters, keyed by the unwrapped model's names."""
+        with self.summon_full_params(model):
+            return {
+                clean_param_name(name): param.detach().clone()
+                for name, param in model.named_parameters()
+            }
+
+    # ------------------------------------------------------------------ observer hooks
+    def observe(
+        self, callback: Observer, instances: Iterable[nn.Module] | None = None
+    ) -> contextlib.AbstractContextManager[None]:
+        """Context manager: report operations to `callback` (see [Note: observation])."""
+        self.check(Feature.COMM_TRACE)
+        return self._observe(callback, None if instances is None else list(instances))
+
+    def install_device_handle(self, model: nn.Module, handle: Any) -> None:
+        """Make every instance in `model` use `handle` for streams/events (before forward)."""
+        self.check(Feature.DEVICE_HANDLE)
+        self._install_device_handle(model, handle)
+
+    @contextlib.contextmanager
+    def delay_before_reduction(
+        self, delay: Callable[[], None], instances: Iterable[nn.Module] | None = None
+    ) -> Iterator[None]:
+        """While active, `delay()` runs before each gradient reduction (needs `comm_trace`)."""
+
+        def on_op(op: str, instance: nn.Module, info: dict) -> None:
+            if op in REDUCE_OPS:
+                delay()
+
+        with self.observe(on_op, instances):
+            yield
+
+    @contextlib.contextmanager
+    def delay_before_free(self, instance: nn.Module, delay: Callable[[], None]) -> Iterator[None]:
+        """While active, `delay()` runs before `instance` frees its unsharded parameters."""
+
+        def on_op(op: str, observed: nn.Module, info: dict) -> None:
+            if op == "free":
+                delay()
+
+        with self.observe(on_op, [instance]):
+            yield
+
+    # ------------------------------------------------------------------ primitives
+    def _wrap(self, module: nn.Module, process_group: Any, config: dict[str, Any]) -> nn.Module:
+        raise NotImplementedError
+
+    def _summon_full_params(
+        self, model: nn.Module, writeback: bool
+    ) -> contextlib.AbstractContextManager[None]:
+        raise NotImplementedError
+
+    def _assert_state(self, instance: nn.Module, states: tuple[RootState, ...]) -> None:
+        raise NotImplementedError
+
+    def _observe(
+        self, callback: Observer, instances: list[nn.Module] | None
+    ) -> contextlib.AbstractContextManager[None]:
+        raise NotImplementedError
+
+    def _install_device_handle(self, model: nn.Module, handle: Any) -> None:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r}>"
+
+
+class AdapterWrap:
+    """The zoo's `wrap` callable bound to an adapter and a config (see models.common.Wrap).
+
+    `wrap(module, **overrides)` wraps with the config updated by `overrides`; the delay hooks of
+    `models.common.DelayHooks` forward to the adapter.
+    """
+
+    def __init__(self, adapter: Adapter, config: dict[str, Any]) -> None:
+        self.adapter = adapter  # the adapter that wraps
+        self.config = dict(config)  # config keys as given (process_group may be among them)
+
+    def __call__(self, module: nn.Module, **overrides: Any) -> nn.Module:
+        config = {**self.config, **overrides}
+        process_group = config.pop("process_group", None)
+        return self.adapter.wrap(module, process_group=process_group, **config)
+
+    def delay_before_reduction(
+        self, delay: Callable[[], None]
+    ) -> contextlib.AbstractContextManager[None]:
+        return self.adapter.delay_before_reduction(delay)
+
+    def delay_before_free(
+        self, instance: nn.Module, delay: Callable[[], None]
+    ) -> contextlib.AbstractContextManager[None]:
+        return self.adapter.delay_before_free(instance, delay)
+
+    def __repr__(self) -> str:
+        return f"AdapterWrap({self.adapter.name!r}, {self.config!r})"
+
+
+class ObserverRegistry:
+    """Process-wide observers for adapters whose hooks are installed once (torch patches).
+
+    A patched torch function calls `emit(op, instance, info)`; registered observers whose
+    instance filter matches get the event. Empty registry = one dict lookup per call.
+    """
+
+    def __init__(self) -> None:
+        self._observers: list[tuple[Observer, frozenset[int] | None]] = []  # (callback, ids)
+
+    def emit(self, op: str, instance: nn.Module | None, info: dict) -> None:
+        if instance is None:
+            return
+        for callback, instance_ids in list(self._observers):
+            if instance_ids is None or id(instance) in instance_ids:
+                callback(op, instance, info)
+
+    @property
+    def active(self) -> bool:
+        return bool(self._observers)
+
+    @contextlib.contextmanager
+    def observing(
+        self, callback: Observer, instances: list[nn.Module] | None
+    ) -> Iterator[None]:
+        entry = (callback, None if instances is None else frozenset(map(id, instances)))
+        self._observers.append(entry)
+        try:
+            yield
+        finally:
+            self._observers.remove(entry)

@@ -1,0 +1,172 @@
+"""Feature names an adapter declares, and how a wrap config maps to the features it needs.
+
+[Note: config vocabulary]
+`wrap(module, **config)` takes the seed's FSDP1 keywords. Enum-valued keys accept a string with
+the member name (case-insensitive) or any enum member whose `.name` is that name — so our impl's
+enums, torch's enums and plain strings all work. Keys not given keep the implementation's own
+default. Values are normalised by `normalize_config` into:
+
+  sharding_strategy   "FULL_SHARD" | "SHARD_GRAD_OP" | "NO_SHARD"
+  backward_prefetch   None | "BACKWARD_PRE" | "BACKWARD_POST"
+  forward_prefetch    bool
+  limit_all_gathers   bool
+  cpu_offload         bool   (also accepts None or an object with `.offload_params`)
+  mixed_precision     None | MixedPrecisionConfig   (also accepts a dict or an object with
+                      param_dtype / reduce_dtype / buffer_dtype attributes)
+  auto_wrap_policy    None | "always" | callable(module) -> bool  (which submodules to wrap;
+                      the root is always wrapped by the call itself)
+  sync_module_states  bool
+  device_id           None | torch.device | int
+  process_group       None | ProcessGroup   (keyword of `wrap` itself)
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+
+class Feature:
+    """Feature names (plain strings) an adapter can declare."""
+
+    # - Wrap config (see [Note: config vocabulary])
+    FULL_SHARD = "full_shard"
+    SHARD_GRAD_OP = "shard_grad_op"
+    NO_SHARD = "no_shard"
+    BACKWARD_PREFETCH_NONE = "backward_prefetch_none"  # backward_prefetch=None given explicitly
+    BACKWARD_PREFETCH_PRE = "backward_prefetch_pre"
+    BACKWARD_PREFETCH_POST = "backward_prefetch_post"
+    FORWARD_PREFETCH = "forward_prefetch"  # forward_prefetch=True
+    LIMIT_ALL_GATHERS = "limit_all_gathers"  # the flag given explicitly (either value)
+    CPU_OFFLOAD = "cpu_offload"  # parameters offloaded to CPU
+    MIXED_PRECISION = "mixed_precision"  # param_dtype / reduce_dtype
+    MIXED_PRECISION_BUFFER_DTYPE = "mixed_precision_buffer_dtype"  # buffers cast too
+    AUTO_WRAP_POLICY = "auto_wrap_policy"
+    SYNC_MODULE_STATES = "sync_module_states"  # sync_module_states=True
+    # - Adapter operations beyond wrap / instances / states / full params
+    SUMMON_FULL_PARAMS_WRITEBACK = "summon_full_params_writeback"
+    ASSERT_STATE = "assert_state"  # the implementation's own state assertion
+    COMM_TRACE = "comm_trace"  # `observe`: all-gathers, frees, reductions labelled by instance
+    DEVICE_HANDLE = "device_handle"  # `install_device_handle` (the lagging device of DESIGN §5)
+
+
+ALL_FEATURES: frozenset[str] = frozenset(
+    value for key, value in vars(Feature).items() if not key.startswith("_")
+)
+
+SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
+BACKWARD_PREFETCHES = ("BACKWARD_PRE", "BACKWARD_POST")
+ALWAYS_WRAP = "always"
+CONFIG_KEYS = (
+    "sharding_strategy",
+    "backward_prefetch",
+    "forward_prefetch",
+    "limit_all_gathers",
+    "cpu_offload",
+    "mixed_precision",
+    "auto_wrap_policy",
+    "sync_module_states",
+    "device_id",
+)
+
+
+@dataclass(frozen=True)
+class MixedPrecisionConfig:
+    """Mixed precision in the adapter vocabulary (None = keep the parameter dtype)."""
+
+    # Dtype of unsharded parameters in forward/backward (and of the all-gather)
+    param_dtype: torch.dtype | None = None
+    # Dtype of gradient reduction
+    reduce_dtype: torch.dtype | None = None
+    # Dtype buffers are cast to
+    buffer_dtype: torch.dtype | None = None
+
+
+def _enum_name(key: str, value: Any, allowed: tuple[str, ...]) -> str:
+    name = value.name if isinstance(value, enum.Enum) else value
+    if not isinstance(name, str) or name.upper() not in allowed:
+        raise ValueError(f"{key}={value!r} is not one of {', '.join(allowed)} (or their enums)")
+    return name.upper()
+
+
+def normalize_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The wrap config with canonical values; raises TypeError/ValueError naming the bad key."""
+    unknown = sorted(set(config) - set(CONFIG_KEYS))
+    if unknown:
+        raise TypeError(
+            f"unknown wrap config key(s) {unknown}; the adapter vocabulary is {list(CONFIG_KEYS)}"
+            " (process_group is a keyword of wrap itself)"
+        )
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        if key == "sharding_strategy":
+            out[key] = _enum_name(key, value, SHARDING_STRATEGIES)
+        elif key == "backward_prefetch":
+            out[key] = None if value is None else _enum_name(key, value, BACKWARD_PREFETCHES)
+        elif key in ("forward_prefetch", "limit_all_gathers", "sync_module_states"):
+            out[key] = bool(value)
+        elif key == "cpu_offload":
+            out[key] = bool(getattr(value, "offload_params", value))
+        elif key == "mixed_precision":
+            out[key] = _mixed_precision(value)
+        elif key == "auto_wrap_policy":
+            if value is not None and value != ALWAYS_WRAP and not callable(value):
+                raise ValueError(
+                    f"auto_wrap_policy={value!r}: give None, {ALWAYS_WRAP!r} or a callable "
+                    "(module) -> bool"
+                )
+            out[key] = value
+        elif key == "device_id":
+            out[key] = value if value is None or isinstance(value, int) else torch.device(value)
+    return out
+
+
+def _mixed_precision(value: Any) -> MixedPrecisionConfig | None:
+    if value is None or isinstance(value, MixedPrecisionConfig):
+        return value
+    fields = ("param_dtype", "reduce_dtype", "buffer_dtype")
+    if isinstance(value, dict):
+        unknown = sorted(set(value) - set(fields))
+        if unknown:
+            raise TypeError(f"mixed_precision keys {unknown} are not among {list(fields)}")
+        return MixedPrecisionConfig(**value)
+    return MixedPrecisionConfig(**{name: getattr(value, name, None) for name in fields})
+
+
+def features_for(config: dict[str, Any]) -> frozenset[str]:
+    """The features a normalised wrap config needs."""
+    needed: set[str] = set()
+    if "sharding_strategy" in config:
+        needed.add(config["sharding_strategy"].lower())
+    if "backward_prefetch" in config:
+        prefetch = config["backward_prefetch"]
+        needed.add(
+            Feature.BACKWARD_PREFETCH_NONE if prefetch is None
+            else f"backward_prefetch_{prefetch.removeprefix('BACKWARD_').lower()}"
+        )
+    if config.get("forward_prefetch"):
+        needed.add(Feature.FORWARD_PREFETCH)
+    if "limit_all_gathers" in config:
+        needed.add(Feature.LIMIT_ALL_GATHERS)
+    if config.get("cpu_offload"):
+        needed.add(Feature.CPU_OFFLOAD)
+    mixed = config.get("mixed_precision")
+    if mixed is not None:
+        needed.add(Feature.MIXED_PRECISION)
+        if mixed.buffer_dtype is not None:
+            needed.add(Feature.MIXED_PRECISION_BUFFER_DTYPE)
+    if config.get("auto_wrap_policy") is not None:
+        needed.add(Feature.AUTO_WRAP_POLICY)
+    if config.get("sync_module_states"):
+        needed.add(Feature.SYNC_MODULE_STATES)
+    return frozenset(needed)
+
+
+def module_predicate(policy: Any) -> Callable[[nn.Module], bool]:
+    """`auto_wrap_policy` ("always" or a predicate) as a predicate on modules."""
+    if policy == ALWAYS_WRAP:
+        return lambda module: True
+    return policy

@@ -1,0 +1,100 @@
+"""Adapter for our reference FSDP (`fsdp_conformance.impl`), per contracts.md.
+
+The reference implementation exposes everything the suite observes directly (instance and
+handle training states, `is_unsharded`, an injectable device handle, and `impl.trace`), so this
+adapter patches nothing.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch.nn as nn
+
+from .base import Adapter
+from .features import MixedPrecisionConfig, module_predicate
+from .states import InstanceState, RootState
+
+
+class ImplAdapter(Adapter):
+    """The reference FSDP of this project."""
+
+    name = "impl"
+
+    def __init__(self) -> None:
+        from fsdp_conformance import impl
+
+        self._impl = impl  # the package: FullyShardedDataParallel, enums, device, trace
+
+    def _wrap(self, module: nn.Module, process_group: Any, config: dict[str, Any]) -> nn.Module:
+        impl = self._impl
+        kwargs: dict[str, Any] = {}
+        if "sharding_strategy" in config:
+            kwargs["sharding_strategy"] = impl.ShardingStrategy[config["sharding_strategy"]]
+        if "backward_prefetch" in config:
+            prefetch = config["backward_prefetch"]
+            kwargs["backward_prefetch"] = (
+                None if prefetch is None else impl.BackwardPrefetch[prefetch]
+            )
+        for key in ("forward_prefetch", "limit_all_gathers", "sync_module_states", "device_id"):
+            if key in config:
+                kwargs[key] = config[key]
+        if "cpu_offload" in config:
+            kwargs["cpu_offload"] = impl.CPUOffload(offload_params=config["cpu_offload"])
+        mixed: MixedPrecisionConfig | None = config.get("mixed_precision")
+        if mixed is not None:
+            kwargs["mixed_precision"] = impl.MixedPrecision(
+                param_dtype=mixed.param_dtype,
+                reduce_dtype=mixed.reduce_dtype,
+                buffer_dtype=mixed.buffer_dtype,
+            )
+        if config.get("auto_wrap_policy") is not None:
+            kwargs["auto_wrap_policy"] = _fsdp1_style_policy(config["auto_wrap_policy"])
+        return impl.FullyShardedDataParallel(module, process_group=process_group, **kwargs)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        if isinstance(model, self._impl.FullyShardedDataParallel):
+            return model.module
+        return model
+
+    def instances(self, model: nn.Module) -> list[nn.Module]:
+        return list(self._impl.FullyShardedDataParallel.fsdp_modules(model))
+
+    def training_state(self, instance: nn.Module) -> InstanceState:
+        return InstanceState[instance.handle_training_state.name]
+
+    def root_state(self, instance: nn.Module) -> RootState:
+        return RootState[instance.training_state.name]
+
+    def is_unsharded(self, instance: nn.Module) -> bool:
+        return bool(instance.is_unsharded)
+
+    def _assert_state(self, instance: nn.Module, states: tuple[RootState, ...]) -> None:
+        instance._assert_state([self._impl.TrainingState[state.value] for state in states])
+
+    def _summon_full_params(self, model: nn.Module, writeback: bool):
+        return model.summon_full_params(writeback=writeback)
+
+    @contextlib.contextmanager
+    def _observe(self, callback, instances):
+        ids = None if instances is None else {id(instance) for instance in instances}
+
+        def forward(op: str, instance: nn.Module, info: dict) -> None:
+            if ids is None or id(instance) in ids:
+                callback(op, instance, info)
+
+        with self._impl.trace.observe(forward):
+            yield
+
+    def _install_device_handle(self, model: nn.Module, handle: Any) -> None:
+        self._impl.device.install_device_handle(model, handle)
+
+
+def _fsdp1_style_policy(policy: Any):
+    """Our auto_wrap_policy as the (module, recurse, nonwrapped_numel) form of issue 2."""
+    predicate = module_predicate(policy)
+
+    def policy_fn(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
+        return True if recurse else bool(predicate(module))
+
+    return policy_fn

@@ -1,0 +1,98 @@
+"""`get_adapter(name)`: resolve an adapter by name, inside whichever process asks.
+
+Adapters are never pickled: every rank calls `get_adapter` with the same string.
+Names: "impl", "torch-fsdp1", "torch-fsdp2", or "pkg.module:ATTR" where ATTR is an `Adapter`
+instance, an `Adapter` subclass, or a zero-argument factory returning one.
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Callable
+
+from .base import Adapter
+
+# built-in name -> (module, class name); imported lazily (torch FSDP modules are heavy)
+_BUILTIN: dict[str, tuple[str, str]] = {
+    "impl": ("fsdp_conformance.adapters.impl", "ImplAdapter"),
+    "torch-fsdp1": ("fsdp_conformance.adapters.torch_fsdp1", "TorchFSDP1Adapter"),
+    "torch-fsdp2": ("fsdp_conformance.adapters.torch_fsdp2", "TorchFSDP2Adapter"),
+}
+BUILTIN_ADAPTERS = tuple(_BUILTIN)
+
+_cache: dict[str, Adapter] = {}  # one adapter object per name and process
+
+
+def get_adapter(name: str) -> Adapter:
+    """The adapter called `name` ("impl", "torch-fsdp1", "torch-fsdp2" or "pkg.module:ATTR").
+
+    Raises:
+        ValueError: `name` is neither built in nor of the form "pkg.module:ATTR", or ATTR does
+            not resolve to an Adapter; the message names the import path and the fix.
+    """
+    if name not in _cache:
+        _cache[name] = _resolve(name)
+    return _cache[name]
+
+
+def _resolve(name: str) -> Adapter:
+    if name in _BUILTIN:
+        module_name, class_name = _BUILTIN[name]
+        return getattr(importlib.import_module(module_name), class_name)()
+    if ":" not in name:
+        raise ValueError(
+            f"unknown FSDP adapter {name!r}: use one of {', '.join(BUILTIN_ADAPTERS)} or "
+            "'pkg.module:ATTR' naming an Adapter instance, subclass or factory "
+            "(e.g. --fsdp-impl mypkg.fsdp_adapter:ADAPTER)"
+        )
+    module_name, _, attr_path = name.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ValueError(
+            f"FSDP adapter {name!r}: cannot import module {module_name!r} ({error}). "
+            "Make it importable in every rank (install the package, or add its folder to "
+            "PYTHONPATH) and check the spelling before the ':'"
+        ) from error
+    target: object = module
+    for part in attr_path.split("."):
+        if not part or not hasattr(target, part):
+            raise ValueError(
+                f"FSDP adapter {name!r}: module {module_name!r} has no attribute {attr_path!r}. "
+                f"Define it there (an Adapter instance, subclass or factory) or fix the name "
+                "after the ':'"
+            )
+        target = getattr(target, part)
+    adapter = _instantiate(target, name)
+    if not adapter.name or adapter.name == Adapter.name:
+        adapter.name = name
+    return adapter
+
+
+def _instantiate(target: object, name: str) -> Adapter:
+    if isinstance(target, Adapter):
+        return target
+    if inspect.isclass(target) and issubclass(target, Adapter):
+        return target()
+    if callable(target) and not inspect.isclass(target):
+        produced = _call_factory(target, name)
+        if isinstance(produced, Adapter):
+            return produced
+        raise ValueError(
+            f"FSDP adapter {name!r}: the factory returned {type(produced).__name__}, not an "
+            "fsdp_conformance.adapters.Adapter; return an instance of an Adapter subclass"
+        )
+    raise ValueError(
+        f"FSDP adapter {name!r} resolves to {target!r}, which is not an "
+        "fsdp_conformance.adapters.Adapter instance, subclass or factory; subclass Adapter"
+    )
+
+
+def _call_factory(factory: Callable[[], object], name: str) -> object:
+    try:
+        return factory()
+    except TypeError as error:
+        raise ValueError(
+            f"FSDP adapter {name!r}: calling the factory failed ({error}); it must take no "
+            "arguments"
+        ) from error

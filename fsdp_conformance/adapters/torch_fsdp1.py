@@ -1,0 +1,202 @@
+"""Adapter for torch FSDP1: `torch.distributed.fsdp.FullyShardedDataParallel`.
+
+Measured on torch 2.13.0 (CPU build, gloo, world size 2; tests/adapters/test_torch_fsdp1.py):
+- every wrap needs `device_id=torch.device("cpu")` on a host without an accelerator, otherwise
+  "FSDP needs a non-CPU accelerator device" (this adapter adds it when not given);
+- `cpu_offload=CPUOffload(offload_params=True)` fails in forward: "Cannot access accelerator
+  device when none is available";
+- `sync_module_states=True` fails at wrap: "The module has CPU parameters or buffers when
+  `sync_module_states=True`, which requires them to be on GPU";
+- all-gathers go through `dist.all_gather` with a tensor list, reductions through
+  `dist.reduce_scatter_single` (NO_SHARD: `dist.all_reduce`), synchronously on CPU.
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import (
+    BackwardPrefetch,
+    CPUOffload,
+    FullyShardedDataParallel,
+    MixedPrecision,
+    ShardingStrategy,
+)
+from torch.distributed.fsdp.fully_sharded_data_parallel import TrainingState
+
+from .base import Adapter, ObserverRegistry
+from .features import ALWAYS_WRAP, Feature, module_predicate
+from .states import InstanceState, RootState
+
+# Process-wide: observers of the patched FSDP1 internals, and handle -> its FSDP instance
+_REGISTRY = ObserverRegistry()
+_INSTANCE_OF_HANDLE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_patched = False
+
+
+def accelerator_available() -> bool:
+    """Whether this host has an accelerator FSDP1 can use (CUDA or another accelerator)."""
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None:
+        return accelerator.is_available()
+    return torch.cuda.is_available()
+
+
+def _patch_torch_fsdp1() -> None:
+    """Label FSDP1's all-gathers, frees and reductions with their instance (torch 2.13.0).
+
+    Written against torch 2.13.0: `FlatParamHandle._all_gather_flat_param` (every unshard
+    all-gather), `FlatParamHandle._free_unsharded_flat_param` (every free of the unsharded flat
+    parameter), and `torch.distributed.fsdp._runtime_utils._reduce_grad` /
+    `_reduce_grad_no_shard` (called by `_post_backward_hook` through module globals). The patches
+    are installed once per process and pass straight through while no observer is registered.
+    """
+    global _patched
+    if _patched:
+        return
+    from torch.distributed.fsdp import _runtime_utils
+    from torch.distributed.fsdp._flat_param import FlatParamHandle
+
+    all_gather = FlatParamHandle._all_gather_flat_param
+    free = FlatParamHandle._free_unsharded_flat_param
+    reduce_grad = _runtime_utils._reduce_grad
+    reduce_grad_no_shard = _runtime_utils._reduce_grad_no_shard
+
+    def _all_gather_flat_param(self, padded_unsharded_flat_param):
+        if _REGISTRY.active:
+            _REGISTRY.emit("all_gather", _INSTANCE_OF_HANDLE.get(self), {})
+        return all_gather(self, padded_unsharded_flat_param)
+
+    def _free_unsharded_flat_param(self):
+        if _REGISTRY.active:
+            _REGISTRY.emit("free", _INSTANCE_OF_HANDLE.get(self), {})
+        return free(self)
+
+    def _reduce_grad(state, handle):
+        if _REGISTRY.active:
+            _REGISTRY.emit("reduce_scatter", state, {})
+        return reduce_grad(state, handle)
+
+    def _reduce_grad_no_shard(state, handle):
+        if _REGISTRY.active:
+            _REGISTRY.emit("all_reduce", state, {})
+        return reduce_grad_no_shard(state, handle)
+
+    FlatParamHandle._all_gather_flat_param = _all_gather_flat_param
+    FlatParamHandle._free_unsharded_flat_param = _free_unsharded_flat_param
+    _runtime_utils._reduce_grad = _reduce_grad
+    _runtime_utils._reduce_grad_no_shard = _reduce_grad_no_shard
+    _patched = True
+
+
+class TorchFSDP1Adapter(Adapter):
+    """torch FSDP1 (`FullyShardedDataParallel`), driven through its public constructor."""
+
+    name = "torch-fsdp1"
+
+    def unsupported(self) -> dict[str, str]:
+        if accelerator_available():
+            return {}
+        return {
+            Feature.CPU_OFFLOAD: (
+                "torch FSDP1 CPU offload needs an accelerator: on a CPU-only host forward fails "
+                "with 'Cannot access accelerator device when none is available' (torch 2.13.0)"
+            ),
+            Feature.SYNC_MODULE_STATES: (
+                "torch FSDP1 sync_module_states needs the module on GPU: on a CPU-only host "
+                "wrap fails with 'The module has CPU parameters or buffers when "
+                "`sync_module_states=True`' even with device_id=cpu (torch 2.13.0)"
+            ),
+        }
+
+    def _wrap(self, module: nn.Module, process_group: Any, config: dict[str, Any]) -> nn.Module:
+        kwargs: dict[str, Any] = {}
+        if "sharding_strategy" in config:
+            kwargs["sharding_strategy"] = ShardingStrategy[config["sharding_strategy"]]
+        if "backward_prefetch" in config:
+            prefetch = config["backward_prefetch"]
+            kwargs["backward_prefetch"] = None if prefetch is None else BackwardPrefetch[prefetch]
+        for key in ("forward_prefetch", "limit_all_gathers", "sync_module_states"):
+            if key in config:
+                kwargs[key] = config[key]
+        if "cpu_offload" in config:
+            kwargs["cpu_offload"] = CPUOffload(offload_params=config["cpu_offload"])
+        if config.get("mixed_precision") is not None:
+            mixed = config["mixed_precision"]
+            kwargs["mixed_precision"] = MixedPrecision(
+                param_dtype=mixed.param_dtype,
+                reduce_dtype=mixed.reduce_dtype,
+                buffer_dtype=mixed.buffer_dtype,
+            )
+        if config.get("auto_wrap_policy") is not None:
+            kwargs["auto_wrap_policy"] = _fsdp1_policy(config["auto_wrap_policy"])
+        device_id = config.get("device_id")
+        if device_id is None and not accelerator_available():
+            device_id = torch.device("cpu")  # FSDP1 refuses a CPU-only host without it
+        if device_id is not None:
+            kwargs["device_id"] = device_id
+        wrapped = FullyShardedDataParallel(module, process_group=process_group, **kwargs)
+        for instance in FullyShardedDataParallel.fsdp_modules(wrapped):
+            if instance._handle is not None:
+                _INSTANCE_OF_HANDLE[instance._handle] = instance
+        return wrapped
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model.module if isinstance(model, FullyShardedDataParallel) else model
+
+    def instances(self, model: nn.Module) -> list[nn.Module]:
+        return FullyShardedDataParallel.fsdp_modules(model)
+
+    def training_state(self, instance: nn.Module) -> InstanceState:
+        handle = instance._handle
+        if handle is None:
+            raise ValueError(
+                f"{type(instance).__name__} instance has no parameters (no FlatParamHandle), so "
+                "torch FSDP1 keeps no instance state for it; use root_state()"
+            )
+        return InstanceState[handle._training_state.name]
+
+    def root_state(self, instance: nn.Module) -> RootState:
+        return RootState[instance.training_state.name]
+
+    def is_unsharded(self, instance: nn.Module) -> bool:
+        handle = instance._handle
+        if handle is None or not handle.uses_sharded_strategy:
+            return handle is not None  # NO_SHARD: the flat parameter is always whole
+        unsharded = handle._get_padded_unsharded_flat_param()
+        return unsharded.untyped_storage().size() > 0
+
+    def _assert_state(self, instance: nn.Module, states: tuple[RootState, ...]) -> None:
+        instance._assert_state([TrainingState[state.value] for state in states])
+
+    def _summon_full_params(self, model: nn.Module, writeback: bool):
+        return FullyShardedDataParallel.summon_full_params(model, writeback=writeback)
+
+    def _observe(self, callback, instances):
+        _patch_torch_fsdp1()
+        return _REGISTRY.observing(callback, instances)
+
+    def _install_device_handle(self, model: nn.Module, handle: Any) -> None:
+        # FSDP1 keeps the handle on each state (streams, events, current_stream) and on each
+        # FlatParamHandle (current_stream during all-gather / free) -- torch 2.13.0.
+        for instance in FullyShardedDataParallel.fsdp_modules(model):
+            instance._device_handle = handle
+            if instance._handle is not None:
+                instance._handle._device_handle = handle
+
+
+def _fsdp1_policy(policy: Any):
+    """Our auto_wrap_policy ("always" / predicate) as FSDP1's (module, recurse, numel) form."""
+    if policy == ALWAYS_WRAP:
+        from torch.distributed.fsdp.wrap import always_wrap_policy
+
+        return always_wrap_policy
+    predicate = module_predicate(policy)
+
+    def fsdp1_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
+        return True if recurse else bool(predicate(module))
+
+    return fsdp1_policy

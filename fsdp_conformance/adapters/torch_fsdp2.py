@@ -1,0 +1,223 @@
+"""Adapter for torch FSDP2: `torch.distributed.fsdp.fully_shard` on a DeviceMesh.
+
+Mapping of the FSDP1 vocabulary (torch 2.13.0):
+- FULL_SHARD -> `reshard_after_forward=None` (FSDP2's auto: non-root instances reshard after
+  forward, the root does not -- what FSDP1's FULL_SHARD does; `True` would also reshard the
+  root and all-gather it again in backward), SHARD_GRAD_OP -> `reshard_after_forward=False`;
+  NO_SHARD has no FSDP2 equivalent (unsupported).
+- backward prefetch: FSDP2 always prefetches the next instance in its pre-backward, which is
+  BACKWARD_PRE; None and BACKWARD_POST cannot be expressed (unsupported).
+- forward_prefetch: FSDP2 needs explicit `set_modules_to_forward_prefetch` lists; this adapter
+  does not derive them (unsupported).
+- limit_all_gathers: FSDP2 has no such flag (unsupported).
+- cpu_offload -> `CPUOffloadPolicy(pin_memory=<host has an accelerator>)`: on a CPU-only host
+  the default `pin_memory=True` fails with "Cannot access accelerator device when none is
+  available"; `pin_memory=False` works (measured).
+- mixed_precision -> `MixedPrecisionPolicy(param_dtype, reduce_dtype)`; FSDP2 does not cast
+  buffers (buffer_dtype unsupported).
+- sync_module_states: no FSDP2 flag (unsupported).
+- auto_wrap_policy: emulated by this adapter (fully_shard each matching submodule, inner first).
+- summon_full_params: emulated with `FSDPModule.unshard()` / `reshard()`; no writeback.
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    fully_shard,
+)
+from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+from .base import Adapter, ObserverRegistry
+from .features import Feature, module_predicate
+from .states import InstanceState, RootState
+from .torch_fsdp1 import accelerator_available
+
+# FSDP2's TrainingState (of FSDPState and FSDPParamGroup) -> canonical instance state
+_INSTANCE_STATE = {
+    TrainingState.IDLE: InstanceState.IDLE,
+    TrainingState.FORWARD: InstanceState.FORWARD,
+    TrainingState.PRE_BACKWARD: InstanceState.BACKWARD_PRE,
+    TrainingState.POST_BACKWARD: InstanceState.BACKWARD_POST,
+}
+
+# Process-wide: observers of the patched FSDP2 internals, and param group -> its module
+_REGISTRY = ObserverRegistry()
+_INSTANCE_OF_GROUP: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_patched = False
+
+
+def _patch_torch_fsdp2() -> None:
+    """Label FSDP2's all-gathers, frees and reductions with their module (torch 2.13.0).
+
+    Written against torch 2.13.0, `FSDPParamGroup` in `_fully_shard/_fsdp_param_group.py`:
+    `unshard` issues the all-gather unless a result is pending or the group is unsharded;
+    `reshard` frees unless in forward with `reshard_after_forward=False`; `post_backward`
+    reshards and reduce-scatters while the group is still unsharded. Installed once per process;
+    passes straight through while no observer is registered.
+    """
+    global _patched
+    if _patched:
+        return
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    unshard = FSDPParamGroup.unshard
+    reshard = FSDPParamGroup.reshard
+    post_backward = FSDPParamGroup.post_backward
+
+    def patched_unshard(self, async_op: bool = False):
+        if _REGISTRY.active and self._all_gather_result is None and not self.is_unsharded:
+            _REGISTRY.emit("all_gather", _INSTANCE_OF_GROUP.get(self), {})
+        return unshard(self, async_op)
+
+    def patched_reshard(self):
+        keeps_unsharded = (
+            self._training_state == TrainingState.FORWARD and not self._reshard_after_forward
+        )
+        if _REGISTRY.active and self.is_unsharded and not keeps_unsharded:
+            _REGISTRY.emit("free", _INSTANCE_OF_GROUP.get(self), {})
+        return reshard(self)
+
+    def patched_post_backward(self, *unused: Any):
+        if _REGISTRY.active and self.is_unsharded:
+            _REGISTRY.emit("reduce_scatter", _INSTANCE_OF_GROUP.get(self), {})
+        return post_backward(self, *unused)
+
+    FSDPParamGroup.unshard = patched_unshard
+    FSDPParamGroup.reshard = patched_reshard
+    FSDPParamGroup.post_backward = patched_post_backward
+    _patched = True
+
+
+class TorchFSDP2Adapter(Adapter):
+    """torch FSDP2 (`fully_shard`), one-dimensional mesh built from the process group."""
+
+    name = "torch-fsdp2"
+
+    def __init__(self) -> None:
+        # Instances inside an emulated summon_full_params (their root state reads SUMMON)
+        self._summoned: weakref.WeakSet = weakref.WeakSet()
+
+    def unsupported(self) -> dict[str, str]:
+        return {
+            Feature.NO_SHARD: "torch FSDP2 has no NO_SHARD strategy (use DDP / replicate)",
+            Feature.BACKWARD_PREFETCH_NONE: (
+                "torch FSDP2 always prefetches the next instance in backward; it cannot be off"
+            ),
+            Feature.BACKWARD_PREFETCH_POST: (
+                "torch FSDP2 prefetches in pre-backward only; BACKWARD_POST has no equivalent"
+            ),
+            Feature.FORWARD_PREFETCH: (
+                "torch FSDP2 forward prefetch needs explicit set_modules_to_forward_prefetch "
+                "lists; the torch-fsdp2 adapter does not derive them"
+            ),
+            Feature.LIMIT_ALL_GATHERS: "torch FSDP2 has no limit_all_gathers flag",
+            Feature.MIXED_PRECISION_BUFFER_DTYPE: "torch FSDP2 MixedPrecisionPolicy does not cast buffers",
+            Feature.SYNC_MODULE_STATES: (
+                "torch FSDP2 has no sync_module_states (broadcast a rank-0 state dict instead)"
+            ),
+            Feature.SUMMON_FULL_PARAMS_WRITEBACK: (
+                "torch FSDP2 has no summon_full_params; the adapter emulates it with "
+                "unshard()/reshard(), which does not copy changes back to the shards"
+            ),
+            Feature.ASSERT_STATE: "torch FSDP2 exposes no state assertion",
+            Feature.DEVICE_HANDLE: (
+                "the torch-fsdp2 adapter does not yet replace FSDP2's device handle"
+            ),
+        }
+
+    def _wrap(self, module: nn.Module, process_group: Any, config: dict[str, Any]) -> nn.Module:
+        group = process_group if process_group is not None else dist.group.WORLD
+        device_id = config.get("device_id")
+        if device_id is not None:
+            device_type = torch.device(device_id).type if not isinstance(device_id, int) else "cuda"
+        else:
+            device_type = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+        kwargs: dict[str, Any] = {"mesh": DeviceMesh.from_group(group, device_type)}
+        if "sharding_strategy" in config:
+            # None = FSDP2's auto: reshard non-root instances, keep the root (as FSDP1 FULL_SHARD)
+            full_shard = config["sharding_strategy"] == "FULL_SHARD"
+            kwargs["reshard_after_forward"] = None if full_shard else False
+        if config.get("cpu_offload"):
+            kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=accelerator_available())
+        if config.get("mixed_precision") is not None:
+            mixed = config["mixed_precision"]
+            kwargs["mp_policy"] = MixedPrecisionPolicy(
+                param_dtype=mixed.param_dtype, reduce_dtype=mixed.reduce_dtype
+            )
+        policy = config.get("auto_wrap_policy")
+        if policy is not None:
+            predicate = module_predicate(policy)
+            # reversed pre-order: every child comes before its parent (inner first)
+            for submodule in reversed(list(module.modules())[1:]):
+                if (
+                    not isinstance(submodule, FSDPModule)
+                    and any(True for _ in submodule.parameters())
+                    and predicate(submodule)
+                ):
+                    self._register(fully_shard(submodule, **kwargs))
+        return self._register(fully_shard(module, **kwargs))
+
+    @staticmethod
+    def _register(module: nn.Module) -> nn.Module:
+        for param_group in module._get_fsdp_state()._fsdp_param_groups:
+            _INSTANCE_OF_GROUP[param_group] = module
+        return module
+
+    def instances(self, model: nn.Module) -> list[nn.Module]:
+        return [module for module in model.modules() if isinstance(module, FSDPModule)]
+
+    def training_state(self, instance: nn.Module) -> InstanceState:
+        if instance in self._summoned:
+            return InstanceState.SUMMON_FULL_PARAMS
+        state = instance._get_fsdp_state()
+        groups = state._fsdp_param_groups
+        training_state = groups[0]._training_state if groups else state._training_state
+        return _INSTANCE_STATE[training_state]
+
+    def root_state(self, instance: nn.Module) -> RootState:
+        if instance in self._summoned:
+            return RootState.SUMMON_FULL_PARAMS
+        state = instance._get_fsdp_state()
+        if state._training_state == TrainingState.IDLE:
+            return RootState.IDLE
+        return RootState.FORWARD_BACKWARD
+
+    def is_unsharded(self, instance: nn.Module) -> bool:
+        groups = instance._get_fsdp_state()._fsdp_param_groups
+        return bool(groups) and all(group.is_unsharded for group in groups)
+
+    @contextlib.contextmanager
+    def _summon_full_params(self, model: nn.Module, writeback: bool) -> Iterator[None]:
+        instances = self.instances(model)
+        for instance in instances:
+            instance.unshard()
+            self._summoned.add(instance)
+        try:
+            yield
+        finally:
+            for instance in reversed(instances):
+                self._summoned.discard(instance)
+                instance.reshard()
+
+    def full_params(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        from torch.distributed.tensor import DTensor
+
+        return {
+            name: (param.full_tensor() if isinstance(param, DTensor) else param).detach().clone()
+            for name, param in model.named_parameters()
+        }
+
+    def _observe(self, callback, instances):
+        _patch_torch_fsdp2()
+        return _REGISTRY.observing(callback, instances)

@@ -1,0 +1,21 @@
+"""DummyDDP: the reference for models that reduce their own gradients (MixtureOfExperts).
+
+Real DDP would average the expert's per-rank gradients too; DummyDDP only forwards, and the
+model's `run_backward` averages the shared gradients.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch.nn as nn
+
+
+class DummyDDP(nn.Module):
+    """Forwards to `module`; exposes it as `.module` like DistributedDataParallel."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)

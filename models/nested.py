@@ -1,0 +1,105 @@
+"""NestedWrappedModule and friends: four Linears, some wrapped, one instance nested in another.
+
+    Linear(8, 4) -> [ [Linear(4, 16)] -> Linear(16, 16) ] -> [Linear(16, 4)] -> Linear(4, 8)
+    (brackets = wrapped; the outer bracket is an instance containing an instance)
+
+With `wrap_everything=True` each of Linear(8,4), (4,16), (16,4), (4,8) is its own instance.
+`AlwaysWrapNestedWrappedModule` builds the same layers unwrapped and asks the caller's root wrap
+for `auto_wrap_policy="always"` (every submodule becomes an instance, inner first).
+
+    model = NestedWrappedModule(group, wrap=adapter.wrapper())
+    root = adapter.wrap(model)
+    (x,) = model.get_input(device)               # (4, 8)
+    model.run_backward(model.get_loss((x,), root(x)))
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from .common import DeviceInit, Wrap, generator, maybe_wrap, move_before_wrap, seeded_init_
+
+# auto_wrap_policy value of the adapter vocabulary: wrap every submodule (torch's always_wrap_policy)
+ALWAYS_WRAP = "always"
+
+
+class NestedWrappedModule(nn.Module):
+    """Seed 000's NestedWrappedModule, seeded without the global RNG.
+
+    Args:
+        group: the process group (its rank seeds the inputs).
+        wrap: wraps the bracketed submodules; None = unwrapped reference.
+        wrap_everything: wrap each of the four Linears instead (four instances, none nested).
+        device_init: when to move to `device` (DeviceInit.BEFORE moves before wrapping).
+        device: the compute device for DeviceInit.BEFORE.
+    """
+
+    ROOT_WRAP_CONFIG: dict[str, Any] = {}  # nothing special for the caller's root wrap
+
+    def __init__(
+        self,
+        group: Any,
+        wrap: Wrap | None = None,
+        *,
+        wrap_everything: bool = False,
+        device_init: DeviceInit = DeviceInit.AFTER,
+        device: torch.device | None = None,
+    ) -> None:
+        super().__init__()
+        self.rank = group.rank()
+        self.world_size = group.size()
+        layers = [nn.Linear(8, 4), nn.Linear(4, 16), nn.Linear(16, 16), nn.Linear(16, 4),
+                  nn.Linear(4, 8)]
+        for index, layer in enumerate(layers):
+            seeded_init_(layer, seed=index)  # the same init on every rank, whatever is wrapped
+            move_before_wrap(layer, device_init, device)
+        lin_8_4, lin_4_16, lin_16_16, lin_16_4, lin_4_8 = layers
+
+        if wrap_everything:
+            self.module = nn.Sequential(
+                maybe_wrap(wrap, lin_8_4),
+                maybe_wrap(wrap, lin_4_16),
+                maybe_wrap(wrap, lin_16_4),
+                maybe_wrap(wrap, lin_4_8),
+            )  # (4, 8) -> (4, 4) -> (4, 16) -> (4, 4) -> (4, 8)
+        else:
+            self.module = nn.Sequential(
+                lin_8_4,  # (4, 8) -> (4, 4)
+                maybe_wrap(wrap, nn.Sequential(maybe_wrap(wrap, lin_4_16), lin_16_16)),  # -> (4, 16)
+                maybe_wrap(wrap, lin_16_4),  # -> (4, 4)
+                lin_4_8,  # -> (4, 8)
+            )
+
+    def get_input(self, device: torch.device) -> tuple[torch.Tensor]:
+        return (torch.rand(4, 8, generator=generator(1 + self.rank)).to(device),)  # (B=4, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x)
+
+    def get_loss(self, input: tuple[torch.Tensor], output: torch.Tensor) -> torch.Tensor:
+        return output.sum()
+
+    def run_backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+
+class AlwaysWrapNestedWrappedModule(NestedWrappedModule):
+    """NestedWrappedModule's layers, unwrapped; the root wrap auto-wraps every submodule.
+
+    The caller wraps the root with ``**model.ROOT_WRAP_CONFIG`` (``auto_wrap_policy="always"``);
+    with ``wrap=None`` the caller does not wrap at all (the DDP reference).
+    """
+
+    ROOT_WRAP_CONFIG: dict[str, Any] = {"auto_wrap_policy": ALWAYS_WRAP}
+
+    def __init__(
+        self,
+        group: Any,
+        wrap: Wrap | None = None,
+        *,
+        device_init: DeviceInit = DeviceInit.AFTER,
+        device: torch.device | None = None,
+    ) -> None:
+        super().__init__(group, None, device_init=device_init, device=device)

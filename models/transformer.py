@@ -1,0 +1,102 @@
+"""TransformerWithSharedParams: a tiny seq2seq transformer with a tied embedding/output projection.
+
+What it exercises: a parameter shared between two submodules of the root instance (embedding and
+output projection), buffers of two dtypes (`vocab_bias` float, `long_buffer` int64), an optional
+BatchNorm (running-stat buffers), and — when wrapped — one instance per encoder/decoder layer.
+
+    model = TransformerWithSharedParams(group, wrap=adapter.wrapper())
+    root = adapter.wrap(model)
+    src, tgt = model.get_input(device)           # (6, 2), (4, 2) token ids
+    loss = model.get_loss((src, tgt), root(src, tgt))
+    model.run_backward(loss)
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from .common import DeviceInit, Wrap, generator, maybe_wrap, move_before_wrap, seeded_init_
+
+
+class TransformerWithSharedParams(nn.Module):
+    """Seed 000's transformer; inputs differ per rank, dropout is 0 (see common.py's note).
+
+    Args:
+        group: the process group (its rank seeds the inputs).
+        wrap: wraps each encoder and decoder layer; None = unwrapped reference.
+        d_vocab: vocabulary size (>= 12).
+        d_model: model width (divisible by the 8 attention heads).
+        add_bn: put a BatchNorm1d on the target embedding (else Identity).
+        wrap_layers: with a `wrap`, wrap each encoder/decoder layer (4 instances + the root).
+        device_init: when to move to `device` (DeviceInit.BEFORE moves before wrapping).
+        device: the compute device for DeviceInit.BEFORE.
+    """
+
+    ROOT_WRAP_CONFIG: dict[str, Any] = {}  # nothing special for the caller's root wrap
+
+    def __init__(
+        self,
+        group: Any,
+        wrap: Wrap | None = None,
+        *,
+        d_vocab: int = 23,
+        d_model: int = 16,
+        add_bn: bool = True,
+        wrap_layers: bool = True,
+        device_init: DeviceInit = DeviceInit.AFTER,
+        device: torch.device | None = None,
+    ) -> None:
+        super().__init__()
+        if d_vocab < 12:
+            raise ValueError(f"TransformerWithSharedParams needs d_vocab >= 12, got {d_vocab}")
+        self.rank = group.rank()
+        self.world_size = group.size()
+        self.d_vocab = d_vocab
+        self.batch_size = 2
+
+        self.embed_tokens = nn.Embedding(d_vocab, d_model)
+        self.transformer = nn.Transformer(
+            d_model=d_model,
+            num_encoder_layers=2,
+            num_decoder_layers=2,
+            dim_feedforward=8,
+            dropout=0.0,  # no RNG in forward (threaded ranks share the global generator)
+        )
+        self.output_proj = nn.Linear(d_model, d_vocab)
+        self.output_proj.weight = self.embed_tokens.weight  # tied: one parameter, two users
+        self.register_buffer("vocab_bias", torch.ones(d_model))  # (d_model,)
+        self.register_buffer("long_buffer", torch.zeros(d_model, dtype=torch.long))  # (d_model,)
+        # BatchNorm over the batch dimension of (T, B, d_model): B = 2 "channels"
+        self.bn = nn.BatchNorm1d(self.batch_size) if add_bn else nn.Identity()
+        seeded_init_(self, seed=0)  # identical on every rank
+
+        move_before_wrap(self, device_init, device)
+        if wrap is not None and wrap_layers:
+            for layers in (self.transformer.encoder.layers, self.transformer.decoder.layers):
+                for index, layer in enumerate(layers):
+                    layers[index] = maybe_wrap(wrap, layer)
+
+    def get_input(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        gen = generator(1 + self.rank)
+        src = torch.randint(0, self.d_vocab, (6, self.batch_size), generator=gen)  # (T_src, B)
+        tgt = torch.randint(0, self.d_vocab, (4, self.batch_size), generator=gen)  # (T_tgt, B)
+        return src.to(device), tgt.to(device)
+
+    def forward(self, src_ids: torch.Tensor, tgt_ids: torch.Tensor) -> torch.Tensor:
+        src = self.embed_tokens(src_ids)  # (T_src, B, d_model)
+        src = src + self.vocab_bias + self.long_buffer.type_as(src)
+        tgt = self.embed_tokens(tgt_ids)  # (T_tgt, B, d_model)
+        tgt = self.bn(tgt)
+        x = self.transformer(src, tgt)  # (T_tgt, B, d_model)
+        return self.output_proj(x)  # (T_tgt, B, d_vocab)
+
+    def get_loss(self, input: tuple[torch.Tensor, torch.Tensor], output: torch.Tensor):
+        _, tgt = input
+        return nn.functional.cross_entropy(
+            output.view(-1, output.size(-1)), tgt.view(-1), reduction="sum"
+        )
+
+    def run_backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
