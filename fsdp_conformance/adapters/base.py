@@ -159,11 +159,15 @@ class Adapter:
         return self._summon_full_params(model, writeback)
 
     def full_params(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """Detached copies of the full parameters, keyed by the unwrapped model's names."""
+        """Detached copies of the full parameters, keyed by the unwrapped model's names.
+
+        Every name is listed, so a tied parameter appears under each of its names: compare with
+        ``reference.named_parameters(remove_duplicate=False)``.
+        """
         with self.summon_full_params(model):
             return {
                 clean_param_name(name): param.detach().clone()
-                for name, param in model.named_parameters()
+                for name, param in model.named_parameters(remove_duplicate=False)
             }
 
     # ------------------------------------------------------------------ observer hooks

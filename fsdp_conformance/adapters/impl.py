@@ -9,9 +9,10 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+import torch
 import torch.nn as nn
 
-from .base import Adapter
+from .base import Adapter, clean_param_name
 from .features import MixedPrecisionConfig, module_predicate
 from .states import InstanceState, RootState
 
@@ -68,6 +69,16 @@ class ImplAdapter(Adapter):
 
     def is_unsharded(self, instance: nn.Module) -> bool:
         return bool(instance.is_unsharded)
+
+    def full_params(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        # The reference FSDP exposes original parameters as plain attributes (views of the
+        # gathered flat parameter), not as registered parameters: read its full state dict.
+        buffers = {clean_param_name(name) for name, _ in model.named_buffers()}
+        return {
+            name: value
+            for name, value in model.state_dict().items()
+            if clean_param_name(name) not in buffers
+        }
 
     def _assert_state(self, instance: nn.Module, states: tuple[RootState, ...]) -> None:
         instance._assert_state([self._impl.TrainingState[state.value] for state in states])

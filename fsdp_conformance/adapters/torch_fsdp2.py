@@ -215,7 +215,7 @@ class TorchFSDP2Adapter(Adapter):
 
         return {
             name: (param.full_tensor() if isinstance(param, DTensor) else param).detach().clone()
-            for name, param in model.named_parameters()
+            for name, param in model.named_parameters(remove_duplicate=False)
         }
 
     def _observe(self, callback, instances):
