@@ -53,7 +53,7 @@ class PluginState:
                     backend=self.backend,
                 )
             )
-            runtime.set_active_runtime(self.runtime)
+            runtime.set_active_runtime(self.runtime, pytest_session=True)
         return self.runtime
 
 
@@ -129,6 +129,9 @@ def pytest_configure(config: pytest.Config) -> None:
         impl=config.getoption("fsdp_impl"),
         backend=config.getoption("fsdp_backend"),
     )
+    # torch-free; starts no process until a test needs ranks. Created now so that
+    # FSDPTest classes (which find it through runtime.get_runtime()) use the session options.
+    config.stash[STATE_KEY].get_runtime()
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

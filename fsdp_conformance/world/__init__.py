@@ -15,6 +15,12 @@ _EXPORTS: dict[str, str] = {
     "Runtime": "fsdp_conformance.world.runtime",
     "RuntimeOptions": "fsdp_conformance.world.runtime",
     "get_runtime": "fsdp_conformance.world.runtime",
+    "FSDPTest": "fsdp_conformance.world.fsdp_test",
+    "FSDPInitMode": "fsdp_conformance.world.fsdp_test",
+    "DummyProcessGroup": "fsdp_conformance.world.fsdp_test",
+    "get_full_params": "fsdp_conformance.world.fsdp_test",
+    "get_cycles_per_ms": "fsdp_conformance.world.fsdp_test",
+    "device_sleep": "fsdp_conformance.world.fsdp_test",
 }
 
 __all__ = sorted(_EXPORTS)

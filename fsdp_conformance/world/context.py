@@ -30,6 +30,8 @@ class RankContext:
     gpu_ids: tuple[int, ...] = ()
     # pytest node id of the running test
     test_id: str = ""
+    # rendezvous URL of the rank set ("file://<FileStore path>"; "threaded://" in thread mode)
+    init_method: str = ""
 
     def barrier(self) -> None:
         """Block until every rank reached this barrier (on the default group)."""

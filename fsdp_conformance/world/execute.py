@@ -200,14 +200,23 @@ _PLUGIN_FILE = os.path.join(os.path.dirname(_HARNESS_DIR), "plugin.py")
 
 
 def format_user_traceback(exc: BaseException) -> str:
-    """Format ``exc`` with the leading harness frames (this package's world/) removed."""
+    """Format ``exc`` without the harness's leading frames and without unittest's frames
+    (modules that set ``__unittest``, as unittest's own reports do)."""
+    frames = []
     tb = exc.__traceback__
-    while tb is not None and (
-        os.path.dirname(os.path.abspath(tb.tb_frame.f_code.co_filename)) == _HARNESS_DIR
-        or os.path.abspath(tb.tb_frame.f_code.co_filename) == _PLUGIN_FILE
-        or "__unittest" in tb.tb_frame.f_globals  # unittest's own frames (debug(), asserts)
-    ):
+    leading = True
+    while tb is not None:
+        frame = tb.tb_frame
+        filename = os.path.abspath(frame.f_code.co_filename)
+        harness = os.path.dirname(filename) == _HARNESS_DIR or filename == _PLUGIN_FILE
+        if leading and harness:
+            tb = tb.tb_next
+            continue
+        leading = False
+        if "__unittest" not in frame.f_globals:
+            frames.append((frame, tb.tb_lineno))
         tb = tb.tb_next
-    if tb is None:
-        tb = exc.__traceback__
-    return "".join(traceback.format_exception(type(exc), exc, tb))
+    report = traceback.TracebackException(type(exc), exc, exc.__traceback__)
+    if frames:
+        report.stack = traceback.StackSummary.extract(iter(frames))
+    return "".join(report.format())

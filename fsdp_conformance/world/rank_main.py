@@ -69,6 +69,7 @@ class _RankProcess:
         # GPUs held by the rank set, one per rank, () on CPU
         self.gpu_ids = tuple(int(g) for g in gpu_text.split(",") if g)
         self.timeout = float(os.environ.get(ENV_TIMEOUT, "120"))
+        self.store_path = os.environ[ENV_STORE]
         # - Connection to the parent
         self.conn = Connection(int(os.environ[ENV_FD]))
         # - Process-global state restored after every test
@@ -86,7 +87,7 @@ class _RankProcess:
         else:
             device = torch.device("cpu")
         self.device = device
-        store = dist.FileStore(os.environ[ENV_STORE], self.world_size)
+        store = dist.FileStore(self.store_path, self.world_size)
         dist.init_process_group(
             backend=self.backend,
             store=store,
@@ -129,6 +130,7 @@ class _RankProcess:
             mode=self.mode,
             gpu_ids=self.gpu_ids,
             test_id=task.test_id,
+            init_method=f"file://{self.store_path}",
         )
 
         def body() -> None:

@@ -288,11 +288,20 @@ def _fail(message: str) -> RunResult:
 
 # The runtime of the running pytest session (set by the plugin), else a default one.
 _active: Runtime | None = None
+# whether _active belongs to a pytest session
+_active_is_pytest = False
 
 
-def set_active_runtime(runtime: Runtime | None) -> None:
-    global _active
+def set_active_runtime(runtime: Runtime | None, *, pytest_session: bool = False) -> None:
+    """Make ``runtime`` the one :func:`get_runtime` returns (the plugin sets its own)."""
+    global _active, _active_is_pytest
     _active = runtime
+    _active_is_pytest = pytest_session and runtime is not None
+
+
+def under_pytest() -> bool:
+    """Whether the active runtime is a pytest session's (failures then use pytest.fail)."""
+    return _active_is_pytest
 
 
 def get_runtime() -> Runtime:

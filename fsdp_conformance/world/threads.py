@@ -166,6 +166,7 @@ def run_threaded(
                 impl=impl,
                 mode="thread",
                 test_id=test_id,
+                init_method="threaded://",
             )
             from fsdp_conformance.world import rank_main
 
