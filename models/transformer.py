@@ -12,6 +12,7 @@ BatchNorm (running-stat buffers), and — when wrapped — one instance per enco
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -57,13 +58,16 @@ class TransformerWithSharedParams(nn.Module):
         self.batch_size = 2
 
         self.embed_tokens = nn.Embedding(d_vocab, d_model)
-        self.transformer = nn.Transformer(
-            d_model=d_model,
-            num_encoder_layers=2,
-            num_decoder_layers=2,
-            dim_feedforward=8,
-            dropout=0.0,  # no RNG in forward (threaded ranks share the global generator)
-        )
+        with warnings.catch_warnings():
+            # nn.Transformer's encoder warns that the nested-tensor fast path needs batch_first
+            warnings.filterwarnings("ignore", message="enable_nested_tensor is True")
+            self.transformer = nn.Transformer(
+                d_model=d_model,
+                num_encoder_layers=2,
+                num_decoder_layers=2,
+                dim_feedforward=8,
+                dropout=0.0,  # no RNG in forward (threaded ranks share the global generator)
+            )
         self.output_proj = nn.Linear(d_model, d_vocab)
         self.output_proj.weight = self.embed_tokens.weight  # tied: one parameter, two users
         self.register_buffer("vocab_bias", torch.ones(d_model))  # (d_model,)

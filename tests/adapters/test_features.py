@@ -1,0 +1,193 @@
+"""Config vocabulary, feature mapping, declared capabilities and skip reasons (one process)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from fsdp_conformance.adapters import (
+    ALL_FEATURES,
+    Adapter,
+    Feature,
+    InstanceState,
+    LEGAL_INSTANCE_TRANSITIONS,
+    LEGAL_ROOT_TRANSITIONS,
+    MixedPrecisionConfig,
+    RootState,
+    UnsupportedFeatureError,
+    get_adapter,
+    normalize_config,
+)
+from fsdp_conformance.adapters.torch_fsdp1 import accelerator_available
+from fsdp_conformance.models import ALWAYS_WRAP as MODELS_ALWAYS_WRAP
+from fsdp_conformance.adapters import ALWAYS_WRAP
+
+cpu_only = pytest.mark.skipif(accelerator_available(), reason="facts about CPU-only hosts")
+
+
+def test_config_values_accept_strings_and_any_enum():
+    from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, ShardingStrategy
+
+    config = normalize_config(
+        dict(
+            sharding_strategy=ShardingStrategy.SHARD_GRAD_OP,
+            backward_prefetch="backward_post",
+            cpu_offload=CPUOffload(offload_params=True),
+            mixed_precision={"param_dtype": torch.bfloat16},
+            limit_all_gathers=0,
+        )
+    )
+    assert config == {
+        "sharding_strategy": "SHARD_GRAD_OP",
+        "backward_prefetch": "BACKWARD_POST",
+        "cpu_offload": True,
+        "mixed_precision": MixedPrecisionConfig(param_dtype=torch.bfloat16),
+        "limit_all_gathers": False,
+    }
+    assert normalize_config({"backward_prefetch": BackwardPrefetch.BACKWARD_PRE}) == {
+        "backward_prefetch": "BACKWARD_PRE"
+    }
+    assert normalize_config({"backward_prefetch": None}) == {"backward_prefetch": None}
+
+
+@pytest.mark.parametrize(
+    ("config", "error", "match"),
+    [
+        ({"sharding": "FULL_SHARD"}, TypeError, r"unknown wrap config key\(s\) \['sharding'\]"),
+        ({"sharding_strategy": "HYBRID"}, ValueError, r"sharding_strategy='HYBRID' is not one"),
+        ({"backward_prefetch": "PRE"}, ValueError, r"backward_prefetch='PRE'"),
+        ({"auto_wrap_policy": 3}, ValueError, r"auto_wrap_policy=3"),
+        ({"mixed_precision": {"dtype": 1}}, TypeError, r"mixed_precision keys \['dtype'\]"),
+    ],
+)
+def test_bad_config_names_the_key(config, error, match):
+    with pytest.raises(error, match=match):
+        normalize_config(config)
+
+
+def test_features_for_maps_each_config_key():
+    adapter = Adapter()
+    assert adapter.features_for() == frozenset()
+    assert adapter.features_for(
+        sharding_strategy="NO_SHARD",
+        backward_prefetch=None,
+        forward_prefetch=True,
+        limit_all_gathers=False,
+        cpu_offload=True,
+        mixed_precision={"param_dtype": torch.float16, "buffer_dtype": torch.float16},
+        auto_wrap_policy=ALWAYS_WRAP,
+        sync_module_states=True,
+        device_id=torch.device("cpu"),
+    ) == {
+        Feature.NO_SHARD,
+        Feature.BACKWARD_PREFETCH_NONE,
+        Feature.FORWARD_PREFETCH,
+        Feature.LIMIT_ALL_GATHERS,
+        Feature.CPU_OFFLOAD,
+        Feature.MIXED_PRECISION,
+        Feature.MIXED_PRECISION_BUFFER_DTYPE,
+        Feature.AUTO_WRAP_POLICY,
+        Feature.SYNC_MODULE_STATES,
+    }
+    assert adapter.features_for(backward_prefetch="BACKWARD_PRE", forward_prefetch=False,
+                                cpu_offload=False) == {Feature.BACKWARD_PREFETCH_PRE}
+
+
+def test_always_wrap_is_one_value_in_models_and_adapters():
+    assert MODELS_ALWAYS_WRAP == ALWAYS_WRAP
+
+
+@cpu_only
+def test_torch_fsdp1_declares_cpu_host_limits_with_reasons():
+    adapter = get_adapter("torch-fsdp1")
+    assert set(adapter.unsupported()) == {Feature.CPU_OFFLOAD, Feature.SYNC_MODULE_STATES}
+    assert "accelerator" in adapter.unsupported_reason(Feature.CPU_OFFLOAD)
+    assert "sync_module_states" in adapter.unsupported_reason(Feature.SYNC_MODULE_STATES)
+    assert adapter.capabilities == ALL_FEATURES - {Feature.CPU_OFFLOAD, Feature.SYNC_MODULE_STATES}
+
+
+def test_torch_fsdp2_declares_what_fully_shard_cannot_express():
+    adapter = get_adapter("torch-fsdp2")
+    assert {
+        Feature.NO_SHARD,
+        Feature.LIMIT_ALL_GATHERS,
+        Feature.BACKWARD_PREFETCH_NONE,
+        Feature.BACKWARD_PREFETCH_POST,
+        Feature.FORWARD_PREFETCH,
+        Feature.SYNC_MODULE_STATES,
+        Feature.ASSERT_STATE,
+    } <= set(adapter.unsupported())
+    assert adapter.supports(Feature.FULL_SHARD, Feature.SHARD_GRAD_OP, Feature.CPU_OFFLOAD,
+                            Feature.COMM_TRACE, Feature.AUTO_WRAP_POLICY)
+    for feature, reason in adapter.unsupported().items():
+        assert feature in ALL_FEATURES and reason.strip(), feature
+
+
+def test_require_skips_naming_adapter_feature_and_reason():
+    adapter = get_adapter("torch-fsdp2")
+    adapter.require(Feature.FULL_SHARD)  # supported: no skip
+    with pytest.raises(pytest.skip.Exception) as info:
+        adapter.require(Feature.FULL_SHARD, Feature.LIMIT_ALL_GATHERS)
+    message = str(info.value)
+    assert "'torch-fsdp2'" in message and "'limit_all_gathers'" in message
+    assert "no limit_all_gathers flag" in message
+
+
+def test_unsupported_config_raises_before_touching_the_module():
+    adapter = get_adapter("torch-fsdp2")
+    with pytest.raises(UnsupportedFeatureError, match="'torch-fsdp2' does not support 'no_shard'"):
+        adapter.wrap(nn.Linear(2, 2), sharding_strategy="NO_SHARD")
+    with pytest.raises(UnsupportedFeatureError) as info:
+        adapter.wrapper(limit_all_gathers=True)
+    assert (info.value.adapter, info.value.feature) == ("torch-fsdp2", Feature.LIMIT_ALL_GATHERS)
+    with pytest.raises(UnsupportedFeatureError, match="summon_full_params_writeback"):
+        adapter.summon_full_params(nn.Linear(2, 2), writeback=True)
+
+
+def test_unknown_feature_name_is_an_error_not_a_skip():
+    with pytest.raises(ValueError, match="unknown feature 'limit_allgathers'"):
+        get_adapter("torch-fsdp1").unsupported_reason("limit_allgathers")
+
+
+def test_base_adapter_optional_hooks_are_undeclared_features():
+    class Minimal(Adapter):
+        name = "minimal"
+
+        def unsupported(self):
+            return {Feature.COMM_TRACE: "no observer hooks", Feature.DEVICE_HANDLE: "no handle"}
+
+    adapter = Minimal()
+    with pytest.raises(UnsupportedFeatureError, match="'minimal' does not support 'comm_trace'"):
+        adapter.observe(lambda *args: None)
+    with pytest.raises(UnsupportedFeatureError, match="device_handle"):
+        adapter.install_device_handle(nn.Linear(1, 1), object())
+    with pytest.raises(UnsupportedFeatureError, match="comm_trace"):
+        with adapter.delay_before_reduction(lambda: None):
+            pass
+
+
+def test_canonical_states_and_transitions():
+    assert [state.value for state in InstanceState] == [
+        "IDLE", "FORWARD", "BACKWARD_PRE", "BACKWARD_POST", "SUMMON_FULL_PARAMS"
+    ]
+    assert [state.value for state in RootState] == ["IDLE", "FORWARD_BACKWARD", "SUMMON_FULL_PARAMS"]
+    assert InstanceState.BACKWARD_PRE == "BACKWARD_PRE" and str(RootState.IDLE) == "IDLE"
+    assert InstanceState.FORWARD in LEGAL_INSTANCE_TRANSITIONS[InstanceState.BACKWARD_PRE]  # AC
+    assert InstanceState.BACKWARD_POST not in LEGAL_INSTANCE_TRANSITIONS[InstanceState.IDLE]
+    assert set(LEGAL_INSTANCE_TRANSITIONS) == set(InstanceState)
+    assert set(LEGAL_ROOT_TRANSITIONS) == set(RootState)
+
+
+def test_fsdp2_state_mapping_covers_every_fsdp2_state():
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    from fsdp_conformance.adapters.torch_fsdp2 import _INSTANCE_STATE
+
+    assert set(_INSTANCE_STATE) == set(TrainingState)
+
+
+def test_fsdp1_state_names_map_onto_canonical_names():
+    from torch.distributed.fsdp._common_utils import HandleTrainingState, TrainingState
+
+    assert {state.name for state in HandleTrainingState} == {state.value for state in InstanceState}
+    assert {state.name for state in TrainingState} == {state.value for state in RootState}
