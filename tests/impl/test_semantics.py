@@ -141,6 +141,7 @@ def test_training_states_follow_design(dist):
         instance.module.register_full_backward_hook(snapshot)
     with trace.observe(snapshot):
         output = model(torch.ones(2, 8))
+        snapshot()
         assert model.is_root is True and instances[1].is_root is False
         model._assert_state(TrainingState.FORWARD_BACKWARD)
         output.sum().backward()
