@@ -37,8 +37,10 @@ class PluginState:
     impl: str
     # --fsdp-backend / FSDP_CONFORMANCE_BACKEND
     backend: str | None
-    # fsdp_conformance.world.runtime.Runtime, created on the first test that uses ranks
+    # fsdp_conformance.world.runtime.Runtime (starts no process until a test needs ranks)
     runtime: Any = None
+    # the runtime that was active before this session (an outer session, for pytester runs)
+    previous_runtime: Any = None
 
     def get_runtime(self) -> Any:
         if self.runtime is None:
@@ -53,6 +55,7 @@ class PluginState:
                     backend=self.backend,
                 )
             )
+            self.previous_runtime = runtime._active, runtime._active_is_pytest
             runtime.set_active_runtime(self.runtime, pytest_session=True)
         return self.runtime
 
@@ -141,7 +144,8 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
         state.runtime.close()
         if runtime._active is state.runtime:
-            runtime.set_active_runtime(None)
+            previous, was_pytest = state.previous_runtime or (None, False)
+            runtime.set_active_runtime(previous, pytest_session=was_pytest)
         state.runtime = None
 
 
@@ -252,7 +256,11 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     try:
         result = runtime.run(request)
     except runtime_module.FixtureNotPicklable as exc:
-        pytest.fail(str(exc), pytrace=False)
+        not_picklable = str(exc)
+    else:
+        not_picklable = None
+    if not_picklable is not None:
+        pytest.fail(not_picklable, pytrace=False)
     output = result.output()
     if output:
         sys.stdout.write(output)
