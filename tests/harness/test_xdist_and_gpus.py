@@ -1,0 +1,122 @@
+"""Concurrency: pytest-xdist workers each run their own rank sets without rendezvous
+collisions; GPU tests take GPUs from a cross-worker pool (exercised with a fake GPU count)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import write_test
+
+from fsdp_conformance.world import gpus
+
+pytest_plugins = ["pytester"]
+
+EIGHT = '''
+import os
+
+import pytest
+import torch
+import torch.distributed as tdist
+
+
+@pytest.mark.parametrize("index", range(8))
+def test_collectives(dist, index):
+    t = torch.full((4,), float(dist.rank + index))
+    tdist.all_reduce(t)
+    assert t.tolist() == [float(2 * index + 1)] * 4
+    dist.barrier()
+'''
+
+
+def test_xdist_runs_eight_two_rank_tests_concurrently(pytester):
+    write_test(pytester, "test_eight", EIGHT)
+    result = pytester.runpytest("-p", "no:cacheprovider", "-n", "2")
+    result.assert_outcomes(passed=8)
+
+
+GPU_TESTS = '''
+import json
+import os
+import time
+
+import pytest
+
+
+@pytest.mark.gpus(2)
+@pytest.mark.parametrize("index", range(4))
+def test_uses_both_gpus(dist, index):
+    start = time.time()
+    time.sleep(0.3)
+    if dist.rank == 0:
+        path = os.path.join(os.environ["HARNESS_OUT"], f"{index}.json")
+        with open(path, "w") as out:
+            json.dump({"gpus": list(dist.gpu_ids), "start": start, "end": time.time()}, out)
+
+
+@pytest.mark.gpus(3)
+def test_needs_more_gpus_than_present(dist):
+    pass
+'''
+
+
+def test_gpu_pool_never_gives_a_gpu_to_two_tests(pytester, tmp_path, monkeypatch):
+    out = tmp_path / "intervals"
+    out.mkdir()
+    monkeypatch.setenv("HARNESS_OUT", str(out))
+    monkeypatch.setenv(gpus.ENV_FAKE_GPUS, "2")
+    monkeypatch.setenv(gpus.ENV_LOCK_DIR, str(tmp_path / "locks"))
+    write_test(pytester, "test_gpus", GPU_TESTS)
+    result = pytester.runpytest("-p", "no:cacheprovider", "-n", "2", "-rs")
+    result.assert_outcomes(passed=4, skipped=1)
+    result.stdout.fnmatch_lines(["*needs 3 GPUs, 2 available*"])
+    intervals = sorted(
+        (r["start"], r["end"], tuple(sorted(r["gpus"])))
+        for r in (json.loads(p.read_text()) for p in out.iterdir())
+    )
+    assert len(intervals) == 4
+    assert all(ids == (0, 1) for _, _, ids in intervals)
+    for (_, end, _), (start, _, _) in zip(intervals, intervals[1:]):
+        assert end <= start, f"two tests held the same GPUs at once: {intervals}"
+
+
+CUDA_ON_CPU = '''
+import pytest
+
+
+@pytest.mark.cuda
+def test_needs_cuda(dist):
+    raise AssertionError("must not run on a CPU-only host")
+
+
+@pytest.mark.gpus(1)
+def test_needs_a_gpu(dist):
+    raise AssertionError("must not run on a CPU-only host")
+'''
+
+
+def test_cuda_tests_skip_with_a_reason_on_cpu(pytester, monkeypatch):
+    monkeypatch.delenv(gpus.ENV_FAKE_GPUS, raising=False)
+    if gpus.gpu_count() > 0:
+        pytest.skip("this host has GPUs")
+    write_test(pytester, "test_cuda", CUDA_ON_CPU)
+    result = pytester.runpytest("-p", "no:cacheprovider", "-rs")
+    result.assert_outcomes(skipped=2)
+    result.stdout.fnmatch_lines(
+        ["*needs 2 GPUs, 0 available (CPU-only host)*", "*needs 1 GPUs, 0 available*"]
+    )
+
+
+def test_acquire_is_all_or_none_and_times_out(tmp_path, monkeypatch):
+    monkeypatch.setenv(gpus.ENV_LOCK_DIR, str(tmp_path))
+    first = gpus.acquire_gpus(1, total=2, timeout=1, prefer=(1,))
+    assert first.ids == (1,)
+    with pytest.raises(TimeoutError, match="could not get 2 of 2 GPUs within 0.2 s"):
+        gpus.acquire_gpus(2, total=2, timeout=0.2)
+    # the failed attempt holds nothing: GPU 0 is still free
+    second = gpus.acquire_gpus(1, total=2, timeout=0.2)
+    assert second.ids == (0,)
+    first.release()
+    second.release()
+    both = gpus.acquire_gpus(2, total=2, timeout=0.2)
+    assert sorted(both.ids) == [0, 1]
+    both.release()
