@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
+from torch.utils._pytree import tree_map_only
 
 from fsdp_conformance.impl import runtime, trace
 from fsdp_conformance.impl.api import (
@@ -160,8 +161,8 @@ class FullyShardedDataParallel(nn.Module):
         params = _collect_params(module, ignored)
         # device the computation runs on
         self.compute_device = _compute_device(module, params, device_id)
-        if self.compute_device.type != "cpu" and not self.cpu_offload.offload_params:
-            module.to(self.compute_device)
+        if self.compute_device.type != "cpu":
+            _move_to_compute_device(module, ignored, self.compute_device, self.cpu_offload)
         if sync_module_states:
             _sync_module_states(module, params, process_group)
         # the flat parameter and its buffers (None: no parameters to manage)
@@ -262,6 +263,11 @@ class FullyShardedDataParallel(nn.Module):
             )
         with torch.autograd.profiler.record_function("FullyShardedDataParallel.forward"):
             runtime.root_pre_forward(self)
+            if self._is_root and self.compute_device.type != "cpu":
+                device = self.compute_device
+                args, kwargs = tree_map_only(
+                    torch.Tensor, lambda t: t.to(device, non_blocking=True), (args, kwargs)
+                )
             args, kwargs = runtime.pre_forward(self, args, kwargs)
             output = self._fsdp_wrapped_module(*args, **kwargs)
             return runtime.post_forward(self, output)
@@ -633,6 +639,22 @@ def _compute_device(
             device = torch.device("cuda", 0)
         return device
     return next(iter(devices)) if devices else torch.device("cpu")
+
+
+def _move_to_compute_device(
+    module: nn.Module, ignored: set[nn.Module], device: torch.device, offload: CPUOffload
+) -> None:
+    """Parameters go to ``device`` unless offloaded (then they stay on CPU); buffers always."""
+    for submodule in module.modules():
+        if submodule in ignored or isinstance(submodule, FullyShardedDataParallel):
+            continue
+        for name, buffer in submodule._buffers.items():
+            if buffer is not None:
+                submodule._buffers[name] = buffer.to(device)
+        if not offload.offload_params:
+            for param in submodule._parameters.values():
+                if param is not None:
+                    param.data = param.data.to(device)
 
 
 def _check_uniform(module: nn.Module, params: list[tuple[nn.Module, str, nn.Parameter]]) -> None:

@@ -20,6 +20,7 @@ import functools
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map_only
 
@@ -123,7 +124,8 @@ def unshard(instance: FSDP, prefetch: str | None = None, early: bool = False) ->
         return
     state = instance._root_state
     if instance.limit_all_gathers and handle.sharded:
-        while (event := state.free_events.dequeue_if_needed(not instance._is_root, early)) is not None:
+        counted = not instance._is_root
+        while (event := state.free_events.dequeue_if_needed(counted, early)) is not None:
             with torch.profiler.record_function(RATE_LIMITER_RANGE):
                 trace.emit("rate_limiter_wait", instance, event=event)
                 event.synchronize()
@@ -206,17 +208,44 @@ def root_pre_forward(instance: FSDP) -> None:
     state.post_backward_stream.wait_stream(current)
 
 
+def check_same_instance_on_all_ranks(instance: FSDP) -> None:
+    """First iteration only: every rank must be in the same instance's pre-forward.
+
+    One small all-gather over the root's group per instance; a mismatch raises on every
+    rank instead of letting mismatched all-gathers hang.
+    """
+    state = instance._root_state
+    group = state.root.process_group
+    if group.size() == 1:
+        return
+    index = torch.tensor([state.instances.index(instance)], dtype=torch.int64)
+    gathered = [torch.empty_like(index) for _ in range(group.size())]
+    dist.all_gather(gathered, index, group=group)
+    indices = [int(t) for t in gathered]
+    if len(set(indices)) > 1:
+        running = ", ".join(
+            f"rank {rank} runs {state.instances[i]._fsdp_name()}" for rank, i in enumerate(indices)
+        )
+        raise RuntimeError(
+            f"FSDP execution order differs across ranks in the first forward ({running}); "
+            "every rank must run the same FSDP instances in the same order"
+        )
+
+
 def pre_forward(instance: FSDP, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """Unshard (and prefetch) before the wrapped module's forward."""
     instance._recomputing = instance.handle_training_state == HandleTrainingState.BACKWARD_PRE
     transition(instance, TrainingState.FORWARD_BACKWARD, "pre-forward")
     transition(instance, HandleTrainingState.FORWARD, "pre-forward")
-    instance._root_state.exec_order.record_pre_forward(instance)
+    state = instance._root_state
+    if state.exec_order.is_first_iter and not instance._recomputing:
+        check_same_instance_on_all_ranks(instance)
+        state.exec_order.record_pre_forward(instance)
     handle = instance._handle
     if handle is None:
         return args, kwargs
     unshard(instance)
-    if instance.forward_prefetch:
+    if instance.forward_prefetch and not instance._recomputing:
         prefetch(instance, "forward")
     wait_unshard(instance)
     handle.use_views(handle.unsharded)
@@ -230,6 +259,11 @@ def pre_forward(instance: FSDP, args: tuple, kwargs: dict) -> tuple[tuple, dict]
 
 def post_forward(instance: FSDP, output: Any) -> Any:
     """Reshard (FULL_SHARD, non-root) and hook the outputs for pre-backward."""
+    if instance._recomputing:
+        # activation-checkpoint recompute inside backward: the parameters are needed
+        # for the gradient computation that follows, so keep them and stay in backward
+        transition(instance, HandleTrainingState.BACKWARD_PRE, "post-forward (recompute)")
+        return output
     state = instance._root_state
     state.exec_order.record_post_forward(instance)
     handle = instance._handle
@@ -240,8 +274,7 @@ def post_forward(instance: FSDP, output: Any) -> Any:
     ):
         reshard(instance)
     instance._ran_forward = True
-    after = HandleTrainingState.BACKWARD_PRE if instance._recomputing else HandleTrainingState.IDLE
-    transition(instance, after, "post-forward")
+    transition(instance, HandleTrainingState.IDLE, "post-forward")
     tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
     if torch.is_grad_enabled():
         for tensor in tensors:

@@ -5,7 +5,14 @@ import copy
 
 import pytest
 import torch
-from impl_testlib import FlatSequential, NestedSequential, TiedTransformer, reference_run, train
+from impl_testlib import (
+    FlatSequential,
+    NestedSequential,
+    TiedTransformer,
+    fsdp_run,
+    reference_run,
+    train,
+)
 from torch import nn
 
 from fsdp_conformance.impl import (
@@ -271,3 +278,58 @@ def test_eval_forward_without_grad_returns_to_idle(dist):
         instance._assert_state(TrainingState.IDLE)
         assert not instance.is_unsharded
     model(torch.ones(2, 8)).sum().backward()
+
+
+class Checkpointed(nn.Module):
+    """Two blocks run under non-reentrant activation checkpointing."""
+
+    def __init__(self, group, wrap) -> None:
+        super().__init__()
+        self.rank = group.rank()
+        w = wrap or (lambda m, **_: m)
+        torch.manual_seed(0)
+        self.first = w(nn.Sequential(nn.Linear(8, 8), nn.Tanh()))
+        self.second = w(nn.Sequential(nn.Linear(8, 8), nn.Tanh()))
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        x = checkpoint(self.first, x, use_reentrant=False)
+        return checkpoint(self.second, x, use_reentrant=False)
+
+    def get_input(self, device):
+        return (torch.rand(4, 8, generator=torch.Generator().manual_seed(self.rank)),)
+
+    def get_loss(self, inputs, output):
+        return output.pow(2).sum()
+
+    def run_backward(self, loss):
+        loss.backward()
+
+
+@pytest.mark.world_size(2)
+def test_activation_checkpoint_recompute_matches_ddp(dist):
+    make = lambda w: Checkpointed(dist.group, w)  # noqa: E731
+    ref_losses, ref_state = reference_run(make)
+    for strategy in ShardingStrategy:
+        losses, state, _ = fsdp_run(make, sharding_strategy=strategy)
+        assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses)), strategy
+        for name, value in ref_state.items():
+            assert torch.equal(state[name], value), (strategy, name)
+
+
+@pytest.mark.world_size(2)
+def test_divergent_execution_order_raises_on_every_rank(dist):
+    model = wrapped(lambda w: FlatSequential(dist.group, w))
+    layers = list(model.module.module)
+    if dist.rank == 1:  # same modules, but rank 1's forward runs them in another order
+        order = [layers[1], layers[0], *layers[2:]]
+
+        def forward(x):
+            for layer in order:
+                x = layer(x)
+            return x
+
+        model.module.forward = forward
+    with pytest.raises(RuntimeError, match="execution order differs across ranks.*rank 1 runs"):
+        model(torch.ones(2, 8))
