@@ -11,13 +11,17 @@ that lacks them simply does not declare `comm_trace` / `device_handle`.
 instance performs, *before* the operation happens: "all_gather" (issue of an unshard),
 "free" (the unsharded parameters are about to be freed), "reduce_scatter" / "all_reduce"
 (gradient reduction about to be issued). `instances=None` observes every instance in this
-process. The delay hooks of the model zoo (`delay_before_reduction`, `delay_before_free`) are
-built on it, so they need `comm_trace`.
+rank: events emitted on the thread that called `observe`, or on a thread that observes
+nothing itself (e.g. autograd's device threads on CUDA) -- so threaded ranks (the harness's
+`thread` mode) do not see each other's instances. The delay hooks of the model zoo
+(`delay_before_reduction`, `delay_before_free`) are built on it, so they need `comm_trace`.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import re
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -33,6 +37,32 @@ REDUCE_OPS = ("reduce_scatter", "all_reduce")
 
 # Prefixes FSDP wrappers insert into parameter names (torch FSDP1, activation checkpointing)
 _WRAPPER_NAME_PARTS = re.compile(r"(_fsdp_wrapped_module|_checkpoint_wrapped_module)\.")
+
+
+# thread ident -> number of active observers registered on that thread
+_observing_threads: collections.Counter = collections.Counter()
+
+
+@contextlib.contextmanager
+def scoped_observer(callback: Observer, instances: list[nn.Module] | None) -> Iterator[Observer]:
+    """`callback` filtered as [Note: observation] says, while the context is active."""
+    owner = threading.get_ident()
+    instance_ids = None if instances is None else frozenset(map(id, instances))
+
+    def filtered(op: str, instance: nn.Module, info: dict) -> None:
+        if instance_ids is not None:
+            if id(instance) in instance_ids:
+                callback(op, instance, info)
+            return
+        emitter = threading.get_ident()
+        if emitter == owner or _observing_threads[emitter] == 0:
+            callback(op, instance, info)
+
+    _observing_threads[owner] += 1
+    try:
+        yield filtered
+    finally:
+        _observing_threads[owner] -= 1
 
 
 class UnsupportedFeatureError(NotImplementedError):
@@ -264,19 +294,19 @@ class AdapterWrap:
 class ObserverRegistry:
     """Process-wide observers for adapters whose hooks are installed once (torch patches).
 
-    A patched torch function calls `emit(op, instance, info)`; registered observers whose
-    instance filter matches get the event. Empty registry = one dict lookup per call.
+    A patched torch function calls `emit(op, instance, info)`; every registered observer gets
+    the event through its `scoped_observer` filter. Empty registry: `active` is False and the
+    patched functions skip `emit`.
     """
 
     def __init__(self) -> None:
-        self._observers: list[tuple[Observer, frozenset[int] | None]] = []  # (callback, ids)
+        self._observers: list[Observer] = []  # filtered callbacks, in registration order
 
     def emit(self, op: str, instance: nn.Module | None, info: dict) -> None:
-        if instance is None:
+        if instance is None:  # not created through an adapter: nobody asked about it
             return
-        for callback, instance_ids in list(self._observers):
-            if instance_ids is None or id(instance) in instance_ids:
-                callback(op, instance, info)
+        for observer in list(self._observers):
+            observer(op, instance, info)
 
     @property
     def active(self) -> bool:
@@ -286,9 +316,9 @@ class ObserverRegistry:
     def observing(
         self, callback: Observer, instances: list[nn.Module] | None
     ) -> Iterator[None]:
-        entry = (callback, None if instances is None else frozenset(map(id, instances)))
-        self._observers.append(entry)
-        try:
-            yield
-        finally:
-            self._observers.remove(entry)
+        with scoped_observer(callback, instances) as observer:
+            self._observers.append(observer)
+            try:
+                yield
+            finally:
+                self._observers.remove(observer)

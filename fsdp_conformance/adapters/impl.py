@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .base import Adapter, clean_param_name
+from .base import Adapter, clean_param_name, scoped_observer
 from .features import MixedPrecisionConfig, module_predicate
 from .states import InstanceState, RootState
 
@@ -88,14 +88,9 @@ class ImplAdapter(Adapter):
 
     @contextlib.contextmanager
     def _observe(self, callback, instances):
-        ids = None if instances is None else {id(instance) for instance in instances}
-
-        def forward(op: str, instance: nn.Module, info: dict) -> None:
-            if ids is None or id(instance) in ids:
-                callback(op, instance, info)
-
-        with self._impl.trace.observe(forward):
-            yield
+        with scoped_observer(callback, instances) as observer:
+            with self._impl.trace.observe(observer):
+                yield
 
     def _install_device_handle(self, model: nn.Module, handle: Any) -> None:
         self._impl.device.install_device_handle(model, handle)

@@ -180,7 +180,7 @@ def test_observe_labels_all_gathers_frees_and_reductions(dist, adapter_name):
 
 @pytest.mark.world_size(2)
 @pytest.mark.parametrize("adapter_name", BUILTIN_ADAPTERS)
-def test_delay_hooks_really_delay_on_cpu(dist, adapter_name):
+def test_delay_before_reduction_really_delays_on_cpu(dist, adapter_name):
     adapter = adapter_or_skip(adapter_name)
     adapter.require(Feature.COMM_TRACE)
     delay_ms = 40
@@ -195,7 +195,24 @@ def test_delay_hooks_really_delay_on_cpu(dist, adapter_name):
     elapsed_ms = (time.perf_counter() - start) * 1000
     assert elapsed_ms >= 4 * delay_ms * 0.9  # four instances, four reductions, each delayed
 
-    # delay_before_free: the delay runs once per free of the chosen instance, before it
+
+IMPL_FREES_BEFORE_EMIT = pytest.mark.xfail(
+    strict=True,
+    reason="impl emits its 'free' trace event after releasing the buffer, so delay_before_free "
+    "runs just after the free (reported to IMPL)",
+)
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize(
+    "adapter_name",
+    [pytest.param(name, marks=IMPL_FREES_BEFORE_EMIT) if name == "impl" else name
+     for name in BUILTIN_ADAPTERS],
+)
+def test_delay_before_free_runs_while_still_unsharded(dist, adapter_name):
+    adapter = adapter_or_skip(adapter_name)
+    adapter.require(Feature.COMM_TRACE)
+    # the delay runs once per free of the chosen instance, before it
     model = NestedWrappedModule(dist.group, adapter.wrapper(sharding_strategy="FULL_SHARD"))
     root = adapter.wrap(model, sharding_strategy="FULL_SHARD")
     target = adapter.instances(root)[3]  # module.2
@@ -205,14 +222,12 @@ def test_delay_hooks_really_delay_on_cpu(dist, adapter_name):
     ):
         train(root, model, dist.device, steps=1)
     # one free after forward, one after backward; the delay runs while still unsharded
-    if adapter_name == "impl" and unsharded_at_delay == [False, False]:
-        pytest.xfail(
-            "impl emits its 'free' trace event after releasing the buffer, so delay_before_free "
-            "runs just after the free (reported to IMPL)"
-        )
     assert unsharded_at_delay == [True, True]
 
 
+# torch's threaded process group (thread mode) hangs when each rank thread runs a collective
+# on its own `new_group([rank])`, as FSDP1's NO_SHARD all-reduce of the expert does (measured)
+@pytest.mark.fsdp_mode("process")
 @pytest.mark.world_size(2)
 @pytest.mark.parametrize("adapter_name", BUILTIN_ADAPTERS)
 def test_moe_expert_on_one_rank_group(dist, adapter_name):
