@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any, Callable, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 
 class Wrap(Protocol):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch.nn as nn
+from torch import nn
 
 
 class DummyDDP(nn.Module):

@@ -31,8 +31,10 @@ def cycles_per_ms(device: torch.device | str) -> float:
     return _cuda_cycles_per_ms
 
 
-def _calibrate_cuda(device: torch.device, test_cycles: int = 1_000_000, repeats: int = 5) -> float:
-    """Median of ``repeats`` timed ``torch.cuda._sleep(test_cycles)`` runs (first run is warm-up)."""
+def _calibrate_cuda(
+    device: torch.device, test_cycles: int = 1_000_000, repeats: int = 5
+) -> float:
+    """Median of ``repeats`` timed ``torch.cuda._sleep(test_cycles)`` runs, after a warm-up."""
     rates = []
     with torch.cuda.device(device):
         torch.cuda._sleep(test_cycles)  # warm-up: the first launch pays for module loading

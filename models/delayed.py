@@ -15,7 +15,7 @@ from contextlib import nullcontext
 from typing import Any
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 from .common import DelayHooks, DeviceInit, Wrap
 from .delay import sleep_ms
@@ -32,8 +32,6 @@ class ModuleWithDelay(nn.Module):
             with `wrap=None` there is no FSDP reduction to delay and nothing happens).
         wrap: the wrap the inner model was built with (its `delay_before_reduction` is used).
     """
-
-    ROOT_WRAP_CONFIG: dict[str, Any] = {}
 
     def __init__(
         self,
@@ -54,7 +52,11 @@ class ModuleWithDelay(nn.Module):
         self.delay_after_loss_ms = delay_after_loss_ms
         self.delay_before_reduction_ms = delay_before_reduction_ms
         self._wrap = wrap
-        self.ROOT_WRAP_CONFIG = dict(getattr(module, "ROOT_WRAP_CONFIG", {}))
+
+    @property
+    def ROOT_WRAP_CONFIG(self) -> dict[str, Any]:
+        """The inner model's root wrap config."""
+        return dict(getattr(self.module, "ROOT_WRAP_CONFIG", {}))
 
     def get_input(self, device: torch.device):
         return self.module.get_input(device)

@@ -16,11 +16,11 @@ unsharded parameters (through the wrap's `delay_before_free` hook).
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
+from torch import nn
 
 from .common import (
     DelayHooks,
@@ -49,7 +49,7 @@ class MixtureOfExperts(nn.Module):
         device: the compute device for DeviceInit.BEFORE.
     """
 
-    ROOT_WRAP_CONFIG: dict[str, Any] = {}  # nothing special for the caller's root wrap
+    ROOT_WRAP_CONFIG: ClassVar[dict[str, Any]] = {}  # nothing special for the caller's root wrap
 
     def __init__(
         self,

@@ -1,6 +1,6 @@
 """NestedWrappedModule and friends: four Linears, some wrapped, one instance nested in another.
 
-    Linear(8, 4) -> [ [Linear(4, 16)] -> Linear(16, 16) ] -> [Linear(16, 4)] -> Linear(4, 8)
+    Linear(8, 4) -> [[Linear(4, 16)] -> Linear(16, 16)] -> [Linear(16, 4)] -> Linear(4, 8)
     (brackets = wrapped; the outer bracket is an instance containing an instance)
 
 With `wrap_everything=True` each of Linear(8,4), (4,16), (16,4), (4,8) is its own instance.
@@ -14,14 +14,14 @@ for `auto_wrap_policy="always"` (every submodule becomes an instance, inner firs
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 from .common import DeviceInit, Wrap, generator, maybe_wrap, move_before_wrap, seeded_init_
 
-# auto_wrap_policy value of the adapter vocabulary: wrap every submodule (torch's always_wrap_policy)
+# auto_wrap_policy value of the adapter vocabulary: wrap every submodule (always_wrap_policy)
 ALWAYS_WRAP = "always"
 
 
@@ -36,7 +36,7 @@ class NestedWrappedModule(nn.Module):
         device: the compute device for DeviceInit.BEFORE.
     """
 
-    ROOT_WRAP_CONFIG: dict[str, Any] = {}  # nothing special for the caller's root wrap
+    ROOT_WRAP_CONFIG: ClassVar[dict[str, Any]] = {}  # nothing special for the caller's root wrap
 
     def __init__(
         self,
@@ -67,7 +67,8 @@ class NestedWrappedModule(nn.Module):
         else:
             self.module = nn.Sequential(
                 lin_8_4,  # (4, 8) -> (4, 4)
-                maybe_wrap(wrap, nn.Sequential(maybe_wrap(wrap, lin_4_16), lin_16_16)),  # -> (4, 16)
+                # -> (4, 16)
+                maybe_wrap(wrap, nn.Sequential(maybe_wrap(wrap, lin_4_16), lin_16_16)),
                 maybe_wrap(wrap, lin_16_4),  # -> (4, 4)
                 lin_4_8,  # -> (4, 8)
             )
@@ -92,7 +93,7 @@ class AlwaysWrapNestedWrappedModule(NestedWrappedModule):
     with ``wrap=None`` the caller does not wrap at all (the DDP reference).
     """
 
-    ROOT_WRAP_CONFIG: dict[str, Any] = {"auto_wrap_policy": ALWAYS_WRAP}
+    ROOT_WRAP_CONFIG: ClassVar[dict[str, Any]] = {"auto_wrap_policy": ALWAYS_WRAP}
 
     def __init__(
         self,

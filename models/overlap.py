@@ -4,7 +4,7 @@ A layer that "computes" for `compute_cycles` GPU sleep cycles (on CPU: the same 
 nominal 1 GHz clock of `delay.NOMINAL_CPU_CYCLES_PER_MS`, by sleeping) and optionally owns one
 parameter, so wrapping it makes an FSDP instance with something to all-gather.
 
-    layers = nn.Sequential(*[wrap(Layer(compute_cycles=1_000_000, has_params=True)) for _ in range(4)])
+    layers = nn.Sequential(*[wrap(Layer(1_000_000, has_params=True)) for _ in range(4)])
     y = layers(x); layers[0].module.get_time()   # ms of the last forward (device time on CUDA)
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 from .delay import sleep_cycles
 

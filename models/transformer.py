@@ -13,10 +13,10 @@ BatchNorm (running-stat buffers), and — when wrapped — one instance per enco
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 from .common import DeviceInit, Wrap, generator, maybe_wrap, move_before_wrap, seeded_init_
 
@@ -35,7 +35,7 @@ class TransformerWithSharedParams(nn.Module):
         device: the compute device for DeviceInit.BEFORE.
     """
 
-    ROOT_WRAP_CONFIG: dict[str, Any] = {}  # nothing special for the caller's root wrap
+    ROOT_WRAP_CONFIG: ClassVar[dict[str, Any]] = {}  # nothing special for the caller's root wrap
 
     def __init__(
         self,

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 from .features import ALL_FEATURES, Feature, features_for, normalize_config
 from .states import InstanceState, RootState

@@ -22,11 +22,12 @@ default. Values are normalised by `normalize_config` into:
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 
 class Feature:

@@ -10,7 +10,7 @@ import contextlib
 from typing import Any
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 from .base import Adapter, clean_param_name, scoped_observer
 from .features import MixedPrecisionConfig, module_predicate
@@ -88,9 +88,11 @@ class ImplAdapter(Adapter):
 
     @contextlib.contextmanager
     def _observe(self, callback, instances):
-        with scoped_observer(callback, instances) as observer:
-            with self._impl.trace.observe(observer):
-                yield
+        with (
+            scoped_observer(callback, instances) as observer,
+            self._impl.trace.observe(observer),
+        ):
+            yield
 
     def _install_device_handle(self, model: nn.Module, handle: Any) -> None:
         self._impl.device.install_device_handle(model, handle)

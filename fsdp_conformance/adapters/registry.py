@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from typing import Callable
+from collections.abc import Callable
 
 from .base import Adapter
 

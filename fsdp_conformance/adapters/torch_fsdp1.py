@@ -12,12 +12,11 @@ Measured on torch 2.13.0 (CPU build, gloo, world size 2; tests/adapters/test_tor
 """
 from __future__ import annotations
 
-import contextlib
 import weakref
 from typing import Any
 
 import torch
-import torch.nn as nn
+from torch import nn
 from torch.distributed.fsdp import (
     BackwardPrefetch,
     CPUOffload,

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
@@ -122,7 +122,9 @@ class TorchFSDP2Adapter(Adapter):
                 "lists; the torch-fsdp2 adapter does not derive them"
             ),
             Feature.LIMIT_ALL_GATHERS: "torch FSDP2 has no limit_all_gathers flag",
-            Feature.MIXED_PRECISION_BUFFER_DTYPE: "torch FSDP2 MixedPrecisionPolicy does not cast buffers",
+            Feature.MIXED_PRECISION_BUFFER_DTYPE: (
+                "torch FSDP2 MixedPrecisionPolicy does not cast buffers"
+            ),
             Feature.SYNC_MODULE_STATES: (
                 "torch FSDP2 has no sync_module_states (broadcast a rank-0 state dict instead)"
             ),

@@ -9,7 +9,12 @@ import time
 
 import pytest
 import torch
-import torch.nn as nn
+from fsdp_conformance.models import (
+    MixtureOfExperts,
+    NestedWrappedModule,
+    NestedWrappedModuleWithDelay,
+)
+from torch import nn
 
 from fsdp_conformance.adapters import (
     BUILTIN_ADAPTERS,
@@ -18,9 +23,8 @@ from fsdp_conformance.adapters import (
     RootState,
     get_adapter,
 )
-from fsdp_conformance.models import MixtureOfExperts, NestedWrappedModule, NestedWrappedModuleWithDelay
 
-I, R = InstanceState, RootState
+S, R = InstanceState, RootState  # short names for the state tables below
 
 
 def adapter_or_skip(name: str):
@@ -88,9 +92,9 @@ def test_training_states_at_hooks(dist, adapter_name):
     model = NestedWrappedModule(dist.group, adapter.wrapper(sharding_strategy="FULL_SHARD"))
     root = adapter.wrap(model, sharding_strategy="FULL_SHARD")
     instances = adapter.instances(root)  # root, module.1, module.1.0, module.2
-    inner_16_16 = model.module[1]  # the instance module.1: Sequential(wrap(Linear(4,16)), Linear(16,16))
-    linear_16_16 = [m for m in inner_16_16.modules() if isinstance(m, nn.Linear)
-                    and m.in_features == 16 and m.out_features == 16][0]
+    inner_16_16 = model.module[1]  # module.1: Sequential(wrap(Linear(4,16)), Linear(16,16))
+    linear_16_16 = next(m for m in inner_16_16.modules()
+                        if isinstance(m, nn.Linear) and (m.in_features, m.out_features) == (16, 16))
     seen: dict[str, tuple] = {}
 
     def in_backward(grad):
@@ -108,8 +112,8 @@ def test_training_states_at_hooks(dist, adapter_name):
         unsharded_after_forward = [adapter.is_unsharded(instance) for instance in instances]
         model.run_backward(loss)
 
-        assert seen["forward"] == ([I.FORWARD, I.FORWARD, I.IDLE, I.IDLE], R.FORWARD_BACKWARD)
-        assert after_forward[0] == [I.IDLE] * 4, f"step {step}"
+        assert seen["forward"] == ([S.FORWARD, S.FORWARD, S.IDLE, S.IDLE], R.FORWARD_BACKWARD)
+        assert after_forward[0] == [S.IDLE] * 4, f"step {step}"
         # DESIGN §4 allows both: torch FSDP1/FSDP2 go IDLE after forward, impl stays in
         # FORWARD_BACKWARD until backward ends
         assert after_forward[1] in (R.IDLE, R.FORWARD_BACKWARD), f"step {step}"
@@ -117,10 +121,10 @@ def test_training_states_at_hooks(dist, adapter_name):
         assert unsharded_after_forward[1:] == [False, False, False], f"step {step}"
         backward_states, backward_root = seen["backward"]
         assert backward_root == R.FORWARD_BACKWARD
-        assert backward_states[0] == I.BACKWARD_PRE  # the root's own backward comes last
-        assert backward_states[1] in (I.BACKWARD_PRE, I.BACKWARD_POST)  # computing right now
-        assert backward_states[3] == I.BACKWARD_POST  # module.2: its backward is over
-        assert _states(adapter, instances) == [I.IDLE] * 4
+        assert backward_states[0] == S.BACKWARD_PRE  # the root's own backward comes last
+        assert backward_states[1] in (S.BACKWARD_PRE, S.BACKWARD_POST)  # computing right now
+        assert backward_states[3] == S.BACKWARD_POST  # module.2: its backward is over
+        assert _states(adapter, instances) == [S.IDLE] * 4
         assert adapter.root_state(instances[0]) == R.IDLE
         assert not any(adapter.is_unsharded(instance) for instance in instances)
         if adapter.supports(Feature.ASSERT_STATE):
@@ -138,17 +142,17 @@ def test_summon_full_params_states_and_values(dist, adapter_name):
     full_numel = sum(p.numel() for p in NestedWrappedModule(dist.group).parameters())
     assert sum(local_numel(param) for param in root.parameters()) < full_numel  # shards only
     with adapter.summon_full_params(root):
-        assert _states(adapter, instances) == [I.SUMMON_FULL_PARAMS] * 4
+        assert _states(adapter, instances) == [S.SUMMON_FULL_PARAMS] * 4
         assert adapter.root_state(instances[0]) == R.SUMMON_FULL_PARAMS
     full = adapter.full_params(root)
     reference = NestedWrappedModule(dist.group)
     assert {name: value.shape for name, value in full.items()} == {
         name: param.shape for name, param in reference.named_parameters()
     }
-    assert _states(adapter, instances) == [I.IDLE] * 4
+    assert _states(adapter, instances) == [S.IDLE] * 4
     assert not any(adapter.is_unsharded(instance) for instance in instances)
     if adapter.supports(Feature.ASSERT_STATE):
-        with pytest.raises(Exception, match="(?i)state"):
+        with pytest.raises(Exception, match=r"(?i)state"):
             adapter.assert_state(instances[0], R.FORWARD_BACKWARD)
 
 

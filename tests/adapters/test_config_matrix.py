@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn as nn
+from fsdp_conformance.models import NestedWrappedModule
+from torch import nn
 
 from fsdp_conformance.adapters import ALWAYS_WRAP, BUILTIN_ADAPTERS, get_adapter
-from fsdp_conformance.models import NestedWrappedModule
 
 CONFIGS = {
     "shard_grad_op": {"sharding_strategy": "SHARD_GRAD_OP"},
@@ -49,7 +49,8 @@ def test_config_key_trains_like_ddp_or_skips(dist, adapter_name, config_id):
     adapter.require(*adapter.features_for(**config))
 
     reference = NestedWrappedModule(dist.group)
-    reference_losses = _train(nn.parallel.DistributedDataParallel(reference), reference, dist.device)
+    ddp = nn.parallel.DistributedDataParallel(reference)
+    reference_losses = _train(ddp, reference, dist.device)
 
     inner_config = {k: v for k, v in config.items() if k != "auto_wrap_policy"}
     model = NestedWrappedModule(
@@ -64,5 +65,7 @@ def test_config_key_trains_like_ddp_or_skips(dist, adapter_name, config_id):
     torch.testing.assert_close(losses, reference_losses, atol=tolerance, rtol=tolerance)
     full = adapter.full_params(root)
     for name, param in reference.named_parameters():
-        torch.testing.assert_close(full[name].float(), param.detach(), atol=tolerance,
-                                   rtol=tolerance, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            full[name].float(), param.detach(), atol=tolerance, rtol=tolerance,
+            msg=lambda message, name=name: f"{name}: {message}",
+        )

@@ -3,15 +3,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn as nn
+from fsdp_conformance.models import ALWAYS_WRAP as MODELS_ALWAYS_WRAP
+from torch import nn
 
 from fsdp_conformance.adapters import (
     ALL_FEATURES,
+    ALWAYS_WRAP,
+    LEGAL_INSTANCE_TRANSITIONS,
+    LEGAL_ROOT_TRANSITIONS,
     Adapter,
     Feature,
     InstanceState,
-    LEGAL_INSTANCE_TRANSITIONS,
-    LEGAL_ROOT_TRANSITIONS,
     MixedPrecisionConfig,
     RootState,
     UnsupportedFeatureError,
@@ -19,8 +21,6 @@ from fsdp_conformance.adapters import (
     normalize_config,
 )
 from fsdp_conformance.adapters.torch_fsdp1 import accelerator_available
-from fsdp_conformance.models import ALWAYS_WRAP as MODELS_ALWAYS_WRAP
-from fsdp_conformance.adapters import ALWAYS_WRAP
 
 cpu_only = pytest.mark.skipif(accelerator_available(), reason="facts about CPU-only hosts")
 
@@ -29,13 +29,13 @@ def test_config_values_accept_strings_and_any_enum():
     from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, ShardingStrategy
 
     config = normalize_config(
-        dict(
-            sharding_strategy=ShardingStrategy.SHARD_GRAD_OP,
-            backward_prefetch="backward_post",
-            cpu_offload=CPUOffload(offload_params=True),
-            mixed_precision={"param_dtype": torch.bfloat16},
-            limit_all_gathers=0,
-        )
+        {
+            "sharding_strategy": ShardingStrategy.SHARD_GRAD_OP,
+            "backward_prefetch": "backward_post",
+            "cpu_offload": CPUOffload(offload_params=True),
+            "mixed_precision": {"param_dtype": torch.bfloat16},
+            "limit_all_gathers": 0,
+        }
     )
     assert config == {
         "sharding_strategy": "SHARD_GRAD_OP",
@@ -161,16 +161,18 @@ def test_base_adapter_optional_hooks_are_undeclared_features():
         adapter.observe(lambda *args: None)
     with pytest.raises(UnsupportedFeatureError, match="device_handle"):
         adapter.install_device_handle(nn.Linear(1, 1), object())
-    with pytest.raises(UnsupportedFeatureError, match="comm_trace"):
-        with adapter.delay_before_reduction(lambda: None):
-            pass
+    delayed = adapter.delay_before_reduction(lambda: None)
+    with pytest.raises(UnsupportedFeatureError, match="comm_trace"), delayed:
+        pass
 
 
 def test_canonical_states_and_transitions():
     assert [state.value for state in InstanceState] == [
         "IDLE", "FORWARD", "BACKWARD_PRE", "BACKWARD_POST", "SUMMON_FULL_PARAMS"
     ]
-    assert [state.value for state in RootState] == ["IDLE", "FORWARD_BACKWARD", "SUMMON_FULL_PARAMS"]
+    assert [state.value for state in RootState] == [
+        "IDLE", "FORWARD_BACKWARD", "SUMMON_FULL_PARAMS"
+    ]
     assert InstanceState.BACKWARD_PRE == "BACKWARD_PRE" and str(RootState.IDLE) == "IDLE"
     assert InstanceState.FORWARD in LEGAL_INSTANCE_TRANSITIONS[InstanceState.BACKWARD_PRE]  # AC
     assert InstanceState.BACKWARD_POST not in LEGAL_INSTANCE_TRANSITIONS[InstanceState.IDLE]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn as nn
+from torch import nn
 
 from fsdp_conformance.adapters.torch_fsdp1 import accelerator_available
 
@@ -24,7 +24,8 @@ def _step(model):
 
 @pytest.mark.world_size(2)
 def test_torch_fsdp1_on_a_cpu_only_host(dist):
-    from torch.distributed.fsdp import CPUOffload, FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import CPUOffload
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     cpu = torch.device("cpu")
     with pytest.raises(RuntimeError, match="non-CPU accelerator"):

@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from fsdp_conformance.adapters import Adapter, BUILTIN_ADAPTERS, get_adapter
+from fsdp_conformance.adapters import BUILTIN_ADAPTERS, Adapter, get_adapter
 
 
 @pytest.mark.parametrize("name", ["torch-fsdp1", "torch-fsdp2", "impl"])
@@ -75,10 +75,10 @@ def test_unnamed_adapter_takes_the_path_as_its_name(downstream_module):
 @pytest.mark.parametrize(
     ("name", "expected"),
     [
-        ("torch_fsdp1", r"unknown FSDP adapter 'torch_fsdp1'.*impl, torch-fsdp1, torch-fsdp2"
-                        r".*pkg\.module:ATTR"),
-        ("no_such_pkg_xyz.adapters:ADAPTER", r"cannot import module 'no_such_pkg_xyz\.adapters'"
-                                             r".*PYTHONPATH"),
+        ("torch_fsdp1", (r"unknown FSDP adapter 'torch_fsdp1'.*impl, torch-fsdp1, torch-fsdp2"
+                        r".*pkg\.module:ATTR")),
+        ("no_such_pkg_xyz.adapters:ADAPTER", (r"cannot import module 'no_such_pkg_xyz\.adapters'"
+                                             r".*PYTHONPATH")),
         ("{mod}:MISSING", r"module '{mod}' has no attribute 'MISSING'.*Define it there"),
         ("{mod}:", r"has no attribute ''"),
         ("{mod}:NOT_AN_ADAPTER", r"resolves to 42, which is not an .*Adapter"),

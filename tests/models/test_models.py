@@ -8,8 +8,6 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-import torch.nn as nn
-
 from fsdp_conformance.models import (
     ALWAYS_WRAP,
     AlwaysWrapNestedWrappedModule,
@@ -26,6 +24,7 @@ from fsdp_conformance.models import (
     sleep_cycles,
     sleep_ms,
 )
+from torch import nn
 
 CPU = torch.device("cpu")
 
@@ -91,12 +90,12 @@ def test_model_runs_forward_and_backward_unwrapped(model_class):
     assert all(param.grad is not None for param in model.parameters())
 
 
-@pytest.mark.parametrize("model_class", SIMPLE_MODELS + [MixtureOfExperts])
+@pytest.mark.parametrize("model_class", [*SIMPLE_MODELS, MixtureOfExperts])
 def test_parameters_are_identical_across_ranks_and_inputs_differ(model_class):
     rank0, rank1 = model_class(FakeGroup(0)), model_class(FakeGroup(1))
     again = model_class(FakeGroup(0))
     for (name, p0), (_, p1), (_, p_again) in zip(
-        rank0.named_parameters(), rank1.named_parameters(), again.named_parameters()
+        rank0.named_parameters(), rank1.named_parameters(), again.named_parameters(), strict=True
     ):
         assert torch.equal(p0, p_again), name  # deterministic
         if getattr(p0, "expert", False):
@@ -107,14 +106,15 @@ def test_parameters_are_identical_across_ranks_and_inputs_differ(model_class):
     assert torch.equal(rank0.get_input(CPU)[0], rank0.get_input(CPU)[0])
 
 
-@pytest.mark.parametrize("model_class", SIMPLE_MODELS + [MixtureOfExperts])
+@pytest.mark.parametrize("model_class", [*SIMPLE_MODELS, MixtureOfExperts])
 def test_values_do_not_depend_on_the_global_rng(model_class):
     """Threaded ranks share the global generator: the zoo must not draw values from it."""
     torch.manual_seed(1)
     first = model_class(FakeGroup())
     torch.manual_seed(2)
     second = model_class(FakeGroup())
-    for (name, p1), (_, p2) in zip(first.named_parameters(), second.named_parameters()):
+    pairs = zip(first.named_parameters(), second.named_parameters(), strict=True)
+    for (name, p1), (_, p2) in pairs:
         assert torch.equal(p1, p2), name
     torch.manual_seed(3)
     assert torch.equal(first.get_input(CPU)[0], second.get_input(CPU)[0])

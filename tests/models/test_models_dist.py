@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn as nn
+from fsdp_conformance.models import DummyDDP, MixtureOfExperts, TransformerWithSharedParams
+from torch import nn
 
 from fsdp_conformance.adapters import BUILTIN_ADAPTERS, get_adapter
-from fsdp_conformance.models import DummyDDP, MixtureOfExperts, TransformerWithSharedParams
 
 
 def _gather(tensor: torch.Tensor, world_size: int) -> list[torch.Tensor]:
