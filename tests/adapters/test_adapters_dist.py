@@ -246,3 +246,41 @@ def test_moe_expert_on_one_rank_group(dist, adapter_name):
     gathered = [torch.zeros_like(expert_params["weight"]) for _ in range(dist.world_size)]
     torch.distributed.all_gather(gathered, expert_params["weight"].contiguous())
     assert not torch.equal(gathered[0], gathered[1])  # per-rank experts were never averaged
+
+
+class RecordingDeviceHandle:
+    """Delegates to a real device handle and records which of its members were used."""
+
+    def __init__(self, base) -> None:
+        self._base = base
+        self.used: list[str] = []
+
+    def __getattr__(self, name: str):
+        value = getattr(self._base, name)
+        if callable(value):
+            self.used.append(name)
+        return value
+
+
+def _native_cpu_handle(adapter_name: str):
+    if adapter_name == "impl":
+        from fsdp_conformance.impl.device import CPUDeviceHandle
+
+        return CPUDeviceHandle()
+    from torch.distributed.fsdp._common_utils import _FSDPDeviceHandle
+
+    return _FSDPDeviceHandle.from_device(torch.device("cpu"))
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("adapter_name", BUILTIN_ADAPTERS)
+def test_install_device_handle_routes_streams_and_events(dist, adapter_name):
+    adapter = adapter_or_skip(adapter_name)
+    adapter.require(Feature.DEVICE_HANDLE)
+    model = NestedWrappedModule(dist.group, adapter.wrapper(sharding_strategy="FULL_SHARD"))
+    root = adapter.wrap(model, sharding_strategy="FULL_SHARD")
+    handle = RecordingDeviceHandle(_native_cpu_handle(adapter_name))
+    adapter.install_device_handle(root, handle)
+    train(root, model, dist.device, steps=1)
+    # every reshard records a free event through the handle (the limiter's input)
+    assert handle.used.count("Event") >= 3, handle.used
