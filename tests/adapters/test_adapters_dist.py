@@ -284,3 +284,36 @@ def test_install_device_handle_routes_streams_and_events(dist, adapter_name):
     train(root, model, dist.device, steps=1)
     # every reshard records a free event through the handle (the limiter's input)
     assert handle.used.count("Event") >= 3, handle.used
+
+
+def _resolve(module: nn.Module, dotted: str):
+    """`module.a.b.weight` by attribute access (FSDP wrappers forward attribute lookups)."""
+    for part in dotted.split("."):
+        module = getattr(module, part)
+    return module
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("adapter_name", BUILTIN_ADAPTERS)
+@pytest.mark.parametrize("writeback", [False, True])
+def test_summon_full_params_writeback(dist, adapter_name, writeback):
+    adapter = adapter_or_skip(adapter_name)
+    if writeback:
+        adapter.require(Feature.SUMMON_FULL_PARAMS_WRITEBACK)
+    model = NestedWrappedModule(dist.group, adapter.wrapper())
+    root = adapter.wrap(model)
+    train(root, model, dist.device, steps=1)
+    before = adapter.full_params(root)
+    target = "module.2.weight"  # the parameter of the instance module.2 (16 -> 4)
+    with adapter.summon_full_params(root, writeback=writeback), torch.no_grad():
+        full = _resolve(adapter.unwrap(root), target)
+        assert full.shape == before[target].shape  # the whole parameter, not a shard
+        full.fill_(7.0)
+    after = adapter.full_params(root)
+    if writeback:
+        assert torch.equal(after[target], torch.full_like(before[target], 7.0))
+    else:
+        assert torch.equal(after[target], before[target])
+    for name in before:
+        if name != target:
+            assert torch.equal(after[name], before[name]), name
