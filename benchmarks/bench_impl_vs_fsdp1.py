@@ -10,6 +10,7 @@ alternate for ``--rounds`` rounds (a shared machine's load drifts); the reported
 is the median over rounds of each round's median step. Targets: time ratio <= 1.0,
 memory ratio <= 1.05 (impl / FSDP1).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,9 +57,17 @@ def policy(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
 
 def wrap(name: str, model: nn.Module) -> nn.Module:
     if name == "impl":
-        from fsdp_conformance.impl import BackwardPrefetch, FullyShardedDataParallel, ShardingStrategy
+        from fsdp_conformance.impl import (
+            BackwardPrefetch,
+            FullyShardedDataParallel,
+            ShardingStrategy,
+        )
     else:
-        from torch.distributed.fsdp import BackwardPrefetch, FullyShardedDataParallel, ShardingStrategy
+        from torch.distributed.fsdp import (
+            BackwardPrefetch,
+            FullyShardedDataParallel,
+            ShardingStrategy,
+        )
     return FullyShardedDataParallel(
         model,
         sharding_strategy=ShardingStrategy.FULL_SHARD,
@@ -107,16 +116,22 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     params = sum(p.numel() for p in Transformer().parameters())
-    print(f"{params / 1e6:.1f}M parameters, world size {WORLD_SIZE}, {args.steps} steps x "
-          f"{args.rounds} rounds, torch {torch.__version__}, {platform.machine()} "
-          f"{os.cpu_count()} CPUs", flush=True)
+    print(
+        f"{params / 1e6:.1f}M parameters, world size {WORLD_SIZE}, {args.steps} steps x "
+        f"{args.rounds} rounds, torch {torch.__version__}, {platform.machine()} "
+        f"{os.cpu_count()} CPUs",
+        flush=True,
+    )
     runs: dict[str, list[tuple[float, float, float]]] = {"impl": [], "torch-fsdp1": []}
     for round_index in range(args.rounds):
         for name in runs:
             runs[name].append(measure(name, args.steps))
             step, rss, loss = runs[name][-1]
-            print(f"  round {round_index} {name:12s} median step {step * 1000:8.1f} ms   "
-                  f"peak RSS {rss:7.1f} MiB   last loss {loss:.4f}", flush=True)
+            print(
+                f"  round {round_index} {name:12s} median step {step * 1000:8.1f} ms   "
+                f"peak RSS {rss:7.1f} MiB   last loss {loss:.4f}",
+                flush=True,
+            )
     summary = {
         name: (statistics.median(r[0] for r in rows), max(r[1] for r in rows))
         for name, rows in runs.items()
@@ -124,8 +139,10 @@ def main() -> None:
     for name, (step, rss) in summary.items():
         print(f"{name:12s} median step {step * 1000:8.1f} ms   peak RSS {rss:8.1f} MiB")
     (impl_step, impl_rss), (ref_step, ref_rss) = summary["impl"], summary["torch-fsdp1"]
-    print(f"ratio impl/fsdp1: time {impl_step / ref_step:.3f} (target <= 1.0), "
-          f"memory {impl_rss / ref_rss:.3f} (target <= 1.05)")
+    print(
+        f"ratio impl/fsdp1: time {impl_step / ref_step:.3f} (target <= 1.0), "
+        f"memory {impl_rss / ref_rss:.3f} (target <= 1.05)"
+    )
 
 
 if __name__ == "__main__":

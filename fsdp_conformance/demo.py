@@ -2,6 +2,7 @@
 
 Run: ``python -m fsdp_conformance.demo`` (a few seconds; gloo, FileStore in a temp dir).
 """
+
 from __future__ import annotations
 
 import os

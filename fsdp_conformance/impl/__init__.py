@@ -1,4 +1,5 @@
 """The reference FSDP: flat parameters, rate-limited all-gathers, forward/backward prefetch."""
+
 from __future__ import annotations
 
 from fsdp_conformance.impl.api import (
@@ -21,8 +22,8 @@ from fsdp_conformance.impl.state import HandleTrainingState, TrainingState
 FSDP = FullyShardedDataParallel
 
 __all__ = [
-    "MAX_INFLIGHT",
     "FSDP",
+    "MAX_INFLIGHT",
     "BackwardPrefetch",
     "CPUDeviceHandle",
     "CPUOffload",

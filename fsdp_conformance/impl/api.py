@@ -1,4 +1,5 @@
 """Public configuration types of the reference FSDP (seed vocabulary: torch FSDP1's names)."""
+
 from __future__ import annotations
 
 import enum

@@ -4,6 +4,7 @@ On gloo (CPU) ``async_op=True`` returns a work handle that runs on gloo's thread
 the CPU keeps computing; callers wait on it right before the data is used. On NCCL the
 wait makes the *current* stream wait for the collective.
 """
+
 from __future__ import annotations
 
 from typing import Any

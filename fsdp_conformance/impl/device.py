@@ -5,6 +5,7 @@ are complete at once and streams that are no-ops (on CPU the asynchrony lives in
 gloo work handles). Tests substitute their own handle (e.g. a lagging device whose
 events complete only when synchronised) with ``install_device_handle``.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -61,11 +62,11 @@ class CPUDeviceHandle:
         # the one stream everything runs on
         self._stream = CPUStream()
 
-    def Event(self, **kwargs: Any) -> Any:  # noqa: N802 - mirrors torch.cuda.Event
+    def Event(self, **kwargs: Any) -> Any:
         """Create an event (complete at once)."""
         return CPUEvent()
 
-    def Stream(self, **kwargs: Any) -> Any:  # noqa: N802 - mirrors torch.cuda.Stream
+    def Stream(self, **kwargs: Any) -> Any:
         """Create a stream (all streams are the same on CPU)."""
         return self._stream
 
@@ -96,10 +97,10 @@ class CUDADeviceHandle(CPUDeviceHandle):
         # the CUDA device the streams belong to
         self.device = device
 
-    def Event(self, **kwargs: Any) -> Any:  # noqa: N802
+    def Event(self, **kwargs: Any) -> Any:
         return torch.cuda.Event(**kwargs)
 
-    def Stream(self, **kwargs: Any) -> Any:  # noqa: N802
+    def Stream(self, **kwargs: Any) -> Any:
         return torch.cuda.Stream(device=self.device, **kwargs)
 
     def stream(self, stream: Any) -> contextlib.AbstractContextManager:

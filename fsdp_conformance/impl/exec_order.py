@@ -4,6 +4,7 @@ Forward prefetch follows the pre-forward order recorded on the first iteration (
 graph); backward prefetch follows the reverse of this iteration's post-forward order,
 which is the order the pre-backward hooks fire in.
 """
+
 from __future__ import annotations
 
 from typing import Any

@@ -12,6 +12,7 @@ resizes it back and all-gathers into it. ``unsharded`` shares that storage throu
 ``.data`` but keeps its own version counter, so autograd's saved views stay valid across
 the re-all-gather of backward (the write bumps only ``full_padded``'s counter).
 """
+
 from __future__ import annotations
 
 import math
@@ -97,7 +98,11 @@ class FlatParamHandle:
         self.orig_dtype = unique[0].dtype
 
         # - Sharding
-        padded = math.ceil(self.numel / self.world_size) * self.world_size if self.sharded else self.numel
+        padded = (
+            math.ceil(self.numel / self.world_size) * self.world_size
+            if self.sharded
+            else self.numel
+        )
         # element count of the padded unsharded flat parameter
         self.padded_numel = padded
         # element count of one rank's shard

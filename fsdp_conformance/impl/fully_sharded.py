@@ -1,4 +1,5 @@
 """The module wrapper: construction and validation, forward, summon_full_params, state dicts."""
+
 from __future__ import annotations
 
 import contextlib
@@ -183,9 +184,7 @@ class FullyShardedDataParallel(nn.Module):
                 param._fsdp_flattened = True
             self.register_parameter("_flat_param", self._handle.flat_param)
             if self._handle.requires_grad:
-                self._handle.unsharded.register_post_accumulate_grad_hook(
-                    _PostBackwardHook(self)
-                )
+                self._handle.unsharded.register_post_accumulate_grad_hook(_PostBackwardHook(self))
         module.__dict__["_fsdp_wrapped"] = True
         # the wrapped module (public as ``module``)
         self._fsdp_wrapped_module = module
@@ -220,7 +219,9 @@ class FullyShardedDataParallel(nn.Module):
             return getattr(self._fsdp_wrapped_module, name)
 
     def _fsdp_name(self) -> str:
-        inner = type(self.__dict__["_modules"][_WRAPPED]).__name__ if _WRAPPED in self._modules else "?"
+        inner = (
+            type(self.__dict__["_modules"][_WRAPPED]).__name__ if _WRAPPED in self._modules else "?"
+        )
         where = self._fqn if self._fqn else "<root>" if self._is_root else "<not yet initialized>"
         return f"'{where}' ({inner})"
 
@@ -374,7 +375,9 @@ class FullyShardedDataParallel(nn.Module):
                     if slot.name not in names:
                         names.append(slot.name)
 
-        def walk(module: nn.Module, prefix: str) -> Iterator[tuple[str, str, nn.Module, str | None]]:
+        def walk(
+            module: nn.Module, prefix: str
+        ) -> Iterator[tuple[str, str, nn.Module, str | None]]:
             if isinstance(module, FullyShardedDataParallel):
                 if module._handle is not None:
                     yield "flat", prefix + "_flat_param", module, None
@@ -412,7 +415,9 @@ class FullyShardedDataParallel(nn.Module):
             offload_to_cpu: full form only; tensors are returned on CPU.
         """
         if args:
-            destination, prefix, keep_vars = (list(args) + [destination, prefix, keep_vars][len(args):])[:3]
+            destination, prefix, keep_vars = (
+                list(args) + [destination, prefix, keep_vars][len(args) :]
+            )[:3]
         result: dict[str, Any] = destination if destination is not None else {}
         if state_dict_type == StateDictType.SHARDED_STATE_DICT:
             for kind, name, module, attr in self._state_entries():
@@ -461,7 +466,9 @@ class FullyShardedDataParallel(nn.Module):
             assign: unsupported (must be False).
         """
         if assign:
-            raise ValueError("FullyShardedDataParallel.load_state_dict does not support assign=True")
+            raise ValueError(
+                "FullyShardedDataParallel.load_state_dict does not support assign=True"
+            )
         entries = list(self._state_entries())
         sharded = any(isinstance(v, ShardedFlatParameter) for v in state_dict.values())
         if sharded:
@@ -528,7 +535,9 @@ def _check_arguments(
             f"{type(module.module).__name__}); wrap each module once"
         )
     if not isinstance(module, nn.Module):
-        raise TypeError(f"FullyShardedDataParallel expects an nn.Module, got {type(module).__name__}")
+        raise TypeError(
+            f"FullyShardedDataParallel expects an nn.Module, got {type(module).__name__}"
+        )
     if module.__dict__.get("_fsdp_wrapped", False):
         raise ValueError(
             f"{type(module).__name__} is already wrapped by another FullyShardedDataParallel "
@@ -539,7 +548,9 @@ def _check_arguments(
     if cpu_offload is not None and not isinstance(cpu_offload, CPUOffload):
         raise TypeError(f"cpu_offload must be CPUOffload or None, got {cpu_offload!r}")
     if backward_prefetch is not None and not isinstance(backward_prefetch, BackwardPrefetch):
-        raise TypeError(f"backward_prefetch must be BackwardPrefetch or None, got {backward_prefetch!r}")
+        raise TypeError(
+            f"backward_prefetch must be BackwardPrefetch or None, got {backward_prefetch!r}"
+        )
     if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
         raise TypeError(f"mixed_precision must be MixedPrecision or None, got {mixed_precision!r}")
 
@@ -634,7 +645,11 @@ def _compute_device(
             "(module.to_empty(device=...) and initialize) before wrapping it with FSDP"
         )
     if device_id is not None:
-        device = torch.device("cuda", device_id) if isinstance(device_id, int) else torch.device(device_id)
+        device = (
+            torch.device("cuda", device_id)
+            if isinstance(device_id, int)
+            else torch.device(device_id)
+        )
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", 0)
         return device
@@ -695,8 +710,11 @@ def _sync_module_states(
         if other == reference:
             continue
         detail = next(
-            (f"'{a[0]}' is {a[1]} {a[2]} on rank 0 but {b[1]} {b[2]} on rank {rank}"
-             for a, b in zip(reference, other) if a != b),
+            (
+                f"'{a[0]}' is {a[1]} {a[2]} on rank 0 but {b[1]} {b[2]} on rank {rank}"
+                for a, b in zip(reference, other)
+                if a != b
+            ),
             f"rank 0 has {len(reference)} tensors, rank {rank} has {len(other)}",
         )
         raise ValueError(

@@ -20,6 +20,7 @@ Exactly two call sites (``runtime.py``): ``enqueue`` right after the free at res
 ``dequeue_if_needed`` (+ synchronize inside the profiler range
 ``FullyShardedDataParallel.rate_limiter``) before issuing an all-gather.
 """
+
 from __future__ import annotations
 
 import collections

@@ -13,6 +13,7 @@ stream, reductions on the post-backward stream. The root's pre-forward makes bot
 for the compute stream (optimizer step). Memory allocated on one stream and released
 while another still reads it is protected with ``record_stream``.
 """
+
 from __future__ import annotations
 
 import collections
@@ -275,7 +276,9 @@ def post_forward(instance: FSDP, output: Any) -> Any:
         reshard(instance)
     instance._ran_forward = True
     transition(instance, HandleTrainingState.IDLE, "post-forward")
-    tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+    tensors = [
+        t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad
+    ]
     if torch.is_grad_enabled():
         for tensor in tensors:
             tensor.register_hook(functools.partial(pre_backward_hook, instance))
@@ -290,9 +293,7 @@ def pre_backward_hook(instance: FSDP, grad: torch.Tensor) -> None:
     state = instance._root_state
     if not state.callback_queued:
         state.callback_queued = True
-        Variable._execution_engine.queue_callback(
-            functools.partial(finish_iteration, state.root)
-        )
+        Variable._execution_engine.queue_callback(functools.partial(finish_iteration, state.root))
     if instance._ran_pre_backward:
         return
     instance._ran_pre_backward = True

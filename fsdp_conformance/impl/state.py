@@ -1,4 +1,5 @@
 """Training states (DESIGN §4) and their legal transitions."""
+
 from __future__ import annotations
 
 import enum

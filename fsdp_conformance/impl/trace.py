@@ -8,6 +8,7 @@ all-gathered buffer; ``info["event"]`` is its free event), ``"reduce_scatter"``,
 
 ``emit`` is a no-op while nobody observes.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -4,6 +4,7 @@ Self-contained on purpose (the model zoo is a separate package). Every model tak
 ``group`` and ``wrap`` (``wrap(module, **overrides) -> nn.Module``; ``None``: no wrapping,
 the DDP reference) and provides ``get_input``, ``get_loss`` and ``run_backward``.
 """
+
 from __future__ import annotations
 
 import copy
@@ -91,7 +92,9 @@ class TiedTransformer(nn.Module):
         return src, tgt
 
     def forward(self, src_ids: torch.Tensor, tgt_ids: torch.Tensor) -> torch.Tensor:
-        src = self.embed_tokens(src_ids) + self.vocab_bias + self.long_buffer.type_as(self.vocab_bias)
+        src = (
+            self.embed_tokens(src_ids) + self.vocab_bias + self.long_buffer.type_as(self.vocab_bias)
+        )
         tgt = self.embed_tokens(tgt_ids)
         return self.output_proj(self.transformer(src, tgt))  # (T, B, V)
 
@@ -163,7 +166,9 @@ def expert_group_for_rank(world_size: int) -> Any:
     return groups[dist.get_rank()]
 
 
-def train(model: nn.Module, steps: int = 3, lr: float = 0.01, check: Callable | None = None) -> list[torch.Tensor]:
+def train(
+    model: nn.Module, steps: int = 3, lr: float = 0.01, check: Callable | None = None
+) -> list[torch.Tensor]:
     """SGD+momentum(0.9) steps; returns the detached losses (fp32)."""
     inner = model.module
     optim = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
@@ -181,7 +186,9 @@ def train(model: nn.Module, steps: int = 3, lr: float = 0.01, check: Callable | 
     return losses
 
 
-def reference_run(make: Callable[[Wrap | None], nn.Module], steps: int = 3, ddp: bool = True) -> tuple[list, dict]:
+def reference_run(
+    make: Callable[[Wrap | None], nn.Module], steps: int = 3, ddp: bool = True
+) -> tuple[list, dict]:
     """Losses and final state dict of the unwrapped model under DDP (or DummyDDP)."""
     model = make(None)
     wrapped = nn.parallel.DistributedDataParallel(model) if ddp else DummyDDP(model)
@@ -189,7 +196,12 @@ def reference_run(make: Callable[[Wrap | None], nn.Module], steps: int = 3, ddp:
     return losses, copy.deepcopy(model.state_dict())
 
 
-def fsdp_run(make: Callable[[Wrap | None], nn.Module], steps: int = 3, check: Callable | None = None, **config: Any) -> tuple[list, dict, FSDP]:
+def fsdp_run(
+    make: Callable[[Wrap | None], nn.Module],
+    steps: int = 3,
+    check: Callable | None = None,
+    **config: Any,
+) -> tuple[list, dict, FSDP]:
     """Losses and final full state dict of the model under the reference FSDP."""
 
     def wrap(module: nn.Module, **overrides: Any) -> nn.Module:

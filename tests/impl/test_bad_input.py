@@ -3,6 +3,7 @@
 Errors that need no collective are triggered on rank 0 only: if the check ran after a
 collective, rank 0 would hang and the harness timeout would fail the test.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -82,7 +83,9 @@ def test_sharded_state_dict_with_wrong_world_size(dist):
     entry = state["_flat_param"]
     state["_flat_param"] = ShardedFlatParameter(entry.shard, entry.rank, 4, entry.unpadded_numel)
     if dist.rank == 0:
-        with pytest.raises(ValueError, match="saved with world size 4 .* size 2; load a full state"):
+        with pytest.raises(
+            ValueError, match="saved with world size 4 .* size 2; load a full state"
+        ):
             model.load_state_dict(state)
     before = model.flat_param.detach().clone()
     assert torch.equal(model.flat_param, before)  # nothing was loaded
@@ -92,7 +95,9 @@ def test_sharded_state_dict_with_wrong_world_size(dist):
 def test_sync_module_states_with_different_shapes(dist):
     torch.manual_seed(0)
     module = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4 + dist.rank))
-    with pytest.raises(ValueError, match=r"'1\.weight' is \(4, 4\) .* on rank 0 but \(5, 4\) .* on rank 1"):
+    with pytest.raises(
+        ValueError, match=r"'1\.weight' is \(4, 4\) .* on rank 0 but \(5, 4\) .* on rank 1"
+    ):
         FSDP(module, sync_module_states=True)
 
 

@@ -5,6 +5,7 @@ synchronizes on them (or on a later one), so every free stays outstanding until 
 limiter waits for it. Residency (all-gather issued until its free event completed) is
 reconstructed from the trace.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -33,7 +34,7 @@ class LaggingDevice(CPUDeviceHandle):
         self.recorded = 0  # sequence number of the last recorded event
         self.completed = 0  # every event with seq <= completed has completed
 
-    def Event(self, **kwargs):  # noqa: N802
+    def Event(self, **kwargs):
         return LaggingEvent(self)
 
     def synchronize(self) -> None:
@@ -107,9 +108,10 @@ def run_lagging(dist, check_rule: bool = False, model_class=FlatSequential, **co
     model = FullyShardedDataParallel(model_class(dist.group, wrap), **config)
     install_device_handle(model, LaggingDevice())
     recorder = Recorder(check_rule)
-    with trace.observe(recorder), torch.profiler.profile(
-        activities=[torch.profiler.ProfilerActivity.CPU]
-    ) as prof:
+    with (
+        trace.observe(recorder),
+        torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof,
+    ):
         train(model, steps=2)
     ranges = sum(1 for e in prof.events() if e.name == "FullyShardedDataParallel.rate_limiter")
     return recorder, ranges

@@ -3,6 +3,7 @@
 Bit-exact in fp32 at world sizes 1 and 2; within 1e-6 at world size 4 (reduction order).
 Each test loops over its configurations inside one rank body (process start-up dominates).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -61,7 +62,9 @@ def assert_parity(reference: tuple, candidate: tuple, config: dict, atol: float 
             torch.testing.assert_close(actual, expected, atol=atol, rtol=0, msg=f"{config}: {name}")
     for step, (loss, expected) in enumerate(zip(losses, ref_losses)):
         if atol == 0.0:
-            assert torch.equal(loss, expected), f"{config}: loss of step {step}: {loss} != {expected}"
+            assert torch.equal(loss, expected), (
+                f"{config}: loss of step {step}: {loss} != {expected}"
+            )
         else:
             # a summed loss of magnitude ~10 carries a few ulps of reduction-order noise
             torch.testing.assert_close(loss, expected, atol=atol, rtol=1e-6)
@@ -73,7 +76,9 @@ def check_step_state(offload: bool):
     def check(model: FullyShardedDataParallel) -> None:
         for instance in FullyShardedDataParallel.fsdp_modules(model):
             instance._assert_state(TrainingState.IDLE)
-            assert not instance.is_unsharded or instance._handle.strategy == ShardingStrategy.NO_SHARD
+            assert (
+                not instance.is_unsharded or instance._handle.strategy == ShardingStrategy.NO_SHARD
+            )
         if offload:
             assert {p.device.type for p in model.parameters()} == {"cpu"}
 
@@ -84,7 +89,9 @@ def run_all(dist, make, configs, ddp=True, atol=0.0) -> None:
     reference = reference_run(make, ddp=ddp)
     for config in configs:
         offload = config["cpu_offload"].offload_params
-        assert_parity(reference, fsdp_run(make, check=check_step_state(offload), **config), config, atol)
+        assert_parity(
+            reference, fsdp_run(make, check=check_step_state(offload), **config), config, atol
+        )
 
 
 @pytest.mark.world_size(2)
@@ -94,7 +101,9 @@ def test_nested_sequential_all_configs(dist):
 
 def covering_configs() -> list[dict]:
     """Every strategy x backward prefetch x forward prefetch; limiter and offload alternate."""
-    configs = [c for c in all_configs() if c["limit_all_gathers"] and not c["cpu_offload"].offload_params]
+    configs = [
+        c for c in all_configs() if c["limit_all_gathers"] and not c["cpu_offload"].offload_params
+    ]
     for index, config in enumerate(configs):
         config["limit_all_gathers"] = index % 2 == 0
         config["cpu_offload"] = CPUOffload(offload_params=index % 3 == 0)
@@ -118,12 +127,27 @@ def test_mixture_of_experts_all_configs(dist):
 
 
 SUBSET = [
-    dict(sharding_strategy=ShardingStrategy.FULL_SHARD, backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
-         forward_prefetch=True, limit_all_gathers=True, cpu_offload=CPUOffload()),
-    dict(sharding_strategy=ShardingStrategy.SHARD_GRAD_OP, backward_prefetch=BackwardPrefetch.BACKWARD_POST,
-         forward_prefetch=False, limit_all_gathers=False, cpu_offload=CPUOffload(offload_params=True)),
-    dict(sharding_strategy=ShardingStrategy.NO_SHARD, backward_prefetch=None,
-         forward_prefetch=False, limit_all_gathers=True, cpu_offload=CPUOffload()),
+    dict(
+        sharding_strategy=ShardingStrategy.FULL_SHARD,
+        backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
+        forward_prefetch=True,
+        limit_all_gathers=True,
+        cpu_offload=CPUOffload(),
+    ),
+    dict(
+        sharding_strategy=ShardingStrategy.SHARD_GRAD_OP,
+        backward_prefetch=BackwardPrefetch.BACKWARD_POST,
+        forward_prefetch=False,
+        limit_all_gathers=False,
+        cpu_offload=CPUOffload(offload_params=True),
+    ),
+    dict(
+        sharding_strategy=ShardingStrategy.NO_SHARD,
+        backward_prefetch=None,
+        forward_prefetch=False,
+        limit_all_gathers=True,
+        cpu_offload=CPUOffload(),
+    ),
 ]
 
 
@@ -157,7 +181,10 @@ def test_world_size_1(dist):
 @pytest.mark.world_size(2)
 def test_bf16_mixed_precision_close_to_fp32_ddp(dist):
     mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
-    make = lambda wrap: NestedSequential(dist.group, wrap)  # noqa: E731
+
+    def make(wrap):
+        return NestedSequential(dist.group, wrap)
+
     ref_losses, ref_state = reference_run(make)
     for strategy in STRATEGIES:
         losses, state, model = fsdp_run(make, mixed_precision=mp, sharding_strategy=strategy)

@@ -1,4 +1,5 @@
 """summon_full_params, state dicts, no_sync, training states, wrapping, prefetch traces."""
+
 from __future__ import annotations
 
 import copy
@@ -70,7 +71,9 @@ def test_summon_without_recurse_leaves_nested_sharded(dist):
 
 @pytest.mark.world_size(2)
 def test_full_and_sharded_state_dict_round_trip(dist):
-    make = lambda w: TiedTransformer(dist.group, w)  # noqa: E731
+    def make(w):
+        return TiedTransformer(dist.group, w)
+
     original = TiedTransformer(dist.group, None).state_dict()
     model = wrapped(make)
     full = model.state_dict()
@@ -105,7 +108,9 @@ def test_full_and_sharded_state_dict_round_trip(dist):
 
 @pytest.mark.world_size(2)
 def test_no_sync_accumulates_then_reduces_like_ddp(dist):
-    make = lambda w: NestedSequential(dist.group, w)  # noqa: E731
+    def make(w):
+        return NestedSequential(dist.group, w)
+
     ddp = nn.parallel.DistributedDataParallel(make(None))
     model = wrapped(make)
     for net in (ddp, model):
@@ -123,9 +128,8 @@ def test_no_sync_accumulates_then_reduces_like_ddp(dist):
     assert reference
     for name in expected:
         assert torch.equal(actual[name], expected[name]), name
-    with pytest.raises(RuntimeError, match="non-root"):
-        with model.module.module[2].no_sync():
-            pass
+    with pytest.raises(RuntimeError, match="non-root"), model.module.module[2].no_sync():
+        pass
 
 
 @pytest.mark.world_size(2)
@@ -171,7 +175,11 @@ def test_collective_counts_and_prefetch_trace(dist):
         (dict(sharding_strategy=ShardingStrategy.FULL_SHARD), 4),
         (dict(sharding_strategy=ShardingStrategy.SHARD_GRAD_OP), 0),
     ]:
-        for backward_prefetch in [None, BackwardPrefetch.BACKWARD_PRE, BackwardPrefetch.BACKWARD_POST]:
+        for backward_prefetch in [
+            None,
+            BackwardPrefetch.BACKWARD_PRE,
+            BackwardPrefetch.BACKWARD_POST,
+        ]:
             all_config = dict(config, backward_prefetch=backward_prefetch, forward_prefetch=True)
             inner = FlatSequential(dist.group, lambda m, **kw: FSDP(m, **all_config, **kw))
             inner.module.append(nn.Linear(8, 8))  # give the root its own parameters
@@ -191,7 +199,8 @@ def test_collective_counts_and_prefetch_trace(dist):
                 if backward_prefetch is not None and backward_ag:
                     assert prefetches, "backward prefetch never happened"
                     assert {o[2]["direction"] for o in prefetches} == {
-                        "backward_pre" if backward_prefetch == BackwardPrefetch.BACKWARD_PRE
+                        "backward_pre"
+                        if backward_prefetch == BackwardPrefetch.BACKWARD_PRE
                         else "backward_post"
                     }
                     # every prefetch issues the target's all-gather right away
@@ -246,7 +255,11 @@ def test_auto_wrap_policy_and_ignored_modules(dist):
     ignored = inner[3]
     model = FSDP(inner, auto_wrap_policy=policy, ignored_modules=[ignored])
     instances = FSDP.fsdp_modules(model)
-    assert len(instances) == 3 and isinstance(model.module[0], FSDP) and isinstance(model.module[2], FSDP)
+    assert (
+        len(instances) == 3
+        and isinstance(model.module[0], FSDP)
+        and isinstance(model.module[2], FSDP)
+    )
     assert ("Linear", False, 20) in calls
     names = [n for n, _ in model.named_parameters()]
     assert "module.3.weight" in " ".join(n.replace("_fsdp_wrapped_module", "module") for n in names)
@@ -260,7 +273,9 @@ def test_auto_wrap_policy_and_ignored_modules(dist):
 
 @pytest.mark.world_size(2)
 def test_cpu_offload_keeps_parameters_on_cpu_without_accelerator(dist):
-    make = lambda w: NestedSequential(dist.group, w)  # noqa: E731
+    def make(w):
+        return NestedSequential(dist.group, w)
+
     model = wrapped(make, cpu_offload=CPUOffload(offload_params=True))
     for param in model.parameters():
         assert param.device.type == "cpu" and not param.is_pinned()
@@ -309,7 +324,9 @@ class Checkpointed(nn.Module):
 
 @pytest.mark.world_size(2)
 def test_activation_checkpoint_recompute_matches_ddp(dist):
-    make = lambda w: Checkpointed(dist.group, w)  # noqa: E731
+    def make(w):
+        return Checkpointed(dist.group, w)
+
     ref_losses, ref_state = reference_run(make)
     for strategy in ShardingStrategy:
         losses, state, _ = fsdp_run(make, sharding_strategy=strategy)
