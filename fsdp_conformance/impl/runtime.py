@@ -149,13 +149,16 @@ def reshard(instance: FSDP) -> None:
     device = instance._device_handle
     if handle.all_gather_pending:
         wait_unshard(instance)
+    if not handle.sharded:
+        handle.free(device)
+        return
+    # observers hear of the free before it happens; the event they get is recorded right after
+    free_event = device.Event()
+    trace.emit("free", instance, event=free_event)
     handle.free(device)
-    if handle.sharded:
-        free_event = device.Event()
-        free_event.record()
-        trace.emit("free", instance, event=free_event)
-        if instance.limit_all_gathers:
-            instance._root_state.free_events.enqueue(free_event)
+    free_event.record()
+    if instance.limit_all_gathers:
+        instance._root_state.free_events.enqueue(free_event)
 
 
 def prefetch(instance: FSDP, direction: str) -> None:

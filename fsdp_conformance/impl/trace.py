@@ -1,7 +1,8 @@
 """Observation hook: one ``emit`` call per communication/memory event.
 
-Ops (``op`` argument): ``"all_gather"`` (issue), ``"all_gather_wait"``, ``"free"`` (of an
-all-gathered buffer; ``info["event"]`` is its free event), ``"reduce_scatter"``,
+Every event is emitted just *before* its operation. Ops (``op`` argument): ``"all_gather"``
+(issue), ``"all_gather_wait"``, ``"free"`` (of an all-gathered buffer; ``info["event"]`` is its
+free event, recorded right after the free, i.e. after the callbacks return), ``"reduce_scatter"``,
 ``"all_reduce"``, ``"rate_limiter_wait"`` (``info["event"]`` is the event waited on),
 ``"prefetch"`` (``info["target"]``: the instance prefetched, ``info["direction"]``:
 ``"forward"``, ``"backward_pre"`` or ``"backward_post"``).
