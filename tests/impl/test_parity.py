@@ -179,6 +179,26 @@ def test_world_size_1(dist):
 
 
 @pytest.mark.world_size(2)
+def test_parity_check_catches_a_wrong_gradient(dist):
+    from unittest import mock
+
+    from fsdp_conformance.impl.flat_param import FlatParamHandle
+
+    original = FlatParamHandle.finish_grad_reduction
+
+    def off_by_one_ulp(self, pending):  # broken variant: the reduced gradient is nudged
+        original(self, pending)
+        self.flat_param.grad.mul_(1 + 2**-20)
+
+    def make(wrap):
+        return NestedSequential(dist.group, wrap)
+
+    broken = mock.patch.object(FlatParamHandle, "finish_grad_reduction", off_by_one_ulp)
+    with broken, pytest.raises(AssertionError, match="differs by"):
+        run_all(dist, make, SUBSET[:1])
+
+
+@pytest.mark.world_size(2)
 def test_bf16_mixed_precision_close_to_fp32_ddp(dist):
     mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
 

@@ -171,6 +171,21 @@ def test_training_states_follow_design(dist):
 @pytest.mark.world_size(2)
 def test_collective_counts_and_prefetch_trace(dist):
     """FULL_SHARD: forward AG = n, backward AG = n - 1 (root kept), RS = n; prefetches happen."""
+    check_counts_and_prefetch(dist)
+
+
+@pytest.mark.world_size(2)
+def test_prefetch_check_catches_missing_prefetch(dist):
+    from unittest import mock
+
+    from fsdp_conformance.impl.exec_order import ExecOrder
+
+    no_target = mock.patch.object(ExecOrder, "backward_prefetch_target", lambda self, i: None)
+    with no_target, pytest.raises(AssertionError, match="backward prefetch never happened"):
+        check_counts_and_prefetch(dist)
+
+
+def check_counts_and_prefetch(dist):
     for config, backward_ag in [
         (dict(sharding_strategy=ShardingStrategy.FULL_SHARD), 4),
         (dict(sharding_strategy=ShardingStrategy.SHARD_GRAD_OP), 0),
