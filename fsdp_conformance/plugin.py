@@ -11,6 +11,7 @@ A test that asks for the ``dist`` fixture runs in every rank::
 Import-light: torch is imported only inside hooks and fixtures (and, for the process modes,
 only in the rank processes).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -116,9 +117,7 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers",
         "fsdp_mode(name): run this test's ranks as 'process', 'process-fresh' or 'thread'",
     )
-    config.addinivalue_line(
-        "markers", "fsdp_timeout(seconds): per-test override of --fsdp-timeout"
-    )
+    config.addinivalue_line("markers", "fsdp_timeout(seconds): per-test override of --fsdp-timeout")
     config.addinivalue_line(
         "markers", "gpus(n): the test needs n GPUs (skipped with a reason when fewer exist)"
     )
@@ -182,9 +181,7 @@ def dist(request: pytest.FixtureRequest) -> Any:
     from fsdp_conformance.world.context import DistPlaceholder
 
     state = request.config.stash[STATE_KEY]
-    return DistPlaceholder(
-        _world_size(request.node, state), _mode(request.node, state), state.impl
-    )
+    return DistPlaceholder(_world_size(request.node, state), _mode(request.node, state), state.impl)
 
 
 @pytest.fixture(scope="session")
@@ -224,7 +221,8 @@ def _gpus_needed(item: pytest.Item, world_size: int) -> int:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
-    if "dist" not in pyfuncitem._fixtureinfo.argnames:
+    # also tests that get `dist` only through another fixture run in the ranks
+    if "dist" not in pyfuncitem.fixturenames:
         return None
     from fsdp_conformance.world import runtime as runtime_module
     from fsdp_conformance.world.execute import build_kwargs
@@ -233,15 +231,13 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     state = pyfuncitem.config.stash[STATE_KEY]
     runtime = state.get_runtime()
     world_size = _world_size(pyfuncitem, state)
-    kwargs = {
-        name: pyfuncitem.funcargs[name]
-        for name in pyfuncitem._fixtureinfo.argnames
-        if name != "dist"
-    }
+    argnames = pyfuncitem._fixtureinfo.argnames
+    kwargs = {name: pyfuncitem.funcargs[name] for name in argnames if name != "dist"}
+    wants_dist = "dist" in argnames
     function = pyfuncitem.obj
 
     def thread_body(ctx: Any) -> None:
-        function(**build_kwargs(kwargs, ctx))
+        function(**build_kwargs(kwargs, ctx, wants_dist))
 
     request = runtime_module.TestRequest(
         target=_target(pyfuncitem),
@@ -252,6 +248,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         timeout=float(_marker_arg(pyfuncitem, "fsdp_timeout", state.timeout)),
         gpus=_gpus_needed(pyfuncitem, world_size),
         thread_body=thread_body,
+        wants_dist=wants_dist,
     )
     try:
         result = runtime.run(request)

@@ -2,6 +2,7 @@
 
 Importing this package does not import torch; names resolve on first access.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -23,7 +24,20 @@ _EXPORTS: dict[str, str] = {
     "device_sleep": "fsdp_conformance.world.fsdp_test",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "DummyProcessGroup",
+    "FSDPInitMode",
+    "FSDPTest",
+    "InRank",
+    "RankContext",
+    "Runtime",
+    "RuntimeOptions",
+    "current_context",
+    "device_sleep",
+    "get_cycles_per_ms",
+    "get_full_params",
+    "get_runtime",
+]
 
 
 def __getattr__(name: str) -> Any:

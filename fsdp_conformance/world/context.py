@@ -1,4 +1,5 @@
 """The ``dist`` object a test body receives in every rank."""
+
 from __future__ import annotations
 
 import dataclasses

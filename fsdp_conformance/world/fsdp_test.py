@@ -11,6 +11,7 @@ plus the helpers of torch's FSDP test utilities, in the shape of the seed
 Runs under pytest (with the plugin's ``--fsdp-mode`` / ``--fsdp-timeout``) and under plain
 ``python -m unittest`` (``FSDP_CONFORMANCE_MODE`` / ``FSDP_CONFORMANCE_TIMEOUT``).
 """
+
 from __future__ import annotations
 
 import enum
@@ -19,7 +20,8 @@ import itertools
 import sys
 import time
 import unittest
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from fsdp_conformance.world import gpus
 from fsdp_conformance.world.protocol import FAILED, SKIPPED, XFAILED, TestTarget
@@ -38,9 +40,9 @@ class FSDPInitMode(enum.Enum):
     # Don't move the model to the device at all
     DEVICE_NEVER = 3
     # The seed's names
-    CUDA_BEFORE = 1
-    CUDA_AFTER = 2
-    CUDA_NEVER = 3
+    CUDA_BEFORE = 1  # noqa: PIE796  (alias of DEVICE_BEFORE)
+    CUDA_AFTER = 2  # noqa: PIE796  (alias of DEVICE_AFTER)
+    CUDA_NEVER = 3  # noqa: PIE796  (alias of DEVICE_NEVER)
 
 
 class DummyProcessGroup:
@@ -71,7 +73,7 @@ def get_full_params(model: Any) -> list[Any]:
     try:
         from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
     except ImportError:  # pragma: no cover
-        TorchFSDP = None  # noqa: N806
+        TorchFSDP = None
     if TorchFSDP is not None and isinstance(model, TorchFSDP):
         context = TorchFSDP.summon_full_params(model)
     elif callable(getattr(model, "summon_full_params", None)):
@@ -85,7 +87,7 @@ def get_full_params(model: Any) -> list[Any]:
         ]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def get_cycles_per_ms() -> float:
     """GPU clock cycles per millisecond for ``torch.cuda._sleep``, calibrated once (median
     of several runs; CUDA only).

@@ -6,6 +6,7 @@ disappears with the process that held it, so a crashed worker never strands a GP
 ``FSDP_CONFORMANCE_FAKE_GPUS=N`` pretends N GPUs exist (the pool logic then runs on a CPU
 host; the ranks use gloo on CPU and ``dist.gpu_ids`` shows the GPUs they hold).
 """
+
 from __future__ import annotations
 
 import fcntl

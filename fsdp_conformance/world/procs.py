@@ -4,6 +4,7 @@ A :class:`RankSet` is ``world_size`` processes that initialised one default proc
 (FileStore rendezvous in the set's private directory) and then run tests on request.
 ``process`` mode keeps a set across tests; ``process-fresh`` makes one per test.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -208,6 +209,10 @@ class RankSet:
         except subprocess.TimeoutExpired:
             return None
 
+    def healthy(self) -> bool:
+        """Every rank is still running (a rank may die between tests, e.g. killed by OOM)."""
+        return not self.closed and all(proc.poll() is None for proc in self.procs)
+
     # -------------------------------------------------------------------------
     # Running a test
 
@@ -232,7 +237,9 @@ class RankSet:
             pending = dict(enumerate(self.conns))
             while pending:
                 now = time.monotonic()
-                limit = deadline if trouble_since is None else min(deadline, trouble_since + GRACE_S)
+                limit = (
+                    deadline if trouble_since is None else min(deadline, trouble_since + GRACE_S)
+                )
                 if now >= limit:
                     dumps = self._dump_stacks(list(pending))
                     for rank in pending:

@@ -3,10 +3,12 @@
 Torch-free: the parent of ``process`` / ``process-fresh`` ranks never needs torch.
 Everything here is pickled over the parent <-> rank connection.
 """
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 # Seed every rank's RNGs (torch, random, numpy) with before each test; tests that want
 # rank-dependent data seed themselves.
@@ -60,6 +62,8 @@ class RankTask:
     impl: str
     # deadline for collectives the rank starts (seconds)
     timeout: float
+    # whether the test function takes `dist` (it may get it only through a fixture)
+    wants_dist: bool = True
 
 
 @dataclasses.dataclass

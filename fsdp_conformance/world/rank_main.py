@@ -10,6 +10,7 @@ ranks sometimes abort during interpreter-exit garbage collection after
 ``destroy_process_group`` ("THPVariable_clear INTERNAL ASSERT", "terminate called without
 an active exception"), which would turn a passing test into a crash report.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -44,7 +45,7 @@ def _leave(code: int) -> None:
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001, S110  (a closed stream must not stop the exit)
             pass
     os._exit(code)
 
@@ -143,7 +144,7 @@ class _RankProcess:
                 finally:
                     _current_context.ctx = None
             else:
-                call(**execute.build_kwargs(values, ctx))
+                call(**execute.build_kwargs(values, ctx, task.wants_dist))
 
         execute.seed_all(task.seed)
         return execute.call_and_classify(self.rank, body)
@@ -156,7 +157,9 @@ class _RankProcess:
         os.environ["RANK"] = str(self.rank)
         os.environ["LOCAL_RANK"] = str(self.rank)
         os.environ["WORLD_SIZE"] = str(self.world_size)
-        sys.path[:] = list(task.sys_path) + [p for p in self.base_sys_path if p not in task.sys_path]
+        sys.path[:] = list(task.sys_path) + [
+            p for p in self.base_sys_path if p not in task.sys_path
+        ]
         try:
             os.chdir(task.cwd)
         except OSError:

@@ -1,4 +1,5 @@
 """Turning the ranks' outcomes of one test into one verdict and one readable message."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -70,7 +71,9 @@ def _failure_message(
         if not details:
             continue
         if details in shown:
-            lines.append(f"\n===== rank {outcome.rank}: same traceback as rank {shown[details]} =====")
+            lines.append(
+                f"\n===== rank {outcome.rank}: same traceback as rank {shown[details]} ====="
+            )
             continue
         shown[details] = outcome.rank
         title = "stack dump" if outcome.status == HUNG else "traceback"

@@ -5,6 +5,7 @@ One :class:`Runtime` per pytest process (the plugin keeps it in ``config.stash``
 pytest-xdist worker has its own). :func:`get_runtime` gives FSDPTest the active one, or a
 default one outside pytest.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -14,7 +15,8 @@ import pickle
 import shutil
 import sys
 import tempfile
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from fsdp_conformance.world import gpus, report
 from fsdp_conformance.world.procs import RankSet, RankSetError
@@ -79,6 +81,8 @@ class TestRequest:
     gpus: int = 0
     # thread mode: called in each rank thread with the rank's context
     thread_body: Callable[[Any], None] | None = None
+    # whether the test function takes `dist` itself (else only through a fixture)
+    wants_dist: bool = True
 
 
 @dataclasses.dataclass
@@ -102,7 +106,7 @@ def pickle_kwargs(kwargs: dict[str, Any]) -> bytes:
     """Pickle fixture values for rank processes, naming the fixture that cannot be sent."""
     try:
         return pickle.dumps(kwargs)
-    except Exception:  # noqa: BLE001  find out which value it was
+    except Exception:  # noqa: BLE001, S110  find out which value it was, below
         pass
     for name, value in kwargs.items():
         try:
@@ -188,7 +192,18 @@ class Runtime:
         )
         if want_gpus and request.world_size > total:
             return RunResult(
-                report.Verdict(SKIPPED, f"needs {request.world_size} GPUs (one per rank), {total} available"),
+                report.Verdict(
+                    SKIPPED, f"needs {request.world_size} GPUs (one per rank), {total} available"
+                ),
+                {},
+            )
+        if self.options.backend == "nccl" and not want_gpus:
+            return RunResult(
+                report.Verdict(
+                    SKIPPED,
+                    f"backend nccl needs one GPU per rank: {request.world_size} needed, "
+                    f"{total} available",
+                ),
                 {},
             )
         real_gpus = want_gpus and gpus.fake_gpu_count() is None
@@ -224,6 +239,7 @@ class Runtime:
             environ=dict(os.environ),
             impl=self.options.impl,
             timeout=request.timeout,
+            wants_dist=request.wants_dist,
         )
 
     def _run_processes(
@@ -235,7 +251,10 @@ class Runtime:
             key = (request.world_size, backend, gpu_ids)
             fresh = request.mode == "process-fresh"
             rank_set = None if fresh else self._pool.pop(key, None)
-            if rank_set is None or rank_set.closed:
+            if rank_set is not None and not rank_set.healthy():
+                rank_set.kill()
+                rank_set = None
+            if rank_set is None:
                 if not fresh:
                     self._evict(request.world_size)
                 rank_set = RankSet(
@@ -258,7 +277,10 @@ class Runtime:
             shutil.rmtree(tmp_path, ignore_errors=True)
 
     def _evict(self, incoming: int) -> None:
-        while self._pool and sum(s.world_size for s in self._pool.values()) + incoming > MAX_POOLED_RANKS:
+        while (
+            self._pool
+            and sum(s.world_size for s in self._pool.values()) + incoming > MAX_POOLED_RANKS
+        ):
             oldest = next(iter(self._pool))
             self._pool.pop(oldest).close()
 

@@ -15,6 +15,7 @@ store-based barrier of ``new_group`` -- and when its test body ends. Consequence
   code that waits for another rank outside a collective (a busy loop on a shared flag)
   deadlocks and fails at the timeout.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -25,7 +26,8 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from fsdp_conformance.world import execute
 from fsdp_conformance.world.context import RankContext
@@ -130,10 +132,9 @@ def run_threaded(
     left behind (a daemon: Python threads cannot be killed) after the threaded process
     group was told to terminate.
     """
+    import torch
     import torch.distributed as dist
     from torch.testing._internal.distributed import multi_threaded_pg as mtpg
-
-    import torch
 
     mtpg.ProcessLocalGroup.reset()
     # per-thread registry of process group names (each rank thread has group "0")

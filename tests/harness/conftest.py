@@ -1,5 +1,6 @@
 """Fixtures for the harness's own tests: a private TMPDIR and a directory where rank
 processes of inner pytest runs record their pids, so that leftovers can be checked."""
+
 from __future__ import annotations
 
 import pathlib

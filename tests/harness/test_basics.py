@@ -1,5 +1,6 @@
 """The `dist` fixture contract: every rank runs the body; parametrize, fixtures, classes,
 markers and options work; per-test state is reset in reused rank processes."""
+
 from __future__ import annotations
 
 import subprocess
@@ -9,7 +10,7 @@ from conftest import runtime_files, write_test
 
 pytest_plugins = ["pytester"]
 
-CONTRACT = '''
+CONTRACT = """
 import os
 import pathlib
 import threading
@@ -123,18 +124,27 @@ def test_state_was_reset(dist):
     assert torch.is_grad_enabled()
 
 
+@pytest.fixture
+def world_shape(dist):
+    return dist.world_size
+
+
+def test_dist_only_through_a_fixture(world_shape):
+    assert tdist.is_initialized() and tdist.get_world_size() == world_shape == 2
+
+
 def test_dist_outside_the_body(request):
     placeholder = request.getfixturevalue("dist")
     assert placeholder.world_size == 2
     with pytest.raises(AttributeError, match="only available inside the test body"):
         placeholder.rank
-'''
+"""
 
 
 def test_dist_fixture_contract(pytester, private_tmpdir):
     write_test(pytester, "test_contract", CONTRACT)
     result = pytester.runpytest("-p", "no:cacheprovider", "--fsdp-impl=my-impl", "-v")
-    result.assert_outcomes(passed=15, failed=1)
+    result.assert_outcomes(passed=16, failed=1)
     result.stdout.fnmatch_lines(
         [
             "*test_unpicklable_fixture*",

@@ -1,5 +1,6 @@
 """Failure UX of the rank runtime: a rank's exception, exit code, signal, hang, skip; what
 is left behind afterwards (processes, temp files); recovery of the process pool; Ctrl-C."""
+
 from __future__ import annotations
 
 import os
@@ -9,14 +10,15 @@ import subprocess
 import sys
 import time
 
-import pytest
 from conftest import RECORD_PID, alive, assert_no_leftovers, runtime_files, write_test
 
 pytest_plugins = ["pytester"]
 
 # Each failing test is followed by a test that must pass in the recovered pool and that
 # checks that the dead rank set was reaped (the rank's parent has only the new ranks).
-FAILING_THEN_RECOVERED = RECORD_PID + '''
+FAILING_THEN_RECOVERED = (
+    RECORD_PID
+    + """
 import signal
 import time
 
@@ -93,7 +95,8 @@ def test_e_skip(dist):
 
 def test_e_recovered(dist):
     check_recovered(dist)
-'''
+"""
+)
 
 
 def _durations(output: str) -> dict[str, float]:
@@ -107,7 +110,11 @@ def test_process_mode_failures_are_named_and_the_pool_recovers(pytester, private
     write_test(pytester, "test_inner", FAILING_THEN_RECOVERED)
     timeout = 5
     result = pytester.runpytest_subprocess(
-        "-p", "no:cacheprovider", f"--fsdp-timeout={timeout}", "--durations=0", "-rs",
+        "-p",
+        "no:cacheprovider",
+        f"--fsdp-timeout={timeout}",
+        "--durations=0",
+        "-rs",
         "--fsdp-mode=process",
     )
     out = result.stdout.str()
@@ -129,7 +136,7 @@ def test_process_mode_failures_are_named_and_the_pool_recovers(pytester, private
             "*rank 0 of 2 hung: did not finish within the timeout of 5 s*",
             "*rank 1 of 2 hung: did not finish within the timeout of 5 s*",
             "*===== rank 0 stack dump =====*",
-            '*in barrier*',
+            "*in barrier*",
             "*===== rank 1 stack dump =====*",
             '*test_inner.py", line * in wait_forever_in_rank*',
         ]
@@ -141,7 +148,7 @@ def test_process_mode_failures_are_named_and_the_pool_recovers(pytester, private
     assert_no_leftovers(pid_dir, private_tmpdir, min_pids=10)
 
 
-THREAD_FAILURES = '''
+THREAD_FAILURES = """
 import time
 
 import pytest
@@ -165,7 +172,7 @@ def test_hang(dist):
         while True:
             time.sleep(0.01)
     tdist.barrier()
-'''
+"""
 
 
 def test_thread_mode_failures(pytester, private_tmpdir):
@@ -189,7 +196,9 @@ def test_thread_mode_failures(pytester, private_tmpdir):
     assert runtime_files(private_tmpdir) == []
 
 
-FRESH = RECORD_PID + '''
+FRESH = (
+    RECORD_PID
+    + """
 import pytest
 import torch.distributed as tdist
 
@@ -204,7 +213,8 @@ def test_fails(dist):
 def test_passes(dist):
     record_pid()
     tdist.barrier()
-'''
+"""
+)
 
 
 def test_process_fresh_failure_and_cleanup(pytester, private_tmpdir, pid_dir):
@@ -217,7 +227,9 @@ def test_process_fresh_failure_and_cleanup(pytester, private_tmpdir, pid_dir):
     assert_no_leftovers(pid_dir, private_tmpdir, min_pids=4)
 
 
-CTRL_C = RECORD_PID + '''
+CTRL_C = (
+    RECORD_PID
+    + """
 import time
 
 
@@ -225,7 +237,8 @@ def test_waits(dist):
     record_pid()
     while True:
         time.sleep(0.05)
-'''
+"""
+)
 
 
 def test_ctrl_c_leaves_no_process_and_no_temp_file(pytester, private_tmpdir, pid_dir):

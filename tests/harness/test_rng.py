@@ -1,5 +1,6 @@
 """RNG state per test and per rank: every test starts from the same seeded state in every
 mode, whatever ran before it; in thread mode each rank has its own RNG."""
+
 from __future__ import annotations
 
 import json
@@ -9,13 +10,13 @@ import threading
 import numpy
 import pytest
 import torch
-from conftest import write_test
 
+from conftest import write_test
 from fsdp_conformance.world.protocol import RANK_SEED
 
 pytest_plugins = ["pytester"]
 
-DRAWS = '''
+DRAWS = """
 import json
 import os
 import random
@@ -44,7 +45,7 @@ def draw_and_disturb(dist, index):
 @pytest.mark.parametrize("index", range(NUMBER))
 def test_draws(dist, index):
     draw_and_disturb(dist, index)
-'''
+"""
 
 
 def expected_draws() -> dict:
@@ -58,7 +59,9 @@ def expected_draws() -> dict:
     }
 
 
-@pytest.mark.parametrize(("mode", "number"), [("process", 10), ("thread", 10), ("process-fresh", 2)])
+@pytest.mark.parametrize(
+    ("mode", "number"), [("process", 10), ("thread", 10), ("process-fresh", 2)]
+)
 def test_every_test_starts_from_the_same_rng_state(pytester, tmp_path, monkeypatch, mode, number):
     out = tmp_path / "draws"
     out.mkdir()
@@ -73,7 +76,7 @@ def test_every_test_starts_from_the_same_rng_state(pytester, tmp_path, monkeypat
     assert {name: r for name, r in records.items() if r != expected} == {}
 
 
-PER_RANK = '''
+PER_RANK = """
 import pytest
 import torch
 import torch.distributed as tdist
@@ -108,7 +111,7 @@ def test_parity_style_seed_then_build(dist, attempt):
     flat = torch.cat([p.detach().flatten() for p in model.parameters()] + [data.flatten()])
     everyone = gather(dist, flat)
     assert torch.equal(everyone[0], everyone[1])
-'''
+"""
 
 
 def test_thread_mode_gives_every_rank_its_own_rng(pytester):

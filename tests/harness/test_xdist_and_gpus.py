@@ -1,17 +1,19 @@
 """Concurrency: pytest-xdist workers each run their own rank sets without rendezvous
 collisions; GPU tests take GPUs from a cross-worker pool (exercised with a fake GPU count)."""
+
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
-from conftest import write_test
 
+from conftest import write_test
 from fsdp_conformance.world import gpus
 
 pytest_plugins = ["pytester"]
 
-EIGHT = '''
+EIGHT = """
 import os
 
 import pytest
@@ -25,7 +27,7 @@ def test_collectives(dist, index):
     tdist.all_reduce(t)
     assert t.tolist() == [float(2 * index + 1)] * 4
     dist.barrier()
-'''
+"""
 
 
 def test_xdist_runs_eight_two_rank_tests_concurrently(pytester):
@@ -34,7 +36,7 @@ def test_xdist_runs_eight_two_rank_tests_concurrently(pytester):
     result.assert_outcomes(passed=8)
 
 
-GPU_TESTS = '''
+GPU_TESTS = """
 import json
 import os
 import time
@@ -56,7 +58,7 @@ def test_uses_both_gpus(dist, index):
 @pytest.mark.gpus(3)
 def test_needs_more_gpus_than_present(dist):
     pass
-'''
+"""
 
 
 def test_gpu_pool_never_gives_a_gpu_to_two_tests(pytester, tmp_path, monkeypatch):
@@ -75,11 +77,11 @@ def test_gpu_pool_never_gives_a_gpu_to_two_tests(pytester, tmp_path, monkeypatch
     )
     assert len(intervals) == 4
     assert all(ids == (0, 1) for _, _, ids in intervals)
-    for (_, end, _), (start, _, _) in zip(intervals, intervals[1:]):
+    for (_, end, _), (start, _, _) in itertools.pairwise(intervals):
         assert end <= start, f"two tests held the same GPUs at once: {intervals}"
 
 
-CUDA_ON_CPU = '''
+CUDA_ON_CPU = """
 import pytest
 
 
@@ -91,7 +93,7 @@ def test_needs_cuda(dist):
 @pytest.mark.gpus(1)
 def test_needs_a_gpu(dist):
     raise AssertionError("must not run on a CPU-only host")
-'''
+"""
 
 
 def test_cuda_tests_skip_with_a_reason_on_cpu(pytester, monkeypatch):
