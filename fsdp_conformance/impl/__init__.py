@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from fsdp_conformance.impl import device, trace
 from fsdp_conformance.impl.api import (
     BackwardPrefetch,
     CPUOffload,
@@ -35,5 +36,7 @@ __all__ = [
     "ShardingStrategy",
     "StateDictType",
     "TrainingState",
+    "device",
     "install_device_handle",
+    "trace",
 ]

@@ -13,6 +13,10 @@ from torch import nn
 from fsdp_conformance.impl import FullyShardedDataParallel as FSDP
 from fsdp_conformance.impl import ShardedFlatParameter, StateDictType
 
+# Process mode always: these tests patch classes and observe the process-global trace, and
+# the models seed the global RNG (dropout), none of which is rank-local in thread mode.
+pytestmark = pytest.mark.fsdp_mode("process")
+
 
 @pytest.mark.world_size(2)
 def test_wrapping_a_module_twice(dist):

@@ -25,6 +25,10 @@ from fsdp_conformance.impl import (
 )
 from fsdp_conformance.impl.limiter import MAX_INFLIGHT, FreeEventQueue
 
+# Process mode always: these tests patch classes and observe the process-global trace, and
+# the models seed the global RNG (dropout), none of which is rank-local in thread mode.
+pytestmark = pytest.mark.fsdp_mode("process")
+
 
 class LaggingDevice(CPUDeviceHandle):
     """Events complete only when synchronized (an infinitely slow device)."""

@@ -28,6 +28,10 @@ from fsdp_conformance.impl import (
     TrainingState,
 )
 
+# Process mode always: these tests patch classes and observe the process-global trace, and
+# the models seed the global RNG (dropout), none of which is rank-local in thread mode.
+pytestmark = pytest.mark.fsdp_mode("process")
+
 STRATEGIES = list(ShardingStrategy)
 PREFETCHES = [None, BackwardPrefetch.BACKWARD_PRE, BackwardPrefetch.BACKWARD_POST]
 

@@ -27,6 +27,10 @@ from fsdp_conformance.impl import (
     trace,
 )
 
+# Process mode always: these tests patch classes and observe the process-global trace, and
+# the models seed the global RNG (dropout), none of which is rank-local in thread mode.
+pytestmark = pytest.mark.fsdp_mode("process")
+
 FSDP = FullyShardedDataParallel
 
 
