@@ -66,6 +66,18 @@ TORCH_MPTC_COLLECTIVE = (
 )
 
 
+# Records when each test finished, for the in-run slope.
+STAMP_CONFTEST = """
+import os
+import time
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    with open(os.environ["BENCH_STAMPS"], "a") as out:
+        out.write(f"{time.perf_counter()}\\n")
+"""
+
+
 def write_file(directory: str, name: str, body: str, count: int, header: str) -> str:
     path = os.path.join(directory, f"test_{name}_{count}.py")
     with open(path, "w") as out:
@@ -74,28 +86,46 @@ def write_file(directory: str, name: str, body: str, count: int, header: str) ->
     return path
 
 
-def time_pytest(path: str, extra: list[str]) -> float:
+def time_pytest(path: str, extra: list[str]) -> tuple[float, list[float]]:
+    """Wall time of one pytest run, and the times at which its tests finished."""
+    stamps = path + ".stamps"
+    if os.path.exists(stamps):
+        os.remove(stamps)
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", path, *extra]
     start = time.perf_counter()
-    proc = subprocess.run(command, capture_output=True, text=True, check=False)
+    proc = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, "BENCH_STAMPS": stamps},
+    )
     elapsed = time.perf_counter() - start
     if proc.returncode != 0:
         raise RuntimeError(
             f"{' '.join(command)} failed:\n{proc.stdout[-3000:]}{proc.stderr[-2000:]}"
         )
-    return elapsed
+    with open(stamps) as lines:
+        finished = [float(line) for line in lines]
+    return elapsed, finished
 
 
 def measure(
     directory: str, name: str, body: str, header: str, extra: list[str], n: int, repeat: int
-) -> tuple[float, float]:
-    """(T(2), slope per test); each time is the minimum of ``repeat`` runs (the machine's
-    other load only ever adds time)."""
+) -> tuple[float, float, float]:
+    """(T(2), slope (T(2 + n) - T(2)) / n, in-run slope).
+
+    Each wall time is the minimum of ``repeat`` runs (other load on the machine only ever
+    adds time). The in-run slope is (finish of the last test - finish of the second) / n in
+    the 2 + n run (median over the runs): the same per-test cost without the start-up noise.
+    """
     small_path = write_file(directory, name, body, 2, header)
     large_path = write_file(directory, name, body, 2 + n, header)
-    small = min(time_pytest(small_path, extra) for _ in range(repeat))
-    large = min(time_pytest(large_path, extra) for _ in range(repeat))
-    return small, (large - small) / n
+    small = min(time_pytest(small_path, extra)[0] for _ in range(repeat))
+    large_runs = [time_pytest(large_path, extra) for _ in range(repeat)]
+    large = min(elapsed for elapsed, _ in large_runs)
+    in_run = sorted((stamps[-1] - stamps[1]) / n for _, stamps in large_runs)
+    return small, (large - small) / n, in_run[len(in_run) // 2]
 
 
 def torch_mptc_available() -> bool:
@@ -121,26 +151,28 @@ def main() -> None:
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-harness-") as directory:
+        with open(os.path.join(directory, "conftest.py"), "w") as conftest:
+            conftest.write(STAMP_CONFTEST)
         for mode in ("process", "thread", "process-fresh"):
             extra = [f"--fsdp-mode={mode}"]
             fresh = mode == "process-fresh"
             n, repeat = (args.slow_tests, 1) if fresh else (args.tests, args.repeat)
             key = mode.replace("-", "_")
-            t2, trivial = measure(directory, f"trivial_{key}", TRIVIAL, "", extra, n, repeat)
-            _, collective = measure(
+            trivial = measure(directory, f"trivial_{key}", TRIVIAL, "", extra, n, repeat)
+            collective = measure(
                 directory, f"coll_{key}", COLLECTIVE, "import torch\n\n", extra, n, repeat
             )
-            rows.append((f"fsdp-conformance {mode}", n, t2, trivial, collective))
+            rows.append((f"fsdp-conformance {mode}", n, trivial, collective))
             print(f"{rows[-1][0]:<40} done", file=sys.stderr)
         if not args.skip_torch and torch_mptc_available():
             n = args.slow_tests
-            t2, trivial = measure(
+            trivial = measure(
                 directory, "mptc_trivial", TORCH_MPTC_TRIVIAL, TORCH_MPTC_HEADER, [], n, 1
             )
-            _, collective = measure(
+            collective = measure(
                 directory, "mptc_coll", TORCH_MPTC_COLLECTIVE, TORCH_MPTC_HEADER, [], n, 1
             )
-            rows.append(("torch MultiProcessTestCase (spawn/test)", n, t2, trivial, collective))
+            rows.append(("torch MultiProcessTestCase (spawn/test)", n, trivial, collective))
     import torch
 
     print(
@@ -149,12 +181,17 @@ def main() -> None:
         f"world size 2, min of {args.repeat} runs for the reused runners"
     )
     print(
-        f"| {'runner':<40} | {'N':>3} | {'T(2 tests) s':>12} | {'trivial s/test':>14} "
-        f"| {'barrier+all_reduce s/test':>25} |"
+        "| runner | N | T(2 tests) s | trivial: slope s/test | trivial: in-run s/test "
+        "| barrier+all_reduce: slope s/test | barrier+all_reduce: in-run s/test |"
     )
-    print(f"|{'-' * 42}|{'-' * 5}|{'-' * 14}|{'-' * 16}|{'-' * 27}|")
-    for name, n, t2, trivial, collective in rows:
-        print(f"| {name:<40} | {n:>3} | {t2:>12.2f} | {trivial:>14.3f} | {collective:>25.3f} |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name, n, trivial, collective in rows:
+        print(
+            f"| {name} | {n} | {trivial[0]:.2f} | {trivial[1]:.3f} | {trivial[2]:.3f} "
+            f"| {collective[1]:.3f} | {collective[2]:.3f} |"
+        )
+    load = os.getloadavg()
+    print(f"load average during the run: {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
 
 
 if __name__ == "__main__":
