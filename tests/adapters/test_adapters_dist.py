@@ -200,19 +200,8 @@ def test_delay_before_reduction_really_delays_on_cpu(dist, adapter_name):
     assert elapsed_ms >= 4 * delay_ms * 0.9  # four instances, four reductions, each delayed
 
 
-IMPL_FREES_BEFORE_EMIT = pytest.mark.xfail(
-    strict=True,
-    reason="impl emits its 'free' trace event after releasing the buffer, so delay_before_free "
-    "runs just after the free (reported to IMPL)",
-)
-
-
 @pytest.mark.world_size(2)
-@pytest.mark.parametrize(
-    "adapter_name",
-    [pytest.param(name, marks=IMPL_FREES_BEFORE_EMIT) if name == "impl" else name
-     for name in BUILTIN_ADAPTERS],
-)
+@pytest.mark.parametrize("adapter_name", BUILTIN_ADAPTERS)
 def test_delay_before_free_runs_while_still_unsharded(dist, adapter_name):
     adapter = adapter_or_skip(adapter_name)
     adapter.require(Feature.COMM_TRACE)
