@@ -142,10 +142,16 @@ class Adapter:
         self.check(*features_for(normalized))
         return self._wrap(module, process_group, normalized)
 
-    def wrapper(self, **config: Any) -> AdapterWrap:
-        """A `wrap` callable for the model zoo: `wrapper(**config)(module, **overrides)`."""
+    def wrapper(self, *, process_group: Any = None, **config: Any) -> AdapterWrap:
+        """A `wrap` callable for the model zoo: `wrapper(**config)(module, **overrides)`.
+
+        The config is validated now (unsupported features raise here, before any model is
+        built); `overrides` (e.g. `process_group=expert_group`) replace keys per call.
+        """
         normalized = normalize_config(config)
         self.check(*features_for(normalized))
+        if process_group is not None:
+            config["process_group"] = process_group
         return AdapterWrap(self, config)
 
     def unwrap(self, model: nn.Module) -> nn.Module:

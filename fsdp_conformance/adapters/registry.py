@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import threading
 from collections.abc import Callable
 
 from .base import Adapter
@@ -21,6 +22,7 @@ _BUILTIN: dict[str, tuple[str, str]] = {
 BUILTIN_ADAPTERS = tuple(_BUILTIN)
 
 _cache: dict[str, Adapter] = {}  # one adapter object per name and process
+_cache_lock = threading.Lock()  # threaded ranks resolve concurrently
 
 
 def get_adapter(name: str) -> Adapter:
@@ -30,9 +32,10 @@ def get_adapter(name: str) -> Adapter:
         ValueError: `name` is neither built in nor of the form "pkg.module:ATTR", or ATTR does
             not resolve to an Adapter; the message names the import path and the fix.
     """
-    if name not in _cache:
-        _cache[name] = _resolve(name)
-    return _cache[name]
+    with _cache_lock:
+        if name not in _cache:
+            _cache[name] = _resolve(name)
+        return _cache[name]
 
 
 def _resolve(name: str) -> Adapter:

@@ -193,3 +193,29 @@ def test_fsdp1_state_names_map_onto_canonical_names():
 
     assert {state.name for state in HandleTrainingState} == {state.value for state in InstanceState}
     assert {state.name for state in TrainingState} == {state.value for state in RootState}
+
+
+def test_wrapper_validates_early_and_merges_overrides():
+    calls = []
+
+    class Recording(Adapter):
+        name = "recording"
+
+        def unsupported(self):
+            return {Feature.CPU_OFFLOAD: "no offload here"}
+
+        def _wrap(self, module, process_group, config):
+            calls.append((process_group, config))
+            return module
+
+    adapter = Recording()
+    with pytest.raises(UnsupportedFeatureError, match="'recording' does not support 'cpu_offload'"):
+        adapter.wrapper(cpu_offload=True)
+    group, other = object(), object()
+    wrap = adapter.wrapper(process_group=group, sharding_strategy="shard_grad_op")
+    wrap(nn.Linear(1, 1))
+    wrap(nn.Linear(1, 1), process_group=other, forward_prefetch=True)
+    assert calls == [
+        (group, {"sharding_strategy": "SHARD_GRAD_OP"}),
+        (other, {"sharding_strategy": "SHARD_GRAD_OP", "forward_prefetch": True}),
+    ]
