@@ -196,19 +196,26 @@ def _elapsed_ms(fn) -> float:
     return (time.perf_counter() - start) * 1000
 
 
-def test_sleep_really_delays_on_cpu():
+def test_sleep_really_delays_on_cpu(monkeypatch):
     assert _elapsed_ms(lambda: sleep_ms(60, CPU)) >= 59
     assert _elapsed_ms(lambda: sleep_cycles(40_000_000, "cpu")) >= 39  # nominal 1e6 cycles/ms
-    assert _elapsed_ms(lambda: sleep_ms(0, CPU)) < 5
+    slept: list[float] = []
+    monkeypatch.setattr(time, "sleep", slept.append)
+    sleep_ms(0, CPU)
+    sleep_cycles(0, CPU)
+    assert slept == []  # zero means no delay at all
 
 
-def test_delay_after_loss_really_delays_on_cpu():
+def test_delay_after_loss_really_delays_on_cpu(monkeypatch):
     fast = NestedWrappedModuleWithDelay(FakeGroup())
     slow = NestedWrappedModuleWithDelay(FakeGroup(), delay_after_loss_ms=80)
     inputs = fast.get_input(CPU)
-    fast_ms = _elapsed_ms(lambda: fast.get_loss(inputs, fast(*inputs)))
-    slow_ms = _elapsed_ms(lambda: slow.get_loss(inputs, slow(*inputs)))
-    assert slow_ms >= 79 and slow_ms - fast_ms >= 70
+    assert _elapsed_ms(lambda: slow.get_loss(inputs, slow(*inputs))) >= 79
+    slept: list[float] = []
+    monkeypatch.setattr(time, "sleep", slept.append)
+    fast.get_loss(inputs, fast(*inputs))
+    slow.get_loss(inputs, slow(*inputs))
+    assert slept == [0.08]  # only the delayed model sleeps, once, after its loss
 
 
 def test_delay_before_reduction_goes_through_the_wrap_hook():
