@@ -1,8 +1,8 @@
 """The rate limiter: waits exactly when two frees are outstanding, never when disabled.
 
-A *lagging device* stands in for the accelerator: its events complete only when the CPU
-synchronizes on them (or on a later one), so every free stays outstanding until the
-limiter waits for it. Residency (all-gather issued until its free event completed) is
+A *lagging device* (``fsdp_conformance.observe.lagging``, strict variant) stands in for the
+accelerator: its events complete only when the CPU synchronizes on them (or on a later one),
+so every free stays outstanding until the limiter waits for it. Residency (all-gather issued until its free event completed) is
 reconstructed from the trace.
 """
 
@@ -17,51 +17,17 @@ from impl_testlib import FlatSequential, NestedSequential, train
 
 from fsdp_conformance.impl import (
     BackwardPrefetch,
-    CPUDeviceHandle,
     FullyShardedDataParallel,
     ShardingStrategy,
     install_device_handle,
     trace,
 )
 from fsdp_conformance.impl.limiter import MAX_INFLIGHT, FreeEventQueue
+from fsdp_conformance.observe.lagging import LaggingDevice
 
 # Process mode always: these tests patch classes and observe the process-global trace, and
 # the models seed the global RNG (dropout), none of which is rank-local in thread mode.
 pytestmark = pytest.mark.fsdp_mode("process")
-
-
-class LaggingDevice(CPUDeviceHandle):
-    """Events complete only when synchronized (an infinitely slow device)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.recorded = 0  # sequence number of the last recorded event
-        self.completed = 0  # every event with seq <= completed has completed
-
-    def Event(self, **kwargs):
-        return LaggingEvent(self)
-
-    def synchronize(self) -> None:
-        self.completed = self.recorded
-
-
-class LaggingEvent:
-    def __init__(self, device: LaggingDevice) -> None:
-        self.device = device
-        self.seq = None
-
-    def record(self, stream=None) -> None:
-        self.device.recorded += 1
-        self.seq = self.device.recorded
-
-    def query(self) -> bool:
-        return self.seq is not None and self.seq <= self.device.completed
-
-    def synchronize(self) -> None:
-        self.device.completed = max(self.device.completed, self.seq)
-
-    def wait(self, stream=None) -> None:
-        pass
 
 
 class Recorder:
