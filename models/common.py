@@ -109,7 +109,3 @@ def seeded_init_(module: nn.Module, seed: int) -> nn.Module:
         param.copy_(values.to(param.dtype))
     return module
 
-
-def group_rank_and_size(group: Any) -> tuple[int, int]:
-    """``(rank, size)`` of a process group (or anything with ``rank()``/``size()``)."""
-    return group.rank(), group.size()
