@@ -2,8 +2,8 @@
 
 A *lagging device* (``fsdp_conformance.observe.lagging``, strict variant) stands in for the
 accelerator: its events complete only when the CPU synchronizes on them (or on a later one),
-so every free stays outstanding until the limiter waits for it. Residency (all-gather issued until its free event completed) is
-reconstructed from the trace.
+so every free stays outstanding until the limiter waits for it. Residency (all-gather issued
+until its free event completed) is reconstructed from the trace.
 """
 
 from __future__ import annotations

@@ -369,3 +369,52 @@ def test_divergent_execution_order_raises_on_every_rank(dist):
         model.module.forward = forward
     with pytest.raises(RuntimeError, match="execution order differs across ranks.*rank 1 runs"):
         model(torch.ones(2, 8))
+
+
+def prefetch_overlaps(dist) -> None:
+    """A prefetched all-gather stays in flight while another instance works (async on CPU)."""
+    model = wrapped(
+        lambda w: FlatSequential(dist.group, w),
+        backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
+        forward_prefetch=True,
+    )
+    for _ in range(2):
+        ops = []
+        with trace.observe(lambda op, inst, info, ops=ops: ops.append((op, inst, info))):
+            model(torch.ones(2, 8)).sum().backward()
+    prefetched = [
+        i for i, (op, _, info) in enumerate(ops) if op == "all_gather" and info["prefetch"]
+    ]
+    assert prefetched
+    for index in prefetched:
+        target = ops[index][1]
+        wait = next(
+            j for j in range(index + 1, len(ops)) if ops[j][:2] == ("all_gather_wait", target)
+        )
+        between = {op for op, inst, _ in ops[index + 1 : wait] if inst is not target}
+        assert between & {"free", "reduce_scatter", "all_gather_wait"}, (
+            f"prefetched all-gather waited before any other work: {ops[index : wait + 1]}"
+        )
+
+
+@pytest.mark.world_size(2)
+def test_prefetched_all_gather_is_waited_later(dist):
+    prefetch_overlaps(dist)
+
+
+@pytest.mark.world_size(2)
+def test_overlap_check_catches_synchronous_all_gather(dist):
+    from unittest import mock
+
+    from fsdp_conformance.impl import comm
+
+    original = comm.all_gather
+
+    def synchronous(instance, output, shard, group, **info):
+        work = original(instance, output, shard, group, **info)
+        comm.wait_all_gather(instance, work)
+        return work
+
+    with mock.patch.object(comm, "all_gather", synchronous):
+        with pytest.raises(AssertionError, match="waited before any other work"):
+            prefetch_overlaps(dist)
