@@ -1,0 +1,437 @@
+"""The two-instance memory bound of ``limit_all_gathers`` (DESIGN §5), as a base class to subclass.
+
+    class TestMyMemoryBound(BaseMemoryBoundTests):   # in your tests; pytest collects Test*
+        known_deviations = {}                        # optional: adapter -> (case -> reason)
+
+[Note: memory bound]
+*Resident* unsharded buffers are counted as ``fsdp_conformance.observe.residency`` says (from
+all-gather issue until the free has completed on the device). On CPU the device is the
+``LaggingDevice`` (``strict``: never catches up by itself; ``drained``: catches up at the end of
+every iteration), so the only thing that frees memory is the CPU blocking on a free event -- what
+the rate limiter does. Bound per phase, from the config (FULL_SHARD, ``limit_all_gathers=True``):
+
+    bound(phase) = MAX_INFLIGHT (2: the instance computing + the one being gathered)
+                   + 1 if the phase has an *early* prefetch, i.e. one issued before the current
+                       instance's reshard: forward_prefetch in forward, BACKWARD_PRE in backward
+
+A phase's peak is the most non-root buffers resident right after one of its all-gathers; every
+iteration and phase of ``ITERATIONS`` is checked (forward prefetch uses the order recorded in the
+previous iteration, so iteration 1 never prefetches in forward). With ``limit_all_gathers=False``
+the CPU never waits and the peak grows with depth: the check must fail there, which proves it can.
+
+SHARD_GRAD_OP keeps every buffer from forward to backward by design (no reshard after forward),
+so the limiter has nothing to bound in forward: the check exempts the forward phase and holds the
+backward phase to its bound (an implementation that frees after forward and re-gathers in
+backward is held to the bound there). See docs/memory_bound.md for the measured tables and the
+torch FSDP1 deviation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import pytest
+import torch
+from torch import nn
+
+from fsdp_conformance.adapters import Adapter, Feature
+from fsdp_conformance.observe.lagging import LAG_VARIANTS, LaggingDevice
+from fsdp_conformance.observe.residency import PHASES, ResidencyTracker
+
+# Buffers the limiter allows: the instance computing now and the one whose all-gather is in
+# flight (torch FSDP1's `_max_num_inflight_all_gathers`, "empirically chosen")
+MAX_INFLIGHT = 2
+# Iterations per run: forward prefetch starts in iteration 2; 3 shows the steady state
+ITERATIONS = 3
+# Non-root FSDP instances in the model (the bound is only interesting with >= 4)
+LAYERS = 6
+# Width of each instance's Linear (its unsharded buffer holds WIDTH * WIDTH + WIDTH elements)
+WIDTH = 16
+# CUDA variant: 1024-wide Linears (4 MiB of fp32 parameters per instance), a 2 ms device-side
+# delay before each layer's forward, each free and each reduction; slack for activations,
+# shards and allocator rounding (half an instance)
+CUDA_WIDTH = 1024
+CUDA_DELAY_MS = 2.0
+CUDA_SLACK_BYTES = (CUDA_WIDTH * CUDA_WIDTH + CUDA_WIDTH) * 4 // 2
+
+
+class ChainOfLinears(nn.Module):
+    """A root Linear followed by ``layers`` wrapped Linear instances, each (B, width) -> (B, width).
+
+    Args:
+        wrap: wraps each of the ``layers`` Linears (None: unwrapped).
+        layers: number of wrapped instances.
+        width: feature width.
+        device: where the parameters live before wrapping (None: CPU).
+    """
+
+    def __init__(
+        self,
+        wrap: Callable[..., nn.Module] | None,
+        layers: int = LAYERS,
+        width: int = WIDTH,
+        device: torch.device | None = None,
+    ):
+        super().__init__()
+        generator = torch.Generator().manual_seed(0)
+        linears = [nn.Linear(width, width) for _ in range(layers + 1)]
+        with torch.no_grad():
+            for linear in linears:  # the same init on every rank, without the global RNG
+                linear.weight.copy_(torch.randn(linear.weight.shape, generator=generator) / width)
+                linear.bias.zero_()
+                linear.to(device)  # before wrapping (None: stay on CPU)
+        self.width = width
+        self.root_linear = linears[0]  # (B, width) -> (B, width), owned by the root instance
+        self.layers = nn.Sequential(*(wrap(linear) if wrap else linear for linear in linears[1:]))
+        # the wrapped Linears themselves (a tuple: not registered twice as submodules)
+        self.inner_linears = tuple(linears[1:])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(torch.relu(self.root_linear(x)))
+
+    def get_input(self, device: torch.device, rank: int = 0) -> torch.Tensor:
+        return torch.rand(4, self.width, generator=torch.Generator().manual_seed(1 + rank)).to(
+            device
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class BoundCase:
+    """One configuration of the memory-bound check (picklable: it travels to the ranks)."""
+
+    # "strict" or "drained" (see fsdp_conformance.observe.lagging); "cuda" for the CUDA variant
+    lag: str
+    # "FULL_SHARD" or "SHARD_GRAD_OP"
+    sharding_strategy: str = "FULL_SHARD"
+    # None, "BACKWARD_PRE" or "BACKWARD_POST"
+    backward_prefetch: str | None = None
+    forward_prefetch: bool = False
+    limit_all_gathers: bool = True
+
+    @property
+    def wrap_config(self) -> dict[str, Any]:
+        return {
+            "sharding_strategy": self.sharding_strategy,
+            "backward_prefetch": self.backward_prefetch,
+            "forward_prefetch": self.forward_prefetch,
+            "limit_all_gathers": self.limit_all_gathers,
+        }
+
+    @property
+    def id(self) -> str:
+        return (
+            f"{self.lag}-{self.sharding_strategy}-bwd={self.backward_prefetch}-"
+            f"fwd={int(self.forward_prefetch)}-limit={int(self.limit_all_gathers)}"
+        )
+
+    def describe(self) -> str:
+        config = ", ".join(f"{key}={value!r}" for key, value in self.wrap_config.items())
+        if self.lag == "cuda":
+            return f"{config}, CUDA with device-side delays"
+        return f"{config}, {self.lag} lagging device"
+
+    def early_prefetch(self, phase: str) -> bool:
+        """Whether ``phase`` issues a prefetch before the current instance's reshard."""
+        if phase == "forward":
+            return self.forward_prefetch
+        return self.backward_prefetch == "BACKWARD_PRE"
+
+    def bound(self, phase: str) -> int:
+        """The most non-root buffers allowed resident in ``phase`` (see [Note: memory bound])."""
+        return MAX_INFLIGHT + (1 if self.early_prefetch(phase) else 0)
+
+    def checked_phases(self) -> tuple[str, ...]:
+        """The phases the bound applies to (SHARD_GRAD_OP keeps buffers through forward)."""
+        return ("backward",) if self.sharding_strategy == "SHARD_GRAD_OP" else PHASES
+
+    def param(self, marks: Any = ()) -> Any:
+        return pytest.param(self, id=self.id, marks=[pytest.mark.world_size(2), *marks])
+
+
+# ---------------------------------------------------------------------------- measuring
+def measure_residency(
+    adapter: Adapter,
+    group: Any,
+    config: dict[str, Any],
+    lag: str = "strict",
+    iterations: int = ITERATIONS,
+    layers: int = LAYERS,
+) -> ResidencyTracker:
+    """Train a ``ChainOfLinears`` under a lagging device and return the residency tracker.
+
+    Skips (``adapter.require``) when the adapter cannot limit all-gathers, install a device
+    handle, trace communication, or run ``config``.
+
+    Args:
+        adapter: the FSDP under test.
+        group: the process group to shard over.
+        config: the wrap config (adapter vocabulary).
+        lag: the lagging-device variant.
+        iterations: training iterations; each is split into the tracker's "forward",
+            "backward" and "step" phases.
+        layers: non-root instances.
+    """
+    adapter.require(Feature.LIMIT_ALL_GATHERS)
+    adapter.require(Feature.DEVICE_HANDLE, Feature.COMM_TRACE)
+    adapter.require(*adapter.features_for(**config))
+    wrap = adapter.wrapper(**config)
+    chain = ChainOfLinears(lambda module: wrap(module, process_group=group), layers)
+    model = adapter.wrap(chain, process_group=group, **config)
+    device = LaggingDevice(lag)
+    adapter.install_device_handle(model, device)
+    tracker = ResidencyTracker(device, adapter.instances(model))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    x = chain.get_input(torch.device("cpu"), group.rank())
+    try:
+        with adapter.observe(tracker):
+            for iteration in range(1, iterations + 1):
+                tracker.start(iteration, "forward")
+                loss = model(x).sum()
+                tracker.start(iteration, "backward")
+                loss.backward()
+                tracker.start(iteration, "step")
+                optimizer.step()
+                optimizer.zero_grad()
+                device.end_iteration()  # drained: the device catches up, as loss.item() forces
+    finally:
+        tracker.close()
+    return tracker
+
+
+@dataclasses.dataclass
+class CudaForwardPeaks:
+    """Allocator statistics of ``measure_cuda_forward_peaks``."""
+
+    # bytes of one non-root instance's unsharded parameters (all are the same size)
+    instance_bytes: int
+    # bytes of the root's unsharded parameters
+    root_bytes: int
+    # per iteration: peak active bytes during forward, above what was active before it
+    forward_peaks: list[int]
+
+
+def measure_cuda_forward_peaks(
+    adapter: Adapter,
+    group: Any,
+    device: torch.device,
+    config: dict[str, Any],
+    delay_ms: float = CUDA_DELAY_MS,
+    iterations: int = ITERATIONS,
+    layers: int = LAYERS,
+    width: int = CUDA_WIDTH,
+) -> CudaForwardPeaks:
+    """Train a ``ChainOfLinears`` on CUDA with device-side delays; peak active bytes per forward.
+
+    The device is slowed with ``torch.cuda._sleep`` (``fsdp_conformance.models.sleep_ms``) before
+    each layer's forward compute, before each free of unsharded parameters (the MoE model's
+    ``delay_before_free``) and before each gradient reduction (ModuleWithDelay's delayed
+    reduce-scatter), so the CPU runs ahead and only the rate limiter holds it back. "Active"
+    bytes (``active_bytes.all.peak``) count blocks still in use by a stream after their free
+    (``record_stream``), i.e. residency as DESIGN §5 defines it.
+    """
+    from fsdp_conformance.models import sleep_ms
+
+    adapter.require(Feature.LIMIT_ALL_GATHERS)
+    adapter.require(Feature.COMM_TRACE)
+    adapter.require(*adapter.features_for(**config))
+    wrap = adapter.wrapper(**config)
+    chain = ChainOfLinears(
+        lambda module: wrap(module, process_group=group), layers, width, device=device
+    )
+    model = adapter.wrap(chain, process_group=group, **config)
+    delay = functools.partial(sleep_ms, delay_ms, device)
+    for linear in chain.inner_linears:  # after the unshard, before the compute
+        linear.register_forward_pre_hook(lambda module, args: delay())
+    instances = adapter.instances(model)
+    element_bytes = chain.root_linear.weight.element_size()
+    instance_bytes = (width * width + width) * element_bytes
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = chain.get_input(device, group.rank())
+    peaks = []
+    with contextlib.ExitStack() as hooks:
+        for instance in instances[1:]:
+            hooks.enter_context(adapter.delay_before_free(instance, delay))
+        hooks.enter_context(adapter.delay_before_reduction(delay))
+        for _ in range(iterations):
+            torch.cuda.synchronize(device)
+            before = torch.cuda.memory_stats(device)["active_bytes.all.current"]
+            torch.cuda.reset_peak_memory_stats(device)
+            loss = model(x).sum()
+            torch.cuda.synchronize(device)
+            peaks.append(torch.cuda.memory_stats(device)["active_bytes.all.peak"] - before)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    return CudaForwardPeaks(instance_bytes, instance_bytes, peaks)
+
+
+def check_cuda_forward_peaks(measured: CudaForwardPeaks, case: BoundCase, label: str) -> None:
+    """Assert every forward's peak active bytes <= root + bound x instance + slack."""
+    bound = case.bound("forward")
+    allowed = measured.root_bytes + bound * measured.instance_bytes + CUDA_SLACK_BYTES
+    over = [
+        f"iteration {iteration} forward: peak active {peak} bytes > {allowed} (root "
+        f"{measured.root_bytes} + {bound} x instance {measured.instance_bytes} + slack "
+        f"{CUDA_SLACK_BYTES})"
+        for iteration, peak in enumerate(measured.forward_peaks, start=1)
+        if peak > allowed
+    ]
+    if over:
+        raise AssertionError(
+            f"memory bound exceeded (CUDA allocator): {over[0]}\n  {label}, {case.describe()}"
+            + "".join(f"\n  {line}" for line in over)
+        )
+
+
+def check_residency(tracker: ResidencyTracker, case: BoundCase, label: str) -> None:
+    """Assert every checked iteration and phase stays within the case's bound.
+
+    Raises:
+        AssertionError: naming the config, and for each violation the iteration, phase, peak,
+            bound and the instance whose all-gather reached the peak.
+    """
+    iterations = sorted({iteration for iteration, _ in tracker.peaks if iteration > 0})
+    violations = []
+    for iteration in iterations:
+        for phase in case.checked_phases():
+            peak = tracker.peak(iteration, phase)
+            bound = case.bound(phase)
+            if peak.resident > bound:
+                early = " incl. +1 for the early prefetch" if case.early_prefetch(phase) else ""
+                violations.append(
+                    f"iteration {iteration} {phase}: peak {peak.resident} resident non-root "
+                    f"unsharded buffers exceeds the bound {bound}{early} (reached at the "
+                    f"all-gather of instance {peak.at_instance})"
+                )
+    if violations:
+        table = tracker.peak_table().replace("\n", "; ")
+        raise AssertionError(
+            f"memory bound exceeded: {violations[0]}\n  {label}, {case.describe()}\n  "
+            + "\n  ".join(violations)
+            + f"\n  peaks per iteration and phase: {table}"
+        )
+
+
+# ---------------------------------------------------------------------------- known deviations
+def fsdp1_queue_deviation(case: BoundCase) -> str | None:
+    """torch FSDP1 (2.13.0): one buffer too many whenever a handle is prefetched (docs/memory_bound.md)."""
+    if not case.limit_all_gathers or case.sharding_strategy != "FULL_SHARD":
+        return None
+    if case.backward_prefetch != "BACKWARD_PRE" and not case.forward_prefetch:
+        return None
+    return (
+        "torch FSDP1 2.13.0 exceeds the two-instance bound from iteration 2 when handles are "
+        "prefetched: the unshard of an already-prefetched handle is skipped without dequeuing a "
+        "free event, so the free-event queue holds 3 events and one more buffer than 'two "
+        "consecutive FSDP instances' stays resident (docs/memory_bound.md, 'torch FSDP1')"
+    )
+
+
+# Adapter name -> function(case) -> reason when the case is a known, documented deviation
+KNOWN_DEVIATIONS: dict[str, Callable[[BoundCase], str | None]] = {
+    "torch-fsdp1": fsdp1_queue_deviation,
+}
+
+
+def limited_cases() -> list[BoundCase]:
+    """FULL_SHARD, limit on: every prefetch setting under both lag variants."""
+    return [
+        BoundCase(lag, "FULL_SHARD", backward, forward)
+        for lag in LAG_VARIANTS
+        for backward in (None, "BACKWARD_PRE", "BACKWARD_POST")
+        for forward in (False, True)
+    ]
+
+
+# ---------------------------------------------------------------------------- the checks
+class BaseMemoryBoundTests:
+    """Resident unsharded buffers stay within the two-instance bound (see [Note: memory bound]).
+
+    Every test runs at world size 2 on a ``ChainOfLinears`` with ``LAYERS`` non-root instances.
+    Adapters without ``limit_all_gathers``, ``device_handle`` or ``comm_trace`` skip, naming the
+    adapter and the feature.
+    """
+
+    # Adapter name -> function(case) -> reason: such cases are strict expected failures
+    known_deviations: ClassVar[dict[str, Callable[[BoundCase], str | None]]] = KNOWN_DEVIATIONS
+
+    def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
+        if "bound_case" in metafunc.fixturenames:
+            metafunc.parametrize("bound_case", [case.param() for case in limited_cases()])
+        if "unlimited_case" in metafunc.fixturenames:
+            cases = [BoundCase(lag, limit_all_gathers=False) for lag in LAG_VARIANTS]
+            metafunc.parametrize("unlimited_case", [case.param() for case in cases])
+        if "cuda_case" in metafunc.fixturenames:
+            cases = [BoundCase("cuda"), BoundCase("cuda", limit_all_gathers=False)]
+            metafunc.parametrize("cuda_case", [case.param() for case in cases])
+        if "shard_grad_op_case" in metafunc.fixturenames:
+            cases = [BoundCase(lag, "SHARD_GRAD_OP", "BACKWARD_PRE", False) for lag in LAG_VARIANTS]
+            metafunc.parametrize("shard_grad_op_case", [case.param() for case in cases])
+
+    @pytest.fixture(autouse=True)
+    def _expect_known_deviation(self, request: pytest.FixtureRequest, fsdp_impl: str) -> None:
+        """Mark a documented deviation of the adapter under test as a strict expected failure."""
+        callspec = getattr(request.node, "callspec", None)
+        case = None if callspec is None else callspec.params.get("bound_case")
+        deviation = self.known_deviations.get(fsdp_impl)
+        if case is not None and deviation is not None:
+            reason = deviation(case)
+            if reason is not None:
+                request.node.add_marker(pytest.mark.xfail(reason=reason, strict=True))
+
+    def test_limited_all_gathers_stay_within_bound(
+        self, fsdp_adapter: Adapter, dist: Any, bound_case: BoundCase
+    ) -> None:
+        tracker = measure_residency(
+            fsdp_adapter, dist.group, bound_case.wrap_config, bound_case.lag
+        )
+        check_residency(tracker, bound_case, f"adapter {fsdp_adapter.name!r}")
+
+    def test_unlimited_all_gathers_exceed_bound(
+        self, fsdp_adapter: Adapter, dist: Any, unlimited_case: BoundCase
+    ) -> None:
+        # The check is only worth something if it can fail: without the limiter the CPU never
+        # waits, so every all-gather of an iteration stays resident (LAYERS > MAX_INFLIGHT).
+        tracker = measure_residency(
+            fsdp_adapter, dist.group, unlimited_case.wrap_config, unlimited_case.lag
+        )
+        with pytest.raises(AssertionError, match="memory bound exceeded") as failure:
+            check_residency(tracker, unlimited_case, f"adapter {fsdp_adapter.name!r}")
+        assert f"iteration 1 forward: peak {LAYERS} " in str(failure.value), str(failure.value)
+
+    def test_shard_grad_op_keeps_backward_within_bound(
+        self, fsdp_adapter: Adapter, dist: Any, shard_grad_op_case: BoundCase
+    ) -> None:
+        case = shard_grad_op_case
+        tracker = measure_residency(fsdp_adapter, dist.group, case.wrap_config, case.lag)
+        # forward is exempt: SHARD_GRAD_OP keeps every buffer until backward, by design
+        first_forward = tracker.peak(1, "forward")
+        assert first_forward.resident == LAYERS, (
+            f"adapter {fsdp_adapter.name!r}, {case.describe()}: iteration 1 forward should "
+            f"all-gather all {LAYERS} instances and keep them (no reshard after forward); peak "
+            f"{first_forward.resident}"
+        )
+        check_residency(tracker, case, f"adapter {fsdp_adapter.name!r}")
+
+    @pytest.mark.cuda
+    def test_cuda_allocator_peak_within_bound(
+        self, fsdp_adapter: Adapter, dist: Any, cuda_case: BoundCase
+    ) -> None:
+        if dist.device.type != "cuda":
+            pytest.skip(
+                "CUDA variant of the memory-bound check: needs one GPU per rank (the ranks run "
+                f"on {dist.device}); the CPU variant with the lagging device covers the bound"
+            )
+        measured = measure_cuda_forward_peaks(
+            fsdp_adapter, dist.group, dist.device, cuda_case.wrap_config
+        )
+        label = f"adapter {fsdp_adapter.name!r}"
+        if cuda_case.limit_all_gathers:
+            check_cuda_forward_peaks(measured, cuda_case, label)
+        else:
+            with pytest.raises(AssertionError, match="memory bound exceeded"):
+                check_cuda_forward_peaks(measured, cuda_case, label)
