@@ -180,8 +180,18 @@ class TorchFSDP1Adapter(Adapter):
 
     def _install_device_handle(self, model: nn.Module, handle: Any) -> None:
         # FSDP1 keeps the handle on each state (streams, events, current_stream) and on each
-        # FlatParamHandle (current_stream during all-gather / free) -- torch 2.13.0.
-        for instance in FullyShardedDataParallel.fsdp_modules(model):
+        # FlatParamHandle (current_stream during all-gather / free) -- torch 2.13.0. On a CPU host
+        # it only calls Event, Stream, stream, current_stream, synchronize and is_available on it
+        # (what the lagging device of fsdp_conformance.observe provides). The root's lazy init
+        # creates the streams from the handle, so it must be replaced before the first forward.
+        instances = FullyShardedDataParallel.fsdp_modules(model)
+        if any(instance._is_root is not None for instance in instances):
+            raise RuntimeError(
+                f"torch-fsdp1 install_device_handle: {type(model).__name__} already ran forward "
+                "(FSDP1 created its streams from the old handle at lazy init); install the "
+                "device handle after wrapping and before the first forward"
+            )
+        for instance in instances:
             instance._device_handle = handle
             if instance._handle is not None:
                 instance._handle._device_handle = handle
