@@ -28,6 +28,9 @@ GRACE_S = 3.0
 DUMP_WAIT_S = 3.0
 # Seconds a rank gets to exit on request before it is killed.
 EXIT_WAIT_S = 2.0
+# Least seconds a rank set gets to start (import torch, rendezvous): start-up is not part of a
+# test's --fsdp-timeout and takes far longer than usual on a loaded machine.
+STARTUP_TIMEOUT_S = 120.0
 
 _RANK_COMMAND = "from fsdp_conformance.world.rank_main import main; main()"
 
@@ -104,7 +107,7 @@ class RankSet:
         """
         try:
             self._spawn()
-            self._await_ready(time.monotonic() + self.timeout)
+            self._await_ready(time.monotonic() + max(self.timeout, STARTUP_TIMEOUT_S))
         except BaseException:
             self.kill()
             raise
@@ -122,7 +125,7 @@ class RankSet:
                     rank_main.ENV_STORE: store,
                     rank_main.ENV_BACKEND: self.backend,
                     rank_main.ENV_GPU_IDS: ",".join(map(str, self.gpu_ids)),
-                    rank_main.ENV_TIMEOUT: str(self.timeout),
+                    rank_main.ENV_TIMEOUT: str(max(self.timeout, STARTUP_TIMEOUT_S)),
                     rank_main.ENV_MODE: self.mode,
                     "PYTHONUNBUFFERED": "1",
                 }
@@ -149,7 +152,7 @@ class RankSet:
                 dumps = self._dump_stacks(list(pending))
                 raise RankSetError(
                     f"ranks {sorted(pending)} did not join the process group within "
-                    f"{self.timeout:g} s (backend {self.backend}).\n"
+                    f"{max(self.timeout, STARTUP_TIMEOUT_S):g} s (backend {self.backend}).\n"
                     + "\n".join(f"--- rank {r} ---\n{dumps[r]}" for r in sorted(pending))
                 )
             for conn in wait(list(pending.values()), timeout=remaining):
@@ -219,46 +222,56 @@ class RankSet:
     def run(self, task_blob: bytes, timeout: float) -> RunReport:
         """Run one pickled :class:`RankTask` in every rank and collect the outcomes.
 
-        Never waits longer than ``timeout`` (+ the stack-dump time): ranks still running
-        then are reported HUNG with their Python stacks and the set is not reusable.
+        The test's ``timeout`` starts once every rank has imported the test (start-up gets
+        ``STARTUP_TIMEOUT_S``). Never waits longer (+ the stack-dump time): ranks still
+        running then are reported HUNG with their Python stacks and the set is not reusable.
         """
         self.tests_run += 1
         outcomes: dict[int, RankOutcome] = {}
         reusable = True
         try:
-            for rank, conn in enumerate(self.conns):
+            for conn in self.conns:
                 try:
                     conn.send(("run", task_blob))
                 except OSError:
                     pass  # noticed below as EOF
-            deadline = time.monotonic() + timeout
+            load_deadline = time.monotonic() + max(timeout, STARTUP_TIMEOUT_S)
+            # set when every rank has started the body (or already finished)
+            body_deadline: float | None = None
+            started: set[int] = set()
             # when the first rank failed / died / skipped; the others then get GRACE_S
             trouble_since: float | None = None
             pending = dict(enumerate(self.conns))
             while pending:
                 now = time.monotonic()
+                deadline = load_deadline if body_deadline is None else body_deadline
                 limit = (
                     deadline if trouble_since is None else min(deadline, trouble_since + GRACE_S)
                 )
                 if now >= limit:
                     dumps = self._dump_stacks(list(pending))
                     for rank in pending:
-                        if now >= deadline:
-                            why = f"did not finish within the timeout of {timeout:g} s"
-                        else:
+                        if now < deadline:
                             why = (
                                 f"was still running {GRACE_S:g} s after another rank "
                                 "stopped (probably waiting in a collective)"
                             )
+                        elif body_deadline is None:
+                            why = (
+                                "did not finish importing the test within "
+                                f"{max(timeout, STARTUP_TIMEOUT_S):g} s"
+                            )
+                        else:
+                            why = f"did not finish within the timeout of {timeout:g} s"
                         outcomes[rank] = RankOutcome(rank, HUNG, message=why, traceback=dumps[rank])
                     reusable = False
                     break
                 for conn in wait(list(pending.values()), timeout=limit - now):
                     rank = self.conns.index(conn)
-                    del pending[rank]
                     try:
                         message = conn.recv()
                     except (EOFError, OSError):
+                        del pending[rank]
                         returncode = self._reap(rank)
                         outcomes[rank] = RankOutcome(
                             rank, DIED, message=f"rank {rank} {describe_exit(returncode)}"
@@ -266,13 +279,21 @@ class RankSet:
                         reusable = False
                         trouble_since = trouble_since or time.monotonic()
                         continue
-                    _, outcome, rank_reusable = message
-                    outcomes[rank] = outcome
-                    reusable = reusable and rank_reusable
-                    if outcome.status not in (PASSED, SKIPPED):
-                        reusable = False
-                    if outcome.status != PASSED:
-                        trouble_since = trouble_since or time.monotonic()
+                    if message[0] == "started":
+                        started.add(rank)
+                    else:
+                        del pending[rank]
+                        _, outcome, rank_reusable = message
+                        outcomes[rank] = outcome
+                        reusable = reusable and rank_reusable
+                        if outcome.status not in (PASSED, SKIPPED):
+                            reusable = False
+                        if outcome.status != PASSED:
+                            trouble_since = trouble_since or time.monotonic()
+                    if body_deadline is None and started | set(outcomes) == set(
+                        range(self.world_size)
+                    ):
+                        body_deadline = time.monotonic() + timeout
         except BaseException:
             self.kill()  # KeyboardInterrupt or a harness bug: leave nothing behind
             raise

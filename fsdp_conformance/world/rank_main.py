@@ -82,6 +82,7 @@ class _RankProcess:
         import torch
         import torch.distributed as dist
 
+        _preload()
         if self.backend == "nccl":
             torch.cuda.set_device(self.gpu_ids[self.rank])
             device = torch.device("cuda", self.gpu_ids[self.rank])
@@ -134,9 +135,16 @@ class _RankProcess:
             init_method=f"file://{self.store_path}",
         )
 
-        def body() -> None:
+        # Importing the test module is start-up, not test time: the parent starts the
+        # test's timeout once every rank reported "started".
+        try:
             call = execute.resolve_target(task.target)
             values = pickle.loads(task.kwargs_blob)
+        except BaseException as exc:  # noqa: BLE001  reported like a failure of the body
+            return execute.classify_exception(self.rank, exc)
+        self.conn.send(("started",))
+
+        def body() -> None:
             if task.target.kind == "unittest":
                 _current_context.ctx = ctx
                 try:
@@ -183,10 +191,28 @@ class _RankProcess:
         defaults = self.torch_defaults
         torch.set_default_dtype(defaults["dtype"])
         torch.set_grad_enabled(defaults["grad"])
-        torch.use_deterministic_algorithms(defaults["deterministic"])
+        if torch.are_deterministic_algorithms_enabled() != defaults["deterministic"]:
+            # (only when changed: the call imports torch._inductor, seconds on first use)
+            torch.use_deterministic_algorithms(defaults["deterministic"])
         torch.autograd.set_detect_anomaly(defaults["anomaly"])
         if torch.get_num_threads() != defaults["threads"]:
             torch.set_num_threads(defaults["threads"])
+
+
+def _preload() -> None:
+    """Import now what every first test would import, so it does not count against the
+    first test's timeout."""
+    import unittest  # noqa: F401
+
+    import _pytest.assertion.rewrite
+    import _pytest.outcomes  # noqa: F401
+
+    import fsdp_conformance.world.execute  # noqa: F401
+
+    try:
+        import numpy  # noqa: F401
+    except ImportError:
+        pass
 
 
 class _CurrentContext(threading.local):
