@@ -22,6 +22,8 @@ from typing import Any
 import pytest
 
 _MODES = ("process", "process-fresh", "thread")
+# --fsdp-coverage choices (fsdp_conformance.suite.configs implements them)
+COVERAGES = ("full", "pairwise")
 
 
 @dataclasses.dataclass
@@ -38,6 +40,9 @@ class PluginState:
     impl: str
     # --fsdp-backend / FSDP_CONFORMANCE_BACKEND
     backend: str | None
+    # --fsdp-coverage: how much of a suite check's config product to run (None: the check's
+    # own default, see fsdp_conformance.suite.configs)
+    coverage: str | None = None
     # fsdp_conformance.world.runtime.Runtime (starts no process until a test needs ranks)
     runtime: Any = None
     # the runtime that was active before this session (an outer session, for pytester runs)
@@ -107,6 +112,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="process group backend override ('gloo', 'nccl'); default: gloo on CPU, nccl "
         "when each rank gets its own GPU. Env: FSDP_CONFORMANCE_BACKEND.",
     )
+    group.addoption(
+        "--fsdp-coverage",
+        choices=COVERAGES,
+        default=None,
+        help="conformance suite: run every combination of a check's config dimensions "
+        "('full') or a smaller set covering every pair of values ('pairwise'); default: "
+        "what each check class says (the classes in fsdp_conformance.suite: full).",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -130,6 +143,7 @@ def pytest_configure(config: pytest.Config) -> None:
         world_size=config.getoption("fsdp_world_size"),
         impl=config.getoption("fsdp_impl"),
         backend=config.getoption("fsdp_backend"),
+        coverage=config.getoption("fsdp_coverage"),
     )
     # torch-free; starts no process until a test needs ranks. Created now so that
     # FSDPTest classes (which find it through runtime.get_runtime()) use the session options.
@@ -188,6 +202,33 @@ def dist(request: pytest.FixtureRequest) -> Any:
 def fsdp_impl(request: pytest.FixtureRequest) -> str:
     """The --fsdp-impl name of the FSDP implementation under test."""
     return request.config.stash[STATE_KEY].impl
+
+
+def resolve_adapter(name: str) -> Any:
+    """``get_adapter(name)``, called inside each rank (the ``fsdp_adapter`` fixture's factory)."""
+    from fsdp_conformance.adapters import get_adapter
+
+    return get_adapter(name)
+
+
+@pytest.fixture
+def fsdp_adapter(fsdp_impl: str, dist: Any) -> Any:
+    """The adapter of the FSDP under test (``--fsdp-impl``), resolved inside each rank.
+
+    Adapters are never pickled: the pytest process hands the ranks an ``InRank`` that calls
+    ``get_adapter(fsdp_impl)`` in every rank. Ask for it in the test function itself (a fixture
+    depending on it would get the ``InRank``). Override ``fsdp_impl`` (a fixture returning the
+    adapter name, e.g. ``"mypkg.mod:ADAPTER"``) to point a test class at another adapter.
+    """
+    from fsdp_conformance.world.protocol import InRank
+
+    return InRank(resolve_adapter, fsdp_impl)
+
+
+@pytest.fixture(scope="session")
+def fsdp_coverage(request: pytest.FixtureRequest) -> str | None:
+    """The --fsdp-coverage choice ('full' or 'pairwise'), or None when not given."""
+    return request.config.stash[STATE_KEY].coverage
 
 
 # -----------------------------------------------------------------------------

@@ -1,1 +1,26 @@
+"""The conformance suite: pytest test classes any FSDP implementation can run.
 
+Run it against an adapter::
+
+    pytest --pyargs fsdp_conformance.suite --fsdp-impl mypkg.fsdp_adapter:ADAPTER
+
+or subclass the base classes in your own tests (the pandas ``tests/extension/base`` pattern)::
+
+    from fsdp_conformance.suite import BaseDDPParityTests
+
+    class TestParity(BaseDDPParityTests):
+        pass
+
+See docs/suite.md. The base classes are not named ``Test*``, so importing them does not
+collect them twice.
+"""
+
+from __future__ import annotations
+
+from .parity import BaseDDPParityTests, BaseStateDictTests, BaseSummonFullParamsTests
+
+__all__ = [
+    "BaseDDPParityTests",
+    "BaseStateDictTests",
+    "BaseSummonFullParamsTests",
+]

@@ -1,0 +1,169 @@
+"""The config dimensions the suite's checks cover, and the cases they are parametrised with.
+
+A *case* is one model, one world size and one wrap config in the adapter vocabulary
+(docs/adapters.md). Its pytest id names every value, so a failing test names its exact config:
+``nested-ws2-FULL_SHARD-bwd=BACKWARD_PRE-fwd=0-limit=1-offload=0-init=after``.
+
+[Note: coverage]
+At world size 2 the parity check runs the product of every dimension below (``"full"``, 216
+configs per model) or a greedy set of configs in which every pair of values of any two dimensions
+occurs at least once (``"pairwise"``, 12 configs per model): a bug that needs two settings
+together to show up is still caught, a bug needing three may not be. World sizes 1 and 4 run one
+config per sharding strategy (world size 4 on a subset of the models: it only adds reduction
+order). ``--fsdp-coverage`` overrides a check class's default (``BaseDDPParityTests.coverage``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any
+
+import pytest
+
+# - Dimensions (adapter vocabulary); the first value of each is the default config
+SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
+BACKWARD_PREFETCHES = ("BACKWARD_PRE", None, "BACKWARD_POST")
+FORWARD_PREFETCH = (False, True)
+# None: the key is not given (the implementation's default: True in the FSDP1 vocabulary). An
+# explicit value needs the adapter's `limit_all_gathers` feature, which torch FSDP2 lacks.
+LIMIT_ALL_GATHERS = (None, False)
+CPU_OFFLOAD = (False, True)
+# When the model moves to the compute device (fsdp_conformance.models.DeviceInit values); all
+# three are the same on CPU and differ on accelerators.
+DEVICE_INITS = ("after", "before", "never")
+
+DIMENSIONS: dict[str, tuple[Any, ...]] = {
+    "sharding_strategy": SHARDING_STRATEGIES,
+    "backward_prefetch": BACKWARD_PREFETCHES,
+    "forward_prefetch": FORWARD_PREFETCH,
+    "limit_all_gathers": LIMIT_ALL_GATHERS,
+    "cpu_offload": CPU_OFFLOAD,
+    "device_init": DEVICE_INITS,
+}
+COVERAGES = ("full", "pairwise")
+
+# Short labels for case ids
+_LABELS = {
+    "sharding_strategy": None,
+    "backward_prefetch": "bwd",
+    "forward_prefetch": "fwd",
+    "limit_all_gathers": "limit",
+    "cpu_offload": "offload",
+    "device_init": "init",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ParityCase:
+    """One model, world size and config of a suite check (picklable: it travels to the ranks)."""
+
+    # Zoo model name (fsdp_conformance.suite.zoo.MODELS)
+    model: str
+    # Ranks
+    world_size: int
+    # (dimension, value) pairs in DIMENSIONS order
+    settings: tuple[tuple[str, Any], ...]
+
+    @property
+    def wrap_config(self) -> dict[str, Any]:
+        """The adapter wrap config (every dimension except device_init; None limit omitted)."""
+        return {
+            key: value
+            for key, value in self.settings
+            if key != "device_init" and not (key == "limit_all_gathers" and value is None)
+        }
+
+    @property
+    def device_init(self) -> str:
+        return dict(self.settings).get("device_init", "after")
+
+    @property
+    def id(self) -> str:
+        parts = [self.model, f"ws{self.world_size}"]
+        for key, value in self.settings:
+            label = _LABELS.get(key, key)
+            if isinstance(value, bool):
+                value = int(value)
+            elif key == "limit_all_gathers" and value is None:
+                value = "default"
+            parts.append(str(value) if label is None else f"{label}={value}")
+        return "-".join(parts)
+
+    def describe(self) -> str:
+        """`model` at world size N with `config` (for failure messages)."""
+        config = ", ".join(f"{key}={value!r}" for key, value in self.settings)
+        return f"{self.model} at world size {self.world_size} with {config}"
+
+    def param(self) -> Any:
+        """This case as a ``pytest.param`` with its id and its world_size marker."""
+        return pytest.param(self, id=self.id, marks=pytest.mark.world_size(self.world_size))
+
+
+def full_product(dimensions: dict[str, tuple[Any, ...]] = DIMENSIONS) -> list[dict[str, Any]]:
+    """Every combination of the dimensions' values."""
+    keys = list(dimensions)
+    return [dict(zip(keys, values)) for values in itertools.product(*dimensions.values())]
+
+
+def pairwise(dimensions: dict[str, tuple[Any, ...]] = DIMENSIONS) -> list[dict[str, Any]]:
+    """Configs covering every pair of values of any two dimensions (greedy, deterministic).
+
+    Starts from the default config (first values); then repeatedly takes the config of the full
+    product that covers the most pairs not covered yet (the first such in product order).
+    """
+    keys = list(dimensions)
+    candidates = full_product(dimensions)
+
+    def pairs(config: dict[str, Any]) -> set[tuple]:
+        return {
+            (a, repr(config[a]), b, repr(config[b])) for a, b in itertools.combinations(keys, 2)
+        }
+
+    uncovered = set().union(*(pairs(config) for config in candidates))
+    chosen = [candidates[0]]
+    uncovered -= pairs(candidates[0])
+    while uncovered:
+        best = max(candidates, key=lambda config: len(pairs(config) & uncovered))
+        chosen.append(best)
+        uncovered -= pairs(best)
+    return chosen
+
+
+def per_strategy(dimensions: dict[str, tuple[Any, ...]] = DIMENSIONS) -> list[dict[str, Any]]:
+    """The default config once per sharding strategy."""
+    defaults = {key: values[0] for key, values in dimensions.items()}
+    return [{**defaults, "sharding_strategy": s} for s in dimensions["sharding_strategy"]]
+
+
+def configs_for(coverage: str) -> list[dict[str, Any]]:
+    """The configs of a coverage level (see [Note: coverage])."""
+    if coverage == "full":
+        return full_product()
+    if coverage == "pairwise":
+        return pairwise()
+    raise ValueError(f"unknown coverage {coverage!r}; use one of {', '.join(COVERAGES)}")
+
+
+def parity_cases(
+    models: tuple[str, ...],
+    coverage: str,
+    world_sizes: tuple[int, ...] = (1, 2, 4),
+    large_world_models: tuple[str, ...] = (),
+) -> list[ParityCase]:
+    """The cases of the parity check (see [Note: coverage]).
+
+    Args:
+        models: zoo model names.
+        coverage: "full" or "pairwise", for world size 2.
+        world_sizes: which of 1, 2, 4 (others get one config per strategy, like 1 and 4).
+        large_world_models: the models run at world sizes above 2.
+    """
+    cases = []
+    for world_size in world_sizes:
+        configs = configs_for(coverage) if world_size == 2 else per_strategy()
+        for model in models:
+            if world_size > 2 and model not in large_world_models:
+                continue
+            cases.extend(ParityCase(model, world_size, tuple(config.items())) for config in configs)
+    return cases

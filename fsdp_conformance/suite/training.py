@@ -1,0 +1,202 @@
+"""Seed 002's `_test_identical_outputs`, adapter-driven: train FSDP and DDP, compare.
+
+`reference_run` trains the unwrapped zoo model under DistributedDataParallel (or DummyDDP) and
+caches the result per rank process (a rank set is reused across tests in the harness's
+`process` mode, so the reference is computed once per model, world size and step count).
+`fsdp_run` builds, wraps and trains the same model through an adapter. `assert_same_training`
+compares losses and full parameters, naming the config and the first parameter that differs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from fsdp_conformance.adapters import Adapter
+from fsdp_conformance.models import DeviceInit, DummyDDP, move_after_wrap
+
+from . import zoo
+
+# Training: seed 002's SGD with momentum
+STEPS = 3
+LR = 0.01
+MOMENTUM = 0.9
+
+
+@dataclasses.dataclass
+class TrainingResult:
+    """What one training run produced."""
+
+    # (steps,) fp32 losses
+    losses: torch.Tensor
+    # Full parameters after the last step, by the unwrapped model's names (tied ones under
+    # each name)
+    params: dict[str, torch.Tensor]
+
+
+def train(
+    model: nn.Module,
+    zoo_model: nn.Module,
+    device: torch.device,
+    steps: int = STEPS,
+    after_backward: Callable[[int], None] | None = None,
+    after_step: Callable[[int], None] | None = None,
+) -> torch.Tensor:
+    """`steps` SGD+momentum steps of `model` (a wrapped `zoo_model`); returns the fp32 losses.
+
+    Args:
+        after_backward: called with the step index after backward, before optimizer.step().
+        after_step: called with the step index after optimizer.step().
+    """
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    losses = []
+    for step in range(steps):
+        optimizer.zero_grad()
+        inputs = zoo_model.get_input(device)
+        loss = zoo_model.get_loss(inputs, model(*inputs))
+        zoo_model.run_backward(loss)
+        if after_backward is not None:
+            after_backward(step)
+        optimizer.step()
+        if after_step is not None:
+            after_step(step)
+        losses.append(loss.detach().float())
+    return torch.stack(losses)
+
+
+# (model, rank, world size, device, steps) -> result; per rank process (and per rank thread)
+_reference_cache: dict[tuple, TrainingResult] = {}
+
+
+def reference_run(model_name: str, dist: Any, steps: int = STEPS) -> TrainingResult:
+    """The unwrapped model trained under DDP (DummyDDP for self-reducing models), cached."""
+    key = (model_name, dist.rank, dist.world_size, str(dist.device), steps)
+    if key not in _reference_cache:
+        model = zoo.build(model_name, dist.group, None, dist.device)
+        model.to(dist.device)
+        if zoo.MODELS[model_name].reference == "dummy_ddp":
+            wrapped: nn.Module = DummyDDP(model)
+        else:
+            wrapped = nn.parallel.DistributedDataParallel(model, process_group=dist.group)
+        losses = train(wrapped, model, dist.device, steps)
+        params = {
+            name: param.detach().clone()
+            for name, param in model.named_parameters(remove_duplicate=False)
+        }
+        _reference_cache[key] = TrainingResult(losses, params)
+    return _reference_cache[key]
+
+
+def wrap_model(
+    adapter: Adapter,
+    model_name: str,
+    dist: Any,
+    config: dict[str, Any],
+    device_init: str = "after",
+) -> tuple[nn.Module, nn.Module]:
+    """Build the zoo model with `adapter`'s wrap and `config`; returns (root, zoo model).
+
+    Skips (through `adapter.require`) when the adapter lacks a feature the config or the model
+    needs, naming the adapter, the feature and the reason.
+    """
+    spec = zoo.MODELS[model_name]
+    adapter.require(*spec.features)
+    adapter.require(*adapter.features_for(**config))
+    wrap = adapter.wrapper(**config)
+    zoo_model = zoo.build(model_name, dist.group, wrap, dist.device, device_init)
+    root_config = {**config, **zoo_model.ROOT_WRAP_CONFIG}
+    adapter.require(*adapter.features_for(**root_config))
+    if DeviceInit(device_init) is DeviceInit.NEVER and dist.device.type != "cpu":
+        root_config.setdefault("device_id", dist.device)  # the implementation moves it
+    root = adapter.wrap(zoo_model, **root_config)
+    root = move_after_wrap(root, DeviceInit(device_init), dist.device)
+    return root, zoo_model
+
+
+def fsdp_run(
+    adapter: Adapter,
+    model_name: str,
+    dist: Any,
+    config: dict[str, Any],
+    device_init: str = "after",
+    steps: int = STEPS,
+) -> TrainingResult:
+    """The zoo model wrapped by `adapter` with `config`, trained `steps` steps."""
+    root, zoo_model = wrap_model(adapter, model_name, dist, config, device_init)
+    losses = train(root, zoo_model, dist.device, steps)
+    return TrainingResult(losses, adapter.full_params(root))
+
+
+def assert_same_training(
+    label: str,
+    actual: TrainingResult,
+    expected: TrainingResult,
+    atol: float = 0.0,
+    rtol: float = 0.0,
+    loss_atol: float | None = None,
+    loss_rtol: float | None = None,
+) -> None:
+    """Assert equal losses and full parameters; bit-exact when the tolerances are 0.
+
+    Args:
+        label: names the run in the message (adapter, model, world size, config).
+        atol, rtol: tolerance of the parameters (and of the losses unless given below).
+        loss_atol, loss_rtol: tolerance of the losses.
+    """
+    loss_atol = atol if loss_atol is None else loss_atol
+    loss_rtol = rtol if loss_rtol is None else loss_rtol
+    missing = set(expected.params) - set(actual.params)
+    extra = set(actual.params) - set(expected.params)
+    if missing or extra:
+        raise AssertionError(
+            f"{label}: full parameter names differ from DDP's: missing {sorted(missing)}, "
+            f"unexpected {sorted(extra)}"
+        )
+    _assert_close(
+        f"{label}: losses differ from DDP's ({_tolerance(loss_atol, loss_rtol)})",
+        actual.losses,
+        expected.losses,
+        loss_atol,
+        loss_rtol,
+        detail=f"FSDP losses {actual.losses.tolist()}, DDP losses {expected.losses.tolist()}",
+    )
+    for name, reference in expected.params.items():
+        _assert_close(
+            f"{label}: parameter {name!r} differs from DDP's after {len(expected.losses)} "
+            f"steps ({_tolerance(atol, rtol)})",
+            actual.params[name],
+            reference,
+            atol,
+            rtol,
+        )
+
+
+def _tolerance(atol: float, rtol: float) -> str:
+    return "bit-exact" if atol == rtol == 0 else f"atol={atol:g}, rtol={rtol:g}"
+
+
+def _assert_close(
+    message: str,
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    atol: float,
+    rtol: float,
+    detail: str = "",
+) -> None:
+    actual = actual.detach().float().cpu()
+    expected = expected.detach().float().cpu()
+    if actual.shape != expected.shape:
+        raise AssertionError(f"{message}: shape {tuple(actual.shape)} != {tuple(expected.shape)}")
+    if atol == rtol == 0:
+        same = torch.equal(actual, expected)
+    else:
+        same = torch.allclose(actual, expected, atol=atol, rtol=rtol)
+    if not same:
+        difference = (actual - expected).abs().max().item()
+        raise AssertionError(
+            f"{message}: max |difference| {difference:.3g}" + (f"; {detail}" if detail else "")
+        )

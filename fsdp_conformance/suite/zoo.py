@@ -1,0 +1,106 @@
+"""The zoo models the suite trains, by name, with what each needs from an adapter.
+
+Each entry builds a `fsdp_conformance.models` model with a `wrap` (None = the unwrapped
+reference) and says which reference it is compared against: DistributedDataParallel, or
+DummyDDP for MixtureOfExperts (its expert gradients are per rank; `run_backward` all-reduces
+the others by hand).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from fsdp_conformance.adapters import Feature
+from fsdp_conformance.models import (
+    AlwaysWrapNestedWrappedModule,
+    DeviceInit,
+    MixtureOfExperts,
+    NestedWrappedModule,
+    NestedWrappedModuleWithDelay,
+    TransformerWithSharedParams,
+)
+
+# Delays of the delay models (ms): long enough to reorder work, short enough for CI
+DELAY_MS = 1.0
+
+Builder = Callable[..., nn.Module]  # (group, wrap, *, device_init, device) -> zoo model
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """How the suite builds one zoo model."""
+
+    # Name used in case ids
+    name: str
+    # (group, wrap, *, device_init, device) -> the zoo model
+    build: Builder
+    # "ddp" (DistributedDataParallel) or "dummy_ddp" (the model reduces its own gradients)
+    reference: str = "ddp"
+    # Adapter features needed beyond the wrap config (e.g. comm_trace for the delay hooks)
+    features: tuple[str, ...] = ()
+
+
+def _nested(group: Any, wrap: Any, **kwargs: Any) -> nn.Module:
+    return NestedWrappedModule(group, wrap, **kwargs)
+
+
+def _always_wrap(group: Any, wrap: Any, **kwargs: Any) -> nn.Module:
+    return AlwaysWrapNestedWrappedModule(group, wrap, **kwargs)
+
+
+def _transformer(group: Any, wrap: Any, **kwargs: Any) -> nn.Module:
+    return TransformerWithSharedParams(group, wrap, **kwargs)
+
+
+def _transformer_without_batchnorm(group: Any, wrap: Any, **kwargs: Any) -> nn.Module:
+    # for mixed precision: a BatchNorm's fp32 running stats next to bf16 parameters fail in
+    # F.batch_norm unless buffers are cast too (feature mixed_precision_buffer_dtype)
+    return TransformerWithSharedParams(group, wrap, add_bn=False, **kwargs)
+
+
+def _mixture_of_experts(group: Any, wrap: Any, **kwargs: Any) -> nn.Module:
+    return MixtureOfExperts(group, wrap, **kwargs)
+
+
+def _nested_with_delay(group: Any, wrap: Any, **kwargs: Any) -> nn.Module:
+    return NestedWrappedModuleWithDelay(
+        group, wrap, delay_after_loss_ms=DELAY_MS, delay_before_reduction_ms=DELAY_MS, **kwargs
+    )
+
+
+def _mixture_of_experts_with_delay(group: Any, wrap: Any, **kwargs: Any) -> nn.Module:
+    return MixtureOfExperts(group, wrap, delay_before_free_ms=DELAY_MS, **kwargs)
+
+
+MODELS: dict[str, ModelSpec] = {
+    spec.name: spec
+    for spec in (
+        ModelSpec("nested", _nested),
+        ModelSpec("always_wrap", _always_wrap),
+        ModelSpec("transformer", _transformer),
+        ModelSpec("transformer_without_batchnorm", _transformer_without_batchnorm),
+        ModelSpec("mixture_of_experts", _mixture_of_experts, reference="dummy_ddp"),
+        ModelSpec("nested_with_delay", _nested_with_delay, features=(Feature.COMM_TRACE,)),
+        ModelSpec(
+            "mixture_of_experts_with_delay",
+            _mixture_of_experts_with_delay,
+            reference="dummy_ddp",
+            features=(Feature.COMM_TRACE,),
+        ),
+    )
+}
+# The models of the parity check (transformer_without_batchnorm is for mixed precision)
+MODEL_NAMES = tuple(name for name in MODELS if name != "transformer_without_batchnorm")
+
+
+def build(
+    name: str, group: Any, wrap: Any, device: torch.device, device_init: str = "after"
+) -> nn.Module:
+    """The zoo model `name`, built for `device` the way `device_init` says."""
+    spec = MODELS[name]
+    return spec.build(group, wrap, device_init=DeviceInit(device_init), device=device)
