@@ -129,6 +129,10 @@ class TorchFSDP1Adapter(Adapter):
                 param_dtype=mixed.param_dtype,
                 reduce_dtype=mixed.reduce_dtype,
                 buffer_dtype=mixed.buffer_dtype,
+                # every instance casts its floating-point inputs to param_dtype, as impl and
+                # FSDP2 do (FSDP1's default casts the root's only: a nested instance then gets
+                # fp32 activations, e.g. after adding an fp32 buffer, and fails in its matmul)
+                cast_forward_inputs=True,
             )
         if config.get("auto_wrap_policy") is not None:
             kwargs["auto_wrap_policy"] = _fsdp1_policy(config["auto_wrap_policy"])
