@@ -17,10 +17,12 @@ collect them twice.
 
 from __future__ import annotations
 
+from .memory_bound import BaseMemoryBoundTests
 from .parity import BaseDDPParityTests, BaseStateDictTests, BaseSummonFullParamsTests
 
 __all__ = [
     "BaseDDPParityTests",
+    "BaseMemoryBoundTests",
     "BaseStateDictTests",
     "BaseSummonFullParamsTests",
 ]
