@@ -7,12 +7,16 @@ import json
 import random
 import threading
 
-import numpy
 import pytest
 import torch
 
 from conftest import write_test
 from fsdp_conformance.world.protocol import RANK_SEED
+
+try:  # numpy is optional: torch does not require it; its RNG is checked when present
+    import numpy
+except ImportError:
+    numpy = None
 
 pytest_plugins = ["pytester"]
 
@@ -21,16 +25,20 @@ import json
 import os
 import random
 
-import numpy
 import pytest
 import torch
+
+try:
+    import numpy
+except ImportError:
+    numpy = None
 
 
 def draw_and_disturb(dist, index):
     record = {
         "torch": torch.rand(4).tolist(),
         "random": random.random(),
-        "numpy": numpy.random.rand(2).tolist(),
+        "numpy": numpy.random.rand(2).tolist() if numpy is not None else None,
     }
     path = os.path.join(os.environ["HARNESS_OUT"], f"{index:02d}-rank{dist.rank}.json")
     with open(path, "w") as out:
@@ -39,7 +47,8 @@ def draw_and_disturb(dist, index):
     torch.manual_seed(1000 + index)
     torch.rand(100)
     random.seed(index)
-    numpy.random.seed(index)
+    if numpy is not None:
+        numpy.random.seed(index)
 
 
 @pytest.mark.parametrize("index", range(NUMBER))
@@ -51,11 +60,12 @@ def test_draws(dist, index):
 def expected_draws() -> dict:
     torch.manual_seed(RANK_SEED)
     random.seed(RANK_SEED)
-    numpy.random.seed(RANK_SEED)
+    if numpy is not None:
+        numpy.random.seed(RANK_SEED)
     return {
         "torch": torch.rand(4).tolist(),
         "random": random.random(),
-        "numpy": numpy.random.rand(2).tolist(),
+        "numpy": numpy.random.rand(2).tolist() if numpy is not None else None,
     }
 
 
