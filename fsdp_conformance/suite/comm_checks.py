@@ -1,0 +1,379 @@
+"""Communication checks on a per-phase trace: prefetch order, prefetch happening, counts.
+
+The trace is ``fsdp_conformance.observe.comm_trace.CommTrace`` (see [Note: comm trace]) of
+``ITERATIONS`` training iterations of a zoo model, phases ``iteration i forward`` (forward and
+loss) and ``iteration i backward`` (backward; the optimizer step is outside every phase).
+
+[Note: prefetch happens]
+A prefetched all-gather is issued by *another* instance's hook, before the target's own hook
+runs. torch issue #106030 was prefetching that silently did nothing; the check holds each
+adapter that claims a prefetch setting to it, pairwise along the order the phase ran:
+
+- ``forward_prefetch`` (iterations >= 2; the first records the order): for consecutive
+  instances I, J of the forward compute order (``compute`` events, instances that all-gather in
+  the phase), J's all-gather comes before I's compute starts.
+- ``BACKWARD_PRE``: for consecutive instances I, J of the expected backward order (the reverse
+  of the phase's forward post-forward order, i.e. of the forward frees; instances that
+  all-gather in backward), J's all-gather comes before I's free and before I's gradient
+  reduction: it is issued from I's pre-backward, while I still computes.
+- ``BACKWARD_POST``: the same pairs, J's all-gather before I's gradient reduction (issued from
+  I's post-backward, right after I's free).
+
+The state in an event does not tell a prefetch apart: torch FSDP1 sets the target's state to
+``FORWARD`` / ``BACKWARD_PRE`` while it prefetches (``_prefetch_handle``, torch 2.13.0), so
+only the order is checked. Without prefetch (SHARD_GRAD_OP keeps every instance unsharded, or
+the phase all-gathers one instance) there are no pairs and nothing to check.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import os
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from fsdp_conformance.observe.comm_trace import REDUCE_OPS, CommEvent, CommTrace
+
+from . import training
+
+# Iterations traced: forward prefetch starts in iteration 2 (it uses iteration 1's order);
+# iteration 3 shows the steady state
+ITERATIONS = 3
+
+
+def phase_name(iteration: int, kind: str) -> str:
+    return f"iteration {iteration} {kind}"
+
+
+def trace_training(
+    adapter: Any,
+    model_name: str,
+    dist: Any,
+    config: dict[str, Any],
+    iterations: int = ITERATIONS,
+    compute: bool = True,
+    inside_no_sync: Callable[[int], bool] | None = None,
+) -> tuple[CommTrace, nn.Module]:
+    """Train the zoo model ``model_name`` wrapped with ``config`` and trace every phase.
+
+    Skips (``adapter.require``) unless the adapter supports ``comm_trace`` and the config.
+    Returns the trace and the wrapped root.
+
+    Args:
+        inside_no_sync: iteration -> run that iteration's forward and backward inside the
+            root's ``no_sync()`` (the caller checks the root has one).
+    """
+    from fsdp_conformance.adapters import Feature
+
+    adapter.require(Feature.COMM_TRACE)
+    root, zoo_model = training.wrap_model(adapter, model_name, dist, config)
+    optimizer = torch.optim.SGD(root.parameters(), lr=training.LR, momentum=training.MOMENTUM)
+    trace = CommTrace(adapter, root, compute=compute)
+    with trace:
+        for iteration in range(1, iterations + 1):
+            no_sync = inside_no_sync is not None and inside_no_sync(iteration)
+            with root.no_sync() if no_sync else contextlib.nullcontext():
+                optimizer.zero_grad()
+                inputs = zoo_model.get_input(dist.device)
+                with trace.phase(phase_name(iteration, "forward")):
+                    loss = zoo_model.get_loss(inputs, root(*inputs))
+                with trace.phase(phase_name(iteration, "backward")):
+                    zoo_model.run_backward(loss)
+            if not no_sync:
+                optimizer.step()
+    return trace, root
+
+
+# ---------------------------------------------------------------------------- prefetch happens
+def _first(events: list[CommEvent], op: str | tuple[str, ...], label: str) -> int | None:
+    ops = (op,) if isinstance(op, str) else op
+    for index, event in enumerate(events):
+        if event.op in ops and event.label == label:
+            return index
+    return None
+
+
+def _order(events: list[CommEvent], op: str) -> list[str]:
+    return list(dict.fromkeys(event.label for event in events if event.op == op))
+
+
+def prefetch_failures(trace: CommTrace, config: dict[str, Any]) -> list[str]:
+    """Each way the trace shows a configured prefetch not happening ([Note: prefetch happens])."""
+    failures = []
+    forward_prefetch = bool(config.get("forward_prefetch"))
+    backward_prefetch = config.get("backward_prefetch")
+    for phase in trace.phases:
+        if not phase.startswith("iteration "):
+            continue
+        _, iteration, kind = phase.split(" ")
+        events = trace.select(phase)
+        gathering = set(_order(events, "all_gather"))
+        if kind == "forward" and forward_prefetch and int(iteration) >= 2:
+            order = [label for label in _order(events, "compute") if label in gathering]
+            for current, following in itertools.pairwise(order):
+                if _first(events, "all_gather", following) > _first(events, "compute", current):
+                    failures.append(
+                        f"{phase}: forward_prefetch did not prefetch: the all-gather of "
+                        f"{following!r} was issued after {current!r} started its forward "
+                        "compute (expected before)"
+                    )
+        if kind == "backward" and backward_prefetch in ("BACKWARD_PRE", "BACKWARD_POST"):
+            forward = trace.select(phase_name(int(iteration), "forward"))
+            post_forward_order = _order(forward, "free")
+            order = [label for label in reversed(post_forward_order) if label in gathering]
+            for current, following in itertools.pairwise(order):
+                gather = _first(events, "all_gather", following)
+                free = _first(events, "free", current)
+                reduction = _first(events, REDUCE_OPS, current)
+                if reduction is not None and gather > reduction:
+                    failures.append(
+                        f"{phase}: {backward_prefetch} did not prefetch: the all-gather of "
+                        f"{following!r} was issued after the gradient reduction of "
+                        f"{current!r} (expected before)"
+                    )
+                elif backward_prefetch == "BACKWARD_PRE" and free is not None and gather > free:
+                    failures.append(
+                        f"{phase}: BACKWARD_PRE prefetched too late: the all-gather of "
+                        f"{following!r} was issued after {current!r} freed its parameters "
+                        "(expected from its pre-backward, before the free)"
+                    )
+    return failures
+
+
+def assert_prefetch_happens(trace: CommTrace, config: dict[str, Any], label: str) -> None:
+    """Raise AssertionError listing every configured prefetch the trace does not show."""
+    failures = prefetch_failures(trace, config)
+    if failures:
+        raise AssertionError(
+            f"prefetch does not happen ({label}):\n  "
+            + "\n  ".join(failures)
+            + "\ntrace:\n"
+            + trace.render(ops=None)
+        )
+
+
+# ---------------------------------------------------------------------------- counts
+@dataclasses.dataclass(frozen=True)
+class ExpectedCounts:
+    """Collectives one phase must issue (None: not checked)."""
+
+    all_gather: int | None = None
+    reductions: int | None = None  # reduce_scatter + all_reduce
+
+
+def expected_counts(
+    strategy: str, kind: str, instances: int, inside_no_sync: bool = False
+) -> ExpectedCounts:
+    """The collective counts of one phase for ``instances`` FSDP instances (all with params).
+
+    FULL_SHARD: forward all-gathers every instance, backward every non-root instance (the root
+    is not resharded after forward), one reduction per instance. SHARD_GRAD_OP keeps every
+    instance unsharded from forward to backward: no backward all-gather. Inside ``no_sync``
+    nothing is reduced.
+    """
+    if kind == "forward":
+        return ExpectedCounts(all_gather=instances, reductions=0)
+    reductions = 0 if inside_no_sync else instances
+    if strategy == "SHARD_GRAD_OP":
+        return ExpectedCounts(all_gather=0, reductions=reductions)
+    return ExpectedCounts(all_gather=instances - 1, reductions=reductions)
+
+
+def count_failures(
+    trace: CommTrace, strategy: str, instances: int, no_sync_iterations: tuple[int, ...] = ()
+) -> list[str]:
+    """Phases whose all-gather / reduction counts differ from ``expected_counts``."""
+    failures = []
+    for phase in trace.phases:
+        if not phase.startswith("iteration "):
+            continue
+        iteration, kind = int(phase.split(" ")[1]), phase.split(" ")[2]
+        expected = expected_counts(strategy, kind, instances, iteration in no_sync_iterations)
+        gathers = trace.count("all_gather", phase)
+        reductions = trace.count(REDUCE_OPS, phase)
+        if expected.all_gather is not None and gathers != expected.all_gather:
+            failures.append(
+                f"{phase}: {gathers} all-gathers, expected {expected.all_gather} "
+                f"({_why(strategy, kind, instances)})"
+            )
+        if expected.reductions is not None and reductions != expected.reductions:
+            within = " inside no_sync" if iteration in no_sync_iterations else ""
+            failures.append(
+                f"{phase}{within}: {reductions} gradient reductions, expected {expected.reductions}"
+            )
+    return failures
+
+
+def _why(strategy: str, kind: str, instances: int) -> str:
+    if kind == "forward":
+        return f"one per instance, {instances} instances"
+    if strategy == "SHARD_GRAD_OP":
+        return "SHARD_GRAD_OP keeps parameters unsharded from forward to backward"
+    return f"{instances} instances minus the root, which FULL_SHARD does not reshard after forward"
+
+
+def assert_counts(
+    trace: CommTrace,
+    strategy: str,
+    instances: int,
+    label: str,
+    no_sync_iterations: tuple[int, ...] = (),
+) -> None:
+    """Raise AssertionError naming each phase whose collective counts are wrong."""
+    failures = count_failures(trace, strategy, instances, no_sync_iterations)
+    if failures:
+        raise AssertionError(
+            f"collective counts differ ({label}, {strategy}, {instances} instances):\n  "
+            + "\n  ".join(failures)
+            + "\ntrace:\n"
+            + trace.render()
+        )
+
+
+# ---------------------------------------------------------------------------- suite classes
+# (backward_prefetch, forward_prefetch) settings of the prefetch checks
+PREFETCH_SETTINGS = tuple(
+    (backward, forward)
+    for backward in (None, "BACKWARD_PRE", "BACKWARD_POST")
+    for forward in (False, True)
+)
+TRACE_MODELS = ("nested", "transformer")
+
+
+def prefetch_case_id(model_name: str, backward_prefetch: str | None, forward_prefetch: bool) -> str:
+    return f"{model_name}-bwd={backward_prefetch}-fwd={int(forward_prefetch)}"
+
+
+def _prefetch_params() -> list[Any]:
+    return [
+        pytest.param(model, backward, forward, id=prefetch_case_id(model, backward, forward))
+        for model in TRACE_MODELS
+        for backward, forward in PREFETCH_SETTINGS
+    ]
+
+
+class BasePrefetchOrderTests:
+    """Prefetch order goldens and "prefetch actually happens" (FULL_SHARD, 3 iterations).
+
+    ``test_prefetch_happens`` holds every adapter that supports a prefetch setting to it
+    ([Note: prefetch happens]). ``test_trace_matches_golden`` compares the rendered trace
+    (one event per line, labels = module paths in the unwrapped model) with the golden of the
+    adapter (``check_golden``): the goldens are implementation-specific (the exact interleaving
+    of all-gathers, frees, reductions and compute), shipped for ``impl`` and ``torch-fsdp1``
+    (torch 2.13.0) in ``prefetch_goldens.py``; other adapters skip it -- override
+    ``check_golden`` in a subclass with your own ``expecttest.assert_expected_inline`` goldens.
+    """
+
+    def check_golden(self, adapter_name: str, case: str, rendered: str) -> None:
+        """Compare ``rendered`` with the golden of ``adapter_name`` / ``case`` (or skip)."""
+        from . import prefetch_goldens
+
+        prefetch_goldens.check_golden(adapter_name, case, rendered)
+
+    @pytest.mark.world_size(2)
+    @pytest.mark.parametrize(
+        ("model_name", "backward_prefetch", "forward_prefetch"), _prefetch_params()
+    )
+    def test_prefetch_happens(
+        self,
+        fsdp_adapter: Any,
+        dist: Any,
+        model_name: str,
+        backward_prefetch: Any,
+        forward_prefetch: bool,
+    ):
+        config = _prefetch_config(backward_prefetch, forward_prefetch)
+        trace, _ = trace_training(fsdp_adapter, model_name, dist, config)
+        label = f"adapter {fsdp_adapter.name!r}, {model_name}, {_describe(config)}"
+        assert_prefetch_happens(trace, config, label)
+
+    @pytest.mark.world_size(2)
+    @pytest.mark.parametrize(
+        ("model_name", "backward_prefetch", "forward_prefetch"), _prefetch_params()
+    )
+    def test_trace_matches_golden(
+        self,
+        fsdp_adapter: Any,
+        dist: Any,
+        model_name: str,
+        backward_prefetch: Any,
+        forward_prefetch: bool,
+    ):
+        import torch.distributed as tdist
+
+        config = _prefetch_config(backward_prefetch, forward_prefetch)
+        trace, _ = trace_training(fsdp_adapter, model_name, dist, config)
+        rendered = trace.render(ops=None)
+        renders: list[Any] = [None] * dist.world_size
+        tdist.all_gather_object(renders, rendered, group=dist.group)
+        differing = [rank for rank, other in enumerate(renders) if other != renders[0]]
+        assert not differing, (
+            f"adapter {fsdp_adapter.name!r}, {model_name}, {_describe(config)}: the trace of "
+            f"rank(s) {differing} differs from rank 0's (labels or order are not stable across "
+            f"ranks):\nrank 0:\n{renders[0]}\nrank {differing[0]}:\n{renders[differing[0]]}"
+        )
+        if os.environ.get("EXPECTTEST_ACCEPT") and dist.rank != 0:
+            return  # accept on rank 0 only: one writer per golden
+        self.check_golden(
+            fsdp_adapter.name,
+            prefetch_case_id(model_name, backward_prefetch, forward_prefetch),
+            rendered,
+        )
+
+
+class BaseCollectiveCountTests:
+    """Collectives per phase, counted through the adapter's ``observe`` labels.
+
+    FULL_SHARD: forward all-gathers = instances, backward = instances - 1 (the root is not
+    resharded after forward), gradient reductions = instances; SHARD_GRAD_OP: backward
+    all-gathers = 0; inside ``no_sync`` no reduction. Counting observer events (one per
+    instance unshard / reduction, whatever the backend issues underneath: torch FSDP1 on gloo
+    calls ``all_gather`` with a tensor list where NCCL runs ``_allgather_base``) makes the counts
+    backend-independent; every zoo instance here owns parameters.
+    """
+
+    @pytest.mark.world_size(2)
+    @pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
+    @pytest.mark.parametrize("model_name", TRACE_MODELS)
+    def test_counts_per_phase(self, fsdp_adapter: Any, dist: Any, model_name: str, strategy: str):
+        config = {"sharding_strategy": strategy}
+        trace, root = trace_training(fsdp_adapter, model_name, dist, config, compute=False)
+        instances = len(fsdp_adapter.instances(root))
+        assert_counts(trace, strategy, instances, f"adapter {fsdp_adapter.name!r}, {model_name}")
+
+    @pytest.mark.world_size(2)
+    @pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
+    def test_no_reduction_inside_no_sync(self, fsdp_adapter: Any, dist: Any, strategy: str):
+        config = {"sharding_strategy": strategy}
+        fsdp_adapter.require(*fsdp_adapter.features_for(**config))
+        root, _ = training.wrap_model(fsdp_adapter, "nested", dist, config)
+        if not callable(getattr(root, "no_sync", None)):
+            pytest.skip(
+                f"adapter {fsdp_adapter.name!r} does not support 'no_sync': its root module has "
+                "no no_sync() context manager"
+            )
+        trace, root = trace_training(
+            fsdp_adapter, "nested", dist, config, compute=False, inside_no_sync=lambda i: i == 1
+        )
+        instances = len(fsdp_adapter.instances(root))
+        assert_counts(trace, strategy, instances, f"adapter {fsdp_adapter.name!r}, nested", (1,))
+
+
+def _prefetch_config(backward_prefetch: Any, forward_prefetch: bool) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "sharding_strategy": "FULL_SHARD",
+        "backward_prefetch": backward_prefetch,
+    }
+    if forward_prefetch:
+        config["forward_prefetch"] = True
+    return config
+
+
+def _describe(config: dict[str, Any]) -> str:
+    return ", ".join(f"{key}={value!r}" for key, value in config.items())

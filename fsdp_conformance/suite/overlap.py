@@ -1,0 +1,348 @@
+"""Communication/computation overlap (seed 000's ``test_fsdp_overlap``), as a base class.
+
+    class TestMyOverlap(BaseOverlapTests):   # in your tests; pytest collects Test*
+        pass
+
+[Note: overlap timing]
+Four ``models.Layer`` instances under a root (``limit_all_gathers=False``; on CPU also
+``forward_prefetch``, see ``overlap_config``); each layer "computes" for ``compute`` ms in forward, each all-gather is
+delayed by ``comm`` ms. Four cases -- nothing / all-gather only / compute only / both -- are
+timed (forward of iterations >= 2, after the order was recorded), interleaved round-robin
+``REPEATS`` times; each case's statistic is the minimum over repeats (Min-k: the least
+disturbed run) and the maximum over ranks (every rank decides on the same numbers, so a retry
+never leaves one rank behind). A failing measurement is repeated once before the check fails.
+
+CPU (gloo): the delay is injected on the communication side without blocking the CPU thread.
+``delayed_all_gathers`` patches the process group's all-gather methods (``ProcessGroup.
+all_gather_single`` / ``_allgather_base`` / ``allgather``, what every ``torch.distributed``
+all-gather calls, whichever implementation calls it) to return a ``DelayedWork``: the real work
+handle, whose ``wait()`` returns no earlier than issue time + ``comm``. A synchronous caller
+(``async_op=False``: torch.distributed waits right away) blocks for the delay, an asynchronous
+one only when it waits. Compute is ``time.sleep`` in the layer (does not need a free core).
+The check: the overlapped step's extra time over "nothing" is at most ``MAX_OVERLAP_RATIO``
+(0.8) of communication + computation serialised, where serialised communication is the
+injected delay times the number of all-gathers of the forward, and computation is the measured
+compute-only time over "nothing" -- ratios of measured times, never an absolute wall time.
+An adapter issuing all-gathers with ``async_op=False`` (torch FSDP1 and FSDP2 on CPU) cannot
+overlap on CPU and skips with that reason.
+
+CUDA (nccl): the seed's shape. The all-gather is delayed on the device (``torch.cuda._sleep``
+enqueued on the issuing stream before the collective), compute is ``torch.cuda._sleep`` in
+the layer; times are device times between CUDA events on the compute stream. Assertions: the
+short case is at least 10x faster than each long case (``nothing * 10 < compute``, ``nothing *
+10 < all-gather``), and ``compute + all-gather > 1.1 * both``. On a retry the sleep cycles per
+ms are recalibrated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Iterator
+from typing import Any, ClassVar
+
+import pytest
+import torch
+import torch.distributed as tdist
+from torch import nn
+
+from fsdp_conformance.adapters import Feature
+from fsdp_conformance.models import Layer, delay
+
+# Layers (FSDP instances under the root), as in the seed
+LAYERS = 4
+# Runs of each case per measurement (Min-k over them)
+REPEATS = 4
+# CPU delays (ms): generous, so that scheduling noise on a loaded 2-core machine stays small
+CPU_COMPUTE_MS = 30.0
+CPU_COMM_MS = 30.0
+# CPU: overlapped extra time <= this x (communication + computation serialised)
+MAX_OVERLAP_RATIO = 0.8
+# CUDA (seed 000): compute and all-gather sleep lengths (ms), and the two ratios
+CUDA_COMPUTE_MS = 20.0
+CUDA_COMM_MS = 20.0
+SHORT_TO_LONG = 10.0
+BOTH_MARGIN = 1.1
+CASES = ("nothing", "all_gather", "compute", "both")
+# ProcessGroup methods the torch.distributed all-gathers call (torch 2.13.0)
+ALL_GATHER_METHODS = ("all_gather_single", "_allgather_base", "allgather")
+
+
+class DelayedWork:
+    """A collective's work handle whose ``wait()`` returns no earlier than ``deadline``."""
+
+    def __init__(self, work: Any, deadline: float) -> None:
+        self._work = work  # the real work handle
+        self.deadline = deadline  # time.perf_counter() before which wait() does not return
+
+    def wait(self, *args: Any, **kwargs: Any) -> bool:
+        result = self._work.wait(*args, **kwargs)
+        remaining = self.deadline - time.perf_counter()
+        if remaining > 0:
+            time.sleep(remaining)
+        return result
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed() and time.perf_counter() >= self.deadline
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+@dataclasses.dataclass
+class AllGatherLog:
+    """What ``delayed_all_gathers`` saw while active."""
+
+    # all-gathers issued
+    issued: int = 0
+    # of which with async_op=False (torch.distributed waits at once: no overlap possible)
+    synchronous: int = 0
+
+
+@contextlib.contextmanager
+def delayed_all_gathers(
+    delay_ms: float, device: torch.device | None = None
+) -> Iterator[AllGatherLog]:
+    """While active, every all-gather of this process completes ``delay_ms`` late.
+
+    CPU: the work handle is a ``DelayedWork`` (the CPU thread is not blocked at issue). CUDA
+    (``device.type == "cuda"``): ``torch.cuda._sleep`` is enqueued on the issuing stream first.
+    Yields an ``AllGatherLog``.
+    """
+    log = AllGatherLog()
+    cls = tdist.ProcessGroup
+    # the raw class attributes (``getattr`` would return unbound builtins that, set back on
+    # the class, no longer bind to the instance)
+    originals = {name: cls.__dict__[name] for name in ALL_GATHER_METHODS if name in cls.__dict__}
+
+    def delayed(original: Any) -> Any:
+        def method(self: Any, *args: Any) -> Any:
+            log.issued += 1
+            options = args[-1] if args else None
+            if getattr(options, "asyncOp", True) is False:
+                log.synchronous += 1
+            if device is not None and device.type == "cuda":
+                delay.sleep_ms(delay_ms, device)
+                return original(self, *args)
+            deadline = time.perf_counter() + delay_ms / 1000.0
+            return DelayedWork(original(self, *args), deadline)
+
+        return method
+
+    for name, original in originals.items():
+        setattr(cls, name, delayed(original))
+    try:
+        yield log
+    finally:
+        for name, original in originals.items():
+            setattr(cls, name, original)
+
+
+# ---------------------------------------------------------------------------- measuring
+@dataclasses.dataclass
+class OverlapTimes:
+    """Min-k forward times (ms) of the four cases, max over ranks."""
+
+    nothing: float
+    all_gather: float
+    compute: float
+    both: float
+    # all-gathers one forward issued (both case)
+    all_gathers: int
+    # of which synchronous (async_op=False)
+    synchronous: int
+
+    def cpu_ratio(self, comm_ms: float) -> float:
+        """Overlapped extra time / (communication + computation serialised), CPU."""
+        serialised = self.all_gathers * comm_ms + (self.compute - self.nothing)
+        return (self.both - self.nothing) / serialised
+
+    def describe(self) -> str:
+        return (
+            f"min forward ms: nothing {self.nothing:.1f}, all-gather only {self.all_gather:.1f}, "
+            f"compute only {self.compute:.1f}, both {self.both:.1f}; {self.all_gathers} "
+            f"all-gathers per forward ({self.synchronous} synchronous)"
+        )
+
+
+class _Chain(nn.Module):
+    """``LAYERS`` wrapped ``Layer``s in a row (the root owns no parameters, as in the seed)."""
+
+    def __init__(self, wrap: Any, compute_cycles: int) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(
+            *(wrap(Layer(compute_cycles, has_params=True)) for _ in range(LAYERS))
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+def overlap_config(device: torch.device) -> dict[str, Any]:
+    """The wrap config: CPU needs forward prefetch (the CPU thread blocks in compute); on CUDA
+    the CPU runs ahead and issues every all-gather early without it, as in the seed."""
+    config: dict[str, Any] = {"sharding_strategy": "FULL_SHARD", "limit_all_gathers": False}
+    if device.type == "cuda":
+        config["device_id"] = device
+    else:
+        config["forward_prefetch"] = True
+    return config
+
+
+def measure_overlap(
+    adapter: Any, dist: Any, compute_ms: float, comm_ms: float, repeats: int = REPEATS
+) -> OverlapTimes:
+    """Time the four cases of [Note: overlap timing] (every rank calls it; collectives)."""
+    device = dist.device
+    config = overlap_config(device)
+    cycles = int(compute_ms * delay.cycles_per_ms(device))
+    models = {}
+    for case in CASES:
+        wrap = adapter.wrapper(**config)
+        compute_cycles = cycles if case in ("compute", "both") else 0
+        model = adapter.wrap(_Chain(wrap, compute_cycles), **config)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        models[case] = (model, optimizer)
+        _iteration(model, optimizer, device)  # iteration 1: records the forward order
+    times: dict[str, list[float]] = {case: [] for case in CASES}
+    logs = {}
+    for repeat in range(repeats):
+        order = CASES[repeat % len(CASES) :] + CASES[: repeat % len(CASES)]  # interleave
+        for case in order:
+            model, optimizer = models[case]
+            comm = comm_ms if case in ("all_gather", "both") else 0.0
+            elapsed, log = _timed_forward(model, optimizer, device, comm)
+            times[case].append(elapsed)
+            logs[case] = log
+    local = torch.tensor([min(times[case]) for case in CASES], dtype=torch.float64)
+    tdist.all_reduce(local, op=tdist.ReduceOp.MAX, group=dist.group)
+    log = logs["both"]
+    return OverlapTimes(*local.tolist(), all_gathers=log.issued, synchronous=log.synchronous)
+
+
+def _iteration(model: nn.Module, optimizer: Any, device: torch.device) -> None:
+    optimizer.zero_grad()
+    model(torch.ones(2, 1, device=device)).sum().backward()
+    optimizer.step()
+
+
+def _timed_forward(
+    model: nn.Module, optimizer: Any, device: torch.device, comm_ms: float
+) -> tuple[float, AllGatherLog]:
+    """One iteration; the forward's time in ms (device time on CUDA) and its all-gathers."""
+    optimizer.zero_grad()
+    x = torch.ones(2, 1, device=device)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+    with delayed_all_gathers(comm_ms, device) as log:
+        begin = time.perf_counter()
+        output = model(x)
+        if cuda:
+            end.record()
+            torch.cuda.synchronize(device)
+            elapsed = start.elapsed_time(end)
+        else:
+            elapsed = (time.perf_counter() - begin) * 1000.0
+    output.sum().backward()
+    optimizer.step()
+    return elapsed, log
+
+
+# ---------------------------------------------------------------------------- checking
+def cpu_overlap_failure(times: OverlapTimes, comm_ms: float, label: str) -> str | None:
+    """Why the CPU overlap check fails on ``times``, or None when it passes."""
+    if times.all_gathers == 0:
+        return f"{label}: no all-gather was issued in forward; nothing to overlap"
+    ratio = times.cpu_ratio(comm_ms)
+    if ratio > MAX_OVERLAP_RATIO:
+        serialised = times.all_gathers * comm_ms + (times.compute - times.nothing)
+        return (
+            f"{label}: no overlap of communication and computation: with prefetch the forward "
+            f"took {times.both - times.nothing:.1f} ms over the no-delay case, "
+            f"{ratio:.2f}x the serialised {serialised:.1f} ms ({times.all_gathers} all-gathers "
+            f"x {comm_ms:g} ms + {times.compute - times.nothing:.1f} ms compute); expected "
+            f"<= {MAX_OVERLAP_RATIO}x. {times.describe()}"
+        )
+    return None
+
+
+def cuda_overlap_failure(times: OverlapTimes, label: str) -> str | None:
+    """Why seed 000's ratio assertions fail on ``times``, or None when they pass."""
+    problems = []
+    for long_case in ("compute", "all_gather"):
+        long = getattr(times, long_case)
+        if not times.nothing * SHORT_TO_LONG < long:
+            problems.append(
+                f"short case not {SHORT_TO_LONG:g}x faster than {long_case} only "
+                f"({times.nothing:.2f} vs {long:.2f} ms): the delays did not take effect"
+            )
+    if not times.compute + times.all_gather > BOTH_MARGIN * times.both:
+        problems.append(
+            f"compute + all-gather ({times.compute + times.all_gather:.2f} ms) is not > "
+            f"{BOTH_MARGIN:g} x both ({times.both:.2f} ms): no overlap"
+        )
+    if problems:
+        return f"{label}: " + "; ".join(problems) + f". {times.describe()}"
+    return None
+
+
+def check_overlap(adapter: Any, dist: Any, label: str, retries: int = 1) -> OverlapTimes:
+    """Measure and check overlap (CPU or CUDA by ``dist.device``); retry once; skip or raise.
+
+    Skips when the adapter lacks a feature of the config, or (CPU) issues its all-gathers
+    synchronously.
+    """
+    adapter.require(*adapter.features_for(**overlap_config(dist.device)))
+    cuda = dist.device.type == "cuda"
+    compute_ms, comm_ms = (CUDA_COMPUTE_MS, CUDA_COMM_MS) if cuda else (CPU_COMPUTE_MS, CPU_COMM_MS)
+    failure = None
+    for attempt in range(retries + 1):
+        if cuda and attempt > 0:
+            delay._cuda_cycles_per_ms = None  # recalibrate the sleep cycles on a retry
+        times = measure_overlap(adapter, dist, compute_ms, comm_ms)
+        if not cuda and times.synchronous:
+            pytest.skip(
+                f"adapter {adapter.name!r} does not support overlap on CPU: it issues its "
+                f"all-gathers synchronously (async_op=False; {times.synchronous} of "
+                f"{times.all_gathers} per forward), so the CPU thread blocks in every "
+                "collective and communication cannot overlap computation"
+            )
+        failure = (
+            cuda_overlap_failure(times, label)
+            if cuda
+            else cpu_overlap_failure(times, comm_ms, label)
+        )
+        if failure is None:
+            return times
+    raise AssertionError(f"{failure} (failed {retries + 1} measurements)")
+
+
+class BaseOverlapTests:
+    """Prefetch overlaps communication with computation ([Note: overlap timing])."""
+
+    # measurements before failing (1 + retries)
+    retries: ClassVar[int] = 1
+
+    @pytest.mark.world_size(2)
+    @pytest.mark.fsdp_mode("process")  # patches ProcessGroup methods process-wide
+    def test_prefetch_overlaps_communication_cpu(self, fsdp_adapter: Any, dist: Any):
+        if dist.device.type != "cpu":
+            pytest.skip("the CPU overlap check runs on CPU ranks (gloo); this world has GPUs")
+        adapter = fsdp_adapter
+        adapter.require(Feature.FORWARD_PREFETCH, Feature.LIMIT_ALL_GATHERS)
+        times = check_overlap(adapter, dist, f"adapter {adapter.name!r}", self.retries)
+        print(f"overlap ratio {times.cpu_ratio(CPU_COMM_MS):.3f}: {times.describe()}")
+
+    @pytest.mark.cuda
+    @pytest.mark.world_size(2)
+    @pytest.mark.fsdp_mode("process")
+    def test_prefetch_overlaps_communication_cuda(self, fsdp_adapter: Any, dist: Any):
+        if dist.device.type != "cuda":
+            pytest.skip("needs one GPU per rank (CUDA overlap check, seed 000's shape)")
+        adapter = fsdp_adapter
+        adapter.require(Feature.LIMIT_ALL_GATHERS)
+        check_overlap(adapter, dist, f"adapter {adapter.name!r}", self.retries)
