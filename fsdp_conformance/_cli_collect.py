@@ -1,0 +1,155 @@
+"""pytest plugin the CLI loads with ``-p``: one JSON line per finished test, for the matrix.
+
+``fsdp-conformance run`` starts pytest with ``-p fsdp_conformance._cli_collect`` and the
+environment variable ``FSDP_CONFORMANCE_CLI_RESULTS`` naming a file; this plugin appends to it
+
+    {"event": "collected", "count": 165}
+    {"event": "test", "nodeid": ..., "outcome": "pass", "detail": "", "duration": 1.2}
+    {"event": "collect_error", "nodeid": ..., "detail": "ImportError: ..."}
+
+as results arrive, so the CLI can show progress while pytest runs and build the matrix when it
+ends. Only the controlling pytest process writes (under pytest-xdist the workers' reports reach
+the controller through ``pytest_runtest_logreport``). Without the variable the plugin is inert.
+
+Outcomes: ``pass``, ``fail`` (an error in setup or teardown is a failure too), ``xfail``,
+``xpass`` (a non-strict expected failure that passed; a strict one fails), ``skip``. ``detail``
+is the first assertion message of a failure, the reason of a skip or xfail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any
+
+import pytest
+
+ENV_RESULTS = "FSDP_CONFORMANCE_CLI_RESULTS"
+
+# Lines of a failure report that carry the message (pytest prefixes them with "E   ")
+_ERROR_LINE = re.compile(r"^E\s+(.*)$")
+# How a rank failure starts: "rank 1 of 2 failed: AssertionError: ..."
+_RANK_HEADLINE = re.compile(r"^rank \d+ of \d+ (failed|died|hung|aborted): ")
+
+
+class _Recorder:
+    """Registered as a plugin object: combines each test's setup / call / teardown reports into
+    one line of the results file."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path  # the JSON-lines file the CLI reads
+        self.pending: dict[str, dict[str, Any]] = {}  # nodeid -> result so far (until teardown)
+        self.collected_seen = False  # under xdist every worker announces its collection
+
+    def write(self, record: dict[str, Any]) -> None:
+        with open(self.path, "a", encoding="utf-8") as stream:
+            stream.write(json.dumps(record) + "\n")
+
+    def _collected(self, count: int) -> None:
+        if not self.collected_seen:
+            self.collected_seen = True
+            self.write({"event": "collected", "count": count})
+
+    # ------------------------------------------------------------------ hooks
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        if not session.config.pluginmanager.has_plugin("dsession"):  # xdist reports below
+            self._collected(len(session.items))
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_xdist_node_collection_finished(self, node: Any, ids: list[str]) -> None:
+        self._collected(len(ids))
+
+    def pytest_collectreport(self, report: pytest.CollectReport) -> None:
+        if report.failed:
+            self.write(
+                {
+                    "event": "collect_error",
+                    "nodeid": report.nodeid,
+                    "detail": failure_message(report),
+                }
+            )
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        result = self.pending.setdefault(
+            report.nodeid,
+            {
+                "event": "test",
+                "nodeid": report.nodeid,
+                "outcome": "pass",
+                "detail": "",
+                "duration": 0.0,
+            },
+        )
+        result["duration"] += getattr(report, "duration", 0.0) or 0.0
+        outcome, detail = _classify(report)
+        if outcome is not None and _RANK[outcome] > _RANK[result["outcome"]]:
+            result["outcome"], result["detail"] = outcome, detail
+        if report.when == "teardown":
+            self.write(self.pending.pop(report.nodeid))
+
+
+# Which outcome wins when phases disagree (a failing teardown after a pass is a failure)
+_RANK = {"pass": 0, "xpass": 1, "skip": 2, "xfail": 3, "fail": 4}
+
+
+def _classify(report: pytest.TestReport) -> tuple[str | None, str]:
+    """This phase's contribution: (outcome or None when it says nothing, detail)."""
+    wasxfail = getattr(report, "wasxfail", None)
+    if report.failed:
+        prefix = "" if report.when == "call" else f"error in {report.when}: "
+        return "fail", prefix + failure_message(report)
+    if report.skipped:
+        if wasxfail is not None:
+            return "xfail", _xfail_reason(wasxfail)
+        return "skip", _skip_reason(report)
+    if report.when == "call":
+        if wasxfail is not None:
+            return "xpass", _xfail_reason(wasxfail)
+        return "pass", ""
+    return None, ""
+
+
+def failure_message(report: Any) -> str:
+    """The first assertion (or exception) message of a failed report, one line."""
+    text = getattr(report, "longreprtext", "") or str(report.longrepr or "")
+    crash = getattr(getattr(report.longrepr, "reprcrash", None), "message", "") or ""
+    lines = [
+        match.group(1).strip() for line in text.splitlines() if (match := _ERROR_LINE.match(line))
+    ]
+    candidates = [line for line in lines if line] + crash.splitlines()
+    for line in candidates:  # the assertion's own message first
+        line = _strip(line)
+        if line.startswith("AssertionError") or "Error: " in line or "Error" == line[-5:]:
+            return line
+    for line in candidates:
+        if _strip(line):
+            return _strip(line)
+    return "failed (no message)"
+
+
+def _strip(line: str) -> str:
+    """Without pytest's "Failed: " and the harness's "rank r of n failed: " prefixes."""
+    line = line.strip().removeprefix("Failed: ")
+    return _RANK_HEADLINE.sub("", line).strip()
+
+
+def _skip_reason(report: pytest.TestReport) -> str:
+    longrepr = report.longrepr
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:
+        return str(longrepr[2]).removeprefix("Skipped: ")
+    return str(longrepr or "skipped").splitlines()[-1].removeprefix("Skipped: ")
+
+
+def _xfail_reason(wasxfail: str) -> str:
+    return str(wasxfail).removeprefix("reason: ")
+
+
+# -----------------------------------------------------------------------------
+# Hook
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    path = os.environ.get(ENV_RESULTS)
+    if path and not hasattr(config, "workerinput"):  # the controller (or the only process)
+        config.pluginmanager.register(_Recorder(path), "fsdp-conformance-cli-recorder")

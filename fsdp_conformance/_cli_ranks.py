@@ -1,0 +1,171 @@
+"""What ``fsdp-conformance overlap`` and ``timeline`` run inside every rank.
+
+The CLI sends these functions to a rank set of ``fsdp_conformance.world`` (as the pytest plugin
+sends a test body): each is called in every rank with its keyword arguments plus ``dist``, and
+rank 0 writes what it measured as JSON to ``out_file``. The measuring itself is the suite's:
+``fsdp_conformance.suite.overlap.measure_overlap`` and
+``fsdp_conformance.suite.memory_bound.measure_residency``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+from collections.abc import Iterator
+from typing import Any
+from unittest import mock
+
+import torch
+
+from fsdp_conformance.adapters import get_adapter
+from fsdp_conformance.observe.residency import PHASES
+from fsdp_conformance.suite import memory_bound, overlap
+
+
+def _write(dist: Any, out_file: str, document: dict[str, Any]) -> None:
+    if dist.rank == 0:
+        with open(out_file, "w", encoding="utf-8") as stream:
+            json.dump(document, stream, indent=1)
+
+
+# ---------------------------------------------------------------------------- overlap
+@contextlib.contextmanager
+def _limit_all_gathers(value: bool) -> Iterator[dict[str, Any]]:
+    """The suite's overlap config with ``limit_all_gathers`` set to ``value``.
+
+    ``measure_overlap`` takes its config from ``overlap.overlap_config``; the experiment keeps
+    everything else of it (forward prefetch on CPU, FULL_SHARD) and only flips the limiter.
+    """
+    original = overlap.overlap_config
+
+    def config(device: torch.device) -> dict[str, Any]:
+        return {**original(device), "limit_all_gathers": value}
+
+    with mock.patch.object(overlap, "overlap_config", config):
+        yield config
+
+
+def overlap_in_rank(
+    dist: Any,
+    out_file: str,
+    limit_all_gathers: bool,
+    repeats: int,
+    compute_ms: float | None = None,
+    comm_ms: float | None = None,
+) -> None:
+    """Time the four cases of ``[Note: overlap timing]`` and write them (rank 0).
+
+    Args:
+        dist: the rank context.
+        out_file: where rank 0 writes the JSON.
+        limit_all_gathers: the rate limiter setting of the experiment.
+        repeats: runs of each case (the statistic is the minimum over them).
+        compute_ms, comm_ms: per-layer compute and per-all-gather delay; default the suite's
+            CPU or CUDA values.
+    """
+    adapter = get_adapter(dist.impl)
+    cuda = dist.device.type == "cuda"
+    if compute_ms is None:
+        compute_ms = overlap.CUDA_COMPUTE_MS if cuda else overlap.CPU_COMPUTE_MS
+    if comm_ms is None:
+        comm_ms = overlap.CUDA_COMM_MS if cuda else overlap.CPU_COMM_MS
+    with _limit_all_gathers(limit_all_gathers) as config:
+        wrap_config = config(dist.device)
+        adapter.require(*adapter.features_for(**wrap_config))
+        times = overlap.measure_overlap(adapter, dist, compute_ms, comm_ms, repeats)
+    label = f"adapter {adapter.name!r}"
+    if cuda:
+        failure = overlap.cuda_overlap_failure(times, label)
+        ratio = (times.compute + times.all_gather) / times.both
+    else:
+        failure = overlap.cpu_overlap_failure(times, comm_ms, label)
+        ratio = times.cpu_ratio(comm_ms)
+    _write(
+        dist,
+        out_file,
+        {
+            "impl": adapter.name,
+            "device": dist.device.type,
+            "world_size": dist.world_size,
+            "config": {key: str(value) for key, value in wrap_config.items()},
+            "compute_ms": compute_ms,
+            "comm_ms": comm_ms,
+            "repeats": repeats,
+            "layers": overlap.LAYERS,
+            "times": dataclasses.asdict(times),
+            "ratio": ratio,
+            "max_ratio": overlap.MAX_OVERLAP_RATIO,
+            "failure": failure,
+        },
+    )
+
+
+# ---------------------------------------------------------------------------- timeline
+def _panel(tracker: Any, case: memory_bound.BoundCase) -> dict[str, Any]:
+    samples = tracker.rows()
+    peaks = [
+        {
+            "iteration": iteration,
+            "phase": phase,
+            "resident": peak.resident,
+            "bound": case.bound(phase),
+            "at_instance": peak.at_instance,
+        }
+        for (iteration, phase), peak in tracker.peaks.items()
+        if phase in PHASES
+    ]
+    return {
+        "limit_all_gathers": case.limit_all_gathers,
+        "config": case.describe(),
+        "bound": {phase: case.bound(phase) for phase in PHASES},
+        "max_resident": max((sample["resident"] for sample in samples), default=0),
+        "peaks": peaks,
+        "samples": samples,
+    }
+
+
+def timeline_in_rank(
+    dist: Any,
+    out_file: str,
+    lag: str,
+    iterations: int,
+    layers: int,
+    backward_prefetch: str | None,
+    forward_prefetch: bool,
+    trace_file: str | None = None,
+) -> None:
+    """Residency time series with ``limit_all_gathers`` True and False (rank 0 writes them).
+
+    With ``trace_file``, rank 0 profiles the limited run with ``torch.profiler`` and exports a
+    Chrome trace (the rate limiter's waits are ``FullyShardedDataParallel.rate_limiter``).
+    """
+    adapter = get_adapter(dist.impl)
+    panels = []
+    for limit in (True, False):
+        case = memory_bound.BoundCase(lag, "FULL_SHARD", backward_prefetch, forward_prefetch, limit)
+        profile = limit and trace_file is not None and dist.rank == 0
+        profiler = (
+            torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            if profile
+            else contextlib.nullcontext()
+        )
+        with profiler:
+            tracker = memory_bound.measure_residency(
+                adapter, dist.group, case.wrap_config, lag, iterations, layers
+            )
+        if profile:
+            profiler.export_chrome_trace(trace_file)
+        panels.append(_panel(tracker, case))
+    _write(
+        dist,
+        out_file,
+        {
+            "impl": adapter.name,
+            "lag": lag,
+            "layers": layers,
+            "iterations": iterations,
+            "world_size": dist.world_size,
+            "panels": panels,
+        },
+    )

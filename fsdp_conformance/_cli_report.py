@@ -1,0 +1,189 @@
+"""The conformance matrix of ``fsdp-conformance run``: cells, summary, text / Markdown / JSON.
+
+A *cell* is one check (test class and function, ``TestDDPParity::test_matches_ddp``) in one
+configuration (its parametrisation id, ``nested-ws2-FULL_SHARD-...``; ``(default)`` when the
+test is not parametrised) with one result: ``pass``, ``fail``, ``xfail``, ``xpass`` or
+``skip``, plus a detail (the first assertion message of a failure, the reason of a skip or an
+expected failure). Cells come from the JSON lines of ``fsdp_conformance._cli_collect``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterable
+from typing import Any
+
+OUTCOMES = ("pass", "fail", "xfail", "xpass", "skip")
+# Configuration of a test that is not parametrised
+DEFAULT_CONFIGURATION = "(default)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    """One check in one configuration."""
+
+    # "TestClass::test_function" (module path dropped), or the collection error's node
+    check: str
+    # the parametrisation id, or DEFAULT_CONFIGURATION
+    configuration: str
+    # one of OUTCOMES
+    outcome: str
+    # failure message / skip or xfail reason ("" for a pass)
+    detail: str
+    # the pytest node id
+    nodeid: str
+    # seconds over setup, call and teardown
+    duration: float = 0.0
+
+
+def split_nodeid(nodeid: str) -> tuple[str, str]:
+    """``path::Class::test[id]`` -> (``Class::test``, ``id``)."""
+    parts = nodeid.split("::")
+    check_parts = parts[1:] if len(parts) > 1 else parts
+    last = check_parts[-1]
+    configuration = DEFAULT_CONFIGURATION
+    if last.endswith("]") and "[" in last:
+        name, _, rest = last.partition("[")
+        check_parts = [*check_parts[:-1], name]
+        configuration = rest[:-1]
+    return "::".join(check_parts), configuration
+
+
+def cells_from_records(records: Iterable[dict[str, Any]]) -> list[Cell]:
+    """Cells from the collector's JSON records, in the order tests finished."""
+    cells = []
+    for record in records:
+        if record.get("event") == "test":
+            check, configuration = split_nodeid(record["nodeid"])
+            cells.append(
+                Cell(
+                    check,
+                    configuration,
+                    record["outcome"],
+                    record.get("detail", ""),
+                    record["nodeid"],
+                    float(record.get("duration", 0.0)),
+                )
+            )
+        elif record.get("event") == "collect_error":
+            nodeid = record["nodeid"] or "(collection)"
+            cells.append(
+                Cell(
+                    f"collecting {nodeid}",
+                    DEFAULT_CONFIGURATION,
+                    "fail",
+                    record.get("detail", ""),
+                    nodeid,
+                )
+            )
+    return cells
+
+
+def read_records(path: str) -> list[dict[str, Any]]:
+    """The collector's records so far (a partly written last line is left for later)."""
+    records = []
+    try:
+        with open(path, encoding="utf-8") as stream:
+            for line in stream:
+                if line.endswith("\n"):
+                    records.append(json.loads(line))
+    except FileNotFoundError:
+        pass
+    return records
+
+
+def by_check(cells: Iterable[Cell]) -> dict[str, list[Cell]]:
+    """Check -> its cells sorted by configuration; checks in the order of their node ids."""
+    groups: dict[str, list[Cell]] = {}
+    for cell in sorted(cells, key=lambda cell: (cell.nodeid.split("[")[0], cell.configuration)):
+        groups.setdefault(cell.check, []).append(cell)
+    return groups
+
+
+def counts(cells: Iterable[Cell]) -> dict[str, int]:
+    """Outcome -> number of cells (every outcome present, zero included)."""
+    result = dict.fromkeys(OUTCOMES, 0)
+    for cell in cells:
+        result[cell.outcome] += 1
+    return result
+
+
+def summary_line(cells: list[Cell], impl: str, wall_s: float) -> str:
+    """``impl: 160 pass, 0 fail, 3 xfail, 2 skip (165 cells, 12 checks) in 4m12s -- conforms``."""
+    total = counts(cells)
+    parts = [
+        f"{total[outcome]} {outcome}"
+        for outcome in OUTCOMES
+        if total[outcome] or outcome in ("pass", "fail")
+    ]
+    verdict = f"{total['fail']} FAILED" if total["fail"] else "conforms (nothing failed)"
+    return (
+        f"{impl}: {', '.join(parts)} ({len(cells)} cells, {len(by_check(cells))} checks) in "
+        f"{format_duration(wall_s)} -- {verdict}"
+    )
+
+
+def format_duration(seconds: float) -> str:
+    minutes, rest = divmod(round(seconds), 60)
+    return f"{minutes}m{rest:02d}s" if minutes else f"{seconds:.1f}s"
+
+
+# -----------------------------------------------------------------------------
+# Renderings
+
+
+def _label(outcome: str) -> str:
+    return outcome.upper() if outcome == "fail" else outcome
+
+
+def render_text(cells: list[Cell], detail_width: int = 160) -> str:
+    """The matrix for a terminal: per check a header with its counts, then one line per cell."""
+    lines = []
+    for check, group in by_check(cells).items():
+        total = counts(group)
+        tally = ", ".join(f"{total[o]} {o}" for o in OUTCOMES if total[o])
+        lines.append(f"{check}  ({len(group)} configurations: {tally})")
+        width = max(len(cell.configuration) for cell in group)
+        for cell in group:
+            detail = cell.detail
+            if len(detail) > detail_width:
+                detail = detail[: detail_width - 3] + "..."
+            line = f"  {_label(cell.outcome):<5}  {cell.configuration:<{width}}"
+            lines.append(f"{line}  {detail}".rstrip())
+    return "\n".join(lines)
+
+
+def _md(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def render_markdown(cells: list[Cell], header: dict[str, str], summary: str) -> str:
+    """The same matrix as Markdown: run facts, a table of counts per check, a table per check."""
+    lines = ["# fsdp-conformance: conformance matrix", ""]
+    lines += [f"- **{key}**: {_md(value)}" for key, value in header.items()]
+    lines += ["", f"**{_md(summary)}**", "", "| check | " + " | ".join(OUTCOMES) + " |"]
+    lines.append("|---|" + "---:|" * len(OUTCOMES))
+    groups = by_check(cells)
+    for check, group in groups.items():
+        total = counts(group)
+        lines.append(f"| `{check}` | " + " | ".join(str(total[o]) for o in OUTCOMES) + " |")
+    for check, group in groups.items():
+        lines += ["", f"## `{check}`", "", "| configuration | result | detail |", "|---|---|---|"]
+        for cell in group:
+            result = f"**{_label(cell.outcome)}**" if cell.outcome == "fail" else cell.outcome
+            lines.append(f"| `{_md(cell.configuration)}` | {result} | {_md(cell.detail)} |")
+    return "\n".join(lines) + "\n"
+
+
+def render_json(cells: list[Cell], header: dict[str, Any]) -> str:
+    """``{**header, "summary": counts, "checks": {check: counts}, "cells": [...]}``."""
+    document = dict(header)
+    document["summary"] = counts(cells)
+    document["checks"] = {check: counts(group) for check, group in by_check(cells).items()}
+    document["cells"] = [dataclasses.asdict(cell) for cell in by_check_flat(cells)]
+    return json.dumps(document, indent=2) + "\n"
+
+
+def by_check_flat(cells: list[Cell]) -> list[Cell]:
+    return [cell for group in by_check(cells).values() for cell in group]

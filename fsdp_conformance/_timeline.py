@@ -1,0 +1,117 @@
+"""Drawing ``fsdp-conformance timeline``: resident unsharded buffers over the event sequence.
+
+One panel per ``limit_all_gathers`` setting (the JSON of ``_cli_ranks.timeline_in_rank``): the
+number of resident non-root unsharded buffers after every event (all-gather, free, device
+progress, phase start) as a step curve, the root's resident buffers as a thin line, forward and
+backward phases shaded, and the per-phase bound of the limited configuration as a dashed line.
+matplotlib is imported here only (an optional dependency of the CLI).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# phase -> shading colour
+PHASE_COLOURS = {"forward": "#cfe3f7", "backward": "#f9dcc4"}
+
+
+class MatplotlibMissing(RuntimeError):
+    """matplotlib is not installed."""
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+    except ImportError as error:
+        raise MatplotlibMissing(
+            "the timeline picture needs matplotlib, which is not installed: pip install matplotlib"
+        ) from error
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _phase_spans(samples: list[dict[str, Any]]) -> list[tuple[str, int, int, int]]:
+    """(phase, iteration, first index, last index) of each run of samples in one phase."""
+    spans: list[tuple[str, int, int, int]] = []
+    for sample in samples:
+        key = (sample["phase"], sample["iteration"])
+        if spans and spans[-1][:2] == key:
+            phase, iteration, first, _ = spans[-1]
+            spans[-1] = (phase, iteration, first, sample["index"])
+        else:
+            spans.append((*key, sample["index"], sample["index"]))
+    return spans
+
+
+def draw(document: dict[str, Any], out_file: str) -> int:
+    """Draw the panels of ``document`` into ``out_file`` (PNG, SVG, PDF by its suffix).
+
+    Returns:
+        the number of panels (axes) drawn.
+    """
+    plt = _pyplot()
+    panels = document["panels"]
+    figure, axes = plt.subplots(len(panels), 1, figsize=(13, 3.4 * len(panels)), squeeze=False)
+    for ax, panel in zip(axes[:, 0], panels):
+        samples = panel["samples"]
+        # each panel its own scale: the limited curve stays readable next to the unlimited one
+        top = max(panel["max_resident"], *panel["bound"].values()) * 1.15 + 1
+        index = [sample["index"] for sample in samples]
+        for phase, iteration, first, last in _phase_spans(samples):
+            if phase in PHASE_COLOURS:
+                ax.axvspan(first - 0.5, last + 0.5, color=PHASE_COLOURS[phase], lw=0)
+                label = f"{'fwd' if phase == 'forward' else 'bwd'} {iteration}"
+                ax.text((first + last) / 2, top * 0.98, label, ha="center", va="top", fontsize=8)
+        bound = [panel["bound"].get(sample["phase"]) for sample in samples]
+        ax.step(
+            index,
+            [float("nan") if value is None else value for value in bound],
+            where="post",
+            color="#c0392b",
+            ls="--",
+            lw=1.5,
+            label="bound (limit_all_gathers=True)",
+        )
+        ax.step(
+            index,
+            [sample["resident"] for sample in samples],
+            where="post",
+            color="#1f4e79",
+            lw=2,
+            label="resident non-root buffers",
+        )
+        ax.step(
+            index,
+            [sample["root_resident"] for sample in samples],
+            where="post",
+            color="#7f7f7f",
+            lw=1,
+            label="resident root buffers",
+        )
+        peak = panel["max_resident"]
+        worst = max(panel["bound"].values())
+        verdict = "within the bound" if peak <= worst else f"exceeds the bound {worst}"
+        ax.set_title(
+            f"limit_all_gathers={panel['limit_all_gathers']}: peak {peak} resident non-root "
+            f"buffers, {verdict}",
+            fontsize=10,
+        )
+        ax.set_ylabel("resident buffers")
+        ax.set_ylim(0, top)
+        ax.set_xlim(-0.5, max(index, default=0) + 0.5)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0, 0].legend(loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8)
+    axes[-1, 0].set_xlabel("event (all-gather, free, device progress, phase start)")
+    figure.suptitle(
+        f"{document['impl']}: {document['layers']} FSDP instances under a root, "
+        f"{document['lag']} lagging device, {document['iterations']} iterations, "
+        f"world size {document['world_size']}",
+        fontsize=11,
+    )
+    figure.tight_layout()
+    figure.savefig(out_file, dpi=110)
+    drawn = len(figure.axes)
+    plt.close(figure)
+    return drawn
