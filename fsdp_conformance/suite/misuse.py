@@ -60,6 +60,24 @@ KNOWN_DEVIATIONS: dict[str, dict[str, str]] = {
             "(torch 2.13.0)"
         ),
     },
+    "torch-fsdp2": {
+        "divergent_exec_order": (
+            "torch FSDP2 does not compare the execution order across ranks; same-shaped "
+            "instances silently exchange each other's all-gathers (torch 2.13.0)"
+        ),
+        "mixed_devices": (
+            "torch FSDP2 fully_shard accepts a module with cpu and meta parameters without an "
+            "error (torch 2.13.0)"
+        ),
+        "forward_inside_summon": (
+            "torch FSDP2 has no summon_full_params; the torch-fsdp2 adapter emulates it with "
+            "unshard()/reshard(), which do not refuse a forward"
+        ),
+        "summon_during_forward": (
+            "torch FSDP2 has no summon_full_params; the torch-fsdp2 adapter emulates it with "
+            "unshard()/reshard(), which may be called inside forward"
+        ),
+    },
 }
 
 
