@@ -17,12 +17,20 @@ collect them twice.
 
 from __future__ import annotations
 
+from .comm_checks import BaseCollectiveCountTests, BasePrefetchOrderTests
 from .memory_bound import BaseMemoryBoundTests
+from .misuse import BaseBadInputTests, BaseExecOrderTests
+from .overlap import BaseOverlapTests
 from .parity import BaseDDPParityTests, BaseStateDictTests, BaseSummonFullParamsTests
 
 __all__ = [
+    "BaseBadInputTests",
+    "BaseCollectiveCountTests",
     "BaseDDPParityTests",
+    "BaseExecOrderTests",
     "BaseMemoryBoundTests",
+    "BaseOverlapTests",
+    "BasePrefetchOrderTests",
     "BaseStateDictTests",
     "BaseSummonFullParamsTests",
 ]
