@@ -98,9 +98,20 @@ def run_all(dist, make, configs, ddp=True, atol=0.0) -> None:
         )
 
 
+def of_strategy(configs: list[dict], strategy: ShardingStrategy) -> list[dict]:
+    return [c for c in configs if c["sharding_strategy"] == strategy]
+
+
+# one test per strategy keeps each rank body well inside the harness timeout on a busy machine
+BY_STRATEGY = pytest.mark.parametrize("strategy", STRATEGIES, ids=lambda s: s.name)
+
+
 @pytest.mark.world_size(2)
-def test_nested_sequential_all_configs(dist):
-    run_all(dist, lambda wrap: NestedSequential(dist.group, wrap), all_configs())
+@BY_STRATEGY
+def test_nested_sequential_all_configs(dist, strategy):
+    run_all(
+        dist, lambda wrap: NestedSequential(dist.group, wrap), of_strategy(all_configs(), strategy)
+    )
 
 
 def covering_configs() -> list[dict]:
@@ -115,19 +126,22 @@ def covering_configs() -> list[dict]:
 
 
 @pytest.mark.world_size(2)
-def test_tied_transformer_covering_configs(dist):
+@BY_STRATEGY
+def test_tied_transformer_covering_configs(dist, strategy):
     # the transformer is ~10x slower per run: cover each strategy x prefetch pair once
-    run_all(dist, lambda wrap: TiedTransformer(dist.group, wrap), covering_configs())
+    configs = of_strategy(covering_configs(), strategy)
+    run_all(dist, lambda wrap: TiedTransformer(dist.group, wrap), configs)
 
 
 @pytest.mark.world_size(2)
-def test_mixture_of_experts_all_configs(dist):
+@BY_STRATEGY
+def test_mixture_of_experts_all_configs(dist, strategy):
     expert_group = expert_group_for_rank(dist.world_size)
 
     def make(wrap):
         return MixtureOfExperts(dist.group, wrap, expert_group=expert_group)
 
-    run_all(dist, make, all_configs(), ddp=False)
+    run_all(dist, make, of_strategy(all_configs(), strategy), ddp=False)
 
 
 SUBSET = [
@@ -156,17 +170,21 @@ SUBSET = [
 
 
 @pytest.mark.world_size(4)
-def test_world_size_4_subset(dist):
-    expert_group = expert_group_for_rank(dist.world_size)
-    run_all(dist, lambda wrap: NestedSequential(dist.group, wrap), SUBSET, atol=1e-6)
-    run_all(dist, lambda wrap: TiedTransformer(dist.group, wrap), SUBSET[:1], atol=1e-6)
-    run_all(
-        dist,
-        lambda wrap: MixtureOfExperts(dist.group, wrap, expert_group=expert_group),
-        SUBSET[:1],
-        ddp=False,
-        atol=1e-6,
-    )
+@pytest.mark.parametrize("model", ["nested", "transformer", "moe"])
+def test_world_size_4_subset(dist, model):
+    if model == "nested":
+        run_all(dist, lambda wrap: NestedSequential(dist.group, wrap), SUBSET, atol=1e-6)
+    elif model == "transformer":
+        run_all(dist, lambda wrap: TiedTransformer(dist.group, wrap), SUBSET[:1], atol=1e-6)
+    else:
+        expert_group = expert_group_for_rank(dist.world_size)
+        run_all(
+            dist,
+            lambda wrap: MixtureOfExperts(dist.group, wrap, expert_group=expert_group),
+            SUBSET[:1],
+            ddp=False,
+            atol=1e-6,
+        )
 
 
 @pytest.mark.world_size(1)
