@@ -47,6 +47,8 @@ def check_golden(adapter_name: str, case: str, rendered: str) -> None:
         )
 
 
+# The goldens keep expecttest's own layout (EXPECTTEST_ACCEPT rewrites them in place)
+# fmt: off
 def impl_golden(case: str, rendered: str) -> None:
     if case == "nested-bwd=None-fwd=0":
         expect(rendered, """\
@@ -1096,3 +1098,4 @@ iteration 3 backward: same as iteration 2 backward
 """)
     else:
         raise ValueError(f"no golden for case {case!r}")
+# fmt: on
