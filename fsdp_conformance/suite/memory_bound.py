@@ -337,11 +337,11 @@ KNOWN_DEVIATIONS: dict[str, Callable[[BoundCase], str | None]] = {
 }
 
 
-def limited_cases() -> list[BoundCase]:
-    """FULL_SHARD, limit on: every prefetch setting under both lag variants."""
+def limited_cases(lag_variants: tuple[str, ...] = LAG_VARIANTS) -> list[BoundCase]:
+    """FULL_SHARD, limit on: every prefetch setting under each lag variant."""
     return [
         BoundCase(lag, "FULL_SHARD", backward, forward)
-        for lag in LAG_VARIANTS
+        for lag in lag_variants
         for backward in (None, "BACKWARD_PRE", "BACKWARD_POST")
         for forward in (False, True)
     ]
@@ -358,18 +358,23 @@ class BaseMemoryBoundTests:
 
     # Adapter name -> function(case) -> reason: such cases are strict expected failures
     known_deviations: ClassVar[dict[str, Callable[[BoundCase], str | None]]] = KNOWN_DEVIATIONS
+    # Lagging-device variants to run every CPU case under
+    lag_variants: ClassVar[tuple[str, ...]] = LAG_VARIANTS
 
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
         if "bound_case" in metafunc.fixturenames:
-            metafunc.parametrize("bound_case", [case.param() for case in limited_cases()])
+            cases = limited_cases(self.lag_variants)
+            metafunc.parametrize("bound_case", [case.param() for case in cases])
         if "unlimited_case" in metafunc.fixturenames:
-            cases = [BoundCase(lag, limit_all_gathers=False) for lag in LAG_VARIANTS]
+            cases = [BoundCase(lag, limit_all_gathers=False) for lag in self.lag_variants]
             metafunc.parametrize("unlimited_case", [case.param() for case in cases])
         if "cuda_case" in metafunc.fixturenames:
             cases = [BoundCase("cuda"), BoundCase("cuda", limit_all_gathers=False)]
             metafunc.parametrize("cuda_case", [case.param() for case in cases])
         if "shard_grad_op_case" in metafunc.fixturenames:
-            cases = [BoundCase(lag, "SHARD_GRAD_OP", "BACKWARD_PRE", False) for lag in LAG_VARIANTS]
+            cases = [
+                BoundCase(lag, "SHARD_GRAD_OP", "BACKWARD_PRE", False) for lag in self.lag_variants
+            ]
             metafunc.parametrize("shard_grad_op_case", [case.param() for case in cases])
 
     @pytest.fixture(autouse=True)
