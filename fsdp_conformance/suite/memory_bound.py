@@ -233,7 +233,9 @@ def measure_cuda_forward_peaks(
     bytes (``active_bytes.all.peak``) count blocks still in use by a stream after their free
     (``record_stream``), i.e. residency as DESIGN §5 defines it.
     """
-    from fsdp_conformance.models import sleep_ms
+    from fsdp_conformance.models import cycles_per_ms, sleep_ms
+
+    cycles_per_ms(device)  # calibrate now: calibration synchronizes, which would drain the device
 
     adapter.require(Feature.LIMIT_ALL_GATHERS)
     adapter.require(Feature.COMM_TRACE)
