@@ -111,21 +111,24 @@ def _classify(report: pytest.TestReport) -> tuple[str | None, str]:
 
 
 def failure_message(report: Any) -> str:
-    """The first assertion (or exception) message of a failed report, one line."""
+    """The first assertion (or exception) message of a failed report, on one line.
+
+    pytest marks the message lines of a failure with ``E``; the first that names an error wins
+    (with the line after it when it ends in ":", as "N problems:" headlines do), else the first
+    message line, else the crash line.
+    """
     text = getattr(report, "longreprtext", "") or str(report.longrepr or "")
     crash = getattr(getattr(report.longrepr, "reprcrash", None), "message", "") or ""
     lines = [
-        match.group(1).strip() for line in text.splitlines() if (match := _ERROR_LINE.match(line))
+        _strip(match.group(1)) for line in text.splitlines() if (match := _ERROR_LINE.match(line))
     ]
-    candidates = [line for line in lines if line] + crash.splitlines()
-    for line in candidates:  # the assertion's own message first
-        line = _strip(line)
-        if line.startswith("AssertionError") or "Error: " in line or "Error" == line[-5:]:
-            return line
-    for line in candidates:
-        if _strip(line):
-            return _strip(line)
-    return "failed (no message)"
+    lines = [line for line in lines if line] + [_strip(line) for line in crash.splitlines()]
+    lines = [line for line in lines if line]
+    for position, line in enumerate(lines):  # the assertion's own message first
+        if line.startswith("AssertionError") or "Error: " in line or line.endswith("Error"):
+            follows = lines[position + 1] if position + 1 < len(lines) else ""
+            return f"{line} {follows}" if line.endswith(":") and follows else line
+    return lines[0] if lines else "failed (no message)"
 
 
 def _strip(line: str) -> str:

@@ -143,7 +143,8 @@ def render_text(cells: list[Cell], detail_width: int = 160) -> str:
     for check, group in by_check(cells).items():
         total = counts(group)
         tally = ", ".join(f"{total[o]} {o}" for o in OUTCOMES if total[o])
-        lines.append(f"{check}  ({len(group)} configurations: {tally})")
+        plural = "" if len(group) == 1 else "s"
+        lines.append(f"{check}  ({len(group)} configuration{plural}: {tally})")
         width = max(len(cell.configuration) for cell in group)
         for cell in group:
             detail = cell.detail

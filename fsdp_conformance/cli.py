@@ -288,7 +288,7 @@ class _Progress:
         for record in records[self.seen :]:
             if record.get("event") == "collected":
                 self.total = record["count"]
-                self._line(f"collected {self.total} checks x configurations", elapsed, True)
+                self._line(f"collected {self.total} cells (check x configuration)", elapsed, True)
             elif record.get("event") in ("test", "collect_error"):
                 outcome = record.get("outcome", "fail")
                 self.done += record.get("event") == "test"
@@ -528,10 +528,13 @@ def _timeline_command(args: argparse.Namespace) -> int:
         )
     for path, option in ((args.out, "--out"), (args.data, "--data"), (args.trace, "--trace")):
         check_output(path, option)
-    if importlib.util.find_spec("matplotlib") is None:
+    try:
+        import matplotlib  # noqa: F401  (imported again, for drawing, in _timeline)
+    except ImportError as error:
         raise UsageError(
-            "the timeline picture needs matplotlib, which is not installed: pip install matplotlib"
-        )
+            "the timeline picture needs matplotlib, which cannot be imported "
+            f"({error}): pip install matplotlib"
+        ) from None
     workdir = tempfile.mkdtemp(prefix="fsdp-conformance-cli-")
     out_file = os.path.join(workdir, "timeline.json")
     try:
