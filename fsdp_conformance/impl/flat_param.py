@@ -264,6 +264,27 @@ class FlatParamHandle:
             full = full.cpu()
         return full[: self.numel]
 
+    def register_views_as_params(self, flat: torch.Tensor) -> None:
+        """Register the original parameters as ``nn.Parameter`` views of ``flat``.
+
+        Inside ``summon_full_params`` this makes ``named_parameters()`` list the original
+        names and full shapes (a tied parameter is one object under each of its names), and
+        in-place updates of those parameters write into ``flat``. ``restore_views`` undoes it.
+        """
+        views = [
+            t.view(shape)
+            for t, shape in zip(torch.split(flat[: self.numel], self.numels), self.shapes)
+        ]
+        params = [nn.Parameter(view, requires_grad=self.requires_grad) for view in views]
+        for slot in self.slots:
+            slot.module.__dict__.pop(slot.name, None)
+            slot.module._parameters[slot.name] = params[slot.index]
+
+    def unregister_params(self) -> None:
+        """Remove the parameters ``register_views_as_params`` registered."""
+        for slot in self.slots:
+            slot.module._parameters.pop(slot.name, None)
+
     def write_back(self, full: torch.Tensor) -> None:
         """Copy this rank's part of an unsharded flat parameter into the shard."""
         with torch.no_grad():

@@ -342,8 +342,11 @@ class FullyShardedDataParallel(nn.Module):
                 saved = [(s.module, s.name, s.module.__dict__.get(s.name)) for s in handle.slots]
                 instance._summon = (full, saved)
                 if gets_params:
-                    with torch.no_grad():
-                        handle.use_views(full)
+                    # [Note: summoned parameters] the flat parameter steps aside and the
+                    # original parameters are registered as views of the full tensor, so
+                    # parameters()/named_parameters() show original names and shapes.
+                    del instance._parameters["_flat_param"]
+                    handle.register_views_as_params(full)
             yield
         finally:
             for instance in reversed(entered):
@@ -352,6 +355,9 @@ class FullyShardedDataParallel(nn.Module):
                     instance._summon = None
                     if writeback:
                         instance._handle.write_back(full)
+                    if "_flat_param" not in instance._parameters:  # views were registered
+                        instance._handle.unregister_params()
+                        instance._parameters["_flat_param"] = instance._handle.flat_param
                     for module, name, value in saved:
                         module.__dict__[name] = value
                     if instance._handle.sharded:
@@ -441,7 +447,7 @@ class FullyShardedDataParallel(nn.Module):
                 if kind == "flat":
                     continue
                 value = (
-                    module.__dict__[attr].detach().clone()
+                    module._parameters[attr].detach().clone()  # see [Note: summoned parameters]
                     if kind == "param"
                     else self._plain_value(kind, module, attr)
                 )
@@ -499,7 +505,7 @@ class FullyShardedDataParallel(nn.Module):
                 with self.summon_full_params(writeback=True):
                     for kind, name, module, attr in present:
                         if kind == "param":
-                            module.__dict__[attr].copy_(state_dict[name])
+                            module._parameters[attr].copy_(state_dict[name])
                         else:
                             self._load_plain(kind, module, attr, state_dict[name])
         return _IncompatibleKeys(missing, unexpected)

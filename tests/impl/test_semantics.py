@@ -52,16 +52,44 @@ def test_summon_full_params_root_unshards_nested_and_writes_back(dist):
         for instance in FSDP.fsdp_modules(model):
             instance._assert_state(TrainingState.SUMMON_FULL_PARAMS)
             instance._assert_state(HandleTrainingState.SUMMON_FULL_PARAMS)
-        inner_linear.weight.fill_(3.0)
+        with torch.no_grad():
+            inner_linear.weight.fill_(3.0)
     with model.summon_full_params(writeback=False, offload_to_cpu=True):
         assert torch.equal(inner_linear.weight, torch.full((16, 4), 3.0))
-        inner_linear.weight.fill_(5.0)  # discarded
+        with torch.no_grad():
+            inner_linear.weight.fill_(5.0)  # discarded
     with model.summon_full_params(writeback=False, rank0_only=True):
         if dist.rank == 0:
             assert torch.equal(inner_linear.weight, torch.full((16, 4), 3.0))
     assert model.state_dict()["module.1.0.weight"].eq(3.0).all()
     for instance in FSDP.fsdp_modules(model):
         instance._assert_state(TrainingState.IDLE)
+
+
+@pytest.mark.world_size(2)
+def test_summon_registers_original_parameters(dist):
+    reference = TiedTransformer(dist.group, None)
+    expected = dict(reference.named_parameters(remove_duplicate=False))
+    model = wrapped(lambda w: TiedTransformer(dist.group, w))
+    sharded_names = [name for name, _ in model.named_parameters()]
+    with model.summon_full_params(writeback=True):
+        summoned = {
+            name.replace("_fsdp_wrapped_module.", ""): param
+            for name, param in model.named_parameters(remove_duplicate=False)
+        }
+        assert summoned.keys() == expected.keys()
+        for name, param in summoned.items():
+            assert isinstance(param, nn.Parameter) and torch.equal(param, expected[name]), name
+        # a tied parameter is one object under each of its names
+        assert len(list(model.parameters())) == len(list(reference.parameters()))
+        with torch.no_grad():
+            for param in model.parameters():
+                param.add_(1.0)
+    assert [name for name, _ in model.named_parameters()] == sharded_names
+    with model.summon_full_params(writeback=False):
+        for name, param in model.named_parameters():
+            name = name.replace("_fsdp_wrapped_module.", "")
+            assert torch.equal(param, dict(reference.named_parameters())[name] + 1.0), name
 
 
 @pytest.mark.world_size(2)
