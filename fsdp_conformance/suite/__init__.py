@@ -22,6 +22,7 @@ from .memory_bound import BaseMemoryBoundTests
 from .misuse import BaseBadInputTests, BaseExecOrderTests
 from .overlap import BaseOverlapTests
 from .parity import BaseDDPParityTests, BaseStateDictTests, BaseSummonFullParamsTests
+from .states import BaseTrainingStateTests
 
 __all__ = [
     "BaseBadInputTests",
@@ -33,4 +34,5 @@ __all__ = [
     "BasePrefetchOrderTests",
     "BaseStateDictTests",
     "BaseSummonFullParamsTests",
+    "BaseTrainingStateTests",
 ]
