@@ -1,0 +1,264 @@
+"""Training-state recorder: every instance's canonical state at every hook, checked (DESIGN §4).
+
+    recorder = TrainingStateRecorder(adapter, root)
+    with recorder:                                   # installs the hooks
+        for step in range(3):
+            loss = ...; loss.backward()
+            optimizer.step()
+            recorder.after_step()                    # every instance must be IDLE
+    recorder.assert_legal()                          # raises naming instance, hook, states
+
+[Note: where the recorder samples]
+A *sample* reads `adapter.training_state(i)` for every instance `i` (and `adapter.root_state`
+of the root) and checks each change against `LEGAL_INSTANCE_TRANSITIONS` /
+`LEGAL_ROOT_TRANSITIONS`. Samples are taken with plain module and autograd hooks, registered
+after the implementation's own, so they run right after the implementation's hook of the
+same kind:
+- pre-forward of instance X: a forward pre-hook on the module X wraps (`adapter.unwrap(X)`;
+  for FSDP2-style in-place instances, X itself, after FSDP2's prepended pre-hook);
+- post-forward of X: a forward hook on X (FSDP1-style wrappers run their post-forward inside
+  `forward`; FSDP2 registers its post-forward hook at `fully_shard`, before ours);
+- pre-backward of X: a gradient hook on each output of X that requires grad (registered after
+  the implementation's own pre-backward hook on the same tensor);
+- post-backward of X: seen at the next sample (the next instance's pre-backward, or the end
+  of backward): implementations keep BACKWARD_POST until the end of backward. The recorder does
+  not sample inside an implementation's hook (e.g. at its all-gathers): mid-hook states are
+  transient (measured: torch FSDP2 2.13.0 sets the instance it prefetches for backward to
+  PRE_BACKWARD for the duration of the prefetch all-gather and restores IDLE afterwards);
+- end of backward: an autograd engine callback queued from the first pre-backward sample
+  (queued after the implementation's own end-of-backward callback, so it runs after it);
+- after `optimizer.step()`: `after_step()`, which also requires every instance to be IDLE;
+- inside and after `summon_full_params`: `sample(hook)` called by the check.
+Staying in a state is always legal. One transition beyond the table in adapters/states.py is
+legal at the end of backward only: BACKWARD_PRE -> IDLE, for an instance whose post-backward
+never runs because none of its parameters received a gradient in this backward (an instance
+without parameters of its own, e.g. the root under `auto_wrap_policy="always"`; torch FSDP1's
+end-of-backward callback resets such handles explicitly). The recorder only reads states.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from fsdp_conformance.adapters import (
+    LEGAL_INSTANCE_TRANSITIONS,
+    LEGAL_ROOT_TRANSITIONS,
+    Adapter,
+    InstanceState,
+    RootState,
+)
+
+# Violations kept (the first ones explain the rest)
+MAX_VIOLATIONS = 20
+# The kind of sample at which END_OF_BACKWARD_TRANSITIONS are also legal
+END_OF_BACKWARD = "end of backward"
+# Legal at the end of backward only (see the module docstring)
+END_OF_BACKWARD_TRANSITIONS = {InstanceState.BACKWARD_PRE: frozenset({InstanceState.IDLE})}
+
+
+@dataclasses.dataclass(frozen=True)
+class Violation:
+    """One illegal state seen by the recorder."""
+
+    # The instance's name in the model ("<root>" for the root)
+    instance: str
+    # Where the sample was taken ("pre_forward of module.1", "after optimizer.step", ...)
+    hook: str
+    # "instance" or "root" (which state machine)
+    level: str
+    # The state before (None at the first sample)
+    previous: str | None
+    # The state seen
+    seen: str
+    # The states allowed here
+    allowed: tuple[str, ...]
+
+    def __str__(self) -> str:
+        came_from = f" after {self.previous}" if self.previous is not None else ""
+        return (
+            f"instance {self.instance!r} at {self.hook}: {self.level} state {self.seen}"
+            f"{came_from}; allowed: {', '.join(self.allowed)}"
+        )
+
+
+class IllegalTrainingState(AssertionError):
+    """The recorder saw states outside DESIGN §4's transitions."""
+
+
+class TrainingStateRecorder:
+    """Samples and checks the canonical states of every instance of `model` (see the Note).
+
+    Args:
+        adapter: the adapter that wrapped `model`.
+        model: the wrapped root.
+    """
+
+    def __init__(self, adapter: Adapter, model: nn.Module) -> None:
+        self.adapter = adapter  # reads the states
+        self.model = model  # the wrapped root
+        # the instances, pre-order, and their names in `model`
+        self.instances: list[nn.Module] = list(adapter.instances(model))
+        names = {id(module): name for name, module in model.named_modules()}
+        self.names: dict[int, str] = {
+            id(instance): names.get(id(instance)) or "<root>" for instance in self.instances
+        }
+        self.root = self.instances[0] if self.instances else None  # outermost instance
+        # - Recorded state
+        self.last: dict[tuple[int, str], str] = {}  # (instance id, level) -> last state seen
+        self.violations: list[Violation] = []  # first MAX_VIOLATIONS illegal states
+        self.samples = 0  # number of samples taken
+        self.hooks_seen: set[str] = set()  # kinds of hook sampled ("pre_forward", ...)
+        # instance name -> every instance state it was seen in
+        self.states_seen: dict[str, set[str]] = {name: set() for name in self.names.values()}
+        # - Hook bookkeeping
+        self._handles: list[Any] = []  # module hook handles
+        self._end_of_backward_queued = False  # one engine callback per backward
+
+    # ------------------------------------------------------------------ installing
+    def __enter__(self) -> TrainingStateRecorder:  # noqa: PYI034
+        for instance in self.instances:
+            name = self.names[id(instance)]
+            inner = self.adapter.unwrap(instance)
+            self._handles.append(inner.register_forward_pre_hook(self._pre_forward_hook(name)))
+            self._handles.append(instance.register_forward_hook(self._post_forward_hook(name)))
+        self.sample("start")
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _pre_forward_hook(self, name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            self.sample("pre_forward", name)
+
+        return hook
+
+    def _post_forward_hook(self, name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            self.sample("post_forward", name)
+            if not torch.is_grad_enabled():
+                return
+            for tensor in tree_flatten(output)[0]:
+                if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                    tensor.register_hook(self._pre_backward_hook(name))
+
+        return hook
+
+    def _pre_backward_hook(self, name: str) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            self.sample("pre_backward", name)
+            if not self._end_of_backward_queued:
+                self._end_of_backward_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+        return hook
+
+    def _end_of_backward(self) -> None:
+        self._end_of_backward_queued = False
+        self.sample(END_OF_BACKWARD)
+
+    # ------------------------------------------------------------------ sampling
+    def sample(self, hook: str, of: str | None = None) -> None:
+        """Read every instance's state now and check each change (see the Note).
+
+        Args:
+            hook: the kind of sample ("pre_forward", "end of backward", ...).
+            of: the name of the instance whose hook it is, if any.
+        """
+        self.samples += 1
+        self.hooks_seen.add(hook)
+        label = hook if of is None else f"{hook} of {of}"
+        for instance in self.instances:
+            name = self.names[id(instance)]
+            state = self._instance_state(instance)
+            if state is not None:
+                self.states_seen[name].add(str(state))
+                legal = LEGAL_INSTANCE_TRANSITIONS
+                if hook == END_OF_BACKWARD:
+                    legal = {
+                        source: targets | END_OF_BACKWARD_TRANSITIONS.get(source, frozenset())
+                        for source, targets in legal.items()
+                    }
+                self._check(instance, name, label, "instance", state, legal)
+        if self.root is not None:
+            root_state = RootState(self.adapter.root_state(self.root))
+            self._check(
+                self.root,
+                self.names[id(self.root)],
+                label,
+                "root",
+                root_state,
+                LEGAL_ROOT_TRANSITIONS,
+            )
+
+    def after_step(self) -> None:
+        """Sample after optimizer.step(): every instance (and the root state) must be IDLE."""
+        hook = "after optimizer.step"
+        self.sample(hook)
+        for instance in self.instances:
+            state = self._instance_state(instance)
+            if state is not None and state != InstanceState.IDLE:
+                self._record(self.names[id(instance)], hook, "instance", None, state, ("IDLE",))
+        if self.root is not None:
+            root_state = RootState(self.adapter.root_state(self.root))
+            if root_state != RootState.IDLE:
+                self._record(self.names[id(self.root)], hook, "root", None, root_state, ("IDLE",))
+
+    def assert_legal(self) -> None:
+        """Raise IllegalTrainingState listing the violations (the first ones), if any."""
+        if not self.violations:
+            return
+        shown = "\n".join(f"  {violation}" for violation in self.violations)
+        more = " (first ones)" if len(self.violations) >= MAX_VIOLATIONS else ""
+        raise IllegalTrainingState(
+            f"{len(self.violations)} illegal training states{more} seen by "
+            f"{type(self).__name__} (adapter {self.adapter.name!r}):\n{shown}"
+        )
+
+    def _instance_state(self, instance: nn.Module) -> InstanceState | None:
+        try:
+            return InstanceState(self.adapter.training_state(instance))
+        except ValueError:
+            return None  # an instance without parameters keeps no instance state (FSDP1)
+
+    def _check(
+        self,
+        instance: nn.Module,
+        name: str,
+        hook: str,
+        level: str,
+        state: Any,
+        legal: dict[Any, frozenset[Any]],
+    ) -> None:
+        key = (id(instance), level)
+        previous = self.last.get(key)
+        self.last[key] = state
+        if previous is None or previous == state:
+            return
+        allowed = legal[type(state)(previous)]
+        if state not in allowed:
+            ordered = sorted({str(previous), *(str(s) for s in allowed)})
+            self._record(name, hook, level, previous, state, tuple(ordered))
+
+    def _record(
+        self, name: str, hook: str, level: str, previous: Any, seen: Any, allowed: tuple
+    ) -> None:
+        if len(self.violations) < MAX_VIOLATIONS:
+            self.violations.append(
+                Violation(
+                    name,
+                    hook,
+                    level,
+                    None if previous is None else str(previous),
+                    str(seen),
+                    allowed,
+                )
+            )

@@ -1,0 +1,133 @@
+"""Legal training states (DESIGN §4), as a base class to subclass.
+
+    class TestMyStates(BaseTrainingStateTests):
+        pass
+
+`TrainingStateRecorder` (fsdp_conformance.observe.states) samples every instance's canonical
+state at every hook while the model trains 3 steps and goes through `summon_full_params`; any
+transition outside DESIGN §4 fails naming the instance, the hook, the state seen and the states
+allowed. After each `optimizer.step()` every instance must be IDLE.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import pytest
+import torch
+
+from fsdp_conformance.adapters import Feature, RootState
+from fsdp_conformance.observe.states import TrainingStateRecorder
+
+from . import configs, training
+
+# Every kind of sample the recorder must have taken in a training run (proof it observed)
+REQUIRED_HOOKS = (
+    "start",
+    "pre_forward",
+    "post_forward",
+    "pre_backward",
+    "end of backward",
+    "after optimizer.step",
+    "inside summon_full_params",
+    "after summon_full_params",
+)
+
+
+class BaseTrainingStateTests:
+    """Every instance's state at every hook is legal; IDLE after each step; `_assert_state`."""
+
+    # Zoo models (fsdp_conformance.suite.zoo.MODELS)
+    models: ClassVar[tuple[str, ...]] = (
+        "nested",
+        "always_wrap",
+        "transformer",
+        "mixture_of_experts",
+    )
+    # Backward prefetch values combined with every sharding strategy
+    backward_prefetches: ClassVar[tuple[Any, ...]] = configs.BACKWARD_PREFETCHES
+
+    def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
+        if "state_case" in metafunc.fixturenames:
+            cases = [
+                configs.ParityCase(
+                    model, 2, (("sharding_strategy", strategy), ("backward_prefetch", prefetch))
+                )
+                for model in self.models
+                for strategy in configs.SHARDING_STRATEGIES
+                for prefetch in self.backward_prefetches
+            ]
+            metafunc.parametrize("state_case", [case.param() for case in cases])
+
+    def test_states_are_legal_at_every_hook(
+        self, fsdp_adapter: Any, dist: Any, state_case: configs.ParityCase
+    ):
+        adapter = fsdp_adapter
+        root, zoo_model = training.wrap_model(
+            adapter, state_case.model, dist, state_case.wrap_config
+        )
+        with TrainingStateRecorder(adapter, root) as recorder:
+            training.train(
+                root, zoo_model, dist.device, after_step=lambda step: recorder.after_step()
+            )
+            with adapter.summon_full_params(root):
+                recorder.sample("inside summon_full_params")
+            recorder.sample("after summon_full_params")
+        recorder.assert_legal()
+        label = f"adapter {adapter.name!r}, {state_case.describe()}"
+        missing = [hook for hook in REQUIRED_HOOKS if hook not in recorder.hooks_seen]
+        assert not missing, f"{label}: the recorder never sampled at {missing}"
+        # instances whose state the adapter cannot read (FSDP1: no parameters) are not listed
+        readable = {name: seen for name, seen in recorder.states_seen.items() if seen}
+        assert readable, f"{label}: the adapter reported no instance state at all"
+        for name, seen in readable.items():
+            assert "FORWARD" in seen and seen & {"BACKWARD_PRE", "BACKWARD_POST"}, (
+                f"{label}: instance {name!r} was only ever seen in {sorted(seen)}; it must "
+                "report FORWARD in its forward and BACKWARD_PRE/BACKWARD_POST in its backward"
+            )
+            assert "SUMMON_FULL_PARAMS" in seen, (
+                f"{label}: instance {name!r} never reported SUMMON_FULL_PARAMS inside "
+                f"summon_full_params (seen: {sorted(seen)})"
+            )
+
+    @pytest.mark.world_size(2)
+    def test_assert_state(self, fsdp_adapter: Any, dist: Any):
+        adapter = fsdp_adapter
+        adapter.require(Feature.ASSERT_STATE)
+        root, zoo_model = training.wrap_model(adapter, "nested", dist, {})
+        inner = adapter.instances(root)[1]
+        outcomes: dict[str, BaseException | None] = {}
+
+        def during_forward(module: torch.nn.Module, args: Any) -> None:
+            outcomes["FORWARD_BACKWARD in forward"] = _outcome(
+                adapter, root, RootState.FORWARD_BACKWARD
+            )
+            outcomes["IDLE in forward"] = _outcome(adapter, root, RootState.IDLE)
+
+        handle = adapter.unwrap(inner).register_forward_pre_hook(during_forward)
+        try:
+            training.train(root, zoo_model, dist.device, steps=1)
+        finally:
+            handle.remove()
+        outcomes["IDLE after step"] = _outcome(adapter, root, RootState.IDLE)
+        outcomes["FORWARD_BACKWARD after step"] = _outcome(
+            adapter, root, RootState.FORWARD_BACKWARD
+        )
+        label = f"adapter {adapter.name!r}: _assert_state on the root"
+        for case in ("FORWARD_BACKWARD in forward", "IDLE after step"):
+            assert outcomes[case] is None, (
+                f"{label}: asserting {case} raised {outcomes[case]!r}; the root is in that state"
+            )
+        for case in ("IDLE in forward", "FORWARD_BACKWARD after step"):
+            assert outcomes[case] is not None, (
+                f"{label}: asserting {case} did not raise, but the root is not in that state"
+            )
+
+
+def _outcome(adapter: Any, instance: torch.nn.Module, state: RootState) -> BaseException | None:
+    """None if `adapter.assert_state(instance, state)` passes, else what it raised."""
+    try:
+        adapter.assert_state(instance, state)
+    except (AssertionError, ValueError, RuntimeError) as error:
+        return error
+    return None
