@@ -9,7 +9,19 @@ import importlib
 from typing import Any
 
 # public name -> module that defines it
-_EXPORTS: dict[str, str] = {}
+_EXPORTS: dict[str, str] = {
+    # running a test in N ranks (docs/harness.md)
+    "FSDPTest": "fsdp_conformance.world",
+    "FSDPInitMode": "fsdp_conformance.world",
+    "DummyProcessGroup": "fsdp_conformance.world",
+    "get_full_params": "fsdp_conformance.world",
+    "InRank": "fsdp_conformance.world",
+    "RankContext": "fsdp_conformance.world",
+    # driving an FSDP implementation (docs/adapters.md)
+    "Adapter": "fsdp_conformance.adapters",
+    "Feature": "fsdp_conformance.adapters",
+    "get_adapter": "fsdp_conformance.adapters",
+}
 
 __all__ = sorted(_EXPORTS)
 
