@@ -117,7 +117,12 @@ def summary_line(cells: list[Cell], impl: str, wall_s: float) -> str:
         for outcome in OUTCOMES
         if total[outcome] or outcome in ("pass", "fail")
     ]
-    verdict = f"{total['fail']} FAILED" if total["fail"] else "conforms (nothing failed)"
+    if total["fail"]:
+        verdict = f"{total['fail']} FAILED"
+    elif total["xfail"]:
+        verdict = f"nothing failed; {total['xfail']} expected failures (documented deviations)"
+    else:
+        verdict = "conforms (nothing failed)"
     return (
         f"{impl}: {', '.join(parts)} ({len(cells)} cells, {len(by_check(cells))} checks) in "
         f"{format_duration(wall_s)} -- {verdict}"
