@@ -5,7 +5,7 @@
         for step in range(3):
             loss = ...; loss.backward()
             optimizer.step()
-            recorder.after_step()                    # every instance must be IDLE
+            recorder.after_step()                    # every instance must be IDLE; raises
     recorder.assert_legal()                          # raises naming instance, hook, states
 
 [Note: where the recorder samples]
@@ -52,6 +52,7 @@ from fsdp_conformance.adapters import (
     Adapter,
     InstanceState,
     RootState,
+    clean_param_name,
 )
 
 # Violations kept (the first ones explain the rest)
@@ -104,7 +105,8 @@ class TrainingStateRecorder:
         self.model = model  # the wrapped root
         # the instances, pre-order, and their names in `model`
         self.instances: list[nn.Module] = list(adapter.instances(model))
-        names = {id(module): name for name, module in model.named_modules()}
+        # names without the segments wrappers insert (`_fsdp_wrapped_module.`)
+        names = {id(module): clean_param_name(name) for name, module in model.named_modules()}
         self.names: dict[int, str] = {
             id(instance): names.get(id(instance)) or "<root>" for instance in self.instances
         }
@@ -200,7 +202,12 @@ class TrainingStateRecorder:
             )
 
     def after_step(self) -> None:
-        """Sample after optimizer.step(): every instance (and the root state) must be IDLE."""
+        """Sample after optimizer.step(): every instance (and the root state) must be IDLE.
+
+        Raises:
+            IllegalTrainingState: any violation so far (checked at every step, before the
+                implementation's own checks in the next forward can hide it).
+        """
         hook = "after optimizer.step"
         self.sample(hook)
         for instance in self.instances:
@@ -211,6 +218,7 @@ class TrainingStateRecorder:
             root_state = RootState(self.adapter.root_state(self.root))
             if root_state != RootState.IDLE:
                 self._record(self.names[id(self.root)], hook, "root", None, root_state, ("IDLE",))
+        self.assert_legal()
 
     def assert_legal(self) -> None:
         """Raise IllegalTrainingState listing the violations (the first ones), if any."""
