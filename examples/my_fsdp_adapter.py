@@ -1,6 +1,5 @@
 """my_fsdp_adapter.py -- run the suite with: pytest --pyargs fsdp_conformance.suite
 --fsdp-impl my_fsdp_adapter:ADAPTER"""
-
 from __future__ import annotations
 
 import torch
