@@ -208,7 +208,13 @@ def _run_command(args: argparse.Namespace) -> int:
         command += ["-k", args.k]
     if args.junit:
         command += [f"--junitxml={os.path.abspath(args.junit)}"]
-    env = {**os.environ, _cli_collect.ENV_RESULTS: results}
+    # a fresh pytest session: not a worker of an outer pytest-xdist run (the CLI's own tests)
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if not key.startswith(("PYTEST_XDIST_", "PYTEST_CURRENT_TEST"))
+    }
+    env[_cli_collect.ENV_RESULTS] = results
     print(
         f"{PROG} run: suite on {args.impl!r} (coverage {args.coverage}, mode {args.mode}, "
         f"{args.workers or 'no'} xdist workers{', -k ' + repr(args.k) if args.k else ''})",
@@ -329,14 +335,16 @@ def _clock(seconds: float) -> str:
 
 
 def _interrupt(child: subprocess.Popen) -> None:
-    """Ctrl-C: let pytest clean up its ranks (it got SIGINT too, from the terminal)."""
-    if child.poll() is None:
-        child.send_signal(signal.SIGINT)
-    try:
-        child.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        child.kill()
-        child.wait()
+    """Ctrl-C: let pytest clean up its ranks. From a terminal pytest got SIGINT too; give it a
+    moment before sending its own (a second SIGINT would cut pytest's cleanup short)."""
+    for signal_to_send in (None, signal.SIGINT, signal.SIGKILL):
+        if signal_to_send is not None and child.poll() is None:
+            child.send_signal(signal_to_send)
+        try:
+            child.wait(timeout=5 if signal_to_send is None else 30)
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def _tail(path: str, lines: int) -> str:
