@@ -128,23 +128,36 @@ def check_keyword_expression(expression: str | None) -> None:
         raise UsageError(f"-k {expression!r}: not a pytest -k expression ({reason})") from None
 
 
+def _available_memory() -> int | None:
+    """Bytes of memory available to new processes (MemAvailable: free + reclaimable cache)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):  # sysconf names missing on this platform
+        return None
+
+
 def max_world_size() -> tuple[int, str]:
     """The most CPU ranks this machine runs, and why (cores x RANKS_PER_CPU, memory)."""
     cpus = os.cpu_count() or 1
     limits = [(cpus * RANKS_PER_CPU, f"{cpus} CPUs x {RANKS_PER_CPU} ranks each")]
-    try:
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    available = _available_memory()
+    if available is not None:
         limits.append(
             (
                 max(1, available // RANK_MEMORY_BYTES),
                 (
-                    f"{available / 1024**3:.1f} GiB free memory / "
+                    f"{available / 1024**3:.1f} GiB available memory / "
                     f"{RANK_MEMORY_BYTES // 1024**2} MiB per rank"
                 ),
             )
         )
-    except (ValueError, OSError):  # sysconf names missing on this platform
-        pass
     return min(limits)
 
 
