@@ -29,6 +29,8 @@ ENV_RESULTS = "FSDP_CONFORMANCE_CLI_RESULTS"
 
 # Lines of a failure report that carry the message (pytest prefixes them with "E   ")
 _ERROR_LINE = re.compile(r"^E\s+(.*)$")
+# An exception line: "AssertionError: ...", "torch.distributed.DistBackendError: ..."
+_EXCEPTION_LINE = re.compile(r"^(?:[a-z_]\w*\.)*[A-Z]\w*: ")
 # How a rank failure starts: "rank 1 of 2 failed: AssertionError: ..."
 _RANK_HEADLINE = re.compile(r"^rank \d+ of \d+ (failed|died|hung|aborted): ")
 
@@ -113,9 +115,9 @@ def _classify(report: pytest.TestReport) -> tuple[str | None, str]:
 def failure_message(report: Any) -> str:
     """The first assertion (or exception) message of a failed report, on one line.
 
-    pytest marks the message lines of a failure with ``E``; the first that names an error wins
-    (with the line after it when it ends in ":", as "N problems:" headlines do), else the first
-    message line, else the crash line.
+    pytest marks the message lines of a failure with ``E``; the first exception line wins
+    ("SomeError: message", with the line after it when it ends in ":", as "N problems:"
+    headlines do), else the first message line, else the crash line.
     """
     text = getattr(report, "longreprtext", "") or str(report.longrepr or "")
     crash = getattr(getattr(report.longrepr, "reprcrash", None), "message", "") or ""
@@ -124,11 +126,13 @@ def failure_message(report: Any) -> str:
     ]
     lines = [line for line in lines if line] + [_strip(line) for line in crash.splitlines()]
     lines = [line for line in lines if line]
-    for position, line in enumerate(lines):  # the assertion's own message first
-        if line.startswith("AssertionError") or "Error: " in line or line.endswith("Error"):
-            follows = lines[position + 1] if position + 1 < len(lines) else ""
-            return f"{line} {follows}" if line.endswith(":") and follows else line
-    return lines[0] if lines else "failed (no message)"
+    if not lines:
+        return "failed (no message)"
+    # the exception's own message first (pytest shows the failing source line before it)
+    position = next((i for i, line in enumerate(lines) if _EXCEPTION_LINE.match(line)), 0)
+    line = lines[position]
+    follows = lines[position + 1] if position + 1 < len(lines) else ""
+    return f"{line} {follows}" if line.endswith(":") and follows else line
 
 
 def _strip(line: str) -> str:

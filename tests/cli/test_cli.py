@@ -333,3 +333,28 @@ def test_matrix_of_a_collection_error(tmp_path: Path) -> None:
     ]
     text = _cli_report.render_text(cells)
     assert "FAIL   (default)  ImportError: boom" in textwrap.dedent(text)
+
+
+def test_failure_message_is_the_first_assertion_line() -> None:
+    from types import SimpleNamespace
+
+    from fsdp_conformance._cli_collect import failure_message
+
+    rank_failure = SimpleNamespace(
+        longrepr=None,
+        longreprtext=(
+            "    def test_x(dist):\n>       check()\n"
+            "E       Failed: rank 1 of 2 failed: IllegalTrainingState: 2 illegal states seen:\n"
+            "E         instance 3 in FORWARD at post_backward\n"
+            "E       ranks that passed: 0\n"
+        ),
+    )
+    assert failure_message(rank_failure) == (
+        "IllegalTrainingState: 2 illegal states seen: instance 3 in FORWARD at post_backward"
+    )
+    plain = SimpleNamespace(
+        longrepr=None,
+        longreprtext="E   assert 1 == 2\nE   AssertionError: loss differs at step 3\n",
+    )
+    assert failure_message(plain) == "AssertionError: loss differs at step 3"
+    assert failure_message(SimpleNamespace(longrepr=None, longreprtext="E   x\n")) == "x"
