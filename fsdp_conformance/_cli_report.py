@@ -123,9 +123,10 @@ def summary_line(cells: list[Cell], impl: str, wall_s: float) -> str:
         verdict = f"nothing failed; {total['xfail']} expected failures (documented deviations)"
     else:
         verdict = "conforms (nothing failed)"
+    checks = len(by_check(cells))
     return (
-        f"{impl}: {', '.join(parts)} ({len(cells)} cells, {len(by_check(cells))} checks) in "
-        f"{format_duration(wall_s)} -- {verdict}"
+        f"{impl}: {', '.join(parts)} ({len(cells)} cell{'' if len(cells) == 1 else 's'}, "
+        f"{checks} check{'' if checks == 1 else 's'}) in {format_duration(wall_s)} -- {verdict}"
     )
 
 

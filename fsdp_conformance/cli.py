@@ -207,20 +207,7 @@ def _run_command(args: argparse.Namespace) -> int:
     workdir = tempfile.mkdtemp(prefix="fsdp-conformance-cli-")
     results = os.path.join(workdir, "results.jsonl")
     log_path = os.path.join(workdir, "pytest.log")
-    command = [
-        sys.executable, "-m", "pytest", "--pyargs", "fsdp_conformance.suite",
-        "-p", "fsdp_conformance._cli_collect", "-p", "no:cacheprovider",
-        "-o", "addopts=", "-q",
-        f"--fsdp-impl={args.impl}", f"--fsdp-world-size={args.world_size}",
-        f"--fsdp-mode={args.mode}", f"--fsdp-coverage={args.coverage}",
-        f"--fsdp-timeout={args.timeout:g}",
-    ]  # fmt: skip
-    if args.workers > 0:
-        command += ["-n", str(args.workers)]
-    if args.k:
-        command += ["-k", args.k]
-    if args.junit:
-        command += [f"--junitxml={os.path.abspath(args.junit)}"]
+    command = pytest_command(args)
     # a fresh pytest session: not a worker of an outer pytest-xdist run (the CLI's own tests)
     env = {
         key: value
@@ -253,29 +240,21 @@ def _run_command(args: argparse.Namespace) -> int:
     collected = next((r["count"] for r in records if r.get("event") == "collected"), None)
     returncode = child.returncode
     if returncode == 4 or (returncode == 5 and not cells):
-        shutil.rmtree(workdir, ignore_errors=True)
         if returncode == 5:
-            raise UsageError(f"-k {args.k!r}: no check matches" if args.k else "no check collected")
-        raise UsageError(f"pytest refused the arguments: {_pytest_error(log_path)}")
+            message = f"-k {args.k!r}: no check matches" if args.k else "no check collected"
+        else:
+            message = f"pytest refused the arguments: {_pytest_error(log_path)}"
+        shutil.rmtree(workdir, ignore_errors=True)
+        raise UsageError(message)
 
     summary = _cli_report.summary_line(cells, args.impl, wall)
     not_run = (collected or 0) - sum(1 for c in cells if not c.check.startswith("collecting "))
     if not_run > 0:
-        summary += f"; {not_run} collected checks did not report (see the pytest output)"
-    header = _report_header(args, command, wall)
+        summary += f"; {not_run} collected cells did not report (see the pytest output)"
     print(_cli_report.render_text(cells))
     print()
     print(summary)
-    if args.report:
-        with open(args.report, "w", encoding="utf-8") as stream:
-            stream.write(_cli_report.render_markdown(cells, header, summary))
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as stream:
-            stream.write(
-                _cli_report.render_json(
-                    cells, {**header, "summary_line": summary, "pytest_exit_code": returncode}
-                )
-            )
+    _write_outputs(args, cells, _report_header(args, command, wall), summary, returncode)
     failed = any(cell.outcome == "fail" for cell in cells) or returncode != 0 or not_run > 0
     if failed:
         print(f"pytest output (tracebacks): {log_path}", file=sys.stderr)
@@ -286,19 +265,57 @@ def _run_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def pytest_command(args: argparse.Namespace) -> list[str]:
+    """The pytest command line ``run`` starts (in the user's directory)."""
+    command = [
+        sys.executable, "-m", "pytest", "--pyargs", "fsdp_conformance.suite",
+        "-p", "fsdp_conformance._cli_collect", "-p", "no:cacheprovider",
+        "-o", "addopts=", "-q",
+        f"--fsdp-impl={args.impl}", f"--fsdp-world-size={args.world_size}",
+        f"--fsdp-mode={args.mode}", f"--fsdp-coverage={args.coverage}",
+        f"--fsdp-timeout={args.timeout:g}",
+    ]  # fmt: skip
+    if args.workers > 0:
+        command += ["-n", str(args.workers)]
+    if args.k:
+        command += ["-k", args.k]
+    if args.junit:
+        command += [f"--junitxml={os.path.abspath(args.junit)}"]
+    return command
+
+
+def _write_outputs(
+    args: argparse.Namespace,
+    cells: list[Any],
+    header: dict[str, str],
+    summary: str,
+    returncode: int,
+) -> None:
+    """--report (Markdown) and --json (pytest writes --junit itself)."""
+    from fsdp_conformance import _cli_report
+
+    if args.report:
+        with open(args.report, "w", encoding="utf-8") as stream:
+            stream.write(_cli_report.render_markdown(cells, header, summary))
+    if args.json:
+        document = {**header, "summary_line": summary, "pytest_exit_code": returncode}
+        with open(args.json, "w", encoding="utf-8") as stream:
+            stream.write(_cli_report.render_json(cells, document))
+
+
 class _Progress:
     """One status line while pytest runs (rewritten in place on a terminal), failures as they
     arrive."""
 
     def __init__(self, stream: Any) -> None:
-        self.stream = stream
-        self.tty = stream.isatty()
+        self.stream = stream  # where progress goes (stderr)
+        self.tty = stream.isatty()  # rewrite one status line in place
         self.seen = 0  # records already handled
-        self.total: int | None = None  # tests collected
-        self.done = 0
-        self.tally: dict[str, int] = {}
+        self.total: int | None = None  # cells collected (None: still collecting)
+        self.done = 0  # cells finished
+        self.tally: dict[str, int] = {}  # outcome -> cells so far
         self.last_line_at = 0.0  # elapsed seconds of the last line printed (not a tty)
-        self.width = shutil.get_terminal_size((100, 20)).columns
+        self.width = shutil.get_terminal_size((100, 20)).columns  # status line width
 
     def update(self, records: list[dict[str, Any]], elapsed: float) -> None:
         from fsdp_conformance._cli_report import split_nodeid
