@@ -32,6 +32,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
@@ -668,6 +669,11 @@ def _add_common(parser: argparse.ArgumentParser, world_size_help: str) -> None:
     )
 
 
+def _paragraph(text: str) -> str:
+    """A help description filled to 79 columns (the raw formatter keeps the examples' layout)."""
+    return textwrap.fill(text, width=79)
+
+
 def build_parser() -> argparse.ArgumentParser:
     formatter = argparse.RawDescriptionHelpFormatter
     parser = _Parser(
@@ -682,12 +688,14 @@ def build_parser() -> argparse.ArgumentParser:
     run = commands.add_parser(
         "run",
         help="run the conformance suite and print the check x configuration matrix",
-        description="Run the conformance suite (pytest --pyargs fsdp_conformance.suite) against "
-        "one FSDP implementation and print the matrix: each check (test class and function) in "
-        "each configuration (its parametrisation) -> pass / FAIL (first assertion message) / "
-        "xfail / skip (reason). Exit code 0 only when nothing failed. Default: pairwise "
-        "coverage of the parity configurations and 2 xdist workers (fits in 10 minutes on a "
-        "2-core CPU host); --coverage full runs every combination.",
+        description=_paragraph(
+            "Run the conformance suite (pytest --pyargs fsdp_conformance.suite) against "
+            "one FSDP implementation and print the matrix: each check (test class and function) in "
+            "each configuration (its parametrisation) -> pass / FAIL (first assertion message) / "
+            "xfail / skip (reason). Exit code 0 only when nothing failed. Default: pairwise "
+            "coverage of the parity configurations and 2 xdist workers (fits in 10 minutes on a "
+            "2-core CPU host); --coverage full runs every combination."
+        ),
         epilog="examples:\n"
         "  fsdp-conformance run\n"
         "  fsdp-conformance run --impl torch-fsdp1 --report matrix.md --json matrix.json\n"
@@ -729,14 +737,16 @@ def build_parser() -> argparse.ArgumentParser:
     overlap = commands.add_parser(
         "overlap",
         help="time compute only / communication only / both and print the overlap ratio",
-        description="Reproduce the overlap-timing experiment of the suite "
-        "(fsdp_conformance.suite.overlap, seed 000's test_fsdp_overlap): 4 FSDP layers under a "
-        "root; each layer computes for a fixed time, each all-gather is delayed; the forward "
-        "is timed with nothing / communication only / compute only / both, each the minimum "
-        "of --repeats runs and the maximum over ranks. On CPU the delay is injected into the "
-        "all-gather's work handle without blocking the CPU thread, and forward prefetch is on; "
-        "on CUDA both delays are torch.cuda._sleep on the device. Prints the table, the "
-        "overlap ratio and the suite's verdict; exit code 0 when the measurement ran.",
+        description=_paragraph(
+            "Reproduce the overlap-timing experiment of the suite "
+            "(fsdp_conformance.suite.overlap, seed 000's test_fsdp_overlap): 4 FSDP layers under a "
+            "root; each layer computes for a fixed time, each all-gather is delayed; the forward "
+            "is timed with nothing / communication only / compute only / both, each the minimum "
+            "of --repeats runs and the maximum over ranks. On CPU the delay is injected into the "
+            "all-gather's work handle without blocking the CPU thread, and forward prefetch is on; "
+            "on CUDA both delays are torch.cuda._sleep on the device. Prints the table, the "
+            "overlap ratio and the suite's verdict; exit code 0 when the measurement ran."
+        ),
         epilog="examples:\n"
         "  fsdp-conformance overlap --limit-all-gathers false\n"
         "  fsdp-conformance overlap --impl torch-fsdp1 --limit-all-gathers true\n"
@@ -761,14 +771,16 @@ def build_parser() -> argparse.ArgumentParser:
     timeline = commands.add_parser(
         "timeline",
         help="draw resident unsharded buffers over time with limit_all_gathers on and off",
-        description="Train a chain of --layers FSDP instances under a root for a few "
-        "iterations under the lagging device (fsdp_conformance.observe: events complete only "
-        "when the CPU blocks on them), once with limit_all_gathers=True and once with False, "
-        "counting resident unsharded buffers after every event (fsdp_conformance.suite."
-        "memory_bound). Draws two panels (forward and backward shaded, the bound as a dashed "
-        "line), prints the peaks per phase, and optionally writes the data and a Chrome trace "
-        "of the limited run whose FullyShardedDataParallel.rate_limiter ranges show the "
-        "limiter's waits. Needs matplotlib.",
+        description=_paragraph(
+            "Train a chain of --layers FSDP instances under a root for a few "
+            "iterations under the lagging device (fsdp_conformance.observe: events complete only "
+            "when the CPU blocks on them), once with limit_all_gathers=True and once with False, "
+            "counting resident unsharded buffers after every event (fsdp_conformance.suite."
+            "memory_bound). Draws two panels (forward and backward shaded, the bound as a dashed "
+            "line), prints the peaks per phase, and optionally writes the data and a Chrome trace "
+            "of the limited run whose FullyShardedDataParallel.rate_limiter ranges show the "
+            "limiter's waits. Needs matplotlib."
+        ),
         epilog="examples:\n"
         "  fsdp-conformance timeline --out timeline.png\n"
         "  fsdp-conformance timeline --impl torch-fsdp1 --lag drained --data timeline.json\n"
