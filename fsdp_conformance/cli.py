@@ -205,7 +205,7 @@ def _run_command(args: argparse.Namespace) -> int:
     if args.workers > 0 and importlib.util.find_spec("xdist") is None:
         raise UsageError("-n needs pytest-xdist, which is not installed (or give -n 0)")
 
-    workdir = tempfile.mkdtemp(prefix="fsdp-conformance-cli-")
+    workdir = tempfile.mkdtemp(prefix="fsdp-cli-")
     results = os.path.join(workdir, "results.jsonl")
     log_path = os.path.join(workdir, "pytest.log")
     command = pytest_command(args)
@@ -480,7 +480,7 @@ def _overlap_command(args: argparse.Namespace) -> int:
                 f"--device cuda: needs one GPU per rank ({args.world_size}), {available} "
                 "available; use --device cpu or a smaller --world-size"
             )
-    workdir = tempfile.mkdtemp(prefix="fsdp-conformance-cli-")
+    workdir = tempfile.mkdtemp(prefix="fsdp-cli-")
     out_file = os.path.join(workdir, "overlap.json")
     try:
         status, message = _run_in_ranks(
@@ -574,7 +574,7 @@ def _timeline_command(args: argparse.Namespace) -> int:
             "the timeline picture needs matplotlib, which cannot be imported "
             f"({error}): pip install matplotlib"
         ) from None
-    workdir = tempfile.mkdtemp(prefix="fsdp-conformance-cli-")
+    workdir = tempfile.mkdtemp(prefix="fsdp-cli-")
     out_file = os.path.join(workdir, "timeline.json")
     try:
         status, message = _run_in_ranks(

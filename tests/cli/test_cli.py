@@ -37,12 +37,13 @@ class NoLimitAdapter(ImplAdapter):
 
 
 def cli(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """Run ``python -m fsdp_conformance.cli ARGS`` in ``cwd``."""
+    """Run ``python -m fsdp_conformance.cli ARGS`` in ``cwd`` (also its TMPDIR)."""
     return subprocess.run(
         [sys.executable, "-m", "fsdp_conformance.cli", *args],
         check=False,
         cwd=cwd,
-        env={**os.environ, **(env or {})},
+        # temp files (a failing run keeps pytest's log) stay under the test's own tmp_path
+        env={**os.environ, "TMPDIR": str(cwd), **(env or {})},
         capture_output=True,
         text=True,
         timeout=TIMEOUT,
