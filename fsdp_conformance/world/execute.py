@@ -101,9 +101,18 @@ class _AssertConfig:
 
 
 def _reprcompare(op: str, left: Any, right: Any) -> str | None:
+    """pytest's rich comparison explanation, or None (the plain assertion message).
+
+    ``assertrepr_compare`` is private: its signature changed in pytest 9.2 (no config, and
+    an iterator of lines). Where the call does not fit, the explanation is dropped rather
+    than replacing the test's AssertionError with a TypeError.
+    """
     from _pytest.assertion import util
 
-    lines = util.assertrepr_compare(_AssertConfig(), op, left, right)
+    try:
+        lines = list(util.assertrepr_compare(_AssertConfig(), op, left, right) or ())
+    except Exception:  # noqa: BLE001  pytest internals moved
+        return None
     return "\n~".join(lines) if lines else None
 
 
