@@ -12,6 +12,7 @@ from fsdp_conformance.models import NestedWrappedModule
 from torch import nn
 
 from fsdp_conformance.adapters import ALWAYS_WRAP, BUILTIN_ADAPTERS, get_adapter
+from fsdp_conformance.suite.training import train
 
 CONFIGS = {
     "shard_grad_op": {"sharding_strategy": "SHARD_GRAD_OP"},
@@ -27,19 +28,6 @@ CONFIGS = {
 }
 
 
-def _train(model, zoo_model, device, steps=2):
-    optim = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    losses = []
-    for _ in range(steps):
-        optim.zero_grad()
-        inputs = zoo_model.get_input(device)
-        loss = zoo_model.get_loss(inputs, model(*inputs))
-        zoo_model.run_backward(loss)
-        optim.step()
-        losses.append(loss.detach().float())
-    return torch.stack(losses)
-
-
 @pytest.mark.world_size(2)
 @pytest.mark.parametrize("adapter_name", BUILTIN_ADAPTERS)
 @pytest.mark.parametrize("config_id", list(CONFIGS))
@@ -50,7 +38,7 @@ def test_config_key_trains_like_ddp_or_skips(dist, adapter_name, config_id):
 
     reference = NestedWrappedModule(dist.group)
     ddp = nn.parallel.DistributedDataParallel(reference)
-    reference_losses = _train(ddp, reference, dist.device)
+    reference_losses = train(ddp, reference, dist.device, steps=2)
 
     inner_config = {k: v for k, v in config.items() if k != "auto_wrap_policy"}
     model = NestedWrappedModule(
@@ -59,7 +47,7 @@ def test_config_key_trains_like_ddp_or_skips(dist, adapter_name, config_id):
     root = adapter.wrap(model, **config)
     expected_instances = 8 if "auto_wrap_policy" in config else 4
     assert len(adapter.instances(root)) == expected_instances
-    losses = _train(root, model, dist.device)
+    losses = train(root, model, dist.device, steps=2)
 
     tolerance = 5e-2 if "mixed_precision" in config else 1e-6
     torch.testing.assert_close(losses, reference_losses, atol=tolerance, rtol=tolerance)

@@ -7,6 +7,7 @@ from fsdp_conformance.models import DummyDDP, MixtureOfExperts, TransformerWithS
 from torch import nn
 
 from fsdp_conformance.adapters import BUILTIN_ADAPTERS, get_adapter
+from fsdp_conformance.suite.training import train
 
 
 def _gather(tensor: torch.Tensor, world_size: int) -> list[torch.Tensor]:
@@ -30,30 +31,17 @@ def test_moe_reference_averages_shared_grads_and_keeps_expert_grads_local(dist):
             assert torch.equal(grads[0], grads[1]), name
 
 
-def _train(model, zoo_model, device, steps):
-    optim = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    losses = []
-    for _ in range(steps):
-        optim.zero_grad()
-        inputs = zoo_model.get_input(device)
-        loss = zoo_model.get_loss(inputs, model(*inputs))
-        zoo_model.run_backward(loss)
-        optim.step()
-        losses.append(loss.detach())
-    return torch.stack(losses)
-
-
 @pytest.mark.world_size(2)
 @pytest.mark.parametrize("adapter_name", BUILTIN_ADAPTERS)
 def test_transformer_with_shared_params_matches_ddp_exactly(dist, adapter_name):
     adapter = get_adapter(adapter_name)
     reference = TransformerWithSharedParams(dist.group)
-    reference_losses = _train(nn.parallel.DistributedDataParallel(reference), reference,
+    reference_losses = train(nn.parallel.DistributedDataParallel(reference), reference,
                               dist.device, steps=2)
     model = TransformerWithSharedParams(dist.group, adapter.wrapper())
     root = adapter.wrap(model)
     assert len(adapter.instances(root)) == 5  # root + 2 encoder + 2 decoder layers
-    losses = _train(root, model, dist.device, steps=2)
+    losses = train(root, model, dist.device, steps=2)
     assert torch.equal(losses, reference_losses)
     full = adapter.full_params(root)
     tied = full["output_proj.weight"]
