@@ -13,7 +13,12 @@ from __future__ import annotations
 import pytest
 
 from fsdp_conformance.suite import (
+    BaseBadInputTests,
+    BaseCollectiveCountTests,
     BaseDDPParityTests,
+    BaseExecOrderTests,
+    BaseOverlapTests,
+    BasePrefetchOrderTests,
     BaseStateDictTests,
     BaseSummonFullParamsTests,
     BaseTrainingStateTests,
@@ -40,4 +45,25 @@ class TestStateDict(BaseStateDictTests):
 
 
 class TestTrainingStates(BaseTrainingStateTests):
+    pass
+
+
+# The checks of docs/checks.md (the memory bound runs in test_memory_bound_adapters.py).
+class TestPrefetchOrder(BasePrefetchOrderTests):
+    pass
+
+
+class TestCollectiveCounts(BaseCollectiveCountTests):
+    pass
+
+
+class TestOverlap(BaseOverlapTests):
+    pass
+
+
+class TestExecOrder(BaseExecOrderTests):
+    pass
+
+
+class TestBadInputs(BaseBadInputTests):
     pass
