@@ -20,20 +20,8 @@ from fsdp_conformance.impl import FullyShardedDataParallel as FSDP
 Wrap = Callable[..., nn.Module]
 
 
-class NestedSequential(nn.Module):
-    """Linear layers with an inner instance nested in an outer one (seed's NestedWrappedModule)."""
-
-    def __init__(self, group: Any, wrap: Wrap | None) -> None:
-        super().__init__()
-        self.rank = group.rank()
-        w = wrap or (lambda m, **_: m)
-        torch.manual_seed(0)
-        self.module = nn.Sequential(
-            nn.Linear(8, 4),
-            w(nn.Sequential(w(nn.Linear(4, 16)), nn.Linear(16, 16))),
-            w(nn.Linear(16, 4)),
-            nn.Linear(4, 8),
-        )
+class SumLossStack(nn.Module):
+    """``self.module`` on a (4, 8) input seeded per rank; the loss is the output's sum."""
 
     def get_input(self, device: torch.device) -> tuple[torch.Tensor, ...]:
         generator = torch.Generator().manual_seed(1 + self.rank)
@@ -47,6 +35,22 @@ class NestedSequential(nn.Module):
 
     def run_backward(self, loss: torch.Tensor) -> None:
         loss.backward()
+
+
+class NestedSequential(SumLossStack):
+    """Linear layers with an inner instance nested in an outer one (seed's NestedWrappedModule)."""
+
+    def __init__(self, group: Any, wrap: Wrap | None) -> None:
+        super().__init__()
+        self.rank = group.rank()
+        w = wrap or (lambda m, **_: m)
+        torch.manual_seed(0)
+        self.module = nn.Sequential(
+            nn.Linear(8, 4),
+            w(nn.Sequential(w(nn.Linear(4, 16)), nn.Linear(16, 16))),
+            w(nn.Linear(16, 4)),
+            nn.Linear(4, 8),
+        )
 
 
 class FlatSequential(NestedSequential):
@@ -108,7 +112,7 @@ class TiedTransformer(nn.Module):
         loss.backward()
 
 
-class MixtureOfExperts(nn.Module):
+class MixtureOfExperts(SumLossStack):
     """A shared layer and a per-rank expert wrapped with a one-rank process group."""
 
     def __init__(self, group: Any, wrap: Wrap | None, expert_group: Any = None) -> None:
@@ -128,16 +132,6 @@ class MixtureOfExperts(nn.Module):
             expert = w(expert, process_group=expert_group)
             shared = w(shared)
         self.module = nn.Sequential(nn.Linear(8, 12), shared, expert, nn.Linear(12, 8))
-
-    def get_input(self, device: torch.device) -> tuple[torch.Tensor, ...]:
-        generator = torch.Generator().manual_seed(1 + self.rank)
-        return (torch.rand(4, 8, generator=generator).to(device),)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.module(x)
-
-    def get_loss(self, inputs: Any, output: torch.Tensor) -> torch.Tensor:
-        return output.sum()
 
     def run_backward(self, loss: torch.Tensor) -> None:
         loss.backward()
