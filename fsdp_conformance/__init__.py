@@ -3,10 +3,10 @@
 Importing this package does not import torch (the pytest plugin imports it at
 pytest start-up); the public names are resolved on first attribute access.
 """
+
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from fsdp_conformance._lazy import lazy_exports
 
 # public name -> module that defines it
 _EXPORTS: dict[str, str] = {
@@ -23,17 +23,17 @@ _EXPORTS: dict[str, str] = {
     "get_adapter": "fsdp_conformance.adapters",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "Adapter",
+    "DummyProcessGroup",
+    "FSDPInitMode",
+    "FSDPTest",
+    "Feature",
+    "InRank",
+    "RankContext",
+    "get_adapter",
+    "get_full_params",
+]
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'fsdp_conformance' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -26,6 +26,10 @@ def test_public_names_resolve_without_importing_torch_first():
     assert "FSDPTest" in out and "get_adapter" in out
 
 
+def test_all_lists_exactly_the_lazy_exports():
+    assert sorted(fsdp_conformance.__all__) == sorted(fsdp_conformance._EXPORTS)
+
+
 def test_unknown_public_name_says_so():
     try:
         fsdp_conformance.no_such_name  # noqa: B018
