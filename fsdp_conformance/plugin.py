@@ -21,9 +21,11 @@ from typing import Any
 
 import pytest
 
-_MODES = ("process", "process-fresh", "thread")
+from fsdp_conformance import vocab
+
+_MODES = vocab.MODES
 # --fsdp-coverage choices (fsdp_conformance.suite.configs implements them)
-COVERAGES = ("full", "pairwise")
+COVERAGES = vocab.COVERAGES
 
 
 @dataclasses.dataclass
@@ -78,7 +80,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(
         "--fsdp-mode",
         choices=_MODES,
-        default=os.environ.get("FSDP_CONFORMANCE_MODE", "process"),
+        default=os.environ.get(vocab.ENV_MODE, vocab.DEFAULT_MODE),
         help="how ranks run: 'process' (reused rank processes, default), 'process-fresh' "
         "(new processes per test) or 'thread' (threads of the pytest process). "
         "Env: FSDP_CONFORMANCE_MODE.",
@@ -86,7 +88,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(
         "--fsdp-timeout",
         type=float,
-        default=float(os.environ.get("FSDP_CONFORMANCE_TIMEOUT", "120")),
+        default=float(os.environ.get(vocab.ENV_TIMEOUT, "120")),
         metavar="SECONDS",
         help="fail a test still running in its ranks after this many seconds, with every "
         "rank's Python stack (default 120).",
@@ -107,7 +109,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     group.addoption(
         "--fsdp-backend",
-        default=os.environ.get("FSDP_CONFORMANCE_BACKEND") or None,
+        default=os.environ.get(vocab.ENV_BACKEND) or None,
         metavar="NAME",
         help="process group backend override ('gloo', 'nccl'); default: gloo on CPU, nccl "
         "when each rank gets its own GPU. Env: FSDP_CONFORMANCE_BACKEND.",

@@ -28,12 +28,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from fsdp_conformance import vocab
+from fsdp_conformance.vocab import Op
+
 from .features import ALL_FEATURES, Feature, features_for, normalize_config
 from .states import InstanceState, RootState
 
 # callback(op, instance, info) -- see [Note: observation]
 Observer = Callable[[str, nn.Module, dict], None]
-REDUCE_OPS = ("reduce_scatter", "all_reduce")
+REDUCE_OPS = vocab.REDUCE_OPS
 
 # Prefixes FSDP wrappers insert into parameter names (torch FSDP1, activation checkpointing)
 _WRAPPER_NAME_PARTS = re.compile(r"(_fsdp_wrapped_module|_checkpoint_wrapped_module)\.")
@@ -237,7 +240,7 @@ class Adapter:
         """While active, `delay()` runs before `instance` frees its unsharded parameters."""
 
         def on_op(op: str, observed: nn.Module, info: dict) -> None:
-            if op == "free":
+            if op == Op.FREE:
                 delay()
 
         with self.observe(on_op, [instance]):

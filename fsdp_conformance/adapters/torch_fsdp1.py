@@ -26,6 +26,8 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.fsdp.fully_sharded_data_parallel import TrainingState
 
+from fsdp_conformance.vocab import Op
+
 from .base import Adapter, ObserverRegistry
 from .features import ALWAYS_WRAP, Feature, module_predicate
 from .states import InstanceState, RootState
@@ -66,22 +68,22 @@ def _patch_torch_fsdp1() -> None:
 
     def _all_gather_flat_param(self, padded_unsharded_flat_param):
         if _REGISTRY.active:
-            _REGISTRY.emit("all_gather", _INSTANCE_OF_HANDLE.get(self), {})
+            _REGISTRY.emit(Op.ALL_GATHER, _INSTANCE_OF_HANDLE.get(self), {})
         return all_gather(self, padded_unsharded_flat_param)
 
     def _free_unsharded_flat_param(self):
         if _REGISTRY.active:
-            _REGISTRY.emit("free", _INSTANCE_OF_HANDLE.get(self), {})
+            _REGISTRY.emit(Op.FREE, _INSTANCE_OF_HANDLE.get(self), {})
         return free(self)
 
     def _reduce_grad(state, handle):
         if _REGISTRY.active:
-            _REGISTRY.emit("reduce_scatter", state, {})
+            _REGISTRY.emit(Op.REDUCE_SCATTER, state, {})
         return reduce_grad(state, handle)
 
     def _reduce_grad_no_shard(state, handle):
         if _REGISTRY.active:
-            _REGISTRY.emit("all_reduce", state, {})
+            _REGISTRY.emit(Op.ALL_REDUCE, state, {})
         return reduce_grad_no_shard(state, handle)
 
     FlatParamHandle._all_gather_flat_param = _all_gather_flat_param

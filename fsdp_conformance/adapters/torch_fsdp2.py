@@ -38,6 +38,8 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
+from fsdp_conformance.vocab import Op
+
 from .base import Adapter, ObserverRegistry
 from .features import Feature, module_predicate
 from .states import InstanceState, RootState
@@ -77,7 +79,7 @@ def _patch_torch_fsdp2() -> None:
 
     def patched_unshard(self, async_op: bool = False):
         if _REGISTRY.active and self._all_gather_result is None and not self.is_unsharded:
-            _REGISTRY.emit("all_gather", _INSTANCE_OF_GROUP.get(self), {})
+            _REGISTRY.emit(Op.ALL_GATHER, _INSTANCE_OF_GROUP.get(self), {})
         return unshard(self, async_op)
 
     def patched_reshard(self):
@@ -85,12 +87,12 @@ def _patch_torch_fsdp2() -> None:
             self._training_state == TrainingState.FORWARD and not self._reshard_after_forward
         )
         if _REGISTRY.active and self.is_unsharded and not keeps_unsharded:
-            _REGISTRY.emit("free", _INSTANCE_OF_GROUP.get(self), {})
+            _REGISTRY.emit(Op.FREE, _INSTANCE_OF_GROUP.get(self), {})
         return reshard(self)
 
     def patched_post_backward(self, *unused: Any):
         if _REGISTRY.active and self.is_unsharded:
-            _REGISTRY.emit("reduce_scatter", _INSTANCE_OF_GROUP.get(self), {})
+            _REGISTRY.emit(Op.REDUCE_SCATTER, _INSTANCE_OF_GROUP.get(self), {})
         return post_backward(self, *unused)
 
     FSDPParamGroup.unshard = patched_unshard

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_conformance.impl import trace
+from fsdp_conformance.vocab import Op
 
 # torch 2.13 renamed the tensor collectives; fall back to the old names on older torch
 _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -23,23 +24,23 @@ def all_gather(
     instance: Any, output: torch.Tensor, shard: torch.Tensor, group: Any, **info: Any
 ) -> Any:
     """Issue the all-gather of ``shard`` into ``output``; return the work handle."""
-    trace.emit("all_gather", instance, numel=output.numel(), dtype=output.dtype, **info)
+    trace.emit(Op.ALL_GATHER, instance, numel=output.numel(), dtype=output.dtype, **info)
     return _all_gather_tensor(output, shard, group=group, async_op=True)
 
 
 def wait_all_gather(instance: Any, work: Any) -> None:
     """Block until the all-gather behind ``work`` has finished (CPU) / is ordered (CUDA)."""
-    trace.emit("all_gather_wait", instance)
+    trace.emit(Op.ALL_GATHER_WAIT, instance)
     work.wait()
 
 
 def reduce_scatter(instance: Any, output: torch.Tensor, grad: torch.Tensor, group: Any) -> Any:
     """Issue the sum reduce-scatter of ``grad`` into ``output``; return the work handle."""
-    trace.emit("reduce_scatter", instance, numel=grad.numel(), dtype=grad.dtype)
+    trace.emit(Op.REDUCE_SCATTER, instance, numel=grad.numel(), dtype=grad.dtype)
     return _reduce_scatter_tensor(output, grad, group=group, async_op=True)
 
 
 def all_reduce(instance: Any, grad: torch.Tensor, group: Any) -> Any:
     """Issue the in-place sum all-reduce of ``grad``; return the work handle."""
-    trace.emit("all_reduce", instance, numel=grad.numel(), dtype=grad.dtype)
+    trace.emit(Op.ALL_REDUCE, instance, numel=grad.numel(), dtype=grad.dtype)
     return dist.all_reduce(grad, group=group, async_op=True)

@@ -29,6 +29,7 @@ from fsdp_conformance.impl.state import (
     assert_state,
     transition,
 )
+from fsdp_conformance.vocab import Op
 
 AutoWrapPolicy = Callable[..., bool]
 
@@ -361,7 +362,7 @@ class FullyShardedDataParallel(nn.Module):
                     for module, name, value in saved:
                         module.__dict__[name] = value
                     if instance._handle.sharded:
-                        trace.emit("free", instance, event=None, phase="summon")
+                        trace.emit(Op.FREE, instance, event=None, phase="summon")
                 instance.handle_training_state = HandleTrainingState.IDLE
                 instance.training_state = TrainingState.IDLE
 

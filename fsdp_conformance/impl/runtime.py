@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map_only
 
+from fsdp_conformance import vocab
 from fsdp_conformance.impl import trace
 from fsdp_conformance.impl.api import BackwardPrefetch, ShardingStrategy
 from fsdp_conformance.impl.device import device_handle_for
@@ -32,12 +33,13 @@ from fsdp_conformance.impl.exec_order import ExecOrder
 from fsdp_conformance.impl.flat_param import FlatParamHandle, PendingReduction
 from fsdp_conformance.impl.limiter import FreeEventQueue
 from fsdp_conformance.impl.state import HandleTrainingState, TrainingState, transition
+from fsdp_conformance.vocab import Op
 
 if TYPE_CHECKING:
     from fsdp_conformance.impl.fully_sharded import FullyShardedDataParallel as FSDP
 
 # profiler range around the rate limiter's wait (same name as torch FSDP1)
-RATE_LIMITER_RANGE = "FullyShardedDataParallel.rate_limiter"
+RATE_LIMITER_RANGE = vocab.RATE_LIMITER_RANGE
 
 
 class RootState:
@@ -128,7 +130,7 @@ def unshard(instance: FSDP, prefetch: str | None = None, early: bool = False) ->
         counted = not instance._is_root
         while (event := state.free_events.dequeue_if_needed(counted, early)) is not None:
             with torch.profiler.record_function(RATE_LIMITER_RANGE):
-                trace.emit("rate_limiter_wait", instance, event=event)
+                trace.emit(Op.RATE_LIMITER_WAIT, instance, event=event)
                 event.synchronize()
     with instance._device_handle.stream(state.unshard_stream):
         handle.issue_unshard(prefetch=prefetch)
@@ -154,7 +156,7 @@ def reshard(instance: FSDP) -> None:
         return
     # observers hear of the free before it happens; the event they get is recorded right after
     free_event = device.Event()
-    trace.emit("free", instance, event=free_event)
+    trace.emit(Op.FREE, instance, event=free_event)
     handle.free(device)
     free_event.record()
     if instance.limit_all_gathers:

@@ -33,12 +33,14 @@ from typing import Any, NamedTuple, Self
 
 from torch import nn
 
+from fsdp_conformance import vocab
 from fsdp_conformance.adapters.base import clean_param_name
+from fsdp_conformance.vocab import Op
 
 # The ops every adapter with `comm_trace` reports (others, e.g. impl's "prefetch", are dropped)
-COMM_OPS = ("all_gather", "free", "reduce_scatter", "all_reduce")
+COMM_OPS = vocab.COMM_OPS
 # The gradient reductions (NO_SHARD all-reduces, the sharded strategies reduce-scatter)
-REDUCE_OPS = ("reduce_scatter", "all_reduce")
+REDUCE_OPS = vocab.REDUCE_OPS
 # Phase of events outside any `phase()` block (lazy init, optimizer step, ...)
 NO_PHASE = "outside"
 ROOT_LABEL = "<root>"
@@ -138,7 +140,7 @@ class CommTrace:
     def _compute_hook(self, instance: nn.Module):
         def record_compute(module: nn.Module, args: Any) -> None:
             label = self.labels[id(instance)]
-            self.events.append(CommEvent(self._phase, "compute", label, self._state(instance)))
+            self.events.append(CommEvent(self._phase, Op.COMPUTE, label, self._state(instance)))
 
         return record_compute
 

@@ -38,6 +38,7 @@ from typing import Any, NamedTuple
 from torch import nn
 
 from fsdp_conformance.observe.lagging import LaggingDevice, LaggingEvent
+from fsdp_conformance.vocab import Op
 
 PHASES = ("forward", "backward")
 
@@ -136,13 +137,13 @@ class ResidencyTracker:
     # ------------------------------------------------------------------ observer
     def __call__(self, op: str, instance: nn.Module, info: dict[str, Any]) -> None:
         """The adapter observer: ``callback(op, instance, info)``."""
-        if op == "all_gather":
+        if op == Op.ALL_GATHER:
             label = self.label(instance)
             self.live[label] = self.live.get(label, 0) + 1
             sample = self._sample(op, label)
             if instance is not self.root:
                 self._note_peak(sample)
-        elif op == "free":
+        elif op == Op.FREE:
             label = self.label(instance)
             if self.live.get(label, 0) == 0:
                 raise AssertionError(

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from fsdp_conformance.observe.comm_trace import REDUCE_OPS, CommEvent, CommTrace
+from fsdp_conformance.vocab import Op
 
 from . import training
 
@@ -139,11 +140,11 @@ def prefetch_failures(trace: CommTrace, config: dict[str, Any]) -> list[str]:
             continue
         _, iteration, kind = phase.split(" ")
         events = trace.select(phase)
-        gathering = set(_order(events, "all_gather"))
+        gathering = set(_order(events, Op.ALL_GATHER))
         if kind == "forward" and forward_prefetch and int(iteration) >= 2:
-            order = [label for label in _order(events, "compute") if label in gathering]
+            order = [label for label in _order(events, Op.COMPUTE) if label in gathering]
             for current, following in itertools.pairwise(order):
-                if _first(events, "all_gather", following) > _first(events, "compute", current):
+                if _first(events, Op.ALL_GATHER, following) > _first(events, Op.COMPUTE, current):
                     failures.append(
                         f"{phase}: forward_prefetch did not prefetch: the all-gather of "
                         f"{following!r} was issued after {current!r} started its forward "
@@ -151,11 +152,11 @@ def prefetch_failures(trace: CommTrace, config: dict[str, Any]) -> list[str]:
                     )
         if kind == "backward" and backward_prefetch in ("BACKWARD_PRE", "BACKWARD_POST"):
             forward = trace.select(phase_name(int(iteration), "forward"))
-            post_forward_order = _order(forward, "free")
+            post_forward_order = _order(forward, Op.FREE)
             order = [label for label in reversed(post_forward_order) if label in gathering]
             for current, following in itertools.pairwise(order):
-                gather = _first(events, "all_gather", following)
-                free = _first(events, "free", current)
+                gather = _first(events, Op.ALL_GATHER, following)
+                free = _first(events, Op.FREE, current)
                 reduction = _first(events, REDUCE_OPS, current)
                 if reduction is not None and gather > reduction:
                     failures.append(
@@ -221,7 +222,7 @@ def count_failures(
             continue
         iteration, kind = int(phase.split(" ")[1]), phase.split(" ")[2]
         expected = expected_counts(strategy, kind, instances, iteration in no_sync_iterations)
-        gathers = trace.count("all_gather", phase)
+        gathers = trace.count(Op.ALL_GATHER, phase)
         reductions = trace.count(REDUCE_OPS, phase)
         if expected.all_gather is not None and gathers != expected.all_gather:
             failures.append(

@@ -22,6 +22,8 @@ from typing import Any
 
 import pytest
 
+from fsdp_conformance import vocab
+
 # - Dimensions (adapter vocabulary); the first value of each is the default config
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
 BACKWARD_PREFETCHES = ("BACKWARD_PRE", None, "BACKWARD_POST")
@@ -42,7 +44,7 @@ DIMENSIONS: dict[str, tuple[Any, ...]] = {
     "cpu_offload": CPU_OFFLOAD,
     "device_init": DEVICE_INITS,
 }
-COVERAGES = ("full", "pairwise")
+COVERAGES = vocab.COVERAGES
 
 # Short labels for case ids
 _LABELS = {

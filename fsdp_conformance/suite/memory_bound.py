@@ -38,13 +38,14 @@ import pytest
 import torch
 from torch import nn
 
+from fsdp_conformance import vocab
 from fsdp_conformance.adapters import Adapter, Feature
 from fsdp_conformance.observe.lagging import LAG_VARIANTS, LaggingDevice
 from fsdp_conformance.observe.residency import PHASES, ResidencyTracker
 
 # Buffers the limiter allows: the instance computing now and the one whose all-gather is in
 # flight (torch FSDP1's `_max_num_inflight_all_gathers`, "empirically chosen")
-MAX_INFLIGHT = 2
+MAX_INFLIGHT = vocab.MAX_INFLIGHT
 # Iterations per run: forward prefetch starts in iteration 2; 3 shows the steady state
 ITERATIONS = 3
 # Non-root FSDP instances in the model (the bound is only interesting with >= 4)

@@ -49,6 +49,7 @@ from torch import nn
 
 from fsdp_conformance.adapters import Feature
 from fsdp_conformance.models import Layer, delay
+from fsdp_conformance.vocab import Op
 
 # Layers (FSDP instances under the root), as in the seed
 LAYERS = 4
@@ -64,7 +65,8 @@ CUDA_COMPUTE_MS = 20.0
 CUDA_COMM_MS = 20.0
 SHORT_TO_LONG = 10.0
 BOTH_MARGIN = 1.1
-CASES = ("nothing", "all_gather", "compute", "both")
+# the overlap cases: no delay, only the all-gather delayed, only compute delayed, both
+CASES = ("nothing", Op.ALL_GATHER.value, "compute", "both")
 # ProcessGroup methods the torch.distributed all-gathers call (torch 2.13.0)
 ALL_GATHER_METHODS = ("all_gather_single", "_allgather_base", "allgather")
 
@@ -179,10 +181,19 @@ class _Chain(nn.Module):
         return self.layers(x)
 
 
-def overlap_config(device: torch.device) -> dict[str, Any]:
+def overlap_config(device: torch.device, limit_all_gathers: bool = False) -> dict[str, Any]:
     """The wrap config: CPU needs forward prefetch (the CPU thread blocks in compute); on CUDA
-    the CPU runs ahead and issues every all-gather early without it, as in the seed."""
-    config: dict[str, Any] = {"sharding_strategy": "FULL_SHARD", "limit_all_gathers": False}
+    the CPU runs ahead and issues every all-gather early without it, as in the seed.
+
+    Args:
+        device: the ranks' device.
+        limit_all_gathers: the rate limiter setting (the suite's check runs without it; the
+            ``fsdp-conformance overlap`` experiment can turn it on).
+    """
+    config: dict[str, Any] = {
+        "sharding_strategy": "FULL_SHARD",
+        "limit_all_gathers": limit_all_gathers,
+    }
     if device.type == "cuda":
         config["device_id"] = device
     else:
@@ -191,11 +202,19 @@ def overlap_config(device: torch.device) -> dict[str, Any]:
 
 
 def measure_overlap(
-    adapter: Any, dist: Any, compute_ms: float, comm_ms: float, repeats: int = REPEATS
+    adapter: Any,
+    dist: Any,
+    compute_ms: float,
+    comm_ms: float,
+    repeats: int = REPEATS,
+    limit_all_gathers: bool = False,
 ) -> OverlapTimes:
-    """Time the four cases of [Note: overlap timing] (every rank calls it; collectives)."""
+    """Time the four cases of [Note: overlap timing] (every rank calls it; collectives).
+
+    ``limit_all_gathers`` is the rate limiter setting of the wrap config (``overlap_config``).
+    """
     device = dist.device
-    config = overlap_config(device)
+    config = overlap_config(device, limit_all_gathers)
     cycles = int(compute_ms * delay.cycles_per_ms(device))
     models = {}
     for case in CASES:
@@ -211,7 +230,7 @@ def measure_overlap(
         order = CASES[repeat % len(CASES) :] + CASES[: repeat % len(CASES)]  # interleave
         for case in order:
             model, optimizer = models[case]
-            comm = comm_ms if case in ("all_gather", "both") else 0.0
+            comm = comm_ms if case in (Op.ALL_GATHER, "both") else 0.0
             elapsed, log = _timed_forward(model, optimizer, device, comm)
             times[case].append(elapsed)
             logs[case] = log
@@ -273,7 +292,7 @@ def cpu_overlap_failure(times: OverlapTimes, comm_ms: float, label: str) -> str 
 def cuda_overlap_failure(times: OverlapTimes, label: str) -> str | None:
     """Why seed 000's ratio assertions fail on ``times``, or None when they pass."""
     problems = []
-    for long_case in ("compute", "all_gather"):
+    for long_case in ("compute", Op.ALL_GATHER.value):
         long = getattr(times, long_case)
         if not times.nothing * SHORT_TO_LONG < long:
             problems.append(

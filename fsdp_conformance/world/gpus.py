@@ -15,8 +15,10 @@ import os
 import tempfile
 import time
 
-ENV_FAKE_GPUS = "FSDP_CONFORMANCE_FAKE_GPUS"
-ENV_LOCK_DIR = "FSDP_CONFORMANCE_GPU_LOCK_DIR"
+from fsdp_conformance import vocab
+
+ENV_FAKE_GPUS = vocab.ENV_FAKE_GPUS
+ENV_LOCK_DIR = vocab.ENV_GPU_LOCK_DIR
 # Seconds between attempts to take GPUs that other workers hold.
 POLL_S = 0.05
 

@@ -25,6 +25,8 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
+from fsdp_conformance import vocab
+
 # Environment variables the parent sets for a rank process.
 ENV_FD = "FSDP_CONFORMANCE_CONN_FD"
 ENV_RANK = "FSDP_CONFORMANCE_RANK"
@@ -34,7 +36,7 @@ ENV_BACKEND = "FSDP_CONFORMANCE_RANK_BACKEND"
 ENV_GPU_IDS = "FSDP_CONFORMANCE_RANK_GPUS"
 ENV_TIMEOUT = "FSDP_CONFORMANCE_RANK_TIMEOUT"
 ENV_MODE = "FSDP_CONFORMANCE_RANK_MODE"
-ENV_FAKE_GPUS = "FSDP_CONFORMANCE_FAKE_GPUS"
+ENV_FAKE_GPUS = vocab.ENV_FAKE_GPUS
 
 # Seconds between checks that the parent is still alive (an orphaned rank exits).
 PARENT_POLL_S = 0.5

@@ -18,6 +18,7 @@ import tempfile
 from collections.abc import Callable
 from typing import Any
 
+from fsdp_conformance import vocab
 from fsdp_conformance.world import gpus, report
 from fsdp_conformance.world.procs import RankSet, RankSetError
 from fsdp_conformance.world.protocol import (
@@ -28,10 +29,10 @@ from fsdp_conformance.world.protocol import (
     TestTarget,
 )
 
-MODES = ("process", "process-fresh", "thread")
-ENV_BACKEND = "FSDP_CONFORMANCE_BACKEND"
-ENV_MODE = "FSDP_CONFORMANCE_MODE"
-ENV_TIMEOUT = "FSDP_CONFORMANCE_TIMEOUT"
+MODES = vocab.MODES
+ENV_BACKEND = vocab.ENV_BACKEND
+ENV_MODE = vocab.ENV_MODE
+ENV_TIMEOUT = vocab.ENV_TIMEOUT
 # At most this many pooled rank processes stay alive (least recently used sets go first).
 MAX_POOLED_RANKS = 8
 
@@ -58,7 +59,7 @@ class RuntimeOptions:
     @classmethod
     def from_env(cls) -> RuntimeOptions:
         return cls(
-            mode=os.environ.get(ENV_MODE, "process"),
+            mode=os.environ.get(ENV_MODE, vocab.DEFAULT_MODE),
             timeout=float(os.environ.get(ENV_TIMEOUT, "120")),
             backend=os.environ.get(ENV_BACKEND) or None,
         )

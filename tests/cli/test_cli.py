@@ -319,7 +319,7 @@ def test_console_script_is_installed() -> None:
 
 def test_matrix_of_a_collection_error(tmp_path: Path) -> None:
     # a plain unit test of the report module: collection errors become failing cells
-    from fsdp_conformance import _cli_report
+    from fsdp_conformance.cli import report as _cli_report
 
     cells = _cli_report.cells_from_records(
         [
@@ -339,7 +339,7 @@ def test_matrix_of_a_collection_error(tmp_path: Path) -> None:
 def test_failure_message_is_the_first_assertion_line() -> None:
     from types import SimpleNamespace
 
-    from fsdp_conformance._cli_collect import failure_message
+    from fsdp_conformance.cli.collect import failure_message
 
     rank_failure = SimpleNamespace(
         longrepr=None,

@@ -12,9 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-from collections.abc import Iterator
 from typing import Any
-from unittest import mock
 
 import torch
 
@@ -30,22 +28,6 @@ def _write(dist: Any, out_file: str, document: dict[str, Any]) -> None:
 
 
 # ---------------------------------------------------------------------------- overlap
-@contextlib.contextmanager
-def _limit_all_gathers(value: bool) -> Iterator[dict[str, Any]]:
-    """The suite's overlap config with ``limit_all_gathers`` set to ``value``.
-
-    ``measure_overlap`` takes its config from ``overlap.overlap_config``; the experiment keeps
-    everything else of it (forward prefetch on CPU, FULL_SHARD) and only flips the limiter.
-    """
-    original = overlap.overlap_config
-
-    def config(device: torch.device) -> dict[str, Any]:
-        return {**original(device), "limit_all_gathers": value}
-
-    with mock.patch.object(overlap, "overlap_config", config):
-        yield config
-
-
 def overlap_in_rank(
     dist: Any,
     out_file: str,
@@ -70,10 +52,12 @@ def overlap_in_rank(
         compute_ms = overlap.CUDA_COMPUTE_MS if cuda else overlap.CPU_COMPUTE_MS
     if comm_ms is None:
         comm_ms = overlap.CUDA_COMM_MS if cuda else overlap.CPU_COMM_MS
-    with _limit_all_gathers(limit_all_gathers) as config:
-        wrap_config = config(dist.device)
-        adapter.require(*adapter.features_for(**wrap_config))
-        times = overlap.measure_overlap(adapter, dist, compute_ms, comm_ms, repeats)
+    # the suite's overlap config (forward prefetch on CPU, FULL_SHARD) with only the limiter set
+    wrap_config = overlap.overlap_config(dist.device, limit_all_gathers)
+    adapter.require(*adapter.features_for(**wrap_config))
+    times = overlap.measure_overlap(
+        adapter, dist, compute_ms, comm_ms, repeats, limit_all_gathers=limit_all_gathers
+    )
     label = f"adapter {adapter.name!r}"
     if cuda:
         failure = overlap.cuda_overlap_failure(times, label)

@@ -1,6 +1,6 @@
 """Drawing ``fsdp-conformance timeline``: resident unsharded buffers over the event sequence.
 
-One panel per ``limit_all_gathers`` setting (the JSON of ``_cli_ranks.timeline_in_rank``): the
+One panel per ``limit_all_gathers`` setting (the JSON of ``cli.ranks.timeline_in_rank``): the
 number of resident non-root unsharded buffers after every event (all-gather, free, device
 progress, phase start) as a step curve, the root's resident buffers as a thin line, forward and
 backward phases shaded, and the per-phase bound of the limited configuration as a dashed line.

@@ -1,6 +1,6 @@
 """pytest plugin the CLI loads with ``-p``: one JSON line per finished test, for the matrix.
 
-``fsdp-conformance run`` starts pytest with ``-p fsdp_conformance._cli_collect`` and the
+``fsdp-conformance run`` starts pytest with ``-p fsdp_conformance.cli.collect`` and the
 environment variable ``FSDP_CONFORMANCE_CLI_RESULTS`` naming a file; this plugin appends to it
 
     {"event": "collected", "count": 165}
@@ -25,7 +25,9 @@ from typing import Any
 
 import pytest
 
-ENV_RESULTS = "FSDP_CONFORMANCE_CLI_RESULTS"
+from fsdp_conformance import vocab
+
+ENV_RESULTS = vocab.ENV_CLI_RESULTS
 
 # Lines of a failure report that carry the message (pytest prefixes them with "E   ")
 _ERROR_LINE = re.compile(r"^E\s+(.*)$")

@@ -1,0 +1,108 @@
+"""``fsdp-conformance``: the conformance matrix, the overlap experiment, the memory timeline.
+
+    fsdp-conformance run                                  # the suite on the reference FSDP
+    fsdp-conformance run --impl torch-fsdp1 --report matrix.md
+    fsdp-conformance run --impl mypkg.fsdp_adapter:ADAPTER -k parity
+    fsdp-conformance overlap --limit-all-gathers false
+    fsdp-conformance timeline --lag strict --out timeline.png --data timeline.json
+
+One module per subcommand, each with its ``add_parser`` and handler:
+
+- ``cli.run``: starts pytest on ``fsdp_conformance.suite`` in a subprocess (``--pyargs``, with
+  pytest-xdist when ``-n`` > 0) with the collector plugin ``cli.collect``, shows progress from
+  its results file, and prints the matrix (``cli.report``);
+- ``cli.overlap`` and ``cli.timeline``: run the suite's measuring functions (``cli.ranks``) in a
+  rank set of ``fsdp_conformance.world``; ``timeline`` draws with matplotlib (``cli.draw``);
+- ``cli.common``: usage errors, argument types and the checks made before anything starts.
+
+Exit codes: 0 success (``run``: nothing failed); 1 a check failed or the experiment could not
+run; 2 a bad argument (one line on stderr, never a traceback); 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+from fsdp_conformance.cli import overlap as _overlap
+from fsdp_conformance.cli import run as _run
+from fsdp_conformance.cli import timeline as _timeline
+from fsdp_conformance.cli.common import (
+    BUILTIN_IMPLS,
+    COVERAGES,
+    DEFAULT_COVERAGE,
+    DEFAULT_TIMEOUT,
+    DEFAULT_WORKERS,
+    MODES,
+    PROG,
+    RANK_MEMORY_BYTES,
+    RANKS_PER_CPU,
+    UsageError,
+    _Parser,
+    check_impl,
+    check_keyword_expression,
+    check_output,
+    check_world_size,
+    max_world_size,
+)
+from fsdp_conformance.cli.overlap import render_overlap
+from fsdp_conformance.cli.run import pytest_command
+from fsdp_conformance.cli.timeline import RATE_LIMITER_RANGE, render_timeline
+
+__all__ = [
+    "BUILTIN_IMPLS",
+    "COVERAGES",
+    "DEFAULT_COVERAGE",
+    "DEFAULT_TIMEOUT",
+    "DEFAULT_WORKERS",
+    "MODES",
+    "PROG",
+    "RANKS_PER_CPU",
+    "RANK_MEMORY_BYTES",
+    "RATE_LIMITER_RANGE",
+    "UsageError",
+    "build_parser",
+    "check_impl",
+    "check_keyword_expression",
+    "check_output",
+    "check_world_size",
+    "main",
+    "max_world_size",
+    "pytest_command",
+    "render_overlap",
+    "render_timeline",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``fsdp-conformance`` parser with its three subcommands."""
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = _Parser(
+        prog=PROG,
+        description="Conformance suite for Fully Sharded Data Parallel implementations.",
+        epilog="examples:\n  fsdp-conformance run\n  fsdp-conformance overlap --help\n"
+        "  fsdp-conformance timeline --out timeline.png",
+        formatter_class=formatter,
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    _run.add_parser(commands, formatter)
+    _overlap.add_parser(commands, formatter)
+    _timeline.add_parser(commands, formatter)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The console script ``fsdp-conformance``."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handler: Callable[[argparse.Namespace], int] = args.handler
+    try:
+        return handler(args)
+    except UsageError as error:
+        sys.stderr.write(f"{PROG} {args.command}: error: {error}\n")
+        return 2
+    except KeyboardInterrupt:
+        sys.stderr.write(f"\n{PROG} {args.command}: interrupted\n")
+        return 130

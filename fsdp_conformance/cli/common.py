@@ -1,0 +1,243 @@
+"""What the subcommands of ``fsdp-conformance`` share: usage errors, argument types, the checks
+made before anything starts, and running a function in a rank set of ``fsdp_conformance.world``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import textwrap
+from typing import Any, NoReturn
+
+from fsdp_conformance import vocab
+
+PROG = "fsdp-conformance"
+BUILTIN_IMPLS = ("impl", "torch-fsdp1", "torch-fsdp2")
+MODES = vocab.MODES
+COVERAGES = vocab.COVERAGES
+# `run` defaults, chosen so that the whole default run fits in 10 minutes on a 2-core CPU host
+# (measured in docs/cli.md): pairwise coverage of the parity configs, two xdist workers
+DEFAULT_COVERAGE = "pairwise"
+DEFAULT_WORKERS = 2
+# Per-test timeout in the ranks (seconds; the suite's own default is 120)
+DEFAULT_TIMEOUT = 300.0
+# Memory one CPU rank process needs (torch + gloo + a small model), for the world-size limit
+RANK_MEMORY_BYTES = 512 * 1024**2
+# CPU ranks per core beyond which a world is not runnable in reasonable time
+RANKS_PER_CPU = 4
+
+
+class UsageError(Exception):
+    """A bad argument: reported as one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (no usage dump) and exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        sys.stderr.write(f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        sys.exit(2)
+
+
+def _bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("true", "1", "yes", "on"):
+        return True
+    if value in ("false", "0", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+# -----------------------------------------------------------------------------
+# Validation (before anything starts)
+
+
+def check_impl(name: str) -> None:
+    """Resolve ``name`` as the ranks will (``get_adapter``); UsageError with the reason if not.
+
+    Built-in names are not imported here (they always resolve). ``pkg.mod:ATTR`` is imported
+    with the current directory on ``sys.path``, as ``python -m pytest`` and the ranks have it.
+    """
+    if name in BUILTIN_IMPLS:
+        return
+    if ":" not in name:
+        raise UsageError(
+            f"unknown --impl {name!r}: use one of {', '.join(BUILTIN_IMPLS)} or "
+            "'pkg.module:ATTR' naming an Adapter instance, subclass or factory"
+        )
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    from fsdp_conformance.adapters import get_adapter
+
+    try:
+        get_adapter(name)
+    except Exception as error:  # noqa: BLE001  any failure to load the user's module is a usage error
+        message = " ".join(str(error).split())
+        if not isinstance(error, ValueError):
+            message = f"cannot load adapter {name!r}: {type(error).__name__}: {message}"
+        raise UsageError(f"--impl {message}") from None
+
+
+def check_keyword_expression(expression: str | None) -> None:
+    """UsageError unless pytest can parse ``-k expression`` (pytest-xdist would crash on it)."""
+    if not expression:
+        return
+    try:
+        from _pytest.mark.expression import Expression
+    except ImportError:  # another pytest layout: pytest itself reports it
+        return
+    try:
+        Expression.compile(expression)
+    except Exception as error:  # noqa: BLE001  ParseError (pytest 8) or SyntaxError (pytest 9)
+        reason = getattr(error, "msg", None) or str(error)
+        raise UsageError(f"-k {expression!r}: not a pytest -k expression ({reason})") from None
+
+
+def _available_memory() -> int | None:
+    """Bytes of memory available to new processes (MemAvailable: free + reclaimable cache)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):  # sysconf names missing on this platform
+        return None
+
+
+def max_world_size() -> tuple[int, str]:
+    """The most CPU ranks this machine runs, and why (cores x RANKS_PER_CPU, memory)."""
+    cpus = os.cpu_count() or 1
+    limits = [(cpus * RANKS_PER_CPU, f"{cpus} CPUs x {RANKS_PER_CPU} ranks each")]
+    available = _available_memory()
+    if available is not None:
+        limits.append(
+            (
+                max(1, available // RANK_MEMORY_BYTES),
+                (
+                    f"{available / 1024**3:.1f} GiB available memory / "
+                    f"{RANK_MEMORY_BYTES // 1024**2} MiB per rank"
+                ),
+            )
+        )
+    return min(limits)
+
+
+def check_world_size(world_size: int, minimum: int = 1) -> None:
+    if world_size < minimum:
+        raise UsageError(f"--world-size {world_size}: must be >= {minimum}")
+    limit, why = max_world_size()
+    if world_size > limit:
+        raise UsageError(
+            f"--world-size {world_size}: this machine can run at most {limit} ranks ({why})"
+        )
+
+
+def check_output(path: str | None, option: str) -> None:
+    """UsageError unless ``path`` can be written (tried for real; a new file is removed)."""
+    if path is None:
+        return
+    if os.path.isdir(path):
+        raise UsageError(f"{option} {path}: is a directory; give a file name")
+    existed = os.path.exists(path)
+    try:
+        with open(path, "a", encoding="utf-8"):
+            pass
+    except OSError as error:
+        raise UsageError(f"{option} {path}: cannot write there ({error.strerror})") from None
+    if not existed:
+        os.remove(path)
+
+
+# -----------------------------------------------------------------------------
+# overlap and timeline: the suite's measurements in a rank set
+
+
+def _run_in_ranks(
+    function: str,
+    kwargs: dict[str, Any],
+    impl: str,
+    world_size: int,
+    backend: str,
+    timeout: float,
+) -> tuple[str, str]:
+    """Call ``fsdp_conformance.cli.ranks.<function>(dist=..., **kwargs)`` in every rank.
+
+    Returns:
+        (status, message): the ranks' combined verdict ("passed", "failed", "skipped") and its
+        message (failure report with tracebacks, or the skip reason).
+    """
+    from fsdp_conformance.world.protocol import TestTarget
+    from fsdp_conformance.world.runtime import Runtime, RuntimeOptions, TestRequest
+
+    runtime = Runtime(
+        RuntimeOptions(
+            mode="process", timeout=timeout, world_size=world_size, impl=impl, backend=backend
+        )
+    )
+    request = TestRequest(
+        target=TestTarget("fsdp_conformance.cli.ranks", None, (), function),
+        kwargs=kwargs,
+        test_id=f"{PROG} {function}",
+        world_size=world_size,
+        mode="process",
+        timeout=timeout,
+    )
+    try:
+        result = runtime.run(request)
+    finally:
+        runtime.close()
+    message = result.verdict.message
+    if result.verdict.status == "failed" and result.output():
+        message += "\n" + result.output()
+    return result.verdict.status, message
+
+
+def _ranks_failed(command: str, status: str, message: str) -> int:
+    if status == "skipped":
+        print(f"{PROG} {command}: cannot run on this adapter: {message}", file=sys.stderr)
+    else:
+        print(f"{PROG} {command}: the ranks failed:\n{message}", file=sys.stderr)
+    return 1
+
+
+# -----------------------------------------------------------------------------
+# Parser pieces
+
+
+def _add_common(parser: argparse.ArgumentParser, world_size_help: str) -> None:
+    parser.add_argument(
+        "--impl",
+        default="impl",
+        metavar="NAME",
+        help="FSDP under test: impl (the reference FSDP, default), torch-fsdp1, torch-fsdp2 or "
+        "pkg.module:ATTR (an Adapter instance, subclass or factory; the current directory and "
+        "PYTHONPATH are searched)",
+    )
+    parser.add_argument("--world-size", type=int, default=2, metavar="N", help=world_size_help)
+    parser.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=DEFAULT_TIMEOUT,
+        metavar="SECONDS",
+        help=f"fail a rank body still running after this long (default {DEFAULT_TIMEOUT:g})",
+    )
+
+
+def _paragraph(text: str) -> str:
+    """A help description filled to 79 columns (the raw formatter keeps the examples' layout)."""
+    return textwrap.fill(text, width=79)

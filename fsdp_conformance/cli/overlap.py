@@ -1,0 +1,151 @@
+"""``fsdp-conformance overlap``: the suite's overlap-timing experiment in a rank set, as a table."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+from typing import Any
+
+from fsdp_conformance.cli.common import (
+    UsageError,
+    _add_common,
+    _bool,
+    _paragraph,
+    _ranks_failed,
+    _run_in_ranks,
+    check_impl,
+    check_output,
+    check_world_size,
+)
+from fsdp_conformance.vocab import Op
+
+
+def _overlap_command(args: argparse.Namespace) -> int:
+    check_impl(args.impl)
+    check_world_size(args.world_size)
+    if args.repeats < 1:
+        raise UsageError(f"--repeats {args.repeats}: must be >= 1")
+    check_output(args.json, "--json")
+    if args.device == "cuda":
+        from fsdp_conformance.world import gpus
+
+        available = gpus.gpu_count()
+        if available < args.world_size:
+            raise UsageError(
+                f"--device cuda: needs one GPU per rank ({args.world_size}), {available} "
+                "available; use --device cpu or a smaller --world-size"
+            )
+    workdir = tempfile.mkdtemp(prefix="fsdp-cli-")
+    out_file = os.path.join(workdir, "overlap.json")
+    try:
+        status, message = _run_in_ranks(
+            "overlap_in_rank",
+            {"out_file": out_file, "limit_all_gathers": args.limit_all_gathers,
+             "repeats": args.repeats},
+            args.impl,
+            args.world_size,
+            "nccl" if args.device == "cuda" else "gloo",
+            args.timeout,
+        )  # fmt: skip
+        if status != "passed":
+            return _ranks_failed("overlap", status, message)
+        with open(out_file, encoding="utf-8") as stream:
+            document = json.load(stream)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    print(render_overlap(document))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as stream:
+            json.dump(document, stream, indent=2)
+    return 0
+
+
+def render_overlap(document: dict[str, Any]) -> str:
+    """The overlap table, the ratio and what it means."""
+    times = document["times"]
+    cuda = document["device"] == "cuda"
+    unit = "device ms" if cuda else "ms"
+    config = ", ".join(f"{key}={value}" for key, value in document["config"].items())
+    rows = [
+        ("nothing (no delays)", times["nothing"]),
+        (f"communication only ({document['comm_ms']:g} ms per all-gather)", times[Op.ALL_GATHER]),
+        (f"compute only ({document['compute_ms']:g} ms per layer)", times["compute"]),
+        ("both", times["both"]),
+    ]
+    width = max(len(name) for name, _ in rows)
+    lines = [
+        (
+            f"overlap of {document['impl']!r} on {document['device']} (world size "
+            f"{document['world_size']}, {document['layers']} layers, {config})"
+        ),
+        f"forward time, minimum of {document['repeats']} runs, maximum over ranks:",
+        "",
+        f"  {'case':<{width}}  {unit:>10}",
+    ]
+    lines += [f"  {name:<{width}}  {value:10.1f}" for name, value in rows]
+    lines += [
+        "",
+        f"all-gathers per forward: {times['all_gathers']} ({times['synchronous']} synchronous)",
+    ]
+    if cuda:
+        lines.append(
+            f"overlap ratio (compute + communication) / both = {document['ratio']:.2f} "
+            "(> 1.1: overlapped, seed 000's threshold)"
+        )
+    else:
+        serialised = (
+            times["all_gathers"] * document["comm_ms"] + times["compute"] - times["nothing"]
+        )
+        lines.append(
+            f"overlap ratio (both - nothing) / (communication + compute serialised) = "
+            f"{times['both'] - times['nothing']:.1f} / {serialised:.1f} = {document['ratio']:.2f} "
+            f"(1.0: no overlap; <= {document['max_ratio']}: the suite's pass threshold)"
+        )
+        if times["synchronous"]:
+            lines.append(
+                "the adapter issues its all-gathers synchronously (async_op=False): the CPU "
+                "thread blocks in each, so nothing can overlap on CPU"
+            )
+    verdict = document["failure"] or "communication overlaps computation"
+    lines.append(f"verdict: {verdict}")
+    return "\n".join(lines)
+
+
+def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
+    """Add the ``overlap`` subcommand to ``commands`` (the subparsers of the main parser)."""
+    overlap = commands.add_parser(
+        "overlap",
+        help="time compute only / communication only / both and print the overlap ratio",
+        description=_paragraph(
+            "Reproduce the overlap-timing experiment of the suite "
+            "(fsdp_conformance.suite.overlap, seed 000's test_fsdp_overlap): 4 FSDP layers under a "
+            "root; each layer computes for a fixed time, each all-gather is delayed; the forward "
+            "is timed with nothing / communication only / compute only / both, each the minimum "
+            "of --repeats runs and the maximum over ranks. On CPU the delay is injected into the "
+            "all-gather's work handle without blocking the CPU thread, and forward prefetch is on; "
+            "on CUDA both delays are torch.cuda._sleep on the device. Prints the table, the "
+            "overlap ratio and the suite's verdict; exit code 0 when the measurement ran."
+        ),
+        epilog="examples:\n"
+        "  fsdp-conformance overlap --limit-all-gathers false\n"
+        "  fsdp-conformance overlap --impl torch-fsdp1 --limit-all-gathers true\n"
+        "  fsdp-conformance overlap --device cuda --json overlap.json",
+        formatter_class=formatter,
+    )
+    _add_common(overlap, "ranks (default 2)")
+    overlap.add_argument(
+        "--limit-all-gathers",
+        type=_bool,
+        default=False,
+        metavar="true|false",
+        help="the rate limiter setting (default false, as in the seed's experiment)",
+    )
+    overlap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    overlap.add_argument(
+        "--repeats", type=int, default=4, metavar="K", help="runs per case, Min-k (default 4)"
+    )
+    overlap.add_argument("--json", metavar="FILE", help="write the measurement as JSON")
+    overlap.set_defaults(handler=_overlap_command)

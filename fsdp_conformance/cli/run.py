@@ -1,0 +1,308 @@
+"""``fsdp-conformance run``: the suite in a pytest subprocess, its progress, and the matrix.
+
+``run`` starts pytest on ``fsdp_conformance.suite`` in a subprocess (``--pyargs``, with
+pytest-xdist when ``-n`` > 0) with the collector plugin ``fsdp_conformance.cli.collect``, shows
+progress from its results file, and prints the matrix (``fsdp_conformance.cli.report``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import importlib.util
+import os
+import platform
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+from fsdp_conformance import vocab
+from fsdp_conformance.cli import report
+from fsdp_conformance.cli.common import (
+    COVERAGES,
+    DEFAULT_COVERAGE,
+    DEFAULT_WORKERS,
+    MODES,
+    PROG,
+    UsageError,
+    _add_common,
+    _paragraph,
+    check_impl,
+    check_keyword_expression,
+    check_output,
+    check_world_size,
+)
+from fsdp_conformance.cli.report import split_nodeid
+
+
+def _run_command(args: argparse.Namespace) -> int:
+    check_impl(args.impl)
+    check_world_size(args.world_size)
+    check_keyword_expression(args.k)
+    if args.workers < 0:
+        raise UsageError(f"-n {args.workers}: give 0 (no xdist) or a number of workers")
+    for path, option in ((args.report, "--report"), (args.json, "--json"), (args.junit, "--junit")):
+        check_output(path, option)
+    if args.workers > 0 and importlib.util.find_spec("xdist") is None:
+        raise UsageError("-n needs pytest-xdist, which is not installed (or give -n 0)")
+
+    workdir = tempfile.mkdtemp(prefix="fsdp-cli-")
+    results = os.path.join(workdir, "results.jsonl")
+    log_path = os.path.join(workdir, "pytest.log")
+    command = pytest_command(args)
+    # a fresh pytest session: not a worker of an outer pytest-xdist run (the CLI's own tests)
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if not key.startswith(("PYTEST_XDIST_", "PYTEST_CURRENT_TEST"))
+    }
+    env[vocab.ENV_CLI_RESULTS] = results
+    print(
+        f"{PROG} run: suite on {args.impl!r} (coverage {args.coverage}, mode {args.mode}, "
+        f"{args.workers or 'no'} xdist workers{', -k ' + repr(args.k) if args.k else ''})",
+        file=sys.stderr,
+    )
+    started = time.monotonic()
+    with open(log_path, "w", encoding="utf-8") as log:
+        child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        try:
+            progress = _Progress(sys.stderr)
+            while child.poll() is None:
+                progress.update(report.read_records(results), time.monotonic() - started)
+                time.sleep(0.5)
+            progress.update(report.read_records(results), time.monotonic() - started)
+            progress.finish()
+        except KeyboardInterrupt:
+            _interrupt(child)
+            print(f"\n{PROG} run: interrupted; pytest output: {log_path}", file=sys.stderr)
+            return 130
+    wall = time.monotonic() - started
+    records = report.read_records(results)
+    cells = report.cells_from_records(records)
+    collected = next((r["count"] for r in records if r.get("event") == "collected"), None)
+    returncode = child.returncode
+    if returncode == 4 or (returncode == 5 and not cells):
+        if returncode == 5:
+            message = f"-k {args.k!r}: no check matches" if args.k else "no check collected"
+        else:
+            message = f"pytest refused the arguments: {_pytest_error(log_path)}"
+        shutil.rmtree(workdir, ignore_errors=True)
+        raise UsageError(message)
+
+    summary = report.summary_line(cells, args.impl, wall)
+    not_run = (collected or 0) - sum(1 for c in cells if not c.check.startswith("collecting "))
+    if not_run > 0:
+        summary += f"; {not_run} collected cells did not report (see the pytest output)"
+    print(report.render_text(cells))
+    print()
+    print(summary)
+    _write_outputs(args, cells, _report_header(args, command, wall), summary, returncode)
+    failed = any(cell.outcome == "fail" for cell in cells) or returncode != 0 or not_run > 0
+    if failed:
+        print(f"pytest output (tracebacks): {log_path}", file=sys.stderr)
+        if returncode not in (0, 1):
+            print(_tail(log_path, 15), file=sys.stderr)
+        return 1
+    shutil.rmtree(workdir, ignore_errors=True)
+    return 0
+
+
+def pytest_command(args: argparse.Namespace) -> list[str]:
+    """The pytest command line ``run`` starts (in the user's directory)."""
+    command = [
+        sys.executable, "-m", "pytest", "--pyargs", "fsdp_conformance.suite",
+        "-p", "fsdp_conformance.cli.collect", "-p", "no:cacheprovider",
+        "-o", "addopts=", "-q",
+        f"--fsdp-impl={args.impl}", f"--fsdp-world-size={args.world_size}",
+        f"--fsdp-mode={args.mode}", f"--fsdp-coverage={args.coverage}",
+        f"--fsdp-timeout={args.timeout:g}",
+    ]  # fmt: skip
+    if args.workers > 0:
+        command += ["-n", str(args.workers)]
+    if args.k:
+        command += ["-k", args.k]
+    if args.junit:
+        command += [f"--junitxml={os.path.abspath(args.junit)}"]
+    return command
+
+
+def _write_outputs(
+    args: argparse.Namespace,
+    cells: list[Any],
+    header: dict[str, str],
+    summary: str,
+    returncode: int,
+) -> None:
+    """--report (Markdown) and --json (pytest writes --junit itself)."""
+    if args.report:
+        with open(args.report, "w", encoding="utf-8") as stream:
+            stream.write(report.render_markdown(cells, header, summary))
+    if args.json:
+        document = {**header, "summary_line": summary, "pytest_exit_code": returncode}
+        with open(args.json, "w", encoding="utf-8") as stream:
+            stream.write(report.render_json(cells, document))
+
+
+class _Progress:
+    """One status line while pytest runs (rewritten in place on a terminal), failures as they
+    arrive."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream  # where progress goes (stderr)
+        self.tty = stream.isatty()  # rewrite one status line in place
+        self.seen = 0  # records already handled
+        self.total: int | None = None  # cells collected (None: still collecting)
+        self.done = 0  # cells finished
+        self.tally: dict[str, int] = {}  # outcome -> cells so far
+        self.last_line_at = 0.0  # elapsed seconds of the last line printed (not a tty)
+        self.width = shutil.get_terminal_size((100, 20)).columns  # status line width
+
+    def update(self, records: list[dict[str, Any]], elapsed: float) -> None:
+        latest = ""
+        for record in records[self.seen :]:
+            if record.get("event") == "collected":
+                self.total = record["count"]
+                self._line(f"collected {self.total} cells (check x configuration)", elapsed, True)
+            elif record.get("event") in ("test", "collect_error"):
+                outcome = record.get("outcome", "fail")
+                self.done += record.get("event") == "test"
+                self.tally[outcome] = self.tally.get(outcome, 0) + 1
+                check, configuration = split_nodeid(record["nodeid"])
+                latest = f"{check}[{configuration}]"
+                if outcome == "fail":
+                    self._line(f"FAIL {latest}: {record.get('detail', '')}", elapsed, True)
+        self.seen = len(records)
+        if self.total is None:
+            status = "collecting the suite"
+        else:
+            tally = " ".join(f"{n} {o}" for o, n in sorted(self.tally.items()))
+            status = f"[{self.done}/{self.total}] {tally} {latest}"
+        if self.tty:
+            line = f"{_clock(elapsed)} {status}"[: self.width - 1]
+            self.stream.write("\r" + line.ljust(self.width - 1))
+            self.stream.flush()
+        elif latest and elapsed - self.last_line_at >= 15:
+            self._line(status, elapsed, True)
+
+    def _line(self, text: str, elapsed: float, force: bool) -> None:
+        if self.tty:
+            self.stream.write("\r" + " " * (self.width - 1) + "\r")
+        self.stream.write(f"{_clock(elapsed)} {text}\n")
+        self.stream.flush()
+        self.last_line_at = elapsed
+
+    def finish(self) -> None:
+        if self.tty:
+            self.stream.write("\r" + " " * (self.width - 1) + "\r")
+            self.stream.flush()
+
+
+def _clock(seconds: float) -> str:
+    minutes, rest = divmod(int(seconds), 60)
+    return f"{minutes:2d}:{rest:02d}"
+
+
+def _interrupt(child: subprocess.Popen) -> None:
+    """Ctrl-C: let pytest clean up its ranks. From a terminal pytest got SIGINT too; give it a
+    moment before sending its own (a second SIGINT would cut pytest's cleanup short)."""
+    for signal_to_send in (None, signal.SIGINT, signal.SIGKILL):
+        if signal_to_send is not None and child.poll() is None:
+            child.send_signal(signal_to_send)
+        try:
+            child.wait(timeout=5 if signal_to_send is None else 30)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _tail(path: str, lines: int) -> str:
+    with open(path, encoding="utf-8", errors="replace") as stream:
+        return "".join(stream.readlines()[-lines:]).rstrip()
+
+
+def _pytest_error(log_path: str) -> str:
+    with open(log_path, encoding="utf-8", errors="replace") as stream:
+        text = stream.read()
+    errors = [line.removeprefix("ERROR: ") for line in text.splitlines() if "ERROR" in line]
+    return " ".join((errors[0] if errors else text.strip().splitlines()[-1]).split())
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _report_header(args: argparse.Namespace, command: list[str], wall: float) -> dict[str, str]:
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return {
+        "impl": args.impl,
+        "date": now,
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()} "
+        f"{platform.release()}, load average {os.getloadavg()[0]:.1f}",
+        "versions": f"python {platform.python_version()}, torch {_version('torch')}, "
+        f"fsdp-conformance {_version('fsdp-conformance')}",
+        "options": f"world size {args.world_size}, mode {args.mode}, coverage {args.coverage}, "
+        f"{args.workers} xdist workers" + (f", -k {args.k!r}" if args.k else ""),
+        "pytest command": shlex.join(["python", *command[1:]]),
+        "wall time": f"{wall:.0f} s",
+    }
+
+
+def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
+    """Add the ``run`` subcommand to ``commands`` (the subparsers of the main parser)."""
+    run = commands.add_parser(
+        "run",
+        help="run the conformance suite and print the check x configuration matrix",
+        description=_paragraph(
+            "Run the conformance suite (pytest --pyargs fsdp_conformance.suite) against "
+            "one FSDP implementation and print the matrix: each check (test class and function) in "
+            "each configuration (its parametrisation) -> pass / FAIL (first assertion message) / "
+            "xfail / skip (reason). Exit code 0 only when nothing failed. Default: pairwise "
+            "coverage of the parity configurations and 2 xdist workers (fits in 10 minutes on a "
+            "2-core CPU host); --coverage full runs every combination."
+        ),
+        epilog="examples:\n"
+        "  fsdp-conformance run\n"
+        "  fsdp-conformance run --impl torch-fsdp1 --report matrix.md --json matrix.json\n"
+        "  fsdp-conformance run --impl mypkg.fsdp_adapter:ADAPTER -k 'MemoryBound or Parity'\n"
+        "  fsdp-conformance run -n 0 -k test_counts_per_phase --junit junit.xml",
+        formatter_class=formatter,
+    )
+    _add_common(
+        run,
+        "ranks for checks that do not fix their own world size (default 2; most checks fix it, "
+        "the parity checks also run at 1 and 4)",
+    )
+    run.add_argument(
+        "--mode",
+        choices=MODES,
+        default="process",
+        help="how ranks run: reused processes (default), a fresh set per check, or threads",
+    )
+    run.add_argument(
+        "-n",
+        dest="workers",
+        type=int,
+        default=DEFAULT_WORKERS,
+        metavar="WORKERS",
+        help=f"pytest-xdist workers (default {DEFAULT_WORKERS}; 0: run in one process)",
+    )
+    run.add_argument(
+        "--coverage",
+        choices=COVERAGES,
+        default=DEFAULT_COVERAGE,
+        help="parity configurations: every pair of settings (default) or the full product",
+    )
+    run.add_argument("-k", metavar="EXPR", help="only checks matching this pytest -k expression")
+    run.add_argument("--report", metavar="FILE.md", help="write the matrix as Markdown")
+    run.add_argument("--json", metavar="FILE", help="write the matrix as JSON")
+    run.add_argument("--junit", metavar="FILE", help="write pytest's JUnit XML")
+    run.set_defaults(handler=_run_command)

@@ -1,0 +1,162 @@
+"""``fsdp-conformance timeline``: resident unsharded buffers with the limiter on and off.
+
+The measuring runs in a rank set (``fsdp_conformance.cli.ranks``); the picture is drawn with
+matplotlib (``fsdp_conformance.cli.draw``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+from typing import Any
+
+from fsdp_conformance import vocab
+from fsdp_conformance.cli import draw
+from fsdp_conformance.cli.common import (
+    UsageError,
+    _add_common,
+    _paragraph,
+    _ranks_failed,
+    _run_in_ranks,
+    check_impl,
+    check_output,
+    check_world_size,
+)
+
+
+def _timeline_command(args: argparse.Namespace) -> int:
+    check_impl(args.impl)
+    check_world_size(args.world_size, minimum=2)
+    if args.iterations < 1:
+        raise UsageError(f"--iterations {args.iterations}: must be >= 1")
+    if args.layers < 4:
+        raise UsageError(
+            f"--layers {args.layers}: the bound only shows with >= 4 instances (default 6)"
+        )
+    for path, option in ((args.out, "--out"), (args.data, "--data"), (args.trace, "--trace")):
+        check_output(path, option)
+    try:
+        import matplotlib  # noqa: F401  (imported again, for drawing, in cli.draw)
+    except ImportError as error:
+        raise UsageError(
+            "the timeline picture needs matplotlib, which cannot be imported "
+            f"({error}): pip install matplotlib"
+        ) from None
+    workdir = tempfile.mkdtemp(prefix="fsdp-cli-")
+    out_file = os.path.join(workdir, "timeline.json")
+    try:
+        status, message = _run_in_ranks(
+            "timeline_in_rank",
+            {
+                "out_file": out_file,
+                "lag": args.lag,
+                "iterations": args.iterations,
+                "layers": args.layers,
+                "backward_prefetch": args.backward_prefetch,
+                "forward_prefetch": args.forward_prefetch,
+                "trace_file": os.path.abspath(args.trace) if args.trace else None,
+            },
+            args.impl,
+            args.world_size,
+            "gloo",
+            args.timeout,
+        )
+        if status != "passed":
+            return _ranks_failed("timeline", status, message)
+        with open(out_file, encoding="utf-8") as stream:
+            document = json.load(stream)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    document["axes_drawn"] = draw.draw(document, args.out)
+    print(render_timeline(document))
+    written = [f"{args.out} ({document['axes_drawn']} panels)"]
+    if args.data:
+        with open(args.data, "w", encoding="utf-8") as stream:
+            json.dump(document, stream, indent=1)
+        written.append(args.data)
+    if args.trace:
+        ranges = _count_trace_ranges(args.trace, RATE_LIMITER_RANGE)
+        written.append(f"{args.trace} (Chrome trace: {ranges} {RATE_LIMITER_RANGE} ranges)")
+    print("wrote " + ", ".join(written))
+    return 0
+
+
+# torch FSDP1's (and the reference implementation's) profiler label of the rate limiter's wait
+RATE_LIMITER_RANGE = vocab.RATE_LIMITER_RANGE
+
+
+def _count_trace_ranges(path: str, name: str) -> int:
+    with open(path, encoding="utf-8") as stream:
+        trace = json.load(stream)
+    events = trace.get("traceEvents", []) if isinstance(trace, dict) else trace
+    return sum(1 for event in events if event.get("name") == name and event.get("ph") == "X")
+
+
+def render_timeline(document: dict[str, Any]) -> str:
+    """Peak resident non-root buffers per iteration and phase, next to the bound."""
+    lines = [
+        (
+            f"resident unsharded buffers of {document['impl']!r}: {document['layers']} instances "
+            f"under a root, {document['lag']} lagging device, world size {document['world_size']}"
+        ),
+        "",
+        "  limit_all_gathers  iteration  phase     peak  bound",
+    ]
+    for panel in document["panels"]:
+        for peak in panel["peaks"]:
+            over = "  over the bound" if peak["resident"] > peak["bound"] else ""
+            lines.append(
+                f"  {panel['limit_all_gathers']!s:<17}  {peak['iteration']:>9}  "
+                f"{peak['phase']:<8}  {peak['resident']:>4}  {peak['bound']:>5}{over}"
+            )
+    return "\n".join(lines)
+
+
+def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
+    """Add the ``timeline`` subcommand to ``commands`` (the subparsers of the main parser)."""
+    timeline = commands.add_parser(
+        "timeline",
+        help="draw resident unsharded buffers over time with limit_all_gathers on and off",
+        description=_paragraph(
+            "Train a chain of --layers FSDP instances under a root for a few "
+            "iterations under the lagging device (fsdp_conformance.observe: events complete only "
+            "when the CPU blocks on them), once with limit_all_gathers=True and once with False, "
+            "counting resident unsharded buffers after every event (fsdp_conformance.suite."
+            "memory_bound). Draws two panels (forward and backward shaded, the bound as a dashed "
+            "line), prints the peaks per phase, and optionally writes the data and a Chrome trace "
+            "of the limited run whose FullyShardedDataParallel.rate_limiter ranges show the "
+            "limiter's waits. Needs matplotlib."
+        ),
+        epilog="examples:\n"
+        "  fsdp-conformance timeline --out timeline.png\n"
+        "  fsdp-conformance timeline --impl torch-fsdp1 --lag drained --data timeline.json\n"
+        "  fsdp-conformance timeline --trace trace.json   # open in chrome://tracing or Perfetto",
+        formatter_class=formatter,
+    )
+    _add_common(timeline, "ranks (default 2, at least 2)")
+    timeline.add_argument(
+        "--lag",
+        choices=("strict", "drained"),
+        default="strict",
+        help="strict: the device never catches up by itself (default); drained: it catches up "
+        "at the end of every iteration",
+    )
+    timeline.add_argument("--out", default="timeline.png", metavar="FILE.png")
+    timeline.add_argument("--data", metavar="FILE.json", help="write the plotted data as JSON")
+    timeline.add_argument(
+        "--trace", metavar="FILE.json", help="write a Chrome trace (torch.profiler) of rank 0"
+    )
+    timeline.add_argument("--iterations", type=int, default=3, metavar="N")
+    timeline.add_argument("--layers", type=int, default=6, metavar="N", help="instances (>= 4)")
+    timeline.add_argument(
+        "--backward-prefetch",
+        type=lambda text: None if text.lower() == "none" else text.upper(),
+        choices=("BACKWARD_PRE", "BACKWARD_POST", None),
+        default="BACKWARD_PRE",
+        metavar="BACKWARD_PRE|BACKWARD_POST|none",
+    )
+    timeline.add_argument("--forward-prefetch", action="store_true")
+    timeline.set_defaults(handler=_timeline_command)

@@ -1,0 +1,73 @@
+"""The names shared by the CLI, the pytest plugin, the rank runtime, the suite and impl.
+
+Each name is defined here once and imported everywhere else, so that a mode, a coverage, an
+operation, an environment variable or the limiter's depth cannot drift between the modules that
+use it. Import-light: no torch, no other module of the package.
+"""
+
+from __future__ import annotations
+
+import enum
+
+# How the ranks of a test run (``--fsdp-mode``): "process" reuses one rank-process set per
+# world size, "process-fresh" starts a new set for every test, "thread" runs ranks as threads
+MODES = ("process", "process-fresh", "thread")
+DEFAULT_MODE = "process"
+
+# How much of a suite check's config product runs (``--fsdp-coverage``); the suite's configs
+# module implements them
+COVERAGES = ("full", "pairwise")
+
+# Environment variables read where the option enters (plugin, CLI, rank runtime)
+ENV_MODE = "FSDP_CONFORMANCE_MODE"
+ENV_TIMEOUT = "FSDP_CONFORMANCE_TIMEOUT"
+ENV_BACKEND = "FSDP_CONFORMANCE_BACKEND"
+# pretend this many GPUs exist (the GPU pool logic then runs on a CPU host)
+ENV_FAKE_GPUS = "FSDP_CONFORMANCE_FAKE_GPUS"
+# folder of the cross-process GPU lock files
+ENV_GPU_LOCK_DIR = "FSDP_CONFORMANCE_GPU_LOCK_DIR"
+# file the CLI's collector plugin appends one JSON line per test to
+ENV_CLI_RESULTS = "FSDP_CONFORMANCE_CLI_RESULTS"
+
+# Profiler range around the rate limiter's wait (the name torch FSDP1 uses, so that traces of
+# the two implementations read alike)
+RATE_LIMITER_RANGE = "FullyShardedDataParallel.rate_limiter"
+
+# All-gathered buffers the rate limiter lets be resident: the instance computing now and the
+# one whose all-gather is in flight (torch FSDP1's empirically chosen depth); an early forward
+# prefetch may add one
+MAX_INFLIGHT = 2
+
+
+class Op(str, enum.Enum):
+    """An operation an FSDP instance reports in a trace (compares equal to its string value).
+
+    ``str()`` and format give the bare value (``"all_gather"``), so messages and goldens that
+    print an op read the same whether it came as a member or as a string.
+    """
+
+    # issue of an unshard (all-gather of the sharded parameters)
+    ALL_GATHER = "all_gather"
+    # wait for an issued all-gather to complete
+    ALL_GATHER_WAIT = "all_gather_wait"
+    # the unsharded parameters are about to be freed
+    FREE = "free"
+    # gradient reduction of a sharded strategy
+    REDUCE_SCATTER = "reduce_scatter"
+    # gradient reduction of an unsharded strategy
+    ALL_REDUCE = "all_reduce"
+    # the rate limiter waits for an older free to complete
+    RATE_LIMITER_WAIT = "rate_limiter_wait"
+    # a module's forward or backward computation (observers record it beside the collectives)
+    COMPUTE = "compute"
+
+    def __str__(self) -> str:
+        return self.value
+
+    __format__ = str.__format__
+
+
+# the ops that reduce gradients
+REDUCE_OPS = (Op.REDUCE_SCATTER, Op.ALL_REDUCE)
+# the ops a communication trace records
+COMM_OPS = (Op.ALL_GATHER, Op.FREE, Op.REDUCE_SCATTER, Op.ALL_REDUCE)

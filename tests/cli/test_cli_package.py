@@ -1,0 +1,92 @@
+"""The CLI package's shape: entry points, one module per command, no self-patching."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+import fsdp_conformance
+from fsdp_conformance import cli
+
+PACKAGE = pathlib.Path(fsdp_conformance.__file__).resolve().parent
+
+
+def test_python_dash_m_runs_main():
+    result = subprocess.run(
+        [sys.executable, "-m", "fsdp_conformance.cli", "--help"],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd="/",
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    for command in ("run", "overlap", "timeline"):
+        assert command in result.stdout
+
+
+def test_each_command_is_its_own_module():
+    from fsdp_conformance.cli import overlap, run, timeline
+
+    parser = cli.build_parser()
+    handlers = {}
+    for command in ("run", "overlap", "timeline"):
+        args = parser.parse_args([command])
+        handlers[command] = args.handler.__module__
+    assert handlers == {
+        "run": run.__name__,
+        "overlap": overlap.__name__,
+        "timeline": timeline.__name__,
+    }
+
+
+def imports_mock(path: pathlib.Path) -> bool:
+    """Whether the module at ``path`` imports ``unittest.mock`` (or ``mock`` from unittest)."""
+    names = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names += [f"{node.module}.{alias.name}" for alias in node.names]
+    return any(name.startswith("unittest.mock") for name in names)
+
+
+def test_shipped_code_does_not_patch_itself():
+    offenders = [
+        str(path.relative_to(PACKAGE))
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if imports_mock(path)
+    ]
+    assert not offenders, f"shipped modules importing unittest.mock: {offenders}"
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ("from unittest import mock\n", True),
+        ("import unittest.mock\n", True),
+        ("from unittest.mock import patch\n", True),
+        ("import unittest\n", False),
+    ],
+)
+def test_the_mock_scan_sees_an_import(tmp_path, source, expected):
+    module = tmp_path / "module.py"
+    module.write_text(source)
+    assert imports_mock(module) is expected
+
+
+def test_overlap_config_takes_the_limiter_setting():
+    torch = pytest.importorskip("torch")
+    from fsdp_conformance.suite import overlap
+
+    cpu = torch.device("cpu")
+    assert overlap.overlap_config(cpu)["limit_all_gathers"] is False
+    limited = overlap.overlap_config(cpu, limit_all_gathers=True)
+    assert limited["limit_all_gathers"] is True
+    assert {k: v for k, v in limited.items() if k != "limit_all_gathers"} == {
+        k: v for k, v in overlap.overlap_config(cpu).items() if k != "limit_all_gathers"
+    }

@@ -1,0 +1,108 @@
+"""The shared vocabulary is defined once (fsdp_conformance.vocab) and re-used everywhere."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from fsdp_conformance import vocab
+from fsdp_conformance.vocab import Op
+
+PACKAGE = pathlib.Path(vocab.__file__).resolve().parent
+# the op names that must never be spelled as bare strings outside vocab.py
+COLLECTIVES = (Op.ALL_GATHER.value, Op.REDUCE_SCATTER.value, Op.ALL_REDUCE.value)
+
+
+def test_vocab_imports_no_torch():
+    code = "import sys, fsdp_conformance.vocab\nassert 'torch' not in sys.modules\n"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd="/")
+
+
+def test_op_reads_as_its_string():
+    assert Op.ALL_GATHER == "all_gather"
+    assert f"{Op.REDUCE_SCATTER}" == str(Op.REDUCE_SCATTER) == "reduce_scatter"
+    assert {Op.ALL_REDUCE: 1}["all_reduce"] == 1
+    assert Op("free") is Op.FREE
+
+
+def test_modules_reuse_the_vocabulary():
+    from fsdp_conformance import plugin
+    from fsdp_conformance.adapters import base
+    from fsdp_conformance.cli import collect
+    from fsdp_conformance.cli import run as cli_run
+    from fsdp_conformance.cli import timeline as cli_timeline
+    from fsdp_conformance.impl import limiter
+    from fsdp_conformance.impl import runtime as impl_runtime
+    from fsdp_conformance.observe import comm_trace
+    from fsdp_conformance.suite import configs, memory_bound
+    from fsdp_conformance.world import gpus, rank_main, runtime
+
+    pairs = [
+        (plugin.COVERAGES, vocab.COVERAGES),
+        (plugin._MODES, vocab.MODES),
+        (cli_run.MODES, vocab.MODES),
+        (cli_run.COVERAGES, vocab.COVERAGES),
+        (configs.COVERAGES, vocab.COVERAGES),
+        (runtime.MODES, vocab.MODES),
+        (runtime.ENV_MODE, vocab.ENV_MODE),
+        (runtime.ENV_TIMEOUT, vocab.ENV_TIMEOUT),
+        (runtime.ENV_BACKEND, vocab.ENV_BACKEND),
+        (gpus.ENV_FAKE_GPUS, vocab.ENV_FAKE_GPUS),
+        (rank_main.ENV_FAKE_GPUS, vocab.ENV_FAKE_GPUS),
+        (gpus.ENV_LOCK_DIR, vocab.ENV_GPU_LOCK_DIR),
+        (collect.ENV_RESULTS, vocab.ENV_CLI_RESULTS),
+        (impl_runtime.RATE_LIMITER_RANGE, vocab.RATE_LIMITER_RANGE),
+        (cli_timeline.RATE_LIMITER_RANGE, vocab.RATE_LIMITER_RANGE),
+        (limiter.MAX_INFLIGHT, vocab.MAX_INFLIGHT),
+        (memory_bound.MAX_INFLIGHT, vocab.MAX_INFLIGHT),
+        (comm_trace.COMM_OPS, vocab.COMM_OPS),
+        (comm_trace.REDUCE_OPS, vocab.REDUCE_OPS),
+        (base.REDUCE_OPS, vocab.REDUCE_OPS),
+    ]
+    for index, (used, defined) in enumerate(pairs):
+        assert used is defined, f"pair {index}: {used!r} is a copy, not vocab's object"
+
+
+def bare_op_strings(path: pathlib.Path) -> list[str]:
+    """``file:line: value`` of every code string constant naming a collective (docstrings not)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    docstrings = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            first = node.body[0] if node.body else None
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                docstrings.add(id(first.value))
+    return [
+        f"{path.name}:{node.lineno}: {node.value!r}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant)
+        and node.value in COLLECTIVES
+        and id(node) not in docstrings
+    ]
+
+
+def test_collective_names_are_spelled_only_in_vocab():
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name != "vocab.py" and "goldens" not in path.parts:
+            found += bare_op_strings(path)
+    assert not found, "use fsdp_conformance.vocab.Op instead of:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ('X = ("all_gather", "free")\n', 1),
+        ('def f(op):\n    return op == "reduce_scatter"\n', 1),
+        ('"""Docstring naming "all_reduce"."""\n', 0),
+        ("from fsdp_conformance.vocab import Op\nX = Op.ALL_GATHER\n", 0),
+    ],
+)
+def test_the_scan_sees_a_redefinition(tmp_path, source, expected):
+    module = tmp_path / "module.py"
+    module.write_text(source)
+    assert len(bare_op_strings(module)) == expected
