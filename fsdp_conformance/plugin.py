@@ -49,6 +49,11 @@ class PluginState:
     runtime: Any = None
     # the runtime that was active before this session (an outer session, for pytester runs)
     previous_runtime: Any = None
+    # --fsdp-accept-goldens: the accept variable's value before this session set it
+    # (restored at unconfigure; None: it was unset)
+    previous_accept: str | None = None
+    # whether this session set the accept variable
+    accepting_goldens: bool = False
 
     def get_runtime(self) -> Any:
         if self.runtime is None:
@@ -122,6 +127,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "('full') or a smaller set covering every pair of values ('pairwise'); default: "
         "what each check class says (the classes in fsdp_conformance.suite: full).",
     )
+    group.addoption(
+        "--fsdp-accept-goldens",
+        action="store_true",
+        default=False,
+        help="conformance suite: write the prefetch-order goldens of the adapter under test "
+        "into the source checkout instead of comparing (run with -p no:xdist). Env: "
+        f"{vocab.ENV_ACCEPT_GOLDENS}=1 or EXPECTTEST_ACCEPT=1.",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -147,6 +160,12 @@ def pytest_configure(config: pytest.Config) -> None:
         backend=config.getoption("fsdp_backend"),
         coverage=config.getoption("fsdp_coverage"),
     )
+    if config.getoption("fsdp_accept_goldens"):
+        # the ranks get the test process's environment with every test
+        state = config.stash[STATE_KEY]
+        state.previous_accept = os.environ.get(vocab.ENV_ACCEPT_GOLDENS)
+        state.accepting_goldens = True
+        os.environ[vocab.ENV_ACCEPT_GOLDENS] = "1"
     # torch-free; starts no process until a test needs ranks. Created now so that
     # FSDPTest classes (which find it through runtime.get_runtime()) use the session options.
     config.stash[STATE_KEY].get_runtime()
@@ -154,6 +173,12 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     state = config.stash.get(STATE_KEY, None)
+    if state is not None and state.accepting_goldens:
+        if state.previous_accept is None:
+            os.environ.pop(vocab.ENV_ACCEPT_GOLDENS, None)
+        else:
+            os.environ[vocab.ENV_ACCEPT_GOLDENS] = state.previous_accept
+        state.accepting_goldens = False
     if state is not None and state.runtime is not None:
         from fsdp_conformance.world import runtime
 

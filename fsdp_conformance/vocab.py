@@ -28,6 +28,9 @@ ENV_FAKE_GPUS = "FSDP_CONFORMANCE_FAKE_GPUS"
 ENV_GPU_LOCK_DIR = "FSDP_CONFORMANCE_GPU_LOCK_DIR"
 # file the CLI's collector plugin appends one JSON line per test to
 ENV_CLI_RESULTS = "FSDP_CONFORMANCE_CLI_RESULTS"
+# "1": the prefetch-order golden check writes the goldens instead of comparing
+# (``--fsdp-accept-goldens`` sets it for the session)
+ENV_ACCEPT_GOLDENS = "FSDP_CONFORMANCE_ACCEPT_GOLDENS"
 
 # Profiler range around the rate limiter's wait (the name torch FSDP1 uses, so that traces of
 # the two implementations read alike)

@@ -13,7 +13,7 @@ Labels are stable across ranks and runs: the instance's module path in the *unwr
 with wrapper segments removed. The state is the canonical instance state (docs/adapters.md) at
 the moment of the event, so an all-gather issued in ``IDLE`` during forward/backward was issued
 for the instance *before its own hook ran*: a prefetch. Nothing nondeterministic (ranks, ids,
-addresses, timings) reaches ``render()``, which is what expecttest goldens compare.
+addresses, timings) reaches ``render()``, which is what the prefetch-order goldens compare.
 
     trace = CommTrace(adapter, root)
     with trace:

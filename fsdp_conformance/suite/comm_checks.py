@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -293,8 +292,8 @@ class BasePrefetchOrderTests:
     (one event per line, labels = module paths in the unwrapped model) with the golden of the
     adapter (``check_golden``): the goldens are implementation-specific (the exact interleaving
     of all-gathers, frees, reductions and compute), shipped for ``impl`` and ``torch-fsdp1``
-    (torch 2.13.0) in ``prefetch_goldens.py``; other adapters skip it -- override
-    ``check_golden`` in a subclass with your own ``expecttest.assert_expected_inline`` goldens.
+    (torch 2.13.0) as data files (``prefetch_goldens.py`` reads and accepts them); other
+    adapters skip it -- override ``check_golden`` in a subclass with your own goldens.
     """
 
     def check_golden(self, adapter_name: str, case: str, rendered: str) -> None:
@@ -345,7 +344,9 @@ class BasePrefetchOrderTests:
             f"rank(s) {differing} differs from rank 0's (labels or order are not stable across "
             f"ranks):\nrank 0:\n{renders[0]}\nrank {differing[0]}:\n{renders[differing[0]]}"
         )
-        if os.environ.get("EXPECTTEST_ACCEPT") and dist.rank != 0:
+        from . import prefetch_goldens
+
+        if prefetch_goldens.accepting() and dist.rank != 0:
             return  # accept on rank 0 only: one writer per golden
         self.check_golden(
             fsdp_adapter.name,

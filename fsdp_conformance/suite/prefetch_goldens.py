@@ -7,1095 +7,167 @@ exact order of one implementation: ``impl`` (this repository) and ``torch-fsdp1`
 against torch 2.13.0; other torch versions skip). Other adapters have no goldens and skip; their
 prefetch is held to the structural check ``test_prefetch_happens`` instead.
 
-Regenerate after an intended change (one process, so that one writer edits this file; ranks
-other than 0 do not write)::
+The goldens are data files of this package, ``goldens/<adapter>/<case>.txt`` (read with
+``importlib.resources``); an adapter with a folder there has goldens. Regenerate after an
+intended change (one process, so that one writer edits each file; ranks other than 0 do not
+write)::
 
-    EXPECTTEST_ACCEPT=1 pytest -p no:xdist --pyargs fsdp_conformance.suite.test_prefetch_order \
-        -k golden --fsdp-impl impl          # and again with --fsdp-impl torch-fsdp1
+    pytest -p no:xdist --pyargs fsdp_conformance.suite.test_prefetch_order -k golden \\
+        --fsdp-impl impl --fsdp-accept-goldens    # and again with --fsdp-impl torch-fsdp1
+
+``EXPECTTEST_ACCEPT=1`` (expecttest's variable) and ``FSDP_CONFORMANCE_ACCEPT_GOLDENS=1`` accept
+too. Accepting writes into the source checkout the package was imported from, never into an
+installed copy in site-packages (``GoldenAcceptError`` says how to fix that).
 """
 
 from __future__ import annotations
 
+import difflib
+import importlib.resources
+import os
+import pathlib
+
 import pytest
 import torch
-from expecttest import assert_expected_inline
+
+from fsdp_conformance import vocab
 
 # The torch release the torch-fsdp1 goldens were recorded with
 TORCH_FSDP1_GOLDEN_VERSION = "2.13."
+# Folder of the golden files, inside this package
+GOLDENS_DIR = "goldens"
+# Environment variables that make the golden check write the rendered trace instead of comparing
+ACCEPT_ENV_VARS = (vocab.ENV_ACCEPT_GOLDENS, "EXPECTTEST_ACCEPT")
+# Path components of an installed (not editable) package
+_INSTALLED_PARTS = ("site-packages", "dist-packages")
 
 
-def expect(actual: str, golden: str) -> None:
-    """``assert_expected_inline`` for the literal at the caller's call site."""
-    assert_expected_inline(actual, golden, skip=1)
+class GoldenAcceptError(RuntimeError):
+    """Accepting goldens would write into an installed package instead of a source checkout."""
+
+
+def accepting() -> bool:
+    """Whether this process accepts goldens (an accept variable is set to a non-empty value
+    other than ``0``)."""
+    return any(os.environ.get(name, "") not in ("", "0") for name in ACCEPT_ENV_VARS)
+
+
+def read_golden(adapter_name: str, case: str) -> str | None:
+    """The golden text of ``adapter_name`` / ``case``, or None when there is no such file.
+
+    Args:
+        adapter_name: the adapter's registry name (``"impl"``, ``"torch-fsdp1"``).
+        case: the case id (``prefetch_case_id``, e.g. ``"nested-bwd=None-fwd=0"``).
+    """
+    golden = importlib.resources.files(__package__) / GOLDENS_DIR / adapter_name / f"{case}.txt"
+    if not golden.is_file():
+        return None
+    return golden.read_text(encoding="utf-8")
+
+
+def has_goldens(adapter_name: str) -> bool:
+    """Whether the package holds prefetch-order goldens for ``adapter_name``."""
+    return (importlib.resources.files(__package__) / GOLDENS_DIR / adapter_name).is_dir()
+
+
+def source_goldens_dir(package_dir: pathlib.Path | None = None) -> pathlib.Path:
+    """The goldens folder of the source checkout (where accepting writes).
+
+    Args:
+        package_dir: the folder of ``fsdp_conformance/suite`` (default: the one this module was
+            imported from).
+
+    Raises:
+        GoldenAcceptError: the package is an installed copy (under site-packages), so there is
+            no source tree to write to.
+    """
+    directory = pathlib.Path(package_dir or pathlib.Path(__file__).parent).resolve()
+    if any(part in _INSTALLED_PARTS for part in directory.parts):
+        raise GoldenAcceptError(
+            f"cannot accept prefetch-order goldens: fsdp_conformance is installed in "
+            f"{directory} (not a source checkout); install it editable from the checkout "
+            "(pip install -e .) and run the accept command there"
+        )
+    return directory / GOLDENS_DIR
+
+
+def accept_golden(
+    adapter_name: str, case: str, rendered: str, package_dir: pathlib.Path | None = None
+) -> pathlib.Path:
+    """Write ``rendered`` as the golden of ``adapter_name`` / ``case`` in the source checkout.
+
+    Args:
+        adapter_name: the adapter's registry name.
+        case: the case id.
+        rendered: the rendered trace.
+        package_dir: the folder of ``fsdp_conformance/suite`` (default: this module's).
+
+    Returns:
+        The file written.
+    """
+    path = source_goldens_dir(package_dir) / adapter_name / f"{case}.txt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(rendered, encoding="utf-8")
+    return path
+
+
+def compare_golden(adapter_name: str, case: str, rendered: str) -> None:
+    """AssertionError with a unified diff unless ``rendered`` equals the stored golden.
+
+    Args:
+        adapter_name: the adapter's registry name.
+        case: the case id.
+        rendered: the rendered trace.
+    """
+    golden = read_golden(adapter_name, case)
+    fix = (
+        "if the change is intended, rerun with --fsdp-accept-goldens (or EXPECTTEST_ACCEPT=1) "
+        "in one process (-p no:xdist)"
+    )
+    if golden is None:
+        raise AssertionError(
+            f"adapter {adapter_name!r}: no prefetch-order golden for case {case!r} "
+            f"({GOLDENS_DIR}/{adapter_name}/{case}.txt); {fix}"
+        )
+    if rendered != golden:
+        diff = "".join(
+            difflib.unified_diff(
+                golden.splitlines(keepends=True),
+                rendered.splitlines(keepends=True),
+                fromfile=f"golden {adapter_name}/{case}",
+                tofile="this run",
+            )
+        )
+        raise AssertionError(
+            f"adapter {adapter_name!r}, case {case!r}: the prefetch order differs from the "
+            f"golden ({fix}):\n{diff}"
+        )
 
 
 def check_golden(adapter_name: str, case: str, rendered: str) -> None:
-    """Compare ``rendered`` with the golden of ``adapter_name`` and ``case`` (or skip)."""
-    if adapter_name == "impl":
-        impl_golden(case, rendered)
-    elif adapter_name == "torch-fsdp1":
-        if not torch.__version__.startswith(TORCH_FSDP1_GOLDEN_VERSION):
-            pytest.skip(
-                f"adapter 'torch-fsdp1': the prefetch-order goldens were recorded with torch "
-                f"{TORCH_FSDP1_GOLDEN_VERSION}x, this is torch {torch.__version__}"
-            )
-        torch_fsdp1_golden(case, rendered)
-    else:
+    """Compare ``rendered`` with the golden of ``adapter_name`` and ``case`` (or skip).
+
+    Adapters without goldens skip (the structural check ``test_prefetch_happens`` holds them);
+    while accepting, the rendered trace is written instead of compared.
+
+    Args:
+        adapter_name: the adapter's registry name.
+        case: the case id.
+        rendered: the rendered trace.
+    """
+    if not has_goldens(adapter_name):
         pytest.skip(
             f"adapter {adapter_name!r} has no prefetch-order goldens (they are implementation-"
             "specific); override BasePrefetchOrderTests.check_golden with your own"
         )
-
-
-# The goldens keep expecttest's own layout (EXPECTTEST_ACCEPT rewrites them in place)
-# fmt: off
-def impl_golden(case: str, rendered: str) -> None:
-    if case == "nested-bwd=None-fwd=0":
-        expect(rendered, """\
-iteration 1 forward:
-  all_gather <root> FORWARD
-  compute <root> FORWARD
-  all_gather module.1 FORWARD
-  compute module.1 FORWARD
-  all_gather module.1.0 FORWARD
-  compute module.1.0 FORWARD
-  free module.1.0 FORWARD
-  free module.1 FORWARD
-  all_gather module.2 FORWARD
-  compute module.2 FORWARD
-  free module.2 FORWARD
-iteration 1 backward:
-  all_gather module.2 BACKWARD_PRE
-  free module.2 BACKWARD_POST
-  reduce_scatter module.2 BACKWARD_POST
-  all_gather module.1 BACKWARD_PRE
-  all_gather module.1.0 BACKWARD_PRE
-  free module.1.0 BACKWARD_POST
-  reduce_scatter module.1.0 BACKWARD_POST
-  free module.1 BACKWARD_POST
-  reduce_scatter module.1 BACKWARD_POST
-  free <root> BACKWARD_POST
-  reduce_scatter <root> BACKWARD_POST
-iteration 2 forward: same as iteration 1 forward
-iteration 2 backward: same as iteration 1 backward
-iteration 3 forward: same as iteration 1 forward
-iteration 3 backward: same as iteration 1 backward
-""")
-    elif case == "nested-bwd=None-fwd=1":
-        expect(rendered, """\
-iteration 1 forward:
-  all_gather <root> FORWARD
-  compute <root> FORWARD
-  all_gather module.1 FORWARD
-  compute module.1 FORWARD
-  all_gather module.1.0 FORWARD
-  compute module.1.0 FORWARD
-  free module.1.0 FORWARD
-  free module.1 FORWARD
-  all_gather module.2 FORWARD
-  compute module.2 FORWARD
-  free module.2 FORWARD
-iteration 1 backward:
-  all_gather module.2 BACKWARD_PRE
-  free module.2 BACKWARD_POST
-  reduce_scatter module.2 BACKWARD_POST
-  all_gather module.1 BACKWARD_PRE
-  all_gather module.1.0 BACKWARD_PRE
-  free module.1.0 BACKWARD_POST
-  reduce_scatter module.1.0 BACKWARD_POST
-  free module.1 BACKWARD_POST
-  reduce_scatter module.1 BACKWARD_POST
-  free <root> BACKWARD_POST
-  reduce_scatter <root> BACKWARD_POST
-iteration 2 forward:
-  all_gather <root> FORWARD
-  all_gather module.1 IDLE
-  compute <root> FORWARD
-  all_gather module.1.0 IDLE
-  compute module.1 FORWARD
-  all_gather module.2 IDLE
-  compute module.1.0 FORWARD
-  free module.1.0 FORWARD
-  free module.1 FORWARD
-  compute module.2 FORWARD
-  free module.2 FORWARD
-iteration 2 backward: same as iteration 1 backward
-iteration 3 forward: same as iteration 2 forward
-iteration 3 backward: same as iteration 1 backward
-""")
-    elif case == "nested-bwd=BACKWARD_PRE-fwd=0":
-        expect(rendered, """\
-iteration 1 forward:
-  all_gather <root> FORWARD
-  compute <root> FORWARD
-  all_gather module.1 FORWARD
-  compute module.1 FORWARD
-  all_gather module.1.0 FORWARD
-  compute module.1.0 FORWARD
-  free module.1.0 FORWARD
-  free module.1 FORWARD
-  all_gather module.2 FORWARD
-  compute module.2 FORWARD
-  free module.2 FORWARD
-iteration 1 backward:
-  all_gather module.2 IDLE
-  all_gather module.1 IDLE
-  free module.2 BACKWARD_POST
-  reduce_scatter module.2 BACKWARD_POST
-  all_gather module.1.0 IDLE
-  free module.1.0 BACKWARD_POST
-  reduce_scatter module.1.0 BACKWARD_POST
-  free module.1 BACKWARD_POST
-  reduce_scatter module.1 BACKWARD_POST
-  free <root> BACKWARD_POST
-  reduce_scatter <root> BACKWARD_POST
-iteration 2 forward: same as iteration 1 forward
-iteration 2 backward: same as iteration 1 backward
-iteration 3 forward: same as iteration 1 forward
-iteration 3 backward: same as iteration 1 backward
-""")
-    elif case == "nested-bwd=BACKWARD_PRE-fwd=1":
-        expect(rendered, """\
-iteration 1 forward:
-  all_gather <root> FORWARD
-  compute <root> FORWARD
-  all_gather module.1 FORWARD
-  compute module.1 FORWARD
-  all_gather module.1.0 FORWARD
-  compute module.1.0 FORWARD
-  free module.1.0 FORWARD
-  free module.1 FORWARD
-  all_gather module.2 FORWARD
-  compute module.2 FORWARD
-  free module.2 FORWARD
-iteration 1 backward:
-  all_gather module.2 IDLE
-  all_gather module.1 IDLE
-  free module.2 BACKWARD_POST
-  reduce_scatter module.2 BACKWARD_POST
-  all_gather module.1.0 IDLE
-  free module.1.0 BACKWARD_POST
-  reduce_scatter module.1.0 BACKWARD_POST
-  free module.1 BACKWARD_POST
-  reduce_scatter module.1 BACKWARD_POST
-  free <root> BACKWARD_POST
-  reduce_scatter <root> BACKWARD_POST
-iteration 2 forward:
-  all_gather <root> FORWARD
-  all_gather module.1 IDLE
-  compute <root> FORWARD
-  all_gather module.1.0 IDLE
-  compute module.1 FORWARD
-  all_gather module.2 IDLE
-  compute module.1.0 FORWARD
-  free module.1.0 FORWARD
-  free module.1 FORWARD
-  compute module.2 FORWARD
-  free module.2 FORWARD
-iteration 2 backward: same as iteration 1 backward
-iteration 3 forward: same as iteration 2 forward
-iteration 3 backward: same as iteration 1 backward
-""")
-    elif case == "nested-bwd=BACKWARD_POST-fwd=0":
-        expect(rendered, """\
-iteration 1 forward:
-  all_gather <root> FORWARD
-  compute <root> FORWARD
-  all_gather module.1 FORWARD
-  compute module.1 FORWARD
-  all_gather module.1.0 FORWARD
-  compute module.1.0 FORWARD
-  free module.1.0 FORWARD
-  free module.1 FORWARD
-  all_gather module.2 FORWARD
-  compute module.2 FORWARD
-  free module.2 FORWARD
-iteration 1 backward:
-  all_gather module.2 BACKWARD_PRE
-  free module.2 BACKWARD_POST
-  all_gather module.1 IDLE
-  reduce_scatter module.2 BACKWARD_POST
-  all_gather module.1.0 BACKWARD_PRE
-  free module.1.0 BACKWARD_POST
-  reduce_scatter module.1.0 BACKWARD_POST
-  free module.1 BACKWARD_POST
-  reduce_scatter module.1 BACKWARD_POST
-  free <root> BACKWARD_POST
-  reduce_scatter <root> BACKWARD_POST
-iteration 2 forward: same as iteration 1 forward
-iteration 2 backward: same as iteration 1 backward
-iteration 3 forward: same as iteration 1 forward
-iteration 3 backward: same as iteration 1 backward
-""")
-    elif case == "nested-bwd=BACKWARD_POST-fwd=1":
-        expect(rendered, """\
-iteration 1 forward:
-  all_gather <root> FORWARD
-  compute <root> FORWARD
-  all_gather module.1 FORWARD
-  compute module.1 FORWARD
-  all_gather module.1.0 FORWARD
-  compute module.1.0 FORWARD
-  free module.1.0 FORWARD
-  free module.1 FORWARD
-  all_gather module.2 FORWARD
-  compute module.2 FORWARD
-  free module.2 FORWARD
-iteration 1 backward:
-  all_gather module.2 BACKWARD_PRE
-  free module.2 BACKWARD_POST
-  all_gather module.1 IDLE
-  reduce_scatter module.2 BACKWARD_POST
-  all_gather module.1.0 BACKWARD_PRE
-  free module.1.0 BACKWARD_POST
-  reduce_scatter module.1.0 BACKWARD_POST
-  free module.1 BACKWARD_POST
-  reduce_scatter module.1 BACKWARD_POST
-  free <root> BACKWARD_POST
-  reduce_scatter <root> BACKWARD_POST
-iteration 2 forward:
-  all_gather <root> FORWARD
-  all_gather module.1 IDLE
-  compute <root> FORWARD
-  all_gather module.1.0 IDLE
-  compute module.1 FORWARD
-  all_gather module.2 IDLE
-  compute module.1.0 FORWARD
-  free module.1.0 FORWARD
-  free module.1 FORWARD
-  compute module.2 FORWARD
-  free module.2 FORWARD
-iteration 2 backward: same as iteration 1 backward
-iteration 3 forward: same as iteration 2 forward
-iteration 3 backward: same as iteration 1 backward
-""")
-    elif case == "transformer-bwd=None-fwd=0":
-        expect(rendered, """\
-iteration 1 forward:
-  all_gather <root> FORWARD
-  compute <root> FORWARD
-  all_gather transformer.encoder.layers.0 FORWARD
-  compute transformer.encoder.layers.0 FORWARD
-  free transformer.encoder.layers.0 FORWARD
-  all_gather transformer.encoder.layers.1 FORWARD
-  compute transformer.encoder.layers.1 FORWARD
-  free transformer.encoder.layers.1 FORWARD
-  all_gather transformer.decoder.layers.0 FORWARD
-  compute transformer.decoder.layers.0 FORWARD
-  free transformer.decoder.layers.0 FORWARD
-  all_gather transformer.decoder.layers.1 FORWARD
-  compute transformer.decoder.layers.1 FORWARD
-  free transformer.decoder.layers.1 FORWARD
-iteration 1 backward:
-  all_gather transformer.decoder.layers.1 BACKWARD_PRE
-  free transformer.decoder.layers.1 BACKWARD_POST
-  reduce_scatter transformer.decoder.layers.1 BACKWARD_POST
-  all_gather transformer.decoder.layers.0 BACKWARD_PRE
-  free transformer.decoder.layers.0 BACKWARD_POST
-  reduce_scatter transformer.decoder.layers.0 BACKWARD_POST
-  all_gather transformer.encoder.layers.1 BACKWARD_PRE
-  free transformer.encoder.layers.1 BACKWARD_POST
-  reduce_scatter transformer.encoder.layers.1 BACKWARD_POST
-  all_gather transformer.encoder.layers.0 BACKWARD_PRE
-  free transformer.encoder.layers.0 BACKWARD_POST
-  reduce_scatter transformer.encoder.layers.0 BACKWARD_POST
-  free <root> BACKWARD_POST
-  reduce_scatter <root> BACKWARD_POST
-iteration 2 forward: same as iteration 1 forward
-iteration 2 backward: same as iteration 1 backward
-iteration 3 forward: same as iteration 1 forward
-iteration 3 backward: same as iteration 1 backward
-""")
-    elif case == "transformer-bwd=None-fwd=1":
-        expect(rendered, """\
-iteration 1 forward:
-  all_gather <root> FORWARD
-  compute <root> FORWARD
-  all_gather transformer.encoder.layers.0 FORWARD
-  compute transformer.encoder.layers.0 FORWARD
-  free transformer.encoder.layers.0 FORWARD
-  all_gather transformer.encoder.layers.1 FORWARD
-  compute transformer.encoder.layers.1 FORWARD
-  free transformer.encoder.layers.1 FORWARD
-  all_gather transformer.decoder.layers.0 FORWARD
-  compute transformer.decoder.layers.0 FORWARD
-  free transformer.decoder.layers.0 FORWARD
-  all_gather transformer.decoder.layers.1 FORWARD
-  compute transformer.decoder.layers.1 FORWARD
-  free transformer.decoder.layers.1 FORWARD
-iteration 1 backward:
-  all_gather transformer.decoder.layers.1 BACKWARD_PRE
-  free transformer.decoder.layers.1 BACKWARD_POST
-  reduce_scatter transformer.decoder.layers.1 BACKWARD_POST
-  all_gather transformer.decoder.layers.0 BACKWARD_PRE
-  free transformer.decoder.layers.0 BACKWARD_POST
-  reduce_scatter transformer.decoder.layers.0 BACKWARD_POST
-  all_gather transformer.encoder.layers.1 BACKWARD_PRE
-  free transformer.encoder.layers.1 BACKWARD_POST
-  reduce_scatter transformer.encoder.layers.1 BACKWARD_POST
-  all_gather transformer.encoder.layers.0 BACKWARD_PRE
-  free transformer.encoder.layers.0 BACKWARD_POST
-  reduce_scatter transformer.encoder.layers.0 BACKWARD_POST
-  free <root> BACKWARD_POST
-  reduce_scatter <root> BACKWARD_POST
-iteration 2 forward:
-  all_gather <root> FORWARD
-  all_gather transformer.encoder.layers.0 IDLE
-  compute <root> FORWARD
-  all_gather transformer.encoder.layers.1 IDLE
-  compute transformer.encoder.layers.0 FORWARD
-  free transformer.encoder.layers.0 FORWARD
-  all_gather transformer.decoder.layers.0 IDLE
-  compute transformer.encoder.layers.1 FORWARD
-  free transformer.encoder.layers.1 FORWARD
-  all_gather transformer.decoder.layers.1 IDLE
-  compute transformer.decoder.layers.0 FORWARD
-  free transformer.decoder.layers.0 FORWARD
-  compute transformer.decoder.layers.1 FORWARD
-  free transformer.decoder.layers.1 FORWARD
-iteration 2 backward: same as iteration 1 backward
-iteration 3 forward: same as iteration 2 forward
-iteration 3 backward: same as iteration 1 backward
-""")
-    elif case == "transformer-bwd=BACKWARD_PRE-fwd=0":
-        expect(rendered, """\
-iteration 1 forward:
-  all_gather <root> FORWARD
-  compute <root> FORWARD
-  all_gather transformer.encoder.layers.0 FORWARD
-  compute transformer.encoder.layers.0 FORWARD
-  free transformer.encoder.layers.0 FORWARD
-  all_gather transformer.encoder.layers.1 FORWARD
-  compute transformer.encoder.layers.1 FORWARD
-  free transformer.encoder.layers.1 FORWARD
-  all_gather transformer.decoder.layers.0 FORWARD
-  compute transformer.decoder.layers.0 FORWARD
-  free transformer.decoder.layers.0 FORWARD
-  all_gather transformer.decoder.layers.1 FORWARD
-  compute transformer.decoder.layers.1 FORWARD
-  free transformer.decoder.layers.1 FORWARD
-iteration 1 backward:
-  all_gather transformer.decoder.layers.1 IDLE
-  all_gather transformer.decoder.layers.0 IDLE
-  free transformer.decoder.layers.1 BACKWARD_POST
-  reduce_scatter transformer.decoder.layers.1 BACKWARD_POST
-  all_gather transformer.encoder.layers.1 IDLE
-  free transformer.decoder.layers.0 BACKWARD_POST
-  reduce_scatter transformer.decoder.layers.0 BACKWARD_POST
-  all_gather transformer.encoder.layers.0 IDLE
-  free transformer.encoder.layers.1 BACKWARD_POST
-  reduce_scatter transformer.encoder.layers.1 BACKWARD_POST
-  free transformer.encoder.layers.0 BACKWARD_POST
-  reduce_scatter transformer.encoder.layers.0 BACKWARD_POST
-  free <root> BACKWARD_POST
-  reduce_scatter <root> BACKWARD_POST
-iteration 2 forward: same as iteration 1 forward
-iteration 2 backward: same as iteration 1 backward
-iteration 3 forward: same as iteration 1 forward
-iteration 3 backward: same as iteration 1 backward
-""")
-    elif case == "transformer-bwd=BACKWARD_PRE-fwd=1":
-        expect(rendered, """\
-iteration 1 forward:
-  all_gather <root> FORWARD
-  compute <root> FORWARD
-  all_gather transformer.encoder.layers.0 FORWARD
-  compute transformer.encoder.layers.0 FORWARD
-  free transformer.encoder.layers.0 FORWARD
-  all_gather transformer.encoder.layers.1 FORWARD
-  compute transformer.encoder.layers.1 FORWARD
-  free transformer.encoder.layers.1 FORWARD
-  all_gather transformer.decoder.layers.0 FORWARD
-  compute transformer.decoder.layers.0 FORWARD
-  free transformer.decoder.layers.0 FORWARD
-  all_gather transformer.decoder.layers.1 FORWARD
-  compute transformer.decoder.layers.1 FORWARD
-  free transformer.decoder.layers.1 FORWARD
-iteration 1 backward:
-  all_gather transformer.decoder.layers.1 IDLE
-  all_gather transformer.decoder.layers.0 IDLE
-  free transformer.decoder.layers.1 BACKWARD_POST
-  reduce_scatter transformer.decoder.layers.1 BACKWARD_POST
-  all_gather transformer.encoder.layers.1 IDLE
-  free transformer.decoder.layers.0 BACKWARD_POST
-  reduce_scatter transformer.decoder.layers.0 BACKWARD_POST
-  all_gather transformer.encoder.layers.0 IDLE
-  free transformer.encoder.layers.1 BACKWARD_POST
-  reduce_scatter transformer.encoder.layers.1 BACKWARD_POST
-  free transformer.encoder.layers.0 BACKWARD_POST
-  reduce_scatter transformer.encoder.layers.0 BACKWARD_POST
-  free <root> BACKWARD_POST
-  reduce_scatter <root> BACKWARD_POST
-iteration 2 forward:
-  all_gather <root> FORWARD
-  all_gather transformer.encoder.layers.0 IDLE
-  compute <root> FORWARD
-  all_gather transformer.encoder.layers.1 IDLE
-  compute transformer.encoder.layers.0 FORWARD
-  free transformer.encoder.layers.0 FORWARD
-  all_gather transformer.decoder.layers.0 IDLE
-  compute transformer.encoder.layers.1 FORWARD
-  free transformer.encoder.layers.1 FORWARD
-  all_gather transformer.decoder.layers.1 IDLE
-  compute transformer.decoder.layers.0 FORWARD
-  free transformer.decoder.layers.0 FORWARD
-  compute transformer.decoder.layers.1 FORWARD
-  free transformer.decoder.layers.1 FORWARD
-iteration 2 backward: same as iteration 1 backward
-iteration 3 forward: same as iteration 2 forward
-iteration 3 backward: same as iteration 1 backward
-""")
-    elif case == "transformer-bwd=BACKWARD_POST-fwd=0":
-        expect(rendered, """\
-iteration 1 forward:
-  all_gather <root> FORWARD
-  compute <root> FORWARD
-  all_gather transformer.encoder.layers.0 FORWARD
-  compute transformer.encoder.layers.0 FORWARD
-  free transformer.encoder.layers.0 FORWARD
-  all_gather transformer.encoder.layers.1 FORWARD
-  compute transformer.encoder.layers.1 FORWARD
-  free transformer.encoder.layers.1 FORWARD
-  all_gather transformer.decoder.layers.0 FORWARD
-  compute transformer.decoder.layers.0 FORWARD
-  free transformer.decoder.layers.0 FORWARD
-  all_gather transformer.decoder.layers.1 FORWARD
-  compute transformer.decoder.layers.1 FORWARD
-  free transformer.decoder.layers.1 FORWARD
-iteration 1 backward:
-  all_gather transformer.decoder.layers.1 BACKWARD_PRE
-  free transformer.decoder.layers.1 BACKWARD_POST
-  all_gather transformer.decoder.layers.0 IDLE
-  reduce_scatter transformer.decoder.layers.1 BACKWARD_POST
-  free transformer.decoder.layers.0 BACKWARD_POST
-  all_gather transformer.encoder.layers.1 IDLE
-  reduce_scatter transformer.decoder.layers.0 BACKWARD_POST
-  free transformer.encoder.layers.1 BACKWARD_POST
-  all_gather transformer.encoder.layers.0 IDLE
-  reduce_scatter transformer.encoder.layers.1 BACKWARD_POST
-  free transformer.encoder.layers.0 BACKWARD_POST
-  reduce_scatter transformer.encoder.layers.0 BACKWARD_POST
-  free <root> BACKWARD_POST
-  reduce_scatter <root> BACKWARD_POST
-iteration 2 forward: same as iteration 1 forward
-iteration 2 backward: same as iteration 1 backward
-iteration 3 forward: same as iteration 1 forward
-iteration 3 backward: same as iteration 1 backward
-""")
-    elif case == "transformer-bwd=BACKWARD_POST-fwd=1":
-        expect(rendered, """\
-iteration 1 forward:
-  all_gather <root> FORWARD
-  compute <root> FORWARD
-  all_gather transformer.encoder.layers.0 FORWARD
-  compute transformer.encoder.layers.0 FORWARD
-  free transformer.encoder.layers.0 FORWARD
-  all_gather transformer.encoder.layers.1 FORWARD
-  compute transformer.encoder.layers.1 FORWARD
-  free transformer.encoder.layers.1 FORWARD
-  all_gather transformer.decoder.layers.0 FORWARD
-  compute transformer.decoder.layers.0 FORWARD
-  free transformer.decoder.layers.0 FORWARD
-  all_gather transformer.decoder.layers.1 FORWARD
-  compute transformer.decoder.layers.1 FORWARD
-  free transformer.decoder.layers.1 FORWARD
-iteration 1 backward:
-  all_gather transformer.decoder.layers.1 BACKWARD_PRE
-  free transformer.decoder.layers.1 BACKWARD_POST
-  all_gather transformer.decoder.layers.0 IDLE
-  reduce_scatter transformer.decoder.layers.1 BACKWARD_POST
-  free transformer.decoder.layers.0 BACKWARD_POST
-  all_gather transformer.encoder.layers.1 IDLE
-  reduce_scatter transformer.decoder.layers.0 BACKWARD_POST
-  free transformer.encoder.layers.1 BACKWARD_POST
-  all_gather transformer.encoder.layers.0 IDLE
-  reduce_scatter transformer.encoder.layers.1 BACKWARD_POST
-  free transformer.encoder.layers.0 BACKWARD_POST
-  reduce_scatter transformer.encoder.layers.0 BACKWARD_POST
-  free <root> BACKWARD_POST
-  reduce_scatter <root> BACKWARD_POST
-iteration 2 forward:
-  all_gather <root> FORWARD
-  all_gather transformer.encoder.layers.0 IDLE
-  compute <root> FORWARD
-  all_gather transformer.encoder.layers.1 IDLE
-  compute transformer.encoder.layers.0 FORWARD
-  free transformer.encoder.layers.0 FORWARD
-  all_gather transformer.decoder.layers.0 IDLE
-  compute transformer.encoder.layers.1 FORWARD
-  free transformer.encoder.layers.1 FORWARD
-  all_gather transformer.decoder.layers.1 IDLE
-  compute transformer.decoder.layers.0 FORWARD
-  free transformer.decoder.layers.0 FORWARD
-  compute transformer.decoder.layers.1 FORWARD
-  free transformer.decoder.layers.1 FORWARD
-iteration 2 backward: same as iteration 1 backward
-iteration 3 forward: same as iteration 2 forward
-iteration 3 backward: same as iteration 1 backward
-""")
-    else:
-        raise ValueError(f"no golden for case {case!r}")
-
-
-def torch_fsdp1_golden(case: str, rendered: str) -> None:
-    if case == "nested-bwd=None-fwd=0":
-        expect(rendered, """\
-iteration 1 forward:
-  all_gather <root> FORWARD
-  compute <root> FORWARD
-  all_gather module.1 FORWARD
-  compute module.1 FORWARD
-  all_gather module.1.0 FORWARD
-  compute module.1.0 FORWARD
-  free module.1.0 FORWARD
-  free module.1 FORWARD
-  all_gather module.2 FORWARD
-  compute module.2 FORWARD
-  free module.2 FORWARD
-iteration 1 backward:
-  all_gather module.2 BACKWARD_PRE
-  free module.2 BACKWARD_POST
-  reduce_scatter module.2 BACKWARD_POST
-  all_gather module.1 BACKWARD_PRE
-  all_gather module.1.0 BACKWARD_PRE
-  free module.1.0 BACKWARD_POST
-  reduce_scatter module.1.0 BACKWARD_POST
-  free module.1 BACKWARD_POST
-  reduce_scatter module.1 BACKWARD_POST
-  free <root> BACKWARD_POST
-  reduce_scatter <root> BACKWARD_POST
-iteration 2 forward: same as iteration 1 forward
-iteration 2 backward: same as iteration 1 backward
-iteration 3 forward: same as iteration 1 forward
-iteration 3 backward: same as iteration 1 backward
-""")
-    elif case == "nested-bwd=None-fwd=1":
-        expect(rendered, """\
-iteration 1 forward:
-  all_gather <root> FORWARD
-  compute <root> FORWARD
-  all_gather module.1 FORWARD
-  compute module.1 FORWARD
-  all_gather module.1.0 FORWARD
-  compute module.1.0 FORWARD
-  free module.1.0 FORWARD
-  free module.1 FORWARD
-  all_gather module.2 FORWARD
-  compute module.2 FORWARD
-  free module.2 FORWARD
-iteration 1 backward:
-  all_gather module.2 BACKWARD_PRE
-  free module.2 BACKWARD_POST
-  reduce_scatter module.2 BACKWARD_POST
-  all_gather module.1 BACKWARD_PRE
-  all_gather module.1.0 BACKWARD_PRE
-  free module.1.0 BACKWARD_POST
-  reduce_scatter module.1.0 BACKWARD_POST
-  free module.1 BACKWARD_POST
-  reduce_scatter module.1 BACKWARD_POST
-  free <root> BACKWARD_POST
-  reduce_scatter <root> BACKWARD_POST
-iteration 2 forward:
-  all_gather <root> FORWARD
-  all_gather module.1 FORWARD
-  compute <root> FORWARD
-  all_gather module.1.0 FORWARD
-  compute module.1 FORWARD
-  all_gather module.2 FORWARD
-  compute module.1.0 FORWARD
-  free module.1.0 FORWARD
-  free module.1 FORWARD
-  compute module.2 FORWARD
-  free module.2 FORWARD
-iteration 2 backward:
-  all_gather module.2 BACKWARD_PRE
-  all_gather module.1 BACKWARD_PRE
-  all_gather module.1.0 BACKWARD_PRE
-  free module.2 BACKWARD_POST
-  reduce_scatter module.2 BACKWARD_POST
-  free module.1.0 BACKWARD_POST
-  reduce_scatter module.1.0 BACKWARD_POST
-  free module.1 BACKWARD_POST
-  reduce_scatter module.1 BACKWARD_POST
-  free <root> BACKWARD_POST
-  reduce_scatter <root> BACKWARD_POST
-iteration 3 forward: same as iteration 2 forward
-iteration 3 backward: same as iteration 2 backward
-""")
-    elif case == "nested-bwd=BACKWARD_PRE-fwd=0":
-        expect(rendered, """\
-iteration 1 forward:
-  all_gather <root> FORWARD
-  compute <root> FORWARD
-  all_gather module.1 FORWARD
-  compute module.1 FORWARD
-  all_gather module.1.0 FORWARD
-  compute module.1.0 FORWARD
-  free module.1.0 FORWARD
-  free module.1 FORWARD
-  all_gather module.2 FORWARD
-  compute module.2 FORWARD
-  free module.2 FORWARD
-iteration 1 backward:
-  all_gather module.2 BACKWARD_PRE
-  all_gather module.1 BACKWARD_PRE
-  free module.2 BACKWARD_POST
-  reduce_scatter module.2 BACKWARD_POST
-  all_gather module.1.0 BACKWARD_PRE
-  free module.1.0 BACKWARD_POST
-  reduce_scatter module.1.0 BACKWARD_POST
-  free module.1 BACKWARD_POST
-  reduce_scatter module.1 BACKWARD_POST
-  free <root> BACKWARD_POST
-  reduce_scatter <root> BACKWARD_POST
-iteration 2 forward: same as iteration 1 forward
-iteration 2 backward: same as iteration 1 backward
-iteration 3 forward: same as iteration 1 forward
-iteration 3 backward: same as iteration 1 backward
-""")
-    elif case == "nested-bwd=BACKWARD_PRE-fwd=1":
-        expect(rendered, """\
-iteration 1 forward:
-  all_gather <root> FORWARD
-  compute <root> FORWARD
-  all_gather module.1 FORWARD
-  compute module.1 FORWARD
-  all_gather module.1.0 FORWARD
-  compute module.1.0 FORWARD
-  free module.1.0 FORWARD
-  free module.1 FORWARD
-  all_gather module.2 FORWARD
-  compute module.2 FORWARD
-  free module.2 FORWARD
-iteration 1 backward:
-  all_gather module.2 BACKWARD_PRE
-  all_gather module.1 BACKWARD_PRE
-  free module.2 BACKWARD_POST
-  reduce_scatter module.2 BACKWARD_POST
-  all_gather module.1.0 BACKWARD_PRE
-  free module.1.0 BACKWARD_POST
-  reduce_scatter module.1.0 BACKWARD_POST
-  free module.1 BACKWARD_POST
-  reduce_scatter module.1 BACKWARD_POST
-  free <root> BACKWARD_POST
-  reduce_scatter <root> BACKWARD_POST
-iteration 2 forward:
-  all_gather <root> FORWARD
-  all_gather module.1 FORWARD
-  compute <root> FORWARD
-  all_gather module.1.0 FORWARD
-  compute module.1 FORWARD
-  all_gather module.2 FORWARD
-  compute module.1.0 FORWARD
-  free module.1.0 FORWARD
-  free module.1 FORWARD
-  compute module.2 FORWARD
-  free module.2 FORWARD
-iteration 2 backward:
-  all_gather module.2 BACKWARD_PRE
-  all_gather module.1 BACKWARD_PRE
-  all_gather module.1.0 BACKWARD_PRE
-  free module.2 BACKWARD_POST
-  reduce_scatter module.2 BACKWARD_POST
-  free module.1.0 BACKWARD_POST
-  reduce_scatter module.1.0 BACKWARD_POST
-  free module.1 BACKWARD_POST
-  reduce_scatter module.1 BACKWARD_POST
-  free <root> BACKWARD_POST
-  reduce_scatter <root> BACKWARD_POST
-iteration 3 forward: same as iteration 2 forward
-iteration 3 backward: same as iteration 2 backward
-""")
-    elif case == "nested-bwd=BACKWARD_POST-fwd=0":
-        expect(rendered, """\
-iteration 1 forward:
-  all_gather <root> FORWARD
-  compute <root> FORWARD
-  all_gather module.1 FORWARD
-  compute module.1 FORWARD
-  all_gather module.1.0 FORWARD
-  compute module.1.0 FORWARD
-  free module.1.0 FORWARD
-  free module.1 FORWARD
-  all_gather module.2 FORWARD
-  compute module.2 FORWARD
-  free module.2 FORWARD
-iteration 1 backward:
-  all_gather module.2 BACKWARD_PRE
-  free module.2 BACKWARD_POST
-  all_gather module.1 BACKWARD_PRE
-  reduce_scatter module.2 BACKWARD_POST
-  all_gather module.1.0 BACKWARD_PRE
-  free module.1.0 BACKWARD_POST
-  reduce_scatter module.1.0 BACKWARD_POST
-  free module.1 BACKWARD_POST
-  reduce_scatter module.1 BACKWARD_POST
-  free <root> BACKWARD_POST
-  reduce_scatter <root> BACKWARD_POST
-iteration 2 forward: same as iteration 1 forward
-iteration 2 backward: same as iteration 1 backward
-iteration 3 forward: same as iteration 1 forward
-iteration 3 backward: same as iteration 1 backward
-""")
-    elif case == "nested-bwd=BACKWARD_POST-fwd=1":
-        expect(rendered, """\
-iteration 1 forward:
-  all_gather <root> FORWARD
-  compute <root> FORWARD
-  all_gather module.1 FORWARD
-  compute module.1 FORWARD
-  all_gather module.1.0 FORWARD
-  compute module.1.0 FORWARD
-  free module.1.0 FORWARD
-  free module.1 FORWARD
-  all_gather module.2 FORWARD
-  compute module.2 FORWARD
-  free module.2 FORWARD
-iteration 1 backward:
-  all_gather module.2 BACKWARD_PRE
-  free module.2 BACKWARD_POST
-  all_gather module.1 BACKWARD_PRE
-  reduce_scatter module.2 BACKWARD_POST
-  all_gather module.1.0 BACKWARD_PRE
-  free module.1.0 BACKWARD_POST
-  reduce_scatter module.1.0 BACKWARD_POST
-  free module.1 BACKWARD_POST
-  reduce_scatter module.1 BACKWARD_POST
-  free <root> BACKWARD_POST
-  reduce_scatter <root> BACKWARD_POST
-iteration 2 forward:
-  all_gather <root> FORWARD
-  all_gather module.1 FORWARD
-  compute <root> FORWARD
-  all_gather module.1.0 FORWARD
-  compute module.1 FORWARD
-  all_gather module.2 FORWARD
-  compute module.1.0 FORWARD
-  free module.1.0 FORWARD
-  free module.1 FORWARD
-  compute module.2 FORWARD
-  free module.2 FORWARD
-iteration 2 backward:
-  all_gather module.2 BACKWARD_PRE
-  all_gather module.1 BACKWARD_PRE
-  all_gather module.1.0 BACKWARD_PRE
-  free module.2 BACKWARD_POST
-  reduce_scatter module.2 BACKWARD_POST
-  free module.1.0 BACKWARD_POST
-  reduce_scatter module.1.0 BACKWARD_POST
-  free module.1 BACKWARD_POST
-  reduce_scatter module.1 BACKWARD_POST
-  free <root> BACKWARD_POST
-  reduce_scatter <root> BACKWARD_POST
-iteration 3 forward: same as iteration 2 forward
-iteration 3 backward: same as iteration 2 backward
-""")
-    elif case == "transformer-bwd=None-fwd=0":
-        expect(rendered, """\
-iteration 1 forward:
-  all_gather <root> FORWARD
-  compute <root> FORWARD
-  all_gather transformer.encoder.layers.0 FORWARD
-  compute transformer.encoder.layers.0 FORWARD
-  free transformer.encoder.layers.0 FORWARD
-  all_gather transformer.encoder.layers.1 FORWARD
-  compute transformer.encoder.layers.1 FORWARD
-  free transformer.encoder.layers.1 FORWARD
-  all_gather transformer.decoder.layers.0 FORWARD
-  compute transformer.decoder.layers.0 FORWARD
-  free transformer.decoder.layers.0 FORWARD
-  all_gather transformer.decoder.layers.1 FORWARD
-  compute transformer.decoder.layers.1 FORWARD
-  free transformer.decoder.layers.1 FORWARD
-iteration 1 backward:
-  all_gather transformer.decoder.layers.1 BACKWARD_PRE
-  free transformer.decoder.layers.1 BACKWARD_POST
-  reduce_scatter transformer.decoder.layers.1 BACKWARD_POST
-  all_gather transformer.decoder.layers.0 BACKWARD_PRE
-  free transformer.decoder.layers.0 BACKWARD_POST
-  reduce_scatter transformer.decoder.layers.0 BACKWARD_POST
-  all_gather transformer.encoder.layers.1 BACKWARD_PRE
-  free transformer.encoder.layers.1 BACKWARD_POST
-  reduce_scatter transformer.encoder.layers.1 BACKWARD_POST
-  all_gather transformer.encoder.layers.0 BACKWARD_PRE
-  free transformer.encoder.layers.0 BACKWARD_POST
-  reduce_scatter transformer.encoder.layers.0 BACKWARD_POST
-  free <root> BACKWARD_POST
-  reduce_scatter <root> BACKWARD_POST
-iteration 2 forward: same as iteration 1 forward
-iteration 2 backward: same as iteration 1 backward
-iteration 3 forward: same as iteration 1 forward
-iteration 3 backward: same as iteration 1 backward
-""")
-    elif case == "transformer-bwd=None-fwd=1":
-        expect(rendered, """\
-iteration 1 forward:
-  all_gather <root> FORWARD
-  compute <root> FORWARD
-  all_gather transformer.encoder.layers.0 FORWARD
-  compute transformer.encoder.layers.0 FORWARD
-  free transformer.encoder.layers.0 FORWARD
-  all_gather transformer.encoder.layers.1 FORWARD
-  compute transformer.encoder.layers.1 FORWARD
-  free transformer.encoder.layers.1 FORWARD
-  all_gather transformer.decoder.layers.0 FORWARD
-  compute transformer.decoder.layers.0 FORWARD
-  free transformer.decoder.layers.0 FORWARD
-  all_gather transformer.decoder.layers.1 FORWARD
-  compute transformer.decoder.layers.1 FORWARD
-  free transformer.decoder.layers.1 FORWARD
-iteration 1 backward:
-  all_gather transformer.decoder.layers.1 BACKWARD_PRE
-  free transformer.decoder.layers.1 BACKWARD_POST
-  reduce_scatter transformer.decoder.layers.1 BACKWARD_POST
-  all_gather transformer.decoder.layers.0 BACKWARD_PRE
-  free transformer.decoder.layers.0 BACKWARD_POST
-  reduce_scatter transformer.decoder.layers.0 BACKWARD_POST
-  all_gather transformer.encoder.layers.1 BACKWARD_PRE
-  free transformer.encoder.layers.1 BACKWARD_POST
-  reduce_scatter transformer.encoder.layers.1 BACKWARD_POST
-  all_gather transformer.encoder.layers.0 BACKWARD_PRE
-  free transformer.encoder.layers.0 BACKWARD_POST
-  reduce_scatter transformer.encoder.layers.0 BACKWARD_POST
-  free <root> BACKWARD_POST
-  reduce_scatter <root> BACKWARD_POST
-iteration 2 forward:
-  all_gather <root> FORWARD
-  all_gather transformer.encoder.layers.0 FORWARD
-  compute <root> FORWARD
-  all_gather transformer.encoder.layers.1 FORWARD
-  compute transformer.encoder.layers.0 FORWARD
-  free transformer.encoder.layers.0 FORWARD
-  all_gather transformer.decoder.layers.0 FORWARD
-  compute transformer.encoder.layers.1 FORWARD
-  free transformer.encoder.layers.1 FORWARD
-  all_gather transformer.decoder.layers.1 FORWARD
-  compute transformer.decoder.layers.0 FORWARD
-  free transformer.decoder.layers.0 FORWARD
-  compute transformer.decoder.layers.1 FORWARD
-  free transformer.decoder.layers.1 FORWARD
-iteration 2 backward:
-  all_gather transformer.decoder.layers.1 BACKWARD_PRE
-  all_gather transformer.decoder.layers.0 BACKWARD_PRE
-  free transformer.decoder.layers.1 BACKWARD_POST
-  reduce_scatter transformer.decoder.layers.1 BACKWARD_POST
-  all_gather transformer.encoder.layers.1 BACKWARD_PRE
-  free transformer.decoder.layers.0 BACKWARD_POST
-  reduce_scatter transformer.decoder.layers.0 BACKWARD_POST
-  all_gather transformer.encoder.layers.0 BACKWARD_PRE
-  free transformer.encoder.layers.1 BACKWARD_POST
-  reduce_scatter transformer.encoder.layers.1 BACKWARD_POST
-  free transformer.encoder.layers.0 BACKWARD_POST
-  reduce_scatter transformer.encoder.layers.0 BACKWARD_POST
-  free <root> BACKWARD_POST
-  reduce_scatter <root> BACKWARD_POST
-iteration 3 forward: same as iteration 2 forward
-iteration 3 backward: same as iteration 2 backward
-""")
-    elif case == "transformer-bwd=BACKWARD_PRE-fwd=0":
-        expect(rendered, """\
-iteration 1 forward:
-  all_gather <root> FORWARD
-  compute <root> FORWARD
-  all_gather transformer.encoder.layers.0 FORWARD
-  compute transformer.encoder.layers.0 FORWARD
-  free transformer.encoder.layers.0 FORWARD
-  all_gather transformer.encoder.layers.1 FORWARD
-  compute transformer.encoder.layers.1 FORWARD
-  free transformer.encoder.layers.1 FORWARD
-  all_gather transformer.decoder.layers.0 FORWARD
-  compute transformer.decoder.layers.0 FORWARD
-  free transformer.decoder.layers.0 FORWARD
-  all_gather transformer.decoder.layers.1 FORWARD
-  compute transformer.decoder.layers.1 FORWARD
-  free transformer.decoder.layers.1 FORWARD
-iteration 1 backward:
-  all_gather transformer.decoder.layers.1 BACKWARD_PRE
-  all_gather transformer.decoder.layers.0 BACKWARD_PRE
-  free transformer.decoder.layers.1 BACKWARD_POST
-  reduce_scatter transformer.decoder.layers.1 BACKWARD_POST
-  all_gather transformer.encoder.layers.1 BACKWARD_PRE
-  free transformer.decoder.layers.0 BACKWARD_POST
-  reduce_scatter transformer.decoder.layers.0 BACKWARD_POST
-  all_gather transformer.encoder.layers.0 BACKWARD_PRE
-  free transformer.encoder.layers.1 BACKWARD_POST
-  reduce_scatter transformer.encoder.layers.1 BACKWARD_POST
-  free transformer.encoder.layers.0 BACKWARD_POST
-  reduce_scatter transformer.encoder.layers.0 BACKWARD_POST
-  free <root> BACKWARD_POST
-  reduce_scatter <root> BACKWARD_POST
-iteration 2 forward: same as iteration 1 forward
-iteration 2 backward: same as iteration 1 backward
-iteration 3 forward: same as iteration 1 forward
-iteration 3 backward: same as iteration 1 backward
-""")
-    elif case == "transformer-bwd=BACKWARD_PRE-fwd=1":
-        expect(rendered, """\
-iteration 1 forward:
-  all_gather <root> FORWARD
-  compute <root> FORWARD
-  all_gather transformer.encoder.layers.0 FORWARD
-  compute transformer.encoder.layers.0 FORWARD
-  free transformer.encoder.layers.0 FORWARD
-  all_gather transformer.encoder.layers.1 FORWARD
-  compute transformer.encoder.layers.1 FORWARD
-  free transformer.encoder.layers.1 FORWARD
-  all_gather transformer.decoder.layers.0 FORWARD
-  compute transformer.decoder.layers.0 FORWARD
-  free transformer.decoder.layers.0 FORWARD
-  all_gather transformer.decoder.layers.1 FORWARD
-  compute transformer.decoder.layers.1 FORWARD
-  free transformer.decoder.layers.1 FORWARD
-iteration 1 backward:
-  all_gather transformer.decoder.layers.1 BACKWARD_PRE
-  all_gather transformer.decoder.layers.0 BACKWARD_PRE
-  free transformer.decoder.layers.1 BACKWARD_POST
-  reduce_scatter transformer.decoder.layers.1 BACKWARD_POST
-  all_gather transformer.encoder.layers.1 BACKWARD_PRE
-  free transformer.decoder.layers.0 BACKWARD_POST
-  reduce_scatter transformer.decoder.layers.0 BACKWARD_POST
-  all_gather transformer.encoder.layers.0 BACKWARD_PRE
-  free transformer.encoder.layers.1 BACKWARD_POST
-  reduce_scatter transformer.encoder.layers.1 BACKWARD_POST
-  free transformer.encoder.layers.0 BACKWARD_POST
-  reduce_scatter transformer.encoder.layers.0 BACKWARD_POST
-  free <root> BACKWARD_POST
-  reduce_scatter <root> BACKWARD_POST
-iteration 2 forward:
-  all_gather <root> FORWARD
-  all_gather transformer.encoder.layers.0 FORWARD
-  compute <root> FORWARD
-  all_gather transformer.encoder.layers.1 FORWARD
-  compute transformer.encoder.layers.0 FORWARD
-  free transformer.encoder.layers.0 FORWARD
-  all_gather transformer.decoder.layers.0 FORWARD
-  compute transformer.encoder.layers.1 FORWARD
-  free transformer.encoder.layers.1 FORWARD
-  all_gather transformer.decoder.layers.1 FORWARD
-  compute transformer.decoder.layers.0 FORWARD
-  free transformer.decoder.layers.0 FORWARD
-  compute transformer.decoder.layers.1 FORWARD
-  free transformer.decoder.layers.1 FORWARD
-iteration 2 backward:
-  all_gather transformer.decoder.layers.1 BACKWARD_PRE
-  all_gather transformer.decoder.layers.0 BACKWARD_PRE
-  all_gather transformer.encoder.layers.1 BACKWARD_PRE
-  free transformer.decoder.layers.1 BACKWARD_POST
-  reduce_scatter transformer.decoder.layers.1 BACKWARD_POST
-  all_gather transformer.encoder.layers.0 BACKWARD_PRE
-  free transformer.decoder.layers.0 BACKWARD_POST
-  reduce_scatter transformer.decoder.layers.0 BACKWARD_POST
-  free transformer.encoder.layers.1 BACKWARD_POST
-  reduce_scatter transformer.encoder.layers.1 BACKWARD_POST
-  free transformer.encoder.layers.0 BACKWARD_POST
-  reduce_scatter transformer.encoder.layers.0 BACKWARD_POST
-  free <root> BACKWARD_POST
-  reduce_scatter <root> BACKWARD_POST
-iteration 3 forward: same as iteration 2 forward
-iteration 3 backward: same as iteration 2 backward
-""")
-    elif case == "transformer-bwd=BACKWARD_POST-fwd=0":
-        expect(rendered, """\
-iteration 1 forward:
-  all_gather <root> FORWARD
-  compute <root> FORWARD
-  all_gather transformer.encoder.layers.0 FORWARD
-  compute transformer.encoder.layers.0 FORWARD
-  free transformer.encoder.layers.0 FORWARD
-  all_gather transformer.encoder.layers.1 FORWARD
-  compute transformer.encoder.layers.1 FORWARD
-  free transformer.encoder.layers.1 FORWARD
-  all_gather transformer.decoder.layers.0 FORWARD
-  compute transformer.decoder.layers.0 FORWARD
-  free transformer.decoder.layers.0 FORWARD
-  all_gather transformer.decoder.layers.1 FORWARD
-  compute transformer.decoder.layers.1 FORWARD
-  free transformer.decoder.layers.1 FORWARD
-iteration 1 backward:
-  all_gather transformer.decoder.layers.1 BACKWARD_PRE
-  free transformer.decoder.layers.1 BACKWARD_POST
-  all_gather transformer.decoder.layers.0 BACKWARD_PRE
-  reduce_scatter transformer.decoder.layers.1 BACKWARD_POST
-  free transformer.decoder.layers.0 BACKWARD_POST
-  all_gather transformer.encoder.layers.1 BACKWARD_PRE
-  reduce_scatter transformer.decoder.layers.0 BACKWARD_POST
-  free transformer.encoder.layers.1 BACKWARD_POST
-  all_gather transformer.encoder.layers.0 BACKWARD_PRE
-  reduce_scatter transformer.encoder.layers.1 BACKWARD_POST
-  free transformer.encoder.layers.0 BACKWARD_POST
-  reduce_scatter transformer.encoder.layers.0 BACKWARD_POST
-  free <root> BACKWARD_POST
-  reduce_scatter <root> BACKWARD_POST
-iteration 2 forward: same as iteration 1 forward
-iteration 2 backward: same as iteration 1 backward
-iteration 3 forward: same as iteration 1 forward
-iteration 3 backward: same as iteration 1 backward
-""")
-    elif case == "transformer-bwd=BACKWARD_POST-fwd=1":
-        expect(rendered, """\
-iteration 1 forward:
-  all_gather <root> FORWARD
-  compute <root> FORWARD
-  all_gather transformer.encoder.layers.0 FORWARD
-  compute transformer.encoder.layers.0 FORWARD
-  free transformer.encoder.layers.0 FORWARD
-  all_gather transformer.encoder.layers.1 FORWARD
-  compute transformer.encoder.layers.1 FORWARD
-  free transformer.encoder.layers.1 FORWARD
-  all_gather transformer.decoder.layers.0 FORWARD
-  compute transformer.decoder.layers.0 FORWARD
-  free transformer.decoder.layers.0 FORWARD
-  all_gather transformer.decoder.layers.1 FORWARD
-  compute transformer.decoder.layers.1 FORWARD
-  free transformer.decoder.layers.1 FORWARD
-iteration 1 backward:
-  all_gather transformer.decoder.layers.1 BACKWARD_PRE
-  free transformer.decoder.layers.1 BACKWARD_POST
-  all_gather transformer.decoder.layers.0 BACKWARD_PRE
-  reduce_scatter transformer.decoder.layers.1 BACKWARD_POST
-  free transformer.decoder.layers.0 BACKWARD_POST
-  all_gather transformer.encoder.layers.1 BACKWARD_PRE
-  reduce_scatter transformer.decoder.layers.0 BACKWARD_POST
-  free transformer.encoder.layers.1 BACKWARD_POST
-  all_gather transformer.encoder.layers.0 BACKWARD_PRE
-  reduce_scatter transformer.encoder.layers.1 BACKWARD_POST
-  free transformer.encoder.layers.0 BACKWARD_POST
-  reduce_scatter transformer.encoder.layers.0 BACKWARD_POST
-  free <root> BACKWARD_POST
-  reduce_scatter <root> BACKWARD_POST
-iteration 2 forward:
-  all_gather <root> FORWARD
-  all_gather transformer.encoder.layers.0 FORWARD
-  compute <root> FORWARD
-  all_gather transformer.encoder.layers.1 FORWARD
-  compute transformer.encoder.layers.0 FORWARD
-  free transformer.encoder.layers.0 FORWARD
-  all_gather transformer.decoder.layers.0 FORWARD
-  compute transformer.encoder.layers.1 FORWARD
-  free transformer.encoder.layers.1 FORWARD
-  all_gather transformer.decoder.layers.1 FORWARD
-  compute transformer.decoder.layers.0 FORWARD
-  free transformer.decoder.layers.0 FORWARD
-  compute transformer.decoder.layers.1 FORWARD
-  free transformer.decoder.layers.1 FORWARD
-iteration 2 backward:
-  all_gather transformer.decoder.layers.1 BACKWARD_PRE
-  all_gather transformer.decoder.layers.0 BACKWARD_PRE
-  free transformer.decoder.layers.1 BACKWARD_POST
-  reduce_scatter transformer.decoder.layers.1 BACKWARD_POST
-  all_gather transformer.encoder.layers.1 BACKWARD_PRE
-  free transformer.decoder.layers.0 BACKWARD_POST
-  reduce_scatter transformer.decoder.layers.0 BACKWARD_POST
-  all_gather transformer.encoder.layers.0 BACKWARD_PRE
-  free transformer.encoder.layers.1 BACKWARD_POST
-  reduce_scatter transformer.encoder.layers.1 BACKWARD_POST
-  free transformer.encoder.layers.0 BACKWARD_POST
-  reduce_scatter transformer.encoder.layers.0 BACKWARD_POST
-  free <root> BACKWARD_POST
-  reduce_scatter <root> BACKWARD_POST
-iteration 3 forward: same as iteration 2 forward
-iteration 3 backward: same as iteration 2 backward
-""")
-    else:
-        raise ValueError(f"no golden for case {case!r}")
-# fmt: on
+    if adapter_name == "torch-fsdp1" and not torch.__version__.startswith(
+        TORCH_FSDP1_GOLDEN_VERSION
+    ):
+        pytest.skip(
+            f"adapter 'torch-fsdp1': the prefetch-order goldens were recorded with torch "
+            f"{TORCH_FSDP1_GOLDEN_VERSION}x, this is torch {torch.__version__}"
+        )
+    if accepting():
+        accept_golden(adapter_name, case, rendered)
+        return
+    compare_golden(adapter_name, case, rendered)

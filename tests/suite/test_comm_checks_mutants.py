@@ -44,7 +44,8 @@ def golden_failure(dist, config, model="nested") -> str:
     trace, _ = trace_of(dist, config, model)
     case = comm_checks.prefetch_case_id(model, config["backward_prefetch"], True)
     with mock.patch.dict(os.environ):
-        os.environ.pop("EXPECTTEST_ACCEPT", None)  # never rewrite the goldens from here
+        for name in prefetch_goldens.ACCEPT_ENV_VARS:  # never rewrite the goldens from here
+            os.environ.pop(name, None)
         with pytest.raises(AssertionError) as failure:
             prefetch_goldens.check_golden("impl", case, trace.render(ops=None))
     return str(failure.value)
