@@ -1,9 +1,22 @@
-"""Canonical training states (DESIGN §4), the vocabulary every adapter maps into.
+"""The canonical training states and their legal transitions: the one table.
+
+Every adapter maps its implementation's states into these (``fsdp_conformance.adapters``), the
+training-state recorder checks observed states against them (``fsdp_conformance.observe``), and
+the reference implementation derives its own table from them (``fsdp_conformance.impl.state``,
+which writes down where it differs and why). Import-light: no torch, no other module of the
+package, so that every layer can import it.
 
 Two levels, as in torch FSDP1: an *instance* state (per FSDP instance, driven by its own hooks)
-and a *root* state (the coarse state of the instance object; FSDP1's `TrainingState`).
-The enums subclass `str`, so `state == "IDLE"` works and traces render plainly.
+and a *root* state (the coarse state of the instance object; FSDP1's ``TrainingState``).
+The enums subclass ``str``, so ``state == "IDLE"`` works and traces render plainly.
+
+The life of an instance in one training step: IDLE -> FORWARD (pre-forward unshards) -> IDLE
+(post-forward reshards) -> BACKWARD_PRE (pre-backward unshards) -> BACKWARD_POST (its gradient
+is ready: reshard, reduce) -> IDLE (end of backward). Activation-checkpoint recompute runs a
+forward inside backward, so BACKWARD_PRE -> FORWARD is legal too. Inside
+``summon_full_params`` an instance is in SUMMON_FULL_PARAMS.
 """
+
 from __future__ import annotations
 
 import enum
@@ -41,8 +54,8 @@ class RootState(str, enum.Enum):
         return self.value
 
 
-# Legal instance transitions (DESIGN §4). Activation-checkpoint recompute may enter FORWARD
-# from BACKWARD_PRE. Staying in a state is always legal and not listed.
+# Legal instance transitions. Activation-checkpoint recompute may enter FORWARD from
+# BACKWARD_PRE. Staying in a state is always legal and not listed.
 LEGAL_INSTANCE_TRANSITIONS: dict[InstanceState, frozenset[InstanceState]] = {
     InstanceState.IDLE: frozenset(
         {InstanceState.FORWARD, InstanceState.BACKWARD_PRE, InstanceState.SUMMON_FULL_PARAMS}
@@ -53,7 +66,15 @@ LEGAL_INSTANCE_TRANSITIONS: dict[InstanceState, frozenset[InstanceState]] = {
     InstanceState.SUMMON_FULL_PARAMS: frozenset({InstanceState.IDLE}),
 }
 
-# Legal root transitions (DESIGN §4).
+# Legal at the end of backward only: BACKWARD_PRE -> IDLE, for an instance whose post-backward
+# never runs because none of its parameters received a gradient in this backward (an instance
+# without parameters of its own, e.g. the root under ``auto_wrap_policy="always"``; torch
+# FSDP1's end-of-backward callback resets such handles explicitly).
+END_OF_BACKWARD_TRANSITIONS: dict[InstanceState, frozenset[InstanceState]] = {
+    InstanceState.BACKWARD_PRE: frozenset({InstanceState.IDLE})
+}
+
+# Legal root transitions.
 LEGAL_ROOT_TRANSITIONS: dict[RootState, frozenset[RootState]] = {
     RootState.IDLE: frozenset({RootState.FORWARD_BACKWARD, RootState.SUMMON_FULL_PARAMS}),
     RootState.FORWARD_BACKWARD: frozenset({RootState.IDLE}),

@@ -29,11 +29,11 @@ same kind:
   (queued after the implementation's own end-of-backward callback, so it runs after it);
 - after `optimizer.step()`: `after_step()`, which also requires every instance to be IDLE;
 - inside and after `summon_full_params`: `sample(hook)` called by the check.
-Staying in a state is always legal. One transition beyond the table in adapters/states.py is
-legal at the end of backward only: BACKWARD_PRE -> IDLE, for an instance whose post-backward
-never runs because none of its parameters received a gradient in this backward (an instance
-without parameters of its own, e.g. the root under `auto_wrap_policy="always"`; torch FSDP1's
-end-of-backward callback resets such handles explicitly). The recorder only reads states.
+Staying in a state is always legal. The transitions are the canonical table of
+`fsdp_conformance/training_states.py`; its `END_OF_BACKWARD_TRANSITIONS` (BACKWARD_PRE -> IDLE,
+for an instance whose post-backward never runs because none of its parameters received a
+gradient in this backward) are legal at the end-of-backward sample only. The recorder only
+reads states.
 """
 
 from __future__ import annotations
@@ -46,13 +46,13 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from fsdp_conformance.adapters import (
+from fsdp_conformance import training_states
+from fsdp_conformance.adapters import Adapter, clean_param_name
+from fsdp_conformance.training_states import (
     LEGAL_INSTANCE_TRANSITIONS,
     LEGAL_ROOT_TRANSITIONS,
-    Adapter,
     InstanceState,
     RootState,
-    clean_param_name,
 )
 
 # Violations kept (the first ones explain the rest)
@@ -60,7 +60,7 @@ MAX_VIOLATIONS = 20
 # The kind of sample at which END_OF_BACKWARD_TRANSITIONS are also legal
 END_OF_BACKWARD = "end of backward"
 # Legal at the end of backward only (see the module docstring)
-END_OF_BACKWARD_TRANSITIONS = {InstanceState.BACKWARD_PRE: frozenset({InstanceState.IDLE})}
+END_OF_BACKWARD_TRANSITIONS = training_states.END_OF_BACKWARD_TRANSITIONS
 
 
 @dataclasses.dataclass(frozen=True)
