@@ -1,6 +1,7 @@
 """The device handle: every stream, event and synchronisation goes through one object.
 
-This is the only module that calls ``torch.cuda``. ``CPUDeviceHandle`` has events that
+This is the only module that calls ``torch.cuda``. Both handles implement the
+``fsdp_conformance.device_handle.DeviceHandle`` protocol. ``CPUDeviceHandle`` has events that
 are complete at once and streams that are no-ops (on CPU the asynchrony lives in the
 gloo work handles). Tests substitute their own handle (e.g. a lagging device whose
 events complete only when synchronised) with ``install_device_handle``.
@@ -13,6 +14,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from fsdp_conformance.device_handle import DeviceHandle, UsesDeviceHandle
 
 
 class CPUEvent:
@@ -51,7 +54,7 @@ class CPUStream:
 
 
 class CPUDeviceHandle:
-    """Device handle for CPU compute. Subclass it to build test doubles."""
+    """Device handle for CPU compute (a ``DeviceHandle``)."""
 
     # the torch device type this handle drives
     device_type = "cpu"
@@ -88,7 +91,8 @@ class CPUDeviceHandle:
 
 
 class CUDADeviceHandle(CPUDeviceHandle):
-    """Device handle for one CUDA device (``torch.cuda`` streams and events)."""
+    """Device handle for one CUDA device (``torch.cuda`` streams and events; a
+    ``DeviceHandle``)."""
 
     device_type = "cuda"
     is_accelerator = True
@@ -124,28 +128,26 @@ def accelerator_available() -> bool:
     return torch.cuda.is_available()
 
 
-def device_handle_for(device: torch.device) -> CPUDeviceHandle:
+def device_handle_for(device: torch.device) -> DeviceHandle:
     """The default handle for a compute device."""
     if device.type == "cuda":
         return CUDADeviceHandle(device)
     return CPUDeviceHandle()
 
 
-def install_device_handle(module: nn.Module, handle: Any) -> None:
+def install_device_handle(module: nn.Module, handle: DeviceHandle) -> None:
     """Make every FSDP instance under ``module`` use ``handle`` for streams and events.
 
-    Call after wrapping and before the first forward (or between iterations).
+    Call after wrapping and before the first forward (or between iterations). The instances
+    are the modules of ``module``'s tree (pre-order) that take a device handle
+    (``UsesDeviceHandle``: the reference implementation's FSDP instances).
 
     Args:
         module: a module containing (or being) FSDP instances.
-        handle: an object with the ``CPUDeviceHandle`` interface.
+        handle: an object with the ``DeviceHandle`` interface.
     """
-    from fsdp_conformance.impl.fully_sharded import FullyShardedDataParallel
-
-    instances = FullyShardedDataParallel.fsdp_modules(module)
+    instances = [m for m in module.modules() if isinstance(m, UsesDeviceHandle)]
     if not instances:
         raise ValueError(f"install_device_handle: no FSDP instance under {type(module).__name__}")
     for instance in instances:
-        instance._device_handle = handle
-        if instance._root_state is not None and instance._is_root:
-            instance._root_state.create_streams(handle)
+        instance._use_device_handle(handle)

@@ -12,6 +12,7 @@ from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 from torch.utils._pytree import tree_map_only
 
+from fsdp_conformance.device_handle import DeviceHandle
 from fsdp_conformance.impl import runtime, trace
 from fsdp_conformance.impl.api import (
     BackwardPrefetch,
@@ -225,6 +226,13 @@ class FullyShardedDataParallel(nn.Module):
         )
         where = self._fqn if self._fqn else "<root>" if self._is_root else "<not yet initialized>"
         return f"'{where}' ({inner})"
+
+    def _use_device_handle(self, handle: DeviceHandle) -> None:
+        """Route this instance's streams and events through ``handle`` (``UsesDeviceHandle``;
+        ``install_device_handle`` calls it on every instance)."""
+        self._device_handle = handle
+        if self._root_state is not None and self._is_root:
+            self._root_state.create_streams(handle)
 
     @staticmethod
     def fsdp_modules(module: nn.Module, root_only: bool = False) -> list[FullyShardedDataParallel]:

@@ -15,10 +15,11 @@ recorded so far). Variants:
 - ``max_lag=K`` (either variant): an event also completes once K more events have been recorded
   after it (a finite, realistic delay).
 
-It implements the interface of ``fsdp_conformance.impl.device.CPUDeviceHandle`` (``Event``,
+It implements the ``fsdp_conformance.device_handle.DeviceHandle`` protocol (``Event``,
 ``Stream``, ``stream``, ``current_stream``, ``synchronize``, ``is_available``,
-``record_stream``), which is also all torch FSDP1 uses on a CPU host (torch 2.13.0), so adapters
-install it with ``Adapter.install_device_handle``. Listeners (``add_listener``) hear of every
+``record_stream``) on its own, without the reference implementation's handles; that is also all
+torch FSDP1 uses on a CPU host (torch 2.13.0), so adapters install it with
+``Adapter.install_device_handle``. Listeners (``add_listener``) hear of every
 advance of the device, so observers can sample memory at the moment the device catches up.
 
     device = LaggingDevice("strict")
@@ -32,8 +33,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-
-from fsdp_conformance.impl.device import CPUDeviceHandle
 
 LAG_VARIANTS = ("strict", "drained")
 
@@ -96,8 +95,9 @@ class LaggingStream:
         return self.device.completed >= self.device.recorded
 
 
-class LaggingDevice(CPUDeviceHandle):
-    """A device handle whose events complete only when the CPU synchronizes on them.
+class LaggingDevice:
+    """A device handle (``DeviceHandle``) whose events complete only when the CPU synchronizes
+    on them.
 
     Args:
         variant: ``"strict"`` (never drains by itself) or ``"drained"`` (catches up at every
@@ -106,8 +106,12 @@ class LaggingDevice(CPUDeviceHandle):
             recorded after it.
     """
 
+    # the torch device type the double stands in for (a CPU host's compute)
+    device_type = "cpu"
+    # pinned host memory is meaningless on a CPU host
+    is_accelerator = False
+
     def __init__(self, variant: str = "strict", max_lag: int | None = None) -> None:
-        super().__init__()
         if variant not in LAG_VARIANTS:
             raise ValueError(f"LaggingDevice(variant={variant!r}): choose one of {LAG_VARIANTS}")
         if max_lag is not None and max_lag < 0:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from fsdp_conformance.impl.device import CPUDeviceHandle
+from fsdp_conformance.device_handle import DeviceHandle
+from fsdp_conformance.impl.device import CPUDeviceHandle, CUDADeviceHandle
 from fsdp_conformance.observe.lagging import LaggingDevice
 
 
@@ -81,7 +82,13 @@ def test_listeners_hear_every_advance_with_the_reason():
 
 def test_it_is_a_device_handle_with_the_cpu_interface():
     device = LaggingDevice()
-    assert isinstance(device, CPUDeviceHandle)
+    # the double implements the protocol on its own: it is no kind of impl's handle
+    assert isinstance(device, DeviceHandle)
+    assert not isinstance(device, CPUDeviceHandle)
+    assert not any(
+        base.__module__.startswith("fsdp_conformance.impl") for base in type(device).__mro__
+    )
+    assert (device.device_type, device.is_accelerator) == ("cpu", False)
     stream = device.Stream(priority=-1)
     assert stream is device.current_stream()
     with device.stream(stream):
@@ -94,3 +101,34 @@ def test_it_is_a_device_handle_with_the_cpu_interface():
 def test_bad_arguments_name_the_problem(kwargs):
     with pytest.raises(ValueError, match="LaggingDevice"):
         LaggingDevice(**kwargs)
+
+
+def test_impl_handles_implement_the_protocol_and_a_partial_one_does_not():
+    import torch
+
+    assert isinstance(CPUDeviceHandle(), DeviceHandle)
+    assert isinstance(CUDADeviceHandle(torch.device("cuda", 0)), DeviceHandle)  # no GPU touched
+
+    class WithoutRecordStream:
+        device_type = "cpu"
+        is_accelerator = False
+
+        def Event(self, **kwargs):
+            return None
+
+        def Stream(self, **kwargs):
+            return None
+
+        def stream(self, stream):
+            return None
+
+        def current_stream(self):
+            return None
+
+        def synchronize(self):
+            return None
+
+        def is_available(self):
+            return True
+
+    assert not isinstance(WithoutRecordStream(), DeviceHandle)
