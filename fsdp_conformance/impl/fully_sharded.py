@@ -1,43 +1,45 @@
-"""The module wrapper: construction and validation, forward, summon_full_params, state dicts."""
+"""The module wrapper ``FullyShardedDataParallel``: construction and validation.
+
+The class is assembled from one module per concern: construction (here: argument checks,
+auto-wrap recursion, parameter collection, the compute device, ``sync_module_states``),
+forward, ``no_sync`` and ``summon_full_params`` (``forward.py``, ``ForwardMixin``) and state
+dicts (``state_dict.py``, ``StateDictMixin``). What runs around the wrapped module's forward and
+backward is in ``runtime.py``.
+"""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.modules.module import _IncompatibleKeys
-from torch.utils._pytree import tree_map_only
 
 from fsdp_conformance.device_handle import DeviceHandle
-from fsdp_conformance.impl import runtime, trace
+from fsdp_conformance.impl import runtime
 from fsdp_conformance.impl.api import (
     BackwardPrefetch,
     CPUOffload,
     MixedPrecision,
-    ShardedFlatParameter,
     ShardingStrategy,
-    StateDictType,
 )
 from fsdp_conformance.impl.device import accelerator_available
 from fsdp_conformance.impl.flat_param import FlatParamHandle
+from fsdp_conformance.impl.forward import ForwardMixin
 from fsdp_conformance.impl.state import (
     HandleTrainingState,
     TrainingState,
     assert_state,
-    transition,
 )
-from fsdp_conformance.vocab import Op
+from fsdp_conformance.impl.state_dict import StateDictMixin
 
 AutoWrapPolicy = Callable[..., bool]
 
 _WRAPPED = "_fsdp_wrapped_module"
 
 
-class FullyShardedDataParallel(nn.Module):
+class FullyShardedDataParallel(ForwardMixin, StateDictMixin, nn.Module):
     """Shard ``module``'s parameters over ``process_group`` (flat-parameter FSDP, FSDP1 family).
 
     The parameters of ``module`` that are not inside a nested FSDP instance or an ignored
@@ -99,18 +101,18 @@ class FullyShardedDataParallel(nn.Module):
                     "forward of any inner one"
                 )
         if auto_wrap_policy is not None:
-            child_kwargs = dict(
-                process_group=process_group,
-                sharding_strategy=sharding_strategy,
-                cpu_offload=cpu_offload,
-                backward_prefetch=backward_prefetch,
-                mixed_precision=mixed_precision,
-                device_id=device_id,
-                sync_module_states=sync_module_states,
-                forward_prefetch=forward_prefetch,
-                limit_all_gathers=limit_all_gathers,
-                ignored_modules=ignored_modules,
-            )
+            child_kwargs = {
+                "process_group": process_group,
+                "sharding_strategy": sharding_strategy,
+                "cpu_offload": cpu_offload,
+                "backward_prefetch": backward_prefetch,
+                "mixed_precision": mixed_precision,
+                "device_id": device_id,
+                "sync_module_states": sync_module_states,
+                "forward_prefetch": forward_prefetch,
+                "limit_all_gathers": limit_all_gathers,
+                "ignored_modules": ignored_modules,
+            }
             _recursive_wrap(module, auto_wrap_policy, ignored, child_kwargs, only_children=True)
 
         # - Configuration
@@ -264,266 +266,6 @@ class FullyShardedDataParallel(nn.Module):
         """
         assert_state(self, state)
 
-    # ------------------------------------------------------------------ forward
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.training_state == TrainingState.SUMMON_FULL_PARAMS:
-            raise RuntimeError(
-                f"forward of FSDP instance {self._fsdp_name()} called inside "
-                "summon_full_params; exit the summon_full_params context before forward"
-            )
-        with torch.autograd.profiler.record_function("FullyShardedDataParallel.forward"):
-            runtime.root_pre_forward(self)
-            if self._is_root and self.compute_device.type != "cpu":
-                device = self.compute_device
-                args, kwargs = tree_map_only(
-                    torch.Tensor, lambda t: t.to(device, non_blocking=True), (args, kwargs)
-                )
-            args, kwargs = runtime.pre_forward(self, args, kwargs)
-            output = self._fsdp_wrapped_module(*args, **kwargs)
-            return runtime.post_forward(self, output)
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally (unsharded, no communication) inside the block.
-
-        The first backward after the block reduces the accumulated gradients.
-        """
-        if self._is_root is False:
-            raise RuntimeError(
-                f"no_sync() called on the non-root FSDP instance {self._fsdp_name()}; call it on "
-                "the root (outermost) instance"
-            )
-        instances = self.fsdp_modules(self)
-        previous = [instance._sync_gradients for instance in instances]
-        for instance in instances:
-            instance._sync_gradients = False
-        try:
-            yield
-        finally:
-            for instance, value in zip(instances, previous):
-                instance._sync_gradients = value
-
-    # ------------------------------------------------------------------ summon_full_params
-    @contextlib.contextmanager
-    def summon_full_params(
-        self,
-        writeback: bool = True,
-        rank0_only: bool = False,
-        offload_to_cpu: bool = False,
-        recurse: bool = True,
-    ) -> Iterator[None]:
-        """Expose the full (unsharded, original-dtype) parameters inside the block.
-
-        The original parameter attributes of the wrapped modules become views of the
-        gathered flat parameter. A collective: call on all ranks.
-
-        Args:
-            writeback: copy modifications back into the shards on exit.
-            rank0_only: only global rank 0 gets the full parameters (needs writeback=False).
-            offload_to_cpu: gather into CPU memory.
-            recurse: also unshard every nested instance (default True).
-        """
-        if rank0_only and writeback:
-            raise ValueError(
-                "summon_full_params(rank0_only=True, writeback=True) is not supported: other "
-                "ranks would write back nothing; pass writeback=False"
-            )
-        instances = self.fsdp_modules(self) if recurse else [self]
-        for instance in instances:
-            if instance.training_state != TrainingState.IDLE:
-                raise RuntimeError(
-                    f"summon_full_params on {self._fsdp_name()} while FSDP instance "
-                    f"{instance._fsdp_name()} is in {instance.training_state.name}; call it "
-                    "outside forward/backward (before forward or after backward) and not nested "
-                    "in another summon_full_params"
-                )
-        gets_params = not rank0_only or dist.get_rank() == 0
-        entered: list[FullyShardedDataParallel] = []
-        try:
-            for instance in instances:
-                transition(instance, TrainingState.SUMMON_FULL_PARAMS, "summon_full_params")
-                transition(instance, HandleTrainingState.SUMMON_FULL_PARAMS, "summon_full_params")
-                entered.append(instance)
-                handle = instance._handle
-                if handle is None:
-                    continue
-                full = handle.gather_full_precision(offload_to_cpu and gets_params, not writeback)
-                saved = [(s.module, s.name, s.module.__dict__.get(s.name)) for s in handle.slots]
-                instance._summon = (full, saved)
-                if gets_params:
-                    # [Note: summoned parameters] the flat parameter steps aside and the
-                    # original parameters are registered as views of the full tensor, so
-                    # parameters()/named_parameters() show original names and shapes.
-                    del instance._parameters["_flat_param"]
-                    handle.register_views_as_params(full)
-            yield
-        finally:
-            for instance in reversed(entered):
-                if instance._summon is not None:
-                    full, saved = instance._summon
-                    instance._summon = None
-                    if writeback:
-                        instance._handle.write_back(full)
-                    if "_flat_param" not in instance._parameters:  # views were registered
-                        instance._handle.unregister_params()
-                        instance._parameters["_flat_param"] = instance._handle.flat_param
-                    for module, name, value in saved:
-                        module.__dict__[name] = value
-                    if instance._handle.sharded:
-                        trace.emit(Op.FREE, instance, event=None, phase="summon")
-                instance.handle_training_state = HandleTrainingState.IDLE
-                instance.training_state = TrainingState.IDLE
-
-    # ------------------------------------------------------------------ state dicts
-    def _state_entries(self) -> Iterator[tuple[str, str, nn.Module, str | None]]:
-        """(kind, clean name, module, attribute) for every state entry under this instance.
-
-        kind: "flat" (an FSDP instance's flat parameter; module is the instance),
-        "param" (a flattened original parameter), "plain" (an unmanaged parameter),
-        "buffer" (a persistent buffer).
-        """
-        owned: dict[int, list[str]] = {}
-        for instance in self.fsdp_modules(self):
-            if instance._handle is not None:
-                for slot in instance._handle.slots:
-                    names = owned.setdefault(id(slot.module), [])
-                    if slot.name not in names:
-                        names.append(slot.name)
-
-        def walk(
-            module: nn.Module, prefix: str
-        ) -> Iterator[tuple[str, str, nn.Module, str | None]]:
-            if isinstance(module, FullyShardedDataParallel):
-                if module._handle is not None:
-                    yield "flat", prefix + "_flat_param", module, None
-                module = module._fsdp_wrapped_module
-            for name in owned.get(id(module), ()):
-                yield "param", prefix + name, module, name
-            for name, param in module._parameters.items():
-                if param is not None:
-                    yield "plain", prefix + name, module, name
-            for name, buffer in module._buffers.items():
-                if buffer is not None and name not in module._non_persistent_buffers_set:
-                    yield "buffer", prefix + name, module, name
-            for name, child in module._modules.items():
-                if child is not None:
-                    yield from walk(child, prefix + name + ".")
-
-        return walk(self, "")
-
-    def state_dict(  # type: ignore[override]
-        self,
-        *args: Any,
-        destination: dict[str, Any] | None = None,
-        prefix: str = "",
-        keep_vars: bool = False,
-        state_dict_type: StateDictType = StateDictType.FULL_STATE_DICT,
-        rank0_only: bool = False,
-        offload_to_cpu: bool = False,
-    ) -> dict[str, Any]:
-        """Full (original names, unsharded) or sharded state dict. Full is a collective.
-
-        Args:
-            destination, prefix, keep_vars: as ``nn.Module.state_dict`` (positional too).
-            state_dict_type: FULL_STATE_DICT or SHARDED_STATE_DICT.
-            rank0_only: full form only; other ranks return an empty dict.
-            offload_to_cpu: full form only; tensors are returned on CPU.
-        """
-        if args:
-            destination, prefix, keep_vars = (
-                list(args) + [destination, prefix, keep_vars][len(args) :]
-            )[:3]
-        result: dict[str, Any] = destination if destination is not None else {}
-        if state_dict_type == StateDictType.SHARDED_STATE_DICT:
-            for kind, name, module, attr in self._state_entries():
-                if kind == "flat":
-                    handle = module._handle
-                    result[prefix + name] = ShardedFlatParameter(
-                        handle.flat_param.detach().clone(),
-                        handle.rank,
-                        handle.world_size,
-                        handle.numel,
-                    )
-                elif kind != "param":
-                    result[prefix + name] = self._plain_value(kind, module, attr)
-            return result
-        with self.summon_full_params(
-            writeback=False, rank0_only=rank0_only, offload_to_cpu=offload_to_cpu
-        ):
-            if rank0_only and dist.get_rank() != 0:
-                return result
-            for kind, name, module, attr in self._state_entries():
-                if kind == "flat":
-                    continue
-                value = (
-                    module._parameters[attr].detach().clone()  # see [Note: summoned parameters]
-                    if kind == "param"
-                    else self._plain_value(kind, module, attr)
-                )
-                result[prefix + name] = value.cpu() if offload_to_cpu else value
-        return result
-
-    def _plain_value(self, kind: str, module: nn.Module, attr: str) -> torch.Tensor:
-        if kind == "plain":
-            return module._parameters[attr].detach().clone()
-        buffer = module._buffers[attr].detach().clone()
-        dtype = self._orig_buffer_dtypes.get((id(module), attr))
-        return buffer.to(dtype) if dtype is not None else buffer
-
-    def load_state_dict(  # type: ignore[override]
-        self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False
-    ) -> _IncompatibleKeys:
-        """Load a full or sharded state dict (the form is detected). Full is a collective.
-
-        Args:
-            state_dict: from ``state_dict()`` (any form), or an unwrapped module's state dict.
-            strict: raise if keys are missing or unexpected.
-            assign: unsupported (must be False).
-        """
-        if assign:
-            raise ValueError(
-                "FullyShardedDataParallel.load_state_dict does not support assign=True"
-            )
-        entries = list(self._state_entries())
-        sharded = any(isinstance(v, ShardedFlatParameter) for v in state_dict.values())
-        if sharded:
-            expected = [e for e in entries if e[0] != "param"]
-        else:
-            expected = [e for e in entries if e[0] != "flat"]
-        expected_names = {e[1] for e in expected}
-        missing = [e[1] for e in expected if e[1] not in state_dict]
-        unexpected = [k for k in state_dict if k not in expected_names]
-        if strict and (missing or unexpected):
-            raise RuntimeError(
-                f"Error loading state dict into FSDP instance {self._fsdp_name()}: missing keys "
-                f"{missing}, unexpected keys {unexpected}; pass strict=False to skip them"
-            )
-        present = [e for e in expected if e[1] in state_dict]
-        if sharded:
-            for kind, name, module, _ in present:
-                if kind == "flat":
-                    _check_shard(name, module, state_dict[name])
-        with torch.no_grad():
-            if sharded:
-                for kind, name, module, attr in present:
-                    if kind == "flat":
-                        module._handle.flat_param.copy_(state_dict[name].shard)
-                    else:
-                        self._load_plain(kind, module, attr, state_dict[name])
-            else:
-                with self.summon_full_params(writeback=True):
-                    for kind, name, module, attr in present:
-                        if kind == "param":
-                            module._parameters[attr].copy_(state_dict[name])
-                        else:
-                            self._load_plain(kind, module, attr, state_dict[name])
-        return _IncompatibleKeys(missing, unexpected)
-
-    @staticmethod
-    def _load_plain(kind: str, module: nn.Module, attr: str, value: torch.Tensor) -> None:
-        target = module._parameters[attr] if kind == "plain" else module._buffers[attr]
-        target.copy_(value)
-
 
 class _PostBackwardHook:
     """Post-accumulate-grad hook of an instance's unsharded leaf."""
@@ -545,7 +287,7 @@ def _check_arguments(
     mixed_precision: Any,
 ) -> None:
     if isinstance(module, FullyShardedDataParallel):
-        raise ValueError(
+        raise ValueError(  # noqa: TRY004  (the type is right, the module is wrapped twice)
             f"module is already a FullyShardedDataParallel instance (around "
             f"{type(module.module).__name__}); wrap each module once"
         )
@@ -576,7 +318,9 @@ def _expand_ignored(ignored_modules: Iterable[nn.Module] | None) -> set[nn.Modul
         if not isinstance(module, nn.Module):
             raise TypeError(f"ignored_modules must contain nn.Modules, got {type(module).__name__}")
         if isinstance(module, FullyShardedDataParallel):
-            raise ValueError("ignored_modules must not contain FullyShardedDataParallel instances")
+            raise ValueError(  # noqa: TRY004  (an nn.Module, but one FSDP cannot ignore)
+                "ignored_modules must not contain FullyShardedDataParallel instances"
+            )
         ignored.update(module.modules())
     return ignored
 
@@ -740,29 +484,3 @@ def _sync_module_states(
     with torch.no_grad():
         for _, tensor in tensors:
             dist.broadcast(tensor, src=source, group=group)
-
-
-def _check_shard(name: str, instance: FullyShardedDataParallel, value: Any) -> None:
-    handle = instance._handle
-    if not isinstance(value, ShardedFlatParameter):
-        raise ValueError(
-            f"state dict entry '{name}' must be a ShardedFlatParameter from "
-            "state_dict(state_dict_type=SHARDED_STATE_DICT), got {type(value).__name__}"
-        )
-    if value.world_size != handle.world_size:
-        raise ValueError(
-            f"sharded state dict entry '{name}' was saved with world size {value.world_size} but "
-            f"FSDP instance {instance._fsdp_name()} has a process group of size "
-            f"{handle.world_size}; load a full state dict (FULL_STATE_DICT) to change world size"
-        )
-    if value.rank != handle.rank:
-        raise ValueError(
-            f"sharded state dict entry '{name}' holds rank {value.rank}'s shard but this is rank "
-            f"{handle.rank}; each rank must load its own shard"
-        )
-    if value.unpadded_numel != handle.numel or value.shard.numel() != handle.shard_numel:
-        raise ValueError(
-            f"sharded state dict entry '{name}' has {value.unpadded_numel} elements "
-            f"(shard {value.shard.numel()}) but FSDP instance {instance._fsdp_name()} has "
-            f"{handle.numel} (shard {handle.shard_numel}); the model differs from the saved one"
-        )

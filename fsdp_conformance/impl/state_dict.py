@@ -1,0 +1,214 @@
+"""State dicts of the reference FSDP: full (original names, unsharded) and sharded.
+
+``StateDictMixin`` is one base class of ``FullyShardedDataParallel`` (``fully_sharded.py``).
+Both forms walk the same entries (``StateEntry``): the flat parameter of each instance (sharded
+form), the original parameters it flattened (full form), and the parameters and persistent
+buffers FSDP does not manage (both forms).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.modules.module import _IncompatibleKeys
+
+from fsdp_conformance.impl.api import ShardedFlatParameter, StateDictType
+
+
+class StateEntry(NamedTuple):
+    """One state-dict entry under an FSDP instance (``StateDictMixin._state_entries``)."""
+
+    # "flat": an FSDP instance's flat parameter (sharded form only);
+    # "param": an original parameter the flat parameter holds (full form only);
+    # "plain": a parameter FSDP does not manage; "buffer": a persistent buffer
+    kind: str
+    # the key without the caller's prefix: dotted path with the wrapper segments removed
+    name: str
+    # the module holding the tensor ("flat": the FSDP instance itself)
+    module: nn.Module
+    # the tensor's attribute name on ``module`` (None for "flat")
+    attr: str | None
+
+
+class ShardTypeError(TypeError, ValueError):
+    """A sharded state-dict entry is not a ``ShardedFlatParameter`` (a ``TypeError``; also a
+    ``ValueError``, the type this error had before, so that existing handlers still catch it)."""
+
+
+class StateDictMixin:
+    """``state_dict`` and ``load_state_dict`` of ``FullyShardedDataParallel``."""
+
+    def _state_entries(self) -> Iterator[StateEntry]:
+        """Every state entry under this instance, in module order (see ``StateEntry``)."""
+        owned: dict[int, list[str]] = {}
+        for instance in self.fsdp_modules(self):
+            if instance._handle is not None:
+                for slot in instance._handle.slots:
+                    names = owned.setdefault(id(slot.module), [])
+                    if slot.name not in names:
+                        names.append(slot.name)
+
+        def walk(module: nn.Module, prefix: str) -> Iterator[StateEntry]:
+            if isinstance(module, StateDictMixin):  # an FSDP instance
+                if module._handle is not None:
+                    yield StateEntry("flat", prefix + "_flat_param", module, None)
+                module = module._fsdp_wrapped_module
+            for name in owned.get(id(module), ()):
+                yield StateEntry("param", prefix + name, module, name)
+            for name, param in module._parameters.items():
+                if param is not None:
+                    yield StateEntry("plain", prefix + name, module, name)
+            for name, buffer in module._buffers.items():
+                if buffer is not None and name not in module._non_persistent_buffers_set:
+                    yield StateEntry("buffer", prefix + name, module, name)
+            for name, child in module._modules.items():
+                if child is not None:
+                    yield from walk(child, prefix + name + ".")
+
+        return walk(self, "")
+
+    def state_dict(  # type: ignore[override]
+        self,
+        *args: Any,
+        destination: dict[str, Any] | None = None,
+        prefix: str = "",
+        keep_vars: bool = False,
+        state_dict_type: StateDictType = StateDictType.FULL_STATE_DICT,
+        rank0_only: bool = False,
+        offload_to_cpu: bool = False,
+    ) -> dict[str, Any]:
+        """Full (original names, unsharded) or sharded state dict. Full is a collective.
+
+        Args:
+            destination, prefix, keep_vars: as ``nn.Module.state_dict`` (positional too).
+            state_dict_type: FULL_STATE_DICT or SHARDED_STATE_DICT.
+            rank0_only: full form only; other ranks return an empty dict.
+            offload_to_cpu: full form only; tensors are returned on CPU.
+        """
+        if args:
+            destination, prefix, keep_vars = (
+                list(args) + [destination, prefix, keep_vars][len(args) :]
+            )[:3]
+        result: dict[str, Any] = destination if destination is not None else {}
+        if state_dict_type == StateDictType.SHARDED_STATE_DICT:
+            for entry in self._state_entries():
+                if entry.kind == "flat":
+                    handle = entry.module._handle
+                    result[prefix + entry.name] = ShardedFlatParameter(
+                        handle.flat_param.detach().clone(),
+                        handle.rank,
+                        handle.world_size,
+                        handle.numel,
+                    )
+                elif entry.kind != "param":
+                    result[prefix + entry.name] = self._plain_value(entry)
+            return result
+        with self.summon_full_params(
+            writeback=False, rank0_only=rank0_only, offload_to_cpu=offload_to_cpu
+        ):
+            if rank0_only and dist.get_rank() != 0:
+                return result
+            for entry in self._state_entries():
+                if entry.kind == "flat":
+                    continue
+                value = (
+                    # see [Note: summoned parameters]
+                    entry.module._parameters[entry.attr].detach().clone()
+                    if entry.kind == "param"
+                    else self._plain_value(entry)
+                )
+                result[prefix + entry.name] = value.cpu() if offload_to_cpu else value
+        return result
+
+    def _plain_value(self, entry: StateEntry) -> torch.Tensor:
+        """A copy of a "plain" or "buffer" entry's tensor (buffers in their original dtype)."""
+        if entry.kind == "plain":
+            return entry.module._parameters[entry.attr].detach().clone()
+        buffer = entry.module._buffers[entry.attr].detach().clone()
+        dtype = self._orig_buffer_dtypes.get((id(entry.module), entry.attr))
+        return buffer.to(dtype) if dtype is not None else buffer
+
+    def load_state_dict(  # type: ignore[override]
+        self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False
+    ) -> _IncompatibleKeys:
+        """Load a full or sharded state dict (the form is detected). Full is a collective.
+
+        Args:
+            state_dict: from ``state_dict()`` (any form), or an unwrapped module's state dict.
+            strict: raise if keys are missing or unexpected.
+            assign: unsupported (must be False).
+        """
+        if assign:
+            raise ValueError(
+                "FullyShardedDataParallel.load_state_dict does not support assign=True"
+            )
+        entries = list(self._state_entries())
+        sharded = any(isinstance(v, ShardedFlatParameter) for v in state_dict.values())
+        skipped_kind = "param" if sharded else "flat"  # the entries of the other form
+        expected = [entry for entry in entries if entry.kind != skipped_kind]
+        expected_names = {entry.name for entry in expected}
+        missing = [entry.name for entry in expected if entry.name not in state_dict]
+        unexpected = [k for k in state_dict if k not in expected_names]
+        if strict and (missing or unexpected):
+            raise RuntimeError(
+                f"Error loading state dict into FSDP instance {self._fsdp_name()}: missing keys "
+                f"{missing}, unexpected keys {unexpected}; pass strict=False to skip them"
+            )
+        present = [entry for entry in expected if entry.name in state_dict]
+        if sharded:
+            for entry in present:
+                if entry.kind == "flat":
+                    _check_shard(entry.name, entry.module, state_dict[entry.name])
+        with torch.no_grad():
+            if sharded:
+                for entry in present:
+                    if entry.kind == "flat":
+                        entry.module._handle.flat_param.copy_(state_dict[entry.name].shard)
+                    else:
+                        self._load_plain(entry, state_dict[entry.name])
+            else:
+                with self.summon_full_params(writeback=True):
+                    for entry in present:
+                        if entry.kind == "param":
+                            entry.module._parameters[entry.attr].copy_(state_dict[entry.name])
+                        else:
+                            self._load_plain(entry, state_dict[entry.name])
+        return _IncompatibleKeys(missing, unexpected)
+
+    @staticmethod
+    def _load_plain(entry: StateEntry, value: torch.Tensor) -> None:
+        """Copy ``value`` into a "plain" or "buffer" entry's tensor."""
+        module, attr = entry.module, entry.attr
+        target = module._parameters[attr] if entry.kind == "plain" else module._buffers[attr]
+        target.copy_(value)
+
+
+def _check_shard(name: str, instance: Any, value: Any) -> None:
+    """Raise unless ``value`` is this rank's shard of ``instance``'s flat parameter."""
+    handle = instance._handle
+    if not isinstance(value, ShardedFlatParameter):
+        raise ShardTypeError(
+            f"state dict entry '{name}' must be a ShardedFlatParameter from "
+            f"state_dict(state_dict_type=SHARDED_STATE_DICT), got {type(value).__name__}"
+        )
+    if value.world_size != handle.world_size:
+        raise ValueError(
+            f"sharded state dict entry '{name}' was saved with world size {value.world_size} but "
+            f"FSDP instance {instance._fsdp_name()} has a process group of size "
+            f"{handle.world_size}; load a full state dict (FULL_STATE_DICT) to change world size"
+        )
+    if value.rank != handle.rank:
+        raise ValueError(
+            f"sharded state dict entry '{name}' holds rank {value.rank}'s shard but this is rank "
+            f"{handle.rank}; each rank must load its own shard"
+        )
+    if value.unpadded_numel != handle.numel or value.shard.numel() != handle.shard_numel:
+        raise ValueError(
+            f"sharded state dict entry '{name}' has {value.unpadded_numel} elements "
+            f"(shard {value.shard.numel()}) but FSDP instance {instance._fsdp_name()} has "
+            f"{handle.numel} (shard {handle.shard_numel}); the model differs from the saved one"
+        )
