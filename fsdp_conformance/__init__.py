@@ -11,10 +11,10 @@ from fsdp_conformance._lazy import lazy_exports
 # public name -> module that defines it
 _EXPORTS: dict[str, str] = {
     # running a test in N ranks (docs/harness.md)
-    "FSDPTest": "fsdp_conformance.world",
-    "FSDPInitMode": "fsdp_conformance.world",
-    "DummyProcessGroup": "fsdp_conformance.world",
-    "get_full_params": "fsdp_conformance.world",
+    "FSDPTest": "fsdp_conformance.testing",
+    "FSDPInitMode": "fsdp_conformance.testing",
+    "DummyProcessGroup": "fsdp_conformance.testing",
+    "get_full_params": "fsdp_conformance.testing",
     "InRank": "fsdp_conformance.world",
     "RankContext": "fsdp_conformance.world",
     # driving an FSDP implementation (docs/adapters.md)

@@ -68,7 +68,7 @@ class PluginState:
                     backend=self.backend,
                 )
             )
-            self.previous_runtime = runtime._active, runtime._active_is_pytest
+            self.previous_runtime = runtime.active_runtime()
             runtime.set_active_runtime(self.runtime, pytest_session=True)
         return self.runtime
 
@@ -183,7 +183,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         from fsdp_conformance.world import runtime
 
         state.runtime.close()
-        if runtime._active is state.runtime:
+        if runtime.active_runtime()[0] is state.runtime:
             previous, was_pytest = state.previous_runtime or (None, False)
             runtime.set_active_runtime(previous, pytest_session=was_pytest)
         state.runtime = None

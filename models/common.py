@@ -58,6 +58,13 @@ class DeviceInit(enum.Enum):
     AFTER = "after"
     # Never move: the implementation places parameters itself (e.g. from `device_id`)
     NEVER = "never"
+    # The seed's names (``FSDPInitMode``, which is this enum): aliases of the three above
+    DEVICE_BEFORE = "before"  # noqa: PIE796
+    DEVICE_AFTER = "after"  # noqa: PIE796
+    DEVICE_NEVER = "never"  # noqa: PIE796
+    CUDA_BEFORE = "before"  # noqa: PIE796
+    CUDA_AFTER = "after"  # noqa: PIE796
+    CUDA_NEVER = "never"  # noqa: PIE796
 
 
 def move_before_wrap(module: nn.Module, device_init: DeviceInit, device: torch.device | None):

@@ -15,12 +15,14 @@ _EXPORTS: dict[str, str] = {
     "Runtime": "fsdp_conformance.world.runtime",
     "RuntimeOptions": "fsdp_conformance.world.runtime",
     "get_runtime": "fsdp_conformance.world.runtime",
-    "FSDPTest": "fsdp_conformance.world.fsdp_test",
-    "FSDPInitMode": "fsdp_conformance.world.fsdp_test",
-    "DummyProcessGroup": "fsdp_conformance.world.fsdp_test",
-    "get_full_params": "fsdp_conformance.world.fsdp_test",
-    "get_cycles_per_ms": "fsdp_conformance.world.fsdp_test",
-    "device_sleep": "fsdp_conformance.world.fsdp_test",
+    "RankTestCase": "fsdp_conformance.world.testcase",
+    # the FSDP test helpers (old paths; they live in fsdp_conformance.testing)
+    "FSDPTest": "fsdp_conformance.testing",
+    "FSDPInitMode": "fsdp_conformance.testing",
+    "DummyProcessGroup": "fsdp_conformance.testing",
+    "get_full_params": "fsdp_conformance.testing",
+    "get_cycles_per_ms": "fsdp_conformance.testing",
+    "device_sleep": "fsdp_conformance.testing",
 }
 
 __all__ = [
@@ -29,6 +31,7 @@ __all__ = [
     "FSDPTest",
     "InRank",
     "RankContext",
+    "RankTestCase",
     "Runtime",
     "RuntimeOptions",
     "current_context",

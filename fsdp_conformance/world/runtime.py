@@ -322,6 +322,12 @@ def set_active_runtime(runtime: Runtime | None, *, pytest_session: bool = False)
     _active_is_pytest = pytest_session and runtime is not None
 
 
+def active_runtime() -> tuple[Runtime | None, bool]:
+    """The runtime set by :func:`set_active_runtime` (None: none yet) and whether it is a pytest
+    session's, without creating one (the plugin saves and restores it around a session)."""
+    return _active, _active_is_pytest
+
+
 def under_pytest() -> bool:
     """Whether the active runtime is a pytest session's (failures then use pytest.fail)."""
     return _active_is_pytest

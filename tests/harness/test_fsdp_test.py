@@ -132,8 +132,9 @@ def test_fsdp_test_is_a_testcase_with_the_seed_properties():
 def test_helpers():
     group = DummyProcessGroup(rank=1, size=4)
     assert (group.rank(), group.size()) == (1, 4)
-    assert FSDPInitMode.CUDA_AFTER is FSDPInitMode.DEVICE_AFTER
-    assert {m.name for m in FSDPInitMode} == {"DEVICE_BEFORE", "DEVICE_AFTER", "DEVICE_NEVER"}
+    assert FSDPInitMode.CUDA_AFTER is FSDPInitMode.DEVICE_AFTER is FSDPInitMode.AFTER
+    # the zoo's DeviceInit, with the seed's names as aliases
+    assert {m.name for m in FSDPInitMode} == {"BEFORE", "AFTER", "NEVER"}
     start = time.perf_counter()
     device_sleep(60, "cpu")
     assert time.perf_counter() - start >= 0.06

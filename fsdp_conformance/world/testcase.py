@@ -1,0 +1,172 @@
+"""``RankTestCase``: a ``unittest.TestCase`` whose ``test_*`` bodies run in every rank.
+
+    class TestAllReduce(RankTestCase):
+        def test_sum(self):
+            t = torch.ones(1) * self.rank
+            dist.all_reduce(t)
+            self.assertEqual(t.item(), sum(range(self.world_size)))
+
+Runs under pytest (with the plugin's ``--fsdp-mode`` / ``--fsdp-timeout``) and under plain
+``python -m unittest`` (``FSDP_CONFORMANCE_MODE`` / ``FSDP_CONFORMANCE_TIMEOUT``). The FSDP test
+base of the seed's shape, ``fsdp_conformance.testing.FSDPTest``, is this class.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import sys
+import unittest
+from collections.abc import Callable
+from typing import Any
+
+from fsdp_conformance.world import gpus
+from fsdp_conformance.world.protocol import FAILED, SKIPPED, XFAILED, TestTarget
+
+# Hide this module's frames from unittest's and pytest's failure tracebacks.
+__unittest = True
+
+
+class RankTestCase(unittest.TestCase):
+    """Base class whose ``test_*`` methods run in ``world_size`` ranks.
+
+    Each rank instantiates the class for the test method, runs ``setUp``, the method and
+    ``tearDown`` with the default process group initialised; ``self.rank``,
+    ``self.world_size``, ``self.dist`` (the :class:`RankContext`) describe the rank.
+    Class attributes ``fsdp_mode`` (None: the session's mode) and ``fsdp_timeout`` (None:
+    the session's timeout) override per class.
+    """
+
+    # "process", "process-fresh", "thread" or None for the session default
+    fsdp_mode: str | None = None
+    # seconds, or None for the session default
+    fsdp_timeout: float | None = None
+
+    @property
+    def world_size(self) -> int:
+        """2 on CPU; the number of GPUs when there are at least two."""
+        count = gpus.gpu_count()
+        return count if count >= 2 and gpus.fake_gpu_count() is None else 2
+
+    @property
+    def dist(self) -> Any:
+        """The rank's context (``rank``, ``group``, ``device``, ``backend``, ``tmp_path``)."""
+        from fsdp_conformance.world.rank_main import current_context
+
+        ctx = current_context()
+        if ctx is None:
+            raise RuntimeError(
+                f"{type(self).__name__}.dist / .rank exist only while a test runs in its ranks"
+            )
+        return ctx
+
+    @property
+    def rank(self) -> int:
+        return self.dist.rank
+
+    @property
+    def process_group(self) -> Any:
+        return self.dist.group
+
+    @property
+    def device(self) -> Any:
+        return self.dist.device
+
+    @property
+    def init_method(self) -> str:
+        """The rendezvous URL of this rank set (``file://...`` FileStore; threads: ``threaded://``)."""
+        return self.dist.init_method
+
+    def run_subtests(
+        self,
+        subtest_config: dict[str, list[Any]],
+        test_fn: Callable[..., None],
+        *test_args: Any,
+        **test_kwargs: Any,
+    ) -> None:
+        """Run ``test_fn`` for every combination of ``subtest_config``'s values, with a
+        barrier between combinations. A failing combination is named in the failure.
+
+        Args:
+            subtest_config: keyword name -> list of values to try.
+            test_fn: called as ``test_fn(*test_args, **test_kwargs, **combination)``.
+        """
+        keys = list(subtest_config)
+        for values in itertools.product(*(subtest_config[k] for k in keys)):
+            combination = dict(zip(keys, values))
+            try:
+                with self.subTest(**combination):
+                    test_fn(*test_args, **test_kwargs, **combination)
+            except Exception as exc:
+                if hasattr(exc, "add_note"):
+                    exc.add_note(f"in subtest {combination}")
+                raise
+            self.dist.barrier()
+
+    # -------------------------------------------------------------------------
+    # Dispatch: in the test process, a test method runs in the ranks instead.
+
+    def run(self, result: Any = None) -> Any:
+        from fsdp_conformance.world.rank_main import current_context
+
+        if current_context() is not None:
+            return super().run(result)  # in a rank
+        name = self._testMethodName
+        had_attr = name in self.__dict__
+        previous = self.__dict__.get(name)
+        setattr(self, name, functools.partial(_run_in_ranks, self, name))
+        # setUp / tearDown run in the ranks, not here
+        self.setUp = self.tearDown = _nothing  # type: ignore[method-assign]
+        try:
+            return super().run(result)
+        finally:
+            del self.setUp, self.tearDown
+            if had_attr:
+                setattr(self, name, previous)
+            else:
+                delattr(self, name)
+
+
+def _nothing() -> None:
+    pass
+
+
+def _run_in_ranks(case: RankTestCase, method_name: str) -> None:
+    from fsdp_conformance.world import runtime as runtime_module
+
+    runtime = runtime_module.get_runtime()
+    cls = type(case)
+    module = sys.modules[cls.__module__]
+    target = TestTarget(
+        module_name=cls.__module__,
+        module_file=getattr(module, "__file__", None),
+        class_path=tuple(cls.__qualname__.split(".")),
+        function_name=method_name,
+        kind="unittest",
+    )
+
+    def thread_body(ctx: Any) -> None:
+        cls(method_name).debug()
+
+    request = runtime_module.TestRequest(
+        target=target,
+        kwargs={},
+        test_id=case.id(),
+        world_size=case.world_size,
+        mode=case.fsdp_mode or runtime.options.mode,
+        timeout=case.fsdp_timeout or runtime.options.timeout,
+        thread_body=thread_body,
+    )
+    result = runtime.run(request)
+    output = result.output()
+    if output:
+        sys.stdout.write(output)
+    verdict = result.verdict
+    if verdict.status in (SKIPPED, XFAILED):
+        raise unittest.SkipTest(verdict.message)
+    if verdict.status == FAILED:
+        if "_pytest" in sys.modules and runtime_module.under_pytest():
+            import pytest
+
+            pytest.fail(verdict.message, pytrace=False)
+        raise case.failureException(verdict.message)
