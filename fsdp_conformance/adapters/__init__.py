@@ -1,4 +1,4 @@
-"""Adapters: how the conformance suite drives one FSDP implementation (DESIGN §2).
+"""Adapters: how the conformance suite drives one FSDP implementation (docs/adapters.md).
 
 `get_adapter(name)` with "impl", "torch-fsdp1", "torch-fsdp2" or "pkg.module:ATTR"; the
 protocol is `Adapter` (base.py), feature names are `Feature` (features.py), canonical states are

@@ -1,4 +1,4 @@
-"""The adapter protocol: how the suite drives one FSDP implementation (DESIGN §2).
+"""The adapter protocol: how the suite drives one FSDP implementation.
 
 An `Adapter` wraps modules, finds FSDP instances, maps their training states to the canonical
 states (`states.py`), reads full parameters, and declares what it supports (`features.py`).

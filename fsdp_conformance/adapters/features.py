@@ -51,7 +51,7 @@ class Feature:
     SUMMON_FULL_PARAMS_WRITEBACK = "summon_full_params_writeback"
     ASSERT_STATE = "assert_state"  # the implementation's own state assertion
     COMM_TRACE = "comm_trace"  # `observe`: all-gathers, frees, reductions labelled by instance
-    DEVICE_HANDLE = "device_handle"  # `install_device_handle` (the lagging device of DESIGN §5)
+    DEVICE_HANDLE = "device_handle"  # `install_device_handle` (e.g. observe's lagging device)
 
 
 ALL_FEATURES: frozenset[str] = frozenset(

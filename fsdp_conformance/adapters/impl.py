@@ -1,4 +1,4 @@
-"""Adapter for our reference FSDP (`fsdp_conformance.impl`), per contracts.md.
+"""Adapter for our reference FSDP (`fsdp_conformance.impl`), per the protocol of `base.py`.
 
 The reference implementation exposes everything the suite observes directly (instance and
 handle training states, `is_unsharded`, an injectable device handle, and `impl.trace`), so this

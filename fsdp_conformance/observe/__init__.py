@@ -1,5 +1,6 @@
-"""Observers: the lagging device and the residency tracker (DESIGN §5); the training-state
-recorder (DESIGN §4)."""
+"""Observers: the lagging device and the residency tracker (unsharded buffers resident until
+their free completes on the device); the training-state recorder (the canonical transitions of
+``fsdp_conformance/training_states.py``)."""
 
 from __future__ import annotations
 

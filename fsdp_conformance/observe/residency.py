@@ -3,7 +3,7 @@
 [Note: residency]
 An instance's unsharded buffer is *resident* from the moment its all-gather is issued (the
 output is allocated) until the free recorded at its reshard has *completed on the device*
-(DESIGN §5). The tracker is an adapter observer (``adapter.observe(tracker)``): on
+(``observe/lagging.py`` models a device that lags the CPU). The tracker is an adapter observer (``adapter.observe(tracker)``): on
 ``"all_gather"`` the instance gains a live buffer; on ``"free"`` the buffer stops being live
 and the tracker records a marker event on the lagging device right there, in stream order;
 the buffer stays resident until that marker completes (the CPU synchronized on it, on a later

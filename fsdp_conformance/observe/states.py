@@ -1,4 +1,5 @@
-"""Training-state recorder: every instance's canonical state at every hook, checked (DESIGN §4).
+"""Training-state recorder: every instance's canonical state at every hook, checked against the
+transition table of ``fsdp_conformance/training_states.py``.
 
     recorder = TrainingStateRecorder(adapter, root)
     with recorder:                                   # installs the hooks
@@ -89,7 +90,7 @@ class Violation:
 
 
 class IllegalTrainingState(AssertionError):
-    """The recorder saw states outside DESIGN §4's transitions."""
+    """The recorder saw states outside the canonical transitions (``training_states.py``)."""
 
 
 class TrainingStateRecorder:

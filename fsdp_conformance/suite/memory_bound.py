@@ -1,4 +1,4 @@
-"""The two-instance memory bound of ``limit_all_gathers`` (DESIGN §5), as a base class to subclass.
+"""The two-instance memory bound of ``limit_all_gathers``, as a base class to subclass.
 
     class TestMyMemoryBound(BaseMemoryBoundTests):   # in your tests; pytest collects Test*
         known_deviations = {}                        # optional: adapter -> (case -> reason)
@@ -232,7 +232,8 @@ def measure_cuda_forward_peaks(
     ``delay_before_free``) and before each gradient reduction (ModuleWithDelay's delayed
     reduce-scatter), so the CPU runs ahead and only the rate limiter holds it back. "Active"
     bytes (``active_bytes.all.peak``) count blocks still in use by a stream after their free
-    (``record_stream``), i.e. residency as DESIGN §5 defines it.
+    (``record_stream``), i.e. residency as ``[Note: residency]`` in ``observe/residency.py``
+    defines it.
     """
     from fsdp_conformance.models import cycles_per_ms, sleep_ms
 

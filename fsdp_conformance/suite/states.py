@@ -1,11 +1,12 @@
-"""Legal training states (DESIGN §4), as a base class to subclass.
+"""Legal training states (the canonical table of ``fsdp_conformance/training_states.py``), as a
+base class to subclass.
 
     class TestMyStates(BaseTrainingStateTests):
         pass
 
 `TrainingStateRecorder` (fsdp_conformance.observe.states) samples every instance's canonical
 state at every hook while the model trains 3 steps and goes through `summon_full_params`; any
-transition outside DESIGN §4 fails naming the instance, the hook, the state seen and the states
+transition outside that table fails naming the instance, the hook, the state seen and the states
 allowed. After each `optimizer.step()` every instance must be IDLE.
 """
 

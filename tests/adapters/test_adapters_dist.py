@@ -102,7 +102,7 @@ def test_training_states_at_hooks(dist, adapter_name):
 
         assert seen["forward"] == ([S.FORWARD, S.FORWARD, S.IDLE, S.IDLE], R.FORWARD_BACKWARD)
         assert after_forward[0] == [S.IDLE] * 4, f"step {step}"
-        # DESIGN §4 allows both: torch FSDP1/FSDP2 go IDLE after forward, impl stays in
+        # the canonical root states allow both: torch FSDP1/FSDP2 go IDLE after forward, impl stays in
         # FORWARD_BACKWARD until backward ends
         assert after_forward[1] in (R.IDLE, R.FORWARD_BACKWARD), f"step {step}"
         # FULL_SHARD: non-root instances free their parameters after forward
