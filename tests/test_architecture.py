@@ -1,0 +1,244 @@
+"""The layer rule of docs/architecture.md, enforced on the imports of every module.
+
+Each module of the package belongs to one layer; a module may import (at any place in the file:
+module level, inside functions, under ``TYPE_CHECKING``) only its own layer and the layers
+``ALLOWED`` lists for it. The imports are read with ``ast`` from the source files.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+import fsdp_conformance
+
+PACKAGE_DIR = pathlib.Path(fsdp_conformance.__file__).resolve().parent
+MODELS_DIR = PACKAGE_DIR.parent / "models"  # installed as fsdp_conformance.models
+
+# module (or package) of fsdp_conformance -> its layer; the longest matching prefix wins
+LAYER_OF: dict[str, str] = {
+    "fsdp_conformance": "package",
+    "fsdp_conformance._lazy": "shared",
+    "fsdp_conformance.vocab": "shared",
+    "fsdp_conformance.training_states": "shared",
+    "fsdp_conformance.device_handle": "shared",
+    "fsdp_conformance.models": "models",
+    "fsdp_conformance.impl": "impl",
+    "fsdp_conformance.world": "world",
+    "fsdp_conformance.adapters": "adapters",
+    "fsdp_conformance.observe": "observe",
+    "fsdp_conformance.suite": "suite",
+    "fsdp_conformance.testing": "testing",
+    "fsdp_conformance.plugin": "plugin",
+    "fsdp_conformance.cli": "cli",
+    "fsdp_conformance.demo": "cli",
+}
+
+# layer -> the other layers its modules may import
+ALLOWED: dict[str, frozenset[str]] = {
+    "shared": frozenset(),
+    "package": frozenset({"shared"}),
+    "models": frozenset({"shared"}),
+    "impl": frozenset({"shared"}),
+    "world": frozenset({"shared"}),
+    "adapters": frozenset({"shared", "impl"}),
+    "observe": frozenset({"shared", "adapters"}),
+    "suite": frozenset({"shared", "models", "adapters", "observe", "world"}),
+    "testing": frozenset({"shared", "models", "world"}),
+    "plugin": frozenset({"shared", "world", "adapters"}),
+    "cli": frozenset({"shared", "models", "impl", "world", "adapters", "observe", "suite"}),
+}
+
+
+def layer_of(module: str) -> str | None:
+    """The layer of ``module`` (None: not part of the package, e.g. torch)."""
+    parts = module.split(".")
+    for end in range(len(parts), 0, -1):
+        layer = LAYER_OF.get(".".join(parts[:end]))
+        if layer is not None:
+            return layer
+    return None
+
+
+def imported_modules(path: pathlib.Path, module: str) -> list[tuple[int, str]]:
+    """(line, module) of every import in the file of ``module`` (relative ones resolved;
+    ``from pkg import name`` counts as ``pkg.name``, which names a submodule or lies inside
+    ``pkg``'s layer either way)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        found += [(node.lineno, target) for target in import_targets(node, path, module)]
+    return found
+
+
+def import_targets(node: ast.AST, path: pathlib.Path, module: str) -> list[str]:
+    """The modules one import statement of ``module`` (file ``path``) names ([] for others)."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    if not isinstance(node, ast.ImportFrom):
+        return []
+    if node.level:
+        parts = module.split(".")
+        base = parts if path.name == "__init__.py" else parts[:-1]
+        base = base[: len(base) - (node.level - 1)]
+        source = ".".join(base + ([node.module] if node.module else []))
+    else:
+        source = node.module or ""
+    return [f"{source}.{alias.name}" for alias in node.names]
+
+
+def package_modules(package_dir: pathlib.Path, package: str) -> list[tuple[pathlib.Path, str]]:
+    """(file, dotted module name) of every module under ``package_dir``."""
+    modules = []
+    for path in sorted(package_dir.rglob("*.py")):
+        parts = list(path.relative_to(package_dir).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        modules.append((path, ".".join([package, *parts])))
+    return modules
+
+
+def violations(modules: list[tuple[pathlib.Path, str]]) -> list[str]:
+    """``file:line: module (layer) imports target (layer)`` for every import the rule forbids."""
+    found = []
+    for path, module in modules:
+        source = layer_of(module)
+        if source is None:
+            found.append(f"{path}: module {module} belongs to no layer; add it to LAYER_OF")
+            continue
+        for line, target in imported_modules(path, module):
+            layer = layer_of(target)
+            if layer is None or layer == source or layer in ALLOWED[source]:
+                continue
+            found.append(f"{path.name}:{line}: {module} ({source}) imports {target} ({layer})")
+    return found
+
+
+def all_modules() -> list[tuple[pathlib.Path, str]]:
+    modules = package_modules(PACKAGE_DIR, "fsdp_conformance")
+    modules += package_modules(MODELS_DIR, "fsdp_conformance.models")
+    return [(path, module) for path, module in modules if "goldens" not in path.parts]
+
+
+def test_every_layer_has_its_rule():
+    assert set(LAYER_OF.values()) == set(ALLOWED)
+
+
+def test_the_package_keeps_the_layer_rule():
+    modules = all_modules()
+    assert len(modules) > 50  # the walk found the package
+    problems = violations(modules)
+    assert not problems, "imports against docs/architecture.md:\n" + "\n".join(problems)
+
+
+def test_the_documented_rule_is_this_rule():
+    doc = (PACKAGE_DIR.parent / "docs" / "architecture.md").read_text()
+    for layer, allowed in ALLOWED.items():
+        expected = ", ".join(sorted(allowed)) if allowed else "nothing"
+        assert f"| {layer} | {expected} |" in doc, f"docs/architecture.md: row of {layer!r}"
+
+
+@pytest.mark.parametrize(
+    ("relative", "source", "expected"),
+    [
+        ("impl/bad.py", "from fsdp_conformance.suite import overlap\n", "(impl) imports"),
+        ("impl/bad.py", "def f():\n    from fsdp_conformance import plugin\n", "(plugin)"),
+        ("world/bad.py", "from fsdp_conformance.adapters import get_adapter\n", "(adapters)"),
+        ("observe/bad.py", "from ..impl.device import CPUDeviceHandle\n", "(impl)"),
+        ("observe/pkg/__init__.py", "from ...impl import device\n", "(impl)"),
+        ("vocab.py", "import fsdp_conformance.world\n", "(shared) imports"),
+        ("impl/good.py", "from fsdp_conformance import vocab\nfrom . import state\n", None),
+        ("adapters/good.py", "from fsdp_conformance.impl import device\nimport torch\n", None),
+    ],
+)
+def test_a_violating_module_is_reported(tmp_path, relative, source, expected):
+    package = tmp_path / "fsdp_conformance"
+    module_path = package / relative
+    module_path.parent.mkdir(parents=True)
+    module_path.write_text(source)
+    found = violations(package_modules(package, "fsdp_conformance"))
+    if expected is None:
+        assert found == []
+    else:
+        assert len(found) == 1 and expected in found[0], found
+
+
+def runtime_imports(path: pathlib.Path, module: str) -> set[str]:
+    """What ``module`` imports when it runs: every import, inside functions too, except those
+    under ``if TYPE_CHECKING:`` (annotations only)."""
+    tree = ast.parse(path.read_text())
+    typing_only = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            typing_only |= {id(inner) for inner in ast.walk(node)}
+    imports = set()
+    for node in ast.walk(tree):
+        if id(node) not in typing_only:
+            imports |= set(import_targets(node, path, module))
+    return imports
+
+
+def import_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph`` (module -> modules it imports) as a path, or None."""
+    visiting: list[str] = []
+    done: set[str] = set()
+
+    def visit(module: str) -> list[str] | None:
+        if module in visiting:
+            return [*visiting[visiting.index(module) :], module]
+        if module in done or module not in graph:
+            return None
+        visiting.append(module)
+        for target in sorted(graph[module]):
+            cycle = visit(target)
+            if cycle:
+                return cycle
+        visiting.pop()
+        done.add(module)
+        return None
+
+    for module in sorted(graph):
+        cycle = visit(module)
+        if cycle:
+            return cycle
+    return None
+
+
+def test_the_cycle_finder_finds_a_function_level_cycle():
+    assert import_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert import_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_impl_has_no_import_cycle():
+    """impl's imports (inside functions too; ``TYPE_CHECKING`` blocks aside) form no cycle."""
+    graph: dict[str, set[str]] = {}
+    for path, module in all_modules():
+        if layer_of(module) == "impl" and path.name != "__init__.py":
+            graph[module] = {
+                target
+                for target in runtime_imports(path, module)
+                if target.startswith("fsdp_conformance.impl.")
+            }
+    # ``from fsdp_conformance.impl import trace`` names the module impl.trace
+    graph = {
+        module: {t if t in graph else t.rsplit(".", 1)[0] for t in targets} - {module}
+        for module, targets in graph.items()
+    }
+    assert len(graph) >= 10, sorted(graph)
+    cycle = import_cycle(graph)
+    assert cycle is None, "impl import cycle: " + " -> ".join(cycle)
+
+
+def test_runtime_imports_skip_type_checking_only(tmp_path):
+    path = tmp_path / "mod.py"
+    path.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n"
+        "    from fsdp_conformance.impl.a import A\n"
+        "def f():\n"
+        "    from fsdp_conformance.impl.b import B\n"
+    )
+    imports = runtime_imports(path, "fsdp_conformance.impl.mod")
+    assert "fsdp_conformance.impl.b.B" in imports
+    assert not any(target.startswith("fsdp_conformance.impl.a") for target in imports)
