@@ -47,9 +47,20 @@ class GoldenAcceptError(RuntimeError):
 
 
 def accepting() -> bool:
-    """Whether this process accepts goldens (an accept variable is set to a non-empty value
-    other than ``0``)."""
-    return any(os.environ.get(name, "") not in ("", "0") for name in ACCEPT_ENV_VARS)
+    """Whether this process accepts goldens: ``FSDP_CONFORMANCE_ACCEPT_GOLDENS`` is ``1`` (``0``
+    or unset: no), or ``EXPECTTEST_ACCEPT`` is set to anything but ``""`` or ``0`` (expecttest's
+    own rule).
+
+    Raises:
+        ValueError: ``FSDP_CONFORMANCE_ACCEPT_GOLDENS`` is neither ``0`` nor ``1``.
+    """
+    own = os.environ.get(vocab.ENV_ACCEPT_GOLDENS, "")
+    if own not in ("", "0", "1"):
+        raise ValueError(
+            f"{vocab.ENV_ACCEPT_GOLDENS}={own!r}: set it to 1 (accept the prefetch-order goldens) "
+            "or 0, or unset it"
+        )
+    return own == "1" or os.environ.get("EXPECTTEST_ACCEPT", "") not in ("", "0")
 
 
 def read_golden(adapter_name: str, case: str) -> str | None:

@@ -150,3 +150,25 @@ def test_the_option_sets_the_accept_variable_for_the_session_only(pytester, monk
     assert pytester.runpytest("-p", "no:xdist", "--fsdp-accept-goldens").ret == 0
     assert vocab.ENV_ACCEPT_GOLDENS not in os.environ
     assert pytester.runpytest("-p", "no:xdist").ret == 1
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({}, False),
+        ({vocab.ENV_ACCEPT_GOLDENS: "0"}, False),
+        ({vocab.ENV_ACCEPT_GOLDENS: "1"}, True),
+        ({"EXPECTTEST_ACCEPT": "1"}, True),
+        ({"EXPECTTEST_ACCEPT": "0"}, False),
+    ],
+)
+def test_accepting_reads_the_variables(not_accepting, monkeypatch, env, expected):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert prefetch_goldens.accepting() is expected
+
+
+def test_a_bad_accept_value_names_the_variable(not_accepting, monkeypatch):
+    monkeypatch.setenv(vocab.ENV_ACCEPT_GOLDENS, "yes")
+    with pytest.raises(ValueError, match=r"FSDP_CONFORMANCE_ACCEPT_GOLDENS='yes': set it to 1"):
+        prefetch_goldens.accepting()
