@@ -172,3 +172,15 @@ def test_a_bad_accept_value_names_the_variable(not_accepting, monkeypatch):
     monkeypatch.setenv(vocab.ENV_ACCEPT_GOLDENS, "yes")
     with pytest.raises(ValueError, match=r"FSDP_CONFORMANCE_ACCEPT_GOLDENS='yes': set it to 1"):
         prefetch_goldens.accepting()
+
+
+def test_pyproject_ships_the_goldens_and_the_cli_package():
+    import tomllib
+
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    patterns = setuptools["package-data"]["fsdp_conformance.suite"]
+    suite = PACKAGE / "suite"
+    files = [path.relative_to(suite) for path in (suite / "goldens").rglob("*") if path.is_file()]
+    assert len(files) == 24
+    assert all(any(path.match(pattern) for pattern in patterns) for path in files), patterns
+    assert "fsdp_conformance.cli" in setuptools["packages"]
