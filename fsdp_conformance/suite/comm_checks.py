@@ -38,6 +38,7 @@ import pytest
 import torch
 from torch import nn
 
+from fsdp_conformance.adapters.deviations import expect_deviation
 from fsdp_conformance.observe.comm_trace import REDUCE_OPS, CommEvent, CommTrace
 
 from . import training
@@ -317,7 +318,8 @@ class BasePrefetchOrderTests:
         config = _prefetch_config(backward_prefetch, forward_prefetch)
         trace = cached_trace(fsdp_adapter, model_name, dist, config)
         label = f"adapter {fsdp_adapter.name!r}, {model_name}, {_describe(config)}"
-        assert_prefetch_happens(trace, config, label)
+        with expect_deviation(fsdp_adapter, "comm.prefetch_happens", config):
+            assert_prefetch_happens(trace, config, label)
 
     @pytest.mark.world_size(2)
     @pytest.mark.parametrize(
@@ -371,7 +373,10 @@ class BaseCollectiveCountTests:
         config = {"sharding_strategy": strategy}
         trace, root = trace_training(fsdp_adapter, model_name, dist, config, compute=False)
         instances = len(fsdp_adapter.instances(root))
-        assert_counts(trace, strategy, instances, f"adapter {fsdp_adapter.name!r}, {model_name}")
+        with expect_deviation(fsdp_adapter, "comm.counts", strategy):
+            assert_counts(
+                trace, strategy, instances, f"adapter {fsdp_adapter.name!r}, {model_name}"
+            )
 
     @pytest.mark.world_size(2)
     @pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])

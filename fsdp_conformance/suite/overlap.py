@@ -334,7 +334,8 @@ class BaseOverlapTests:
             pytest.skip("the CPU overlap check runs on CPU ranks (gloo); this world has GPUs")
         adapter = fsdp_adapter
         adapter.require(Feature.FORWARD_PREFETCH, Feature.LIMIT_ALL_GATHERS)
-        times = check_overlap(adapter, dist, f"adapter {adapter.name!r}", self.retries)
+        with expect_deviation(adapter, "overlap"):
+            times = check_overlap(adapter, dist, f"adapter {adapter.name!r}", self.retries)
         print(f"overlap ratio {times.cpu_ratio(CPU_COMM_MS):.3f}: {times.describe()}")
 
     @pytest.mark.cuda
@@ -345,4 +346,5 @@ class BaseOverlapTests:
             pytest.skip("needs one GPU per rank (CUDA overlap check, seed 000's shape)")
         adapter = fsdp_adapter
         adapter.require(Feature.LIMIT_ALL_GATHERS)
-        check_overlap(adapter, dist, f"adapter {adapter.name!r}", self.retries)
+        with expect_deviation(adapter, "overlap"):
+            check_overlap(adapter, dist, f"adapter {adapter.name!r}", self.retries)
