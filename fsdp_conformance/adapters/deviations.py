@@ -68,9 +68,7 @@ CHECK_IDS: dict[str, str] = {
     "overlap": "communication overlaps computation",
 }
 # checks whose declared deviation may also pass (see [Note: check ids])
-NOT_STRICT = frozenset(
-    check for check in CHECK_IDS if check.startswith(("misuse.", "exec_order."))
-)
+NOT_STRICT = frozenset(check for check in CHECK_IDS if check.startswith(("misuse.", "exec_order.")))
 
 
 @dataclasses.dataclass(frozen=True)
