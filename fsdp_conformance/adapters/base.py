@@ -67,7 +67,11 @@ def scoped_observer(callback: Observer, instances: list[nn.Module] | None) -> It
 
 
 class UnsupportedFeatureError(NotImplementedError):
-    """An adapter was asked for a feature it does not declare; the suite turns it into a skip."""
+    """An adapter was asked for a feature (or config value) it does not support.
+
+    The suite turns it into a skip wherever it is raised in a check's body -- also from inside
+    an adapter's `_wrap`, for what only the implementation can tell at wrap time.
+    """
 
     def __init__(self, adapter: str, feature: str, reason: str) -> None:
         super().__init__(f"adapter {adapter!r} does not support {feature!r}: {reason}")
@@ -149,6 +153,18 @@ class Adapter:
         """Feature -> reason for each feature this adapter does not support (on this host)."""
         return {}
 
+    def unsupported_values(self) -> dict[tuple[str, Any], str]:
+        """(config key, canonical value) -> reason, for values refused although the key's
+        feature is supported, e.g. ``{("limit_all_gathers", False): "the limiter is always
+        on"}``. Values are compared after normalisation ([Note: config vocabulary]); `wrap` and
+        `wrapper` raise UnsupportedFeatureError for them, which the suite reports as a skip."""
+        return {}
+
+    def _check_values(self, config: dict[str, Any]) -> None:
+        for (key, value), reason in self.unsupported_values().items():
+            if key in config and config[key] == value:
+                raise UnsupportedFeatureError(self.name, f"{key}={value!r}", reason)
+
     @property
     def capabilities(self) -> frozenset[str]:
         """The features this adapter supports on this host."""
@@ -198,6 +214,7 @@ class Adapter:
         """
         normalized = normalize_config(config)
         self.check(*features_for(normalized))
+        self._check_values(normalized)
         return self._wrap(module, process_group, normalized)
 
     def wrapper(self, *, process_group: Any = None, **config: Any) -> AdapterWrap:
@@ -208,6 +225,7 @@ class Adapter:
         """
         normalized = normalize_config(config)
         self.check(*features_for(normalized))
+        self._check_values(normalized)
         if process_group is not None:
             config["process_group"] = process_group
         return AdapterWrap(self, config)
