@@ -114,6 +114,15 @@ def check_impl(name: str) -> None:
         raise UsageError(f"--impl {message}") from None
 
 
+def _adapter_name(impl: str) -> str:
+    """The adapter's own name (``impl`` for a built-in; ``pkg.mod:ATTR`` resolved, as checked)."""
+    if impl in BUILTIN_IMPLS:
+        return impl
+    from fsdp_conformance.adapters import get_adapter
+
+    return get_adapter(impl).name
+
+
 def check_keyword_expression(expression: str | None) -> None:
     """UsageError unless pytest can parse ``-k expression`` (pytest-xdist would crash on it)."""
     if not expression:
@@ -248,7 +257,7 @@ def _run_command(args: argparse.Namespace) -> int:
         shutil.rmtree(workdir, ignore_errors=True)
         raise UsageError(message)
 
-    summary = _cli_report.summary_line(cells, args.impl, wall)
+    summary = _cli_report.summary_line(cells, _adapter_name(args.impl), wall)
     not_run = (collected or 0) - sum(1 for c in cells if not c.check.startswith("collecting "))
     if not_run > 0:
         summary += f"; {not_run} collected cells did not report (see the pytest output)"
@@ -332,8 +341,8 @@ class _Progress:
                 self.tally[outcome] = self.tally.get(outcome, 0) + 1
                 check, configuration = split_nodeid(record["nodeid"])
                 latest = f"{check}[{configuration}]"
-                if outcome == "fail":
-                    self._line(f"FAIL {latest}: {record.get('detail', '')}", elapsed, True)
+                if outcome == "fail":  # the message is in the matrix printed at the end
+                    self._line(f"FAIL {latest}", elapsed, True)
         self.seen = len(records)
         if self.total is None:
             status = "collecting the suite"

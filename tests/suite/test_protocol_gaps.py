@@ -165,3 +165,16 @@ def test_unsupported_inside_wrap_is_a_skip(pytester: pytest.Pytester) -> None:
             "*adapter 'refusing' does not support 'limit_all_gathers=False': the limiter *",
         ]
     )
+
+
+def test_world_sizes_1_and_4_cover_adapters_without_backward_prefetch() -> None:
+    from fsdp_conformance.suite import configs
+
+    cases = configs.parity_cases(("nested",), "pairwise", (1, 4), ("nested",))
+    for world_size in (1, 4):
+        without_prefetch = {
+            case.wrap_config["sharding_strategy"]
+            for case in cases
+            if case.world_size == world_size and case.wrap_config["backward_prefetch"] is None
+        }
+        assert without_prefetch == set(configs.SHARDING_STRATEGIES), (world_size, cases)
