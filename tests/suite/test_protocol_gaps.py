@@ -178,3 +178,43 @@ def test_world_sizes_1_and_4_cover_adapters_without_backward_prefetch() -> None:
             if case.world_size == world_size and case.wrap_config["backward_prefetch"] is None
         }
         assert without_prefetch == set(configs.SHARDING_STRATEGIES), (world_size, cases)
+
+
+_CACHING = """
+import pytest
+import torch.distributed as dist_c10d
+
+from fsdp_conformance.adapters import get_adapter
+from fsdp_conformance.adapters.impl import ImplAdapter
+
+
+class Caching(ImplAdapter):
+    name = "caching"
+
+    def __init__(self):
+        super().__init__()
+        self.groups = []  # groups cached "for the life of the process"
+        self.ends = []  # per on_test_end: were the cached groups still alive?
+
+    def on_test_end(self):
+        world = dist_c10d.distributed_c10d._world
+        self.ends.append(all(group in world.pg_map for group in self.groups))
+        self.groups.clear()
+
+
+pytestmark = [pytest.mark.world_size(2), pytest.mark.fsdp_mode("process")]
+
+
+def test_first(dist):
+    get_adapter("test_caching:Caching").groups.append(dist_c10d.new_group([0, 1]))
+
+
+def test_second(dist):
+    assert get_adapter("test_caching:Caching").ends == [True]
+"""
+
+
+def test_on_test_end_runs_before_groups_are_destroyed(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_caching=textwrap.dedent(_CACHING))
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "0")
+    result.assert_outcomes(passed=2)
