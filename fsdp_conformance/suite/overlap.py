@@ -48,6 +48,7 @@ import torch.distributed as tdist
 from torch import nn
 
 from fsdp_conformance.adapters import Feature
+from fsdp_conformance.adapters.deviations import expect_deviation
 from fsdp_conformance.models import Layer, delay
 
 # Layers (FSDP instances under the root), as in the seed
