@@ -41,6 +41,28 @@ _OUTCOME_VERDICT = {
     "xfail": "deviation",
     "skip": "not applicable",
 }
+# test function -> the check id its deviations are declared under (adapters/deviations.py)
+CHECK_ID_OF_TEST = {
+    "test_limited_all_gathers_stay_within_bound": "memory_bound",
+    "test_shard_grad_op_keeps_backward_within_bound": "memory_bound",
+    "test_divergent_exec_order_raises": "exec_order.divergent",
+    "test_wrapping_a_module_twice": "misuse.wrap_twice",
+    "test_parameters_on_mixed_devices": "misuse.mixed_devices",
+    "test_forward_inside_summon_full_params": "misuse.forward_inside_summon",
+    "test_summon_full_params_during_forward": "misuse.summon_during_forward",
+    "test_sync_module_states_with_different_shapes": "misuse.sync_module_states_shapes",
+    "test_matches_ddp": "parity.ddp",
+    "test_mixed_precision_matches_fp32_ddp": "parity.bf16",
+    "test_summon_full_params": "parity.summon_full_params",
+    "test_state_dict_round_trip": "parity.state_dict",
+    "test_states_are_legal_at_every_hook": "states.legal",
+    "test_assert_state": "states.assert_state",
+    "test_counts_per_phase": "comm.counts",
+    "test_no_reduction_inside_no_sync": "comm.no_sync",
+    "test_prefetch_happens": "comm.prefetch_happens",
+    "test_prefetch_overlaps_communication_cpu": "overlap",
+    "test_prefetch_overlaps_communication_cuda": "overlap",
+}
 _DEVIATION_MARKERS = ("-- known deviation of adapter ", "-- known deviation: ")
 
 
@@ -204,12 +226,13 @@ def render_table(results: Iterable[ImplResult], header: dict[str, str]) -> str:
         "check's configurations: **pass**, **deviation** (a known deviation the adapter declares,",
         "with its reason), **not applicable** (the adapter lacks a feature the check needs, with",
         "the reason) or **FAIL**; a count follows when the configurations differ. Numbers in",
-        "brackets are the notes under the table.",
+        "brackets are the notes under the table; `id` is the check id deviations are declared",
+        'under (docs/adapters.md, "Known deviations").',
         "",
         *(f"- {key}: {value}" for key, value in header.items()),
         "",
-        "| check | " + " | ".join(columns) + " |",
-        "|---|" + "---|" * len(results),
+        "| check | id | " + " | ".join(columns) + " |",
+        "|---|---|" + "---|" * len(results),
     ]
     for check in checks:
         row = []
@@ -220,10 +243,11 @@ def render_table(results: Iterable[ImplResult], header: dict[str, str]) -> str:
                 row.append(_cell_text(grouped[check], notes))
             else:
                 row.append("not run")
-        lines.append(f"| `{check}` | " + " | ".join(row) + " |")
+        check_id = CHECK_ID_OF_TEST.get(check.rsplit("::", 1)[-1], "")
+        lines.append(f"| `{check}` | {check_id} | " + " | ".join(row) + " |")
     if not checks:
         row = ["not applicable" + notes.ref(r.unavailable or "no check ran") for r in results]
-        lines.append("| (no check ran) | " + " | ".join(row) + " |")
+        lines.append("| (no check ran) | | " + " | ".join(row) + " |")
     lines += ["", "## Notes", ""]
     lines += [f"{number}. {_md(reason)}" for reason, number in notes.numbers.items()]
     return "\n".join(lines) + "\n"

@@ -43,13 +43,13 @@ def test_table_folds_configurations_and_numbers_the_reasons() -> None:
     text = table.render_table(_fake_results(), {"versions": "torch 2.13.0"})
     lines = text.splitlines()
     assert "- versions: torch 2.13.0" in lines
-    assert "| check | `impl` | `torch-fsdp1` | `fairscale` |" in lines
+    assert "| check | id | `impl` | `torch-fsdp1` | `fairscale` |" in lines
     assert (
-        "| `TestBadInputs::test_wrapping_a_module_twice` | pass | deviation [1] | not applicable [2] |"
+        "| `TestBadInputs::test_wrapping_a_module_twice` | misuse.wrap_twice | pass | deviation [1] | not applicable [2] |"
         in lines
     )
     assert (
-        "| `TestMemoryBound::test_limited` | pass 2 | pass 1, not applicable 1 [3] | not applicable [2] |"
+        "| `TestMemoryBound::test_limited` |  | pass 2 | pass 1, not applicable 1 [3] | not applicable [2] |"
         in lines
     )
     assert f"1. {REASON}" in lines
@@ -60,7 +60,7 @@ def test_table_folds_configurations_and_numbers_the_reasons() -> None:
 def test_failures_show_first() -> None:
     result = table.ImplResult("impl", cells=[("T::c", "pass", ""), ("T::c", "fail", "boom | x")])
     text = table.render_table([result], {})
-    assert "| `T::c` | FAIL 1 [1], pass 1 |" in text
+    assert "| `T::c` |  | FAIL 1 [1], pass 1 |" in text
     assert "1. boom \\| x" in text
 
 
@@ -88,7 +88,10 @@ def test_command_writes_the_table_from_a_real_run(
     ])  # fmt: skip
     assert code == 0
     text = out.read_text()
-    assert "| `TestBadInputs::test_wrapping_a_module_twice` | pass | deviation [1] |" in text, text
+    assert (
+        "| `TestBadInputs::test_wrapping_a_module_twice` | misuse.wrap_twice | pass | deviation [1] |"
+        in text
+    ), text
     assert "torch FSDP1 wraps a module that another instance already wraps" in text, text
     assert "torch 2." in text and "UTC" in text, text
 
@@ -96,3 +99,18 @@ def test_command_writes_the_table_from_a_real_run(
 def test_command_validates_its_options(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["conformance", "--impl", "nope"]) == 2
     assert "unknown --impl 'nope'" in capsys.readouterr().err
+
+
+def test_every_check_id_names_a_test_of_the_suite() -> None:
+    from fsdp_conformance import suite
+    from fsdp_conformance.adapters import CHECK_IDS
+
+    assert set(table.CHECK_ID_OF_TEST.values()) == set(CHECK_IDS)
+    tests = {
+        name
+        for base in vars(suite).values()
+        if isinstance(base, type)
+        for name in dir(base)
+        if name.startswith("test_")
+    }
+    assert set(table.CHECK_ID_OF_TEST) <= tests, set(table.CHECK_ID_OF_TEST) - tests
