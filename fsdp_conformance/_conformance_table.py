@@ -74,7 +74,8 @@ class ImplResult:
     impl: str
     # the adapter's own name when it differs from `impl` (shown under the header)
     adapter_name: str = ""
-    # (check, outcome, detail) per configuration that reported
+    # (check, outcome, detail) per configuration that reported (the collector's detail: failure
+    # message, skip reason, or expected-failure message naming the declared deviation)
     cells: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)
     # why the implementation could not run at all (then `cells` is empty)
     unavailable: str | None = None
@@ -163,7 +164,7 @@ def run_implementation(
     return ImplResult(
         impl,
         _adapter_name(impl),
-        [(cell.check, cell.outcome, _reason(cell.outcome, cell.detail)) for cell in cells],
+        [(cell.check, cell.outcome, cell.detail) for cell in cells],
     )
 
 
@@ -212,10 +213,10 @@ def render_table(results: Iterable[ImplResult], header: dict[str, str]) -> str:
     per_impl: list[dict[str, list[tuple[str, str]]]] = []
     for result in results:
         grouped: dict[str, list[tuple[str, str]]] = {}
-        for check, outcome, reason in result.cells:
+        for check, outcome, detail in result.cells:
             if check not in checks:
                 checks.append(check)
-            grouped.setdefault(check, []).append((outcome, reason))
+            grouped.setdefault(check, []).append((outcome, _reason(outcome, detail)))
         per_impl.append(grouped)
     checks.sort()
     columns = [f"`{r.impl}`" + (f" ({r.adapter_name})" if r.adapter_name else "") for r in results]
