@@ -19,12 +19,14 @@ _EXPORTS: dict[str, str] = {
     "RankContext": "fsdp_conformance.world",
     # driving an FSDP implementation (docs/adapters.md)
     "Adapter": "fsdp_conformance.adapters",
+    "Deviation": "fsdp_conformance.adapters",
     "Feature": "fsdp_conformance.adapters",
     "get_adapter": "fsdp_conformance.adapters",
 }
 
 __all__ = [
     "Adapter",
+    "Deviation",
     "DummyProcessGroup",
     "FSDPInitMode",
     "FSDPTest",

@@ -6,7 +6,14 @@ protocol is `Adapter` (base.py), feature names are `Feature` (features.py), cano
 """
 from __future__ import annotations
 
-from .base import Adapter, AdapterWrap, UnsupportedFeatureError, clean_param_name
+from .base import (
+    Adapter,
+    AdapterWrap,
+    ObserverRegistry,
+    UnsupportedFeatureError,
+    clean_param_name,
+)
+from .deviations import CHECK_IDS, Deviation
 from .features import ALL_FEATURES, ALWAYS_WRAP, Feature, MixedPrecisionConfig, normalize_config
 from .registry import BUILTIN_ADAPTERS, get_adapter
 from .states import LEGAL_INSTANCE_TRANSITIONS, LEGAL_ROOT_TRANSITIONS, InstanceState, RootState
@@ -15,13 +22,16 @@ __all__ = [
     "ALL_FEATURES",
     "ALWAYS_WRAP",
     "BUILTIN_ADAPTERS",
+    "CHECK_IDS",
     "LEGAL_INSTANCE_TRANSITIONS",
     "LEGAL_ROOT_TRANSITIONS",
     "Adapter",
     "AdapterWrap",
+    "Deviation",
     "Feature",
     "InstanceState",
     "MixedPrecisionConfig",
+    "ObserverRegistry",
     "RootState",
     "UnsupportedFeatureError",
     "clean_param_name",

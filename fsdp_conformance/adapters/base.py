@@ -31,6 +31,7 @@ from torch import nn
 from fsdp_conformance import vocab
 from fsdp_conformance.vocab import Op
 
+from .deviations import Deviation, find_deviation
 from .features import ALL_FEATURES, Feature, features_for, normalize_config
 from .states import InstanceState, RootState
 
@@ -69,7 +70,11 @@ def scoped_observer(callback: Observer, instances: list[nn.Module] | None) -> It
 
 
 class UnsupportedFeatureError(NotImplementedError):
-    """An adapter was asked for a feature it does not declare; the suite turns it into a skip."""
+    """An adapter was asked for a feature (or config value) it does not support.
+
+    The suite turns it into a skip wherever it is raised in a check's body -- also from inside
+    an adapter's `_wrap`, for what only the implementation can tell at wrap time.
+    """
 
     def __init__(self, adapter: str, feature: str, reason: str) -> None:
         super().__init__(f"adapter {adapter!r} does not support {feature!r}: {reason}")
@@ -78,9 +83,24 @@ class UnsupportedFeatureError(NotImplementedError):
         self.reason = reason  # why, in words
 
 
-def clean_param_name(name: str) -> str:
-    """`name` without the segments FSDP wrappers insert (names of the unwrapped model)."""
-    return _WRAPPER_NAME_PARTS.sub("", name)
+def clean_param_name(name: str, segments: Iterable[str] = ()) -> str:
+    """`name` without the segments FSDP wrappers insert (names of the unwrapped model).
+
+    Args:
+        name: a dotted parameter or module name of the wrapped model.
+        segments: more wrapper attribute names to remove (an adapter's `wrapper_segments`,
+            e.g. fairscale's ``_fpw_module``), besides torch FSDP1's and activation
+            checkpointing's.
+    """
+    name = _WRAPPER_NAME_PARTS.sub("", name)
+    for segment in segments:
+        if not segment or "." in segment:
+            raise ValueError(
+                f"wrapper segment {segment!r}: give one attribute name without dots "
+                "(e.g. '_fpw_module')"
+            )
+        name = re.sub(rf"(?:(?<=\.)|^){re.escape(segment)}\.", "", name)
+    return name
 
 
 class Adapter:
@@ -88,11 +108,65 @@ class Adapter:
 
     # Name given to get_adapter (or the `pkg.module:ATTR` path)
     name: str = "adapter"
+    # What the implementation is known to do differently from a check (adapters/deviations.py);
+    # a subclass inherits them and may extend: `known_deviations = Base.known_deviations + (...)`
+    known_deviations: tuple[Deviation, ...] = ()
+    # The adapter this one drives the implementation through, when it wraps another adapter
+    # instance: its known deviations apply to this adapter too (checked after this one's own)
+    delegates_to: Adapter | None = None
+    # Attribute names the implementation's wrappers insert into parameter names, removed by
+    # `clean_param_name` (torch FSDP1's `_fsdp_wrapped_module` is always removed)
+    wrapper_segments: tuple[str, ...] = ()
+
+    # ------------------------------------------------------------------ known deviations
+    def deviation(self, check: str, case: Any = None) -> str | None:
+        """The reason of a declared deviation covering `check` / `case`, or None.
+
+        Consults `known_deviations`, then the adapter in `delegates_to` (recursively).
+
+        Args:
+            check: a check id (adapters.deviations.CHECK_IDS, e.g. "misuse.wrap_twice").
+            case: the check's case object (None where the check has none).
+
+        Raises:
+            ValueError: `check` is not a known check id.
+        """
+        reason = find_deviation(self.known_deviations, check, case)
+        seen = {id(self)}
+        delegate = self.delegates_to
+        while reason is None and delegate is not None:
+            if not isinstance(delegate, Adapter):
+                raise TypeError(
+                    f"adapter {self.name!r}: delegates_to is {delegate!r}, not an Adapter; set it "
+                    "to the adapter instance this one wraps (or None)"
+                )
+            if id(delegate) in seen:
+                break
+            seen.add(id(delegate))
+            reason = find_deviation(delegate.known_deviations, check, case)
+            delegate = delegate.delegates_to
+        return reason
+
+    def on_test_end(self) -> None:
+        """Called in each rank after every harness test, before non-default process groups are
+        destroyed: drop anything cached per process group (the default group survives)."""
 
     # ------------------------------------------------------------------ capabilities
     def unsupported(self) -> dict[str, str]:
         """Feature -> reason for each feature this adapter does not support (on this host)."""
         return {}
+
+    def unsupported_values(self) -> dict[tuple[str, Any], str]:
+        """(config key, canonical value) -> reason, for values refused although the key's
+        feature is supported, e.g. ``{("limit_all_gathers", False): "the limiter is always
+        on"}``. Values are compared after normalisation ([Note: config vocabulary]); `wrap` and
+        `wrapper` raise UnsupportedFeatureError for them, which the suite reports as a skip."""
+        return {}
+
+    def _check_values(self, config: dict[str, Any]) -> None:
+        for (key, value), reason in self.unsupported_values().items():
+            if key in config and config[key] == value:
+                raise UnsupportedFeatureError(self.name, f"{key}={value!r}", reason)
 
     @property
     def capabilities(self) -> frozenset[str]:
@@ -143,6 +217,7 @@ class Adapter:
         """
         normalized = normalize_config(config)
         self.check(*features_for(normalized))
+        self._check_values(normalized)
         return self._wrap(module, process_group, normalized)
 
     def wrapper(self, *, process_group: Any = None, **config: Any) -> AdapterWrap:
@@ -153,6 +228,7 @@ class Adapter:
         """
         normalized = normalize_config(config)
         self.check(*features_for(normalized))
+        self._check_values(normalized)
         if process_group is not None:
             config["process_group"] = process_group
         return AdapterWrap(self, config)
@@ -174,9 +250,14 @@ class Adapter:
         """The canonical coarse (root-level) state of `instance`."""
         raise NotImplementedError
 
-    def is_unsharded(self, instance: nn.Module) -> bool:
-        """Whether `instance`'s unsharded parameters are currently allocated."""
-        raise NotImplementedError
+    def is_unsharded(self, instance: nn.Module) -> bool | None:
+        """Whether `instance`'s unsharded parameters are currently allocated (optional).
+
+        Not a required primitive: no suite check calls it (an implementation may keep full
+        parameters elsewhere, e.g. impl inside summon_full_params). None (the default) means
+        the adapter does not say; adapter tests and your own checks may use it.
+        """
+        return None
 
     def assert_state(self, instance: nn.Module, *states: RootState) -> None:
         """Call the implementation's own state assertion (needs `assert_state`)."""
@@ -205,7 +286,7 @@ class Adapter:
         """
         with self.summon_full_params(model):
             return {
-                clean_param_name(name): param.detach().clone()
+                clean_param_name(name, self.wrapper_segments): param.detach().clone()
                 for name, param in model.named_parameters(remove_duplicate=False)
             }
 

@@ -38,6 +38,15 @@ def get_adapter(name: str) -> Adapter:
         return _cache[name]
 
 
+def notify_test_end() -> None:
+    """Call `on_test_end()` of every adapter resolved in this process (the harness calls it in
+    each rank process after a test, before it destroys the non-default process groups)."""
+    with _cache_lock:
+        adapters = list(_cache.values())
+    for adapter in adapters:
+        adapter.on_test_end()
+
+
 def _resolve(name: str) -> Adapter:
     if name in _BUILTIN:
         module_name, class_name = _BUILTIN[name]

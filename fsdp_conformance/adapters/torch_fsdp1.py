@@ -29,6 +29,7 @@ from torch.distributed.fsdp.fully_sharded_data_parallel import TrainingState
 from fsdp_conformance.vocab import Op
 
 from .base import Adapter, ObserverRegistry
+from .deviations import Deviation
 from .features import ALWAYS_WRAP, Feature, module_predicate
 from .states import InstanceState, RootState
 
@@ -93,10 +94,59 @@ def _patch_torch_fsdp1() -> None:
     _patched = True
 
 
+def _prefetches_with_limit(case: Any) -> bool:
+    """A memory-bound case where FSDP1 prefetches a handle under the limiter (FULL_SHARD)."""
+    return (
+        case.limit_all_gathers
+        and case.sharding_strategy == "FULL_SHARD"
+        and (case.backward_prefetch == "BACKWARD_PRE" or case.forward_prefetch)
+    )
+
+
+# Measured on torch 2.13.0 (CPU, gloo, world size 2); docs/checks.md and docs/memory_bound.md
+FSDP1_DEVIATIONS = (
+    Deviation(
+        "memory_bound",
+        "torch FSDP1 2.13.0 exceeds the two-instance bound from iteration 2 when handles are "
+        "prefetched: the unshard of an already-prefetched handle is skipped without dequeuing a "
+        "free event, so the free-event queue holds 3 events and one more buffer than 'two "
+        "consecutive FSDP instances' stays resident. Reproduction: FSDP(ChainOfLinears, "
+        "limit_all_gathers=True, backward_prefetch=BACKWARD_PRE) with 6 inner instances under "
+        "the lagging device: peak 3 resident inner buffers (docs/memory_bound.md, 'torch FSDP1')",
+        _prefetches_with_limit,
+    ),
+    Deviation(
+        "exec_order.divergent",
+        "torch FSDP1 compares the forward order across ranks only under "
+        "TORCH_DISTRIBUTED_DEBUG=DETAIL (_ExecOrderData); by default same-shaped instances "
+        "silently exchange each other's all-gathers. Reproduction: root Linear with two wrapped "
+        "Linear(8, 8) branches, rank 1 runs them in the other order: no error (torch 2.13.0)",
+    ),
+    Deviation(
+        "misuse.wrap_twice",
+        "torch FSDP1 wraps a module that another instance already wraps, without an error. "
+        "Reproduction: lin = nn.Linear(8, 8); FSDP(lin); FSDP(lin) -> no error (torch 2.13.0)",
+    ),
+    Deviation(
+        "misuse.mixed_devices",
+        "torch FSDP1 wraps a module with cpu and meta parameters without an error. "
+        "Reproduction: FSDP(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8, device='meta')), "
+        "device_id=cpu) -> no error (torch 2.13.0)",
+    ),
+    Deviation(
+        "misuse.forward_inside_summon",
+        "torch FSDP1 fails with an internal AssertionError ('Expects tensor to be unsharded with "
+        "size ... but got ...') that does not name summon_full_params. Reproduction: "
+        "with FSDP.summon_full_params(model): model(x) (torch 2.13.0)",
+    ),
+)
+
+
 class TorchFSDP1Adapter(Adapter):
     """torch FSDP1 (`FullyShardedDataParallel`), driven through its public constructor."""
 
     name = "torch-fsdp1"
+    known_deviations = FSDP1_DEVIATIONS
 
     def unsupported(self) -> dict[str, str]:
         if accelerator_available():

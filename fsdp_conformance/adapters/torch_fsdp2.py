@@ -41,6 +41,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 from fsdp_conformance.vocab import Op
 
 from .base import Adapter, ObserverRegistry
+from .deviations import Deviation
 from .features import Feature, module_predicate
 from .states import InstanceState, RootState
 from .torch_fsdp1 import accelerator_available
@@ -101,10 +102,41 @@ def _patch_torch_fsdp2() -> None:
     _patched = True
 
 
+# Measured on torch 2.13.0 (CPU, gloo, world size 2); docs/checks.md
+FSDP2_DEVIATIONS = (
+    Deviation(
+        "exec_order.divergent",
+        "torch FSDP2 does not compare the execution order across ranks; same-shaped instances "
+        "silently exchange each other's all-gathers. Reproduction: fully_shard two Linear(8, 8) "
+        "branches and the root, rank 1 runs the branches in the other order: no error "
+        "(torch 2.13.0)",
+    ),
+    Deviation(
+        "misuse.mixed_devices",
+        "torch FSDP2 fully_shard accepts a module with cpu and meta parameters without an error. "
+        "Reproduction: fully_shard(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8, "
+        "device='meta'))) -> no error (torch 2.13.0)",
+    ),
+    Deviation(
+        "misuse.forward_inside_summon",
+        "torch FSDP2 has no summon_full_params; the torch-fsdp2 adapter emulates it with "
+        "unshard()/reshard(), which do not refuse a forward. Reproduction: model.unshard(); "
+        "model(x) -> no error (torch 2.13.0)",
+    ),
+    Deviation(
+        "misuse.summon_during_forward",
+        "torch FSDP2 has no summon_full_params; the torch-fsdp2 adapter emulates it with "
+        "unshard()/reshard(), which may be called inside forward. Reproduction: a forward hook "
+        "calling root.unshard(); root.reshard() -> no error (torch 2.13.0)",
+    ),
+)
+
+
 class TorchFSDP2Adapter(Adapter):
     """torch FSDP2 (`fully_shard`), one-dimensional mesh built from the process group."""
 
     name = "torch-fsdp2"
+    known_deviations = FSDP2_DEVIATIONS
 
     def __init__(self) -> None:
         # Instances inside an emulated summon_full_params (their root state reads SUMMON)

@@ -5,6 +5,7 @@
     fsdp-conformance run --impl mypkg.fsdp_adapter:ADAPTER -k parity
     fsdp-conformance overlap --limit-all-gathers false
     fsdp-conformance timeline --lag strict --out timeline.png --data timeline.json
+    fsdp-conformance conformance --out docs/conformance.md
 
 One module per subcommand, each with its ``add_parser`` and handler:
 
@@ -13,6 +14,8 @@ One module per subcommand, each with its ``add_parser`` and handler:
   its results file, and prints the matrix (``cli.report``);
 - ``cli.overlap`` and ``cli.timeline``: run the suite's measuring functions (``cli.ranks``) in a
   rank set of ``fsdp_conformance.world``; ``timeline`` draws with matplotlib (``cli.draw``);
+- ``cli.conformance``: ``run``'s pytest once per implementation, tabulated by ``cli.table``
+  into docs/conformance.md;
 - ``cli.common``: usage errors, argument types and the checks made before anything starts.
 
 Exit codes: 0 success (``run``: nothing failed); 1 a check failed or the experiment could not
@@ -25,6 +28,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
+from fsdp_conformance.cli import conformance as _conformance
 from fsdp_conformance.cli import overlap as _overlap
 from fsdp_conformance.cli import run as _run
 from fsdp_conformance.cli import timeline as _timeline
@@ -76,7 +80,7 @@ __all__ = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``fsdp-conformance`` parser with its three subcommands."""
+    """The ``fsdp-conformance`` parser with its subcommands."""
     formatter = argparse.RawDescriptionHelpFormatter
     parser = _Parser(
         prog=PROG,
@@ -90,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     _run.add_parser(commands, formatter)
     _overlap.add_parser(commands, formatter)
     _timeline.add_parser(commands, formatter)
+    _conformance.add_parser(commands, formatter)
     return parser
 
 

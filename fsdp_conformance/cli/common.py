@@ -89,6 +89,15 @@ def check_impl(name: str) -> None:
         raise UsageError(f"--impl {message}") from None
 
 
+def adapter_name(impl: str) -> str:
+    """The adapter's own name (``impl`` for a built-in; ``pkg.mod:ATTR`` resolved, as checked)."""
+    if impl in BUILTIN_IMPLS:
+        return impl
+    from fsdp_conformance.adapters import get_adapter
+
+    return get_adapter(impl).name
+
+
 def check_keyword_expression(expression: str | None) -> None:
     """UsageError unless pytest can parse ``-k expression`` (pytest-xdist would crash on it)."""
     if not expression:

@@ -33,6 +33,7 @@ from fsdp_conformance.cli.common import (
     UsageError,
     _add_common,
     _paragraph,
+    adapter_name,
     check_impl,
     check_keyword_expression,
     check_output,
@@ -95,7 +96,7 @@ def _run_command(args: argparse.Namespace) -> int:
         shutil.rmtree(workdir, ignore_errors=True)
         raise UsageError(message)
 
-    summary = report.summary_line(cells, args.impl, wall)
+    summary = report.summary_line(cells, adapter_name(args.impl), wall)
     not_run = (collected or 0) - sum(1 for c in cells if not c.check.startswith("collecting "))
     if not_run > 0:
         summary += f"; {not_run} collected cells did not report (see the pytest output)"
@@ -175,8 +176,8 @@ class _Progress:
                 self.tally[outcome] = self.tally.get(outcome, 0) + 1
                 check, configuration = split_nodeid(record["nodeid"])
                 latest = f"{check}[{configuration}]"
-                if outcome == "fail":
-                    self._line(f"FAIL {latest}: {record.get('detail', '')}", elapsed, True)
+                if outcome == "fail":  # the message is in the matrix printed at the end
+                    self._line(f"FAIL {latest}", elapsed, True)
         self.seen = len(records)
         if self.total is None:
             status = "collecting the suite"

@@ -73,7 +73,7 @@ def instance_labels(adapter: Any, root: nn.Module) -> dict[int, str]:
     for instance in adapter.instances(root):
         wrapped = adapter.unwrap(instance)
         path = paths.get(id(wrapped), paths.get(id(instance), ""))
-        path = clean_param_name(path + ".").rstrip(".")
+        path = clean_param_name(path + ".", getattr(adapter, "wrapper_segments", ())).rstrip(".")
         labels[id(instance)] = path if path and instance is not root else ROOT_LABEL
     return labels
 
@@ -95,6 +95,7 @@ class CommTrace:
         self.instances = {id(i): i for i in adapter.instances(root)}  # id -> instance
         self.events: list[CommEvent] = []  # everything recorded, in order
         self._phase = NO_PHASE  # the phase events are recorded under now
+        self._entered: list[str] = []  # phase names in the order first entered
         self._stack = contextlib.ExitStack()  # observer and hooks while active
 
     # ------------------------------------------------------------------ recording
@@ -120,6 +121,8 @@ class CommTrace:
     def phase(self, name: str) -> Iterator[None]:
         """Record the events inside the block under phase ``name``."""
         previous, self._phase = self._phase, name
+        if name not in self._entered:
+            self._entered.append(name)
         try:
             yield
         finally:
@@ -147,8 +150,9 @@ class CommTrace:
     # ------------------------------------------------------------------ reading
     @property
     def phases(self) -> list[str]:
-        """Phase names in the order they first recorded an event."""
-        return list(dict.fromkeys(event.phase for event in self.events))
+        """Every phase entered, in the order first entered (also those that recorded no event),
+        then ``NO_PHASE`` if events were recorded outside every phase."""
+        return list(dict.fromkeys([*self._entered, *(event.phase for event in self.events)]))
 
     def select(self, phase: str | None = None, ops: Iterable[str] | None = None) -> list[CommEvent]:
         """The events of ``phase`` (all phases if None) whose op is in ``ops`` (all if None)."""

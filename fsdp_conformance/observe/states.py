@@ -26,8 +26,12 @@ same kind:
   not sample inside an implementation's hook (e.g. at its all-gathers): mid-hook states are
   transient (measured: torch FSDP2 2.13.0 sets the instance it prefetches for backward to
   PRE_BACKWARD for the duration of the prefetch all-gather and restores IDLE afterwards);
-- end of backward: an autograd engine callback queued from the first pre-backward sample
-  (queued after the implementation's own end-of-backward callback, so it runs after it);
+- end of backward: an autograd engine callback queued from the first pre-backward sample,
+  which queues the sample itself once more when it runs, so the sample follows every callback
+  queued during backward -- the implementation's own end-of-backward callback included, even
+  when that one was queued after ours (the root's output is also an inner instance's output
+  under `auto_wrap_policy="always"`: the recorder's gradient hook on it, registered at the
+  inner instance's post-forward, runs before the root's pre-backward hook);
 - after `optimizer.step()`: `after_step()`, which also requires every instance to be IDLE;
 - inside and after `summon_full_params`: `sample(hook)` called by the check.
 Staying in a state is always legal. The transitions are the canonical table of
@@ -107,7 +111,10 @@ class TrainingStateRecorder:
         # the instances, pre-order, and their names in `model`
         self.instances: list[nn.Module] = list(adapter.instances(model))
         # names without the segments wrappers insert (`_fsdp_wrapped_module.`)
-        names = {id(module): clean_param_name(name) for name, module in model.named_modules()}
+        segments = adapter.wrapper_segments
+        names = {
+            id(module): clean_param_name(name, segments) for name, module in model.named_modules()
+        }
         self.names: dict[int, str] = {
             id(instance): names.get(id(instance)) or "<root>" for instance in self.instances
         }
@@ -165,6 +172,10 @@ class TrainingStateRecorder:
         return hook
 
     def _end_of_backward(self) -> None:
+        # the engine runs callbacks queued while it runs callbacks after the pending ones
+        torch.autograd.Variable._execution_engine.queue_callback(self._sample_end_of_backward)
+
+    def _sample_end_of_backward(self) -> None:
         self._end_of_backward_queued = False
         self.sample(END_OF_BACKWARD)
 

@@ -37,6 +37,7 @@ import pytest
 import torch
 from torch import nn
 
+from fsdp_conformance.adapters.deviations import expect_deviation
 from fsdp_conformance.observe.comm_trace import REDUCE_OPS, CommEvent, CommTrace
 from fsdp_conformance.vocab import Op
 
@@ -63,7 +64,8 @@ def trace_training(
     """Train the zoo model ``model_name`` wrapped with ``config`` and trace every phase.
 
     Skips (``adapter.require``) unless the adapter supports ``comm_trace`` and the config.
-    Returns the trace and the wrapped root.
+    Returns the trace and the wrapped root. SGD with momentum steps after each iteration outside
+    ``no_sync`` (then zeroes the gradients), so no_sync iterations accumulate into the next.
 
     Args:
         inside_no_sync: iteration -> run that iteration's forward and backward inside the
@@ -79,14 +81,14 @@ def trace_training(
         for iteration in range(1, iterations + 1):
             no_sync = inside_no_sync is not None and inside_no_sync(iteration)
             with root.no_sync() if no_sync else contextlib.nullcontext():
-                optimizer.zero_grad()
                 inputs = zoo_model.get_input(dist.device)
                 with trace.phase(phase_name(iteration, "forward")):
                     loss = zoo_model.get_loss(inputs, root(*inputs))
                 with trace.phase(phase_name(iteration, "backward")):
                     zoo_model.run_backward(loss)
-            if not no_sync:
+            if not no_sync:  # gradients of no_sync iterations accumulate into the next one
                 optimizer.step()
+                optimizer.zero_grad()
     return trace, root
 
 
@@ -317,7 +319,8 @@ class BasePrefetchOrderTests:
         config = _prefetch_config(backward_prefetch, forward_prefetch)
         trace = cached_trace(fsdp_adapter, model_name, dist, config)
         label = f"adapter {fsdp_adapter.name!r}, {model_name}, {_describe(config)}"
-        assert_prefetch_happens(trace, config, label)
+        with expect_deviation(fsdp_adapter, "comm.prefetch_happens", config):
+            assert_prefetch_happens(trace, config, label)
 
     @pytest.mark.world_size(2)
     @pytest.mark.parametrize(
@@ -373,11 +376,18 @@ class BaseCollectiveCountTests:
         config = {"sharding_strategy": strategy}
         trace, root = trace_training(fsdp_adapter, model_name, dist, config, compute=False)
         instances = len(fsdp_adapter.instances(root))
-        assert_counts(trace, strategy, instances, f"adapter {fsdp_adapter.name!r}, {model_name}")
+        with expect_deviation(fsdp_adapter, "comm.counts", strategy):
+            assert_counts(
+                trace, strategy, instances, f"adapter {fsdp_adapter.name!r}, {model_name}"
+            )
 
     @pytest.mark.world_size(2)
     @pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
     def test_no_reduction_inside_no_sync(self, fsdp_adapter: Any, dist: Any, strategy: str):
+        # What no_sync promises, not how many all-gathers it costs (an implementation may keep
+        # parameters unsharded through a no_sync backward, e.g. fairscale's root): no gradient
+        # reduction inside; the next iteration outside reduces once per instance; the
+        # accumulated gradients train exactly as DDP's no_sync does.
         config = {"sharding_strategy": strategy}
         fsdp_adapter.require(*fsdp_adapter.features_for(**config))
         root, _ = training.wrap_model(fsdp_adapter, "nested", dist, config)
@@ -389,8 +399,66 @@ class BaseCollectiveCountTests:
         trace, root = trace_training(
             fsdp_adapter, "nested", dist, config, compute=False, inside_no_sync=lambda i: i == 1
         )
-        instances = len(fsdp_adapter.instances(root))
-        assert_counts(trace, strategy, instances, f"adapter {fsdp_adapter.name!r}, nested", (1,))
+        label = f"adapter {fsdp_adapter.name!r}, nested, {strategy}"
+        with expect_deviation(fsdp_adapter, "comm.no_sync", strategy):
+            instances = len(fsdp_adapter.instances(root))
+            failures = no_sync_failures(trace, instances, no_sync_iterations=(1,))
+            assert not failures, (
+                f"no_sync broken ({label}):\n  "
+                + "\n  ".join(failures)
+                + "\ntrace:\n"
+                + trace.render()
+            )
+            reference = _ddp_no_sync_params(dist, no_sync_iterations=(1,))
+            actual = fsdp_adapter.full_params(root)
+            training.assert_same_training(
+                f"{label}, iteration 1 inside no_sync (accumulated gradients)",
+                training.TrainingResult(torch.zeros(0), actual),
+                training.TrainingResult(torch.zeros(0), reference),
+            )
+
+
+def no_sync_failures(
+    trace: CommTrace, instances: int, no_sync_iterations: tuple[int, ...]
+) -> list[str]:
+    """Phases that break no_sync's promise: a reduction inside it, or not one reduction per
+    instance in a backward outside it. All-gathers are not counted (implementation-specific)."""
+    failures = []
+    for phase in trace.phases:
+        if not phase.startswith("iteration "):
+            continue
+        iteration, kind = int(phase.split(" ")[1]), phase.split(" ")[2]
+        inside = iteration in no_sync_iterations
+        expected = 0 if inside or kind == "forward" else instances
+        reductions = trace.count(REDUCE_OPS, phase)
+        if reductions != expected:
+            within = " inside no_sync" if inside else ""
+            failures.append(
+                f"{phase}{within}: {reductions} gradient reductions, expected {expected}"
+            )
+    return failures
+
+
+def _ddp_no_sync_params(dist: Any, no_sync_iterations: tuple[int, ...]) -> dict[str, torch.Tensor]:
+    """``nested`` trained as ``trace_training`` does, under DDP (its own ``no_sync``)."""
+    from fsdp_conformance.suite import zoo
+
+    model = zoo.build("nested", dist.group, None, dist.device)
+    model.to(dist.device)
+    ddp = nn.parallel.DistributedDataParallel(model, process_group=dist.group)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=training.LR, momentum=training.MOMENTUM)
+    for iteration in range(1, ITERATIONS + 1):
+        no_sync = iteration in no_sync_iterations
+        with ddp.no_sync() if no_sync else contextlib.nullcontext():
+            inputs = model.get_input(dist.device)
+            model.run_backward(model.get_loss(inputs, ddp(*inputs)))
+        if not no_sync:
+            optimizer.step()
+            optimizer.zero_grad()
+    return {
+        name: param.detach().clone()
+        for name, param in model.named_parameters(remove_duplicate=False)
+    }
 
 
 def _prefetch_config(backward_prefetch: Any, forward_prefetch: bool) -> dict[str, Any]:

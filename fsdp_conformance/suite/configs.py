@@ -9,8 +9,10 @@ At world size 2 the parity check runs the product of every dimension below (``"f
 configs per model) or a greedy set of configs in which every pair of values of any two
 dimensions occurs at least once (``"pairwise"``, 15 configs per model, starting from the
 default config and each single change of it): a bug that needs two settings together to show
-up is still caught, a bug needing three may not be. World sizes 1 and 4 run one config per
-sharding strategy (world size 4 on a subset of the models: it only adds reduction order).
+up is still caught, a bug needing three may not be. World sizes 1 and 4 run the default config
+per sharding strategy, once with ``backward_prefetch="BACKWARD_PRE"`` and once with None, so an
+adapter without backward prefetch is covered there too (world size 4 on a subset of the models:
+it only adds reduction order).
 ``--fsdp-coverage`` overrides a check class's default (``BaseDDPParityTests.coverage``).
 """
 
@@ -146,10 +148,19 @@ def pairwise(dimensions: dict[str, tuple[Any, ...]] = DIMENSIONS) -> list[dict[s
     return chosen
 
 
+# backward_prefetch values each sharding strategy runs with at world sizes other than 2: the
+# default and "off", so an adapter without backward prefetch is covered there too
+PER_STRATEGY_PREFETCHES = ("BACKWARD_PRE", None)
+
+
 def per_strategy(dimensions: dict[str, tuple[Any, ...]] = DIMENSIONS) -> list[dict[str, Any]]:
-    """The default config once per sharding strategy."""
+    """The default config per sharding strategy, with each of ``PER_STRATEGY_PREFETCHES``."""
     defaults = {key: values[0] for key, values in dimensions.items()}
-    return [{**defaults, "sharding_strategy": s} for s in dimensions["sharding_strategy"]]
+    return [
+        {**defaults, "sharding_strategy": strategy, "backward_prefetch": prefetch}
+        for strategy in dimensions["sharding_strategy"]
+        for prefetch in PER_STRATEGY_PREFETCHES
+    ]
 
 
 def configs_for(coverage: str) -> list[dict[str, Any]]:

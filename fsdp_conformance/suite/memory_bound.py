@@ -1,7 +1,7 @@
 """The two-instance memory bound of ``limit_all_gathers``, as a base class to subclass.
 
     class TestMyMemoryBound(BaseMemoryBoundTests):   # in your tests; pytest collects Test*
-        known_deviations = {}                        # optional: adapter -> (case -> reason)
+        lag_variants = ("strict",)                   # optional: fewer lagging-device variants
 
 [Note: memory bound]
 *Resident* unsharded buffers are counted as ``fsdp_conformance.observe.residency`` says (from
@@ -24,6 +24,11 @@ so the limiter has nothing to bound in forward: the check exempts the forward ph
 backward phase to its bound (an implementation that frees after forward and re-gathers in
 backward is held to the bound there). See docs/memory_bound.md for the measured tables and the
 torch FSDP1 deviation.
+
+An adapter declares the cases its implementation exceeds the bound on as a known deviation
+(``Deviation("memory_bound", reason, applies=lambda case: ...)``, the case a ``BoundCase``):
+such cases are strict expected failures. The class attribute ``known_deviations`` (adapter
+name -> function(case) -> reason or None) still works but is deprecated.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from torch import nn
 
 from fsdp_conformance import vocab
 from fsdp_conformance.adapters import Adapter, Feature
+from fsdp_conformance.adapters.deviations import expect_deviation
 from fsdp_conformance.observe.lagging import LAG_VARIANTS, LaggingDevice
 from fsdp_conformance.observe.residency import PHASES, ResidencyTracker
 
@@ -322,23 +328,16 @@ def check_residency(tracker: ResidencyTracker, case: BoundCase, label: str) -> N
 
 # ---------------------------------------------------------------------------- known deviations
 def fsdp1_queue_deviation(case: BoundCase) -> str | None:
-    """torch FSDP1 (2.13.0): one buffer too many whenever a handle is prefetched (docs/memory_bound.md)."""
-    if not case.limit_all_gathers or case.sharding_strategy != "FULL_SHARD":
-        return None
-    if case.backward_prefetch != "BACKWARD_PRE" and not case.forward_prefetch:
-        return None
-    return (
-        "torch FSDP1 2.13.0 exceeds the two-instance bound from iteration 2 when handles are "
-        "prefetched: the unshard of an already-prefetched handle is skipped without dequeuing a "
-        "free event, so the free-event queue holds 3 events and one more buffer than 'two "
-        "consecutive FSDP instances' stays resident (docs/memory_bound.md, 'torch FSDP1')"
-    )
+    """Deprecated: the torch-fsdp1 adapter's ``memory_bound`` deviation for ``case`` (or None)."""
+    from fsdp_conformance.adapters.deviations import find_deviation
+    from fsdp_conformance.adapters.torch_fsdp1 import FSDP1_DEVIATIONS
+
+    return find_deviation(FSDP1_DEVIATIONS, "memory_bound", case)
 
 
-# Adapter name -> function(case) -> reason when the case is a known, documented deviation
-KNOWN_DEVIATIONS: dict[str, Callable[[BoundCase], str | None]] = {
-    "torch-fsdp1": fsdp1_queue_deviation,
-}
+# Deprecated alias (adapter name -> function(case) -> reason), empty: adapters declare their
+# deviations (`Adapter.known_deviations`, check id "memory_bound")
+KNOWN_DEVIATIONS: dict[str, Callable[[BoundCase], str | None]] = {}
 
 
 def limited_cases(lag_variants: tuple[str, ...] = LAG_VARIANTS) -> list[BoundCase]:
@@ -360,7 +359,8 @@ class BaseMemoryBoundTests:
     adapter and the feature.
     """
 
-    # Adapter name -> function(case) -> reason: such cases are strict expected failures
+    # Deprecated (declare Adapter.known_deviations): adapter name -> function(case) -> reason;
+    # such cases are strict expected failures
     known_deviations: ClassVar[dict[str, Callable[[BoundCase], str | None]]] = KNOWN_DEVIATIONS
     # Lagging-device variants to run every CPU case under
     lag_variants: ClassVar[tuple[str, ...]] = LAG_VARIANTS
@@ -381,16 +381,14 @@ class BaseMemoryBoundTests:
             ]
             metafunc.parametrize("shard_grad_op_case", [case.param() for case in cases])
 
-    @pytest.fixture(autouse=True)
-    def _expect_known_deviation(self, request: pytest.FixtureRequest, fsdp_impl: str) -> None:
-        """Mark a documented deviation of the adapter under test as a strict expected failure."""
-        callspec = getattr(request.node, "callspec", None)
-        case = None if callspec is None else callspec.params.get("bound_case")
-        deviation = self.known_deviations.get(fsdp_impl)
-        if case is not None and deviation is not None:
-            reason = deviation(case)
-            if reason is not None:
-                request.node.add_marker(pytest.mark.xfail(reason=reason, strict=True))
+    def _expect_deviation(
+        self, adapter: Adapter, case: BoundCase
+    ) -> contextlib.AbstractContextManager[None]:
+        """``expect_deviation`` for check "memory_bound", honouring the deprecated attribute."""
+        legacy = self.known_deviations.get(adapter.name)
+        return expect_deviation(
+            adapter, "memory_bound", case, fallback=None if legacy is None else legacy(case)
+        )
 
     def test_limited_all_gathers_stay_within_bound(
         self, fsdp_adapter: Adapter, dist: Any, bound_case: BoundCase
@@ -398,7 +396,8 @@ class BaseMemoryBoundTests:
         tracker = measure_residency(
             fsdp_adapter, dist.group, bound_case.wrap_config, bound_case.lag
         )
-        check_residency(tracker, bound_case, f"adapter {fsdp_adapter.name!r}")
+        with self._expect_deviation(fsdp_adapter, bound_case):
+            check_residency(tracker, bound_case, f"adapter {fsdp_adapter.name!r}")
 
     def test_unlimited_all_gathers_exceed_bound(
         self, fsdp_adapter: Adapter, dist: Any, unlimited_case: BoundCase
@@ -419,12 +418,13 @@ class BaseMemoryBoundTests:
         tracker = measure_residency(fsdp_adapter, dist.group, case.wrap_config, case.lag)
         # forward is exempt: SHARD_GRAD_OP keeps every buffer until backward, by design
         first_forward = tracker.peak(1, "forward")
-        assert first_forward.resident == LAYERS, (
-            f"adapter {fsdp_adapter.name!r}, {case.describe()}: iteration 1 forward should "
-            f"all-gather all {LAYERS} instances and keep them (no reshard after forward); peak "
-            f"{first_forward.resident}"
-        )
-        check_residency(tracker, case, f"adapter {fsdp_adapter.name!r}")
+        with self._expect_deviation(fsdp_adapter, case):
+            assert first_forward.resident == LAYERS, (
+                f"adapter {fsdp_adapter.name!r}, {case.describe()}: iteration 1 forward should "
+                f"all-gather all {LAYERS} instances and keep them (no reshard after forward); "
+                f"peak {first_forward.resident}"
+            )
+            check_residency(tracker, case, f"adapter {fsdp_adapter.name!r}")
 
     @pytest.mark.cuda
     def test_cuda_allocator_peak_within_bound(

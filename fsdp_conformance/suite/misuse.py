@@ -1,7 +1,7 @@
 """Misuse checks: divergent execution order across ranks, and bad inputs.
 
-    class TestMyMisuse(BaseExecOrderTests, BaseBadInputTests):   # in your tests
-        known_deviations = {"my-fsdp": {"wrap_twice": "why my FSDP accepts it"}}
+    class TestMyMisuse(BaseExecOrderTests, BaseBadInputTests):   # in your tests; pytest
+        pass                                                   # collects Test* classes
 
 [Note: misuse]
 Each misuse must raise an exception *within seconds* (``DEADLINE_S``, generous for a loaded
@@ -10,10 +10,12 @@ problem (a per-case regular expression, implementation-neutral: the words any se
 would use). Every rank makes the same mistake, so an implementation that raises before any
 collective raises on every rank and none is left waiting.
 
-An adapter that accepts a misuse silently (no exception) fails the check, unless the class lists
-it in ``known_deviations`` (adapter name -> case -> reason): then the case is an expected
-failure with that reason; an adapter that raises anyway passes. docs/checks.md records what
-each adapter does.
+An adapter that accepts a misuse silently (no exception) fails the check, unless the adapter
+declares it (``Adapter.known_deviations``, check ids ``exec_order.divergent`` and
+``misuse.<case>``, see adapters/deviations.py): then the case is an expected failure with that
+reason; an adapter that raises anyway passes. The class attribute ``known_deviations`` (adapter
+name -> case -> reason) still works but is deprecated. docs/checks.md records what each adapter
+does and why each misuse does harm.
 """
 
 from __future__ import annotations
@@ -33,52 +35,17 @@ from fsdp_conformance.adapters import Feature
 DEADLINE_S = 30.0
 WIDTH = 8
 
-# Deviations measured on torch 2.13.0 (CPU, gloo, world size 2); see docs/checks.md.
-# adapter name -> case -> reason
-KNOWN_DEVIATIONS: dict[str, dict[str, str]] = {
-    "torch-fsdp1": {
-        "divergent_exec_order": (
-            "torch FSDP1 compares the forward order across ranks only under "
-            "TORCH_DISTRIBUTED_DEBUG=DETAIL (_ExecOrderData); by default same-shaped instances "
-            "silently exchange each other's all-gathers (torch 2.13.0)"
-        ),
-        "wrap_wrapped_instance": (
-            "torch FSDP1 accepts FullyShardedDataParallel(fsdp_instance) and nests a second "
-            "instance around it (torch 2.13.0)"
-        ),
-        "wrap_twice": (
-            "torch FSDP1 wraps a module that another instance already wraps, without an error "
-            "(torch 2.13.0)"
-        ),
-        "mixed_devices": (
-            "torch FSDP1 wraps a module with cpu and meta parameters without an error "
-            "(torch 2.13.0, device_id=cpu)"
-        ),
-        "forward_inside_summon": (
-            "torch FSDP1 fails with an internal AssertionError ('Expects tensor to be "
-            "unsharded with size ... but got ...') that does not name summon_full_params "
-            "(torch 2.13.0)"
-        ),
-    },
-    "torch-fsdp2": {
-        "divergent_exec_order": (
-            "torch FSDP2 does not compare the execution order across ranks; same-shaped "
-            "instances silently exchange each other's all-gathers (torch 2.13.0)"
-        ),
-        "mixed_devices": (
-            "torch FSDP2 fully_shard accepts a module with cpu and meta parameters without an "
-            "error (torch 2.13.0)"
-        ),
-        "forward_inside_summon": (
-            "torch FSDP2 has no summon_full_params; the torch-fsdp2 adapter emulates it with "
-            "unshard()/reshard(), which do not refuse a forward"
-        ),
-        "summon_during_forward": (
-            "torch FSDP2 has no summon_full_params; the torch-fsdp2 adapter emulates it with "
-            "unshard()/reshard(), which may be called inside forward"
-        ),
-    },
-}
+# Deprecated alias (adapter name -> case -> reason), empty: adapters declare their deviations
+# (`Adapter.known_deviations`, check ids "exec_order.divergent" and "misuse.<case>")
+KNOWN_DEVIATIONS: dict[str, dict[str, str]] = {}
+
+
+def _deviation(checks: Any, adapter: Any, case: str, check: str) -> str | None:
+    """The adapter's declared deviation for ``check``, else the deprecated class attribute's."""
+    reason = adapter.deviation(check)
+    if reason is None:
+        reason = {**KNOWN_DEVIATIONS, **checks.known_deviations}.get(adapter.name, {}).get(case)
+    return reason
 
 
 def expect_error(
@@ -151,12 +118,12 @@ class BaseExecOrderTests:
     (``branch_a`` or ``branch_b``).
     """
 
+    # Deprecated: adapter name -> case -> reason (declare Adapter.known_deviations instead)
     known_deviations: ClassVar[dict[str, dict[str, str]]] = {}
 
     @pytest.mark.world_size(2)
     def test_divergent_exec_order_raises(self, fsdp_adapter: Any, dist: Any):
         adapter = fsdp_adapter
-        deviation = {**KNOWN_DEVIATIONS, **self.known_deviations}.get(adapter.name, {})
         wrap = adapter.wrapper()
         model = adapter.wrap(TwoBranches(wrap))
         adapter.unwrap(model).swapped = dist.rank == 1
@@ -170,7 +137,7 @@ class BaseExecOrderTests:
             r"order.*branch_[ab]|branch_[ab].*order",
             f"adapter {adapter.name!r}, rank {dist.rank} running "
             f"{'branch_b, branch_a' if dist.rank == 1 else 'branch_a, branch_b'}",
-            deviation.get("divergent_exec_order"),
+            _deviation(self, adapter, "divergent_exec_order", "exec_order.divergent"),
         )
 
 
@@ -180,23 +147,29 @@ def _linear() -> nn.Linear:
 
 
 class BaseBadInputTests:
-    """The reference FSDP's misuse catalogue, where it applies to any adapter ([Note: misuse])."""
+    """Misuses that do harm, each refused with a clear error ([Note: misuse]).
 
+    Only a misuse whose acceptance hurts is here (nesting an instance inside another, e.g.
+    ``FSDP(FSDP(lin))``, is ordinary nesting for torch FSDP1 and fairscale, so it is not):
+
+    - wrapping a module twice: two instances claim the same parameters; the first one's flat
+      parameter is orphaned (its views replaced) and which instance reduces the gradients is
+      undefined, so training silently diverges;
+    - parameters on mixed devices (cpu and meta): a meta parameter has no data; flattening it
+      with real ones fails (or trains garbage) far from the cause, at the first forward;
+    - a forward inside ``summon_full_params``: the forward unshards and frees the buffers the
+      context is still exposing (and a writeback would copy back what the forward freed);
+    - ``summon_full_params`` inside forward: leaving the context reshards the parameters the
+      running forward and backward still use;
+    - ``sync_module_states`` with shapes differing across ranks: the broadcast of differing
+      sizes hangs or corrupts the parameters.
+    """
+
+    # Deprecated: adapter name -> case -> reason (declare Adapter.known_deviations instead)
     known_deviations: ClassVar[dict[str, dict[str, str]]] = {}
 
     def _deviation(self, adapter: Any, case: str) -> str | None:
-        return {**KNOWN_DEVIATIONS, **self.known_deviations}.get(adapter.name, {}).get(case)
-
-    @pytest.mark.world_size(2)
-    def test_wrapping_a_wrapped_instance(self, fsdp_adapter: Any, dist: Any):
-        adapter = fsdp_adapter
-        wrapped = adapter.wrap(_linear())
-        expect_error(
-            lambda: adapter.wrap(wrapped),
-            r"already|twice|again|nested",
-            f"adapter {adapter.name!r}, wrapping an FSDP instance again",
-            self._deviation(adapter, "wrap_wrapped_instance"),
-        )
+        return _deviation(self, adapter, case, f"misuse.{case}")
 
     @pytest.mark.world_size(2)
     def test_wrapping_a_module_twice(self, fsdp_adapter: Any, dist: Any):

@@ -48,6 +48,7 @@ import torch.distributed as tdist
 from torch import nn
 
 from fsdp_conformance.adapters import Feature
+from fsdp_conformance.adapters.deviations import expect_deviation
 from fsdp_conformance.models import Layer, delay
 from fsdp_conformance.vocab import Op
 
@@ -353,7 +354,8 @@ class BaseOverlapTests:
             pytest.skip("the CPU overlap check runs on CPU ranks (gloo); this world has GPUs")
         adapter = fsdp_adapter
         adapter.require(Feature.FORWARD_PREFETCH, Feature.LIMIT_ALL_GATHERS)
-        times = check_overlap(adapter, dist, f"adapter {adapter.name!r}", self.retries)
+        with expect_deviation(adapter, "overlap"):
+            times = check_overlap(adapter, dist, f"adapter {adapter.name!r}", self.retries)
         print(f"overlap ratio {times.cpu_ratio(CPU_COMM_MS):.3f}: {times.describe()}")
 
     @pytest.mark.cuda
@@ -364,4 +366,5 @@ class BaseOverlapTests:
             pytest.skip("needs one GPU per rank (CUDA overlap check, seed 000's shape)")
         adapter = fsdp_adapter
         adapter.require(Feature.LIMIT_ALL_GATHERS)
-        check_overlap(adapter, dist, f"adapter {adapter.name!r}", self.retries)
+        with expect_deviation(adapter, "overlap"):
+            check_overlap(adapter, dist, f"adapter {adapter.name!r}", self.retries)

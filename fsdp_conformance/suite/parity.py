@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from fsdp_conformance.adapters import Feature
+from fsdp_conformance.adapters.deviations import expect_deviation
 
 from . import configs, training, zoo
 
@@ -74,14 +75,15 @@ class BaseDDPParityTests:
 
     def test_matches_ddp(self, fsdp_adapter: Any, dist: Any, parity_case: configs.ParityCase):
         case = parity_case
-        result = training.fsdp_run(
-            fsdp_adapter, case.model, dist, case.wrap_config, case.device_init
-        )
-        reference = training.reference_run(case.model, dist)
-        atol, rtol = tolerance(dist.world_size)
-        training.assert_same_training(
-            f"adapter {fsdp_adapter.name!r}, {case.describe()}", result, reference, atol, rtol
-        )
+        with expect_deviation(fsdp_adapter, "parity.ddp", case):
+            result = training.fsdp_run(
+                fsdp_adapter, case.model, dist, case.wrap_config, case.device_init
+            )
+            reference = training.reference_run(case.model, dist)
+            atol, rtol = tolerance(dist.world_size)
+            training.assert_same_training(
+                f"adapter {fsdp_adapter.name!r}, {case.describe()}", result, reference, atol, rtol
+            )
 
     def test_mixed_precision_matches_fp32_ddp(
         self, fsdp_adapter: Any, dist: Any, mixed_precision_case: configs.ParityCase
@@ -91,19 +93,20 @@ class BaseDDPParityTests:
             **case.wrap_config,
             "mixed_precision": {"param_dtype": torch.bfloat16, "reduce_dtype": torch.bfloat16},
         }
-        result = training.fsdp_run(fsdp_adapter, case.model, dist, config)
-        reference = training.reference_run(case.model, dist)
-        label = f"adapter {fsdp_adapter.name!r}, {case.describe()}, bf16 params and reduction"
-        # losses: bf16 forward vs fp32, relative; parameters: fp32 master weights, absolute
-        training.assert_same_training(
-            label,
-            result,
-            reference,
-            atol=ATOL_BF16_PARAMS,
-            rtol=0.0,
-            loss_atol=0.0,
-            loss_rtol=RTOL_BF16_LOSSES,
-        )
+        with expect_deviation(fsdp_adapter, "parity.bf16", case):
+            result = training.fsdp_run(fsdp_adapter, case.model, dist, config)
+            reference = training.reference_run(case.model, dist)
+            label = f"adapter {fsdp_adapter.name!r}, {case.describe()}, bf16 params and reduction"
+            # losses: bf16 forward vs fp32, relative; parameters: fp32 master weights, absolute
+            training.assert_same_training(
+                label,
+                result,
+                reference,
+                atol=ATOL_BF16_PARAMS,
+                rtol=0.0,
+                loss_atol=0.0,
+                loss_rtol=RTOL_BF16_LOSSES,
+            )
 
 
 class BaseSummonFullParamsTests:
@@ -126,49 +129,50 @@ class BaseSummonFullParamsTests:
         adapter = fsdp_adapter
         if writeback:
             adapter.require(Feature.SUMMON_FULL_PARAMS_WRITEBACK)
-        root, zoo_model = training.wrap_model(adapter, summon_model, dist, {})
-        training.train(root, zoo_model, dist.device, steps=1)
-        full_before = adapter.full_params(root)
-        shards_before = _local_shards(root)
-        with adapter.summon_full_params(root, writeback=writeback), torch.no_grad():
-            increased = set()  # a tied parameter is listed under each name: increase it once
-            for name in full_before:
-                param = _resolve(adapter.unwrap(root), name)
-                if param.data_ptr() not in increased:
-                    increased.add(param.data_ptr())
-                    param.add_(1.0)
-        full_after = adapter.full_params(root)
-        shards_after = _local_shards(root)
-        label = f"adapter {adapter.name!r}, {summon_model}"
-        changed = sorted(
-            name
-            for name in shards_before
-            if not torch.equal(shards_before[name], shards_after[name])
-        )
-        if writeback:
-            nonempty = [name for name, shard in shards_before.items() if shard.numel() > 0]
-            assert nonempty and set(changed) == set(nonempty), (
-                f"{label}: summon_full_params(writeback=True) with every full parameter "
-                f"increased by 1 left these sharded parameters unchanged: "
-                f"{sorted(set(nonempty) - set(changed))}"
+        with expect_deviation(adapter, "parity.summon_full_params", writeback):
+            root, zoo_model = training.wrap_model(adapter, summon_model, dist, {})
+            training.train(root, zoo_model, dist.device, steps=1)
+            full_before = adapter.full_params(root)
+            shards_before = _local_shards(root)
+            with adapter.summon_full_params(root, writeback=writeback), torch.no_grad():
+                increased = set()  # a tied parameter is listed under each name: increase it once
+                for name in full_before:
+                    param = _resolve(adapter.unwrap(root), name)
+                    if param.data_ptr() not in increased:
+                        increased.add(param.data_ptr())
+                        param.add_(1.0)
+            full_after = adapter.full_params(root)
+            shards_after = _local_shards(root)
+            label = f"adapter {adapter.name!r}, {summon_model}"
+            changed = sorted(
+                name
+                for name in shards_before
+                if not torch.equal(shards_before[name], shards_after[name])
             )
-            for name, before in full_before.items():
-                expected = before + 1.0
-                assert torch.equal(full_after[name], expected), (
-                    f"{label}: after summon_full_params(writeback=True), full parameter "
-                    f"{name!r} is not its old value + 1 (max |difference| "
-                    f"{(full_after[name] - expected).abs().max().item():.3g})"
+            if writeback:
+                nonempty = [name for name, shard in shards_before.items() if shard.numel() > 0]
+                assert nonempty and set(changed) == set(nonempty), (
+                    f"{label}: summon_full_params(writeback=True) with every full parameter "
+                    f"increased by 1 left these sharded parameters unchanged: "
+                    f"{sorted(set(nonempty) - set(changed))}"
                 )
-        else:
-            assert not changed, (
-                f"{label}: summon_full_params(writeback=False) changed the sharded parameters "
-                f"{changed} (changes inside the context must be discarded)"
-            )
-            for name, before in full_before.items():
-                assert torch.equal(full_after[name], before), (
-                    f"{label}: after summon_full_params(writeback=False), full parameter "
-                    f"{name!r} changed"
+                for name, before in full_before.items():
+                    expected = before + 1.0
+                    assert torch.equal(full_after[name], expected), (
+                        f"{label}: after summon_full_params(writeback=True), full parameter "
+                        f"{name!r} is not its old value + 1 (max |difference| "
+                        f"{(full_after[name] - expected).abs().max().item():.3g})"
+                    )
+            else:
+                assert not changed, (
+                    f"{label}: summon_full_params(writeback=False) changed the sharded parameters "
+                    f"{changed} (changes inside the context must be discarded)"
                 )
+                for name, before in full_before.items():
+                    assert torch.equal(full_after[name], before), (
+                        f"{label}: after summon_full_params(writeback=False), full parameter "
+                        f"{name!r} changed"
+                    )
 
 
 class BaseStateDictTests:
@@ -184,24 +188,25 @@ class BaseStateDictTests:
     @pytest.mark.parametrize("model_name", ["nested", "transformer"])
     def test_state_dict_round_trip(self, fsdp_adapter: Any, dist: Any, model_name: str):
         adapter = fsdp_adapter
-        root, zoo_model = training.wrap_model(adapter, model_name, dist, {})
-        training.train(root, zoo_model, dist.device, steps=1)
-        saved_full = adapter.full_params(root)
-        state = {key: _clone(value) for key, value in root.state_dict().items()}
-        training.train(root, zoo_model, dist.device, steps=2)
-        moved = adapter.full_params(root)
-        assert any(not torch.equal(moved[name], saved_full[name]) for name in saved_full), (
-            "training did not change any parameter; the round trip would prove nothing"
-        )
-        root.load_state_dict(state)
-        loaded = adapter.full_params(root)
-        label = f"adapter {adapter.name!r}, {model_name}"
-        for name, expected in saved_full.items():
-            assert torch.equal(loaded[name], expected), (
-                f"{label}: after load_state_dict of the state saved at step 1, full parameter "
-                f"{name!r} differs from the saved one by "
-                f"{(loaded[name] - expected).abs().max().item():.3g}"
+        with expect_deviation(adapter, "parity.state_dict", model_name):
+            root, zoo_model = training.wrap_model(adapter, model_name, dist, {})
+            training.train(root, zoo_model, dist.device, steps=1)
+            saved_full = adapter.full_params(root)
+            state = {key: _clone(value) for key, value in root.state_dict().items()}
+            training.train(root, zoo_model, dist.device, steps=2)
+            moved = adapter.full_params(root)
+            assert any(not torch.equal(moved[name], saved_full[name]) for name in saved_full), (
+                "training did not change any parameter; the round trip would prove nothing"
             )
+            root.load_state_dict(state)
+            loaded = adapter.full_params(root)
+            label = f"adapter {adapter.name!r}, {model_name}"
+            for name, expected in saved_full.items():
+                assert torch.equal(loaded[name], expected), (
+                    f"{label}: after load_state_dict of the state saved at step 1, full parameter "
+                    f"{name!r} differs from the saved one by "
+                    f"{(loaded[name] - expected).abs().max().item():.3g}"
+                )
 
 
 def _clone(value: Any) -> Any:

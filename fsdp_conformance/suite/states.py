@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from fsdp_conformance.adapters import Feature, RootState
+from fsdp_conformance.adapters.deviations import expect_deviation
 from fsdp_conformance.observe.states import TrainingStateRecorder
 
 from . import configs, training
@@ -64,65 +65,67 @@ class BaseTrainingStateTests:
         self, fsdp_adapter: Any, dist: Any, state_case: configs.ParityCase
     ):
         adapter = fsdp_adapter
-        root, zoo_model = training.wrap_model(
-            adapter, state_case.model, dist, state_case.wrap_config
-        )
-        with TrainingStateRecorder(adapter, root) as recorder:
-            training.train(
-                root, zoo_model, dist.device, after_step=lambda step: recorder.after_step()
+        with expect_deviation(adapter, "states.legal", state_case):
+            root, zoo_model = training.wrap_model(
+                adapter, state_case.model, dist, state_case.wrap_config
             )
-            with adapter.summon_full_params(root):
-                recorder.sample("inside summon_full_params")
-            recorder.sample("after summon_full_params")
-        recorder.assert_legal()
-        label = f"adapter {adapter.name!r}, {state_case.describe()}"
-        missing = [hook for hook in REQUIRED_HOOKS if hook not in recorder.hooks_seen]
-        assert not missing, f"{label}: the recorder never sampled at {missing}"
-        # instances whose state the adapter cannot read (FSDP1: no parameters) are not listed
-        readable = {name: seen for name, seen in recorder.states_seen.items() if seen}
-        assert readable, f"{label}: the adapter reported no instance state at all"
-        for name, seen in readable.items():
-            assert "FORWARD" in seen and seen & {"BACKWARD_PRE", "BACKWARD_POST"}, (
-                f"{label}: instance {name!r} was only ever seen in {sorted(seen)}; it must "
-                "report FORWARD in its forward and BACKWARD_PRE/BACKWARD_POST in its backward"
-            )
-            assert "SUMMON_FULL_PARAMS" in seen, (
-                f"{label}: instance {name!r} never reported SUMMON_FULL_PARAMS inside "
-                f"summon_full_params (seen: {sorted(seen)})"
-            )
+            with TrainingStateRecorder(adapter, root) as recorder:
+                training.train(
+                    root, zoo_model, dist.device, after_step=lambda step: recorder.after_step()
+                )
+                with adapter.summon_full_params(root):
+                    recorder.sample("inside summon_full_params")
+                recorder.sample("after summon_full_params")
+            recorder.assert_legal()
+            label = f"adapter {adapter.name!r}, {state_case.describe()}"
+            missing = [hook for hook in REQUIRED_HOOKS if hook not in recorder.hooks_seen]
+            assert not missing, f"{label}: the recorder never sampled at {missing}"
+            # instances whose state the adapter cannot read (FSDP1: no parameters) are not listed
+            readable = {name: seen for name, seen in recorder.states_seen.items() if seen}
+            assert readable, f"{label}: the adapter reported no instance state at all"
+            for name, seen in readable.items():
+                assert "FORWARD" in seen and seen & {"BACKWARD_PRE", "BACKWARD_POST"}, (
+                    f"{label}: instance {name!r} was only ever seen in {sorted(seen)}; it must "
+                    "report FORWARD in its forward and BACKWARD_PRE/BACKWARD_POST in its backward"
+                )
+                assert "SUMMON_FULL_PARAMS" in seen, (
+                    f"{label}: instance {name!r} never reported SUMMON_FULL_PARAMS inside "
+                    f"summon_full_params (seen: {sorted(seen)})"
+                )
 
     @pytest.mark.world_size(2)
     def test_assert_state(self, fsdp_adapter: Any, dist: Any):
         adapter = fsdp_adapter
         adapter.require(Feature.ASSERT_STATE)
-        root, zoo_model = training.wrap_model(adapter, "nested", dist, {})
-        inner = adapter.instances(root)[1]
-        outcomes: dict[str, BaseException | None] = {}
+        with expect_deviation(adapter, "states.assert_state"):
+            root, zoo_model = training.wrap_model(adapter, "nested", dist, {})
+            inner = adapter.instances(root)[1]
+            outcomes: dict[str, BaseException | None] = {}
 
-        def during_forward(module: torch.nn.Module, args: Any) -> None:
-            outcomes["FORWARD_BACKWARD in forward"] = _outcome(
+            def during_forward(module: torch.nn.Module, args: Any) -> None:
+                outcomes["FORWARD_BACKWARD in forward"] = _outcome(
+                    adapter, root, RootState.FORWARD_BACKWARD
+                )
+                outcomes["IDLE in forward"] = _outcome(adapter, root, RootState.IDLE)
+
+            handle = adapter.unwrap(inner).register_forward_pre_hook(during_forward)
+            try:
+                training.train(root, zoo_model, dist.device, steps=1)
+            finally:
+                handle.remove()
+            outcomes["IDLE after step"] = _outcome(adapter, root, RootState.IDLE)
+            outcomes["FORWARD_BACKWARD after step"] = _outcome(
                 adapter, root, RootState.FORWARD_BACKWARD
             )
-            outcomes["IDLE in forward"] = _outcome(adapter, root, RootState.IDLE)
-
-        handle = adapter.unwrap(inner).register_forward_pre_hook(during_forward)
-        try:
-            training.train(root, zoo_model, dist.device, steps=1)
-        finally:
-            handle.remove()
-        outcomes["IDLE after step"] = _outcome(adapter, root, RootState.IDLE)
-        outcomes["FORWARD_BACKWARD after step"] = _outcome(
-            adapter, root, RootState.FORWARD_BACKWARD
-        )
-        label = f"adapter {adapter.name!r}: _assert_state on the root"
-        for case in ("FORWARD_BACKWARD in forward", "IDLE after step"):
-            assert outcomes[case] is None, (
-                f"{label}: asserting {case} raised {outcomes[case]!r}; the root is in that state"
-            )
-        for case in ("IDLE in forward", "FORWARD_BACKWARD after step"):
-            assert outcomes[case] is not None, (
-                f"{label}: asserting {case} did not raise, but the root is not in that state"
-            )
+            label = f"adapter {adapter.name!r}: _assert_state on the root"
+            for case in ("FORWARD_BACKWARD in forward", "IDLE after step"):
+                assert outcomes[case] is None, (
+                    f"{label}: asserting {case} raised {outcomes[case]!r}; the root is in that state"
+                )
+            for case in ("IDLE in forward", "FORWARD_BACKWARD after step"):
+                assert outcomes[case] is not None, (
+                    f"{label}: asserting {case} did not raise, but the root is not in that state"
+                )
 
 
 def _outcome(adapter: Any, instance: torch.nn.Module, state: RootState) -> BaseException | None:

@@ -194,6 +194,9 @@ def classify_exception(rank: int, exc: BaseException) -> RankOutcome:
         return RankOutcome(rank, SKIPPED, message=str(exc))
     if isinstance(exc, XFailed):
         return RankOutcome(rank, XFAILED, message=str(exc.msg))
+    adapters = sys.modules.get("fsdp_conformance.adapters.base")  # an adapter's own refusal
+    if adapters is not None and isinstance(exc, adapters.UnsupportedFeatureError):
+        return RankOutcome(rank, SKIPPED, message=str(exc))
     if isinstance(exc, Failed) and not exc.pytrace:
         return RankOutcome(rank, FAILED, message=str(exc.msg))
     return RankOutcome(

@@ -127,10 +127,13 @@ def test_run_on_broken_adapter_fails_and_names_the_failing_checks(tmp_path: Path
     ]
     summary = out.strip().splitlines()[-1]
     assert re.fullmatch(
-        r"broken_fsdp:NoLimitAdapter: 1 pass, 2 fail \(3 cells, 2 checks\) in \S+ -- 2 FAILED",
+        r"no-limit: 1 pass, 2 fail \(3 cells, 2 checks\) in \S+ -- 2 FAILED",
         summary,
     ), summary
     assert "FAIL TestMemoryBound::test_limited_all_gathers_stay_within_bound" in result.stderr
+    # each failure message once: in the matrix, not again in the progress lines
+    assert "memory bound exceeded" not in result.stderr
+    assert out.count("memory bound exceeded: iteration 1 forward") == 2, out
     cells = json.loads((tmp_path / "matrix.json").read_text())["cells"]
     failed = [cell for cell in cells if cell["outcome"] == "fail"]
     assert [cell["configuration"] for cell in failed] == [

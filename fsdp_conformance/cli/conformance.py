@@ -1,0 +1,79 @@
+"""``fsdp-conformance conformance``: the suite once per implementation, written as the
+check x implementation table (docs/conformance.md); the table itself is built by ``cli.table``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from fsdp_conformance.cli.common import (
+    COVERAGES,
+    DEFAULT_COVERAGE,
+    DEFAULT_TIMEOUT,
+    PROG,
+    UsageError,
+    _paragraph,
+    _positive_float,
+    check_impl,
+    check_keyword_expression,
+    check_output,
+)
+
+
+def _conformance_command(args: argparse.Namespace) -> int:
+    from fsdp_conformance.cli import table
+
+    impls = args.impl or list(table.IMPLEMENTATIONS)
+    for impl in impls:
+        if impl not in table.IMPLEMENTATIONS:
+            check_impl(impl)
+    check_keyword_expression(args.k)
+    check_output(args.out, "--out")
+    if args.workers < 0:
+        raise UsageError(f"-n {args.workers}: give 0 (no xdist) or a number of workers")
+    pytest_args = [f"--fsdp-coverage={args.coverage}", f"--fsdp-timeout={args.timeout:g}"]
+    if args.workers > 0:
+        pytest_args += ["-n", str(args.workers)]
+    if args.k:
+        pytest_args += ["-k", args.k]
+    table.generate(impls, args.out, pytest_args)
+    print(f"{PROG} conformance: wrote {args.out}")
+    return 0
+
+
+def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
+    """Add the ``conformance`` subcommand to ``commands``."""
+    conformance = commands.add_parser(
+        "conformance",
+        help="run the suite per implementation and write the check x implementation table",
+        description=_paragraph(
+            "Run the conformance suite once per implementation (--impl, repeatable; default "
+            "impl, torch-fsdp1, torch-fsdp2, fairscale) and write docs/conformance.md: each check "
+            "x implementation -> pass / deviation (the adapter's declared reason) / not "
+            "applicable (the missing feature) / FAIL, with the torch version and the date. An "
+            "implementation that is not installed gets that, with the install command, in its "
+            "cells. Exit code 0 when the table was written."
+        ),
+        epilog="examples:\n"
+        "  fsdp-conformance conformance --out docs/conformance.md\n"
+        "  fsdp-conformance conformance --impl impl --impl torch-fsdp1 -k MemoryBound",
+        formatter_class=formatter,
+    )
+    conformance.add_argument(
+        "--impl", action="append", metavar="NAME", help="an implementation (repeatable)"
+    )
+    conformance.add_argument("--out", default="docs/conformance.md", metavar="FILE.md")
+    conformance.add_argument("-k", metavar="EXPR", help="only checks matching this expression")
+    conformance.add_argument("--coverage", choices=COVERAGES, default=DEFAULT_COVERAGE)
+    conformance.add_argument(
+        "-n", dest="workers", type=int, default=0, metavar="WORKERS", help="xdist workers"
+    )
+    conformance.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=DEFAULT_TIMEOUT,
+        metavar="SECONDS",
+        help=f"fail a rank body still running after this long (default {DEFAULT_TIMEOUT:g})",
+    )
+    conformance.set_defaults(handler=_conformance_command)

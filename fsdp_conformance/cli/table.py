@@ -1,0 +1,295 @@
+"""``fsdp-conformance conformance``: the suite run per implementation, as one check x impl table.
+
+Each implementation runs the suite in its own pytest process (as ``fsdp-conformance run``
+does, through the ``cli.collect`` plugin); its cells (one per check and configuration) are
+folded per check into one *verdict* per table cell:
+
+  pass            every configuration that ran passed
+  deviation       a declared known deviation (``Adapter.known_deviations``): the reason
+  not applicable  the adapter lacks a feature the check needs (a skip): the reason
+  FAIL            a configuration failed: its first message
+
+A check mixing outcomes lists each with its number of configurations ("pass 10, deviation 4
+[2]"). Reasons are numbered notes under the table, so the table stays one line per check. An
+implementation that cannot run (fairscale not installed, no such adapter) gets one note saying
+why, in every cell of its column.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import importlib.metadata
+import importlib.util
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+# The implementations of the table, in column order
+IMPLEMENTATIONS = ("impl", "torch-fsdp1", "torch-fsdp2", "fairscale")
+# impl -> (python package it needs, extra that installs it)
+_OPTIONAL_PACKAGES = {"fairscale": ("fairscale", "fairscale")}
+# Verdict labels, in the order a mixed cell lists them
+VERDICTS = ("FAIL", "deviation", "pass", "not applicable")
+_OUTCOME_VERDICT = {
+    "pass": "pass",
+    "fail": "FAIL",
+    "xpass": "FAIL",
+    "xfail": "deviation",
+    "skip": "not applicable",
+}
+# test function -> the check id its deviations are declared under (adapters/deviations.py)
+CHECK_ID_OF_TEST = {
+    "test_limited_all_gathers_stay_within_bound": "memory_bound",
+    "test_shard_grad_op_keeps_backward_within_bound": "memory_bound",
+    "test_divergent_exec_order_raises": "exec_order.divergent",
+    "test_wrapping_a_module_twice": "misuse.wrap_twice",
+    "test_parameters_on_mixed_devices": "misuse.mixed_devices",
+    "test_forward_inside_summon_full_params": "misuse.forward_inside_summon",
+    "test_summon_full_params_during_forward": "misuse.summon_during_forward",
+    "test_sync_module_states_with_different_shapes": "misuse.sync_module_states_shapes",
+    "test_matches_ddp": "parity.ddp",
+    "test_mixed_precision_matches_fp32_ddp": "parity.bf16",
+    "test_summon_full_params": "parity.summon_full_params",
+    "test_state_dict_round_trip": "parity.state_dict",
+    "test_states_are_legal_at_every_hook": "states.legal",
+    "test_assert_state": "states.assert_state",
+    "test_counts_per_phase": "comm.counts",
+    "test_no_reduction_inside_no_sync": "comm.no_sync",
+    "test_prefetch_happens": "comm.prefetch_happens",
+    "test_prefetch_overlaps_communication_cpu": "overlap",
+    "test_prefetch_overlaps_communication_cuda": "overlap",
+}
+_DEVIATION_MARKERS = ("-- known deviation of adapter ", "-- known deviation: ")
+
+
+@dataclasses.dataclass
+class ImplResult:
+    """What one implementation's run produced."""
+
+    # the name given to --impl (column header)
+    impl: str
+    # the adapter's own name when it differs from `impl` (shown under the header)
+    adapter_name: str = ""
+    # (check, outcome, detail) per configuration that reported (the collector's detail: failure
+    # message, skip reason, or expected-failure message naming the declared deviation)
+    cells: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)
+    # why the implementation could not run at all (then `cells` is empty)
+    unavailable: str | None = None
+
+
+def unavailable_reason(impl: str) -> str | None:
+    """Why ``impl`` cannot run here (not installed / unknown), or None when it can."""
+    from fsdp_conformance.adapters import BUILTIN_ADAPTERS
+
+    if impl in _OPTIONAL_PACKAGES:
+        package, extra = _OPTIONAL_PACKAGES[impl]
+        if importlib.util.find_spec(package) is None:
+            return f"not installed: pip install 'fsdp-conformance[{extra}]'"
+    if impl not in BUILTIN_ADAPTERS and ":" not in impl:
+        return (
+            f"no built-in adapter {impl!r} in this fsdp-conformance "
+            f"(built in: {', '.join(BUILTIN_ADAPTERS)})"
+        )
+    return None
+
+
+def deviation_reason(detail: str) -> str:
+    """The declared reason inside an expected failure's detail (the detail if none is marked)."""
+    for marker in _DEVIATION_MARKERS:
+        if marker in detail:
+            reason = detail.split(marker, 1)[1]
+            if marker.endswith("adapter "):  # "'name' (check id): reason"
+                reason = reason.split("): ", 1)[-1]
+            return reason.strip()
+    return detail.strip()
+
+
+def _reason(outcome: str, detail: str) -> str:
+    if outcome == "xfail":
+        return deviation_reason(detail)
+    return " ".join(detail.split())
+
+
+def run_implementation(
+    impl: str, pytest_args: Sequence[str], timeout: float | None = None
+) -> ImplResult:
+    """Run ``pytest --pyargs fsdp_conformance.suite --fsdp-impl impl *pytest_args``; its cells.
+
+    Args:
+        impl: the --fsdp-impl name.
+        pytest_args: further pytest arguments (-k, --fsdp-coverage, -n ...).
+        timeout: seconds the whole run may take (None: no limit).
+    """
+    from fsdp_conformance.cli import collect as _cli_collect
+    from fsdp_conformance.cli import report as _cli_report
+
+    reason = unavailable_reason(impl)
+    if reason is not None:
+        return ImplResult(impl, unavailable=reason)
+    with tempfile.TemporaryDirectory(prefix="fsdp-conformance-table-") as workdir:
+        results = os.path.join(workdir, "results.jsonl")
+        command = [
+            sys.executable, "-m", "pytest", "--pyargs", "fsdp_conformance.suite",
+            "-p", "fsdp_conformance.cli.collect", "-p", "no:cacheprovider",
+            "-o", "addopts=", "-q", f"--fsdp-impl={impl}", *pytest_args,
+        ]  # fmt: skip
+        env = {
+            key: value
+            for key, value in os.environ.items()
+            if not key.startswith(("PYTEST_XDIST_", "PYTEST_CURRENT_TEST"))
+        }
+        env[_cli_collect.ENV_RESULTS] = results
+        log_path = os.path.join(workdir, "pytest.log")
+        with open(log_path, "w", encoding="utf-8") as log:
+            try:
+                returncode = subprocess.run(
+                    command,
+                    check=False,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    timeout=timeout,
+                ).returncode
+            except subprocess.TimeoutExpired:
+                returncode = None
+        cells = _cli_report.cells_from_records(_cli_report.read_records(results))
+        if not cells:
+            with open(log_path, encoding="utf-8", errors="replace") as stream:
+                tail = " ".join(stream.read().split()[-40:])
+            why = "timed out" if returncode is None else f"pytest exit code {returncode}"
+            return ImplResult(impl, unavailable=f"the run reported no check ({why}): {tail}")
+    return ImplResult(
+        impl,
+        _adapter_name(impl),
+        [(cell.check, cell.outcome, cell.detail) for cell in cells],
+    )
+
+
+def _adapter_name(impl: str) -> str:
+    from fsdp_conformance.adapters import get_adapter
+
+    name = get_adapter(impl).name
+    return "" if name == impl else name
+
+
+class _Notes:
+    """Numbered reasons, each listed once."""
+
+    def __init__(self) -> None:
+        self.numbers: dict[str, int] = {}  # reason -> its note number
+
+    def ref(self, reason: str) -> str:
+        if not reason:
+            return ""
+        if reason not in self.numbers:
+            self.numbers[reason] = len(self.numbers) + 1
+        return f" [{self.numbers[reason]}]"
+
+
+def _cell_text(outcomes: list[tuple[str, str]], notes: _Notes) -> str:
+    """One table cell from (outcome, reason) per configuration."""
+    by_verdict: dict[str, list[str]] = {}
+    for outcome, reason in outcomes:
+        by_verdict.setdefault(_OUTCOME_VERDICT[outcome], []).append(reason)
+    parts = []
+    for verdict in VERDICTS:
+        reasons = by_verdict.get(verdict)
+        if not reasons:
+            continue
+        count = f" {len(reasons)}" if len(by_verdict) > 1 or len(outcomes) > 1 else ""
+        refs = "" if verdict == "pass" else "".join(notes.ref(r) for r in dict.fromkeys(reasons))
+        parts.append(f"{verdict}{count}{refs}")
+    return ", ".join(parts)
+
+
+def render_table(results: Iterable[ImplResult], header: dict[str, str]) -> str:
+    """docs/conformance.md: the check x implementation table, its notes and how it was made."""
+    results = list(results)
+    notes = _Notes()
+    checks: list[str] = []
+    per_impl: list[dict[str, list[tuple[str, str]]]] = []
+    for result in results:
+        grouped: dict[str, list[tuple[str, str]]] = {}
+        for check, outcome, detail in result.cells:
+            if check not in checks:
+                checks.append(check)
+            grouped.setdefault(check, []).append((outcome, _reason(outcome, detail)))
+        per_impl.append(grouped)
+    checks.sort()
+    columns = [f"`{r.impl}`" + (f" ({r.adapter_name})" if r.adapter_name else "") for r in results]
+    lines = [
+        "# Conformance across implementations",
+        "",
+        "Generated by `fsdp-conformance conformance` -- do not edit by hand. Each cell folds the",
+        "check's configurations: **pass**, **deviation** (a known deviation the adapter declares,",
+        "with its reason), **not applicable** (the adapter lacks a feature the check needs, with",
+        "the reason) or **FAIL**; a count follows when the configurations differ. Numbers in",
+        "brackets are the notes under the table; `id` is the check id deviations are declared",
+        'under (docs/adapters.md, "Known deviations").',
+        "",
+        *(f"- {key}: {value}" for key, value in header.items()),
+        "",
+        "| check | id | " + " | ".join(columns) + " |",
+        "|---|---|" + "---|" * len(results),
+    ]
+    for check in checks:
+        row = []
+        for result, grouped in zip(results, per_impl, strict=True):
+            if result.unavailable is not None:
+                row.append("not applicable" + notes.ref(result.unavailable))
+            elif check in grouped:
+                row.append(_cell_text(grouped[check], notes))
+            else:
+                row.append("not run")
+        check_id = CHECK_ID_OF_TEST.get(check.rsplit("::", 1)[-1], "")
+        lines.append(f"| `{check}` | {check_id} | " + " | ".join(row) + " |")
+    if not checks:
+        row = ["not applicable" + notes.ref(r.unavailable or "no check ran") for r in results]
+        lines.append("| (no check ran) | | " + " | ".join(row) + " |")
+    lines += ["", "## Notes", ""]
+    lines += [f"{number}. {_md(reason)}" for reason, number in notes.numbers.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _md(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def default_header(pytest_args: Sequence[str]) -> dict[str, str]:
+    """torch version, date and the options of the run."""
+    versions = []
+    for package in ("torch", "fairscale", "fsdp-conformance"):
+        try:
+            versions.append(f"{package} {importlib.metadata.version(package)}")
+        except importlib.metadata.PackageNotFoundError:
+            versions.append(f"{package} not installed")
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "versions": ", ".join(versions),
+        "pytest arguments": " ".join(pytest_args) or "(none)",
+    }
+
+
+def generate(
+    impls: Sequence[str],
+    out: str,
+    pytest_args: Sequence[str],
+    timeout: float | None = None,
+    log: Any = sys.stderr,
+) -> list[ImplResult]:
+    """Run every implementation of ``impls`` and write the table to ``out``."""
+    results = []
+    for impl in impls:
+        print(f"conformance: running the suite on {impl!r} ...", file=log, flush=True)
+        result = run_implementation(impl, pytest_args, timeout)
+        status = result.unavailable or f"{len(result.cells)} cells"
+        print(f"conformance: {impl!r}: {status}", file=log, flush=True)
+        results.append(result)
+    text = render_table(results, default_header(pytest_args))
+    with open(out, "w", encoding="utf-8") as stream:
+        stream.write(text)
+    return results
