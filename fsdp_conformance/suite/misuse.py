@@ -34,6 +34,15 @@ DEADLINE_S = 30.0
 WIDTH = 8
 
 # Deviations measured on torch 2.13.0 (CPU, gloo, world size 2); see docs/checks.md.
+
+
+def _fairscale(check: str) -> str:
+    """The reason the fairscale adapter declares for `check` (its `known_deviations`)."""
+    from fsdp_conformance.adapters.fairscale import DEVIATIONS
+
+    return next(deviation.reason for deviation in DEVIATIONS if deviation.check == check)
+
+
 # adapter name -> case -> reason
 KNOWN_DEVIATIONS: dict[str, dict[str, str]] = {
     "torch-fsdp1": {
@@ -77,6 +86,12 @@ KNOWN_DEVIATIONS: dict[str, dict[str, str]] = {
             "torch FSDP2 has no summon_full_params; the torch-fsdp2 adapter emulates it with "
             "unshard()/reshard(), which may be called inside forward"
         ),
+    },
+    "fairscale": {
+        "divergent_exec_order": _fairscale("exec_order.divergent"),
+        "wrap_wrapped_instance": _fairscale("misuse.wrap_wrapped_instance"),
+        "wrap_twice": _fairscale("misuse.wrap_twice"),
+        "forward_inside_summon": _fairscale("misuse.forward_inside_summon"),
     },
 }
 

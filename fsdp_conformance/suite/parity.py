@@ -91,19 +91,30 @@ class BaseDDPParityTests:
             **case.wrap_config,
             "mixed_precision": {"param_dtype": torch.bfloat16, "reduce_dtype": torch.bfloat16},
         }
-        result = training.fsdp_run(fsdp_adapter, case.model, dist, config)
-        reference = training.reference_run(case.model, dist)
         label = f"adapter {fsdp_adapter.name!r}, {case.describe()}, bf16 params and reduction"
-        # losses: bf16 forward vs fp32, relative; parameters: fp32 master weights, absolute
-        training.assert_same_training(
-            label,
-            result,
-            reference,
-            atol=ATOL_BF16_PARAMS,
-            rtol=0.0,
-            loss_atol=0.0,
-            loss_rtol=RTOL_BF16_LOSSES,
-        )
+        deviation = _declared_deviation(fsdp_adapter, "parity.mixed_precision", config)
+        try:
+            result = training.fsdp_run(fsdp_adapter, case.model, dist, config)
+            reference = training.reference_run(case.model, dist)
+            # losses: bf16 forward vs fp32, relative; parameters: fp32 master weights, absolute
+            training.assert_same_training(
+                label,
+                result,
+                reference,
+                atol=ATOL_BF16_PARAMS,
+                rtol=0.0,
+                loss_atol=0.0,
+                loss_rtol=RTOL_BF16_LOSSES,
+            )
+        except Exception as error:
+            if deviation is None:
+                raise
+            pytest.xfail(f"{label}: {error!r} -- known deviation: {deviation.reason}")
+        if deviation is not None:
+            raise AssertionError(
+                f"{label}: passed, but the adapter declares a deviation here (remove it from "
+                f"its known_deviations): {deviation.reason}"
+            )
 
 
 class BaseSummonFullParamsTests:
@@ -202,6 +213,14 @@ class BaseStateDictTests:
                 f"{name!r} differs from the saved one by "
                 f"{(loaded[name] - expected).abs().max().item():.3g}"
             )
+
+
+def _declared_deviation(adapter: Any, check: str, case: Any) -> Any:
+    """The adapter's declared deviation (``known_deviations``) from `check` for `case`, or None."""
+    for deviation in getattr(adapter, "known_deviations", ()):
+        if deviation.check == check and (deviation.applies is None or deviation.applies(case)):
+            return deviation
+    return None
 
 
 def _clone(value: Any) -> Any:
