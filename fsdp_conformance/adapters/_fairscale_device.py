@@ -134,6 +134,8 @@ def _routing(handle: Any) -> Iterator[None]:
             module = _fsdp_module()
             _saved["torch"] = module.torch
             _saved["record_stream"] = torch.Tensor.record_stream
+            # on torch.Tensor itself, or inherited from the C base class (torch 2.13.0)
+            _saved["own_record_stream"] = "record_stream" in vars(torch.Tensor)
             module.torch = _TORCH_PROXY
             torch.Tensor.record_stream = _record_stream
         _depth += 1
@@ -147,7 +149,11 @@ def _routing(handle: Any) -> Iterator[None]:
             _depth -= 1
             if _depth == 0:
                 _fsdp_module().torch = _saved.pop("torch")
-                torch.Tensor.record_stream = _saved.pop("record_stream")
+                original = _saved.pop("record_stream")
+                if _saved.pop("own_record_stream"):
+                    torch.Tensor.record_stream = original
+                else:
+                    del torch.Tensor.record_stream
 
 
 def _routed_method(instance: nn.Module, method: Callable[..., Any]) -> Callable[..., Any]:
