@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 PROG = "fsdp-conformance"
-BUILTIN_IMPLS = ("impl", "torch-fsdp1", "torch-fsdp2")
+BUILTIN_IMPLS = ("impl", "torch-fsdp1", "torch-fsdp2", "fairscale")
 MODES = ("process", "process-fresh", "thread")
 COVERAGES = ("pairwise", "full")
 # `run` defaults, chosen so that the whole default run fits in 10 minutes on a 2-core CPU host
@@ -655,7 +655,8 @@ def _add_common(parser: argparse.ArgumentParser, world_size_help: str) -> None:
         "--impl",
         default="impl",
         metavar="NAME",
-        help="FSDP under test: impl (the reference FSDP, default), torch-fsdp1, torch-fsdp2 or "
+        help="FSDP under test: impl (the reference FSDP, default), torch-fsdp1, torch-fsdp2, "
+        "fairscale or "
         "pkg.module:ATTR (an Adapter instance, subclass or factory; the current directory and "
         "PYTHONPATH are searched)",
     )

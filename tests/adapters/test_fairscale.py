@@ -6,6 +6,11 @@ Without fairscale every test here skips with the install hint.
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -106,3 +111,25 @@ def test_moved_internals_raise_a_clear_error(monkeypatch):
     monkeypatch.delattr(fsdp_module.FullyShardedDataParallel, "_free_full_params")
     with pytest.raises(RuntimeError, match=r"internals moved \(_free_full_params.*0\.4\.13"):
         _fairscale_device.check_internals()
+
+
+def test_deviation_reproductions_reproduce(tmp_path):
+    """docs/fairscale.md's reproduction script is examples/fairscale_deviations.py and it runs."""
+    root = Path(__file__).resolve().parents[2]
+    script = (root / "examples" / "fairscale_deviations.py").read_text()
+    docs = (root / "docs" / "fairscale.md").read_text()
+    block = re.search(
+        r"<!-- example: fairscale_deviations.py -->\n```python\n(.*?)```", docs, re.DOTALL
+    )
+    assert block and block.group(1) == script, "docs/fairscale.md and the example script differ"
+    run = subprocess.run(
+        [sys.executable, "-W", "ignore", str(root / "examples" / "fairscale_deviations.py")],
+        check=False, capture_output=True, text=True, timeout=240, cwd=tmp_path,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = {line[:32].strip(): line[32:].strip() for line in run.stdout.splitlines()}
+    assert "Half and BFloat16" in lines["parity.mixed_precision (bf16)"], lines
+    assert "Float and Half" in lines["parity.mixed_precision (inner)"], lines
+    for check in ("misuse.wrap_twice", "misuse.wrap_wrapped_instance", "exec_order.divergent"):
+        assert lines[check] == "no error", lines
+    assert lines["misuse.forward_inside_summon"] == "AssertionError: ''", lines
