@@ -86,6 +86,8 @@ class _TorchProxy:
 
 
 _TORCH_PROXY = _TorchProxy()
+# torch's own Tensor.record_stream (inherited from the C base class in torch 2.13.0)
+_ORIGINAL_RECORD_STREAM = torch.Tensor.record_stream
 
 
 def _record_stream(tensor: torch.Tensor, stream: Any) -> None:
@@ -93,7 +95,7 @@ def _record_stream(tensor: torch.Tensor, stream: Any) -> None:
     if handle is not None and not isinstance(stream, torch.Stream):
         handle.record_stream(tensor, stream)
         return
-    _saved["record_stream"](tensor, stream)
+    _ORIGINAL_RECORD_STREAM(tensor, stream)
 
 
 def _fsdp_module() -> Any:
@@ -114,7 +116,7 @@ def check_internals() -> None:
     module = _fsdp_module()
     fsdp = module.FullyShardedDataParallel
     missing = [name for name in ROUTED_METHODS + ROUTED_CONTEXTS if not hasattr(fsdp, name)]
-    if getattr(module, "torch", None) is not torch:
+    if not any(getattr(module, "torch", None) is known for known in (torch, _TORCH_PROXY)):
         missing.append("the module global 'torch' of fairscale.nn.data_parallel")
     if missing:
         raise RuntimeError(
