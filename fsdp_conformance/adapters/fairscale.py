@@ -10,7 +10,7 @@ install it. Measured with fairscale 0.4.13, torch 2.13.0 (CPU build, gloo, world
   lagging device under the memory-bound check); arithmetic and collectives are fairscale's own.
 - Its reduce-scatter bucketer flushes a ``(world_size, n)`` tensor through
   ``_reduce_scatter_base``, which gloo rejects ("Check failed: outputShape[0] * worldSize ==
-  inputShape[0]"); on gloo the adapter passes ``bucket_cap_mb=0`` (fairscale's own switch: each
+  inputShape[0]"); on any backend but nccl the adapter passes ``bucket_cap_mb=0`` (fairscale's own switch: each
   gradient is reduce-scattered at once, from a 1-D input; the sums are the same).
 - Without an explicit ``process_group`` it calls ``get_process_group_cached()``, and by default
   creates a second group for reduce-scatters, both cached for the life of the process; groups
@@ -171,8 +171,9 @@ class FairscaleAdapter(Adapter):
             "flatten_parameters": self.flatten_parameters,
             "compute_device": _compute_device(config.get("device_id")),
         }
-        if torch.distributed.get_backend(group) == "gloo":
-            kwargs["bucket_cap_mb"] = 0  # gloo rejects the bucketer's 2-D flush input
+        if torch.distributed.get_backend(group) != "nccl":
+            # gloo (and the harness's threaded group) reject the bucketer's 2-D flush input
+            kwargs["bucket_cap_mb"] = 0
         if "sharding_strategy" in config:
             kwargs["reshard_after_forward"] = config["sharding_strategy"] == "FULL_SHARD"
         if config.get("cpu_offload"):
