@@ -68,13 +68,17 @@ def test_residency_within_bound_only_with_sync_after_free(dist, lag):
 
 
 @pytest.mark.world_size(2)
-@pytest.mark.fsdp_mode("process")
 def test_without_the_adapter_fairscale_fails_on_cpu(dist):
     # the measured fact the routing exists for (fails if a fairscale release lifts it)
+    from fairscale.internal.parallel import ProcessGroupName
     from fairscale.nn.data_parallel import FullyShardedDataParallel
 
     model = FullyShardedDataParallel(
-        nn.Linear(4, 4), process_group=dist.group, compute_device=torch.device("cpu")
+        nn.Linear(4, 4),
+        process_group=dist.group,
+        # not fairscale's process-wide group cache (see test_no_process_group_...)
+        process_group_reduce_scatter=ProcessGroupName.default,
+        compute_device=torch.device("cpu"),
     )
     with pytest.raises(KeyError, match="all_gather"):
         model(torch.ones(2, 4))
