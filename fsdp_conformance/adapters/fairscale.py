@@ -74,6 +74,8 @@ def _cuda_hosted() -> bool:
 
 
 # ---------------------------------------------------------------------------- deviations
+# Reproductions use fs = get_adapter("fairscale"), x = torch.ones(2, 8), 2 CPU ranks; all of them
+# run in examples/fairscale_deviations.py (docs/fairscale.md)
 DEVIATIONS: tuple[Deviation, ...] = (
     Deviation(
         "parity.mixed_precision",
@@ -81,32 +83,36 @@ DEVIATIONS: tuple[Deviation, ...] = (
         "(cast_floats_to_right_precision), whatever compute_dtype is: a bf16 run multiplies "
         "float16 activations by bfloat16 weights and fails 'mat1 and mat2 must have the same "
         "dtype, but got Half and BFloat16'; inner instances cast nothing, so float32 "
-        "activations reaching one (after an fp32 buffer) fail the same way; reproduce: "
-        "FSDP(nn.Linear(8, 8), mixed_precision=True, compute_dtype=torch.bfloat16)"
-        "(torch.ones(2, 8)) (docs/adapters.md, 'fairscale')",
+        "activations reaching one fail too ('Float and Half'); reproduce: "
+        "fs.wrap(nn.Linear(8, 8), mixed_precision={'param_dtype': torch.bfloat16})(x) "
+        "(docs/fairscale.md)",
     ),
     Deviation(
         "exec_order.divergent",
-        "fairscale 0.4.13 does not compare the execution order across ranks; same-shaped "
-        "instances run in different orders silently all-gather each other's shards "
-        "(docs/adapters.md, 'fairscale')",
+        "fairscale 0.4.13 does not compare the execution order across ranks: same-shaped "
+        "instances run in different orders silently all-gather each other's shards; "
+        "reproduce: a, b = fs.wrap(nn.Linear(8, 8)), fs.wrap(nn.Linear(8, 8)); rank 0 runs "
+        "b(a(x)).sum().backward(), rank 1 a(b(x)).sum().backward(): no error "
+        "(docs/fairscale.md)",
     ),
     Deviation(
         "misuse.wrap_wrapped_instance",
         "fairscale 0.4.13 accepts FSDP(FSDP(module)) without an error and nests a second "
-        "instance around the first (docs/adapters.md, 'fairscale')",
+        "instance around the first; reproduce: fs.wrap(fs.wrap(nn.Linear(8, 8))) "
+        "(docs/fairscale.md)",
     ),
     Deviation(
         "misuse.wrap_twice",
-        "fairscale 0.4.13 wraps a module that another instance already wraps without an error "
-        "(FSDP(linear); FSDP(linear)) (docs/adapters.md, 'fairscale')",
+        "fairscale 0.4.13 wraps a module that another instance already wraps without an "
+        "error; reproduce: lin = nn.Linear(8, 8); fs.wrap(lin); fs.wrap(lin) "
+        "(docs/fairscale.md)",
     ),
     Deviation(
         "misuse.forward_inside_summon",
         "fairscale 0.4.13 refuses a forward inside summon_full_params only with a bare assert "
-        "in _rebuild_full_params ('assert p.data.storage().data_ptr() == ...'), whose message "
-        "does not name summon_full_params and which python -O removes "
-        "(docs/adapters.md, 'fairscale')",
+        "in _rebuild_full_params (an AssertionError with an empty message, removed by python "
+        "-O); reproduce: m = fs.wrap(nn.Sequential(fs.wrap(nn.Linear(8, 8)), nn.Linear(8, 8)));"
+        " m(x).sum().backward(); with fs.summon_full_params(m): m(x) (docs/fairscale.md)",
     ),
 )
 
@@ -346,8 +352,12 @@ def _observer_wrappers(instance: nn.Module) -> dict[str, Callable]:
 
     def rebuild(method: Callable) -> Callable:
         def _rebuild_full_params(force_full_precision: bool = False):
-            gathers = any(getattr(p, "_is_sharded", False) for p in instance.params) and (
-                force_full_precision or not instance.has_full_params
+            # forward and backward unshards (summon_full_params gathers a separate full-precision
+            # copy and frees it itself: neither is reported)
+            gathers = (
+                not force_full_precision
+                and not instance.has_full_params
+                and any(getattr(p, "_is_sharded", False) for p in instance.params)
             )
             if gathers and _REGISTRY.active:
                 _REGISTRY.emit("all_gather", instance, {})
@@ -357,7 +367,9 @@ def _observer_wrappers(instance: nn.Module) -> dict[str, Callable]:
 
     def free(method: Callable) -> Callable:
         def _free_full_params(params=None):
-            frees = any(
+            # once per reshard: the first free after an unshard (unflattened parameters are
+            # freed one call per parameter in backward)
+            frees = instance.has_full_params and any(
                 getattr(p, "_is_sharded", False)
                 and p._full_param_padded.untyped_storage().size() > 0
                 for p in (instance.params if params is None else params)

@@ -53,6 +53,18 @@ def test_nested_model_matches_ddp(dist, strategy):
 
 
 @pytest.mark.world_size(2)
+def test_unflattened_parameters_match_ddp(dist):
+    from fsdp_conformance.adapters.fairscale import FairscaleAdapter
+
+    adapter = FairscaleAdapter(flatten_parameters=False)
+    result = training.fsdp_run(adapter, "nested", dist, {})
+    reference = training.reference_run("nested", dist)
+    training.assert_same_training("fairscale, flatten_parameters=False", result, reference, 0, 0)
+    with pytest.raises(TypeError, match="flatten_parameters='no'"):
+        FairscaleAdapter(flatten_parameters="no")
+
+
+@pytest.mark.world_size(2)
 @pytest.mark.parametrize("lag", ["strict", "drained"])
 def test_residency_within_bound_only_with_sync_after_free(dist, lag):
     adapter = get_adapter("fairscale")
