@@ -1,7 +1,7 @@
 """`get_adapter(name)`: resolve an adapter by name, inside whichever process asks.
 
 Adapters are never pickled: every rank calls `get_adapter` with the same string.
-Names: "impl", "torch-fsdp1", "torch-fsdp2", or "pkg.module:ATTR" where ATTR is an `Adapter`
+Names: "impl", "torch-fsdp1", "torch-fsdp2", "fairscale", or "pkg.module:ATTR" where ATTR is an `Adapter`
 instance, an `Adapter` subclass, or a zero-argument factory returning one.
 """
 from __future__ import annotations
@@ -18,6 +18,7 @@ _BUILTIN: dict[str, tuple[str, str]] = {
     "impl": ("fsdp_conformance.adapters.impl", "ImplAdapter"),
     "torch-fsdp1": ("fsdp_conformance.adapters.torch_fsdp1", "TorchFSDP1Adapter"),
     "torch-fsdp2": ("fsdp_conformance.adapters.torch_fsdp2", "TorchFSDP2Adapter"),
+    "fairscale": ("fsdp_conformance.adapters.fairscale", "FairscaleAdapter"),
 }
 BUILTIN_ADAPTERS = tuple(_BUILTIN)
 
@@ -26,7 +27,7 @@ _cache_lock = threading.Lock()  # threaded ranks resolve concurrently
 
 
 def get_adapter(name: str) -> Adapter:
-    """The adapter called `name` ("impl", "torch-fsdp1", "torch-fsdp2" or "pkg.module:ATTR").
+    """The adapter called `name` ("impl", "torch-fsdp1", "torch-fsdp2", "fairscale" or "pkg.module:ATTR").
 
     Raises:
         ValueError: `name` is neither built in nor of the form "pkg.module:ATTR", or ATTR does

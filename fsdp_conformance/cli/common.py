@@ -13,7 +13,7 @@ from typing import Any, NoReturn
 from fsdp_conformance import vocab
 
 PROG = "fsdp-conformance"
-BUILTIN_IMPLS = ("impl", "torch-fsdp1", "torch-fsdp2")
+BUILTIN_IMPLS = ("impl", "torch-fsdp1", "torch-fsdp2", "fairscale")
 MODES = vocab.MODES
 COVERAGES = vocab.COVERAGES
 # `run` defaults, chosen so that the whole default run fits in 10 minutes on a 2-core CPU host
@@ -233,7 +233,8 @@ def _add_common(parser: argparse.ArgumentParser, world_size_help: str) -> None:
         "--impl",
         default="impl",
         metavar="NAME",
-        help="FSDP under test: impl (the reference FSDP, default), torch-fsdp1, torch-fsdp2 or "
+        help="FSDP under test: impl (the reference FSDP, default), torch-fsdp1, torch-fsdp2, "
+        "fairscale or "
         "pkg.module:ATTR (an Adapter instance, subclass or factory; the current directory and "
         "PYTHONPATH are searched)",
     )

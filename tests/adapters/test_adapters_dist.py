@@ -240,7 +240,7 @@ class RecordingDeviceHandle:
 
 
 def _native_cpu_handle(adapter_name: str):
-    if adapter_name == "impl":
+    if adapter_name in ("impl", "fairscale"):
         from fsdp_conformance.impl.device import CPUDeviceHandle
 
         return CPUDeviceHandle()
@@ -259,8 +259,10 @@ def test_install_device_handle_routes_streams_and_events(dist, adapter_name):
     handle = RecordingDeviceHandle(_native_cpu_handle(adapter_name))
     adapter.install_device_handle(root, handle)
     train(root, model, dist.device, steps=1)
-    # every reshard records a free event through the handle (the limiter's input)
-    assert handle.used.count("Event") >= 3, handle.used
+    # every reshard records a free event through the handle (the limiter's input); fairscale
+    # 0.4.13 records no events: it marks each freed buffer with record_stream instead
+    member = "record_stream" if adapter_name == "fairscale" else "Event"
+    assert handle.used.count(member) >= 3, handle.used
 
 
 def _resolve(module: nn.Module, dotted: str):

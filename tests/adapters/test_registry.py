@@ -9,7 +9,7 @@ import pytest
 from fsdp_conformance.adapters import BUILTIN_ADAPTERS, Adapter, get_adapter
 
 
-@pytest.mark.parametrize("name", ["torch-fsdp1", "torch-fsdp2", "impl"])
+@pytest.mark.parametrize("name", ["torch-fsdp1", "torch-fsdp2", "impl", "fairscale"])
 def test_builtin_adapters_resolve_by_name_once_per_process(name):
     adapter = get_adapter(name)
     assert isinstance(adapter, Adapter)

@@ -1,0 +1,64 @@
+"""Reproduce fairscale 0.4.13's deviations on 2 CPU ranks: python fairscale_deviations.py"""
+
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from fsdp_conformance.adapters import get_adapter
+
+
+def outcome(action):
+    try:
+        action()
+    except Exception as error:  # noqa: BLE001 -- report whatever fairscale raised
+        return f"{type(error).__name__}: {str(error)[:70]!r}"
+    return "no error"
+
+
+class ToFloat(nn.Module):  # a float32 op between the root's input cast and an inner instance
+    def forward(self, x):
+        return x.float()
+
+
+def run(rank, store):
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    fs, x = get_adapter("fairscale"), torch.ones(2, 8)
+    bf16 = {"param_dtype": torch.bfloat16}
+    fp16 = {"param_dtype": torch.float16}
+    lin = nn.Linear(8, 8)
+    fs.wrap(lin)
+    summoned = fs.wrap(nn.Sequential(fs.wrap(nn.Linear(8, 8)), nn.Linear(8, 8)))
+    summoned(x).sum().backward()
+
+    def forward_inside_summon():
+        with fs.summon_full_params(summoned):
+            summoned(x)
+
+    a, b = fs.wrap(nn.Linear(8, 8)), fs.wrap(nn.Linear(8, 8))
+    first, second = (b, a) if rank == 1 else (a, b)  # rank 1 runs them in the other order
+    reports = {
+        "parity.mixed_precision (bf16)": outcome(
+            lambda: fs.wrap(nn.Linear(8, 8), mixed_precision=bf16)(x)
+        ),
+        "parity.mixed_precision (inner)": outcome(
+            lambda: fs.wrap(
+                nn.Sequential(ToFloat(), fs.wrap(nn.Linear(8, 8), mixed_precision=fp16)),
+                mixed_precision=fp16,
+            )(x)
+        ),
+        "misuse.wrap_twice": outcome(lambda: fs.wrap(lin)),
+        "misuse.wrap_wrapped_instance": outcome(lambda: fs.wrap(fs.wrap(nn.Linear(8, 8)))),
+        "misuse.forward_inside_summon": outcome(forward_inside_summon),
+        "exec_order.divergent": outcome(lambda: second(first(x)).sum().backward()),
+    }
+    if rank == 0:
+        for check, result in reports.items():
+            print(f"{check:32} {result}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    mp.spawn(run, args=(tempfile.mktemp(),), nprocs=2)

@@ -1,0 +1,398 @@
+"""Adapter for fairscale's FSDP: `fairscale.nn.data_parallel.FullyShardedDataParallel` (0.4.13).
+
+fairscale is an optional extra (``pip install 'fsdp-conformance[fairscale]'``); without it
+``get_adapter("fairscale")`` still resolves, and every check skips with one line saying how to
+install it. Measured with fairscale 0.4.13, torch 2.13.0 (CPU build, gloo, world size 2):
+
+- fairscale's FSDP is CUDA-only code: on a host without CUDA it creates no streams and the first
+  forward fails with ``KeyError: 'all_gather'``. The adapter routes its stream and event calls
+  through a device handle (``_fairscale_device.py``: the synchronous CPU handle by default, the
+  lagging device under the memory-bound check); arithmetic and collectives are fairscale's own.
+- Its reduce-scatter bucketer flushes a ``(world_size, n)`` tensor through
+  ``_reduce_scatter_base``, which gloo rejects ("Check failed: outputShape[0] * worldSize ==
+  inputShape[0]"); on any backend but nccl the adapter passes ``bucket_cap_mb=0`` (fairscale's own switch: each
+  gradient is reduce-scattered at once, from a 1-D input; the sums are the same).
+- Without an explicit ``process_group`` it calls ``get_process_group_cached()``, and by default
+  creates a second group for reduce-scatters, both cached for the life of the process; groups
+  destroyed by their owner (the test harness destroys non-default groups after each test) stay
+  in that cache. The adapter passes the group itself (the default group when none is given) and
+  ``process_group_reduce_scatter=ProcessGroupName.default`` (reductions on the same group), so
+  fairscale's cache is never used.
+- ``move_params_to_cpu`` pins host memory: "Cannot access accelerator device when none is
+  available" on a CPU-only host.
+
+Config mapping: FULL_SHARD -> ``reshard_after_forward=True``, SHARD_GRAD_OP -> ``False`` (the
+root is never resharded after forward: fairscale's ``disable_reshard_on_root``);
+``mixed_precision`` -> ``mixed_precision=True``, ``compute_dtype=param_dtype``,
+``fp32_reduce_scatter`` when ``reduce_dtype`` is float32, ``buffer_dtype`` (float32, i.e. kept,
+when not given: fairscale would cast buffers to ``compute_dtype``); ``cpu_offload`` ->
+``move_params_to_cpu``; ``auto_wrap_policy`` -> every matching submodule with parameters of its
+own is wrapped, inner first; ``limit_all_gathers=True`` -> the current stream is synchronized
+right after each free of full parameters (the fix for fairscale's high reserved memory proposed
+in fairscale PR 972, which 0.4.13 does not contain: 0.4.13 has no limiter of its own);
+``limit_all_gathers=False`` or not given -> fairscale 0.4.13 as released. fairscale has no
+backward or forward prefetch (``backward_prefetch=None`` is what it does), no NO_SHARD and no
+``sync_module_states``.
+"""
+
+from __future__ import annotations
+
+import re
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .base import Adapter, ObserverRegistry
+from .deviations import Deviation
+from .features import ALL_FEATURES, Feature, module_predicate
+from .states import InstanceState, RootState
+
+# The one line every fairscale check skips with when fairscale is not importable
+INSTALL_HINT = "install it with: pip install 'fsdp-conformance[fairscale]'"
+# Parameter-name segments fairscale's wrappers insert
+_WRAPPER_SEGMENTS = re.compile(r"(_fsdp_wrapped_module|_fpw_module)\.")
+
+_REGISTRY = ObserverRegistry()  # observers of the routed fairscale methods, process-wide
+_LIMITED: weakref.WeakSet = weakref.WeakSet()  # instances wrapped with limit_all_gathers=True
+
+
+def _import_error() -> str | None:
+    """Why fairscale cannot be used here, or None."""
+    try:
+        import fairscale  # noqa: F401
+        from fairscale.nn.data_parallel import FullyShardedDataParallel  # noqa: F401
+    except ImportError as error:
+        return f"fairscale is not importable ({error}); {INSTALL_HINT}"
+    return None
+
+
+def _cuda_hosted() -> bool:
+    return torch.cuda.is_available()
+
+
+# ---------------------------------------------------------------------------- deviations
+# Reproductions use fs = get_adapter("fairscale"), x = torch.ones(2, 8), 2 CPU ranks; all of them
+# run in examples/fairscale_deviations.py (docs/fairscale.md)
+DEVIATIONS: tuple[Deviation, ...] = (
+    Deviation(
+        "parity.bf16",
+        "fairscale 0.4.13 casts only the root's float32 inputs, and always with .half() "
+        "(cast_floats_to_right_precision), whatever compute_dtype is: a bf16 run multiplies "
+        "float16 activations by bfloat16 weights and fails 'mat1 and mat2 must have the same "
+        "dtype, but got Half and BFloat16'; inner instances cast nothing, so float32 "
+        "activations reaching one fail too ('Float and Half'); reproduce: "
+        "fs.wrap(nn.Linear(8, 8), mixed_precision={'param_dtype': torch.bfloat16})(x) "
+        "(docs/fairscale.md)",
+    ),
+    Deviation(
+        "exec_order.divergent",
+        "fairscale 0.4.13 does not compare the execution order across ranks: same-shaped "
+        "instances run in different orders silently all-gather each other's shards; "
+        "reproduce: a, b = fs.wrap(nn.Linear(8, 8)), fs.wrap(nn.Linear(8, 8)); rank 0 runs "
+        "b(a(x)).sum().backward(), rank 1 a(b(x)).sum().backward(): no error "
+        "(docs/fairscale.md)",
+    ),
+    Deviation(
+        "misuse.wrap_twice",
+        "fairscale 0.4.13 wraps a module that another instance already wraps without an "
+        "error; reproduce: lin = nn.Linear(8, 8); fs.wrap(lin); fs.wrap(lin) "
+        "(docs/fairscale.md)",
+    ),
+    Deviation(
+        "misuse.forward_inside_summon",
+        "fairscale 0.4.13 refuses a forward inside summon_full_params only with a bare assert "
+        "in _rebuild_full_params (an AssertionError with an empty message, removed by python "
+        "-O); reproduce: m = fs.wrap(nn.Sequential(fs.wrap(nn.Linear(8, 8)), nn.Linear(8, 8)));"
+        " m(x).sum().backward(); with fs.summon_full_params(m): m(x) (docs/fairscale.md)",
+    ),
+)
+
+
+class FairscaleAdapter(Adapter):
+    """fairscale's `FullyShardedDataParallel` (0.4.13), driven through its constructor.
+
+    Args:
+        flatten_parameters: fairscale's ``flatten_parameters`` (one flat parameter per
+            instance; default True, fairscale's default).
+    """
+
+    name = "fairscale"
+    known_deviations: tuple[Deviation, ...] = DEVIATIONS
+
+    def __init__(self, *, flatten_parameters: bool = True) -> None:
+        if not isinstance(flatten_parameters, bool):
+            raise TypeError(
+                f"FairscaleAdapter(flatten_parameters={flatten_parameters!r}): give True or False"
+            )
+        self.flatten_parameters = flatten_parameters
+
+    # ------------------------------------------------------------------ capabilities
+    def unsupported(self) -> dict[str, str]:
+        missing = _import_error()
+        if missing is not None:
+            return {feature: missing for feature in ALL_FEATURES}
+        unsupported = {
+            Feature.NO_SHARD: "fairscale 0.4.13 FSDP always shards (no NO_SHARD strategy)",
+            Feature.BACKWARD_PREFETCH_PRE: "fairscale 0.4.13 FSDP has no backward prefetch",
+            Feature.BACKWARD_PREFETCH_POST: "fairscale 0.4.13 FSDP has no backward prefetch",
+            Feature.FORWARD_PREFETCH: "fairscale 0.4.13 FSDP has no forward prefetch",
+            Feature.SYNC_MODULE_STATES: (
+                "fairscale 0.4.13 FSDP has no sync_module_states (broadcast the module first)"
+            ),
+        }
+        if not _cuda_hosted():
+            unsupported[Feature.CPU_OFFLOAD] = (
+                "fairscale 0.4.13 move_params_to_cpu pins host memory: on a CPU-only host it "
+                "fails with 'Cannot access accelerator device when none is available'"
+            )
+        return unsupported
+
+    def wrap(self, module: nn.Module, *, process_group: Any = None, **config: Any) -> nn.Module:
+        _skip_without_fairscale()
+        return super().wrap(module, process_group=process_group, **config)
+
+    # ------------------------------------------------------------------ wrapping
+    def _wrap(self, module: nn.Module, process_group: Any, config: dict[str, Any]) -> nn.Module:
+        from fairscale.internal.parallel import ProcessGroupName
+        from fairscale.nn.data_parallel import FullyShardedDataParallel
+
+        from . import _fairscale_device
+
+        _fairscale_device.check_internals()
+        group = process_group
+        if group is None:
+            group = torch.distributed.distributed_c10d._get_default_group()
+        kwargs: dict[str, Any] = {
+            "process_group": group,
+            "process_group_reduce_scatter": ProcessGroupName.default,
+            "flatten_parameters": self.flatten_parameters,
+            "compute_device": _compute_device(config.get("device_id")),
+        }
+        if torch.distributed.get_backend(group) != "nccl":
+            # gloo (and the harness's threaded group) reject the bucketer's 2-D flush input
+            kwargs["bucket_cap_mb"] = 0
+        if "sharding_strategy" in config:
+            kwargs["reshard_after_forward"] = config["sharding_strategy"] == "FULL_SHARD"
+        if config.get("cpu_offload"):
+            kwargs["move_params_to_cpu"] = True
+        mixed = config.get("mixed_precision")
+        if mixed is not None:
+            compute = mixed.param_dtype or torch.float32
+            reduce = mixed.reduce_dtype or compute
+            if reduce not in (compute, torch.float32):
+                raise ValueError(
+                    f"adapter 'fairscale': mixed_precision reduce_dtype={reduce} with "
+                    f"param_dtype={compute}: fairscale reduces in compute_dtype or (with "
+                    "fp32_reduce_scatter) float32 only; give one of those"
+                )
+            kwargs.update(
+                mixed_precision=True,
+                compute_dtype=compute,
+                fp32_reduce_scatter=reduce == torch.float32 and compute != torch.float32,
+                buffer_dtype=mixed.buffer_dtype or torch.float32,
+            )
+        policy = config.get("auto_wrap_policy")
+        if policy is not None:
+            predicate = module_predicate(policy)
+            for name, submodule in reversed(list(module.named_modules())[1:]):
+                if _wants_instance(submodule, predicate, FullyShardedDataParallel):
+                    _replace(module, name, FullyShardedDataParallel(submodule, **kwargs))
+        wrapped = FullyShardedDataParallel(module, **kwargs)
+        # one handle for the whole tree: the root shares its streams with every inner instance
+        handle = _CudaHandle() if _cuda_hosted() else _cpu_handle()
+        for instance in self.instances(wrapped):
+            self._route(instance, handle)
+            if config.get("limit_all_gathers"):
+                _LIMITED.add(instance)
+        return wrapped
+
+    @staticmethod
+    def _route(instance: nn.Module, handle: Any) -> None:
+        from . import _fairscale_device
+
+        _fairscale_device.route(instance, handle, _observer_wrappers(instance))
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        from fairscale.nn.data_parallel import FullyShardedDataParallel
+
+        if isinstance(model, FullyShardedDataParallel):
+            return model.module.module
+        return model
+
+    def instances(self, model: nn.Module) -> list[nn.Module]:
+        from fairscale.nn.data_parallel import FullyShardedDataParallel
+
+        return [
+            module for module in model.modules() if isinstance(module, FullyShardedDataParallel)
+        ]
+
+    # ------------------------------------------------------------------ states
+    def training_state(self, instance: nn.Module) -> InstanceState:
+        return InstanceState[instance.training_state.name]
+
+    def root_state(self, instance: nn.Module) -> RootState:
+        name = instance.training_state.name
+        if name in ("IDLE", "SUMMON_FULL_PARAMS"):
+            return RootState[name]
+        return RootState.FORWARD_BACKWARD
+
+    def is_unsharded(self, instance: nn.Module) -> bool:
+        for param in instance.params:
+            if not getattr(param, "_is_sharded", True):
+                return True  # a one-rank group: the parameter is always whole
+            padded = getattr(param, "_full_param_padded", None)
+            if padded is not None and padded.untyped_storage().size() > 0:
+                return True
+        return False
+
+    def _assert_state(self, instance: nn.Module, states: tuple[RootState, ...]) -> None:
+        from fairscale.nn.data_parallel.fully_sharded_data_parallel import TrainingState
+
+        allowed = []
+        for state in states:
+            if state == RootState.FORWARD_BACKWARD:
+                allowed += [
+                    TrainingState.FORWARD,
+                    TrainingState.BACKWARD_PRE,
+                    TrainingState.BACKWARD_POST,
+                ]
+            else:
+                allowed.append(TrainingState[state.value])
+        instance.assert_state(allowed)
+
+    # ------------------------------------------------------------------ full parameters
+    def _summon_full_params(self, model: nn.Module, writeback: bool):
+        # volatile=True: changes inside need not persist (fairscale frees the gathered copy)
+        return model.summon_full_params(recurse=True, volatile=not writeback)
+
+    def full_params(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        with self.summon_full_params(model):
+            return {
+                _WRAPPER_SEGMENTS.sub("", name): param.detach().clone()
+                for name, param in model.named_parameters(remove_duplicate=False)
+            }
+
+    # ------------------------------------------------------------------ observation
+    def _observe(self, callback, instances):
+        return _REGISTRY.observing(callback, instances)
+
+    def _install_device_handle(self, model: nn.Module, handle: Any) -> None:
+        instances = self.instances(model)
+        if any(instance._is_root is not None for instance in instances):
+            raise RuntimeError(
+                f"fairscale install_device_handle: {type(model).__name__} already ran forward "
+                "(fairscale created its streams from the old handle at lazy init); install the "
+                "device handle after wrapping and before the first forward"
+            )
+        for instance in instances:
+            self._route(instance, handle)
+
+
+def _skip_without_fairscale() -> None:
+    missing = _import_error()
+    if missing is not None:
+        import pytest
+
+        pytest.skip(f"adapter 'fairscale': {missing}")
+
+
+def _compute_device(device_id: Any) -> torch.device:
+    if device_id is None:
+        return (
+            torch.device("cuda", torch.cuda.current_device())
+            if _cuda_hosted()
+            else (torch.device("cpu"))
+        )
+    if isinstance(device_id, int):
+        return torch.device("cuda", device_id)
+    return device_id
+
+
+def _wants_instance(module: nn.Module, predicate: Callable[[nn.Module], bool], fsdp: type) -> bool:
+    if isinstance(module, fsdp) or not predicate(module):
+        return False
+    return any(True for _ in module.parameters())
+
+
+def _replace(root: nn.Module, name: str, replacement: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = root.get_submodule(parent_name) if parent_name else root
+    setattr(parent, child, replacement)
+
+
+def _cpu_handle() -> Any:
+    from fsdp_conformance.impl.device import CPUDeviceHandle
+
+    return CPUDeviceHandle()
+
+
+class _CudaHandle:
+    """The real CUDA API as a device handle (on a CUDA host, until another is installed)."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cuda, name)
+
+    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+        torch.Tensor.record_stream(tensor, stream)
+
+
+# ---------------------------------------------------------------------------- observation hooks
+def _observer_wrappers(instance: nn.Module) -> dict[str, Callable]:
+    """Wrappers of the routed methods that report all-gathers, frees and reductions."""
+    from . import _fairscale_device
+
+    def rebuild(method: Callable) -> Callable:
+        def _rebuild_full_params(force_full_precision: bool = False):
+            # forward and backward unshards (summon_full_params gathers a separate full-precision
+            # copy and frees it itself: neither is reported)
+            gathers = (
+                not force_full_precision
+                and not instance.has_full_params
+                and any(getattr(p, "_is_sharded", False) for p in instance.params)
+            )
+            if gathers and _REGISTRY.active:
+                _REGISTRY.emit("all_gather", instance, {})
+            return method(force_full_precision)
+
+        return _rebuild_full_params
+
+    def free(method: Callable) -> Callable:
+        def _free_full_params(params=None):
+            # once per reshard: the first free after an unshard (unflattened parameters are
+            # freed one call per parameter in backward)
+            frees = instance.has_full_params and any(
+                getattr(p, "_is_sharded", False)
+                and p._full_param_padded.untyped_storage().size() > 0
+                for p in (instance.params if params is None else params)
+            )
+            if frees and _REGISTRY.active:
+                _REGISTRY.emit("free", instance, {})
+            result = method(params)
+            if frees and instance in _LIMITED:
+                # fairscale PR 972: block until the device has finished with the freed memory
+                _fairscale_device.handle_of(instance).current_stream().synchronize()
+            return result
+
+        return _free_full_params
+
+    def post_backward(method: Callable) -> Callable:
+        def _post_backward_hook(param, *unused):
+            if (
+                _REGISTRY.active
+                and instance._require_backward_grad_sync
+                and param.grad is not None
+                and getattr(param, "_is_sharded", False)
+            ):
+                _REGISTRY.emit("reduce_scatter", instance, {})
+            return method(param, *unused)
+
+        return _post_backward_hook
+
+    return {
+        "_rebuild_full_params": rebuild,
+        "_free_full_params": free,
+        "_post_backward_hook": post_backward,
+    }
