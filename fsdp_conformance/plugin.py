@@ -47,20 +47,26 @@ class PluginState:
     runtime: Any = None
     # the runtime that was active before this session (an outer session, for pytester runs)
     previous_runtime: Any = None
+    # fsdp_conformance.world.launcher.LauncherEnv when pytest runs inside torchrun & co.
+    launcher: Any = None
 
     def get_runtime(self) -> Any:
         if self.runtime is None:
             from fsdp_conformance.world import runtime
 
-            self.runtime = runtime.Runtime(
-                runtime.RuntimeOptions(
-                    mode=self.mode,
-                    timeout=self.timeout,
-                    world_size=self.world_size,
-                    impl=self.impl,
-                    backend=self.backend,
-                )
+            options = runtime.RuntimeOptions(
+                mode=self.mode,
+                timeout=self.timeout,
+                world_size=self.world_size,
+                impl=self.impl,
+                backend=self.backend,
             )
+            if self.launcher is not None:
+                from fsdp_conformance.world.launcher import LauncherRuntime
+
+                self.runtime = LauncherRuntime(options, self.launcher)
+            else:
+                self.runtime = runtime.Runtime(options)
             self.previous_runtime = runtime._active, runtime._active_is_pytest
             runtime.set_active_runtime(self.runtime, pytest_session=True)
         return self.runtime
@@ -120,6 +126,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "('full') or a smaller set covering every pair of values ('pairwise'); default: "
         "what each check class says (the classes in fsdp_conformance.suite: full).",
     )
+    group.addoption(
+        "--fsdp-launcher",
+        default=os.environ.get("FSDP_CONFORMANCE_LAUNCHER", "auto"),
+        metavar="{auto,torchrun,none}",
+        help="'auto' (default): when pytest runs inside torchrun (RANK, WORLD_SIZE, LOCAL_RANK, "
+        "MASTER_ADDR, MASTER_PORT set) or a default process group exists, run each test in "
+        "place in every process of the job; 'torchrun': require that; 'none': always spawn "
+        "ranks. Env: FSDP_CONFORMANCE_LAUNCHER.",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -137,6 +152,9 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "cuda: the test needs one GPU per rank (skipped on CPU-only hosts)"
     )
+    from fsdp_conformance.world import launcher
+
+    launcher_env = launcher.configure(config, config.getoption("fsdp_launcher"))
     config.stash[STATE_KEY] = PluginState(
         mode=config.getoption("fsdp_mode"),
         timeout=config.getoption("fsdp_timeout"),
@@ -144,10 +162,13 @@ def pytest_configure(config: pytest.Config) -> None:
         impl=config.getoption("fsdp_impl"),
         backend=config.getoption("fsdp_backend"),
         coverage=config.getoption("fsdp_coverage"),
+        launcher=launcher_env,
     )
     # torch-free; starts no process until a test needs ranks. Created now so that
     # FSDPTest classes (which find it through runtime.get_runtime()) use the session options.
-    config.stash[STATE_KEY].get_runtime()
+    runtime = config.stash[STATE_KEY].get_runtime()
+    if launcher_env is not None:
+        config.pluginmanager.register(launcher.LauncherPlugin(runtime), "fsdp-launcher")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
