@@ -225,6 +225,8 @@ class LauncherRuntime:
         self._root = ""
         self._backend = ""
         self._device: Any = None
+        # GPUs on this node
+        self._gpu_count = 0
         self._owns_group = False
         self._occurrences: dict[str, int] = {}
         self._watchdog: _Watchdog | None = None
@@ -244,6 +246,7 @@ class LauncherRuntime:
         self._started = True
         timeout = datetime.timedelta(seconds=self.options.timeout)
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        self._gpu_count = gpus
         default = "nccl" if gpus >= self.env.local_world_size and gpus > 0 else "gloo"
         self._backend = self.options.backend or default
         if self._backend == "nccl":
@@ -293,13 +296,12 @@ class LauncherRuntime:
         if self._previous_handler is not None:
             signal.signal(signal.SIGUSR2, self._previous_handler)
             self._previous_handler = None
-        if self.broken is None:
-            if self._owns_group and tdist.is_initialized():
-                tdist.destroy_process_group()  # (the store object stays usable)
-            self._post("closed", self.env.rank)
-            if self.env.rank == 0:
-                # leave last: the launcher stops the others when rank 0 exits non-zero
-                self._missing([f"closed/{r}" for r in range(self.env.world_size)], GRACE_S)
+        if self.broken is None and self._owns_group and tdist.is_initialized():
+            tdist.destroy_process_group()  # (the store object stays usable)
+        self._post("closed", self.env.rank)
+        if self.env.rank == 0:
+            # leave last: the launcher stops the others when rank 0 exits non-zero
+            self._missing([f"closed/{r}" for r in range(self.env.world_size)], GRACE_S)
         if self.env.local_rank == 0:
             shutil.rmtree(self._root, ignore_errors=True)
 
@@ -364,9 +366,15 @@ class LauncherRuntime:
                 ),
                 {},
             )
-        if request.gpus and self._backend != "nccl":
+        if request.gpus and (self._backend != "nccl" or request.gpus > self.env.world_size):
+            # the spawning modes' reason; here every rank of an nccl job holds one GPU
+            held = self.env.world_size if self._backend == "nccl" else 0
             return RunResult(
-                report.Verdict(SKIPPED, f"needs {request.gpus} GPUs; this job runs on CPU (gloo)"),
+                report.Verdict(
+                    SKIPPED,
+                    f"needs {request.gpus} GPUs, {held} available"
+                    + (" (CPU-only host)" if self._gpu_count == 0 else " (gloo job)"),
+                ),
                 {},
             )
         if self.broken is not None:
@@ -519,7 +527,7 @@ class LauncherPlugin:
     def pytest_runtest_logfinish(self, nodeid: str) -> None:
         session = getattr(self, "_session", None)
         if self.runtime.broken is not None and session is not None:
-            session.shouldstop = self.runtime.broken
+            session.shouldfail = self.runtime.broken
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_collection(self, session: pytest.Session) -> None:
