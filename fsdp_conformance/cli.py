@@ -193,8 +193,14 @@ def check_output(path: str | None, option: str) -> None:
 
 
 def _run_command(args: argparse.Namespace) -> int:
-    from fsdp_conformance import _cli_collect, _cli_report
+    from fsdp_conformance import _cli_collect, _cli_report, _cli_torchrun
 
+    launcher_problem = _cli_torchrun.check(args, DEFAULT_WORKERS, "process")
+    if launcher_problem is not None:
+        raise UsageError(launcher_problem)
+    torchrun = _cli_torchrun.uses_torchrun(args)
+    if torchrun:
+        args.workers = 0  # one pytest session per torchrun process
     check_impl(args.impl)
     check_world_size(args.world_size)
     check_keyword_expression(args.k)
@@ -209,6 +215,9 @@ def _run_command(args: argparse.Namespace) -> int:
     results = os.path.join(workdir, "results.jsonl")
     log_path = os.path.join(workdir, "pytest.log")
     command = pytest_command(args)
+    if torchrun:
+        command = _cli_torchrun.torchrun_command(args, command)
+        print(f"{PROG} run: {shlex.join(command)}", file=sys.stderr)
     # a fresh pytest session: not a worker of an outer pytest-xdist run (the CLI's own tests)
     env = {
         key: value
@@ -237,6 +246,8 @@ def _run_command(args: argparse.Namespace) -> int:
             return 130
     wall = time.monotonic() - started
     records = _cli_report.read_records(results)
+    if torchrun and not records:
+        return _cli_torchrun.no_results_here(child.returncode, log_path)
     cells = _cli_report.cells_from_records(records)
     collected = next((r["count"] for r in records if r.get("event") == "collected"), None)
     returncode = child.returncode
@@ -675,6 +686,8 @@ def _paragraph(text: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from fsdp_conformance import _cli_torchrun
+
     formatter = argparse.RawDescriptionHelpFormatter
     parser = _Parser(
         prog=PROG,
@@ -732,6 +745,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--report", metavar="FILE.md", help="write the matrix as Markdown")
     run.add_argument("--json", metavar="FILE", help="write the matrix as JSON")
     run.add_argument("--junit", metavar="FILE", help="write pytest's JUnit XML")
+    _cli_torchrun.add_arguments(run)
     run.set_defaults(handler=_run_command)
 
     overlap = commands.add_parser(

@@ -197,7 +197,9 @@ def _marker_arg(item: pytest.Item, name: str, default: Any) -> Any:
 
 
 def _world_size(item: pytest.Item, state: PluginState) -> int:
-    return int(_marker_arg(item, "world_size", state.world_size))
+    # under a launcher, tests that do not fix their size use the whole job
+    default = state.world_size if state.launcher is None else state.launcher.world_size
+    return int(_marker_arg(item, "world_size", default))
 
 
 def _mode(item: pytest.Item, state: PluginState) -> str:
