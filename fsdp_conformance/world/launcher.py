@@ -229,6 +229,8 @@ class LauncherRuntime:
         self._gpu_count = 0
         self._owns_group = False
         self._occurrences: dict[str, int] = {}
+        # ranks that sent no outcome in time (not waited for again)
+        self._gone: set[int] = set()
         self._watchdog: _Watchdog | None = None
         self._previous_handler: Any = None
         # what the rank-process reset restores (rank_main._RankProcess.reset reads it)
@@ -298,10 +300,14 @@ class LauncherRuntime:
             self._previous_handler = None
         if self.broken is None and self._owns_group and tdist.is_initialized():
             tdist.destroy_process_group()  # (the store object stays usable)
-        self._post("closed", self.env.rank)
+        try:
+            self._post("closed", self.env.rank)
+        except Exception:  # noqa: BLE001, S110  the store's host ended: nobody waits for this
+            pass
         if self.env.rank == 0:
             # leave last: the launcher stops the others when rank 0 exits non-zero
-            self._missing([f"closed/{r}" for r in range(self.env.world_size)], GRACE_S)
+            alive = [r for r in range(self.env.world_size) if r not in self._gone]
+            self._missing([f"closed/{r}" for r in alive], GRACE_S)
         if self.env.local_rank == 0:
             shutil.rmtree(self._root, ignore_errors=True)
 
@@ -314,27 +320,39 @@ class LauncherRuntime:
         self._store.wait(keys, datetime.timedelta(seconds=max(seconds, 0.001)))
 
     def _missing(self, keys: list[str], seconds: float) -> list[str]:
-        """Wait until ``keys`` exist or ``seconds`` passed; return the keys still missing."""
+        """Wait until ``keys`` exist or ``seconds`` passed; return the keys still missing
+        (all of them when the store itself is gone)."""
         try:
             self._wait(keys, seconds)
         except Exception:  # noqa: BLE001  (the store's timeout error type varies by version)
-            return [key for key in keys if not self._store.check([key])]
+            try:
+                return [key for key in keys if not self._store.check([key])]
+            except Exception:  # noqa: BLE001  the store's host ended
+                return list(keys)
         return []
+
+    def _read(self, key: str) -> Any:
+        """The value rank ``key``'s owner posted, or None when the store cannot give it."""
+        try:
+            return pickle.loads(self._store.get(key))
+        except Exception:  # noqa: BLE001  the store's host ended
+            return None
 
     def _gather(self, key: str, ranks: int, deadline: float) -> dict[int, RankOutcome]:
         keys = [f"{key}/{rank}" for rank in range(ranks)]
         missing = set(self._missing(keys, deadline - time.monotonic()))
         outcomes = {}
         for rank, name in enumerate(keys):
-            if name in missing:
-                outcomes[rank] = RankOutcome(
+            outcome = None if name in missing else self._read(name)
+            if outcome is None:
+                self._gone.add(rank)
+                outcome = RankOutcome(
                     rank,
                     DIED,
                     message=f"sent no outcome within the timeout + {GRACE_S:g} s (the process "
                     "ended, or is stuck where the watchdog cannot interrupt it)",
                 )
-            else:
-                outcomes[rank] = pickle.loads(self._store.get(name))
+            outcomes[rank] = outcome
         return outcomes
 
     @staticmethod
@@ -542,14 +560,17 @@ class LauncherPlugin:
             runtime._post("exit", int(exitstatus))
             return
         wait = GRACE_S if runtime.broken is not None else runtime.options.timeout + GRACE_S
-        if runtime._missing(["exit/0"], wait):
+        status = None
+        if 0 not in runtime._gone and not runtime._missing(["exit/0"], wait):
+            status = runtime._read("exit/0")
+        if status is None:
             sys.stderr.write(
                 f"fsdp-conformance: rank {self.env.rank}: rank 0 reported no exit status "
                 f"within {wait:g} s; exiting with 1\n"
             )
             session.exitstatus = max(int(exitstatus), 1)
             return
-        session.exitstatus = pickle.loads(runtime._store.get("exit/0"))
+        session.exitstatus = status
 
 
 def configure(config: pytest.Config, choice: str) -> LauncherEnv | None:
