@@ -17,7 +17,11 @@ test that uses ``dist`` (or ``FSDPTest``) runs *in place*, SPMD, in every proces
 - A test that needs N ranks runs on ranks 0..N-1: the whole default group when N is the job's
   world size, else a new group of the first N ranks (``dist.group``; ``dist.rank`` and
   ``dist.world_size`` follow it) while the other ranks wait for its verdict; N larger than the
-  job skips with a reason naming both sizes.
+  job skips with a reason naming both sizes. While such an N-rank test runs, that group *is*
+  torch.distributed's default group in its ranks (``group.WORLD`` is swapped for the body and
+  restored after it), so code that uses the default group (an FSDP wrapped without
+  ``process_group``, ``dist.get_world_size()``, ``dist.barrier()``) sees an N-rank world, as in
+  the spawning modes.
 - Per test: RNG seeding, then after the body the same reset as a pooled rank process (groups
   other than the default one destroyed, global module hooks cleared, torch flags restored).
 - Every rank computes the same verdict from all ranks' outcomes (the combination of the
@@ -449,8 +453,11 @@ class LauncherRuntime:
         )
         assert request.thread_body is not None, "launcher mode runs the request's thread_body"
         watchdog = _Watchdog(self, key, size, request.timeout)
+        job_group = tdist.group.WORLD
         try:
             with watchdog:
+                # see [Note: launcher mode]: the test's group is the default group meanwhile
+                tdist.GroupMember.WORLD = group
                 rank_main._current_context.ctx = ctx
                 execute.seed_all(RANK_SEED)
                 outcome = execute.call_and_classify(rank, lambda: request.thread_body(ctx))
@@ -458,6 +465,7 @@ class LauncherRuntime:
             outcome = RankOutcome(rank, FAILED)
         finally:
             rank_main._current_context.ctx = None
+            tdist.GroupMember.WORLD = job_group
         if watchdog.fired:
             outcome = self._hung(rank, request.timeout, watchdog.dump)
         try:
