@@ -524,8 +524,8 @@ class LauncherPlugin:
         runtime = self.runtime
         runtime.start()
         ids = [item.nodeid for item in items]
-        digest = hashlib.sha256("\n".join(ids).encode()).hexdigest()
-        runtime._post("collected", (digest, ids))
+        runtime._post("collected", hashlib.sha256("\n".join(ids).encode()).hexdigest())
+        runtime._post("collected-ids", ids)
         keys = [f"collected/{rank}" for rank in range(self.env.world_size)]
         missing = runtime._missing(keys, runtime.options.timeout)
         if missing:
@@ -535,18 +535,22 @@ class LauncherPlugin:
                 f"launcher mode: rank(s) {ranks} did not report their collected tests within "
                 f"{runtime.options.timeout:g} s (--fsdp-timeout)"
             )
-        reference_digest, reference = pickle.loads(runtime._store.get("collected/0"))
-        if reference_digest == digest:
+        digests = [runtime._read(key) for key in keys]
+        other = next((r for r, d in enumerate(digests) if d != digests[0]), None)
+        if other is None:
             return
-        only_here = sorted(set(ids) - set(reference))[:10]
-        only_there = sorted(set(reference) - set(ids))[:10]
+        # every rank fails the session, with the first rank that differs from rank 0
+        theirs = runtime._read(f"collected-ids/{other}") or []
+        reference = runtime._read("collected-ids/0") or []
+        only_there = sorted(set(theirs) - set(reference))[:10]
+        only_zero = sorted(set(reference) - set(theirs))[:10]
         runtime.broken = "the ranks collected different tests"
         raise pytest.UsageError(
-            f"launcher mode: rank {self.env.rank} collected {len(ids)} tests, rank 0 "
-            f"collected {len(reference)}; every rank must collect the same tests in the same "
-            f"order (same -k, files and options on every node). Only on rank {self.env.rank}: "
-            f"{only_here or 'none'}; only on rank 0: {only_there or 'none'}"
-            + ("; same tests in another order" if not only_here and not only_there else "")
+            f"launcher mode: rank {other} collected {len(theirs)} tests, rank 0 collected "
+            f"{len(reference)}; every rank must collect the same tests in the same order (same "
+            f"-k, files and options on every node). Only on rank {other}: "
+            f"{only_there or 'none'}; only on rank 0: {only_zero or 'none'}"
+            + ("; same tests in another order" if not only_there and not only_zero else "")
         )
 
     @pytest.hookimpl(trylast=True)
