@@ -23,6 +23,8 @@ SPMD = textwrap.dedent(
     import torch.distributed as tdist
     from torch.nn.modules import module as nn_module
 
+    from fsdp_conformance import FSDPTest
+
 
     @pytest.fixture
     def live_object():
@@ -83,6 +85,14 @@ SPMD = textwrap.dedent(
         assert torch.equal(torch.rand(3), torch.rand(3, generator=expected))
 
 
+    class TestUnittestForm(FSDPTest):
+        def test_all_reduce_in_fsdptest(self):
+            assert self.dist.mode == "launcher"
+            t = torch.ones(1) * self.rank
+            tdist.all_reduce(t, group=self.process_group)
+            self.assertEqual(t.item(), 1.0)
+
+
     def test_rank_one_hangs(dist):
         if dist.rank == 1:
             time.sleep(600)
@@ -135,6 +145,7 @@ def test_spmd_verdicts_isolation_and_watchdog(tmp_path: Path) -> None:
         "test_shared_tmp_path": "passed",
         "test_leaves_state_behind": "passed",
         "test_sees_clean_state": "passed",
+        "test_all_reduce_in_fsdptest": "passed",
         "test_rank_one_hangs": "failed",
     }, outcomes  # test_not_reached: the session stopped after the hang
     message = {name.rpartition("::")[2]: m for name, (_, m) in outcomes.items()}
