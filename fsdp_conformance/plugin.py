@@ -54,20 +54,26 @@ class PluginState:
     previous_accept: str | None = None
     # whether this session set the accept variable
     accepting_goldens: bool = False
+    # fsdp_conformance.world.launcher.LauncherEnv when pytest runs inside torchrun & co.
+    launcher: Any = None
 
     def get_runtime(self) -> Any:
         if self.runtime is None:
             from fsdp_conformance.world import runtime
 
-            self.runtime = runtime.Runtime(
-                runtime.RuntimeOptions(
-                    mode=self.mode,
-                    timeout=self.timeout,
-                    world_size=self.world_size,
-                    impl=self.impl,
-                    backend=self.backend,
-                )
+            options = runtime.RuntimeOptions(
+                mode=self.mode,
+                timeout=self.timeout,
+                world_size=self.world_size,
+                impl=self.impl,
+                backend=self.backend,
             )
+            if self.launcher is not None:
+                from fsdp_conformance.world.launcher import LauncherRuntime
+
+                self.runtime = LauncherRuntime(options, self.launcher)
+            else:
+                self.runtime = runtime.Runtime(options)
             self.previous_runtime = runtime.active_runtime()
             runtime.set_active_runtime(self.runtime, pytest_session=True)
         return self.runtime
@@ -135,6 +141,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "into the source checkout instead of comparing (run with -p no:xdist). Env: "
         f"{vocab.ENV_ACCEPT_GOLDENS}=1 or EXPECTTEST_ACCEPT=1.",
     )
+    group.addoption(
+        "--fsdp-launcher",
+        default=os.environ.get(vocab.ENV_LAUNCHER, "auto"),
+        metavar="{auto,torchrun,none}",
+        help="'auto' (default): when pytest runs inside torchrun (RANK, WORLD_SIZE, LOCAL_RANK, "
+        "MASTER_ADDR, MASTER_PORT set) or a default process group exists, run each test in "
+        "place in every process of the job; 'torchrun': require that; 'none': always spawn "
+        "ranks. Env: FSDP_CONFORMANCE_LAUNCHER.",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -152,6 +167,9 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "cuda: the test needs one GPU per rank (skipped on CPU-only hosts)"
     )
+    from fsdp_conformance.world import launcher
+
+    launcher_env = launcher.configure(config, config.getoption("fsdp_launcher"))
     config.stash[STATE_KEY] = PluginState(
         mode=config.getoption("fsdp_mode"),
         timeout=config.getoption("fsdp_timeout"),
@@ -159,6 +177,7 @@ def pytest_configure(config: pytest.Config) -> None:
         impl=config.getoption("fsdp_impl"),
         backend=config.getoption("fsdp_backend"),
         coverage=config.getoption("fsdp_coverage"),
+        launcher=launcher_env,
     )
     if config.getoption("fsdp_accept_goldens"):
         # the ranks get the test process's environment with every test
@@ -168,7 +187,9 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ[vocab.ENV_ACCEPT_GOLDENS] = "1"
     # torch-free; starts no process until a test needs ranks. Created now so that
     # FSDPTest classes (which find it through runtime.get_runtime()) use the session options.
-    config.stash[STATE_KEY].get_runtime()
+    runtime = config.stash[STATE_KEY].get_runtime()
+    if launcher_env is not None:
+        config.pluginmanager.register(launcher.LauncherPlugin(runtime), "fsdp-launcher")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -203,7 +224,9 @@ def _marker_arg(item: pytest.Item, name: str, default: Any) -> Any:
 
 
 def _world_size(item: pytest.Item, state: PluginState) -> int:
-    return int(_marker_arg(item, "world_size", state.world_size))
+    # under a launcher, tests that do not fix their size use the whole job
+    default = state.world_size if state.launcher is None else state.launcher.world_size
+    return int(_marker_arg(item, "world_size", default))
 
 
 def _mode(item: pytest.Item, state: PluginState) -> str:

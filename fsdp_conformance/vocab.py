@@ -31,6 +31,10 @@ ENV_CLI_RESULTS = "FSDP_CONFORMANCE_CLI_RESULTS"
 # "1": the prefetch-order golden check writes the goldens instead of comparing
 # (``--fsdp-accept-goldens`` sets it for the session)
 ENV_ACCEPT_GOLDENS = "FSDP_CONFORMANCE_ACCEPT_GOLDENS"
+# ``--fsdp-launcher``: whether tests run in place in the processes of an external launcher
+# (torchrun) instead of in ranks the plugin spawns
+ENV_LAUNCHER = "FSDP_CONFORMANCE_LAUNCHER"
+LAUNCHERS = ("auto", "torchrun", "none")
 
 # Profiler range around the rate limiter's wait (the name torch FSDP1 uses, so that traces of
 # the two implementations read alike)

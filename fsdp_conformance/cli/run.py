@@ -23,7 +23,7 @@ import time
 from typing import Any
 
 from fsdp_conformance import vocab
-from fsdp_conformance.cli import report
+from fsdp_conformance.cli import report, torchrun
 from fsdp_conformance.cli.common import (
     COVERAGES,
     DEFAULT_COVERAGE,
@@ -43,6 +43,12 @@ from fsdp_conformance.cli.report import split_nodeid
 
 
 def _run_command(args: argparse.Namespace) -> int:
+    launcher_problem = torchrun.check(args, DEFAULT_WORKERS, "process")
+    if launcher_problem is not None:
+        raise UsageError(launcher_problem)
+    uses_torchrun = torchrun.uses_torchrun(args)
+    if uses_torchrun:
+        args.workers = 0  # one pytest session per torchrun process
     check_impl(args.impl)
     check_world_size(args.world_size)
     check_keyword_expression(args.k)
@@ -57,6 +63,9 @@ def _run_command(args: argparse.Namespace) -> int:
     results = os.path.join(workdir, "results.jsonl")
     log_path = os.path.join(workdir, "pytest.log")
     command = pytest_command(args)
+    if uses_torchrun:
+        command = torchrun.torchrun_command(args, command)
+        print(f"{PROG} run: {shlex.join(command)}", file=sys.stderr)
     # a fresh pytest session: not a worker of an outer pytest-xdist run (the CLI's own tests)
     env = {
         key: value
@@ -85,6 +94,8 @@ def _run_command(args: argparse.Namespace) -> int:
             return 130
     wall = time.monotonic() - started
     records = report.read_records(results)
+    if uses_torchrun and not records:
+        return torchrun.no_results_here(child.returncode, log_path)
     cells = report.cells_from_records(records)
     collected = next((r["count"] for r in records if r.get("event") == "collected"), None)
     returncode = child.returncode
@@ -306,4 +317,5 @@ def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
     run.add_argument("--report", metavar="FILE.md", help="write the matrix as Markdown")
     run.add_argument("--json", metavar="FILE", help="write the matrix as JSON")
     run.add_argument("--junit", metavar="FILE", help="write pytest's JUnit XML")
+    torchrun.add_arguments(run)
     run.set_defaults(handler=_run_command)

@@ -1,0 +1,596 @@
+"""External-launcher mode: the pytest session is one process of a ``torchrun`` job and every
+test that uses ``dist`` (or ``FSDPTest``) runs *in place*, SPMD, in every process of the job.
+
+    torchrun --nnodes 1 --nproc-per-node 2 -m pytest --pyargs fsdp_conformance.suite -k parity
+
+[Note: launcher mode]
+- Detection (``--fsdp-launcher auto``): the launcher's environment (``RANK``, ``WORLD_SIZE``,
+  ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) or an already initialised default process
+  group. ``torchrun`` forces the mode (and fails without that environment), ``none`` disables it.
+- One default process group for the session, ``env://`` rendezvous, timeout ``--fsdp-timeout``:
+  nccl with one GPU per local rank (``cuda:LOCAL_RANK``) when the node has a GPU for every
+  local rank, gloo otherwise; ``--fsdp-backend`` overrides.
+- Everything the ranks tell each other outside the test body goes through the default
+  group's key-value store (the launcher's store, which survives a dead rank), never through a
+  collective, and every wait has a deadline: the collected test lists, each test's per-rank
+  outcomes, rank 0's exit status.
+- A test that needs N ranks runs on ranks 0..N-1: the whole default group when N is the job's
+  world size, else a new group of the first N ranks (``dist.group``; ``dist.rank`` and
+  ``dist.world_size`` follow it) while the other ranks wait for its verdict; N larger than the
+  job skips with a reason naming both sizes. While such an N-rank test runs, that group *is*
+  torch.distributed's default group in its ranks (``group.WORLD`` is swapped for the body and
+  restored after it), so code that uses the default group (an FSDP wrapped without
+  ``process_group``, ``dist.get_world_size()``, ``dist.barrier()``) sees an N-rank world, as in
+  the spawning modes.
+- Per test: RNG seeding, then after the body the same reset as a pooled rank process (groups
+  other than the default one destroyed, global module hooks cleared, torch flags restored).
+- Every rank computes the same verdict from all ranks' outcomes (the combination of the
+  spawning modes, ``world.report.summarize``), so skips agree and rank 0 reports a failure of
+  any rank with its number and traceback. Ranks other than 0 write no terminal report, no
+  ``--junitxml`` and no CLI results; at the end they take rank 0's exit status.
+- Watchdog: after ``--fsdp-timeout`` a rank still in the body dumps its Python stack
+  (faulthandler, every thread) into its outcome and is interrupted (SIGUSR2 raises in the body).
+  A body stuck in C code that does not return within another ``timeout`` + 5 s (a collective
+  started in the test has timed out by then) makes the rank print the verdict to stderr and
+  exit 1. A rank without an outcome 5 s after the timeout counts as gone; after a hang or a gone
+  rank the process group cannot be trusted, so the session stops after that test.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import faulthandler
+import hashlib
+import os
+import pathlib
+import pickle
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from fsdp_conformance import vocab
+from fsdp_conformance.world import report
+from fsdp_conformance.world.protocol import (
+    DIED,
+    FAILED,
+    HUNG,
+    RANK_SEED,
+    SKIPPED,
+    RankOutcome,
+)
+
+# --fsdp-launcher choices and its env variable
+LAUNCHERS = vocab.LAUNCHERS
+ENV_LAUNCHER = vocab.ENV_LAUNCHER
+# What torchrun sets in every process it starts.
+LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+# Seconds a rank waits, beyond a test's timeout, for the others' outcomes / rank 0's status.
+GRACE_S = 5.0
+# RankContext.mode of a test run in place
+MODE = "launcher"
+
+
+@dataclasses.dataclass(frozen=True)
+class LauncherEnv:
+    """This process's place in the launcher's job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    # processes of the job on this node
+    local_world_size: int
+    # whether the default process group existed before the session (not ours to destroy)
+    preinitialized: bool = False
+
+
+def _int_env(name: str, default: str | None = None) -> int:
+    text = os.environ.get(name, default)
+    try:
+        return int(text)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise pytest.UsageError(
+            f"launcher environment: {name}={text!r} is not an integer; start pytest under "
+            "torchrun, or pass --fsdp-launcher none"
+        ) from None
+
+
+def detect(choice: str) -> LauncherEnv | None:
+    """This process's :class:`LauncherEnv` when pytest runs inside a launcher, else None.
+
+    Args:
+        choice: ``auto`` (launcher environment or an initialised default group), ``torchrun``
+            (required) or ``none``.
+    """
+    if choice not in LAUNCHERS:
+        raise pytest.UsageError(
+            f"--fsdp-launcher {choice!r}: use one of {', '.join(LAUNCHERS)} (env {ENV_LAUNCHER})"
+        )
+    if choice == "none":
+        return None
+    # torch is imported only when it already is (the plugin stays import-light)
+    tdist = sys.modules.get("torch.distributed")
+    if tdist is not None and tdist.is_available() and tdist.is_initialized():
+        return LauncherEnv(
+            rank=tdist.get_rank(),
+            world_size=tdist.get_world_size(),
+            local_rank=_int_env("LOCAL_RANK", str(tdist.get_rank())),
+            local_world_size=_int_env("LOCAL_WORLD_SIZE", str(tdist.get_world_size())),
+            preinitialized=True,
+        )
+    missing = [name for name in LAUNCHER_ENV if name not in os.environ]
+    if missing:
+        if choice == "torchrun":
+            raise pytest.UsageError(
+                f"--fsdp-launcher torchrun: {', '.join(missing)} not set; start pytest with "
+                "`torchrun ... -m pytest`, or use --fsdp-launcher auto"
+            )
+        return None
+    rank, world_size = _int_env("RANK"), _int_env("WORLD_SIZE")
+    if not 0 <= rank < world_size:
+        raise pytest.UsageError(
+            f"launcher environment: RANK={rank} is not in [0, WORLD_SIZE={world_size}); fix the "
+            "launcher's environment, or pass --fsdp-launcher none"
+        )
+    return LauncherEnv(
+        rank=rank,
+        world_size=world_size,
+        local_rank=_int_env("LOCAL_RANK"),
+        local_world_size=_int_env("LOCAL_WORLD_SIZE", str(world_size)),
+    )
+
+
+# -----------------------------------------------------------------------------
+# The watchdog
+
+
+class _Timeout(BaseException):
+    """Raised in the test body by the watchdog's signal after the timeout."""
+
+
+class _Watchdog:
+    """Interrupts one test body after ``timeout`` seconds; see [Note: launcher mode]."""
+
+    def __init__(self, runtime: LauncherRuntime, key: str, size: int, timeout: float) -> None:
+        self.runtime = runtime
+        self.key = key
+        self.size = size
+        self.timeout = timeout
+        self.fired = False
+        self.dump = ""
+        self._armed = True
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._main = threading.get_ident() == threading.main_thread().ident
+        self._thread = threading.Thread(target=self._watch, daemon=True, name="fsdp-watchdog")
+
+    def __enter__(self) -> _Watchdog:  # noqa: PYI034
+        self.runtime._watchdog = self
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        with self._lock:
+            self._armed = False
+        self._done.set()
+        self.runtime._watchdog = None
+
+    def on_signal(self) -> None:
+        with self._lock:
+            if self._armed and self.fired:
+                raise _Timeout
+
+    def _watch(self) -> None:
+        if self._done.wait(self.timeout):
+            return
+        with tempfile.TemporaryFile("w+") as stream:
+            faulthandler.dump_traceback(stream, all_threads=True)
+            stream.seek(0)
+            dump = stream.read()
+        with self._lock:
+            if not self._armed:
+                return
+            self.dump = dump
+            self.fired = True
+        rank = self.runtime.env.rank
+        self.runtime._post(self.key, self.runtime._hung(rank, self.timeout, dump))
+        if self._main:
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR2)
+        if self._done.wait(self.timeout + GRACE_S):
+            return
+        self.runtime._give_up(self.key, self.size)
+
+
+# -----------------------------------------------------------------------------
+# The runtime
+
+
+class LauncherRuntime:
+    """Runs each test in place in this launcher process, in step with the job's other
+    processes (the :class:`fsdp_conformance.world.runtime.Runtime` of launcher mode).
+
+    Args:
+        options: the session's ``RuntimeOptions`` (timeout, impl, backend).
+        env: this process's place in the job (:func:`detect`).
+    """
+
+    def __init__(self, options: Any, env: LauncherEnv) -> None:
+        self.options = options
+        self.env = env
+        # why the session must stop (a hang or a gone rank), None while healthy
+        self.broken: str | None = None
+        self._started = False
+        self._store: Any = None
+        self._root = ""
+        self._backend = ""
+        self._device: Any = None
+        # GPUs on this node
+        self._gpu_count = 0
+        self._owns_group = False
+        self._occurrences: dict[str, int] = {}
+        # ranks that sent no outcome in time (not waited for again)
+        self._gone: set[int] = set()
+        self._watchdog: _Watchdog | None = None
+        self._previous_handler: Any = None
+        # what the rank-process reset restores (rank_main._RankProcess.reset reads it)
+        self.torch_defaults: dict[str, Any] = {}
+
+    # -- session
+
+    def start(self) -> None:
+        """Join (or create) the default process group and the session's shared directory."""
+        if self._started:
+            return
+        import torch
+        import torch.distributed as tdist
+
+        self._started = True
+        timeout = datetime.timedelta(seconds=self.options.timeout)
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        self._gpu_count = gpus
+        default = "nccl" if gpus >= self.env.local_world_size and gpus > 0 else "gloo"
+        self._backend = self.options.backend or default
+        if self._backend == "nccl":
+            torch.cuda.set_device(self.env.local_rank)
+            self._device = torch.device("cuda", self.env.local_rank)
+        else:
+            self._device = torch.device("cpu")
+        if not tdist.is_initialized():
+            tdist.init_process_group(
+                backend=self._backend,
+                init_method="env://",
+                timeout=timeout,
+                **({"device_id": self._device} if self._backend == "nccl" else {}),
+            )
+            self._owns_group = True
+        else:
+            self._backend = tdist.get_backend()
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        self._store = tdist.PrefixStore(
+            f"fsdp-conformance/{restart}/", tdist.distributed_c10d._get_default_store()
+        )
+        if self.env.rank == 0:
+            self._root = tempfile.mkdtemp(prefix="fsdp-conformance-")
+            self._store.set("root", self._root)
+        else:
+            self._wait(["root"], self.options.timeout)
+            self._root = self._store.get("root").decode()
+            os.makedirs(self._root, exist_ok=True)
+        if threading.current_thread() is threading.main_thread():
+            self._previous_handler = signal.signal(signal.SIGUSR2, self._on_signal)
+        self.torch_defaults = {
+            "dtype": torch.get_default_dtype(),
+            "grad": torch.is_grad_enabled(),
+            "deterministic": torch.are_deterministic_algorithms_enabled(),
+            "anomaly": torch.is_anomaly_enabled(),
+            "threads": torch.get_num_threads(),
+        }
+
+    def close(self) -> None:
+        """Leave the job: wait (bounded) until every rank is done with the store, then
+        destroy the process group (when this session created it and it is healthy)."""
+        if not self._started:
+            return
+        import torch.distributed as tdist
+
+        self._started = False
+        if self._previous_handler is not None:
+            signal.signal(signal.SIGUSR2, self._previous_handler)
+            self._previous_handler = None
+        if self.broken is None and self._owns_group and tdist.is_initialized():
+            tdist.destroy_process_group()  # (the store object stays usable)
+        try:
+            self._post("closed", self.env.rank)
+        except Exception:  # noqa: BLE001, S110  the store's host ended: nobody waits for this
+            pass
+        if self.env.rank == 0:
+            # leave last: the launcher stops the others when rank 0 exits non-zero
+            alive = [r for r in range(self.env.world_size) if r not in self._gone]
+            self._missing([f"closed/{r}" for r in alive], GRACE_S)
+        if self.env.local_rank == 0:
+            shutil.rmtree(self._root, ignore_errors=True)
+
+    # -- store helpers
+
+    def _post(self, key: str, value: Any) -> None:
+        self._store.set(f"{key}/{self.env.rank}", pickle.dumps(value))
+
+    def _wait(self, keys: list[str], seconds: float) -> None:
+        self._store.wait(keys, datetime.timedelta(seconds=max(seconds, 0.001)))
+
+    def _missing(self, keys: list[str], seconds: float) -> list[str]:
+        """Wait until ``keys`` exist or ``seconds`` passed; return the keys still missing
+        (all of them when the store itself is gone)."""
+        try:
+            self._wait(keys, seconds)
+        except Exception:  # noqa: BLE001  (the store's timeout error type varies by version)
+            try:
+                return [key for key in keys if not self._store.check([key])]
+            except Exception:  # noqa: BLE001  the store's host ended
+                return list(keys)
+        return []
+
+    def _read(self, key: str) -> Any:
+        """The value rank ``key``'s owner posted, or None when the store cannot give it."""
+        try:
+            return pickle.loads(self._store.get(key))
+        except Exception:  # noqa: BLE001  the store's host ended
+            return None
+
+    def _gather(self, key: str, ranks: int, deadline: float) -> dict[int, RankOutcome]:
+        keys = [f"{key}/{rank}" for rank in range(ranks)]
+        missing = set(self._missing(keys, deadline - time.monotonic()))
+        outcomes = {}
+        for rank, name in enumerate(keys):
+            outcome = None if name in missing else self._read(name)
+            if outcome is None:
+                self._gone.add(rank)
+                outcome = RankOutcome(
+                    rank,
+                    DIED,
+                    message=f"sent no outcome within the timeout + {GRACE_S:g} s (the process "
+                    "ended, or is stuck where the watchdog cannot interrupt it)",
+                )
+            outcomes[rank] = outcome
+        return outcomes
+
+    @staticmethod
+    def _hung(rank: int, timeout: float, dump: str) -> RankOutcome:
+        return RankOutcome(
+            rank,
+            HUNG,
+            message=f"did not finish within the timeout of {timeout:g} s",
+            traceback=dump,
+        )
+
+    # -- one test
+
+    def run(self, request: Any) -> Any:
+        """Run ``request`` (a ``runtime.TestRequest``) in place; every rank of the job calls
+        this for the same test. Returns the job's ``runtime.RunResult``."""
+        from fsdp_conformance.world.runtime import RunResult
+
+        self.start()
+        size = request.world_size
+        if size < 1:
+            return RunResult(report.Verdict(FAILED, f"world_size must be >= 1, got {size}"), {})
+        if size > self.env.world_size:
+            return RunResult(
+                report.Verdict(
+                    SKIPPED,
+                    f"needs {size} ranks, the launcher's job has {self.env.world_size} "
+                    "(WORLD_SIZE)",
+                ),
+                {},
+            )
+        if request.gpus and (self._backend != "nccl" or request.gpus > self.env.world_size):
+            # the spawning modes' reason; here every rank of an nccl job holds one GPU
+            held = self.env.world_size if self._backend == "nccl" else 0
+            return RunResult(
+                report.Verdict(
+                    SKIPPED,
+                    f"needs {request.gpus} GPUs, {held} available"
+                    + (" (CPU-only host)" if self._gpu_count == 0 else " (gloo job)"),
+                ),
+                {},
+            )
+        if self.broken is not None:
+            return RunResult(report.Verdict(FAILED, f"not run: {self.broken}"), {})
+        occurrence = self._occurrences.get(request.test_id, 0)
+        self._occurrences[request.test_id] = occurrence + 1
+        key = f"test/{request.test_id}#{occurrence}"
+        tmp_path = os.path.join(self._root, hashlib.sha1(key.encode()).hexdigest()[:16])
+        os.makedirs(tmp_path, exist_ok=True)
+        deadline = time.monotonic() + request.timeout + GRACE_S
+        if self.env.rank < size:
+            self._post(key, self._run_body(request, size, tmp_path, key))
+        outcomes = self._gather(key, size, deadline)
+        if self.env.local_rank == 0:
+            shutil.rmtree(tmp_path, ignore_errors=True)
+        gone = [o.rank for o in outcomes.values() if o.status in (DIED, HUNG)]
+        if gone:
+            self.broken = (
+                f"rank(s) {', '.join(map(str, gone))} hung or ended in {request.test_id}; the "
+                "process group cannot be trusted after that, so the session stopped"
+            )
+        return RunResult(report.summarize(outcomes, size), {})
+
+    def _run_body(self, request: Any, size: int, tmp_path: str, key: str) -> RankOutcome:
+        import torch.distributed as tdist
+
+        from fsdp_conformance.world import execute, rank_main
+        from fsdp_conformance.world.context import RankContext
+
+        rank = self.env.rank
+        try:
+            if size == self.env.world_size:
+                group = tdist.group.WORLD
+            else:
+                group = tdist.new_group(
+                    list(range(size)),
+                    timeout=datetime.timedelta(seconds=request.timeout),
+                    use_local_synchronization=True,
+                )
+        except Exception as exc:  # noqa: BLE001  reported like a failure of the body
+            return execute.classify_exception(rank, exc)
+        ctx = RankContext(
+            rank=rank,
+            world_size=size,
+            group=group,
+            device=self._device,
+            backend=self._backend,
+            tmp_path=pathlib.Path(tmp_path),
+            impl=self.options.impl,
+            mode=MODE,
+            gpu_ids=(self._device.index,) if self._backend == "nccl" else (),
+            test_id=request.test_id,
+            init_method="env://",
+        )
+        assert request.thread_body is not None, "launcher mode runs the request's thread_body"
+        watchdog = _Watchdog(self, key, size, request.timeout)
+        job_group = tdist.group.WORLD
+        try:
+            with watchdog:
+                # see [Note: launcher mode]: the test's group is the default group meanwhile
+                tdist.GroupMember.WORLD = group
+                rank_main._current_context.ctx = ctx
+                execute.seed_all(RANK_SEED)
+                outcome = execute.call_and_classify(rank, lambda: request.thread_body(ctx))
+        except _Timeout:
+            outcome = RankOutcome(rank, FAILED)
+        finally:
+            rank_main._current_context.ctx = None
+            tdist.GroupMember.WORLD = job_group
+        if watchdog.fired:
+            outcome = self._hung(rank, request.timeout, watchdog.dump)
+        try:
+            # the pooled rank process's reset, on this process (it reads self.torch_defaults)
+            rank_main._RankProcess.reset(self)  # type: ignore[arg-type]
+        except BaseException as exc:  # noqa: BLE001  a broken reset poisons later tests
+            self.broken = f"rank {rank} could not reset after {request.test_id}: {exc!r}"
+        return outcome
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        watchdog = self._watchdog
+        if watchdog is not None:
+            watchdog.on_signal()
+
+    def _give_up(self, key: str, size: int) -> None:
+        """The body did not return after the watchdog's signal: report and end the process."""
+        test_id = key.removeprefix("test/")
+        head = (
+            f"fsdp-conformance: rank {self.env.rank}: {test_id} did not return "
+            f"{self.options.timeout:g} s after its timeout interrupted it; ending this process"
+        )
+        if self.env.rank == 0:
+            outcomes = self._gather(key, size, time.monotonic() + GRACE_S)
+            head += "\n" + report.summarize(outcomes, size).message
+        sys.stderr.write(head + "\n")
+        sys.stderr.flush()
+        os._exit(1)
+
+
+# -----------------------------------------------------------------------------
+# The pytest side
+
+
+class LauncherPlugin:
+    """pytest hooks of launcher mode (registered by the plugin when :func:`detect` finds a
+    launcher): quiet ranks other than 0, check the collection, agree on the exit status."""
+
+    def __init__(self, runtime: LauncherRuntime) -> None:
+        self.runtime = runtime
+        self.env = runtime.env
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_sessionstart(self, session: pytest.Session) -> None:
+        if self.env.rank == 0:
+            return
+        from _pytest._io import TerminalWriter
+
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            devnull = open(os.devnull, "w")  # noqa: SIM115  (closed with the session)
+            session.config.add_cleanup(devnull.close)
+            reporter._tw = TerminalWriter(devnull)
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, session: pytest.Session, items: list[Any]) -> None:
+        runtime = self.runtime
+        runtime.start()
+        ids = [item.nodeid for item in items]
+        runtime._post("collected", hashlib.sha256("\n".join(ids).encode()).hexdigest())
+        runtime._post("collected-ids", ids)
+        keys = [f"collected/{rank}" for rank in range(self.env.world_size)]
+        missing = runtime._missing(keys, runtime.options.timeout)
+        if missing:
+            ranks = ", ".join(key.rpartition("/")[2] for key in missing)
+            runtime.broken = f"rank(s) {ranks} did not finish collecting"
+            raise pytest.UsageError(
+                f"launcher mode: rank(s) {ranks} did not report their collected tests within "
+                f"{runtime.options.timeout:g} s (--fsdp-timeout)"
+            )
+        digests = [runtime._read(key) for key in keys]
+        other = next((r for r, d in enumerate(digests) if d != digests[0]), None)
+        if other is None:
+            return
+        # every rank fails the session, with the first rank that differs from rank 0
+        theirs = runtime._read(f"collected-ids/{other}") or []
+        reference = runtime._read("collected-ids/0") or []
+        only_there = sorted(set(theirs) - set(reference))[:10]
+        only_zero = sorted(set(reference) - set(theirs))[:10]
+        runtime.broken = "the ranks collected different tests"
+        raise pytest.UsageError(
+            f"launcher mode: rank {other} collected {len(theirs)} tests, rank 0 collected "
+            f"{len(reference)}; every rank must collect the same tests in the same order (same "
+            f"-k, files and options on every node). Only on rank {other}: "
+            f"{only_there or 'none'}; only on rank 0: {only_zero or 'none'}"
+            + ("; same tests in another order" if not only_there and not only_zero else "")
+        )
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_runtest_logfinish(self, nodeid: str) -> None:
+        session = getattr(self, "_session", None)
+        if self.runtime.broken is not None and session is not None:
+            session.shouldfail = self.runtime.broken
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_collection(self, session: pytest.Session) -> None:
+        self._session = session
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
+        runtime = self.runtime
+        if not runtime._started:
+            return
+        if self.env.rank == 0:
+            runtime._post("exit", int(exitstatus))
+            return
+        wait = GRACE_S if runtime.broken is not None else runtime.options.timeout + GRACE_S
+        status = None
+        if 0 not in runtime._gone and not runtime._missing(["exit/0"], wait):
+            status = runtime._read("exit/0")
+        if status is None:
+            sys.stderr.write(
+                f"fsdp-conformance: rank {self.env.rank}: rank 0 reported no exit status "
+                f"within {wait:g} s; exiting with 1\n"
+            )
+            session.exitstatus = max(int(exitstatus), 1)
+            return
+        session.exitstatus = status
+
+
+def configure(config: pytest.Config, choice: str) -> LauncherEnv | None:
+    """Detect the launcher (``--fsdp-launcher``); on ranks other than 0 turn off
+    ``--junitxml`` and the CLI's result file before their plugins start. Returns the env."""
+    env = detect(choice)
+    if env is not None and env.rank != 0:
+        config.option.xmlpath = None
+        os.environ.pop("FSDP_CONFORMANCE_CLI_RESULTS", None)
+    return env
