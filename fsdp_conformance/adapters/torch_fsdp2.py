@@ -38,7 +38,9 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
-from .base import Adapter, ObserverRegistry
+from ._fsdp2_device import install_lagging_device, observe_buffers
+from ._fsdp2_prefetch import configure_prefetch
+from .base import Adapter, ObserverRegistry, scoped_observer
 from .features import Feature, module_predicate
 from .states import InstanceState, RootState
 from .torch_fsdp1 import accelerator_available
@@ -111,17 +113,11 @@ class TorchFSDP2Adapter(Adapter):
     def unsupported(self) -> dict[str, str]:
         return {
             Feature.NO_SHARD: "torch FSDP2 has no NO_SHARD strategy (use DDP / replicate)",
-            Feature.BACKWARD_PREFETCH_NONE: (
-                "torch FSDP2 always prefetches the next instance in backward; it cannot be off"
+            Feature.LIMIT_ALL_GATHERS_OFF: (
+                "torch FSDP2's memory bound is built in (stream-ordered reuse of all-gather "
+                "outputs, reshard after forward) and never blocks the CPU; limit_all_gathers=False "
+                "is accepted as a no-op, so the bound cannot be switched off"
             ),
-            Feature.BACKWARD_PREFETCH_POST: (
-                "torch FSDP2 prefetches in pre-backward only; BACKWARD_POST has no equivalent"
-            ),
-            Feature.FORWARD_PREFETCH: (
-                "torch FSDP2 forward prefetch needs explicit set_modules_to_forward_prefetch "
-                "lists; the torch-fsdp2 adapter does not derive them"
-            ),
-            Feature.LIMIT_ALL_GATHERS: "torch FSDP2 has no limit_all_gathers flag",
             Feature.MIXED_PRECISION_BUFFER_DTYPE: (
                 "torch FSDP2 MixedPrecisionPolicy does not cast buffers"
             ),
@@ -133,9 +129,6 @@ class TorchFSDP2Adapter(Adapter):
                 "unshard()/reshard(), which does not copy changes back to the shards"
             ),
             Feature.ASSERT_STATE: "torch FSDP2 exposes no state assertion",
-            Feature.DEVICE_HANDLE: (
-                "the torch-fsdp2 adapter does not yet replace FSDP2's device handle"
-            ),
         }
 
     def _wrap(self, module: nn.Module, process_group: Any, config: dict[str, Any]) -> nn.Module:
@@ -157,6 +150,11 @@ class TorchFSDP2Adapter(Adapter):
             kwargs["mp_policy"] = MixedPrecisionPolicy(
                 param_dtype=mixed.param_dtype, reduce_dtype=mixed.reduce_dtype
             )
+        prefetch = (
+            config.get("forward_prefetch", False),
+            config.get("backward_prefetch"),
+            "backward_prefetch" in config,
+        )
         policy = config.get("auto_wrap_policy")
         if policy is not None:
             predicate = module_predicate(policy)
@@ -167,13 +165,14 @@ class TorchFSDP2Adapter(Adapter):
                     and any(True for _ in submodule.parameters())
                     and predicate(submodule)
                 ):
-                    self._register(fully_shard(submodule, **kwargs))
-        return self._register(fully_shard(module, **kwargs))
+                    self._register(fully_shard(submodule, **kwargs), prefetch)
+        return self._register(fully_shard(module, **kwargs), prefetch)
 
     @staticmethod
-    def _register(module: nn.Module) -> nn.Module:
+    def _register(module: nn.Module, prefetch: tuple[bool, Any, bool]) -> nn.Module:
         for param_group in module._get_fsdp_state()._fsdp_param_groups:
             _INSTANCE_OF_GROUP[param_group] = module
+        configure_prefetch(module, *prefetch)
         return module
 
     def instances(self, model: nn.Module) -> list[nn.Module]:
@@ -221,5 +220,24 @@ class TorchFSDP2Adapter(Adapter):
         }
 
     def _observe(self, callback, instances):
+        if getattr(callback, "buffer_events", False):
+            # a residency observer: FSDP2's buffers one by one ([Note: FSDP2 buffers])
+            return _observing_buffers(callback, instances)
         _patch_torch_fsdp2()
         return _REGISTRY.observing(callback, instances)
+
+    def _install_device_handle(self, model: nn.Module, handle: Any) -> None:
+        install_lagging_device(model, handle)
+
+
+@contextlib.contextmanager
+def _observing_buffers(callback: Any, instances: Any) -> Iterator[None]:
+    with scoped_observer(callback, instances) as observer:
+
+        def on_buffer(op: str, group: Any, info: dict) -> None:
+            instance = _INSTANCE_OF_GROUP.get(group)
+            if instance is not None:
+                observer(op, instance, info)
+
+        with observe_buffers(on_buffer):
+            yield
