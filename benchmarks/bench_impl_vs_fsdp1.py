@@ -56,6 +56,12 @@ def policy(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
 
 
 def wrap(name: str, model: nn.Module) -> nn.Module:
+    if name == "torch-fsdp2":  # bench_impl_vs_fsdp2.py: each encoder layer, then the root
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.layers:
+            fully_shard(layer)
+        return fully_shard(model)
     if name == "impl":
         from fsdp_conformance.impl import (
             BackwardPrefetch,
