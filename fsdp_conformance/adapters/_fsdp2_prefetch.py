@@ -13,8 +13,9 @@ to those lists:
 - ``backward_prefetch="BACKWARD_PRE"`` (and the key not given): FSDP2's implicit prefetch, the
   one-ahead prefetch at pre-backward.
 - ``backward_prefetch="BACKWARD_POST"``: FSDP2 has no post-backward prefetch point; the same
-  one-ahead target is given as an explicit list (the instance before it in the recorded
-  forward order), issued at pre-backward.
+  one-ahead target is given as an explicit list (the instance before it in the first
+  iteration's recorded post-forward order, the reverse of which is the backward order), issued
+  at pre-backward.
 - ``backward_prefetch=None``: an empty list means "implicit" to FSDP2, so each instance's list
   names the instance itself; its pre-backward has unsharded it just before, so that prefetch is
   a no-op and nothing else is prefetched.
@@ -52,6 +53,7 @@ def configure_prefetch(module: nn.Module, forward: bool, backward: Any, given: b
         module.set_modules_to_backward_prefetch([module])
     if forward or backward == "BACKWARD_POST":
         module.register_forward_pre_hook(_record_order, prepend=True)
+        module.register_forward_hook(_record_post_forward)
 
 
 def _record_order(module: nn.Module, args: Any) -> None:
@@ -59,26 +61,40 @@ def _record_order(module: nn.Module, args: Any) -> None:
     if state._is_root is not False:  # None before the root's lazy init, True after
         entry = getattr(module, _PREFETCH_ORDER, None)
         if entry is None:
-            entry = {"order": [], "applied": False}
+            entry = {"order": [], "post": [], "applied": False}
             setattr(module, _PREFETCH_ORDER, entry)
         _recording.root = weakref.ref(module)
         if entry["order"] and not entry["applied"]:
-            _apply(entry["order"])
+            _apply(entry["order"], entry["post"])
             entry["applied"] = True
         if not entry["applied"]:
-            entry["order"] = [module]
+            entry["order"], entry["post"] = [module], []
         return
-    root_ref = getattr(_recording, "root", None)
-    root = None if root_ref is None else root_ref()
-    entry = None if root is None else getattr(root, _PREFETCH_ORDER, None)
-    if entry is not None and not entry["applied"] and module not in entry["order"]:
+    entry = _recording_entry()
+    if entry is not None and module not in entry["order"]:
         entry["order"].append(module)
 
 
-def _apply(order: list[nn.Module]) -> None:
+def _record_post_forward(module: nn.Module, args: Any, output: Any) -> None:
+    entry = _recording_entry()
+    if entry is not None and module not in entry["post"]:
+        entry["post"].append(module)
+
+
+def _recording_entry() -> dict[str, Any] | None:
+    """The order being recorded by the running root's first forward, if any."""
+    root_ref = getattr(_recording, "root", None)
+    root = None if root_ref is None else root_ref()
+    entry = None if root is None else getattr(root, _PREFETCH_ORDER, None)
+    return None if entry is None or entry["applied"] else entry
+
+
+def _apply(order: list[nn.Module], post_forward_order: list[nn.Module]) -> None:
     for position, module in enumerate(order):
-        forward, backward = getattr(module, _PREFETCH_CONFIG)
+        forward, _ = getattr(module, _PREFETCH_CONFIG)
         if forward and position + 1 < len(order):
             module.set_modules_to_forward_prefetch([order[position + 1]])
+    for position, module in enumerate(post_forward_order):
+        _, backward = getattr(module, _PREFETCH_CONFIG)
         if backward == "BACKWARD_POST" and position > 0:
-            module.set_modules_to_backward_prefetch([order[position - 1]])
+            module.set_modules_to_backward_prefetch([post_forward_order[position - 1]])
