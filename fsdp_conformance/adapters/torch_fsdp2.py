@@ -5,11 +5,15 @@ Mapping of the FSDP1 vocabulary (torch 2.13.0):
   forward, the root does not -- what FSDP1's FULL_SHARD does; `True` would also reshard the
   root and all-gather it again in backward), SHARD_GRAD_OP -> `reshard_after_forward=False`;
   NO_SHARD has no FSDP2 equivalent (unsupported).
-- backward prefetch: FSDP2 always prefetches the next instance in its pre-backward, which is
-  BACKWARD_PRE; None and BACKWARD_POST cannot be expressed (unsupported).
-- forward_prefetch: FSDP2 needs explicit `set_modules_to_forward_prefetch` lists; this adapter
-  does not derive them (unsupported).
-- limit_all_gathers: FSDP2 has no such flag (unsupported).
+- backward_prefetch / forward_prefetch -> FSDP2's explicit prefetch lists
+  (`set_modules_to_backward_prefetch` / `set_modules_to_forward_prefetch`) derived from the
+  order recorded in the first iteration, or its implicit one-ahead backward prefetch for
+  BACKWARD_PRE ([Note: FSDP2 prefetch mapping] in `_fsdp2_prefetch.py`).
+- limit_all_gathers=True -> "hold FSDP2 to its own memory bound" (stream-ordered reuse,
+  `fsdp_conformance.suite.stream_bound`); False is accepted as a no-op (FSDP2 never blocks the
+  CPU), so the bound cannot be switched off (`limit_all_gathers_off` unsupported).
+- device handle -> the lagging device replaces FSDP2's handle and streams per model
+  ([Note: FSDP2's device handle] in `_fsdp2_device.py`).
 - cpu_offload -> `CPUOffloadPolicy(pin_memory=<host has an accelerator>)`: on a CPU-only host
   the default `pin_memory=True` fails with "Cannot access accelerator device when none is
   available"; `pin_memory=False` works (measured).
