@@ -4,7 +4,8 @@ Mapping of the FSDP1 vocabulary (torch 2.13.0):
 - FULL_SHARD -> `reshard_after_forward=None` (FSDP2's auto: non-root instances reshard after
   forward, the root does not -- what FSDP1's FULL_SHARD does; `True` would also reshard the
   root and all-gather it again in backward), SHARD_GRAD_OP -> `reshard_after_forward=False`;
-  NO_SHARD has no FSDP2 equivalent (unsupported).
+  NO_SHARD -> HSDP with a one-rank shard dimension (`_replicate_mesh`): whole parameters on
+  every rank, gradients all-reduced.
 - backward_prefetch / forward_prefetch -> FSDP2's explicit prefetch lists
   (`set_modules_to_backward_prefetch` / `set_modules_to_forward_prefetch`) derived from the
   order recorded in the first iteration, or its implicit one-ahead backward prefetch for
@@ -116,7 +117,6 @@ class TorchFSDP2Adapter(Adapter):
 
     def unsupported(self) -> dict[str, str]:
         return {
-            Feature.NO_SHARD: "torch FSDP2 has no NO_SHARD strategy (use DDP / replicate)",
             Feature.LIMIT_ALL_GATHERS_OFF: (
                 "torch FSDP2's memory bound is built in (stream-ordered reuse of all-gather "
                 "outputs, reshard after forward) and never blocks the CPU; limit_all_gathers=False "
@@ -143,8 +143,11 @@ class TorchFSDP2Adapter(Adapter):
         else:
             device_type = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
         kwargs: dict[str, Any] = {"mesh": DeviceMesh.from_group(group, device_type)}
+        if config.get("sharding_strategy") == "NO_SHARD" and group.size() > 1:
+            kwargs["mesh"] = _replicate_mesh(group, device_type)
         if "sharding_strategy" in config:
             # None = FSDP2's auto: reshard non-root instances, keep the root (as FSDP1 FULL_SHARD)
+            # NO_SHARD: nothing to reshard on a one-rank shard group (HSDP, _replicate_mesh)
             full_shard = config["sharding_strategy"] == "FULL_SHARD"
             kwargs["reshard_after_forward"] = None if full_shard else False
         if config.get("cpu_offload"):
@@ -232,6 +235,38 @@ class TorchFSDP2Adapter(Adapter):
 
     def _install_device_handle(self, model: nn.Module, handle: Any) -> None:
         install_lagging_device(model, handle)
+
+
+# (process group, device type) -> its NO_SHARD mesh, rebuilt when its groups were destroyed
+_REPLICATE_MESHES: dict[tuple[Any, str], DeviceMesh] = {}
+
+
+def _replicate_mesh(group: Any, device_type: str) -> DeviceMesh:
+    """NO_SHARD in FSDP2's terms: HSDP whose shard dimension has size 1.
+
+    A 2-D mesh (replicate = ``group``, shard = this rank alone): every rank keeps whole
+    parameters (a one-rank shard group all-gathers nothing) and gradients are all-reduced over
+    the replicate dimension -- FSDP1's NO_SHARD. The one-rank group is created by this rank
+    alone (``use_local_synchronization``), so no other rank has to take part.
+    """
+    key = (group, device_type)
+    cached = _REPLICATE_MESHES.get(key)
+    if cached is not None:
+        try:  # its groups may have been destroyed since (a new world, same group object)
+            cached.get_group("shard")
+            cached.get_group("replicate")
+        except RuntimeError:
+            del _REPLICATE_MESHES[key]
+    if key not in _REPLICATE_MESHES:
+        ranks = dist.get_process_group_ranks(group)
+        alone = dist.new_group([dist.get_rank()], use_local_synchronization=True)
+        _REPLICATE_MESHES[key] = DeviceMesh.from_group(
+            [group, alone],
+            device_type,
+            mesh=torch.tensor(ranks).view(-1, 1),
+            mesh_dim_names=("replicate", "shard"),
+        )
+    return _REPLICATE_MESHES[key]
 
 
 @contextlib.contextmanager
