@@ -130,9 +130,9 @@ def main() -> None:
     )
     runs: dict[str, list[tuple[float, float, float]]] = {"impl": [], "torch-fsdp1": []}
     for round_index in range(args.rounds):
-        for name in runs:
-            runs[name].append(measure(name, args.steps))
-            step, rss, loss = runs[name][-1]
+        for name, rows in runs.items():
+            rows.append(measure(name, args.steps))
+            step, rss, loss = rows[-1]
             print(
                 f"  round {round_index} {name:12s} median step {step * 1000:8.1f} ms   "
                 f"peak RSS {rss:7.1f} MiB   last loss {loss:.4f}",
