@@ -56,6 +56,12 @@ def policy(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
 
 
 def wrap(name: str, model: nn.Module) -> nn.Module:
+    if name == "torch-fsdp2":  # bench_impl_vs_fsdp2.py: each encoder layer, then the root
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.layers:
+            fully_shard(layer)
+        return fully_shard(model)
     if name == "impl":
         from fsdp_conformance.impl import (
             BackwardPrefetch,
@@ -124,9 +130,9 @@ def main() -> None:
     )
     runs: dict[str, list[tuple[float, float, float]]] = {"impl": [], "torch-fsdp1": []}
     for round_index in range(args.rounds):
-        for name in runs:
-            runs[name].append(measure(name, args.steps))
-            step, rss, loss = runs[name][-1]
+        for name, rows in runs.items():
+            rows.append(measure(name, args.steps))
+            step, rss, loss = rows[-1]
             print(
                 f"  round {round_index} {name:12s} median step {step * 1000:8.1f} ms   "
                 f"peak RSS {rss:7.1f} MiB   last loss {loss:.4f}",

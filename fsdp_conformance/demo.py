@@ -79,7 +79,7 @@ def main() -> int:
     tmp = tempfile.mkdtemp(prefix="fsdp-demo-")
     try:
         mp.spawn(_rank_main, args=(os.path.join(tmp, "store"),), nprocs=WORLD_SIZE)
-    except Exception as error:  # a rank failed: its traceback is already printed
+    except Exception as error:  # noqa: BLE001  a rank failed: its traceback is already printed
         print(f"demo failed: {error}", file=sys.stderr)
         return 1
     finally:

@@ -59,6 +59,9 @@ class Op(str, enum.Enum):
     ALL_GATHER_WAIT = "all_gather_wait"
     # the unsharded parameters are about to be freed
     FREE = "free"
+    # a buffer allocated outside an all-gather (e.g. FSDP2's unsharded parameters, filled by the
+    # all-gather's copy-out); residency counts it like an all-gathered buffer
+    ALLOC = "alloc"
     # gradient reduction of a sharded strategy
     REDUCE_SCATTER = "reduce_scatter"
     # gradient reduction of an unsharded strategy

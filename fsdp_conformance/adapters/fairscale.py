@@ -45,6 +45,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from fsdp_conformance.vocab import Op
+
 from .base import Adapter, ObserverRegistry
 from .deviations import Deviation
 from .features import ALL_FEATURES, Feature, module_predicate
@@ -354,7 +356,7 @@ def _observer_wrappers(instance: nn.Module) -> dict[str, Callable]:
                 and any(getattr(p, "_is_sharded", False) for p in instance.params)
             )
             if gathers and _REGISTRY.active:
-                _REGISTRY.emit("all_gather", instance, {})
+                _REGISTRY.emit(Op.ALL_GATHER, instance, {})
             return method(force_full_precision)
 
         return _rebuild_full_params
@@ -369,7 +371,7 @@ def _observer_wrappers(instance: nn.Module) -> dict[str, Callable]:
                 for p in (instance.params if params is None else params)
             )
             if frees and _REGISTRY.active:
-                _REGISTRY.emit("free", instance, {})
+                _REGISTRY.emit(Op.FREE, instance, {})
             result = method(params)
             if frees and instance in _LIMITED:
                 # fairscale PR 972: block until the device has finished with the freed memory
@@ -386,7 +388,7 @@ def _observer_wrappers(instance: nn.Module) -> dict[str, Callable]:
                 and param.grad is not None
                 and getattr(param, "_is_sharded", False)
             ):
-                _REGISTRY.emit("reduce_scatter", instance, {})
+                _REGISTRY.emit(Op.REDUCE_SCATTER, instance, {})
             return method(param, *unused)
 
         return _post_backward_hook

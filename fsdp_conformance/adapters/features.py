@@ -42,6 +42,10 @@ class Feature:
     BACKWARD_PREFETCH_POST = "backward_prefetch_post"
     FORWARD_PREFETCH = "forward_prefetch"  # forward_prefetch=True
     LIMIT_ALL_GATHERS = "limit_all_gathers"  # the flag given explicitly (either value)
+    # limit_all_gathers=False switches the memory bound off (the memory-bound check's "must fail"
+    # case needs it); an implementation whose bound is built in (torch FSDP2) accepts the flag
+    # as a no-op and does not declare this
+    LIMIT_ALL_GATHERS_OFF = "limit_all_gathers_off"
     CPU_OFFLOAD = "cpu_offload"  # parameters offloaded to CPU
     MIXED_PRECISION = "mixed_precision"  # param_dtype / reduce_dtype
     MIXED_PRECISION_BUFFER_DTYPE = "mixed_precision_buffer_dtype"  # buffers cast too

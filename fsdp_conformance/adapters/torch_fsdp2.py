@@ -4,12 +4,17 @@ Mapping of the FSDP1 vocabulary (torch 2.13.0):
 - FULL_SHARD -> `reshard_after_forward=None` (FSDP2's auto: non-root instances reshard after
   forward, the root does not -- what FSDP1's FULL_SHARD does; `True` would also reshard the
   root and all-gather it again in backward), SHARD_GRAD_OP -> `reshard_after_forward=False`;
-  NO_SHARD has no FSDP2 equivalent (unsupported).
-- backward prefetch: FSDP2 always prefetches the next instance in its pre-backward, which is
-  BACKWARD_PRE; None and BACKWARD_POST cannot be expressed (unsupported).
-- forward_prefetch: FSDP2 needs explicit `set_modules_to_forward_prefetch` lists; this adapter
-  does not derive them (unsupported).
-- limit_all_gathers: FSDP2 has no such flag (unsupported).
+  NO_SHARD -> HSDP with a one-rank shard dimension (`_replicate_mesh`): whole parameters on
+  every rank, gradients all-reduced.
+- backward_prefetch / forward_prefetch -> FSDP2's explicit prefetch lists
+  (`set_modules_to_backward_prefetch` / `set_modules_to_forward_prefetch`) derived from the
+  order recorded in the first iteration, or its implicit one-ahead backward prefetch for
+  BACKWARD_PRE ([Note: FSDP2 prefetch mapping] in `_fsdp2_prefetch.py`).
+- limit_all_gathers=True -> "hold FSDP2 to its own memory bound" (stream-ordered reuse,
+  `fsdp_conformance.suite.stream_bound`); False is accepted as a no-op (FSDP2 never blocks the
+  CPU), so the bound cannot be switched off (`limit_all_gathers_off` unsupported).
+- device handle -> the lagging device replaces FSDP2's handle and streams per model
+  ([Note: FSDP2's device handle] in `_fsdp2_device.py`).
 - cpu_offload -> `CPUOffloadPolicy(pin_memory=<host has an accelerator>)`: on a CPU-only host
   the default `pin_memory=True` fails with "Cannot access accelerator device when none is
   available"; `pin_memory=False` works (measured).
@@ -40,7 +45,9 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
 from fsdp_conformance.vocab import Op
 
-from .base import Adapter, ObserverRegistry
+from ._fsdp2_device import install_lagging_device, observe_buffers
+from ._fsdp2_prefetch import configure_prefetch
+from .base import Adapter, ObserverRegistry, scoped_observer
 from .deviations import Deviation
 from .features import Feature, module_predicate
 from .states import InstanceState, RootState
@@ -144,18 +151,11 @@ class TorchFSDP2Adapter(Adapter):
 
     def unsupported(self) -> dict[str, str]:
         return {
-            Feature.NO_SHARD: "torch FSDP2 has no NO_SHARD strategy (use DDP / replicate)",
-            Feature.BACKWARD_PREFETCH_NONE: (
-                "torch FSDP2 always prefetches the next instance in backward; it cannot be off"
+            Feature.LIMIT_ALL_GATHERS_OFF: (
+                "torch FSDP2's memory bound is built in (stream-ordered reuse of all-gather "
+                "outputs, reshard after forward) and never blocks the CPU; limit_all_gathers=False "
+                "is accepted as a no-op, so the bound cannot be switched off"
             ),
-            Feature.BACKWARD_PREFETCH_POST: (
-                "torch FSDP2 prefetches in pre-backward only; BACKWARD_POST has no equivalent"
-            ),
-            Feature.FORWARD_PREFETCH: (
-                "torch FSDP2 forward prefetch needs explicit set_modules_to_forward_prefetch "
-                "lists; the torch-fsdp2 adapter does not derive them"
-            ),
-            Feature.LIMIT_ALL_GATHERS: "torch FSDP2 has no limit_all_gathers flag",
             Feature.MIXED_PRECISION_BUFFER_DTYPE: (
                 "torch FSDP2 MixedPrecisionPolicy does not cast buffers"
             ),
@@ -167,9 +167,6 @@ class TorchFSDP2Adapter(Adapter):
                 "unshard()/reshard(), which does not copy changes back to the shards"
             ),
             Feature.ASSERT_STATE: "torch FSDP2 exposes no state assertion",
-            Feature.DEVICE_HANDLE: (
-                "the torch-fsdp2 adapter does not yet replace FSDP2's device handle"
-            ),
         }
 
     def _wrap(self, module: nn.Module, process_group: Any, config: dict[str, Any]) -> nn.Module:
@@ -180,8 +177,11 @@ class TorchFSDP2Adapter(Adapter):
         else:
             device_type = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
         kwargs: dict[str, Any] = {"mesh": DeviceMesh.from_group(group, device_type)}
+        if config.get("sharding_strategy") == "NO_SHARD" and group.size() > 1:
+            kwargs["mesh"] = _replicate_mesh(group, device_type)
         if "sharding_strategy" in config:
             # None = FSDP2's auto: reshard non-root instances, keep the root (as FSDP1 FULL_SHARD)
+            # NO_SHARD: nothing to reshard on a one-rank shard group (HSDP, _replicate_mesh)
             full_shard = config["sharding_strategy"] == "FULL_SHARD"
             kwargs["reshard_after_forward"] = None if full_shard else False
         if config.get("cpu_offload"):
@@ -191,6 +191,11 @@ class TorchFSDP2Adapter(Adapter):
             kwargs["mp_policy"] = MixedPrecisionPolicy(
                 param_dtype=mixed.param_dtype, reduce_dtype=mixed.reduce_dtype
             )
+        prefetch = (
+            config.get("forward_prefetch", False),
+            config.get("backward_prefetch"),
+            "backward_prefetch" in config,
+        )
         policy = config.get("auto_wrap_policy")
         if policy is not None:
             predicate = module_predicate(policy)
@@ -201,13 +206,14 @@ class TorchFSDP2Adapter(Adapter):
                     and any(True for _ in submodule.parameters())
                     and predicate(submodule)
                 ):
-                    self._register(fully_shard(submodule, **kwargs))
-        return self._register(fully_shard(module, **kwargs))
+                    self._register(fully_shard(submodule, **kwargs), prefetch)
+        return self._register(fully_shard(module, **kwargs), prefetch)
 
     @staticmethod
-    def _register(module: nn.Module) -> nn.Module:
+    def _register(module: nn.Module, prefetch: tuple[bool, Any, bool]) -> nn.Module:
         for param_group in module._get_fsdp_state()._fsdp_param_groups:
             _INSTANCE_OF_GROUP[param_group] = module
+        configure_prefetch(module, *prefetch)
         return module
 
     def instances(self, model: nn.Module) -> list[nn.Module]:
@@ -255,5 +261,56 @@ class TorchFSDP2Adapter(Adapter):
         }
 
     def _observe(self, callback, instances):
+        if getattr(callback, "buffer_events", False):
+            # a residency observer: FSDP2's buffers one by one ([Note: FSDP2 buffers])
+            return _observing_buffers(callback, instances)
         _patch_torch_fsdp2()
         return _REGISTRY.observing(callback, instances)
+
+    def _install_device_handle(self, model: nn.Module, handle: Any) -> None:
+        install_lagging_device(model, handle)
+
+
+# (process group, device type) -> its NO_SHARD mesh, rebuilt when its groups were destroyed
+_REPLICATE_MESHES: dict[tuple[Any, str], DeviceMesh] = {}
+
+
+def _replicate_mesh(group: Any, device_type: str) -> DeviceMesh:
+    """NO_SHARD in FSDP2's terms: HSDP whose shard dimension has size 1.
+
+    A 2-D mesh (replicate = ``group``, shard = this rank alone): every rank keeps whole
+    parameters (a one-rank shard group all-gathers nothing) and gradients are all-reduced over
+    the replicate dimension -- FSDP1's NO_SHARD. The one-rank group is created by this rank
+    alone (``use_local_synchronization``), so no other rank has to take part.
+    """
+    key = (group, device_type)
+    cached = _REPLICATE_MESHES.get(key)
+    if cached is not None:
+        try:  # its groups may have been destroyed since (a new world, same group object)
+            cached.get_group("shard")
+            cached.get_group("replicate")
+        except RuntimeError:
+            del _REPLICATE_MESHES[key]
+    if key not in _REPLICATE_MESHES:
+        ranks = dist.get_process_group_ranks(group)
+        alone = dist.new_group([dist.get_rank()], use_local_synchronization=True)
+        _REPLICATE_MESHES[key] = DeviceMesh.from_group(
+            [group, alone],
+            device_type,
+            mesh=torch.tensor(ranks).view(-1, 1),
+            mesh_dim_names=("replicate", "shard"),
+        )
+    return _REPLICATE_MESHES[key]
+
+
+@contextlib.contextmanager
+def _observing_buffers(callback: Any, instances: Any) -> Iterator[None]:
+    with scoped_observer(callback, instances) as observer:
+
+        def on_buffer(op: str, group: Any, info: dict) -> None:
+            instance = _INSTANCE_OF_GROUP.get(group)
+            if instance is not None:
+                observer(op, instance, info)
+
+        with observe_buffers(on_buffer):
+            yield

@@ -95,6 +95,33 @@ class LaggingStream:
         return self.device.completed >= self.device.recorded
 
 
+class OrderedStream(LaggingStream):
+    """A named stream of a lagging device that remembers what it waited for.
+
+    Args:
+        device: the lagging device (events still complete in its one recording order).
+        name: a label for messages.
+    """
+
+    def __init__(self, device: LaggingDevice, name: str = "stream") -> None:
+        super().__init__(device)
+        self.name = name  # label for messages
+        self.waited = 0  # the latest device sequence number this stream waited for (0: none)
+
+    def wait_event(self, event: Any) -> None:
+        """Later work on this stream runs after ``event`` (recorded events only)."""
+        seq = getattr(event, "seq", None)
+        if seq is not None:
+            self.waited = max(self.waited, seq)
+
+    def wait_stream(self, stream: Any) -> None:
+        """Later work on this stream runs after everything recorded so far."""
+        self.waited = max(self.waited, self.device.recorded)
+
+    def __repr__(self) -> str:
+        return f"OrderedStream({self.name!r}, waited={self.waited})"
+
+
 class LaggingDevice:
     """A device handle (``DeviceHandle``) whose events complete only when the CPU synchronizes
     on them.
@@ -137,6 +164,11 @@ class LaggingDevice:
     def Event(self, **kwargs: Any) -> LaggingEvent:
         """A new, unrecorded event (timing/IPC flags are accepted and ignored)."""
         return LaggingEvent(self)
+
+    def ordered_stream(self, name: str = "stream") -> OrderedStream:
+        """A named stream that remembers which event it was made to wait for (the stream-ordered
+        reuse rule of ``observe.stream_order`` reads it)."""
+        return OrderedStream(self, name)
 
     def Stream(self, **kwargs: Any) -> LaggingStream:
         """The device's one stream (priority is accepted and ignored)."""

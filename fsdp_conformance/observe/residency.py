@@ -12,6 +12,16 @@ whether the implementation records a free event at all (torch FSDP1 records none
 ``limit_all_gathers=False``); events complete in order, so an implementation's own free event,
 recorded right after the free, completes the marker with it.
 
+Stream-ordered implementations (torch FSDP2) report their buffers one by one: ``info`` of an
+``"all_gather"``, ``"alloc"`` (a buffer allocated outside the all-gather, e.g. unsharded
+parameters filled by a copy-out) or ``"free"`` names the ``"stream"`` the buffer was allocated
+on and, at the free, ``"used_after"`` (the device's last recorded event when another stream last
+used it, or None). Such a free is reusable at once when the allocating stream is ordered after
+every other use ([Note: stream-ordered reuse] in ``fsdp_conformance.observe.stream_order``);
+otherwise it drains like the rest. Without ``"stream"`` a free is the ``record_stream`` case
+above (allocated on the unshard stream, used by the compute stream), so the numbers of
+implementations that report no streams are those of the marker rule.
+
 Counts: ``resident`` is the number of resident non-root buffers; the root's buffers
 (``root_resident``) are reported separately, since FULL_SHARD keeps the root unsharded between
 forward and backward. A phase's *peak* is the largest ``resident`` right after an all-gather
@@ -38,6 +48,7 @@ from typing import Any, NamedTuple
 from torch import nn
 
 from fsdp_conformance.observe.lagging import LaggingDevice, LaggingEvent
+from fsdp_conformance.observe.stream_order import reusable_at_free
 from fsdp_conformance.vocab import Op
 
 PHASES = ("forward", "backward")
@@ -52,7 +63,7 @@ class Sample(NamedTuple):
     iteration: int
     # "forward", "backward", or another driver-chosen label (e.g. "step")
     phase: str
-    # "all_gather", "free", "complete" (the device caught up), or "start" (phase began)
+    # "all_gather", "alloc", "free", "complete" (the device caught up), or "start" (phase began)
     op: str
     # label of the instance the op belongs to ("" for "complete" and "start")
     instance: str
@@ -87,6 +98,9 @@ class ResidencyTracker:
         instances: the model's FSDP instances, pre-order (``adapter.instances(model)``).
         root: the root instance; default ``instances[0]``.
     """
+
+    # Adapters that report buffers per stream send them to this observer one by one
+    buffer_events = True
 
     def __init__(
         self, device: LaggingDevice, instances: Sequence[nn.Module], root: nn.Module | None = None
@@ -137,12 +151,12 @@ class ResidencyTracker:
     # ------------------------------------------------------------------ observer
     def __call__(self, op: str, instance: nn.Module, info: dict[str, Any]) -> None:
         """The adapter observer: ``callback(op, instance, info)``."""
-        if op == Op.ALL_GATHER:
+        if op in (Op.ALL_GATHER, Op.ALLOC):
             label = self.label(instance)
             self.live[label] = self.live.get(label, 0) + 1
             sample = self._sample(op, label)
             if instance is not self.root:
-                self._note_peak(sample)
+                self._note_peak(sample, all_gather=op == Op.ALL_GATHER)
         elif op == Op.FREE:
             label = self.label(instance)
             if self.live.get(label, 0) == 0:
@@ -151,9 +165,10 @@ class ResidencyTracker:
                     "(was the tracker attached after the first forward?)"
                 )
             self.live[label] -= 1
-            marker = self.device.Event()
-            marker.record()
-            self.draining.append((label, marker))
+            if "stream" not in info or not reusable_at_free(info["stream"], info.get("used_after")):
+                marker = self.device.Event()
+                marker.record()
+                self.draining.append((label, marker))
             self._sample(op, label)
 
     # ------------------------------------------------------------------ queries
@@ -206,9 +221,9 @@ class ResidencyTracker:
             peak.root_resident = max(peak.root_resident, root_resident)
         return sample
 
-    def _note_peak(self, sample: Sample) -> None:
+    def _note_peak(self, sample: Sample, all_gather: bool = True) -> None:
         peak = self.peaks.setdefault((self.iteration, self.phase), PhasePeak())
-        peak.all_gathers += 1
+        peak.all_gathers += all_gather
         if sample.resident > peak.resident:
             peak.resident = sample.resident
             peak.at_instance = sample.instance

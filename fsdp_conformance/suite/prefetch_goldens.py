@@ -3,8 +3,8 @@
 Each golden is the rendered ``CommTrace`` (``fsdp_conformance.observe.comm_trace``) of three
 FULL_SHARD iterations of one zoo model and one prefetch setting, world size 2, CPU/gloo: one
 line per all-gather, free, gradient reduction and compute start, ``op label state``. They pin the
-exact order of one implementation: ``impl`` (this repository) and ``torch-fsdp1`` (written
-against torch 2.13.0; other torch versions skip). Other adapters have no goldens and skip; their
+exact order of one implementation: ``impl`` (this repository), ``torch-fsdp1`` and
+``torch-fsdp2`` (both written against torch 2.13.0; other torch versions skip). Other adapters have no goldens and skip; their
 prefetch is held to the structural check ``test_prefetch_happens`` instead.
 
 The goldens are data files of this package, ``goldens/<adapter>/<case>.txt`` (read with
@@ -13,7 +13,7 @@ intended change (one process, so that one writer edits each file; ranks other th
 write)::
 
     pytest -p no:xdist --pyargs fsdp_conformance.suite.test_prefetch_order -k golden \\
-        --fsdp-impl impl --fsdp-accept-goldens    # and again with --fsdp-impl torch-fsdp1
+        --fsdp-impl impl --fsdp-accept-goldens    # and again with torch-fsdp1, torch-fsdp2
 
 ``EXPECTTEST_ACCEPT=1`` (expecttest's variable) and ``FSDP_CONFORMANCE_ACCEPT_GOLDENS=1`` accept
 too. Accepting writes into the source checkout the package was imported from, never into an
@@ -32,8 +32,14 @@ import torch
 
 from fsdp_conformance import vocab
 
-# The torch release the torch-fsdp1 goldens were recorded with
+# The torch release the torch-fsdp1 and torch-fsdp2 goldens were recorded with
 TORCH_FSDP1_GOLDEN_VERSION = "2.13."
+TORCH_FSDP2_GOLDEN_VERSION = "2.13."
+# Adapters whose goldens pin torch's own order: the torch release they were recorded with
+_TORCH_GOLDEN_VERSIONS = {
+    "torch-fsdp1": TORCH_FSDP1_GOLDEN_VERSION,
+    "torch-fsdp2": TORCH_FSDP2_GOLDEN_VERSION,
+}
 # Folder of the golden files, inside this package
 GOLDENS_DIR = "goldens"
 # Environment variables that make the golden check write the rendered trace instead of comparing
@@ -171,12 +177,11 @@ def check_golden(adapter_name: str, case: str, rendered: str) -> None:
             f"adapter {adapter_name!r} has no prefetch-order goldens (they are implementation-"
             "specific); override BasePrefetchOrderTests.check_golden with your own"
         )
-    if adapter_name == "torch-fsdp1" and not torch.__version__.startswith(
-        TORCH_FSDP1_GOLDEN_VERSION
-    ):
+    recorded_with = _TORCH_GOLDEN_VERSIONS.get(adapter_name)
+    if recorded_with is not None and not torch.__version__.startswith(recorded_with):
         pytest.skip(
-            f"adapter 'torch-fsdp1': the prefetch-order goldens were recorded with torch "
-            f"{TORCH_FSDP1_GOLDEN_VERSION}x, this is torch {torch.__version__}"
+            f"adapter {adapter_name!r}: the prefetch-order goldens were recorded with torch "
+            f"{recorded_with}x, this is torch {torch.__version__}"
         )
     if accepting():
         accept_golden(adapter_name, case, rendered)

@@ -109,16 +109,15 @@ def test_torch_fsdp1_declares_cpu_host_limits_with_reasons():
 def test_torch_fsdp2_declares_what_fully_shard_cannot_express():
     adapter = get_adapter("torch-fsdp2")
     assert {
-        Feature.NO_SHARD,
-        Feature.LIMIT_ALL_GATHERS,
-        Feature.BACKWARD_PREFETCH_NONE,
-        Feature.BACKWARD_PREFETCH_POST,
-        Feature.FORWARD_PREFETCH,
+        Feature.LIMIT_ALL_GATHERS_OFF,
         Feature.SYNC_MODULE_STATES,
         Feature.ASSERT_STATE,
     } <= set(adapter.unsupported())
+    # expressed in FSDP2's own terms (explicit prefetch lists, its own memory bound)
     assert adapter.supports(Feature.FULL_SHARD, Feature.SHARD_GRAD_OP, Feature.CPU_OFFLOAD,
-                            Feature.COMM_TRACE, Feature.AUTO_WRAP_POLICY)
+                            Feature.COMM_TRACE, Feature.AUTO_WRAP_POLICY, Feature.DEVICE_HANDLE,
+                            Feature.LIMIT_ALL_GATHERS, Feature.FORWARD_PREFETCH, Feature.NO_SHARD,
+                            Feature.BACKWARD_PREFETCH_NONE, Feature.BACKWARD_PREFETCH_POST)
     for feature, reason in adapter.unsupported().items():
         assert feature in ALL_FEATURES and reason.strip(), feature
 
@@ -127,19 +126,21 @@ def test_require_skips_naming_adapter_feature_and_reason():
     adapter = get_adapter("torch-fsdp2")
     adapter.require(Feature.FULL_SHARD)  # supported: no skip
     with pytest.raises(pytest.skip.Exception) as info:
-        adapter.require(Feature.FULL_SHARD, Feature.LIMIT_ALL_GATHERS)
+        adapter.require(Feature.FULL_SHARD, Feature.LIMIT_ALL_GATHERS_OFF)
     message = str(info.value)
-    assert "'torch-fsdp2'" in message and "'limit_all_gathers'" in message
-    assert "no limit_all_gathers flag" in message
+    assert "'torch-fsdp2'" in message and "'limit_all_gathers_off'" in message
+    assert "cannot be switched off" in message
 
 
 def test_unsupported_config_raises_before_touching_the_module():
     adapter = get_adapter("torch-fsdp2")
-    with pytest.raises(UnsupportedFeatureError, match="'torch-fsdp2' does not support 'no_shard'"):
-        adapter.wrap(nn.Linear(2, 2), sharding_strategy="NO_SHARD")
+    with pytest.raises(
+        UnsupportedFeatureError, match="'torch-fsdp2' does not support 'mixed_precision_buffer"
+    ):
+        adapter.wrap(nn.Linear(2, 2), mixed_precision={"buffer_dtype": torch.float16})
     with pytest.raises(UnsupportedFeatureError) as info:
-        adapter.wrapper(limit_all_gathers=True)
-    assert (info.value.adapter, info.value.feature) == ("torch-fsdp2", Feature.LIMIT_ALL_GATHERS)
+        adapter.wrapper(sync_module_states=True)
+    assert (info.value.adapter, info.value.feature) == ("torch-fsdp2", Feature.SYNC_MODULE_STATES)
     with pytest.raises(UnsupportedFeatureError, match="summon_full_params_writeback"):
         adapter.summon_full_params(nn.Linear(2, 2), writeback=True)
 

@@ -6,8 +6,7 @@ import importlib.util
 
 import pytest
 
-from fsdp_conformance.cli import table
-from fsdp_conformance.cli import main
+from fsdp_conformance.cli import main, table
 
 REASON = "torch FSDP1 wraps a module twice. Reproduction: FSDP(lin); FSDP(lin)"
 

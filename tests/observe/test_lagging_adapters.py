@@ -17,11 +17,10 @@ def wrapped_chain(adapter, group, **config):
 
 
 @pytest.mark.world_size(2)
-@pytest.mark.parametrize("adapter_name", ["impl", "torch-fsdp1", "torch-fsdp2"])
+@pytest.mark.parametrize("adapter_name", ["impl", "torch-fsdp1"])
 @pytest.mark.parametrize("limit", [True, False])
 def test_limiter_blocks_on_the_lagging_device_only_when_enabled(dist, adapter_name, limit):
     adapter = get_adapter(adapter_name)
-    adapter.require(Feature.LIMIT_ALL_GATHERS)  # torch-fsdp2 skips here, naming the flag
     adapter.require(Feature.DEVICE_HANDLE)
     model, chain = wrapped_chain(
         adapter, dist.group, sharding_strategy="FULL_SHARD", limit_all_gathers=limit
@@ -40,5 +39,24 @@ def test_fsdp1_refuses_a_device_handle_after_the_first_forward(dist):
     adapter = get_adapter("torch-fsdp1")
     model, chain = wrapped_chain(adapter, dist.group)
     model(chain.get_input(torch.device("cpu"), dist.rank)).sum().backward()
+    with pytest.raises(RuntimeError, match="before the first forward"):
+        adapter.install_device_handle(model, LaggingDevice())
+
+
+@pytest.mark.world_size(2)
+def test_fsdp2_runs_on_the_lagging_device_without_ever_blocking(dist):
+    # FSDP2 bounds memory by stream order, not by blocking the CPU: its events and streams are
+    # the lagging device's, and nothing synchronizes on them.
+    adapter = get_adapter("torch-fsdp2")
+    model, chain = wrapped_chain(
+        adapter, dist.group, sharding_strategy="FULL_SHARD", limit_all_gathers=True
+    )
+    device = LaggingDevice("strict")
+    adapter.install_device_handle(model, device)
+    model(chain.get_input(torch.device("cpu"), dist.rank)).sum().backward()
+    context = model._get_fsdp_state()._comm_ctx
+    assert context.device_handle is device
+    assert context.all_gather_stream.device is device
+    assert device.recorded > 0 and device.blocking_syncs == 0 and device.completed == 0, device
     with pytest.raises(RuntimeError, match="before the first forward"):
         adapter.install_device_handle(model, LaggingDevice())
