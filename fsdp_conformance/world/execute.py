@@ -24,6 +24,7 @@ from fsdp_conformance.world.protocol import (
     SKIPPED,
     XFAILED,
     InRank,
+    RankMonkeyPatch,
     RankOutcome,
     TestTarget,
 )
@@ -147,11 +148,26 @@ def seed_all(seed: int) -> None:
     numpy.random.seed(seed)
 
 
-def build_kwargs(values: dict[str, Any], ctx: Any, wants_dist: bool = True) -> dict[str, Any]:
-    """Resolve :class:`InRank` fixture values in this rank; add ``dist`` if the test takes it."""
+def build_kwargs(
+    values: dict[str, Any],
+    ctx: Any,
+    wants_dist: bool = True,
+    monkeypatches: list[Any] | None = None,
+) -> dict[str, Any]:
+    """Resolve :class:`InRank` fixture values in this rank; add ``dist`` if the test takes it.
+
+    A :class:`RankMonkeyPatch` becomes a fresh ``pytest.MonkeyPatch``, appended to
+    ``monkeypatches`` for the caller to undo after the test.
+    """
     kwargs = {}
     for name, value in values.items():
-        if isinstance(value, InRank):
+        if isinstance(value, RankMonkeyPatch):
+            import pytest
+
+            value = pytest.MonkeyPatch()
+            if monkeypatches is not None:
+                monkeypatches.append(value)
+        elif isinstance(value, InRank):
             extra = {}
             try:
                 parameters = inspect.signature(value.factory).parameters

@@ -18,12 +18,13 @@ import tempfile
 from collections.abc import Callable
 from typing import Any
 
-from fsdp_conformance.world import gpus, report
+from fsdp_conformance.world import collectives, gpus, report
 from fsdp_conformance.world.procs import RankSet, RankSetError
 from fsdp_conformance.world.protocol import (
     FAILED,
     RANK_SEED,
     SKIPPED,
+    RankMonkeyPatch,
     RankTask,
     TestTarget,
 )
@@ -92,6 +93,8 @@ class RunResult:
     verdict: report.Verdict
     # rank -> output printed during the test (process modes; thread output is not captured)
     logs: dict[int, str]
+    # what the harness did about state the test left behind (for the test's report section)
+    notes: list[str] = dataclasses.field(default_factory=list)
 
     def output(self) -> str:
         """The ranks' output, one section per rank that printed something."""
@@ -121,6 +124,18 @@ def pickle_kwargs(kwargs: dict[str, Any]) -> bytes:
                 "each rank, or mark the test @pytest.mark.fsdp_mode('thread')."
             ) from None
     raise FixtureNotPicklable("the fixture values cannot be pickled together")  # pragma: no cover
+
+
+def _rank_side_patches(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Replace ``monkeypatch`` fixture values by :class:`RankMonkeyPatch`: patches made in a
+    rank body apply to the rank's objects and are undone there after the test."""
+    monkeypatch = sys.modules.get("_pytest.monkeypatch")
+    if monkeypatch is None:
+        return kwargs
+    return {
+        name: RankMonkeyPatch() if isinstance(value, monkeypatch.MonkeyPatch) else value
+        for name, value in kwargs.items()
+    }
 
 
 class Runtime:
@@ -230,7 +245,7 @@ class Runtime:
     def _task(self, request: TestRequest, tmp_path: str) -> RankTask:
         return RankTask(
             target=request.target,
-            kwargs_blob=pickle_kwargs(request.kwargs),
+            kwargs_blob=pickle_kwargs(_rank_side_patches(request.kwargs)),
             test_id=request.test_id,
             seed=RANK_SEED,
             tmp_path=tmp_path,
@@ -271,8 +286,10 @@ class Runtime:
                     rank_set.close()
                 else:
                     self._pool[key] = rank_set  # most recently used last
-            verdict = report.summarize(result.outcomes, request.world_size)
-            return RunResult(verdict, result.logs)
+            verdict = report.summarize(
+                result.outcomes, request.world_size, collectives.mismatch(result.collectives)
+            )
+            return RunResult(verdict, result.logs, result.notes)
         finally:
             shutil.rmtree(tmp_path, ignore_errors=True)
 
@@ -290,7 +307,7 @@ class Runtime:
         assert request.thread_body is not None, "thread mode needs a thread_body"
         tmp_path = self._new_tmp_path()
         try:
-            outcomes = threads.run_threaded(
+            outcomes, mismatch = threads.run_threaded(
                 request.world_size,
                 request.thread_body,
                 timeout=request.timeout,
@@ -301,7 +318,7 @@ class Runtime:
             )
         finally:
             shutil.rmtree(tmp_path, ignore_errors=True)
-        return RunResult(report.summarize(outcomes, request.world_size), {})
+        return RunResult(report.summarize(outcomes, request.world_size, mismatch), {})
 
 
 def _fail(message: str) -> RunResult:
