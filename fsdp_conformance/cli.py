@@ -28,14 +28,16 @@ import os
 import platform
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import textwrap
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
+
+from fsdp_conformance import _limits, _signals
 
 PROG = "fsdp-conformance"
 BUILTIN_IMPLS = ("impl", "torch-fsdp1", "torch-fsdp2")
@@ -51,6 +53,11 @@ DEFAULT_TIMEOUT = 300.0
 RANK_MEMORY_BYTES = 512 * 1024**2
 # CPU ranks per core beyond which a world is not runnable in reasonable time
 RANKS_PER_CPU = 4
+
+
+class BrokenAdapter(Exception):
+    """The adapter's module exists but raises when imported: exit code 1 (a broken adapter,
+    not a usage error), with its traceback."""
 
 
 class UsageError(Exception):
@@ -104,9 +111,13 @@ def check_impl(name: str) -> None:
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     from fsdp_conformance.adapters import get_adapter
+    from fsdp_conformance.adapters.registry import AdapterImportError
 
     try:
         get_adapter(name)
+    except AdapterImportError as error:
+        # the module exists but fails: the adapter is broken (exit 1 with its traceback)
+        raise BrokenAdapter(error) from error
     except Exception as error:  # noqa: BLE001  any failure to load the user's module is a usage error
         message = " ".join(str(error).split())
         if not isinstance(error, ValueError):
@@ -200,6 +211,11 @@ def _run_command(args: argparse.Namespace) -> int:
     check_keyword_expression(args.k)
     if args.workers < 0:
         raise UsageError(f"-n {args.workers}: give 0 (no xdist) or a number of workers")
+    try:
+        if args.workers != DEFAULT_WORKERS:  # (the default is not the user's request)
+            _limits.check_workers(args.workers, args.world_size)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
     for path, option in ((args.report, "--report"), (args.json, "--json"), (args.junit, "--junit")):
         check_output(path, option)
     if args.workers > 0 and importlib.util.find_spec("xdist") is None:
@@ -222,7 +238,7 @@ def _run_command(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     started = time.monotonic()
-    with open(log_path, "w", encoding="utf-8") as log:
+    with open(log_path, "w", encoding="utf-8") as log, _signals.sigterm_interrupts():
         child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
             progress = _Progress(sys.stderr)
@@ -231,10 +247,10 @@ def _run_command(args: argparse.Namespace) -> int:
                 time.sleep(0.5)
             progress.update(_cli_report.read_records(results), time.monotonic() - started)
             progress.finish()
-        except KeyboardInterrupt:
-            _interrupt(child)
+        except KeyboardInterrupt as interrupt:
+            code = _signals.stop_child(child, interrupt)
             print(f"\n{PROG} run: interrupted; pytest output: {log_path}", file=sys.stderr)
-            return 130
+            return code
     wall = time.monotonic() - started
     records = _cli_report.read_records(results)
     cells = _cli_report.cells_from_records(records)
@@ -363,19 +379,6 @@ class _Progress:
 def _clock(seconds: float) -> str:
     minutes, rest = divmod(int(seconds), 60)
     return f"{minutes:2d}:{rest:02d}"
-
-
-def _interrupt(child: subprocess.Popen) -> None:
-    """Ctrl-C: let pytest clean up its ranks. From a terminal pytest got SIGINT too; give it a
-    moment before sending its own (a second SIGINT would cut pytest's cleanup short)."""
-    for signal_to_send in (None, signal.SIGINT, signal.SIGKILL):
-        if signal_to_send is not None and child.poll() is None:
-            child.send_signal(signal_to_send)
-        try:
-            child.wait(timeout=5 if signal_to_send is None else 30)
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 def _tail(path: str, lines: int) -> str:
@@ -824,6 +827,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as error:
         sys.stderr.write(f"{PROG} {args.command}: error: {error}\n")
         return 2
+    except BrokenAdapter as error:
+        sys.stderr.write("".join(traceback.format_exception(error.__cause__ or error)))
+        sys.stderr.write(f"{PROG} {args.command}: error: {error} (the adapter is broken)\n")
+        return 1
     except KeyboardInterrupt:
         sys.stderr.write(f"\n{PROG} {args.command}: interrupted\n")
         return 130

@@ -35,6 +35,65 @@ ENV_MODE = "FSDP_CONFORMANCE_MODE"
 ENV_TIMEOUT = "FSDP_CONFORMANCE_TIMEOUT"
 # At most this many pooled rank processes stay alive (least recently used sets go first).
 MAX_POOLED_RANKS = 8
+# Backends --fsdp-backend / FSDP_CONFORMANCE_BACKEND accept.
+BACKENDS = ("gloo", "nccl", "ucc", "mpi", "xccl")
+DEFAULT_TIMEOUT_S = 120.0
+
+
+class OptionError(ValueError):
+    """An option or environment variable of the runtime has a value it cannot use."""
+
+
+def parse_timeout(value: object, source: str) -> float:
+    """``value`` as a timeout in seconds (a finite number > 0).
+
+    Args:
+        value: the text or number given.
+        source: where it came from, for the message ("--fsdp-timeout", "FSDP_CONFORMANCE_TIMEOUT").
+
+    Raises:
+        OptionError: naming ``source``, the value and what is accepted.
+    """
+    try:
+        seconds = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        seconds = float("nan")
+    if not seconds > 0 or seconds == float("inf"):
+        raise OptionError(
+            f"{source}={value!r}: the timeout must be a number of seconds > 0 (e.g. 120)"
+        )
+    return seconds
+
+
+def parse_mode(value: str, source: str) -> str:
+    """``value`` if it names a mode, else :class:`OptionError` naming ``source``."""
+    if value not in MODES:
+        raise OptionError(f"{source}={value!r}: use one of {', '.join(MODES)}")
+    return value
+
+
+def parse_backend(value: str | None, source: str) -> str | None:
+    """``value`` if it names a backend (None / "": choose automatically), else
+    :class:`OptionError` naming ``source``."""
+    if not value:
+        return None
+    if value not in BACKENDS:
+        raise OptionError(
+            f"{source}={value!r}: use one of {', '.join(BACKENDS)} (or leave it unset: gloo "
+            "on CPU, nccl when each rank gets its own GPU)"
+        )
+    return value
+
+
+def parse_world_size(value: object, source: str) -> int:
+    """``value`` as a world size >= 1, else :class:`OptionError` naming ``source``."""
+    try:
+        size = int(value)  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        size = 0
+    if size < 1 or str(size) != str(value).strip():
+        raise OptionError(f"{source}={value!r}: the world size must be a whole number >= 1")
+    return size
 
 
 class FixtureNotPicklable(TypeError):
@@ -58,10 +117,15 @@ class RuntimeOptions:
 
     @classmethod
     def from_env(cls) -> RuntimeOptions:
+        """Options from ``FSDP_CONFORMANCE_MODE`` / ``_TIMEOUT`` / ``_BACKEND``.
+
+        Raises:
+            OptionError: a variable has a value the runtime cannot use (named in the message).
+        """
         return cls(
-            mode=os.environ.get(ENV_MODE, "process"),
-            timeout=float(os.environ.get(ENV_TIMEOUT, "120")),
-            backend=os.environ.get(ENV_BACKEND) or None,
+            mode=parse_mode(os.environ.get(ENV_MODE) or "process", ENV_MODE),
+            timeout=parse_timeout(os.environ.get(ENV_TIMEOUT) or DEFAULT_TIMEOUT_S, ENV_TIMEOUT),
+            backend=parse_backend(os.environ.get(ENV_BACKEND), ENV_BACKEND),
         )
 
 
@@ -181,6 +245,8 @@ class Runtime:
             return _fail(f"unknown fsdp mode {request.mode!r}; use one of {', '.join(MODES)}")
         if request.world_size < 1:
             return _fail(f"world_size must be >= 1, got {request.world_size}")
+        if not request.timeout > 0:
+            return _fail(f"the timeout must be > 0 seconds, got {request.timeout!r}")
         total = self.gpu_total() if (request.gpus or self.options.backend != "gloo") else 0
         if request.gpus > total:
             return RunResult(
