@@ -5,7 +5,8 @@ surfacing as a torch-internal error or a hang.
 The ``torch.distributed`` collective functions are wrapped (in rank processes once at
 start-up; in thread mode for the duration of a test). A wrapper costs one thread-local read
 and a 40-byte write per call; nested calls (a collective implemented with another) record the
-outermost only. Each rank writes into its own :class:`CollectiveSlot`: a small file mapped
+outermost only; collectives on groups other than the default one are not recorded (they
+need not match across all ranks). Each rank writes into its own :class:`CollectiveSlot`: a small file mapped
 into memory in process mode, which the parent reads while the test runs; a ``bytearray`` in
 thread mode. Torch is imported only by :func:`install`.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import mmap
 import struct
 import threading
@@ -155,12 +157,23 @@ def _current_slot() -> CollectiveSlot | None:
     return getattr(_local, "slot", None) or _process_slot
 
 
-def _wrap(name: str, function: Callable[..., Any]) -> Callable[..., Any]:
+def _wrap(name: str, function: Callable[..., Any], c10d: Any) -> Callable[..., Any]:
+    try:
+        parameters = list(inspect.signature(function).parameters)
+    except (TypeError, ValueError):
+        parameters = []
+    group_index = parameters.index("group") if "group" in parameters else None
+
     @functools.wraps(function)
     def recorded(*args: Any, **kwargs: Any) -> Any:
         slot = _current_slot()
         if slot is None:
             return function(*args, **kwargs)
+        group = kwargs.get("group")
+        if group is None and group_index is not None and group_index < len(args):
+            group = args[group_index]
+        if group is not None and group is not c10d._world.default_pg:
+            return function(*args, **kwargs)  # subgroups: not comparable across all ranks
         with slot.entered(name):
             return function(*args, **kwargs)
 
@@ -179,7 +192,7 @@ def install() -> Callable[[], None]:
             original = getattr(module, name, None)
             if original is None or hasattr(original, "__fsdp_conformance_original__"):
                 continue
-            setattr(module, name, _wrap(name, original))
+            setattr(module, name, _wrap(name, original, c10d))
             replaced.append((module, name, original))
 
     def uninstall() -> None:
@@ -202,3 +215,15 @@ def mismatch(records: dict[int, CollectiveRecord]) -> str:
             parts = ", ".join(f"rank {rank} {group[rank].describe()}" for rank in sorted(group))
             return f"mismatched collectives: {parts}"
     return ""
+
+
+def unmatched(records: dict[int, CollectiveRecord], finished: set[int], rank: int) -> str:
+    """Why ``rank`` waits in vain: 'rank 1 finished the test after 0 collectives' when
+    ranks in ``finished`` ended without entering the collective ``rank`` is in, else ""."""
+    mine = records.get(rank)
+    if mine is None or not mine.inside:
+        return ""
+    gone = sorted(r for r in finished if r in records and records[r].count < mine.count)
+    return ", ".join(
+        f"rank {r} finished the test after {records[r].count} collective(s)" for r in gone
+    )

@@ -104,14 +104,25 @@ class _AssertConfig:
 def _reprcompare(op: str, left: Any, right: Any) -> str | None:
     """pytest's rich comparison explanation, or None (the plain assertion message).
 
-    ``assertrepr_compare`` is private: its signature changed in pytest 9.2 (no config, and
-    an iterator of lines). Where the call does not fit, the explanation is dropped rather
-    than replacing the test's AssertionError with a TypeError.
+    ``_pytest.assertion.util.assertrepr_compare`` is private and has had two shapes in the
+    supported range (pytest >= 8, < 10, pinned in pyproject.toml): ``(config, op, left,
+    right, ...)`` returning a list, and from pytest 9.2 ``(op, left, right, ...)`` without a
+    config, returning an iterator of lines. Both are called by parameter name
+    (``tests/harness/test_pytest_compat.py`` runs each shape); any other shape drops the
+    explanation rather than replacing the test's AssertionError with a TypeError.
     """
     from _pytest.assertion import util
 
     try:
-        lines = list(util.assertrepr_compare(_AssertConfig(), op, left, right) or ())
+        function = util.assertrepr_compare
+        arguments = {"config": _AssertConfig(), "op": op, "left": left, "right": right}
+        kwargs = {}
+        for name, parameter in inspect.signature(function).parameters.items():
+            if name in arguments:
+                kwargs[name] = arguments[name]
+            elif parameter.default is inspect.Parameter.empty:
+                return None  # a layout this module does not know
+        lines = list(function(**kwargs) or ())
     except Exception:  # noqa: BLE001  pytest internals moved
         return None
     return "\n~".join(lines) if lines else None

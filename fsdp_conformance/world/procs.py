@@ -258,7 +258,8 @@ class RankSet:
         ``STARTUP_TIMEOUT_S``). Never waits longer (+ the stack-dump time): ranks still
         running then are reported HUNG with their Python stacks and the set is not reusable.
         Ranks that stay for ``GRACE_S`` inside different collectives entered as the same
-        one (rank 0 ``all_reduce``, rank 1 ``all_gather``) are reported at once, naming both.
+        one (rank 0 ``all_reduce``, rank 1 ``all_gather``), or inside a collective that the
+        ranks which already finished never entered, are reported then, naming the operations.
         """
         self.tests_run += 1
         run = _TestRun(self, timeout)
@@ -269,7 +270,7 @@ class RankSet:
                 except OSError:
                     pass  # noticed below as EOF
             run.collect()
-            if run.reusable:
+            if run.reusable and self.mode == "process":
                 self._restore_group(run)
         except BaseException:
             self.kill()  # KeyboardInterrupt or a harness bug: leave nothing behind
@@ -385,8 +386,10 @@ class _TestRun:
         # the first rank that failed / died / skipped; the others then get GRACE_S
         self.first_trouble: RankOutcome | None = None
         self.trouble_since: float | None = None
-        # when the current mismatch of collectives was first seen
+        # when ranks were first seen stuck in mismatched or unmatched collectives
         self.mismatch_since: float | None = None
+        # the collective records of the last look, while ranks seemed stuck
+        self.stuck_records: dict[int, collectives.CollectiveRecord] | None = None
 
     def records(self) -> dict[int, collectives.CollectiveRecord]:
         found = {}
@@ -465,18 +468,27 @@ class _TestRun:
     def _look_for_mismatch(self, pending: dict[int, Connection]) -> None:
         records = self.records()
         inside = all(rank in records and records[rank].inside for rank in pending)
-        if inside and collectives.mismatch(records):
+        finished = set(self.outcomes)
+        stuck = inside and (
+            collectives.mismatch(records)
+            or all(collectives.unmatched(records, finished, rank) for rank in pending)
+        )
+        if stuck and records == self.stuck_records:
             self.mismatch_since = self.mismatch_since or time.monotonic()
         else:
             self.mismatch_since = None
+        self.stuck_records = records if stuck else None
 
     def _hung(self, ranks: list[int], now: float, deadline: float, loading: bool) -> None:
         dumps = self.rank_set._dump_stacks(ranks)
         records = self.records()
         for rank in ranks:
             where = records[rank].describe() if rank in records else ""
+            unmatched = collectives.unmatched(records, set(self.outcomes), rank)
             if self.mismatch_since is not None and now < deadline:
-                why = f"waiting {where}; {collectives.mismatch(records)}"
+                why = f"waiting {where}; " + (
+                    collectives.mismatch(records) or f"never entered by the others: {unmatched}"
+                )
             elif now < deadline and self.first_trouble is not None:
                 first = self.first_trouble
                 why = (

@@ -267,12 +267,15 @@ def run_threaded(
                             "[Note: per-rank RNG in threads])",
                         )
                         continue
-                    where = slots[rank].read()
+                    records = {r: slot.read() for r, slot in slots.items()}
+                    where = records[rank]
+                    unmatched = collectives.unmatched(records, set(outcomes), rank)
                     outcomes[rank] = RankOutcome(
                         rank,
                         HUNG,
                         message=f"did not finish within the timeout of {timeout:g} s"
-                        + (f" ({where.describe()})" if where.inside else ""),
+                        + (f" ({where.describe()})" if where.inside else "")
+                        + (f"; never entered by the others: {unmatched}" if unmatched else ""),
                         traceback=dump,
                     )
                 mtpg.ProcessLocalGroup.exception_handle(None)  # release collective waiters
