@@ -239,6 +239,8 @@ def _one_line(exc: BaseException) -> str:
 
 _HARNESS_DIR = os.path.dirname(os.path.abspath(__file__))
 _PLUGIN_FILE = os.path.join(os.path.dirname(_HARNESS_DIR), "plugin.py")
+# the wrapper that records collectives (world/collectives.py): noise inside user tracebacks
+_COLLECTIVES_FILE = os.path.join(_HARNESS_DIR, "collectives.py")
 
 
 def format_user_traceback(exc: BaseException) -> str:
@@ -255,7 +257,7 @@ def format_user_traceback(exc: BaseException) -> str:
             tb = tb.tb_next
             continue
         leading = False
-        if "__unittest" not in frame.f_globals:
+        if "__unittest" not in frame.f_globals and filename != _COLLECTIVES_FILE:
             frames.append((frame, tb.tb_lineno))
         tb = tb.tb_next
     report = traceback.TracebackException(type(exc), exc, exc.__traceback__)

@@ -40,7 +40,6 @@ def hook(module, args, output):
 def test_a_dirty(dist, monkeypatch, tmp_path):
     record_pid()
     monkeypatch.setattr(json, "dumps", lambda *a, **k: "patched")
-    monkeypatch.setattr(torch, "ones", lambda *a, **k: "patched")
     nn_module.register_module_forward_hook(hook)
     nn_module.register_module_forward_pre_hook(lambda m, a: None)
     torch.set_default_dtype(torch.float64)
@@ -52,6 +51,7 @@ def test_a_dirty(dist, monkeypatch, tmp_path):
     random.seed(99)
     tdist.barrier()
     tdist.destroy_process_group()
+    monkeypatch.setattr(torch, "ones", lambda *a, **k: "patched")
     torch.autograd.set_detect_anomaly(True)
     torch.set_default_device("meta")
     warnings.simplefilter("error")
