@@ -49,9 +49,15 @@ COLLECTIVES = (
     "send",
 )
 
-# sequence number (collectives entered this test), inside flag, operation name
+# count (collectives entered this test), state (LEFT / INSIDE / RAISED), operation name
 _LAYOUT = struct.Struct("<IB31s")
 SLOT_SIZE = _LAYOUT.size
+
+
+# States of a record.
+LEFT = 0  # returned from the collective (or none entered yet)
+INSIDE = 1  # still inside it
+RAISED = 2  # it raised (typically: another rank died, or the collectives did not match)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,18 +66,32 @@ class CollectiveRecord:
 
     # how many collectives the rank entered in this test (0: none)
     count: int
-    # whether the rank is still inside it
-    inside: bool
+    # LEFT, INSIDE or RAISED
+    state: int
     # its name ("all_reduce"), "" when count is 0
     op: str
 
+    @property
+    def inside(self) -> bool:
+        return self.state == INSIDE
+
+    @property
+    def raised(self) -> bool:
+        return self.state == RAISED
+
+    def where(self) -> str:
+        """'all_reduce (collective #3)'."""
+        return f"{self.op} (collective #{self.count})"
+
     def describe(self) -> str:
-        """'in all_reduce (collective #3)', 'last left barrier (#2)', 'entered no collective'."""
+        """'in all_reduce (collective #3)', 'failed in barrier (collective #2)', 'last left
+        barrier (collective #2)', 'entered no collective'."""
         if self.count == 0:
             return "entered no collective"
+        where = self.where()
         if self.inside:
-            return f"in {self.op} (collective #{self.count})"
-        return f"last left {self.op} (collective #{self.count})"
+            return f"in {where}"
+        return f"failed in {where}" if self.raised else f"last left {where}"
 
 
 class CollectiveSlot:
@@ -95,27 +115,28 @@ class CollectiveSlot:
     def reset(self) -> None:
         self._depth = 0
         self._count = 0
-        self._write(False, "")
+        self._write(LEFT, "")
 
     def read(self) -> CollectiveRecord:
-        count, inside, op = _LAYOUT.unpack(bytes(self._buffer[:SLOT_SIZE]))
-        return CollectiveRecord(count, bool(inside), op.rstrip(b"\0").decode("ascii", "replace"))
+        return _unpack(bytes(self._buffer[:SLOT_SIZE]))
 
-    def _write(self, inside: bool, op: str) -> None:
-        self._buffer[:SLOT_SIZE] = _LAYOUT.pack(self._count, inside, op.encode("ascii")[:31])
+    def _write(self, state: int, op: str) -> None:
+        self._buffer[:SLOT_SIZE] = _LAYOUT.pack(self._count, state, op.encode("ascii")[:31])
 
     @contextmanager
     def entered(self, op: str) -> Iterator[None]:
         self._depth += 1
         if self._depth == 1:
             self._count += 1
-            self._write(True, op)
+            self._write(INSIDE, op)
+        state = RAISED
         try:
             yield
+            state = LEFT
         finally:
             self._depth -= 1
             if self._depth == 0:
-                self._write(False, op)
+                self._write(state, op)
 
 
 def create_slot_file(path: str) -> None:
@@ -133,8 +154,12 @@ def read_slot_file(path: str) -> CollectiveRecord | None:
         return None
     if len(data) < SLOT_SIZE:
         return None
-    count, inside, op = _LAYOUT.unpack(data)
-    return CollectiveRecord(count, bool(inside), op.rstrip(b"\0").decode("ascii", "replace"))
+    return _unpack(data)
+
+
+def _unpack(data: bytes) -> CollectiveRecord:
+    count, state, op = _LAYOUT.unpack(data)
+    return CollectiveRecord(count, state, op.rstrip(b"\0").decode("ascii", "replace"))
 
 
 # The slot of the current rank: one per process, or per rank thread in thread mode.
@@ -203,8 +228,9 @@ def install() -> Callable[[], None]:
 
 
 def mismatch(records: dict[int, CollectiveRecord]) -> str:
-    """'mismatched collectives: rank 0 in all_reduce (collective #1), rank 1 in all_gather
-    (collective #1)' when ranks entered different operations as the same collective, else ""."""
+    """'mismatched collectives: rank 0 entered all_reduce (collective #1), rank 1 entered
+    all_gather (collective #1)' when ranks entered different operations as the same collective, else ""
+    (a rank's last collective is compared with the others' last ones)."""
     by_count: dict[int, dict[int, CollectiveRecord]] = {}
     for rank, record in records.items():
         if record.count:
@@ -212,16 +238,17 @@ def mismatch(records: dict[int, CollectiveRecord]) -> str:
     for count in sorted(by_count):
         group = by_count[count]
         if len({r.op for r in group.values()}) > 1:
-            parts = ", ".join(f"rank {rank} {group[rank].describe()}" for rank in sorted(group))
+            parts = ", ".join(f"rank {rank} entered {group[rank].where()}" for rank in sorted(group))
             return f"mismatched collectives: {parts}"
     return ""
 
 
 def unmatched(records: dict[int, CollectiveRecord], finished: set[int], rank: int) -> str:
-    """Why ``rank`` waits in vain: 'rank 1 finished the test after 0 collectives' when
-    ranks in ``finished`` ended without entering the collective ``rank`` is in, else ""."""
+    """Why ``rank`` waits in vain: 'rank 1 finished the test after 0 collective(s)' when
+    ranks in ``finished`` (ranks that passed) ended without entering the collective ``rank``
+    is in (or that raised in it), else ""."""
     mine = records.get(rank)
-    if mine is None or not mine.inside:
+    if mine is None or mine.state == LEFT:
         return ""
     gone = sorted(r for r in finished if r in records and records[r].count < mine.count)
     return ", ".join(

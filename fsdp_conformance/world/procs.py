@@ -20,6 +20,7 @@ from multiprocessing.connection import Connection, wait
 
 from fsdp_conformance.world import collectives, rank_main
 from fsdp_conformance.world.protocol import (
+    ABORTED,
     DIED,
     FAILED,
     HUNG,
@@ -399,12 +400,47 @@ class _TestRun:
                 found[rank] = record
         return found
 
+    def _passed(self) -> set[int]:
+        return {rank for rank, outcome in self.outcomes.items() if outcome.status == PASSED}
+
     def _trouble(self, outcome: RankOutcome) -> None:
         if self.first_trouble is None:
             self.first_trouble = outcome
             self.trouble_since = time.monotonic()
 
     def collect(self) -> None:
+        """Wait for every rank's outcome (or decide it hung), then tell causes from
+        consequences."""
+        self._wait_for_outcomes()
+        self._mark_consequences()
+
+    def _mark_consequences(self) -> None:
+        """A rank whose collective raised because another rank died, failed outside a
+        collective or skipped (gloo: "Connection closed by peer") is a consequence: reported
+        ABORTED, naming the cause, never as a failure of its own."""
+        records = self.records()
+
+        def in_collective(outcome: RankOutcome) -> bool:
+            record = records.get(outcome.rank)
+            return outcome.status == FAILED and record is not None and record.raised
+
+        causes = [
+            o
+            for o in sorted(self.outcomes.values(), key=lambda o: o.rank)
+            if o.status in (DIED, SKIPPED) or (o.status == FAILED and not in_collective(o))
+        ]
+        for rank, outcome in list(self.outcomes.items()):
+            others = [c for c in causes if c.rank != rank]
+            if in_collective(outcome) and others:
+                cause = others[0]
+                self.outcomes[rank] = dataclasses.replace(
+                    outcome,
+                    status=ABORTED,
+                    message=f"failed in {records[rank].where()} after rank {cause.rank} "
+                    f"{_STOPPED.get(cause.status, cause.status)}: {outcome.message}",
+                )
+
+    def _wait_for_outcomes(self) -> None:
         rank_set = self.rank_set
         timeout = self.timeout
         load_deadline = time.monotonic() + max(timeout, STARTUP_TIMEOUT_S)
@@ -468,7 +504,7 @@ class _TestRun:
     def _look_for_mismatch(self, pending: dict[int, Connection]) -> None:
         records = self.records()
         inside = all(rank in records and records[rank].inside for rank in pending)
-        finished = set(self.outcomes)
+        finished = self._passed()
         stuck = inside and (
             collectives.mismatch(records)
             or all(collectives.unmatched(records, finished, rank) for rank in pending)
@@ -484,7 +520,7 @@ class _TestRun:
         records = self.records()
         for rank in ranks:
             where = records[rank].describe() if rank in records else ""
-            unmatched = collectives.unmatched(records, set(self.outcomes), rank)
+            unmatched = collectives.unmatched(records, self._passed(), rank)
             if self.mismatch_since is not None and now < deadline:
                 why = f"waiting {where}; " + (
                     collectives.mismatch(records) or f"never entered by the others: {unmatched}"

@@ -217,15 +217,26 @@ def run_threaded(
             outcome = execute.classify_exception(rank, exc)
         if outcome.status == FAILED and "Test termination event occurs" in outcome.message:
             first = first_stop[0] if first_stop else None
-            why = (
-                f"stopped because rank {first.rank} {_STOPPED.get(first.status, first.status)}"
-                if first is not None
-                else "stopped because the threaded process group was terminated"
-            )
             where = slots[rank].read()
-            if where.inside:
-                why += f" while this rank waited {where.describe()}"
-            outcome = RankOutcome(rank, ABORTED, message=why)
+            records = {r: slot.read() for r, slot in slots.items()}
+            passed = {r for r, o in outcomes.items() if o.status == PASSED}
+            unmatched = collectives.unmatched(records, passed, rank)
+            if first is None and unmatched:
+                # the ranks that finished ended the threaded group under this one
+                outcome = RankOutcome(
+                    rank,
+                    HUNG,
+                    message=f"waiting in {where.where()}; never entered by the others: {unmatched}",
+                )
+            else:
+                why = (
+                    f"stopped because rank {first.rank} {_STOPPED.get(first.status, first.status)}"
+                    if first is not None
+                    else "stopped because the threaded process group was terminated"
+                )
+                if where.count and where.state != collectives.LEFT:
+                    why += f" while this rank waited in {where.where()}"
+                outcome = RankOutcome(rank, ABORTED, message=why)
         elif outcome.status != PASSED:
             if not first_stop:
                 first_stop.append(outcome)
@@ -269,15 +280,20 @@ def run_threaded(
                         continue
                     records = {r: slot.read() for r, slot in slots.items()}
                     where = records[rank]
-                    unmatched = collectives.unmatched(records, set(outcomes), rank)
-                    outcomes[rank] = RankOutcome(
-                        rank,
-                        HUNG,
-                        message=f"did not finish within the timeout of {timeout:g} s"
-                        + (f" ({where.describe()})" if where.inside else "")
-                        + (f"; never entered by the others: {unmatched}" if unmatched else ""),
-                        traceback=dump,
-                    )
+                    passed = {r for r, o in outcomes.items() if o.status == PASSED}
+                    unmatched = collectives.unmatched(records, passed, rank)
+                    message = f"did not finish within the timeout of {timeout:g} s"
+                    outside = [r for r in running if not records[r].inside]
+                    if where.inside and outside:
+                        message = (
+                            f"waiting {where.describe()} for rank(s) "
+                            f"{', '.join(map(str, outside))}, which {message}"
+                        )
+                    elif where.inside:
+                        message += f" ({where.describe()})"
+                    if unmatched:
+                        message += f"; never entered by the others: {unmatched}"
+                    outcomes[rank] = RankOutcome(rank, HUNG, message=message, traceback=dump)
                 mtpg.ProcessLocalGroup.exception_handle(None)  # release collective waiters
     finally:
         uninstall()

@@ -12,6 +12,7 @@ replaced and the test's report says so once.
 from __future__ import annotations
 
 import pytest
+
 from conftest import RECORD_PID, assert_no_leftovers, write_test
 
 pytest_plugins = ["pytester"]
