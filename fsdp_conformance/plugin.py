@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from fsdp_conformance import vocab
+from fsdp_conformance.world import signals as _signals
 
 _MODES = vocab.MODES
 # --fsdp-coverage choices (fsdp_conformance.suite.configs implements them)
@@ -91,23 +92,21 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(
         "--fsdp-mode",
         choices=_MODES,
-        default=os.environ.get(vocab.ENV_MODE, vocab.DEFAULT_MODE),
+        default=None,
         help="how ranks run: 'process' (reused rank processes, default), 'process-fresh' "
         "(new processes per test) or 'thread' (threads of the pytest process). "
         "Env: FSDP_CONFORMANCE_MODE.",
     )
     group.addoption(
         "--fsdp-timeout",
-        type=float,
-        default=float(os.environ.get(vocab.ENV_TIMEOUT, "120")),
+        default=None,
         metavar="SECONDS",
-        help="fail a test still running in its ranks after this many seconds, with every "
-        "rank's Python stack (default 120).",
+        help="fail a test still running in its ranks after this many seconds (> 0), with "
+        "every rank's Python stack (default 120). Env: FSDP_CONFORMANCE_TIMEOUT.",
     )
     group.addoption(
         "--fsdp-world-size",
-        type=int,
-        default=2,
+        default="2",
         metavar="N",
         help="ranks for tests without @pytest.mark.world_size (default 2).",
     )
@@ -120,7 +119,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     group.addoption(
         "--fsdp-backend",
-        default=os.environ.get(vocab.ENV_BACKEND) or None,
+        default=None,
         metavar="NAME",
         help="process group backend override ('gloo', 'nccl'); default: gloo on CPU, nccl "
         "when each rank gets its own GPU. Env: FSDP_CONFORMANCE_BACKEND.",
@@ -169,16 +168,10 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     from fsdp_conformance.world import launcher
 
+    options = _validated_options(config)
     launcher_env = launcher.configure(config, config.getoption("fsdp_launcher"))
-    config.stash[STATE_KEY] = PluginState(
-        mode=config.getoption("fsdp_mode"),
-        timeout=config.getoption("fsdp_timeout"),
-        world_size=config.getoption("fsdp_world_size"),
-        impl=config.getoption("fsdp_impl"),
-        backend=config.getoption("fsdp_backend"),
-        coverage=config.getoption("fsdp_coverage"),
-        launcher=launcher_env,
-    )
+    config.stash[STATE_KEY] = PluginState(**options, launcher=launcher_env)
+    _signals.install_pytest_handler(config)
     if config.getoption("fsdp_accept_goldens"):
         # the ranks get the test process's environment with every test
         state = config.stash[STATE_KEY]
@@ -192,7 +185,41 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(launcher.LauncherPlugin(runtime), "fsdp-launcher")
 
 
+def _validated_options(config: pytest.Config) -> dict[str, Any]:
+    """The session options, each checked where it enters (command line, else environment).
+
+    Raises:
+        pytest.UsageError: one line naming the option or variable and what it accepts.
+    """
+    from fsdp_conformance.world import runtime
+
+    def pick(option: str, env: str, default: Any) -> tuple[Any, str]:
+        value = config.getoption(option)
+        if value is not None:
+            return value, "--" + option.replace("_", "-")
+        if os.environ.get(env):
+            return os.environ[env], env
+        return default, "--" + option.replace("_", "-")
+
+    try:
+        return {
+            "mode": runtime.parse_mode(*pick("fsdp_mode", runtime.ENV_MODE, vocab.DEFAULT_MODE)),
+            "timeout": runtime.parse_timeout(
+                *pick("fsdp_timeout", runtime.ENV_TIMEOUT, runtime.DEFAULT_TIMEOUT_S)
+            ),
+            "world_size": runtime.parse_world_size(
+                config.getoption("fsdp_world_size"), "--fsdp-world-size"
+            ),
+            "impl": config.getoption("fsdp_impl"),
+            "backend": runtime.parse_backend(*pick("fsdp_backend", runtime.ENV_BACKEND, None)),
+            "coverage": config.getoption("fsdp_coverage"),
+        }
+    except runtime.OptionError as error:
+        raise pytest.UsageError(str(error)) from None
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
+    _signals.uninstall_pytest_handler(config)
     state = config.stash.get(STATE_KEY, None)
     if state is not None and state.accepting_goldens:
         if state.previous_accept is None:
@@ -236,6 +263,16 @@ def _mode(item: pytest.Item, state: PluginState) -> str:
             f"{item.nodeid}: fsdp_mode({mode!r}) is not one of {', '.join(_MODES)}"
         )
     return mode
+
+
+def _timeout(item: pytest.Item, state: PluginState) -> float:
+    from fsdp_conformance.world import runtime
+
+    value = _marker_arg(item, "fsdp_timeout", state.timeout)
+    try:
+        return runtime.parse_timeout(value, "fsdp_timeout marker")
+    except runtime.OptionError as error:
+        raise pytest.UsageError(f"{item.nodeid}: {error}") from None
 
 
 @pytest.fixture
@@ -336,7 +373,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         test_id=pyfuncitem.nodeid,
         world_size=world_size,
         mode=_mode(pyfuncitem, state),
-        timeout=float(_marker_arg(pyfuncitem, "fsdp_timeout", state.timeout)),
+        timeout=_timeout(pyfuncitem, state),
         gpus=_gpus_needed(pyfuncitem, world_size),
         thread_body=thread_body,
         wants_dist=wants_dist,
@@ -352,6 +389,8 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     output = result.output()
     if output:
         sys.stdout.write(output)
+    if result.notes:
+        pyfuncitem.add_report_section("call", "fsdp-conformance", "\n".join(result.notes))
     verdict = result.verdict
     if verdict.status == FAILED:
         pytest.fail(verdict.message, pytrace=False)

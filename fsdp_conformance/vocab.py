@@ -81,3 +81,26 @@ class Op(str, enum.Enum):
 REDUCE_OPS = (Op.REDUCE_SCATTER, Op.ALL_REDUCE)
 # the ops a communication trace records
 COMM_OPS = (Op.ALL_GATHER, Op.FREE, Op.REDUCE_SCATTER, Op.ALL_REDUCE)
+
+
+# The collective functions of torch.distributed (every rank of the group takes part; point-to-point
+# send / recv are not recorded: ranks need not make the same number of them).
+TORCH_COLLECTIVES = (
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_reduce",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "broadcast",
+    "broadcast_object_list",
+    "gather",
+    "gather_object",
+    "monitored_barrier",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "scatter",
+    "scatter_object_list",
+)

@@ -23,20 +23,47 @@ _BUILTIN: dict[str, tuple[str, str]] = {
 BUILTIN_ADAPTERS = tuple(_BUILTIN)
 
 _cache: dict[str, Adapter] = {}  # one adapter object per name and process
-_cache_lock = threading.Lock()  # threaded ranks resolve concurrently
+# guards only the cache dict, never user code: resolving (importing the adapter's module,
+# calling its factory) runs without it, so an adapter module may call get_adapter itself
+_cache_lock = threading.Lock()
+_resolving = threading.local()  # names this thread is resolving (a cycle is an error)
+
+
+class AdapterImportError(ImportError):
+    """An adapter's module exists but raised while being imported (the adapter is broken,
+    as opposed to a misspelt name, which is a ValueError)."""
 
 
 def get_adapter(name: str) -> Adapter:
     """The adapter called `name` ("impl", "torch-fsdp1", "torch-fsdp2", "fairscale" or "pkg.module:ATTR").
 
+    Re-entrant: an adapter module or factory may itself call ``get_adapter`` (to wrap a
+    built-in adapter). Threads resolving the same name at once may both build it; the first
+    one stored is returned to all.
+
     Raises:
-        ValueError: `name` is neither built in nor of the form "pkg.module:ATTR", or ATTR does
-            not resolve to an Adapter; the message names the import path and the fix.
+        ValueError: `name` is neither built in nor of the form "pkg.module:ATTR", the module
+            does not exist, ATTR does not resolve to an Adapter, or resolving it asks for
+            itself; the message names the import path and the fix.
+        AdapterImportError: the adapter's module raised while being imported.
     """
     with _cache_lock:
-        if name not in _cache:
-            _cache[name] = _resolve(name)
-        return _cache[name]
+        adapter = _cache.get(name)
+    if adapter is not None:
+        return adapter
+    stack: list[str] = _resolving.__dict__.setdefault("names", [])
+    if name in stack:
+        raise ValueError(
+            f"FSDP adapter {name!r} asks for itself while being resolved "
+            f"({' -> '.join([*stack, name])}); resolve another adapter there"
+        )
+    stack.append(name)
+    try:
+        adapter = _resolve(name)
+    finally:
+        stack.pop()
+    with _cache_lock:
+        return _cache.setdefault(name, adapter)
 
 
 def notify_test_end() -> None:
@@ -61,11 +88,21 @@ def _resolve(name: str) -> Adapter:
     module_name, _, attr_path = name.partition(":")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as error:
+    except ModuleNotFoundError as error:
+        if error.name is None or not _is_prefix(error.name, module_name):
+            raise AdapterImportError(
+                f"FSDP adapter {name!r}: importing module {module_name!r} failed: "
+                f"{type(error).__name__}: {error}"
+            ) from error
         raise ValueError(
             f"FSDP adapter {name!r}: cannot import module {module_name!r} ({error}). "
             "Make it importable in every rank (install the package, or add its folder to "
             "PYTHONPATH) and check the spelling before the ':'"
+        ) from error
+    except Exception as error:
+        raise AdapterImportError(
+            f"FSDP adapter {name!r}: importing module {module_name!r} failed: "
+            f"{type(error).__name__}: {error}"
         ) from error
     target: object = module
     for part in attr_path.split("."):
@@ -80,6 +117,11 @@ def _resolve(name: str) -> Adapter:
     if not adapter.name or adapter.name == Adapter.name:
         adapter.name = name
     return adapter
+
+
+def _is_prefix(missing: str, module_name: str) -> bool:
+    """Whether the missing module is ``module_name`` or one of its packages."""
+    return module_name == missing or module_name.startswith(missing + ".")
 
 
 def _instantiate(target: object, name: str) -> Adapter:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 
 from fsdp_conformance.cli import conformance as _conformance
@@ -42,6 +43,7 @@ from fsdp_conformance.cli.common import (
     PROG,
     RANK_MEMORY_BYTES,
     RANKS_PER_CPU,
+    BrokenAdapter,
     UsageError,
     _Parser,
     check_impl,
@@ -108,6 +110,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as error:
         sys.stderr.write(f"{PROG} {args.command}: error: {error}\n")
         return 2
+    except BrokenAdapter as error:
+        sys.stderr.write("".join(traceback.format_exception(error.__cause__ or error)))
+        sys.stderr.write(f"{PROG} {args.command}: error: {error} (the adapter is broken)\n")
+        return 1
     except KeyboardInterrupt:
         sys.stderr.write(f"\n{PROG} {args.command}: interrupted\n")
         return 130

@@ -11,6 +11,7 @@ import textwrap
 from typing import Any, NoReturn
 
 from fsdp_conformance import vocab
+from fsdp_conformance.cli import limits
 
 PROG = "fsdp-conformance"
 BUILTIN_IMPLS = ("impl", "torch-fsdp1", "torch-fsdp2", "fairscale")
@@ -23,9 +24,14 @@ DEFAULT_WORKERS = 2
 # Per-test timeout in the ranks (seconds; the suite's own default is 120)
 DEFAULT_TIMEOUT = 300.0
 # Memory one CPU rank process needs (torch + gloo + a small model), for the world-size limit
-RANK_MEMORY_BYTES = 512 * 1024**2
+RANK_MEMORY_BYTES = limits.RANK_BYTES
 # CPU ranks per core beyond which a world is not runnable in reasonable time
 RANKS_PER_CPU = 4
+
+
+class BrokenAdapter(Exception):
+    """The adapter's module exists but raises when imported: exit code 1 (a broken adapter,
+    not a usage error), with its traceback."""
 
 
 class UsageError(Exception):
@@ -79,9 +85,13 @@ def check_impl(name: str) -> None:
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     from fsdp_conformance.adapters import get_adapter
+    from fsdp_conformance.adapters.registry import AdapterImportError
 
     try:
         get_adapter(name)
+    except AdapterImportError as error:
+        # the module exists but fails: the adapter is broken (exit 1 with its traceback)
+        raise BrokenAdapter(error) from error
     except Exception as error:  # noqa: BLE001  any failure to load the user's module is a usage error
         message = " ".join(str(error).split())
         if not isinstance(error, ValueError):
@@ -113,28 +123,13 @@ def check_keyword_expression(expression: str | None) -> None:
         raise UsageError(f"-k {expression!r}: not a pytest -k expression ({reason})") from None
 
 
-def _available_memory() -> int | None:
-    """Bytes of memory available to new processes (MemAvailable: free + reclaimable cache)."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):  # sysconf names missing on this platform
-        return None
-
-
 def max_world_size() -> tuple[int, str]:
     """The most CPU ranks this machine runs, and why (cores x RANKS_PER_CPU, memory)."""
     cpus = os.cpu_count() or 1
-    limits = [(cpus * RANKS_PER_CPU, f"{cpus} CPUs x {RANKS_PER_CPU} ranks each")]
-    available = _available_memory()
+    caps = [(cpus * RANKS_PER_CPU, f"{cpus} CPUs x {RANKS_PER_CPU} ranks each")]
+    available = limits.available_memory()
     if available is not None:
-        limits.append(
+        caps.append(
             (
                 max(1, available // RANK_MEMORY_BYTES),
                 (
@@ -143,7 +138,7 @@ def max_world_size() -> tuple[int, str]:
                 ),
             )
         )
-    return min(limits)
+    return min(caps)
 
 
 def check_world_size(world_size: int, minimum: int = 1) -> None:

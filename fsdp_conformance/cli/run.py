@@ -15,7 +15,6 @@ import os
 import platform
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -23,7 +22,7 @@ import time
 from typing import Any
 
 from fsdp_conformance import vocab
-from fsdp_conformance.cli import report, torchrun
+from fsdp_conformance.cli import limits, report, torchrun
 from fsdp_conformance.cli.common import (
     COVERAGES,
     DEFAULT_COVERAGE,
@@ -40,6 +39,7 @@ from fsdp_conformance.cli.common import (
     check_world_size,
 )
 from fsdp_conformance.cli.report import split_nodeid
+from fsdp_conformance.world import signals
 
 
 def _run_command(args: argparse.Namespace) -> int:
@@ -54,6 +54,11 @@ def _run_command(args: argparse.Namespace) -> int:
     check_keyword_expression(args.k)
     if args.workers < 0:
         raise UsageError(f"-n {args.workers}: give 0 (no xdist) or a number of workers")
+    try:
+        if args.workers != DEFAULT_WORKERS:  # (the default is not the user's request)
+            limits.check_workers(args.workers, args.world_size)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
     for path, option in ((args.report, "--report"), (args.json, "--json"), (args.junit, "--junit")):
         check_output(path, option)
     if args.workers > 0 and importlib.util.find_spec("xdist") is None:
@@ -79,7 +84,7 @@ def _run_command(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     started = time.monotonic()
-    with open(log_path, "w", encoding="utf-8") as log:
+    with open(log_path, "w", encoding="utf-8") as log, signals.sigterm_interrupts():
         child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
             progress = _Progress(sys.stderr)
@@ -88,10 +93,10 @@ def _run_command(args: argparse.Namespace) -> int:
                 time.sleep(0.5)
             progress.update(report.read_records(results), time.monotonic() - started)
             progress.finish()
-        except KeyboardInterrupt:
-            _interrupt(child)
+        except KeyboardInterrupt as interrupt:
+            code = signals.stop_child(child, interrupt)
             print(f"\n{PROG} run: interrupted; pytest output: {log_path}", file=sys.stderr)
-            return 130
+            return code
     wall = time.monotonic() - started
     records = report.read_records(results)
     if uses_torchrun and not records:
@@ -218,19 +223,6 @@ class _Progress:
 def _clock(seconds: float) -> str:
     minutes, rest = divmod(int(seconds), 60)
     return f"{minutes:2d}:{rest:02d}"
-
-
-def _interrupt(child: subprocess.Popen) -> None:
-    """Ctrl-C: let pytest clean up its ranks. From a terminal pytest got SIGINT too; give it a
-    moment before sending its own (a second SIGINT would cut pytest's cleanup short)."""
-    for signal_to_send in (None, signal.SIGINT, signal.SIGKILL):
-        if signal_to_send is not None and child.poll() is None:
-            child.send_signal(signal_to_send)
-        try:
-            child.wait(timeout=5 if signal_to_send is None else 30)
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 def _tail(path: str, lines: int) -> str:

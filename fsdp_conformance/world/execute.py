@@ -24,6 +24,7 @@ from fsdp_conformance.world.protocol import (
     SKIPPED,
     XFAILED,
     InRank,
+    RankMonkeyPatch,
     RankOutcome,
     TestTarget,
 )
@@ -103,14 +104,25 @@ class _AssertConfig:
 def _reprcompare(op: str, left: Any, right: Any) -> str | None:
     """pytest's rich comparison explanation, or None (the plain assertion message).
 
-    ``assertrepr_compare`` is private: its signature changed in pytest 9.2 (no config, and
-    an iterator of lines). Where the call does not fit, the explanation is dropped rather
-    than replacing the test's AssertionError with a TypeError.
+    ``_pytest.assertion.util.assertrepr_compare`` is private and has had two shapes in the
+    supported range (pytest >= 8, < 10, pinned in pyproject.toml): ``(config, op, left,
+    right, ...)`` returning a list, and from pytest 9.2 ``(op, left, right, ...)`` without a
+    config, returning an iterator of lines. Both are called by parameter name
+    (``tests/harness/test_pytest_compat.py`` runs each shape); any other shape drops the
+    explanation rather than replacing the test's AssertionError with a TypeError.
     """
     from _pytest.assertion import util
 
     try:
-        lines = list(util.assertrepr_compare(_AssertConfig(), op, left, right) or ())
+        function = util.assertrepr_compare
+        arguments = {"config": _AssertConfig(), "op": op, "left": left, "right": right}
+        kwargs = {}
+        for name, parameter in inspect.signature(function).parameters.items():
+            if name in arguments:
+                kwargs[name] = arguments[name]
+            elif parameter.default is inspect.Parameter.empty:
+                return None  # a layout this module does not know
+        lines = list(function(**kwargs) or ())
     except Exception:  # noqa: BLE001  pytest internals moved
         return None
     return "\n~".join(lines) if lines else None
@@ -147,11 +159,26 @@ def seed_all(seed: int) -> None:
     numpy.random.seed(seed)
 
 
-def build_kwargs(values: dict[str, Any], ctx: Any, wants_dist: bool = True) -> dict[str, Any]:
-    """Resolve :class:`InRank` fixture values in this rank; add ``dist`` if the test takes it."""
+def build_kwargs(
+    values: dict[str, Any],
+    ctx: Any,
+    wants_dist: bool = True,
+    monkeypatches: list[Any] | None = None,
+) -> dict[str, Any]:
+    """Resolve :class:`InRank` fixture values in this rank; add ``dist`` if the test takes it.
+
+    A :class:`RankMonkeyPatch` becomes a fresh ``pytest.MonkeyPatch``, appended to
+    ``monkeypatches`` for the caller to undo after the test.
+    """
     kwargs = {}
     for name, value in values.items():
-        if isinstance(value, InRank):
+        if isinstance(value, RankMonkeyPatch):
+            import pytest
+
+            value = pytest.MonkeyPatch()
+            if monkeypatches is not None:
+                monkeypatches.append(value)
+        elif isinstance(value, InRank):
             extra = {}
             try:
                 parameters = inspect.signature(value.factory).parameters
@@ -215,6 +242,8 @@ def _one_line(exc: BaseException) -> str:
 
 _HARNESS_DIR = os.path.dirname(os.path.abspath(__file__))
 _PLUGIN_FILE = os.path.join(os.path.dirname(_HARNESS_DIR), "plugin.py")
+# the wrapper that records collectives (world/collectives.py): noise inside user tracebacks
+_COLLECTIVES_FILE = os.path.join(_HARNESS_DIR, "collectives.py")
 
 
 def format_user_traceback(exc: BaseException) -> str:
@@ -231,7 +260,7 @@ def format_user_traceback(exc: BaseException) -> str:
             tb = tb.tb_next
             continue
         leading = False
-        if "__unittest" not in frame.f_globals:
+        if "__unittest" not in frame.f_globals and filename != _COLLECTIVES_FILE:
             frames.append((frame, tb.tb_lineno))
         tb = tb.tb_next
     report = traceback.TracebackException(type(exc), exc, exc.__traceback__)

@@ -18,8 +18,26 @@ import tempfile
 import time
 from multiprocessing.connection import Connection, wait
 
-from fsdp_conformance.world import rank_main
-from fsdp_conformance.world.protocol import DIED, HUNG, PASSED, SKIPPED, RankOutcome
+from fsdp_conformance.world import collectives, rank_main
+from fsdp_conformance.world.protocol import (
+    ABORTED,
+    DIED,
+    FAILED,
+    HUNG,
+    PASSED,
+    SKIPPED,
+    Exit,
+    Finished,
+    GroupReinitialized,
+    ProtocolError,
+    RankOutcome,
+    Ready,
+    ReinitGroup,
+    RunTest,
+    Started,
+    StartupFailed,
+    expect,
+)
 
 # Seconds the other ranks get to finish after one rank failed, died or skipped before they are
 # reported as stuck (typically blocked in a collective with the failed rank) and killed.
@@ -31,6 +49,8 @@ EXIT_WAIT_S = 2.0
 # Least seconds a rank set gets to start (import torch, rendezvous): start-up is not part of a
 # test's --fsdp-timeout and takes far longer than usual on a loaded machine.
 STARTUP_TIMEOUT_S = 120.0
+# Seconds between looks at the ranks' collective records while a test runs.
+POLL_S = 0.5
 
 _RANK_COMMAND = "from fsdp_conformance.world.rank_main import main; main()"
 
@@ -62,6 +82,10 @@ class RunReport:
     logs: dict[int, str]
     # False when the set must not run another test (a rank died, hung, failed or could not reset)
     reusable: bool
+    # what the harness did about state the test left behind, one line each
+    notes: list[str] = dataclasses.field(default_factory=list)
+    # the last collective each rank entered during the test
+    collectives: dict[int, collectives.CollectiveRecord] = dataclasses.field(default_factory=dict)
 
 
 class RankSet:
@@ -85,6 +109,9 @@ class RankSet:
         # - Files: the FileStore and one output log per rank, removed by kill()
         self.dir = tempfile.mkdtemp(prefix=f"ranks-ws{world_size}-", dir=parent_dir)
         self.log_paths = [os.path.join(self.dir, f"rank{r}.log") for r in range(world_size)]
+        self.slot_paths = [os.path.join(self.dir, f"rank{r}.coll") for r in range(world_size)]
+        # default process groups created after a test destroyed the previous one
+        self.group_generation = 0
         # read position in each log: output before it was already reported
         self.log_offsets = [0] * world_size
         # - Processes and their connections, index = rank
@@ -115,6 +142,7 @@ class RankSet:
     def _spawn(self) -> None:
         store = os.path.join(self.dir, "store")
         for rank in range(self.world_size):
+            collectives.create_slot_file(self.slot_paths[rank])
             parent_sock, child_sock = socket.socketpair()
             env = dict(os.environ)
             env.update(
@@ -127,6 +155,7 @@ class RankSet:
                     rank_main.ENV_GPU_IDS: ",".join(map(str, self.gpu_ids)),
                     rank_main.ENV_TIMEOUT: str(max(self.timeout, STARTUP_TIMEOUT_S)),
                     rank_main.ENV_MODE: self.mode,
+                    rank_main.ENV_COLLECTIVE_SLOT: self.slot_paths[rank],
                     "PYTHONUNBUFFERED": "1",
                 }
             )
@@ -165,8 +194,12 @@ class RankSet:
                         f"rank {rank} {describe_exit(returncode)} while starting:\n"
                         + self._read_log(rank)
                     ) from None
-                if message[0] == "error":
-                    raise RankSetError(f"rank {rank} failed to start:\n{message[1]}")
+                try:
+                    message = expect(message, f"rank {rank}", Ready, StartupFailed)
+                except ProtocolError as exc:
+                    raise RankSetError(str(exc)) from None
+                if isinstance(message, StartupFailed):
+                    raise RankSetError(f"rank {rank} failed to start:\n{message.traceback}")
                 del pending[rank]
 
     def close(self) -> None:
@@ -175,7 +208,7 @@ class RankSet:
             return
         for conn in self.conns:
             try:
-                conn.send(("exit",))
+                conn.send(Exit())
             except OSError:
                 pass
         deadline = time.monotonic() + EXIT_WAIT_S
@@ -225,75 +258,21 @@ class RankSet:
         The test's ``timeout`` starts once every rank has imported the test (start-up gets
         ``STARTUP_TIMEOUT_S``). Never waits longer (+ the stack-dump time): ranks still
         running then are reported HUNG with their Python stacks and the set is not reusable.
+        Ranks that stay for ``GRACE_S`` inside different collectives entered as the same
+        one (rank 0 ``all_reduce``, rank 1 ``all_gather``), or inside a collective that the
+        ranks which already finished never entered, are reported then, naming the operations.
         """
         self.tests_run += 1
-        outcomes: dict[int, RankOutcome] = {}
-        reusable = True
+        run = _TestRun(self, timeout)
         try:
             for conn in self.conns:
                 try:
-                    conn.send(("run", task_blob))
+                    conn.send(RunTest(task_blob))
                 except OSError:
                     pass  # noticed below as EOF
-            load_deadline = time.monotonic() + max(timeout, STARTUP_TIMEOUT_S)
-            # set when every rank has started the body (or already finished)
-            body_deadline: float | None = None
-            started: set[int] = set()
-            # when the first rank failed / died / skipped; the others then get GRACE_S
-            trouble_since: float | None = None
-            pending = dict(enumerate(self.conns))
-            while pending:
-                now = time.monotonic()
-                deadline = load_deadline if body_deadline is None else body_deadline
-                limit = (
-                    deadline if trouble_since is None else min(deadline, trouble_since + GRACE_S)
-                )
-                if now >= limit:
-                    dumps = self._dump_stacks(list(pending))
-                    for rank in pending:
-                        if now < deadline:
-                            why = (
-                                f"was still running {GRACE_S:g} s after another rank "
-                                "stopped (probably waiting in a collective)"
-                            )
-                        elif body_deadline is None:
-                            why = (
-                                "did not finish importing the test within "
-                                f"{max(timeout, STARTUP_TIMEOUT_S):g} s"
-                            )
-                        else:
-                            why = f"did not finish within the timeout of {timeout:g} s"
-                        outcomes[rank] = RankOutcome(rank, HUNG, message=why, traceback=dumps[rank])
-                    reusable = False
-                    break
-                for conn in wait(list(pending.values()), timeout=limit - now):
-                    rank = self.conns.index(conn)
-                    try:
-                        message = conn.recv()
-                    except (EOFError, OSError):
-                        del pending[rank]
-                        returncode = self._reap(rank)
-                        outcomes[rank] = RankOutcome(
-                            rank, DIED, message=f"rank {rank} {describe_exit(returncode)}"
-                        )
-                        reusable = False
-                        trouble_since = trouble_since or time.monotonic()
-                        continue
-                    if message[0] == "started":
-                        started.add(rank)
-                    else:
-                        del pending[rank]
-                        _, outcome, rank_reusable = message
-                        outcomes[rank] = outcome
-                        reusable = reusable and rank_reusable
-                        if outcome.status not in (PASSED, SKIPPED):
-                            reusable = False
-                        if outcome.status != PASSED:
-                            trouble_since = trouble_since or time.monotonic()
-                    if body_deadline is None and started | set(outcomes) == set(
-                        range(self.world_size)
-                    ):
-                        body_deadline = time.monotonic() + timeout
+            run.collect()
+            if run.reusable and self.mode == "process":
+                self._restore_group(run)
         except BaseException:
             self.kill()  # KeyboardInterrupt or a harness bug: leave nothing behind
             raise
@@ -301,9 +280,56 @@ class RankSet:
         for rank in range(self.world_size):
             logs[rank] = self.unreported_output[rank] + self._read_log(rank)
             self.unreported_output[rank] = ""
-        if not reusable:
+        if not run.reusable:
             self.kill()
-        return RunReport(outcomes=outcomes, logs=logs, reusable=reusable)
+            if run.notes:
+                run.notes.append("the rank set was replaced for the next test")
+        return RunReport(
+            outcomes=run.outcomes,
+            logs=logs,
+            reusable=run.reusable,
+            notes=run.notes,
+            collectives=run.records(),
+        )
+
+    def _restore_group(self, run: _TestRun) -> None:
+        """Re-create the default group when the test destroyed it in every rank; replace
+        the set when only some ranks destroyed it or the re-creation fails."""
+        gone = sorted(r for r, alive in run.group_alive.items() if not alive)
+        if not gone:
+            return
+        if len(gone) < self.world_size:
+            run.reusable = False
+            run.notes.append(
+                f"the test destroyed the default process group in rank(s) "
+                f"{', '.join(map(str, gone))} only"
+            )
+            return
+        self.group_generation += 1
+        for conn in self.conns:
+            conn.send(ReinitGroup(self.group_generation))
+        deadline = time.monotonic() + max(self.timeout, STARTUP_TIMEOUT_S)
+        pending = dict(enumerate(self.conns))
+        while pending and time.monotonic() < deadline:
+            for conn in wait(list(pending.values()), timeout=deadline - time.monotonic()):
+                rank = self.conns.index(conn)
+                del pending[rank]
+                try:
+                    reply = expect(conn.recv(), f"rank {rank}", GroupReinitialized)
+                except (EOFError, OSError, ProtocolError) as exc:
+                    reply = GroupReinitialized(f"{type(exc).__name__}: {exc}")
+                if reply.error:
+                    run.reusable = False
+                    run.notes.append(
+                        f"rank {rank} could not re-create the default process group the test "
+                        f"destroyed: {reply.error.strip().splitlines()[-1]}"
+                    )
+        if pending:
+            run.reusable = False
+            run.notes.append(
+                "re-creating the default process group the test destroyed did not finish in "
+                f"rank(s) {', '.join(map(str, sorted(pending)))}"
+            )
 
     # -------------------------------------------------------------------------
     # Output and stack dumps
@@ -344,6 +370,187 @@ class RankSet:
                 text = f"(no stack dump: the rank {describe_exit(self.procs[rank].poll())})"
             dumps[rank] = text
         return dumps
+
+
+class _TestRun:
+    """The parent's bookkeeping while one test runs in a rank set."""
+
+    def __init__(self, rank_set: RankSet, timeout: float) -> None:
+        self.rank_set = rank_set
+        self.timeout = timeout
+        self.outcomes: dict[int, RankOutcome] = {}
+        self.reusable = True
+        self.notes: list[str] = []
+        # rank -> whether its default process group survived the test
+        self.group_alive: dict[int, bool] = {}
+        self.started: set[int] = set()
+        # the first rank that failed / died / skipped; the others then get GRACE_S
+        self.first_trouble: RankOutcome | None = None
+        self.trouble_since: float | None = None
+        # when ranks were first seen stuck in mismatched or unmatched collectives
+        self.mismatch_since: float | None = None
+        # the collective records of the last look, while ranks seemed stuck
+        self.stuck_records: dict[int, collectives.CollectiveRecord] | None = None
+
+    def records(self) -> dict[int, collectives.CollectiveRecord]:
+        found = {}
+        for rank, path in enumerate(self.rank_set.slot_paths):
+            record = collectives.read_slot_file(path)
+            if record is not None:
+                found[rank] = record
+        return found
+
+    def _passed(self) -> set[int]:
+        return {rank for rank, outcome in self.outcomes.items() if outcome.status == PASSED}
+
+    def _trouble(self, outcome: RankOutcome) -> None:
+        if self.first_trouble is None:
+            self.first_trouble = outcome
+            self.trouble_since = time.monotonic()
+
+    def collect(self) -> None:
+        """Wait for every rank's outcome (or decide it hung), then tell causes from
+        consequences."""
+        self._wait_for_outcomes()
+        self._mark_consequences()
+
+    def _mark_consequences(self) -> None:
+        """A rank whose collective raised because another rank died, failed outside a
+        collective or skipped (gloo: "Connection closed by peer") is a consequence: reported
+        ABORTED, naming the cause, never as a failure of its own."""
+        records = self.records()
+
+        def in_collective(outcome: RankOutcome) -> bool:
+            record = records.get(outcome.rank)
+            return outcome.status == FAILED and record is not None and record.raised
+
+        causes = [
+            o
+            for o in sorted(self.outcomes.values(), key=lambda o: o.rank)
+            if o.status in (DIED, SKIPPED) or (o.status == FAILED and not in_collective(o))
+        ]
+        for rank, outcome in list(self.outcomes.items()):
+            others = [c for c in causes if c.rank != rank]
+            if in_collective(outcome) and others:
+                cause = others[0]
+                self.outcomes[rank] = dataclasses.replace(
+                    outcome,
+                    status=ABORTED,
+                    message=f"failed in {records[rank].where()} after rank {cause.rank} "
+                    f"{_STOPPED.get(cause.status, cause.status)}: {outcome.message}",
+                )
+
+    def _wait_for_outcomes(self) -> None:
+        rank_set = self.rank_set
+        timeout = self.timeout
+        load_deadline = time.monotonic() + max(timeout, STARTUP_TIMEOUT_S)
+        # set when every rank has started the body (or already finished)
+        body_deadline: float | None = None
+        pending = dict(enumerate(rank_set.conns))
+        while pending:
+            now = time.monotonic()
+            deadline = load_deadline if body_deadline is None else body_deadline
+            limit = deadline
+            if self.trouble_since is not None:
+                limit = min(limit, self.trouble_since + GRACE_S)
+            if self.mismatch_since is not None:
+                limit = min(limit, self.mismatch_since + GRACE_S)
+            if now >= limit:
+                self._hung(list(pending), now, deadline, body_deadline is None)
+                return
+            ready = wait(list(pending.values()), timeout=min(limit - now, POLL_S))
+            for conn in ready:
+                rank = rank_set.conns.index(conn)
+                self._receive(rank, conn, pending)
+            if body_deadline is None and self.started | set(self.outcomes) == set(
+                range(rank_set.world_size)
+            ):
+                body_deadline = time.monotonic() + timeout
+            if body_deadline is not None and pending:
+                self._look_for_mismatch(pending)
+
+    def _receive(self, rank: int, conn: Connection, pending: dict[int, Connection]) -> None:
+        try:
+            message = expect(conn.recv(), f"rank {rank}", Started, Finished)
+        except (EOFError, OSError):
+            del pending[rank]
+            returncode = self.rank_set._reap(rank)
+            self.outcomes[rank] = RankOutcome(
+                rank, DIED, message=f"rank {rank} {describe_exit(returncode)}"
+            )
+            self.reusable = False
+            self._trouble(self.outcomes[rank])
+            return
+        except ProtocolError as exc:
+            del pending[rank]
+            self.outcomes[rank] = RankOutcome(rank, FAILED, message=f"ProtocolError: {exc}")
+            self.reusable = False
+            self._trouble(self.outcomes[rank])
+            return
+        if isinstance(message, Started):
+            self.started.add(rank)
+            return
+        del pending[rank]
+        outcome = message.outcome
+        self.outcomes[rank] = outcome
+        self.group_alive[rank] = message.group_alive
+        self.notes.extend(message.notes)
+        self.reusable = self.reusable and message.reusable
+        if outcome.status not in (PASSED, SKIPPED):
+            self.reusable = False
+        if outcome.status != PASSED:
+            self._trouble(outcome)
+
+    def _look_for_mismatch(self, pending: dict[int, Connection]) -> None:
+        records = self.records()
+        inside = all(rank in records and records[rank].inside for rank in pending)
+        finished = self._passed()
+        stuck = inside and (
+            collectives.mismatch(records)
+            or all(collectives.unmatched(records, finished, rank) for rank in pending)
+        )
+        if stuck and records == self.stuck_records:
+            self.mismatch_since = self.mismatch_since or time.monotonic()
+        else:
+            self.mismatch_since = None
+        self.stuck_records = records if stuck else None
+
+    def _hung(self, ranks: list[int], now: float, deadline: float, loading: bool) -> None:
+        dumps = self.rank_set._dump_stacks(ranks)
+        records = self.records()
+        for rank in ranks:
+            where = records[rank].describe() if rank in records else ""
+            unmatched = collectives.unmatched(records, self._passed(), rank)
+            if self.mismatch_since is not None and now < deadline:
+                why = f"waiting {where}; " + (
+                    collectives.mismatch(records) or f"never entered by the others: {unmatched}"
+                )
+            elif now < deadline and self.first_trouble is not None:
+                first = self.first_trouble
+                why = (
+                    f"was still running {GRACE_S:g} s after rank {first.rank} "
+                    f"{_STOPPED.get(first.status, first.status)}"
+                    + (f" (waiting {where})" if where.startswith("in ") else "")
+                )
+            elif loading:
+                why = (
+                    "did not finish importing the test within "
+                    f"{max(self.timeout, STARTUP_TIMEOUT_S):g} s"
+                )
+            else:
+                why = f"did not finish within the timeout of {self.timeout:g} s"
+                outside = [r for r in ranks if r not in records or not records[r].inside]
+                if where.startswith("in ") and outside:
+                    why = (
+                        f"waiting {where} for rank(s) {', '.join(map(str, outside))}, which "
+                        f"did not finish within the timeout of {self.timeout:g} s"
+                    )
+            self.outcomes[rank] = RankOutcome(rank, HUNG, message=why, traceback=dumps[rank])
+        self.reusable = False
+
+
+# How a rank's status reads after "rank N ..." in a waiting rank's report.
+_STOPPED = {FAILED: "failed", DIED: "died", SKIPPED: "skipped", HUNG: "hung"}
 
 
 def _drop_watchdog_thread(dump: str) -> str:

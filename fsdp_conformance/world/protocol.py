@@ -1,7 +1,13 @@
 """Messages between the parent (pytest) and its ranks.
 
 Torch-free: the parent of ``process`` / ``process-fresh`` ranks never needs torch.
-Everything here is pickled over the parent <-> rank connection.
+Everything here is pickled over the parent <-> rank connection. Each message is a small
+frozen dataclass; a side that receives anything else raises :class:`ProtocolError` (see
+:func:`expect`) instead of guessing.
+
+Parent -> rank: :class:`RunTest`, :class:`ReinitGroup`, :class:`Exit`.
+Rank -> parent: :class:`Ready` or :class:`StartupFailed` once; per test :class:`Started` then
+:class:`Finished`; :class:`GroupReinitialized` after a :class:`ReinitGroup`.
 """
 
 from __future__ import annotations
@@ -103,3 +109,92 @@ class InRank:
         self.factory = factory
         self.args = args
         self.kwargs = kwargs
+
+
+@dataclasses.dataclass(frozen=True)
+class RankMonkeyPatch:
+    """Stands for a ``monkeypatch`` fixture sent to rank processes: each rank gets a fresh
+    ``pytest.MonkeyPatch``, undone after the test (the parent's one stays in the parent)."""
+
+
+# -----------------------------------------------------------------------------
+# Typed messages
+
+
+class ProtocolError(RuntimeError):
+    """A message of a type the receiving side does not expect at this point."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RunTest:
+    """Parent -> rank: run one test (a pickled :class:`RankTask`)."""
+
+    task_blob: bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class ReinitGroup:
+    """Parent -> rank: every rank's default process group was destroyed by the test;
+    initialise a new one (rendezvous keys prefixed with ``generation``)."""
+
+    generation: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Exit:
+    """Parent -> rank: leave now."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Ready:
+    """Rank -> parent: joined the default process group; waiting for tests."""
+
+    pid: int
+
+
+@dataclasses.dataclass(frozen=True)
+class StartupFailed:
+    """Rank -> parent: start-up (import, rendezvous) failed with this traceback."""
+
+    traceback: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Started:
+    """Rank -> parent: the test module is imported and the fixture values unpickled; the
+    test's timeout starts when every rank sent this."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Finished:
+    """Rank -> parent: the test's outcome, after the rank restored its per-test state."""
+
+    outcome: RankOutcome
+    # False: the rank could not restore its state (it leaves after sending this)
+    reusable: bool
+    # whether the default process group still exists (a test may destroy it)
+    group_alive: bool = True
+    # what the rank could not undo, one line each (said once in the test's report)
+    notes: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupReinitialized:
+    """Rank -> parent: answer to :class:`ReinitGroup`; ``error`` is "" on success."""
+
+    error: str = ""
+
+
+def expect(message: object, sender: str, *types: type) -> Any:
+    """Return ``message`` if it is an instance of one of ``types``.
+
+    Raises:
+        ProtocolError: naming the sender, what arrived and what was expected.
+    """
+    if isinstance(message, types):
+        return message
+    raise ProtocolError(
+        f"unexpected message from {sender}: {message!r} (expected "
+        f"{' or '.join(t.__name__ for t in types)}); the rank and the parent run different "
+        "versions of fsdp_conformance, or test code wrote to the rank's connection"
+    )

@@ -26,6 +26,17 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from fsdp_conformance import vocab
+from fsdp_conformance.world.protocol import (
+    Exit,
+    Finished,
+    GroupReinitialized,
+    Ready,
+    ReinitGroup,
+    RunTest,
+    Started,
+    StartupFailed,
+    expect,
+)
 
 # Environment variables the parent sets for a rank process.
 ENV_FD = "FSDP_CONFORMANCE_CONN_FD"
@@ -37,6 +48,7 @@ ENV_GPU_IDS = "FSDP_CONFORMANCE_RANK_GPUS"
 ENV_TIMEOUT = "FSDP_CONFORMANCE_RANK_TIMEOUT"
 ENV_MODE = "FSDP_CONFORMANCE_RANK_MODE"
 ENV_FAKE_GPUS = vocab.ENV_FAKE_GPUS
+ENV_COLLECTIVE_SLOT = "FSDP_CONFORMANCE_COLLECTIVE_SLOT"
 
 # Seconds between checks that the parent is still alive (an orphaned rank exits).
 PARENT_POLL_S = 0.5
@@ -78,11 +90,16 @@ class _RankProcess:
         # - Process-global state restored after every test
         self.base_environ: dict[str, str] = {}
         self.base_sys_path: list[str] = list(sys.path)
-        self.torch_defaults: dict[str, Any] = {}
+        # saved after start-up, restored after every test (world/isolation.py)
+        self.snapshot: Any = None
+        # monkeypatch fixtures made for the running test (undone after it)
+        self.monkeypatches: list[Any] = []
 
     def start(self) -> None:
         import torch
         import torch.distributed as dist
+
+        from fsdp_conformance.world import collectives, isolation
 
         _preload()
         if self.backend == "nccl":
@@ -91,28 +108,41 @@ class _RankProcess:
         else:
             device = torch.device("cpu")
         self.device = device
-        store = dist.FileStore(self.store_path, self.world_size)
+        # kept for re-creating the default group after a test destroyed it
+        self.store = dist.FileStore(self.store_path, self.world_size)
+        self._init_group(self.store)
+        slot_path = os.environ.get(ENV_COLLECTIVE_SLOT)
+        if slot_path:
+            self.slot = collectives.CollectiveSlot.mapped(slot_path)
+            collectives.set_process_slot(self.slot)
+            collectives.install()
+        else:
+            self.slot = None
+        self.base_environ = dict(os.environ)
+        self.snapshot = isolation.StateSnapshot.take()
+
+    def _init_group(self, store: Any) -> None:
+        import torch.distributed as dist
+
         dist.init_process_group(
             backend=self.backend,
             store=store,
             rank=self.rank,
             world_size=self.world_size,
             timeout=datetime.timedelta(seconds=self.timeout),
-            **({"device_id": device} if self.backend == "nccl" else {}),
+            **({"device_id": self.device} if self.backend == "nccl" else {}),
         )
         self.group = dist.group.WORLD
         if self.backend == "nccl":
-            dist.barrier(device_ids=[device.index])
+            dist.barrier(device_ids=[self.device.index])
         else:
             dist.barrier()
-        self.base_environ = dict(os.environ)
-        self.torch_defaults = {
-            "dtype": torch.get_default_dtype(),
-            "grad": torch.is_grad_enabled(),
-            "deterministic": torch.are_deterministic_algorithms_enabled(),
-            "anomaly": torch.is_anomaly_enabled(),
-            "threads": torch.get_num_threads(),
-        }
+
+    def reinit_group(self, generation: int) -> None:
+        """Initialise a new default process group (the test destroyed the old one)."""
+        import torch.distributed as dist
+
+        self._init_group(dist.PrefixStore(f"reinit{generation}/", self.store))
 
     # - One test
 
@@ -144,7 +174,9 @@ class _RankProcess:
             values = pickle.loads(task.kwargs_blob)
         except BaseException as exc:  # noqa: BLE001  reported like a failure of the body
             return execute.classify_exception(self.rank, exc)
-        self.conn.send(("started",))
+        self.conn.send(Started())
+        if self.slot is not None:
+            self.slot.reset()
 
         def body() -> None:
             if task.target.kind == "unittest":
@@ -154,7 +186,7 @@ class _RankProcess:
                 finally:
                     _current_context.ctx = None
             else:
-                call(**execute.build_kwargs(values, ctx, task.wants_dist))
+                call(**execute.build_kwargs(values, ctx, task.wants_dist, self.monkeypatches))
 
         execute.seed_all(task.seed)
         return execute.call_and_classify(self.rank, body)
@@ -175,33 +207,31 @@ class _RankProcess:
         except OSError:
             pass
 
-    def reset(self) -> None:
-        """Undo what a passing test may have left: groups, global hooks, torch flags."""
-        import torch
+    def reset(self) -> list[str]:
+        """Undo what the test left: its monkeypatches, process groups other than the default
+        one, and everything in the start-up snapshot (world/isolation.py).
+
+        Returns:
+            what could not be undone, one line each (the parent then replaces the rank set).
+        """
         import torch.distributed as dist
-        from torch.nn.modules import module as nn_module
+
+        from fsdp_conformance.world import isolation
 
         registry = sys.modules.get("fsdp_conformance.adapters.registry")
         if registry is not None:  # adapters drop what they cache per group (on_test_end)
             registry.notify_test_end()
+        while self.monkeypatches:
+            self.monkeypatches.pop().undo()
         world = dist.distributed_c10d._world
         for group in list(world.pg_map):
             if group is not world.default_pg:
                 dist.destroy_process_group(group)
-        for name in dir(nn_module):
-            if name.startswith("_global_") and name.endswith("_hooks"):
-                hooks = getattr(nn_module, name)
-                if isinstance(hooks, dict):
-                    hooks.clear()
-        defaults = self.torch_defaults
-        torch.set_default_dtype(defaults["dtype"])
-        torch.set_grad_enabled(defaults["grad"])
-        if torch.are_deterministic_algorithms_enabled() != defaults["deterministic"]:
-            # (only when changed: the call imports torch._inductor, seconds on first use)
-            torch.use_deterministic_algorithms(defaults["deterministic"])
-        torch.autograd.set_detect_anomaly(defaults["anomaly"])
-        if torch.get_num_threads() != defaults["threads"]:
-            torch.set_num_threads(defaults["threads"])
+        self.snapshot.restore()
+        left = isolation.leftover_threads(self.snapshot)
+        if left:
+            return [f"the test left thread(s) running in rank {self.rank}: {', '.join(left)}"]
+        return []
 
 
 def _preload() -> None:
@@ -228,6 +258,10 @@ class _CurrentContext(threading.local):
 _current_context = _CurrentContext()
 
 
+# This process's rank state (None outside rank processes).
+_process: _RankProcess | None = None
+
+
 def current_context() -> Any:
     """The :class:`RankContext` of the test running in this rank, or None."""
     return _current_context.ctx
@@ -239,30 +273,45 @@ def main() -> None:
     faulthandler.enable(all_threads=True)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent's hang dump
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
-    process = _RankProcess()
+    global _process
+    process = _process = _RankProcess()
     try:
         process.start()
     except BaseException:  # noqa: BLE001
-        process.conn.send(("error", traceback.format_exc()))
+        process.conn.send(StartupFailed(traceback.format_exc()))
         _leave(1)
-    process.conn.send(("ready", os.getpid()))
+    process.conn.send(Ready(os.getpid()))
     while True:
         try:
             message = process.conn.recv()
         except (EOFError, OSError):
             _leave(0)
-        if message[0] == "exit":
+        message = expect(message, "the parent", RunTest, ReinitGroup, Exit)
+        if isinstance(message, Exit):
             _leave(0)
-        task = pickle.loads(message[1])
+        if isinstance(message, ReinitGroup):
+            try:
+                process.reinit_group(message.generation)
+                error = ""
+            except BaseException:  # noqa: BLE001  reported; the parent replaces the set
+                error = traceback.format_exc()
+            process.conn.send(GroupReinitialized(error))
+            if error:
+                _leave(72)
+            continue
+        task = pickle.loads(message.task_blob)
         outcome = process.run(task)
         try:
-            process.reset()
-            reusable = True
+            notes = tuple(process.reset())
+            reusable = not notes
         except BaseException:  # noqa: BLE001  a broken reset would poison the next test
             traceback.print_exc()
+            notes = (f"rank {process.rank} could not restore its state after the test",)
             reusable = False
         sys.stdout.flush()
         sys.stderr.flush()
-        process.conn.send(("result", outcome, reusable))
+        import torch.distributed as dist
+
+        process.conn.send(Finished(outcome, reusable, dist.is_initialized(), notes))
         if not reusable:
             _leave(71)

@@ -29,8 +29,15 @@ class Verdict:
     message: str = ""
 
 
-def summarize(outcomes: dict[int, RankOutcome], world_size: int) -> Verdict:
-    """Combine per-rank outcomes: any failure fails, then xfail, then skip, else pass."""
+def summarize(
+    outcomes: dict[int, RankOutcome], world_size: int, mismatch: str = ""
+) -> Verdict:
+    """Combine per-rank outcomes: any failure fails, then xfail, then skip, else pass.
+
+    A failure names every rank's outcome (failed, died, hung, aborted, skipped with its
+    reason, passed); ``mismatch`` (ranks that entered different collectives as the same one,
+    see ``world/collectives.py``) leads the report when given.
+    """
     missing = [r for r in range(world_size) if r not in outcomes]
     for rank in missing:  # defensive: a rank that reported nothing is a harness bug
         outcomes[rank] = RankOutcome(rank, HUNG, message="reported no result")
@@ -39,7 +46,8 @@ def summarize(outcomes: dict[int, RankOutcome], world_size: int) -> Verdict:
         key=lambda o: (_SEVERITY[o.status], o.rank),
     )
     if problems:
-        return Verdict(FAILED, _failure_message(problems, outcomes, world_size))
+        message = _failure_message(problems, outcomes, world_size)
+        return Verdict(FAILED, f"{mismatch}\n{message}" if mismatch else message)
     for status in (XFAILED, SKIPPED):
         ranks = [o for o in sorted(outcomes.values(), key=lambda o: o.rank) if o.status == status]
         if ranks:
@@ -62,6 +70,11 @@ def _failure_message(
     problems: list[RankOutcome], outcomes: dict[int, RankOutcome], world_size: int
 ) -> str:
     lines = [_headline(o, world_size) for o in problems]
+    for outcome in sorted(outcomes.values(), key=lambda o: o.rank):
+        if outcome.status in (SKIPPED, XFAILED):
+            lines.append(
+                f"rank {outcome.rank} of {world_size} {outcome.status}: {outcome.message}"
+            )
     passed = sorted(o.rank for o in outcomes.values() if o.status == PASSED)
     if passed:
         lines.append(f"ranks that passed: {', '.join(map(str, passed))}")

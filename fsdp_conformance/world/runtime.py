@@ -19,12 +19,13 @@ from collections.abc import Callable
 from typing import Any
 
 from fsdp_conformance import vocab
-from fsdp_conformance.world import gpus, report
+from fsdp_conformance.world import collectives, gpus, report
 from fsdp_conformance.world.procs import RankSet, RankSetError
 from fsdp_conformance.world.protocol import (
     FAILED,
     RANK_SEED,
     SKIPPED,
+    RankMonkeyPatch,
     RankTask,
     TestTarget,
 )
@@ -35,6 +36,65 @@ ENV_MODE = vocab.ENV_MODE
 ENV_TIMEOUT = vocab.ENV_TIMEOUT
 # At most this many pooled rank processes stay alive (least recently used sets go first).
 MAX_POOLED_RANKS = 8
+# Backends --fsdp-backend / FSDP_CONFORMANCE_BACKEND accept.
+BACKENDS = ("gloo", "nccl", "ucc", "mpi", "xccl")
+DEFAULT_TIMEOUT_S = 120.0
+
+
+class OptionError(ValueError):
+    """An option or environment variable of the runtime has a value it cannot use."""
+
+
+def parse_timeout(value: object, source: str) -> float:
+    """``value`` as a timeout in seconds (a finite number > 0).
+
+    Args:
+        value: the text or number given.
+        source: where it came from, for the message ("--fsdp-timeout", "FSDP_CONFORMANCE_TIMEOUT").
+
+    Raises:
+        OptionError: naming ``source``, the value and what is accepted.
+    """
+    try:
+        seconds = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        seconds = float("nan")
+    if not seconds > 0 or seconds == float("inf"):
+        raise OptionError(
+            f"{source}={value!r}: the timeout must be a number of seconds > 0 (e.g. 120)"
+        )
+    return seconds
+
+
+def parse_mode(value: str, source: str) -> str:
+    """``value`` if it names a mode, else :class:`OptionError` naming ``source``."""
+    if value not in MODES:
+        raise OptionError(f"{source}={value!r}: use one of {', '.join(MODES)}")
+    return value
+
+
+def parse_backend(value: str | None, source: str) -> str | None:
+    """``value`` if it names a backend (None / "": choose automatically), else
+    :class:`OptionError` naming ``source``."""
+    if not value:
+        return None
+    if value not in BACKENDS:
+        raise OptionError(
+            f"{source}={value!r}: use one of {', '.join(BACKENDS)} (or leave it unset: gloo "
+            "on CPU, nccl when each rank gets its own GPU)"
+        )
+    return value
+
+
+def parse_world_size(value: object, source: str) -> int:
+    """``value`` as a world size >= 1, else :class:`OptionError` naming ``source``."""
+    try:
+        size = int(value)  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        size = 0
+    if size < 1 or str(size) != str(value).strip():
+        raise OptionError(f"{source}={value!r}: the world size must be a whole number >= 1")
+    return size
 
 
 class FixtureNotPicklable(TypeError):
@@ -58,10 +118,15 @@ class RuntimeOptions:
 
     @classmethod
     def from_env(cls) -> RuntimeOptions:
+        """Options from ``FSDP_CONFORMANCE_MODE`` / ``_TIMEOUT`` / ``_BACKEND``.
+
+        Raises:
+            OptionError: a variable has a value the runtime cannot use (named in the message).
+        """
         return cls(
-            mode=os.environ.get(ENV_MODE, vocab.DEFAULT_MODE),
-            timeout=float(os.environ.get(ENV_TIMEOUT, "120")),
-            backend=os.environ.get(ENV_BACKEND) or None,
+            mode=parse_mode(os.environ.get(ENV_MODE) or vocab.DEFAULT_MODE, ENV_MODE),
+            timeout=parse_timeout(os.environ.get(ENV_TIMEOUT) or DEFAULT_TIMEOUT_S, ENV_TIMEOUT),
+            backend=parse_backend(os.environ.get(ENV_BACKEND), ENV_BACKEND),
         )
 
 
@@ -93,6 +158,8 @@ class RunResult:
     verdict: report.Verdict
     # rank -> output printed during the test (process modes; thread output is not captured)
     logs: dict[int, str]
+    # what the harness did about state the test left behind (for the test's report section)
+    notes: list[str] = dataclasses.field(default_factory=list)
 
     def output(self) -> str:
         """The ranks' output, one section per rank that printed something."""
@@ -122,6 +189,18 @@ def pickle_kwargs(kwargs: dict[str, Any]) -> bytes:
                 "each rank, or mark the test @pytest.mark.fsdp_mode('thread')."
             ) from None
     raise FixtureNotPicklable("the fixture values cannot be pickled together")  # pragma: no cover
+
+
+def _rank_side_patches(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Replace ``monkeypatch`` fixture values by :class:`RankMonkeyPatch`: patches made in a
+    rank body apply to the rank's objects and are undone there after the test."""
+    monkeypatch = sys.modules.get("_pytest.monkeypatch")
+    if monkeypatch is None:
+        return kwargs
+    return {
+        name: RankMonkeyPatch() if isinstance(value, monkeypatch.MonkeyPatch) else value
+        for name, value in kwargs.items()
+    }
 
 
 class Runtime:
@@ -167,6 +246,8 @@ class Runtime:
             return _fail(f"unknown fsdp mode {request.mode!r}; use one of {', '.join(MODES)}")
         if request.world_size < 1:
             return _fail(f"world_size must be >= 1, got {request.world_size}")
+        if not request.timeout > 0:
+            return _fail(f"the timeout must be > 0 seconds, got {request.timeout!r}")
         total = self.gpu_total() if (request.gpus or self.options.backend != "gloo") else 0
         if request.gpus > total:
             return RunResult(
@@ -231,7 +312,7 @@ class Runtime:
     def _task(self, request: TestRequest, tmp_path: str) -> RankTask:
         return RankTask(
             target=request.target,
-            kwargs_blob=pickle_kwargs(request.kwargs),
+            kwargs_blob=pickle_kwargs(_rank_side_patches(request.kwargs)),
             test_id=request.test_id,
             seed=RANK_SEED,
             tmp_path=tmp_path,
@@ -272,8 +353,10 @@ class Runtime:
                     rank_set.close()
                 else:
                     self._pool[key] = rank_set  # most recently used last
-            verdict = report.summarize(result.outcomes, request.world_size)
-            return RunResult(verdict, result.logs)
+            verdict = report.summarize(
+                result.outcomes, request.world_size, collectives.mismatch(result.collectives)
+            )
+            return RunResult(verdict, result.logs, result.notes)
         finally:
             shutil.rmtree(tmp_path, ignore_errors=True)
 
@@ -291,7 +374,7 @@ class Runtime:
         assert request.thread_body is not None, "thread mode needs a thread_body"
         tmp_path = self._new_tmp_path()
         try:
-            outcomes = threads.run_threaded(
+            outcomes, mismatch = threads.run_threaded(
                 request.world_size,
                 request.thread_body,
                 timeout=request.timeout,
@@ -302,7 +385,7 @@ class Runtime:
             )
         finally:
             shutil.rmtree(tmp_path, ignore_errors=True)
-        return RunResult(report.summarize(outcomes, request.world_size), {})
+        return RunResult(report.summarize(outcomes, request.world_size, mismatch), {})
 
 
 def _fail(message: str) -> RunResult:

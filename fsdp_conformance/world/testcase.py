@@ -158,7 +158,7 @@ def _run_in_ranks(case: RankTestCase, method_name: str) -> None:
         thread_body=thread_body,
     )
     result = runtime.run(request)
-    output = result.output()
+    output = result.output() + "".join(f"fsdp-conformance: {note}\n" for note in result.notes)
     if output:
         sys.stdout.write(output)
     verdict = result.verdict

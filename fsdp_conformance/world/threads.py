@@ -14,6 +14,16 @@ store-based barrier of ``new_group`` -- and when its test body ends. Consequence
 - rank threads never run Python concurrently (collectives are the only switch points), so
   code that waits for another rank outside a collective (a busy loop on a shared flag)
   deadlocks and fails at the timeout.
+
+[Note: isolation in thread mode]
+The rank threads share the pytest process. Before a test the process-wide state is saved
+(``world/isolation.py``: environment, cwd, ``sys.path``, warnings filters, torch's default
+dtype/device, anomaly and deterministic modes, thread count, print options, global module
+hooks, RNGs) and restored after it; the collectives are wrapped only while the test runs.
+Thread-local state (grad mode, a default device set in the thread) dies with the rank thread.
+What cannot be restored in a shared interpreter, and a thread-mode test therefore must not
+change: modules it patches by hand (use the ``monkeypatch`` fixture, which pytest undoes),
+modules it imports, signal handlers, and threads it starts and leaves running.
 """
 
 from __future__ import annotations
@@ -29,9 +39,21 @@ import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from fsdp_conformance.world import execute
+from fsdp_conformance.world import collectives, execute, isolation
 from fsdp_conformance.world.context import RankContext
-from fsdp_conformance.world.protocol import ABORTED, FAILED, HUNG, PASSED, RankOutcome
+from fsdp_conformance.world.protocol import (
+    ABORTED,
+    DIED,
+    FAILED,
+    HUNG,
+    PASSED,
+    SKIPPED,
+    XFAILED,
+    RankOutcome,
+)
+
+# How the first rank that stopped reads in the other ranks' reports.
+_STOPPED = {FAILED: "failed", DIED: "died", SKIPPED: "skipped", XFAILED: "xfailed"}
 
 # The rank thread's (baton, rank), or None outside rank threads.
 _local = threading.local()
@@ -125,12 +147,16 @@ def run_threaded(
     seed: int,
     impl: str,
     test_id: str,
-) -> dict[int, RankOutcome]:
-    """Run ``body(ctx)`` in ``world_size`` rank threads; return one outcome per rank.
+) -> tuple[dict[int, RankOutcome], str]:
+    """Run ``body(ctx)`` in ``world_size`` rank threads.
 
     A rank still running at the timeout is reported HUNG with its stack; its thread is
     left behind (a daemon: Python threads cannot be killed) after the threaded process
-    group was told to terminate.
+    group was told to terminate. A rank that never got its turn (another rank held it until
+    the timeout) is reported ABORTED, not blamed. See [Note: isolation in thread mode].
+
+    Returns:
+        one outcome per rank, and the mismatched-collectives line ("" when none).
     """
     import torch
     import torch.distributed as dist
@@ -145,8 +171,14 @@ def run_threaded(
     store = dist.HashStore()
     baton = RngBaton(world_size, seed)
     outcomes: dict[int, RankOutcome] = {}
+    slots = {rank: collectives.CollectiveSlot.in_memory() for rank in range(world_size)}
+    # ranks whose body began (they held the baton at least once)
+    began: set[int] = set()
+    # the first rank that stopped without passing
+    first_stop: list[RankOutcome] = []
 
     def rank_thread(rank: int) -> None:
+        collectives.set_thread_slot(slots[rank])
         try:
             dist.init_process_group(
                 "threaded",
@@ -172,6 +204,7 @@ def run_threaded(
             from fsdp_conformance.world import rank_main
 
             baton.acquire(rank)
+            began.add(rank)
             _local.held = (baton, rank)
             rank_main._current_context.ctx = ctx
             try:
@@ -183,11 +216,34 @@ def run_threaded(
         except BaseException as exc:  # noqa: BLE001  init failure
             outcome = execute.classify_exception(rank, exc)
         if outcome.status == FAILED and "Test termination event occurs" in outcome.message:
-            outcome = RankOutcome(rank, ABORTED, message="stopped because another rank failed")
+            first = first_stop[0] if first_stop else None
+            where = slots[rank].read()
+            records = {r: slot.read() for r, slot in slots.items()}
+            passed = {r for r, o in outcomes.items() if o.status == PASSED}
+            unmatched = collectives.unmatched(records, passed, rank)
+            if first is None and unmatched:
+                # the ranks that finished ended the threaded group under this one
+                outcome = RankOutcome(
+                    rank,
+                    HUNG,
+                    message=f"waiting in {where.where()}; never entered by the others: {unmatched}",
+                )
+            else:
+                why = (
+                    f"stopped because rank {first.rank} {_STOPPED.get(first.status, first.status)}"
+                    if first is not None
+                    else "stopped because the threaded process group was terminated"
+                )
+                if where.count and where.state != collectives.LEFT:
+                    why += f" while this rank waited in {where.where()}"
+                outcome = RankOutcome(rank, ABORTED, message=why)
         elif outcome.status != PASSED:
+            if not first_stop:
+                first_stop.append(outcome)
             # wake the ranks waiting for this one in a collective
             mtpg.ProcessLocalGroup.exception_handle(None)
         outcomes[rank] = outcome
+        collectives.set_thread_slot(None)
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
 
@@ -195,6 +251,8 @@ def run_threaded(
         threading.Thread(target=rank_thread, args=(r,), name=f"fsdp-rank-{r}", daemon=True)
         for r in range(world_size)
     ]
+    snapshot = isolation.StateSnapshot.take()
+    uninstall = collectives.install()
     try:
         with _patched_wait_points(mtpg):
             for thread in threads:
@@ -205,19 +263,44 @@ def run_threaded(
             hung = [r for r, t in enumerate(threads) if t.is_alive()]
             if hung:
                 frames = sys._current_frames()
+                running = [r for r in hung if r in began]
                 for rank in hung:
                     frame = frames.get(threads[rank].ident)
                     stack = "".join(traceback.format_stack(frame)) if frame else "(no frame)"
-                    outcomes[rank] = RankOutcome(
-                        rank,
-                        HUNG,
-                        message=f"did not finish within the timeout of {timeout:g} s",
-                        traceback=f"Stack of rank thread {rank} (most recent call last):\n{stack}",
-                    )
+                    dump = f"Stack of rank thread {rank} (most recent call last):\n{stack}"
+                    if rank not in began:
+                        outcomes[rank] = RankOutcome(
+                            rank,
+                            ABORTED,
+                            message="never started its body: rank(s) "
+                            f"{', '.join(map(str, running)) or '?'} kept the turn until the "
+                            f"timeout of {timeout:g} s (thread ranks take turns; see "
+                            "[Note: per-rank RNG in threads])",
+                        )
+                        continue
+                    records = {r: slot.read() for r, slot in slots.items()}
+                    where = records[rank]
+                    passed = {r for r, o in outcomes.items() if o.status == PASSED}
+                    unmatched = collectives.unmatched(records, passed, rank)
+                    message = f"did not finish within the timeout of {timeout:g} s"
+                    outside = [r for r in running if not records[r].inside]
+                    if where.inside and outside:
+                        message = (
+                            f"waiting {where.describe()} for rank(s) "
+                            f"{', '.join(map(str, outside))}, which {message}"
+                        )
+                    elif where.inside:
+                        message += f" ({where.describe()})"
+                    if unmatched:
+                        message += f"; never entered by the others: {unmatched}"
+                    outcomes[rank] = RankOutcome(rank, HUNG, message=message, traceback=dump)
                 mtpg.ProcessLocalGroup.exception_handle(None)  # release collective waiters
     finally:
+        uninstall()
         if not any(t.is_alive() for t in threads):
             mtpg._uninstall_threaded_pg()
             mtpg.ProcessLocalGroup.reset()
             torch._C._distributed_c10d._set_thread_isolation_mode(False)
-    return dict(outcomes)
+        snapshot.restore(keep_warnings_guard=False)
+    records = {rank: slot.read() for rank, slot in slots.items()}
+    return dict(outcomes), collectives.mismatch(records)

@@ -131,7 +131,11 @@ def test_process_mode_failures_are_named_and_the_pool_recovers(pytester, private
     # hang: every rank named, with its Python stack
     result.stdout.fnmatch_lines(
         [
-            "*rank 0 of 2 hung: did not finish within the timeout of 5 s*",
+            # rank 0 only waited for rank 1: reported as waiting, not as the cause
+            (
+                "*rank 0 of 2 hung: waiting in barrier (collective #1) for rank(s) 1, which did not "
+                "finish within the timeout of 5 s*"
+            ),
             "*rank 1 of 2 hung: did not finish within the timeout of 5 s*",
             "*===== rank 0 stack dump =====*",
             "*in barrier*",
@@ -180,7 +184,7 @@ def test_thread_mode_failures(pytester, private_tmpdir):
     result.stdout.fnmatch_lines(
         [
             "*rank 0 of 2 failed: KeyError: 'thread rank zero'*",
-            "*rank 1 of 2 aborted: stopped because another rank failed*",
+            "*rank 1 of 2 aborted: stopped because rank 0 failed*",
         ]
     )
     result.stdout.fnmatch_lines(["SKIPPED*thread skip reason*"])

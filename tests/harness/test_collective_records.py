@@ -1,0 +1,68 @@
+"""The collective records behind "mismatched collectives" and "never entered by the others"
+(world/collectives.py), without ranks."""
+
+from __future__ import annotations
+
+import pytest
+
+from fsdp_conformance.world import collectives
+from fsdp_conformance.world.collectives import CollectiveRecord, CollectiveSlot
+
+
+def test_slot_records_the_outermost_collective_and_how_it_ended(tmp_path) -> None:
+    path = str(tmp_path / "slot")
+    collectives.create_slot_file(path)
+    slot = CollectiveSlot.mapped(path)
+    with slot.entered("all_gather_object"), slot.entered("all_gather"):
+        assert collectives.read_slot_file(path) == CollectiveRecord(
+            1, collectives.INSIDE, "all_gather_object"
+        )
+    with pytest.raises(RuntimeError), slot.entered("all_reduce"):
+        raise RuntimeError("peer closed")
+    record = collectives.read_slot_file(path)
+    assert record == CollectiveRecord(2, collectives.RAISED, "all_reduce")
+    assert record.describe() == "failed in all_reduce (collective #2)"
+    slot.reset()
+    assert slot.read().describe() == "entered no collective"
+
+
+def test_mismatch_and_unmatched() -> None:
+    inside = collectives.INSIDE
+    records = {
+        0: CollectiveRecord(1, inside, "all_reduce"),
+        1: CollectiveRecord(1, inside, "all_gather"),
+    }
+    assert collectives.mismatch(records) == (
+        "mismatched collectives: rank 0 entered all_reduce (collective #1), "
+        "rank 1 entered all_gather (collective #1)"
+    )
+    same = {0: CollectiveRecord(2, inside, "barrier"), 1: CollectiveRecord(1, 0, "barrier")}
+    assert collectives.mismatch(same) == ""
+    assert collectives.unmatched(same, {1}, 0) == "rank 1 finished the test after 1 collective(s)"
+    assert collectives.unmatched(same, set(), 0) == ""  # rank 1 is still running
+
+
+def test_only_default_group_collectives_are_recorded() -> None:
+    import torch
+    import torch.distributed as dist
+
+    from fsdp_conformance.world import threads
+
+    slots = {}
+
+    def body(ctx):
+        slot = collectives._current_slot()
+        slots[ctx.rank] = slot
+        sub = dist.new_group([0, 1])
+        dist.all_reduce(torch.ones(1), group=sub)  # a subgroup: not recorded
+        dist.all_reduce(torch.ones(1))
+        dist.barrier(group=dist.group.WORLD)
+
+    outcomes, mismatch = threads.run_threaded(
+        2, body, timeout=60, tmp_path=".", seed=0, impl="impl", test_id="t"
+    )
+    assert {o.status for o in outcomes.values()} == {"passed"}, outcomes
+    assert mismatch == ""
+    assert [slots[r].read() for r in (0, 1)] == [CollectiveRecord(2, 0, "barrier")] * 2
+    # unwrapped again after the test
+    assert not hasattr(dist.all_reduce, "__fsdp_conformance_original__")

@@ -1,0 +1,172 @@
+"""Per-test isolation: whatever a test changes in its rank's interpreter (or, in thread mode,
+in the pytest process) is gone for the next test, in every mode.
+
+One inner pytest run per mode: a test changes everything on the list (monkeypatch in the
+rank body, the default process group destroyed, global module hooks, default dtype and
+device, environment, cwd, ``sys.path``, warnings filters, anomaly mode, print options, RNG),
+then a test in the same ranks checks it sees a pristine rank, then a plain test checks the
+pytest process. A second pair destroys the default group in one rank only: the rank set is
+replaced and the test's report says so once.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import RECORD_PID, assert_no_leftovers, write_test
+
+pytest_plugins = ["pytester"]
+
+INNER = (
+    RECORD_PID
+    + """
+import json
+import os
+import random
+import sys
+import warnings
+
+import pytest
+import torch
+import torch.distributed as tdist
+from torch.nn.modules import module as nn_module
+
+from fsdp_conformance.world import FSDPTest
+
+
+def hook(module, args, output):
+    return output
+
+
+def test_a_dirty(dist, monkeypatch, tmp_path):
+    record_pid()
+    monkeypatch.setattr(json, "dumps", lambda *a, **k: "patched")
+    nn_module.register_module_forward_hook(hook)
+    nn_module.register_module_forward_pre_hook(lambda m, a: None)
+    torch.set_default_dtype(torch.float64)
+    os.environ["FSDP_LEAK"] = "1"
+    os.chdir(tmp_path)
+    sys.path.insert(0, "/leaked/path")
+    torch.set_printoptions(precision=11)
+    torch.manual_seed(1234 + dist.rank)
+    random.seed(99)
+    tdist.barrier()
+    tdist.destroy_process_group()
+    monkeypatch.setattr(torch, "ones", lambda *a, **k: "patched")
+    torch.autograd.set_detect_anomaly(True)
+    torch.set_default_device("meta")
+    warnings.simplefilter("error")
+
+
+def check_pristine():
+    assert json.dumps(1) == "1"
+    assert torch.ones(1).tolist() == [1.0]
+    assert not nn_module._global_forward_hooks
+    assert not nn_module._global_forward_pre_hooks
+    assert torch.get_default_dtype() == torch.float32
+    assert torch.get_default_device() == torch.device("cpu")
+    assert "FSDP_LEAK" not in os.environ
+    assert os.getcwd() == START_CWD
+    assert "/leaked/path" not in sys.path
+    assert not any(f[0] == "error" and f[2] is Warning for f in warnings.filters[:1])
+    assert not torch.is_anomaly_enabled()
+    assert torch._tensor_str.PRINT_OPTS.precision == 4
+
+
+START_CWD = os.getcwd()
+
+
+def test_b_pristine(dist):
+    check_pristine()
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    assert torch.rand(3).tolist() == expected.tolist()
+    t = torch.ones(1)
+    tdist.all_reduce(t)
+    assert t.item() == dist.world_size
+
+
+def test_c_parent_pristine():
+    check_pristine()
+
+
+class TestTearDownDestroys(FSDPTest):
+    def tearDown(self):
+        tdist.destroy_process_group()
+        super().tearDown()
+
+    def test_d_destroys_in_teardown(self):
+        record_pid()
+        tdist.barrier()
+
+
+def test_e_after_teardown(dist):
+    t = torch.ones(1)
+    tdist.all_reduce(t)
+    assert t.item() == dist.world_size
+
+
+def test_f_destroy_one_rank(dist):
+    tdist.barrier()
+    if dist.rank == 0:
+        tdist.destroy_process_group()
+
+
+def test_g_after_one_rank(dist):
+    record_pid()
+    t = torch.ones(1)
+    tdist.all_reduce(t)
+    assert t.item() == dist.world_size
+"""
+)
+
+
+@pytest.mark.parametrize("mode", ["process", "process-fresh", "thread"])
+def test_next_test_sees_a_pristine_rank(
+    pytester: pytest.Pytester, private_tmpdir, pid_dir, mode: str
+) -> None:
+    write_test(pytester, "test_inner", INNER)
+    result = pytester.runpytest_subprocess(
+        f"--fsdp-mode={mode}", "--fsdp-timeout=60", "-p", "no:cacheprovider", "-rA"
+    )  # fmt: skip
+    result.assert_outcomes(passed=7)
+    output = result.stdout.str()
+    if mode == "process":
+        # the group destroyed in every rank is re-created without a respawn; destroyed in
+        # one rank only, the set is replaced and the report says so once
+        assert output.count("the rank set was replaced for the next test") == 1
+        assert "destroyed the default process group in rank(s) 0 only" in output
+    assert_no_leftovers(pid_dir, private_tmpdir, min_pids=1 if mode == "thread" else 4)
+
+
+def test_monkeypatch_in_rank_is_rank_side(pytester: pytest.Pytester, private_tmpdir) -> None:
+    """The parent's monkeypatch never reaches the ranks: a patch made by a fixture in the
+    parent stays there, a patch made in the body is undone in the rank."""
+    write_test(
+        pytester,
+        "test_mp",
+        """
+import json
+
+import pytest
+
+
+@pytest.fixture
+def patched_in_parent(monkeypatch):
+    monkeypatch.setattr(json, "loads", lambda *a, **k: "parent")
+    return monkeypatch
+
+
+def test_body_patches(dist, patched_in_parent):
+    assert json.loads("1") == 1  # the parent's patch stays in the parent
+    patched_in_parent.setattr(json, "dumps", lambda *a, **k: "rank")
+    assert json.dumps(1) == "rank"
+
+
+def test_next(dist):
+    assert json.dumps(1) == "1"
+""",
+    )
+    result = pytester.runpytest_subprocess("--fsdp-timeout=60", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2)
