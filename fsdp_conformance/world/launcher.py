@@ -238,8 +238,6 @@ class LauncherRuntime:
         self._gone: set[int] = set()
         self._watchdog: _Watchdog | None = None
         self._previous_handler: Any = None
-        # what the rank-process reset restores (rank_main._RankProcess.reset reads it)
-        self.torch_defaults: dict[str, Any] = {}
 
     # -- session
 
@@ -284,13 +282,6 @@ class LauncherRuntime:
             os.makedirs(self._root, exist_ok=True)
         if threading.current_thread() is threading.main_thread():
             self._previous_handler = signal.signal(signal.SIGUSR2, self._on_signal)
-        self.torch_defaults = {
-            "dtype": torch.get_default_dtype(),
-            "grad": torch.is_grad_enabled(),
-            "deterministic": torch.are_deterministic_algorithms_enabled(),
-            "anomaly": torch.is_anomaly_enabled(),
-            "threads": torch.get_num_threads(),
-        }
 
     def close(self) -> None:
         """Leave the job: wait (bounded) until every rank is done with the store, then
@@ -424,7 +415,7 @@ class LauncherRuntime:
     def _run_body(self, request: Any, size: int, tmp_path: str, key: str) -> RankOutcome:
         import torch.distributed as tdist
 
-        from fsdp_conformance.world import execute, rank_main
+        from fsdp_conformance.world import execute, isolation, rank_main
         from fsdp_conformance.world.context import RankContext
 
         rank = self.env.rank
@@ -455,6 +446,8 @@ class LauncherRuntime:
         assert request.thread_body is not None, "launcher mode runs the request's thread_body"
         watchdog = _Watchdog(self, key, size, request.timeout)
         job_group = tdist.group.WORLD
+        # what the test may change in this interpreter, restored after it (world/isolation.py)
+        snapshot = isolation.StateSnapshot.take()
         try:
             with watchdog:
                 # see [Note: launcher mode]: the test's group is the default group meanwhile
@@ -470,8 +463,9 @@ class LauncherRuntime:
         if watchdog.fired:
             outcome = self._hung(rank, request.timeout, watchdog.dump)
         try:
-            # the pooled rank process's reset, on this process (it reads self.torch_defaults)
-            rank_main._RankProcess.reset(self)  # type: ignore[arg-type]
+            # the pooled rank process's reset, on this process
+            for problem in rank_main.reset_after_test(snapshot, [], rank):
+                sys.stderr.write(f"fsdp-conformance: {request.test_id}: {problem}\n")
         except BaseException as exc:  # noqa: BLE001  a broken reset poisons later tests
             self.broken = f"rank {rank} could not reset after {request.test_id}: {exc!r}"
         return outcome

@@ -208,30 +208,51 @@ class _RankProcess:
             pass
 
     def reset(self) -> list[str]:
-        """Undo what the test left: its monkeypatches, process groups other than the default
-        one, and everything in the start-up snapshot (world/isolation.py).
+        """Undo what the test left (:func:`reset_after_test` with this rank's snapshot).
 
         Returns:
             what could not be undone, one line each (the parent then replaces the rank set).
         """
-        import torch.distributed as dist
+        return reset_after_test(self.snapshot, self.monkeypatches, self.rank)
 
-        from fsdp_conformance.world import isolation
 
-        registry = sys.modules.get("fsdp_conformance.adapters.registry")
-        if registry is not None:  # adapters drop what they cache per group (on_test_end)
-            registry.notify_test_end()
-        while self.monkeypatches:
-            self.monkeypatches.pop().undo()
+def notify_adapters_test_end() -> None:
+    """Let every adapter resolved in this process drop what it caches per process group
+    (``Adapter.on_test_end``), before the groups are destroyed."""
+    registry = sys.modules.get("fsdp_conformance.adapters.registry")
+    if registry is not None:
+        registry.notify_test_end()
+
+
+def reset_after_test(snapshot: Any, monkeypatches: list[Any], rank: int) -> list[str]:
+    """Undo what a test left in this interpreter: its monkeypatches, process groups other than
+    the default one, and everything in ``snapshot`` (world/isolation.py).
+
+    Args:
+        snapshot: the ``isolation.StateSnapshot`` to restore.
+        monkeypatches: the test's rank-side monkeypatch objects (emptied, each undone).
+        rank: this rank, for the message.
+
+    Returns:
+        what could not be undone, one line each (the caller then replaces the rank set).
+    """
+    import torch.distributed as dist
+
+    from fsdp_conformance.world import isolation
+
+    notify_adapters_test_end()
+    while monkeypatches:
+        monkeypatches.pop().undo()
+    if dist.is_initialized():
         world = dist.distributed_c10d._world
         for group in list(world.pg_map):
             if group is not world.default_pg:
                 dist.destroy_process_group(group)
-        self.snapshot.restore()
-        left = isolation.leftover_threads(self.snapshot)
-        if left:
-            return [f"the test left thread(s) running in rank {self.rank}: {', '.join(left)}"]
-        return []
+    snapshot.restore()
+    left = isolation.leftover_threads(snapshot)
+    if left:
+        return [f"the test left thread(s) running in rank {rank}: {', '.join(left)}"]
+    return []
 
 
 def _preload() -> None:
