@@ -88,9 +88,9 @@ def test_released_fairscale_exceeds_the_bound_and_sync_after_free_meets_it(dist,
     tracker = measure_residency(released, dist.group, case.wrap_config, lag)
     assert LAYERS == 6 and _peaks(tracker) == RELEASED_PEAKS[lag], tracker.peak_table()
     # ... declared, so the suite's check is an expected failure carrying the reason
-    with pytest.raises(pytest.xfail.Exception, match="memory_bound.*PR 972"):
-        with expect_deviation(released, "memory_bound", case):
-            check_residency(tracker, case, "fairscale")
+    xfails = pytest.raises(pytest.xfail.Exception, match="memory_bound.*PR 972")
+    with xfails, expect_deviation(released, "memory_bound", case):
+        check_residency(tracker, case, "fairscale")
 
     # fairscale PR 972's synchronize after free: within the bound, and no deviation declared
     variant = FairscaleAdapter(sync_after_free=True)
@@ -103,9 +103,9 @@ def test_released_fairscale_exceeds_the_bound_and_sync_after_free_meets_it(dist,
     # a declared deviation that does not happen fails the (strict) check
     stale = FairscaleAdapter(sync_after_free=True)
     stale.known_deviations = released.known_deviations
-    with pytest.raises(AssertionError, match="declares a known deviation for 'memory_bound'"):
-        with expect_deviation(stale, "memory_bound", case):
-            check_residency(tracker, case, "stale")
+    fails = pytest.raises(AssertionError, match="declares a known deviation for 'memory_bound'")
+    with fails, expect_deviation(stale, "memory_bound", case):
+        check_residency(tracker, case, "stale")
     # without limit_all_gathers the variant is fairscale as released
     unlimited = BoundCase(lag, limit_all_gathers=False)
     tracker = measure_residency(variant, dist.group, unlimited.wrap_config, lag)
