@@ -41,10 +41,8 @@ def run(rank, store):
     a, b = fs.wrap(nn.Linear(8, 8)), fs.wrap(nn.Linear(8, 8))
     first, second = (b, a) if rank == 1 else (a, b)  # rank 1 runs them in the other order
     reports = {
-        "parity.mixed_precision (bf16)": outcome(
-            lambda: fs.wrap(nn.Linear(8, 8), mixed_precision=bf16)(x)
-        ),
-        "parity.mixed_precision (inner)": outcome(
+        "parity.bf16 (root)": outcome(lambda: fs.wrap(nn.Linear(8, 8), mixed_precision=bf16)(x)),
+        "parity.bf16 (inner instance)": outcome(
             lambda: fs.wrap(
                 nn.Sequential(ToFloat(), fs.wrap(nn.Linear(8, 8), mixed_precision=fp16)),
                 mixed_precision=fp16,

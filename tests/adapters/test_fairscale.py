@@ -194,8 +194,16 @@ def test_deviation_reproductions_reproduce(tmp_path):
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
     lines = {line[:32].strip(): line[32:].strip() for line in run.stdout.splitlines()}
-    assert "Half and BFloat16" in lines["parity.mixed_precision (bf16)"], lines
-    assert "Float and Half" in lines["parity.mixed_precision (inner)"], lines
-    for check in ("misuse.wrap_twice", "misuse.wrap_wrapped_instance", "exec_order.divergent"):
+    assert "Half and BFloat16" in lines["parity.bf16 (root)"], lines
+    assert "Float and Half" in lines["parity.bf16 (inner instance)"], lines
+    for check in ("misuse.wrap_twice", "exec_order.divergent"):
         assert lines[check] == "no error", lines
     assert lines["misuse.forward_inside_summon"] == "AssertionError: ''", lines
+    assert lines["memory_bound"] == ", ".join(
+        f"{iteration} {phase} {peak}"
+        for iteration, peaks in enumerate(RELEASED_PEAKS["strict"], start=1)
+        for phase, peak in zip(("forward", "backward"), peaks)
+    ), lines
+    # every check the script reproduces is declared, and every declared check is reproduced
+    declared = {deviation.check for deviation in get_adapter("fairscale").known_deviations}
+    assert declared == {label.split(" ")[0] for label in lines}, (declared, lines)
