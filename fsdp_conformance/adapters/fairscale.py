@@ -97,7 +97,7 @@ FAIRSCALE_DEVIATIONS: tuple[Deviation, ...] = (
         "(cast_floats_to_right_precision), whatever compute_dtype is: a bf16 run multiplies "
         "float16 activations by bfloat16 weights and fails 'mat1 and mat2 must have the same "
         "dtype, but got Half and BFloat16'; inner instances cast nothing, so float32 "
-        "activations reaching one fail too ('Float and Half'); reproduce: "
+        "activations reaching one fail too ('Float and Half', 'Float and BFloat16'); reproduce: "
         "fs.wrap(nn.Linear(8, 8), mixed_precision={'param_dtype': torch.bfloat16})(x) "
         "(docs/fairscale.md)",
     ),

@@ -1,6 +1,9 @@
 """The fairscale adapter on 2 CPU ranks: parity, residency under the lagging device, routing.
 
 A few cells only (CI-cheap); the whole suite runs against it with ``--fsdp-impl fairscale``.
+Two suite cells run through pytester with outside adapters built on it: a subclass under its own
+name inherits the declared memory-bound deviation (an expected failure), and a declaration on a
+variant that meets the bound fails the cell.
 Without fairscale every test here skips with the install hint.
 """
 
@@ -23,6 +26,8 @@ from fsdp_conformance.suite.memory_bound import (
     check_residency,
     measure_residency,
 )
+
+pytest_plugins = ["pytester"]
 
 fairscale = pytest.importorskip(
     "fairscale", reason="fairscale is not installed: pip install 'fsdp-conformance[fairscale]'"
@@ -207,3 +212,45 @@ def test_deviation_reproductions_reproduce(tmp_path):
     # every check the script reproduces is declared, and every declared check is reproduced
     declared = {deviation.check for deviation in get_adapter("fairscale").known_deviations}
     assert declared == {label.split(" ")[0] for label in lines}, (declared, lines)
+
+
+OUTSIDE_ADAPTERS = '''
+from fsdp_conformance.adapters.fairscale import FairscaleAdapter
+
+
+class MyFairscale(FairscaleAdapter):
+    """fairscale as released under another name: it inherits the declared deviations."""
+
+    name = "my-fairscale"
+
+
+class StaleDeclaration(FairscaleAdapter):
+    """PR 972's variant (meets the bound) still declaring the released memory_bound deviation."""
+
+    def __init__(self):
+        super().__init__(sync_after_free=True)
+        self.known_deviations = FairscaleAdapter.known_deviations
+'''
+
+
+@pytest.mark.parametrize(
+    ("attr", "outcome", "message"),
+    [
+        ("MyFairscale", "xfailed", "known deviation of adapter 'my-fairscale' (memory_bound)"),
+        ("StaleDeclaration", "failed", "declares a known deviation for 'memory_bound'"),
+    ],
+)
+def test_memory_bound_cell_is_a_strict_declared_deviation(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, attr, outcome, message
+) -> None:
+    pytester.makepyfile(outside_fairscale=OUTSIDE_ADAPTERS)
+    monkeypatch.setenv("PYTHONPATH", str(pytester.path))
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "-rfx", "-n", "0",
+        "--pyargs", "fsdp_conformance.suite.test_memory_bound",
+        "--fsdp-impl", f"outside_fairscale:{attr}",
+        "-k", "test_limited_all_gathers_stay_within_bound and strict",
+    )  # fmt: skip
+    outcomes = result.parseoutcomes()
+    assert outcomes.get(outcome) == 1 and "passed" not in outcomes, result.stdout.str()
+    result.stdout.fnmatch_lines([f"*{message}*"])
