@@ -120,7 +120,10 @@ def _install_comm_context(context: Any, device: Any) -> None:
         _require(context, "device_handle", *_COMM_STREAMS)
         context.device_handle = device
         for name in _COMM_STREAMS:
-            setattr(context, name, device.ordered_stream(name))
+            # a lagging device hands out streams that remember what they waited for (the
+            # stream-ordered residency rule reads them); any other handle, its own streams
+            ordered = getattr(device, "ordered_stream", None)
+            setattr(context, name, ordered(name) if callable(ordered) else device.Stream())
 
     context.lazy_init = lazy_init  # this context object only
 

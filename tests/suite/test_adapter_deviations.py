@@ -166,7 +166,8 @@ def test_subclass_and_delegate_of_torch_fsdp1_get_its_verdicts(pytester: pytest.
             verdicts.setdefault(match.group(1), {})[match.group(2)] = match.group(3)
     builtin = verdicts.get("TestBuiltin", {})
     # the comparison covers checks where torch-fsdp1 deviates
-    assert list(builtin.values()).count("XFAIL") >= 8, result.stdout.str()
+    # (4 misuse / exec-order deviations, 3 memory-bound cells with prefetch)
+    assert list(builtin.values()).count("XFAIL") >= 7, result.stdout.str()
     assert "FAILED" not in builtin.values(), result.stdout.str()
     assert verdicts.get("TestSubclass") == builtin, result.stdout.str()
     assert verdicts.get("TestDelegating") == builtin, result.stdout.str()

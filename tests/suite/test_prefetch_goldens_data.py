@@ -43,9 +43,9 @@ def test_every_case_has_a_golden(adapter):
 
 
 def test_an_adapter_without_goldens_skips(not_accepting):
-    assert not prefetch_goldens.has_goldens("torch-fsdp2")
+    assert not prefetch_goldens.has_goldens("fairscale")
     with pytest.raises(pytest.skip.Exception, match="has no prefetch-order goldens"):
-        prefetch_goldens.check_golden("torch-fsdp2", CASE, "anything\n")
+        prefetch_goldens.check_golden("fairscale", CASE, "anything\n")
 
 
 def test_the_golden_passes_and_a_change_fails_with_a_diff(not_accepting):
@@ -181,6 +181,6 @@ def test_pyproject_ships_the_goldens_and_the_cli_package():
     patterns = setuptools["package-data"]["fsdp_conformance.suite"]
     suite = PACKAGE / "suite"
     files = [path.relative_to(suite) for path in (suite / "goldens").rglob("*") if path.is_file()]
-    assert len(files) == 24
+    assert len(files) == 36  # 12 cases each for impl, torch-fsdp1, torch-fsdp2
     assert all(any(path.match(pattern) for pattern in patterns) for path in files), patterns
     assert "fsdp_conformance.cli" in setuptools["packages"]
