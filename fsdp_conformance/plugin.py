@@ -114,8 +114,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--fsdp-impl",
         default="impl",
         metavar="NAME",
-        help="FSDP implementation under test: 'impl', 'torch-fsdp1', 'torch-fsdp2' or "
-        "'pkg.module:ATTR' (default 'impl').",
+        help="FSDP implementation under test: 'impl', 'torch-fsdp1', 'torch-fsdp2', "
+        "'fairscale' or 'pkg.module:ATTR' (default 'impl').",
     )
     group.addoption(
         "--fsdp-backend",
