@@ -155,8 +155,9 @@ def test_subclass_and_delegate_of_torch_fsdp1_get_its_verdicts(pytester: pytest.
     result = pytester.runpytest_subprocess(
         "-p", "no:cacheprovider", "-v",
         "-k",
-        "(exec_order or twice or devices or summon or sync_module or stay_within_bound)"
-        " and not BACKWARD_POST",
+        # memory bound: bwd=None with fwd=0 (passes) and fwd=1 (torch-fsdp1's deviation)
+        "exec_order or twice or devices or summon or sync_module "
+        "or (stay_within_bound and None-fwd)",
     )  # fmt: skip
     verdicts: dict[str, dict[str, str]] = {}
     pattern = re.compile(r"::(Test\w+)::(\S+) (PASSED|FAILED|SKIPPED|XFAIL|XPASS|ERROR)")
@@ -166,8 +167,9 @@ def test_subclass_and_delegate_of_torch_fsdp1_get_its_verdicts(pytester: pytest.
             verdicts.setdefault(match.group(1), {})[match.group(2)] = match.group(3)
     builtin = verdicts.get("TestBuiltin", {})
     # the comparison covers checks where torch-fsdp1 deviates
-    # (4 misuse / exec-order deviations, 3 memory-bound cells with prefetch)
-    assert list(builtin.values()).count("XFAIL") >= 7, result.stdout.str()
+    # 4 misuse / exec-order deviations, 1 memory-bound cell with prefetch (the other passes)
+    assert list(builtin.values()).count("XFAIL") >= 5, result.stdout.str()
+    assert list(builtin.values()).count("PASSED") >= 2, result.stdout.str()
     assert "FAILED" not in builtin.values(), result.stdout.str()
     assert verdicts.get("TestSubclass") == builtin, result.stdout.str()
     assert verdicts.get("TestDelegating") == builtin, result.stdout.str()
