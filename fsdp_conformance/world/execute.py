@@ -101,21 +101,37 @@ class _AssertConfig:
         return TerminalWriter(file=open(os.devnull, "w"))
 
 
+def _no_highlighting(source: str, lexer: str = "python") -> str:
+    """pytest's highlighter, for a run without a terminal: the source as it is."""
+    return source
+
+
 def _reprcompare(op: str, left: Any, right: Any) -> str | None:
     """pytest's rich comparison explanation, or None (the plain assertion message).
 
     ``_pytest.assertion.util.assertrepr_compare`` is private and has had two shapes in the
     supported range (pytest >= 8, < 10, pinned in pyproject.toml): ``(config, op, left,
-    right, ...)`` returning a list, and from pytest 9.2 ``(op, left, right, ...)`` without a
-    config, returning an iterator of lines. Both are called by parameter name
-    (``tests/harness/test_pytest_compat.py`` runs each shape); any other shape drops the
-    explanation rather than replacing the test's AssertionError with a TypeError.
+    right, use_ascii=False)`` returning a list (pytest 8 to 9.1), and from pytest 9.2 ``(op,
+    left, right, *, verbose, highlighter, assertion_text_diff_style, ...)`` without a config,
+    returning an iterator of lines. Every parameter is passed by name, with the values a plain
+    terminal-less run uses (verbosity 0, no highlighting, pytest's default "ndiff" style);
+    ``tests/harness/test_protocol.py`` runs both shapes and the installed pytest. A parameter
+    this function does not know drops the explanation rather than replacing the test's
+    AssertionError with a TypeError.
     """
     from _pytest.assertion import util
 
     try:
         function = util.assertrepr_compare
-        arguments = {"config": _AssertConfig(), "op": op, "left": left, "right": right}
+        arguments = {
+            "config": _AssertConfig(),
+            "op": op,
+            "left": left,
+            "right": right,
+            "verbose": 0,
+            "highlighter": _no_highlighting,
+            "assertion_text_diff_style": "ndiff",
+        }
         kwargs = {}
         for name, parameter in inspect.signature(function).parameters.items():
             if name in arguments:

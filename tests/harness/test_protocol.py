@@ -70,9 +70,17 @@ def test_lists(dist):
 
 
 def _shape_from_pytest_9_2(
-    op: str, left: Any, right: Any, use_ascii: bool = False
+    op: str,
+    left: Any,
+    right: Any,
+    *,
+    verbose: int,
+    highlighter: Any,
+    assertion_text_diff_style: str,
+    truncation_budget: Any = None,
 ) -> Iterator[str]:
-    # pytest 9.2's shape: no config, an iterator of lines
+    # pytest 9.2's shape: no config, required keyword-only settings, an iterator of lines
+    assert (verbose, highlighter("x"), assertion_text_diff_style) == (0, "x", "ndiff")
     yield f"{left!r} {op} {right!r}"
     yield "At index 2 diff: 0 != 7"
 
