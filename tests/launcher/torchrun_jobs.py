@@ -120,6 +120,8 @@ def junit_outcomes(path: Path) -> dict[str, tuple[str, str]]:
             element = case.find(tag)
             if element is not None:
                 outcome = "skipped" if tag == "skipped" else "failed"
-                message = (element.get("message") or "") + "\n" + (element.text or "")
+                # the element text first: pytest >= 9.2 shortens the message attribute of a
+                # long report ("[+N more lines; full report in element text]")
+                message = (element.text or "") + "\n" + (element.get("message") or "")
         outcomes[name] = (outcome, message)
     return outcomes
