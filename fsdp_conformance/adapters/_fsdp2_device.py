@@ -47,6 +47,8 @@ from torch import nn
 
 from fsdp_conformance.vocab import Op
 
+from .base import require_before_first_forward
+
 # The torch version the patch below was written against
 WRITTEN_AGAINST = "2.13.0"
 # FSDPCommContext's streams, replaced by lagging-device streams at lazy init
@@ -97,12 +99,7 @@ def install_lagging_device(model: nn.Module, device: Any) -> None:
     ]
     for state in states:
         _require(state, "_device_handle", "_fsdp_param_groups", "_comm_ctx", "_is_root")
-        if state._is_root is not None:
-            raise RuntimeError(
-                f"torch-fsdp2 install_device_handle: {type(model).__name__} already ran forward "
-                "(FSDP2 created its streams at lazy init); install the device handle after "
-                "wrapping and before the first forward"
-            )
+    require_before_first_forward("torch-fsdp2", model, states)
     for state in states:
         state._device_handle = device
         for group in state._fsdp_param_groups:

@@ -16,6 +16,7 @@ nothing itself (e.g. autograd's device threads on CUDA) -- so threaded ranks (th
 `thread` mode) do not see each other's instances. The delay hooks of the model zoo
 (`delay_before_reduction`, `delay_before_free`) are built on it, so they need `comm_trace`.
 """
+
 from __future__ import annotations
 
 import collections
@@ -81,6 +82,26 @@ class UnsupportedFeatureError(NotImplementedError):
         self.adapter = adapter  # the adapter's name
         self.feature = feature  # the feature name (features.Feature)
         self.reason = reason  # why, in words
+
+
+def require_before_first_forward(
+    adapter_name: str, model: nn.Module, states: Iterable[Any]
+) -> None:
+    """RuntimeError unless no FSDP state in ``states`` has run forward yet (``_is_root`` is
+    still None: torch FSDP1, FSDP2 and fairscale all decide the root, and create their streams
+    from the device handle, at the lazy init of the first forward).
+
+    Args:
+        adapter_name: the adapter, for the message.
+        model: the wrapped model, for the message.
+        states: the implementation's per-instance state objects (each with ``_is_root``).
+    """
+    if any(state._is_root is not None for state in states):
+        raise RuntimeError(
+            f"{adapter_name} install_device_handle: {type(model).__name__} already ran forward "
+            "(its streams were created from the old handle at lazy init); install the device "
+            "handle after wrapping and before the first forward"
+        )
 
 
 def clean_param_name(name: str, segments: Iterable[str] = ()) -> str:
@@ -403,9 +424,7 @@ class ObserverRegistry:
         return bool(self._observers)
 
     @contextlib.contextmanager
-    def observing(
-        self, callback: Observer, instances: list[nn.Module] | None
-    ) -> Iterator[None]:
+    def observing(self, callback: Observer, instances: list[nn.Module] | None) -> Iterator[None]:
         with scoped_observer(callback, instances) as observer:
             self._observers.append(observer)
             try:

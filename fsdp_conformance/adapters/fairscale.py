@@ -49,7 +49,7 @@ from torch import nn
 
 from fsdp_conformance.vocab import Op
 
-from .base import Adapter, ObserverRegistry
+from .base import Adapter, ObserverRegistry, require_before_first_forward
 from .deviations import Deviation
 from .features import ALL_FEATURES, Feature, module_predicate
 from .states import InstanceState, RootState
@@ -309,12 +309,7 @@ class FairscaleAdapter(Adapter):
 
     def _install_device_handle(self, model: nn.Module, handle: Any) -> None:
         instances = self.instances(model)
-        if any(instance._is_root is not None for instance in instances):
-            raise RuntimeError(
-                f"fairscale install_device_handle: {type(model).__name__} already ran forward "
-                "(fairscale created its streams from the old handle at lazy init); install the "
-                "device handle after wrapping and before the first forward"
-            )
+        require_before_first_forward(self.name, model, instances)
         for instance in instances:
             self._route(instance, handle)
 

@@ -28,7 +28,7 @@ from torch.distributed.fsdp.fully_sharded_data_parallel import TrainingState
 
 from fsdp_conformance.vocab import Op
 
-from .base import Adapter, ObserverRegistry
+from .base import Adapter, ObserverRegistry, require_before_first_forward
 from .deviations import Deviation
 from .features import ALWAYS_WRAP, Feature, module_predicate
 from .states import InstanceState, RootState
@@ -241,12 +241,7 @@ class TorchFSDP1Adapter(Adapter):
         # (what the lagging device of fsdp_conformance.observe provides). The root's lazy init
         # creates the streams from the handle, so it must be replaced before the first forward.
         instances = FullyShardedDataParallel.fsdp_modules(model)
-        if any(instance._is_root is not None for instance in instances):
-            raise RuntimeError(
-                f"torch-fsdp1 install_device_handle: {type(model).__name__} already ran forward "
-                "(FSDP1 created its streams from the old handle at lazy init); install the "
-                "device handle after wrapping and before the first forward"
-            )
+        require_before_first_forward(self.name, model, instances)
         for instance in instances:
             instance._device_handle = handle
             if instance._handle is not None:
