@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 from typing import Any
 
 import pytest
@@ -28,6 +29,28 @@ import pytest
 from fsdp_conformance import vocab
 
 ENV_RESULTS = vocab.ENV_CLI_RESULTS
+
+
+def suite_command(impl: str, *pytest_args: str) -> list[str]:
+    """The command line of a pytest run of the installed suite on ``impl`` with this plugin
+    (no user ``addopts``, quiet), followed by ``pytest_args``."""
+    return [
+        sys.executable, "-m", "pytest", "--pyargs", "fsdp_conformance.suite",
+        "-p", "fsdp_conformance.cli.collect", "-p", "no:cacheprovider",
+        "-o", "addopts=", "-q", f"--fsdp-impl={impl}", *pytest_args,
+    ]  # fmt: skip
+
+
+def suite_environment(results: str) -> dict[str, str]:
+    """The environment of that run: this process's, as a fresh pytest session (not a worker of
+    an outer pytest-xdist run, e.g. the CLI's own tests), writing its records to ``results``."""
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if not key.startswith(("PYTEST_XDIST_", "PYTEST_CURRENT_TEST"))
+    }
+    env[ENV_RESULTS] = results
+    return env
 
 # Lines of a failure report that carry the message (pytest prefixes them with "E   ")
 _ERROR_LINE = re.compile(r"^E\s+(.*)$")

@@ -21,8 +21,7 @@ import tempfile
 import time
 from typing import Any
 
-from fsdp_conformance import vocab
-from fsdp_conformance.cli import limits, report, torchrun
+from fsdp_conformance.cli import collect, limits, report, torchrun
 from fsdp_conformance.cli.common import (
     COVERAGES,
     DEFAULT_COVERAGE,
@@ -71,13 +70,7 @@ def _run_command(args: argparse.Namespace) -> int:
     if uses_torchrun:
         command = torchrun.torchrun_command(args, command)
         print(f"{PROG} run: {shlex.join(command)}", file=sys.stderr)
-    # a fresh pytest session: not a worker of an outer pytest-xdist run (the CLI's own tests)
-    env = {
-        key: value
-        for key, value in os.environ.items()
-        if not key.startswith(("PYTEST_XDIST_", "PYTEST_CURRENT_TEST"))
-    }
-    env[vocab.ENV_CLI_RESULTS] = results
+    env = collect.suite_environment(results)
     print(
         f"{PROG} run: suite on {args.impl!r} (coverage {args.coverage}, mode {args.mode}, "
         f"{args.workers or 'no'} xdist workers{', -k ' + repr(args.k) if args.k else ''})",
@@ -132,14 +125,13 @@ def _run_command(args: argparse.Namespace) -> int:
 
 def pytest_command(args: argparse.Namespace) -> list[str]:
     """The pytest command line ``run`` starts (in the user's directory)."""
-    command = [
-        sys.executable, "-m", "pytest", "--pyargs", "fsdp_conformance.suite",
-        "-p", "fsdp_conformance.cli.collect", "-p", "no:cacheprovider",
-        "-o", "addopts=", "-q",
-        f"--fsdp-impl={args.impl}", f"--fsdp-world-size={args.world_size}",
-        f"--fsdp-mode={args.mode}", f"--fsdp-coverage={args.coverage}",
+    command = collect.suite_command(
+        args.impl,
+        f"--fsdp-world-size={args.world_size}",
+        f"--fsdp-mode={args.mode}",
+        f"--fsdp-coverage={args.coverage}",
         f"--fsdp-timeout={args.timeout:g}",
-    ]  # fmt: skip
+    )
     if args.workers > 0:
         command += ["-n", str(args.workers)]
     if args.k:

@@ -124,25 +124,15 @@ def run_implementation(
         pytest_args: further pytest arguments (-k, --fsdp-coverage, -n ...).
         timeout: seconds the whole run may take (None: no limit).
     """
-    from fsdp_conformance.cli import collect as _cli_collect
-    from fsdp_conformance.cli import report as _cli_report
+    from fsdp_conformance.cli import collect, report
 
     reason = unavailable_reason(impl)
     if reason is not None:
         return ImplResult(impl, unavailable=reason)
     with tempfile.TemporaryDirectory(prefix="fsdp-conformance-table-") as workdir:
         results = os.path.join(workdir, "results.jsonl")
-        command = [
-            sys.executable, "-m", "pytest", "--pyargs", "fsdp_conformance.suite",
-            "-p", "fsdp_conformance.cli.collect", "-p", "no:cacheprovider",
-            "-o", "addopts=", "-q", f"--fsdp-impl={impl}", *pytest_args,
-        ]  # fmt: skip
-        env = {
-            key: value
-            for key, value in os.environ.items()
-            if not key.startswith(("PYTEST_XDIST_", "PYTEST_CURRENT_TEST"))
-        }
-        env[_cli_collect.ENV_RESULTS] = results
+        command = collect.suite_command(impl, *pytest_args)
+        env = collect.suite_environment(results)
         log_path = os.path.join(workdir, "pytest.log")
         with open(log_path, "w", encoding="utf-8") as log:
             try:
@@ -156,7 +146,7 @@ def run_implementation(
                 ).returncode
             except subprocess.TimeoutExpired:
                 returncode = None
-        cells = _cli_report.cells_from_records(_cli_report.read_records(results))
+        cells = report.cells_from_records(report.read_records(results))
         if not cells:
             with open(log_path, encoding="utf-8", errors="replace") as stream:
                 tail = " ".join(stream.read().split()[-40:])
