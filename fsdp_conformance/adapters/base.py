@@ -143,7 +143,8 @@ class Adapter:
     def deviation(self, check: str, case: Any = None) -> str | None:
         """The reason of a declared deviation covering `check` / `case`, or None.
 
-        Consults `known_deviations`, then the adapter in `delegates_to` (recursively).
+        Consults `known_deviations` along `delegation_chain()`: this adapter first, then the
+        adapters it delegates to.
 
         Args:
             check: a check id (adapters.deviations.CHECK_IDS, e.g. "misuse.wrap_twice").
@@ -152,21 +153,30 @@ class Adapter:
         Raises:
             ValueError: `check` is not a known check id.
         """
-        reason = find_deviation(self.known_deviations, check, case)
-        seen = {id(self)}
+        for adapter in self.delegation_chain():
+            reason = find_deviation(adapter.known_deviations, check, case)
+            if reason is not None:
+                return reason
+        return None
+
+    def delegation_chain(self) -> list[Adapter]:
+        """This adapter, then the adapter in its `delegates_to`, then that one's, ... (each
+        once).
+
+        Raises:
+            TypeError: a `delegates_to` is not an Adapter.
+        """
+        chain: list[Adapter] = [self]
         delegate = self.delegates_to
-        while reason is None and delegate is not None:
+        while delegate is not None and all(delegate is not seen for seen in chain):
             if not isinstance(delegate, Adapter):
                 raise TypeError(
                     f"adapter {self.name!r}: delegates_to is {delegate!r}, not an Adapter; set it "
                     "to the adapter instance this one wraps (or None)"
                 )
-            if id(delegate) in seen:
-                break
-            seen.add(id(delegate))
-            reason = find_deviation(delegate.known_deviations, check, case)
+            chain.append(delegate)
             delegate = delegate.delegates_to
-        return reason
+        return chain
 
     def on_test_end(self) -> None:
         """Called in each rank after every harness test, before non-default process groups are

@@ -379,17 +379,15 @@ KNOWN_DEVIATIONS: dict[str, Callable[[BoundCase], str | None]] = {}
 OWN_BOUNDS: dict[str, StreamOrderedBound] = {"torch-fsdp2": FSDP2_BOUND}
 
 
-def own_bound_of(adapter: Any, bounds: dict[str, StreamOrderedBound]) -> StreamOrderedBound | None:
+def own_bound_of(
+    adapter: Adapter, bounds: dict[str, StreamOrderedBound]
+) -> StreamOrderedBound | None:
     """The implementation's own bound for ``adapter`` from ``bounds`` (None: the limiter's)."""
-    seen: set[int] = set()
-    while adapter is not None and id(adapter) not in seen:
-        seen.add(id(adapter))
-        names = [getattr(adapter, "name", None)]
-        names += [cls.__dict__.get("name") for cls in type(adapter).__mro__]
+    for member in adapter.delegation_chain():
+        names = [member.name] + [cls.__dict__.get("name") for cls in type(member).__mro__]
         for name in names:
             if isinstance(name, str) and name in bounds:
                 return bounds[name]
-        adapter = getattr(adapter, "delegates_to", None)
     return None
 
 
