@@ -18,6 +18,14 @@ collect them twice.
 from __future__ import annotations
 
 from .comm_checks import BaseCollectiveCountTests, BasePrefetchOrderTests
+from .loops import (
+    BaseActivationCheckpointingTests,
+    BaseCheckpointResumeTests,
+    BaseForwardVariantsTests,
+    BaseFrozenParameterTests,
+    BaseGradientAccumulationTests,
+    BaseGradientClippingTests,
+)
 from .memory_bound import BaseMemoryBoundTests
 from .misuse import BaseBadInputTests, BaseExecOrderTests
 from .overlap import BaseOverlapTests
@@ -25,10 +33,16 @@ from .parity import BaseDDPParityTests, BaseStateDictTests, BaseSummonFullParams
 from .states import BaseTrainingStateTests
 
 __all__ = [
+    "BaseActivationCheckpointingTests",
     "BaseBadInputTests",
+    "BaseCheckpointResumeTests",
     "BaseCollectiveCountTests",
     "BaseDDPParityTests",
     "BaseExecOrderTests",
+    "BaseForwardVariantsTests",
+    "BaseFrozenParameterTests",
+    "BaseGradientAccumulationTests",
+    "BaseGradientClippingTests",
     "BaseMemoryBoundTests",
     "BaseOverlapTests",
     "BasePrefetchOrderTests",
