@@ -305,7 +305,8 @@ class TorchFSDP2Adapter(Adapter):
     ) -> torch.Tensor:
         """``torch.nn.utils.get_total_norm`` over the DTensor gradients, per device mesh (a
         NO_SHARD instance lives on its own 2-D mesh), ``full_tensor()`` of each partial norm,
-        combined into the global norm; then ``torch.nn.utils.clip_grads_with_norm_``."""
+        combined into the global norm; then every local gradient shard is scaled by
+        ``max_norm / (norm + 1e-6)`` (at most 1), as ``torch.nn.utils.clip_grad_norm_`` does."""
         self.check(Feature.CLIP_GRAD_NORM)
         from torch.distributed.tensor import DTensor
 
@@ -322,8 +323,11 @@ class TorchFSDP2Adapter(Adapter):
         if not norms:
             return torch.zeros(())
         total = torch.nn.utils.get_total_norm(norms, norm_type)
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for grads in by_mesh.values():
-            torch.nn.utils.clip_grads_with_norm_(grads, max_norm, total)
+            for grad in grads:  # the local shard in place (a DTensor op would not write it)
+                local = grad.to_local() if isinstance(grad, DTensor) else grad
+                local.mul_(coefficient.to(local.device, local.dtype))
         return total
 
     def save_checkpoint(self, model: nn.Module, optimizer: Any, directory: str) -> None:
