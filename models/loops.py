@@ -13,7 +13,8 @@ with ``sharding_strategy="NO_SHARD"`` (NO_SHARD mixed with sharded instances).
 
 `CheckpointingWrap(wrap)` is a zoo `wrap` that puts each wrapped block's module inside a
 `CheckpointedModule` first: the FSDP instance runs ``torch.utils.checkpoint(use_reentrant=False)``
-around its module, so every FSDP instance nested inside it is recomputed during backward.
+around its module, so every FSDP instance nested inside it is recomputed during backward;
+`CheckpointingWrap(wrap, outside=True)` puts the checkpoint around the FSDP instance instead.
 """
 
 from __future__ import annotations
@@ -51,17 +52,28 @@ class CheckpointedModule(nn.Module):
 
 
 class CheckpointingWrap:
-    """A zoo `wrap` that checkpoints each wrapped module's forward, then wraps it with `wrap`
-    (None: checkpointing only, e.g. for a reference); the delay hooks forward to `wrap`."""
+    """A zoo `wrap` that checkpoints each wrapped module's forward and wraps it with `wrap`
+    (None: checkpointing only, e.g. for a reference); the delay hooks forward to `wrap`.
 
-    def __init__(self, wrap: Wrap | None) -> None:
+    Args:
+        wrap: the FSDP wrap.
+        outside: False (default): the FSDP instance runs checkpoint around its module (torch's
+            ``checkpoint_wrapper`` applied before wrapping); True: checkpoint runs around the
+            FSDP instance, so the recompute re-enters the instance's own forward during its
+            backward.
+    """
+
+    def __init__(self, wrap: Wrap | None, outside: bool = False) -> None:
         self.wrap = wrap
+        self.outside = outside
 
     def __call__(self, module: nn.Module, **overrides: Any) -> nn.Module:
+        if self.outside:
+            return CheckpointedModule(maybe_wrap(self.wrap, module, **overrides))
         return maybe_wrap(self.wrap, CheckpointedModule(module), **overrides)
 
     def __getattr__(self, name: str) -> Any:
-        if name == "wrap":
+        if name in ("wrap", "outside"):
             raise AttributeError(name)
         return getattr(self.wrap, name)
 

@@ -74,13 +74,14 @@ def build(
     dist: Any,
     config: dict[str, Any],
     *,
-    checkpointing: bool = False,
+    checkpointing: bool | str = False,
     group: Any = None,
 ) -> tuple[nn.Module, nn.Module]:
     """The zoo model wrapped by `adapter` (root and zoo model); skips on a missing feature.
 
     Args:
-        checkpointing: each wrapped block runs under non-reentrant activation checkpointing.
+        checkpointing: each wrapped block runs under non-reentrant activation checkpointing
+            ("inside" or True: inside the FSDP instance; "outside": around it).
         group: the process group (None: the test's).
     """
     spec = zoo.MODELS[model_name]
@@ -89,7 +90,7 @@ def build(
     group = dist.group if group is None else group
     wrap: Any = adapter.wrapper(process_group=group, **config)
     if checkpointing:
-        wrap = CheckpointingWrap(wrap)
+        wrap = CheckpointingWrap(wrap, outside=checkpointing == "outside")
     zoo_model = zoo.build(model_name, group, wrap, dist.device)
     root_config = {**config, **zoo_model.ROOT_WRAP_CONFIG}
     root = adapter.wrap(zoo_model, process_group=group, root=True, **root_config)
@@ -454,24 +455,27 @@ class BaseFrozenParameterTests:
 
 # ---------------------------------------------------------------------------- 4. activation ckpt
 class BaseActivationCheckpointingTests:
-    """Non-reentrant ``torch.utils.checkpoint`` inside wrapped blocks (``models.loops
-    .CheckpointingWrap``: each wrapped block's module runs under checkpoint, so an instance
-    nested inside it -- ``nested``'s inner Linear -- is recomputed during backward). 3
+    """Non-reentrant ``torch.utils.checkpoint`` in wrapped blocks (``models.loops
+    .CheckpointingWrap``): ``inside``, each wrapped block's module runs under checkpoint, so an
+    instance nested inside it -- ``nested``'s inner Linear -- is recomputed during backward;
+    ``outside``, checkpoint runs around each FSDP instance, whose own forward is then re-entered
+    in its backward (BACKWARD_PRE -> FORWARD -> BACKWARD_PRE). 3
     SGD+momentum steps: losses and full parameters bit-exact with DDP (without checkpointing:
     the recompute repeats the same forward); every block really recomputed (its forward ran
     twice per step); the training states legal at every hook, the recompute included
     (``TrainingStateRecorder``: an instance may re-enter FORWARD from BACKWARD_PRE)."""
 
     @pytest.mark.world_size(2)
+    @pytest.mark.parametrize("placement", ["inside", "outside"])
     @pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
     @pytest.mark.parametrize("model_name", ["nested", "transformer"])
     def test_activation_checkpointing(
-        self, fsdp_adapter: Any, dist: Any, model_name: str, strategy: str
+        self, fsdp_adapter: Any, dist: Any, model_name: str, strategy: str, placement: str
     ):
         adapter = fsdp_adapter
         adapter.require(Feature.ACTIVATION_CHECKPOINTING)
         config = {"sharding_strategy": strategy}
-        root, zoo_model = build(adapter, model_name, dist, config, checkpointing=True)
+        root, zoo_model = build(adapter, model_name, dist, config, checkpointing=placement)
         blocks = [m for m in root.modules() if isinstance(m, CheckpointedModule)]
         # the checkpointed module itself: checkpoint calls it in forward and in the recompute
         inner_modules = [block._checkpoint_wrapped_module for block in blocks]
@@ -492,7 +496,10 @@ class BaseActivationCheckpointingTests:
         finally:
             for handle in handles:
                 handle.remove()
-        label = f"adapter {adapter.name!r}, {model_name} with activation checkpointing, {strategy}"
+        label = (
+            f"adapter {adapter.name!r}, {model_name} with activation checkpointing {placement} "
+            f"the FSDP instances, {strategy}"
+        )
         recorder.assert_legal()
         # a block's module runs in its forward and in its recompute (a nested block also in
         # each recompute of the block around it: at least twice per step)
@@ -580,16 +587,16 @@ class BaseForwardVariantsTests:
             Driver(model, reference_model), ddp_optimizer(model), dist, variant, self.STEPS,
             lambda: None, lambda step: None, manual_all_reduce=variant == "two_forwards",
         )
-        assert_losses(label, fsdp[0], reference[0])
         if variant == "eval_forward":
-            training._assert_close(
-                f"{label}: evaluation outputs differ from the reference's (bit-exact)",
-                fsdp[2], reference[2], 0.0, 0.0,
-            )
             assert not resident, (
                 f"{label}: after the evaluation forward under torch.no_grad() these non-root "
                 f"instances still hold their unsharded parameters: {resident}"
             )
+            training._assert_close(
+                f"{label}: evaluation outputs differ from the reference's (bit-exact)",
+                fsdp[2], reference[2], 0.0, 0.0,
+            )
+        assert_losses(label, fsdp[0], reference[0])
         assert_params(label, fsdp[1], reference[1], self.STEPS)
 
 
