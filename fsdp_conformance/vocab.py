@@ -68,6 +68,9 @@ class Op(str, enum.Enum):
     ALL_REDUCE = "all_reduce"
     # the rate limiter waits for an older free to complete
     RATE_LIMITER_WAIT = "rate_limiter_wait"
+    # an instance issues the next instance's all-gather ahead of its use (info: the target
+    # instance and the direction, "forward", "backward_pre" or "backward_post")
+    PREFETCH = "prefetch"
     # a module's forward or backward computation (observers record it beside the collectives)
     COMPUTE = "compute"
 

@@ -37,7 +37,7 @@ from fsdp_conformance import vocab
 from fsdp_conformance.adapters.base import clean_param_name
 from fsdp_conformance.vocab import Op
 
-# The ops every adapter with `comm_trace` reports (others, e.g. impl's "prefetch", are dropped)
+# The ops every adapter with `comm_trace` reports (others, e.g. impl's `Op.PREFETCH`, are dropped)
 COMM_OPS = vocab.COMM_OPS
 # The gradient reductions (NO_SHARD all-reduces, the sharded strategies reduce-scatter)
 REDUCE_OPS = vocab.REDUCE_OPS
