@@ -19,10 +19,11 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from fsdp_conformance import vocab
+
 from .common import DeviceInit, Wrap, generator, maybe_wrap, move_before_wrap, seeded_init_
 
-# auto_wrap_policy value of the adapter vocabulary: wrap every submodule (always_wrap_policy)
-ALWAYS_WRAP = "always"
+ALWAYS_WRAP = vocab.ALWAYS_WRAP
 
 
 class NestedWrappedModule(nn.Module):

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_conformance.device_handle import DeviceHandle
+from fsdp_conformance.device_handle import DeviceHandle, accelerator_available
 from fsdp_conformance.impl import runtime
 from fsdp_conformance.impl.api import (
     BackwardPrefetch,
@@ -25,7 +25,6 @@ from fsdp_conformance.impl.api import (
     MixedPrecision,
     ShardingStrategy,
 )
-from fsdp_conformance.impl.device import accelerator_available
 from fsdp_conformance.impl.flat_param import FlatParamHandle
 from fsdp_conformance.impl.forward import ForwardMixin
 from fsdp_conformance.impl.state import FSDPState, assert_state, fsdp_states
