@@ -1,0 +1,144 @@
+"""One way to patch a function of another library: recorded, idempotent, reversible, thread-safe.
+
+Every place that replaces an attribute of torch (or fairscale, DeepSpeed, ...) goes through
+`patch_attribute`: the replacement is built from the original once, the record names the
+target and the library version it was written against and the one running, a second call with
+the same key returns the first record instead of wrapping twice, and `PatchRecord.undo()`
+restores the original (only when nobody replaced it again since). `active_patches()` lists
+what is patched in this process, so a failure report can say which library internals were
+touched.
+
+Shared layer: imports nothing of this project.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+_lock = threading.RLock()
+# (id(owner), attribute, key) -> the live record
+_records: dict[tuple[int, str, str], PatchRecord] = {}
+
+
+@dataclasses.dataclass
+class PatchRecord:
+    """One attribute replaced by `patch_attribute`."""
+
+    # the object whose attribute was replaced (a module or a class)
+    owner: Any
+    # the attribute's name
+    attribute: str
+    # who patched it and why (e.g. "fsdp-conformance comm trace")
+    key: str
+    # the attribute's value before the patch
+    original: Any
+    # the value installed
+    replacement: Any
+    # "<library> <version>" the patch was written against (e.g. "torch 2.13.0"), "" if unsaid
+    written_for: str
+    # "<library> <version>" running when the patch was installed
+    running: str
+
+    @property
+    def target(self) -> str:
+        """``module.Class.attribute`` (or ``module.attribute``)."""
+        owner = self.owner
+        prefix = getattr(owner, "__module__", None)
+        name = getattr(owner, "__qualname__", None) or getattr(owner, "__name__", repr(owner))
+        if prefix and prefix != name:
+            return f"{prefix}.{name}.{self.attribute}"
+        return f"{name}.{self.attribute}"
+
+    def undo(self) -> bool:
+        """Restore the original; False (and nothing changed) when another patch replaced ours
+        since, or it was undone already."""
+        with _lock:
+            key = (id(self.owner), self.attribute, self.key)
+            if _records.get(key) is not self:
+                return False
+            if self.owner.__dict__.get(self.attribute, _MISSING) is not self.replacement:
+                if getattr(self.owner, self.attribute, _MISSING) is not self.replacement:
+                    return False
+            setattr(self.owner, self.attribute, self.original)
+            del _records[key]
+            return True
+
+    def __str__(self) -> str:
+        written = f", written for {self.written_for}" if self.written_for else ""
+        return f"{self.target} patched by {self.key!r}{written}, running {self.running}"
+
+
+_MISSING = object()
+
+
+def library_version(library: str) -> str:
+    """``"<library> <version>"`` of an imported library (``"<library> (not imported)"``)."""
+    module = sys.modules.get(library)
+    version = getattr(module, "__version__", None) if module is not None else None
+    if module is None:
+        return f"{library} (not imported)"
+    return f"{library} {version}" if version else library
+
+
+def patch_attribute(
+    owner: Any,
+    attribute: str,
+    make: Callable[[Any], Any],
+    *,
+    key: str,
+    written_for: str = "",
+    library: str = "torch",
+) -> PatchRecord:
+    """Replace ``owner.attribute`` with ``make(original)``, once per (owner, attribute, key).
+
+    Args:
+        owner: the module or class that holds the attribute.
+        attribute: the attribute's name; it must exist.
+        make: builds the replacement from the original (called once, under the lock).
+        key: who patches and why; a second call with the same key returns the first record.
+        written_for: the library version the patch was written and verified against.
+        library: the library whose running version is recorded (default torch).
+
+    Raises:
+        AttributeError: ``owner`` has no ``attribute`` (the library's internals moved); the
+            message names the target, the version running and the one the patch was written for.
+    """
+    if not isinstance(key, str) or not key:
+        raise ValueError(f"patch_attribute({attribute!r}): give a non-empty key naming the patcher")
+    with _lock:
+        record_key = (id(owner), attribute, key)
+        record = _records.get(record_key)
+        if record is not None:
+            return record
+        original = getattr(owner, attribute, _MISSING)
+        if original is _MISSING:
+            name = getattr(owner, "__qualname__", None) or getattr(owner, "__name__", repr(owner))
+            written = f" (written for {written_for})" if written_for else ""
+            raise AttributeError(
+                f"{name} has no attribute {attribute!r} under {library_version(library)}: the "
+                f"internals {key!r} patches moved{written}; use a supported version"
+            )
+        replacement = make(original)
+        setattr(owner, attribute, replacement)
+        record = PatchRecord(
+            owner, attribute, key, original, replacement, written_for, library_version(library)
+        )
+        _records[record_key] = record
+        return record
+
+
+def active_patches() -> list[PatchRecord]:
+    """The patches installed in this process, oldest first."""
+    with _lock:
+        return list(_records.values())
+
+
+def undo_all(key: str | None = None) -> int:
+    """Undo every patch (or those with ``key``), newest first; the number undone."""
+    with _lock:
+        records = [r for r in reversed(list(_records.values())) if key is None or r.key == key]
+        return sum(record.undo() for record in records)
