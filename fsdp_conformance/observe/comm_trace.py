@@ -111,12 +111,6 @@ class CommTrace:
     def __exit__(self, *exc_info: object) -> None:
         self._stack.close()
 
-    def detach(self) -> None:
-        """Drop the references to the model and adapter (keep the events, e.g. to cache)."""
-        self.root = None
-        self.adapter = None
-        self.instances = {}
-
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
         """Record the events inside the block under phase ``name``."""
