@@ -91,32 +91,6 @@ def trace_training(
     return trace, root
 
 
-# (adapter, model, rank, world size, device, config) -> trace, per rank process (and thread)
-_trace_cache: dict[tuple, CommTrace] = {}
-
-
-def cached_trace(adapter: Any, model_name: str, dist: Any, config: dict[str, Any]) -> CommTrace:
-    """``trace_training``'s trace, computed once per rank process for the same arguments.
-
-    The golden and the prefetch-happens checks read the same trace; in the harness's
-    ``process`` mode a rank set runs both, so the model trains once. The cached trace keeps its
-    events only (no model).
-    """
-    key = (
-        adapter.name,
-        model_name,
-        dist.rank,
-        dist.world_size,
-        str(dist.device),
-        tuple(sorted(config.items(), key=lambda item: item[0])),
-    )
-    if key not in _trace_cache:
-        trace, _ = trace_training(adapter, model_name, dist, config)
-        trace.detach()
-        _trace_cache[key] = trace
-    return _trace_cache[key]
-
-
 # ---------------------------------------------------------------------------- prefetch happens
 def _first(events: list[CommEvent], op: str | tuple[str, ...], label: str) -> int | None:
     ops = (op,) if isinstance(op, str) else op
@@ -321,7 +295,7 @@ class BasePrefetchOrderTests:
             _prefetch_config(backward_prefetch, forward_prefetch),
         ):
             config = _prefetch_config(backward_prefetch, forward_prefetch)
-            trace = cached_trace(fsdp_adapter, model_name, dist, config)
+            trace, _ = trace_training(fsdp_adapter, model_name, dist, config)
             label = f"adapter {fsdp_adapter.name!r}, {model_name}, {_describe(config)}"
             assert_prefetch_happens(trace, config, label)
 
@@ -345,7 +319,7 @@ class BasePrefetchOrderTests:
             import torch.distributed as tdist
 
             config = _prefetch_config(backward_prefetch, forward_prefetch)
-            trace = cached_trace(fsdp_adapter, model_name, dist, config)
+            trace, _ = trace_training(fsdp_adapter, model_name, dist, config)
             rendered = trace.render(ops=None)
             renders: list[Any] = [None] * dist.world_size
             tdist.all_gather_object(renders, rendered, group=dist.group)

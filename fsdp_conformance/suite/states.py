@@ -46,7 +46,7 @@ class BaseTrainingStateTests:
         "mixture_of_experts",
     )
     # Backward prefetch values combined with every sharding strategy
-    backward_prefetches: ClassVar[tuple[Any, ...]] = configs.BACKWARD_PREFETCHES
+    backward_prefetches: ClassVar[tuple[Any, ...]] = configs.BACKWARD_PREFETCH_CASES
 
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
         if "state_case" in metafunc.fixturenames:

@@ -38,7 +38,7 @@ ENV_TIMEOUT = vocab.ENV_TIMEOUT
 MAX_POOLED_RANKS = 8
 # Backends --fsdp-backend / FSDP_CONFORMANCE_BACKEND accept.
 BACKENDS = ("gloo", "nccl", "ucc", "mpi", "xccl")
-DEFAULT_TIMEOUT_S = 120.0
+DEFAULT_TIMEOUT_S = vocab.DEFAULT_TIMEOUT_S
 
 
 class OptionError(ValueError):
@@ -106,9 +106,9 @@ class RuntimeOptions:
     """Session-wide settings (pytest options, or environment variables outside pytest)."""
 
     # default mode: "process", "process-fresh" or "thread"
-    mode: str = "process"
+    mode: str = vocab.DEFAULT_MODE
     # seconds a test may run in its ranks before it is failed with stack dumps
-    timeout: float = 120.0
+    timeout: float = DEFAULT_TIMEOUT_S
     # world size for tests that do not say
     world_size: int = 2
     # --fsdp-impl: FSDP implementation under test, passed to the ranks as dist.impl
