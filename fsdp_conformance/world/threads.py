@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from fsdp_conformance._patching import patch_attribute
-from fsdp_conformance.world import collectives, execute, hooks, isolation, rank_main
+from fsdp_conformance.world import collectives, execute, hooks, isolation
 from fsdp_conformance.world.context import RankContext
 from fsdp_conformance.world.protocol import (
     ABORTED,
