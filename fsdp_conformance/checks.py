@@ -264,3 +264,20 @@ def verdict_of_outcome(
     if recorded.get(PROPERTY_VERDICT) == verdict:
         return verdict, recorded.get(PROPERTY_REASON, "")
     return verdict, "" if verdict == PASS else " ".join(text.split())
+
+
+def registry_table() -> str:
+    """The registry as a Markdown table (docs/checks.md holds it, checked by a test)."""
+    lines = [
+        "| check id | promise | tests | needs | strict | case (`Deviation.applies`) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for check in CHECKS.values():
+        tests = "<br>".join(f"`{test}`" for test in check.tests)
+        needs = ", ".join(f"`{feature}`" for feature in check.features) or "—"
+        case = check.case or "None"
+        strict = "yes" if check.strict else "no"
+        lines.append(
+            f"| `{check.id}` | {check.description} | {tests} | {needs} | {strict} | {case} |"
+        )
+    return "\n".join(lines)

@@ -100,3 +100,16 @@ def test_the_old_check_ids_name_is_the_registry():
 )
 def test_verdict_of_outcome_prefers_pytests_outcome(outcome, xfail, recorded, expected):
     assert checks.verdict_of_outcome(outcome, xfail, recorded, "boom") == expected
+
+
+def test_docs_checks_md_holds_the_registry_table():
+    import pathlib
+
+    doc = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "checks.md").read_text()
+    begin, end = "<!-- registry:begin -->\n", "\n<!-- registry:end -->"
+    assert begin in doc and end in doc, "docs/checks.md lost its registry markers"
+    copy = doc.split(begin, 1)[1].split(end, 1)[0]
+    assert copy == checks.registry_table(), (
+        "docs/checks.md's registry table is stale; regenerate it with "
+        "checks.registry_table() (see the section 'The check registry')"
+    )
