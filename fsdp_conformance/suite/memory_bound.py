@@ -27,8 +27,8 @@ torch FSDP1 deviation.
 
 An adapter declares the cases its implementation exceeds the bound on as a known deviation
 (``Deviation("memory_bound", reason, applies=lambda case: ...)``, the case a ``BoundCase``):
-such cases are strict expected failures. The class attribute ``known_deviations`` (adapter
-name -> function(case) -> reason or None) still works but is deprecated.
+such cases are strict expected failures. (The suite class's old ``known_deviations`` attribute
+is gone: a subclass that still sets it gets a TypeError naming the fix.)
 """
 
 from __future__ import annotations
@@ -359,6 +359,47 @@ def check_residency(
         )
 
 
+def check_shard_grad_op_forward(
+    tracker: ResidencyTracker,
+    case: BoundCase,
+    label: str,
+    own_bound: StreamOrderedBound | None = None,
+    layers: int = LAYERS,
+) -> None:
+    """SHARD_GRAD_OP's first forward keeps every instance's unsharded parameters, and no more.
+
+    A promise with two sides, checked as two bounds (never as one exact count of a release):
+
+    - at least ``layers`` resident: each instance is all-gathered once and kept until backward
+      (no reshard after forward). This lower bound is also what makes the backward bound worth
+      something: it proves the tracker sees the buffers the strategy keeps;
+    - at most ``layers`` + the all-gather outputs an implementation may hold in flight
+      (``own_bound.forward_outputs``: 2 for torch FSDP2, whose releases differ in how long the
+      previous output is kept -- 2 up to 2.14, 1 from 2.15; 0 for a limiter that gathers into
+      the unsharded buffer itself).
+
+    Raises:
+        AssertionError: "SHARD_GRAD_OP forward keeps too few" / "holds more than" messages,
+            naming the config, the peak and the bound.
+    """
+    peak = tracker.peak(1, "forward").resident
+    in_flight = 0 if own_bound is None else own_bound.forward_outputs
+    most = layers + in_flight
+    where = f"{label}, {case.describe()}"
+    if peak < layers:
+        raise AssertionError(
+            f"SHARD_GRAD_OP forward keeps too few buffers: iteration 1 forward should all-gather "
+            f"all {layers} instances and keep them (no reshard after forward), peak "
+            f"{peak} < {layers} resident non-root unsharded buffers\n  {where}"
+        )
+    if peak > most:
+        raise AssertionError(
+            f"SHARD_GRAD_OP forward holds more than it keeps: iteration 1 forward peak {peak} "
+            f"resident non-root buffers > {most} ({layers} kept unsharded + {in_flight} "
+            f"all-gather outputs in flight)\n  {where}"
+        )
+
+
 # ---------------------------------------------------------------------------- known deviations
 def fsdp1_queue_deviation(case: BoundCase) -> str | None:
     """Deprecated: the torch-fsdp1 adapter's ``memory_bound`` deviation for ``case`` (or None)."""
@@ -410,13 +451,19 @@ class BaseMemoryBoundTests:
     adapter and the feature.
     """
 
-    # Deprecated (declare Adapter.known_deviations): adapter name -> function(case) -> reason;
-    # such cases are strict expected failures
-    known_deviations: ClassVar[dict[str, Callable[[BoundCase], str | None]]] = KNOWN_DEVIATIONS
     # Lagging-device variants to run every CPU case under
     lag_variants: ClassVar[tuple[str, ...]] = LAG_VARIANTS
     # Adapter name -> its own bound (stream-ordered implementations), see OWN_BOUNDS
     own_bounds: ClassVar[dict[str, StreamOrderedBound]] = OWN_BOUNDS
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "known_deviations" in cls.__dict__:
+            raise TypeError(
+                f"{cls.__name__}.known_deviations: the suite class no longer takes deviations; "
+                "declare them on the adapter instead (Adapter.known_deviations = "
+                "(Deviation('memory_bound', reason, applies=lambda case: ...),), docs/adapters.md)"
+            )
 
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
         if "bound_case" in metafunc.fixturenames:
@@ -437,11 +484,8 @@ class BaseMemoryBoundTests:
     def _expect_deviation(
         self, adapter: Adapter, case: BoundCase
     ) -> contextlib.AbstractContextManager[None]:
-        """``expect_deviation`` for check "memory_bound", honouring the deprecated attribute."""
-        legacy = self.known_deviations.get(adapter.name)
-        return expect_deviation(
-            adapter, "memory_bound", case, fallback=None if legacy is None else legacy(case)
-        )
+        """``expect_deviation`` for check "memory_bound" (the adapter's declared deviations)."""
+        return expect_deviation(adapter, "memory_bound", case)
 
     def test_limited_all_gathers_stay_within_bound(
         self, fsdp_adapter: Adapter, dist: Any, bound_case: BoundCase
@@ -472,16 +516,11 @@ class BaseMemoryBoundTests:
         case = shard_grad_op_case
         tracker = measure_residency(fsdp_adapter, dist.group, case.wrap_config, case.lag)
         own_bound = own_bound_of(fsdp_adapter, self.own_bounds)
-        # forward is exempt: SHARD_GRAD_OP keeps every buffer until backward, by design
-        first_forward = tracker.peak(1, "forward")
-        kept = LAYERS if own_bound is None else own_bound.shard_grad_op_forward(LAYERS)
+        label = f"adapter {fsdp_adapter.name!r}"
         with self._expect_deviation(fsdp_adapter, case):
-            assert first_forward.resident == kept, (
-                f"adapter {fsdp_adapter.name!r}, {case.describe()}: iteration 1 forward should "
-                f"all-gather all {LAYERS} instances and keep them (no reshard after forward): "
-                f"{kept} resident buffers; peak {first_forward.resident}"
-            )
-            check_residency(tracker, case, f"adapter {fsdp_adapter.name!r}", own_bound)
+            # forward is exempt from the bound: SHARD_GRAD_OP keeps every buffer until backward
+            check_shard_grad_op_forward(tracker, case, label, own_bound)
+            check_residency(tracker, case, label, own_bound)
 
     @pytest.mark.cuda
     def test_cuda_allocator_peak_within_bound(
