@@ -5,6 +5,7 @@ the unwrapped reference), is seeded without the global RNG, and has `get_input(d
 `get_loss(input, output)` and `run_backward(loss)`. The caller wraps the root, with the model's
 `ROOT_WRAP_CONFIG` merged into its config. No module here imports an FSDP implementation.
 """
+
 from __future__ import annotations
 
 from .common import DelayHooks, DeviceInit, Wrap, move_after_wrap, move_before_wrap, seeded_init_

@@ -8,6 +8,7 @@ races between ranks. So the zoo never draws from the global generator: parameter
 Dropout is 0 everywhere for the same reason (a forward that draws random numbers cannot be
 compared with a reference run).
 """
+
 from __future__ import annotations
 
 import enum
@@ -40,9 +41,7 @@ class DelayHooks(Protocol):
     ``instance`` frees its unsharded parameters.
     """
 
-    def delay_before_reduction(
-        self, delay: Callable[[], None]
-    ) -> AbstractContextManager[None]: ...
+    def delay_before_reduction(self, delay: Callable[[], None]) -> AbstractContextManager[None]: ...
 
     def delay_before_free(
         self, instance: nn.Module, delay: Callable[[], None]
@@ -116,3 +115,13 @@ def seeded_init_(module: nn.Module, seed: int) -> nn.Module:
         param.copy_(values.to(param.dtype))
     return module
 
+
+def run_loss_backward(
+    loss: torch.Tensor, backward: Callable[[torch.Tensor], None] | None = None
+) -> None:
+    """`backward(loss)` when the caller gives its own backward (an adapter whose engine owns
+    backward: ``Adapter.backward``), else ``loss.backward()``."""
+    if backward is None:
+        loss.backward()
+    else:
+        backward(loss)

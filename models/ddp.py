@@ -3,6 +3,7 @@
 Real DDP would average the expert's per-rank gradients too; DummyDDP only forwards, and the
 model's `run_backward` averages the shared gradients.
 """
+
 from __future__ import annotations
 
 from typing import Any

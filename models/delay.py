@@ -7,6 +7,7 @@ at all on a CPU-only host. ``sleep_ms(ms, device)`` is the one primitive the zoo
   as it does in real training); the cycles per millisecond are calibrated once per process.
 - CPU:  ``time.sleep`` — the CPU *is* the device, so blocking the calling thread is the delay.
 """
+
 from __future__ import annotations
 
 import time
@@ -31,9 +32,7 @@ def cycles_per_ms(device: torch.device | str) -> float:
     return _cuda_cycles_per_ms
 
 
-def _calibrate_cuda(
-    device: torch.device, test_cycles: int = 1_000_000, repeats: int = 5
-) -> float:
+def _calibrate_cuda(device: torch.device, test_cycles: int = 1_000_000, repeats: int = 5) -> float:
     """Median of ``repeats`` timed ``torch.cuda._sleep(test_cycles)`` runs, after a warm-up."""
     rates = []
     with torch.cuda.device(device):

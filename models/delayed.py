@@ -9,8 +9,10 @@ that called that private name.
 
     model = NestedWrappedModuleWithDelay(group, wrap=adapter.wrapper(), delay_after_loss_ms=5)
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
 
@@ -69,13 +71,15 @@ class ModuleWithDelay(nn.Module):
         sleep_ms(self.delay_after_loss_ms, loss.device)
         return loss
 
-    def run_backward(self, loss: torch.Tensor) -> None:
+    def run_backward(
+        self, loss: torch.Tensor, backward: Callable[[torch.Tensor], None] | None = None
+    ) -> None:
         delayed_reduction = nullcontext()
         if self.delay_before_reduction_ms > 0 and self._wrap is not None:
             ms, device = self.delay_before_reduction_ms, loss.device
             delayed_reduction = self._wrap.delay_before_reduction(lambda: sleep_ms(ms, device))
         with delayed_reduction:
-            self.module.run_backward(loss)
+            self.module.run_backward(loss, backward)
 
 
 class NestedWrappedModuleWithDelay(ModuleWithDelay):

@@ -13,8 +13,10 @@ unsharded parameters (through the wrap's `delay_before_free` hook).
     (x,) = model.get_input(device)               # (4, 8)
     model.run_backward(model.get_loss((x,), root(x)))
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any, ClassVar
 
@@ -29,6 +31,7 @@ from .common import (
     generator,
     maybe_wrap,
     move_before_wrap,
+    run_loss_backward,
     seeded_init_,
 )
 from .delay import sleep_ms
@@ -114,8 +117,10 @@ class MixtureOfExperts(nn.Module):
     def get_loss(self, input: tuple[torch.Tensor], output: torch.Tensor) -> torch.Tensor:
         return output.sum()
 
-    def run_backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
+    def run_backward(
+        self, loss: torch.Tensor, backward: Callable[[torch.Tensor], None] | None = None
+    ) -> None:
+        run_loss_backward(loss, backward)
         if self.wrapped:
             return
         # The unwrapped reference averages the shared gradients itself (experts stay local).

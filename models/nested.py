@@ -12,14 +12,24 @@ for `auto_wrap_policy="always"` (every submodule becomes an instance, inner firs
     (x,) = model.get_input(device)               # (4, 8)
     model.run_backward(model.get_loss((x,), root(x)))
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from .common import DeviceInit, Wrap, generator, maybe_wrap, move_before_wrap, seeded_init_
+from .common import (
+    DeviceInit,
+    Wrap,
+    generator,
+    maybe_wrap,
+    move_before_wrap,
+    run_loss_backward,
+    seeded_init_,
+)
 
 # auto_wrap_policy value of the adapter vocabulary: wrap every submodule (always_wrap_policy)
 ALWAYS_WRAP = "always"
@@ -50,8 +60,13 @@ class NestedWrappedModule(nn.Module):
         super().__init__()
         self.rank = group.rank()
         self.world_size = group.size()
-        layers = [nn.Linear(8, 4), nn.Linear(4, 16), nn.Linear(16, 16), nn.Linear(16, 4),
-                  nn.Linear(4, 8)]
+        layers = [
+            nn.Linear(8, 4),
+            nn.Linear(4, 16),
+            nn.Linear(16, 16),
+            nn.Linear(16, 4),
+            nn.Linear(4, 8),
+        ]
         for index, layer in enumerate(layers):
             seeded_init_(layer, seed=index)  # the same init on every rank, whatever is wrapped
             move_before_wrap(layer, device_init, device)
@@ -82,8 +97,10 @@ class NestedWrappedModule(nn.Module):
     def get_loss(self, input: tuple[torch.Tensor], output: torch.Tensor) -> torch.Tensor:
         return output.sum()
 
-    def run_backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
+    def run_backward(
+        self, loss: torch.Tensor, backward: Callable[[torch.Tensor], None] | None = None
+    ) -> None:
+        run_loss_backward(loss, backward)
 
 
 class AlwaysWrapNestedWrappedModule(NestedWrappedModule):

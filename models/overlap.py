@@ -7,6 +7,7 @@ parameter, so wrapping it makes an FSDP instance with something to all-gather.
     layers = nn.Sequential(*[wrap(Layer(1_000_000, has_params=True)) for _ in range(4)])
     y = layers(x); layers[0].module.get_time()   # ms of the last forward (device time on CUDA)
 """
+
 from __future__ import annotations
 
 import time

@@ -10,15 +10,25 @@ BatchNorm (running-stat buffers), and — when wrapped — one instance per enco
     loss = model.get_loss((src, tgt), root(src, tgt))
     model.run_backward(loss)
 """
+
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from .common import DeviceInit, Wrap, generator, maybe_wrap, move_before_wrap, seeded_init_
+from .common import (
+    DeviceInit,
+    Wrap,
+    generator,
+    maybe_wrap,
+    move_before_wrap,
+    run_loss_backward,
+    seeded_init_,
+)
 
 
 class TransformerWithSharedParams(nn.Module):
@@ -102,5 +112,7 @@ class TransformerWithSharedParams(nn.Module):
             output.view(-1, output.size(-1)), tgt.view(-1), reduction="sum"
         )
 
-    def run_backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
+    def run_backward(
+        self, loss: torch.Tensor, backward: Callable[[torch.Tensor], None] | None = None
+    ) -> None:
+        run_loss_backward(loss, backward)

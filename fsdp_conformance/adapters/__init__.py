@@ -4,6 +4,7 @@
 protocol is `Adapter` (base.py), feature names are `Feature` (features.py), canonical states are
 `InstanceState` / `RootState` (states.py). See docs/adapters.md.
 """
+
 from __future__ import annotations
 
 from .base import (

@@ -138,6 +138,16 @@ class Adapter:
     # Attribute names the implementation's wrappers insert into parameter names, removed by
     # `clean_param_name` (torch FSDP1's `_fsdp_wrapped_module` is always removed)
     wrapper_segments: tuple[str, ...] = ()
+    # How gradients are combined across ranks: "mean" (FSDP and DDP average) or "sum" (e.g.
+    # torchtitan's SimpleFSDP); under "sum" the suite divides the loss by the world size before
+    # backward in the FSDP run, so parity with DDP still holds
+    grad_reduction: str = "mean"
+    # False: the implementation has no per-instance training state, only root (coarse) states;
+    # the training-state checks then check what exists and say what they could not check
+    instance_states: bool = True
+    # While `_wrap` runs: True for the root (outermost) call, False for a nested one, None when
+    # the caller did not say (`wrap(..., root=...)`)
+    wrapping_root: bool | None = None
 
     # ------------------------------------------------------------------ known deviations
     def deviation(self, check: str, case: Any = None) -> str | None:
@@ -181,6 +191,12 @@ class Adapter:
     def on_test_end(self) -> None:
         """Called in each rank after every harness test, before non-default process groups are
         destroyed: drop anything cached per process group (the default group survives)."""
+
+    def support_problem(self) -> str | None:
+        """None when the installed libraries are inside this adapter's declared, tested support
+        range; else one line naming the installed and the supported versions (every cell of the
+        adapter then skips with it)."""
+        return None
 
     # ------------------------------------------------------------------ capabilities
     def unsupported(self) -> dict[str, str]:
@@ -235,21 +251,37 @@ class Adapter:
         return features_for(normalize_config(config))
 
     # ------------------------------------------------------------------ wrapping
-    def wrap(self, module: nn.Module, *, process_group: Any = None, **config: Any) -> nn.Module:
+    def wrap(
+        self,
+        module: nn.Module,
+        *,
+        process_group: Any = None,
+        root: bool | None = None,
+        **config: Any,
+    ) -> nn.Module:
         """Wrap `module` as an FSDP instance (children first if `auto_wrap_policy` is given).
 
         Args:
             module: the module to shard; already-wrapped submodules stay their own instances.
             process_group: the group to shard over (None = the default group).
+            root: True for the root (outermost) call, False for a nested one, None when not
+                known; `_wrap` reads it as `self.wrapping_root` (an implementation that builds
+                one engine per model builds it here, so misuse surfaces at wrap time).
             **config: the seed's FSDP1 keywords, see [Note: config vocabulary] in features.py.
 
         Raises:
             UnsupportedFeatureError: the config needs a feature this adapter lacks.
         """
+        if root is not None and not isinstance(root, bool):
+            raise TypeError(f"{self.name} wrap: root={root!r} must be True, False or None")
         normalized = normalize_config(config)
         self.check(*features_for(normalized))
         self._check_values(normalized)
-        return self._wrap(module, process_group, normalized)
+        previous, self.wrapping_root = self.wrapping_root, root
+        try:
+            return self._wrap(module, process_group, normalized)
+        finally:
+            self.wrapping_root = previous
 
     def wrapper(self, *, process_group: Any = None, **config: Any) -> AdapterWrap:
         """A `wrap` callable for the model zoo: `wrapper(**config)(module, **overrides)`.
@@ -358,6 +390,85 @@ class Adapter:
         with self.observe(on_op, [instance]):
             yield
 
+    # ------------------------------------------------------------------ training loop
+    def optimizer(
+        self, model: nn.Module, name: str = "sgd", **hyperparameters: Any
+    ) -> torch.optim.Optimizer:
+        """The optimizer every check's training loop uses: the implementation's own where it
+        owns its master weights and step (an engine), else torch's over `model.parameters()`.
+
+        Args:
+            model: the wrapped root.
+            name: "sgd", "adam" or "adamw".
+            **hyperparameters: keyword arguments of the torch optimizer (lr, momentum, ...).
+        """
+        classes = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
+        if name not in classes:
+            raise ValueError(
+                f"{self.name} optimizer: unknown optimizer {name!r}; use one of {sorted(classes)}"
+            )
+        return classes[name](model.parameters(), **hyperparameters)
+
+    def backward(self, model: nn.Module, loss: torch.Tensor) -> None:
+        """Run backward of `loss` (an engine that scales or owns backward overrides this)."""
+        loss.backward()
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
+        """Context manager: a backward inside accumulates gradients without reducing them
+        (FSDP1's ``no_sync()``; FSDP2's ``set_requires_gradient_sync(False)``)."""
+        self.check(Feature.GRADIENT_ACCUMULATION)
+        method = getattr(model, "no_sync", None)
+        if method is None:
+            raise UnsupportedFeatureError(
+                self.name,
+                Feature.GRADIENT_ACCUMULATION,
+                f"the root {type(model).__name__} has no no_sync(); override Adapter.no_sync",
+            )
+        return method()
+
+    def clip_grad_norm_(
+        self, model: nn.Module, max_norm: float, norm_type: float = 2.0
+    ) -> torch.Tensor:
+        """Clip the gradients of `model` by their global norm; returns the total norm before
+        clipping (as ``torch.nn.utils.clip_grad_norm_`` over the unsharded model would)."""
+        self.check(Feature.CLIP_GRAD_NORM)
+        method = getattr(model, "clip_grad_norm_", None)
+        if method is None:
+            raise UnsupportedFeatureError(
+                self.name,
+                Feature.CLIP_GRAD_NORM,
+                f"the root {type(model).__name__} has no clip_grad_norm_(); override "
+                "Adapter.clip_grad_norm_",
+            )
+        return method(max_norm, norm_type)
+
+    def state_dict(self, model: nn.Module) -> dict[str, Any]:
+        """The implementation's own full (unsharded) model state dict, on every rank."""
+        return model.state_dict()
+
+    def load_state_dict(self, model: nn.Module, state_dict: dict[str, Any]) -> None:
+        """Load a state dict from `state_dict` the implementation's own way."""
+        model.load_state_dict(state_dict)
+
+    def save_checkpoint(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, directory: str
+    ) -> None:
+        """Collective: save model and optimizer state into `directory` (shared by all ranks)
+        the implementation's way (e.g. torch.distributed.checkpoint)."""
+        self.check(Feature.CHECKPOINT_RESUME)
+        raise UnsupportedFeatureError(
+            self.name, Feature.CHECKPOINT_RESUME, "override Adapter.save_checkpoint"
+        )
+
+    def load_checkpoint(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, directory: str
+    ) -> None:
+        """Collective: load what `save_checkpoint` wrote, also at another world size."""
+        self.check(Feature.CHECKPOINT_RESUME)
+        raise UnsupportedFeatureError(
+            self.name, Feature.CHECKPOINT_RESUME, "override Adapter.load_checkpoint"
+        )
+
     # ------------------------------------------------------------------ primitives
     def _wrap(self, module: nn.Module, process_group: Any, config: dict[str, Any]) -> nn.Module:
         raise NotImplementedError
@@ -396,7 +507,8 @@ class AdapterWrap:
     def __call__(self, module: nn.Module, **overrides: Any) -> nn.Module:
         config = {**self.config, **overrides}
         process_group = config.pop("process_group", None)
-        return self.adapter.wrap(module, process_group=process_group, **config)
+        root = config.pop("root", False)  # the zoo's wrap callable wraps nested instances
+        return self.adapter.wrap(module, process_group=process_group, root=root, **config)
 
     def delay_before_reduction(
         self, delay: Callable[[], None]

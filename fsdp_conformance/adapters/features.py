@@ -17,8 +17,10 @@ default. Values are normalised by `normalize_config` into:
                       the root is always wrapped by the call itself)
   sync_module_states  bool
   device_id           None | torch.device | int
+  use_orig_params     bool   (torch FSDP1's flag; needs `use_orig_params` when True)
   process_group       None | ProcessGroup   (keyword of `wrap` itself)
 """
+
 from __future__ import annotations
 
 import enum
@@ -56,6 +58,17 @@ class Feature:
     ASSERT_STATE = "assert_state"  # the implementation's own state assertion
     COMM_TRACE = "comm_trace"  # `observe`: all-gathers, frees, reductions labelled by instance
     DEVICE_HANDLE = "device_handle"  # `install_device_handle` (e.g. observe's lagging device)
+    # - Training loops around the wrapper (docs/adapters.md, "Training loops")
+    GRADIENT_ACCUMULATION = "gradient_accumulation"  # `no_sync(model)`: backward without reduction
+    CLIP_GRAD_NORM = "clip_grad_norm"  # `clip_grad_norm_(model, max_norm, norm_type)`
+    FROZEN_PARAMETERS = "frozen_parameters"  # a whole wrapped submodule with requires_grad=False
+    # frozen and trainable parameters in one instance (FSDP2 natively, FSDP1 use_orig_params)
+    FROZEN_PARAMETERS_MIXED = "frozen_parameters_mixed"
+    ACTIVATION_CHECKPOINTING = "activation_checkpointing"  # torch.utils.checkpoint in blocks
+    # unused parameters in some iterations, two forwards before one backward, no_grad eval
+    FORWARD_VARIANTS = "forward_variants"
+    CHECKPOINT_RESUME = "checkpoint_resume"  # `save_checkpoint` / `load_checkpoint`
+    USE_ORIG_PARAMS = "use_orig_params"  # the use_orig_params=True config key (torch FSDP1)
 
 
 ALL_FEATURES: frozenset[str] = frozenset(
@@ -75,6 +88,7 @@ CONFIG_KEYS = (
     "auto_wrap_policy",
     "sync_module_states",
     "device_id",
+    "use_orig_params",
 )
 
 
@@ -111,7 +125,12 @@ def normalize_config(config: dict[str, Any]) -> dict[str, Any]:
             out[key] = _enum_name(key, value, SHARDING_STRATEGIES)
         elif key == "backward_prefetch":
             out[key] = None if value is None else _enum_name(key, value, BACKWARD_PREFETCHES)
-        elif key in ("forward_prefetch", "limit_all_gathers", "sync_module_states"):
+        elif key in (
+            "forward_prefetch",
+            "limit_all_gathers",
+            "sync_module_states",
+            "use_orig_params",
+        ):
             out[key] = bool(value)
         elif key == "cpu_offload":
             out[key] = bool(getattr(value, "offload_params", value))
@@ -149,7 +168,8 @@ def features_for(config: dict[str, Any]) -> frozenset[str]:
     if "backward_prefetch" in config:
         prefetch = config["backward_prefetch"]
         needed.add(
-            Feature.BACKWARD_PREFETCH_NONE if prefetch is None
+            Feature.BACKWARD_PREFETCH_NONE
+            if prefetch is None
             else f"backward_prefetch_{prefetch.removeprefix('BACKWARD_').lower()}"
         )
     if config.get("forward_prefetch"):
@@ -167,6 +187,8 @@ def features_for(config: dict[str, Any]) -> frozenset[str]:
         needed.add(Feature.AUTO_WRAP_POLICY)
     if config.get("sync_module_states"):
         needed.add(Feature.SYNC_MODULE_STATES)
+    if config.get("use_orig_params"):
+        needed.add(Feature.USE_ORIG_PARAMS)
     return frozenset(needed)
 
 

@@ -4,6 +4,7 @@ The reference implementation exposes everything the suite observes directly (ins
 handle training states, `is_unsharded`, an injectable device handle, and `impl.trace`), so this
 adapter patches nothing.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -4,6 +4,7 @@ Adapters are never pickled: every rank calls `get_adapter` with the same string.
 Names: "impl", "torch-fsdp1", "torch-fsdp2", "fairscale", or "pkg.module:ATTR" where ATTR is an `Adapter`
 instance, an `Adapter` subclass, or a zero-argument factory returning one.
 """
+
 from __future__ import annotations
 
 import importlib

@@ -10,6 +10,7 @@ Measured on torch 2.13.0 (CPU build, gloo, world size 2; tests/adapters/test_tor
 - all-gathers go through `dist.all_gather` with a tensor list, reductions through
   `dist.reduce_scatter_single` (NO_SHARD: `dist.all_reduce`), synchronously on CPU.
 """
+
 from __future__ import annotations
 
 import weakref

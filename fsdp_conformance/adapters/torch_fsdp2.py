@@ -24,6 +24,7 @@ Mapping of the FSDP1 vocabulary (torch 2.13.0):
 - auto_wrap_policy: emulated by this adapter (fully_shard each matching submodule, inner first).
 - summon_full_params: emulated with `FSDPModule.unshard()` / `reshard()`; no writeback.
 """
+
 from __future__ import annotations
 
 import contextlib

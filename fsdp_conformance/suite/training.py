@@ -10,6 +10,7 @@ compares losses and full parameters, naming the config and the first parameter t
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -45,20 +46,29 @@ def train(
     steps: int = STEPS,
     after_backward: Callable[[int], None] | None = None,
     after_step: Callable[[int], None] | None = None,
+    adapter: Adapter | None = None,
 ) -> torch.Tensor:
     """`steps` SGD+momentum steps of `model` (a wrapped `zoo_model`); returns the fp32 losses.
 
     Args:
         after_backward: called with the step index after backward, before optimizer.step().
         after_step: called with the step index after optimizer.step().
+        adapter: the adapter that wrapped `model`: the optimizer and backward are its own
+            (`Adapter.optimizer`, `Adapter.backward`); None (the DDP reference) uses torch's.
     """
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    if adapter is None:
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    else:
+        optimizer = adapter.optimizer(model, "sgd", lr=LR, momentum=MOMENTUM)
     losses = []
     for step in range(steps):
         optimizer.zero_grad()
         inputs = zoo_model.get_input(device)
         loss = zoo_model.get_loss(inputs, model(*inputs))
-        zoo_model.run_backward(loss)
+        if adapter is None:
+            zoo_model.run_backward(loss)
+        else:
+            zoo_model.run_backward(loss, functools.partial(adapter_backward, adapter, model))
         if after_backward is not None:
             after_backward(step)
         optimizer.step()
@@ -66,6 +76,17 @@ def train(
             after_step(step)
         losses.append(loss.detach().float())
     return torch.stack(losses)
+
+
+def adapter_backward(adapter: Adapter, model: nn.Module, loss: torch.Tensor) -> None:
+    """Backward of `loss` through `adapter` (`Adapter.backward`); under
+    ``grad_reduction == "sum"`` the loss is divided by the world size first, so summed gradients
+    equal DDP's averaged ones."""
+    if adapter.grad_reduction == "sum":
+        import torch.distributed as dist
+
+        loss = loss / (dist.get_world_size() if dist.is_initialized() else 1)
+    adapter.backward(model, loss)
 
 
 # (model, rank, world size, device, steps) -> result; per rank process (and per rank thread)
@@ -112,7 +133,7 @@ def wrap_model(
     adapter.require(*adapter.features_for(**root_config))
     if DeviceInit(device_init) is DeviceInit.NEVER and dist.device.type != "cpu":
         root_config.setdefault("device_id", dist.device)  # the implementation moves it
-    root = adapter.wrap(zoo_model, **root_config)
+    root = adapter.wrap(zoo_model, root=True, **root_config)
     root = move_after_wrap(root, DeviceInit(device_init), dist.device)
     return root, zoo_model
 
@@ -127,7 +148,7 @@ def fsdp_run(
 ) -> TrainingResult:
     """The zoo model wrapped by `adapter` with `config`, trained `steps` steps."""
     root, zoo_model = wrap_model(adapter, model_name, dist, config, device_init)
-    losses = train(root, zoo_model, dist.device, steps)
+    losses = train(root, zoo_model, dist.device, steps, adapter=adapter)
     return TrainingResult(losses, adapter.full_params(root))
 
 
