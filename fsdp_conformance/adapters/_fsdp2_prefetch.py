@@ -59,7 +59,8 @@ def configure_prefetch(module: nn.Module, forward: bool, backward: Any, given: b
 
 
 def _record_order(module: nn.Module, args: Any) -> None:
-    if internals.is_root(internals.fsdp_state(module)) is not False:  # None before the root's lazy init, True after
+    # _is_root: None before the root's lazy init, True after
+    if internals.is_root(internals.fsdp_state(module)) is not False:
         entry = getattr(module, _PREFETCH_ORDER, None)
         if entry is None:
             entry = {"order": [], "post": [], "applied": False}

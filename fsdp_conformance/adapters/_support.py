@@ -62,7 +62,9 @@ class SupportRange:
 
     def __post_init__(self) -> None:
         if release(self.minimum) >= release(self.below):
-            raise ValueError(f"SupportRange({self.library}): minimum {self.minimum} >= {self.below}")
+            raise ValueError(
+                f"SupportRange({self.library}): minimum {self.minimum} >= {self.below}"
+            )
 
     @property
     def spec(self) -> str:

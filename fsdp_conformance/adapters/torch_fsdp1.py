@@ -165,7 +165,8 @@ class TorchFSDP1Adapter(Adapter):
         return {
             Feature.CPU_OFFLOAD: (
                 "torch FSDP1 CPU offload needs an accelerator: on a CPU-only host forward fails "
-                "with 'Cannot access accelerator device when none is available' (torch 2.13.0)"
+                "with 'Cannot access accelerator device when none is available' (a CUDA build: "
+                "'Found no NVIDIA driver') (torch 2.13.0)"
             ),
             Feature.SYNC_MODULE_STATES: (
                 "torch FSDP1 sync_module_states needs the module on GPU: on a CPU-only host "

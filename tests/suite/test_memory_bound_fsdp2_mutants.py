@@ -1,6 +1,7 @@
 """The memory-bound check holds torch FSDP2 to its own bound and fails on broken FSDP2 variants.
 
-Each test breaks `FSDPParamGroup` (torch 2.8.0 to 2.15.0) inside the rank body with `mock.patch.object`,
+Each test breaks `FSDPParamGroup` (torch 2.8.0 to 2.15.0) inside the rank body with
+`mock.patch.object`,
 which restores it when the block ends, and asserts the check's failure message.
 """
 

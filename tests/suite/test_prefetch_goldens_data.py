@@ -219,7 +219,9 @@ def test_on_another_torch_a_difference_fails_with_the_diff_never_skips(not_accep
     with pytest.raises(AssertionError) as failure:
         prefetch_goldens.check_golden("torch-fsdp2", CASE, changed)
     message = str(failure.value)
-    assert "recorded on torch 2.13 (no golden for torch 2.99 yet): a difference to review" in message
+    assert "recorded on torch 2.13 (no golden for torch 2.99 yet): a difference to review" in (
+        message
+    )
     assert "accepting records a golden for torch 2.99" in message
     assert "--- golden torch-fsdp2/" in message and "(torch 2.13)" in message
     assert "+" in message and "IDLE" in message
