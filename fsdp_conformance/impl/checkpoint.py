@@ -13,23 +13,18 @@ at another (resharding). Both are collectives over ``root.process_group``.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
-if TYPE_CHECKING:
-    from fsdp_conformance.impl.flat_param import FlatParamHandle
-    from fsdp_conformance.impl.fully_sharded import FullyShardedDataParallel
+from torch import nn
 
 FILE_NAME = "impl_checkpoint.pt"
 FORMAT = "fsdp_conformance.impl checkpoint v1"
 
 
-def save_checkpoint(
-    root: FullyShardedDataParallel, optimizer: torch.optim.Optimizer, directory: str
-) -> None:
+def save_checkpoint(root: nn.Module, optimizer: torch.optim.Optimizer, directory: str) -> None:
     """Write model and optimizer state of ``root`` into ``directory`` (shared by all ranks)."""
     handles = _flat_handles(root)
     model_state = {key: _cpu(value) for key, value in root.state_dict().items()}
@@ -69,9 +64,7 @@ def save_checkpoint(
     dist.barrier(group=group)
 
 
-def load_checkpoint(
-    root: FullyShardedDataParallel, optimizer: torch.optim.Optimizer, directory: str
-) -> None:
+def load_checkpoint(root: nn.Module, optimizer: torch.optim.Optimizer, directory: str) -> None:
     """Load what ``save_checkpoint`` wrote, at this world size (resharding as needed)."""
     path = os.path.join(directory, FILE_NAME)
     if not os.path.exists(path):
@@ -97,13 +90,18 @@ def load_checkpoint(
         handle = handles.get(id(param))
         entry = {}
         for key, value in payload["optimizer"][names[index]].items():
-            if handle is not None and isinstance(value, torch.Tensor) and value.dim() == 1 and (
-                value.numel() == handle.numel and value.numel() != 1
+            if (
+                handle is not None
+                and isinstance(value, torch.Tensor)
+                and value.dim() == 1
+                and (value.numel() == handle.numel and value.numel() != 1)
             ):
                 value = _shard(value, handle)
-            entry[key] = value.to(param.device) if isinstance(value, torch.Tensor) and (
-                value.dim() > 0
-            ) else value
+            entry[key] = (
+                value.to(param.device)
+                if isinstance(value, torch.Tensor) and (value.dim() > 0)
+                else value
+            )
         if entry:
             state[index] = entry
     groups = []
@@ -114,11 +112,11 @@ def load_checkpoint(
 
 
 # ---------------------------------------------------------------------------- helpers
-def _flat_handles(root: FullyShardedDataParallel) -> dict[int, FlatParamHandle]:
+def _flat_handles(root: nn.Module) -> dict[int, Any]:
     return {
-        id(instance._handle.flat_param): instance._handle
+        id(instance.flat_param): instance._fsdp_state.handle
         for instance in root.fsdp_modules(root)
-        if instance._handle is not None
+        if instance.flat_param is not None
     }
 
 
@@ -134,7 +132,7 @@ def _group_indices(optimizer: torch.optim.Optimizer) -> list[list[int]]:
     return indices
 
 
-def _param_names(root: FullyShardedDataParallel, optimizer: torch.optim.Optimizer) -> list[str]:
+def _param_names(root: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
     by_id = {id(param): name for name, param in root.named_parameters()}
     names = []
     for param in _optimizer_params(optimizer):
@@ -147,7 +145,7 @@ def _param_names(root: FullyShardedDataParallel, optimizer: torch.optim.Optimize
     return names
 
 
-def _is_per_element(value: Any, handle: FlatParamHandle) -> bool:
+def _is_per_element(value: Any, handle: Any) -> bool:
     return (
         isinstance(value, torch.Tensor)
         and value.dim() == 1
@@ -156,7 +154,7 @@ def _is_per_element(value: Any, handle: FlatParamHandle) -> bool:
     )
 
 
-def _gather(shard: torch.Tensor, handle: FlatParamHandle) -> torch.Tensor:
+def _gather(shard: torch.Tensor, handle: Any) -> torch.Tensor:
     """The unpadded full flat tensor of a per-element optimizer state shard."""
     if not handle.sharded:
         return shard.detach().clone()[: handle.numel]
@@ -166,7 +164,7 @@ def _gather(shard: torch.Tensor, handle: FlatParamHandle) -> torch.Tensor:
     return full[: handle.numel]
 
 
-def _shard(full: torch.Tensor, handle: FlatParamHandle) -> torch.Tensor:
+def _shard(full: torch.Tensor, handle: Any) -> torch.Tensor:
     """This rank's shard of an unpadded full flat tensor under the current sharding."""
     if not handle.sharded:
         return full.clone()

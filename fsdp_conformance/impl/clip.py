@@ -13,21 +13,16 @@ that is below 1 -- what ``torch.nn.utils.clip_grad_norm_`` does on the unsharded
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-
-if TYPE_CHECKING:
-    from fsdp_conformance.impl.fully_sharded import FullyShardedDataParallel
+from torch import nn
 
 # torch.nn.utils.clip_grad_norm_'s guard against division by zero
 EPSILON = 1e-6
 
 
-def clip_grad_norm_(
-    root: FullyShardedDataParallel, max_norm: float, norm_type: float = 2.0
-) -> torch.Tensor:
+def clip_grad_norm_(root: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """Clip every gradient under ``root`` by the global norm; returns the norm before clipping.
 
     A collective over ``root.process_group``: call it on every rank, after backward.
@@ -43,15 +38,15 @@ def clip_grad_norm_(
         raise ValueError(f"clip_grad_norm_: max_norm={max_norm!r} must be > 0")
     if not norm_type > 0:
         raise ValueError(f"clip_grad_norm_: norm_type={norm_type!r} must be > 0 or inf")
-    if root._is_root is False:
+    if root.is_root is False:
         raise RuntimeError(
-            f"clip_grad_norm_ called on the non-root FSDP instance {root._fsdp_name()}; call it "
+            f"clip_grad_norm_ called on the non-root FSDP instance {root._fsdp_state.name()}; call it "
             "on the root (outermost) instance"
         )
     grads: list[torch.Tensor] = []
     local = torch.zeros((), dtype=torch.float64)
     for instance in root.fsdp_modules(root):
-        handle = instance._handle
+        handle = instance._fsdp_state.handle
         if handle is None or handle.flat_param.grad is None:
             continue
         grad = handle.flat_param.grad
@@ -85,9 +80,9 @@ def clip_grad_norm_(
     return total
 
 
-def _unmanaged_grads(root: FullyShardedDataParallel) -> list[torch.Tensor]:
+def _unmanaged_grads(root: nn.Module) -> list[torch.Tensor]:
     """Gradients of parameters no instance flattened (replicated: the same on every rank)."""
-    flat = {id(i._handle.flat_param) for i in root.fsdp_modules(root) if i._handle is not None}
+    flat = {id(i.flat_param) for i in root.fsdp_modules(root) if i.flat_param is not None}
     return [
         param.grad
         for param in root.parameters()

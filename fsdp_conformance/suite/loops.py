@@ -50,12 +50,16 @@ import torch
 from torch import nn
 
 from fsdp_conformance.adapters import Feature, clean_param_name
-from fsdp_conformance.models import CheckpointedModule, CheckpointingWrap, DeviceInit
-from fsdp_conformance.models import move_after_wrap
+from fsdp_conformance.models import (
+    CheckpointedModule,
+    CheckpointingWrap,
+    DeviceInit,
+    move_after_wrap,
+)
 from fsdp_conformance.observe.comm_trace import REDUCE_OPS, CommTrace
 from fsdp_conformance.observe.states import IllegalTrainingState, TrainingStateRecorder
 
-from . import training, zoo
+from . import training, verdict, zoo
 
 LR = training.LR
 MOMENTUM = training.MOMENTUM
@@ -65,6 +69,19 @@ CLIP_NORM_RTOL = 1e-5
 CLIP_PARAM_TOL = 1e-5
 CLIP_STEPS = 3
 SYNC_EVERY_TOL = 1e-6
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopCase:
+    """The case a loop check's cell hands to ``Deviation.applies``."""
+
+    # zoo model name (suite/zoo.py)
+    model: str
+    # sharding strategy of every instance (the model may override one, e.g. NO_SHARD)
+    sharding_strategy: str
+    # the variant: "no_sync" / "sync_every", "norm2" / "inf", "frozen", "inside" /
+    # "outside" (activation checkpointing), "unused_branch" / "two_forwards" / "eval_forward"
+    variant: str
 
 
 # ---------------------------------------------------------------------------- building
@@ -206,9 +223,7 @@ def trainable_labels(adapter: Any, root: nn.Module, trace: CommTrace) -> dict[st
         stack = [instance]
         while stack:
             module = stack.pop()
-            trainable |= any(
-                p is not None and p.requires_grad for p in module._parameters.values()
-            )
+            trainable |= any(p is not None and p.requires_grad for p in module._parameters.values())
             stack.extend(c for c in module.children() if id(c) not in nested)
         labels[trace.labels[id(instance)]] = trainable
     return labels
@@ -265,68 +280,81 @@ class BaseGradientAccumulationTests:
     def test_accumulation_matches_ddp(
         self, fsdp_adapter: Any, dist: Any, model_name: str, strategy: str, sync: str
     ):
-        adapter = fsdp_adapter
-        sync_every = sync == "sync_every"
-        if not sync_every:
-            adapter.require(Feature.GRADIENT_ACCUMULATION)
-        config = {"sharding_strategy": strategy}
-        root, zoo_model = build(adapter, model_name, dist, config)
-        driver = Driver(root, zoo_model, adapter)
-        optimizer = fsdp_optimizer(adapter, root)
-        losses = accumulate_steps(
-            driver, optimizer, dist.device, self.STEPS, self.MICRO_BATCHES, sync_every
-        )
-        ddp, reference_model = build_reference(model_name, dist)
-        reference = Driver(ddp, reference_model)
-        reference_losses = accumulate_steps(
-            reference, ddp_optimizer(ddp), dist.device, self.STEPS, self.MICRO_BATCHES, sync_every
-        )
-        label = (
-            f"adapter {adapter.name!r}, {model_name}, {strategy}, {self.MICRO_BATCHES} "
-            f"micro-batches per step, {'sync on every micro-batch' if sync_every else 'no_sync'}"
-        )
-        # sync on every micro-batch: DDP all-reduces the gradient accumulated so far, FSDP
-        # reduces each micro-batch's and adds the results ([Note: loop tolerances])
-        tol = SYNC_EVERY_TOL if sync_every else 0.0
-        assert_losses(label, losses, reference_losses, tol)
-        assert_params(label, driver.params(), reference.params(), self.STEPS, tol, tol)
+        loop_case = LoopCase(model_name, strategy, sync)
+        with verdict.cell(fsdp_adapter, "loops.grad_accumulation", loop_case):
+            adapter = fsdp_adapter
+            sync_every = sync == "sync_every"
+            if not sync_every:
+                adapter.require(Feature.GRADIENT_ACCUMULATION)
+            config = {"sharding_strategy": strategy}
+            root, zoo_model = build(adapter, model_name, dist, config)
+            driver = Driver(root, zoo_model, adapter)
+            optimizer = fsdp_optimizer(adapter, root)
+            losses = accumulate_steps(
+                driver, optimizer, dist.device, self.STEPS, self.MICRO_BATCHES, sync_every
+            )
+            ddp, reference_model = build_reference(model_name, dist)
+            reference = Driver(ddp, reference_model)
+            reference_losses = accumulate_steps(
+                reference,
+                ddp_optimizer(ddp),
+                dist.device,
+                self.STEPS,
+                self.MICRO_BATCHES,
+                sync_every,
+            )
+            label = (
+                f"adapter {adapter.name!r}, {model_name}, {strategy}, {self.MICRO_BATCHES} "
+                f"micro-batches per step, {'sync on every micro-batch' if sync_every else 'no_sync'}"
+            )
+            # sync on every micro-batch: DDP all-reduces the gradient accumulated so far, FSDP
+            # reduces each micro-batch's and adds the results ([Note: loop tolerances])
+            tol = SYNC_EVERY_TOL if sync_every else 0.0
+            assert_losses(label, losses, reference_losses, tol)
+            assert_params(label, driver.params(), reference.params(), self.STEPS, tol, tol)
 
     @pytest.mark.world_size(2)
     @pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
     def test_no_reduction_while_accumulating(self, fsdp_adapter: Any, dist: Any, strategy: str):
-        adapter = fsdp_adapter
-        adapter.require(Feature.GRADIENT_ACCUMULATION, Feature.COMM_TRACE)
-        root, zoo_model = build(adapter, "loops", dist, {"sharding_strategy": strategy})
-        driver = Driver(root, zoo_model, adapter)
-        trace = CommTrace(adapter, root)
-        with trace:
-            accumulate_steps(
-                driver,
-                fsdp_optimizer(adapter, root),
-                dist.device,
-                self.STEPS,
-                self.MICRO_BATCHES,
-                sync_every=False,
-                trace=trace,
+        loop_case = LoopCase("loops", strategy, "no_sync")
+        with verdict.cell(fsdp_adapter, "loops.grad_accumulation_comm", loop_case):
+            adapter = fsdp_adapter
+            adapter.require(Feature.GRADIENT_ACCUMULATION, Feature.COMM_TRACE)
+            root, zoo_model = build(adapter, "loops", dist, {"sharding_strategy": strategy})
+            driver = Driver(root, zoo_model, adapter)
+            trace = CommTrace(adapter, root)
+            with trace:
+                accumulate_steps(
+                    driver,
+                    fsdp_optimizer(adapter, root),
+                    dist.device,
+                    self.STEPS,
+                    self.MICRO_BATCHES,
+                    sync_every=False,
+                    trace=trace,
+                )
+            expected = {
+                label for label, trains in trainable_labels(adapter, root, trace).items() if trains
+            }
+            failures = []
+            for step in range(self.STEPS):
+                for micro in range(self.MICRO_BATCHES):
+                    phase = f"step {step} micro {micro}"
+                    counts = reductions_per_label(trace, phase)
+                    if micro < self.MICRO_BATCHES - 1:
+                        if counts:
+                            failures.append(
+                                f"{phase} (inside no_sync): gradient reductions {counts}"
+                            )
+                    elif set(counts) != expected or any(n != 1 for n in counts.values()):
+                        failures.append(
+                            f"{phase} (synchronising): gradient reductions {counts}; expected "
+                            f"exactly one for each of {sorted(expected)}"
+                        )
+            assert not failures, (
+                f"adapter {adapter.name!r}, loops, {strategy}: gradient accumulation broke no_sync's "
+                "promise:\n  " + "\n  ".join(failures) + "\ntrace:\n" + trace.render()
             )
-        expected = {label for label, trains in trainable_labels(adapter, root, trace).items() if trains}
-        failures = []
-        for step in range(self.STEPS):
-            for micro in range(self.MICRO_BATCHES):
-                phase = f"step {step} micro {micro}"
-                counts = reductions_per_label(trace, phase)
-                if micro < self.MICRO_BATCHES - 1:
-                    if counts:
-                        failures.append(f"{phase} (inside no_sync): gradient reductions {counts}")
-                elif set(counts) != expected or any(n != 1 for n in counts.values()):
-                    failures.append(
-                        f"{phase} (synchronising): gradient reductions {counts}; expected "
-                        f"exactly one for each of {sorted(expected)}"
-                    )
-        assert not failures, (
-            f"adapter {adapter.name!r}, loops, {strategy}: gradient accumulation broke no_sync's "
-            "promise:\n  " + "\n  ".join(failures) + "\ntrace:\n" + trace.render()
-        )
 
 
 # ---------------------------------------------------------------------------- 2. clipping
@@ -353,36 +381,51 @@ class BaseGradientClippingTests:
     def test_clipping_matches_ddp(
         self, fsdp_adapter: Any, dist: Any, model_name: str, strategy: str, norm_type: float
     ):
-        adapter = fsdp_adapter
-        adapter.require(Feature.CLIP_GRAD_NORM)
-        max_norm = CLIP_MAX_NORM[model_name]
-        root, zoo_model = build(adapter, model_name, dist, {"sharding_strategy": strategy})
-        fsdp = _clip_run(Driver(root, zoo_model, adapter), fsdp_optimizer(adapter, root),
-                         dist.device, max_norm, norm_type)
-        ddp, reference_model = build_reference(model_name, dist)
-        ref = _clip_run(Driver(ddp, reference_model), ddp_optimizer(ddp), dist.device,
-                        max_norm, norm_type)
-        label = f"adapter {adapter.name!r}, {model_name}, {strategy}, norm_type={norm_type}"
-        assert bool((ref[1] > max_norm).all()), (
-            f"{label}: DDP's unclipped norms {ref[1].tolist()} are not all above max_norm="
-            f"{max_norm}; the check would not exercise clipping (suite bug: lower CLIP_MAX_NORM)"
-        )
-        assert bool((fsdp[1] > max_norm).all()), (
-            f"{label}: clip_grad_norm_ returned norms {fsdp[1].tolist()}, not all above "
-            f"max_norm={max_norm} although DDP's are {ref[1].tolist()}"
-        )
-        training._assert_close(
-            f"{label}: total norms returned by clip_grad_norm_ differ from DDP + "
-            f"torch.nn.utils.clip_grad_norm_ (rtol={CLIP_NORM_RTOL:g})",
-            fsdp[1], ref[1], 0.0, CLIP_NORM_RTOL,
-            detail=f"FSDP norms {fsdp[1].tolist()}, DDP norms {ref[1].tolist()}",
-        )
-        assert_losses(label, fsdp[0], ref[0], CLIP_PARAM_TOL)
-        assert_params(label, fsdp[2], ref[2], CLIP_STEPS, CLIP_PARAM_TOL, CLIP_PARAM_TOL)
+        variant = "inf" if math.isinf(norm_type) else f"norm{norm_type:g}"
+        loop_case = LoopCase(model_name, strategy, variant)
+        with verdict.cell(fsdp_adapter, "loops.clipping", loop_case):
+            adapter = fsdp_adapter
+            adapter.require(Feature.CLIP_GRAD_NORM)
+            max_norm = CLIP_MAX_NORM[model_name]
+            root, zoo_model = build(adapter, model_name, dist, {"sharding_strategy": strategy})
+            fsdp = _clip_run(
+                Driver(root, zoo_model, adapter),
+                fsdp_optimizer(adapter, root),
+                dist.device,
+                max_norm,
+                norm_type,
+            )
+            ddp, reference_model = build_reference(model_name, dist)
+            ref = _clip_run(
+                Driver(ddp, reference_model), ddp_optimizer(ddp), dist.device, max_norm, norm_type
+            )
+            label = f"adapter {adapter.name!r}, {model_name}, {strategy}, norm_type={norm_type}"
+            assert bool((ref[1] > max_norm).all()), (
+                f"{label}: DDP's unclipped norms {ref[1].tolist()} are not all above max_norm="
+                f"{max_norm}; the check would not exercise clipping (suite bug: lower CLIP_MAX_NORM)"
+            )
+            assert bool((fsdp[1] > max_norm).all()), (
+                f"{label}: clip_grad_norm_ returned norms {fsdp[1].tolist()}, not all above "
+                f"max_norm={max_norm} although DDP's are {ref[1].tolist()}"
+            )
+            training._assert_close(
+                f"{label}: total norms returned by clip_grad_norm_ differ from DDP + "
+                f"torch.nn.utils.clip_grad_norm_ (rtol={CLIP_NORM_RTOL:g})",
+                fsdp[1],
+                ref[1],
+                0.0,
+                CLIP_NORM_RTOL,
+                detail=f"FSDP norms {fsdp[1].tolist()}, DDP norms {ref[1].tolist()}",
+            )
+            assert_losses(label, fsdp[0], ref[0], CLIP_PARAM_TOL)
+            assert_params(label, fsdp[2], ref[2], CLIP_STEPS, CLIP_PARAM_TOL, CLIP_PARAM_TOL)
 
 
 def _clip_run(
-    driver: Driver, optimizer: torch.optim.Optimizer, device: torch.device, max_norm: float,
+    driver: Driver,
+    optimizer: torch.optim.Optimizer,
+    device: torch.device,
+    max_norm: float,
     norm_type: float,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     losses, norms = [], []
@@ -417,40 +460,51 @@ class BaseFrozenParameterTests:
     @pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
     @pytest.mark.parametrize("model_name", ["loops_frozen", "loops_frozen_mixed"])
     def test_frozen_parameters(self, fsdp_adapter: Any, dist: Any, model_name: str, strategy: str):
-        adapter = fsdp_adapter
-        config: dict[str, Any] = {"sharding_strategy": strategy}
-        if model_name == "loops_frozen_mixed" and adapter.supports(Feature.USE_ORIG_PARAMS):
-            config["use_orig_params"] = True
-        traced = model_name == "loops_frozen" and adapter.supports(Feature.COMM_TRACE)
-        root, zoo_model = build(adapter, model_name, dist, config)
-        driver = Driver(root, zoo_model, adapter)
-        initial = driver.params()
-        trace = CommTrace(adapter, root) if traced else None
-        with trace or contextlib.nullcontext():
-            with trace.phase("training") if trace else contextlib.nullcontext():
-                losses = accumulate_steps(driver, fsdp_optimizer(adapter, root), dist.device, 3, 1, True)
-        ddp, reference_model = build_reference(model_name, dist)
-        reference = Driver(ddp, reference_model)
-        reference_losses = accumulate_steps(reference, ddp_optimizer(ddp), dist.device, 3, 1, True)
-        label = f"adapter {adapter.name!r}, {model_name}, {strategy}"
-        after = driver.params()
-        for name in FROZEN[model_name]:
-            assert torch.equal(after[name], initial[name]), (
-                f"{label}: frozen parameter {name!r} (requires_grad=False) changed in training "
-                f"by {(after[name] - initial[name]).abs().max().item():.3g}"
+        loop_case = LoopCase(model_name, strategy, "frozen")
+        with verdict.cell(fsdp_adapter, "loops.frozen", loop_case):
+            adapter = fsdp_adapter
+            config: dict[str, Any] = {"sharding_strategy": strategy}
+            if model_name == "loops_frozen_mixed" and adapter.supports(Feature.USE_ORIG_PARAMS):
+                config["use_orig_params"] = True
+            traced = model_name == "loops_frozen" and adapter.supports(Feature.COMM_TRACE)
+            root, zoo_model = build(adapter, model_name, dist, config)
+            driver = Driver(root, zoo_model, adapter)
+            initial = driver.params()
+            trace = CommTrace(adapter, root) if traced else None
+            with (
+                trace or contextlib.nullcontext(),
+                trace.phase("training") if trace else contextlib.nullcontext(),
+            ):
+                losses = accumulate_steps(
+                    driver, fsdp_optimizer(adapter, root), dist.device, 3, 1, True
+                )
+            ddp, reference_model = build_reference(model_name, dist)
+            reference = Driver(ddp, reference_model)
+            reference_losses = accumulate_steps(
+                reference, ddp_optimizer(ddp), dist.device, 3, 1, True
             )
-        assert_losses(label, losses, reference_losses)
-        assert_params(label, after, reference.params(), 3)
-        if trace is not None:
-            frozen = [label_ for label_, trains in trainable_labels(adapter, root, trace).items()
-                      if not trains]
-            assert frozen, f"{label}: no instance without trainable parameters was found"
-            counts = reductions_per_label(trace, "training")
-            reduced = {name: counts[name] for name in frozen if counts.get(name)}
-            assert not reduced, (
-                f"{label}: gradients were reduced for the fully frozen instance(s) {reduced} "
-                f"(reductions per instance over 3 steps: {counts})"
-            )
+            label = f"adapter {adapter.name!r}, {model_name}, {strategy}"
+            after = driver.params()
+            for name in FROZEN[model_name]:
+                assert torch.equal(after[name], initial[name]), (
+                    f"{label}: frozen parameter {name!r} (requires_grad=False) changed in training "
+                    f"by {(after[name] - initial[name]).abs().max().item():.3g}"
+                )
+            assert_losses(label, losses, reference_losses)
+            assert_params(label, after, reference.params(), 3)
+            if trace is not None:
+                frozen = [
+                    label_
+                    for label_, trains in trainable_labels(adapter, root, trace).items()
+                    if not trains
+                ]
+                assert frozen, f"{label}: no instance without trainable parameters was found"
+                counts = reductions_per_label(trace, "training")
+                reduced = {name: counts[name] for name in frozen if counts.get(name)}
+                assert not reduced, (
+                    f"{label}: gradients were reduced for the fully frozen instance(s) {reduced} "
+                    f"(reductions per instance over 3 steps: {counts})"
+                )
 
 
 # ---------------------------------------------------------------------------- 4. activation ckpt
@@ -472,50 +526,56 @@ class BaseActivationCheckpointingTests:
     def test_activation_checkpointing(
         self, fsdp_adapter: Any, dist: Any, model_name: str, strategy: str, placement: str
     ):
-        adapter = fsdp_adapter
-        adapter.require(Feature.ACTIVATION_CHECKPOINTING)
-        config = {"sharding_strategy": strategy}
-        root, zoo_model = build(adapter, model_name, dist, config, checkpointing=placement)
-        blocks = [m for m in root.modules() if isinstance(m, CheckpointedModule)]
-        # the checkpointed module itself: checkpoint calls it in forward and in the recompute
-        inner_modules = [block._checkpoint_wrapped_module for block in blocks]
-        calls = {id(module): 0 for module in inner_modules}
+        loop_case = LoopCase(model_name, strategy, placement)
+        with verdict.cell(fsdp_adapter, "loops.activation_checkpointing", loop_case):
+            adapter = fsdp_adapter
+            adapter.require(Feature.ACTIVATION_CHECKPOINTING)
+            config = {"sharding_strategy": strategy}
+            root, zoo_model = build(adapter, model_name, dist, config, checkpointing=placement)
+            blocks = [m for m in root.modules() if isinstance(m, CheckpointedModule)]
+            # the checkpointed module itself: checkpoint calls it in forward and in the recompute
+            inner_modules = [block._checkpoint_wrapped_module for block in blocks]
+            calls = {id(module): 0 for module in inner_modules}
 
-        def count(module: nn.Module, args: Any) -> None:
-            calls[id(module)] += 1
+            def count(module: nn.Module, args: Any) -> None:
+                calls[id(module)] += 1
 
-        handles = [module.register_forward_pre_hook(count) for module in inner_modules]
-        recorder = TrainingStateRecorder(adapter, root)
-        steps = training.STEPS
-        try:
-            with recorder:
-                losses = training.train(
-                    root, zoo_model, dist.device, steps, after_step=lambda _: recorder.after_step(),
-                    adapter=adapter,
-                )
-        finally:
-            for handle in handles:
-                handle.remove()
-        label = (
-            f"adapter {adapter.name!r}, {model_name} with activation checkpointing {placement} "
-            f"the FSDP instances, {strategy}"
-        )
-        recorder.assert_legal()
-        # a block's module runs in its forward and in its recompute (a nested block also in
-        # each recompute of the block around it: at least twice per step)
-        lacking = [
-            type(module).__name__ for module in inner_modules if calls[id(module)] < 2 * steps
-        ]
-        assert blocks and not lacking, (
-            f"{label}: checkpointed blocks {lacking} ran fewer than {2 * steps} times in {steps} "
-            "steps: the recompute did not happen"
-        )
-        reference = training.reference_run(model_name, dist)
-        params = {  # names of the model without checkpointing (what DDP trained)
-            clean_param_name(name, adapter.wrapper_segments): value
-            for name, value in adapter.full_params(root).items()
-        }
-        training.assert_same_training(label, training.TrainingResult(losses, params), reference)
+            handles = [module.register_forward_pre_hook(count) for module in inner_modules]
+            recorder = TrainingStateRecorder(adapter, root)
+            steps = training.STEPS
+            try:
+                with recorder:
+                    losses = training.train(
+                        root,
+                        zoo_model,
+                        dist.device,
+                        steps,
+                        after_step=lambda _: recorder.after_step(),
+                        adapter=adapter,
+                    )
+            finally:
+                for handle in handles:
+                    handle.remove()
+            label = (
+                f"adapter {adapter.name!r}, {model_name} with activation checkpointing {placement} "
+                f"the FSDP instances, {strategy}"
+            )
+            recorder.assert_legal()
+            # a block's module runs in its forward and in its recompute (a nested block also in
+            # each recompute of the block around it: at least twice per step)
+            lacking = [
+                type(module).__name__ for module in inner_modules if calls[id(module)] < 2 * steps
+            ]
+            assert blocks and not lacking, (
+                f"{label}: checkpointed blocks {lacking} ran fewer than {2 * steps} times in {steps} "
+                "steps: the recompute did not happen"
+            )
+            reference = training.reference_run(model_name, dist)
+            params = {  # names of the model without checkpointing (what DDP trained)
+                clean_param_name(name, adapter.wrapper_segments): value
+                for name, value in adapter.full_params(root).items()
+            }
+            training.assert_same_training(label, training.TrainingResult(losses, params), reference)
 
 
 # ---------------------------------------------------------------------------- 5. forward variants
@@ -540,64 +600,81 @@ class BaseForwardVariantsTests:
     @pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
     @pytest.mark.parametrize("variant", ["unused_branch", "two_forwards", "eval_forward"])
     def test_forward_variant(self, fsdp_adapter: Any, dist: Any, variant: str, strategy: str):
-        adapter = fsdp_adapter
-        adapter.require(Feature.FORWARD_VARIANTS)
-        model_name = "loops_branch" if variant == "unused_branch" else "loops"
-        root, zoo_model = build(adapter, model_name, dist, {"sharding_strategy": strategy})
-        label = f"adapter {adapter.name!r}, {model_name}, {strategy}, {variant}"
-        recorder = TrainingStateRecorder(adapter, root)
-        resident: list[str] = []
+        model = "loops_branch" if variant == "unused_branch" else "loops"
+        loop_case = LoopCase(model, strategy, variant)
+        with verdict.cell(fsdp_adapter, "loops.forward_variants", loop_case):
+            adapter = fsdp_adapter
+            adapter.require(Feature.FORWARD_VARIANTS)
+            model_name = "loops_branch" if variant == "unused_branch" else "loops"
+            root, zoo_model = build(adapter, model_name, dist, {"sharding_strategy": strategy})
+            label = f"adapter {adapter.name!r}, {model_name}, {strategy}, {variant}"
+            recorder = TrainingStateRecorder(adapter, root)
+            resident: list[str] = []
 
-        def after_eval(step: int) -> None:
-            if strategy != "FULL_SHARD":
-                return
-            for instance in adapter.instances(root)[1:]:
-                if adapter.is_unsharded(instance):
-                    resident.append(f"step {step}: {type(adapter.unwrap(instance)).__name__}")
+            def after_eval(step: int) -> None:
+                if strategy != "FULL_SHARD":
+                    return
+                for instance in adapter.instances(root)[1:]:
+                    if adapter.is_unsharded(instance):
+                        resident.append(f"step {step}: {type(adapter.unwrap(instance)).__name__}")
 
-        def after_step() -> None:
-            try:
-                recorder.after_step()  # raises on any violation so far
-            except IllegalTrainingState:
-                if variant != "two_forwards":
-                    raise  # two_forwards: filtered below, then asserted
+            def after_step() -> None:
+                try:
+                    recorder.after_step()  # raises on any violation so far
+                except IllegalTrainingState:
+                    if variant != "two_forwards":
+                        raise  # two_forwards: filtered below, then asserted
 
-        with recorder:
-            fsdp = _variant_run(
-                Driver(root, zoo_model, adapter), fsdp_optimizer(adapter, root), dist, variant,
-                self.STEPS, after_step, after_eval,
+            with recorder:
+                fsdp = _variant_run(
+                    Driver(root, zoo_model, adapter),
+                    fsdp_optimizer(adapter, root),
+                    dist,
+                    variant,
+                    self.STEPS,
+                    after_step,
+                    after_eval,
+                )
+            if variant == "two_forwards":
+                # each forward's part of the graph runs its own backward through the instance, so
+                # an implementation may run pre- and post-backward once per forward (torch FSDP2
+                # does; FSDP1 and impl run them once): BACKWARD_POST -> BACKWARD_PRE is legal here
+                recorder.violations[:] = [
+                    v
+                    for v in recorder.violations
+                    if not (v.previous == "BACKWARD_POST" and v.seen == "BACKWARD_PRE")
+                ]
+            recorder.assert_legal()
+            if variant == "two_forwards":
+                model, reference_model = build_reference(model_name, dist, ddp=False)
+            else:
+                model, reference_model = build_reference(
+                    model_name, dist, find_unused_parameters=variant == "unused_branch"
+                )
+            reference = _variant_run(
+                Driver(model, reference_model),
+                ddp_optimizer(model),
+                dist,
+                variant,
+                self.STEPS,
+                lambda: None,
+                lambda step: None,
+                manual_all_reduce=variant == "two_forwards",
             )
-        if variant == "two_forwards":
-            # each forward's part of the graph runs its own backward through the instance, so
-            # an implementation may run pre- and post-backward once per forward (torch FSDP2
-            # does; FSDP1 and impl run them once): BACKWARD_POST -> BACKWARD_PRE is legal here
-            recorder.violations[:] = [
-                v
-                for v in recorder.violations
-                if not (v.previous == "BACKWARD_POST" and v.seen == "BACKWARD_PRE")
-            ]
-        recorder.assert_legal()
-        if variant == "two_forwards":
-            model, reference_model = build_reference(model_name, dist, ddp=False)
-        else:
-            model, reference_model = build_reference(
-                model_name, dist, find_unused_parameters=variant == "unused_branch"
-            )
-        reference = _variant_run(
-            Driver(model, reference_model), ddp_optimizer(model), dist, variant, self.STEPS,
-            lambda: None, lambda step: None, manual_all_reduce=variant == "two_forwards",
-        )
-        if variant == "eval_forward":
-            assert not resident, (
-                f"{label}: after the evaluation forward under torch.no_grad() these non-root "
-                f"instances still hold their unsharded parameters: {resident}"
-            )
-            training._assert_close(
-                f"{label}: evaluation outputs differ from the reference's (bit-exact)",
-                fsdp[2], reference[2], 0.0, 0.0,
-            )
-        assert_losses(label, fsdp[0], reference[0])
-        assert_params(label, fsdp[1], reference[1], self.STEPS)
+            if variant == "eval_forward":
+                assert not resident, (
+                    f"{label}: after the evaluation forward under torch.no_grad() these non-root "
+                    f"instances still hold their unsharded parameters: {resident}"
+                )
+                training._assert_close(
+                    f"{label}: evaluation outputs differ from the reference's (bit-exact)",
+                    fsdp[2],
+                    reference[2],
+                    0.0,
+                    0.0,
+                )
+            assert_losses(label, fsdp[0], reference[0])
+            assert_params(label, fsdp[1], reference[1], self.STEPS)
 
 
 def _variant_run(
@@ -682,26 +759,27 @@ class BaseCheckpointResumeTests:
     @pytest.mark.world_size(2)
     @pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in RESUME_CASES])
     def test_checkpoint_resume(self, fsdp_adapter: Any, dist: Any, case: ResumeCase):
-        adapter = fsdp_adapter
-        adapter.require(Feature.CHECKPOINT_RESUME)
-        label = (
-            f"adapter {adapter.name!r}, {case.model}, saved at world size {case.save_world}, "
-            f"loaded at {case.load_world}"
-        )
-        with _shared_directory(dist) as directory, _worlds(dist) as worlds:
-            fsdp = _resume_fsdp(adapter, dist, case, directory, worlds)
-            reference = _resume_reference(dist, case, worlds)
-        if fsdp is None:  # this rank is not in the load world
-            return
-        loaded, saved, losses, params = fsdp
-        for name, value in saved.items():
-            assert torch.equal(loaded[name], value), (
-                f"{label}: right after load_checkpoint, full parameter {name!r} differs from the "
-                f"saved one by {(loaded[name] - value).abs().max().item():.3g} (the load did not "
-                "restore the model)"
+        with verdict.cell(fsdp_adapter, "loops.checkpoint_resume", case):
+            adapter = fsdp_adapter
+            adapter.require(Feature.CHECKPOINT_RESUME)
+            label = (
+                f"adapter {adapter.name!r}, {case.model}, saved at world size {case.save_world}, "
+                f"loaded at {case.load_world}"
             )
-        assert_losses(f"{label}, the {case.m} steps after the load", losses, reference[0])
-        assert_params(label, params, reference[1], case.n + case.m)
+            with _shared_directory(dist) as directory, _worlds(dist) as worlds:
+                fsdp = _resume_fsdp(adapter, dist, case, directory, worlds)
+                reference = _resume_reference(dist, case, worlds)
+            if fsdp is None:  # this rank is not in the load world
+                return
+            loaded, saved, losses, params = fsdp
+            for name, value in saved.items():
+                assert torch.equal(loaded[name], value), (
+                    f"{label}: right after load_checkpoint, full parameter {name!r} differs from the "
+                    f"saved one by {(loaded[name] - value).abs().max().item():.3g} (the load did not "
+                    "restore the model)"
+                )
+            assert_losses(f"{label}, the {case.m} steps after the load", losses, reference[0])
+            assert_params(label, params, reference[1], case.n + case.m)
 
 
 @contextlib.contextmanager
@@ -752,7 +830,9 @@ def _resume_fsdp(
         adapter.save_checkpoint(root, optimizer, directory)
         del root, optimizer, driver
     box = [saved]
-    tdist.broadcast_object_list(box, src=tdist.get_process_group_ranks(dist.group)[0], group=dist.group)
+    tdist.broadcast_object_list(
+        box, src=tdist.get_process_group_ranks(dist.group)[0], group=dist.group
+    )
     saved = box[0]
     if not _in(case.load_world, dist):
         return None
@@ -791,7 +871,9 @@ def _resume_reference(dist: Any, case: ResumeCase, worlds: dict[int, Any]):
         _steps_from(Driver(ddp, model), optimizer, dist.device, 0, case.n)
         state = (model.state_dict(), optimizer.state_dict())
     box = [state]
-    tdist.broadcast_object_list(box, src=tdist.get_process_group_ranks(dist.group)[0], group=dist.group)
+    tdist.broadcast_object_list(
+        box, src=tdist.get_process_group_ranks(dist.group)[0], group=dist.group
+    )
     if not _in(case.load_world, dist):
         return None
     model_state, optimizer_state = box[0]

@@ -125,7 +125,7 @@ def test_misconfiguration_errors(dist):
         module[0].weight.requires_grad_(False)
         mixed = FSDP(module)
         assert mixed.module[0].weight.requires_grad is False
-        assert mixed._handle.numel == 2 + 4 + 2  # bias 0, weight and bias 1
+        assert mixed._fsdp_state.handle.numel == 2 + 4 + 2  # bias 0, weight and bias 1
         model = FSDP(nn.Linear(2, 2))
         with pytest.raises(ValueError, match="rank0_only=True, writeback=True"):
             with model.summon_full_params(rank0_only=True):

@@ -44,8 +44,9 @@ BROKEN = textwrap.dedent(
             with model.no_sync():
                 yield
             for instance in self.instances(model):
-                if instance._handle is not None:
-                    instance._handle.unsharded.grad = None
+                handle = instance._fsdp_state.handle
+                if handle is not None:
+                    handle.unsharded.grad = None
 
 
     class IgnoresNoSync(ImplAdapter):
@@ -114,22 +115,22 @@ BROKEN = textwrap.dedent(
     _reshard = runtime.reshard
 
 
-    def _broken_pre_forward(instance, args, kwargs):
-        result = _pre_forward(instance, args, kwargs)
-        if _flagged(instance, "_mutant_recompute_stays_forward") and instance._recomputing:
-            instance.handle_training_state = HandleTrainingState.FORWARD
+    def _broken_pre_forward(state, args, kwargs):
+        result = _pre_forward(state, args, kwargs)
+        if _flagged(state, "_mutant_recompute_stays_forward") and state.recomputing:
+            state.handle_training_state = HandleTrainingState.FORWARD
         return result
 
 
-    def _flagged(instance, flag):
-        root = instance._root_state.root if instance._root_state is not None else instance
-        return root.__dict__.get(flag, False)
+    def _flagged(state, flag):
+        root = state.context.root if state.context is not None else state
+        return root.owner.__dict__.get(flag, False)
 
 
-    def _broken_reshard(instance):
-        if _flagged(instance, "_mutant_keeps_eval_buffers") and not torch.is_grad_enabled():
+    def _broken_reshard(state):
+        if _flagged(state, "_mutant_keeps_eval_buffers") and not torch.is_grad_enabled():
             return
-        return _reshard(instance)
+        return _reshard(state)
 
 
     runtime.pre_forward = _broken_pre_forward
@@ -192,26 +193,42 @@ def test_each_loop_check_fails_on_its_broken_variant(pytester: pytest.Pytester) 
     result.assert_outcomes(failed=len(SELECTED))
     result.stdout.fnmatch_lines(
         [
-            "*AssertionError: adapter 'drops-micro-batches', loops, FULL_SHARD, 3 micro-batches "
-            "per step, no_sync: losses differ from DDP's (bit-exact)*",
-            "*AssertionError: adapter 'ignores-no-sync', loops, FULL_SHARD: gradient accumulation "
-            "broke no_sync's promise:*",
+            (
+                "*AssertionError: adapter 'drops-micro-batches', loops, FULL_SHARD, 3 micro-batches "
+                "per step, no_sync: losses differ from DDP's (bit-exact)*"
+            ),
+            (
+                "*AssertionError: adapter 'ignores-no-sync', loops, FULL_SHARD: gradient accumulation "
+                "broke no_sync's promise:*"
+            ),
             "*step 0 micro 0 (inside no_sync): gradient reductions {*",
-            "*AssertionError: adapter 'local-norm-clipping', loops_gains, FULL_SHARD, "
-            "norm_type=2.0: total norms returned by clip_grad_norm_ differ from DDP + "
-            "torch.nn.utils.clip_grad_norm_*",
-            "*AssertionError: adapter 'trains-frozen', loops_frozen, FULL_SHARD: frozen parameter "
-            "'blocks.0.0.weight' (requires_grad=False) changed in training*",
-            "*AssertionError: adapter 'trains-frozen', loops_frozen_mixed, FULL_SHARD: frozen "
-            "parameter 'blocks.0.0.weight' (requires_grad=False) changed in training*",
-            "*IllegalTrainingState: * illegal training states seen by TrainingStateRecorder "
-            "(adapter 'recompute-stays-forward')*",
+            (
+                "*AssertionError: adapter 'local-norm-clipping', loops_gains, FULL_SHARD, "
+                "norm_type=2.0: total norms returned by clip_grad_norm_ differ from DDP + "
+                "torch.nn.utils.clip_grad_norm_*"
+            ),
+            (
+                "*AssertionError: adapter 'trains-frozen', loops_frozen, FULL_SHARD: frozen parameter "
+                "'blocks.0.0.weight' (requires_grad=False) changed in training*"
+            ),
+            (
+                "*AssertionError: adapter 'trains-frozen', loops_frozen_mixed, FULL_SHARD: frozen "
+                "parameter 'blocks.0.0.weight' (requires_grad=False) changed in training*"
+            ),
+            (
+                "*IllegalTrainingState: * illegal training states seen by TrainingStateRecorder "
+                "(adapter 'recompute-stays-forward')*"
+            ),
             "*instance state BACKWARD_POST after FORWARD*",
-            "*AssertionError: adapter 'keeps-eval-buffers', loops, FULL_SHARD, eval_forward: after "
-            "the evaluation forward under torch.no_grad() these non-root instances still hold "
-            "their unsharded parameters*",
-            "*AssertionError: adapter 'loads-nothing', loops, saved at world size 2, loaded at 1: "
-            "right after load_checkpoint, full parameter * differs from the saved one*",
+            (
+                "*AssertionError: adapter 'keeps-eval-buffers', loops, FULL_SHARD, eval_forward: after "
+                "the evaluation forward under torch.no_grad() these non-root instances still hold "
+                "their unsharded parameters*"
+            ),
+            (
+                "*AssertionError: adapter 'loads-nothing', loops, saved at world size 2, loaded at 1: "
+                "right after load_checkpoint, full parameter * differs from the saved one*"
+            ),
         ],
         consecutive=False,
     )
