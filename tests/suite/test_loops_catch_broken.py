@@ -174,24 +174,15 @@ BROKEN = textwrap.dedent(
     '''
 )
 
-SELECTED = [
-    "TestDropsMicroBatches::test_accumulation_matches_ddp[loops-FULL_SHARD-no_sync]",
-    "TestIgnoresNoSync::test_no_reduction_while_accumulating[FULL_SHARD]",
-    "TestLocalNormClipping::test_clipping_matches_ddp[loops_gains-FULL_SHARD-norm2]",
-    "TestTrainsFrozen::test_frozen_parameters[loops_frozen-FULL_SHARD]",
-    "TestTrainsFrozen::test_frozen_parameters[loops_frozen_mixed-FULL_SHARD]",
-    "TestRecomputeStaysForward::test_activation_checkpointing[nested-FULL_SHARD-outside]",
-    "TestKeepsEvalBuffers::test_forward_variant[eval_forward-FULL_SHARD]",
-    "TestLoadsNothing::test_checkpoint_resume[loops-ws2to1]",
-]
-
-
-def test_each_loop_check_fails_on_its_broken_variant(pytester: pytest.Pytester) -> None:
-    pytester.makepyfile(test_broken_loops=BROKEN)
-    selected = [f"test_broken_loops.py::{test}" for test in SELECTED]
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-rf", "-n", "0", *selected)
-    result.assert_outcomes(failed=len(SELECTED))
-    result.stdout.fnmatch_lines(
+# (selected tests, the lines the run must show), in two subprocesses (-n spreads them)
+GROUPS = {
+    "accumulation-clipping-frozen": (
+        [
+            "TestDropsMicroBatches::test_accumulation_matches_ddp[loops-FULL_SHARD-no_sync]",
+            "TestIgnoresNoSync::test_no_reduction_while_accumulating[FULL_SHARD]",
+            "TestLocalNormClipping::test_clipping_matches_ddp[loops_gains-FULL_SHARD-norm2]",
+            "TestTrainsFrozen::test_frozen_parameters[loops_frozen_mixed-FULL_SHARD]",
+        ],
         [
             (
                 "*AssertionError: adapter 'drops-micro-batches', loops, FULL_SHARD, 3 micro-batches "
@@ -208,13 +199,18 @@ def test_each_loop_check_fails_on_its_broken_variant(pytester: pytest.Pytester) 
                 "torch.nn.utils.clip_grad_norm_*"
             ),
             (
-                "*AssertionError: adapter 'trains-frozen', loops_frozen, FULL_SHARD: frozen parameter "
-                "'blocks.0.0.weight' (requires_grad=False) changed in training*"
-            ),
-            (
                 "*AssertionError: adapter 'trains-frozen', loops_frozen_mixed, FULL_SHARD: frozen "
                 "parameter 'blocks.0.0.weight' (requires_grad=False) changed in training*"
             ),
+        ],
+    ),
+    "recompute-eval-resume": (
+        [
+            "TestRecomputeStaysForward::test_activation_checkpointing[nested-FULL_SHARD-outside]",
+            "TestKeepsEvalBuffers::test_forward_variant[eval_forward-FULL_SHARD]",
+            "TestLoadsNothing::test_checkpoint_resume[loops-ws2to1]",
+        ],
+        [
             (
                 "*IllegalTrainingState: * illegal training states seen by TrainingStateRecorder "
                 "(adapter 'recompute-stays-forward')*"
@@ -230,5 +226,15 @@ def test_each_loop_check_fails_on_its_broken_variant(pytester: pytest.Pytester) 
                 "right after load_checkpoint, full parameter * differs from the saved one*"
             ),
         ],
-        consecutive=False,
-    )
+    ),
+}
+
+
+@pytest.mark.parametrize("group", list(GROUPS))
+def test_each_loop_check_fails_on_its_broken_variant(pytester: pytest.Pytester, group: str) -> None:
+    tests, lines = GROUPS[group]
+    pytester.makepyfile(test_broken_loops=BROKEN)
+    selected = [f"test_broken_loops.py::{test}" for test in tests]
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-rf", "-n", "0", *selected)
+    result.assert_outcomes(failed=len(tests))
+    result.stdout.fnmatch_lines(lines, consecutive=False)
