@@ -69,6 +69,7 @@ CLIP_NORM_RTOL = 1e-5
 CLIP_PARAM_TOL = 1e-5
 CLIP_STEPS = 3
 SYNC_EVERY_TOL = 1e-6
+STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,6 +261,20 @@ def assert_losses(label: str, actual: torch.Tensor, expected: torch.Tensor, tol:
     )
 
 
+def _parametrize(metafunc: pytest.Metafunc, **values: tuple[Any, ...]) -> None:
+    """Parametrize each of `values`' fixture names the test takes, in the order given (the
+    test id joins them in that order: ``loops-FULL_SHARD-no_sync``)."""
+    for name, options in values.items():
+        if name in metafunc.fixturenames:
+            metafunc.parametrize(name, [pytest.param(v, id=_id(v)) for v in options])
+
+
+def _id(value: Any) -> str:
+    if isinstance(value, float):
+        return "inf" if math.isinf(value) else f"norm{value:g}"
+    return getattr(value, "id", str(value))
+
+
 # ---------------------------------------------------------------------------- 1. accumulation
 class BaseGradientAccumulationTests:
     """Gradient accumulation: ``MICRO_BATCHES`` micro-batches per step, all but the last inside
@@ -271,12 +286,15 @@ class BaseGradientAccumulationTests:
 
     MICRO_BATCHES: ClassVar[int] = 3
     STEPS: ClassVar[int] = 2
-    accumulation_models: ClassVar[tuple[str, ...]] = ("nested", "loops")
+    # what the cells run (a subclass may trim them)
+    models: ClassVar[tuple[str, ...]] = ("nested", "loops")
+    strategies: ClassVar[tuple[str, ...]] = STRATEGIES
+    syncs: ClassVar[tuple[str, ...]] = ("no_sync", "sync_every")
+
+    def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
+        _parametrize(metafunc, model_name=self.models, strategy=self.strategies, sync=self.syncs)
 
     @pytest.mark.world_size(2)
-    @pytest.mark.parametrize("sync", ["no_sync", "sync_every"])
-    @pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
-    @pytest.mark.parametrize("model_name", ["nested", "loops"])
     def test_accumulation_matches_ddp(
         self, fsdp_adapter: Any, dist: Any, model_name: str, strategy: str, sync: str
     ):
@@ -314,7 +332,6 @@ class BaseGradientAccumulationTests:
             assert_params(label, driver.params(), reference.params(), self.STEPS, tol, tol)
 
     @pytest.mark.world_size(2)
-    @pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
     def test_no_reduction_while_accumulating(self, fsdp_adapter: Any, dist: Any, strategy: str):
         loop_case = LoopCase("loops", strategy, "no_sync")
         with verdict.cell(fsdp_adapter, "loops.grad_accumulation_comm", loop_case):
@@ -372,12 +389,16 @@ class BaseGradientClippingTests:
     ``loops_gains_no_shard`` wraps one block NO_SHARD next to sharded ones. Measured (torch
     2.13.0, CPU): norm relative difference <= 2e-7, parameters <= 3e-8 (impl, FSDP1, FSDP2)."""
 
-    clipping_models: ClassVar[tuple[str, ...]] = ("loops_gains", "loops_gains_no_shard", "nested")
+    models: ClassVar[tuple[str, ...]] = ("loops_gains", "loops_gains_no_shard", "nested")
+    strategies: ClassVar[tuple[str, ...]] = STRATEGIES
+    norm_types: ClassVar[tuple[float, ...]] = (2.0, math.inf)
+
+    def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
+        _parametrize(
+            metafunc, model_name=self.models, strategy=self.strategies, norm_type=self.norm_types
+        )
 
     @pytest.mark.world_size(2)
-    @pytest.mark.parametrize("norm_type", [2.0, math.inf], ids=["norm2", "inf"])
-    @pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
-    @pytest.mark.parametrize("model_name", ["loops_gains", "loops_gains_no_shard", "nested"])
     def test_clipping_matches_ddp(
         self, fsdp_adapter: Any, dist: Any, model_name: str, strategy: str, norm_type: float
     ):
@@ -456,9 +477,13 @@ class BaseFrozenParameterTests:
     frozen parameters are bit-identical to their initial values, the others bit-identical to
     DDP's; with a whole frozen instance the comm trace shows no gradient reduction for it."""
 
+    models: ClassVar[tuple[str, ...]] = ("loops_frozen", "loops_frozen_mixed")
+    strategies: ClassVar[tuple[str, ...]] = STRATEGIES
+
+    def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
+        _parametrize(metafunc, model_name=self.models, strategy=self.strategies)
+
     @pytest.mark.world_size(2)
-    @pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
-    @pytest.mark.parametrize("model_name", ["loops_frozen", "loops_frozen_mixed"])
     def test_frozen_parameters(self, fsdp_adapter: Any, dist: Any, model_name: str, strategy: str):
         loop_case = LoopCase(model_name, strategy, "frozen")
         with verdict.cell(fsdp_adapter, "loops.frozen", loop_case):
@@ -519,10 +544,16 @@ class BaseActivationCheckpointingTests:
     twice per step); the training states legal at every hook, the recompute included
     (``TrainingStateRecorder``: an instance may re-enter FORWARD from BACKWARD_PRE)."""
 
+    models: ClassVar[tuple[str, ...]] = ("nested", "transformer")
+    strategies: ClassVar[tuple[str, ...]] = STRATEGIES
+    placements: ClassVar[tuple[str, ...]] = ("inside", "outside")
+
+    def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
+        _parametrize(
+            metafunc, model_name=self.models, strategy=self.strategies, placement=self.placements
+        )
+
     @pytest.mark.world_size(2)
-    @pytest.mark.parametrize("placement", ["inside", "outside"])
-    @pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
-    @pytest.mark.parametrize("model_name", ["nested", "transformer"])
     def test_activation_checkpointing(
         self, fsdp_adapter: Any, dist: Any, model_name: str, strategy: str, placement: str
     ):
@@ -595,10 +626,13 @@ class BaseForwardVariantsTests:
       design)."""
 
     STEPS: ClassVar[int] = 4
+    variants: ClassVar[tuple[str, ...]] = ("unused_branch", "two_forwards", "eval_forward")
+    strategies: ClassVar[tuple[str, ...]] = STRATEGIES
+
+    def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
+        _parametrize(metafunc, variant=self.variants, strategy=self.strategies)
 
     @pytest.mark.world_size(2)
-    @pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
-    @pytest.mark.parametrize("variant", ["unused_branch", "two_forwards", "eval_forward"])
     def test_forward_variant(self, fsdp_adapter: Any, dist: Any, variant: str, strategy: str):
         model = "loops_branch" if variant == "unused_branch" else "loops"
         loop_case = LoopCase(model, strategy, variant)
@@ -756,8 +790,12 @@ class BaseCheckpointResumeTests:
     parameters must equal DDP's n + m steps bit for bit (DDP's state carried across world sizes
     with torch's own state dicts), so a load that loses the optimizer state fails too."""
 
+    cases: ClassVar[tuple[ResumeCase, ...]] = RESUME_CASES
+
+    def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
+        _parametrize(metafunc, case=self.cases)
+
     @pytest.mark.world_size(2)
-    @pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in RESUME_CASES])
     def test_checkpoint_resume(self, fsdp_adapter: Any, dist: Any, case: ResumeCase):
         with verdict.cell(fsdp_adapter, "loops.checkpoint_resume", case):
             adapter = fsdp_adapter
