@@ -360,14 +360,6 @@ def check_residency(
 
 
 # ---------------------------------------------------------------------------- known deviations
-def fsdp1_queue_deviation(case: BoundCase) -> str | None:
-    """Deprecated: the torch-fsdp1 adapter's ``memory_bound`` deviation for ``case`` (or None)."""
-    from fsdp_conformance.adapters.deviations import find_deviation
-    from fsdp_conformance.adapters.torch_fsdp1 import FSDP1_DEVIATIONS
-
-    return find_deviation(FSDP1_DEVIATIONS, "memory_bound", case)
-
-
 # Deprecated alias (adapter name -> function(case) -> reason), empty: adapters declare their
 # deviations (`Adapter.known_deviations`, check id "memory_bound")
 KNOWN_DEVIATIONS: dict[str, Callable[[BoundCase], str | None]] = {}

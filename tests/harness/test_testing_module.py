@@ -25,7 +25,6 @@ NAMES = (
 @pytest.mark.parametrize("name", NAMES)
 def test_old_import_paths_resolve_to_the_new_home(name):
     new = getattr(testing, name)
-    assert getattr(importlib.import_module("fsdp_conformance.world.fsdp_test"), name) is new
     assert getattr(importlib.import_module("fsdp_conformance.world"), name) is new
     if name in fsdp_conformance.__all__:
         assert getattr(fsdp_conformance, name) is new
