@@ -61,9 +61,8 @@ class PatchRecord:
             key = (id(self.owner), self.attribute, self.key)
             if _records.get(key) is not self:
                 return False
-            if self.owner.__dict__.get(self.attribute, _MISSING) is not self.replacement:
-                if getattr(self.owner, self.attribute, _MISSING) is not self.replacement:
-                    return False
+            if getattr(self.owner, self.attribute, _MISSING) is not self.replacement:
+                return False
             setattr(self.owner, self.attribute, self.original)
             del _records[key]
             return True

@@ -74,8 +74,40 @@ def imported_modules(path: pathlib.Path, module: str) -> list[tuple[int, str]]:
     return found
 
 
+# calls that import (or look up an imported module) by a string name
+_STRING_IMPORTS = frozenset(
+    {
+        "importlib.import_module",
+        "import_module",
+        "__import__",
+        "importlib.util.find_spec",
+        "sys.modules.get",
+        "sys.modules.pop",
+        "sys.modules.setdefault",
+    }
+)
+
+
+def string_import(node: ast.AST) -> str | None:
+    """The fsdp_conformance module a string import names (``importlib.import_module("...")``,
+    ``sys.modules.get("...")``, ``sys.modules["..."]``), or None."""
+    name = None
+    if isinstance(node, ast.Call) and ast.unparse(node.func) in _STRING_IMPORTS and node.args:
+        name = node.args[0]
+    elif isinstance(node, ast.Subscript) and ast.unparse(node.value) == "sys.modules":
+        name = node.slice
+    if isinstance(name, ast.Constant) and isinstance(name.value, str):
+        if name.value.split(".")[0] == "fsdp_conformance":
+            return name.value
+    return None
+
+
 def import_targets(node: ast.AST, path: pathlib.Path, module: str) -> list[str]:
-    """The modules one import statement of ``module`` (file ``path``) names ([] for others)."""
+    """The modules one import statement of ``module`` (file ``path``) names ([] for others);
+    a string import of one of our modules counts too (``string_import``)."""
+    named = string_import(node)
+    if named is not None:
+        return [named]
     if isinstance(node, ast.Import):
         return [alias.name for alias in node.names]
     if not isinstance(node, ast.ImportFrom):
@@ -150,6 +182,17 @@ def test_the_documented_rule_is_this_rule():
         ("observe/bad.py", "from ..impl.device import CPUDeviceHandle\n", "(impl)"),
         ("observe/pkg/__init__.py", "from ...impl import device\n", "(impl)"),
         ("vocab.py", "import fsdp_conformance.world\n", "(shared) imports"),
+        (
+            "world/bad.py",
+            "import sys\nreg = sys.modules.get('fsdp_conformance.adapters.registry')\n",
+            "(world) imports fsdp_conformance.adapters.registry (adapters)",
+        ),
+        (
+            "world/bad.py",
+            "import importlib\nm = importlib.import_module('fsdp_conformance.suite.zoo')\n",
+            "(suite)",
+        ),
+        ("world/bad.py", "import sys\nb = sys.modules['fsdp_conformance.adapters.base']\n", "(adapters)"),
         ("impl/good.py", "from fsdp_conformance import vocab\nfrom . import state\n", None),
         ("adapters/good.py", "from fsdp_conformance.impl import device\nimport torch\n", None),
     ],

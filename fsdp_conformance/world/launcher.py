@@ -56,7 +56,7 @@ from typing import Any
 import pytest
 
 from fsdp_conformance import vocab
-from fsdp_conformance.world import report
+from fsdp_conformance.world import hooks, report
 from fsdp_conformance.world.protocol import (
     DIED,
     FAILED,
@@ -223,6 +223,7 @@ class LauncherRuntime:
     def __init__(self, options: Any, env: LauncherEnv) -> None:
         self.options = options
         self.env = env
+        hooks.add_after_test(options.after_test)  # run by reset_after_test after each test
         # why the session must stop (a hang or a gone rank), None while healthy
         self.broken: str | None = None
         self._started = False

@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from fsdp_conformance._patching import patch_attribute
-from fsdp_conformance.world import collectives, execute, isolation, rank_main
+from fsdp_conformance.world import collectives, execute, hooks, isolation
 from fsdp_conformance.world.context import RankContext
 from fsdp_conformance.world.protocol import (
     ABORTED,
@@ -305,7 +305,7 @@ def run_threaded(
                 mtpg.ProcessLocalGroup.exception_handle(None)  # release collective waiters
     finally:
         uninstall()
-        rank_main.notify_adapters_test_end()  # before the threaded groups go (Adapter.on_test_end)
+        hooks.run_after_test()  # before the threaded groups go (e.g. Adapter.on_test_end)
         if not any(t.is_alive() for t in threads):
             mtpg._uninstall_threaded_pg()
             mtpg.ProcessLocalGroup.reset()
