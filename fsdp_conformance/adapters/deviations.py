@@ -32,6 +32,8 @@ command line name) means a subclass, or an adapter that delegates to another
                                 (strategy)
   comm.prefetch_happens         BasePrefetchOrderTests.test_prefetch_happens (the config dict)
   overlap                       BaseOverlapTests' checks (None)
+  fuzz.generated                one generated case of fsdp_conformance.fuzz (FuzzCase; its
+                                ``uses()`` names what it exercises); judged per case
 
 How a declared deviation is judged (``expect_deviation``): when the check fails, the test is an
 expected failure whose reason names the failure and the deviation. When it passes, a *strict*
@@ -66,6 +68,8 @@ CHECK_IDS: dict[str, str] = {
     "comm.no_sync": "no gradient reduction inside no_sync",
     "comm.prefetch_happens": "configured prefetches happen",
     "overlap": "communication overlaps computation",
+    # issue 20: per generated case (the case object is the fuzz.spec.FuzzCase)
+    "fuzz.generated": "generated models and programs match DDP (fsdp_conformance.fuzz)",
 }
 # checks whose declared deviation may also pass (see [Note: check ids])
 NOT_STRICT = frozenset(check for check in CHECK_IDS if check.startswith(("misuse.", "exec_order.")))

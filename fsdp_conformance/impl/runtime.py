@@ -17,6 +17,7 @@ while another still reads it is protected with ``record_stream``.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 from typing import TYPE_CHECKING, Any
 
@@ -242,7 +243,11 @@ def pre_forward(instance: FSDP, args: tuple, kwargs: dict) -> tuple[tuple, dict]
     """Unshard (and prefetch) before the wrapped module's forward."""
     instance._recomputing = instance.handle_training_state == HandleTrainingState.BACKWARD_PRE
     transition(instance, TrainingState.FORWARD_BACKWARD, "pre-forward")
-    transition(instance, HandleTrainingState.FORWARD, "pre-forward")
+    if not instance._recomputing:
+        # a recompute stays in BACKWARD_PRE: non-reentrant checkpointing stops the recompute
+        # early (once the saved tensors it needs exist), so its post-forward may never run
+        # (found by the fuzzer: a checkpointed block holding wrapped instances, docs/fuzz.md)
+        transition(instance, HandleTrainingState.FORWARD, "pre-forward")
     state = instance._root_state
     if state.exec_order.is_first_iter and not instance._recomputing:
         check_same_instance_on_all_ranks(instance)
@@ -281,15 +286,26 @@ def post_forward(instance: FSDP, output: Any) -> Any:
         reshard(instance)
     instance._ran_forward = True
     transition(instance, HandleTrainingState.IDLE, "post-forward")
-    tensors = [
-        t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad
-    ]
+    tensors = [t for t in output_tensors(output) if t.requires_grad]
     if torch.is_grad_enabled():
         for tensor in tensors:
             tensor.register_hook(functools.partial(pre_backward_hook, instance))
     if instance._is_root and (not tensors or not torch.is_grad_enabled()):
         finish_iteration(instance)  # no backward will follow
     return output
+
+
+def output_tensors(output: Any) -> list[torch.Tensor]:
+    """The tensors in a forward's output: pytree containers and, inside them, dataclass
+    instances (not pytree nodes unless registered; a module returning one must still get its
+    pre-backward hooks -- found by the fuzzer, docs/fuzz.md)."""
+    found = []
+    for leaf in tree_flatten(output)[0]:
+        if isinstance(leaf, torch.Tensor):
+            found.append(leaf)
+        elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            found += output_tensors([getattr(leaf, field.name) for field in dataclasses.fields(leaf)])
+    return found
 
 
 # ---------------------------------------------------------------------------- backward
