@@ -85,6 +85,8 @@ def _fuzz_command(args: argparse.Namespace) -> int:
 def _report(result: Any, args: argparse.Namespace) -> int:
     print(f"{PROG} fuzz --impl {args.impl} --seed {args.seed} --world-size {args.world_size}: "
           f"{result.summary()}")  # fmt: skip
+    for text, count in result.refusal_reasons:
+        print(f"  refused {count}x: {text}")
     for reason in result.deviation_reasons:
         print(f"  declared deviation seen: {reason}")
     if result.status == "pass":

@@ -58,6 +58,8 @@ class FuzzResult:
     unsupported: int = 0  # cases the adapter refused (UnsupportedFeatureError)
     deviations: int = 0  # cases covered by a declared deviation
     deviation_reasons: list[str] = dataclasses.field(default_factory=list)
+    # the most frequent refusals: [first line of the refusal, count], most frequent first
+    refusal_reasons: list[list[Any]] = dataclasses.field(default_factory=list)
     elapsed: float = 0.0
     found_at: int | None = None  # examples run when the first failure was seen
     shrinks: int = 0  # cases run while shrinking
@@ -99,19 +101,24 @@ def fuzz(
     progress_file: str | None = None,
     max_steps: int = MAX_STEPS,
     max_nodes: int = MAX_NODES,
-) -> FuzzResult | None:
-    """Collective: fuzz ``adapter`` in this rank set; the result on rank 0, None elsewhere."""
+) -> FuzzResult:
+    """Collective: fuzz ``adapter`` in this rank set ([Note: one rank set for every example]);
+    every rank returns rank 0's result."""
     import torch.distributed as tdist
 
     if dist.rank != 0:
         _follow(adapter, dist)
-        return None
+        result: list[Any] = [None]
+        tdist.broadcast_object_list(result, src=0)
+        return result[0]
     try:
-        return _drive(
+        found = _drive(
             adapter, dist, examples, seed, max_seconds, progress_file, max_steps, max_nodes
         )
     finally:
         tdist.broadcast_object_list([None], src=0)
+    tdist.broadcast_object_list([found], src=0)
+    return found
 
 
 def _follow(adapter: Any, dist: Any) -> None:
@@ -156,8 +163,10 @@ def _drive(
     result = FuzzResult("pass", adapter.name, seed, dist.world_size)
     start = time.monotonic()
     failing: dict[str, str] = {}  # repr(case) -> message, of every failing case seen
+    sizes: dict[str, int] = {}  # repr(case) -> FuzzCase.size(), of the failing cases
     minimal: list[Any] = [None]  # the last case that raised (hypothesis replays the minimum last)
     refusals: list[str] = []
+    counts: dict[str, int] = {}  # refusal headline -> how often
 
     def out_of_time() -> bool:
         return max_seconds is not None and time.monotonic() - start > max_seconds
@@ -172,8 +181,8 @@ def _drive(
         )
         if failing:
             line += (
-                f", shrinking: {result.shrinks} cases tried, current case size "
-                f"{min(_size(key) for key in failing)}"
+                f", shrinking: {result.shrinks} cases tried, smallest failing case size "
+                f"{min(sizes.values())}"
             )
         with open(progress_file + ".tmp", "w", encoding="utf-8") as stream:
             stream.write(line)
@@ -200,6 +209,11 @@ def _drive(
         if outcome.kind == UNSUPPORTED:
             result.unsupported += 1
             refusals.append(outcome.message)
+            headline = outcome.message.strip().splitlines()[0][:200] if outcome.message else ""
+            counts[headline] = counts.get(headline, 0) + 1
+            result.refusal_reasons = [
+                [text, count] for text, count in sorted(counts.items(), key=lambda kv: -kv[1])[:3]
+            ]
             report()
             reject()
         if not failing:
@@ -215,6 +229,7 @@ def _drive(
         if not failing:
             result.found_at = result.examples
         failing[key] = outcome.message
+        sizes[key] = case.size()
         return outcome.message
 
     test = settings(
@@ -248,10 +263,6 @@ def _drive(
     return result
 
 
-def _size(key: str) -> int:
-    return len(key)
-
-
 # ---------------------------------------------------------------------------- CLI rank function
 def fuzz_in_rank(
     dist: Any,
@@ -266,6 +277,6 @@ def fuzz_in_rank(
 
     adapter = get_adapter(dist.impl)
     result = fuzz(adapter, dist, examples, seed, max_seconds, progress_file)
-    if result is not None:
+    if dist.rank == 0:
         with open(out_file, "w", encoding="utf-8") as stream:
             stream.write(result.to_json())
