@@ -15,7 +15,7 @@ from torch import nn
 
 from .base import Adapter, clean_param_name, scoped_observer
 from .features import MixedPrecisionConfig, module_predicate
-from .states import InstanceState, RootState
+from fsdp_conformance.training_states import InstanceState, RootState
 
 
 class ImplAdapter(Adapter):

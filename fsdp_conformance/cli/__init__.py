@@ -40,8 +40,8 @@ from fsdp_conformance.cli import timeline as _timeline
 from fsdp_conformance.cli.common import (
     BUILTIN_IMPLS,
     COVERAGES,
+    CLI_TIMEOUT_S,
     DEFAULT_COVERAGE,
-    DEFAULT_TIMEOUT,
     DEFAULT_WORKERS,
     MODES,
     PROG,
@@ -60,10 +60,13 @@ from fsdp_conformance.cli.overlap import render_overlap
 from fsdp_conformance.cli.run import pytest_command
 from fsdp_conformance.cli.timeline import RATE_LIMITER_RANGE, render_timeline
 
+DEFAULT_TIMEOUT = CLI_TIMEOUT_S  # the old name of CLI_TIMEOUT_S
+
 __all__ = [
     "BUILTIN_IMPLS",
     "COVERAGES",
     "DEFAULT_COVERAGE",
+    "CLI_TIMEOUT_S",
     "DEFAULT_TIMEOUT",
     "DEFAULT_WORKERS",
     "MODES",

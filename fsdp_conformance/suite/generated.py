@@ -31,10 +31,18 @@ class BaseGeneratedModelTests:
     def test_generated_models_match_ddp(self, fsdp_adapter: Any, dist: Any):
         from fsdp_conformance.fuzz import driver
 
+        from . import verdict
+
         try:
             driver.require_hypothesis()
         except ImportError as error:
             pytest.skip(str(error))
+        with verdict.cell(fsdp_adapter, "fuzz.generated", None):
+            self._fuzz(fsdp_adapter, dist)
+
+    def _fuzz(self, fsdp_adapter: Any, dist: Any) -> None:
+        from fsdp_conformance.fuzz import driver
+
         result = driver.fuzz(fsdp_adapter, dist, self.fuzz_examples, self.fuzz_seed)
         command = (
             f"fsdp-conformance fuzz --impl {dist.impl} --seed {self.fuzz_seed} --examples "

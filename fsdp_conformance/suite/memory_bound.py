@@ -27,8 +27,7 @@ torch FSDP1 deviation.
 
 An adapter declares the cases its implementation exceeds the bound on as a known deviation
 (``Deviation("memory_bound", reason, applies=lambda case: ...)``, the case a ``BoundCase``):
-such cases are strict expected failures. The class attribute ``known_deviations`` (adapter
-name -> function(case) -> reason or None) still works but is deprecated.
+such cases are strict expected failures (suite/verdict.py).
 """
 
 from __future__ import annotations
@@ -46,9 +45,9 @@ from torch import nn
 
 from fsdp_conformance import vocab
 from fsdp_conformance.adapters import Adapter, Feature
-from fsdp_conformance.adapters.deviations import expect_deviation
 from fsdp_conformance.observe.lagging import LAG_VARIANTS, LaggingDevice
 from fsdp_conformance.observe.residency import PHASES, ResidencyTracker
+from fsdp_conformance.suite import verdict
 from fsdp_conformance.suite.stream_bound import FSDP2_BOUND, StreamOrderedBound
 
 # Buffers the limiter allows: the instance computing now and the one whose all-gather is in
@@ -359,19 +358,6 @@ def check_residency(
         )
 
 
-# ---------------------------------------------------------------------------- known deviations
-def fsdp1_queue_deviation(case: BoundCase) -> str | None:
-    """Deprecated: the torch-fsdp1 adapter's ``memory_bound`` deviation for ``case`` (or None)."""
-    from fsdp_conformance.adapters.deviations import find_deviation
-    from fsdp_conformance.adapters.torch_fsdp1 import FSDP1_DEVIATIONS
-
-    return find_deviation(FSDP1_DEVIATIONS, "memory_bound", case)
-
-
-# Deprecated alias (adapter name -> function(case) -> reason), empty: adapters declare their
-# deviations (`Adapter.known_deviations`, check id "memory_bound")
-KNOWN_DEVIATIONS: dict[str, Callable[[BoundCase], str | None]] = {}
-
 # Adapter name -> the implementation's own bound, where it bounds memory by design rather than
 # with a rate limiter (limit_all_gathers=True then means "hold it to its own bound"). Looked up
 # by the adapter's name, then by the names of the adapter classes it derives from and of the
@@ -410,9 +396,6 @@ class BaseMemoryBoundTests:
     adapter and the feature.
     """
 
-    # Deprecated (declare Adapter.known_deviations): adapter name -> function(case) -> reason;
-    # such cases are strict expected failures
-    known_deviations: ClassVar[dict[str, Callable[[BoundCase], str | None]]] = KNOWN_DEVIATIONS
     # Lagging-device variants to run every CPU case under
     lag_variants: ClassVar[tuple[str, ...]] = LAG_VARIANTS
     # Adapter name -> its own bound (stream-ordered implementations), see OWN_BOUNDS
@@ -434,23 +417,14 @@ class BaseMemoryBoundTests:
             ]
             metafunc.parametrize("shard_grad_op_case", [case.param() for case in cases])
 
-    def _expect_deviation(
-        self, adapter: Adapter, case: BoundCase
-    ) -> contextlib.AbstractContextManager[None]:
-        """``expect_deviation`` for check "memory_bound", honouring the deprecated attribute."""
-        legacy = self.known_deviations.get(adapter.name)
-        return expect_deviation(
-            adapter, "memory_bound", case, fallback=None if legacy is None else legacy(case)
-        )
-
     def test_limited_all_gathers_stay_within_bound(
         self, fsdp_adapter: Adapter, dist: Any, bound_case: BoundCase
     ) -> None:
-        tracker = measure_residency(
-            fsdp_adapter, dist.group, bound_case.wrap_config, bound_case.lag
-        )
-        own_bound = own_bound_of(fsdp_adapter, self.own_bounds)
-        with self._expect_deviation(fsdp_adapter, bound_case):
+        with verdict.cell(fsdp_adapter, "memory_bound", bound_case):
+            tracker = measure_residency(
+                fsdp_adapter, dist.group, bound_case.wrap_config, bound_case.lag
+            )
+            own_bound = own_bound_of(fsdp_adapter, self.own_bounds)
             check_residency(tracker, bound_case, f"adapter {fsdp_adapter.name!r}", own_bound)
 
     def test_unlimited_all_gathers_exceed_bound(
@@ -458,24 +432,24 @@ class BaseMemoryBoundTests:
     ) -> None:
         # The check is only worth something if it can fail: without the limiter the CPU never
         # waits, so every all-gather of an iteration stays resident (LAYERS > MAX_INFLIGHT).
-        fsdp_adapter.require(Feature.LIMIT_ALL_GATHERS_OFF)
-        tracker = measure_residency(
-            fsdp_adapter, dist.group, unlimited_case.wrap_config, unlimited_case.lag
-        )
-        with pytest.raises(AssertionError, match="memory bound exceeded") as failure:
-            check_residency(tracker, unlimited_case, f"adapter {fsdp_adapter.name!r}")
-        assert f"iteration 1 forward: peak {LAYERS} " in str(failure.value), str(failure.value)
+        with verdict.cell(fsdp_adapter, "memory_bound.unlimited", unlimited_case):
+            tracker = measure_residency(
+                fsdp_adapter, dist.group, unlimited_case.wrap_config, unlimited_case.lag
+            )
+            with pytest.raises(AssertionError, match="memory bound exceeded") as failure:
+                check_residency(tracker, unlimited_case, f"adapter {fsdp_adapter.name!r}")
+            assert f"iteration 1 forward: peak {LAYERS} " in str(failure.value), str(failure.value)
 
     def test_shard_grad_op_keeps_backward_within_bound(
         self, fsdp_adapter: Adapter, dist: Any, shard_grad_op_case: BoundCase
     ) -> None:
         case = shard_grad_op_case
-        tracker = measure_residency(fsdp_adapter, dist.group, case.wrap_config, case.lag)
-        own_bound = own_bound_of(fsdp_adapter, self.own_bounds)
-        # forward is exempt: SHARD_GRAD_OP keeps every buffer until backward, by design
-        first_forward = tracker.peak(1, "forward")
-        kept = LAYERS if own_bound is None else own_bound.shard_grad_op_forward(LAYERS)
-        with self._expect_deviation(fsdp_adapter, case):
+        with verdict.cell(fsdp_adapter, "memory_bound", case):
+            tracker = measure_residency(fsdp_adapter, dist.group, case.wrap_config, case.lag)
+            own_bound = own_bound_of(fsdp_adapter, self.own_bounds)
+            # forward is exempt: SHARD_GRAD_OP keeps every buffer until backward, by design
+            first_forward = tracker.peak(1, "forward")
+            kept = LAYERS if own_bound is None else own_bound.shard_grad_op_forward(LAYERS)
             assert first_forward.resident == kept, (
                 f"adapter {fsdp_adapter.name!r}, {case.describe()}: iteration 1 forward should "
                 f"all-gather all {LAYERS} instances and keep them (no reshard after forward): "
@@ -487,17 +461,19 @@ class BaseMemoryBoundTests:
     def test_cuda_allocator_peak_within_bound(
         self, fsdp_adapter: Adapter, dist: Any, cuda_case: BoundCase
     ) -> None:
-        if dist.device.type != "cuda":
-            pytest.skip(
-                "CUDA variant of the memory-bound check: needs one GPU per rank (the ranks run "
-                f"on {dist.device}); the CPU variant with the lagging device covers the bound"
+        with verdict.cell(fsdp_adapter, "memory_bound.cuda", cuda_case):
+            if dist.device.type != "cuda":
+                pytest.skip(
+                    "CUDA variant of the memory-bound check: needs one GPU per rank (the ranks "
+                    f"run on {dist.device}); the CPU variant with the lagging device covers the "
+                    "bound"
+                )
+            measured = measure_cuda_forward_peaks(
+                fsdp_adapter, dist.group, dist.device, cuda_case.wrap_config
             )
-        measured = measure_cuda_forward_peaks(
-            fsdp_adapter, dist.group, dist.device, cuda_case.wrap_config
-        )
-        label = f"adapter {fsdp_adapter.name!r}"
-        if cuda_case.limit_all_gathers:
-            check_cuda_forward_peaks(measured, cuda_case, label)
-        else:
-            with pytest.raises(AssertionError, match="memory bound exceeded"):
+            label = f"adapter {fsdp_adapter.name!r}"
+            if cuda_case.limit_all_gathers:
                 check_cuda_forward_peaks(measured, cuda_case, label)
+            else:
+                with pytest.raises(AssertionError, match="memory bound exceeded"):
+                    check_cuda_forward_peaks(measured, cuda_case, label)

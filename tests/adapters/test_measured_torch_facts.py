@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from fsdp_conformance.adapters.torch_fsdp1 import accelerator_available
+from fsdp_conformance.device_handle import accelerator_available
 
 pytestmark = pytest.mark.skipif(accelerator_available(), reason="facts about CPU-only hosts")
 

@@ -41,14 +41,14 @@ def _second_use_not_unsharded() -> None:
     original_finish = runtime.finish_iteration
     hooked: set[int] = set()
 
-    def post_forward(instance, output):
-        if instance._is_root or instance._recomputing or id(instance) not in hooked:
-            hooked.add(id(instance))
-            return original_post_forward(instance, output)
+    def post_forward(state, output):
+        if state.is_root or state.recomputing or id(state) not in hooked:
+            hooked.add(id(state))
+            return original_post_forward(state, output)
         import torch
 
         with torch.no_grad():  # no pre-backward hook on this use's outputs
-            return original_post_forward(instance, output)
+            return original_post_forward(state, output)
 
     def finish_iteration(root):
         hooked.clear()

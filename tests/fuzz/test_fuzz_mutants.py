@@ -14,7 +14,7 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 CLI = [sys.executable, "-m", "fsdp_conformance.cli"]
 # Shrinking is cut after this long (the failure found stays a failure, just less minimal)
-MAX_SECONDS = "25"
+MAX_SECONDS = "12"
 
 
 def _run(command: list[str], timeout: float = 300) -> subprocess.CompletedProcess:

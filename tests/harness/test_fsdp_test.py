@@ -29,7 +29,7 @@ import unittest
 import torch
 import torch.distributed as dist
 
-from fsdp_conformance.world import FSDPTest
+from fsdp_conformance.testing import FSDPTest
 
 
 class TestInRanks(FSDPTest):
