@@ -106,6 +106,9 @@ def fuzz(
     every rank returns rank 0's result."""
     import torch.distributed as tdist
 
+    from .run import probe_capabilities
+
+    caps = probe_capabilities(adapter, dist)
     if dist.rank != 0:
         _follow(adapter, dist)
         result: list[Any] = [None]
@@ -113,7 +116,7 @@ def fuzz(
         return result[0]
     try:
         found = _drive(
-            adapter, dist, examples, seed, max_seconds, progress_file, max_steps, max_nodes
+            adapter, dist, caps, examples, seed, max_seconds, progress_file, max_steps, max_nodes
         )
     finally:
         tdist.broadcast_object_list([None], src=0)
@@ -147,6 +150,7 @@ def run_everywhere(adapter: Any, case: FuzzCase, dist: Any) -> Outcome:
 def _drive(
     adapter: Any,
     dist: Any,
+    caps: Capabilities,
     examples: int,
     seed: int,
     max_seconds: float | None,
@@ -159,7 +163,7 @@ def _drive(
     from hypothesis import seed as fixed_seed
     from hypothesis.errors import Unsatisfiable
 
-    strategy = cases(Capabilities.of(adapter, dist.world_size), max_steps, max_nodes)
+    strategy = cases(caps, max_steps, max_nodes)
     result = FuzzResult("pass", adapter.name, seed, dist.world_size)
     start = time.monotonic()
     failing: dict[str, str] = {}  # repr(case) -> message, of every failing case seen

@@ -325,6 +325,39 @@ def run_case(adapter: Any, case: FuzzCase, dist: Any) -> Outcome:
     return Outcome(FAIL, "".join(traceback.format_exception(error)).rstrip())
 
 
+def probe_capabilities(adapter: Any, dist: Any) -> Any:
+    """Collective: the adapter's declared capabilities, less the training-loop features whose
+    method refuses on a wrapped ``Linear(2, 2)`` (``UnsupportedFeatureError`` from ``no_sync`` /
+    ``clip_grad_norm_``: an adapter may declare a feature its root cannot do yet), so the
+    generator does not draw cases that would only be refused after a whole run."""
+    from fsdp_conformance.adapters import Feature
+
+    from .strategies import Capabilities
+
+    caps = Capabilities.of(adapter, dist.world_size)
+    supported = set(caps.supported)
+    generator = torch.Generator().manual_seed(0)
+    try:
+        root = adapter.wrap(nn.Linear(2, 2), root=True)
+        root(torch.randn(2, 2, generator=generator).to(dist.device)).sum().backward()
+    except Exception:  # noqa: BLE001  the cases themselves will show what fails
+        return caps
+    probes = (
+        (Feature.GRADIENT_ACCUMULATION, lambda: adapter.no_sync(root).__enter__()),
+        (Feature.CLIP_GRAD_NORM, lambda: adapter.clip_grad_norm_(root, 1.0)),
+    )
+    for feature, probe in probes:
+        if feature not in supported:
+            continue
+        try:
+            probe()
+        except UnsupportedFeatureError:
+            supported.discard(feature)
+        except Exception:  # noqa: BLE001  not a refusal: keep drawing it, the cases judge it
+            pass
+    return dataclasses.replace(caps, supported=frozenset(supported))
+
+
 def _headline(error: BaseException) -> str:
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0] if text else ''}"
