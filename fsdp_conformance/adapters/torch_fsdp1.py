@@ -154,6 +154,19 @@ FSDP1_DEVIATIONS = (
         raises=AssertionError,
         measured_on="torch 2.13.0",
     ),
+    Deviation(
+        "fuzz.generated",
+        "torch FSDP1 fails in backward with 'expected to be in states [IDLE] but current state "
+        "is FORWARD_BACKWARD' when a frozen inner instance (requires_grad=False) ran backward "
+        "in one step and returns its input unchanged in the next. Reproduction (2 ranks): "
+        "Linear(4, 4) -> FSDP(Branch) with a frozen Linear(4, 4), Branch returning h + lin(h) in "
+        "step 0 and h in step 1; step 1's backward raises in FSDP1's pre-backward hook "
+        "(fsdp-conformance fuzz --impl torch-fsdp1 --seed 0)",
+        lambda case: case is not None and {"branch", "frozen"} <= case.uses(),
+        raises=ValueError,
+        match="expected to be in states",
+        measured_on="torch 2.13.0",
+    ),
 )
 
 

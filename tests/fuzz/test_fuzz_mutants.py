@@ -13,11 +13,9 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CLI = [sys.executable, "-m", "fsdp_conformance.cli"]
-# Shrinking is cut after this long (the failure found stays a failure, just less minimal)
-MAX_SECONDS = "12"
 
 
-def _run(command: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+def _run(command: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
     return subprocess.run(
         command, cwd=HERE, capture_output=True, text=True, timeout=timeout, check=False
     )
@@ -36,7 +34,7 @@ def test_fuzz_finds_shrinks_and_reproduces(mutant: str, shrunk_to: str, tmp_path
     repro = tmp_path / "repro.py"
     found = _run(
         CLI + ["fuzz", "--impl", f"fuzz_mutants:{mutant}", "--examples", "300", "--seed", "0",
-               "--max-seconds", MAX_SECONDS, "--out", str(repro)]
+               "--out", str(repro)]
     )  # fmt: skip
     output = found.stdout + found.stderr
     assert found.returncode == 1, output

@@ -37,7 +37,7 @@ BARE = Capabilities(
     (("sharding_strategy", "SHARD_GRAD_OP"),),
     2,
 )
-FAST = settings(max_examples=60, deadline=None, database=None, derandomize=True,
+FAST = settings(max_examples=30, deadline=None, database=None, derandomize=True,
                 suppress_health_check=list(HealthCheck))  # fmt: skip
 
 
