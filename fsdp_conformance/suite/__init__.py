@@ -18,6 +18,7 @@ collect them twice.
 from __future__ import annotations
 
 from .comm_checks import BaseCollectiveCountTests, BasePrefetchOrderTests
+from .generated import BaseGeneratedModelTests
 from .loops import (
     BaseActivationCheckpointingTests,
     BaseCheckpointResumeTests,
@@ -43,6 +44,7 @@ __all__ = [
     "BaseFrozenParameterTests",
     "BaseGradientAccumulationTests",
     "BaseGradientClippingTests",
+    "BaseGeneratedModelTests",
     "BaseMemoryBoundTests",
     "BaseOverlapTests",
     "BasePrefetchOrderTests",
