@@ -23,6 +23,12 @@ class ImplAdapter(Adapter):
 
     name = "impl"
 
+    def support_problem(self) -> str | None:
+        """None on a torch in the tested range (docs/compatibility.md), else the one line."""
+        from ._support import RANGES, support_problem
+
+        return support_problem(self.name, RANGES["impl"])
+
     def __init__(self) -> None:
         from fsdp_conformance import impl
 
