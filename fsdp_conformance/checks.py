@@ -196,6 +196,14 @@ _CHECKS: tuple[Check, ...] = (
     # ---------------------------------------------------------------- (issue 21: loops.*)
     # ---------------------------------------------------------------- (issue 19)
     # ---------------------------------------------------------------- (issue 20: fuzz.*)
+    Check(
+        "fuzz.generated",
+        "generated models, wrap plans, configs and training programs match DDP, with legal "
+        "states and no hang (shrunk to a repro.py)",
+        ("BaseGeneratedModelTests.test_generated_models_match_ddp",),
+        strict=False,
+        case="the generated FuzzCase (per case; None for the whole cell)",
+    ),
 )
 
 CHECKS: dict[str, Check] = {}

@@ -32,6 +32,7 @@ LAYER_OF: dict[str, str] = {
     "fsdp_conformance.adapters": "adapters",
     "fsdp_conformance.observe": "observe",
     "fsdp_conformance.suite": "suite",
+    "fsdp_conformance.fuzz": "suite",  # the generative fuzzer (issue 20): checks, like suite
     "fsdp_conformance.testing": "testing",
     "fsdp_conformance.plugin": "plugin",
     "fsdp_conformance.cli": "cli",

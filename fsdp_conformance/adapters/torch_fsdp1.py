@@ -158,6 +158,33 @@ FSDP1_DEVIATIONS = (
         match=r"does not name the problem .*got AssertionError: Expects tensor to be unsharded",
         measured_on=_MEASURED_ON,
     ),
+    # issue 20 (fsdp-conformance fuzz, docs/fuzz.md)
+    Deviation(
+        "fuzz.generated",
+        "torch FSDP1 sets the gradient of a flat parameter to None when its instance ran forward "
+        "but none of its parameters was used in that backward, even after "
+        "optimizer.zero_grad(set_to_none=False); SGD with momentum then skips those parameters "
+        "where DDP (a zero gradient) applies the momentum. Reproduction (2 ranks, FULL_SHARD): "
+        "an inner FSDP(Branch) whose forward returns lin(x) + x in step 0 and x in step 1; "
+        "after step 1's backward its flat parameter's grad is None on every rank, DDP's is "
+        "zeros (fsdp-conformance fuzz --impl torch-fsdp1 --seed 0 finds it after 112 examples)",
+        lambda case: case is not None and "branch" in case.uses(),
+        raises=AssertionError,
+        measured_on="torch 2.13.0",
+    ),
+    Deviation(
+        "fuzz.generated",
+        "torch FSDP1 fails in backward with 'expected to be in states [IDLE] but current state "
+        "is FORWARD_BACKWARD' when a frozen inner instance (requires_grad=False) ran backward "
+        "in one step and returns its input unchanged in the next. Reproduction (2 ranks): "
+        "Linear(4, 4) -> FSDP(Branch) with a frozen Linear(4, 4), Branch returning h + lin(h) in "
+        "step 0 and h in step 1; step 1's backward raises in FSDP1's pre-backward hook "
+        "(fsdp-conformance fuzz --impl torch-fsdp1 --seed 0)",
+        lambda case: case is not None and {"branch", "frozen"} <= case.uses(),
+        raises=ValueError,
+        match="expected to be in states",
+        measured_on="torch 2.13.0",
+    ),
 )
 
 

@@ -16,6 +16,7 @@ while another still reads it is protected with ``record_stream``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -204,7 +205,11 @@ def pre_forward(state: FSDPState, args: tuple, kwargs: dict) -> tuple[tuple, dic
     """Unshard (and prefetch) before the wrapped module's forward."""
     state.recomputing = state.handle_training_state == HandleTrainingState.BACKWARD_PRE
     transition(state, TrainingState.FORWARD_BACKWARD, "pre-forward")
-    transition(state, HandleTrainingState.FORWARD, "pre-forward")
+    if not state.recomputing:
+        # a recompute stays in BACKWARD_PRE: non-reentrant checkpointing stops the recompute
+        # early (once the saved tensors it needs exist), so its post-forward may never run
+        # (found by the fuzzer: a checkpointed block holding wrapped instances, docs/fuzz.md)
+        transition(state, HandleTrainingState.FORWARD, "pre-forward")
     exec_order = state.context.exec_order
     if exec_order.is_first_iter and not state.recomputing:
         check_same_instance_on_all_ranks(state)
@@ -238,15 +243,27 @@ def post_forward(state: FSDPState, output: Any) -> Any:
         reshard(state)
     state.ran_forward = True
     transition(state, HandleTrainingState.IDLE, "post-forward")
-    tensors = [
-        t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad
-    ]
+    tensors = [t for t in output_tensors(output) if t.requires_grad]
     if torch.is_grad_enabled():
         for tensor in tensors:
             tensor.register_hook(functools.partial(pre_backward_hook, state))
     if state.is_root and (not tensors or not torch.is_grad_enabled()):
         finish_iteration(state)  # no backward will follow
     return output
+
+
+def output_tensors(output: Any) -> list[torch.Tensor]:
+    """The tensors in a forward's output: pytree containers and, inside them, dataclass
+    instances (not pytree nodes unless registered; a module returning one must still get its
+    pre-backward hooks -- found by the fuzzer, docs/fuzz.md)."""
+    found = []
+    for leaf in tree_flatten(output)[0]:
+        if isinstance(leaf, torch.Tensor):
+            found.append(leaf)
+        elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            fields = [getattr(leaf, field.name) for field in dataclasses.fields(leaf)]
+            found += output_tensors(fields)
+    return found
 
 
 # ---------------------------------------------------------------------------- backward
