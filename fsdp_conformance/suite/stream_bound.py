@@ -23,9 +23,11 @@ caching allocator could reuse it ([Note: stream-ordered reuse]). Non-root buffer
 Measured (docs/memory_bound.md): forward 3 and backward 2 in every iteration, under both lag
 variants and every prefetch mapping. torch 2.15 drops the previous output before the copy-out
 (``release_all_gather_state_for_comm_reuse``): a forward without explicit prefetch then holds 2,
-within the bound (``_fsdp2_internals.releases_previous_output_before_copy_out`` detects it). ``reshard_after_forward=False`` (SHARD_GRAD_OP) keeps all
-unsharded parameters through forward: forward is exempt, as for the other implementations, and
-its first forward holds ``layers`` unsharded buffers plus the forward's outputs in flight.
+within the bound (``_fsdp2_internals.releases_previous_output_before_copy_out`` detects it).
+``reshard_after_forward=False`` (SHARD_GRAD_OP) keeps all unsharded parameters through forward:
+forward is exempt, as for the other implementations, and its first forward holds ``layers``
+unsharded buffers plus at most ``forward_outputs`` outputs in flight
+(``memory_bound.check_shard_grad_op_forward`` checks both bounds).
 """
 
 from __future__ import annotations
