@@ -24,6 +24,7 @@ command line name) means a subclass, or an adapter that delegates to another
                                 (ParityCase)
   parity.summon_full_params     BaseSummonFullParamsTests.test_summon_full_params (writeback bool)
   parity.state_dict             BaseStateDictTests.test_state_dict_round_trip (model name)
+  parity.default_state_dict     BaseStateDictTests.test_default_state_dict_round_trip (model name)
   states.legal                  BaseTrainingStateTests.test_states_are_legal_at_every_hook
                                 (ParityCase)
   states.assert_state           BaseTrainingStateTests.test_assert_state
@@ -60,6 +61,8 @@ CHECK_IDS: dict[str, str] = {
     "parity.bf16": "bf16 mixed precision matches fp32 DDP within tolerance",
     "parity.summon_full_params": "summon_full_params writeback / no writeback",
     "parity.state_dict": "state_dict / load_state_dict round trip",
+    # issue 19
+    "parity.default_state_dict": "the wrapped module's default state_dict() round trip",
     "states.legal": "legal training-state transitions at every hook",
     "states.assert_state": "the implementation's own state assertion",
     "comm.counts": "collectives per phase",

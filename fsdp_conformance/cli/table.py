@@ -55,6 +55,7 @@ CHECK_ID_OF_TEST = {
     "test_mixed_precision_matches_fp32_ddp": "parity.bf16",
     "test_summon_full_params": "parity.summon_full_params",
     "test_state_dict_round_trip": "parity.state_dict",
+    "test_default_state_dict_round_trip": "parity.default_state_dict",
     "test_states_are_legal_at_every_hook": "states.legal",
     "test_assert_state": "states.assert_state",
     "test_counts_per_phase": "comm.counts",

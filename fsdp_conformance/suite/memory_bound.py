@@ -189,11 +189,11 @@ def measure_residency(
     adapter.require(*adapter.features_for(**config))
     wrap = adapter.wrapper(**config)
     chain = ChainOfLinears(lambda module: wrap(module, process_group=group), layers)
-    model = adapter.wrap(chain, process_group=group, **config)
+    model = adapter.wrap(chain, process_group=group, root=True, **config)
     device = LaggingDevice(lag)
     adapter.install_device_handle(model, device)
     tracker = ResidencyTracker(device, adapter.instances(model))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    optimizer = adapter.optimizer(model, "sgd", lr=0.01, momentum=0.9)
     x = chain.get_input(torch.device("cpu"), group.rank())
     # Buffers observed by their lifetime (torch FSDP2) must not die at a garbage collection of
     # an earlier model's cycles halfway through a phase: collect now, none while measuring
@@ -207,7 +207,7 @@ def measure_residency(
                 tracker.start(iteration, "forward")
                 loss = model(x).sum()
                 tracker.start(iteration, "backward")
-                loss.backward()
+                adapter.backward(model, loss)
                 tracker.start(iteration, "step")
                 optimizer.step()
                 optimizer.zero_grad()
@@ -262,14 +262,14 @@ def measure_cuda_forward_peaks(
     chain = ChainOfLinears(
         lambda module: wrap(module, process_group=group), layers, width, device=device
     )
-    model = adapter.wrap(chain, process_group=group, **config)
+    model = adapter.wrap(chain, process_group=group, root=True, **config)
     delay = functools.partial(sleep_ms, delay_ms, device)
     for linear in chain.inner_linears:  # after the unshard, before the compute
         linear.register_forward_pre_hook(lambda module, args: delay())
     instances = adapter.instances(model)
     element_bytes = chain.root_linear.weight.element_size()
     instance_bytes = (width * width + width) * element_bytes
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    optimizer = adapter.optimizer(model, "sgd", lr=0.01)
     x = chain.get_input(device, group.rank())
     peaks = []
     with contextlib.ExitStack() as hooks:
@@ -283,7 +283,7 @@ def measure_cuda_forward_peaks(
             loss = model(x).sum()
             torch.cuda.synchronize(device)
             peaks.append(torch.cuda.memory_stats(device)["active_bytes.all.peak"] - before)
-            loss.backward()
+            adapter.backward(model, loss)
             optimizer.step()
             optimizer.zero_grad()
     return CudaForwardPeaks(instance_bytes, instance_bytes, peaks)

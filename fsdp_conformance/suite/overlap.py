@@ -221,8 +221,8 @@ def measure_overlap(
     for case in CASES:
         wrap = adapter.wrapper(**config)
         compute_cycles = cycles if case in ("compute", "both") else 0
-        model = adapter.wrap(_Chain(wrap, compute_cycles), **config)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        model = adapter.wrap(_Chain(wrap, compute_cycles), root=True, **config)
+        optimizer = adapter.optimizer(model, "sgd", lr=0.01)
         models[case] = (model, optimizer)
         _iteration(model, optimizer, device)  # iteration 1: records the forward order
     times: dict[str, list[float]] = {case: [] for case in CASES}
