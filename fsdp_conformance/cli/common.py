@@ -14,7 +14,8 @@ from fsdp_conformance import vocab
 from fsdp_conformance.cli import limits
 
 PROG = "fsdp-conformance"
-BUILTIN_IMPLS = ("impl", "torch-fsdp1", "torch-fsdp2", "fairscale")
+# the built-in adapters (one source: fsdp_conformance.adapters.registry.BUILTIN_ADAPTERS)
+BUILTIN_IMPLS = ("impl", "torch-fsdp1", "torch-fsdp2", "fairscale", "deepspeed")
 MODES = vocab.MODES
 COVERAGES = vocab.COVERAGES
 # `run` defaults, chosen so that the whole default run fits in 10 minutes on a 2-core CPU host
@@ -229,7 +230,7 @@ def _add_common(parser: argparse.ArgumentParser, world_size_help: str) -> None:
         default="impl",
         metavar="NAME",
         help="FSDP under test: impl (the reference FSDP, default), torch-fsdp1, torch-fsdp2, "
-        "fairscale or "
+        "fairscale, deepspeed or "
         "pkg.module:ATTR (an Adapter instance, subclass or factory; the current directory and "
         "PYTHONPATH are searched)",
     )

@@ -29,9 +29,14 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 # The implementations of the table, in column order
-IMPLEMENTATIONS = ("impl", "torch-fsdp1", "torch-fsdp2", "fairscale")
+# (the built-in adapters, one source: fsdp_conformance.adapters.registry.BUILTIN_ADAPTERS)
+from fsdp_conformance.adapters.registry import BUILTIN_ADAPTERS as IMPLEMENTATIONS  # noqa: E402
+
 # impl -> (python package it needs, extra that installs it)
-_OPTIONAL_PACKAGES = {"fairscale": ("fairscale", "fairscale")}
+_OPTIONAL_PACKAGES = {
+    "fairscale": ("fairscale", "fairscale"),
+    "deepspeed": ("deepspeed", "deepspeed"),
+}
 # Verdict labels, in the order a mixed cell lists them
 VERDICTS = ("FAIL", "deviation", "pass", "not applicable")
 _OUTCOME_VERDICT = {
@@ -253,7 +258,7 @@ def _md(text: str) -> str:
 def default_header(pytest_args: Sequence[str]) -> dict[str, str]:
     """torch version, date and the options of the run."""
     versions = []
-    for package in ("torch", "fairscale", "fsdp-conformance"):
+    for package in ("torch", "fairscale", "deepspeed", "fsdp-conformance"):
         try:
             versions.append(f"{package} {importlib.metadata.version(package)}")
         except importlib.metadata.PackageNotFoundError:
