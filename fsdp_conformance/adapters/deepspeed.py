@@ -167,6 +167,15 @@ DEEPSPEED_DEVIATIONS: tuple[Deviation, ...] = (
         f"(measured on {MEASURED_ON})",
     ),
     Deviation(
+        "memory_bound",
+        "ZeRO-2 (SHARD_GRAD_OP) does not shard parameters at all: every parameter stays whole "
+        "on every rank and nothing is gathered in forward (the check expects each instance "
+        "gathered once and kept); reproduction: e = ds.wrap(nn.Linear(8, 8), root=True, "
+        "sharding_strategy='SHARD_GRAD_OP'); e.module.weight.shape -> torch.Size([8, 8]) and "
+        f"no all-gather in the comm trace (measured on {MEASURED_ON})",
+        applies=lambda case: case.sharding_strategy == "SHARD_GRAD_OP",
+    ),
+    Deviation(
         "misuse.wrap_twice",
         "deepspeed.initialize accepts a module an engine already owns and builds a second "
         "engine over the same (already partitioned) parameters without an error; reproduction: "
@@ -217,6 +226,11 @@ class DeepSpeedAdapter(Adapter):
                 "nested instances exist only where the caller marks them with wrap(root=False)"
             ),
             Feature.ASSERT_STATE: "DeepSpeed keeps no training state to assert",
+            Feature.LIMIT_ALL_GATHERS_OFF: (
+                "DeepSpeed's fetch back-pressure (max_ongoing_fetch_events) is always on where "
+                "the device has events; limit_all_gathers maps to stage3_max_live_parameters, "
+                "which bounds prefetch only, so the bound cannot be switched off"
+            ),
             Feature.MIXED_PRECISION_BUFFER_DTYPE: "DeepSpeed's bf16 mode does not cast buffers",
             Feature.USE_ORIG_PARAMS: "a torch FSDP1 flag",
             Feature.FROZEN_PARAMETERS_MIXED: "not mapped by this adapter",
@@ -439,8 +453,24 @@ class DeepSpeedAdapter(Adapter):
         _install_trace()
         return _REGISTRY.observing(callback, instances)
 
+    def _install_device_handle(self, model: nn.Module, handle: Any) -> None:
+        """Route DeepSpeed's accelerator events, current stream and synchronize through
+        ``handle`` and switch on its memory back-pressure (what it does on a GPU: an event after
+        each parameter fetch and each gradient reduction, the CPU blocking on the oldest past
+        ``max_ongoing_fetch_events`` / ``max_param_reduce_events``), until the test ends."""
+        if not _cpu_host():
+            raise UnsupportedFeatureError(
+                self.name,
+                Feature.DEVICE_HANDLE,
+                "the adapter routes DeepSpeed's CPU accelerator only (a CUDA host has real "
+                "streams and events)",
+            )
+        _install_accelerator_routing()
+        _DEVICE["handle"] = handle
+
     def on_test_end(self) -> None:
         """Forget DeepSpeed's per-process group caches (the harness destroys the groups)."""
+        _DEVICE["handle"] = None
         try:
             import sys
 
@@ -547,6 +577,44 @@ def _refresh_master(engine: nn.Module) -> None:
     refresh = getattr(optimizer, "refresh_fp32_params", None)
     if refresh is not None:
         refresh()
+
+
+# ---------------------------------------------------------------------------- device handle
+# the device handle installed by install_device_handle (None: DeepSpeed's own CPU accelerator)
+_DEVICE: dict[str, Any] = {"handle": None}
+
+
+def _install_accelerator_routing() -> None:
+    """Patch the CPU accelerator's event, stream and back-pressure methods to consult
+    ``_DEVICE`` (one place; the original runs while no handle is installed)."""
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+    from fsdp_conformance._patching import patch_attribute
+
+    def routed(name: str, use_handle: Any) -> None:
+        def make(original: Any) -> Any:
+            def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+                handle = _DEVICE["handle"]
+                if handle is None:
+                    return original(self, *args, **kwargs)
+                return use_handle(handle, *args, **kwargs)
+
+            return method
+
+        patch_attribute(
+            CPU_Accelerator,
+            name,
+            make,
+            key="fsdp-conformance deepspeed device handle",
+            written_for=WRITTEN_FOR,
+            library="deepspeed",
+        )
+
+    routed("handles_memory_backpressure", lambda handle: False)
+    routed("Event", lambda handle, **kwargs: handle.Event())
+    routed("current_stream", lambda handle, device_index=None: handle.current_stream())
+    routed("stream", lambda handle, stream: handle.stream(stream))
+    routed("synchronize", lambda handle, device_index=None: handle.synchronize())
 
 
 # ---------------------------------------------------------------------------- comm trace

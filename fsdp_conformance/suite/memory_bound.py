@@ -379,6 +379,37 @@ KNOWN_DEVIATIONS: dict[str, Callable[[BoundCase], str | None]] = {}
 OWN_BOUNDS: dict[str, StreamOrderedBound] = {"torch-fsdp2": FSDP2_BOUND}
 
 
+# - issue 19: DeepSpeed ZeRO-3 (0.19.8) bounds memory with fetch back-pressure, not a limiter
+@dataclasses.dataclass(frozen=True)
+class FetchBackpressureBound:
+    """DeepSpeed ZeRO-3's own bound under the lagging device (docs/deepspeed.md).
+
+    On a device with events DeepSpeed records one after each parameter fetch and, past
+    ``max_ongoing_fetch_events`` (2) outstanding, blocks the CPU on the oldest: the CPU waits for
+    the fetch ``max_ongoing_fetch_events + 1`` parameter fetches back, so the frees of the last
+    ``draining`` two-parameter instances may still be in flight when the next is gathered
+    (ceil(3 / 2) = 2); gradient reductions do the same in backward (``max_param_reduce_events``).
+    Prefetch is limited by ``stage3_max_live_parameters`` (what ``limit_all_gathers=True`` maps
+    to: ``LIVE_INSTANCES`` instances' elements), so a prefetched instance is one of those.
+    """
+
+    draining: int = 2  # instances whose free may not have completed
+    gathering: int = 1  # the instance being gathered
+    name: str = "DeepSpeed's fetch back-pressure bound"
+
+    def bound(self, phase: str) -> int:
+        return self.draining + self.gathering
+
+    def explain(self, phase: str) -> str:
+        return f"{self.name}: {self.draining} draining + {self.gathering} gathering"
+
+    def shard_grad_op_forward(self, layers: int) -> int:
+        return layers
+
+
+OWN_BOUNDS["deepspeed"] = FetchBackpressureBound()  # type: ignore[assignment]
+
+
 def own_bound_of(
     adapter: Adapter, bounds: dict[str, StreamOrderedBound]
 ) -> StreamOrderedBound | None:
