@@ -227,6 +227,14 @@ DEEPSPEED_DEVIATIONS: tuple[Deviation, ...] = (
         f" on an inner module, then e(x) (measured on {MEASURED_ON})",
     ),
     Deviation(
+        "overlap",
+        "with prefetch DeepSpeed gathers the whole recorded prefetch window in one coalesced "
+        "all-gather before the first module computes, so no all-gather overlaps a module's "
+        "compute: measured 1.01x the serialised time (1 all-gather x 30 ms + 121 ms compute), "
+        "the check expects <= 0.8x; reproduction: fsdp_conformance.suite.overlap."
+        f"measure_overlap(ds, dist, 30.0, 30.0) (measured on {MEASURED_ON})",
+    ),
+    Deviation(
         "misuse.wrap_twice",
         "deepspeed.initialize accepts a module an engine already owns and builds a second "
         "engine over the same (already partitioned) parameters without an error; reproduction: "
@@ -683,7 +691,9 @@ def _install_trace() -> None:
     def make_gather(original: Any) -> Any:
         def all_gather_params(self: Any, params: Any, forward: bool) -> None:
             if _REGISTRY.active:
-                for param in params:
+                # one coalesced all-gather: fold its parameters in ds_id order (DeepSpeed hands
+                # a set, whose order differs across ranks)
+                for param in sorted(params, key=lambda param: param.ds_id):
                     instance = _owner(param)
                     if instance is None or param.ds_status != ZeroParamStatus.NOT_AVAILABLE:
                         continue
