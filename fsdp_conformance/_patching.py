@@ -34,7 +34,8 @@ class PatchRecord:
     attribute: str
     # who patched it and why (e.g. "fsdp-conformance comm trace")
     key: str
-    # the attribute's value before the patch
+    # the attribute's value before the patch (a class's own attribute as stored in its
+    # ``__dict__``: a staticmethod, or a pybind11 method, which ``getattr`` would unwrap)
     original: Any
     # the value installed
     replacement: Any
@@ -60,9 +61,10 @@ class PatchRecord:
             key = (id(self.owner), self.attribute, self.key)
             if _records.get(key) is not self:
                 return False
-            if self.owner.__dict__.get(self.attribute, _MISSING) is not self.replacement:
-                if getattr(self.owner, self.attribute, _MISSING) is not self.replacement:
-                    return False
+            stored = getattr(self.owner, "__dict__", {}).get(self.attribute, _MISSING)
+            live = getattr(self.owner, self.attribute, _MISSING)
+            if self.replacement is not stored and self.replacement is not live:
+                return False
             setattr(self.owner, self.attribute, self.original)
             del _records[key]
             return True
@@ -123,6 +125,8 @@ def patch_attribute(
                 f"internals {key!r} patches moved{written}; use a supported version"
             )
         replacement = make(original)
+        if isinstance(owner, type) and attribute in vars(owner):
+            original = vars(owner)[attribute]  # what undo puts back, binding as before
         setattr(owner, attribute, replacement)
         record = PatchRecord(
             owner, attribute, key, original, replacement, written_for, library_version(library)

@@ -7,8 +7,9 @@ device on which the CPU always runs ahead), so that a double does not depend on 
 implementation it is used to test. It is also all torch FSDP1 uses of its device handle on a CPU
 host (torch 2.13.0), so the same doubles drive torch FSDP1.
 
-Import-light: typing only (no torch at run time, no other module of the package), so that impl,
-observe and adapters can all import it.
+Import-light: typing only (no torch at import time, no other module of the package), so that
+impl, observe and adapters can all import it. ``accelerator_available`` is the one test for an
+accelerator every layer uses.
 """
 
 from __future__ import annotations
@@ -100,3 +101,14 @@ class UsesDeviceHandle(Protocol):
 
     def _use_device_handle(self, handle: DeviceHandle) -> None:
         """Route this object's streams, events and synchronisation through ``handle``."""
+
+
+def accelerator_available() -> bool:
+    """Whether this host has an accelerator torch can use (CUDA or another ``torch.accelerator``
+    device; pinned host memory is worth it only then). Imports torch when called."""
+    import torch
+
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None:
+        return accelerator.is_available()
+    return torch.cuda.is_available()

@@ -68,6 +68,7 @@ class PluginState:
                 world_size=self.world_size,
                 impl=self.impl,
                 backend=self.backend,
+                after_test=(adapters_test_end,),
             )
             if self.launcher is not None:
                 from fsdp_conformance.world.launcher import LauncherRuntime
@@ -291,6 +292,14 @@ def fsdp_impl(request: pytest.FixtureRequest) -> str:
     return request.config.stash[STATE_KEY].impl
 
 
+def adapters_test_end() -> None:
+    """Every adapter resolved in this process drops what it caches per process group
+    (``Adapter.on_test_end``); the harness calls it in each rank after every test."""
+    from fsdp_conformance.adapters import registry
+
+    registry.notify_test_end()
+
+
 def resolve_adapter(name: str) -> Any:
     """``get_adapter(name)``, called inside each rank (the ``fsdp_adapter`` fixture's factory)."""
     from fsdp_conformance.adapters import get_adapter
@@ -386,6 +395,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         not_picklable = None
     if not_picklable is not None:
         pytest.fail(not_picklable, pytrace=False)
+    pyfuncitem.user_properties.extend(result.verdict.properties)
     output = result.output()
     if output:
         sys.stdout.write(output)
@@ -399,3 +409,61 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     if verdict.status == XFAILED:
         pytest.xfail(verdict.message)
     return True
+
+
+# -----------------------------------------------------------------------------
+# Verdicts of suite checks (fsdp_conformance/checks.py, suite/verdict.py)
+
+
+def _registered_check(item: pytest.Item) -> Any:
+    from fsdp_conformance import checks
+
+    cls = getattr(item, "cls", None)
+    if cls is None:
+        return None
+    names = [klass.__name__ for klass in cls.__mro__]
+    return checks.check_for_test(names, getattr(item, "originalname", item.name))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """Every report of a registered check carries its verdict as properties: the one the
+    check's cell recorded (suite/verdict.py), or, for a cell that never reached its check (a
+    fixture error, a dead or hung rank, a body outside ``verdict.cell``), the one pytest's
+    outcome implies (``checks.verdict_of_outcome``)."""
+    from fsdp_conformance import checks
+    from fsdp_conformance.world import properties
+
+    if call.when == "call":
+        item.user_properties.extend(properties.take_pending())
+    report = yield
+    check = _registered_check(item)
+    if check is None or (report.when != "call" and report.passed):
+        return report
+    recorded = {name: value for name, value in item.user_properties if name.startswith("fsdp_")}
+    verdict, reason = checks.verdict_of_outcome(
+        report.outcome, hasattr(report, "wasxfail"), recorded, _longrepr_line(report)
+    )
+    values = {
+        checks.PROPERTY_CHECK: check.id,
+        checks.PROPERTY_VERDICT: verdict,
+        checks.PROPERTY_REASON: reason,
+    }
+    kept = [(n, v) for n, v in item.user_properties if n not in values]
+    if verdict != recorded.get(checks.PROPERTY_VERDICT):
+        kept = [(n, v) for n, v in kept if not n.startswith("fsdp_")]
+    item.user_properties[:] = kept + list(values.items())
+    report.user_properties = list(item.user_properties)
+    return report
+
+
+def _longrepr_line(report: pytest.TestReport) -> str:
+    """One line of a report's failure or skip text (a fallback reason)."""
+    longrepr = report.longrepr
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:  # a skip: (file, line, reason)
+        return str(longrepr[2]).removeprefix("Skipped: ")
+    text = getattr(report, "wasxfail", "") or str(
+        getattr(longrepr, "reprcrash", None) and longrepr.reprcrash.message or longrepr or ""
+    )
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[0] if lines else ""

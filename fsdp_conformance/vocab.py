@@ -13,6 +13,13 @@ import enum
 # world size, "process-fresh" starts a new set for every test, "thread" runs ranks as threads
 MODES = ("process", "process-fresh", "thread")
 DEFAULT_MODE = "process"
+# Seconds a test may run in its ranks before it is failed with every rank's stack
+# (``--fsdp-timeout``, ``FSDP_CONFORMANCE_TIMEOUT``)
+DEFAULT_TIMEOUT_S = 120.0
+
+# The adapters known by name (``--fsdp-impl``, ``--impl``); ``adapters/registry.py`` maps each
+# to its class
+BUILTIN_ADAPTERS = ("impl", "torch-fsdp1", "torch-fsdp2", "fairscale", "deepspeed")
 
 # How much of a suite check's config product runs (``--fsdp-coverage``); the suite's configs
 # module implements them
@@ -34,7 +41,12 @@ ENV_ACCEPT_GOLDENS = "FSDP_CONFORMANCE_ACCEPT_GOLDENS"
 # ``--fsdp-launcher``: whether tests run in place in the processes of an external launcher
 # (torchrun) instead of in ranks the plugin spawns
 ENV_LAUNCHER = "FSDP_CONFORMANCE_LAUNCHER"
+# issue 18: "1" lifts the upper end of the built-in adapters' tested version ranges
+ENV_UNTESTED_VERSIONS = "FSDP_CONFORMANCE_UNTESTED_VERSIONS"
 LAUNCHERS = ("auto", "torchrun", "none")
+
+# auto_wrap_policy value of the adapter vocabulary: wrap every submodule (always_wrap_policy)
+ALWAYS_WRAP = "always"
 
 # Profiler range around the rate limiter's wait (the name torch FSDP1 uses, so that traces of
 # the two implementations read alike)
@@ -68,6 +80,9 @@ class Op(str, enum.Enum):
     ALL_REDUCE = "all_reduce"
     # the rate limiter waits for an older free to complete
     RATE_LIMITER_WAIT = "rate_limiter_wait"
+    # an instance issues the next instance's all-gather ahead of its use (info: the target
+    # instance and the direction, "forward", "backward_pre" or "backward_post")
+    PREFETCH = "prefetch"
     # a module's forward or backward computation (observers record it beside the collectives)
     COMPUTE = "compute"
 

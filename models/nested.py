@@ -21,6 +21,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from fsdp_conformance import vocab
+
 from .common import (
     DeviceInit,
     Wrap,
@@ -31,8 +33,7 @@ from .common import (
     seeded_init_,
 )
 
-# auto_wrap_policy value of the adapter vocabulary: wrap every submodule (always_wrap_policy)
-ALWAYS_WRAP = "always"
+ALWAYS_WRAP = vocab.ALWAYS_WRAP
 
 
 class NestedWrappedModule(nn.Module):

@@ -32,6 +32,7 @@ LAYER_OF: dict[str, str] = {
     "fsdp_conformance.adapters": "adapters",
     "fsdp_conformance.observe": "observe",
     "fsdp_conformance.suite": "suite",
+    "fsdp_conformance.fuzz": "suite",  # the generative fuzzer (issue 20): checks, like suite
     "fsdp_conformance.testing": "testing",
     "fsdp_conformance.plugin": "plugin",
     "fsdp_conformance.cli": "cli",
@@ -74,8 +75,40 @@ def imported_modules(path: pathlib.Path, module: str) -> list[tuple[int, str]]:
     return found
 
 
+# calls that import (or look up an imported module) by a string name
+_STRING_IMPORTS = frozenset(
+    {
+        "importlib.import_module",
+        "import_module",
+        "__import__",
+        "importlib.util.find_spec",
+        "sys.modules.get",
+        "sys.modules.pop",
+        "sys.modules.setdefault",
+    }
+)
+
+
+def string_import(node: ast.AST) -> str | None:
+    """The fsdp_conformance module a string import names (``importlib.import_module("...")``,
+    ``sys.modules.get("...")``, ``sys.modules["..."]``), or None."""
+    name = None
+    if isinstance(node, ast.Call) and ast.unparse(node.func) in _STRING_IMPORTS and node.args:
+        name = node.args[0]
+    elif isinstance(node, ast.Subscript) and ast.unparse(node.value) == "sys.modules":
+        name = node.slice
+    if isinstance(name, ast.Constant) and isinstance(name.value, str):
+        if name.value.split(".")[0] == "fsdp_conformance":
+            return name.value
+    return None
+
+
 def import_targets(node: ast.AST, path: pathlib.Path, module: str) -> list[str]:
-    """The modules one import statement of ``module`` (file ``path``) names ([] for others)."""
+    """The modules one import statement of ``module`` (file ``path``) names ([] for others);
+    a string import of one of our modules counts too (``string_import``)."""
+    named = string_import(node)
+    if named is not None:
+        return [named]
     if isinstance(node, ast.Import):
         return [alias.name for alias in node.names]
     if not isinstance(node, ast.ImportFrom):
@@ -150,6 +183,17 @@ def test_the_documented_rule_is_this_rule():
         ("observe/bad.py", "from ..impl.device import CPUDeviceHandle\n", "(impl)"),
         ("observe/pkg/__init__.py", "from ...impl import device\n", "(impl)"),
         ("vocab.py", "import fsdp_conformance.world\n", "(shared) imports"),
+        (
+            "world/bad.py",
+            "import sys\nreg = sys.modules.get('fsdp_conformance.adapters.registry')\n",
+            "(world) imports fsdp_conformance.adapters.registry (adapters)",
+        ),
+        (
+            "world/bad.py",
+            "import importlib\nm = importlib.import_module('fsdp_conformance.suite.zoo')\n",
+            "(suite)",
+        ),
+        ("world/bad.py", "import sys\nb = sys.modules['fsdp_conformance.adapters.base']\n", "(adapters)"),
         ("impl/good.py", "from fsdp_conformance import vocab\nfrom . import state\n", None),
         ("adapters/good.py", "from fsdp_conformance.impl import device\nimport torch\n", None),
     ],
@@ -164,21 +208,6 @@ def test_a_violating_module_is_reported(tmp_path, relative, source, expected):
         assert found == []
     else:
         assert len(found) == 1 and expected in found[0], found
-
-
-def runtime_imports(path: pathlib.Path, module: str) -> set[str]:
-    """What ``module`` imports when it runs: every import, inside functions too, except those
-    under ``if TYPE_CHECKING:`` (annotations only)."""
-    tree = ast.parse(path.read_text())
-    typing_only = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            typing_only |= {id(inner) for inner in ast.walk(node)}
-    imports = set()
-    for node in ast.walk(tree):
-        if id(node) not in typing_only:
-            imports |= set(import_targets(node, path, module))
-    return imports
 
 
 def import_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -212,35 +241,40 @@ def test_the_cycle_finder_finds_a_function_level_cycle():
     assert import_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
 
 
-def test_impl_has_no_import_cycle():
-    """impl's imports (inside functions too; ``TYPE_CHECKING`` blocks aside) form no cycle."""
+def impl_import_graph(modules: list[tuple[pathlib.Path, str]]) -> dict[str, set[str]]:
+    """impl module -> the impl modules it imports (anywhere: inside functions and under
+    ``TYPE_CHECKING`` too; a type-only cycle is still a cycle of the design)."""
     graph: dict[str, set[str]] = {}
-    for path, module in all_modules():
+    for path, module in modules:
         if layer_of(module) == "impl" and path.name != "__init__.py":
             graph[module] = {
                 target
-                for target in runtime_imports(path, module)
+                for _, target in imported_modules(path, module)
                 if target.startswith("fsdp_conformance.impl.")
             }
     # ``from fsdp_conformance.impl import trace`` names the module impl.trace
-    graph = {
+    return {
         module: {t if t in graph else t.rsplit(".", 1)[0] for t in targets} - {module}
         for module, targets in graph.items()
     }
+
+
+def test_impl_has_no_import_cycle():
+    """impl's imports (inside functions and ``TYPE_CHECKING`` blocks too) form no cycle."""
+    graph = impl_import_graph(all_modules())
     assert len(graph) >= 10, sorted(graph)
     cycle = import_cycle(graph)
     assert cycle is None, "impl import cycle: " + " -> ".join(cycle)
 
 
-def test_runtime_imports_skip_type_checking_only(tmp_path):
-    path = tmp_path / "mod.py"
-    path.write_text(
+def test_a_type_checking_only_cycle_is_found(tmp_path):
+    (tmp_path / "a.py").write_text(
         "from typing import TYPE_CHECKING\n"
         "if TYPE_CHECKING:\n"
-        "    from fsdp_conformance.impl.a import A\n"
-        "def f():\n"
         "    from fsdp_conformance.impl.b import B\n"
     )
-    imports = runtime_imports(path, "fsdp_conformance.impl.mod")
-    assert "fsdp_conformance.impl.b.B" in imports
-    assert not any(target.startswith("fsdp_conformance.impl.a") for target in imports)
+    (tmp_path / "b.py").write_text("def f():\n    from fsdp_conformance.impl.a import A\n")
+    modules = package_modules(tmp_path, "fsdp_conformance.impl")
+    cycle = import_cycle(impl_import_graph(modules))
+    a, b = "fsdp_conformance.impl.a", "fsdp_conformance.impl.b"
+    assert cycle == [a, b, a]

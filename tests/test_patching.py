@@ -72,3 +72,17 @@ def test_missing_attribute_names_the_target_and_versions():
         _patching.patch_attribute(owner, "gone", lambda f: f, key="x", written_for="torch 2.13.0")
     with pytest.raises(ValueError, match="non-empty key"):
         _patching.patch_attribute(owner, "func", lambda f: f, key="")
+
+
+def test_undo_restores_a_class_attribute_as_stored():
+    class Owner:
+        @staticmethod
+        def func(x):
+            return x + 1
+
+    record = _patching.patch_attribute(Owner, "func", lambda f: staticmethod(lambda x: 0), key="s")
+    assert Owner().func(1) == 0
+    assert record.undo()
+    # the staticmethod itself is back (``getattr`` would have given the bare function, which
+    # would then bind ``self`` as an ordinary method)
+    assert isinstance(vars(Owner)["func"], staticmethod) and Owner().func(1) == 2

@@ -55,7 +55,7 @@ def test_impl_differs_only_where_it_says():
         for target in targets - by_name(canonical)[source]
     }
     assert extra == {("FORWARD", "BACKWARD_PRE"), ("BACKWARD_PRE", "IDLE")}
-    assert by_name(impl_state.INSTANCE_TRANSITIONS) == by_name(
+    assert by_name(impl_state.TRAINING_TRANSITIONS) == by_name(
         training_states.LEGAL_ROOT_TRANSITIONS
     )
 
@@ -72,7 +72,7 @@ def test_an_undocumented_difference_is_found():
 
 def test_impl_refuses_a_move_neither_table_allows():
     instance = types.SimpleNamespace(
-        handle_training_state=impl_state.HandleTrainingState.IDLE, _fsdp_name=lambda: "<root>"
+        handle_training_state=impl_state.HandleTrainingState.IDLE, name=lambda: "<root>"
     )
     with pytest.raises(RuntimeError, match="illegal handle_training_state transition IDLE -> "):
         impl_state.transition(instance, impl_state.HandleTrainingState.BACKWARD_POST, "test")

@@ -31,8 +31,9 @@ def test_op_reads_as_its_string():
 
 def test_modules_reuse_the_vocabulary():
     from fsdp_conformance import plugin
-    from fsdp_conformance.adapters import base
-    from fsdp_conformance.cli import collect
+    from fsdp_conformance import models
+    from fsdp_conformance.adapters import base, features, registry
+    from fsdp_conformance.cli import collect, common
     from fsdp_conformance.cli import run as cli_run
     from fsdp_conformance.cli import timeline as cli_timeline
     from fsdp_conformance.impl import limiter
@@ -62,9 +63,16 @@ def test_modules_reuse_the_vocabulary():
         (comm_trace.COMM_OPS, vocab.COMM_OPS),
         (comm_trace.REDUCE_OPS, vocab.REDUCE_OPS),
         (base.REDUCE_OPS, vocab.REDUCE_OPS),
+        (runtime.DEFAULT_TIMEOUT_S, vocab.DEFAULT_TIMEOUT_S),
+        (registry.BUILTIN_ADAPTERS, vocab.BUILTIN_ADAPTERS),
+        (common.BUILTIN_IMPLS, vocab.BUILTIN_ADAPTERS),
+        (features.ALWAYS_WRAP, vocab.ALWAYS_WRAP),
+        (models.ALWAYS_WRAP, vocab.ALWAYS_WRAP),
     ]
     for index, (used, defined) in enumerate(pairs):
         assert used is defined, f"pair {index}: {used!r} is a copy, not vocab's object"
+    # the registry resolves exactly the built-in names, in their order
+    assert tuple(registry._BUILTIN) == vocab.BUILTIN_ADAPTERS
 
 
 def bare_op_strings(path: pathlib.Path) -> list[str]:

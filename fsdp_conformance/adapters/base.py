@@ -23,6 +23,7 @@ import collections
 import contextlib
 import re
 import threading
+import unittest
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -30,11 +31,11 @@ import torch
 from torch import nn
 
 from fsdp_conformance import vocab
+from fsdp_conformance.training_states import InstanceState, RootState
 from fsdp_conformance.vocab import Op
 
 from .deviations import Deviation, find_deviation
 from .features import ALL_FEATURES, Feature, features_for, normalize_config
-from .states import InstanceState, RootState
 
 # callback(op, instance, info) -- see [Note: observation]
 Observer = Callable[[str, nn.Module, dict], None]
@@ -70,10 +71,12 @@ def scoped_observer(callback: Observer, instances: list[nn.Module] | None) -> It
         _observing_threads[owner] -= 1
 
 
-class UnsupportedFeatureError(NotImplementedError):
+class UnsupportedFeatureError(NotImplementedError, unittest.SkipTest):
     """An adapter was asked for a feature (or config value) it does not support.
 
-    The suite turns it into a skip wherever it is raised in a check's body -- also from inside
+    A ``unittest.SkipTest`` too, so any runner (pytest, unittest, the harness's ranks) reports
+    it as a skip without knowing adapters. The suite turns it into a skip wherever it is raised
+    in a check's body -- also from inside
     an adapter's `_wrap`, for what only the implementation can tell at wrap time.
     """
 
@@ -150,24 +153,40 @@ class Adapter:
     wrapping_root: bool | None = None
 
     # ------------------------------------------------------------------ known deviations
-    def deviation(self, check: str, case: Any = None) -> str | None:
-        """The reason of a declared deviation covering `check` / `case`, or None.
+    def find_deviation(self, check: str, case: Any = None) -> Deviation | None:
+        """The declared deviation covering `check` / `case`, or None.
 
         Consults `known_deviations` along `delegation_chain()`: this adapter first, then the
         adapters it delegates to.
 
         Args:
-            check: a check id (adapters.deviations.CHECK_IDS, e.g. "misuse.wrap_twice").
+            check: a registered check id (fsdp_conformance.checks.CHECKS, e.g.
+                "misuse.wrap_twice").
             case: the check's case object (None where the check has none).
 
         Raises:
-            ValueError: `check` is not a known check id.
+            ValueError: `check` is not a registered check id.
         """
         for adapter in self.delegation_chain():
-            reason = find_deviation(adapter.known_deviations, check, case)
-            if reason is not None:
-                return reason
+            deviation = find_deviation(adapter.known_deviations, check, case)
+            if deviation is not None:
+                return deviation
         return None
+
+    def deviation(self, check: str, case: Any = None) -> str | None:
+        """The reason of the declared deviation covering `check` / `case`, or None."""
+        deviation = self.find_deviation(check, case)
+        return None if deviation is None else deviation.reason
+
+    def running_versions(self) -> str:
+        """The versions of what this adapter drives, e.g. ``"torch 2.13.0"`` (deviation texts
+        carry them next to the version a deviation was measured on)."""
+        return f"torch {torch.__version__}"
+
+    def deviation_text(self, deviation: Deviation) -> str:
+        """`deviation`'s reason with where it was measured and what runs now."""
+        measured = f"measured on {deviation.measured_on}; " if deviation.measured_on else ""
+        return f"{deviation.reason} ({measured}running {self.running_versions()})"
 
     def delegation_chain(self) -> list[Adapter]:
         """This adapter, then the adapter in its `delegates_to`, then that one's, ... (each

@@ -164,6 +164,14 @@ class FairscaleAdapter(Adapter):
                 if deviation.check != "memory_bound"
             )
 
+    def support_problem(self) -> str | None:
+        """None with a torch and fairscale in the tested ranges (docs/compatibility.md), else
+        the one line (fairscale not installed is not a range problem: every check skips with
+        the install line instead)."""
+        from ._support import RANGES, support_problem
+
+        return support_problem(self.name, RANGES["fairscale"])
+
     # ------------------------------------------------------------------ capabilities
     def unsupported(self) -> dict[str, str]:
         missing = _import_error()
@@ -199,7 +207,7 @@ class FairscaleAdapter(Adapter):
         _fairscale_device.check_internals()
         group = process_group
         if group is None:
-            group = torch.distributed.distributed_c10d._get_default_group()
+            group = torch.distributed.group.WORLD  # the default group (public name)
         kwargs: dict[str, Any] = {
             "process_group": group,
             "process_group_reduce_scatter": ProcessGroupName.default,

@@ -31,6 +31,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from fsdp_conformance import vocab
+
 
 class Feature:
     """Feature names (plain strings) an adapter can declare."""
@@ -77,7 +79,7 @@ ALL_FEATURES: frozenset[str] = frozenset(
 
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
 BACKWARD_PREFETCHES = ("BACKWARD_PRE", "BACKWARD_POST")
-ALWAYS_WRAP = "always"
+ALWAYS_WRAP = vocab.ALWAYS_WRAP
 CONFIG_KEYS = (
     "sharding_strategy",
     "backward_prefetch",

@@ -15,13 +15,19 @@ from torch import nn
 
 from .base import Adapter, clean_param_name, scoped_observer
 from .features import MixedPrecisionConfig, module_predicate
-from .states import InstanceState, RootState
+from fsdp_conformance.training_states import InstanceState, RootState
 
 
 class ImplAdapter(Adapter):
     """The reference FSDP of this project."""
 
     name = "impl"
+
+    def support_problem(self) -> str | None:
+        """None on a torch in the tested range (docs/compatibility.md), else the one line."""
+        from ._support import RANGES, support_problem
+
+        return support_problem(self.name, RANGES["impl"])
 
     def __init__(self) -> None:
         from fsdp_conformance import impl

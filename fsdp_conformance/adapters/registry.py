@@ -12,6 +12,8 @@ import inspect
 import threading
 from collections.abc import Callable
 
+from fsdp_conformance import vocab
+
 from .base import Adapter
 
 # built-in name -> (module, class name); imported lazily (torch FSDP modules are heavy)
@@ -22,7 +24,7 @@ _BUILTIN: dict[str, tuple[str, str]] = {
     "fairscale": ("fsdp_conformance.adapters.fairscale", "FairscaleAdapter"),
     "deepspeed": ("fsdp_conformance.adapters.deepspeed", "DeepSpeedAdapter"),
 }
-BUILTIN_ADAPTERS = tuple(_BUILTIN)
+BUILTIN_ADAPTERS = vocab.BUILTIN_ADAPTERS
 
 _cache: dict[str, Adapter] = {}  # one adapter object per name and process
 # guards only the cache dict, never user code: resolving (importing the adapter's module,

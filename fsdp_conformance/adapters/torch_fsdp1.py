@@ -25,10 +25,12 @@ from torch.distributed.fsdp import (
     MixedPrecision,
     ShardingStrategy,
 )
-from torch.distributed.fsdp.fully_sharded_data_parallel import TrainingState
 
+from fsdp_conformance._patching import patch_attribute
 from fsdp_conformance.vocab import Op
 
+from . import _fsdp1_internals as internals
+from ._support import RANGES, support_problem
 from .base import Adapter, ObserverRegistry, require_before_first_forward
 from .deviations import Deviation
 from .features import ALWAYS_WRAP, Feature, module_predicate
@@ -37,7 +39,9 @@ from .states import InstanceState, RootState
 # Process-wide: observers of the patched FSDP1 internals, and handle -> its FSDP instance
 _REGISTRY = ObserverRegistry()
 _INSTANCE_OF_HANDLE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_patched = False
+# the key of this module's patches (fsdp_conformance._patching)
+_PATCH_KEY = "fsdp-conformance torch-fsdp1 comm trace"
+_WRITTEN_FOR = "torch " + "/".join(internals.VERIFIED_ON)
 
 
 def accelerator_available() -> bool:
@@ -49,50 +53,52 @@ def accelerator_available() -> bool:
 
 
 def _patch_torch_fsdp1() -> None:
-    """Label FSDP1's all-gathers, frees and reductions with their instance (torch 2.13.0).
+    """Label FSDP1's all-gathers, frees and reductions with their instance.
 
-    Written against torch 2.13.0: `FlatParamHandle._all_gather_flat_param` (every unshard
+    Through `_fsdp1_internals`: `FlatParamHandle._all_gather_flat_param` (every unshard
     all-gather), `FlatParamHandle._free_unsharded_flat_param` (every free of the unsharded flat
     parameter), and `torch.distributed.fsdp._runtime_utils._reduce_grad` /
-    `_reduce_grad_no_shard` (called by `_post_backward_hook` through module globals). The patches
-    are installed once per process and pass straight through while no observer is registered.
+    `_reduce_grad_no_shard` (called by `_post_backward_hook` through module globals). Installed
+    once per process (`patch_attribute`, idempotent per key); pass-through while no observer is
+    registered.
     """
-    global _patched
-    if _patched:
-        return
-    from torch.distributed.fsdp import _runtime_utils
-    from torch.distributed.fsdp._flat_param import FlatParamHandle
+    handle_class = internals.flat_param_handle_class()
+    runtime_utils = internals.runtime_utils()
 
-    all_gather = FlatParamHandle._all_gather_flat_param
-    free = FlatParamHandle._free_unsharded_flat_param
-    reduce_grad = _runtime_utils._reduce_grad
-    reduce_grad_no_shard = _runtime_utils._reduce_grad_no_shard
+    def all_gather(original):
+        def _all_gather_flat_param(self, padded_unsharded_flat_param):
+            if _REGISTRY.active:
+                _REGISTRY.emit(Op.ALL_GATHER, _INSTANCE_OF_HANDLE.get(self), {})
+            return original(self, padded_unsharded_flat_param)
 
-    def _all_gather_flat_param(self, padded_unsharded_flat_param):
-        if _REGISTRY.active:
-            _REGISTRY.emit(Op.ALL_GATHER, _INSTANCE_OF_HANDLE.get(self), {})
-        return all_gather(self, padded_unsharded_flat_param)
+        return _all_gather_flat_param
 
-    def _free_unsharded_flat_param(self):
-        if _REGISTRY.active:
-            _REGISTRY.emit(Op.FREE, _INSTANCE_OF_HANDLE.get(self), {})
-        return free(self)
+    def free(original):
+        def _free_unsharded_flat_param(self):
+            if _REGISTRY.active:
+                _REGISTRY.emit(Op.FREE, _INSTANCE_OF_HANDLE.get(self), {})
+            return original(self)
 
-    def _reduce_grad(state, handle):
-        if _REGISTRY.active:
-            _REGISTRY.emit(Op.REDUCE_SCATTER, state, {})
-        return reduce_grad(state, handle)
+        return _free_unsharded_flat_param
 
-    def _reduce_grad_no_shard(state, handle):
-        if _REGISTRY.active:
-            _REGISTRY.emit(Op.ALL_REDUCE, state, {})
-        return reduce_grad_no_shard(state, handle)
+    def reduce(op):
+        def make(original):
+            def reduce_grad(state, handle):
+                if _REGISTRY.active:
+                    _REGISTRY.emit(op, state, {})
+                return original(state, handle)
 
-    FlatParamHandle._all_gather_flat_param = _all_gather_flat_param
-    FlatParamHandle._free_unsharded_flat_param = _free_unsharded_flat_param
-    _runtime_utils._reduce_grad = _reduce_grad
-    _runtime_utils._reduce_grad_no_shard = _reduce_grad_no_shard
-    _patched = True
+            return reduce_grad
+
+        return make
+
+    for owner, attribute, make in (
+        (handle_class, "_all_gather_flat_param", all_gather),
+        (handle_class, "_free_unsharded_flat_param", free),
+        (runtime_utils, "_reduce_grad", reduce(Op.REDUCE_SCATTER)),
+        (runtime_utils, "_reduce_grad_no_shard", reduce(Op.ALL_REDUCE)),
+    ):
+        patch_attribute(owner, attribute, make, key=_PATCH_KEY, written_for=_WRITTEN_FOR)
 
 
 def _prefetches_with_limit(case: Any) -> bool:
@@ -140,6 +146,33 @@ FSDP1_DEVIATIONS = (
         "size ... but got ...') that does not name summon_full_params. Reproduction: "
         "with FSDP.summon_full_params(model): model(x) (torch 2.13.0)",
     ),
+    # issue 20 (fsdp-conformance fuzz, docs/fuzz.md)
+    Deviation(
+        "fuzz.generated",
+        "torch FSDP1 sets the gradient of a flat parameter to None when its instance ran forward "
+        "but none of its parameters was used in that backward, even after "
+        "optimizer.zero_grad(set_to_none=False); SGD with momentum then skips those parameters "
+        "where DDP (a zero gradient) applies the momentum. Reproduction (2 ranks, FULL_SHARD): "
+        "an inner FSDP(Branch) whose forward returns lin(x) + x in step 0 and x in step 1; "
+        "after step 1's backward its flat parameter's grad is None on every rank, DDP's is "
+        "zeros (fsdp-conformance fuzz --impl torch-fsdp1 --seed 0 finds it after 112 examples)",
+        lambda case: case is not None and "branch" in case.uses(),
+        raises=AssertionError,
+        measured_on="torch 2.13.0",
+    ),
+    Deviation(
+        "fuzz.generated",
+        "torch FSDP1 fails in backward with 'expected to be in states [IDLE] but current state "
+        "is FORWARD_BACKWARD' when a frozen inner instance (requires_grad=False) ran backward "
+        "in one step and returns its input unchanged in the next. Reproduction (2 ranks): "
+        "Linear(4, 4) -> FSDP(Branch) with a frozen Linear(4, 4), Branch returning h + lin(h) in "
+        "step 0 and h in step 1; step 1's backward raises in FSDP1's pre-backward hook "
+        "(fsdp-conformance fuzz --impl torch-fsdp1 --seed 0)",
+        lambda case: case is not None and {"branch", "frozen"} <= case.uses(),
+        raises=ValueError,
+        match="expected to be in states",
+        measured_on="torch 2.13.0",
+    ),
 )
 
 
@@ -149,13 +182,18 @@ class TorchFSDP1Adapter(Adapter):
     name = "torch-fsdp1"
     known_deviations = FSDP1_DEVIATIONS
 
+    def support_problem(self) -> str | None:
+        """None on a torch in the tested range (docs/compatibility.md), else the one line."""
+        return support_problem(self.name, RANGES["torch-fsdp1"])
+
     def unsupported(self) -> dict[str, str]:
         if accelerator_available():
             return {}
         return {
             Feature.CPU_OFFLOAD: (
                 "torch FSDP1 CPU offload needs an accelerator: on a CPU-only host forward fails "
-                "with 'Cannot access accelerator device when none is available' (torch 2.13.0)"
+                "with 'Cannot access accelerator device when none is available' (a CUDA build: "
+                "'Found no NVIDIA driver') (torch 2.13.0)"
             ),
             Feature.SYNC_MODULE_STATES: (
                 "torch FSDP1 sync_module_states needs the module on GPU: on a CPU-only host "
@@ -196,8 +234,9 @@ class TorchFSDP1Adapter(Adapter):
             kwargs["device_id"] = device_id
         wrapped = FullyShardedDataParallel(module, process_group=process_group, **kwargs)
         for instance in FullyShardedDataParallel.fsdp_modules(wrapped):
-            if instance._handle is not None:
-                _INSTANCE_OF_HANDLE[instance._handle] = instance
+            handle = internals.handle_of(instance)
+            if handle is not None:
+                _INSTANCE_OF_HANDLE[handle] = instance
         return wrapped
 
     def unwrap(self, model: nn.Module) -> nn.Module:
@@ -207,26 +246,23 @@ class TorchFSDP1Adapter(Adapter):
         return FullyShardedDataParallel.fsdp_modules(model)
 
     def training_state(self, instance: nn.Module) -> InstanceState:
-        handle = instance._handle
+        handle = internals.handle_of(instance)
         if handle is None:
             raise ValueError(
                 f"{type(instance).__name__} instance has no parameters (no FlatParamHandle), so "
                 "torch FSDP1 keeps no instance state for it; use root_state()"
             )
-        return InstanceState[handle._training_state.name]
+        return InstanceState[internals.handle_training_state_name(handle)]
 
     def root_state(self, instance: nn.Module) -> RootState:
-        return RootState[instance.training_state.name]
+        return RootState[internals.root_training_state_name(instance)]
 
     def is_unsharded(self, instance: nn.Module) -> bool:
-        handle = instance._handle
-        if handle is None or not handle.uses_sharded_strategy:
-            return handle is not None  # NO_SHARD: the flat parameter is always whole
-        unsharded = handle._get_padded_unsharded_flat_param()
-        return unsharded.untyped_storage().size() > 0
+        handle = internals.handle_of(instance)
+        return handle is not None and internals.handle_is_unsharded(handle)
 
     def _assert_state(self, instance: nn.Module, states: tuple[RootState, ...]) -> None:
-        instance._assert_state([TrainingState[state.value] for state in states])
+        internals.assert_state(instance, [state.value for state in states])
 
     def _summon_full_params(self, model: nn.Module, writeback: bool):
         return FullyShardedDataParallel.summon_full_params(model, writeback=writeback)
@@ -244,9 +280,7 @@ class TorchFSDP1Adapter(Adapter):
         instances = FullyShardedDataParallel.fsdp_modules(model)
         require_before_first_forward(self.name, model, instances)
         for instance in instances:
-            instance._device_handle = handle
-            if instance._handle is not None:
-                instance._handle._device_handle = handle
+            internals.set_device_handle(instance, handle)
 
 
 def _fsdp1_policy(policy: Any):

@@ -6,6 +6,7 @@
     fsdp-conformance overlap --limit-all-gathers false
     fsdp-conformance timeline --lag strict --out timeline.png --data timeline.json
     fsdp-conformance conformance --out docs/conformance.md
+    fsdp-conformance fuzz --impl torch-fsdp2 --examples 200 --seed 0
 
 One module per subcommand, each with its ``add_parser`` and handler:
 
@@ -16,6 +17,8 @@ One module per subcommand, each with its ``add_parser`` and handler:
   rank set of ``fsdp_conformance.world``; ``timeline`` draws with matplotlib (``cli.draw``);
 - ``cli.conformance``: ``run``'s pytest once per implementation, tabulated by ``cli.table``
   into docs/conformance.md;
+- ``cli.fuzz``: the differential fuzzer of ``fsdp_conformance.fuzz`` in one rank set, with a
+  progress line, the minimal counterexample and its ``repro.py``;
 - ``cli.common``: usage errors, argument types and the checks made before anything starts.
 
 Exit codes: 0 success (``run``: nothing failed); 1 a check failed or the experiment could not
@@ -30,14 +33,15 @@ import traceback
 from collections.abc import Callable, Sequence
 
 from fsdp_conformance.cli import conformance as _conformance
+from fsdp_conformance.cli import fuzz as _fuzz
 from fsdp_conformance.cli import overlap as _overlap
 from fsdp_conformance.cli import run as _run
 from fsdp_conformance.cli import timeline as _timeline
 from fsdp_conformance.cli.common import (
     BUILTIN_IMPLS,
     COVERAGES,
+    CLI_TIMEOUT_S,
     DEFAULT_COVERAGE,
-    DEFAULT_TIMEOUT,
     DEFAULT_WORKERS,
     MODES,
     PROG,
@@ -56,10 +60,13 @@ from fsdp_conformance.cli.overlap import render_overlap
 from fsdp_conformance.cli.run import pytest_command
 from fsdp_conformance.cli.timeline import RATE_LIMITER_RANGE, render_timeline
 
+DEFAULT_TIMEOUT = CLI_TIMEOUT_S  # the old name of CLI_TIMEOUT_S
+
 __all__ = [
     "BUILTIN_IMPLS",
     "COVERAGES",
     "DEFAULT_COVERAGE",
+    "CLI_TIMEOUT_S",
     "DEFAULT_TIMEOUT",
     "DEFAULT_WORKERS",
     "MODES",
@@ -97,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     _overlap.add_parser(commands, formatter)
     _timeline.add_parser(commands, formatter)
     _conformance.add_parser(commands, formatter)
+    _fuzz.add_parser(commands, formatter)
     return parser
 
 

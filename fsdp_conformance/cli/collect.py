@@ -4,7 +4,8 @@
 environment variable ``FSDP_CONFORMANCE_CLI_RESULTS`` naming a file; this plugin appends to it
 
     {"event": "collected", "count": 165}
-    {"event": "test", "nodeid": ..., "outcome": "pass", "detail": "", "duration": 1.2}
+    {"event": "test", "nodeid": ..., "outcome": "pass", "detail": "", "duration": 1.2,
+     "check_id": "parity.ddp", "verdict": "pass", "reason": ""}
     {"event": "collect_error", "nodeid": ..., "detail": "ImportError: ..."}
 
 as results arrive, so the CLI can show progress while pytest runs and build the matrix when it
@@ -13,7 +14,10 @@ the controller through ``pytest_runtest_logreport``). Without the variable the p
 
 Outcomes: ``pass``, ``fail`` (an error in setup or teardown is a failure too), ``xfail``,
 ``xpass`` (a non-strict expected failure that passed; a strict one fails), ``skip``. ``detail``
-is the first assertion message of a failure, the reason of a skip or xfail.
+is the first assertion message of a failure, the reason of a skip or xfail. ``check_id``,
+``verdict`` and ``reason`` are the registered check's verdict, read from the report's properties
+(``fsdp_conformance.checks.PROPERTY_*``, recorded by suite/verdict.py and the plugin) -- data,
+never parsed from messages; absent for a test that is no registered check.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from typing import Any
 
 import pytest
 
-from fsdp_conformance import vocab
+from fsdp_conformance import checks, vocab
 
 ENV_RESULTS = vocab.ENV_CLI_RESULTS
 
@@ -112,6 +116,11 @@ class _Recorder:
         outcome, detail = _classify(report)
         if outcome is not None and _RANK[outcome] > _RANK[result["outcome"]]:
             result["outcome"], result["detail"] = outcome, detail
+        recorded = dict(report.user_properties)
+        if checks.PROPERTY_VERDICT in recorded:  # the last phase that says wins (teardown)
+            result["check_id"] = recorded.get(checks.PROPERTY_CHECK, "")
+            result["verdict"] = recorded[checks.PROPERTY_VERDICT]
+            result["reason"] = recorded.get(checks.PROPERTY_REASON, "")
         if report.when == "teardown":
             self.write(self.pending.pop(report.nodeid))
 

@@ -14,16 +14,16 @@ from fsdp_conformance import vocab
 from fsdp_conformance.cli import limits
 
 PROG = "fsdp-conformance"
-# the built-in adapters (one source: fsdp_conformance.adapters.registry.BUILTIN_ADAPTERS)
-BUILTIN_IMPLS = ("impl", "torch-fsdp1", "torch-fsdp2", "fairscale", "deepspeed")
+BUILTIN_IMPLS = vocab.BUILTIN_ADAPTERS
 MODES = vocab.MODES
 COVERAGES = vocab.COVERAGES
 # `run` defaults, chosen so that the whole default run fits in 10 minutes on a 2-core CPU host
 # (measured in docs/cli.md): pairwise coverage of the parity configs, two xdist workers
 DEFAULT_COVERAGE = "pairwise"
 DEFAULT_WORKERS = 2
-# Per-test timeout in the ranks (seconds; the suite's own default is 120)
-DEFAULT_TIMEOUT = 300.0
+# Per-test timeout in the ranks of `run` and `conformance` (seconds): longer than the suite's own
+# default (vocab.DEFAULT_TIMEOUT_S) because they run the whole suite with xdist workers
+CLI_TIMEOUT_S = 300.0
 # Memory one CPU rank process needs (torch + gloo + a small model), for the world-size limit
 RANK_MEMORY_BYTES = limits.RANK_BYTES
 # CPU ranks per core beyond which a world is not runnable in reasonable time
@@ -238,9 +238,9 @@ def _add_common(parser: argparse.ArgumentParser, world_size_help: str) -> None:
     parser.add_argument(
         "--timeout",
         type=_positive_float,
-        default=DEFAULT_TIMEOUT,
+        default=CLI_TIMEOUT_S,
         metavar="SECONDS",
-        help=f"fail a rank body still running after this long (default {DEFAULT_TIMEOUT:g})",
+        help=f"fail a rank body still running after this long (default {CLI_TIMEOUT_S:g})",
     )
 
 

@@ -8,9 +8,9 @@ import argparse
 from typing import Any
 
 from fsdp_conformance.cli.common import (
+    CLI_TIMEOUT_S,
     COVERAGES,
     DEFAULT_COVERAGE,
-    DEFAULT_TIMEOUT,
     PROG,
     UsageError,
     _paragraph,
@@ -72,8 +72,8 @@ def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
     conformance.add_argument(
         "--timeout",
         type=_positive_float,
-        default=DEFAULT_TIMEOUT,
+        default=CLI_TIMEOUT_S,
         metavar="SECONDS",
-        help=f"fail a rank body still running after this long (default {DEFAULT_TIMEOUT:g})",
+        help=f"fail a rank body still running after this long (default {CLI_TIMEOUT_S:g})",
     )
     conformance.set_defaults(handler=_conformance_command)

@@ -35,6 +35,11 @@ class Cell:
     nodeid: str
     # seconds over setup, call and teardown
     duration: float = 0.0
+    # the registered check's id, verdict and reason (fsdp_conformance.checks; "" when the test
+    # is no registered check)
+    check_id: str = ""
+    verdict: str = ""
+    reason: str = ""
 
 
 def split_nodeid(nodeid: str) -> tuple[str, str]:
@@ -64,6 +69,9 @@ def cells_from_records(records: Iterable[dict[str, Any]]) -> list[Cell]:
                     record.get("detail", ""),
                     record["nodeid"],
                     float(record.get("duration", 0.0)),
+                    record.get("check_id", ""),
+                    record.get("verdict", ""),
+                    record.get("reason", ""),
                 )
             )
         elif record.get("event") == "collect_error":

@@ -9,7 +9,11 @@ folded per check into one *verdict* per table cell:
   not applicable  the adapter lacks a feature the check needs (a skip): the reason
   FAIL            a configuration failed: its first message
 
-A check mixing outcomes lists each with its number of configurations ("pass 10, deviation 4
+Each configuration's verdict and reason are data: the report properties the suite's verdict
+path recorded (``fsdp_conformance/suite/verdict.py``, ``checks.PROPERTY_*``), carried by the
+``cli.collect`` records; no message text is parsed. Rows are the registered checks
+(``fsdp_conformance.checks.CHECKS``). A check mixing outcomes lists each with its number of
+configurations ("pass 10, deviation 4
 [2]"). Reasons are numbered notes under the table, so the table stays one line per check. An
 implementation that cannot run (fairscale not installed, no such adapter) gets one note saying
 why, in every cell of its column.
@@ -28,9 +32,10 @@ import tempfile
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-# The implementations of the table, in column order
-# (the built-in adapters, one source: fsdp_conformance.adapters.registry.BUILTIN_ADAPTERS)
-from fsdp_conformance.adapters.registry import BUILTIN_ADAPTERS as IMPLEMENTATIONS  # noqa: E402
+from fsdp_conformance import checks, vocab
+
+# The implementations of the table, in column order (one source: vocab.BUILTIN_ADAPTERS)
+IMPLEMENTATIONS = vocab.BUILTIN_ADAPTERS
 
 # impl -> (python package it needs, extra that installs it)
 _OPTIONAL_PACKAGES = {
@@ -38,38 +43,36 @@ _OPTIONAL_PACKAGES = {
     "deepspeed": ("deepspeed", "deepspeed"),
 }
 # Verdict labels, in the order a mixed cell lists them
-VERDICTS = ("FAIL", "deviation", "pass", "not applicable")
+VERDICTS = checks.VERDICTS
+# pytest outcome -> verdict, for a test that recorded none (not a registered check)
 _OUTCOME_VERDICT = {
-    "pass": "pass",
-    "fail": "FAIL",
-    "xpass": "FAIL",
-    "xfail": "deviation",
-    "skip": "not applicable",
+    "pass": checks.PASS,
+    "fail": checks.FAIL,
+    "xpass": checks.FAIL,
+    "xfail": checks.DEVIATION,
+    "skip": checks.NOT_APPLICABLE,
 }
-# test function -> the check id its deviations are declared under (adapters/deviations.py)
-CHECK_ID_OF_TEST = {
-    "test_limited_all_gathers_stay_within_bound": "memory_bound",
-    "test_shard_grad_op_keeps_backward_within_bound": "memory_bound",
-    "test_divergent_exec_order_raises": "exec_order.divergent",
-    "test_wrapping_a_module_twice": "misuse.wrap_twice",
-    "test_parameters_on_mixed_devices": "misuse.mixed_devices",
-    "test_forward_inside_summon_full_params": "misuse.forward_inside_summon",
-    "test_summon_full_params_during_forward": "misuse.summon_during_forward",
-    "test_sync_module_states_with_different_shapes": "misuse.sync_module_states_shapes",
-    "test_matches_ddp": "parity.ddp",
-    "test_mixed_precision_matches_fp32_ddp": "parity.bf16",
-    "test_summon_full_params": "parity.summon_full_params",
-    "test_state_dict_round_trip": "parity.state_dict",
-    "test_default_state_dict_round_trip": "parity.default_state_dict",
-    "test_states_are_legal_at_every_hook": "states.legal",
-    "test_assert_state": "states.assert_state",
-    "test_counts_per_phase": "comm.counts",
-    "test_no_reduction_inside_no_sync": "comm.no_sync",
-    "test_prefetch_happens": "comm.prefetch_happens",
-    "test_prefetch_overlaps_communication_cpu": "overlap",
-    "test_prefetch_overlaps_communication_cuda": "overlap",
-}
-_DEVIATION_MARKERS = ("-- known deviation of adapter ", "-- known deviation: ")
+
+
+@dataclasses.dataclass(frozen=True)
+class TableCell:
+    """One configuration of one check, as the table needs it."""
+
+    # the registered check id (fsdp_conformance.checks), or the test ("Class::test") when the
+    # test is no registered check
+    check: str
+    # one of checks.VERDICTS
+    verdict: str
+    # the deviation's declared reason, the missing feature's reason, or the failure ("" = pass)
+    reason: str = ""
+
+
+def table_cell(cell: Any) -> TableCell:
+    """A ``cli.report.Cell`` as a TableCell: its recorded verdict (report properties), or, for
+    a test that recorded none, the one its pytest outcome implies."""
+    if cell.verdict:
+        return TableCell(cell.check_id or cell.check, cell.verdict, cell.reason)
+    return TableCell(cell.check, _OUTCOME_VERDICT[cell.outcome], " ".join(cell.detail.split()))
 
 
 @dataclasses.dataclass
@@ -80,9 +83,8 @@ class ImplResult:
     impl: str
     # the adapter's own name when it differs from `impl` (shown under the header)
     adapter_name: str = ""
-    # (check, outcome, detail) per configuration that reported (the collector's detail: failure
-    # message, skip reason, or expected-failure message naming the declared deviation)
-    cells: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)
+    # one per configuration that reported
+    cells: list[TableCell] = dataclasses.field(default_factory=list)
     # why the implementation could not run at all (then `cells` is empty)
     unavailable: str | None = None
 
@@ -101,23 +103,6 @@ def unavailable_reason(impl: str) -> str | None:
             f"(built in: {', '.join(BUILTIN_ADAPTERS)})"
         )
     return None
-
-
-def deviation_reason(detail: str) -> str:
-    """The declared reason inside an expected failure's detail (the detail if none is marked)."""
-    for marker in _DEVIATION_MARKERS:
-        if marker in detail:
-            reason = detail.split(marker, 1)[1]
-            if marker.endswith("adapter "):  # "'name' (check id): reason"
-                reason = reason.split("): ", 1)[-1]
-            return reason.strip()
-    return detail.strip()
-
-
-def _reason(outcome: str, detail: str) -> str:
-    if outcome == "xfail":
-        return deviation_reason(detail)
-    return " ".join(detail.split())
 
 
 def run_implementation(
@@ -158,11 +143,7 @@ def run_implementation(
                 tail = " ".join(stream.read().split()[-40:])
             why = "timed out" if returncode is None else f"pytest exit code {returncode}"
             return ImplResult(impl, unavailable=f"the run reported no check ({why}): {tail}")
-    return ImplResult(
-        impl,
-        _adapter_name(impl),
-        [(cell.check, cell.outcome, cell.detail) for cell in cells],
-    )
+    return ImplResult(impl, _adapter_name(impl), [table_cell(cell) for cell in cells])
 
 
 def _adapter_name(impl: str) -> str:
@@ -186,17 +167,17 @@ class _Notes:
         return f" [{self.numbers[reason]}]"
 
 
-def _cell_text(outcomes: list[tuple[str, str]], notes: _Notes) -> str:
-    """One table cell from (outcome, reason) per configuration."""
+def _cell_text(verdicts: list[tuple[str, str]], notes: _Notes) -> str:
+    """One table cell from (verdict, reason) per configuration."""
     by_verdict: dict[str, list[str]] = {}
-    for outcome, reason in outcomes:
-        by_verdict.setdefault(_OUTCOME_VERDICT[outcome], []).append(reason)
+    for verdict, reason in verdicts:
+        by_verdict.setdefault(verdict, []).append(reason)
     parts = []
     for verdict in VERDICTS:
         reasons = by_verdict.get(verdict)
         if not reasons:
             continue
-        count = f" {len(reasons)}" if len(by_verdict) > 1 or len(outcomes) > 1 else ""
+        count = f" {len(reasons)}" if len(by_verdict) > 1 or len(verdicts) > 1 else ""
         refs = "" if verdict == "pass" else "".join(notes.ref(r) for r in dict.fromkeys(reasons))
         parts.append(f"{verdict}{count}{refs}")
     return ", ".join(parts)
@@ -206,16 +187,16 @@ def render_table(results: Iterable[ImplResult], header: dict[str, str]) -> str:
     """docs/conformance.md: the check x implementation table, its notes and how it was made."""
     results = list(results)
     notes = _Notes()
-    checks: list[str] = []
+    rows: list[str] = []  # check ids (and tests that are no registered check)
     per_impl: list[dict[str, list[tuple[str, str]]]] = []
     for result in results:
         grouped: dict[str, list[tuple[str, str]]] = {}
-        for check, outcome, detail in result.cells:
-            if check not in checks:
-                checks.append(check)
-            grouped.setdefault(check, []).append((outcome, _reason(outcome, detail)))
+        for cell in result.cells:
+            if cell.check not in rows:
+                rows.append(cell.check)
+            grouped.setdefault(cell.check, []).append((cell.verdict, cell.reason))
         per_impl.append(grouped)
-    checks.sort()
+    rows.sort(key=lambda row: (row not in checks.CHECKS, row))
     columns = [f"`{r.impl}`" + (f" ({r.adapter_name})" if r.adapter_name else "") for r in results]
     lines = [
         "# Conformance across implementations",
@@ -224,15 +205,16 @@ def render_table(results: Iterable[ImplResult], header: dict[str, str]) -> str:
         "check's configurations: **pass**, **deviation** (a known deviation the adapter declares,",
         "with its reason), **not applicable** (the adapter lacks a feature the check needs, with",
         "the reason) or **FAIL**; a count follows when the configurations differ. Numbers in",
-        "brackets are the notes under the table; `id` is the check id deviations are declared",
-        'under (docs/adapters.md, "Known deviations").',
+        "brackets are the notes under the table. Rows are the checks of the registry",
+        "(`fsdp_conformance.checks`; deviations are declared under these ids, docs/adapters.md",
+        '"Known deviations").',
         "",
         *(f"- {key}: {value}" for key, value in header.items()),
         "",
-        "| check | id | " + " | ".join(columns) + " |",
+        "| check | promise | " + " | ".join(columns) + " |",
         "|---|---|" + "---|" * len(results),
     ]
-    for check in checks:
+    for check in rows:
         row = []
         for result, grouped in zip(results, per_impl, strict=True):
             if result.unavailable is not None:
@@ -241,9 +223,10 @@ def render_table(results: Iterable[ImplResult], header: dict[str, str]) -> str:
                 row.append(_cell_text(grouped[check], notes))
             else:
                 row.append("not run")
-        check_id = CHECK_ID_OF_TEST.get(check.rsplit("::", 1)[-1], "")
-        lines.append(f"| `{check}` | {check_id} | " + " | ".join(row) + " |")
-    if not checks:
+        registered = checks.CHECKS.get(check)
+        promise = _md(registered.description) if registered else "(not a registered check)"
+        lines.append(f"| `{check}` | {promise} | " + " | ".join(row) + " |")
+    if not rows:
         row = ["not applicable" + notes.ref(r.unavailable or "no check ran") for r in results]
         lines.append("| (no check ran) | | " + " | ".join(row) + " |")
     lines += ["", "## Notes", ""]

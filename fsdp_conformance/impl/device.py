@@ -123,11 +123,6 @@ class CUDADeviceHandle(CPUDeviceHandle):
         tensor.record_stream(stream)
 
 
-def accelerator_available() -> bool:
-    """True if a CUDA device is usable on this host."""
-    return torch.cuda.is_available()
-
-
 def device_handle_for(device: torch.device) -> DeviceHandle:
     """The default handle for a compute device."""
     if device.type == "cuda":

@@ -4,7 +4,8 @@ The class is assembled from one module per concern: construction (here: argument
 auto-wrap recursion, parameter collection, the compute device, ``sync_module_states``),
 forward, ``no_sync`` and ``summon_full_params`` (``forward.py``, ``ForwardMixin``) and state
 dicts (``state_dict.py``, ``StateDictMixin``). What runs around the wrapped module's forward and
-backward is in ``runtime.py``.
+backward is in ``runtime.py``. Everything an instance knows is in its ``FSDPState``
+(``state.py``); the module's public attributes read it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_conformance.device_handle import DeviceHandle
+from fsdp_conformance.device_handle import DeviceHandle, accelerator_available
 from fsdp_conformance.impl import runtime
 from fsdp_conformance.impl.api import (
     BackwardPrefetch,
@@ -24,17 +25,17 @@ from fsdp_conformance.impl.api import (
     MixedPrecision,
     ShardingStrategy,
 )
-from fsdp_conformance.impl.device import accelerator_available
 from fsdp_conformance.impl.flat_param import FlatParamHandle
 from fsdp_conformance.impl.forward import ForwardMixin
-from fsdp_conformance.impl.state import (
-    HandleTrainingState,
-    TrainingState,
-    assert_state,
-)
+from fsdp_conformance.impl.state import FSDPState, assert_state, fsdp_states
 from fsdp_conformance.impl.state_dict import StateDictMixin
 
 AutoWrapPolicy = Callable[..., bool]
+
+
+def _state_attribute(name: str, doc: str) -> property:
+    """A read-only attribute of the instance that reads its ``FSDPState``."""
+    return property(lambda self: getattr(self._fsdp_state, name), doc=doc)
 
 _WRAPPED = "_fsdp_wrapped_module"
 
@@ -93,7 +94,7 @@ class FullyShardedDataParallel(ForwardMixin, StateDictMixin, nn.Module):
         process_group = process_group if process_group is not None else dist.group.WORLD
         ignored = _expand_ignored(ignored_modules)
         for nested in _nested_instances(module):
-            if nested._is_root is not None:
+            if nested.is_root is not None:
                 raise ValueError(
                     f"cannot wrap {type(module).__name__}: its nested FSDP instance around "
                     f"{type(nested.module).__name__} already ran forward (it was lazily "
@@ -115,104 +116,77 @@ class FullyShardedDataParallel(ForwardMixin, StateDictMixin, nn.Module):
             }
             _recursive_wrap(module, auto_wrap_policy, ignored, child_kwargs, only_children=True)
 
-        # - Configuration
-        # process group the flat parameter is sharded over
-        self.process_group = process_group
-        # requested sharding strategy (a one-rank group runs NO_SHARD)
-        self.sharding_strategy = sharding_strategy
-        # CPU offload configuration
-        self.cpu_offload = cpu_offload or CPUOffload()
-        # when the next instance is prefetched in backward
-        self.backward_prefetch = backward_prefetch
-        # mixed precision configuration (None: full precision)
-        self.mixed_precision = mixed_precision
-        # prefetch the next instance in pre-forward
-        self.forward_prefetch = forward_prefetch
-        # rate-limit all-gathers with the free-event queue
-        self.limit_all_gathers = limit_all_gathers
-        # modules (with their descendants) FSDP does not manage
-        self._ignored_modules = ignored
-
-        # - States (see state.py)
-        # instance-level training state
-        self.training_state = TrainingState.IDLE
-        # flat-parameter training state
-        self.handle_training_state = HandleTrainingState.IDLE
-        # None before lazy init, then whether this instance is the root
-        self._is_root: bool | None = None
-        # state shared with the root's other instances (set at lazy init)
-        self._root_state: runtime.RootState | None = None
-        # device handle (streams/events); set at lazy init or by install_device_handle
-        self._device_handle: Any = None
-        # dotted path from the root with wrapper names removed (set at lazy init)
-        self._fqn: str | None = None
-
-        # - Per-iteration flags
-        # pre-forward ran since the iteration started
-        self._ran_forward = False
-        # pre-backward hook ran in this backward
-        self._ran_pre_backward = False
-        # post-backward hook ran in this backward
-        self._ran_post_backward = False
-        # the current forward is an activation-checkpoint recompute
-        self._recomputing = False
-        # False inside no_sync(): gradients accumulate unsharded, no reduction
-        self._sync_gradients = True
-        # (module id, buffer name) -> dtype before the mixed-precision cast
-        self._orig_buffer_dtypes: dict[tuple[int, str], torch.dtype] = {}
-        # per summon_full_params: (full flat tensor, saved attributes) or None
-        self._summon: tuple[torch.Tensor, list[tuple[nn.Module, str, Any]]] | None = None
-
         params = _collect_params(module, ignored)
-        # device the computation runs on
-        self.compute_device = _compute_device(module, params, device_id)
-        if self.compute_device.type != "cpu":
-            _move_to_compute_device(module, ignored, self.compute_device, self.cpu_offload)
+        compute_device = _compute_device(module, params, device_id)
+        cpu_offload = cpu_offload or CPUOffload()
+        if compute_device.type != "cpu":
+            _move_to_compute_device(module, ignored, compute_device, cpu_offload)
         if sync_module_states:
             _sync_module_states(module, params, process_group)
-        # the flat parameter and its buffers (None: no parameters to manage)
-        self._handle: FlatParamHandle | None = None
+        # this instance's state: configuration, flat parameter, training states (see state.py)
+        self._fsdp_state = state = FSDPState(
+            owner=self,
+            module=module,
+            process_group=process_group,
+            sharding_strategy=sharding_strategy,
+            cpu_offload=cpu_offload,
+            backward_prefetch=backward_prefetch,
+            mixed_precision=mixed_precision,
+            forward_prefetch=forward_prefetch,
+            limit_all_gathers=limit_all_gathers,
+            ignored_modules=ignored,
+            compute_device=compute_device,
+        )
         if params:
             _check_uniform(module, params)
-            self._handle = FlatParamHandle(
+            state.handle = FlatParamHandle(
                 self,
                 params,
                 process_group,
                 sharding_strategy,
                 mixed_precision,
-                self.cpu_offload.offload_params,
-                self.compute_device,
+                cpu_offload.offload_params,
+                compute_device,
                 pin_memory=accelerator_available(),
             )
             for _, _, param in params:
                 param._fsdp_flattened = True
-            self.register_parameter("_flat_param", self._handle.flat_param)
-            if self._handle.requires_grad:
-                self._handle.unsharded.register_post_accumulate_grad_hook(_PostBackwardHook(self))
+            self.register_parameter("_flat_param", state.handle.flat_param)
+            if state.handle.requires_grad:
+                state.handle.unsharded.register_post_accumulate_grad_hook(
+                    _PostBackwardHook(state)
+                )
         module.__dict__["_fsdp_wrapped"] = True
         # the wrapped module (public as ``module``)
         self._fsdp_wrapped_module = module
 
     # ------------------------------------------------------------------ observable attributes
-    @property
-    def module(self) -> nn.Module:
-        """The wrapped module."""
-        return self._fsdp_wrapped_module
-
-    @property
-    def is_root(self) -> bool | None:
-        """None before lazy init, then whether this instance is the root."""
-        return self._is_root
+    module = _state_attribute("module", "The wrapped module.")
+    process_group = _state_attribute("process_group", "The group this instance shards over.")
+    sharding_strategy = _state_attribute("sharding_strategy", "The requested ShardingStrategy.")
+    cpu_offload = _state_attribute("cpu_offload", "The CPUOffload configuration.")
+    backward_prefetch = _state_attribute("backward_prefetch", "BackwardPrefetch or None.")
+    mixed_precision = _state_attribute("mixed_precision", "MixedPrecision or None.")
+    forward_prefetch = _state_attribute("forward_prefetch", "Prefetch the next one in forward.")
+    limit_all_gathers = _state_attribute("limit_all_gathers", "Rate-limit the all-gathers.")
+    compute_device = _state_attribute("compute_device", "The device computation runs on.")
+    training_state = _state_attribute("training_state", "The instance's TrainingState.")
+    handle_training_state = _state_attribute(
+        "handle_training_state", "The flat parameter's HandleTrainingState."
+    )
+    is_root = _state_attribute("is_root", "None before lazy init, then whether this is the root.")
 
     @property
     def is_unsharded(self) -> bool:
         """True while the unsharded flat parameter storage is allocated."""
-        return self._handle is not None and self._handle.is_unsharded
+        handle = self._fsdp_state.handle
+        return handle is not None and handle.is_unsharded
 
     @property
     def flat_param(self) -> nn.Parameter | None:
         """This rank's shard of the flat parameter (None if the instance has no parameters)."""
-        return self._handle.flat_param if self._handle is not None else None
+        handle = self._fsdp_state.handle
+        return handle.flat_param if handle is not None else None
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -222,19 +196,13 @@ class FullyShardedDataParallel(ForwardMixin, StateDictMixin, nn.Module):
                 raise
             return getattr(self._fsdp_wrapped_module, name)
 
-    def _fsdp_name(self) -> str:
-        inner = (
-            type(self.__dict__["_modules"][_WRAPPED]).__name__ if _WRAPPED in self._modules else "?"
-        )
-        where = self._fqn if self._fqn else "<root>" if self._is_root else "<not yet initialized>"
-        return f"'{where}' ({inner})"
-
     def _use_device_handle(self, handle: DeviceHandle) -> None:
         """Route this instance's streams and events through ``handle`` (``UsesDeviceHandle``;
         ``install_device_handle`` calls it on every instance)."""
-        self._device_handle = handle
-        if self._root_state is not None and self._is_root:
-            self._root_state.create_streams(handle)
+        state = self._fsdp_state
+        state.device_handle = handle
+        if state.context is not None and state.is_root:
+            state.context.create_streams(handle)
 
     @staticmethod
     def fsdp_modules(module: nn.Module, root_only: bool = False) -> list[FullyShardedDataParallel]:
@@ -264,18 +232,18 @@ class FullyShardedDataParallel(ForwardMixin, StateDictMixin, nn.Module):
         Args:
             state: a ``TrainingState``/``HandleTrainingState`` or a list of them.
         """
-        assert_state(self, state)
+        assert_state(self._fsdp_state, state)
 
 
 class _PostBackwardHook:
     """Post-accumulate-grad hook of an instance's unsharded leaf."""
 
-    def __init__(self, instance: FullyShardedDataParallel) -> None:
+    def __init__(self, state: FSDPState) -> None:
         # the instance whose gradient is ready when the hook runs
-        self.instance = instance
+        self.state = state
 
     def __call__(self, unsharded: torch.Tensor) -> None:
-        runtime.post_backward_hook(self.instance, unsharded)
+        runtime.post_backward_hook(self.state, unsharded)
 
 
 # ---------------------------------------------------------------------------- construction helpers
@@ -325,8 +293,8 @@ def _expand_ignored(ignored_modules: Iterable[nn.Module] | None) -> set[nn.Modul
     return ignored
 
 
-def _nested_instances(module: nn.Module) -> list[FullyShardedDataParallel]:
-    return FullyShardedDataParallel.fsdp_modules(module)
+def _nested_instances(module: nn.Module) -> list[FSDPState]:
+    return fsdp_states(module)
 
 
 def _recursive_wrap(

@@ -1,6 +1,7 @@
 """State dicts of the reference FSDP: full (original names, unsharded) and sharded.
 
-``StateDictMixin`` is one base class of ``FullyShardedDataParallel`` (``fully_sharded.py``).
+``StateDictMixin`` is one base class of ``FullyShardedDataParallel`` (``fully_sharded.py``); it
+reads only the instances' ``FSDPState`` (``state.py``).
 Both forms walk the same entries (``StateEntry``): the flat parameter of each instance (sharded
 form), the original parameters it flattened (full form), and the parameters and persistent
 buffers FSDP does not manage (both forms).
@@ -17,6 +18,8 @@ from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 from fsdp_conformance.impl.api import ShardedFlatParameter, StateDictType
+from fsdp_conformance.impl.forward import summon_full_params
+from fsdp_conformance.impl.state import FSDPState, fsdp_states, state_of
 
 
 class StateEntry(NamedTuple):
@@ -40,23 +43,27 @@ class ShardTypeError(TypeError, ValueError):
 
 
 class StateDictMixin:
-    """``state_dict`` and ``load_state_dict`` of ``FullyShardedDataParallel``."""
+    """``state_dict`` and ``load_state_dict`` of an FSDP module."""
+
+    # the instance's state (set by the constructor)
+    _fsdp_state: FSDPState
 
     def _state_entries(self) -> Iterator[StateEntry]:
         """Every state entry under this instance, in module order (see ``StateEntry``)."""
         owned: dict[int, list[str]] = {}
-        for instance in self.fsdp_modules(self):
-            if instance._handle is not None:
-                for slot in instance._handle.slots:
+        for state in fsdp_states(self._fsdp_state.owner):
+            if state.handle is not None:
+                for slot in state.handle.slots:
                     names = owned.setdefault(id(slot.module), [])
                     if slot.name not in names:
                         names.append(slot.name)
 
         def walk(module: nn.Module, prefix: str) -> Iterator[StateEntry]:
-            if isinstance(module, StateDictMixin):  # an FSDP instance
-                if module._handle is not None:
+            state = state_of(module)
+            if state is not None:  # an FSDP instance
+                if state.handle is not None:
                     yield StateEntry("flat", prefix + "_flat_param", module, None)
-                module = module._fsdp_wrapped_module
+                module = state.module
             for name in owned.get(id(module), ()):
                 yield StateEntry("param", prefix + name, module, name)
             for name, param in module._parameters.items():
@@ -97,7 +104,7 @@ class StateDictMixin:
         if state_dict_type == StateDictType.SHARDED_STATE_DICT:
             for entry in self._state_entries():
                 if entry.kind == "flat":
-                    handle = entry.module._handle
+                    handle = state_of(entry.module).handle
                     result[prefix + entry.name] = ShardedFlatParameter(
                         handle.flat_param.detach().clone(),
                         handle.rank,
@@ -107,9 +114,7 @@ class StateDictMixin:
                 elif entry.kind != "param":
                     result[prefix + entry.name] = self._plain_value(entry)
             return result
-        with self.summon_full_params(
-            writeback=False, rank0_only=rank0_only, offload_to_cpu=offload_to_cpu
-        ):
+        with summon_full_params(self._fsdp_state, False, rank0_only, offload_to_cpu, True):
             if rank0_only and dist.get_rank() != 0:
                 return result
             for entry in self._state_entries():
@@ -129,7 +134,7 @@ class StateDictMixin:
         if entry.kind == "plain":
             return entry.module._parameters[entry.attr].detach().clone()
         buffer = entry.module._buffers[entry.attr].detach().clone()
-        dtype = self._orig_buffer_dtypes.get((id(entry.module), entry.attr))
+        dtype = self._fsdp_state.orig_buffer_dtypes.get((id(entry.module), entry.attr))
         return buffer.to(dtype) if dtype is not None else buffer
 
     def load_state_dict(  # type: ignore[override]
@@ -155,23 +160,24 @@ class StateDictMixin:
         unexpected = [k for k in state_dict if k not in expected_names]
         if strict and (missing or unexpected):
             raise RuntimeError(
-                f"Error loading state dict into FSDP instance {self._fsdp_name()}: missing keys "
-                f"{missing}, unexpected keys {unexpected}; pass strict=False to skip them"
+                f"Error loading state dict into FSDP instance {self._fsdp_state.name()}: "
+                f"missing keys {missing}, unexpected keys {unexpected}; pass strict=False to skip "
+                "them"
             )
         present = [entry for entry in expected if entry.name in state_dict]
         if sharded:
             for entry in present:
                 if entry.kind == "flat":
-                    _check_shard(entry.name, entry.module, state_dict[entry.name])
+                    _check_shard(entry.name, state_of(entry.module), state_dict[entry.name])
         with torch.no_grad():
             if sharded:
                 for entry in present:
                     if entry.kind == "flat":
-                        entry.module._handle.flat_param.copy_(state_dict[entry.name].shard)
+                        state_of(entry.module).handle.flat_param.copy_(state_dict[entry.name].shard)
                     else:
                         self._load_plain(entry, state_dict[entry.name])
             else:
-                with self.summon_full_params(writeback=True):
+                with summon_full_params(self._fsdp_state, True, False, False, True):
                     for entry in present:
                         if entry.kind == "param":
                             entry.module._parameters[entry.attr].copy_(state_dict[entry.name])
@@ -187,9 +193,9 @@ class StateDictMixin:
         target.copy_(value)
 
 
-def _check_shard(name: str, instance: Any, value: Any) -> None:
-    """Raise unless ``value`` is this rank's shard of ``instance``'s flat parameter."""
-    handle = instance._handle
+def _check_shard(name: str, state: FSDPState, value: Any) -> None:
+    """Raise unless ``value`` is this rank's shard of ``state``'s flat parameter."""
+    handle = state.handle
     if not isinstance(value, ShardedFlatParameter):
         raise ShardTypeError(
             f"state dict entry '{name}' must be a ShardedFlatParameter from "
@@ -198,7 +204,7 @@ def _check_shard(name: str, instance: Any, value: Any) -> None:
     if value.world_size != handle.world_size:
         raise ValueError(
             f"sharded state dict entry '{name}' was saved with world size {value.world_size} but "
-            f"FSDP instance {instance._fsdp_name()} has a process group of size "
+            f"FSDP instance {state.name()} has a process group of size "
             f"{handle.world_size}; load a full state dict (FULL_STATE_DICT) to change world size"
         )
     if value.rank != handle.rank:
@@ -209,6 +215,6 @@ def _check_shard(name: str, instance: Any, value: Any) -> None:
     if value.unpadded_numel != handle.numel or value.shard.numel() != handle.shard_numel:
         raise ValueError(
             f"sharded state dict entry '{name}' has {value.unpadded_numel} elements "
-            f"(shard {value.shard.numel()}) but FSDP instance {instance._fsdp_name()} has "
+            f"(shard {value.shard.numel()}) but FSDP instance {state.name()} has "
             f"{handle.numel} (shard {handle.shard_numel}); the model differs from the saved one"
         )

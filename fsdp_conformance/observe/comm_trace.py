@@ -37,7 +37,7 @@ from fsdp_conformance import vocab
 from fsdp_conformance.adapters.base import clean_param_name
 from fsdp_conformance.vocab import Op
 
-# The ops every adapter with `comm_trace` reports (others, e.g. impl's "prefetch", are dropped)
+# The ops every adapter with `comm_trace` reports (others, e.g. impl's `Op.PREFETCH`, are dropped)
 COMM_OPS = vocab.COMM_OPS
 # The gradient reductions (NO_SHARD all-reduces, the sharded strategies reduce-scatter)
 REDUCE_OPS = vocab.REDUCE_OPS
@@ -110,12 +110,6 @@ class CommTrace:
 
     def __exit__(self, *exc_info: object) -> None:
         self._stack.close()
-
-    def detach(self) -> None:
-        """Drop the references to the model and adapter (keep the events, e.g. to cache)."""
-        self.root = None
-        self.adapter = None
-        self.instances = {}
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:

@@ -93,6 +93,18 @@ class Violation:
         )
 
 
+def _output_tensors(output: Any) -> list[torch.Tensor]:
+    """The tensors of a forward output: pytree containers and the dataclass instances inside
+    them (a module may return an unregistered dataclass; its tensors still get gradients)."""
+    found = []
+    for leaf in tree_flatten(output)[0]:
+        if isinstance(leaf, torch.Tensor):
+            found.append(leaf)
+        elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            found += _output_tensors([getattr(leaf, field.name) for field in dataclasses.fields(leaf)])
+    return found
+
+
 class IllegalTrainingState(AssertionError):
     """The recorder saw states outside the canonical transitions (``training_states.py``)."""
 
@@ -157,8 +169,8 @@ class TrainingStateRecorder:
             self.sample("post_forward", name)
             if not torch.is_grad_enabled():
                 return
-            for tensor in tree_flatten(output)[0]:
-                if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+            for tensor in _output_tensors(output):
+                if tensor.requires_grad:
                     tensor.register_hook(self._pre_backward_hook(name))
 
         return hook

@@ -18,6 +18,7 @@ collect them twice.
 from __future__ import annotations
 
 from .comm_checks import BaseCollectiveCountTests, BasePrefetchOrderTests
+from .generated import BaseGeneratedModelTests
 from .memory_bound import BaseMemoryBoundTests
 from .misuse import BaseBadInputTests, BaseExecOrderTests
 from .overlap import BaseOverlapTests
@@ -29,6 +30,7 @@ __all__ = [
     "BaseCollectiveCountTests",
     "BaseDDPParityTests",
     "BaseExecOrderTests",
+    "BaseGeneratedModelTests",
     "BaseMemoryBoundTests",
     "BaseOverlapTests",
     "BasePrefetchOrderTests",

@@ -25,10 +25,12 @@ from typing import Any
 import pytest
 
 from fsdp_conformance import vocab
+from fsdp_conformance.adapters.features import SHARDING_STRATEGIES
 
 # - Dimensions (adapter vocabulary); the first value of each is the default config
-SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
-BACKWARD_PREFETCHES = ("BACKWARD_PRE", None, "BACKWARD_POST")
+# (SHARDING_STRATEGIES: every strategy of the vocabulary, FULL_SHARD first)
+# every backward prefetch of the vocabulary (features.BACKWARD_PREFETCHES) and None (no prefetch)
+BACKWARD_PREFETCH_CASES = ("BACKWARD_PRE", None, "BACKWARD_POST")
 FORWARD_PREFETCH = (False, True)
 # None: the key is not given (the implementation's default: True in the FSDP1 vocabulary). An
 # explicit value needs the adapter's `limit_all_gathers` feature, which torch FSDP2 lacks.
@@ -40,7 +42,7 @@ DEVICE_INITS = ("after", "before", "never")
 
 DIMENSIONS: dict[str, tuple[Any, ...]] = {
     "sharding_strategy": SHARDING_STRATEGIES,
-    "backward_prefetch": BACKWARD_PREFETCHES,
+    "backward_prefetch": BACKWARD_PREFETCH_CASES,
     "forward_prefetch": FORWARD_PREFETCH,
     "limit_all_gathers": LIMIT_ALL_GATHERS,
     "cpu_offload": CPU_OFFLOAD,

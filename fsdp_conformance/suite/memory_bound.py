@@ -27,8 +27,9 @@ torch FSDP1 deviation.
 
 An adapter declares the cases its implementation exceeds the bound on as a known deviation
 (``Deviation("memory_bound", reason, applies=lambda case: ...)``, the case a ``BoundCase``):
-such cases are strict expected failures. The class attribute ``known_deviations`` (adapter
-name -> function(case) -> reason or None) still works but is deprecated.
+such cases are strict expected failures (suite/verdict.py). (The suite class's old
+``known_deviations`` attribute is gone: a subclass that still sets it gets a TypeError naming
+the fix.)
 """
 
 from __future__ import annotations
@@ -46,9 +47,9 @@ from torch import nn
 
 from fsdp_conformance import vocab
 from fsdp_conformance.adapters import Adapter, Feature
-from fsdp_conformance.adapters.deviations import expect_deviation
 from fsdp_conformance.observe.lagging import LAG_VARIANTS, LaggingDevice
 from fsdp_conformance.observe.residency import PHASES, ResidencyTracker
+from fsdp_conformance.suite import verdict
 from fsdp_conformance.suite.stream_bound import FSDP2_BOUND, StreamOrderedBound
 
 # Buffers the limiter allows: the instance computing now and the one whose all-gather is in
@@ -359,18 +360,46 @@ def check_residency(
         )
 
 
-# ---------------------------------------------------------------------------- known deviations
-def fsdp1_queue_deviation(case: BoundCase) -> str | None:
-    """Deprecated: the torch-fsdp1 adapter's ``memory_bound`` deviation for ``case`` (or None)."""
-    from fsdp_conformance.adapters.deviations import find_deviation
-    from fsdp_conformance.adapters.torch_fsdp1 import FSDP1_DEVIATIONS
+def check_shard_grad_op_forward(
+    tracker: ResidencyTracker,
+    case: BoundCase,
+    label: str,
+    own_bound: StreamOrderedBound | None = None,
+    layers: int = LAYERS,
+) -> None:
+    """SHARD_GRAD_OP's first forward keeps every instance's unsharded parameters, and no more.
 
-    return find_deviation(FSDP1_DEVIATIONS, "memory_bound", case)
+    A promise with two sides, checked as two bounds (never as one exact count of a release):
 
+    - at least ``layers`` resident: each instance is all-gathered once and kept until backward
+      (no reshard after forward). This lower bound is also what makes the backward bound worth
+      something: it proves the tracker sees the buffers the strategy keeps;
+    - at most ``layers`` + the all-gather outputs an implementation may hold in flight
+      (``own_bound.forward_outputs``: 2 for torch FSDP2, whose releases differ in how long the
+      previous output is kept -- 2 up to 2.14, 1 from 2.15; 0 for a limiter that gathers into
+      the unsharded buffer itself).
 
-# Deprecated alias (adapter name -> function(case) -> reason), empty: adapters declare their
-# deviations (`Adapter.known_deviations`, check id "memory_bound")
-KNOWN_DEVIATIONS: dict[str, Callable[[BoundCase], str | None]] = {}
+    Raises:
+        AssertionError: "SHARD_GRAD_OP forward keeps too few" / "holds more than" messages,
+            naming the config, the peak and the bound.
+    """
+    peak = tracker.peak(1, "forward").resident
+    in_flight = 0 if own_bound is None else own_bound.forward_outputs
+    most = layers + in_flight
+    where = f"{label}, {case.describe()}"
+    if peak < layers:
+        raise AssertionError(
+            f"SHARD_GRAD_OP forward keeps too few buffers: iteration 1 forward should all-gather "
+            f"all {layers} instances and keep them (no reshard after forward), peak "
+            f"{peak} < {layers} resident non-root unsharded buffers\n  {where}"
+        )
+    if peak > most:
+        raise AssertionError(
+            f"SHARD_GRAD_OP forward holds more than it keeps: iteration 1 forward peak {peak} "
+            f"resident non-root buffers > {most} ({layers} kept unsharded + {in_flight} "
+            f"all-gather outputs in flight)\n  {where}"
+        )
+
 
 # Adapter name -> the implementation's own bound, where it bounds memory by design rather than
 # with a rate limiter (limit_all_gathers=True then means "hold it to its own bound"). Looked up
@@ -441,13 +470,19 @@ class BaseMemoryBoundTests:
     adapter and the feature.
     """
 
-    # Deprecated (declare Adapter.known_deviations): adapter name -> function(case) -> reason;
-    # such cases are strict expected failures
-    known_deviations: ClassVar[dict[str, Callable[[BoundCase], str | None]]] = KNOWN_DEVIATIONS
     # Lagging-device variants to run every CPU case under
     lag_variants: ClassVar[tuple[str, ...]] = LAG_VARIANTS
     # Adapter name -> its own bound (stream-ordered implementations), see OWN_BOUNDS
     own_bounds: ClassVar[dict[str, StreamOrderedBound]] = OWN_BOUNDS
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "known_deviations" in cls.__dict__:
+            raise TypeError(
+                f"{cls.__name__}.known_deviations: the suite class no longer takes deviations; "
+                "declare them on the adapter instead (Adapter.known_deviations = "
+                "(Deviation('memory_bound', reason, applies=lambda case: ...),), docs/adapters.md)"
+            )
 
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
         if "bound_case" in metafunc.fixturenames:
@@ -465,23 +500,14 @@ class BaseMemoryBoundTests:
             ]
             metafunc.parametrize("shard_grad_op_case", [case.param() for case in cases])
 
-    def _expect_deviation(
-        self, adapter: Adapter, case: BoundCase
-    ) -> contextlib.AbstractContextManager[None]:
-        """``expect_deviation`` for check "memory_bound", honouring the deprecated attribute."""
-        legacy = self.known_deviations.get(adapter.name)
-        return expect_deviation(
-            adapter, "memory_bound", case, fallback=None if legacy is None else legacy(case)
-        )
-
     def test_limited_all_gathers_stay_within_bound(
         self, fsdp_adapter: Adapter, dist: Any, bound_case: BoundCase
     ) -> None:
-        tracker = measure_residency(
-            fsdp_adapter, dist.group, bound_case.wrap_config, bound_case.lag
-        )
-        own_bound = own_bound_of(fsdp_adapter, self.own_bounds)
-        with self._expect_deviation(fsdp_adapter, bound_case):
+        with verdict.cell(fsdp_adapter, "memory_bound", bound_case):
+            tracker = measure_residency(
+                fsdp_adapter, dist.group, bound_case.wrap_config, bound_case.lag
+            )
+            own_bound = own_bound_of(fsdp_adapter, self.own_bounds)
             check_residency(tracker, bound_case, f"adapter {fsdp_adapter.name!r}", own_bound)
 
     def test_unlimited_all_gathers_exceed_bound(
@@ -489,46 +515,43 @@ class BaseMemoryBoundTests:
     ) -> None:
         # The check is only worth something if it can fail: without the limiter the CPU never
         # waits, so every all-gather of an iteration stays resident (LAYERS > MAX_INFLIGHT).
-        fsdp_adapter.require(Feature.LIMIT_ALL_GATHERS_OFF)
-        tracker = measure_residency(
-            fsdp_adapter, dist.group, unlimited_case.wrap_config, unlimited_case.lag
-        )
-        with pytest.raises(AssertionError, match="memory bound exceeded") as failure:
-            check_residency(tracker, unlimited_case, f"adapter {fsdp_adapter.name!r}")
-        assert f"iteration 1 forward: peak {LAYERS} " in str(failure.value), str(failure.value)
+        with verdict.cell(fsdp_adapter, "memory_bound.unlimited", unlimited_case):
+            tracker = measure_residency(
+                fsdp_adapter, dist.group, unlimited_case.wrap_config, unlimited_case.lag
+            )
+            with pytest.raises(AssertionError, match="memory bound exceeded") as failure:
+                check_residency(tracker, unlimited_case, f"adapter {fsdp_adapter.name!r}")
+            assert f"iteration 1 forward: peak {LAYERS} " in str(failure.value), str(failure.value)
 
     def test_shard_grad_op_keeps_backward_within_bound(
         self, fsdp_adapter: Adapter, dist: Any, shard_grad_op_case: BoundCase
     ) -> None:
         case = shard_grad_op_case
-        tracker = measure_residency(fsdp_adapter, dist.group, case.wrap_config, case.lag)
-        own_bound = own_bound_of(fsdp_adapter, self.own_bounds)
-        # forward is exempt: SHARD_GRAD_OP keeps every buffer until backward, by design
-        first_forward = tracker.peak(1, "forward")
-        kept = LAYERS if own_bound is None else own_bound.shard_grad_op_forward(LAYERS)
-        with self._expect_deviation(fsdp_adapter, case):
-            assert first_forward.resident == kept, (
-                f"adapter {fsdp_adapter.name!r}, {case.describe()}: iteration 1 forward should "
-                f"all-gather all {LAYERS} instances and keep them (no reshard after forward): "
-                f"{kept} resident buffers; peak {first_forward.resident}"
-            )
-            check_residency(tracker, case, f"adapter {fsdp_adapter.name!r}", own_bound)
+        with verdict.cell(fsdp_adapter, "memory_bound", case):
+            tracker = measure_residency(fsdp_adapter, dist.group, case.wrap_config, case.lag)
+            own_bound = own_bound_of(fsdp_adapter, self.own_bounds)
+            label = f"adapter {fsdp_adapter.name!r}"
+            # forward is exempt from the bound: SHARD_GRAD_OP keeps every buffer until backward
+            check_shard_grad_op_forward(tracker, case, label, own_bound)
+            check_residency(tracker, case, label, own_bound)
 
     @pytest.mark.cuda
     def test_cuda_allocator_peak_within_bound(
         self, fsdp_adapter: Adapter, dist: Any, cuda_case: BoundCase
     ) -> None:
-        if dist.device.type != "cuda":
-            pytest.skip(
-                "CUDA variant of the memory-bound check: needs one GPU per rank (the ranks run "
-                f"on {dist.device}); the CPU variant with the lagging device covers the bound"
+        with verdict.cell(fsdp_adapter, "memory_bound.cuda", cuda_case):
+            if dist.device.type != "cuda":
+                pytest.skip(
+                    "CUDA variant of the memory-bound check: needs one GPU per rank (the ranks "
+                    f"run on {dist.device}); the CPU variant with the lagging device covers the "
+                    "bound"
+                )
+            measured = measure_cuda_forward_peaks(
+                fsdp_adapter, dist.group, dist.device, cuda_case.wrap_config
             )
-        measured = measure_cuda_forward_peaks(
-            fsdp_adapter, dist.group, dist.device, cuda_case.wrap_config
-        )
-        label = f"adapter {fsdp_adapter.name!r}"
-        if cuda_case.limit_all_gathers:
-            check_cuda_forward_peaks(measured, cuda_case, label)
-        else:
-            with pytest.raises(AssertionError, match="memory bound exceeded"):
+            label = f"adapter {fsdp_adapter.name!r}"
+            if cuda_case.limit_all_gathers:
                 check_cuda_forward_peaks(measured, cuda_case, label)
+            else:
+                with pytest.raises(AssertionError, match="memory bound exceeded"):
+                    check_cuda_forward_peaks(measured, cuda_case, label)

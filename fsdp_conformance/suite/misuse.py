@@ -12,10 +12,9 @@ collective raises on every rank and none is left waiting.
 
 An adapter that accepts a misuse silently (no exception) fails the check, unless the adapter
 declares it (``Adapter.known_deviations``, check ids ``exec_order.divergent`` and
-``misuse.<case>``, see adapters/deviations.py): then the case is an expected failure with that
-reason; an adapter that raises anyway passes. The class attribute ``known_deviations`` (adapter
-name -> case -> reason) still works but is deprecated. docs/checks.md records what each adapter
-does and why each misuse does harm.
+``misuse.<case>``, see adapters/deviations.py): then the case is a deviation with that reason
+(suite/verdict.py); an adapter that raises anyway passes. docs/checks.md records what each
+adapter does and why each misuse does harm.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any
 
 import pytest
 import torch
@@ -31,31 +30,20 @@ from torch import nn
 
 from fsdp_conformance.adapters import Feature
 
+from . import verdict
+
 # Seconds a misuse may take to raise (the harness timeout, default 120 s, is the backstop)
 DEADLINE_S = 30.0
 WIDTH = 8
 
-# Deprecated alias (adapter name -> case -> reason), empty: adapters declare their deviations
-# (`Adapter.known_deviations`, check ids "exec_order.divergent" and "misuse.<case>")
-KNOWN_DEVIATIONS: dict[str, dict[str, str]] = {}
 
-
-def _deviation(checks: Any, adapter: Any, case: str, check: str) -> str | None:
-    """The adapter's declared deviation for ``check``, else the deprecated class attribute's."""
-    reason = adapter.deviation(check)
-    if reason is None:
-        reason = {**KNOWN_DEVIATIONS, **checks.known_deviations}.get(adapter.name, {}).get(case)
-    return reason
-
-
-def expect_error(
-    action: Callable[[], Any], pattern: str, label: str, deviation: str | None = None
-) -> BaseException | None:
+def expect_error(action: Callable[[], Any], pattern: str, label: str) -> BaseException:
     """Run ``action``; it must raise within ``DEADLINE_S`` with a message matching ``pattern``.
 
-    Args:
-        deviation: a known deviation's reason: if the check fails, xfail with it (and with
-            what happened) instead.
+    Raises:
+        AssertionError: it did not raise or raised too late (what a misuse deviation covers),
+            or raised an error not naming the problem (raised *from* that error, so only a
+            deviation whose ``raises`` covers that error's type covers it).
     """
     start = time.perf_counter()
     try:
@@ -69,16 +57,16 @@ def expect_error(
                 f"{DEADLINE_S:g} s): {message}"
             )
         elif not re.search(pattern, message, re.IGNORECASE | re.DOTALL):
-            failure = (
+            # not a refusal but some other error: the assertion reports it as its cause, so a
+            # deviation declaring "accepts the misuse" does not cover it (Deviation.covers)
+            raise AssertionError(
                 f"{label}: the error does not name the problem (expected a message matching "
                 f"{pattern!r}), got {message}"
-            )
+            ) from error
         else:
             return error
     else:
         failure = f"{label}: no exception was raised (expected one matching {pattern!r})"
-    if deviation is not None:
-        pytest.xfail(f"{failure} -- known deviation: {deviation}")
     raise AssertionError(failure)
 
 
@@ -118,27 +106,24 @@ class BaseExecOrderTests:
     (``branch_a`` or ``branch_b``).
     """
 
-    # Deprecated: adapter name -> case -> reason (declare Adapter.known_deviations instead)
-    known_deviations: ClassVar[dict[str, dict[str, str]]] = {}
-
     @pytest.mark.world_size(2)
     def test_divergent_exec_order_raises(self, fsdp_adapter: Any, dist: Any):
-        adapter = fsdp_adapter
-        wrap = adapter.wrapper()
-        model = adapter.wrap(TwoBranches(wrap), root=True)
-        adapter.unwrap(model).swapped = dist.rank == 1
-        x = torch.ones(2, WIDTH, device=dist.device)
+        with verdict.cell(fsdp_adapter, "exec_order.divergent"):
+            adapter = fsdp_adapter
+            wrap = adapter.wrapper()
+            model = adapter.wrap(TwoBranches(wrap), root=True)
+            adapter.unwrap(model).swapped = dist.rank == 1
+            x = torch.ones(2, WIDTH, device=dist.device)
 
-        def iteration() -> None:
-            adapter.backward(model, model(x).sum())
+            def iteration() -> None:
+                adapter.backward(model, model(x).sum())
 
-        expect_error(
-            iteration,
-            r"order.*branch_[ab]|branch_[ab].*order",
-            f"adapter {adapter.name!r}, rank {dist.rank} running "
-            f"{'branch_b, branch_a' if dist.rank == 1 else 'branch_a, branch_b'}",
-            _deviation(self, adapter, "divergent_exec_order", "exec_order.divergent"),
-        )
+            expect_error(
+                iteration,
+                r"order.*branch_[ab]|branch_[ab].*order",
+                f"adapter {adapter.name!r}, rank {dist.rank} running "
+                f"{'branch_b, branch_a' if dist.rank == 1 else 'branch_a, branch_b'}",
+            )
 
 
 # ---------------------------------------------------------------------------- bad inputs
@@ -165,88 +150,82 @@ class BaseBadInputTests:
       sizes hangs or corrupts the parameters.
     """
 
-    # Deprecated: adapter name -> case -> reason (declare Adapter.known_deviations instead)
-    known_deviations: ClassVar[dict[str, dict[str, str]]] = {}
-
-    def _deviation(self, adapter: Any, case: str) -> str | None:
-        return _deviation(self, adapter, case, f"misuse.{case}")
-
     @pytest.mark.world_size(2)
     def test_wrapping_a_module_twice(self, fsdp_adapter: Any, dist: Any):
-        adapter = fsdp_adapter
-        linear = _linear()
-        adapter.wrap(linear, root=True)
-        expect_error(
-            lambda: adapter.wrap(linear, root=True),
-            r"already|twice|again",
-            f"adapter {adapter.name!r}, wrapping the same module twice",
-            self._deviation(adapter, "wrap_twice"),
-        )
+        with verdict.cell(fsdp_adapter, "misuse.wrap_twice"):
+            adapter = fsdp_adapter
+            linear = _linear()
+            adapter.wrap(linear, root=True)
+            expect_error(
+                lambda: adapter.wrap(linear, root=True),
+                r"already|twice|again",
+                f"adapter {adapter.name!r}, wrapping the same module twice",
+            )
 
     @pytest.mark.world_size(2)
     def test_parameters_on_mixed_devices(self, fsdp_adapter: Any, dist: Any):
-        adapter = fsdp_adapter
-        module = nn.Sequential(_linear(), nn.Linear(WIDTH, WIDTH, device="meta"))
-        expect_error(
-            lambda: adapter.wrap(module, root=True),
-            r"device|meta",
-            f"adapter {adapter.name!r}, parameters on cpu and meta",
-            self._deviation(adapter, "mixed_devices"),
-        )
+        with verdict.cell(fsdp_adapter, "misuse.mixed_devices"):
+            adapter = fsdp_adapter
+            module = nn.Sequential(_linear(), nn.Linear(WIDTH, WIDTH, device="meta"))
+            expect_error(
+                lambda: adapter.wrap(module, root=True),
+                r"device|meta",
+                f"adapter {adapter.name!r}, parameters on cpu and meta",
+            )
 
     @pytest.mark.world_size(2)
     def test_forward_inside_summon_full_params(self, fsdp_adapter: Any, dist: Any):
-        adapter = fsdp_adapter
-        model = adapter.wrap(
-            nn.Sequential(adapter.wrap(_linear(), root=False), _linear()), root=True
-        )
-        x = torch.ones(2, WIDTH, device=dist.device)
-        adapter.backward(model, model(x).sum())
+        with verdict.cell(fsdp_adapter, "misuse.forward_inside_summon"):
+            adapter = fsdp_adapter
+            model = adapter.wrap(
+                nn.Sequential(adapter.wrap(_linear(), root=False), _linear()), root=True
+            )
+            x = torch.ones(2, WIDTH, device=dist.device)
+            adapter.backward(model, model(x).sum())
 
-        def forward_inside() -> None:
-            with adapter.summon_full_params(model):
-                model(x)
+            def forward_inside() -> None:
+                with adapter.summon_full_params(model):
+                    model(x)
 
-        expect_error(
-            forward_inside,
-            r"summon|SUMMON|state",
-            f"adapter {adapter.name!r}, forward inside summon_full_params",
-            self._deviation(adapter, "forward_inside_summon"),
-        )
+            expect_error(
+                forward_inside,
+                r"summon|SUMMON|state",
+                f"adapter {adapter.name!r}, forward inside summon_full_params",
+            )
 
     @pytest.mark.world_size(2)
     def test_summon_full_params_during_forward(self, fsdp_adapter: Any, dist: Any):
-        adapter = fsdp_adapter
-        model = adapter.wrap(
-            nn.Sequential(adapter.wrap(_linear(), root=False), _linear()), root=True
-        )
-        x = torch.ones(2, WIDTH, device=dist.device)
-        adapter.backward(model, model(x).sum())
-        inner = adapter.unwrap(model)[1]
-
-        def summon(*_: Any) -> None:
-            with adapter.summon_full_params(model):
-                pass
-
-        handle = inner.register_forward_hook(summon)
-        try:
-            expect_error(
-                lambda: model(x),
-                r"forward|backward|FORWARD_BACKWARD|IDLE|state",
-                f"adapter {adapter.name!r}, summon_full_params inside forward",
-                self._deviation(adapter, "summon_during_forward"),
+        with verdict.cell(fsdp_adapter, "misuse.summon_during_forward"):
+            adapter = fsdp_adapter
+            model = adapter.wrap(
+                nn.Sequential(adapter.wrap(_linear(), root=False), _linear()), root=True
             )
-        finally:
-            handle.remove()
+            x = torch.ones(2, WIDTH, device=dist.device)
+            adapter.backward(model, model(x).sum())
+            inner = adapter.unwrap(model)[1]
+
+            def summon(*_: Any) -> None:
+                with adapter.summon_full_params(model):
+                    pass
+
+            handle = inner.register_forward_hook(summon)
+            try:
+                expect_error(
+                    lambda: model(x),
+                    r"forward|backward|FORWARD_BACKWARD|IDLE|state",
+                    f"adapter {adapter.name!r}, summon_full_params inside forward",
+                )
+            finally:
+                handle.remove()
 
     @pytest.mark.world_size(2)
     def test_sync_module_states_with_different_shapes(self, fsdp_adapter: Any, dist: Any):
-        adapter = fsdp_adapter
-        adapter.require(Feature.SYNC_MODULE_STATES)
-        module = nn.Sequential(_linear(), nn.Linear(WIDTH, WIDTH + dist.rank))
-        expect_error(
-            lambda: adapter.wrap(module, root=True, sync_module_states=True),
-            r"shape|size|differ",
-            f"adapter {adapter.name!r}, sync_module_states with shapes that differ across ranks",
-            self._deviation(adapter, "sync_module_states_shapes"),
-        )
+        with verdict.cell(fsdp_adapter, "misuse.sync_module_states_shapes"):
+            adapter = fsdp_adapter
+            adapter.require(Feature.SYNC_MODULE_STATES)
+            module = nn.Sequential(_linear(), nn.Linear(WIDTH, WIDTH + dist.rank))
+            expect_error(
+                lambda: adapter.wrap(module, root=True, sync_module_states=True),
+                r"shape|size|differ",
+                f"adapter {adapter.name!r}, sync_module_states with shapes that differ across ranks",
+            )

@@ -15,9 +15,8 @@ import pytest
 import torch
 
 from fsdp_conformance.adapters import Feature
-from fsdp_conformance.adapters.deviations import expect_deviation
 
-from . import configs, training, zoo
+from . import configs, training, verdict, zoo
 
 # Tolerances (measured with torch FSDP1/FSDP2 and impl on CPU, torch 2.13.0):
 # world sizes 1 and 2 are bit-exact in fp32 (dividing by 2 is exact, one summation order);
@@ -76,7 +75,7 @@ class BaseDDPParityTests:
 
     def test_matches_ddp(self, fsdp_adapter: Any, dist: Any, parity_case: configs.ParityCase):
         case = parity_case
-        with expect_deviation(fsdp_adapter, "parity.ddp", case):
+        with verdict.cell(fsdp_adapter, "parity.ddp", case):
             result = training.fsdp_run(
                 fsdp_adapter, case.model, dist, case.wrap_config, case.device_init
             )
@@ -89,12 +88,12 @@ class BaseDDPParityTests:
     def test_mixed_precision_matches_fp32_ddp(
         self, fsdp_adapter: Any, dist: Any, mixed_precision_case: configs.ParityCase
     ):
-        case = mixed_precision_case
-        config = {
-            **case.wrap_config,
-            "mixed_precision": {"param_dtype": torch.bfloat16, "reduce_dtype": torch.bfloat16},
-        }
-        with expect_deviation(fsdp_adapter, "parity.bf16", case):
+        with verdict.cell(fsdp_adapter, "parity.bf16", mixed_precision_case):
+            case = mixed_precision_case
+            config = {
+                **case.wrap_config,
+                "mixed_precision": {"param_dtype": torch.bfloat16, "reduce_dtype": torch.bfloat16},
+            }
             result = training.fsdp_run(fsdp_adapter, case.model, dist, config)
             reference = training.reference_run(case.model, dist)
             label = f"adapter {fsdp_adapter.name!r}, {case.describe()}, bf16 params and reduction"
@@ -127,10 +126,10 @@ class BaseSummonFullParamsTests:
     def test_summon_full_params(
         self, fsdp_adapter: Any, dist: Any, summon_model: str, writeback: bool
     ):
-        adapter = fsdp_adapter
-        if writeback:
-            adapter.require(Feature.SUMMON_FULL_PARAMS_WRITEBACK)
-        with expect_deviation(adapter, "parity.summon_full_params", writeback):
+        with verdict.cell(fsdp_adapter, "parity.summon_full_params", writeback):
+            adapter = fsdp_adapter
+            if writeback:
+                adapter.require(Feature.SUMMON_FULL_PARAMS_WRITEBACK)
             root, zoo_model = training.wrap_model(adapter, summon_model, dist, {})
             training.train(root, zoo_model, dist.device, steps=1, adapter=adapter)
             full_before = adapter.full_params(root)
@@ -196,7 +195,7 @@ class BaseStateDictTests:
     @pytest.mark.parametrize("model_name", ["nested", "transformer"])
     def test_state_dict_round_trip(self, fsdp_adapter: Any, dist: Any, model_name: str):
         adapter = fsdp_adapter
-        with expect_deviation(adapter, "parity.state_dict", model_name):
+        with verdict.cell(adapter, "parity.state_dict", model_name):
             _state_dict_round_trip(
                 adapter,
                 dist,
@@ -210,7 +209,7 @@ class BaseStateDictTests:
     @pytest.mark.parametrize("model_name", ["nested", "transformer"])
     def test_default_state_dict_round_trip(self, fsdp_adapter: Any, dist: Any, model_name: str):
         adapter = fsdp_adapter
-        with expect_deviation(adapter, "parity.default_state_dict", model_name):
+        with verdict.cell(adapter, "parity.default_state_dict", model_name):
             _state_dict_round_trip(
                 adapter,
                 dist,

@@ -18,10 +18,9 @@ import pytest
 import torch
 
 from fsdp_conformance.adapters import Feature, RootState
-from fsdp_conformance.adapters.deviations import expect_deviation
 from fsdp_conformance.observe.states import TrainingStateRecorder
 
-from . import configs, training
+from . import configs, training, verdict
 
 # Every kind of sample the recorder must have taken in a training run (proof it observed)
 REQUIRED_HOOKS = (
@@ -47,7 +46,7 @@ class BaseTrainingStateTests:
         "mixture_of_experts",
     )
     # Backward prefetch values combined with every sharding strategy
-    backward_prefetches: ClassVar[tuple[Any, ...]] = configs.BACKWARD_PREFETCHES
+    backward_prefetches: ClassVar[tuple[Any, ...]] = configs.BACKWARD_PREFETCH_CASES
 
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
         if "state_case" in metafunc.fixturenames:
@@ -71,8 +70,8 @@ class BaseTrainingStateTests:
     def test_states_are_legal_at_every_hook(
         self, fsdp_adapter: Any, dist: Any, state_case: configs.ParityCase
     ):
-        adapter = fsdp_adapter
-        with expect_deviation(adapter, "states.legal", state_case):
+        with verdict.cell(fsdp_adapter, "states.legal", state_case):
+            adapter = fsdp_adapter
             root, zoo_model = training.wrap_model(
                 adapter, state_case.model, dist, state_case.wrap_config
             )
@@ -111,9 +110,9 @@ class BaseTrainingStateTests:
 
     @pytest.mark.world_size(2)
     def test_assert_state(self, fsdp_adapter: Any, dist: Any):
-        adapter = fsdp_adapter
-        adapter.require(Feature.ASSERT_STATE)
-        with expect_deviation(adapter, "states.assert_state"):
+        with verdict.cell(fsdp_adapter, "states.assert_state"):
+            adapter = fsdp_adapter
+            adapter.require(Feature.ASSERT_STATE)
             root, zoo_model = training.wrap_model(adapter, "nested", dist, {})
             inner = adapter.instances(root)[1]
             outcomes: dict[str, BaseException | None] = {}

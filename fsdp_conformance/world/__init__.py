@@ -1,6 +1,8 @@
 """Running a test in N ranks: reused processes, fresh processes or threads.
 
-Importing this package does not import torch; names resolve on first access.
+Importing this package does not import torch; names resolve on first access. It knows no
+FSDP: the FSDP test helpers (``FSDPTest`` ...) live in ``fsdp_conformance.testing`` (also
+``fsdp_conformance.FSDPTest``).
 """
 
 from __future__ import annotations
@@ -16,28 +18,15 @@ _EXPORTS: dict[str, str] = {
     "RuntimeOptions": "fsdp_conformance.world.runtime",
     "get_runtime": "fsdp_conformance.world.runtime",
     "RankTestCase": "fsdp_conformance.world.testcase",
-    # the FSDP test helpers (old paths; they live in fsdp_conformance.testing)
-    "FSDPTest": "fsdp_conformance.testing",
-    "FSDPInitMode": "fsdp_conformance.testing",
-    "DummyProcessGroup": "fsdp_conformance.testing",
-    "get_full_params": "fsdp_conformance.testing",
-    "get_cycles_per_ms": "fsdp_conformance.testing",
-    "device_sleep": "fsdp_conformance.testing",
 }
 
 __all__ = [
-    "DummyProcessGroup",
-    "FSDPInitMode",
-    "FSDPTest",
     "InRank",
     "RankContext",
     "RankTestCase",
     "Runtime",
     "RuntimeOptions",
     "current_context",
-    "device_sleep",
-    "get_cycles_per_ms",
-    "get_full_params",
     "get_runtime",
 ]
 

@@ -24,9 +24,12 @@ from contextlib import contextmanager
 from typing import Any
 
 from fsdp_conformance import vocab
+from fsdp_conformance._patching import patch_attribute
 
 # Collectives of torch.distributed that are recorded (vocab: send / recv are not)
 COLLECTIVES = vocab.TORCH_COLLECTIVES
+# the patches wrapping them (install)
+_KEY = "fsdp-conformance collective records"
 
 # count (collectives entered this test), state (LEFT / INSIDE / RAISED), operation name
 _LAYOUT = struct.Struct("<IB31s")
@@ -162,6 +165,7 @@ def _current_slot() -> CollectiveSlot | None:
 
 
 def _wrap(name: str, function: Callable[..., Any], c10d: Any) -> Callable[..., Any]:
+    """``function`` (the collective ``name``) recording into the calling rank's slot."""
     try:
         parameters = list(inspect.signature(function).parameters)
     except (TypeError, ValueError):
@@ -181,27 +185,31 @@ def _wrap(name: str, function: Callable[..., Any], c10d: Any) -> Callable[..., A
         with slot.entered(name):
             return function(*args, **kwargs)
 
-    recorded.__fsdp_conformance_original__ = function  # type: ignore[attr-defined]
     return recorded
 
 
 def install() -> Callable[[], None]:
-    """Wrap the collectives of ``torch.distributed``; return a function that unwraps them."""
+    """Wrap the collectives of ``torch.distributed`` (once: a second call wraps nothing more);
+    return a function that unwraps them."""
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
-    replaced: list[tuple[Any, str, Any]] = []
-    for name in COLLECTIVES:
-        for module in (dist, c10d):
-            original = getattr(module, name, None)
-            if original is None or hasattr(original, "__fsdp_conformance_original__"):
-                continue
-            setattr(module, name, _wrap(name, original, c10d))
-            replaced.append((module, name, original))
+    records = [
+        patch_attribute(
+            module,
+            name,
+            functools.partial(_wrap, name, c10d=c10d),
+            key=_KEY,
+            written_for="torch 2.13.0",
+        )
+        for name in COLLECTIVES
+        for module in (dist, c10d)
+        if hasattr(module, name)
+    ]
 
     def uninstall() -> None:
-        for module, name, original in replaced:
-            setattr(module, name, original)
+        for record in records:
+            record.undo()
 
     return uninstall
 

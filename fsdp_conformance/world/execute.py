@@ -18,6 +18,7 @@ import types
 from collections.abc import Callable
 from typing import Any
 
+from fsdp_conformance.world import properties
 from fsdp_conformance.world.protocol import (
     FAILED,
     PASSED,
@@ -216,13 +217,15 @@ def build_kwargs(
 def call_and_classify(rank: int, body: Callable[[], Any]) -> RankOutcome:
     """Call ``body`` and turn its result or exception into a :class:`RankOutcome`."""
     start = time.perf_counter()
-    try:
-        body()
-    except BaseException as exc:  # noqa: BLE001  (everything is reported to the parent)
-        outcome = classify_exception(rank, exc)
-    else:
-        outcome = RankOutcome(rank, PASSED)
+    with properties.collecting() as recorded:
+        try:
+            body()
+        except BaseException as exc:  # noqa: BLE001  (everything is reported to the parent)
+            outcome = classify_exception(rank, exc)
+        else:
+            outcome = RankOutcome(rank, PASSED)
     outcome.duration = time.perf_counter() - start
+    outcome.properties = list(recorded)
     return outcome
 
 
@@ -237,9 +240,6 @@ def classify_exception(rank: int, exc: BaseException) -> RankOutcome:
         return RankOutcome(rank, SKIPPED, message=str(exc))
     if isinstance(exc, XFailed):
         return RankOutcome(rank, XFAILED, message=str(exc.msg))
-    adapters = sys.modules.get("fsdp_conformance.adapters.base")  # an adapter's own refusal
-    if adapters is not None and isinstance(exc, adapters.UnsupportedFeatureError):
-        return RankOutcome(rank, SKIPPED, message=str(exc))
     if isinstance(exc, Failed) and not exc.pytrace:
         return RankOutcome(rank, FAILED, message=str(exc.msg))
     return RankOutcome(

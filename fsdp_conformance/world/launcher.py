@@ -56,7 +56,7 @@ from typing import Any
 import pytest
 
 from fsdp_conformance import vocab
-from fsdp_conformance.world import report
+from fsdp_conformance.world import hooks, report
 from fsdp_conformance.world.protocol import (
     DIED,
     FAILED,
@@ -72,7 +72,7 @@ ENV_LAUNCHER = vocab.ENV_LAUNCHER
 # What torchrun sets in every process it starts.
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 # Seconds a rank waits, beyond a test's timeout, for the others' outcomes / rank 0's status.
-GRACE_S = 5.0
+OUTCOME_GRACE_S = 5.0
 # RankContext.mode of a test run in place
 MODE = "launcher"
 
@@ -202,7 +202,7 @@ class _Watchdog:
         self.runtime._post(self.key, self.runtime._hung(rank, self.timeout, dump))
         if self._main:
             signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR2)
-        if self._done.wait(self.timeout + GRACE_S):
+        if self._done.wait(self.timeout + OUTCOME_GRACE_S):
             return
         self.runtime._give_up(self.key, self.size)
 
@@ -223,6 +223,7 @@ class LauncherRuntime:
     def __init__(self, options: Any, env: LauncherEnv) -> None:
         self.options = options
         self.env = env
+        hooks.add_after_test(options.after_test)  # run by reset_after_test after each test
         # why the session must stop (a hang or a gone rank), None while healthy
         self.broken: str | None = None
         self._started = False
@@ -303,7 +304,7 @@ class LauncherRuntime:
         if self.env.rank == 0:
             # leave last: the launcher stops the others when rank 0 exits non-zero
             alive = [r for r in range(self.env.world_size) if r not in self._gone]
-            self._missing([f"closed/{r}" for r in alive], GRACE_S)
+            self._missing([f"closed/{r}" for r in alive], OUTCOME_GRACE_S)
         if self.env.local_rank == 0:
             shutil.rmtree(self._root, ignore_errors=True)
 
@@ -345,8 +346,8 @@ class LauncherRuntime:
                 outcome = RankOutcome(
                     rank,
                     DIED,
-                    message=f"sent no outcome within the timeout + {GRACE_S:g} s (the process "
-                    "ended, or is stuck where the watchdog cannot interrupt it)",
+                    message=f"sent no outcome within the timeout + {OUTCOME_GRACE_S:g} s (the "
+                    "process ended, or is stuck where the watchdog cannot interrupt it)",
                 )
             outcomes[rank] = outcome
         return outcomes
@@ -398,7 +399,7 @@ class LauncherRuntime:
         key = f"test/{request.test_id}#{occurrence}"
         tmp_path = os.path.join(self._root, hashlib.sha1(key.encode()).hexdigest()[:16])
         os.makedirs(tmp_path, exist_ok=True)
-        deadline = time.monotonic() + request.timeout + GRACE_S
+        deadline = time.monotonic() + request.timeout + OUTCOME_GRACE_S
         if self.env.rank < size:
             self._post(key, self._run_body(request, size, tmp_path, key))
         outcomes = self._gather(key, size, deadline)
@@ -483,7 +484,7 @@ class LauncherRuntime:
             f"{self.options.timeout:g} s after its timeout interrupted it; ending this process"
         )
         if self.env.rank == 0:
-            outcomes = self._gather(key, size, time.monotonic() + GRACE_S)
+            outcomes = self._gather(key, size, time.monotonic() + OUTCOME_GRACE_S)
             head += "\n" + report.summarize(outcomes, size).message
         sys.stderr.write(head + "\n")
         sys.stderr.flush()
@@ -566,7 +567,9 @@ class LauncherPlugin:
         if self.env.rank == 0:
             runtime._post("exit", int(exitstatus))
             return
-        wait = GRACE_S if runtime.broken is not None else runtime.options.timeout + GRACE_S
+        wait = OUTCOME_GRACE_S
+        if runtime.broken is None:
+            wait += runtime.options.timeout
         status = None
         if 0 not in runtime._gone and not runtime._missing(["exit/0"], wait):
             status = runtime._read("exit/0")

@@ -41,7 +41,7 @@ from fsdp_conformance.world.protocol import (
 
 # Seconds the other ranks get to finish after one rank failed, died or skipped before they are
 # reported as stuck (typically blocked in a collective with the failed rank) and killed.
-GRACE_S = 3.0
+PEER_GRACE_S = 3.0
 # Seconds to wait for a rank's faulthandler dump to be written after SIGUSR1.
 DUMP_WAIT_S = 3.0
 # Seconds a rank gets to exit on request before it is killed.
@@ -258,7 +258,7 @@ class RankSet:
         The test's ``timeout`` starts once every rank has imported the test (start-up gets
         ``STARTUP_TIMEOUT_S``). Never waits longer (+ the stack-dump time): ranks still
         running then are reported HUNG with their Python stacks and the set is not reusable.
-        Ranks that stay for ``GRACE_S`` inside different collectives entered as the same
+        Ranks that stay for ``PEER_GRACE_S`` inside different collectives entered as the same
         one (rank 0 ``all_reduce``, rank 1 ``all_gather``), or inside a collective that the
         ranks which already finished never entered, are reported then, naming the operations.
         """
@@ -384,7 +384,7 @@ class _TestRun:
         # rank -> whether its default process group survived the test
         self.group_alive: dict[int, bool] = {}
         self.started: set[int] = set()
-        # the first rank that failed / died / skipped; the others then get GRACE_S
+        # the first rank that failed / died / skipped; the others then get PEER_GRACE_S
         self.first_trouble: RankOutcome | None = None
         self.trouble_since: float | None = None
         # when ranks were first seen stuck in mismatched or unmatched collectives
@@ -452,9 +452,9 @@ class _TestRun:
             deadline = load_deadline if body_deadline is None else body_deadline
             limit = deadline
             if self.trouble_since is not None:
-                limit = min(limit, self.trouble_since + GRACE_S)
+                limit = min(limit, self.trouble_since + PEER_GRACE_S)
             if self.mismatch_since is not None:
-                limit = min(limit, self.mismatch_since + GRACE_S)
+                limit = min(limit, self.mismatch_since + PEER_GRACE_S)
             if now >= limit:
                 self._hung(list(pending), now, deadline, body_deadline is None)
                 return
@@ -528,7 +528,7 @@ class _TestRun:
             elif now < deadline and self.first_trouble is not None:
                 first = self.first_trouble
                 why = (
-                    f"was still running {GRACE_S:g} s after rank {first.rank} "
+                    f"was still running {PEER_GRACE_S:g} s after rank {first.rank} "
                     f"{_STOPPED.get(first.status, first.status)}"
                     + (f" (waiting {where})" if where.startswith("in ") else "")
                 )

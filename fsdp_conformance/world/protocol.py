@@ -70,6 +70,8 @@ class RankTask:
     timeout: float
     # whether the test function takes `dist` (it may get it only through a fixture)
     wants_dist: bool = True
+    # module-level functions to call after the test (world/hooks.py), registered on receipt
+    after_test: tuple[Callable[[], None], ...] = ()
 
 
 @dataclasses.dataclass
@@ -84,6 +86,8 @@ class RankOutcome:
     traceback: str = ""
     # seconds the test body ran in this rank
     duration: float = 0.0
+    # (name, value) report properties the body recorded (world/properties.py)
+    properties: list[tuple[str, Any]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass

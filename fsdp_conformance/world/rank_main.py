@@ -26,6 +26,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from fsdp_conformance import vocab
+from fsdp_conformance.world import hooks
 from fsdp_conformance.world.protocol import (
     Exit,
     Finished,
@@ -153,6 +154,7 @@ class _RankProcess:
         from fsdp_conformance.world.context import RankContext
 
         self._enter(task)
+        hooks.add_after_test(task.after_test)
         ctx = RankContext(
             rank=self.rank,
             world_size=self.world_size,
@@ -216,14 +218,6 @@ class _RankProcess:
         return reset_after_test(self.snapshot, self.monkeypatches, self.rank)
 
 
-def notify_adapters_test_end() -> None:
-    """Let every adapter resolved in this process drop what it caches per process group
-    (``Adapter.on_test_end``), before the groups are destroyed."""
-    registry = sys.modules.get("fsdp_conformance.adapters.registry")
-    if registry is not None:
-        registry.notify_test_end()
-
-
 def reset_after_test(snapshot: Any, monkeypatches: list[Any], rank: int) -> list[str]:
     """Undo what a test left in this interpreter: its monkeypatches, process groups other than
     the default one, and everything in ``snapshot`` (world/isolation.py).
@@ -240,7 +234,7 @@ def reset_after_test(snapshot: Any, monkeypatches: list[Any], rank: int) -> list
 
     from fsdp_conformance.world import isolation
 
-    notify_adapters_test_end()
+    hooks.run_after_test()
     while monkeypatches:
         monkeypatches.pop().undo()
     if dist.is_initialized():

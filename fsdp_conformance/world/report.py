@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from fsdp_conformance.world.protocol import (
     ABORTED,
@@ -27,11 +28,12 @@ class Verdict:
     status: str
     # failure report, skip / xfail reason; "" when passed
     message: str = ""
+    # report properties recorded in the ranks: the lowest rank's that recorded any (every rank
+    # runs the same body; a rank's own failure still decides `status`)
+    properties: list[tuple[str, Any]] = dataclasses.field(default_factory=list)
 
 
-def summarize(
-    outcomes: dict[int, RankOutcome], world_size: int, mismatch: str = ""
-) -> Verdict:
+def summarize(outcomes: dict[int, RankOutcome], world_size: int, mismatch: str = "") -> Verdict:
     """Combine per-rank outcomes: any failure fails, then xfail, then skip, else pass.
 
     A failure names every rank's outcome (failed, died, hung, aborted, skipped with its
@@ -41,6 +43,16 @@ def summarize(
     missing = [r for r in range(world_size) if r not in outcomes]
     for rank in missing:  # defensive: a rank that reported nothing is a harness bug
         outcomes[rank] = RankOutcome(rank, HUNG, message="reported no result")
+    recorded = next(
+        (o.properties for o in sorted(outcomes.values(), key=lambda o: o.rank) if o.properties),
+        [],
+    )
+    verdict = _summarize(outcomes, world_size, mismatch)
+    verdict.properties = list(recorded)
+    return verdict
+
+
+def _summarize(outcomes: dict[int, RankOutcome], world_size: int, mismatch: str) -> Verdict:
     problems = sorted(
         (o for o in outcomes.values() if o.status in _SEVERITY),
         key=lambda o: (_SEVERITY[o.status], o.rank),
@@ -72,9 +84,7 @@ def _failure_message(
     lines = [_headline(o, world_size) for o in problems]
     for outcome in sorted(outcomes.values(), key=lambda o: o.rank):
         if outcome.status in (SKIPPED, XFAILED):
-            lines.append(
-                f"rank {outcome.rank} of {world_size} {outcome.status}: {outcome.message}"
-            )
+            lines.append(f"rank {outcome.rank} of {world_size} {outcome.status}: {outcome.message}")
     passed = sorted(o.rank for o in outcomes.values() if o.status == PASSED)
     if passed:
         lines.append(f"ranks that passed: {', '.join(map(str, passed))}")

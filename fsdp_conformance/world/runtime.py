@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fsdp_conformance import vocab
-from fsdp_conformance.world import collectives, gpus, report
+from fsdp_conformance.world import collectives, gpus, hooks, report
 from fsdp_conformance.world.procs import RankSet, RankSetError
 from fsdp_conformance.world.protocol import (
     FAILED,
@@ -38,7 +38,7 @@ ENV_TIMEOUT = vocab.ENV_TIMEOUT
 MAX_POOLED_RANKS = 8
 # Backends --fsdp-backend / FSDP_CONFORMANCE_BACKEND accept.
 BACKENDS = ("gloo", "nccl", "ucc", "mpi", "xccl")
-DEFAULT_TIMEOUT_S = 120.0
+DEFAULT_TIMEOUT_S = vocab.DEFAULT_TIMEOUT_S
 
 
 class OptionError(ValueError):
@@ -106,15 +106,18 @@ class RuntimeOptions:
     """Session-wide settings (pytest options, or environment variables outside pytest)."""
 
     # default mode: "process", "process-fresh" or "thread"
-    mode: str = "process"
+    mode: str = vocab.DEFAULT_MODE
     # seconds a test may run in its ranks before it is failed with stack dumps
-    timeout: float = 120.0
+    timeout: float = DEFAULT_TIMEOUT_S
     # world size for tests that do not say
     world_size: int = 2
     # --fsdp-impl: FSDP implementation under test, passed to the ranks as dist.impl
     impl: str = "impl"
     # backend override ("gloo", "nccl"); None: gloo on CPU, nccl when each rank gets a GPU
     backend: str | None = None
+    # module-level functions every rank calls after each test, before the test's non-default
+    # process groups are destroyed (world/hooks.py; the plugin passes the adapters' on_test_end)
+    after_test: tuple[Callable[[], None], ...] = ()
 
     @classmethod
     def from_env(cls) -> RuntimeOptions:
@@ -208,6 +211,7 @@ class Runtime:
 
     def __init__(self, options: RuntimeOptions) -> None:
         self.options = options
+        hooks.add_after_test(options.after_test)  # thread and launcher modes run here
         # private directory for rank sets, FileStores and per-test tmp dirs; removed by close()
         self._root: str | None = None
         # process mode: (world_size, backend, gpu_ids) -> live rank set, least recently used first
@@ -322,6 +326,7 @@ class Runtime:
             impl=self.options.impl,
             timeout=request.timeout,
             wants_dist=request.wants_dist,
+            after_test=tuple(self.options.after_test),
         )
 
     def _run_processes(

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import pathlib
 import random
 import sys
@@ -39,7 +40,8 @@ import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from fsdp_conformance.world import collectives, execute, isolation, rank_main
+from fsdp_conformance._patching import patch_attribute
+from fsdp_conformance.world import collectives, execute, hooks, isolation
 from fsdp_conformance.world.context import RankContext
 from fsdp_conformance.world.protocol import (
     ABORTED,
@@ -57,6 +59,8 @@ _STOPPED = {FAILED: "failed", DIED: "died", SKIPPED: "skipped", XFAILED: "xfaile
 
 # The rank thread's (baton, rank), or None outside rank threads.
 _local = threading.local()
+# the patches giving the baton back at torch's wait points (_patched_wait_points)
+_BATON_KEY = "fsdp-conformance thread ranks: baton released while waiting"
 
 
 class RngBaton:
@@ -111,31 +115,35 @@ def _baton_released() -> Iterator[None]:
         baton.acquire(rank)
 
 
+def _releasing_baton(wait: Callable[..., Any]) -> Callable[..., Any]:
+    """``wait`` that gives the calling rank thread's baton back while it waits."""
+
+    @functools.wraps(wait)
+    def releasing(*args: Any, **kwargs: Any) -> Any:
+        with _baton_released():
+            return wait(*args, **kwargs)
+
+    return releasing
+
+
 @contextlib.contextmanager
 def _patched_wait_points(mtpg: Any) -> Iterator[None]:
     """Give the baton back wherever a rank thread waits for the other ranks."""
     import torch.distributed.distributed_c10d as c10d
 
-    original_join = mtpg.Collective.join
-    original_barrier = c10d._store_based_barrier
-
-    def join(self: Any, rank: int, data: Any) -> Any:
-        with _baton_released():
-            return original_join(self, rank, data)
-
-    def store_based_barrier(*args: Any, **kwargs: Any) -> Any:
-        with _baton_released():
-            return original_barrier(*args, **kwargs)
-
-    mtpg.Collective.join = join
-    c10d._store_based_barrier = store_based_barrier
-    mtpg._store_based_barrier = store_based_barrier
+    records = [
+        patch_attribute(owner, name, _releasing_baton, key=_BATON_KEY, written_for="torch 2.13.0")
+        for owner, name in (
+            (mtpg.Collective, "join"),
+            (c10d, "_store_based_barrier"),
+            (mtpg, "_store_based_barrier"),
+        )
+    ]
     try:
         yield
     finally:
-        mtpg.Collective.join = original_join
-        c10d._store_based_barrier = original_barrier
-        mtpg._store_based_barrier = original_barrier
+        for record in records:
+            record.undo()
 
 
 def run_threaded(
@@ -297,7 +305,7 @@ def run_threaded(
                 mtpg.ProcessLocalGroup.exception_handle(None)  # release collective waiters
     finally:
         uninstall()
-        rank_main.notify_adapters_test_end()  # before the threaded groups go (Adapter.on_test_end)
+        hooks.run_after_test()  # before the threaded groups go (e.g. Adapter.on_test_end)
         if not any(t.is_alive() for t in threads):
             mtpg._uninstall_threaded_pg()
             mtpg.ProcessLocalGroup.reset()

@@ -83,7 +83,7 @@ RELEASED_PEAKS = {"strict": [(6, 12), (18, 24), (30, 36)], "drained": [(6, 12)] 
 @pytest.mark.world_size(2)
 @pytest.mark.parametrize("lag", ["strict", "drained"])
 def test_released_fairscale_exceeds_the_bound_and_sync_after_free_meets_it(dist, lag):
-    from fsdp_conformance.adapters.deviations import expect_deviation
+    from fsdp_conformance.suite.verdict import cell
     from fsdp_conformance.adapters.fairscale import FairscaleAdapter
 
     case = BoundCase(lag, "FULL_SHARD", None, False, True)
@@ -94,7 +94,7 @@ def test_released_fairscale_exceeds_the_bound_and_sync_after_free_meets_it(dist,
     assert LAYERS == 6 and _peaks(tracker) == RELEASED_PEAKS[lag], tracker.peak_table()
     # ... declared, so the suite's check is an expected failure carrying the reason
     xfails = pytest.raises(pytest.xfail.Exception, match="memory_bound.*PR 972")
-    with xfails, expect_deviation(released, "memory_bound", case):
+    with xfails, cell(released, "memory_bound", case):
         check_residency(tracker, case, "fairscale")
 
     # fairscale PR 972's synchronize after free: within the bound, and no deviation declared
@@ -103,13 +103,13 @@ def test_released_fairscale_exceeds_the_bound_and_sync_after_free_meets_it(dist,
     assert variant.deviation("memory_bound", case) is None
     tracker = measure_residency(variant, dist.group, case.wrap_config, lag)
     assert _peaks(tracker) == [(1, 1)] * 3, tracker.peak_table()
-    with expect_deviation(variant, "memory_bound", case):
+    with cell(variant, "memory_bound", case):
         check_residency(tracker, case, "fairscale-sync-after-free")
     # a declared deviation that does not happen fails the (strict) check
     stale = FairscaleAdapter(sync_after_free=True)
     stale.known_deviations = released.known_deviations
     fails = pytest.raises(AssertionError, match="declares a known deviation for 'memory_bound'")
-    with fails, expect_deviation(stale, "memory_bound", case):
+    with fails, cell(stale, "memory_bound", case):
         check_residency(tracker, case, "stale")
     # without limit_all_gathers the variant is fairscale as released
     unlimited = BoundCase(lag, limit_all_gathers=False)

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fsdp_conformance.models import ALWAYS_WRAP as MODELS_ALWAYS_WRAP
 from torch import nn
 
 from fsdp_conformance.adapters import (
@@ -20,7 +19,7 @@ from fsdp_conformance.adapters import (
     get_adapter,
     normalize_config,
 )
-from fsdp_conformance.adapters.torch_fsdp1 import accelerator_available
+from fsdp_conformance.device_handle import accelerator_available
 
 cpu_only = pytest.mark.skipif(accelerator_available(), reason="facts about CPU-only hosts")
 
@@ -91,10 +90,6 @@ def test_features_for_maps_each_config_key():
     }
     assert adapter.features_for(backward_prefetch="BACKWARD_PRE", forward_prefetch=False,
                                 cpu_offload=False) == {Feature.BACKWARD_PREFETCH_PRE}
-
-
-def test_always_wrap_is_one_value_in_models_and_adapters():
-    assert MODELS_ALWAYS_WRAP == ALWAYS_WRAP
 
 
 @cpu_only

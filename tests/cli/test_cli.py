@@ -302,7 +302,7 @@ def test_timeline_without_matplotlib_is_one_line(tmp_path: Path) -> None:
 # help
 
 
-@pytest.mark.parametrize("command", [[], ["run"], ["overlap"], ["timeline"]])
+@pytest.mark.parametrize("command", [[], ["run"], ["overlap"], ["timeline"], ["fuzz"]])
 def test_help_has_an_example(command: list[str], tmp_path: Path) -> None:
     result = cli(*command, "--help", cwd=tmp_path)
     assert result.returncode == 0, result.stderr

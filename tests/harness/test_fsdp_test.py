@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from conftest import runtime_files, write_test
-from fsdp_conformance.world import (
+from fsdp_conformance.testing import (
     DummyProcessGroup,
     FSDPInitMode,
     FSDPTest,
@@ -29,7 +29,7 @@ import unittest
 import torch
 import torch.distributed as dist
 
-from fsdp_conformance.world import FSDPTest
+from fsdp_conformance.testing import FSDPTest
 
 
 class TestInRanks(FSDPTest):

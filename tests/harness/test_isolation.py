@@ -31,7 +31,7 @@ import torch
 import torch.distributed as tdist
 from torch.nn.modules import module as nn_module
 
-from fsdp_conformance.world import FSDPTest
+from fsdp_conformance.testing import FSDPTest
 
 
 def hook(module, args, output):

@@ -80,9 +80,8 @@ def check_step_state(offload: bool):
     def check(model: FullyShardedDataParallel) -> None:
         for instance in FullyShardedDataParallel.fsdp_modules(model):
             instance._assert_state(TrainingState.IDLE)
-            assert (
-                not instance.is_unsharded or instance._handle.strategy == ShardingStrategy.NO_SHARD
-            )
+            handle = instance._fsdp_state.handle
+            assert not instance.is_unsharded or handle.strategy == ShardingStrategy.NO_SHARD
         if offload:
             assert {p.device.type for p in model.parameters()} == {"cpu"}
 

@@ -277,7 +277,7 @@ def test_prefetch_of_unsharded_or_done_target_is_noop(dist):
 
     model = wrapped(lambda w: FlatSequential(dist.group, w), forward_prefetch=True)
     model(torch.ones(2, 8)).sum().backward()
-    first, second = model.module.module[0], model.module.module[1]
+    first, second = (model.module.module[i]._fsdp_state for i in (0, 1))
     output = model(torch.ones(2, 8))  # every non-root instance ran forward and resharded
     ops = []
     with trace.observe(lambda op, inst, info: ops.append(op)):

@@ -138,9 +138,9 @@ def test_counts_catch_an_extra_all_gather(dist):
     original = runtime.pre_backward_hook
 
     def pre_backward_gathering_twice(instance, grad):
-        first = not instance._ran_pre_backward
+        first = not instance.ran_pre_backward
         original(instance, grad)
-        if first and not instance._is_root:  # gather again: one extra all-gather each
+        if first and not instance.is_root:  # gather again: one extra all-gather each
             runtime.reshard(instance)
             runtime.unshard(instance)
             runtime.wait_unshard(instance)

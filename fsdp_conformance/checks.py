@@ -1,0 +1,297 @@
+"""The check registry: every check of the conformance suite, declared once.
+
+A *check* is one promise an FSDP implementation makes (training matches DDP, the memory bound
+holds, a misuse is refused ...). Each is declared here with its dotted id, its one-line
+description, the suite test(s) that implement it (``BaseClass.test_method``), the adapter
+features every cell of it needs, and whether a declared deviation of it must occur. Everything
+else reads this table: adapters declare deviations by id (``adapters.Deviation``), the suite's
+one verdict path (``suite/verdict.py``) looks the check up, the CLI table and docs/checks.md
+list it, and a test keeps it and the suite in step (every registered test exists; every suite
+test is registered).
+
+A *cell* is one run of a check (one test, one configuration). Its verdict is one of
+``VERDICTS``, recorded on the pytest report as user properties (``PROPERTY_*``), so JUnit and
+the CLI carry it as data.
+
+Shared layer: imports nothing of this project, and no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+# Verdicts of a cell
+PASS = "pass"
+DEVIATION = "deviation"  # failed as the adapter declared (a known deviation)
+NOT_APPLICABLE = "not applicable"  # the adapter lacks a feature the check needs (a skip)
+FAIL = "FAIL"
+VERDICTS = (FAIL, DEVIATION, PASS, NOT_APPLICABLE)  # the order a mixed cell lists them
+
+# pytest report properties (``report.user_properties``, JUnit ``<property>``) of a cell
+PROPERTY_CHECK = "fsdp_check"  # the check id
+PROPERTY_VERDICT = "fsdp_verdict"  # one of VERDICTS
+PROPERTY_REASON = "fsdp_reason"  # deviation reason / missing feature / failure, one line
+PROPERTY_FEATURE = "fsdp_feature"  # the missing feature of a not-applicable cell
+PROPERTY_FAILURE = "fsdp_failure"  # what failed in a deviating cell (the declared failure)
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+    """One check of the suite."""
+
+    # dotted id, e.g. "parity.ddp" (what Deviation.check names)
+    id: str
+    # one line: the promise checked
+    description: str
+    # the suite tests implementing it, "BaseClass.test_method"
+    tests: tuple[str, ...]
+    # adapter features (adapters.Feature values) every cell of it needs
+    features: tuple[str, ...] = ()
+    # whether a declared deviation must occur (a passing cell then fails: remove the
+    # declaration); False where conforming after all is fine (a misuse refused anyway)
+    strict: bool = True
+    # what the `case` object handed to Deviation.applies is ("" where the check has none)
+    case: str = ""
+
+
+_CHECKS: tuple[Check, ...] = (
+    # ---------------------------------------------------------------- parity with DDP
+    Check(
+        "parity.ddp",
+        "training matches DDP (losses and full parameters)",
+        ("BaseDDPParityTests.test_matches_ddp",),
+        case="configs.ParityCase",
+    ),
+    Check(
+        "parity.bf16",
+        "bf16 mixed precision matches fp32 DDP within tolerance",
+        ("BaseDDPParityTests.test_mixed_precision_matches_fp32_ddp",),
+        case="configs.ParityCase",
+    ),
+    Check(
+        "parity.summon_full_params",
+        "summon_full_params shows the full parameters; writeback writes them back",
+        ("BaseSummonFullParamsTests.test_summon_full_params",),
+        case="writeback (bool)",
+    ),
+    Check(
+        "parity.state_dict",
+        "state_dict / load_state_dict round trip",
+        ("BaseStateDictTests.test_state_dict_round_trip",),
+        case="zoo model name",
+    ),
+    # ---------------------------------------------------------------- training states
+    Check(
+        "states.legal",
+        "legal training-state transitions at every hook",
+        ("BaseTrainingStateTests.test_states_are_legal_at_every_hook",),
+        case="configs.ParityCase",
+    ),
+    Check(
+        "states.assert_state",
+        "the implementation's own state assertion",
+        ("BaseTrainingStateTests.test_assert_state",),
+        features=("assert_state",),
+    ),
+    # ---------------------------------------------------------------- memory bound
+    Check(
+        "memory_bound",
+        "two-instance memory bound of limit_all_gathers (or the implementation's own bound)",
+        (
+            "BaseMemoryBoundTests.test_limited_all_gathers_stay_within_bound",
+            "BaseMemoryBoundTests.test_shard_grad_op_keeps_backward_within_bound",
+        ),
+        case="memory_bound.BoundCase",
+    ),
+    Check(
+        "memory_bound.unlimited",
+        "without the limiter the lagging device keeps every all-gather resident (the bound "
+        "check can fail)",
+        ("BaseMemoryBoundTests.test_unlimited_all_gathers_exceed_bound",),
+        features=("limit_all_gathers_off",),
+        case="memory_bound.BoundCase",
+    ),
+    Check(
+        "memory_bound.cuda",
+        "the CUDA caching allocator's forward peaks respect the bound (GPU)",
+        ("BaseMemoryBoundTests.test_cuda_allocator_peak_within_bound",),
+        case="memory_bound.BoundCase",
+    ),
+    # ---------------------------------------------------------------- communication
+    Check(
+        "comm.counts",
+        "collectives per phase",
+        ("BaseCollectiveCountTests.test_counts_per_phase",),
+        features=("comm_trace",),
+        case="sharding strategy name",
+    ),
+    Check(
+        "comm.no_sync",
+        "no gradient reduction inside no_sync",
+        ("BaseCollectiveCountTests.test_no_reduction_inside_no_sync",),
+        features=("comm_trace",),
+        case="sharding strategy name",
+    ),
+    Check(
+        "comm.prefetch_happens",
+        "configured prefetches happen",
+        ("BasePrefetchOrderTests.test_prefetch_happens",),
+        features=("comm_trace",),
+        case="the wrap config dict",
+    ),
+    Check(
+        "comm.prefetch_golden",
+        "the prefetch order matches the recorded golden",
+        ("BasePrefetchOrderTests.test_trace_matches_golden",),
+        features=("comm_trace",),
+        case="the golden case name",
+    ),
+    Check(
+        "overlap",
+        "communication overlaps computation",
+        (
+            "BaseOverlapTests.test_prefetch_overlaps_communication_cpu",
+            "BaseOverlapTests.test_prefetch_overlaps_communication_cuda",
+        ),
+    ),
+    # ---------------------------------------------------------------- misuse
+    Check(
+        "exec_order.divergent",
+        "ranks running instances in different orders get a clear error",
+        ("BaseExecOrderTests.test_divergent_exec_order_raises",),
+        strict=False,
+    ),
+    Check(
+        "misuse.wrap_twice",
+        "wrapping a module that an instance already wraps is refused",
+        ("BaseBadInputTests.test_wrapping_a_module_twice",),
+        strict=False,
+    ),
+    Check(
+        "misuse.mixed_devices",
+        "wrapping parameters on cpu and meta is refused",
+        ("BaseBadInputTests.test_parameters_on_mixed_devices",),
+        strict=False,
+    ),
+    Check(
+        "misuse.forward_inside_summon",
+        "a forward inside summon_full_params is refused",
+        ("BaseBadInputTests.test_forward_inside_summon_full_params",),
+        strict=False,
+    ),
+    Check(
+        "misuse.summon_during_forward",
+        "summon_full_params inside forward is refused",
+        ("BaseBadInputTests.test_summon_full_params_during_forward",),
+        strict=False,
+    ),
+    Check(
+        "misuse.sync_module_states_shapes",
+        "sync_module_states with differing shapes is refused",
+        ("BaseBadInputTests.test_sync_module_states_with_different_shapes",),
+        features=("sync_module_states",),
+        strict=False,
+    ),
+    # ---------------------------------------------------------------- (issue 21: loops.*)
+    # ---------------------------------------------------------------- (issue 19)
+    Check(
+        "parity.default_state_dict",
+        "the wrapped module's default state_dict() / load_state_dict() round trip",
+        ("BaseStateDictTests.test_default_state_dict_round_trip",),
+        case="zoo model name",
+    ),
+    # ---------------------------------------------------------------- (issue 20: fuzz.*)
+    Check(
+        "fuzz.generated",
+        "generated models, wrap plans, configs and training programs match DDP, with legal "
+        "states and no hang (shrunk to a repro.py)",
+        ("BaseGeneratedModelTests.test_generated_models_match_ddp",),
+        strict=False,
+        case="the generated FuzzCase (per case; None for the whole cell)",
+    ),
+)
+
+CHECKS: dict[str, Check] = {}
+for _check in _CHECKS:
+    if _check.id in CHECKS:
+        raise RuntimeError(f"check id {_check.id!r} is declared twice in fsdp_conformance.checks")
+    CHECKS[_check.id] = _check
+del _check
+
+
+def get_check(check_id: str) -> Check:
+    """The registered check `check_id`.
+
+    Raises:
+        ValueError: no such check; the message lists the known ids.
+    """
+    try:
+        return CHECKS[check_id]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"unknown check id {check_id!r}; use one of {', '.join(sorted(CHECKS))} "
+            "(fsdp_conformance.checks.CHECKS)"
+        ) from None
+
+
+def check_for_test(class_names: Iterable[str], function_name: str) -> Check | None:
+    """The check implemented by test `function_name` of a class whose MRO holds one of
+    `class_names` (a suite base class or a subclass of it), or None."""
+    names = set(class_names)
+    for check in CHECKS.values():
+        for test in check.tests:
+            class_name, _, method = test.rpartition(".")
+            if method == function_name and class_name in names:
+                return check
+    return None
+
+
+def registered_tests() -> dict[str, str]:
+    """``"BaseClass.test_method"`` -> check id, for every registered test."""
+    return {test: check.id for check in CHECKS.values() for test in check.tests}
+
+
+def verdict_of_outcome(
+    outcome: str, expected_failure: bool, recorded: dict[str, str], text: str
+) -> tuple[str, str]:
+    """(verdict, reason) of a cell from pytest's final outcome, keeping what its check recorded.
+
+    The check's cell (suite/verdict.py) records the verdict it decided; when the ranks'
+    combined outcome disagrees (a rank failed on its own, the test hung, the body never reached
+    the cell), pytest's outcome decides, with `text` (the failure or skip line) as the reason.
+
+    Args:
+        outcome: the report's outcome, "passed", "failed" or "skipped".
+        expected_failure: whether the report is an expected failure (``wasxfail``).
+        recorded: the ``PROPERTY_*`` values the check recorded (may be empty).
+        text: one line of the report's failure / skip / xfail text.
+    """
+    if outcome == "failed":
+        verdict = FAIL
+    elif outcome == "skipped":
+        verdict = DEVIATION if expected_failure else NOT_APPLICABLE
+    elif expected_failure:  # an xfail marker that passed: we never set one, so it is a defect
+        return FAIL, f"unexpectedly passed: {text}"
+    else:
+        verdict = PASS
+    if recorded.get(PROPERTY_VERDICT) == verdict:
+        return verdict, recorded.get(PROPERTY_REASON, "")
+    return verdict, "" if verdict == PASS else " ".join(text.split())
+
+
+def registry_table() -> str:
+    """The registry as a Markdown table (docs/checks.md holds it, checked by a test)."""
+    lines = [
+        "| check id | promise | tests | needs | strict | case (`Deviation.applies`) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for check in CHECKS.values():
+        tests = "<br>".join(f"`{test}`" for test in check.tests)
+        needs = ", ".join(f"`{feature}`" for feature in check.features) or "—"
+        case = check.case or "None"
+        strict = "yes" if check.strict else "no"
+        lines.append(
+            f"| `{check.id}` | {check.description} | {tests} | {needs} | {strict} | {case} |"
+        )
+    return "\n".join(lines)

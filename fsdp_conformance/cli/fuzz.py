@@ -1,0 +1,231 @@
+"""``fsdp-conformance fuzz``: generated models and training programs, FSDP vs DDP (docs/fuzz.md).
+
+The whole hypothesis run happens in one rank set (``fsdp_conformance.fuzz.driver``); this
+process shows rank 0's progress line while it runs, prints the minimal failing case and writes
+its ``repro.py``. Exit 0: nothing found; 1: a counterexample (or the ranks failed); 2: a bad
+option.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+from fsdp_conformance.cli.common import (
+    PROG,
+    UsageError,
+    _paragraph,
+    check_impl,
+    check_output,
+    check_world_size,
+)
+
+DEFAULT_EXAMPLES = 100
+DEFAULT_OUT = "repro.py"
+# The ranks' bound when --timeout is not given: the whole run (generation and shrinking)
+DEFAULT_RUN_TIMEOUT = 3600.0
+PROGRESS_INTERVAL_S = 0.5  # how often the progress line is refreshed on a terminal
+PROGRESS_LINE_S = 10.0  # how often a progress line is printed when stderr is not a terminal
+
+
+def _fuzz_command(args: argparse.Namespace) -> int:
+    if args.examples < 1:
+        raise UsageError(f"--examples {args.examples}: must be >= 1")
+    if args.seed < 0:
+        raise UsageError(f"--seed {args.seed}: must be >= 0")
+    if args.max_seconds is not None and not args.max_seconds > 0:
+        raise UsageError(f"--max-seconds {args.max_seconds:g}: must be > 0")
+    if args.timeout is not None and not args.timeout > 0:
+        raise UsageError(f"--timeout {args.timeout:g}: must be > 0")
+    check_impl(args.impl)
+    check_world_size(args.world_size)
+    check_output(args.out, "--out")
+    from fsdp_conformance.fuzz.driver import HYPOTHESIS_MISSING, FuzzResult
+
+    try:
+        import hypothesis  # noqa: F401
+    except ImportError:
+        raise UsageError(HYPOTHESIS_MISSING) from None
+    timeout = args.timeout
+    if timeout is None:
+        timeout = DEFAULT_RUN_TIMEOUT if args.max_seconds is None else 2 * args.max_seconds + 300
+    workdir = tempfile.mkdtemp(prefix="fsdp-fuzz-")
+    out_file = os.path.join(workdir, "result.json")
+    progress_file = os.path.join(workdir, "progress.txt")
+    try:
+        status, message = _run_with_progress(
+            {
+                "out_file": out_file,
+                "examples": args.examples,
+                "seed": args.seed,
+                "max_seconds": args.max_seconds,
+                "progress_file": progress_file,
+            },
+            args.impl,
+            args.world_size,
+            timeout,
+            progress_file,
+        )
+        if status != "passed":
+            print(f"{PROG} fuzz: the ranks {status}:\n{message}", file=sys.stderr)
+            return 1
+        with open(out_file, encoding="utf-8") as stream:
+            result = FuzzResult.from_json(stream.read())
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return _report(result, args)
+
+
+def _report(result: Any, args: argparse.Namespace) -> int:
+    print(f"{PROG} fuzz --impl {args.impl} --seed {args.seed} --world-size {args.world_size}: "
+          f"{result.summary()}")  # fmt: skip
+    for text, count in result.refusal_reasons:
+        print(f"  refused {count}x: {text}")
+    for reason in result.deviation_reasons:
+        print(f"  declared deviation seen: {reason}")
+    if result.status == "pass":
+        print("no counterexample found")
+        return 0
+    if result.status == "unsatisfiable":
+        print(f"no generated case could run: {result.message}")
+        return 1
+    from fsdp_conformance.fuzz.repro import write_repro
+    from fsdp_conformance.fuzz.spec import Block, FuzzCase, ModelSpec, Program, Seq, Step
+
+    names = {cls.__name__: cls for cls in (Block, FuzzCase, ModelSpec, Program, Seq, Step)}
+    case = eval(result.case, {"__builtins__": {}}, names)  # noqa: S307  our own repr of a FuzzCase
+    print(
+        f"COUNTEREXAMPLE after {result.found_at} examples, shrunk in {result.shrinks} runs"
+        + (" (shrinking stopped by --max-seconds)" if result.time_limited else "")
+        + ":"
+    )
+    print(result.description)
+    print(f"first difference: {result.message}")
+    write_repro(args.out, case, args.impl, args.world_size, args.seed, result.message)
+    print(f"wrote {args.out}: python {args.out} (exit 1 while the failure persists)")
+    return 1
+
+
+def _run_with_progress(
+    kwargs: dict[str, Any], impl: str, world_size: int, timeout: float, progress_file: str
+) -> tuple[str, str]:
+    """Run ``fuzz_in_rank`` in a rank set, echoing rank 0's progress line meanwhile."""
+    from fsdp_conformance.world.protocol import TestTarget
+    from fsdp_conformance.world.runtime import Runtime, RuntimeOptions, TestRequest
+
+    runtime = Runtime(
+        RuntimeOptions(
+            mode="process", timeout=timeout, world_size=world_size, impl=impl, backend="gloo"
+        )
+    )
+    request = TestRequest(
+        target=TestTarget("fsdp_conformance.fuzz.driver", None, (), "fuzz_in_rank"),
+        kwargs=kwargs,
+        test_id=f"{PROG} fuzz",
+        world_size=world_size,
+        mode="process",
+        timeout=timeout,
+    )
+    outcome: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            outcome["result"] = runtime.run(request)
+        except BaseException as error:  # noqa: BLE001  re-raised in the main thread
+            outcome["error"] = error
+
+    thread = threading.Thread(target=target, name="fsdp-fuzz-ranks", daemon=True)
+    thread.start()
+    tty = sys.stderr.isatty()
+    shown, last_print = "", 0.0
+    try:
+        while thread.is_alive():
+            thread.join(PROGRESS_INTERVAL_S)
+            line = _read(progress_file)
+            now = time.monotonic()
+            if line and line != shown and (tty or now - last_print >= PROGRESS_LINE_S):
+                if tty:
+                    sys.stderr.write("\r\x1b[2K" + line)
+                else:
+                    sys.stderr.write(line + "\n")
+                sys.stderr.flush()
+                shown, last_print = line, now
+        if tty and shown:
+            sys.stderr.write("\n")
+    finally:
+        if thread.is_alive():  # interrupted: the runtime kills the ranks on close
+            runtime.close()
+    runtime.close()
+    if "error" in outcome:
+        raise outcome["error"]
+    result = outcome["result"]
+    message = result.verdict.message
+    if result.verdict.status == "failed" and result.output():
+        message += "\n" + result.output()
+    return result.verdict.status, message
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as stream:
+            return stream.read().strip()
+    except OSError:
+        return ""
+
+
+def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
+    """Add the ``fuzz`` subcommand to ``commands`` (the subparsers of the main parser)."""
+    fuzz = commands.add_parser(
+        "fuzz",
+        help="generated models and training programs, FSDP vs DDP, shrunk to a repro.py",
+        description=_paragraph(
+            "Differential fuzzing (docs/fuzz.md): hypothesis draws small models (odd sizes, "
+            "sizes below the world size, embeddings, layer norms, parameter-free modules, a "
+            "module called twice, tied weights, frozen blocks, branches unused in some steps, "
+            "outputs in tuples / lists / dicts / dataclasses), a nested wrap plan, a wrap config "
+            "and a training program (steps, micro-batches with and without gradient sync, "
+            "clipping, evaluation forwards, activation checkpointing) from the features the "
+            "adapter declares, and checks that the FSDP run matches a DDP run (losses, norms, "
+            "full parameters), that every hook sees a legal training state and that no rank "
+            "hangs. A failure is shrunk to a minimal case, printed, and written as a standalone "
+            "reproduction (--out). Exit code 0: nothing found; 1: a counterexample; 2: a bad "
+            "option."
+        ),
+        epilog="examples:\n"
+        "  fsdp-conformance fuzz --examples 200 --seed 0\n"
+        "  fsdp-conformance fuzz --impl torch-fsdp2 --max-seconds 120 --out fsdp2_repro.py",
+        formatter_class=formatter,
+    )
+    fuzz.add_argument(
+        "--impl",
+        default="impl",
+        metavar="NAME",
+        help="FSDP under test: impl (default), torch-fsdp1, torch-fsdp2, fairscale or "
+        "pkg.module:ATTR",
+    )
+    fuzz.add_argument(
+        "--examples", type=int, default=DEFAULT_EXAMPLES, metavar="N",
+        help=f"generated cases to run, refused ones not counted (default {DEFAULT_EXAMPLES})",
+    )  # fmt: skip
+    fuzz.add_argument("--seed", type=int, default=0, metavar="S", help="hypothesis seed (default 0)")
+    fuzz.add_argument("--world-size", type=int, default=2, metavar="W", help="ranks (default 2)")
+    fuzz.add_argument(
+        "--max-seconds", type=float, default=None, metavar="T",
+        help="stop generating (or shrinking) after T seconds",
+    )  # fmt: skip
+    fuzz.add_argument(
+        "--out", default=DEFAULT_OUT, metavar="FILE",
+        help=f"where a counterexample's reproduction is written (default {DEFAULT_OUT})",
+    )  # fmt: skip
+    fuzz.add_argument(
+        "--timeout", type=float, default=None, metavar="SECONDS",
+        help="fail the ranks (a hang) after this long in all (default: 3600, or 2 x "
+        "--max-seconds + 300)",
+    )  # fmt: skip
+    fuzz.set_defaults(handler=_fuzz_command)

@@ -1,0 +1,286 @@
+"""The fuzzing loop inside one rank set ([Note: one rank set for every example]).
+
+[Note: one rank set for every example]
+The whole hypothesis run happens inside one multi-rank call (a ``dist`` test body, or the CLI's
+rank function ``fuzz_in_rank``): rank 0 runs hypothesis; for each example it broadcasts the
+drawn ``FuzzCase`` (``broadcast_object_list``), every rank runs it (``run.run_case``), and the
+outcomes are gathered to rank 0 (``all_gather_object``), which decides for all. The other ranks
+loop on the broadcast until rank 0 sends ``None``. An example therefore costs a broadcast and a
+gather, never a process start; generation and shrinking decisions happen in one process only,
+so no two ranks can disagree about what to run next. hypothesis runs with a fixed seed, no
+example database, no timing health checks and the phases generate + shrink, so a run is
+reproducible from (adapter, seed, examples, world size).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from typing import Any
+
+from .run import DEVIATION, FAIL, UNSUPPORTED, Outcome, combine, run_case
+from .spec import FuzzCase, describe
+from .strategies import MAX_NODES, MAX_STEPS, Capabilities, cases
+
+HYPOTHESIS_MISSING = (
+    "the fuzzer needs hypothesis, which is not installed: pip install 'fsdp-conformance[test]' "
+    "(or pip install hypothesis)"
+)
+
+
+def require_hypothesis() -> None:
+    """ImportError with ``HYPOTHESIS_MISSING`` unless hypothesis imports."""
+    try:
+        import hypothesis  # noqa: F401
+    except ImportError:
+        raise ImportError(HYPOTHESIS_MISSING) from None
+
+
+class FuzzFailure(AssertionError):
+    """A generated case failed the property (the message is the first difference)."""
+
+
+class _OutOfTime(BaseException):
+    """--max-seconds passed before any failure: stop generating (passes through hypothesis)."""
+
+
+@dataclasses.dataclass
+class FuzzResult:
+    """What a fuzzing run found (on rank 0)."""
+
+    status: str  # "pass", "fail" or "unsatisfiable" (every drawn case was refused)
+    impl: str
+    seed: int
+    world_size: int
+    examples: int = 0  # cases run and judged (pass or declared deviation)
+    unsupported: int = 0  # cases the adapter refused (UnsupportedFeatureError)
+    deviations: int = 0  # cases covered by a declared deviation
+    deviation_reasons: list[str] = dataclasses.field(default_factory=list)
+    # the most frequent refusals: [first line of the refusal, count], most frequent first
+    refusal_reasons: list[list[Any]] = dataclasses.field(default_factory=list)
+    elapsed: float = 0.0
+    found_at: int | None = None  # examples run when the first failure was seen
+    shrinks: int = 0  # cases run while shrinking
+    time_limited: bool = False  # --max-seconds ended generation or shrinking
+    case: str | None = None  # repr of the minimal failing case
+    description: str | None = None  # describe() of it
+    message: str | None = None  # its first difference
+
+    @property
+    def rate(self) -> float:
+        """Examples (run and judged) per second."""
+        return self.examples / self.elapsed if self.elapsed > 0 else 0.0
+
+    def to_json(self) -> str:
+        return json.dumps({**dataclasses.asdict(self), "rate": self.rate}, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> FuzzResult:
+        data = json.loads(text)
+        data.pop("rate", None)
+        return cls(**data)
+
+    def summary(self) -> str:
+        line = (
+            f"{self.examples} examples in {self.elapsed:.1f} s ({self.rate:.2f} examples/s), "
+            f"{self.unsupported} refused as unsupported, {self.deviations} declared deviations"
+        )
+        if self.time_limited:
+            line += " (stopped by --max-seconds)"
+        return line
+
+
+def fuzz(
+    adapter: Any,
+    dist: Any,
+    examples: int = 100,
+    seed: int = 0,
+    max_seconds: float | None = None,
+    progress_file: str | None = None,
+    max_steps: int = MAX_STEPS,
+    max_nodes: int = MAX_NODES,
+) -> FuzzResult:
+    """Collective: fuzz ``adapter`` in this rank set ([Note: one rank set for every example]);
+    every rank returns rank 0's result."""
+    import torch.distributed as tdist
+
+    from .run import probe_capabilities
+
+    caps = probe_capabilities(adapter, dist)
+    if dist.rank != 0:
+        _follow(adapter, dist)
+        result: list[Any] = [None]
+        tdist.broadcast_object_list(result, src=0)
+        return result[0]
+    try:
+        found = _drive(
+            adapter, dist, caps, examples, seed, max_seconds, progress_file, max_steps, max_nodes
+        )
+    finally:
+        tdist.broadcast_object_list([None], src=0)
+    tdist.broadcast_object_list([found], src=0)
+    return found
+
+
+def _follow(adapter: Any, dist: Any) -> None:
+    import torch.distributed as tdist
+
+    while True:
+        message: list[Any] = [None]
+        tdist.broadcast_object_list(message, src=0)
+        if message[0] is None:
+            return
+        outcome = run_case(adapter, message[0], dist)
+        tdist.all_gather_object([None] * dist.world_size, outcome)
+
+
+def run_everywhere(adapter: Any, case: FuzzCase, dist: Any) -> Outcome:
+    """Rank 0: run ``case`` in every rank (the others in ``_follow``); the combined outcome."""
+    import torch.distributed as tdist
+
+    tdist.broadcast_object_list([case], src=0)
+    local = run_case(adapter, case, dist)
+    gathered: list[Any] = [None] * dist.world_size
+    tdist.all_gather_object(gathered, local)
+    return combine(gathered)
+
+
+def _drive(
+    adapter: Any,
+    dist: Any,
+    caps: Capabilities,
+    examples: int,
+    seed: int,
+    max_seconds: float | None,
+    progress_file: str | None,
+    max_steps: int,
+    max_nodes: int,
+) -> FuzzResult:
+    require_hypothesis()
+    from hypothesis import HealthCheck, Phase, Verbosity, given, reject, settings
+    from hypothesis import seed as fixed_seed
+    from hypothesis.errors import Unsatisfiable
+
+    strategy = cases(caps, max_steps, max_nodes)
+    result = FuzzResult("pass", adapter.name, seed, dist.world_size)
+    start = time.monotonic()
+    failing: dict[str, str] = {}  # repr(case) -> message, of every failing case seen
+    sizes: dict[str, int] = {}  # repr(case) -> FuzzCase.size(), of the failing cases
+    minimal: list[Any] = [None]  # the last case that raised (hypothesis replays the minimum last)
+    refusals: list[str] = []
+    counts: dict[str, int] = {}  # refusal headline -> how often
+
+    def out_of_time() -> bool:
+        return max_seconds is not None and time.monotonic() - start > max_seconds
+
+    def report() -> None:
+        result.elapsed = time.monotonic() - start
+        if progress_file is None:
+            return
+        line = (
+            f"examples {result.examples} ({result.unsupported} unsupported, "
+            f"{result.deviations} deviations), {result.rate:.2f} examples/s"
+        )
+        if failing:
+            line += (
+                f", shrinking: {result.shrinks} cases tried, smallest failing case size "
+                f"{min(sizes.values())}"
+            )
+        with open(progress_file + ".tmp", "w", encoding="utf-8") as stream:
+            stream.write(line)
+        os.replace(progress_file + ".tmp", progress_file)
+
+    def prop(case: FuzzCase) -> None:
+        key = repr(case)
+        message = failing.get(key)  # hypothesis replays the minimal case: do not run it again
+        if message is None:
+            message = judge(case, key)
+        if message is not None:
+            minimal[0] = case
+            raise FuzzFailure(message)  # one raising line: hypothesis sees one bug
+
+    def judge(case: FuzzCase, key: str) -> str | None:
+        if out_of_time():
+            result.time_limited = True
+            if not failing:
+                raise _OutOfTime
+            return None  # shrinking past the deadline: stop with the smallest failure so far
+        outcome = run_everywhere(adapter, case, dist)
+        if failing:
+            result.shrinks += 1
+        if outcome.kind == UNSUPPORTED:
+            result.unsupported += 1
+            refusals.append(outcome.message)
+            headline = outcome.message.strip().splitlines()[0][:200] if outcome.message else ""
+            counts[headline] = counts.get(headline, 0) + 1
+            result.refusal_reasons = [
+                [text, count] for text, count in sorted(counts.items(), key=lambda kv: -kv[1])[:3]
+            ]
+            report()
+            reject()
+        if not failing:
+            result.examples += 1
+            if outcome.kind == DEVIATION:
+                result.deviations += 1
+                reason = outcome.message
+                if reason not in result.deviation_reasons and len(result.deviation_reasons) < 5:
+                    result.deviation_reasons.append(reason)
+        report()
+        if outcome.kind != FAIL:
+            return None
+        if not failing:
+            result.found_at = result.examples
+        failing[key] = outcome.message
+        sizes[key] = case.size()
+        return outcome.message
+
+    test = settings(
+        max_examples=examples,
+        database=None,
+        deadline=None,
+        derandomize=False,
+        phases=(Phase.generate, Phase.shrink),
+        suppress_health_check=list(HealthCheck),
+        report_multiple_bugs=False,
+        verbosity=Verbosity.quiet,
+        print_blob=False,
+    )(fixed_seed(seed)(given(strategy)(prop)))
+    try:
+        test()
+    except FuzzFailure:
+        case = minimal[0]
+        result.status = "fail"
+        result.case = repr(case)
+        result.description = describe(case, dist.world_size)
+        result.message = failing[repr(case)]
+    except _OutOfTime:
+        pass
+    except Unsatisfiable:
+        result.status = "unsatisfiable"
+        result.message = "every drawn case was refused; the last refusal: " + (
+            refusals[-1] if refusals else "none"
+        )
+    result.elapsed = time.monotonic() - start
+    report()
+    return result
+
+
+# ---------------------------------------------------------------------------- CLI rank function
+def fuzz_in_rank(
+    dist: Any,
+    out_file: str,
+    examples: int,
+    seed: int,
+    max_seconds: float | None = None,
+    progress_file: str | None = None,
+) -> None:
+    """``fsdp-conformance fuzz``'s body in every rank; rank 0 writes the FuzzResult as JSON."""
+    from fsdp_conformance.adapters import get_adapter
+
+    adapter = get_adapter(dist.impl)
+    result = fuzz(adapter, dist, examples, seed, max_seconds, progress_file)
+    if dist.rank == 0:
+        with open(out_file, "w", encoding="utf-8") as stream:
+            stream.write(result.to_json())

@@ -1,0 +1,113 @@
+"""How a check becomes a verdict: the one place (see docs/architecture.md).
+
+Every suite test runs its whole body inside ``cell(adapter, check_id, case)``::
+
+    def test_matches_ddp(self, fsdp_adapter, dist, parity_case):
+        with verdict.cell(fsdp_adapter, "parity.ddp", parity_case):
+            ...  # wrap, train, assert
+
+``cell`` decides the cell's verdict (``fsdp_conformance.checks.VERDICTS``):
+
+  not applicable  the adapter is outside its support range (``support_problem``), lacks a
+                  feature the registered check needs, or raises UnsupportedFeatureError
+                  inside the body -> a skip
+  deviation       the body failed with exactly the failure a declared ``Deviation`` covers
+                  (its ``raises`` type and ``match`` pattern) -> an expected failure
+  FAIL            any other failure; or a strict declared deviation that did not occur
+  pass            the body passed and no strict deviation was declared
+
+and records it as report properties (``checks.PROPERTY_*``) through the harness
+(``world.properties``), so pytest's report, JUnit and the CLI carry it as data. The plugin
+records a cell that never reached its check (a fixture error, a dead rank) from pytest's
+outcome (``checks.verdict_of_outcome``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from fsdp_conformance import checks
+from fsdp_conformance.adapters import Adapter, UnsupportedFeatureError
+from fsdp_conformance.world import properties
+
+
+def _record(check_id: str, verdict: str, reason: str = "", **extra: str) -> None:
+    properties.record_property(checks.PROPERTY_CHECK, check_id)
+    properties.record_property(checks.PROPERTY_VERDICT, verdict)
+    properties.record_property(checks.PROPERTY_REASON, " ".join(reason.split()))
+    for name, value in extra.items():
+        properties.record_property(name, " ".join(str(value).split()))
+
+
+def _first_line(error: BaseException) -> str:
+    message = getattr(error, "msg", None) or str(error)
+    text = str(message).strip()
+    first = text.splitlines()[0] if text else ""
+    return f"{type(error).__name__}: {first}" if first else type(error).__name__
+
+
+def _not_applicable(check_id: str, reason: str, feature: str = "") -> None:
+    _record(check_id, checks.NOT_APPLICABLE, reason, **{checks.PROPERTY_FEATURE: feature})
+    pytest.skip(reason)
+
+
+@contextlib.contextmanager
+def cell(adapter: Adapter, check_id: str, case: Any = None) -> Iterator[None]:
+    """Run one cell of check ``check_id`` for ``case``; decide and record its verdict.
+
+    Args:
+        adapter: the adapter under test.
+        check_id: a registered check id (``fsdp_conformance.checks.CHECKS``).
+        case: the check's case object, handed to ``Deviation.applies``.
+
+    Raises:
+        ValueError: ``check_id`` is not registered.
+    """
+    check = checks.get_check(check_id)
+    problem = adapter.support_problem()
+    if problem is not None:
+        _not_applicable(check_id, f"adapter {adapter.name!r}: {problem}", "version")
+    try:
+        adapter.check(*check.features)
+    except UnsupportedFeatureError as error:
+        _not_applicable(check_id, str(error), error.feature)
+    deviation = adapter.find_deviation(check_id, case)
+    try:
+        yield
+    except UnsupportedFeatureError as error:
+        _not_applicable(check_id, str(error), error.feature)
+    except pytest.skip.Exception as error:
+        _not_applicable(check_id, str(error.msg))
+    except BaseException as error:
+        if isinstance(error, (KeyboardInterrupt, SystemExit)):
+            raise
+        failure = _first_line(error)
+        if deviation is not None and deviation.covers(error):
+            reason = adapter.deviation_text(deviation)
+            _record(check_id, checks.DEVIATION, reason, **{checks.PROPERTY_FAILURE: failure})
+            pytest.xfail(
+                f"{failure} -- known deviation of adapter {adapter.name!r} ({check_id}): {reason}"
+            )
+        why = ""
+        if deviation is not None:
+            why = (
+                f" (adapter {adapter.name!r} declares a deviation of {check_id!r} here, but it "
+                f"covers {deviation.covers_text()}, not this failure)"
+            )
+        _record(check_id, checks.FAIL, failure + why)
+        if why and isinstance(error, Exception):
+            error.add_note(why.strip())
+        raise
+    if deviation is not None and check.strict:
+        message = (
+            f"adapter {adapter.name!r} declares a known deviation for {check_id!r} on this case, "
+            f"but the check passed: remove the Deviation (or narrow its applies). Declared "
+            f"reason: {deviation.reason}"
+        )
+        _record(check_id, checks.FAIL, message)
+        raise AssertionError(message)
+    _record(check_id, checks.PASS)

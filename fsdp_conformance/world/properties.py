@@ -1,0 +1,54 @@
+"""Report properties recorded inside a test body, in whichever rank or thread it runs.
+
+``record_property(name, value)`` is pytest's ``record_property`` for code running in ranks: the
+harness collects what a rank records while it runs a test (``collecting()``, around every test
+body in every mode), sends it back with the rank's outcome, and the plugin adds it to the
+test's ``item.user_properties`` (so the report, ``--junitxml`` and report hooks carry it).
+Values must be picklable; strings, numbers and booleans keep JUnit readable.
+
+Outside any collected body (a test that runs in the pytest process without ranks), the values
+wait in this process until the plugin takes them (``take_pending()``) for the running test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+_local = threading.local()
+_pending: list[tuple[str, Any]] = []
+_pending_lock = threading.Lock()
+
+
+def record_property(name: str, value: Any) -> None:
+    """Record ``name = value`` for the running test (see the module docstring)."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"record_property: name {name!r} must be a non-empty string")
+    stack: list[list[tuple[str, Any]]] | None = getattr(_local, "stack", None)
+    if stack:
+        stack[-1].append((name, value))
+        return
+    with _pending_lock:
+        _pending.append((name, value))
+
+
+@contextlib.contextmanager
+def collecting() -> Iterator[list[tuple[str, Any]]]:
+    """Collect what this thread records while the block runs (the harness, around a body)."""
+    stack = _local.__dict__.setdefault("stack", [])
+    recorded: list[tuple[str, Any]] = []
+    stack.append(recorded)
+    try:
+        yield recorded
+    finally:
+        stack.pop()
+
+
+def take_pending() -> list[tuple[str, Any]]:
+    """What was recorded outside any collected body since the last call (and forget it)."""
+    with _pending_lock:
+        taken = list(_pending)
+        _pending.clear()
+    return taken

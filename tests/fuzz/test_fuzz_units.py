@@ -1,0 +1,115 @@
+"""The fuzzer's parts without ranks: generated cases are valid and use only what the adapter
+declares, the printed case and repro.py rebuild exactly that case, bad options exit 2."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+
+from fsdp_conformance.adapters import Feature
+from fsdp_conformance.adapters.features import ALL_FEATURES
+from fsdp_conformance.fuzz import model as fuzz_model
+from fsdp_conformance.fuzz import spec
+from fsdp_conformance.fuzz.repro import repro_source
+from fsdp_conformance.fuzz.spec import Block, FuzzCase, ModelSpec, Program, Seq, Step
+from fsdp_conformance.fuzz.strategies import Capabilities, _innermost, cases
+
+EVERYTHING = Capabilities(frozenset(ALL_FEATURES - {Feature.FROZEN_PARAMETERS_MIXED}), (), 2)
+BARE = Capabilities(
+    frozenset(
+        ALL_FEATURES
+        - {
+            Feature.GRADIENT_ACCUMULATION,
+            Feature.CLIP_GRAD_NORM,
+            Feature.FORWARD_VARIANTS,
+            Feature.ACTIVATION_CHECKPOINTING,
+            Feature.FROZEN_PARAMETERS,
+            Feature.FROZEN_PARAMETERS_MIXED,
+            Feature.NO_SHARD,
+            Feature.USE_ORIG_PARAMS,
+        }
+    ),
+    (("sharding_strategy", "SHARD_GRAD_OP"),),
+    2,
+)
+FAST = settings(max_examples=30, deadline=None, database=None, derandomize=True,
+                suppress_health_check=list(HealthCheck))  # fmt: skip
+
+
+@FAST
+@given(cases(EVERYTHING))
+def test_generated_cases_build_run_and_print(case: FuzzCase):
+    model = fuzz_model.build_model(case.model)
+    names = {name for name, _ in model.named_modules()}
+    assert set(case.plan) <= names  # every planned wrap names a module
+    paths = spec.node_paths(case.model.body)
+    ties: dict[int, set] = {}
+    for path, node in paths:
+        if isinstance(node, Block) and node.tie:
+            ties.setdefault(node.tie, set()).add(_innermost(set(case.plan), path))
+        if isinstance(node, Block) and node.frozen:  # not mixed: each frozen block on its own
+            assert path in case.plan
+    assert all(len(owners) == 1 for owners in ties.values()), case.plan
+    x, tokens = fuzz_model.make_batch(case.model, 2, 0, 0, 0, "cpu")
+    fuzz_model.unpack(model(x, tokens, 0)).pow(2).mean().backward()
+    for step in case.program.steps:
+        assert step.micro[-1] is True  # the step's last micro-batch synchronises
+    rebuilt = eval(repr(case), {"__builtins__": {}}, vars(spec))  # noqa: S307
+    assert rebuilt == case
+    assert "wrap plan" in spec.describe(case)
+
+
+def test_same_spec_same_weights_without_the_global_rng():
+    case_model = ModelSpec(3, Seq((Block("linear", 3, 5), Block("embed", 5, 5, vocab=2))), seed=7)
+    torch.manual_seed(1)
+    first = fuzz_model.build_model(case_model).state_dict()
+    torch.manual_seed(2)
+    second = fuzz_model.build_model(case_model).state_dict()
+    assert all(torch.equal(first[name], second[name]) for name in first)
+
+
+@FAST
+@given(cases(BARE))
+def test_only_declared_features_are_drawn(case: FuzzCase):
+    used = case.uses()
+    assert not used & {"no_sync", "clip", "eval", "branch", "frozen", "checkpoint"}, used
+    assert "config:sharding_strategy=SHARD_GRAD_OP" not in used  # a refused value
+    assert "config:sharding_strategy=NO_SHARD" not in used  # an unsupported feature
+    assert not any(key.startswith("config:use_orig_params") for key in used)
+
+
+def test_repro_source_rebuilds_the_case():
+    case = FuzzCase(
+        ModelSpec(4, Seq((Block("linear", 4, 1, frozen=True), Seq((Block("act", 1, 1, output="dict"),))))),
+        plan=("body.nodes.0",),
+        config=(("sharding_strategy", "NO_SHARD"),),
+        program=Program((Step((False, True), 0.05, True), Step())),
+    )
+    namespace: dict = {}
+    exec(compile(repro_source(case, "impl", 2, 0, "boom"), "repro.py", "exec"), namespace)  # noqa: S102
+    assert namespace["CASE"] == case and namespace["IMPL"] == "impl"
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        (["--examples", "0"], "--examples 0: must be >= 1"),
+        (["--seed", "-1"], "--seed -1: must be >= 0"),
+        (["--max-seconds", "0"], "--max-seconds 0: must be > 0"),
+        (["--world-size", "0"], "--world-size 0: must be >= 1"),
+        (["--impl", "nonsense"], "unknown --impl 'nonsense'"),
+        (["--out", os.sep], "is a directory"),
+    ],
+)
+def test_bad_options_exit_2_with_one_line(option: list[str], message: str):
+    done = subprocess.run(
+        [sys.executable, "-m", "fsdp_conformance.cli", "fuzz", *option],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert message in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr

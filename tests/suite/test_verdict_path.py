@@ -1,0 +1,117 @@
+"""The one verdict path (suite/verdict.py): a declared deviation covers only the failure it
+declares, a crash in that cell is a failure, a stale strict deviation fails, and the verdict
+travels as report properties into JUnit."""
+
+from __future__ import annotations
+
+import textwrap
+import xml.etree.ElementTree as ET
+
+import pytest
+
+pytest_plugins = ["pytester"]
+
+_ADAPTERS = '''
+from fsdp_conformance.adapters import Deviation
+from fsdp_conformance.adapters.impl import ImplAdapter
+
+
+class Crashing(ImplAdapter):
+    """Declares the mixed-devices misuse as a deviation (silently accepted), but really crashes
+    with an unrelated AttributeError there: the crash must be a failure."""
+
+    name = "crashing"
+    known_deviations = (
+        Deviation(
+            "misuse.mixed_devices",
+            "accepts cpu and meta parameters; reproduction: wrap(Sequential(cpu, meta))",
+            measured_on="torch 2.13.0",
+        ),
+    )
+
+    def _wrap(self, module, process_group, config):
+        if any(p.is_meta for p in module.parameters()):
+            raise AttributeError("'FSDPState' object has no attribute '_fsdp_param_groups'")
+        return super()._wrap(module, process_group, config)
+
+
+class Accepting(Crashing):
+    """Really accepts the misuse (no exception): the declared deviation covers it."""
+
+    name = "accepting"
+
+    def _wrap(self, module, process_group, config):
+        if any(p.is_meta for p in module.parameters()):
+            return module
+        return ImplAdapter._wrap(self, module, process_group, config)
+
+
+class Stale(ImplAdapter):
+    """Declares a strict deviation of a check impl passes."""
+
+    name = "stale"
+    known_deviations = (Deviation("states.assert_state", "says it fails; it does not"),)
+'''
+
+
+def _run(pytester: pytest.Pytester, adapter: str, keyword: str) -> tuple[object, dict]:
+    pytester.makepyfile(verdict_adapters=textwrap.dedent(_ADAPTERS))
+    junit = pytester.path / "junit.xml"
+    result = pytester.runpytest_subprocess(
+        "--pyargs", "fsdp_conformance.suite", "-p", "no:cacheprovider", "-n", "0",
+        f"--fsdp-impl=verdict_adapters:{adapter}", "-k", keyword, f"--junitxml={junit}",
+    )  # fmt: skip
+    properties = {}
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        properties[case.get("name")] = {
+            prop.get("name"): prop.get("value") for prop in case.iter("property")
+        }
+    return result, properties
+
+
+def test_an_unrelated_crash_in_a_deviating_cell_is_a_failure(pytester: pytest.Pytester) -> None:
+    result, properties = _run(pytester, "Crashing", "test_parameters_on_mixed_devices")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*AttributeError*_fsdp_param_groups*"])
+    (props,) = properties.values()
+    assert props["fsdp_check"] == "misuse.mixed_devices"
+    assert props["fsdp_verdict"] == "FAIL"
+    assert "AttributeError" in props["fsdp_reason"], props
+    assert "covers AssertionError, not this failure" in props["fsdp_reason"], props
+
+
+def test_the_declared_failure_is_a_deviation_with_versions(pytester: pytest.Pytester) -> None:
+    result, properties = _run(pytester, "Accepting", "test_parameters_on_mixed_devices")
+    result.assert_outcomes(xfailed=1)
+    (props,) = properties.values()
+    assert props["fsdp_verdict"] == "deviation"
+    reason = props["fsdp_reason"]
+    assert reason.startswith("accepts cpu and meta parameters; reproduction"), reason
+    assert "measured on torch 2.13.0; running torch " in reason, reason
+    assert "no exception was raised" in props["fsdp_failure"], props
+
+
+def test_a_stale_strict_deviation_fails(pytester: pytest.Pytester) -> None:
+    result, properties = _run(pytester, "Stale", "test_assert_state")
+    result.assert_outcomes(failed=1)
+    (props,) = properties.values()
+    assert props["fsdp_verdict"] == "FAIL"
+    assert "but the check passed: remove the Deviation" in props["fsdp_reason"], props
+
+
+def test_a_deviation_names_the_failure_it_covers() -> None:
+    from fsdp_conformance.adapters import Deviation
+
+    deviation = Deviation("parity.ddp", "r", raises=(AssertionError,), match=r"differs")
+    assert deviation.covers(AssertionError("parameter 'w' differs from DDP's"))
+    assert not deviation.covers(AssertionError("shape (2,) != (3,)"))
+    assert not deviation.covers(AttributeError("differs"))
+    with pytest.raises(pytest.fail.Exception) as failed:
+        pytest.fail("differs")
+    assert deviation.covers(failed.value)  # pytest.fail is the check's own assertion
+    with pytest.raises(ValueError, match="raises=.*must be an exception type"):
+        Deviation("parity.ddp", "r", raises="AssertionError")
+    with pytest.raises(ValueError, match="is not a regular expression"):
+        Deviation("parity.ddp", "r", match="(")
+    with pytest.raises(ValueError, match="unknown check id"):
+        Deviation("parity.nope", "r")
