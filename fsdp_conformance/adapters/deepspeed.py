@@ -154,41 +154,44 @@ def ensure_distributed() -> None:
 
 
 # ---------------------------------------------------------------------------- deviations
+def _deviation(check: str, reason: str, applies: Any = None, **covers: Any) -> Deviation:
+    """A DeepSpeed deviation, measured on ``MEASURED_ON``."""
+    return Deviation(check, reason, applies, measured_on=MEASURED_ON, **covers)
+
+
 # Reproductions use ds = get_adapter("deepspeed"), x = torch.ones(2, 8), 2 CPU ranks, gloo;
 # docs/deepspeed.md has each as a runnable snippet
 DEEPSPEED_DEVIATIONS: tuple[Deviation, ...] = (
-    Deviation(
+    _deviation(
         "parity.default_state_dict",
         "DeepSpeed ZeRO-3 registers 0-element placeholders: engine.state_dict() holds empty "
         "tensors and load_state_dict of it reports 'All keys matched' and restores nothing; "
         "the full state dict is DeepSpeed's own path (GatheredParameters, or "
         "engine.save_checkpoint / load_checkpoint). Reproduction: e = ds.wrap(nn.Linear(8, 8), "
-        "root=True); e.state_dict()['weight'].shape -> torch.Size([0]) "
-        f"(measured on {MEASURED_ON})",
+        "root=True); e.state_dict()['weight'].shape -> torch.Size([0])",
     ),
-    Deviation(
+    _deviation(
         "memory_bound",
         "ZeRO-2 (SHARD_GRAD_OP) does not shard parameters at all: every parameter stays whole "
         "on every rank and nothing is gathered in forward (the check expects each instance "
         "gathered once and kept); reproduction: e = ds.wrap(nn.Linear(8, 8), root=True, "
         "sharding_strategy='SHARD_GRAD_OP'); e.module.weight.shape -> torch.Size([8, 8]) and "
-        f"no all-gather in the comm trace (measured on {MEASURED_ON})",
+        "no all-gather in the comm trace",
         applies=lambda case: case.sharding_strategy == "SHARD_GRAD_OP",
     ),
-    Deviation(
+    _deviation(
         "parity.ddp",
         "ZeRO-3 sums the two gradient contributions of a tied parameter (the transformer's "
         "embedding, also its output projection) in another order than autograd under DDP: "
         "after 3 steps the tied weight differs by 1.5e-08 and the third loss by 9.5e-07 (DDP "
         "is bit-exact with every other model; world size 1 differs too); reproduction: "
         "fsdp_conformance.suite.training.fsdp_run(ds, 'transformer', dist, "
-        "{'sharding_strategy': 'FULL_SHARD'}) vs reference_run('transformer', dist), 2 ranks "
-        f"(measured on {MEASURED_ON})",
+        "{'sharding_strategy': 'FULL_SHARD'}) vs reference_run('transformer', dist), 2 ranks",
         applies=lambda case: case.model == "transformer"
         and case.world_size <= 2
         and dict(case.settings).get("sharding_strategy") == "FULL_SHARD",
     ),
-    Deviation(
+    _deviation(
         "comm.counts",
         "DeepSpeed has no root that stays unsharded between forward and backward: with "
         "stage3_max_reuse_distance=0 it releases every module after its forward and gathers "
@@ -196,64 +199,61 @@ DEEPSPEED_DEVIATIONS: tuple[Deviation, ...] = (
         "instances - 1), and ZeRO-2 (SHARD_GRAD_OP) never shards parameters, so its forward "
         "gathers nothing (0, not one per instance); reproduction: "
         "fsdp_conformance.suite.comm_checks.trace_training(ds, 'nested', dist, "
-        "{'sharding_strategy': 'FULL_SHARD'})[0].render() "
-        f"(measured on {MEASURED_ON})",
+        "{'sharding_strategy': 'FULL_SHARD'})[0].render()",
     ),
-    Deviation(
+    _deviation(
         "comm.prefetch_happens",
         "DeepSpeed prefetches from the module trace it records in the first iteration: "
         "iteration 1 backward prefetches nothing (the all-gather of module.1 comes after the "
         "gradient reduction of module.2 in NestedWrappedModule); iterations 2 and 3 prefetch "
         "as BACKWARD_PRE asks; reproduction: fsdp_conformance.suite.comm_checks."
         "prefetch_failures(trace_training(ds, 'nested', dist, {'sharding_strategy': "
-        "'FULL_SHARD', 'backward_prefetch': 'BACKWARD_PRE'})[0], ...) lists iteration 1 only "
-        f"(measured on {MEASURED_ON})",
+        "'FULL_SHARD', 'backward_prefetch': 'BACKWARD_PRE'})[0], ...) lists iteration 1 only",
         applies=lambda config: config.get("backward_prefetch") == "BACKWARD_PRE",
     ),
-    Deviation(
+    _deviation(
         "parity.bf16",
         "DeepSpeed's bf16 mode casts the parameters, never the inputs: a float32 input meets "
         "bfloat16 weights and fails 'mat1 and mat2 must have the same dtype, but got Float and "
         "BFloat16' (the caller must cast inputs itself); reproduction: "
         "ds.wrap(nn.Linear(8, 8), root=True, mixed_precision={'param_dtype': torch.bfloat16})"
-        f"(x) (measured on {MEASURED_ON})",
+        "(x)",
+        raises=RuntimeError,
+        match=r"same dtype",
     ),
-    Deviation(
+    _deviation(
         "misuse.summon_during_forward",
         "GatheredParameters entered in a forward hook, while ZeRO-3 has the module's "
         "parameters in use, fails a bare assert whose message is only the parameter's repr "
         "('Parameter containing: ...'), naming neither the forward nor the misuse; "
         "reproduction: register_forward_hook(lambda *a: GatheredParameters(params).__enter__())"
-        f" on an inner module, then e(x) (measured on {MEASURED_ON})",
+        f" on an inner module, then e(x)",
     ),
-    Deviation(
+    _deviation(
         "overlap",
         "with prefetch DeepSpeed gathers the whole recorded prefetch window in one coalesced "
         "all-gather before the first module computes, so no all-gather overlaps a module's "
         "compute: measured 1.01x the serialised time (1 all-gather x 30 ms + 121 ms compute), "
         "the check expects <= 0.8x; reproduction: fsdp_conformance.suite.overlap."
-        f"measure_overlap(ds, dist, 30.0, 30.0) (measured on {MEASURED_ON})",
+        f"measure_overlap(ds, dist, 30.0, 30.0)",
     ),
-    Deviation(
+    _deviation(
         "misuse.wrap_twice",
         "deepspeed.initialize accepts a module an engine already owns and builds a second "
         "engine over the same (already partitioned) parameters without an error; reproduction: "
-        "lin = nn.Linear(8, 8); ds.wrap(lin, root=True); ds.wrap(lin, root=True) "
-        f"(measured on {MEASURED_ON})",
+        "lin = nn.Linear(8, 8); ds.wrap(lin, root=True); ds.wrap(lin, root=True)",
     ),
-    Deviation(
+    _deviation(
         "exec_order.divergent",
         "DeepSpeed does not compare the execution order across ranks: ranks running two "
         "same-shaped modules in different orders all-gather each other's shards silently; "
-        "reproduction: rank 0 runs b(a(x)), rank 1 a(b(x)) under one ZeRO-3 engine: no error "
-        f"(measured on {MEASURED_ON})",
+        "reproduction: rank 0 runs b(a(x)), rank 1 a(b(x)) under one ZeRO-3 engine: no error",
     ),
-    Deviation(
+    _deviation(
         "misuse.forward_inside_summon",
         "a forward inside deepspeed.zero.GatheredParameters runs (the gathered parameters are "
         "simply used) and no error is raised; reproduction: with "
-        "deepspeed.zero.GatheredParameters(list(e.parameters())): e(x) "
-        f"(measured on {MEASURED_ON})",
+        "deepspeed.zero.GatheredParameters(list(e.parameters())): e(x)",
     ),
 )
 

@@ -94,6 +94,9 @@ class BaseTrainingStateTests:
                 # root states only (Adapter.instance_states = False): check what exists; the
                 # per-instance transitions cannot be checked (ROOT_ONLY_NOT_CHECKED)
                 _assert_root_states_seen(label, recorder.root_states_seen)
+                from fsdp_conformance.world import properties
+
+                properties.record_property("fsdp_not_checked", ROOT_ONLY_NOT_CHECKED)
                 return
             # instances whose state the adapter cannot read (FSDP1: no parameters) are not listed
             readable = {name: seen for name, seen in recorder.states_seen.items() if seen}
