@@ -424,6 +424,9 @@ class FetchBackpressureBound:
 
     draining: int = 2  # instances whose free may not have completed
     gathering: int = 1  # the instance being gathered
+    # all-gather outputs held besides the unsharded parameters: none (ZeRO-3 gathers into the
+    # parameter itself)
+    forward_outputs: int = 0
     name: str = "DeepSpeed's fetch back-pressure bound"
 
     def bound(self, phase: str) -> int:
