@@ -93,7 +93,7 @@ class FullyShardedDataParallel(ForwardMixin, StateDictMixin, nn.Module):
         super().__init__()
         process_group = process_group if process_group is not None else dist.group.WORLD
         ignored = _expand_ignored(ignored_modules)
-        for nested in _nested_instances(module):
+        for nested in fsdp_states(module):
             if nested.is_root is not None:
                 raise ValueError(
                     f"cannot wrap {type(module).__name__}: its nested FSDP instance around "
@@ -297,10 +297,6 @@ def _expand_ignored(ignored_modules: Iterable[nn.Module] | None) -> set[nn.Modul
             )
         ignored.update(module.modules())
     return ignored
-
-
-def _nested_instances(module: nn.Module) -> list[FSDPState]:
-    return fsdp_states(module)
 
 
 def _recursive_wrap(
