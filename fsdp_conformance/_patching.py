@@ -61,7 +61,9 @@ class PatchRecord:
             key = (id(self.owner), self.attribute, self.key)
             if _records.get(key) is not self:
                 return False
-            if getattr(self.owner, self.attribute, _MISSING) is not self.replacement:
+            stored = getattr(self.owner, "__dict__", {}).get(self.attribute, _MISSING)
+            live = getattr(self.owner, self.attribute, _MISSING)
+            if self.replacement is not stored and self.replacement is not live:
                 return False
             setattr(self.owner, self.attribute, self.original)
             del _records[key]

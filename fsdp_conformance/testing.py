@@ -11,8 +11,7 @@
 ``test_*`` body runs in every rank, under pytest or plain ``python -m unittest``); the rest are
 the seed's helpers: ``FSDPInitMode`` (the model zoo's ``DeviceInit``), ``DummyProcessGroup``,
 ``get_full_params``, and the CUDA sleep of the zoo's delay (``get_cycles_per_ms``,
-``device_sleep``). The old import paths (``fsdp_conformance.world.FSDPTest``,
-``fsdp_conformance.world.fsdp_test``) still resolve here.
+``device_sleep``). ``fsdp_conformance.FSDPTest`` names the same class.
 """
 
 from __future__ import annotations

@@ -2,10 +2,17 @@
 
 `get_adapter(name)` with "impl", "torch-fsdp1", "torch-fsdp2" or "pkg.module:ATTR"; the
 protocol is `Adapter` (base.py), feature names are `Feature` (features.py), canonical states are
-`InstanceState` / `RootState` (states.py). See docs/adapters.md.
+`InstanceState` / `RootState` (fsdp_conformance/training_states.py). See docs/adapters.md.
 """
 
 from __future__ import annotations
+
+from fsdp_conformance.training_states import (
+    LEGAL_INSTANCE_TRANSITIONS,
+    LEGAL_ROOT_TRANSITIONS,
+    InstanceState,
+    RootState,
+)
 
 from .base import (
     Adapter,
@@ -17,7 +24,6 @@ from .base import (
 from .deviations import CHECK_IDS, Deviation
 from .features import ALL_FEATURES, ALWAYS_WRAP, Feature, MixedPrecisionConfig, normalize_config
 from .registry import BUILTIN_ADAPTERS, get_adapter
-from .states import LEGAL_INSTANCE_TRANSITIONS, LEGAL_ROOT_TRANSITIONS, InstanceState, RootState
 
 __all__ = [
     "ALL_FEATURES",

@@ -32,6 +32,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from fsdp_conformance._patching import patch_attribute
+
+# the key of this module's patches (fsdp_conformance._patching), installed while routed calls run
+_PATCH_KEY = "fsdp-conformance fairscale device routing"
 # The fairscale release these hooks were written against
 FAIRSCALE_VERSION = "0.4.13"
 # Methods of fairscale's FullyShardedDataParallel that call the CUDA API (fairscale 0.4.13)
@@ -133,13 +137,25 @@ def _routing(handle: Any) -> Iterator[None]:
     global _depth
     with _lock:
         if _depth == 0:
-            module = _fsdp_module()
-            _saved["torch"] = module.torch
-            _saved["record_stream"] = torch.Tensor.record_stream
             # on torch.Tensor itself, or inherited from the C base class (torch 2.13.0)
             _saved["own_record_stream"] = "record_stream" in vars(torch.Tensor)
-            module.torch = _TORCH_PROXY
-            torch.Tensor.record_stream = _record_stream
+            _saved["records"] = [
+                patch_attribute(
+                    _fsdp_module(),
+                    "torch",
+                    lambda original: _TORCH_PROXY,
+                    key=_PATCH_KEY,
+                    written_for=f"fairscale {FAIRSCALE_VERSION}",
+                    library="fairscale",
+                ),
+                patch_attribute(
+                    torch.Tensor,
+                    "record_stream",
+                    lambda original: _record_stream,
+                    key=_PATCH_KEY,
+                    written_for=f"fairscale {FAIRSCALE_VERSION}",
+                ),
+            ]
         _depth += 1
     handles = _local.__dict__.setdefault("handles", [])
     handles.append(handle)
@@ -150,12 +166,10 @@ def _routing(handle: Any) -> Iterator[None]:
         with _lock:
             _depth -= 1
             if _depth == 0:
-                _fsdp_module().torch = _saved.pop("torch")
-                original = _saved.pop("record_stream")
-                if _saved.pop("own_record_stream"):
-                    torch.Tensor.record_stream = original
-                else:
-                    del torch.Tensor.record_stream
+                for record in reversed(_saved.pop("records")):
+                    record.undo()
+                if not _saved.pop("own_record_stream") and "record_stream" in vars(torch.Tensor):
+                    del torch.Tensor.record_stream  # inherited again, exactly as imported
 
 
 def _routed_method(instance: nn.Module, method: Callable[..., Any]) -> Callable[..., Any]:

@@ -1,8 +1,8 @@
-"""The lagging device inside torch FSDP2, and its buffers' lifetimes per stream (torch 2.13.0).
+"""The lagging device inside torch FSDP2, and its buffers' lifetimes per stream.
 
-Written against torch 2.13.0 (`torch/distributed/fsdp/_fully_shard/`). Everything this module
-relies on is checked where it is used; if a torch release moved it, `install_lagging_device`
-and `observe_buffers` raise `RuntimeError` naming the missing attribute and this file.
+Every FSDP2 internal used here goes through `_fsdp2_internals` (verified on the releases it
+names); if a torch release moved one, `install_lagging_device` and `observe_buffers` raise its
+`FSDP2InternalsError` naming the missing attribute.
 
 [Note: FSDP2's device handle]
 FSDP2 takes its device handle from `torch.distributed.device_mesh._get_device_handle` in three
@@ -37,7 +37,6 @@ stream last used the buffer, or None} -- the stream-ordered reuse rule of
 from __future__ import annotations
 
 import contextlib
-import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -45,40 +44,19 @@ from typing import Any
 
 from torch import nn
 
+from fsdp_conformance._patching import patch_attribute
 from fsdp_conformance.vocab import Op
 
+from . import _fsdp2_internals as internals
 from .base import require_before_first_forward
 
-# The torch version the patch below was written against
-WRITTEN_AGAINST = "2.13.0"
-# FSDPCommContext's streams, replaced by lagging-device streams at lazy init
-_COMM_STREAMS = (
-    "all_gather_copy_in_stream",
-    "all_gather_stream",
-    "reduce_scatter_stream",
-    "all_reduce_stream",
-)
+# the key of this module's patches (fsdp_conformance._patching)
+_PATCH_KEY = "fsdp-conformance torch-fsdp2 buffer lifetimes"
+_WRITTEN_FOR = "torch " + "/".join(internals.VERIFIED_ON)
 
 # Buffer observers: emit(op, group, info) -> every registered callback(op, group, info)
 _buffer_observers: list[Callable[[str, Any, dict], None]] = []
-_lock = threading.Lock()  # guards the one-time patch
-_patched = False
-
-
-def _moved(what: str) -> RuntimeError:
-    import torch
-
-    return RuntimeError(
-        f"torch FSDP2 internals moved: {what} (fsdp_conformance/adapters/_fsdp2_device.py was "
-        f"written against torch {WRITTEN_AGAINST}, this is torch {torch.__version__}); update "
-        "the patch there"
-    )
-
-
-def _require(obj: Any, *names: str) -> None:
-    for name in names:
-        if not hasattr(obj, name):
-            raise _moved(f"{type(obj).__name__}.{name} is missing")
+_lock = threading.Lock()  # guards the observer list and the pending records
 
 
 def install_lagging_device(model: nn.Module, device: Any) -> None:
@@ -89,34 +67,30 @@ def install_lagging_device(model: nn.Module, device: Any) -> None:
         device: a ``fsdp_conformance.observe.LaggingDevice``.
 
     Raises:
-        RuntimeError: the model already ran forward (FSDP2 created its streams at lazy init),
-            or FSDP2's internals are not those of torch 2.13.0.
+        RuntimeError: the model already ran forward (FSDP2 created its streams at lazy init).
+        FSDP2InternalsError: FSDP2's internals are none of the shapes ``_fsdp2_internals`` knows.
     """
     from torch.distributed.fsdp import FSDPModule
 
     states = [
-        module._get_fsdp_state() for module in model.modules() if isinstance(module, FSDPModule)
+        internals.fsdp_state(module) for module in model.modules() if isinstance(module, FSDPModule)
     ]
-    for state in states:
-        _require(state, "_device_handle", "_fsdp_param_groups", "_comm_ctx", "_is_root")
+    contexts = [internals.comm_context(state) for state in states]
     require_before_first_forward("torch-fsdp2", model, states)
-    for state in states:
-        state._device_handle = device
-        for group in state._fsdp_param_groups:
-            _require(group, "device_handle")
-            group.device_handle = device
-        _install_comm_context(state._comm_ctx, device)
+    for state, context in zip(states, contexts):
+        internals.set_device_handle(state, device)
+        _install_comm_context(context, device)
 
 
 def _install_comm_context(context: Any, device: Any) -> None:
-    _require(type(context), "lazy_init")
+    internals.require(type(context), "lazy_init")
     own_lazy_init = type(context).lazy_init
 
     def lazy_init(torch_device: Any) -> None:
         own_lazy_init(context, torch_device)
-        _require(context, "device_handle", *_COMM_STREAMS)
+        internals.require(context, "device_handle", *internals.COMM_STREAMS)
         context.device_handle = device
-        for name in _COMM_STREAMS:
+        for name in internals.COMM_STREAMS:
             # a lagging device hands out streams that remember what they waited for (the
             # stream-ordered residency rule reads them); any other handle, its own streams
             ordered = getattr(device, "ordered_stream", None)
@@ -127,6 +101,7 @@ def _install_comm_context(context: Any, device: Any) -> None:
 
 def current_stream_of(group: Any) -> Any:
     """The stream ``group`` runs on now (its device handle's current stream)."""
+    internals.require(group, "device_handle")
     return group.device_handle.current_stream()
 
 
@@ -136,52 +111,39 @@ def _device_of(group: Any) -> Any:
 
 
 def _emit(op: str, group: Any, info: dict) -> None:
-    _sweep_released()
     for observer in _buffer_observers.copy():
         observer(op, group, info)
 
 
 def _patch_buffer_lifetimes() -> None:
     """Report FSDP2's buffers (see [Note: FSDP2 buffers]); once per process, pass-through idle."""
-    global _patched
-    with _lock:
-        if _patched:
-            return
-        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+    group_class = internals.param_group_class()
+    internals.require(
+        group_class, "_to_unsharded", "_to_sharded", "_to_sharded_post_forward", "is_unsharded"
+    )
 
-        _require(
-            FSDPParamGroup,
-            "unshard",
-            "_to_unsharded",
-            "_to_sharded",
-            "_to_sharded_post_forward",
-            "is_unsharded",
-        )
-        unshard = FSDPParamGroup.unshard
-        to_unsharded = FSDPParamGroup._to_unsharded
-        to_sharded = FSDPParamGroup._to_sharded
-        to_sharded_post_forward = FSDPParamGroup._to_sharded_post_forward
-
+    def unshard(original):
         def patched_unshard(self, async_op: bool = False):
             if not _buffer_observers:
-                return unshard(self, async_op)
-            before = self._all_gather_result
-            result = unshard(self, async_op)
-            after = self._all_gather_result
+                return original(self, async_op)
+            before = internals.all_gather_result(self)
+            result = original(self, async_op)
+            after = internals.all_gather_result(self)
             if (
                 after is not None
                 and after is not before
-                and self._all_gather_process_group.size() > 1
+                and internals.all_gather_group_size(self) > 1
             ):
-                copy_in_stream, _ = self.comm_ctx.get_all_gather_streams(
-                    async_op, self._training_state
-                )
-                _track_all_gather_output(self, after, copy_in_stream)
+                stream = internals.all_gather_copy_in_stream(self, async_op)
+                internals.set_all_gather_result(self, _track_all_gather_output(self, after, stream))
             return result
 
+        return patched_unshard
+
+    def to_unsharded(original):
         def patched_to_unsharded(self):
             was_unsharded = self.is_unsharded
-            result = to_unsharded(self)
+            result = original(self)
             if _buffer_observers and not was_unsharded and self.is_unsharded:
                 device = _device_of(self)
                 for record in _READERS.get(self, ()):
@@ -191,68 +153,77 @@ def _patch_buffer_lifetimes() -> None:
                 _emit(Op.ALLOC, self, {"buffer": "unsharded", "stream": current_stream_of(self)})
             return result
 
-        def freeing(original):
-            def patched(self):
-                was_unsharded = self.is_unsharded
-                result = original(self)
-                if _buffer_observers and was_unsharded and not self.is_unsharded:
-                    stream = current_stream_of(self)
-                    _emit(
-                        Op.FREE, self, {"buffer": "unsharded", "stream": stream, "used_after": None}
-                    )
-                return result
+        return patched_to_unsharded
 
-            return patched
+    def freeing(original):
+        def patched(self):
+            was_unsharded = self.is_unsharded
+            result = original(self)
+            if _buffer_observers and was_unsharded and not self.is_unsharded:
+                stream = current_stream_of(self)
+                _emit(Op.FREE, self, {"buffer": "unsharded", "stream": stream, "used_after": None})
+            return result
 
-        FSDPParamGroup.unshard = patched_unshard
-        FSDPParamGroup._to_unsharded = patched_to_unsharded
-        FSDPParamGroup._to_sharded = freeing(to_sharded)
-        FSDPParamGroup._to_sharded_post_forward = freeing(to_sharded_post_forward)
-        _patched = True
+        return patched
+
+    for attribute, make in (
+        ("unshard", unshard),
+        ("_to_unsharded", to_unsharded),
+        ("_to_sharded", freeing),
+        ("_to_sharded_post_forward", freeing),
+    ):
+        patch_attribute(group_class, attribute, make, key=_PATCH_KEY, written_for=_WRITTEN_FOR)
 
 
 # group -> records of its all-gather outputs not yet copied out (weak: groups die with models)
 _READERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# records of all-gather outputs not yet reported free
-_PENDING: list[dict[str, Any]] = []
-# references to an object only ``_PENDING`` holds: its record's + getrefcount's argument
-_UNREFERENCED = 2
+# AllGatherResult class -> its tracked subclass
+_TRACKED_CLASSES: dict[type, type] = {}
 
 
-def _track_all_gather_output(group: Any, result: Any, stream: Any) -> None:
-    record: dict[str, Any] = {
-        "used_after": None,
-        "stream": stream,
-        "group": weakref.ref(group),
-        "result": result,
-    }
+class _ReleaseToken:
+    """Lives exactly as long as the tracked ``AllGatherResult`` holding it (weakly referenced)."""
+
+    __slots__ = ("__weakref__",)
+
+
+def _tracked_class(result_class: type) -> type:
+    """A subclass of FSDP2's ``AllGatherResult`` (a NamedTuple) whose instances have a
+    ``__dict__`` to carry a ``_ReleaseToken``: equal, unpackable, ``isinstance`` the original."""
+    tracked = _TRACKED_CLASSES.get(result_class)
+    if tracked is None:
+        tracked = type(f"Tracked{result_class.__name__}", (result_class,), {})
+        _TRACKED_CLASSES[result_class] = tracked
+    return tracked
+
+
+def _track_all_gather_output(group: Any, result: Any, stream: Any) -> Any:
+    """Report the all-gather output allocated; return the result to store in its place, whose
+    release (the last reference to it dropped, wherever held) reports the output free."""
+    record: dict[str, Any] = {"used_after": None, "stream": stream, "released": False}
     _READERS.setdefault(group, []).append(record)
     _emit(Op.ALL_GATHER, group, {"buffer": "all_gather_output", "stream": stream})
-    _PENDING.append(record)
+    if not isinstance(result, tuple) or not hasattr(result, "_fields"):
+        raise internals.moved(f"AllGatherResult is no NamedTuple ({type(result).__name__})")
+    tracked = _tracked_class(type(result))(*result)
+    token = _ReleaseToken()
+    tracked.__dict__["_fsdp_conformance_release"] = token
+    finalizer = weakref.finalize(token, _released, weakref.ref(group), record)
+    finalizer.atexit = False
+    return tracked
 
 
-def _sweep_released() -> None:
-    """Report free the all-gather outputs whose result nothing but this module holds any more.
-
-    The output lives as long as FSDP2's ``AllGatherResult`` (or anything else in Python that
-    keeps it: a variant that stores results, a local variable). The tensor itself is not
-    watched: on gloo the collective's work object also holds it and drops it on gloo's worker
-    thread a moment after FSDP2 does, at no fixed point of this thread.
-    """
-    for record in _PENDING.copy():
-        if sys.getrefcount(record["result"]) > _UNREFERENCED:
-            continue
-        _PENDING.remove(record)
-        record["result"] = None
-        owner = record["group"]()
-        if owner is None:
-            continue
-        records = _READERS.get(owner, [])
-        if record in records:
-            records.remove(record)
-        info = {"buffer": "all_gather_output", "stream": record["stream"]}
-        for observer in _buffer_observers.copy():
-            observer(Op.FREE, owner, {**info, "used_after": record["used_after"]})
+def _released(group_ref: Any, record: dict[str, Any]) -> None:
+    """The tracked result was released: report its all-gather output free."""
+    owner = group_ref()
+    if owner is None or record["released"]:
+        return
+    record["released"] = True
+    records = _READERS.get(owner, [])
+    if record in records:
+        records.remove(record)
+    info = {"buffer": "all_gather_output", "stream": record["stream"]}
+    _emit(Op.FREE, owner, {**info, "used_after": record["used_after"]})
 
 
 @contextlib.contextmanager
@@ -263,10 +234,10 @@ def observe_buffers(callback: Callable[[str, Any, dict], None]) -> Iterator[None
         callback: called as [Note: FSDP2 buffers] says, with the ``FSDPParamGroup``.
     """
     _patch_buffer_lifetimes()
-    _buffer_observers.append(callback)
+    with _lock:
+        _buffer_observers.append(callback)
     try:
         yield
     finally:
-        _buffer_observers.remove(callback)
-        if not _buffer_observers:
-            _PENDING.clear()  # nobody listens: drop the results held for the sweep
+        with _lock:
+            _buffer_observers.remove(callback)

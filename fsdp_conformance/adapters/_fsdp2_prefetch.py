@@ -1,7 +1,7 @@
 """The suite's prefetch settings in torch FSDP2's terms: explicit lists from the recorded order.
 
 [Note: FSDP2 prefetch mapping]
-torch FSDP2 (2.13.0) prefetches in two places: in forward, the modules named by
+torch FSDP2 (2.8.0 to 2.15.0) prefetches in two places: in forward, the modules named by
 ``set_modules_to_forward_prefetch`` (none by default); in backward, at each instance's
 pre-backward, the modules named by ``set_modules_to_backward_prefetch``, or -- when that list is
 empty -- the instance before it in the post-forward order (implicit). The suite's settings map
@@ -31,6 +31,8 @@ from typing import Any
 
 from torch import nn
 
+from . import _fsdp2_internals as internals
+
 # attribute on the root module: the recorded order and whether the lists were set
 _PREFETCH_ORDER = "_fsdp_conformance_prefetch_order"
 # attribute on each instance: (forward_prefetch, backward_prefetch) it was wrapped with
@@ -57,8 +59,8 @@ def configure_prefetch(module: nn.Module, forward: bool, backward: Any, given: b
 
 
 def _record_order(module: nn.Module, args: Any) -> None:
-    state = module._get_fsdp_state()
-    if state._is_root is not False:  # None before the root's lazy init, True after
+    # _is_root: None before the root's lazy init, True after
+    if internals.is_root(internals.fsdp_state(module)) is not False:
         entry = getattr(module, _PREFETCH_ORDER, None)
         if entry is None:
             entry = {"order": [], "post": [], "applied": False}

@@ -31,11 +31,11 @@ import torch
 from torch import nn
 
 from fsdp_conformance import vocab
+from fsdp_conformance.training_states import InstanceState, RootState
 from fsdp_conformance.vocab import Op
 
 from .deviations import Deviation, find_deviation
 from .features import ALL_FEATURES, Feature, features_for, normalize_config
-from .states import InstanceState, RootState
 
 # callback(op, instance, info) -- see [Note: observation]
 Observer = Callable[[str, nn.Module, dict], None]

@@ -1,5 +1,5 @@
-"""The canonical training states, as the adapters see them (defined in
-``fsdp_conformance.training_states``; this module keeps the old import path)."""
+"""Compatibility path (docs/adapters.md): the canonical training states are defined in
+``fsdp_conformance.training_states``; import them from there."""
 
 from __future__ import annotations
 

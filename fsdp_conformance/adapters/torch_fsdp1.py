@@ -25,10 +25,12 @@ from torch.distributed.fsdp import (
     MixedPrecision,
     ShardingStrategy,
 )
-from torch.distributed.fsdp.fully_sharded_data_parallel import TrainingState
 
+from fsdp_conformance._patching import patch_attribute
 from fsdp_conformance.vocab import Op
 
+from . import _fsdp1_internals as internals
+from ._support import RANGES, support_problem
 from .base import Adapter, ObserverRegistry, require_before_first_forward
 from .deviations import Deviation
 from .features import ALWAYS_WRAP, Feature, module_predicate
@@ -37,7 +39,9 @@ from .states import InstanceState, RootState
 # Process-wide: observers of the patched FSDP1 internals, and handle -> its FSDP instance
 _REGISTRY = ObserverRegistry()
 _INSTANCE_OF_HANDLE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_patched = False
+# the key of this module's patches (fsdp_conformance._patching)
+_PATCH_KEY = "fsdp-conformance torch-fsdp1 comm trace"
+_WRITTEN_FOR = "torch " + "/".join(internals.VERIFIED_ON)
 
 
 def accelerator_available() -> bool:
@@ -49,50 +53,52 @@ def accelerator_available() -> bool:
 
 
 def _patch_torch_fsdp1() -> None:
-    """Label FSDP1's all-gathers, frees and reductions with their instance (torch 2.13.0).
+    """Label FSDP1's all-gathers, frees and reductions with their instance.
 
-    Written against torch 2.13.0: `FlatParamHandle._all_gather_flat_param` (every unshard
+    Through `_fsdp1_internals`: `FlatParamHandle._all_gather_flat_param` (every unshard
     all-gather), `FlatParamHandle._free_unsharded_flat_param` (every free of the unsharded flat
     parameter), and `torch.distributed.fsdp._runtime_utils._reduce_grad` /
-    `_reduce_grad_no_shard` (called by `_post_backward_hook` through module globals). The patches
-    are installed once per process and pass straight through while no observer is registered.
+    `_reduce_grad_no_shard` (called by `_post_backward_hook` through module globals). Installed
+    once per process (`patch_attribute`, idempotent per key); pass-through while no observer is
+    registered.
     """
-    global _patched
-    if _patched:
-        return
-    from torch.distributed.fsdp import _runtime_utils
-    from torch.distributed.fsdp._flat_param import FlatParamHandle
+    handle_class = internals.flat_param_handle_class()
+    runtime_utils = internals.runtime_utils()
 
-    all_gather = FlatParamHandle._all_gather_flat_param
-    free = FlatParamHandle._free_unsharded_flat_param
-    reduce_grad = _runtime_utils._reduce_grad
-    reduce_grad_no_shard = _runtime_utils._reduce_grad_no_shard
+    def all_gather(original):
+        def _all_gather_flat_param(self, padded_unsharded_flat_param):
+            if _REGISTRY.active:
+                _REGISTRY.emit(Op.ALL_GATHER, _INSTANCE_OF_HANDLE.get(self), {})
+            return original(self, padded_unsharded_flat_param)
 
-    def _all_gather_flat_param(self, padded_unsharded_flat_param):
-        if _REGISTRY.active:
-            _REGISTRY.emit(Op.ALL_GATHER, _INSTANCE_OF_HANDLE.get(self), {})
-        return all_gather(self, padded_unsharded_flat_param)
+        return _all_gather_flat_param
 
-    def _free_unsharded_flat_param(self):
-        if _REGISTRY.active:
-            _REGISTRY.emit(Op.FREE, _INSTANCE_OF_HANDLE.get(self), {})
-        return free(self)
+    def free(original):
+        def _free_unsharded_flat_param(self):
+            if _REGISTRY.active:
+                _REGISTRY.emit(Op.FREE, _INSTANCE_OF_HANDLE.get(self), {})
+            return original(self)
 
-    def _reduce_grad(state, handle):
-        if _REGISTRY.active:
-            _REGISTRY.emit(Op.REDUCE_SCATTER, state, {})
-        return reduce_grad(state, handle)
+        return _free_unsharded_flat_param
 
-    def _reduce_grad_no_shard(state, handle):
-        if _REGISTRY.active:
-            _REGISTRY.emit(Op.ALL_REDUCE, state, {})
-        return reduce_grad_no_shard(state, handle)
+    def reduce(op):
+        def make(original):
+            def reduce_grad(state, handle):
+                if _REGISTRY.active:
+                    _REGISTRY.emit(op, state, {})
+                return original(state, handle)
 
-    FlatParamHandle._all_gather_flat_param = _all_gather_flat_param
-    FlatParamHandle._free_unsharded_flat_param = _free_unsharded_flat_param
-    _runtime_utils._reduce_grad = _reduce_grad
-    _runtime_utils._reduce_grad_no_shard = _reduce_grad_no_shard
-    _patched = True
+            return reduce_grad
+
+        return make
+
+    for owner, attribute, make in (
+        (handle_class, "_all_gather_flat_param", all_gather),
+        (handle_class, "_free_unsharded_flat_param", free),
+        (runtime_utils, "_reduce_grad", reduce(Op.REDUCE_SCATTER)),
+        (runtime_utils, "_reduce_grad_no_shard", reduce(Op.ALL_REDUCE)),
+    ):
+        patch_attribute(owner, attribute, make, key=_PATCH_KEY, written_for=_WRITTEN_FOR)
 
 
 def _prefetches_with_limit(case: Any) -> bool:
@@ -104,7 +110,9 @@ def _prefetches_with_limit(case: Any) -> bool:
     )
 
 
-# Measured on torch 2.13.0 (CPU, gloo, world size 2); docs/checks.md and docs/memory_bound.md
+# Measured on torch 2.13.0 (CPU, gloo, world size 2); docs/checks.md and docs/memory_bound.md;
+# each states the failure it covers (raises / match): any other error in the cell is a FAIL
+_MEASURED_ON = "torch 2.13.0"
 FSDP1_DEVIATIONS = (
     Deviation(
         "memory_bound",
@@ -115,30 +123,40 @@ FSDP1_DEVIATIONS = (
         "limit_all_gathers=True, backward_prefetch=BACKWARD_PRE) with 6 inner instances under "
         "the lagging device: peak 3 resident inner buffers (docs/memory_bound.md, 'torch FSDP1')",
         _prefetches_with_limit,
+        match=r"^memory bound exceeded: ",
+        measured_on=_MEASURED_ON,
     ),
     Deviation(
         "exec_order.divergent",
         "torch FSDP1 compares the forward order across ranks only under "
         "TORCH_DISTRIBUTED_DEBUG=DETAIL (_ExecOrderData); by default same-shaped instances "
         "silently exchange each other's all-gathers. Reproduction: root Linear with two wrapped "
-        "Linear(8, 8) branches, rank 1 runs them in the other order: no error (torch 2.13.0)",
+        "Linear(8, 8) branches, rank 1 runs them in the other order: no error",
+        match=r"no exception was raised",
+        measured_on=_MEASURED_ON,
     ),
     Deviation(
         "misuse.wrap_twice",
         "torch FSDP1 wraps a module that another instance already wraps, without an error. "
-        "Reproduction: lin = nn.Linear(8, 8); FSDP(lin); FSDP(lin) -> no error (torch 2.13.0)",
+        "Reproduction: lin = nn.Linear(8, 8); FSDP(lin); FSDP(lin) -> no error",
+        match=r"no exception was raised",
+        measured_on=_MEASURED_ON,
     ),
     Deviation(
         "misuse.mixed_devices",
         "torch FSDP1 wraps a module with cpu and meta parameters without an error. "
         "Reproduction: FSDP(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8, device='meta')), "
-        "device_id=cpu) -> no error (torch 2.13.0)",
+        "device_id=cpu) -> no error",
+        match=r"no exception was raised",
+        measured_on=_MEASURED_ON,
     ),
     Deviation(
         "misuse.forward_inside_summon",
         "torch FSDP1 fails with an internal AssertionError ('Expects tensor to be unsharded with "
         "size ... but got ...') that does not name summon_full_params. Reproduction: "
-        "with FSDP.summon_full_params(model): model(x) (torch 2.13.0)",
+        "with FSDP.summon_full_params(model): model(x)",
+        match=r"does not name the problem .*got AssertionError: Expects tensor to be unsharded",
+        measured_on=_MEASURED_ON,
     ),
     # issue 20 (fsdp-conformance fuzz, docs/fuzz.md)
     Deviation(
@@ -152,6 +170,8 @@ FSDP1_DEVIATIONS = (
         "zeros (fsdp-conformance fuzz --impl torch-fsdp1 --seed 0 finds it after 112 examples)",
         lambda case: case is not None and "branch" in case.uses(),
         raises=AssertionError,
+        # a value or a parameter differing from DDP's (fuzz.run.first_difference), nothing else
+        match=r"FSDP .* != DDP |differs from DDP's",
         measured_on="torch 2.13.0",
     ),
     Deviation(
@@ -176,13 +196,18 @@ class TorchFSDP1Adapter(Adapter):
     name = "torch-fsdp1"
     known_deviations = FSDP1_DEVIATIONS
 
+    def support_problem(self) -> str | None:
+        """None on a torch in the tested range (docs/compatibility.md), else the one line."""
+        return support_problem(self.name, RANGES["torch-fsdp1"])
+
     def unsupported(self) -> dict[str, str]:
         if accelerator_available():
             return {}
         return {
             Feature.CPU_OFFLOAD: (
                 "torch FSDP1 CPU offload needs an accelerator: on a CPU-only host forward fails "
-                "with 'Cannot access accelerator device when none is available' (torch 2.13.0)"
+                "with 'Cannot access accelerator device when none is available' (a CUDA build: "
+                "'Found no NVIDIA driver') (torch 2.13.0)"
             ),
             Feature.SYNC_MODULE_STATES: (
                 "torch FSDP1 sync_module_states needs the module on GPU: on a CPU-only host "
@@ -198,7 +223,7 @@ class TorchFSDP1Adapter(Adapter):
         if "backward_prefetch" in config:
             prefetch = config["backward_prefetch"]
             kwargs["backward_prefetch"] = None if prefetch is None else BackwardPrefetch[prefetch]
-        for key in ("forward_prefetch", "limit_all_gathers", "sync_module_states"):
+        for key in ("forward_prefetch", "limit_all_gathers", "sync_module_states", "use_orig_params"):
             if key in config:
                 kwargs[key] = config[key]
         if "cpu_offload" in config:
@@ -223,8 +248,9 @@ class TorchFSDP1Adapter(Adapter):
             kwargs["device_id"] = device_id
         wrapped = FullyShardedDataParallel(module, process_group=process_group, **kwargs)
         for instance in FullyShardedDataParallel.fsdp_modules(wrapped):
-            if instance._handle is not None:
-                _INSTANCE_OF_HANDLE[instance._handle] = instance
+            handle = internals.handle_of(instance)
+            if handle is not None:
+                _INSTANCE_OF_HANDLE[handle] = instance
         return wrapped
 
     def unwrap(self, model: nn.Module) -> nn.Module:
@@ -234,26 +260,23 @@ class TorchFSDP1Adapter(Adapter):
         return FullyShardedDataParallel.fsdp_modules(model)
 
     def training_state(self, instance: nn.Module) -> InstanceState:
-        handle = instance._handle
+        handle = internals.handle_of(instance)
         if handle is None:
             raise ValueError(
                 f"{type(instance).__name__} instance has no parameters (no FlatParamHandle), so "
                 "torch FSDP1 keeps no instance state for it; use root_state()"
             )
-        return InstanceState[handle._training_state.name]
+        return InstanceState[internals.handle_training_state_name(handle)]
 
     def root_state(self, instance: nn.Module) -> RootState:
-        return RootState[instance.training_state.name]
+        return RootState[internals.root_training_state_name(instance)]
 
     def is_unsharded(self, instance: nn.Module) -> bool:
-        handle = instance._handle
-        if handle is None or not handle.uses_sharded_strategy:
-            return handle is not None  # NO_SHARD: the flat parameter is always whole
-        unsharded = handle._get_padded_unsharded_flat_param()
-        return unsharded.untyped_storage().size() > 0
+        handle = internals.handle_of(instance)
+        return handle is not None and internals.handle_is_unsharded(handle)
 
     def _assert_state(self, instance: nn.Module, states: tuple[RootState, ...]) -> None:
-        instance._assert_state([TrainingState[state.value] for state in states])
+        internals.assert_state(instance, [state.value for state in states])
 
     def _summon_full_params(self, model: nn.Module, writeback: bool):
         return FullyShardedDataParallel.summon_full_params(model, writeback=writeback)
@@ -271,9 +294,22 @@ class TorchFSDP1Adapter(Adapter):
         instances = FullyShardedDataParallel.fsdp_modules(model)
         require_before_first_forward(self.name, model, instances)
         for instance in instances:
-            instance._device_handle = handle
-            if instance._handle is not None:
-                instance._handle._device_handle = handle
+            internals.set_device_handle(instance, handle)
+
+
+    # ------------------------------------------------------------------ training loops (issue 21)
+    # no_sync() and clip_grad_norm_() are FSDP1's own methods on the root (the Adapter defaults)
+    def save_checkpoint(self, model: nn.Module, optimizer: Any, directory: str) -> None:
+        """FSDP1's sharded state dict (``SHARDED_STATE_DICT``) and ``FSDP.optim_state_dict``,
+        written with torch.distributed.checkpoint (``_dcp.py``)."""
+        from . import _dcp
+
+        _dcp.save(model, optimizer, directory, model.process_group)
+
+    def load_checkpoint(self, model: nn.Module, optimizer: Any, directory: str) -> None:
+        from . import _dcp
+
+        _dcp.load(model, optimizer, directory, model.process_group)
 
 
 def _fsdp1_policy(policy: Any):

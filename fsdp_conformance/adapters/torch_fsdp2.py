@@ -36,106 +36,141 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import (
-    CPUOffloadPolicy,
-    FSDPModule,
-    MixedPrecisionPolicy,
-    fully_shard,
-)
-from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
+from fsdp_conformance._patching import patch_attribute
 from fsdp_conformance.vocab import Op
 
+from . import _fsdp2_internals as internals
 from ._fsdp2_device import install_lagging_device, observe_buffers
 from ._fsdp2_prefetch import configure_prefetch
+from ._support import RANGES, support_problem
 from .base import Adapter, ObserverRegistry, scoped_observer
 from .deviations import Deviation
 from .features import Feature, module_predicate
 from .states import InstanceState, RootState
 from .torch_fsdp1 import accelerator_available
 
-# FSDP2's TrainingState (of FSDPState and FSDPParamGroup) -> canonical instance state
-_INSTANCE_STATE = {
-    TrainingState.IDLE: InstanceState.IDLE,
-    TrainingState.FORWARD: InstanceState.FORWARD,
-    TrainingState.PRE_BACKWARD: InstanceState.BACKWARD_PRE,
-    TrainingState.POST_BACKWARD: InstanceState.BACKWARD_POST,
-}
-
 # Process-wide: observers of the patched FSDP2 internals, and param group -> its module
 _REGISTRY = ObserverRegistry()
 _INSTANCE_OF_GROUP: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_patched = False
+# the key of this module's patches (fsdp_conformance._patching)
+_PATCH_KEY = "fsdp-conformance torch-fsdp2 comm trace"
+_WRITTEN_FOR = "torch " + "/".join(internals.VERIFIED_ON)
+
+
+def _fsdp2_api() -> Any:
+    """``torch.distributed.fsdp`` with FSDP2's public names (torch 2.6 on)."""
+    import torch.distributed.fsdp as api
+
+    internals.require(api, "fully_shard", "FSDPModule", "CPUOffloadPolicy", "MixedPrecisionPolicy")
+    return api
+
+
+def _instance_state(training_state: Any) -> InstanceState:
+    """FSDP2's TrainingState (of FSDPState and FSDPParamGroup) -> canonical instance state."""
+    names = {
+        "IDLE": InstanceState.IDLE,
+        "FORWARD": InstanceState.FORWARD,
+        "PRE_BACKWARD": InstanceState.BACKWARD_PRE,
+        "POST_BACKWARD": InstanceState.BACKWARD_POST,
+    }
+    return names[training_state.name]
 
 
 def _patch_torch_fsdp2() -> None:
-    """Label FSDP2's all-gathers, frees and reductions with their module (torch 2.13.0).
+    """Label FSDP2's all-gathers, frees and reductions with their module.
 
-    Written against torch 2.13.0, `FSDPParamGroup` in `_fully_shard/_fsdp_param_group.py`:
-    `unshard` issues the all-gather unless a result is pending or the group is unsharded;
-    `reshard` frees unless in forward with `reshard_after_forward=False`; `post_backward`
-    reshards and reduce-scatters while the group is still unsharded. Installed once per process;
+    `FSDPParamGroup` (`_fsdp2_internals`): `unshard` issues the all-gather unless a result is
+    pending or the group is unsharded; `reshard` frees unless in forward with
+    `reshard_after_forward=False`; `post_backward` reshards and reduce-scatters while the group
+    is still unsharded. Installed once per process (`patch_attribute`, idempotent per key);
     passes straight through while no observer is registered.
     """
-    global _patched
-    if _patched:
-        return
-    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+    group_class = internals.param_group_class()
+    forward = internals.training_state_enum().FORWARD
 
-    unshard = FSDPParamGroup.unshard
-    reshard = FSDPParamGroup.reshard
-    post_backward = FSDPParamGroup.post_backward
+    def unshard(original):
+        def patched_unshard(self, async_op: bool = False):
+            if (
+                _REGISTRY.active
+                and internals.all_gather_result(self) is None
+                and not self.is_unsharded
+            ):
+                _REGISTRY.emit(Op.ALL_GATHER, _INSTANCE_OF_GROUP.get(self), {})
+            return original(self, async_op)
 
-    def patched_unshard(self, async_op: bool = False):
-        if _REGISTRY.active and self._all_gather_result is None and not self.is_unsharded:
-            _REGISTRY.emit(Op.ALL_GATHER, _INSTANCE_OF_GROUP.get(self), {})
-        return unshard(self, async_op)
+        return patched_unshard
 
-    def patched_reshard(self):
-        keeps_unsharded = (
-            self._training_state == TrainingState.FORWARD and not self._reshard_after_forward
-        )
-        if _REGISTRY.active and self.is_unsharded and not keeps_unsharded:
-            _REGISTRY.emit(Op.FREE, _INSTANCE_OF_GROUP.get(self), {})
-        return reshard(self)
+    def reshard(original):
+        def patched_reshard(self):
+            keeps_unsharded = internals.training_state(
+                self
+            ) == forward and not internals.reshards_after_forward(self)
+            if _REGISTRY.active and self.is_unsharded and not keeps_unsharded:
+                _REGISTRY.emit(Op.FREE, _INSTANCE_OF_GROUP.get(self), {})
+            return original(self)
 
-    def patched_post_backward(self, *unused: Any):
-        if _REGISTRY.active and self.is_unsharded:
-            _REGISTRY.emit(Op.REDUCE_SCATTER, _INSTANCE_OF_GROUP.get(self), {})
-        return post_backward(self, *unused)
+        return patched_reshard
 
-    FSDPParamGroup.unshard = patched_unshard
-    FSDPParamGroup.reshard = patched_reshard
-    FSDPParamGroup.post_backward = patched_post_backward
-    _patched = True
+    def post_backward(original):
+        def patched_post_backward(self, *unused: Any):
+            # a reduction follows only with gradient sync on (set_requires_gradient_sync) and
+            # some gradient to reduce (a frozen group has none)
+            if (
+                _REGISTRY.active
+                and self.is_unsharded
+                and getattr(self, "reduce_grads", True)
+                and internals.has_grads_to_reduce(self)
+            ):
+                _REGISTRY.emit(Op.REDUCE_SCATTER, _INSTANCE_OF_GROUP.get(self), {})
+            return original(self, *unused)
+
+        return patched_post_backward
+
+    for attribute, make in (
+        ("unshard", unshard),
+        ("reshard", reshard),
+        ("post_backward", post_backward),
+    ):
+        patch_attribute(group_class, attribute, make, key=_PATCH_KEY, written_for=_WRITTEN_FOR)
 
 
-# Measured on torch 2.13.0 (CPU, gloo, world size 2); docs/checks.md
+# Measured on torch 2.13.0 (CPU, gloo, world size 2); docs/checks.md; each states the failure it
+# covers (raises / match): any other error in the cell -- an AttributeError of a moved internal
+# included -- is a FAIL
+_MEASURED_ON = "torch 2.13.0"
 FSDP2_DEVIATIONS = (
     Deviation(
         "exec_order.divergent",
         "torch FSDP2 does not compare the execution order across ranks; same-shaped instances "
         "silently exchange each other's all-gathers. Reproduction: fully_shard two Linear(8, 8) "
-        "branches and the root, rank 1 runs the branches in the other order: no error "
-        "(torch 2.13.0)",
+        "branches and the root, rank 1 runs the branches in the other order: no error",
+        match=r"no exception was raised",
+        measured_on=_MEASURED_ON,
     ),
     Deviation(
         "misuse.mixed_devices",
         "torch FSDP2 fully_shard accepts a module with cpu and meta parameters without an error. "
         "Reproduction: fully_shard(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8, "
-        "device='meta'))) -> no error (torch 2.13.0)",
+        "device='meta'))) -> no error",
+        match=r"no exception was raised",
+        measured_on=_MEASURED_ON,
     ),
     Deviation(
         "misuse.forward_inside_summon",
         "torch FSDP2 has no summon_full_params; the torch-fsdp2 adapter emulates it with "
         "unshard()/reshard(), which do not refuse a forward. Reproduction: model.unshard(); "
-        "model(x) -> no error (torch 2.13.0)",
+        "model(x) -> no error",
+        match=r"no exception was raised",
+        measured_on=_MEASURED_ON,
     ),
     Deviation(
         "misuse.summon_during_forward",
         "torch FSDP2 has no summon_full_params; the torch-fsdp2 adapter emulates it with "
         "unshard()/reshard(), which may be called inside forward. Reproduction: a forward hook "
-        "calling root.unshard(); root.reshard() -> no error (torch 2.13.0)",
+        "calling root.unshard(); root.reshard() -> no error",
+        match=r"no exception was raised",
+        measured_on=_MEASURED_ON,
     ),
 )
 
@@ -145,6 +180,10 @@ class TorchFSDP2Adapter(Adapter):
 
     name = "torch-fsdp2"
     known_deviations = FSDP2_DEVIATIONS
+
+    def support_problem(self) -> str | None:
+        """None on a torch in the tested range (docs/compatibility.md), else the one line."""
+        return support_problem(self.name, RANGES["torch-fsdp2"])
 
     def __init__(self) -> None:
         # Instances inside an emulated summon_full_params (their root state reads SUMMON)
@@ -168,6 +207,10 @@ class TorchFSDP2Adapter(Adapter):
                 "unshard()/reshard(), which does not copy changes back to the shards"
             ),
             Feature.ASSERT_STATE: "torch FSDP2 exposes no state assertion",
+            Feature.USE_ORIG_PARAMS: (
+                "torch FSDP2 always registers the original parameters (as DTensors); FSDP1's "
+                "use_orig_params flag has nothing to switch"
+            ),
         }
 
     def _wrap(self, module: nn.Module, process_group: Any, config: dict[str, Any]) -> nn.Module:
@@ -177,6 +220,7 @@ class TorchFSDP2Adapter(Adapter):
             device_type = torch.device(device_id).type if not isinstance(device_id, int) else "cuda"
         else:
             device_type = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+        api = _fsdp2_api()
         kwargs: dict[str, Any] = {"mesh": DeviceMesh.from_group(group, device_type)}
         if config.get("sharding_strategy") == "NO_SHARD" and group.size() > 1:
             kwargs["mesh"] = _replicate_mesh(group, device_type)
@@ -186,10 +230,10 @@ class TorchFSDP2Adapter(Adapter):
             full_shard = config["sharding_strategy"] == "FULL_SHARD"
             kwargs["reshard_after_forward"] = None if full_shard else False
         if config.get("cpu_offload"):
-            kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=accelerator_available())
+            kwargs["offload_policy"] = api.CPUOffloadPolicy(pin_memory=accelerator_available())
         if config.get("mixed_precision") is not None:
             mixed = config["mixed_precision"]
-            kwargs["mp_policy"] = MixedPrecisionPolicy(
+            kwargs["mp_policy"] = api.MixedPrecisionPolicy(
                 param_dtype=mixed.param_dtype, reduce_dtype=mixed.reduce_dtype
             )
         prefetch = (
@@ -203,41 +247,41 @@ class TorchFSDP2Adapter(Adapter):
             # reversed pre-order: every child comes before its parent (inner first)
             for submodule in reversed(list(module.modules())[1:]):
                 if (
-                    not isinstance(submodule, FSDPModule)
+                    not isinstance(submodule, api.FSDPModule)
                     and any(True for _ in submodule.parameters())
                     and predicate(submodule)
                 ):
-                    self._register(fully_shard(submodule, **kwargs), prefetch)
-        return self._register(fully_shard(module, **kwargs), prefetch)
+                    self._register(api.fully_shard(submodule, **kwargs), prefetch)
+        return self._register(api.fully_shard(module, **kwargs), prefetch)
 
     @staticmethod
     def _register(module: nn.Module, prefetch: tuple[bool, Any, bool]) -> nn.Module:
-        for param_group in module._get_fsdp_state()._fsdp_param_groups:
+        for param_group in internals.module_param_groups(module):
             _INSTANCE_OF_GROUP[param_group] = module
         configure_prefetch(module, *prefetch)
         return module
 
     def instances(self, model: nn.Module) -> list[nn.Module]:
-        return [module for module in model.modules() if isinstance(module, FSDPModule)]
+        fsdp_module = _fsdp2_api().FSDPModule
+        return [module for module in model.modules() if isinstance(module, fsdp_module)]
 
     def training_state(self, instance: nn.Module) -> InstanceState:
         if instance in self._summoned:
             return InstanceState.SUMMON_FULL_PARAMS
-        state = instance._get_fsdp_state()
-        groups = state._fsdp_param_groups
-        training_state = groups[0]._training_state if groups else state._training_state
-        return _INSTANCE_STATE[training_state]
+        state = internals.fsdp_state(instance)
+        groups = internals.param_groups(state)
+        return _instance_state(internals.training_state(groups[0] if groups else state))
 
     def root_state(self, instance: nn.Module) -> RootState:
         if instance in self._summoned:
             return RootState.SUMMON_FULL_PARAMS
-        state = instance._get_fsdp_state()
-        if state._training_state == TrainingState.IDLE:
+        state = internals.fsdp_state(instance)
+        if internals.training_state(state) == internals.training_state_enum().IDLE:
             return RootState.IDLE
         return RootState.FORWARD_BACKWARD
 
     def is_unsharded(self, instance: nn.Module) -> bool:
-        groups = instance._get_fsdp_state()._fsdp_param_groups
+        groups = internals.module_param_groups(instance)
         return bool(groups) and all(group.is_unsharded for group in groups)
 
     @contextlib.contextmanager
@@ -270,6 +314,73 @@ class TorchFSDP2Adapter(Adapter):
 
     def _install_device_handle(self, model: nn.Module, handle: Any) -> None:
         install_lagging_device(model, handle)
+
+
+    # ------------------------------------------------------------------ training loops (issue 21)
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module) -> Iterator[None]:
+        """FSDP2's ``set_requires_gradient_sync(False)`` on every instance, restored after."""
+        self.check(Feature.GRADIENT_ACCUMULATION)
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+
+    def clip_grad_norm_(
+        self, model: nn.Module, max_norm: float, norm_type: float = 2.0
+    ) -> torch.Tensor:
+        """``torch.nn.utils.get_total_norm`` over the DTensor gradients, per device mesh (a
+        NO_SHARD instance lives on its own 2-D mesh), ``full_tensor()`` of each partial norm,
+        combined into the global norm; then every local gradient shard is scaled by
+        ``max_norm / (norm + 1e-6)`` (at most 1), as ``torch.nn.utils.clip_grad_norm_`` does."""
+        self.check(Feature.CLIP_GRAD_NORM)
+        from torch.distributed.tensor import DTensor
+
+        by_mesh: dict[Any, list[torch.Tensor]] = {}
+        for param in model.parameters():
+            if param.grad is not None:
+                grad = param.grad
+                mesh = grad.device_mesh if isinstance(grad, DTensor) else None
+                by_mesh.setdefault(mesh, []).append(grad)
+        norms = []
+        for grads in by_mesh.values():
+            norm = torch.nn.utils.get_total_norm(grads, norm_type)
+            norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        if not norms:
+            return torch.zeros(())
+        total = torch.nn.utils.get_total_norm(norms, norm_type)
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for grads in by_mesh.values():
+            for grad in grads:  # the local shard in place (a DTensor op would not write it)
+                local = grad.to_local() if isinstance(grad, DTensor) else grad
+                local.mul_(coefficient.to(local.device, local.dtype))
+        return total
+
+    def save_checkpoint(self, model: nn.Module, optimizer: Any, directory: str) -> None:
+        """``torch.distributed.checkpoint.state_dict`` (DTensor state dicts) + ``dcp.save``."""
+        self.check(Feature.CHECKPOINT_RESUME)
+        from . import _dcp
+
+        _dcp.save(model, optimizer, directory, _model_group(model))
+
+    def load_checkpoint(self, model: nn.Module, optimizer: Any, directory: str) -> None:
+        self.check(Feature.CHECKPOINT_RESUME)
+        from . import _dcp
+
+        _dcp.load(model, optimizer, directory, _model_group(model))
+
+
+def _model_group(model: nn.Module) -> Any:
+    """The process group a FSDP2 model spans (its root mesh's; HSDP: the replicate group)."""
+    mesh = model._get_fsdp_state()._fsdp_param_groups[0].mesh_info.mesh if (
+        model._get_fsdp_state()._fsdp_param_groups
+    ) else None
+    if mesh is None:
+        from torch.distributed.tensor import DTensor
+
+        mesh = next(p.device_mesh for p in model.parameters() if isinstance(p, DTensor))
+    return mesh.get_group(0)
 
 
 # (process group, device type) -> its NO_SHARD mesh, rebuilt when its groups were destroyed

@@ -1,7 +1,7 @@
 """One instance's flat parameter: flatten, pad, shard; unsharded buffer and views.
 
-The optimizer sees ``flat_param``: this rank's fp32 shard of the padded, flattened
-original parameters. Compute uses ``unsharded``: a leaf tensor whose storage is the
+The optimizer sees ``flat_param``: this rank's shard (in the original dtype) of the padded,
+flattened original parameters. Compute uses ``unsharded``: a leaf tensor whose storage is the
 padded unsharded buffer ``full_padded`` (all-gathered in ``param_dtype``). The original
 parameters are removed from their modules and replaced by plain-tensor views of
 ``unsharded``, so autograd accumulates their gradients into ``unsharded.grad``.
@@ -269,7 +269,8 @@ class FlatParamHandle:
 
         Inside ``summon_full_params`` this makes ``named_parameters()`` list the original
         names and full shapes (a tied parameter is one object under each of its names), and
-        in-place updates of those parameters write into ``flat``. ``restore_views`` undoes it.
+        in-place updates of those parameters write into ``flat``. ``unregister_params`` undoes
+        it (the caller puts the saved attributes back).
         """
         views = [
             t.view(shape)

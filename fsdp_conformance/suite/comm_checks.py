@@ -267,15 +267,18 @@ class BasePrefetchOrderTests:
     (one event per line, labels = module paths in the unwrapped model) with the golden of the
     adapter (``check_golden``): the goldens are implementation-specific (the exact interleaving
     of all-gathers, frees, reductions and compute), shipped for ``impl`` and ``torch-fsdp1``
-    (torch 2.13.0) as data files (``prefetch_goldens.py`` reads and accepts them); other
+    (recorded on torch 2.13; compared on other releases with the nearest recorded one) as data
+    files (``prefetch_goldens.py`` reads and accepts them); other
     adapters skip it -- override ``check_golden`` in a subclass with your own goldens.
     """
 
-    def check_golden(self, adapter_name: str, case: str, rendered: str) -> None:
-        """Compare ``rendered`` with the golden of ``adapter_name`` / ``case`` (or skip)."""
+    def check_golden(self, adapter_name: str, case: str, rendered: str) -> str | None:
+        """Compare ``rendered`` with the golden of ``adapter_name`` / ``case`` (or skip); the
+        torch adapters' goldens travel to other torch releases ([Note: goldens that travel] in
+        ``prefetch_goldens.py``): returns "recorded on torch X, matches on torch Y" then."""
         from . import prefetch_goldens
 
-        prefetch_goldens.check_golden(adapter_name, case, rendered)
+        return prefetch_goldens.check_golden(adapter_name, case, rendered)
 
     @pytest.mark.world_size(2)
     @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from conftest import runtime_files, write_test
-from fsdp_conformance.world import (
+from fsdp_conformance.testing import (
     DummyProcessGroup,
     FSDPInitMode,
     FSDPTest,

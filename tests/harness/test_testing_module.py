@@ -23,12 +23,12 @@ NAMES = (
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_old_import_paths_resolve_to_the_new_home(name):
+def test_the_helpers_live_in_testing_not_in_world(name):
     new = getattr(testing, name)
-    assert getattr(importlib.import_module("fsdp_conformance.world.fsdp_test"), name) is new
-    assert getattr(importlib.import_module("fsdp_conformance.world"), name) is new
     if name in fsdp_conformance.__all__:
         assert getattr(fsdp_conformance, name) is new
+    world = importlib.import_module("fsdp_conformance.world")
+    assert name not in world.__all__ and not hasattr(world, name)  # world knows no FSDP
 
 
 def test_fsdp_test_is_the_rank_test_case():

@@ -181,6 +181,109 @@ def test_pyproject_ships_the_goldens_and_the_cli_package():
     patterns = setuptools["package-data"]["fsdp_conformance.suite"]
     suite = PACKAGE / "suite"
     files = [path.relative_to(suite) for path in (suite / "goldens").rglob("*") if path.is_file()]
-    assert len(files) == 36  # 12 cases each for impl, torch-fsdp1, torch-fsdp2
+    # 12 cases each for impl, torch-fsdp1, torch-fsdp2 (+ goldens recorded on other torches)
+    assert len([path for path in files if len(path.parts) == 3]) == 36, files
     assert all(any(path.match(pattern) for pattern in patterns) for path in files), patterns
     assert "fsdp_conformance.cli" in setuptools["packages"]
+
+
+# ---------------------------------------------------------------- goldens that travel (issue 18)
+def _as_torch(monkeypatch, version):
+    monkeypatch.setattr(prefetch_goldens.torch, "__version__", version)
+
+
+def test_nearest_version_prefers_the_closest_then_the_older():
+    nearest = prefetch_goldens.nearest_version
+    assert nearest(["2.13"], "2.15") == "2.13"
+    assert nearest(["2.8", "2.13", "2.15"], "2.14") == "2.13"
+    assert nearest(["2.8", "2.13"], "2.9") == "2.8"
+    assert nearest(["2.13", "2.15"], "2.15") == "2.15"
+    assert nearest([], "2.15") is None
+
+
+@pytest.mark.parametrize("adapter", ["torch-fsdp1", "torch-fsdp2"])
+def test_on_another_torch_a_matching_trace_passes_and_says_where_it_was_recorded(
+    not_accepting, monkeypatch, adapter
+):
+    golden = prefetch_goldens.read_golden(adapter, CASE, "2.13")
+    _as_torch(monkeypatch, "2.99.1+cu999")
+    assert prefetch_goldens.read_golden(adapter, CASE) == golden  # the nearest: 2.13
+    note = prefetch_goldens.check_golden(adapter, CASE, golden)
+    assert note == "recorded on torch 2.13, matches on torch 2.99.1+cu999"
+
+
+def test_on_another_torch_a_difference_fails_with_the_diff_never_skips(not_accepting, monkeypatch):
+    golden = prefetch_goldens.read_golden("torch-fsdp2", CASE, "2.13")
+    changed = golden.replace("FORWARD", "IDLE", 1)
+    _as_torch(monkeypatch, "2.99.0")
+    with pytest.raises(AssertionError) as failure:
+        prefetch_goldens.check_golden("torch-fsdp2", CASE, changed)
+    message = str(failure.value)
+    assert "recorded on torch 2.13 (no golden for torch 2.99 yet): a difference to review" in (
+        message
+    )
+    assert "accepting records a golden for torch 2.99" in message
+    assert "--- golden torch-fsdp2/" in message and "(torch 2.13)" in message
+    assert "+" in message and "IDLE" in message
+
+
+def test_on_the_recorded_torch_there_is_no_travel_note(not_accepting, monkeypatch):
+    golden = prefetch_goldens.read_golden("torch-fsdp1", CASE, "2.13")
+    _as_torch(monkeypatch, "2.13.0+cpu")
+    assert prefetch_goldens.check_golden("torch-fsdp1", CASE, golden) is None
+
+
+def test_accepting_on_another_torch_records_a_golden_for_it(tmp_path, monkeypatch):
+    suite = tmp_path / "checkout" / "fsdp_conformance" / "suite"
+    _as_torch(monkeypatch, "2.15.0+cu132")
+    written = prefetch_goldens.accept_golden("torch-fsdp2", CASE, "new\n", package_dir=suite)
+    assert written == suite.resolve() / "goldens" / "torch-fsdp2" / "torch-2.15" / f"{CASE}.txt"
+    _as_torch(monkeypatch, "2.13.0")
+    base = prefetch_goldens.accept_golden("torch-fsdp2", CASE, "base\n", package_dir=suite)
+    assert base == suite.resolve() / "goldens" / "torch-fsdp2" / f"{CASE}.txt"
+    # impl's goldens do not depend on torch: one golden whatever runs
+    _as_torch(monkeypatch, "2.15.0")
+    impl = prefetch_goldens.accept_golden("impl", CASE, "x\n", package_dir=suite)
+    assert impl == suite.resolve() / "goldens" / "impl" / f"{CASE}.txt"
+
+
+def test_a_golden_recorded_on_the_running_torch_wins_over_the_base(tmp_path, monkeypatch):
+    copy = _copy_package(tmp_path / "checkout")
+    folder = copy / "suite" / "goldens" / "torch-fsdp1" / "torch-2.15"
+    folder.mkdir()
+    (folder / f"{CASE}.txt").write_text("recorded on 2.15\n")
+    script = textwrap.dedent(
+        """
+        import sys
+        sys.path.insert(0, sys.argv[1])
+        from fsdp_conformance.suite import prefetch_goldens
+        prefetch_goldens.torch.__version__ = "2.15.0"
+        print(prefetch_goldens.recorded_versions("torch-fsdp1", sys.argv[2]))
+        print(prefetch_goldens.check_golden("torch-fsdp1", sys.argv[2], "recorded on 2.15\\n"))
+        prefetch_goldens.torch.__version__ = "2.16.0"
+        print(prefetch_goldens.check_golden("torch-fsdp1", sys.argv[2], "recorded on 2.15\\n"))
+        prefetch_goldens.torch.__version__ = "2.14.1"  # 2.13 and 2.15 as near: the older
+        try:
+            prefetch_goldens.check_golden("torch-fsdp1", sys.argv[2], "recorded on 2.15\\n")
+        except AssertionError as error:
+            print(str(error).splitlines()[0].split("golden ", 1)[1])
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k not in prefetch_goldens.ACCEPT_ENV_VARS}
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "checkout"), CASE],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=True,
+    )
+    assert result.stdout.splitlines() == [
+        "['2.13', '2.15']",
+        "None",
+        "recorded on torch 2.15, matches on torch 2.16.0",
+        "recorded on torch 2.13 (no golden for torch 2.14 yet): a difference to review on torch "
+        "2.14.1; if torch 2.14's order is right, accepting records a golden for torch 2.14 (if "
+        "the change is intended, rerun with --fsdp-accept-goldens (or EXPECTTEST_ACCEPT=1) in one "
+        "process (-p no:xdist)):",
+    ], result.stdout
