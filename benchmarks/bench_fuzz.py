@@ -53,7 +53,9 @@ def harness_cost_in_rank(dist, out_file: str, rounds: int) -> None:
 
 def _run(function: str, module: str, kwargs: dict, impl: str, world_size: int) -> None:
     runtime = Runtime(
-        RuntimeOptions(mode="process", timeout=3600, world_size=world_size, impl=impl, backend="gloo")
+        RuntimeOptions(
+            mode="process", timeout=3600, world_size=world_size, impl=impl, backend="gloo"
+        )
     )
     request = TestRequest(
         target=TestTarget(module, None, (), function),

@@ -213,7 +213,9 @@ def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
         "--examples", type=int, default=DEFAULT_EXAMPLES, metavar="N",
         help=f"generated cases to run, refused ones not counted (default {DEFAULT_EXAMPLES})",
     )  # fmt: skip
-    fuzz.add_argument("--seed", type=int, default=0, metavar="S", help="hypothesis seed (default 0)")
+    fuzz.add_argument(
+        "--seed", type=int, default=0, metavar="S", help="hypothesis seed (default 0)"
+    )
     fuzz.add_argument("--world-size", type=int, default=2, metavar="W", help="ranks (default 2)")
     fuzz.add_argument(
         "--max-seconds", type=float, default=None, metavar="T",

@@ -6,7 +6,7 @@ FSDP vs DDP, shrunk to a runnable reproduction (docs/fuzz.md).
 Inside your own multi-rank test (``dist`` fixture)::
 
     from fsdp_conformance.fuzz import fuzz
-    result = fuzz(adapter, dist, examples=50, seed=0)      # FuzzResult on rank 0, None elsewhere
+    result = fuzz(adapter, dist, examples=50, seed=0)      # the FuzzResult, on every rank
 
 The case types (``FuzzCase`` ...) are plain frozen dataclasses (``fsdp_conformance.fuzz.spec``);
 the strategies need hypothesis (the ``test`` extra) and are imported only when used.

@@ -112,7 +112,9 @@ def fuzz(
     # against each other; measured 6.5x faster per case on the 2-CPU VM under load)
     torch.set_num_threads(1)
     try:
-        return _fuzz(adapter, dist, examples, seed, max_seconds, progress_file, max_steps, max_nodes)
+        return _fuzz(
+            adapter, dist, examples, seed, max_seconds, progress_file, max_steps, max_nodes
+        )
     finally:
         torch.set_num_threads(threads)
 

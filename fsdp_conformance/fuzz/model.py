@@ -56,7 +56,9 @@ def unpack(output: Any) -> torch.Tensor:
     raise TypeError(f"unexpected node output {type(output).__name__}")
 
 
-def call(node: nn.Module, spec: Any, h: torch.Tensor, tokens: torch.Tensor, it: int) -> torch.Tensor:
+def call(
+    node: nn.Module, spec: Any, h: torch.Tensor, tokens: torch.Tensor, it: int
+) -> torch.Tensor:
     """Call a child node (through activation checkpointing when its spec says so)."""
     if spec.checkpoint and torch.is_grad_enabled():
         output = checkpoint(node, h, tokens, it, use_reentrant=False)

@@ -47,7 +47,9 @@ if __name__ == "__main__":
 '''
 
 
-def repro_source(case: FuzzCase, impl: str, world_size: int, seed: int, message: str, name: str = "repro.py") -> str:
+def repro_source(
+    case: FuzzCase, impl: str, world_size: int, seed: int, message: str, name: str = "repro.py"
+) -> str:
     """The text of a standalone reproduction of ``case``."""
     return _TEMPLATE.format(
         impl=impl,
@@ -60,7 +62,9 @@ def repro_source(case: FuzzCase, impl: str, world_size: int, seed: int, message:
     )
 
 
-def write_repro(path: str, case: FuzzCase, impl: str, world_size: int, seed: int, message: str) -> None:
+def write_repro(
+    path: str, case: FuzzCase, impl: str, world_size: int, seed: int, message: str
+) -> None:
     """Write ``repro_source`` to ``path``."""
     with open(path, "w", encoding="utf-8") as stream:
         stream.write(repro_source(case, impl, world_size, seed, message, os.path.basename(path)))
@@ -147,7 +151,9 @@ def run_in_ranks(case: FuzzCase, impl: str, world_size: int, timeout: float = 60
     workdir = tempfile.mkdtemp(prefix="fsdp-fuzz-repro-")
     out_file = os.path.join(workdir, "outcome.json")
     runtime = Runtime(
-        RuntimeOptions(mode="process", timeout=timeout, world_size=world_size, impl=impl, backend="gloo")
+        RuntimeOptions(
+            mode="process", timeout=timeout, world_size=world_size, impl=impl, backend="gloo"
+        )
     )
     request = TestRequest(
         target=TestTarget("fsdp_conformance.fuzz.repro", None, (), "repro_in_rank"),
@@ -175,9 +181,13 @@ def run_in_ranks(case: FuzzCase, impl: str, world_size: int, timeout: float = 60
 
 def main(case: FuzzCase, impl: str, world_size: int, argv: list[str] | None = None) -> int:
     """A reproduction script's entry point: 1 while ``case`` fails on ``impl``, 0 otherwise."""
-    parser = argparse.ArgumentParser(description="Run a reproduction written by fsdp-conformance fuzz.")
+    parser = argparse.ArgumentParser(
+        description="Run a reproduction written by fsdp-conformance fuzz."
+    )
     parser.add_argument("--impl", default=impl, help=f"the adapter (default {impl!r})")
-    parser.add_argument("--world-size", type=int, default=world_size, help=f"ranks (default {world_size})")
+    parser.add_argument(
+        "--world-size", type=int, default=world_size, help=f"ranks (default {world_size})"
+    )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds before a hang fails")
     args = parser.parse_args(argv)
     if args.world_size < 1:

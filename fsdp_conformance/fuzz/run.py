@@ -251,7 +251,10 @@ def first_difference(case: FuzzCase, actual: Trace, expected: Trace, world_size:
         value = actual.params[name].detach().float().cpu()
         reference = reference.detach().float().cpu()
         if value.shape != reference.shape:
-            return f"parameter {name!r}: shape {tuple(value.shape)} != DDP's {tuple(reference.shape)}"
+            return (
+                f"parameter {name!r}: shape {tuple(value.shape)} != DDP's "
+                f"{tuple(reference.shape)}"
+            )
         if not _close(value, reference, atol, rtol):
             worst = (value - reference).abs().flatten().argmax().item()
             return (
@@ -373,6 +376,8 @@ def combine(outcomes: list[Outcome]) -> Outcome:
         return Outcome(FAIL, f"rank {rank} of {len(outcomes)}{also}: {outcome.message}")
     kinds = {o.kind for o in outcomes}
     if len(kinds) > 1:
-        detail = "; ".join(f"rank {r}: {o.kind} {o.message}".strip() for r, o in enumerate(outcomes))
+        detail = "; ".join(
+            f"rank {r}: {o.kind} {o.message}".strip() for r, o in enumerate(outcomes)
+        )
         return Outcome(FAIL, f"the ranks disagree about this case: {detail}")
     return outcomes[0]

@@ -147,7 +147,10 @@ class FuzzCase:
         return (
             sum(1 for _ in iter_nodes(self.model.body))
             + len(self.plan)
-            + sum(len(step.micro) + (step.clip is not None) + step.eval for step in self.program.steps)
+            + sum(
+                len(step.micro) + (step.clip is not None) + step.eval
+                for step in self.program.steps
+            )
         )
 
 
@@ -235,7 +238,10 @@ def _block_text(block: Block) -> str:
     elif kind == "embed":
         text = f"h + Embedding({block.vocab}, {block.width_in})(tokens % {block.vocab})"
     elif kind == "twice":
-        text = f"h + lin(tanh(lin(h))), lin = Linear({block.width_in}, {block.width_in})  # called twice"
+        text = (
+            f"h + lin(tanh(lin(h))), lin = Linear({block.width_in}, {block.width_in})"
+            "  # called twice"
+        )
     else:
         text = (
             f"h + Linear({block.width_in}, {block.width_in})(h) if it % {block.period} == 0 "

@@ -74,7 +74,10 @@ def _config_options(caps: Capabilities) -> list[tuple[str, tuple[Any, ...]]]:
         allowed = tuple(
             value
             for value in values
-            if all(feature in caps.supported for feature in features_for(normalize_config({key: value})))
+            if all(
+                feature in caps.supported
+                for feature in features_for(normalize_config({key: value}))
+            )
             and (key, value) not in refused
         )
         if allowed:
@@ -149,7 +152,11 @@ def cases(caps: Capabilities, max_steps: int = MAX_STEPS, max_nodes: int = MAX_N
         )
         paths = node_paths(body)
         candidates = [path for path, _ in paths]
-        candidates += [f"{path}.lin" for path, node in paths if isinstance(node, Block) and node.kind == "twice"]
+        candidates += [
+            f"{path}.lin"
+            for path, node in paths
+            if isinstance(node, Block) and node.kind == "twice"
+        ]
         candidates.append("head")
         plan = {path for path in candidates if draw(st.integers(0, 2)) == 2}
         plan = _legal_plan(plan, paths, frozen_needs_instance=not mixed_ok)
@@ -176,7 +183,9 @@ def cases(caps: Capabilities, max_steps: int = MAX_STEPS, max_nodes: int = MAX_N
     return case()
 
 
-def _legal_plan(plan: set[str], paths: list[tuple[str, Any]], frozen_needs_instance: bool) -> set[str]:
+def _legal_plan(
+    plan: set[str], paths: list[tuple[str, Any]], frozen_needs_instance: bool
+) -> set[str]:
     """``plan`` without wraps that would split a weight tie; with every frozen block wrapped on
     its own when the adapter cannot mix frozen and trainable parameters in one instance."""
     ties: dict[int, list[str]] = {}

@@ -101,7 +101,8 @@ def _output_tensors(output: Any) -> list[torch.Tensor]:
         if isinstance(leaf, torch.Tensor):
             found.append(leaf)
         elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
-            found += _output_tensors([getattr(leaf, field.name) for field in dataclasses.fields(leaf)])
+            fields = [getattr(leaf, field.name) for field in dataclasses.fields(leaf)]
+            found += _output_tensors(fields)
     return found
 
 

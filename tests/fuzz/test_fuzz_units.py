@@ -85,13 +85,17 @@ def test_only_declared_features_are_drawn(case: FuzzCase):
 
 def test_repro_source_rebuilds_the_case():
     case = FuzzCase(
-        ModelSpec(4, Seq((Block("linear", 4, 1, frozen=True), Seq((Block("act", 1, 1, output="dict"),))))),
+        ModelSpec(
+            4,
+            Seq((Block("linear", 4, 1, frozen=True), Seq((Block("act", 1, 1, output="dict"),)))),
+        ),
         plan=("body.nodes.0",),
         config=(("sharding_strategy", "NO_SHARD"),),
         program=Program((Step((False, True), 0.05, True), Step())),
     )
     namespace: dict = {}
-    exec(compile(repro_source(case, "impl", 2, 0, "boom"), "repro.py", "exec"), namespace)  # noqa: S102
+    source = repro_source(case, "impl", 2, 0, "boom")
+    exec(compile(source, "repro.py", "exec"), namespace)  # noqa: S102
     assert namespace["CASE"] == case and namespace["IMPL"] == "impl"
 
 
