@@ -52,9 +52,9 @@ def test_pyargs_run_with_module_attr_adapter(pytester: pytest.Pytester) -> None:
     )  # fmt: skip
     outcomes = result.parseoutcomes()
     assert outcomes.get("failed", 0) == 0 and outcomes.get("errors", 0) == 0, result.stdout.str()
-    # summon without writeback and the state dict round trip run; the rest needs features
-    # my-fsdp does not claim
-    assert outcomes.get("passed") == 2, outcomes
+    # summon without writeback, the state dict round trip through the adapter and the default
+    # state_dict() check run; the rest needs features my-fsdp does not claim
+    assert outcomes.get("passed") == 3, outcomes
     result.stdout.fnmatch_lines([SKIP_REASON])
 
 
@@ -63,5 +63,6 @@ def test_subclassing_module(pytester: pytest.Pytester) -> None:
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-rs", "test_my_fsdp.py")
     outcomes = result.parseoutcomes()
     assert outcomes.get("failed", 0) == 0 and outcomes.get("errors", 0) == 0, result.stdout.str()
-    assert outcomes.get("passed") == 4, outcomes  # summon and state dict, two models each
+    # summon, the state dict round trip and the default state_dict() check, two models each
+    assert outcomes.get("passed") == 6, outcomes
     result.stdout.fnmatch_lines([SKIP_REASON])
