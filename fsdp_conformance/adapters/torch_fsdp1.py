@@ -223,7 +223,7 @@ class TorchFSDP1Adapter(Adapter):
         if "backward_prefetch" in config:
             prefetch = config["backward_prefetch"]
             kwargs["backward_prefetch"] = None if prefetch is None else BackwardPrefetch[prefetch]
-        for key in ("forward_prefetch", "limit_all_gathers", "sync_module_states"):
+        for key in ("forward_prefetch", "limit_all_gathers", "sync_module_states", "use_orig_params"):
             if key in config:
                 kwargs[key] = config[key]
         if "cpu_offload" in config:
@@ -295,6 +295,21 @@ class TorchFSDP1Adapter(Adapter):
         require_before_first_forward(self.name, model, instances)
         for instance in instances:
             internals.set_device_handle(instance, handle)
+
+
+    # ------------------------------------------------------------------ training loops (issue 21)
+    # no_sync() and clip_grad_norm_() are FSDP1's own methods on the root (the Adapter defaults)
+    def save_checkpoint(self, model: nn.Module, optimizer: Any, directory: str) -> None:
+        """FSDP1's sharded state dict (``SHARDED_STATE_DICT``) and ``FSDP.optim_state_dict``,
+        written with torch.distributed.checkpoint (``_dcp.py``)."""
+        from . import _dcp
+
+        _dcp.save(model, optimizer, directory, model.process_group)
+
+    def load_checkpoint(self, model: nn.Module, optimizer: Any, directory: str) -> None:
+        from . import _dcp
+
+        _dcp.load(model, optimizer, directory, model.process_group)
 
 
 def _fsdp1_policy(policy: Any):

@@ -114,7 +114,14 @@ def _patch_torch_fsdp2() -> None:
 
     def post_backward(original):
         def patched_post_backward(self, *unused: Any):
-            if _REGISTRY.active and self.is_unsharded:
+            # a reduction follows only with gradient sync on (set_requires_gradient_sync) and
+            # some gradient to reduce (a frozen group has none)
+            if (
+                _REGISTRY.active
+                and self.is_unsharded
+                and getattr(self, "reduce_grads", True)
+                and internals.has_grads_to_reduce(self)
+            ):
                 _REGISTRY.emit(Op.REDUCE_SCATTER, _INSTANCE_OF_GROUP.get(self), {})
             return original(self, *unused)
 
@@ -200,6 +207,10 @@ class TorchFSDP2Adapter(Adapter):
                 "unshard()/reshard(), which does not copy changes back to the shards"
             ),
             Feature.ASSERT_STATE: "torch FSDP2 exposes no state assertion",
+            Feature.USE_ORIG_PARAMS: (
+                "torch FSDP2 always registers the original parameters (as DTensors); FSDP1's "
+                "use_orig_params flag has nothing to switch"
+            ),
         }
 
     def _wrap(self, module: nn.Module, process_group: Any, config: dict[str, Any]) -> nn.Module:
@@ -303,6 +314,73 @@ class TorchFSDP2Adapter(Adapter):
 
     def _install_device_handle(self, model: nn.Module, handle: Any) -> None:
         install_lagging_device(model, handle)
+
+
+    # ------------------------------------------------------------------ training loops (issue 21)
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module) -> Iterator[None]:
+        """FSDP2's ``set_requires_gradient_sync(False)`` on every instance, restored after."""
+        self.check(Feature.GRADIENT_ACCUMULATION)
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+
+    def clip_grad_norm_(
+        self, model: nn.Module, max_norm: float, norm_type: float = 2.0
+    ) -> torch.Tensor:
+        """``torch.nn.utils.get_total_norm`` over the DTensor gradients, per device mesh (a
+        NO_SHARD instance lives on its own 2-D mesh), ``full_tensor()`` of each partial norm,
+        combined into the global norm; then every local gradient shard is scaled by
+        ``max_norm / (norm + 1e-6)`` (at most 1), as ``torch.nn.utils.clip_grad_norm_`` does."""
+        self.check(Feature.CLIP_GRAD_NORM)
+        from torch.distributed.tensor import DTensor
+
+        by_mesh: dict[Any, list[torch.Tensor]] = {}
+        for param in model.parameters():
+            if param.grad is not None:
+                grad = param.grad
+                mesh = grad.device_mesh if isinstance(grad, DTensor) else None
+                by_mesh.setdefault(mesh, []).append(grad)
+        norms = []
+        for grads in by_mesh.values():
+            norm = torch.nn.utils.get_total_norm(grads, norm_type)
+            norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        if not norms:
+            return torch.zeros(())
+        total = torch.nn.utils.get_total_norm(norms, norm_type)
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for grads in by_mesh.values():
+            for grad in grads:  # the local shard in place (a DTensor op would not write it)
+                local = grad.to_local() if isinstance(grad, DTensor) else grad
+                local.mul_(coefficient.to(local.device, local.dtype))
+        return total
+
+    def save_checkpoint(self, model: nn.Module, optimizer: Any, directory: str) -> None:
+        """``torch.distributed.checkpoint.state_dict`` (DTensor state dicts) + ``dcp.save``."""
+        self.check(Feature.CHECKPOINT_RESUME)
+        from . import _dcp
+
+        _dcp.save(model, optimizer, directory, _model_group(model))
+
+    def load_checkpoint(self, model: nn.Module, optimizer: Any, directory: str) -> None:
+        self.check(Feature.CHECKPOINT_RESUME)
+        from . import _dcp
+
+        _dcp.load(model, optimizer, directory, _model_group(model))
+
+
+def _model_group(model: nn.Module) -> Any:
+    """The process group a FSDP2 model spans (its root mesh's; HSDP: the replicate group)."""
+    mesh = model._get_fsdp_state()._fsdp_param_groups[0].mesh_info.mesh if (
+        model._get_fsdp_state()._fsdp_param_groups
+    ) else None
+    if mesh is None:
+        from torch.distributed.tensor import DTensor
+
+        mesh = next(p.device_mesh for p in model.parameters() if isinstance(p, DTensor))
+    return mesh.get_group(0)
 
 
 # (process group, device type) -> its NO_SHARD mesh, rebuilt when its groups were destroyed
