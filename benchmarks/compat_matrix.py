@@ -141,8 +141,9 @@ Tested releases: torch 2.8.0, 2.13.0, 2.14.1, 2.15.0. torch-fsdp2 starts at 2.13
 release tested whose `fully_shard` the adapter drives correctly on CPU. On 2.8.0 the adapter
 does drive it (2.8 keeps one parameter group per state, `_fsdp_param_group`, 2.13 on a list,
 `_fsdp_param_groups`: both are detected; the 233 AttributeErrors of issue 18 are gone), but
-FSDP2 2.8 itself reduces fp32 gradients with `ReduceOp.AVG`, which gloo sums: every parity
-check with DDP fails by a factor of the world size (losses e.g. FSDP -3.86 vs DDP -1.53 at step
+FSDP2 2.8 itself takes twice DDP's gradient steps at world size 2 on CPU (consistent with its
+fp32 reduce-scatter using `ReduceOp.AVG`, which gloo appears to sum): every parity
+check with DDP fails (losses e.g. FSDP -3.86 vs DDP -1.53 at step
 2), and a one-rank mesh fails with "Could not resolve the process group registered under the
 name 1". That run (old range, before the skip) is kept below as the reason; with the declared
 range every torch-fsdp2 cell on 2.8 skips with the version line. Releases 2.9 to 2.12 were

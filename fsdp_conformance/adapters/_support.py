@@ -118,7 +118,8 @@ TORCH_RANGE = SupportRange("torch", "2.8.0", "2.16", TESTED_TORCH)
 FAIRSCALE_RANGE = SupportRange("fairscale", "0.4.13", "0.4.14", ("0.4.13",))
 # adapter name -> its declared ranges
 # torch-fsdp2 from 2.13.0: on torch 2.8.0 the adapter drives fully_shard (its internals are
-# detected), but FSDP2 2.8 reduces fp32 gradients with ReduceOp.AVG, which gloo sums -- training
+# detected), but FSDP2 2.8 takes twice DDP's gradient steps on gloo at world size 2 (its fp32
+# reduce-scatter uses ReduceOp.AVG, which gloo appears to sum) -- training
 # diverges from DDP by a factor of the world size on CPU -- and a one-rank mesh fails ("Could not
 # resolve the process group registered under the name 1"); measured, docs/compatibility.md
 FSDP2_TORCH_RANGE = SupportRange("torch", "2.13.0", "2.16", ("2.13.0", "2.14.1", "2.15.0"))
