@@ -101,14 +101,13 @@ class SupportRange:
 
 
 def support_problem(adapter_name: str, ranges: tuple[SupportRange, ...]) -> str | None:
-    """The one line for ``Adapter.support_problem()``: the first range the install misses."""
+    """The one line for ``Adapter.support_problem()``: the first range the install misses
+    (``adapter_name`` is kept for callers; the suite names the adapter itself)."""
     for supported in ranges:
         problem = supported.problem(installed_version(supported.library))
         if problem is not None:
-            return (
-                f"adapter {adapter_name!r} does not support this installation: {problem} "
-                "(docs/compatibility.md)"
-            )
+            # the suite prefixes "adapter '<name>': " (suite/verdict.py)
+            return f"{problem}; docs/compatibility.md"
     return None
 
 
