@@ -145,9 +145,10 @@ FSDP2 2.8 itself takes twice DDP's gradient steps at world size 2 on CPU (consis
 fp32 reduce-scatter using `ReduceOp.AVG`, which gloo appears to sum): every parity
 check with DDP fails (losses e.g. FSDP -3.86 vs DDP -1.53 at step
 2), and a one-rank mesh fails with "Could not resolve the process group registered under the
-name 1". That run (old range, before the skip) is kept below as the reason; with the declared
-range every torch-fsdp2 cell on 2.8 skips with the version line. Releases 2.9 to 2.12 were
-not run.
+name 1". That run, before the range was declared (2026-11-23, -n 2, 2195 s): exit 1, 137 pass,
+90 fail (86 `test_matches_ddp`, 4 `test_mixed_precision_matches_fp32_ddp`), 4 xfail, 12 skip.
+With the declared range every torch-fsdp2 cell on 2.8 skips with the version line (the table).
+Releases 2.9 to 2.12 were not run.
 
 The ranges live in `fsdp_conformance/adapters/_support.py` (`Adapter.support_problem()`); on a
 torch outside its range every cell of that adapter skips with one line naming the installed
