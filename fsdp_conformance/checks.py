@@ -243,6 +243,12 @@ _CHECKS: tuple[Check, ...] = (
         case="suite.loops.ResumeCase",
     ),
     # ---------------------------------------------------------------- (issue 19)
+    Check(
+        "parity.default_state_dict",
+        "the wrapped module's default state_dict() / load_state_dict() round trip",
+        ("BaseStateDictTests.test_default_state_dict_round_trip",),
+        case="zoo model name",
+    ),
     # ---------------------------------------------------------------- (issue 20: fuzz.*)
     Check(
         "fuzz.generated",

@@ -19,7 +19,7 @@ DEFAULT_TIMEOUT_S = 120.0
 
 # The adapters known by name (``--fsdp-impl``, ``--impl``); ``adapters/registry.py`` maps each
 # to its class
-BUILTIN_ADAPTERS = ("impl", "torch-fsdp1", "torch-fsdp2", "fairscale")
+BUILTIN_ADAPTERS = ("impl", "torch-fsdp1", "torch-fsdp2", "fairscale", "deepspeed")
 
 # How much of a suite check's config product runs (``--fsdp-coverage``); the suite's configs
 # module implements them

@@ -1,7 +1,7 @@
 """`get_adapter(name)`: resolve an adapter by name, inside whichever process asks.
 
 Adapters are never pickled: every rank calls `get_adapter` with the same string.
-Names: "impl", "torch-fsdp1", "torch-fsdp2", "fairscale", or "pkg.module:ATTR" where ATTR is an `Adapter`
+Names: "impl", "torch-fsdp1", "torch-fsdp2", "fairscale", "deepspeed", or "pkg.module:ATTR" where ATTR is an `Adapter`
 instance, an `Adapter` subclass, or a zero-argument factory returning one.
 """
 
@@ -22,6 +22,7 @@ _BUILTIN: dict[str, tuple[str, str]] = {
     "torch-fsdp1": ("fsdp_conformance.adapters.torch_fsdp1", "TorchFSDP1Adapter"),
     "torch-fsdp2": ("fsdp_conformance.adapters.torch_fsdp2", "TorchFSDP2Adapter"),
     "fairscale": ("fsdp_conformance.adapters.fairscale", "FairscaleAdapter"),
+    "deepspeed": ("fsdp_conformance.adapters.deepspeed", "DeepSpeedAdapter"),
 }
 BUILTIN_ADAPTERS = vocab.BUILTIN_ADAPTERS
 
@@ -38,7 +39,8 @@ class AdapterImportError(ImportError):
 
 
 def get_adapter(name: str) -> Adapter:
-    """The adapter called `name` ("impl", "torch-fsdp1", "torch-fsdp2", "fairscale" or "pkg.module:ATTR").
+    """The adapter called `name` ("impl", "torch-fsdp1", "torch-fsdp2", "fairscale", "deepspeed"
+    or "pkg.module:ATTR").
 
     Re-entrant: an adapter module or factory may itself call ``get_adapter`` (to wrap a
     built-in adapter). Threads resolving the same name at once may both build it; the first

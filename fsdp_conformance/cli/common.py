@@ -230,7 +230,7 @@ def _add_common(parser: argparse.ArgumentParser, world_size_help: str) -> None:
         default="impl",
         metavar="NAME",
         help="FSDP under test: impl (the reference FSDP, default), torch-fsdp1, torch-fsdp2, "
-        "fairscale or "
+        "fairscale, deepspeed or "
         "pkg.module:ATTR (an Adapter instance, subclass or factory; the current directory and "
         "PYTHONPATH are searched)",
     )

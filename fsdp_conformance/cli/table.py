@@ -32,12 +32,16 @@ import tempfile
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from fsdp_conformance import checks
+from fsdp_conformance import checks, vocab
 
-# The implementations of the table, in column order
-IMPLEMENTATIONS = ("impl", "torch-fsdp1", "torch-fsdp2", "fairscale")
+# The implementations of the table, in column order (one source: vocab.BUILTIN_ADAPTERS)
+IMPLEMENTATIONS = vocab.BUILTIN_ADAPTERS
+
 # impl -> (python package it needs, extra that installs it)
-_OPTIONAL_PACKAGES = {"fairscale": ("fairscale", "fairscale")}
+_OPTIONAL_PACKAGES = {
+    "fairscale": ("fairscale", "fairscale"),
+    "deepspeed": ("deepspeed", "deepspeed"),
+}
 # Verdict labels, in the order a mixed cell lists them
 VERDICTS = checks.VERDICTS
 # pytest outcome -> verdict, for a test that recorded none (not a registered check)
@@ -237,7 +241,7 @@ def _md(text: str) -> str:
 def default_header(pytest_args: Sequence[str]) -> dict[str, str]:
     """torch version, date and the options of the run."""
     versions = []
-    for package in ("torch", "fairscale", "fsdp-conformance"):
+    for package in ("torch", "fairscale", "deepspeed", "fsdp-conformance"):
         try:
             versions.append(f"{package} {importlib.metadata.version(package)}")
         except importlib.metadata.PackageNotFoundError:

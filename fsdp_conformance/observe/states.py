@@ -138,6 +138,7 @@ class TrainingStateRecorder:
         self.hooks_seen: set[str] = set()  # kinds of hook sampled ("pre_forward", ...)
         # instance name -> every instance state it was seen in
         self.states_seen: dict[str, set[str]] = {name: set() for name in self.names.values()}
+        self.root_states_seen: set[str] = set()  # every root state seen
         # - Hook bookkeeping
         self._handles: list[Any] = []  # module hook handles
         self._end_of_backward_queued = False  # one engine callback per backward
@@ -216,6 +217,7 @@ class TrainingStateRecorder:
                 self._check(instance, name, label, "instance", state, legal)
         if self.root is not None:
             root_state = RootState(self.adapter.root_state(self.root))
+            self.root_states_seen.add(str(root_state))
             self._check(
                 self.root,
                 self.names[id(self.root)],
@@ -256,6 +258,8 @@ class TrainingStateRecorder:
         )
 
     def _instance_state(self, instance: nn.Module) -> InstanceState | None:
+        if not getattr(self.adapter, "instance_states", True):
+            return None  # the implementation keeps root states only (Adapter.instance_states)
         try:
             return InstanceState(self.adapter.training_state(instance))
         except ValueError:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 from collections.abc import Callable
 from typing import Any
@@ -37,6 +38,7 @@ import pytest
 import torch
 from torch import nn
 
+from fsdp_conformance.adapters import Adapter, Feature
 from fsdp_conformance.observe.comm_trace import REDUCE_OPS, CommEvent, CommTrace
 from fsdp_conformance.vocab import Op
 
@@ -74,17 +76,18 @@ def trace_training(
 
     adapter.require(Feature.COMM_TRACE)
     root, zoo_model = training.wrap_model(adapter, model_name, dist, config)
-    optimizer = torch.optim.SGD(root.parameters(), lr=training.LR, momentum=training.MOMENTUM)
+    optimizer = adapter.optimizer(root, "sgd", lr=training.LR, momentum=training.MOMENTUM)
+    backward = functools.partial(training.adapter_backward, adapter, root)
     trace = CommTrace(adapter, root, compute=compute)
     with trace:
         for iteration in range(1, iterations + 1):
             no_sync = inside_no_sync is not None and inside_no_sync(iteration)
-            with root.no_sync() if no_sync else contextlib.nullcontext():
+            with adapter.no_sync(root) if no_sync else contextlib.nullcontext():
                 inputs = zoo_model.get_input(dist.device)
                 with trace.phase(phase_name(iteration, "forward")):
                     loss = zoo_model.get_loss(inputs, root(*inputs))
                 with trace.phase(phase_name(iteration, "backward")):
-                    zoo_model.run_backward(loss)
+                    zoo_model.run_backward(loss, backward)
             if not no_sync:  # gradients of no_sync iterations accumulate into the next one
                 optimizer.step()
                 optimizer.zero_grad()
@@ -376,8 +379,10 @@ class BaseCollectiveCountTests:
             # accumulated gradients train exactly as DDP's no_sync does.
             config = {"sharding_strategy": strategy}
             fsdp_adapter.require(*fsdp_adapter.features_for(**config))
+            fsdp_adapter.require(Feature.GRADIENT_ACCUMULATION)
             root, _ = training.wrap_model(fsdp_adapter, "nested", dist, config)
-            if not callable(getattr(root, "no_sync", None)):
+            overrides_no_sync = type(fsdp_adapter).no_sync is not Adapter.no_sync
+            if not overrides_no_sync and not callable(getattr(root, "no_sync", None)):
                 pytest.skip(
                     f"adapter {fsdp_adapter.name!r} does not support 'no_sync': its root module has "
                     "no no_sync() context manager"

@@ -158,20 +158,79 @@ PER_STRATEGY_PREFETCHES = ("BACKWARD_PRE", None)
 def per_strategy(dimensions: dict[str, tuple[Any, ...]] = DIMENSIONS) -> list[dict[str, Any]]:
     """The default config per sharding strategy, with each of ``PER_STRATEGY_PREFETCHES``."""
     defaults = {key: values[0] for key, values in dimensions.items()}
+    prefetches = [
+        prefetch for prefetch in PER_STRATEGY_PREFETCHES if prefetch in dimensions["backward_prefetch"]
+    ] or [dimensions["backward_prefetch"][0]]
     return [
         {**defaults, "sharding_strategy": strategy, "backward_prefetch": prefetch}
         for strategy in dimensions["sharding_strategy"]
-        for prefetch in PER_STRATEGY_PREFETCHES
+        for prefetch in prefetches
     ]
 
 
-def configs_for(coverage: str) -> list[dict[str, Any]]:
+def configs_for(
+    coverage: str, dimensions: dict[str, tuple[Any, ...]] = DIMENSIONS
+) -> list[dict[str, Any]]:
     """The configs of a coverage level (see [Note: coverage])."""
     if coverage == "full":
-        return full_product()
+        return full_product(dimensions)
     if coverage == "pairwise":
-        return pairwise()
+        return pairwise(dimensions)
     raise ValueError(f"unknown coverage {coverage!r}; use one of {', '.join(COVERAGES)}")
+
+
+def supported_dimensions(
+    adapter: Any, dimensions: dict[str, tuple[Any, ...]] = DIMENSIONS
+) -> dict[str, tuple[Any, ...]]:
+    """`dimensions` without the values `adapter` cannot run (issue 19).
+
+    A value is kept when the wrap config holding only it needs no feature the adapter lacks
+    and is not among its ``unsupported_values()``; ``device_init`` values are kept. Pairs are
+    then built over the values the implementation has: fairscale, which lacks FSDP1's default
+    ``BACKWARD_PRE``, still gets every pair of the values it has. A dimension left without
+    values keeps its first one (its cases then skip, naming the feature).
+    """
+    kept: dict[str, tuple[Any, ...]] = {}
+    for key, values in dimensions.items():
+        if key == "device_init":
+            kept[key] = values
+            continue
+        runnable = tuple(value for value in values if _runs(adapter, key, value))
+        kept[key] = runnable or values[:1]
+    return kept
+
+
+def _runs(adapter: Any, key: str, value: Any) -> bool:
+    if key == "limit_all_gathers" and value is None:
+        return True  # the key is not given
+    config = {key: value}
+    try:
+        if not adapter.supports(*adapter.features_for(**config)):
+            return False
+        adapter._check_values(_normalized(config))
+    except Exception:  # noqa: BLE001 -- a refused value (UnsupportedFeatureError) or a bad one
+        return False
+    return True
+
+
+def _normalized(config: dict[str, Any]) -> dict[str, Any]:
+    from fsdp_conformance.adapters.features import normalize_config
+
+    return normalize_config(config)
+
+
+def dimensions_for_impl(impl: str | None) -> dict[str, tuple[Any, ...]]:
+    """``supported_dimensions`` of the adapter named ``impl`` (``--fsdp-impl``), resolved in
+    the collecting process; every dimension when it cannot be resolved there (the ranks then
+    report the adapter's error)."""
+    if not impl:
+        return DIMENSIONS
+    try:
+        from fsdp_conformance.adapters import get_adapter
+
+        return supported_dimensions(get_adapter(impl))
+    except Exception:  # noqa: BLE001 -- resolution errors are reported by the ranks
+        return DIMENSIONS
 
 
 def parity_cases(
@@ -179,6 +238,7 @@ def parity_cases(
     coverage: str,
     world_sizes: tuple[int, ...] = (1, 2, 4),
     large_world_models: tuple[str, ...] = (),
+    dimensions: dict[str, tuple[Any, ...]] = DIMENSIONS,
 ) -> list[ParityCase]:
     """The cases of the parity check (see [Note: coverage]).
 
@@ -187,10 +247,13 @@ def parity_cases(
         coverage: "full" or "pairwise", for world size 2.
         world_sizes: which of 1, 2, 4 (others get one config per strategy, like 1 and 4).
         large_world_models: the models run at world sizes above 2.
+        dimensions: the values to cover (``supported_dimensions`` of the adapter under test).
     """
     cases = []
     for world_size in world_sizes:
-        configs = configs_for(coverage) if world_size == 2 else per_strategy()
+        configs = (
+            configs_for(coverage, dimensions) if world_size == 2 else per_strategy(dimensions)
+        )
         for model in models:
             if world_size > 2 and model not in large_world_models:
                 continue

@@ -190,11 +190,11 @@ def measure_residency(
     adapter.require(*adapter.features_for(**config))
     wrap = adapter.wrapper(**config)
     chain = ChainOfLinears(lambda module: wrap(module, process_group=group), layers)
-    model = adapter.wrap(chain, process_group=group, **config)
+    model = adapter.wrap(chain, process_group=group, root=True, **config)
     device = LaggingDevice(lag)
     adapter.install_device_handle(model, device)
     tracker = ResidencyTracker(device, adapter.instances(model))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    optimizer = adapter.optimizer(model, "sgd", lr=0.01, momentum=0.9)
     x = chain.get_input(torch.device("cpu"), group.rank())
     # Buffers observed by their lifetime (torch FSDP2) must not die at a garbage collection of
     # an earlier model's cycles halfway through a phase: collect now, none while measuring
@@ -208,7 +208,7 @@ def measure_residency(
                 tracker.start(iteration, "forward")
                 loss = model(x).sum()
                 tracker.start(iteration, "backward")
-                loss.backward()
+                adapter.backward(model, loss)
                 tracker.start(iteration, "step")
                 optimizer.step()
                 optimizer.zero_grad()
@@ -263,14 +263,14 @@ def measure_cuda_forward_peaks(
     chain = ChainOfLinears(
         lambda module: wrap(module, process_group=group), layers, width, device=device
     )
-    model = adapter.wrap(chain, process_group=group, **config)
+    model = adapter.wrap(chain, process_group=group, root=True, **config)
     delay = functools.partial(sleep_ms, delay_ms, device)
     for linear in chain.inner_linears:  # after the unshard, before the compute
         linear.register_forward_pre_hook(lambda module, args: delay())
     instances = adapter.instances(model)
     element_bytes = chain.root_linear.weight.element_size()
     instance_bytes = (width * width + width) * element_bytes
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    optimizer = adapter.optimizer(model, "sgd", lr=0.01)
     x = chain.get_input(device, group.rank())
     peaks = []
     with contextlib.ExitStack() as hooks:
@@ -284,7 +284,7 @@ def measure_cuda_forward_peaks(
             loss = model(x).sum()
             torch.cuda.synchronize(device)
             peaks.append(torch.cuda.memory_stats(device)["active_bytes.all.peak"] - before)
-            loss.backward()
+            adapter.backward(model, loss)
             optimizer.step()
             optimizer.zero_grad()
     return CudaForwardPeaks(instance_bytes, instance_bytes, peaks)
@@ -407,6 +407,40 @@ def check_shard_grad_op_forward(
 # by the adapter's name, then by the names of the adapter classes it derives from and of the
 # adapters it delegates to, so a wrapper of torch-fsdp2 keeps FSDP2's bound.
 OWN_BOUNDS: dict[str, StreamOrderedBound] = {"torch-fsdp2": FSDP2_BOUND}
+
+
+# - issue 19: DeepSpeed ZeRO-3 (0.19.8) bounds memory with fetch back-pressure, not a limiter
+@dataclasses.dataclass(frozen=True)
+class FetchBackpressureBound:
+    """DeepSpeed ZeRO-3's own bound under the lagging device (docs/deepspeed.md).
+
+    On a device with events DeepSpeed records one after each parameter fetch and, past
+    ``max_ongoing_fetch_events`` (2) outstanding, blocks the CPU on the oldest: the CPU waits for
+    the fetch ``max_ongoing_fetch_events + 1`` parameter fetches back, so the frees of the last
+    ``draining`` two-parameter instances may still be in flight when the next is gathered
+    (ceil(3 / 2) = 2); gradient reductions do the same in backward (``max_param_reduce_events``).
+    Prefetch is limited by ``stage3_max_live_parameters`` (what ``limit_all_gathers=True`` maps
+    to: ``LIVE_INSTANCES`` instances' elements), so a prefetched instance is one of those.
+    """
+
+    draining: int = 2  # instances whose free may not have completed
+    gathering: int = 1  # the instance being gathered
+    # all-gather outputs held besides the unsharded parameters: none (ZeRO-3 gathers into the
+    # parameter itself)
+    forward_outputs: int = 0
+    name: str = "DeepSpeed's fetch back-pressure bound"
+
+    def bound(self, phase: str) -> int:
+        return self.draining + self.gathering
+
+    def explain(self, phase: str) -> str:
+        return f"{self.name}: {self.draining} draining + {self.gathering} gathering"
+
+    def shard_grad_op_forward(self, layers: int) -> int:
+        return layers
+
+
+OWN_BOUNDS["deepspeed"] = FetchBackpressureBound()  # type: ignore[assignment]
 
 
 def own_bound_of(

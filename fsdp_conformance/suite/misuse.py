@@ -111,12 +111,12 @@ class BaseExecOrderTests:
         with verdict.cell(fsdp_adapter, "exec_order.divergent"):
             adapter = fsdp_adapter
             wrap = adapter.wrapper()
-            model = adapter.wrap(TwoBranches(wrap))
+            model = adapter.wrap(TwoBranches(wrap), root=True)
             adapter.unwrap(model).swapped = dist.rank == 1
             x = torch.ones(2, WIDTH, device=dist.device)
 
             def iteration() -> None:
-                model(x).sum().backward()
+                adapter.backward(model, model(x).sum())
 
             expect_error(
                 iteration,
@@ -155,9 +155,9 @@ class BaseBadInputTests:
         with verdict.cell(fsdp_adapter, "misuse.wrap_twice"):
             adapter = fsdp_adapter
             linear = _linear()
-            adapter.wrap(linear)
+            adapter.wrap(linear, root=True)
             expect_error(
-                lambda: adapter.wrap(linear),
+                lambda: adapter.wrap(linear, root=True),
                 r"already|twice|again",
                 f"adapter {adapter.name!r}, wrapping the same module twice",
             )
@@ -168,7 +168,7 @@ class BaseBadInputTests:
             adapter = fsdp_adapter
             module = nn.Sequential(_linear(), nn.Linear(WIDTH, WIDTH, device="meta"))
             expect_error(
-                lambda: adapter.wrap(module),
+                lambda: adapter.wrap(module, root=True),
                 r"device|meta",
                 f"adapter {adapter.name!r}, parameters on cpu and meta",
             )
@@ -177,9 +177,11 @@ class BaseBadInputTests:
     def test_forward_inside_summon_full_params(self, fsdp_adapter: Any, dist: Any):
         with verdict.cell(fsdp_adapter, "misuse.forward_inside_summon"):
             adapter = fsdp_adapter
-            model = adapter.wrap(nn.Sequential(adapter.wrap(_linear()), _linear()))
+            model = adapter.wrap(
+                nn.Sequential(adapter.wrap(_linear(), root=False), _linear()), root=True
+            )
             x = torch.ones(2, WIDTH, device=dist.device)
-            model(x).sum().backward()
+            adapter.backward(model, model(x).sum())
 
             def forward_inside() -> None:
                 with adapter.summon_full_params(model):
@@ -195,9 +197,11 @@ class BaseBadInputTests:
     def test_summon_full_params_during_forward(self, fsdp_adapter: Any, dist: Any):
         with verdict.cell(fsdp_adapter, "misuse.summon_during_forward"):
             adapter = fsdp_adapter
-            model = adapter.wrap(nn.Sequential(adapter.wrap(_linear()), _linear()))
+            model = adapter.wrap(
+                nn.Sequential(adapter.wrap(_linear(), root=False), _linear()), root=True
+            )
             x = torch.ones(2, WIDTH, device=dist.device)
-            model(x).sum().backward()
+            adapter.backward(model, model(x).sum())
             inner = adapter.unwrap(model)[1]
 
             def summon(*_: Any) -> None:
@@ -221,7 +225,7 @@ class BaseBadInputTests:
             adapter.require(Feature.SYNC_MODULE_STATES)
             module = nn.Sequential(_linear(), nn.Linear(WIDTH, WIDTH + dist.rank))
             expect_error(
-                lambda: adapter.wrap(module, sync_module_states=True),
+                lambda: adapter.wrap(module, root=True, sync_module_states=True),
                 r"shape|size|differ",
                 f"adapter {adapter.name!r}, sync_module_states with shapes that differ across ranks",
             )

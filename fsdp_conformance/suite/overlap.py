@@ -245,10 +245,10 @@ def measure_overlap(
     for case in CASES:
         wrap = adapter.wrapper(**config)
         compute_cycles = cycles if case in ("compute", "both") else 0
-        model = adapter.wrap(_Chain(wrap, compute_cycles), **config)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        model = adapter.wrap(_Chain(wrap, compute_cycles), root=True, **config)
+        optimizer = adapter.optimizer(model, "sgd", lr=0.01)
         models[case] = (model, optimizer)
-        _iteration(model, optimizer, device)  # iteration 1: records the forward order
+        _iteration(model, optimizer, device, adapter)  # iteration 1: records the forward order
     times: dict[str, list[float]] = {case: [] for case in CASES}
     logs = {}
     for repeat in range(repeats):
@@ -256,7 +256,7 @@ def measure_overlap(
         for case in order:
             model, optimizer = models[case]
             comm = comm_ms if case in (Op.ALL_GATHER, "both") else 0.0
-            elapsed, log = _timed_forward(model, optimizer, device, comm)
+            elapsed, log = _timed_forward(model, optimizer, device, comm, adapter)
             times[case].append(elapsed)
             logs[case] = log
     local = torch.tensor([min(times[case]) for case in CASES], dtype=torch.float64)
@@ -265,14 +265,14 @@ def measure_overlap(
     return OverlapTimes(*local.tolist(), all_gathers=log.issued, synchronous=log.synchronous)
 
 
-def _iteration(model: nn.Module, optimizer: Any, device: torch.device) -> None:
+def _iteration(model: nn.Module, optimizer: Any, device: torch.device, adapter: Any) -> None:
     optimizer.zero_grad()
-    model(torch.ones(2, 1, device=device)).sum().backward()
+    adapter.backward(model, model(torch.ones(2, 1, device=device)).sum())
     optimizer.step()
 
 
 def _timed_forward(
-    model: nn.Module, optimizer: Any, device: torch.device, comm_ms: float
+    model: nn.Module, optimizer: Any, device: torch.device, comm_ms: float, adapter: Any
 ) -> tuple[float, AllGatherLog]:
     """One iteration; the forward's time in ms (device time on CUDA) and its all-gathers."""
     optimizer.zero_grad()
@@ -291,7 +291,7 @@ def _timed_forward(
             elapsed = start.elapsed_time(end)
         else:
             elapsed = (time.perf_counter() - begin) * 1000.0
-    output.sum().backward()
+    adapter.backward(model, output.sum())
     optimizer.step()
     return elapsed, log
 

@@ -1,0 +1,772 @@
+"""Adapter for DeepSpeed ZeRO (``deepspeed.initialize``), written for DeepSpeed 0.19.8.
+
+DeepSpeed is an optional extra (``pip install 'fsdp-conformance[deepspeed]'``, pure Python with
+``DS_BUILD_OPS=0``); without it ``get_adapter("deepspeed")`` still resolves and every check
+skips with one line saying how to install it. docs/deepspeed.md has the mapping, the declared
+deviations and the measured run.
+
+[Note: DeepSpeed as an FSDP]
+DeepSpeed wraps a whole model in one engine; it has no nested wrapping unit. The suite's nested
+``wrap(module, root=False)`` calls mark ``module`` as an *instance* and return it unchanged; the
+root call (``root=True``, or ``None``: unknown) builds the engine over the root module, so
+misuse surfaces at wrap time. ``instances(engine)`` is the engine, then the marked modules in
+pre-order; a parameter belongs to the nearest marked module above it (else to the engine).
+DeepSpeed gathers and releases parameters per submodule (each module's own parameters); the
+comm trace folds those into instance events: an instance's ``all_gather`` when the first of its
+parameters is gathered while none is, its ``free`` right before the last of them is released,
+its reduction right before the last of its gradients is handed to the reducer.
+
+Config mapping (docs/deepspeed.md): FULL_SHARD -> ZeRO-3, SHARD_GRAD_OP -> ZeRO-2, NO_SHARD ->
+ZeRO-1; every parameter really sharded (``stage3_param_persistence_threshold=0``,
+``stage3_max_reuse_distance=0``); ``gradient_clipping=0`` (DeepSpeed 0.19's default is 1.0:
+silent clipping); prefetch (``stage3_prefetch_bucket_size``) on when ``backward_prefetch`` is
+BACKWARD_PRE or ``forward_prefetch`` is True (DeepSpeed prefetches from the recorded trace, in
+forward and backward together), off for ``backward_prefetch=None`` without forward prefetch;
+BACKWARD_POST has no counterpart; ``limit_all_gathers=True`` -> ``stage3_max_live_parameters``
+= ``LIVE_INSTANCES`` times the largest instance's parameters (its own bound, see
+``deepspeed_bound``), False -> DeepSpeed's default (1e9: no limit that matters);
+``mixed_precision`` bf16 -> ``bf16.enabled``; no ``cpu_offload`` on a CPU host,
+no ``sync_module_states`` (DeepSpeed broadcasts rank 0's parameters itself), no
+``auto_wrap_policy`` (no wrapping unit: nested instances are marked only by the caller).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import shutil
+import threading
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from fsdp_conformance.vocab import Op
+
+from .base import Adapter, ObserverRegistry, UnsupportedFeatureError
+from .deviations import Deviation
+from .features import ALL_FEATURES, Feature
+from .states import InstanceState, RootState
+
+# The one line every deepspeed check skips with when DeepSpeed is not importable
+INSTALL_HINT = "install it with: pip install 'fsdp-conformance[deepspeed]'"
+# The DeepSpeed release this adapter (its patches and deviations) was written and measured for
+WRITTEN_FOR = "deepspeed 0.19.8"
+SUPPORTED_SERIES = ("0.19.",)
+MEASURED_ON = "deepspeed 0.19.8, torch 2.13.0"
+# Where DeepSpeed's CPU accelerator JIT-builds its C++ op (deepspeed_shm_comm) when the user
+# has not chosen TORCH_EXTENSIONS_DIR: built once per machine, kept, visible
+EXTENSIONS_DIR_DEFAULT = os.path.join("~", ".cache", "fsdp-conformance", "torch_extensions")
+# limit_all_gathers=True: at most this many instances' parameters gathered at once by prefetch
+LIVE_INSTANCES = 2
+# stage3_prefetch_bucket_size when prefetch is on (elements; DeepSpeed's default, 5e7)
+PREFETCH_BUCKET = 50_000_000
+STAGES = {"FULL_SHARD": 3, "SHARD_GRAD_OP": 2, "NO_SHARD": 1}
+
+_REGISTRY = ObserverRegistry()
+_lock = threading.Lock()
+# nested instances marked by wrap(root=False), and the root module of each engine built
+_NESTED: weakref.WeakSet = weakref.WeakSet()
+_WRAPPED_ROOTS: weakref.WeakSet = weakref.WeakSet()
+
+
+def _import_error() -> str | None:
+    """Why DeepSpeed cannot be used here, or None (no import: find_spec only)."""
+    if importlib.util.find_spec("deepspeed") is None:
+        return f"deepspeed is not importable; {INSTALL_HINT}"
+    return None
+
+
+def extensions_dir() -> str:
+    """The folder DeepSpeed's JIT-built ops are cached in (``TORCH_EXTENSIONS_DIR``)."""
+    return os.path.expanduser(os.environ.get("TORCH_EXTENSIONS_DIR") or EXTENSIONS_DIR_DEFAULT)
+
+
+def _cpu_host() -> bool:
+    return not torch.cuda.is_available()
+
+
+def _compiler_problem() -> str | None:
+    """One line when the CPU accelerator's op must be built and no compiler can build it."""
+    if not _cpu_host():
+        return None
+    built = os.path.join(extensions_dir(), "deepspeed_shm_comm")
+    if os.path.isdir(built) and any(name.endswith(".so") for name in os.listdir(built)):
+        return None
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if not compiler:
+        return (
+            "DeepSpeed's CPU accelerator builds its deepspeed_shm_comm C++ op at first use and "
+            "no C++ compiler is on PATH (c++, g++ or $CXX): install one (e.g. apt-get install "
+            f"g++) or prebuild the op into {extensions_dir()} on a machine that has one"
+        )
+    return None
+
+
+def prepare_environment() -> None:
+    """Choose the CPU accelerator on a host without CUDA and the extension cache, before
+    DeepSpeed is imported (both are read once, at DeepSpeed's first use)."""
+    if _cpu_host():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir())
+    os.makedirs(os.environ["TORCH_EXTENSIONS_DIR"], exist_ok=True)
+
+
+def build_ops() -> str | None:
+    """Build (or find built) DeepSpeed's CPU communication op in ``extensions_dir()``, once per
+    machine; returns its folder (None on a CUDA host: nothing to build). Run it before a suite
+    run so that no check waits for the compiler: ``python -m fsdp_conformance.adapters.deepspeed``.
+
+    Raises:
+        RuntimeError: DeepSpeed is missing or no compiler can build the op (one line each).
+    """
+    problem = _import_error() or _compiler_problem()
+    if problem is not None:
+        raise RuntimeError(f"adapter 'deepspeed': {problem}")
+    if not _cpu_host():
+        return None
+    prepare_environment()
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is None:
+        return None
+    builder.load(verbose=False)
+    return os.path.join(extensions_dir(), "deepspeed_shm_comm")
+
+
+def ensure_distributed() -> None:
+    """``deepspeed.init_distributed`` over the harness's existing default group (gloo on CPU):
+    DeepSpeed then wraps that group instead of creating its own."""
+    prepare_environment()
+    import deepspeed
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "adapter 'deepspeed': torch.distributed is not initialized; run inside the harness "
+            "(the dist fixture) or call torch.distributed.init_process_group first"
+        )
+    deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
+
+
+# ---------------------------------------------------------------------------- deviations
+def _deviation(check: str, reason: str, applies: Any = None, **covers: Any) -> Deviation:
+    """A DeepSpeed deviation, measured on ``MEASURED_ON``."""
+    return Deviation(check, reason, applies, measured_on=MEASURED_ON, **covers)
+
+
+# Reproductions use ds = get_adapter("deepspeed"), x = torch.ones(2, 8), 2 CPU ranks, gloo;
+# docs/deepspeed.md has each as a runnable snippet
+DEEPSPEED_DEVIATIONS: tuple[Deviation, ...] = (
+    _deviation(
+        "parity.default_state_dict",
+        "DeepSpeed ZeRO-3 registers 0-element placeholders: engine.state_dict() holds empty "
+        "tensors and load_state_dict of it reports 'All keys matched' and restores nothing; "
+        "the full state dict is DeepSpeed's own path (GatheredParameters, or "
+        "engine.save_checkpoint / load_checkpoint). Reproduction: e = ds.wrap(nn.Linear(8, 8), "
+        "root=True); e.state_dict()['weight'].shape -> torch.Size([0])",
+    ),
+    _deviation(
+        "memory_bound",
+        "ZeRO-2 (SHARD_GRAD_OP) does not shard parameters at all: every parameter stays whole "
+        "on every rank and nothing is gathered in forward (the check expects each instance "
+        "gathered once and kept); reproduction: e = ds.wrap(nn.Linear(8, 8), root=True, "
+        "sharding_strategy='SHARD_GRAD_OP'); e.module.weight.shape -> torch.Size([8, 8]) and "
+        "no all-gather in the comm trace",
+        applies=lambda case: case.sharding_strategy == "SHARD_GRAD_OP",
+    ),
+    _deviation(
+        "parity.ddp",
+        "ZeRO-3 sums the two gradient contributions of a tied parameter (the transformer's "
+        "embedding, also its output projection) in another order than autograd under DDP: "
+        "after 3 steps the tied weight differs by 1.5e-08 and the third loss by 9.5e-07 (DDP "
+        "is bit-exact with every other model; world size 1 differs too); reproduction: "
+        "fsdp_conformance.suite.training.fsdp_run(ds, 'transformer', dist, "
+        "{'sharding_strategy': 'FULL_SHARD'}) vs reference_run('transformer', dist), 2 ranks",
+        applies=lambda case: case.model == "transformer"
+        and case.world_size <= 2
+        and dict(case.settings).get("sharding_strategy") == "FULL_SHARD",
+    ),
+    _deviation(
+        "comm.counts",
+        "DeepSpeed has no root that stays unsharded between forward and backward: with "
+        "stage3_max_reuse_distance=0 it releases every module after its forward and gathers "
+        "every instance again in backward (FULL_SHARD: instances all-gathers in backward, not "
+        "instances - 1), and ZeRO-2 (SHARD_GRAD_OP) never shards parameters, so its forward "
+        "gathers nothing (0, not one per instance); reproduction: "
+        "fsdp_conformance.suite.comm_checks.trace_training(ds, 'nested', dist, "
+        "{'sharding_strategy': 'FULL_SHARD'})[0].render()",
+    ),
+    _deviation(
+        "comm.prefetch_happens",
+        "DeepSpeed prefetches from the module trace it records in the first iteration: "
+        "iteration 1 backward prefetches nothing (the all-gather of module.1 comes after the "
+        "gradient reduction of module.2 in NestedWrappedModule); iterations 2 and 3 prefetch "
+        "as BACKWARD_PRE asks; reproduction: fsdp_conformance.suite.comm_checks."
+        "prefetch_failures(trace_training(ds, 'nested', dist, {'sharding_strategy': "
+        "'FULL_SHARD', 'backward_prefetch': 'BACKWARD_PRE'})[0], ...) lists iteration 1 only",
+        applies=lambda config: config.get("backward_prefetch") == "BACKWARD_PRE",
+    ),
+    _deviation(
+        "parity.bf16",
+        "DeepSpeed's bf16 mode casts the parameters, never the inputs: a float32 input meets "
+        "bfloat16 weights and fails 'mat1 and mat2 must have the same dtype, but got Float and "
+        "BFloat16' (the caller must cast inputs itself); reproduction: "
+        "ds.wrap(nn.Linear(8, 8), root=True, mixed_precision={'param_dtype': torch.bfloat16})"
+        "(x)",
+        raises=RuntimeError,
+        match=r"same dtype",
+    ),
+    _deviation(
+        "misuse.summon_during_forward",
+        "GatheredParameters entered in a forward hook, while ZeRO-3 has the module's "
+        "parameters in use, fails a bare assert whose message is only the parameter's repr "
+        "('Parameter containing: ...'), naming neither the forward nor the misuse; "
+        "reproduction: register_forward_hook(lambda *a: GatheredParameters(params).__enter__())"
+        f" on an inner module, then e(x)",
+    ),
+    _deviation(
+        "overlap",
+        "with prefetch DeepSpeed gathers the whole recorded prefetch window in one coalesced "
+        "all-gather before the first module computes, so no all-gather overlaps a module's "
+        "compute: measured 1.01x the serialised time (1 all-gather x 30 ms + 121 ms compute), "
+        "the check expects <= 0.8x; reproduction: fsdp_conformance.suite.overlap."
+        f"measure_overlap(ds, dist, 30.0, 30.0)",
+    ),
+    _deviation(
+        "misuse.wrap_twice",
+        "deepspeed.initialize accepts a module an engine already owns and builds a second "
+        "engine over the same (already partitioned) parameters without an error; reproduction: "
+        "lin = nn.Linear(8, 8); ds.wrap(lin, root=True); ds.wrap(lin, root=True)",
+    ),
+    _deviation(
+        "exec_order.divergent",
+        "DeepSpeed does not compare the execution order across ranks: ranks running two "
+        "same-shaped modules in different orders all-gather each other's shards silently; "
+        "reproduction: rank 0 runs b(a(x)), rank 1 a(b(x)) under one ZeRO-3 engine: no error",
+    ),
+    _deviation(
+        "misuse.forward_inside_summon",
+        "a forward inside deepspeed.zero.GatheredParameters runs (the gathered parameters are "
+        "simply used) and no error is raised; reproduction: with "
+        "deepspeed.zero.GatheredParameters(list(e.parameters())): e(x)",
+    ),
+)
+
+
+class DeepSpeedAdapter(Adapter):
+    """DeepSpeed ZeRO stages 1-3 through ``deepspeed.initialize`` (see [Note: DeepSpeed as an
+    FSDP])."""
+
+    name = "deepspeed"
+    known_deviations: tuple[Deviation, ...] = DEEPSPEED_DEVIATIONS
+    instance_states = False  # per-parameter status only; no per-instance training state
+    grad_reduction = "mean"
+
+    # ------------------------------------------------------------------ capabilities
+    def unsupported(self) -> dict[str, str]:
+        missing = _import_error() or _compiler_problem()
+        if missing is not None:
+            return {feature: missing for feature in ALL_FEATURES}
+        unsupported = {
+            Feature.BACKWARD_PREFETCH_POST: (
+                "DeepSpeed prefetches when it fetches a module (before its compute, in forward "
+                "and backward alike, from the recorded trace): no post-backward prefetch"
+            ),
+            Feature.SYNC_MODULE_STATES: (
+                "deepspeed.initialize broadcasts rank 0's parameters itself; there is no switch"
+            ),
+            Feature.AUTO_WRAP_POLICY: (
+                "DeepSpeed has no wrapping unit: it gathers each module's own parameters; "
+                "nested instances exist only where the caller marks them with wrap(root=False)"
+            ),
+            Feature.ASSERT_STATE: "DeepSpeed keeps no training state to assert",
+            Feature.LIMIT_ALL_GATHERS_OFF: (
+                "DeepSpeed's fetch back-pressure (max_ongoing_fetch_events) is always on where "
+                "the device has events; limit_all_gathers maps to stage3_max_live_parameters, "
+                "which bounds prefetch only, so the bound cannot be switched off"
+            ),
+            Feature.MIXED_PRECISION_BUFFER_DTYPE: "DeepSpeed's bf16 mode does not cast buffers",
+            Feature.USE_ORIG_PARAMS: "a torch FSDP1 flag",
+            Feature.FROZEN_PARAMETERS_MIXED: "not mapped by this adapter",
+            Feature.CHECKPOINT_RESUME: "not mapped by this adapter (engine.save_checkpoint)",
+            Feature.GRADIENT_ACCUMULATION: (
+                "not mapped: DeepSpeed accumulates through gradient_accumulation_steps fixed at "
+                "initialize, not a no_sync() context"
+            ),
+            Feature.CLIP_GRAD_NORM: (
+                "not mapped: DeepSpeed clips inside engine.step() by the gradient_clipping set "
+                "at initialize, not on request"
+            ),
+            Feature.ACTIVATION_CHECKPOINTING: "not mapped by this adapter",
+            Feature.FORWARD_VARIANTS: "not mapped by this adapter",
+            Feature.FROZEN_PARAMETERS: "not mapped by this adapter",
+        }
+        if _cpu_host():
+            unsupported[Feature.CPU_OFFLOAD] = (
+                "DeepSpeed's offload_param moves parameters to host memory: on a CPU-only host "
+                "they are there already (nothing to offload)"
+            )
+        return unsupported
+
+    def support_problem(self) -> str | None:
+        try:
+            from importlib.metadata import version
+
+            installed = version("deepspeed")
+        except Exception:  # noqa: BLE001 -- not installed: unsupported() says how to install
+            return None
+        if not installed.startswith(SUPPORTED_SERIES):
+            return (
+                f"adapter 'deepspeed' was written and measured for {WRITTEN_FOR}; deepspeed "
+                f"{installed} is installed (supported: {', '.join(s + 'x' for s in SUPPORTED_SERIES)})"
+            )
+        return None
+
+    # ------------------------------------------------------------------ wrapping
+    def wrap(self, module: nn.Module, *, process_group: Any = None, **config: Any) -> nn.Module:
+        missing = _import_error()
+        if missing is not None:
+            import pytest
+
+            pytest.skip(f"adapter 'deepspeed': {missing}")
+        return super().wrap(module, process_group=process_group, **config)
+
+    def _wrap(self, module: nn.Module, process_group: Any, config: dict[str, Any]) -> nn.Module:
+        _check_group(process_group)
+        if self.wrapping_root is False:
+            with _lock:
+                _NESTED.add(module)
+            return module
+        return self._build_engine(module, config)
+
+    def _build_engine(self, module: nn.Module, config: dict[str, Any]) -> nn.Module:
+        ensure_distributed()
+        import deepspeed
+
+        strategy = config.get("sharding_strategy", "FULL_SHARD")
+        stage = STAGES[strategy]
+        devices = {param.device.type for param in module.parameters()}
+        if "meta" in devices or len(devices) > 1:
+            raise ValueError(
+                f"adapter 'deepspeed': the module's parameters are on {sorted(devices)}; "
+                "deepspeed.initialize needs them materialized on one device"
+            )
+        zero: dict[str, Any] = {
+            "stage": stage,
+            "overlap_comm": False,
+            "contiguous_gradients": False,
+        }
+        if stage == 3:
+            largest = max(
+                [_own_numel(instance) for instance in _nested_in(module)] + [_own_numel(module)]
+            )
+            prefetch = config.get("backward_prefetch", "BACKWARD_PRE") == "BACKWARD_PRE" or bool(
+                config.get("forward_prefetch")
+            )
+            zero.update(
+                stage3_param_persistence_threshold=0,
+                stage3_max_reuse_distance=0,
+                stage3_prefetch_bucket_size=PREFETCH_BUCKET if prefetch else 0,
+            )
+            if config.get("limit_all_gathers", True):
+                zero["stage3_max_live_parameters"] = max(1, LIVE_INSTANCES * largest)
+        ds_config: dict[str, Any] = {
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": 1,
+            "gradient_clipping": 0.0,
+            "zero_allow_untested_optimizer": True,
+            "steps_per_print": 1 << 30,
+            "zero_optimization": zero,
+        }
+        mixed = config.get("mixed_precision")
+        if mixed is not None and mixed.param_dtype not in (None, torch.float32):
+            if mixed.param_dtype != torch.bfloat16:
+                raise UnsupportedFeatureError(
+                    self.name,
+                    Feature.MIXED_PRECISION,
+                    f"param_dtype={mixed.param_dtype}: the adapter maps bfloat16 only",
+                )
+            ds_config["bf16"] = {"enabled": True}
+        # the engine's optimizer is replaced by Adapter.optimizer's (lr 0 until then)
+        placeholder = torch.optim.SGD(module.parameters(), lr=0.0)
+        engine, _, _, _ = deepspeed.initialize(
+            model=module, optimizer=placeholder, config=ds_config
+        )
+        engine._fsdpc_stage = stage  # noqa: SLF001 -- our own bookkeeping on the engine
+        with _lock:
+            _WRAPPED_ROOTS.add(module)
+        _assign_owners(engine, self.instances(engine))
+        return engine
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return getattr(model, "module", model) if _is_engine(model) else model
+
+    def instances(self, model: nn.Module) -> list[nn.Module]:
+        if not _is_engine(model):
+            return [module for module in model.modules() if module in _NESTED]
+        return [model, *_nested_in(model.module)]
+
+    # ------------------------------------------------------------------ states
+    def training_state(self, instance: nn.Module) -> InstanceState:
+        raise ValueError(
+            "adapter 'deepspeed': DeepSpeed keeps no per-instance training state "
+            "(instance_states = False)"
+        )
+
+    def root_state(self, instance: nn.Module) -> RootState:
+        """SUMMON_FULL_PARAMS inside the adapter's summon; FORWARD_BACKWARD while DeepSpeed has
+        parameters of the model gathered for compute (ZeRO-3: a module is active) or the
+        engine's micro step is between forward and step; else IDLE."""
+        engine = instance
+        if getattr(engine, "_fsdpc_summoning", False):
+            return RootState.SUMMON_FULL_PARAMS
+        for param in engine.module.parameters():
+            if getattr(param, "ds_active_sub_modules", None):
+                return RootState.FORWARD_BACKWARD
+        if getattr(engine, "_fsdpc_in_step", False):
+            return RootState.FORWARD_BACKWARD
+        return RootState.IDLE
+
+    # ------------------------------------------------------------------ full parameters
+    @contextlib.contextmanager
+    def _summon_full_params(self, model: nn.Module, writeback: bool) -> Iterator[None]:
+        import deepspeed
+
+        engine = model
+        params = list(self.unwrap(engine).parameters())
+        zero3 = getattr(engine, "_fsdpc_stage", 3) == 3
+        engine._fsdpc_summoning = True
+        try:
+            if zero3:
+                # modifier_rank=None: leaving re-partitions without copying back (discarded)
+                modifier = 0 if writeback else None
+                with deepspeed.zero.GatheredParameters(params, modifier_rank=modifier):
+                    yield
+            else:
+                saved = None if writeback else [param.detach().clone() for param in params]
+                yield
+                if saved is not None:
+                    with torch.no_grad():
+                        for param, value in zip(params, saved, strict=True):
+                            param.copy_(value)
+        finally:
+            engine._fsdpc_summoning = False
+        if writeback:
+            _refresh_master(engine)
+
+    def full_params(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        module = self.unwrap(model)
+        with self.summon_full_params(model):
+            return {
+                name: param.detach().clone()
+                for name, param in module.named_parameters(remove_duplicate=False)
+            }
+
+    # ------------------------------------------------------------------ training loop
+    def optimizer(self, model: nn.Module, name: str = "sgd", **hyperparameters: Any) -> Any:
+        if not _is_engine(model):
+            return super().optimizer(model, name, **hyperparameters)
+        classes = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
+        if name not in classes:
+            raise ValueError(
+                f"{self.name} optimizer: unknown optimizer {name!r}; use one of {sorted(classes)}"
+            )
+        zero_optimizer = model.optimizer
+        base = zero_optimizer.optimizer
+        groups = [{"params": group["params"]} for group in base.param_groups]
+        zero_optimizer.optimizer = classes[name](groups, **hyperparameters)
+        return _EngineOptimizer(model)
+
+    def backward(self, model: nn.Module, loss: torch.Tensor) -> None:
+        if not _is_engine(model):
+            loss.backward()
+            return
+        model._fsdpc_in_step = True
+        model.backward(loss)
+
+    def state_dict(self, model: nn.Module) -> dict[str, Any]:
+        """The full state dict on every rank, gathered with ``GatheredParameters``."""
+        import deepspeed
+
+        module = self.unwrap(model)
+        with deepspeed.zero.GatheredParameters(list(module.parameters())):
+            return {key: value.detach().clone() for key, value in module.state_dict().items()}
+
+    def load_state_dict(self, model: nn.Module, state_dict: dict[str, Any]) -> None:
+        """Load a full state dict into the shards (rank 0's values) and DeepSpeed's master
+        weights."""
+        import deepspeed
+
+        module = self.unwrap(model)
+        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=0):
+            module.load_state_dict(state_dict)
+        _refresh_master(model)
+
+    # ------------------------------------------------------------------ observation
+    def _observe(self, callback: Any, instances: list[nn.Module] | None) -> Any:
+        _install_trace()
+        return _REGISTRY.observing(callback, instances)
+
+    def _install_device_handle(self, model: nn.Module, handle: Any) -> None:
+        """Route DeepSpeed's accelerator events, current stream and synchronize through
+        ``handle`` and switch on its memory back-pressure (what it does on a GPU: an event after
+        each parameter fetch and each gradient reduction, the CPU blocking on the oldest past
+        ``max_ongoing_fetch_events`` / ``max_param_reduce_events``), until the test ends."""
+        if not _cpu_host():
+            raise UnsupportedFeatureError(
+                self.name,
+                Feature.DEVICE_HANDLE,
+                "the adapter routes DeepSpeed's CPU accelerator only (a CUDA host has real "
+                "streams and events)",
+            )
+        _install_accelerator_routing()
+        _DEVICE["handle"] = handle
+
+    def on_test_end(self) -> None:
+        """Forget DeepSpeed's per-process group caches (the harness destroys the groups)."""
+        _DEVICE["handle"] = None
+        try:
+            import sys
+
+            groups = sys.modules.get("deepspeed.utils.groups")
+        except Exception:  # noqa: BLE001
+            return
+        if groups is None:
+            return
+        for attribute, empty in (
+            ("_WORLD_GROUP", None),
+            ("_ZERO_PARAM_INTRA_PARALLEL_GROUP", None),
+            ("_DATA_PARALLEL_GROUP", None),
+            ("_MODEL_PARALLEL_GROUP", None),
+            ("_TENSOR_MODEL_PARALLEL_GROUP", None),
+            ("mesh_device", None),
+            ("mpu", None),
+            ("_EXPERT_PARALLEL_GROUP", {}),
+            ("_EXPERT_PARALLEL_GROUP_RANKS", {}),
+            ("_EXPERT_DATA_PARALLEL_GROUP", {}),
+            ("_EXPERT_DATA_PARALLEL_GROUP_RANKS", {}),
+            ("_ALL_TO_ALL_GROUP", {}),
+        ):
+            if hasattr(groups, attribute):
+                setattr(groups, attribute, empty)
+
+
+class _EngineOptimizer:
+    """What the suite's loops call on an optimizer, driving the engine's own step."""
+
+    def __init__(self, engine: nn.Module) -> None:
+        self.engine = engine
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.engine.optimizer.param_groups
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.engine.zero_grad()
+
+    def step(self) -> None:
+        self.engine.step()
+        self.engine._fsdpc_in_step = False
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.engine.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.engine.optimizer.load_state_dict(state)
+
+
+# ---------------------------------------------------------------------------- helpers
+def _is_engine(model: Any) -> bool:
+    return hasattr(model, "_fsdpc_stage")
+
+
+def _check_group(process_group: Any) -> None:
+    import torch.distributed as dist
+
+    if process_group is None or not dist.is_initialized():
+        return
+    if dist.get_world_size(process_group) != dist.get_world_size():
+        raise UnsupportedFeatureError(
+            "deepspeed",
+            "process_group",
+            "DeepSpeed's data-parallel group is the world (or an mpu's); the adapter does not "
+            "map a subgroup of it (e.g. MixtureOfExperts' expert groups)",
+        )
+
+
+def _nested_in(module: nn.Module) -> list[nn.Module]:
+    return [sub for sub in module.modules() if sub in _NESTED and sub is not module]
+
+
+def _own_numel(module: nn.Module) -> int:
+    """Elements of the parameters `module` owns (not those of nested instances inside it)."""
+    inner = {id(p) for sub in _nested_in(module) for p in sub.parameters()}
+    return sum(
+        getattr(p, "ds_numel", p.numel()) for p in module.parameters() if id(p) not in inner
+    )
+
+
+def _assign_owners(engine: nn.Module, instances: list[nn.Module]) -> None:
+    """Each parameter's owning instance: the nearest marked module above it, else the engine
+    (``instances`` is pre-order, so an inner instance overwrites its ancestors' claim)."""
+    for instance in instances:
+        module = engine.module if instance is engine else instance
+        for param in module.parameters():
+            param._fsdpc_owner = weakref.ref(instance)
+    for instance in instances:
+        module = engine.module if instance is engine else instance
+        owned = [p for p in module.parameters() if _owner(p) is instance]
+        instance._fsdpc_trainable = sum(1 for p in owned if p.requires_grad)
+        instance._fsdpc_live = set()  # ids of its parameters gathered (all-gather issued)
+        instance._fsdpc_reduced = set()  # ids of its gradients handed to the reducer
+
+
+def _owner(param: Any) -> nn.Module | None:
+    ref = getattr(param, "_fsdpc_owner", None)
+    return None if ref is None else ref()
+
+
+def _refresh_master(engine: nn.Module) -> None:
+    optimizer = getattr(engine, "optimizer", None)
+    refresh = getattr(optimizer, "refresh_fp32_params", None)
+    if refresh is not None:
+        refresh()
+
+
+# ---------------------------------------------------------------------------- device handle
+# the device handle installed by install_device_handle (None: DeepSpeed's own CPU accelerator)
+_DEVICE: dict[str, Any] = {"handle": None}
+
+
+def _install_accelerator_routing() -> None:
+    """Patch the CPU accelerator's event, stream and back-pressure methods to consult
+    ``_DEVICE`` (one place; the original runs while no handle is installed)."""
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+    from fsdp_conformance._patching import patch_attribute
+
+    def routed(name: str, use_handle: Any) -> None:
+        def make(original: Any) -> Any:
+            def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+                handle = _DEVICE["handle"]
+                if handle is None:
+                    return original(self, *args, **kwargs)
+                return use_handle(handle, *args, **kwargs)
+
+            return method
+
+        patch_attribute(
+            CPU_Accelerator,
+            name,
+            make,
+            key="fsdp-conformance deepspeed device handle",
+            written_for=WRITTEN_FOR,
+            library="deepspeed",
+        )
+
+    routed("handles_memory_backpressure", lambda handle: False)
+    routed("Event", lambda handle, **kwargs: handle.Event())
+    routed("current_stream", lambda handle, device_index=None: handle.current_stream())
+    routed("stream", lambda handle, stream: handle.stream(stream))
+    routed("synchronize", lambda handle, device_index=None: handle.synchronize())
+
+
+# ---------------------------------------------------------------------------- comm trace
+def _install_trace() -> None:
+    """The comm trace's patches (one place): ZeRO-3's gather and release of parameters and
+    the ZeRO optimizers' hand-off of a gradient to the reducer, folded into instance events."""
+    from deepspeed.runtime.zero import partitioned_param_coordinator as coordinator
+    from deepspeed.runtime.zero import stage3, stage_1_and_2
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    from fsdp_conformance._patching import patch_attribute
+
+    cls = coordinator.PartitionedParameterCoordinator
+
+    def make_gather(original: Any) -> Any:
+        def all_gather_params(self: Any, params: Any, forward: bool) -> None:
+            if _REGISTRY.active:
+                # one coalesced all-gather: fold its parameters in ds_id order (DeepSpeed hands
+                # a set, whose order differs across ranks)
+                for param in sorted(params, key=lambda param: param.ds_id):
+                    instance = _owner(param)
+                    if instance is None or param.ds_status != ZeroParamStatus.NOT_AVAILABLE:
+                        continue
+                    if not instance._fsdpc_live:
+                        _REGISTRY.emit(Op.ALL_GATHER, instance, {"forward": forward})
+                    instance._fsdpc_live.add(id(param))
+            return original(self, params, forward)
+
+        return all_gather_params
+
+    def make_release(original: Any) -> Any:
+        def release_param(self: Any, param: Any, free_data: bool = True) -> None:
+            instance = _owner(param)
+            releasing = (
+                param.ds_status == ZeroParamStatus.AVAILABLE and not param.ds_active_sub_modules
+            )
+            if releasing and instance is not None and id(param) in instance._fsdpc_live:
+                instance._fsdpc_live.discard(id(param))
+                if not instance._fsdpc_live and _REGISTRY.active:
+                    _REGISTRY.emit(Op.FREE, instance, {})
+            return original(self, param, free_data)
+
+        return release_param
+
+    def make_reduce(original: Any) -> Any:
+        def reduce_param(self: Any, param: Any, *args: Any) -> Any:
+            instance = _owner(param)
+            if instance is not None and param.requires_grad:
+                instance._fsdpc_reduced.add(id(param))
+                if len(instance._fsdpc_reduced) >= instance._fsdpc_trainable:
+                    instance._fsdpc_reduced.clear()
+                    # ZeRO-2/3 reduce-scatter gradients; ZeRO-1 reduces them whole
+                    sharded = getattr(self, "partition_gradients", True)
+                    op = Op.REDUCE_SCATTER if sharded else Op.ALL_REDUCE
+                    if _REGISTRY.active:
+                        _REGISTRY.emit(op, instance, {})
+            return original(self, param, *args)
+
+        return reduce_param
+
+    patch_attribute(
+        cls,
+        "_PartitionedParameterCoordinator__all_gather_params",
+        make_gather,
+        key="fsdp-conformance deepspeed comm trace",
+        written_for=WRITTEN_FOR,
+        library="deepspeed",
+    )
+    patch_attribute(
+        cls,
+        "_PartitionedParameterCoordinator__release_param",
+        make_release,
+        key="fsdp-conformance deepspeed comm trace",
+        written_for=WRITTEN_FOR,
+        library="deepspeed",
+    )
+    patch_attribute(
+        stage3.DeepSpeedZeroOptimizer_Stage3,
+        "reduce_independent_p_g_buckets_and_remove_grads",
+        make_reduce,
+        key="fsdp-conformance deepspeed comm trace",
+        written_for=WRITTEN_FOR,
+        library="deepspeed",
+    )
+    patch_attribute(
+        stage_1_and_2.DeepSpeedZeroOptimizer,
+        "reduce_independent_p_g_buckets_and_remove_grads",
+        make_reduce,
+        key="fsdp-conformance deepspeed comm trace",
+        written_for=WRITTEN_FOR,
+        library="deepspeed",
+    )
+
+
+if __name__ == "__main__":  # python -m fsdp_conformance.adapters.deepspeed: build the CPU op
+    print(f"DeepSpeed CPU op ready in {build_ops() or '(CUDA host: nothing to build)'}")
