@@ -101,13 +101,19 @@ def run_adapter(venv: pathlib.Path, adapter: str, workers: int, out: pathlib.Pat
             first = failures[0]
             record["first_failure"] = f"{first['check']}[{first['configuration']}]: " + (
                 first["detail"].splitlines() or [""])[0][:300]
-        reasons = {cell["detail"] for cell in skips}
-        total = len(document.get("cells", []))
-        if skips and len(skips) == total and len(reasons) == 1:
-            record["all_skipped"] = next(iter(reasons))
+        record.update(_skip_summary(cells))
     else:
         record["output_tail"] = (result.stdout + result.stderr)[-2000:]
     return record
+
+
+def _skip_summary(cells: list[dict]) -> dict:
+    """``{"all_skipped": "<n> x <most common reason>"}`` when every cell skipped, else {}."""
+    skips = [cell["detail"] for cell in cells if cell["outcome"] == "skip"]
+    if not skips or len(skips) != len(cells):
+        return {}
+    reason, count = max(((r, skips.count(r)) for r in set(skips)), key=lambda item: item[1])
+    return {"all_skipped": f"{count} of {len(cells)} with: {reason}"}
 
 
 def _counts(record: dict) -> str:
@@ -248,8 +254,16 @@ def main(argv: list[str] | None = None) -> int:
                 out.write_text(json.dumps(record, indent=2))
                 print(f"  exit {record['exit']}, {_counts(record)}, {record['wall_s']} s",
                       flush=True)
-    results = [json.loads(path.read_text()) for path in sorted(args.results.glob("*-*.json"))
-               if not path.name.endswith(".matrix.json")]
+    results = []
+    for path in sorted(args.results.glob("*-*.json")):
+        if path.name.endswith(".matrix.json"):
+            continue
+        record = json.loads(path.read_text())
+        matrix = path.with_suffix(".matrix.json")
+        if matrix.exists():  # recomputed: the skip summary of older records
+            record.pop("all_skipped", None)
+            record.update(_skip_summary(json.loads(matrix.read_text()).get("cells", [])))
+        results.append(record)
     args.out.write_text(render(results, args.workers, tuple(args.torch)))
     print(f"wrote {args.out}")
     failed = [r for r in results if r["exit"] != 0]
