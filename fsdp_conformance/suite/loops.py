@@ -49,7 +49,7 @@ import pytest
 import torch
 from torch import nn
 
-from fsdp_conformance.adapters import Feature, clean_param_name
+from fsdp_conformance.adapters import Adapter, Feature, UnsupportedFeatureError, clean_param_name
 from fsdp_conformance.models import (
     CheckpointedModule,
     CheckpointingWrap,
@@ -800,6 +800,14 @@ class BaseCheckpointResumeTests:
         with verdict.cell(fsdp_adapter, "loops.checkpoint_resume", case):
             adapter = fsdp_adapter
             adapter.require(Feature.CHECKPOINT_RESUME)
+            # on every rank alike, before a world the other rank waits out (no one-rank skip)
+            for method in ("save_checkpoint", "load_checkpoint"):
+                if getattr(type(adapter), method) is getattr(Adapter, method):
+                    raise UnsupportedFeatureError(
+                        adapter.name,
+                        Feature.CHECKPOINT_RESUME,
+                        f"the adapter does not override Adapter.{method}",
+                    )
             label = (
                 f"adapter {adapter.name!r}, {case.model}, saved at world size {case.save_world}, "
                 f"loaded at {case.load_world}"

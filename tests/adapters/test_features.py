@@ -179,9 +179,15 @@ def test_canonical_states_and_transitions():
 def test_fsdp2_state_mapping_covers_every_fsdp2_state():
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
-    from fsdp_conformance.adapters.torch_fsdp2 import _INSTANCE_STATE
+    from fsdp_conformance.adapters.torch_fsdp2 import _instance_state
 
-    assert set(_INSTANCE_STATE) == set(TrainingState)
+    mapped = {state: _instance_state(state) for state in TrainingState}  # KeyError if one is new
+    assert set(mapped.values()) == {
+        InstanceState.IDLE,
+        InstanceState.FORWARD,
+        InstanceState.BACKWARD_PRE,
+        InstanceState.BACKWARD_POST,
+    }
 
 
 def test_fsdp1_state_names_map_onto_canonical_names():
