@@ -138,7 +138,8 @@ def _patch_torch_fsdp2() -> None:
 # Measured on torch 2.13.0 (CPU, gloo, world size 2); docs/checks.md; each states the failure it
 # covers (raises / match): any other error in the cell -- an AttributeError of a moved internal
 # included -- is a FAIL
-_MEASURED_ON = "torch 2.13.0"
+# the same covered failures on every release of the compatibility matrix in the range
+_MEASURED_ON = "torch 2.13.0 (also 2.14.1, 2.15.0)"
 FSDP2_DEVIATIONS = (
     Deviation(
         "exec_order.divergent",

@@ -375,7 +375,7 @@ def check_shard_grad_op_forward(
       (no reshard after forward). This lower bound is also what makes the backward bound worth
       something: it proves the tracker sees the buffers the strategy keeps;
     - at most ``layers`` + the all-gather outputs an implementation may hold in flight
-      (``own_bound.forward_outputs``: 2 for torch FSDP2, whose releases differ in how long the
+      (``own_bound.shard_grad_op_forward(layers)``: + 2 for torch FSDP2, whose releases differ in how long the
       previous output is kept -- 2 up to 2.14, 1 from 2.15; 0 for a limiter that gathers into
       the unsharded buffer itself).
 
@@ -384,8 +384,9 @@ def check_shard_grad_op_forward(
             naming the config, the peak and the bound.
     """
     peak = tracker.peak(1, "forward").resident
-    in_flight = 0 if own_bound is None else own_bound.forward_outputs
-    most = layers + in_flight
+    # the own bound's SHARD_GRAD_OP forward figure is its upper end (layers + outputs in flight)
+    most = layers if own_bound is None else own_bound.shard_grad_op_forward(layers)
+    in_flight = most - layers
     where = f"{label}, {case.describe()}"
     if peak < layers:
         raise AssertionError(

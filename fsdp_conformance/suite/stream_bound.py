@@ -58,7 +58,9 @@ class StreamOrderedBound:
         return f"{self.name}: {outputs} all-gather outputs in flight + {self.unsharded} unsharded"
 
     def shard_grad_op_forward(self, layers: int) -> int:
-        """Iteration 1 forward peak without reshard after forward: every unsharded set kept."""
+        """The most non-root buffers iteration 1's forward may hold without reshard after forward:
+        every unsharded set kept + the outputs in flight (the upper end checked by
+        ``memory_bound.check_shard_grad_op_forward``; at least ``layers`` is its lower end)."""
         return layers + self.forward_outputs
 
 

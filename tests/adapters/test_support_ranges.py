@@ -65,12 +65,21 @@ def test_every_builtin_adapter_supports_this_ci_torch(name):
 def test_every_builtin_adapter_refuses_an_old_torch_in_one_line(monkeypatch, name):
     monkeypatch.setattr(torch, "__version__", "2.6.0+cpu")
     problem = get_adapter(name).support_problem()
+    supported = "torch>=2.8.0,<2.16, tested on 2.8.0, 2.13.0, 2.14.1, 2.15.0"
+    if name == "torch-fsdp2":
+        supported = "torch>=2.13.0,<2.16, tested on 2.13.0, 2.14.1, 2.15.0"
     assert problem == (
-        f"adapter {name!r} does not support this installation: torch 2.6.0+cpu is older than "
-        f"this adapter supports (torch>=2.8.0,<2.16, tested on 2.8.0, 2.13.0, 2.14.1, 2.15.0) "
-        "(docs/compatibility.md)"
+        f"torch 2.6.0+cpu is older than this adapter supports ({supported}); "
+        "docs/compatibility.md"
     )
     assert "\n" not in problem
+
+
+def test_torch_fsdp2_starts_at_2_13(monkeypatch):
+    # 2.8.0 was run: FSDP2 2.8 sums gradients on gloo (ReduceOp.AVG), so it is outside the range
+    monkeypatch.setattr(torch, "__version__", "2.8.0+cu128")
+    assert "torch 2.8.0+cu128 is older" in get_adapter("torch-fsdp2").support_problem()
+    assert get_adapter("torch-fsdp1").support_problem() is None
 
 
 def test_fairscale_declares_its_own_release(monkeypatch):

@@ -48,3 +48,21 @@ def test_the_removed_class_attribute_is_refused_with_the_fix():
 
         class Old(BaseMemoryBoundTests):  # noqa: F841
             known_deviations = {"impl": lambda case: "why"}
+
+
+def test_an_own_bound_needs_only_its_protocol():
+    # an implementation's own bound (OWN_BOUNDS) is duck-typed: bound, explain and
+    # shard_grad_op_forward -- no StreamOrderedBound fields
+    class OwnBound:
+        def bound(self, phase):
+            return 2
+
+        def explain(self, phase):
+            return "own"
+
+        def shard_grad_op_forward(self, layers):
+            return layers + 1
+
+    check_shard_grad_op_forward(tracker_with_first_forward(LAYERS + 1), CASE, "x", OwnBound())
+    with pytest.raises(AssertionError, match=rf"> {LAYERS + 1} \({LAYERS} kept unsharded \+ 1"):
+        check_shard_grad_op_forward(tracker_with_first_forward(LAYERS + 2), CASE, "x", OwnBound())
