@@ -5,7 +5,9 @@ Runs the fuzzing loop of ``fsdp_conformance.fuzz`` (default program size: up to 
 implementation, at a fixed seed, and reports examples per second measured inside the ranks (rank
 start-up excluded: it is paid once per run, not per example), the refused cases, and the
 harness's own cost per example (a broadcast of the case and a gather of the outcomes, measured
-by running the same loop with a case that does nothing).
+by running the same loop with a case that does nothing). Rank 0's CPU seconds per case is the
+load-independent cost: on an otherwise idle machine with a core per rank, examples/s is about
+its inverse.
 
     python benchmarks/bench_fuzz.py                        # impl, torch-fsdp1, torch-fsdp2
     python benchmarks/bench_fuzz.py --impl impl --examples 50
@@ -90,18 +92,23 @@ def main() -> int:
         with open(out, encoding="utf-8") as stream:
             cost = json.load(stream)["ms_per_example"]
         print(f"harness cost per example (broadcast case + gather outcomes): {cost:.2f} ms")
-        print("| adapter | examples | refused | examples/s | all cases/s | verdict |")
-        print("|---|---|---|---|---|---|")
+        print(
+            "| adapter | examples | refused | examples/s | all cases/s | rank-0 CPU s per case "
+            "| verdict |"
+        )
+        print("|---|---|---|---|---|---|---|")
         for impl in impls:
             out = os.path.join(workdir, f"{impl}.json")
             kwargs = {"out_file": out, "examples": args.examples, "seed": args.seed}
             _run("fuzz_in_rank", "fsdp_conformance.fuzz.driver", kwargs, impl, args.world_size)
             with open(out, encoding="utf-8") as stream:
                 result = json.load(stream)
-            every = (result["examples"] + result["unsupported"]) / result["elapsed"]
+            cases = result["examples"] + result["unsupported"]
+            every = cases / result["elapsed"]
+            cpu = result["cpu_seconds"] / cases
             print(
                 f"| {impl} | {result['examples']} | {result['unsupported']} | "
-                f"{result['rate']:.2f} | {every:.2f} | {result['status']} |"
+                f"{result['rate']:.2f} | {every:.2f} | {cpu:.3f} | {result['status']} |"
             )
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

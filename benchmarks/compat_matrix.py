@@ -147,11 +147,14 @@ and the supported versions. The upper end is the newest minor release tested;
 `FSDP_CONFORMANCE_UNTESTED_VERSIONS=1` lifts it (never the lower end) to try a newer torch --
 a moved torch internal then fails with one error naming it and the releases verified.
 Releases older than 2.8.0 were not run (the oldest release declared is the oldest tested).
+torch 2.13.0 (CPU build) is CI's release: the project's tests and `docs/conformance.md` (every
+check x implementation, `fsdp-conformance conformance`) run on it; a cell "not run" below was
+not reached by this matrix in its time budget.
 """
 
 
-def render(results: list[dict], workers: int) -> str:
-    versions = sorted({r["torch_requested"] for r in results},
+def render(results: list[dict], workers: int, requested: tuple[str, ...] = ()) -> str:
+    versions = sorted({r["torch_requested"] for r in results} | set(requested),
                       key=lambda v: tuple(int(x) for x in v.split(".")[:3]))
     lines = [INTRO, "## The matrix", ""]
     header = "| torch | " + " | ".join(f"`{a}`" for a in ADAPTERS) + " |"
@@ -184,13 +187,15 @@ def render(results: list[dict], workers: int) -> str:
     machines = sorted({r["machine"] for r in results})
     commits = sorted({r.get("commit", "?") for r in results})
     lines += ["", "## Where and when", "",
-              f"Run on {', '.join(dates)} UTC; machine: {'; '.join(machines)}; checkout "
+              f"Run between {dates[0]} and {dates[-1]} UTC; machine: {'; '.join(machines)}; checkout "
               f"{', '.join(commits)}. Wall times are of a shared machine (other jobs ran on the "
               "same cores): upper bounds.", ""]
     return "\n".join(lines)
 
 
 def _commit() -> str:
+    if os.environ.get("COMPAT_COMMIT"):  # the checkout was copied out of its repository
+        return os.environ["COMPAT_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, check=True,
                               capture_output=True, text=True).stdout.strip()
@@ -236,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
                       flush=True)
     results = [json.loads(path.read_text()) for path in sorted(args.results.glob("*-*.json"))
                if not path.name.endswith(".matrix.json")]
-    args.out.write_text(render(results, args.workers))
+    args.out.write_text(render(results, args.workers, tuple(args.torch)))
     print(f"wrote {args.out}")
     failed = [r for r in results if r["exit"] != 0]
     return 1 if failed else 0

@@ -194,6 +194,54 @@ _CHECKS: tuple[Check, ...] = (
         strict=False,
     ),
     # ---------------------------------------------------------------- (issue 21: loops.*)
+    Check(
+        "loops.grad_accumulation",
+        "gradient accumulation (micro-batches under no_sync, or synchronising each) matches "
+        "DDP",
+        ("BaseGradientAccumulationTests.test_accumulation_matches_ddp",),
+        case="suite.loops.LoopCase",
+    ),
+    Check(
+        "loops.grad_accumulation_comm",
+        "no gradient reduction while sync is off; exactly one per instance when it is on",
+        ("BaseGradientAccumulationTests.test_no_reduction_while_accumulating",),
+        features=("gradient_accumulation", "comm_trace"),
+        case="suite.loops.LoopCase",
+    ),
+    Check(
+        "loops.clipping",
+        "clip_grad_norm_ returns DDP's global norm (2, inf), really clips, and trains as DDP",
+        ("BaseGradientClippingTests.test_clipping_matches_ddp",),
+        features=("clip_grad_norm",),
+        case="suite.loops.LoopCase",
+    ),
+    Check(
+        "loops.frozen",
+        "frozen parameters stay bit-identical (none reduced), the rest trains as DDP",
+        ("BaseFrozenParameterTests.test_frozen_parameters",),
+        case="suite.loops.LoopCase",
+    ),
+    Check(
+        "loops.activation_checkpointing",
+        "activation checkpointing in wrapped blocks: recomputes, legal states, matches DDP",
+        ("BaseActivationCheckpointingTests.test_activation_checkpointing",),
+        features=("activation_checkpointing",),
+        case="suite.loops.LoopCase",
+    ),
+    Check(
+        "loops.forward_variants",
+        "unused branch, two forwards per backward, no_grad eval: match DDP, legal, resharded",
+        ("BaseForwardVariantsTests.test_forward_variant",),
+        features=("forward_variants",),
+        case="suite.loops.LoopCase",
+    ),
+    Check(
+        "loops.checkpoint_resume",
+        "save/load of model and optimizer (same and other world size) resumes exactly",
+        ("BaseCheckpointResumeTests.test_checkpoint_resume",),
+        features=("checkpoint_resume",),
+        case="suite.loops.ResumeCase",
+    ),
     # ---------------------------------------------------------------- (issue 19)
     Check(
         "parity.default_state_dict",

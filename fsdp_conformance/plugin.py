@@ -103,7 +103,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=None,
         metavar="SECONDS",
         help="fail a test still running in its ranks after this many seconds (> 0), with "
-        "every rank's Python stack (default 120). Env: FSDP_CONFORMANCE_TIMEOUT.",
+        f"every rank's Python stack (default {vocab.DEFAULT_TIMEOUT_S:g}). Env: "
+        "FSDP_CONFORMANCE_TIMEOUT.",
     )
     group.addoption(
         "--fsdp-world-size",

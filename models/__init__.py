@@ -12,6 +12,7 @@ from .common import DelayHooks, DeviceInit, Wrap, move_after_wrap, move_before_w
 from .ddp import DummyDDP
 from .delay import cycles_per_ms, sleep_cycles, sleep_ms
 from .delayed import ModuleWithDelay, NestedWrappedModuleWithDelay
+from .loops import CheckpointedModule, CheckpointingWrap, LoopModule
 from .moe import MixtureOfExperts
 from .nested import ALWAYS_WRAP, AlwaysWrapNestedWrappedModule, NestedWrappedModule
 from .overlap import Layer
@@ -20,10 +21,13 @@ from .transformer import TransformerWithSharedParams
 __all__ = [
     "ALWAYS_WRAP",
     "AlwaysWrapNestedWrappedModule",
+    "CheckpointedModule",
+    "CheckpointingWrap",
     "DelayHooks",
     "DeviceInit",
     "DummyDDP",
     "Layer",
+    "LoopModule",
     "MixtureOfExperts",
     "ModuleWithDelay",
     "NestedWrappedModule",

@@ -193,3 +193,15 @@ def set_device_handle(state: Any, handle: Any) -> None:
 def is_root(state: Any) -> bool | None:
     require(state, "_is_root")
     return state._is_root
+
+
+def has_grads_to_reduce(group: Any) -> bool:
+    """Whether FSDP2's post-backward of param group `group` has a gradient to reduce: an
+    accumulated unsharded gradient or the unsharded parameter's ``.grad`` (torch 2.13.0-2.15)."""
+    require(group, "fsdp_params")
+    for fsdp_param in group.fsdp_params:
+        if getattr(fsdp_param, "unsharded_accumulated_grad", None) is not None:
+            return True
+        if hasattr(fsdp_param, "_unsharded_param") and fsdp_param.unsharded_param.grad is not None:
+            return True
+    return False

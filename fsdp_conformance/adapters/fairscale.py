@@ -79,6 +79,9 @@ def _cuda_hosted() -> bool:
 # ---------------------------------------------------------------------------- deviations
 # Reproductions use fs = get_adapter("fairscale"), x = torch.ones(2, 8), 2 CPU ranks; all of them
 # run in examples/fairscale_deviations.py (docs/fairscale.md)
+# Measured with fairscale 0.4.13 on torch 2.13.0 (CPU, gloo, world size 2); each states the
+# failure it covers (raises / match): any other error in the cell is a FAIL
+_MEASURED_ON = "fairscale 0.4.13, torch 2.13.0"
 FAIRSCALE_DEVIATIONS: tuple[Deviation, ...] = (
     Deviation(
         "memory_bound",
@@ -92,6 +95,8 @@ FAIRSCALE_DEVIATIONS: tuple[Deviation, ...] = (
         "fsdp_conformance.suite.memory_bound.measure_residency(fs, group, "
         "{'limit_all_gathers': True}, 'strict').peak_table() (docs/fairscale.md)",
         applies=lambda case: case.limit_all_gathers,
+        match=r"^memory bound exceeded: ",
+        measured_on=_MEASURED_ON,
     ),
     Deviation(
         "parity.bf16",
@@ -102,9 +107,9 @@ FAIRSCALE_DEVIATIONS: tuple[Deviation, ...] = (
         "activations reaching one fail too ('Float and Half', 'Float and BFloat16'); reproduce: "
         "fs.wrap(nn.Linear(8, 8), mixed_precision={'param_dtype': torch.bfloat16})(x) "
         "(docs/fairscale.md)",
-        raises=RuntimeError,  # torch's matmul dtype check, not an assertion of the check
-        match=r"same dtype",
-        measured_on="fairscale 0.4.13, torch 2.13.0",
+        raises=RuntimeError,
+        match=r"mat1 and mat2 must have the same dtype",
+        measured_on=_MEASURED_ON,
     ),
     Deviation(
         "exec_order.divergent",
@@ -113,12 +118,16 @@ FAIRSCALE_DEVIATIONS: tuple[Deviation, ...] = (
         "reproduce: a, b = fs.wrap(nn.Linear(8, 8)), fs.wrap(nn.Linear(8, 8)); rank 0 runs "
         "b(a(x)).sum().backward(), rank 1 a(b(x)).sum().backward(): no error "
         "(docs/fairscale.md)",
+        match=r"no exception was raised",
+        measured_on=_MEASURED_ON,
     ),
     Deviation(
         "misuse.wrap_twice",
         "fairscale 0.4.13 wraps a module that another instance already wraps without an "
         "error; reproduce: lin = nn.Linear(8, 8); fs.wrap(lin); fs.wrap(lin) "
         "(docs/fairscale.md)",
+        match=r"no exception was raised",
+        measured_on=_MEASURED_ON,
     ),
     Deviation(
         "misuse.forward_inside_summon",
@@ -126,6 +135,9 @@ FAIRSCALE_DEVIATIONS: tuple[Deviation, ...] = (
         "in _rebuild_full_params (an AssertionError with an empty message, removed by python "
         "-O); reproduce: m = fs.wrap(nn.Sequential(fs.wrap(nn.Linear(8, 8)), nn.Linear(8, 8)));"
         " m(x).sum().backward(); with fs.summon_full_params(m): m(x) (docs/fairscale.md)",
+        # the bare assert: "the error does not name the problem ..., got AssertionError: "
+        match=r"does not name the problem .*got AssertionError: $",
+        measured_on=_MEASURED_ON,
     ),
 )
 

@@ -13,9 +13,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .base import Adapter, clean_param_name, scoped_observer
-from .features import MixedPrecisionConfig, module_predicate
 from fsdp_conformance.training_states import InstanceState, RootState
+
+from .base import Adapter, clean_param_name, scoped_observer
+from .features import Feature, MixedPrecisionConfig, module_predicate
 
 
 class ImplAdapter(Adapter):
@@ -103,6 +104,25 @@ class ImplAdapter(Adapter):
 
     def _install_device_handle(self, model: nn.Module, handle: Any) -> None:
         self._impl.device.install_device_handle(model, handle)
+
+    # ------------------------------------------------------------------ training loops (issue 21)
+    def unsupported(self) -> dict[str, str]:
+        return {
+            Feature.USE_ORIG_PARAMS: (
+                "impl's optimizer always sees flat parameters; frozen and trainable parameters "
+                "mix in one instance without a flag (the frozen ones stay unflattened)"
+            ),
+        }
+
+    def save_checkpoint(self, model: nn.Module, optimizer: Any, directory: str) -> None:
+        from fsdp_conformance.impl import checkpoint
+
+        checkpoint.save_checkpoint(model, optimizer, directory)
+
+    def load_checkpoint(self, model: nn.Module, optimizer: Any, directory: str) -> None:
+        from fsdp_conformance.impl import checkpoint
+
+        checkpoint.load_checkpoint(model, optimizer, directory)
 
 
 def _fsdp1_style_policy(policy: Any):

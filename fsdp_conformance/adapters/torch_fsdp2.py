@@ -114,7 +114,14 @@ def _patch_torch_fsdp2() -> None:
 
     def post_backward(original):
         def patched_post_backward(self, *unused: Any):
-            if _REGISTRY.active and self.is_unsharded:
+            # a reduction follows only with gradient sync on (set_requires_gradient_sync) and
+            # some gradient to reduce (a frozen group has none)
+            if (
+                _REGISTRY.active
+                and self.is_unsharded
+                and getattr(self, "reduce_grads", True)
+                and internals.has_grads_to_reduce(self)
+            ):
                 _REGISTRY.emit(Op.REDUCE_SCATTER, _INSTANCE_OF_GROUP.get(self), {})
             return original(self, *unused)
 
@@ -128,32 +135,42 @@ def _patch_torch_fsdp2() -> None:
         patch_attribute(group_class, attribute, make, key=_PATCH_KEY, written_for=_WRITTEN_FOR)
 
 
-# Measured on torch 2.13.0 (CPU, gloo, world size 2); docs/checks.md
+# Measured on torch 2.13.0 (CPU, gloo, world size 2); docs/checks.md; each states the failure it
+# covers (raises / match): any other error in the cell -- an AttributeError of a moved internal
+# included -- is a FAIL
+_MEASURED_ON = "torch 2.13.0"
 FSDP2_DEVIATIONS = (
     Deviation(
         "exec_order.divergent",
         "torch FSDP2 does not compare the execution order across ranks; same-shaped instances "
         "silently exchange each other's all-gathers. Reproduction: fully_shard two Linear(8, 8) "
-        "branches and the root, rank 1 runs the branches in the other order: no error "
-        "(torch 2.13.0)",
+        "branches and the root, rank 1 runs the branches in the other order: no error",
+        match=r"no exception was raised",
+        measured_on=_MEASURED_ON,
     ),
     Deviation(
         "misuse.mixed_devices",
         "torch FSDP2 fully_shard accepts a module with cpu and meta parameters without an error. "
         "Reproduction: fully_shard(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8, "
-        "device='meta'))) -> no error (torch 2.13.0)",
+        "device='meta'))) -> no error",
+        match=r"no exception was raised",
+        measured_on=_MEASURED_ON,
     ),
     Deviation(
         "misuse.forward_inside_summon",
         "torch FSDP2 has no summon_full_params; the torch-fsdp2 adapter emulates it with "
         "unshard()/reshard(), which do not refuse a forward. Reproduction: model.unshard(); "
-        "model(x) -> no error (torch 2.13.0)",
+        "model(x) -> no error",
+        match=r"no exception was raised",
+        measured_on=_MEASURED_ON,
     ),
     Deviation(
         "misuse.summon_during_forward",
         "torch FSDP2 has no summon_full_params; the torch-fsdp2 adapter emulates it with "
         "unshard()/reshard(), which may be called inside forward. Reproduction: a forward hook "
-        "calling root.unshard(); root.reshard() -> no error (torch 2.13.0)",
+        "calling root.unshard(); root.reshard() -> no error",
+        match=r"no exception was raised",
+        measured_on=_MEASURED_ON,
     ),
 )
 
@@ -190,6 +207,10 @@ class TorchFSDP2Adapter(Adapter):
                 "unshard()/reshard(), which does not copy changes back to the shards"
             ),
             Feature.ASSERT_STATE: "torch FSDP2 exposes no state assertion",
+            Feature.USE_ORIG_PARAMS: (
+                "torch FSDP2 always registers the original parameters (as DTensors); FSDP1's "
+                "use_orig_params flag has nothing to switch"
+            ),
         }
 
     def _wrap(self, module: nn.Module, process_group: Any, config: dict[str, Any]) -> nn.Module:
@@ -293,6 +314,73 @@ class TorchFSDP2Adapter(Adapter):
 
     def _install_device_handle(self, model: nn.Module, handle: Any) -> None:
         install_lagging_device(model, handle)
+
+
+    # ------------------------------------------------------------------ training loops (issue 21)
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module) -> Iterator[None]:
+        """FSDP2's ``set_requires_gradient_sync(False)`` on every instance, restored after."""
+        self.check(Feature.GRADIENT_ACCUMULATION)
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+
+    def clip_grad_norm_(
+        self, model: nn.Module, max_norm: float, norm_type: float = 2.0
+    ) -> torch.Tensor:
+        """``torch.nn.utils.get_total_norm`` over the DTensor gradients, per device mesh (a
+        NO_SHARD instance lives on its own 2-D mesh), ``full_tensor()`` of each partial norm,
+        combined into the global norm; then every local gradient shard is scaled by
+        ``max_norm / (norm + 1e-6)`` (at most 1), as ``torch.nn.utils.clip_grad_norm_`` does."""
+        self.check(Feature.CLIP_GRAD_NORM)
+        from torch.distributed.tensor import DTensor
+
+        by_mesh: dict[Any, list[torch.Tensor]] = {}
+        for param in model.parameters():
+            if param.grad is not None:
+                grad = param.grad
+                mesh = grad.device_mesh if isinstance(grad, DTensor) else None
+                by_mesh.setdefault(mesh, []).append(grad)
+        norms = []
+        for grads in by_mesh.values():
+            norm = torch.nn.utils.get_total_norm(grads, norm_type)
+            norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        if not norms:
+            return torch.zeros(())
+        total = torch.nn.utils.get_total_norm(norms, norm_type)
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for grads in by_mesh.values():
+            for grad in grads:  # the local shard in place (a DTensor op would not write it)
+                local = grad.to_local() if isinstance(grad, DTensor) else grad
+                local.mul_(coefficient.to(local.device, local.dtype))
+        return total
+
+    def save_checkpoint(self, model: nn.Module, optimizer: Any, directory: str) -> None:
+        """``torch.distributed.checkpoint.state_dict`` (DTensor state dicts) + ``dcp.save``."""
+        self.check(Feature.CHECKPOINT_RESUME)
+        from . import _dcp
+
+        _dcp.save(model, optimizer, directory, _model_group(model))
+
+    def load_checkpoint(self, model: nn.Module, optimizer: Any, directory: str) -> None:
+        self.check(Feature.CHECKPOINT_RESUME)
+        from . import _dcp
+
+        _dcp.load(model, optimizer, directory, _model_group(model))
+
+
+def _model_group(model: nn.Module) -> Any:
+    """The process group a FSDP2 model spans (its root mesh's; HSDP: the replicate group)."""
+    mesh = model._get_fsdp_state()._fsdp_param_groups[0].mesh_info.mesh if (
+        model._get_fsdp_state()._fsdp_param_groups
+    ) else None
+    if mesh is None:
+        from torch.distributed.tensor import DTensor
+
+        mesh = next(p.device_mesh for p in model.parameters() if isinstance(p, DTensor))
+    return mesh.get_group(0)
 
 
 # (process group, device type) -> its NO_SHARD mesh, rebuilt when its groups were destroyed

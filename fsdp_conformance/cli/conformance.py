@@ -8,6 +8,7 @@ import argparse
 from typing import Any
 
 from fsdp_conformance.cli.common import (
+    BUILTIN_IMPLS,
     CLI_TIMEOUT_S,
     COVERAGES,
     DEFAULT_COVERAGE,
@@ -24,10 +25,9 @@ from fsdp_conformance.cli.common import (
 def _conformance_command(args: argparse.Namespace) -> int:
     from fsdp_conformance.cli import table
 
-    impls = args.impl or list(table.IMPLEMENTATIONS)
+    impls = args.impl or list(BUILTIN_IMPLS)
     for impl in impls:
-        if impl not in table.IMPLEMENTATIONS:
-            check_impl(impl)
+        check_impl(impl)
     check_keyword_expression(args.k)
     check_output(args.out, "--out")
     if args.workers < 0:

@@ -15,7 +15,9 @@ import argparse
 import sys
 from typing import Any
 
-LAUNCHERS = ("none", "torchrun")
+# `run --launcher` choices: spawn ranks, or one torchrun job (the plugin's --fsdp-launcher,
+# vocab.LAUNCHERS, also has "auto", which the CLI never passes)
+CLI_LAUNCHERS = ("none", "torchrun")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """
     parser.add_argument(
         "--launcher",
-        choices=LAUNCHERS,
+        choices=CLI_LAUNCHERS,
         default="none",
         help="'torchrun': run the suite as one torchrun job (every process runs each check in "
         "place; multi-node: run the same command on every node); default: spawn ranks",

@@ -125,6 +125,9 @@ def repro_in_rank(dist: Any, case: FuzzCase, out_file: str) -> None:
 
     from fsdp_conformance.adapters import get_adapter
 
+    import torch
+
+    torch.set_num_threads(1)  # as the fuzzing loop runs it (the harness restores it)
     outcome = run_case(get_adapter(dist.impl), case, dist)
     gathered: list[Any] = [None] * dist.world_size
     tdist.all_gather_object(gathered, outcome)

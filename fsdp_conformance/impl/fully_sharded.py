@@ -93,7 +93,7 @@ class FullyShardedDataParallel(ForwardMixin, StateDictMixin, nn.Module):
         super().__init__()
         process_group = process_group if process_group is not None else dist.group.WORLD
         ignored = _expand_ignored(ignored_modules)
-        for nested in _nested_instances(module):
+        for nested in fsdp_states(module):
             if nested.is_root is not None:
                 raise ValueError(
                     f"cannot wrap {type(module).__name__}: its nested FSDP instance around "
@@ -116,7 +116,7 @@ class FullyShardedDataParallel(ForwardMixin, StateDictMixin, nn.Module):
             }
             _recursive_wrap(module, auto_wrap_policy, ignored, child_kwargs, only_children=True)
 
-        params = _collect_params(module, ignored)
+        params = _frozen_apart(_collect_params(module, ignored))
         compute_device = _compute_device(module, params, device_id)
         cpu_offload = cpu_offload or CPUOffload()
         if compute_device.type != "cpu":
@@ -226,6 +226,12 @@ class FullyShardedDataParallel(ForwardMixin, StateDictMixin, nn.Module):
         visit(module)
         return found
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip all gradients under this root by their global norm (``impl/clip.py``)."""
+        from fsdp_conformance.impl.clip import clip_grad_norm_
+
+        return clip_grad_norm_(self, max_norm, norm_type)
+
     def _assert_state(self, state: Any) -> None:
         """Raise AssertionError unless this instance is in ``state`` (or one of several).
 
@@ -293,10 +299,6 @@ def _expand_ignored(ignored_modules: Iterable[nn.Module] | None) -> set[nn.Modul
     return ignored
 
 
-def _nested_instances(module: nn.Module) -> list[FSDPState]:
-    return fsdp_states(module)
-
-
 def _recursive_wrap(
     module: nn.Module,
     policy: AutoWrapPolicy,
@@ -351,6 +353,23 @@ def _collect_params(
     return found
 
 
+def _frozen_apart(
+    params: list[tuple[nn.Module, str, nn.Parameter]],
+) -> list[tuple[nn.Module, str, nn.Parameter]]:
+    """Frozen and trainable parameters in one instance: only the trainable ones are flattened.
+
+    [Note: frozen parameters] The frozen ones stay registered on their modules, whole on every
+    rank (not sharded: they never get a gradient, so nothing is reduced for them and the
+    optimizer skips them, leaving them bit-identical). An instance whose parameters are all
+    frozen flattens them as usual (a flat parameter without gradient: no reduction).
+    """
+    if all(param.requires_grad for _, _, param in params):
+        return params
+    if not any(param.requires_grad for _, _, param in params):
+        return params
+    return [(m, name, param) for m, name, param in params if param.requires_grad]
+
+
 def _compute_device(
     module: nn.Module,
     params: list[tuple[nn.Module, str, nn.Parameter]],
@@ -401,16 +420,10 @@ def _move_to_compute_device(
 
 def _check_uniform(module: nn.Module, params: list[tuple[nn.Module, str, nn.Parameter]]) -> None:
     dtypes = {p.dtype for _, _, p in params}
-    grads = {p.requires_grad for _, _, p in params}
     if len(dtypes) > 1:
         raise ValueError(
             f"FSDP flattens {type(module).__name__}'s parameters into one tensor but they have "
             f"dtypes {sorted(map(str, dtypes))}; cast them to one dtype or wrap them separately"
-        )
-    if len(grads) > 1:
-        raise ValueError(
-            f"{type(module).__name__} mixes parameters with and without requires_grad in one "
-            "FSDP instance; wrap the frozen ones separately or put them in ignored_modules"
         )
 
 

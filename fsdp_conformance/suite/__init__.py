@@ -19,6 +19,14 @@ from __future__ import annotations
 
 from .comm_checks import BaseCollectiveCountTests, BasePrefetchOrderTests
 from .generated import BaseGeneratedModelTests
+from .loops import (
+    BaseActivationCheckpointingTests,
+    BaseCheckpointResumeTests,
+    BaseForwardVariantsTests,
+    BaseFrozenParameterTests,
+    BaseGradientAccumulationTests,
+    BaseGradientClippingTests,
+)
 from .memory_bound import BaseMemoryBoundTests
 from .misuse import BaseBadInputTests, BaseExecOrderTests
 from .overlap import BaseOverlapTests
@@ -26,10 +34,16 @@ from .parity import BaseDDPParityTests, BaseStateDictTests, BaseSummonFullParams
 from .states import BaseTrainingStateTests
 
 __all__ = [
+    "BaseActivationCheckpointingTests",
     "BaseBadInputTests",
+    "BaseCheckpointResumeTests",
     "BaseCollectiveCountTests",
     "BaseDDPParityTests",
     "BaseExecOrderTests",
+    "BaseForwardVariantsTests",
+    "BaseFrozenParameterTests",
+    "BaseGradientAccumulationTests",
+    "BaseGradientClippingTests",
     "BaseGeneratedModelTests",
     "BaseMemoryBoundTests",
     "BaseOverlapTests",

@@ -1,7 +1,7 @@
 """The memory bound of a stream-ordered FSDP (torch FSDP2), derived from its algorithm.
 
 [Note: stream-ordered bound]
-torch FSDP2 (2.13.0) never blocks the CPU to bound memory; it bounds it by stream order. Per
+torch FSDP2 (2.8.0 to 2.15.0) never blocks the CPU to bound memory; it bounds it by stream order. Per
 unshard it holds two buffers of one instance's unsharded size: the all-gather output and the
 unsharded parameters copied out of it ([Note: FSDP2 buffers] in
 ``fsdp_conformance/adapters/_fsdp2_device.py``). A freed block counts as resident until a
@@ -21,9 +21,13 @@ caching allocator could reuse it ([Note: stream-ordered reuse]). Non-root buffer
   unsharded = 2**, whatever the explicit prefetch lists name (one target at a time).
 
 Measured (docs/memory_bound.md): forward 3 and backward 2 in every iteration, under both lag
-variants and every prefetch mapping. ``reshard_after_forward=False`` (SHARD_GRAD_OP) keeps all
-unsharded parameters through forward: forward is exempt, as for the other implementations, and
-its first forward holds ``layers`` unsharded buffers plus the forward's outputs in flight.
+variants and every prefetch mapping. torch 2.15 drops the previous output before the copy-out
+(``release_all_gather_state_for_comm_reuse``): a forward without explicit prefetch then holds 2,
+within the bound (``_fsdp2_internals.releases_previous_output_before_copy_out`` detects it).
+``reshard_after_forward=False`` (SHARD_GRAD_OP) keeps all unsharded parameters through forward:
+forward is exempt, as for the other implementations, and its first forward holds ``layers``
+unsharded buffers plus at most ``forward_outputs`` outputs in flight
+(``memory_bound.check_shard_grad_op_forward`` checks both bounds).
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from fsdp_conformance.adapters import Feature
 from fsdp_conformance.models import (
     AlwaysWrapNestedWrappedModule,
     DeviceInit,
+    LoopModule,
     MixtureOfExperts,
     NestedWrappedModule,
     NestedWrappedModuleWithDelay,
@@ -77,6 +78,19 @@ def _mixture_of_experts_with_delay(group: Any, wrap: Any, **kwargs: Any) -> nn.M
     return MixtureOfExperts(group, wrap, delay_before_free_ms=DELAY_MS, **kwargs)
 
 
+# The training-loop checks' models (models/loops.py): per-instance gradient scales differing by
+# orders of magnitude ("loops_gains"), NO_SHARD next to sharded instances, a branch skipped in
+# some iterations, a whole frozen wrapped block, frozen and trainable parameters in one instance
+LOOP_GAINS = (1.0, 40.0, 0.025)
+
+
+def _loops(**options: Any) -> Builder:
+    def build(group: Any, wrap: Any, **kwargs: Any) -> nn.Module:
+        return LoopModule(group, wrap, **options, **kwargs)
+
+    return build
+
+
 MODELS: dict[str, ModelSpec] = {
     spec.name: spec
     for spec in (
@@ -92,10 +106,30 @@ MODELS: dict[str, ModelSpec] = {
             reference="dummy_ddp",
             features=(Feature.COMM_TRACE,),
         ),
+        ModelSpec("loops", _loops()),
+        ModelSpec("loops_gains", _loops(gains=LOOP_GAINS)),
+        ModelSpec(
+            "loops_gains_no_shard",
+            _loops(gains=LOOP_GAINS, no_shard_block=1),
+            features=(Feature.NO_SHARD,),
+        ),
+        ModelSpec("loops_branch", _loops(branch=True)),
+        ModelSpec(
+            "loops_frozen", _loops(freeze="instance"), features=(Feature.FROZEN_PARAMETERS,)
+        ),
+        ModelSpec(
+            "loops_frozen_mixed",
+            _loops(freeze="mixed"),
+            features=(Feature.FROZEN_PARAMETERS_MIXED,),
+        ),
     )
 }
 # The models of the parity check (transformer_without_batchnorm is for mixed precision)
-MODEL_NAMES = tuple(name for name in MODELS if name != "transformer_without_batchnorm")
+MODEL_NAMES = tuple(
+    name
+    for name in MODELS
+    if name != "transformer_without_batchnorm" and not name.startswith("loops")
+)
 
 
 def build(

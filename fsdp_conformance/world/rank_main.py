@@ -84,7 +84,7 @@ class _RankProcess:
         gpu_text = os.environ.get(ENV_GPU_IDS, "")
         # GPUs held by the rank set, one per rank, () on CPU
         self.gpu_ids = tuple(int(g) for g in gpu_text.split(",") if g)
-        self.timeout = float(os.environ.get(ENV_TIMEOUT, "120"))
+        self.timeout = float(os.environ.get(ENV_TIMEOUT, str(vocab.DEFAULT_TIMEOUT_S)))
         self.store_path = os.environ[ENV_STORE]
         # - Connection to the parent
         self.conn = Connection(int(os.environ[ENV_FD]))

@@ -120,10 +120,12 @@ def test_misconfiguration_errors(dist):
     if dist.rank == 0:
         with pytest.raises(TypeError, match="sharding_strategy must be a ShardingStrategy"):
             FSDP(nn.Linear(2, 2), sharding_strategy="FULL_SHARD")
-        with pytest.raises(ValueError, match="mixes parameters with and without requires_grad"):
-            module = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
-            module[0].weight.requires_grad_(False)
-            FSDP(module)
+        # frozen and trainable parameters in one instance: the frozen ones stay unflattened
+        module = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+        module[0].weight.requires_grad_(False)
+        mixed = FSDP(module)
+        assert mixed.module[0].weight.requires_grad is False
+        assert mixed._fsdp_state.handle.numel == 2 + 4 + 2  # bias 0, weight and bias 1
         model = FSDP(nn.Linear(2, 2))
         with pytest.raises(ValueError, match="rank0_only=True, writeback=True"):
             with model.summon_full_params(rank0_only=True):

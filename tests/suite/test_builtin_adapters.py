@@ -16,16 +16,23 @@ from __future__ import annotations
 import pytest
 
 from fsdp_conformance.suite import (
+    BaseActivationCheckpointingTests,
     BaseBadInputTests,
+    BaseCheckpointResumeTests,
     BaseCollectiveCountTests,
     BaseDDPParityTests,
     BaseExecOrderTests,
+    BaseForwardVariantsTests,
+    BaseFrozenParameterTests,
+    BaseGradientAccumulationTests,
+    BaseGradientClippingTests,
     BaseOverlapTests,
     BasePrefetchOrderTests,
     BaseStateDictTests,
     BaseSummonFullParamsTests,
     BaseTrainingStateTests,
 )
+from fsdp_conformance.suite.loops import RESUME_CASES
 
 ADAPTERS = ("impl", "torch-fsdp1", "torch-fsdp2")
 
@@ -100,3 +107,43 @@ class TestExecOrder(BaseExecOrderTests):
 
 class TestBadInputs(BaseBadInputTests):
     pass
+
+
+# The training-loop checks (suite/loops.py, issue 21): a representative subset per class on
+# impl and torch-fsdp2 (FULL_SHARD; the model that shows the most); `fsdp-conformance run`
+# runs every cell for every adapter.
+@pytest.fixture(params=("impl", "torch-fsdp2"))
+def _impl_or_fsdp2(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+class _LoopSubset:
+    strategies = ("FULL_SHARD",)
+
+    @pytest.fixture
+    def fsdp_impl(self, _impl_or_fsdp2: str) -> str:
+        return _impl_or_fsdp2
+
+
+class TestGradientAccumulationSubset(_LoopSubset, BaseGradientAccumulationTests):
+    models = ("loops",)
+
+
+class TestGradientClippingSubset(_LoopSubset, BaseGradientClippingTests):
+    models = ("loops_gains_no_shard",)
+
+
+class TestFrozenParametersSubset(_LoopSubset, BaseFrozenParameterTests):
+    pass
+
+
+class TestActivationCheckpointingSubset(_LoopSubset, BaseActivationCheckpointingTests):
+    models = ("nested",)
+
+
+class TestForwardVariantsSubset(_LoopSubset, BaseForwardVariantsTests):
+    pass
+
+
+class TestCheckpointResumeSubset(_LoopSubset, BaseCheckpointResumeTests):
+    cases = tuple(case for case in RESUME_CASES if case.save_world != case.load_world)

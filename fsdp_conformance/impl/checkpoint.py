@@ -1,0 +1,176 @@
+"""Checkpoints of the reference FSDP: model and optimizer state, loadable at any world size.
+
+``save_checkpoint(root, optimizer, directory)`` writes one file, ``directory/impl_checkpoint.pt``,
+holding the full (unsharded, original names) model state dict and, per flat parameter (by its
+name in ``root.named_parameters()``), the optimizer's state with every per-element tensor
+gathered into the unpadded full flat tensor; scalars (e.g. Adam's ``step``) and the param
+groups' hyperparameters are kept as they are. ``load_checkpoint`` reads it on every rank, loads
+the model state dict and cuts each full optimizer tensor into this rank's shard of the *current*
+sharding (padding to the current world size), so a checkpoint saved at one world size resumes
+at another (resharding). Both are collectives over ``root.process_group``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+FILE_NAME = "impl_checkpoint.pt"
+FORMAT = "fsdp_conformance.impl checkpoint v1"
+
+
+def save_checkpoint(root: nn.Module, optimizer: torch.optim.Optimizer, directory: str) -> None:
+    """Write model and optimizer state of ``root`` into ``directory`` (shared by all ranks)."""
+    handles = _flat_handles(root)
+    model_state = {key: _cpu(value) for key, value in root.state_dict().items()}
+    names = _param_names(root, optimizer)
+    optimizer_state: dict[str, dict[str, Any]] = {}
+    for index, param in enumerate(_optimizer_params(optimizer)):
+        state = optimizer.state.get(param, {})
+        handle = handles.get(id(param))
+        entry = {}
+        for key, value in state.items():
+            if handle is not None and _is_per_element(value, handle):
+                value = _gather(value, handle)
+            entry[key] = _cpu(value)
+        optimizer_state[names[index]] = entry
+    groups = [
+        {key: value for key, value in group.items() if key != "params"}
+        for group in optimizer.param_groups
+    ]
+    group_of = {
+        names[index]: number
+        for number, group in enumerate(_group_indices(optimizer))
+        for index in group
+    }
+    payload = {
+        "format": FORMAT,
+        "model": model_state,
+        "optimizer": optimizer_state,
+        "param_groups": groups,
+        "group_of": group_of,
+    }
+    group = root.process_group
+    if dist.get_rank(group) == 0:
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, FILE_NAME)
+        torch.save(payload, path + ".tmp")
+        os.replace(path + ".tmp", path)
+    dist.barrier(group=group)
+
+
+def load_checkpoint(root: nn.Module, optimizer: torch.optim.Optimizer, directory: str) -> None:
+    """Load what ``save_checkpoint`` wrote, at this world size (resharding as needed)."""
+    path = os.path.join(directory, FILE_NAME)
+    if not os.path.exists(path):
+        raise FileNotFoundError(
+            f"load_checkpoint: no {FILE_NAME} in {directory!r}; save with "
+            "fsdp_conformance.impl.checkpoint.save_checkpoint first"
+        )
+    payload = torch.load(path, map_location="cpu", weights_only=False)
+    if payload.get("format") != FORMAT:
+        raise ValueError(f"load_checkpoint: {path!r} is not a {FORMAT!r} file")
+    root.load_state_dict(payload["model"])
+    handles = _flat_handles(root)
+    names = _param_names(root, optimizer)
+    missing = sorted(set(names) - set(payload["optimizer"]))
+    if missing:
+        raise ValueError(
+            f"load_checkpoint: the checkpoint has no optimizer state for {missing}; was it saved "
+            "from the same model?"
+        )
+    params = _optimizer_params(optimizer)
+    state: dict[int, dict[str, Any]] = {}
+    for index, param in enumerate(params):
+        handle = handles.get(id(param))
+        entry = {}
+        for key, value in payload["optimizer"][names[index]].items():
+            if (
+                handle is not None
+                and isinstance(value, torch.Tensor)
+                and value.dim() == 1
+                and (value.numel() == handle.numel and value.numel() != 1)
+            ):
+                value = _shard(value, handle)
+            entry[key] = (
+                value.to(param.device)
+                if isinstance(value, torch.Tensor) and (value.dim() > 0)
+                else value
+            )
+        if entry:
+            state[index] = entry
+    groups = []
+    for number, indices in enumerate(_group_indices(optimizer)):
+        saved = payload["param_groups"][number] if number < len(payload["param_groups"]) else {}
+        groups.append({**saved, "params": indices})
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+# ---------------------------------------------------------------------------- helpers
+def _flat_handles(root: nn.Module) -> dict[int, Any]:
+    return {
+        id(instance.flat_param): instance._fsdp_state.handle
+        for instance in root.fsdp_modules(root)
+        if instance.flat_param is not None
+    }
+
+
+def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [param for group in optimizer.param_groups for param in group["params"]]
+
+
+def _group_indices(optimizer: torch.optim.Optimizer) -> list[list[int]]:
+    indices, start = [], 0
+    for group in optimizer.param_groups:
+        indices.append(list(range(start, start + len(group["params"]))))
+        start += len(group["params"])
+    return indices
+
+
+def _param_names(root: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    by_id = {id(param): name for name, param in root.named_parameters()}
+    names = []
+    for param in _optimizer_params(optimizer):
+        if id(param) not in by_id:
+            raise ValueError(
+                "checkpoint: the optimizer holds a tensor that is not a parameter of the model; "
+                "build the optimizer over root.parameters()"
+            )
+        names.append(by_id[id(param)])
+    return names
+
+
+def _is_per_element(value: Any, handle: Any) -> bool:
+    return (
+        isinstance(value, torch.Tensor)
+        and value.dim() == 1
+        and value.numel() == handle.shard_numel
+        and handle.shard_numel != 1
+    )
+
+
+def _gather(shard: torch.Tensor, handle: Any) -> torch.Tensor:
+    """The unpadded full flat tensor of a per-element optimizer state shard."""
+    if not handle.sharded:
+        return shard.detach().clone()[: handle.numel]
+    shard = shard.detach().to(handle.compute_device)
+    full = torch.empty(handle.padded_numel, dtype=shard.dtype, device=shard.device)
+    dist.all_gather_into_tensor(full, shard.contiguous(), group=handle.process_group)
+    return full[: handle.numel]
+
+
+def _shard(full: torch.Tensor, handle: Any) -> torch.Tensor:
+    """This rank's shard of an unpadded full flat tensor under the current sharding."""
+    if not handle.sharded:
+        return full.clone()
+    padded = F.pad(full, (0, handle.padded_numel - handle.numel))
+    return padded.narrow(0, handle.rank * handle.shard_numel, handle.shard_numel).clone()
+
+
+def _cpu(value: Any) -> Any:
+    return value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value

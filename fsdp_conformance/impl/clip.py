@@ -1,0 +1,90 @@
+"""Gradient clipping by the global norm over every shard (``clip_grad_norm_``).
+
+Each rank holds one shard of each sharded instance's flat gradient; the global norm is the norm
+of the whole unsharded gradient, so per-shard contributions are combined across the root's
+process group: for a finite norm type p, the sum of ``|g|^p`` over the local shards is
+all-reduced (SUM) and the p-th root taken; for ``inf`` the local maxima are all-reduced (MAX).
+A NO_SHARD instance (or one on a one-rank group) holds the whole gradient on every rank of its
+group: only the group's first rank contributes it to the sum, so it is counted once. Padding is
+zero and adds nothing. Then every gradient is multiplied by ``max_norm / (total + 1e-6)`` when
+that is below 1 -- what ``torch.nn.utils.clip_grad_norm_`` does on the unsharded model.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+# torch.nn.utils.clip_grad_norm_'s guard against division by zero
+EPSILON = 1e-6
+
+
+def clip_grad_norm_(root: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Clip every gradient under ``root`` by the global norm; returns the norm before clipping.
+
+    A collective over ``root.process_group``: call it on every rank, after backward.
+
+    Args:
+        root: the root instance (its process group spans every instance's ranks).
+        max_norm: the largest global norm allowed (> 0).
+        norm_type: the norm's order (> 0, or ``inf``).
+    """
+    max_norm = float(max_norm)
+    norm_type = float(norm_type)
+    if not max_norm > 0:
+        raise ValueError(f"clip_grad_norm_: max_norm={max_norm!r} must be > 0")
+    if not norm_type > 0:
+        raise ValueError(f"clip_grad_norm_: norm_type={norm_type!r} must be > 0 or inf")
+    if root.is_root is False:
+        raise RuntimeError(
+            f"clip_grad_norm_ called on the non-root FSDP instance {root._fsdp_state.name()}; call it "
+            "on the root (outermost) instance"
+        )
+    grads: list[torch.Tensor] = []
+    local = torch.zeros((), dtype=torch.float64)
+    for instance in root.fsdp_modules(root):
+        handle = instance._fsdp_state.handle
+        if handle is None or handle.flat_param.grad is None:
+            continue
+        grad = handle.flat_param.grad
+        grads.append(grad)
+        counted = handle.sharded or dist.get_rank(handle.process_group) == 0
+        if not counted:
+            continue
+        if math.isinf(norm_type):
+            local = torch.maximum(local, grad.detach().abs().max().double().cpu())
+        else:
+            local += grad.detach().double().abs().pow(norm_type).sum().cpu()
+    unmanaged = _unmanaged_grads(root)
+    grads.extend(unmanaged)
+    if dist.get_rank(root.process_group) == 0:  # replicated: count them once
+        for grad in unmanaged:
+            if math.isinf(norm_type):
+                local = torch.maximum(local, grad.detach().abs().max().double().cpu())
+            else:
+                local += grad.detach().double().abs().pow(norm_type).sum().cpu()
+    total = local.to(root.compute_device)
+    if root.process_group.size() > 1:
+        op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
+        dist.all_reduce(total, op=op, group=root.process_group)
+    if not math.isinf(norm_type):
+        total = total.pow(1.0 / norm_type)
+    total = total.float()
+    coefficient = max_norm / (total + EPSILON)
+    if coefficient < 1:
+        for grad in grads:
+            grad.mul_(coefficient.to(grad.device, grad.dtype))
+    return total
+
+
+def _unmanaged_grads(root: nn.Module) -> list[torch.Tensor]:
+    """Gradients of parameters no instance flattened (replicated: the same on every rank)."""
+    flat = {id(i.flat_param) for i in root.fsdp_modules(root) if i.flat_param is not None}
+    return [
+        param.grad
+        for param in root.parameters()
+        if id(param) not in flat and param.grad is not None
+    ]
