@@ -89,9 +89,19 @@ def _cpu_host() -> bool:
     return not torch.cuda.is_available()
 
 
+def _shm_op_used() -> bool:
+    """Whether DeepSpeed's CPU backend would use its shared-memory op: only when ``LOCAL_SIZE``
+    (ranks on this machine) is set and equals the world size; the harness does not set it."""
+    import torch.distributed as dist
+
+    if not _cpu_host() or not os.environ.get("LOCAL_SIZE"):
+        return False
+    return not dist.is_initialized() or os.environ["LOCAL_SIZE"] == str(dist.get_world_size())
+
+
 def _compiler_problem() -> str | None:
     """One line when the CPU accelerator's op must be built and no compiler can build it."""
-    if not _cpu_host():
+    if not _shm_op_used():
         return None
     built = os.path.join(extensions_dir(), "deepspeed_shm_comm")
     if os.path.isdir(built) and any(name.endswith(".so") for name in os.listdir(built)):
@@ -150,6 +160,13 @@ def ensure_distributed() -> None:
             "adapter 'deepspeed': torch.distributed is not initialized; run inside the harness "
             "(the dist fixture) or call torch.distributed.init_process_group first"
         )
+    if _cpu_host() and not _shm_op_used():
+        # DeepSpeed's CPU backend JIT-builds (or re-checks under a file lock) its shared-memory
+        # op at init_distributed, then never uses it unless LOCAL_SIZE says every rank is local:
+        # mark it not compatible here, DeepSpeed's own switch, so nothing is built or locked
+        import deepspeed.ops
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
 
 

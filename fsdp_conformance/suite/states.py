@@ -62,7 +62,7 @@ class BaseTrainingStateTests:
                     model, 2, (("sharding_strategy", strategy), ("backward_prefetch", prefetch))
                 )
                 for model in self.models
-                for strategy in configs.SHARDING_STRATEGIES
+                for strategy in supported["sharding_strategy"]
                 for prefetch in prefetches
             ]
             metafunc.parametrize("state_case", [case.param() for case in cases])

@@ -103,10 +103,14 @@ def test_without_deepspeed_every_feature_says_how_to_install(monkeypatch) -> Non
 
 
 def test_missing_compiler_is_one_line(monkeypatch, tmp_path) -> None:
+    # only when the op is used (LOCAL_SIZE = world size); otherwise nothing is built
+    monkeypatch.delenv("LOCAL_SIZE", raising=False)
+    assert ds_adapter._compiler_problem() is None
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     monkeypatch.delenv("CXX", raising=False)
     monkeypatch.setattr(ds_adapter.shutil, "which", lambda name: None)
     monkeypatch.setattr(ds_adapter, "_cpu_host", lambda: True)
+    monkeypatch.setattr(ds_adapter, "_shm_op_used", lambda: True)
     problem = ds_adapter._compiler_problem()
     assert problem is not None and "\n" not in problem and "compiler" in problem
     assert str(tmp_path) in problem
