@@ -64,10 +64,10 @@ def _trains_like_ddp(dist, adapter, config: dict) -> None:
     model = NestedWrappedModule(
         dist.group, None if "auto_wrap_policy" in config else adapter.wrapper(**inner_config)
     )
-    root = adapter.wrap(model, **config)
+    root = adapter.wrap(model, root=True, **config)
     expected_instances = 8 if "auto_wrap_policy" in config else 4
     assert len(adapter.instances(root)) == expected_instances
-    losses = train(root, model, dist.device, steps=2)
+    losses = train(root, model, dist.device, steps=2, adapter=adapter)  # its optimizer
 
     tolerance = 5e-2 if "mixed_precision" in config else 1e-6
     torch.testing.assert_close(losses, reference_losses, atol=tolerance, rtol=tolerance)
