@@ -209,8 +209,13 @@ def test_deviation_reproductions_reproduce(tmp_path):
         for iteration, peaks in enumerate(RELEASED_PEAKS["strict"], start=1)
         for phase, peak in zip(("forward", "backward"), peaks)
     ), lines
-    # every check the script reproduces is declared, and every declared check is reproduced
-    declared = {deviation.check for deviation in get_adapter("fairscale").known_deviations}
+    # every check the script reproduces is declared, and every declared check is reproduced --
+    # the training-loop deviations (issue 21) by the reproduction in their reason, which the
+    # suite's loop checks run (fsdp_conformance.suite.test_loops, their declared match)
+    deviations = get_adapter("fairscale").known_deviations
+    loops = [deviation for deviation in deviations if deviation.check.startswith("loops.")]
+    assert all("Reproduction:" in d.reason and d.match for d in loops), loops
+    declared = {deviation.check for deviation in deviations if deviation not in loops}
     assert declared == {label.split(" ")[0] for label in lines}, (declared, lines)
 
 
