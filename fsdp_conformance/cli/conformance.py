@@ -49,7 +49,8 @@ def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
         help="run the suite per implementation and write the check x implementation table",
         description=_paragraph(
             "Run the conformance suite once per implementation (--impl, repeatable; default "
-            "impl, torch-fsdp1, torch-fsdp2, fairscale) and write docs/conformance.md: each check "
+            "every built-in adapter: impl, torch-fsdp1, torch-fsdp2, fairscale, deepspeed) and write "
+            "docs/conformance.md: each check "
             "x implementation -> pass / deviation (the adapter's declared reason) / not "
             "applicable (the missing feature) / FAIL, with the torch version and the date. An "
             "implementation that is not installed gets that, with the install command, in its "
