@@ -16,8 +16,9 @@ Verified on torch 2.8.0, 2.13.0, 2.14.1 and 2.15.0 (``VERIFIED_ON``): the same s
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
+
+from ._internals import InternalsProbe
 
 VERIFIED_ON = ("2.8.0", "2.13.0", "2.14.1", "2.15.0")
 
@@ -26,29 +27,15 @@ class FSDP1InternalsError(RuntimeError):
     """The torch running lacks an FSDP1 internal the torch-fsdp1 adapter relies on."""
 
 
-def moved(what: str) -> FSDP1InternalsError:
-    import torch
-
-    return FSDP1InternalsError(
-        f"torch FSDP1 internals moved: {what} (torch {torch.__version__}; "
-        f"fsdp_conformance/adapters/_fsdp1_internals.py knows torch {', '.join(VERIFIED_ON)}); "
-        "use a supported torch (docs/compatibility.md) or teach that file the new shape"
-    )
-
-
-def require(obj: Any, *names: str) -> None:
-    for name in names:
-        if not hasattr(obj, name):
-            owner = obj.__name__ if isinstance(obj, type) else type(obj).__name__
-            raise moved(f"{owner}.{name} is missing")
-
-
-def _import(module: str, name: str | None = None) -> Any:
-    try:
-        imported = importlib.import_module(module)
-        return imported if name is None else getattr(imported, name)
-    except (ImportError, AttributeError) as error:
-        raise moved(f"{module}{'.' + name if name else ''} cannot be imported ({error})") from None
+_probe = InternalsProbe(
+    "torch FSDP1",
+    "fsdp_conformance/adapters/_fsdp1_internals.py",
+    FSDP1InternalsError,
+    VERIFIED_ON,
+)
+moved = _probe.moved  # the one error for a missing internal
+require = _probe.require  # that error unless an object has every attribute named
+_import = _probe.load  # a module or its attribute, or that error
 
 
 def flat_param_handle_class() -> type:

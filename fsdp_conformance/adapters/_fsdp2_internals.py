@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ._internals import InternalsProbe
+
 # The torch releases every accessor below was run on (docs/compatibility.md)
 VERIFIED_ON = ("2.8.0", "2.13.0", "2.14.1", "2.15.0")
 # FSDPCommContext's streams, replaced by lagging-device streams at lazy init
@@ -40,32 +42,15 @@ class FSDP2InternalsError(RuntimeError):
     """The torch running lacks an FSDP2 internal the torch-fsdp2 adapter relies on."""
 
 
-def moved(what: str) -> FSDP2InternalsError:
-    """The one error for a missing internal: what, the torch running, the releases verified."""
-    import torch
-
-    return FSDP2InternalsError(
-        f"torch FSDP2 internals moved: {what} (torch {torch.__version__}; "
-        f"fsdp_conformance/adapters/_fsdp2_internals.py knows torch {', '.join(VERIFIED_ON)}); "
-        "use a supported torch (docs/compatibility.md) or teach that file the new shape"
-    )
-
-
-def require(obj: Any, *names: str) -> None:
-    """FSDP2InternalsError unless ``obj`` has every attribute in ``names``."""
-    for name in names:
-        if not hasattr(obj, name):
-            owner = obj.__name__ if isinstance(obj, type) else type(obj).__name__
-            raise moved(f"{owner}.{name} is missing")
-
-
-def _import(module: str, name: str) -> Any:
-    import importlib
-
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as error:
-        raise moved(f"{module}.{name} cannot be imported ({error})") from None
+_probe = InternalsProbe(
+    "torch FSDP2",
+    "fsdp_conformance/adapters/_fsdp2_internals.py",
+    FSDP2InternalsError,
+    VERIFIED_ON,
+)
+moved = _probe.moved  # the one error for a missing internal
+require = _probe.require  # that error unless an object has every attribute named
+_import = _probe.load  # a module or its attribute, or that error
 
 
 # ---------------------------------------------------------------------------- classes
