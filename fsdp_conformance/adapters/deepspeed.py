@@ -244,7 +244,7 @@ DEEPSPEED_DEVIATIONS: tuple[Deviation, ...] = (
         "parameters in use, fails a bare assert whose message is only the parameter's repr "
         "('Parameter containing: ...'), naming neither the forward nor the misuse; "
         "reproduction: register_forward_hook(lambda *a: GatheredParameters(params).__enter__())"
-        f" on an inner module, then e(x)",
+        " on an inner module, then e(x)",
     ),
     _deviation(
         "overlap",
@@ -252,7 +252,7 @@ DEEPSPEED_DEVIATIONS: tuple[Deviation, ...] = (
         "all-gather before the first module computes, so no all-gather overlaps a module's "
         "compute: measured 1.01x the serialised time (1 all-gather x 30 ms + 121 ms compute), "
         "the check expects <= 0.8x; reproduction: fsdp_conformance.suite.overlap."
-        f"measure_overlap(ds, dist, 30.0, 30.0)",
+        "measure_overlap(ds, dist, 30.0, 30.0)",
     ),
     _deviation(
         "misuse.wrap_twice",
@@ -414,7 +414,7 @@ class DeepSpeedAdapter(Adapter):
         engine, _, _, _ = deepspeed.initialize(
             model=module, optimizer=placeholder, config=ds_config
         )
-        engine._fsdpc_stage = stage  # noqa: SLF001 -- our own bookkeeping on the engine
+        engine._fsdpc_stage = stage
         with _lock:
             _WRAPPED_ROOTS.add(module)
         _assign_owners(engine, self.instances(engine))
