@@ -16,16 +16,16 @@ while another still reads it is protected with ``record_stream``.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.autograd import Variable
-from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils._pytree import tree_map_only
 
 from fsdp_conformance import vocab
+from fsdp_conformance._tensors import output_tensors
 from fsdp_conformance.impl import trace
 from fsdp_conformance.impl.api import BackwardPrefetch, ShardingStrategy
 from fsdp_conformance.impl.device import device_handle_for
@@ -250,20 +250,6 @@ def post_forward(state: FSDPState, output: Any) -> Any:
     if state.is_root and (not tensors or not torch.is_grad_enabled()):
         finish_iteration(state)  # no backward will follow
     return output
-
-
-def output_tensors(output: Any) -> list[torch.Tensor]:
-    """The tensors in a forward's output: pytree containers and, inside them, dataclass
-    instances (not pytree nodes unless registered; a module returning one must still get its
-    pre-backward hooks -- found by the fuzzer, docs/fuzz.md)."""
-    found = []
-    for leaf in tree_flatten(output)[0]:
-        if isinstance(leaf, torch.Tensor):
-            found.append(leaf)
-        elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
-            fields = [getattr(leaf, field.name) for field in dataclasses.fields(leaf)]
-            found += output_tensors(fields)
-    return found
 
 
 # ---------------------------------------------------------------------------- backward

@@ -49,9 +49,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 from fsdp_conformance import training_states
+from fsdp_conformance._tensors import output_tensors
 from fsdp_conformance.adapters import Adapter, clean_param_name
 from fsdp_conformance.training_states import (
     LEGAL_INSTANCE_TRANSITIONS,
@@ -91,19 +91,6 @@ class Violation:
             f"instance {self.instance!r} at {self.hook}: {self.level} state {self.seen}"
             f"{came_from}; allowed: {', '.join(self.allowed)}"
         )
-
-
-def _output_tensors(output: Any) -> list[torch.Tensor]:
-    """The tensors of a forward output: pytree containers and the dataclass instances inside
-    them (a module may return an unregistered dataclass; its tensors still get gradients)."""
-    found = []
-    for leaf in tree_flatten(output)[0]:
-        if isinstance(leaf, torch.Tensor):
-            found.append(leaf)
-        elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
-            fields = [getattr(leaf, field.name) for field in dataclasses.fields(leaf)]
-            found += _output_tensors(fields)
-    return found
 
 
 class IllegalTrainingState(AssertionError):
@@ -170,7 +157,7 @@ class TrainingStateRecorder:
             self.sample("post_forward", name)
             if not torch.is_grad_enabled():
                 return
-            for tensor in _output_tensors(output):
+            for tensor in output_tensors(output):
                 if tensor.requires_grad:
                     tensor.register_hook(self._pre_backward_hook(name))
 
