@@ -186,26 +186,18 @@ def _run_in_ranks(
         (status, message): the ranks' combined verdict ("passed", "failed", "skipped") and its
         message (failure report with tracebacks, or the skip reason).
     """
-    from fsdp_conformance.world.protocol import TestTarget
-    from fsdp_conformance.world.runtime import Runtime, RuntimeOptions, TestRequest
+    from fsdp_conformance.world.runtime import run_function
 
-    runtime = Runtime(
-        RuntimeOptions(
-            mode="process", timeout=timeout, world_size=world_size, impl=impl, backend=backend
-        )
-    )
-    request = TestRequest(
-        target=TestTarget("fsdp_conformance.cli.ranks", None, (), function),
-        kwargs=kwargs,
-        test_id=f"{PROG} {function}",
+    result = run_function(
+        "fsdp_conformance.cli.ranks",
+        function,
+        kwargs,
         world_size=world_size,
-        mode="process",
         timeout=timeout,
+        impl=impl,
+        test_id=f"{PROG} {function}",
+        backend=backend,
     )
-    try:
-        result = runtime.run(request)
-    finally:
-        runtime.close()
     message = result.verdict.message
     if result.verdict.status == "failed" and result.output():
         message += "\n" + result.output()

@@ -143,30 +143,21 @@ def repro_in_rank(dist: Any, case: FuzzCase, out_file: str) -> None:
 
 def run_in_ranks(case: FuzzCase, impl: str, world_size: int, timeout: float = 600.0) -> Outcome:
     """``case`` run once on ``world_size`` fresh local ranks against ``impl``."""
-    from fsdp_conformance.world.protocol import TestTarget
-    from fsdp_conformance.world.runtime import Runtime, RuntimeOptions, TestRequest
+    from fsdp_conformance.world.runtime import run_function
 
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # pkg.module:ATTR adapters next to the script
     workdir = tempfile.mkdtemp(prefix="fsdp-fuzz-repro-")
     out_file = os.path.join(workdir, "outcome.json")
-    runtime = Runtime(
-        RuntimeOptions(
-            mode="process", timeout=timeout, world_size=world_size, impl=impl, backend="gloo"
-        )
-    )
-    request = TestRequest(
-        target=TestTarget("fsdp_conformance.fuzz.repro", None, (), "repro_in_rank"),
-        kwargs={"case": case, "out_file": out_file},
-        test_id="fsdp-conformance fuzz repro",
+    result = run_function(
+        "fsdp_conformance.fuzz.repro",
+        "repro_in_rank",
+        {"case": case, "out_file": out_file},
         world_size=world_size,
-        mode="process",
         timeout=timeout,
+        impl=impl,
+        test_id="fsdp-conformance fuzz repro",
     )
-    try:
-        result = runtime.run(request)
-    finally:
-        runtime.close()
     try:
         if result.verdict.status != "passed":
             return Outcome(FAIL, f"the ranks {result.verdict.status}: {result.verdict.message}")

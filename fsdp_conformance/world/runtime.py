@@ -428,3 +428,39 @@ def get_runtime() -> Runtime:
     if _active is None:
         _active = Runtime(RuntimeOptions.from_env())
     return _active
+
+
+def run_function(
+    module: str,
+    function: str,
+    kwargs: dict[str, Any],
+    *,
+    world_size: int,
+    timeout: float,
+    impl: str,
+    test_id: str,
+    backend: str | None = "gloo",
+) -> RunResult:
+    """Call ``module.function(dist=..., **kwargs)`` once in ``world_size`` rank processes of a
+    runtime of its own (outside pytest: the CLI's commands), closed afterwards.
+
+    Returns:
+        the ranks' combined result (``result.verdict``, ``result.output()``).
+    """
+    runtime = Runtime(
+        RuntimeOptions(
+            mode="process", timeout=timeout, world_size=world_size, impl=impl, backend=backend
+        )
+    )
+    request = TestRequest(
+        target=TestTarget(module, None, (), function),
+        kwargs=kwargs,
+        test_id=test_id,
+        world_size=world_size,
+        mode="process",
+        timeout=timeout,
+    )
+    try:
+        return runtime.run(request)
+    finally:
+        runtime.close()
