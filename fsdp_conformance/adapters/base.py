@@ -153,7 +153,9 @@ class Adapter:
     wrapping_root: bool | None = None
 
     # ------------------------------------------------------------------ known deviations
-    def find_deviation(self, check: str, case: Any = None) -> Deviation | None:
+    def find_deviation(
+        self, check: str, case: Any = None, error: BaseException | None = None
+    ) -> Deviation | None:
         """The declared deviation covering `check` / `case`, or None.
 
         Consults `known_deviations` along `delegation_chain()`: this adapter first, then the
@@ -163,12 +165,15 @@ class Adapter:
             check: a registered check id (fsdp_conformance.checks.CHECKS, e.g.
                 "misuse.wrap_twice").
             case: the check's case object (None where the check has none).
+            error: a failure: only a deviation that covers it (`Deviation.covers`: its
+                `raises` and `match`) counts, so several deviations of one check can each
+                declare their own failure.
 
         Raises:
             ValueError: `check` is not a registered check id.
         """
         for adapter in self.delegation_chain():
-            deviation = find_deviation(adapter.known_deviations, check, case)
+            deviation = find_deviation(adapter.known_deviations, check, case, error)
             if deviation is not None:
                 return deviation
         return None
@@ -431,6 +436,17 @@ class Adapter:
     def backward(self, model: nn.Module, loss: torch.Tensor) -> None:
         """Run backward of `loss` (an engine that scales or owns backward overrides this)."""
         loss.backward()
+
+    def accumulation_boundary(self, model: nn.Module, boundary: bool) -> None:
+        """Called before each micro-batch's forward when a step accumulates several
+        micro-batches: `boundary` is True for the last one (an optimizer step follows its
+        backward), False while more micro-batches will add to the gradients first.
+
+        Default: nothing (gradients accumulate in ``param.grad`` until ``zero_grad``). An
+        implementation that must know the boundary before the backward overrides it (DeepSpeed's
+        engine: ``set_gradient_accumulation_boundary``; with one micro-batch per step it is never
+        called, every backward being a boundary).
+        """
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
         """Context manager: a backward inside accumulates gradients without reducing them

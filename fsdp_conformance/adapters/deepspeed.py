@@ -312,8 +312,9 @@ class DeepSpeedAdapter(Adapter):
             Feature.FROZEN_PARAMETERS_MIXED: "not mapped by this adapter",
             Feature.CHECKPOINT_RESUME: "not mapped by this adapter (engine.save_checkpoint)",
             Feature.GRADIENT_ACCUMULATION: (
-                "not mapped: DeepSpeed accumulates through gradient_accumulation_steps fixed at "
-                "initialize, not a no_sync() context"
+                "no backward without a gradient reduction: ZeRO-2/3 reduce-scatter every "
+                "micro-batch's gradients into their partitions (accumulation with a reduction "
+                "per micro-batch is mapped: accumulation_boundary)"
             ),
             Feature.CLIP_GRAD_NORM: (
                 "not mapped: DeepSpeed clips inside engine.step() by the gradient_clipping set "
@@ -505,6 +506,13 @@ class DeepSpeedAdapter(Adapter):
             return
         model._fsdpc_in_step = True
         model.backward(loss)
+
+    def accumulation_boundary(self, model: nn.Module, boundary: bool) -> None:
+        """The engine's own boundary switch: with gradient_accumulation_steps=1 every backward
+        is a boundary, and ZeRO-1/2 then keep only the last backward's gradient when several
+        run before one step (measured: 0.035 off DDP after 2 steps of 3 micro-batches)."""
+        if _is_engine(model):
+            model.set_gradient_accumulation_boundary(boundary)
 
     def state_dict(self, model: nn.Module) -> dict[str, Any]:
         """The full state dict on every rank, gathered with ``GatheredParameters``."""

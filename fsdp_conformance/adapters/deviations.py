@@ -134,9 +134,10 @@ def _is_pytest_failure(error: BaseException) -> bool:
 
 
 def find_deviation(
-    deviations: Iterable[Deviation], check: str, case: Any = None
+    deviations: Iterable[Deviation], check: str, case: Any = None, error: BaseException | None = None
 ) -> Deviation | None:
-    """The first of ``deviations`` covering ``check`` / ``case``, or None.
+    """The first of ``deviations`` covering ``check`` / ``case`` (and, given ``error``, covering
+    that failure: ``Deviation.covers``), or None.
 
     Raises:
         ValueError: ``check`` is not a registered check id.
@@ -148,6 +149,6 @@ def find_deviation(
                 f"known_deviations holds {deviation!r}, not a Deviation; declare "
                 "Deviation(check, reason, applies) entries"
             )
-        if deviation.matches(check, case):
+        if deviation.matches(check, case) and (error is None or deviation.covers(error)):
             return deviation
     return None

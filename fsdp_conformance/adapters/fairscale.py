@@ -165,6 +165,80 @@ FAIRSCALE_DEVIATIONS: tuple[Deviation, ...] = (
         match="expected to be in states",
         measured_on="fairscale 0.4.13, torch 2.13.0",
     ),
+    # issue 20 (fsdp-conformance fuzz, docs/fuzz.md): the loops.activation_checkpointing
+    # deviation above, met by a generated case
+    Deviation(
+        "fuzz.generated",
+        "fairscale 0.4.13 FSDP fails when non-reentrant checkpoint runs around an FSDP instance: "
+        "ValueError 'expected to be in states [BACKWARD_PRE, BACKWARD_POST] but current state is "
+        "TrainingState.FORWARD' in its post-backward hook (or [BACKWARD_PRE, IDLE] in the next "
+        "pre-backward hook, for a frozen instance; the loops.activation_checkpointing "
+        "deviation). Reproduction: torch.utils.checkpoint.checkpoint(fs.wrap(nn.Linear(4, 4)), "
+        "x, use_reentrant=False) inside a wrapped root, one backward (found by fsdp-conformance "
+        "fuzz --impl fairscale --seed 0)",
+        applies=lambda case: case is not None and "checkpoint:wrapped" in case.uses(),
+        raises=ValueError,
+        # the recompute's forward re-enters the instance during its backward: whichever hook
+        # runs next finds FORWARD ([BACKWARD_PRE, BACKWARD_POST], [BACKWARD_PRE, IDLE], ...)
+        match=r"expected to be in states \[[^\]]*\] but current state is TrainingState\.FORWARD",
+        measured_on="fairscale 0.4.13, torch 2.13.0",
+    ),
+    Deviation(
+        "fuzz.generated",
+        "fairscale 0.4.13 FSDP registers its pre-backward hooks only on tensors inside "
+        "tensors, lists, tuples, namedtuples, dicts and sets (fairscale.internal.containers."
+        "apply_to_type): an instance whose forward returns its activation inside a dataclass gets "
+        "no pre-backward hook, and its post-backward hook then fails with ValueError 'expected "
+        "to be in states [BACKWARD_PRE, BACKWARD_POST] (or [BACKWARD_PRE]) but current state is "
+        "TrainingState.IDLE', or backward reads its freed full parameters (RuntimeError 'The "
+        "tensor has a non-zero number of elements, but its data is not allocated yet' or "
+        "'... out of bounds for storage of size 0'); when "
+        "the root returns one, the end-of-backward callback never runs and inner instances stay "
+        "BACKWARD_POST after optimizer.step(). "
+        "Reproduction: a wrapped root whose forward returns Out(y=lin(x)) for a @dataclass Out; "
+        "out.y.sum().backward() (found by fsdp-conformance fuzz --impl fairscale --seed 0)",
+        applies=lambda case: case is not None and "instance-output:dataclass" in case.uses(),
+        # AssertionError: the IllegalTrainingState of the recorder
+        raises=(ValueError, RuntimeError, AssertionError),
+        match=r"expected to be in states \[[^\]]*\] but current state is TrainingState\.IDLE"
+        r"|non-zero number of elements, but its data is not allocated yet"
+        r"|out of bounds for storage of size 0"
+        r"|illegal training states? seen by TrainingStateRecorder.*instance state BACKWARD_POST; "
+        r"allowed: IDLE",
+        measured_on="fairscale 0.4.13, torch 2.13.0",
+    ),
+    Deviation(
+        "fuzz.generated",
+        "fairscale 0.4.13 FSDP fails at the end of a backward in which none of an instance's "
+        "parameters got a gradient although its forward ran (the loops.forward_variants "
+        "deviation, with the instance called): ValueError 'expected to be in states "
+        "[BACKWARD_POST] but current state is TrainingState.BACKWARD_PRE' from "
+        "_wait_for_post_backward (or '[BACKWARD_PRE] but current state is IDLE' when the "
+        "branch is an instance inside another). Reproduction: a wrapped root holding only a branch "
+        "h + lin(h) in step 0, h in step 1 (its head wrapped apart); step 1's backward raises "
+        "(found by fsdp-conformance fuzz --impl fairscale --seed 0)",
+        applies=lambda case: case is not None and "branch" in case.uses(),
+        raises=ValueError,
+        # which hook finds the stale state depends on the nesting: [BACKWARD_POST] in
+        # _wait_for_post_backward, [BACKWARD_PRE] in an outer instance's hook, ...
+        match=r"expected to be in states \[[^\]]*\] but current state is "
+        r"TrainingState\.(BACKWARD_PRE|IDLE)",
+        measured_on="fairscale 0.4.13, torch 2.13.0",
+    ),
+    Deviation(
+        "fuzz.generated",
+        "fairscale 0.4.13 FSDP accumulates wrongly over several synchronised backwards when an "
+        "instance's flat parameter has one element (fewer than the ranks): its gradient shard "
+        "then has the full parameter's size, _prep_grads_for_backward takes it for a no_sync "
+        "(unsharded) gradient, and the next backward reduces it a second time. Reproduction "
+        "(2 ranks): root = FSDP(Seq(Linear(1, 1, bias=False), FSDP(head))); two backwards, "
+        "one optimizer step: the Linear's weight is off DDP's by 0.02 (lr 0.01) (found by "
+        "fsdp-conformance fuzz --impl fairscale --seed 0)",
+        applies=lambda case: case is not None and "accumulate:synced" in case.uses(),
+        raises=AssertionError,
+        match=r"FSDP .* != DDP |differs from DDP's",
+        measured_on="fairscale 0.4.13, torch 2.13.0",
+    ),
 )
 
 

@@ -84,6 +84,7 @@ def _train(
     clip: Any,
     backward: Any,
     after_step: Any = None,
+    boundary: Any = None,
 ) -> list[tuple[str, float]]:
     values: list[tuple[str, float]] = []
     program = case.program
@@ -94,6 +95,8 @@ def _train(
             x, tokens = make_batch(
                 case.model, program.batch, program.data_seed, dist.rank, forward, dist.device
             )
+            if boundary is not None and len(step.micro) > 1:
+                boundary(micro_index == len(step.micro) - 1)
             context = contextlib.nullcontext() if sync else no_sync()
             with context:
                 output = unpack(model(x, tokens, step_index))
@@ -189,6 +192,7 @@ def fsdp_train(adapter: Any, root: nn.Module, case: FuzzCase, dist: Any) -> Trac
             lambda max_norm: adapter.clip_grad_norm_(root, max_norm),
             lambda loss: _backward(adapter, root, loss),
             None if recorder is None else recorder.after_step,
+            lambda last: adapter.accumulation_boundary(root, last),
         )
     if recorder is not None:
         recorder.assert_legal()
@@ -276,23 +280,9 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, atol: float, rtol: floa
 
 def declared(adapter: Any, case: FuzzCase, error: BaseException) -> str | None:
     """The reason of a deviation the adapter declares for ``CHECK_ID`` covering ``case`` and
-    ``error`` (its ``raises`` / ``match`` where the Deviation has them), or None."""
-    import re
-
-    for each in adapter.delegation_chain():
-        for deviation in each.known_deviations:
-            if deviation.check != CHECK_ID:
-                continue
-            if deviation.applies is not None and not deviation.applies(case):
-                continue
-            raises = getattr(deviation, "raises", None)
-            if raises is not None and not isinstance(error, raises):
-                continue
-            match = getattr(deviation, "match", None)
-            if match and not re.search(match, str(error)):
-                continue
-            return deviation.reason
-    return None
+    ``error`` (``Deviation.covers``: its ``raises`` and ``match``), or None."""
+    deviation = adapter.find_deviation(CHECK_ID, case, error)
+    return None if deviation is None else deviation.reason
 
 
 def run_case(adapter: Any, case: FuzzCase, dist: Any) -> Outcome:

@@ -116,7 +116,12 @@ class FuzzCase:
 
     def uses(self) -> frozenset[str]:
         """What the case exercises: block kinds, "frozen", "tie", "checkpoint", output kinds
-        ("output:dict"), "no_sync", "clip", "eval", "nested", config keys ("config:KEY=VALUE").
+        ("output:dict"), "no_sync", "accumulate:synced" (a step whose gradients are reduced
+        before its last micro-batch), "clip", "eval", "nested", "checkpoint:wrapped" (a
+        checkpointed node that is or holds an instance), "branch:wrapped" (a branch that is an
+        instance),
+        "instance-output:KIND" (what the root or a wrapped node returns its activation in),
+        config keys ("config:KEY=VALUE").
         Adapters' ``Deviation(check="fuzz.generated", applies=...)`` select cases with it."""
         used: set[str] = set()
         for node in iter_nodes(self.model.body):
@@ -133,12 +138,23 @@ class FuzzCase:
         for step in self.program.steps:
             if not all(step.micro):
                 used.add("no_sync")
+            if any(step.micro[:-1]):
+                used.add("accumulate:synced")  # a synchronising backward, then more
             if step.clip is not None:
                 used.add("clip")
             if step.eval:
                 used.add("eval")
         if any(a != b and b.startswith(a + ".") for a in self.plan for b in self.plan):
             used.add("nested")
+        used.add(f"instance-output:{self.model.output}")  # the root's
+        for path, node in node_paths(self.model.body):
+            if node.checkpoint and any(p == path or p.startswith(path + ".") for p in self.plan):
+                used.add("checkpoint:wrapped")  # the checkpoint runs around an instance
+            if path not in self.plan:
+                continue
+            used.add(f"instance-output:{node.output}")
+            if isinstance(node, Block) and node.kind == "branch":
+                used.add("branch:wrapped")  # the branch is itself an instance
         used.update(f"config:{key}={value}" for key, value in self.config)
         return frozenset(used)
 

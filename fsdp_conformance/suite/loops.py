@@ -167,6 +167,10 @@ class Driver:
                 loss, lambda value: training.adapter_backward(self.adapter, self.model, value)
             )
 
+    def accumulation_boundary(self, boundary: bool) -> None:
+        if self.adapter is not None:
+            self.adapter.accumulation_boundary(self.model, boundary)
+
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         if self.adapter is None:
             return self.model.no_sync()
@@ -202,6 +206,8 @@ def accumulate_steps(
         optimizer.zero_grad()
         for micro in range(micro_batches):
             synchronise = sync_every or micro == micro_batches - 1
+            if micro_batches > 1:
+                driver.accumulation_boundary(micro == micro_batches - 1)
             context = contextlib.nullcontext() if synchronise else driver.no_sync()
             phase = trace.phase(f"step {step} micro {micro}") if trace else None
             with context, phase or contextlib.nullcontext():

@@ -86,8 +86,9 @@ def cell(adapter: Adapter, check_id: str, case: Any = None) -> Iterator[None]:
         if isinstance(error, (KeyboardInterrupt, SystemExit)):
             raise
         failure = _first_line(error)
-        if deviation is not None and deviation.covers(error):
-            reason = adapter.deviation_text(deviation)
+        covering = adapter.find_deviation(check_id, case, error)
+        if covering is not None:
+            reason = adapter.deviation_text(covering)
             _record(check_id, checks.DEVIATION, reason, **{checks.PROPERTY_FAILURE: failure})
             pytest.xfail(
                 f"{failure} -- known deviation of adapter {adapter.name!r} ({check_id}): {reason}"

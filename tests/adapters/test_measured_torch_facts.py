@@ -55,3 +55,80 @@ def test_torch_fsdp2_cpu_offload_needs_pin_memory_false(dist):
     with pytest.raises(RuntimeError, match=NO_ACCELERATOR):
         _step(fully_shard(_model(), mesh=mesh, offload_policy=CPUOffloadPolicy()))
     _step(fully_shard(_model(), mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False)))
+
+
+# ---------------------------------------------------------------- the fuzz.generated deviations
+# The minimal reproductions of torch FSDP1's declared fuzz.generated deviations
+# (adapters/torch_fsdp1.py, FSDP1_DEVIATIONS). Each test asserts the deviation is still there:
+# when a torch release fixes one, its test fails and the declaration must go.
+
+
+class _Branch(nn.Module):
+    """``h + lin(h)`` in even steps, ``h`` (its parameters unused) in odd ones."""
+
+    def __init__(self, frozen: bool = False) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.lin.requires_grad_(not frozen)
+
+    def forward(self, h: torch.Tensor, step: int) -> torch.Tensor:
+        return h + self.lin(h) if step % 2 == 0 else h
+
+
+class _WithBranch(nn.Module):
+    def __init__(self, frozen: bool = False) -> None:
+        super().__init__()
+        self.pre = nn.Linear(4, 4)
+        self.b = _Branch(frozen)
+
+    def forward(self, x: torch.Tensor, step: int) -> torch.Tensor:
+        return self.b(self.pre(x), step)
+
+
+def _fsdp1_with_branch(frozen: bool = False, **kwargs):
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    torch.manual_seed(0)
+    model = _WithBranch(frozen)
+    kwargs["device_id"] = torch.device("cpu")
+    model.b = FSDP(model.b, **kwargs)
+    return FSDP(model, **kwargs), model.b
+
+
+@pytest.mark.world_size(2)
+def test_torch_fsdp1_unused_instance_gets_grad_none(dist):
+    root, inner = _fsdp1_with_branch()
+    optimizer = torch.optim.SGD(root.parameters(), lr=0.01, momentum=0.9)
+    for step in range(2):
+        optimizer.zero_grad(set_to_none=False)
+        root(torch.rand(1, 4), step).pow(2).mean().backward()
+        grads = [param.grad for param in inner.parameters()]
+        if step == 0:
+            assert all(grad is not None for grad in grads)
+        else:  # ran forward, none of its parameters used: None where DDP has zeros
+            assert all(grad is None for grad in grads), grads
+        optimizer.step()
+
+
+@pytest.mark.world_size(2)
+def test_torch_fsdp1_frozen_unused_instance_fails_in_backward(dist):
+    root, _ = _fsdp1_with_branch(frozen=True)
+    root(torch.rand(1, 4), 0).pow(2).mean().backward()
+    with pytest.raises(ValueError, match="expected to be in states"):
+        root(torch.rand(1, 4), 1).pow(2).mean().backward()
+
+
+@pytest.mark.world_size(2)
+def test_torch_fsdp1_no_shard_orig_params_vanish_after_a_skipped_forward(dist):
+    from torch.distributed.fsdp import ShardingStrategy
+
+    def inner_names(root):
+        return sorted(name for name, _ in root.named_parameters() if ".lin." in name)
+
+    for strategy, keeps in ((ShardingStrategy.NO_SHARD, False), (ShardingStrategy.FULL_SHARD, True)):
+        root, _ = _fsdp1_with_branch(sharding_strategy=strategy, use_orig_params=True)
+        root(torch.rand(1, 4), 0).sum().backward()
+        assert len(inner_names(root)) == 2, strategy
+        for step in (1, 2):  # skipped, then used again
+            root(torch.rand(1, 4), step).sum().backward()
+            assert (len(inner_names(root)) == 2) is keeps, (strategy, step, inner_names(root))

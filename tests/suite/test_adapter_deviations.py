@@ -173,3 +173,26 @@ def test_subclass_and_delegate_of_torch_fsdp1_get_its_verdicts(pytester: pytest.
     assert "FAILED" not in builtin.values(), result.stdout.str()
     assert verdicts.get("TestSubclass") == builtin, result.stdout.str()
     assert verdicts.get("TestDelegating") == builtin, result.stdout.str()
+
+
+def test_several_deviations_of_one_check_each_cover_their_own_failure() -> None:
+    """find_deviation(..., error) picks the deviation whose raises/match covers the failure,
+    not the first one that applies to the case."""
+
+    class _Two(Adapter):
+        name = "two"
+        known_deviations = (
+            Deviation("fuzz.generated", "state bug. Reproduction: ...", raises=ValueError,
+                      match="expected to be in states"),
+            Deviation("fuzz.generated", "drops a grad. Reproduction: ...",
+                      match="differs from DDP's"),
+        )  # fmt: skip
+
+    adapter = _Two()
+    state = ValueError("expected to be in states [IDLE]")
+    mismatch = AssertionError("parameter 'w' differs from DDP's")
+    assert adapter.find_deviation("fuzz.generated", None, state).reason.startswith("state")
+    assert adapter.find_deviation("fuzz.generated", None, mismatch).reason.startswith("drops")
+    assert adapter.find_deviation("fuzz.generated", None, RuntimeError("boom")) is None
+    # without an error: the first that applies (what a cell reports when nothing failed)
+    assert adapter.find_deviation("fuzz.generated").reason.startswith("state")
