@@ -23,6 +23,7 @@ needs_deepspeed = pytest.mark.skipif(
 _CHECKS = """
 from fsdp_conformance.suite import (
     BaseDDPParityTests,
+    BaseGeneratedModelTests,
     BaseMemoryBoundTests,
     BaseStateDictTests,
     BaseSummonFullParamsTests,
@@ -60,6 +61,10 @@ class TestSummon(BaseSummonFullParamsTests):
     pass
 
 
+class TestGenerated(BaseGeneratedModelTests):
+    pass
+
+
 class TestMemory(BaseMemoryBoundTests):
     def pytest_generate_tests(self, metafunc):
         if "bound_case" in metafunc.fixturenames:
@@ -78,7 +83,8 @@ def test_deepspeed_subset(pytester: pytest.Pytester) -> None:
         "--fsdp-impl",
         "deepspeed",
         "-k",
-        "(test_matches_ddp or test_states_are or nested or test_limited) and not bf16 "
+        "(test_matches_ddp or test_states_are or nested or test_limited or generated) "
+        "and not bf16 "
         "and not mixed_precision and not test_assert_state",
         timeout=600,
     )
@@ -86,8 +92,8 @@ def test_deepspeed_subset(pytester: pytest.Pytester) -> None:
     text = result.stdout.str()
     assert outcomes.get("failed", 0) == 0 and outcomes.get("errors", 0) == 0, text
     # ZeRO-3 and ZeRO-1 parity, root states, the adapter's own state dict, summon with and
-    # without writeback, the memory bound held to DeepSpeed's own bound
-    assert outcomes.get("passed", 0) == 7, outcomes
+    # without writeback, the memory bound held to DeepSpeed's own bound, 12 generated cases
+    assert outcomes.get("passed", 0) == 8, outcomes
     # the default module.state_dict() restores nothing on ZeRO-3: a declared deviation
     assert outcomes.get("xfailed", 0) == 1 and "parity.default_state_dict" in text, text
 

@@ -117,3 +117,24 @@ def test_bad_options_exit_2_with_one_line(option: list[str], message: str):
     )  # fmt: skip
     assert done.returncode == 2, done.stderr
     assert message in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def test_uses_names_what_adapter_deviations_select_on():
+    branch = Block(kind="branch", width_in=4, width_out=4, output="dataclass")
+    inner = Seq(nodes=(Block(kind="linear", width_in=4, width_out=4), branch), checkpoint=True)
+    case = FuzzCase(
+        model=ModelSpec(width=4, body=Seq(nodes=(inner,)), output="dict"),
+        plan=("body.nodes.0.nodes.1",),
+        program=Program(steps=(Step(micro=(True, False, True)),), batch=1),
+    )
+    uses = case.uses()
+    # the checkpointed Seq holds an instance; the branch is one and returns a dataclass
+    assert {"checkpoint:wrapped", "branch:wrapped", "instance-output:dataclass"} <= uses
+    assert "instance-output:dict" in uses  # the root's output
+    assert "accumulate:synced" in uses and "no_sync" in uses  # reduced before its last
+    unwrapped = FuzzCase(
+        model=case.model, plan=(), program=Program(steps=(Step(micro=(False, True)),), batch=1)
+    )
+    uses = unwrapped.uses()
+    assert not {"checkpoint:wrapped", "branch:wrapped", "instance-output:dataclass"} & uses
+    assert "accumulate:synced" not in uses  # only the last micro-batch reduces
