@@ -19,8 +19,9 @@ from __future__ import annotations
 from typing import Any
 
 from ._internals import InternalsProbe
+from ._support import TESTED_TORCH
 
-VERIFIED_ON = ("2.8.0", "2.13.0", "2.14.1", "2.15.0")
+VERIFIED_ON = TESTED_TORCH  # the compatibility matrix's releases (_support.py)
 
 
 class FSDP1InternalsError(RuntimeError):

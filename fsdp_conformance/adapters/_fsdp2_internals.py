@@ -26,9 +26,10 @@ from __future__ import annotations
 from typing import Any
 
 from ._internals import InternalsProbe
+from ._support import TESTED_TORCH
 
 # The torch releases every accessor below was run on (docs/compatibility.md)
-VERIFIED_ON = ("2.8.0", "2.13.0", "2.14.1", "2.15.0")
+VERIFIED_ON = TESTED_TORCH  # the compatibility matrix's releases (_support.py)
 # FSDPCommContext's streams, replaced by lagging-device streams at lazy init
 COMM_STREAMS = (
     "all_gather_copy_in_stream",

@@ -122,9 +122,14 @@ FAIRSCALE_RANGE = SupportRange("fairscale", "0.4.13", "0.4.14", ("0.4.13",))
 # diverges from DDP by a factor of the world size on CPU -- and a one-rank mesh fails ("Could not
 # resolve the process group registered under the name 1"); measured, docs/compatibility.md
 FSDP2_TORCH_RANGE = SupportRange("torch", "2.13.0", "2.16", ("2.13.0", "2.14.1", "2.15.0"))
+# deepspeed: its patches (comm trace, accelerator routing) and deviations were written against
+# 0.19.8; the torch releases it ran end to end with (docs/deepspeed.md)
+DEEPSPEED_RANGE = SupportRange("deepspeed", "0.19.0", "0.20", ("0.19.8",))
+DEEPSPEED_TORCH_RANGE = SupportRange("torch", "2.13.0", "2.15", ("2.13.0", "2.14.1"))
 RANGES: dict[str, tuple[SupportRange, ...]] = {
     "impl": (TORCH_RANGE,),
     "torch-fsdp1": (TORCH_RANGE,),
     "torch-fsdp2": (FSDP2_TORCH_RANGE,),
     "fairscale": (TORCH_RANGE, FAIRSCALE_RANGE),
+    "deepspeed": (DEEPSPEED_TORCH_RANGE, DEEPSPEED_RANGE),
 }

@@ -55,7 +55,6 @@ from .states import InstanceState, RootState
 INSTALL_HINT = "install it with: pip install 'fsdp-conformance[deepspeed]'"
 # The DeepSpeed release this adapter (its patches and deviations) was written and measured for
 WRITTEN_FOR = "deepspeed 0.19.8"
-SUPPORTED_SERIES = ("0.19.",)
 MEASURED_ON = "deepspeed 0.19.8, torch 2.13.0"
 # Where DeepSpeed's CPU accelerator JIT-builds its C++ op (deepspeed_shm_comm) when the user
 # has not chosen TORCH_EXTENSIONS_DIR: built once per machine, kept, visible
@@ -361,18 +360,12 @@ class DeepSpeedAdapter(Adapter):
         return unsupported
 
     def support_problem(self) -> str | None:
-        try:
-            from importlib.metadata import version
+        """None with a torch and deepspeed in the tested ranges (docs/compatibility.md), else
+        the one line (deepspeed not installed is not a range problem: every check skips with
+        the install line instead)."""
+        from ._support import RANGES, support_problem
 
-            installed = version("deepspeed")
-        except Exception:  # noqa: BLE001 -- not installed: unsupported() says how to install
-            return None
-        if not installed.startswith(SUPPORTED_SERIES):
-            return (
-                f"adapter 'deepspeed' was written and measured for {WRITTEN_FOR}; deepspeed "
-                f"{installed} is installed (supported: {', '.join(s + 'x' for s in SUPPORTED_SERIES)})"
-            )
-        return None
+        return support_problem(self.name, RANGES["deepspeed"])
 
     # ------------------------------------------------------------------ wrapping
     def wrap(self, module: nn.Module, *, process_group: Any = None, **config: Any) -> nn.Module:

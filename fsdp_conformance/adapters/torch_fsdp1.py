@@ -27,6 +27,7 @@ from torch.distributed.fsdp import (
 )
 
 from fsdp_conformance._patching import patch_attribute
+from fsdp_conformance.device_handle import accelerator_available
 from fsdp_conformance.vocab import Op
 
 from . import _fsdp1_internals as internals
@@ -42,14 +43,6 @@ _INSTANCE_OF_HANDLE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # the key of this module's patches (fsdp_conformance._patching)
 _PATCH_KEY = "fsdp-conformance torch-fsdp1 comm trace"
 _WRITTEN_FOR = "torch " + "/".join(internals.VERIFIED_ON)
-
-
-def accelerator_available() -> bool:
-    """Whether this host has an accelerator FSDP1 can use (CUDA or another accelerator)."""
-    accelerator = getattr(torch, "accelerator", None)
-    if accelerator is not None:
-        return accelerator.is_available()
-    return torch.cuda.is_available()
 
 
 def _patch_torch_fsdp1() -> None:

@@ -38,6 +38,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_conformance._patching import patch_attribute
+from fsdp_conformance.device_handle import accelerator_available
 from fsdp_conformance.vocab import Op
 
 from . import _fsdp2_internals as internals
@@ -48,7 +49,6 @@ from .base import Adapter, ObserverRegistry, scoped_observer
 from .deviations import Deviation
 from .features import Feature, module_predicate
 from .states import InstanceState, RootState
-from .torch_fsdp1 import accelerator_available
 
 # Process-wide: observers of the patched FSDP2 internals, and param group -> its module
 _REGISTRY = ObserverRegistry()

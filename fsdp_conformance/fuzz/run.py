@@ -45,12 +45,11 @@ import torch
 from torch import nn
 
 from fsdp_conformance.adapters import UnsupportedFeatureError, clean_param_name
+from fsdp_conformance.suite.training import LR, MOMENTUM  # the suite's SGD, both runs
 
 from .model import build_model, make_batch, unpack
 from .spec import FuzzCase
 
-LR = 0.01
-MOMENTUM = 0.9
 # The comparison's tolerance ([Note: the property]); at world size > 2 at least the suite's
 ATOL = 1e-6
 RTOL = 1e-5

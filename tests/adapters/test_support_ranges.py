@@ -11,7 +11,7 @@ from fsdp_conformance import _patching, vocab
 from fsdp_conformance.adapters import _fsdp1_internals, _fsdp2_internals, _support, get_adapter
 from fsdp_conformance.adapters._support import SupportRange
 
-BUILTINS = ("impl", "torch-fsdp1", "torch-fsdp2", "fairscale")
+BUILTINS = ("impl", "torch-fsdp1", "torch-fsdp2", "fairscale", "deepspeed")
 RANGE = SupportRange("torch", "2.8.0", "2.16", ("2.8.0", "2.15.0"))
 
 
@@ -68,6 +68,8 @@ def test_every_builtin_adapter_refuses_an_old_torch_in_one_line(monkeypatch, nam
     supported = "torch>=2.8.0,<2.16, tested on 2.8.0, 2.13.0, 2.14.1, 2.15.0"
     if name == "torch-fsdp2":
         supported = "torch>=2.13.0,<2.16, tested on 2.13.0, 2.14.1, 2.15.0"
+    if name == "deepspeed":
+        supported = "torch>=2.13.0,<2.15, tested on 2.13.0, 2.14.1"
     assert problem == (
         f"torch 2.6.0+cpu is older than this adapter supports ({supported}); "
         "docs/compatibility.md"
@@ -196,3 +198,20 @@ def test_the_fsdp2_mixed_devices_deviation_does_not_hide_a_moved_internal():
         "one matching 'device|meta')"
     )
     assert deviation.covers(accepted)
+
+
+def test_deepspeed_declares_its_own_release(monkeypatch):
+    real = _support.installed_version
+    monkeypatch.setattr(
+        _support,
+        "installed_version",
+        lambda library: "0.20.1" if library == "deepspeed" else real(library),
+    )
+    problem = get_adapter("deepspeed").support_problem()
+    assert problem.startswith(
+        "deepspeed 0.20.1 is newer than this adapter was tested with (deepspeed>=0.19.0,<0.20, "
+        "tested on 0.19.8)"
+    ), problem
+    # deepspeed not installed is not a range problem (every check skips with the install line)
+    monkeypatch.setattr(_support, "installed_version", lambda library: None)
+    assert get_adapter("deepspeed").support_problem() is None
