@@ -196,3 +196,14 @@ def test_several_deviations_of_one_check_each_cover_their_own_failure() -> None:
     assert adapter.find_deviation("fuzz.generated", None, RuntimeError("boom")) is None
     # without an error: the first that applies (what a cell reports when nothing failed)
     assert adapter.find_deviation("fuzz.generated").reason.startswith("state")
+
+
+def test_every_builtin_deviation_names_its_failure() -> None:
+    """A built-in deviation covers one failure message (`match`), never "any assertion of the
+    check": an unrelated failure in a declared cell stays a FAIL (issue 19)."""
+    from fsdp_conformance.vocab import BUILTIN_ADAPTERS
+
+    for name in BUILTIN_ADAPTERS:
+        for deviation in get_adapter(name).known_deviations:
+            assert deviation.match, (name, deviation.check, deviation.reason[:80])
+            assert deviation.measured_on, (name, deviation.check)
