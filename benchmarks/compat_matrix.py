@@ -142,6 +142,9 @@ on a CPU-only host (gloo): the checks that need a GPU skip, saying so.
 | `torch-fsdp1` | >=2.8.0, <2.16 | | `adapters/_fsdp1_internals.py` |
 | `torch-fsdp2` | >=2.13.0, <2.16 | | `adapters/_fsdp2_internals.py` |
 | `fairscale` | >=2.8.0, <2.16 | fairscale 0.4.13 | `adapters/_fairscale_device.py` |
+| `deepspeed` | >=2.13.0, <2.15 | deepspeed >=0.19.0, <0.20 (0.19.8 tested) | none (its own patch points: `written_for="deepspeed 0.19.8"`) |
+
+deepspeed was added after this matrix ran: it is not a column of it; its range is the two torch releases `fsdp-conformance run --impl deepspeed` ran on end to end (2.13.0 and 2.14.1, identical counts; docs/deepspeed.md, "Measured run").
 
 Tested releases: torch 2.8.0, 2.13.0, 2.14.1, 2.15.0. torch-fsdp2 starts at 2.13.0, the first
 release tested whose `fully_shard` the adapter drives correctly on CPU. On 2.8.0 the adapter
