@@ -230,8 +230,8 @@ FAIRSCALE_DEVIATIONS: tuple[Deviation, ...] = (
         "fairscale 0.4.13 FSDP accumulates wrongly over several synchronised backwards when an "
         "instance's flat parameter has one element (fewer than the ranks): its gradient shard "
         "then has the full parameter's size, _prep_grads_for_backward takes it for a no_sync "
-        "(unsharded) gradient, and the next backward reduces it a second time. Reproduction "
-        "(2 ranks): root = FSDP(Seq(Linear(1, 1, bias=False), FSDP(head))); two backwards, "
+        "(unsharded) gradient, and the next backward reduces it a second time. Reproduction: "
+        "(2 ranks) root = FSDP(Seq(Linear(1, 1, bias=False), FSDP(head))); two backwards, "
         "one optimizer step: the Linear's weight is off DDP's by 0.02 (lr 0.01) (found by "
         "fsdp-conformance fuzz --impl fairscale --seed 0)",
         applies=lambda case: case is not None and "accumulate:synced" in case.uses(),

@@ -213,7 +213,12 @@ def test_deviation_reproductions_reproduce(tmp_path):
     # the training-loop deviations (issue 21) by the reproduction in their reason, which the
     # suite's loop checks run (fsdp_conformance.suite.test_loops, their declared match)
     deviations = get_adapter("fairscale").known_deviations
-    loops = [deviation for deviation in deviations if deviation.check.startswith("loops.")]
+    # (and the generated-model deviations: test_generated_model_deviations_reproduce below)
+    loops = [
+        deviation
+        for deviation in deviations
+        if deviation.check.startswith("loops.") or deviation.check == "fuzz.generated"
+    ]
     assert all("Reproduction:" in d.reason and d.match for d in loops), loops
     declared = {deviation.check for deviation in deviations if deviation not in loops}
     assert declared == {label.split(" ")[0] for label in lines}, (declared, lines)
@@ -259,3 +264,60 @@ def test_memory_bound_cell_is_a_strict_declared_deviation(
     outcomes = result.parseoutcomes()
     assert outcomes.get(outcome) == 1 and "passed" not in outcomes, result.stdout.str()
     result.stdout.fnmatch_lines([f"*{message}*"])
+
+
+@pytest.mark.world_size(2)
+def test_generated_model_deviations_reproduce(dist):
+    """The minimal reproductions of fairscale's own fuzz.generated deviations (the other two
+    are the loops.* deviations, which the loop checks run): a dataclass output gets no
+    pre-backward hook; a one-element flat parameter accumulates wrongly over two synchronised
+    backwards. When a fairscale release fixes one, this fails and the declaration must go."""
+    import dataclasses
+
+    adapter = get_adapter("fairscale")
+
+    @dataclasses.dataclass
+    class Out:
+        y: torch.Tensor
+
+    class ReturnsDataclass(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> Out:
+            return Out(self.lin(x))
+
+    root = adapter.wrap(ReturnsDataclass(), root=True)
+    with pytest.raises((ValueError, RuntimeError), match="expected to be in states|allocated"):
+        root(torch.rand(2, 4)).y.sum().backward()
+
+    def one_element_model() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(1, 1, bias=False), nn.Linear(1, 2))
+
+    def two_backwards_one_step(model: nn.Module) -> torch.Tensor:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        for micro in range(2):
+            x = torch.full((1, 1), float(dist.rank + 2 * micro + 1))
+            (model(x).pow(2).mean() / 2).backward()
+        optimizer.step()
+        with adapter.summon_full_params(model) if model is not reference else _nothing():
+            return next(model.parameters()).detach().clone().flatten()
+
+    reference_model = one_element_model()
+    reference = nn.parallel.DistributedDataParallel(reference_model, process_group=dist.group)
+    expected = two_backwards_one_step(reference)
+    model = one_element_model()
+    model[1] = adapter.wrap(model[1], root=False)
+    root = adapter.wrap(model, root=True)
+    actual = two_backwards_one_step(root)
+    assert not torch.allclose(actual, expected, atol=1e-6), (actual, expected)
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None

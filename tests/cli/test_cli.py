@@ -311,7 +311,9 @@ def test_help_has_an_example(command: list[str], tmp_path: Path) -> None:
 
 
 def test_console_script_is_installed() -> None:
-    script = shutil.which("fsdp-conformance")
+    # the script installed with this interpreter's package (a ``fsdp-conformance`` elsewhere on
+    # PATH -- another Python's, a pyenv shim -- may belong to an environment without it)
+    script = shutil.which("fsdp-conformance", path=os.path.dirname(sys.executable))
     if script is None:
         pytest.skip("the package is not installed (pip install -e .): no console script")
     result = subprocess.run(
