@@ -118,17 +118,43 @@ def test_torch_fsdp1_frozen_unused_instance_fails_in_backward(dist):
         root(torch.rand(1, 4), 1).pow(2).mean().backward()
 
 
+# what FSDP1 (NO_SHARD, use_orig_params=True) does once an inner instance skipped a forward,
+# by release: 2.13.0 / 2.14.1 drop its parameters from named_parameters() silently; 2.15.0 fails
+# the next backward that uses it in _use_sharded_grad_views ("... is a view and its base ... has
+# been modified inplace"); 2.8.0 fails its next forward in _writeback_orig_params ("Cannot
+# writeback when the parameter shape changes") -- FSDP1_DEVIATIONS declares all three
+SKIPPED_INSTANCE_FAILURE = (
+    r"is a view and its base or another view of its base has been modified inplace"
+    r"|Cannot writeback when the parameter shape changes"
+)
+
+
 @pytest.mark.world_size(2)
 def test_torch_fsdp1_no_shard_orig_params_vanish_after_a_skipped_forward(dist):
+    import re
+
     from torch.distributed.fsdp import ShardingStrategy
 
     def inner_names(root):
         return sorted(name for name, _ in root.named_parameters() if ".lin." in name)
 
-    for strategy, keeps in ((ShardingStrategy.NO_SHARD, False), (ShardingStrategy.FULL_SHARD, True)):
+    def after_skipping(strategy) -> list[str]:
+        """What each step after the skipped one shows: names visible, or the error."""
         root, _ = _fsdp1_with_branch(sharding_strategy=strategy, use_orig_params=True)
         root(torch.rand(1, 4), 0).sum().backward()
         assert len(inner_names(root)) == 2, strategy
+        seen = []
         for step in (1, 2):  # skipped, then used again
-            root(torch.rand(1, 4), step).sum().backward()
-            assert (len(inner_names(root)) == 2) is keeps, (strategy, step, inner_names(root))
+            try:
+                root(torch.rand(1, 4), step).sum().backward()
+            except RuntimeError as error:
+                seen.append(f"{type(error).__name__}: {error}")
+                break
+            seen.append(f"{len(inner_names(root))} names")
+        return seen
+
+    assert after_skipping(ShardingStrategy.FULL_SHARD) == ["2 names", "2 names"]
+    seen = after_skipping(ShardingStrategy.NO_SHARD)
+    vanished = "0 names" in seen
+    failed = any(re.search(SKIPPED_INSTANCE_FAILURE, each) for each in seen)
+    assert vanished or failed, (torch.__version__, seen)
