@@ -158,3 +158,44 @@ def test_torch_fsdp1_no_shard_orig_params_vanish_after_a_skipped_forward(dist):
     vanished = "0 names" in seen
     failed = any(re.search(SKIPPED_INSTANCE_FAILURE, each) for each in seen)
     assert vanished or failed, (torch.__version__, seen)
+
+
+def test_dcp_hands_fsdp1_its_group_where_torch_does_not(monkeypatch):
+    """torch 2.8.0's get_state_dict / set_state_dict call FSDP.optim_state_dict(_to_load)
+    without group=, so a model on a subgroup deadlocked (the checkpoint/resume cells across world
+    sizes); adapters/_dcp.py hands the group itself there, and only there."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    from fsdp_conformance import _patching
+    from fsdp_conformance.adapters import _dcp
+
+    seen = []
+
+    def recorder(*args, **kwargs):
+        seen.append(kwargs.get("group"))
+
+    monkeypatch.setattr(FSDP, "optim_state_dict", staticmethod(recorder))
+    monkeypatch.setattr(FSDP, "optim_state_dict_to_load", staticmethod(recorder))
+    try:
+        # this torch passes the group itself (2.13.0 does): nothing is bound
+        monkeypatch.setattr(_dcp, "fsdp1_optim_group_passed", lambda: True)
+        with _dcp._fsdp1_optim_group("G"):
+            FSDP.optim_state_dict("model", "optim", {})
+        # a torch that omits it: bound for FSDP1's two calls, only inside the helpers' call
+        monkeypatch.setattr(_dcp, "fsdp1_optim_group_passed", lambda: False)
+        with _dcp._fsdp1_optim_group("G"):
+            FSDP.optim_state_dict("model", "optim", {})
+            FSDP.optim_state_dict_to_load("model", "optim", {})
+            FSDP.optim_state_dict("model", "optim", {}, group="mine")  # given: kept
+        FSDP.optim_state_dict("model", "optim", {})
+    finally:
+        _patching.undo_all(_dcp._PATCH_KEY)
+    assert seen == [None, "G", "G", "mine", None]
+
+
+def test_this_torch_dcp_passes_the_group_as_measured():
+    from fsdp_conformance.adapters import _dcp
+
+    # measured: torch 2.8.0 omits it; 2.13.0, 2.14.1 and 2.15.0 pass it
+    omits = torch.__version__.startswith("2.8.")
+    assert _dcp.fsdp1_optim_group_passed() is not omits, torch.__version__
