@@ -28,6 +28,7 @@ _GROUP = threading.local()
 _PATCH_KEY = "fsdp-conformance DCP group for FSDP1 optimizer state (torch 2.8)"
 
 
+@functools.cache
 def fsdp1_optim_group_passed() -> bool:
     """Whether this torch's ``get_state_dict`` hands ``FSDP.optim_state_dict`` the model's
     process group. torch 2.8.0's does not (2.13.0 does): FSDP1's optimizer-state collectives

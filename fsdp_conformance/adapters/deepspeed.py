@@ -48,7 +48,7 @@ from fsdp_conformance.vocab import Op
 
 from .base import Adapter, ObserverRegistry, UnsupportedFeatureError
 from .deviations import Deviation
-from .features import ALL_FEATURES, Feature, module_predicate
+from .features import ALL_FEATURES, Feature, auto_wrap_targets
 from .states import InstanceState, RootState
 
 # The one line every deepspeed check skips with when DeepSpeed is not importable
@@ -402,11 +402,9 @@ class DeepSpeedAdapter(Adapter):
             # DeepSpeed has no wrapping unit (it gathers each module's own parameters): the
             # policy marks the adapter's instances -- the units of the comm trace, of the
             # memory accounting and of stage3_max_live_parameters -- as wrap(root=False) does
-            predicate = module_predicate(policy)
             with _lock:
-                for submodule in list(module.modules())[1:]:
-                    if predicate(submodule) and any(True for _ in submodule.parameters()):
-                        _NESTED.add(submodule)
+                for _, submodule in auto_wrap_targets(module, policy):
+                    _NESTED.add(submodule)
         devices = {param.device.type for param in module.parameters()}
         if "meta" in devices or len(devices) > 1:
             raise ValueError(

@@ -51,7 +51,7 @@ from fsdp_conformance.vocab import Op
 
 from .base import Adapter, ObserverRegistry, require_before_first_forward
 from .deviations import Deviation
-from .features import ALL_FEATURES, Feature, module_predicate
+from .features import ALL_FEATURES, Feature, auto_wrap_targets
 from .states import InstanceState, RootState
 
 # The one line every fairscale check skips with when fairscale is not importable
@@ -371,10 +371,9 @@ class FairscaleAdapter(Adapter):
             )
         policy = config.get("auto_wrap_policy")
         if policy is not None:
-            predicate = module_predicate(policy)
-            for name, submodule in reversed(list(module.named_modules())[1:]):
-                if _wants_instance(submodule, predicate, FullyShardedDataParallel):
-                    _replace(module, name, FullyShardedDataParallel(submodule, **kwargs))
+            targets = auto_wrap_targets(module, policy, wrapped=(FullyShardedDataParallel,))
+            for name, submodule in targets:
+                _replace(module, name, FullyShardedDataParallel(submodule, **kwargs))
         wrapped = FullyShardedDataParallel(module, **kwargs)
         # one handle for the whole tree: the root shares its streams with every inner instance
         handle = _CudaHandle() if _cuda_hosted() else _cpu_handle()
@@ -472,12 +471,6 @@ def _compute_device(device_id: Any) -> torch.device:
     if isinstance(device_id, int):
         return torch.device("cuda", device_id)
     return device_id
-
-
-def _wants_instance(module: nn.Module, predicate: Callable[[nn.Module], bool], fsdp: type) -> bool:
-    if isinstance(module, fsdp) or not predicate(module):
-        return False
-    return any(True for _ in module.parameters())
 
 
 def _replace(root: nn.Module, name: str, replacement: nn.Module) -> None:

@@ -199,3 +199,19 @@ def module_predicate(policy: Any) -> Callable[[nn.Module], bool]:
     if policy == ALWAYS_WRAP:
         return lambda module: True
     return policy
+
+
+def auto_wrap_targets(
+    module: nn.Module, policy: Any, *, wrapped: tuple[type, ...] = ()
+) -> list[tuple[str, nn.Module]]:
+    """What an adapter emulating `auto_wrap_policy` wraps below `module`: (name, submodule) for
+    every submodule with parameters that the policy selects and that is not an instance already
+    (of a `wrapped` type), inner first (reversed pre-order: every child before its parent)."""
+    predicate = module_predicate(policy)
+    return [
+        (name, submodule)
+        for name, submodule in reversed(list(module.named_modules())[1:])
+        if not isinstance(submodule, wrapped)
+        and any(True for _ in submodule.parameters())
+        and predicate(submodule)
+    ]

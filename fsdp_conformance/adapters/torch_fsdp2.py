@@ -47,7 +47,7 @@ from ._fsdp2_prefetch import configure_prefetch
 from ._support import RANGES, support_problem
 from .base import Adapter, ObserverRegistry, scoped_observer
 from .deviations import Deviation
-from .features import Feature, module_predicate
+from .features import Feature, auto_wrap_targets
 from .states import InstanceState, RootState
 
 # Process-wide: observers of the patched FSDP2 internals, and param group -> its module
@@ -244,15 +244,8 @@ class TorchFSDP2Adapter(Adapter):
         )
         policy = config.get("auto_wrap_policy")
         if policy is not None:
-            predicate = module_predicate(policy)
-            # reversed pre-order: every child comes before its parent (inner first)
-            for submodule in reversed(list(module.modules())[1:]):
-                if (
-                    not isinstance(submodule, api.FSDPModule)
-                    and any(True for _ in submodule.parameters())
-                    and predicate(submodule)
-                ):
-                    self._register(api.fully_shard(submodule, **kwargs), prefetch)
+            for _, submodule in auto_wrap_targets(module, policy, wrapped=(api.FSDPModule,)):
+                self._register(api.fully_shard(submodule, **kwargs), prefetch)
         return self._register(api.fully_shard(module, **kwargs), prefetch)
 
     @staticmethod

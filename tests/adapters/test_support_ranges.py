@@ -84,20 +84,36 @@ def test_torch_fsdp2_starts_at_2_13(monkeypatch):
     assert get_adapter("torch-fsdp1").support_problem() is None
 
 
-def test_fairscale_declares_its_own_release(monkeypatch):
+@pytest.mark.parametrize(
+    "library, installed, problem",
+    [
+        (
+            "fairscale",
+            "0.4.0",
+            "fairscale 0.4.0 is older than this adapter supports (fairscale>=0.4.13,<0.4.14",
+        ),
+        (
+            "deepspeed",
+            "0.20.1",
+            (
+                "deepspeed 0.20.1 is newer than this adapter was tested with (deepspeed>=0.19.0,"
+                "<0.20, tested on 0.19.8)"
+            ),
+        ),
+    ],
+)
+def test_an_extra_declares_its_own_release(monkeypatch, library, installed, problem):
     real = _support.installed_version
     monkeypatch.setattr(
         _support,
         "installed_version",
-        lambda library: "0.4.0" if library == "fairscale" else real(library),
+        lambda name: installed if name == library else real(name),
     )
-    problem = get_adapter("fairscale").support_problem()
-    assert "fairscale 0.4.0 is older than this adapter supports (fairscale>=0.4.13,<0.4.14" in (
-        problem
-    )
-    # fairscale not installed is not a range problem (every check skips with the install line)
-    monkeypatch.setattr(_support, "installed_version", lambda library: None)
-    assert get_adapter("fairscale").support_problem() is None
+    said = get_adapter(library).support_problem()
+    assert said.startswith(problem), said
+    # the library not installed is not a range problem (every check skips with the install line)
+    monkeypatch.setattr(_support, "installed_version", lambda name: None)
+    assert get_adapter(library).support_problem() is None
 
 
 # ---------------------------------------------------------------- torch FSDP2 internals
@@ -198,20 +214,3 @@ def test_the_fsdp2_mixed_devices_deviation_does_not_hide_a_moved_internal():
         "one matching 'device|meta')"
     )
     assert deviation.covers(accepted)
-
-
-def test_deepspeed_declares_its_own_release(monkeypatch):
-    real = _support.installed_version
-    monkeypatch.setattr(
-        _support,
-        "installed_version",
-        lambda library: "0.20.1" if library == "deepspeed" else real(library),
-    )
-    problem = get_adapter("deepspeed").support_problem()
-    assert problem.startswith(
-        "deepspeed 0.20.1 is newer than this adapter was tested with (deepspeed>=0.19.0,<0.20, "
-        "tested on 0.19.8)"
-    ), problem
-    # deepspeed not installed is not a range problem (every check skips with the install line)
-    monkeypatch.setattr(_support, "installed_version", lambda library: None)
-    assert get_adapter("deepspeed").support_problem() is None
