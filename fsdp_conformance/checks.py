@@ -258,6 +258,16 @@ _CHECKS: tuple[Check, ...] = (
         strict=False,
         case="the generated FuzzCase (per case; None for the whole cell)",
     ),
+    # ---------------------------------------------------------------- precision.* (precision.dtypes, precision.grad_scaler)
+    #
+    # ---------------------------------------------------------------- state_dict.full, init.meta
+    #
+    # ---------------------------------------------------------------- sharding.* (sharding.uneven, sharding.hybrid), wrap.shared_across_instances
+    #
+    # ---------------------------------------------------------------- optim.param_groups, wrap.ignored, forward.other_method
+    #
+    # ---------------------------------------------------------------- memory.reshard_after_forward, wrap.configs_isolated
+    #
 )
 
 CHECKS: dict[str, Check] = {}

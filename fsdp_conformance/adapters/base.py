@@ -504,6 +504,14 @@ class Adapter:
             self.name, Feature.CHECKPOINT_RESUME, "override Adapter.load_checkpoint"
         )
 
+    # ------------------------------------------------------------------ precision (mixed precision policy, grad scaler)
+
+    # ------------------------------------------------------------------ full state dict, meta-device init
+
+    # ------------------------------------------------------------------ sharding (hybrid)
+
+    # ------------------------------------------------------------------ optimizer groups, ignored parameters, other forward methods
+
     # ------------------------------------------------------------------ primitives
     def _wrap(self, module: nn.Module, process_group: Any, config: dict[str, Any]) -> nn.Module:
         raise NotImplementedError

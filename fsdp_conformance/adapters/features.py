@@ -71,6 +71,15 @@ class Feature:
     FORWARD_VARIANTS = "forward_variants"
     CHECKPOINT_RESUME = "checkpoint_resume"  # `save_checkpoint` / `load_checkpoint`
     USE_ORIG_PARAMS = "use_orig_params"  # the use_orig_params=True config key (torch FSDP1)
+    # - What users rely on beyond the seed's axes (docs/adapters.md, "User promises")
+    MIXED_PRECISION_POLICY = "mixed_precision_policy"  # reduce_dtype != param_dtype, output dtype
+    GRAD_SCALER = "grad_scaler"  # `grad_scaler(model)`: the implementation's sharded grad scaler
+    FULL_STATE_DICT = "full_state_dict"  # full state dict to / from the plain module's keys
+    META_INIT = "meta_init"  # a model built on the meta device, materialised after wrapping
+    HYBRID_SHARD = "hybrid_shard"  # shard within a group, replicate across groups (2-D mesh)
+    PARAM_GROUPS = "param_groups"  # optimizer parameter groups by the plain module's names
+    IGNORED_PARAMS = "ignored_params"  # parameters left unsharded and unreduced by the wrapper
+    FORWARD_METHOD = "forward_method"  # a method other than forward running wrapped parameters
 
 
 ALL_FEATURES: frozenset[str] = frozenset(
