@@ -87,6 +87,42 @@ class UnsupportedFeatureError(NotImplementedError, unittest.SkipTest):
         self.reason = reason  # why, in words
 
 
+class FeatureNotImplementedError(NotImplementedError):
+    """An adapter lacks a member it needs: one it must have, or one for a feature it claims (does
+    not declare in ``unsupported()``). A FAIL of the adapter, never a skip; the message names the
+    adapter, the member to implement and the feature to declare unsupported instead."""
+
+    def __init__(self, adapter: str, member: str, feature: str | None = None) -> None:
+        if feature is None:
+            text = (
+                f"adapter {adapter!r} does not implement {member}, which every adapter needs: "
+                "override it"
+            )
+        else:
+            text = (
+                f"adapter {adapter!r} claims feature {feature!r} but does not implement it: "
+                f"override {member}, or declare {feature!r} in unsupported() instead"
+            )
+        super().__init__(text)
+        self.adapter = adapter  # the adapter's name
+        self.member = member  # "Adapter.<method>" to override
+        self.feature = feature  # the claimed feature (None: a member every adapter needs)
+
+
+def claimed_but_not_implemented(
+    adapter: Adapter, error: UnsupportedFeatureError
+) -> FeatureNotImplementedError | None:
+    """The failure ``error`` stands for when it is a base default's "override Adapter.X" for a
+    feature ``adapter`` claims (a skip would hide that the member was never written), else None.
+    """
+    member = re.search(r"override (Adapter\.\w+)", error.reason)
+    if member is None or error.feature not in ALL_FEATURES:
+        return None
+    if adapter.unsupported_reason(error.feature) is not None:
+        return None
+    return FeatureNotImplementedError(adapter.name, member.group(1), error.feature)
+
+
 def require_before_first_forward(
     adapter_name: str, model: nn.Module, states: Iterable[Any]
 ) -> None:
@@ -327,15 +363,15 @@ class Adapter:
     # ------------------------------------------------------------------ instances and states
     def instances(self, model: nn.Module) -> list[nn.Module]:
         """FSDP instances in `model`, pre-order (outermost first)."""
-        raise NotImplementedError
+        raise FeatureNotImplementedError(self.name, "Adapter.instances")
 
     def training_state(self, instance: nn.Module) -> InstanceState:
         """The canonical instance state of `instance`."""
-        raise NotImplementedError
+        raise FeatureNotImplementedError(self.name, "Adapter.training_state")
 
     def root_state(self, instance: nn.Module) -> RootState:
         """The canonical coarse (root-level) state of `instance`."""
-        raise NotImplementedError
+        raise FeatureNotImplementedError(self.name, "Adapter.root_state")
 
     def is_unsharded(self, instance: nn.Module) -> bool | None:
         """Whether `instance`'s unsharded parameters are currently allocated (optional).
@@ -514,23 +550,25 @@ class Adapter:
 
     # ------------------------------------------------------------------ primitives
     def _wrap(self, module: nn.Module, process_group: Any, config: dict[str, Any]) -> nn.Module:
-        raise NotImplementedError
+        raise FeatureNotImplementedError(self.name, "Adapter._wrap")
 
     def _summon_full_params(
         self, model: nn.Module, writeback: bool
     ) -> contextlib.AbstractContextManager[None]:
-        raise NotImplementedError
+        raise FeatureNotImplementedError(self.name, "Adapter._summon_full_params")
 
     def _assert_state(self, instance: nn.Module, states: tuple[RootState, ...]) -> None:
-        raise NotImplementedError
+        raise FeatureNotImplementedError(self.name, "Adapter._assert_state", Feature.ASSERT_STATE)
 
     def _observe(
         self, callback: Observer, instances: list[nn.Module] | None
     ) -> contextlib.AbstractContextManager[None]:
-        raise NotImplementedError
+        raise FeatureNotImplementedError(self.name, "Adapter._observe", Feature.COMM_TRACE)
 
     def _install_device_handle(self, model: nn.Module, handle: Any) -> None:
-        raise NotImplementedError
+        raise FeatureNotImplementedError(
+            self.name, "Adapter._install_device_handle", Feature.DEVICE_HANDLE
+        )
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"
