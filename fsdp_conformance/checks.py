@@ -259,6 +259,23 @@ _CHECKS: tuple[Check, ...] = (
         case="the generated FuzzCase (per case; None for the whole cell)",
     ),
     # ---------------------------------------------------------------- precision.* (precision.dtypes, precision.grad_scaler)
+    Check(
+        "precision.dtypes",
+        "mixed precision observed: forward in param_dtype, reductions in reduce_dtype, fp32 "
+        "shards and gradients, buffers and their state dict in the promised dtype, fp32 "
+        "accumulation over many micro-batches, training within tolerance of fp32 DDP",
+        ("BasePrecisionTests.test_dtypes", "BasePrecisionTests.test_accumulation"),
+        features=("mixed_precision", "mixed_precision_policy"),
+        case="suite.loops.LoopCase",
+    ),
+    Check(
+        "precision.grad_scaler",
+        "the implementation's grad scaler with an inf gradient on one rank: every rank skips "
+        "the step, the scale shrinks identically, parameters equal DDP + GradScaler's",
+        ("BasePrecisionTests.test_grad_scaler",),
+        features=("grad_scaler",),
+        case="suite.loops.LoopCase",
+    ),
     #
     # ---------------------------------------------------------------- state_dict.full, init.meta
     #

@@ -99,6 +99,8 @@ class LoopModule(nn.Module):
         branch: add the wrapped branch (used while `use_branch` is True).
         freeze: None, "instance" (block 0 entirely) or "mixed" (block 0's Linear weight).
         no_shard_block: index of a block wrapped with NO_SHARD (None: none).
+        buffer: add a floating-point buffer ``offset`` of the root, added to the trunk's
+            output (what mixed precision's buffer_dtype casts).
     """
 
     ROOT_WRAP_CONFIG: ClassVar[dict[str, Any]] = {}
@@ -112,6 +114,7 @@ class LoopModule(nn.Module):
         branch: bool = False,
         freeze: str | None = None,
         no_shard_block: int | None = None,
+        buffer: bool = False,
         device_init: DeviceInit = DeviceInit.AFTER,
         device: torch.device | None = None,
     ) -> None:
@@ -141,12 +144,18 @@ class LoopModule(nn.Module):
         move_before_wrap(head, device_init, device)
         self.head = maybe_wrap(wrap, head)
         move_before_wrap(self.trunk, device_init, device)
+        at = device if device_init is DeviceInit.BEFORE else None
+        offset = torch.linspace(-0.5, 0.5, 16, device=at) if buffer else None
+        self.register_buffer("offset", offset)
 
     def get_input(self, device: torch.device) -> tuple[torch.Tensor]:
         return (torch.rand(4, 8, generator=generator(11 + self.rank)).to(device),)  # (B=4, 8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.blocks(torch.relu(self.trunk(x)))  # (B, 16)
+        x = torch.relu(self.trunk(x))  # (B, 16)
+        if self.offset is not None:
+            x = x + self.offset
+        x = self.blocks(x)
         if self.branch is not None and self.use_branch:
             x = x + self.branch(x)
         return self.head(x)  # (B, 8)

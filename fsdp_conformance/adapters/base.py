@@ -541,6 +541,19 @@ class Adapter:
         )
 
     # ------------------------------------------------------------------ precision (mixed precision policy, grad scaler)
+    def grad_scaler(self, model: nn.Module, **options: Any) -> Any:
+        """The gradient scaler a user of this implementation pairs with `model` (the
+        ``torch.amp.GradScaler`` protocol: scale, unscale_, step, update, get_scale), built with
+        `options` (GradScaler's keywords: init_scale, growth_factor, backoff_factor,
+        growth_interval). It must skip the step on every rank when any rank's gradient shard
+        holds an inf or NaN."""
+        self.check(Feature.GRAD_SCALER)
+        raise UnsupportedFeatureError(
+            self.name,
+            Feature.GRAD_SCALER,
+            "override Adapter.grad_scaler (return the scaler users pair with this "
+            "implementation, e.g. torch's ShardedGradScaler over the model's process group)",
+        )
 
     # ------------------------------------------------------------------ full state dict, meta-device init
 

@@ -56,6 +56,8 @@ class ImplAdapter(Adapter):
                 param_dtype=mixed.param_dtype,
                 reduce_dtype=mixed.reduce_dtype,
                 buffer_dtype=mixed.buffer_dtype,
+                output_dtype=mixed.output_dtype,
+                cast_forward_inputs=mixed.cast_forward_inputs is not False,
             )
         if config.get("auto_wrap_policy") is not None:
             kwargs["auto_wrap_policy"] = _fsdp1_style_policy(config["auto_wrap_policy"])
@@ -104,6 +106,15 @@ class ImplAdapter(Adapter):
 
     def _install_device_handle(self, model: nn.Module, handle: Any) -> None:
         self._impl.device.install_device_handle(model, handle)
+
+    # ------------------------------------------------------------------ precision
+    def grad_scaler(self, model: nn.Module, **options: Any) -> Any:
+        """torch's ``ShardedGradScaler`` over the root's process group: impl's gradients are
+        plain sharded tensors, as FSDP1's, so a user pairs impl with the same scaler."""
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        device = next(model.parameters()).device.type
+        return ShardedGradScaler(device, process_group=model.process_group, **options)
 
     # ------------------------------------------------------------------ training loops (issue 21)
     def unsupported(self) -> dict[str, str]:

@@ -32,7 +32,12 @@ from fsdp_conformance.vocab import Op
 
 from . import _fsdp1_internals as internals
 from ._support import RANGES, support_problem
-from .base import Adapter, ObserverRegistry, require_before_first_forward
+from .base import (
+    Adapter,
+    ObserverRegistry,
+    UnsupportedFeatureError,
+    require_before_first_forward,
+)
 from .deviations import Deviation
 from .features import ALWAYS_WRAP, Feature, module_predicate
 from .states import InstanceState, RootState
@@ -249,6 +254,12 @@ class TorchFSDP1Adapter(Adapter):
             kwargs["cpu_offload"] = CPUOffload(offload_params=config["cpu_offload"])
         if config.get("mixed_precision") is not None:
             mixed = config["mixed_precision"]
+            if mixed.output_dtype is not None:
+                raise UnsupportedFeatureError(
+                    self.name,
+                    Feature.MIXED_PRECISION_POLICY,
+                    "torch FSDP1's MixedPrecision has no output_dtype (FSDP2's policy has)",
+                )
             kwargs["mixed_precision"] = MixedPrecision(
                 param_dtype=mixed.param_dtype,
                 reduce_dtype=mixed.reduce_dtype,
@@ -256,7 +267,7 @@ class TorchFSDP1Adapter(Adapter):
                 # every instance casts its floating-point inputs to param_dtype, as impl and
                 # FSDP2 do (FSDP1's default casts the root's only: a nested instance then gets
                 # fp32 activations, e.g. after adding an fp32 buffer, and fails in its matmul)
-                cast_forward_inputs=True,
+                cast_forward_inputs=mixed.cast_forward_inputs is not False,
             )
         if config.get("auto_wrap_policy") is not None:
             kwargs["auto_wrap_policy"] = _fsdp1_policy(config["auto_wrap_policy"])
@@ -315,6 +326,15 @@ class TorchFSDP1Adapter(Adapter):
         for instance in instances:
             internals.set_device_handle(instance, handle)
 
+
+    # ------------------------------------------------------------------ precision
+    def grad_scaler(self, model: nn.Module, **options: Any) -> Any:
+        """``ShardedGradScaler`` (``torch.distributed.fsdp.sharded_grad_scaler``) over the
+        root's process group, as FSDP1's documentation pairs them."""
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        device = next(model.parameters()).device.type
+        return ShardedGradScaler(device, process_group=model.process_group, **options)
 
     # ------------------------------------------------------------------ training loops (issue 21)
     # no_sync() and clip_grad_norm_() are FSDP1's own methods on the root (the Adapter defaults)

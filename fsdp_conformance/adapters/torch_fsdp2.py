@@ -18,8 +18,8 @@ Mapping of the FSDP1 vocabulary (torch 2.13.0):
 - cpu_offload -> `CPUOffloadPolicy(pin_memory=<host has an accelerator>)`: on a CPU-only host
   the default `pin_memory=True` fails with "Cannot access accelerator device when none is
   available"; `pin_memory=False` works (measured).
-- mixed_precision -> `MixedPrecisionPolicy(param_dtype, reduce_dtype)`; FSDP2 does not cast
-  buffers (buffer_dtype unsupported).
+- mixed_precision -> `MixedPrecisionPolicy(param_dtype, reduce_dtype, output_dtype,
+  cast_forward_inputs)`; FSDP2 does not cast buffers (buffer_dtype unsupported).
 - sync_module_states: no FSDP2 flag (unsupported).
 - auto_wrap_policy: emulated by this adapter (fully_shard each matching submodule, inner first).
 - summon_full_params: emulated with `FSDPModule.unshard()` / `reshard()`; no writeback.
@@ -235,7 +235,10 @@ class TorchFSDP2Adapter(Adapter):
         if config.get("mixed_precision") is not None:
             mixed = config["mixed_precision"]
             kwargs["mp_policy"] = api.MixedPrecisionPolicy(
-                param_dtype=mixed.param_dtype, reduce_dtype=mixed.reduce_dtype
+                param_dtype=mixed.param_dtype,
+                reduce_dtype=mixed.reduce_dtype,
+                output_dtype=mixed.output_dtype,
+                cast_forward_inputs=mixed.cast_forward_inputs is not False,
             )
         prefetch = (
             config.get("forward_prefetch", False),
@@ -309,6 +312,14 @@ class TorchFSDP2Adapter(Adapter):
     def _install_device_handle(self, model: nn.Module, handle: Any) -> None:
         install_lagging_device(model, handle)
 
+
+    # ------------------------------------------------------------------ precision
+    def grad_scaler(self, model: nn.Module, **options: Any) -> Any:
+        """``torch.amp.GradScaler``: FSDP2's gradients are DTensors, whose inf/NaN check
+        (``_amp_foreach_non_finite_check_and_unscale_``) combines found_inf across the mesh
+        (measured on CPU/gloo, torch 2.13.0: one rank's inf skips the step on both ranks)."""
+        device = next(model.parameters()).device.type
+        return torch.amp.GradScaler(device, **options)
 
     # ------------------------------------------------------------------ training loops (issue 21)
     @contextlib.contextmanager

@@ -31,6 +31,7 @@ from .memory_bound import BaseMemoryBoundTests
 from .misuse import BaseBadInputTests, BaseExecOrderTests
 from .overlap import BaseOverlapTests
 from .parity import BaseDDPParityTests, BaseStateDictTests, BaseSummonFullParamsTests
+from .test_precision import BasePrecisionTests
 from .states import BaseTrainingStateTests
 
 __all__ = [
@@ -47,6 +48,7 @@ __all__ = [
     "BaseGeneratedModelTests",
     "BaseMemoryBoundTests",
     "BaseOverlapTests",
+    "BasePrecisionTests",
     "BasePrefetchOrderTests",
     "BaseStateDictTests",
     "BaseSummonFullParamsTests",
