@@ -32,12 +32,15 @@ from .misuse import BaseBadInputTests, BaseExecOrderTests
 from .overlap import BaseOverlapTests
 from .parity import BaseDDPParityTests, BaseStateDictTests, BaseSummonFullParamsTests
 from .states import BaseTrainingStateTests
+from .test_memory import BaseReshardAfterForwardTests
+from .test_wrap_isolation import BaseConfigIsolationTests
 
 __all__ = [
     "BaseActivationCheckpointingTests",
     "BaseBadInputTests",
     "BaseCheckpointResumeTests",
     "BaseCollectiveCountTests",
+    "BaseConfigIsolationTests",
     "BaseDDPParityTests",
     "BaseExecOrderTests",
     "BaseForwardVariantsTests",
@@ -48,6 +51,7 @@ __all__ = [
     "BaseMemoryBoundTests",
     "BaseOverlapTests",
     "BasePrefetchOrderTests",
+    "BaseReshardAfterForwardTests",
     "BaseStateDictTests",
     "BaseSummonFullParamsTests",
     "BaseTrainingStateTests",
