@@ -73,6 +73,7 @@ _CHECKS: tuple[Check, ...] = (
         "parity.summon_full_params",
         "summon_full_params shows the full parameters; writeback writes them back",
         ("BaseSummonFullParamsTests.test_summon_full_params",),
+        features=("summon_full_params",),
         case="writeback (bool)",
     ),
     Check(
@@ -86,6 +87,7 @@ _CHECKS: tuple[Check, ...] = (
         "states.legal",
         "legal training-state transitions at every hook",
         ("BaseTrainingStateTests.test_states_are_legal_at_every_hook",),
+        features=("training_states",),
         case="configs.ParityCase",
     ),
     Check(
@@ -178,12 +180,14 @@ _CHECKS: tuple[Check, ...] = (
         "misuse.forward_inside_summon",
         "a forward inside summon_full_params is refused",
         ("BaseBadInputTests.test_forward_inside_summon_full_params",),
+        features=("summon_full_params",),
         strict=False,
     ),
     Check(
         "misuse.summon_during_forward",
         "summon_full_params inside forward is refused",
         ("BaseBadInputTests.test_summon_full_params_during_forward",),
+        features=("summon_full_params",),
         strict=False,
     ),
     Check(
@@ -203,7 +207,8 @@ _CHECKS: tuple[Check, ...] = (
     ),
     Check(
         "loops.grad_accumulation_comm",
-        "no gradient reduction while sync is off; exactly one per instance when it is on",
+        "no gradient reduction while sync is off; when it is on, every trainable instance "
+        "reduces, at most once per parameter gathered in its forward",
         ("BaseGradientAccumulationTests.test_no_reduction_while_accumulating",),
         features=("gradient_accumulation", "comm_trace"),
         case="suite.loops.LoopCase",
@@ -284,7 +289,20 @@ _CHECKS: tuple[Check, ...] = (
     # ---------------------------------------------------------------- optim.param_groups, wrap.ignored, forward.other_method
     #
     # ---------------------------------------------------------------- memory.reshard_after_forward, wrap.configs_isolated
-    #
+    Check(
+        "memory.reshard_after_forward",
+        "with resharding after forward configured (FULL_SHARD), no unsharded parameter of a "
+        "non-root instance stays alive after the model's forward",
+        ("BaseReshardAfterForwardTests.test_no_unsharded_parameter_after_forward",),
+        case="suite.loops.LoopCase",
+    ),
+    Check(
+        "wrap.configs_isolated",
+        "two models wrapped in one process with different configurations (mixed precision, "
+        "sharding) each behave by their own and train as DDP",
+        ("BaseConfigIsolationTests.test_two_configs_in_one_process",),
+        case="the axis that differs: 'mixed_precision' or 'sharding'",
+    ),
 )
 
 CHECKS: dict[str, Check] = {}

@@ -24,6 +24,7 @@ import contextlib
 import re
 import threading
 import unittest
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -178,8 +179,8 @@ class Adapter:
     # `clean_param_name` (torch FSDP1's `_fsdp_wrapped_module` is always removed)
     wrapper_segments: tuple[str, ...] = ()
     # How gradients are combined across ranks: "mean" (FSDP and DDP average) or "sum" (e.g.
-    # torchtitan's SimpleFSDP); under "sum" the suite divides the loss by the world size before
-    # backward in the FSDP run, so parity with DDP still holds
+    # torchtitan's SimpleFSDP); under "sum" the suite scales each instance's gradients by its
+    # own group size (`group_size`) in the FSDP run, so parity with DDP still holds
     grad_reduction: str = "mean"
     # False: the implementation has no per-instance training state, only root (coarse) states;
     # the training-state checks then check what exists and say what they could not check
@@ -339,9 +340,13 @@ class Adapter:
         self._check_values(normalized)
         previous, self.wrapping_root = self.wrapping_root, root
         try:
-            return self._wrap(module, process_group, normalized)
+            instance = self._wrap(module, process_group, normalized)
         finally:
             self.wrapping_root = previous
+        sizes = self.__dict__.setdefault("_group_sizes", weakref.WeakKeyDictionary())
+        for wrapped in {id(instance): instance, id(module): module}.values():
+            sizes[wrapped] = _group_size(process_group)
+        return instance
 
     def wrapper(self, *, process_group: Any = None, **config: Any) -> AdapterWrap:
         """A `wrap` callable for the model zoo: `wrapper(**config)(module, **overrides)`.
@@ -381,6 +386,14 @@ class Adapter:
         the adapter does not say; adapter tests and your own checks may use it.
         """
         return None
+
+    def group_size(self, instance: nn.Module) -> int:
+        """How many ranks `instance`'s gradients are combined over: the size of the process
+        group it was wrapped on (recorded by `wrap` for the module it returned and the module
+        it was given; the default group's size for any other module). An implementation whose
+        instances are not what `wrap` returned overrides it."""
+        sizes = self.__dict__.get("_group_sizes", {})
+        return sizes[instance] if instance in sizes else _group_size(None)
 
     def assert_state(self, instance: nn.Module, *states: RootState) -> None:
         """Call the implementation's own state assertion (needs `assert_state`)."""
@@ -585,6 +598,12 @@ class Adapter:
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"
+
+
+def _group_size(process_group: Any) -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size(process_group) if dist.is_initialized() else 1
 
 
 class AdapterWrap:

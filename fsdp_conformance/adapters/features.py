@@ -83,6 +83,10 @@ class Feature:
     PARAM_GROUPS = "param_groups"  # optimizer parameter groups by the plain module's names
     IGNORED_PARAMS = "ignored_params"  # parameters left unsharded and unreduced by the wrapper
     FORWARD_METHOD = "forward_method"  # a method other than forward running wrapped parameters
+    # - Subjects an implementation of another shape may not have (docs/adapters.md, "FSDPs of
+    #   other shapes"): the checks about them are then not applicable, never run on a stand-in
+    TRAINING_STATES = "training_states"  # `training_state` / `root_state` report real states
+    SUMMON_FULL_PARAMS = "summon_full_params"  # `summon_full_params` is the implementation's own
 
 
 ALL_FEATURES: frozenset[str] = frozenset(

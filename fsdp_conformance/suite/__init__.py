@@ -33,12 +33,15 @@ from .overlap import BaseOverlapTests
 from .parity import BaseDDPParityTests, BaseStateDictTests, BaseSummonFullParamsTests
 from .test_precision import BasePrecisionTests
 from .states import BaseTrainingStateTests
+from .test_memory import BaseReshardAfterForwardTests
+from .test_wrap_isolation import BaseConfigIsolationTests
 
 __all__ = [
     "BaseActivationCheckpointingTests",
     "BaseBadInputTests",
     "BaseCheckpointResumeTests",
     "BaseCollectiveCountTests",
+    "BaseConfigIsolationTests",
     "BaseDDPParityTests",
     "BaseExecOrderTests",
     "BaseForwardVariantsTests",
@@ -50,6 +53,7 @@ __all__ = [
     "BaseOverlapTests",
     "BasePrecisionTests",
     "BasePrefetchOrderTests",
+    "BaseReshardAfterForwardTests",
     "BaseStateDictTests",
     "BaseSummonFullParamsTests",
     "BaseTrainingStateTests",
