@@ -36,7 +36,7 @@ from fsdp_conformance.training_states import InstanceState, RootState
 from fsdp_conformance.vocab import Op
 
 from .deviations import Deviation, find_deviation
-from .features import ALL_FEATURES, Feature, features_for, normalize_config
+from .features import ALL_FEATURES, Feature, check_process_group, features_for, normalize_config
 
 # callback(op, instance, info) -- see [Note: observation]
 Observer = Callable[[str, nn.Module, dict], None]
@@ -162,6 +162,22 @@ def clean_param_name(name: str, segments: Iterable[str] = ()) -> str:
             )
         name = re.sub(rf"(?:(?<=\.)|^){re.escape(segment)}\.", "", name)
     return name
+
+
+def flat_grad_pieces(
+    names: list[str], numels: list[int], shard_grad: torch.Tensor, shard_start: int
+) -> dict[str, tuple[int, torch.Tensor]]:
+    """`Adapter.grad_shards` of one flat parameter: parameters `names` (sizes `numels`) lie
+    back to back in the flat (padded) parameter, whose elements ``[shard_start, shard_start +
+    len(shard_grad))`` this rank's gradient shard `shard_grad` holds."""
+    pieces = {}
+    offset, shard_end = 0, shard_start + shard_grad.numel()
+    for name, numel in zip(names, numels):
+        lo, hi = max(offset, shard_start), min(offset + numel, shard_end)
+        if hi > lo:
+            pieces[name] = (lo - offset, shard_grad[lo - shard_start : hi - shard_start])
+        offset += numel
+    return pieces
 
 
 class Adapter:
@@ -324,7 +340,8 @@ class Adapter:
 
         Args:
             module: the module to shard; already-wrapped submodules stay their own instances.
-            process_group: the group to shard over (None = the default group).
+            process_group: the group to shard over (None = the default group); with a hybrid
+                `sharding_strategy`, the pair (shard_group, replicate_group).
             root: True for the root (outermost) call, False for a nested one, None when not
                 known; `_wrap` reads it as `self.wrapping_root` (an implementation that builds
                 one engine per model builds it here, so misuse surfaces at wrap time).
@@ -338,6 +355,7 @@ class Adapter:
         normalized = normalize_config(config)
         self.check(*features_for(normalized))
         self._check_values(normalized)
+        check_process_group(process_group, normalized)
         previous, self.wrapping_root = self.wrapping_root, root
         try:
             instance = self._wrap(module, process_group, normalized)
@@ -571,6 +589,17 @@ class Adapter:
     # ------------------------------------------------------------------ full state dict, meta-device init
 
     # ------------------------------------------------------------------ sharding (hybrid)
+    def grad_shards(self, model: nn.Module) -> dict[str, tuple[int, torch.Tensor]] | None:
+        """This rank's gradient pieces after a backward, by the unwrapped model's names (optional).
+
+        Each value is ``(start, values)``: `values` (1-D) equals the averaged full gradient of
+        that parameter, flattened, at ``[start, start + len(values))``. A parameter this rank
+        holds nothing of (an empty shard), or without a gradient, may be left out. None (the
+        default) means the adapter does not say; parity then compares the full parameters
+        after each step only.
+        """
+        return None
+
 
     # ------------------------------------------------------------------ optimizer groups, ignored parameters, other forward methods
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from fsdp_conformance.training_states import InstanceState, RootState
 
-from .base import Adapter, clean_param_name, scoped_observer
+from .base import Adapter, clean_param_name, flat_grad_pieces, scoped_observer
 from .features import Feature, MixedPrecisionConfig, module_predicate
 
 
@@ -116,12 +116,40 @@ class ImplAdapter(Adapter):
         device = next(model.parameters()).device.type
         return ShardedGradScaler(device, process_group=model.process_group, **options)
 
+    # ------------------------------------------------------------------ sharding
+    def grad_shards(self, model: nn.Module) -> dict[str, tuple[int, torch.Tensor]]:
+        """Each instance's ``flat_param.grad`` cut along the flat parameter's layout."""
+        paths = {id(module): name for name, module in model.named_modules()}
+        pieces = {}
+        for instance in self.instances(model):
+            handle = instance._fsdp_state.handle
+            if handle is None or handle.flat_param.grad is None:
+                continue
+            names = {}
+            for slot in handle.slots:  # a tied parameter: its first name
+                prefix = paths[id(slot.module)]
+                names.setdefault(slot.index, clean_param_name(f"{prefix}.{slot.name}".lstrip(".")))
+            start = handle.rank * handle.shard_numel if handle.sharded else 0
+            pieces.update(
+                flat_grad_pieces(
+                    [names[index] for index in range(len(handle.numels))],
+                    handle.numels,
+                    handle.flat_param.grad.detach(),
+                    start,
+                )
+            )
+        return pieces
+
     # ------------------------------------------------------------------ training loops (issue 21)
     def unsupported(self) -> dict[str, str]:
         return {
             Feature.USE_ORIG_PARAMS: (
                 "impl's optimizer always sees flat parameters; frozen and trainable parameters "
                 "mix in one instance without a flag (the frozen ones stay unflattened)"
+            ),
+            Feature.HYBRID_SHARD: (
+                "impl shards each flat parameter over one process group; it has no replicate "
+                "group to all-reduce across (HYBRID_SHARD)"
             ),
         }
 

@@ -36,6 +36,7 @@ from .base import (
     Adapter,
     ObserverRegistry,
     UnsupportedFeatureError,
+    clean_param_name,
     require_before_first_forward,
 )
 from .deviations import Deviation
@@ -335,6 +336,24 @@ class TorchFSDP1Adapter(Adapter):
 
         device = next(model.parameters()).device.type
         return ShardedGradScaler(device, process_group=model.process_group, **options)
+
+    # ------------------------------------------------------------------ sharding
+    def grad_shards(self, model: nn.Module) -> dict[str, tuple[int, torch.Tensor]]:
+        """Each FlatParameter's local gradient shard, cut by its shard metadata (FSDP1 has no
+        public per-parameter view of it with flat parameters: ``summon_full_params(
+        with_grads=True)`` needs ``use_orig_params=True``)."""
+        paths = {id(module): name for name, module in model.named_modules()}
+        pieces = {}
+        for instance in FullyShardedDataParallel.fsdp_modules(model):
+            handle = internals.handle_of(instance)
+            if handle is None or handle.flat_param.grad is None:
+                continue
+            path = paths[id(instance)]
+            prefix = clean_param_name(path + ".") if path else ""
+            grad = handle.flat_param.grad.detach()
+            for fqn, start, offset, numel in internals.grad_shard_layout(handle):
+                pieces[prefix + fqn] = (start, grad[offset : offset + numel])
+        return pieces
 
     # ------------------------------------------------------------------ training loops (issue 21)
     # no_sync() and clip_grad_norm_() are FSDP1's own methods on the root (the Adapter defaults)

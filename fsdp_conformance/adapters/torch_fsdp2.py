@@ -215,7 +215,9 @@ class TorchFSDP2Adapter(Adapter):
         }
 
     def _wrap(self, module: nn.Module, process_group: Any, config: dict[str, Any]) -> nn.Module:
-        group = process_group if process_group is not None else dist.group.WORLD
+        hybrid = isinstance(process_group, tuple)  # (shard, replicate): a HYBRID_* strategy
+        group = process_group[0] if hybrid else process_group
+        group = group if group is not None else dist.group.WORLD
         device_id = config.get("device_id")
         if device_id is not None:
             device_type = torch.device(device_id).type if not isinstance(device_id, int) else "cuda"
@@ -225,10 +227,12 @@ class TorchFSDP2Adapter(Adapter):
         kwargs: dict[str, Any] = {"mesh": DeviceMesh.from_group(group, device_type)}
         if config.get("sharding_strategy") == "NO_SHARD" and group.size() > 1:
             kwargs["mesh"] = _replicate_mesh(group, device_type)
+        if hybrid:
+            kwargs["mesh"] = _hybrid_mesh(*process_group, device_type)
         if "sharding_strategy" in config:
             # None = FSDP2's auto: reshard non-root instances, keep the root (as FSDP1 FULL_SHARD)
             # NO_SHARD: nothing to reshard on a one-rank shard group (HSDP, _replicate_mesh)
-            full_shard = config["sharding_strategy"] == "FULL_SHARD"
+            full_shard = config["sharding_strategy"] in ("FULL_SHARD", "HYBRID_SHARD")
             kwargs["reshard_after_forward"] = None if full_shard else False
         if config.get("cpu_offload"):
             kwargs["offload_policy"] = api.CPUOffloadPolicy(pin_memory=accelerator_available())
@@ -320,6 +324,20 @@ class TorchFSDP2Adapter(Adapter):
         (measured on CPU/gloo, torch 2.13.0: one rank's inf skips the step on both ranks)."""
         device = next(model.parameters()).device.type
         return torch.amp.GradScaler(device, **options)
+
+    def on_test_end(self) -> None:
+        _HYBRID_MESHES.clear()  # their groups are destroyed after the test
+
+    # ------------------------------------------------------------------ sharding
+    def grad_shards(self, model: nn.Module) -> dict[str, tuple[int, torch.Tensor]]:
+        """Every DTensor gradient as its ``full_tensor()`` (collective), flattened from 0."""
+        from torch.distributed.tensor import DTensor
+
+        return {
+            name: (0, param.grad.full_tensor().detach().reshape(-1))
+            for name, param in model.named_parameters()
+            if isinstance(param.grad, DTensor)
+        }
 
     # ------------------------------------------------------------------ training loops (issue 21)
     @contextlib.contextmanager
@@ -418,6 +436,33 @@ def _replicate_mesh(group: Any, device_type: str) -> DeviceMesh:
             mesh_dim_names=("replicate", "shard"),
         )
     return _REPLICATE_MESHES[key]
+
+
+# (shard group, replicate group, device type) -> their 2-D mesh; emptied after every test
+_HYBRID_MESHES: dict[tuple[Any, Any, str], DeviceMesh] = {}
+
+
+def _hybrid_mesh(shard: Any, replicate: Any, device_type: str) -> DeviceMesh:
+    """HYBRID_SHARD in FSDP2's terms: the 2-D mesh (replicate, shard) of two existing groups.
+
+    Row i of the mesh is the i-th shard group (its global ranks in group order), so this
+    rank sits at (its index in ``replicate``, its index in ``shard``).
+    """
+    key = (shard, replicate, device_type)
+    if key not in _HYBRID_MESHES:
+        sizes = (replicate.size(), shard.size())
+        ranks = [None] * (sizes[0] * sizes[1])
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (dist.get_rank(), replicate.rank(), shard.rank()))
+        for rank, row, column in gathered:
+            ranks[row * sizes[1] + column] = rank
+        _HYBRID_MESHES[key] = DeviceMesh.from_group(
+            [replicate, shard],
+            device_type,
+            mesh=torch.tensor(ranks).view(*sizes),
+            mesh_dim_names=("replicate", "shard"),
+        )
+    return _HYBRID_MESHES[key]
 
 
 @contextlib.contextmanager
