@@ -32,6 +32,8 @@ from .misuse import BaseBadInputTests, BaseExecOrderTests
 from .overlap import BaseOverlapTests
 from .parity import BaseDDPParityTests, BaseStateDictTests, BaseSummonFullParamsTests
 from .states import BaseTrainingStateTests
+from .test_init import BaseMetaInitTests
+from .test_state_dict import BaseFullStateDictTests
 
 __all__ = [
     "BaseActivationCheckpointingTests",
@@ -41,11 +43,13 @@ __all__ = [
     "BaseDDPParityTests",
     "BaseExecOrderTests",
     "BaseForwardVariantsTests",
+    "BaseFullStateDictTests",
     "BaseFrozenParameterTests",
     "BaseGradientAccumulationTests",
     "BaseGradientClippingTests",
     "BaseGeneratedModelTests",
     "BaseMemoryBoundTests",
+    "BaseMetaInitTests",
     "BaseOverlapTests",
     "BasePrefetchOrderTests",
     "BaseStateDictTests",
