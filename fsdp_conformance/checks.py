@@ -283,6 +283,27 @@ _CHECKS: tuple[Check, ...] = (
     ),
     #
     # ---------------------------------------------------------------- state_dict.full, init.meta
+    Check(
+        "state_dict.full",
+        "the full state dict has the plain module's keys and DDP's values, loads both ways "
+        "(strict, assign, via DCP on a subgroup) and trains as DDP",
+        (
+            "BaseFullStateDictTests.test_full_state_dict",
+            "BaseFullStateDictTests.test_mixed_precision_buffers",
+            "BaseFullStateDictTests.test_load_plain_state_dict",
+            "BaseFullStateDictTests.test_on_a_subgroup",
+        ),
+        features=("full_state_dict",),
+        case="suite.test_state_dict.StateDictCase",
+    ),
+    Check(
+        "init.meta",
+        "a meta-device model materialised the implementation's way: nothing left on meta, "
+        "nested instances initialised once, then loaded and trained as DDP",
+        ("BaseMetaInitTests.test_meta_init",),
+        features=("meta_init",),
+        case="wrapping: 'nested' (inner first by hand) or 'auto_wrap'",
+    ),
     #
     # ---------------------------------------------------------------- sharding.* (sharding.uneven, sharding.hybrid), wrap.shared_across_instances
     #

@@ -544,14 +544,6 @@ class Adapter:
             )
         return method(max_norm, norm_type)
 
-    def state_dict(self, model: nn.Module) -> dict[str, Any]:
-        """The implementation's own full (unsharded) model state dict, on every rank."""
-        return model.state_dict()
-
-    def load_state_dict(self, model: nn.Module, state_dict: dict[str, Any]) -> None:
-        """Load a state dict from `state_dict` the implementation's own way."""
-        model.load_state_dict(state_dict)
-
     def save_checkpoint(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, directory: str
     ) -> None:
@@ -587,6 +579,59 @@ class Adapter:
         )
 
     # ------------------------------------------------------------------ full state dict, meta-device init
+    def state_dict(
+        self, model: nn.Module, *, rank0_only: bool = False, offload_to_cpu: bool = False
+    ) -> dict[str, Any]:
+        """The implementation's own full (unsharded) model state dict, keyed like the unwrapped
+        module's ``state_dict()``, on every rank.
+
+        Args:
+            rank0_only: only rank 0 gets it; the other ranks get an empty dict.
+            offload_to_cpu: every tensor of it is on the CPU.
+        (Both need `full_state_dict`; the default takes neither: override this method.)
+        """
+        if rank0_only or offload_to_cpu:
+            self.check(Feature.FULL_STATE_DICT)
+            raise UnsupportedFeatureError(
+                self.name,
+                Feature.FULL_STATE_DICT,
+                "override Adapter.state_dict (rank0_only: the full state dict on rank 0, empty "
+                "elsewhere; offload_to_cpu: its tensors on the CPU)",
+            )
+        return model.state_dict()
+
+    def load_state_dict(
+        self, model: nn.Module, state_dict: dict[str, Any], *, assign: bool = False
+    ) -> None:
+        """Load a full state dict (the unwrapped module's keys) the implementation's own way.
+
+        Args:
+            assign: load as ``nn.Module.load_state_dict(assign=True)`` does (the parameters
+                re-assigned, before the first forward); needs `full_state_dict` and an override.
+        """
+        if assign:
+            self.check(Feature.FULL_STATE_DICT)
+            raise UnsupportedFeatureError(
+                self.name,
+                Feature.FULL_STATE_DICT,
+                "override Adapter.load_state_dict (assign=True: load_state_dict's assign)",
+            )
+        model.load_state_dict(state_dict)
+
+    def materialize(self, model: nn.Module, *, device: torch.device) -> None:
+        """Materialise, on `device`, a model built on the meta device and wrapped (root and
+        nested instances): afterwards no parameter or buffer is on meta, each module initialised
+        once by its ``reset_parameters()`` the implementation's documented way (an
+        implementation that materialises while wrapping, like torch FSDP1, does nothing here).
+        """
+        self.check(Feature.META_INIT)
+        raise UnsupportedFeatureError(
+            self.name,
+            Feature.META_INIT,
+            "override Adapter.materialize (after wrapping a meta-device model: every parameter "
+            "and buffer on `device`, each module's reset_parameters() run once)",
+        )
+
 
     # ------------------------------------------------------------------ sharding (hybrid)
     def grad_shards(self, model: nn.Module) -> dict[str, tuple[int, torch.Tensor]] | None:

@@ -153,6 +153,22 @@ class ImplAdapter(Adapter):
             ),
         }
 
+    # ------------------------------------------------------------------ full state dict, meta init
+    def state_dict(
+        self, model: nn.Module, *, rank0_only: bool = False, offload_to_cpu: bool = False
+    ) -> dict[str, Any]:
+        """impl's full state dict (its default form), with its own two options."""
+        return model.state_dict(rank0_only=rank0_only, offload_to_cpu=offload_to_cpu)
+
+    def load_state_dict(
+        self, model: nn.Module, state_dict: dict[str, Any], *, assign: bool = False
+    ) -> None:
+        model.load_state_dict(state_dict, assign=assign)
+
+    def materialize(self, model: nn.Module, *, device: torch.device) -> None:
+        """Nothing: each impl instance materialises the meta-device modules it manages when it
+        is built (``to_empty`` + ``reset_parameters``, or ``param_init_fn``)."""
+
     def save_checkpoint(self, model: nn.Module, optimizer: Any, directory: str) -> None:
         from fsdp_conformance.impl import checkpoint
 

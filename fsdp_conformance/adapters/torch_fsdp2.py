@@ -45,7 +45,7 @@ from . import _fsdp2_internals as internals
 from ._fsdp2_device import install_lagging_device, observe_buffers
 from ._fsdp2_prefetch import configure_prefetch
 from ._support import RANGES, support_problem
-from .base import Adapter, ObserverRegistry, scoped_observer
+from .base import Adapter, ObserverRegistry, UnsupportedFeatureError, scoped_observer
 from .deviations import Deviation
 from .features import Feature, auto_wrap_targets
 from .states import InstanceState, RootState
@@ -379,6 +379,58 @@ class TorchFSDP2Adapter(Adapter):
                 local = grad.to_local() if isinstance(grad, DTensor) else grad
                 local.mul_(coefficient.to(local.device, local.dtype))
         return total
+
+    # ------------------------------------------------------------------ full state dict, meta init
+    def state_dict(
+        self, model: nn.Module, *, rank0_only: bool = False, offload_to_cpu: bool = False
+    ) -> dict[str, Any]:
+        """``get_model_state_dict(full_state_dict=True)``; its ``cpu_offload=True`` gives the
+        state dict, on the CPU, to rank 0 only: ``rank0_only`` is that (``offload_to_cpu``
+        alone has no FSDP2 form)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        if offload_to_cpu and not rank0_only:
+            raise UnsupportedFeatureError(
+                self.name,
+                Feature.FULL_STATE_DICT,
+                "offload_to_cpu without rank0_only: torch FSDP2's get_model_state_dict("
+                "full_state_dict=True, cpu_offload=True) gives the other ranks an empty dict",
+            )
+        options = StateDictOptions(full_state_dict=True, cpu_offload=rank0_only)
+        return get_model_state_dict(model, options=options)
+
+    def load_state_dict(
+        self, model: nn.Module, state_dict: dict[str, Any], *, assign: bool = False
+    ) -> None:
+        """``set_model_state_dict(full_state_dict=True)``; with ``assign``, FSDP2's documented
+        form: each full tensor laid out as its parameter's DTensor (``distribute_tensor``), then
+        ``model.load_state_dict(..., assign=True)`` (the parameters re-assigned)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        if not assign:
+            options = StateDictOptions(full_state_dict=True)
+            set_model_state_dict(model, state_dict, options=options)
+            return
+        current = model.state_dict()
+        sharded = {}
+        for key, value in state_dict.items():
+            target = current.get(key)
+            if isinstance(target, DTensor):
+                value = distribute_tensor(
+                    value.to(target.device), target.device_mesh, target.placements
+                )
+            sharded[key] = value
+        model.load_state_dict(sharded, assign=True)
+
+    def materialize(self, model: nn.Module, *, device: torch.device) -> None:
+        """FSDP2's documented meta-device init: ``model.to_empty(device=...)``, then each
+        module's ``reset_parameters()``."""
+        model.to_empty(device=device)
+        for module in model.modules():
+            reset = getattr(module, "reset_parameters", None)
+            if callable(reset):
+                reset()
 
     def save_checkpoint(self, model: nn.Module, optimizer: Any, directory: str) -> None:
         """``torch.distributed.checkpoint.state_dict`` (DTensor state dicts) + ``dcp.save``."""

@@ -31,9 +31,11 @@ from .memory_bound import BaseMemoryBoundTests
 from .misuse import BaseBadInputTests, BaseExecOrderTests
 from .overlap import BaseOverlapTests
 from .parity import BaseDDPParityTests, BaseStateDictTests, BaseSummonFullParamsTests
-from .test_precision import BasePrecisionTests
 from .states import BaseTrainingStateTests
+from .test_init import BaseMetaInitTests
 from .test_memory import BaseReshardAfterForwardTests
+from .test_precision import BasePrecisionTests
+from .test_state_dict import BaseFullStateDictTests
 from .test_wrap_isolation import BaseConfigIsolationTests
 
 __all__ = [
@@ -45,11 +47,13 @@ __all__ = [
     "BaseDDPParityTests",
     "BaseExecOrderTests",
     "BaseForwardVariantsTests",
+    "BaseFullStateDictTests",
     "BaseFrozenParameterTests",
     "BaseGradientAccumulationTests",
     "BaseGradientClippingTests",
     "BaseGeneratedModelTests",
     "BaseMemoryBoundTests",
+    "BaseMetaInitTests",
     "BaseOverlapTests",
     "BasePrecisionTests",
     "BasePrefetchOrderTests",
