@@ -33,6 +33,7 @@ import traceback
 from collections.abc import Callable, Sequence
 
 from fsdp_conformance.cli import conformance as _conformance
+from fsdp_conformance.cli import coverage as _coverage
 from fsdp_conformance.cli import fuzz as _fuzz
 from fsdp_conformance.cli import overlap as _overlap
 from fsdp_conformance.cli import run as _run
@@ -105,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     _timeline.add_parser(commands, formatter)
     _conformance.add_parser(commands, formatter)
     _fuzz.add_parser(commands, formatter)
+    _coverage.add_parser(commands, formatter)
     return parser
 
 
