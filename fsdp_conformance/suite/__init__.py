@@ -32,6 +32,7 @@ from .misuse import BaseBadInputTests, BaseExecOrderTests
 from .overlap import BaseOverlapTests
 from .parity import BaseDDPParityTests, BaseStateDictTests, BaseSummonFullParamsTests
 from .states import BaseTrainingStateTests
+from .test_optim import BaseParamGroupTests
 
 __all__ = [
     "BaseActivationCheckpointingTests",
@@ -47,6 +48,7 @@ __all__ = [
     "BaseGeneratedModelTests",
     "BaseMemoryBoundTests",
     "BaseOverlapTests",
+    "BaseParamGroupTests",
     "BasePrefetchOrderTests",
     "BaseStateDictTests",
     "BaseSummonFullParamsTests",

@@ -114,6 +114,7 @@ MODELS: dict[str, ModelSpec] = {
             features=(Feature.NO_SHARD,),
         ),
         ModelSpec("loops_branch", _loops(branch=True)),
+        ModelSpec("loops_norm", _loops(norm=True)),
         ModelSpec(
             "loops_frozen", _loops(freeze="instance"), features=(Feature.FROZEN_PARAMETERS,)
         ),

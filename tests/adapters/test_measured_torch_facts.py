@@ -199,3 +199,27 @@ def test_this_torch_dcp_passes_the_group_as_measured():
     # measured: torch 2.8.0 omits it; 2.13.0, 2.14.1 and 2.15.0 pass it
     omits = torch.__version__.startswith("2.8.")
     assert _dcp.fsdp1_optim_group_passed() is not omits, torch.__version__
+
+
+@pytest.mark.world_size(2)
+def test_torch_fsdp2_clip_grad_norm_over_two_meshes_fails(dist):
+    """torch-fsdp2's loops.clipping deviation: torch's clip_grad_norm_ (what FSDP2 users call)
+    over parameters of a 1-D mesh and a 2-D (HSDP) mesh."""
+    import torch.distributed as tdist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    alone = tdist.new_group([tdist.get_rank()], use_local_synchronization=True)
+    ranks = tdist.get_process_group_ranks(dist.group)
+    hsdp = DeviceMesh.from_group(
+        [dist.group, alone],
+        "cpu",
+        mesh=torch.tensor(ranks).view(-1, 1),
+        mesh_dim_names=("replicate", "shard"),
+    )
+    model = _model()
+    fully_shard(model[0], mesh=hsdp)
+    fully_shard(model, mesh=DeviceMesh.from_group(dist.group, "cpu"))
+    _step(model)
+    with pytest.raises(RuntimeError, match="must have the same mesh"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
