@@ -308,6 +308,14 @@ _CHECKS: tuple[Check, ...] = (
     # ---------------------------------------------------------------- sharding.* (sharding.uneven, sharding.hybrid), wrap.shared_across_instances
     #
     # ---------------------------------------------------------------- optim.param_groups, wrap.ignored, forward.other_method
+    Check(
+        "optim.param_groups",
+        "optimizer parameter groups by name (no weight decay on biases and norms, one block at "
+        "another learning rate): AdamW matches DDP",
+        ("BaseParamGroupTests.test_param_groups_match_ddp",),
+        features=("param_groups",),
+        case="suite.loops.LoopCase",
+    ),
     #
     # ---------------------------------------------------------------- memory.reshard_after_forward, wrap.configs_isolated
     Check(

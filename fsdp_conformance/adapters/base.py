@@ -179,6 +179,27 @@ def flat_grad_pieces(
         offset += numel
     return pieces
 
+# (name, param) -> the options of the parameter's optimizer group (Adapter.optimizer)
+GroupOptions = Callable[[str, nn.Parameter], dict[str, Any]]
+
+
+def group_by(
+    named: Iterable[tuple[str, nn.Parameter]], options: GroupOptions
+) -> list[dict[str, Any]]:
+    """Optimizer parameter groups: the parameters of `named` with equal ``options(name,
+    param)`` in one group (in the order first seen), each group carrying its options."""
+    groups: dict[tuple, dict[str, Any]] = {}
+    for name, param in named:
+        group = options(name, param)
+        if not isinstance(group, dict) or "params" in group:
+            raise TypeError(
+                f"param_groups({name!r}, ...) returned {group!r}; return a dict of optimizer "
+                "options without 'params' (e.g. {'weight_decay': 0.0}, or {} for the defaults)"
+            )
+        key = tuple(sorted(group.items()))
+        groups.setdefault(key, {**group, "params": []})["params"].append(param)
+    return list(groups.values())
+
 
 class Adapter:
     """Base class of adapters. Subclasses set `name` and implement the `_` primitives."""
@@ -483,7 +504,12 @@ class Adapter:
 
     # ------------------------------------------------------------------ training loop
     def optimizer(
-        self, model: nn.Module, name: str = "sgd", **hyperparameters: Any
+        self,
+        model: nn.Module,
+        name: str = "sgd",
+        *,
+        param_groups: GroupOptions | None = None,
+        **hyperparameters: Any,
     ) -> torch.optim.Optimizer:
         """The optimizer every check's training loop uses: the implementation's own where it
         owns its master weights and step (an engine), else torch's over `model.parameters()`.
@@ -491,14 +517,29 @@ class Adapter:
         Args:
             model: the wrapped root.
             name: "sgd", "adam" or "adamw".
+            param_groups: ``param_groups(name, param) -> dict`` of group options per parameter
+                (needs `param_groups`), ``name`` as in the unwrapped model (`clean_param_name`);
+                decide by the name (FSDP1 with use_orig_params and impl hand over flattened,
+                one-dimensional parameters). None: one group.
             **hyperparameters: keyword arguments of the torch optimizer (lr, momentum, ...).
         """
+        optimizer_class = self._optimizer_class(name)
+        if param_groups is None:
+            return optimizer_class(model.parameters(), **hyperparameters)
+        self.check(Feature.PARAM_GROUPS)
+        named = (
+            (clean_param_name(param_name, self.wrapper_segments), param)
+            for param_name, param in model.named_parameters()
+        )
+        return optimizer_class(group_by(named, param_groups), **hyperparameters)
+
+    def _optimizer_class(self, name: str) -> type[torch.optim.Optimizer]:
         classes = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
         if name not in classes:
             raise ValueError(
                 f"{self.name} optimizer: unknown optimizer {name!r}; use one of {sorted(classes)}"
             )
-        return classes[name](model.parameters(), **hyperparameters)
+        return classes[name]
 
     def backward(self, model: nn.Module, loss: torch.Tensor) -> None:
         """Run backward of `loss` (an engine that scales or owns backward overrides this)."""

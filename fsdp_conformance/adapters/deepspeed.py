@@ -387,6 +387,11 @@ class DeepSpeedAdapter(Adapter):
                 "micro-batch's gradients into their partitions (accumulation with a reduction "
                 "per micro-batch is mapped: accumulation_boundary)"
             ),
+            Feature.PARAM_GROUPS: (
+                "not mapped: DeepSpeed takes the optimizer's parameter groups at "
+                "deepspeed.initialize, which this adapter calls at wrap time, before the check "
+                "builds its optimizer"
+            ),
             Feature.CLIP_GRAD_NORM: (
                 "not mapped: DeepSpeed clips inside engine.step() by the gradient_clipping set "
                 "at initialize, not on request"
@@ -556,9 +561,18 @@ class DeepSpeedAdapter(Adapter):
             }
 
     # ------------------------------------------------------------------ training loop
-    def optimizer(self, model: nn.Module, name: str = "sgd", **hyperparameters: Any) -> Any:
+    def optimizer(
+        self,
+        model: nn.Module,
+        name: str = "sgd",
+        *,
+        param_groups: Any = None,
+        **hyperparameters: Any,
+    ) -> Any:
+        if param_groups is not None:
+            self.check(Feature.PARAM_GROUPS)
         if not _is_engine(model):
-            return super().optimizer(model, name, **hyperparameters)
+            return super().optimizer(model, name, param_groups=param_groups, **hyperparameters)
         classes = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
         if name not in classes:
             raise ValueError(

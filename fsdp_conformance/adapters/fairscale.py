@@ -317,6 +317,10 @@ class FairscaleAdapter(Adapter):
             "hybrid strategy (no replicate group to all-reduce across)"
         )
         if self.flatten_parameters:
+            unsupported[Feature.PARAM_GROUPS] = (
+                "fairscale 0.4.13 flattens an instance's parameters into one, so an optimizer "
+                "cannot group them by name (FairscaleAdapter(flatten_parameters=False) keeps them)"
+            )
             unsupported[Feature.FROZEN_PARAMETERS_MIXED] = (
                 "fairscale 0.4.13 flattens an instance's parameters into one and asserts 'expects "
                 "all parameters to have same requires_grad' (measured)"

@@ -169,6 +169,23 @@ class ImplAdapter(Adapter):
         """Nothing: each impl instance materialises the meta-device modules it manages when it
         is built (``to_empty`` + ``reset_parameters``, or ``param_init_fn``)."""
 
+    def optimizer(
+        self,
+        model: nn.Module,
+        name: str = "sgd",
+        *,
+        param_groups: Any = None,
+        **hyperparameters: Any,
+    ) -> torch.optim.Optimizer:
+        """torch's optimizer; with `param_groups`, over the pieces of the original parameters in
+        each rank's shard (``impl/optim.py``), grouped by their names."""
+        if param_groups is None:
+            return super().optimizer(model, name, **hyperparameters)
+        self.check(Feature.PARAM_GROUPS)
+        from fsdp_conformance.impl import optim
+
+        return optim.optimizer(model, self._optimizer_class(name), param_groups, **hyperparameters)
+
     def save_checkpoint(self, model: nn.Module, optimizer: Any, directory: str) -> None:
         from fsdp_conformance.impl import checkpoint
 

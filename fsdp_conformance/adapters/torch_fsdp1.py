@@ -37,7 +37,6 @@ from .base import (
     ObserverRegistry,
     UnsupportedFeatureError,
     clean_param_name,
-
     require_before_first_forward,
 )
 from .deviations import Deviation

@@ -173,6 +173,19 @@ FSDP2_DEVIATIONS = (
         match=r"no exception was raised",
         measured_on=_MEASURED_ON,
     ),
+    Deviation(
+        "loops.clipping",
+        "torch.nn.utils.clip_grad_norm_ over FSDP2 parameters on two device meshes (a NO_SHARD "
+        "block is HSDP on its own 2-D mesh next to 1-D sharded blocks) fails: it stacks the "
+        "per-tensor norms of both meshes. Reproduction (2 ranks): fully_shard one Linear on a "
+        "(replicate=2, shard=1) mesh and the root on the 1-D mesh, backward, "
+        "clip_grad_norm_(root.parameters(), 1.0) -> RuntimeError 'All operands in "
+        "aten.stack.default must have the same mesh' (tests/adapters/test_measured_torch_facts.py)",
+        lambda case: case.model == "loops_gains_no_shard",
+        raises=RuntimeError,
+        match=r"must have the same mesh",
+        measured_on="torch 2.13.0",
+    ),
 )
 
 
@@ -353,32 +366,14 @@ class TorchFSDP2Adapter(Adapter):
     def clip_grad_norm_(
         self, model: nn.Module, max_norm: float, norm_type: float = 2.0
     ) -> torch.Tensor:
-        """``torch.nn.utils.get_total_norm`` over the DTensor gradients, per device mesh (a
-        NO_SHARD instance lives on its own 2-D mesh), ``full_tensor()`` of each partial norm,
-        combined into the global norm; then every local gradient shard is scaled by
-        ``max_norm / (norm + 1e-6)`` (at most 1), as ``torch.nn.utils.clip_grad_norm_`` does."""
+        """``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)``, what an FSDP2 user calls:
+        torch computes the global norm over the DTensor gradients and scales them; the norm it
+        returns is a DTensor, made a plain tensor with ``full_tensor()`` as users do."""
         self.check(Feature.CLIP_GRAD_NORM)
         from torch.distributed.tensor import DTensor
 
-        by_mesh: dict[Any, list[torch.Tensor]] = {}
-        for param in model.parameters():
-            if param.grad is not None:
-                grad = param.grad
-                mesh = grad.device_mesh if isinstance(grad, DTensor) else None
-                by_mesh.setdefault(mesh, []).append(grad)
-        norms = []
-        for grads in by_mesh.values():
-            norm = torch.nn.utils.get_total_norm(grads, norm_type)
-            norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-        if not norms:
-            return torch.zeros(())
-        total = torch.nn.utils.get_total_norm(norms, norm_type)
-        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for grads in by_mesh.values():
-            for grad in grads:  # the local shard in place (a DTensor op would not write it)
-                local = grad.to_local() if isinstance(grad, DTensor) else grad
-                local.mul_(coefficient.to(local.device, local.dtype))
-        return total
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
     # ------------------------------------------------------------------ full state dict, meta init
     def state_dict(

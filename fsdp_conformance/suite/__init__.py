@@ -34,6 +34,7 @@ from .parity import BaseDDPParityTests, BaseStateDictTests, BaseSummonFullParams
 from .states import BaseTrainingStateTests
 from .test_init import BaseMetaInitTests
 from .test_memory import BaseReshardAfterForwardTests
+from .test_optim import BaseParamGroupTests
 from .test_precision import BasePrecisionTests
 from .test_state_dict import BaseFullStateDictTests
 from .test_wrap_isolation import BaseConfigIsolationTests
@@ -47,14 +48,15 @@ __all__ = [
     "BaseDDPParityTests",
     "BaseExecOrderTests",
     "BaseForwardVariantsTests",
-    "BaseFullStateDictTests",
     "BaseFrozenParameterTests",
+    "BaseFullStateDictTests",
+    "BaseGeneratedModelTests",
     "BaseGradientAccumulationTests",
     "BaseGradientClippingTests",
-    "BaseGeneratedModelTests",
     "BaseMemoryBoundTests",
     "BaseMetaInitTests",
     "BaseOverlapTests",
+    "BaseParamGroupTests",
     "BasePrecisionTests",
     "BasePrefetchOrderTests",
     "BaseReshardAfterForwardTests",
