@@ -76,3 +76,23 @@ def test_fsdp2_timeline_is_held_to_its_own_bound(tmp_path: Path) -> None:
         assert panel["over"] == [], panel["over"]
     assert "over the bound" not in done.stdout
     assert "within torch FSDP2's stream-ordered bound in every phase" in done.stdout
+
+
+def test_terminal_matrix_wraps_long_reasons_instead_of_cutting_them() -> None:
+    from fsdp_conformance.cli import report
+
+    reason = (
+        "adapter 'fairscale' does not support 'forward_prefetch': fairscale 0.4.13 has no "
+        "forward prefetch; " * 3 + "install it with: pip install 'fsdp-conformance[fairscale]'"
+    )
+    cells = report.cells_from_records(
+        [{"event": "test", "nodeid": "t.py::TestA::test_x[cfg-1]", "outcome": "skip",
+          "detail": reason, "duration": 0.1}]
+    )  # fmt: skip
+    lines = report.render_text(cells, detail_width=80).splitlines()
+    assert lines[1].startswith("  skip   cfg-1  adapter 'fairscale'")
+    indent = lines[1].index("adapter")
+    assert all(line.startswith(" " * indent) and len(line) <= indent + 80 for line in lines[2:])
+    assert " ".join(line.strip() for line in lines[1:]).endswith(
+        "cfg-1  " + reason
+    ), lines  # every word, in order: nothing cut
