@@ -150,9 +150,7 @@ def run_trial(
                     continue
         leftovers = [os.path.join("tmp", name) for name in sorted(os.listdir(tmp))]
         leftovers += [os.path.join("cwd", name) for name in sorted(os.listdir(cwd))]
-        return Trial(
-            signal.Signals(signum).name, seconds, cli.poll(), left, leftovers, len(ranks)
-        )
+        return Trial(signal.Signals(signum).name, seconds, cli.poll(), left, leftovers, len(ranks))
     finally:
         for process in [psutil.Process(cli.pid)] if cli.poll() is None else []:
             process.kill()
@@ -173,8 +171,9 @@ def main() -> None:
     parser.add_argument("--signals", default="INT,TERM", help="comma-separated (default INT,TERM)")
     parser.add_argument("--load", type=int, default=0, help="busy-looping processes meanwhile")
     parser.add_argument(
-        "--sigint-ignored", action="store_true", help="start the CLI with SIGINT ignored (a "
-        "shell's background job)"
+        "--sigint-ignored",
+        action="store_true",
+        help="start the CLI with SIGINT ignored (a shell's background job)",
     )
     args = parser.parse_args()
     signums = [signal.Signals["SIG" + name.strip().upper()] for name in args.signals.split(",")]

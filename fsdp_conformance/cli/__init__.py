@@ -57,6 +57,7 @@ from fsdp_conformance.cli.common import (
     check_keyword_expression,
     check_output,
     check_world_size,
+    exit_codes_epilog,
     max_world_size,
     private_tempdir,
 )
@@ -111,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     _conformance.add_parser(commands, formatter)
     _fuzz.add_parser(commands, formatter)
     _coverage.add_parser(commands, formatter)
+    for name, command in commands.choices.items():
+        command.epilog = "\n\n".join(filter(None, (command.epilog, exit_codes_epilog(name))))
     return parser
 
 

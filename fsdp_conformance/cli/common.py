@@ -96,6 +96,58 @@ def keep_log(path: str, command: str) -> str:
     return kept
 
 
+# Each command's exit codes: shown under its --help, documented in docs/cli.md (a test compares)
+_USAGE = {
+    2: "a bad argument, one line on stderr (also an --impl that does not resolve, or a built-in "
+    "adapter whose extra is not installed)"
+}
+_SIGNALS = {130: "SIGINT (Ctrl-C)", 143: "SIGTERM"}
+EXIT_CODES: dict[str, dict[int, str]] = {
+    "run": {
+        0: "nothing failed (skips and expected failures allowed)",
+        1: "a check failed, pytest could not finish, or the --impl module raises on import",
+        **_USAGE,
+        **_SIGNALS,
+    },
+    "overlap": {
+        0: "the measurement ran (its verdict line carries the suite's judgement)",
+        1: "it cannot run on this adapter, or its ranks failed",
+        **_USAGE,
+        **_SIGNALS,
+    },
+    "timeline": {
+        0: "the picture was drawn (its verdict says within or over the bound)",
+        1: "it cannot run on this adapter, or its ranks failed",
+        **_USAGE,
+        **_SIGNALS,
+    },
+    "conformance": {
+        0: "the table was written",
+        1: "an --impl module raises on import",
+        **_USAGE,
+        **_SIGNALS,
+    },
+    "fuzz": {
+        0: "no counterexample found",
+        1: "a counterexample (repro.py written), no case could run, or the ranks failed",
+        **_USAGE,
+        **_SIGNALS,
+    },
+    "coverage": {
+        0: "the report was printed",
+        1: "the suite could not be collected for this adapter",
+        **_USAGE,
+        **_SIGNALS,
+    },
+}
+
+
+def exit_codes_epilog(command: str) -> str:
+    """The "exit codes:" lines of ``command``'s --help."""
+    lines = [f"  {code}  {text}" for code, text in sorted(EXIT_CODES[command].items())]
+    return "exit codes:\n" + "\n".join(lines)
+
+
 class BrokenAdapter(Exception):
     """The adapter's module exists but raises when imported: exit code 1 (a broken adapter,
     not a usage error), with its traceback."""

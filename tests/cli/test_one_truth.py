@@ -93,6 +93,6 @@ def test_terminal_matrix_wraps_long_reasons_instead_of_cutting_them() -> None:
     assert lines[1].startswith("  skip   cfg-1  adapter 'fairscale'")
     indent = lines[1].index("adapter")
     assert all(line.startswith(" " * indent) and len(line) <= indent + 80 for line in lines[2:])
-    assert " ".join(line.strip() for line in lines[1:]).endswith(
-        "cfg-1  " + reason
-    ), lines  # every word, in order: nothing cut
+    assert " ".join(line.strip() for line in lines[1:]).endswith("cfg-1  " + reason), (
+        lines
+    )  # every word, in order: nothing cut
