@@ -264,12 +264,58 @@ _CHECKS: tuple[Check, ...] = (
         case="the generated FuzzCase (per case; None for the whole cell)",
     ),
     # ---------------------------------------------------------------- precision.* (precision.dtypes, precision.grad_scaler)
+    Check(
+        "precision.dtypes",
+        "mixed precision observed: forward in param_dtype, reductions in reduce_dtype, fp32 "
+        "shards and gradients, buffers and their state dict in the promised dtype, fp32 "
+        "accumulation over many micro-batches, training within tolerance of fp32 DDP",
+        ("BasePrecisionTests.test_dtypes", "BasePrecisionTests.test_accumulation"),
+        features=("mixed_precision", "mixed_precision_policy"),
+        case="suite.loops.LoopCase",
+    ),
+    Check(
+        "precision.grad_scaler",
+        "the implementation's grad scaler with an inf gradient on one rank: every rank skips "
+        "the step, the scale shrinks identically, parameters equal DDP + GradScaler's",
+        ("BasePrecisionTests.test_grad_scaler",),
+        features=("grad_scaler",),
+        case="suite.loops.LoopCase",
+    ),
     #
     # ---------------------------------------------------------------- state_dict.full, init.meta
+    Check(
+        "state_dict.full",
+        "the full state dict has the plain module's keys and DDP's values, loads both ways "
+        "(strict, assign, via DCP on a subgroup) and trains as DDP",
+        (
+            "BaseFullStateDictTests.test_full_state_dict",
+            "BaseFullStateDictTests.test_mixed_precision_buffers",
+            "BaseFullStateDictTests.test_load_plain_state_dict",
+            "BaseFullStateDictTests.test_on_a_subgroup",
+        ),
+        features=("full_state_dict",),
+        case="suite.test_state_dict.StateDictCase",
+    ),
+    Check(
+        "init.meta",
+        "a meta-device model materialised the implementation's way: nothing left on meta, "
+        "nested instances initialised once, then loaded and trained as DDP",
+        ("BaseMetaInitTests.test_meta_init",),
+        features=("meta_init",),
+        case="wrapping: 'nested' (inner first by hand) or 'auto_wrap'",
+    ),
     #
     # ---------------------------------------------------------------- sharding.* (sharding.uneven, sharding.hybrid), wrap.shared_across_instances
     #
     # ---------------------------------------------------------------- optim.param_groups, wrap.ignored, forward.other_method
+    Check(
+        "optim.param_groups",
+        "optimizer parameter groups by name (no weight decay on biases and norms, one block at "
+        "another learning rate): AdamW matches DDP",
+        ("BaseParamGroupTests.test_param_groups_match_ddp",),
+        features=("param_groups",),
+        case="suite.loops.LoopCase",
+    ),
     #
     # ---------------------------------------------------------------- memory.reshard_after_forward, wrap.configs_isolated
     Check(

@@ -373,11 +373,22 @@ class DeepSpeedAdapter(Adapter):
             ),
             Feature.MIXED_PRECISION_BUFFER_DTYPE: "DeepSpeed's bf16 mode does not cast buffers",
             Feature.USE_ORIG_PARAMS: "a torch FSDP1 flag",
+            Feature.HYBRID_SHARD: (
+                "not mapped: ZeRO++ hpZ (zero_hpz_partition_size) keeps a secondary copy of the "
+                "parameters per node but still reduce-scatters gradients over the whole "
+                "data-parallel group; MiCS (mics_shard_size) is hybrid but its init "
+                "(deepspeed.zero.MiCS_Init) was not measured on CPU/gloo in this session"
+            ),
             Feature.CHECKPOINT_RESUME: "not mapped by this adapter (engine.save_checkpoint)",
             Feature.GRADIENT_ACCUMULATION: (
                 "no backward without a gradient reduction: ZeRO-2/3 reduce-scatter every "
                 "micro-batch's gradients into their partitions (accumulation with a reduction "
                 "per micro-batch is mapped: accumulation_boundary)"
+            ),
+            Feature.PARAM_GROUPS: (
+                "not mapped: DeepSpeed takes the optimizer's parameter groups at "
+                "deepspeed.initialize, which this adapter calls at wrap time, before the check "
+                "builds its optimizer"
             ),
             Feature.CLIP_GRAD_NORM: (
                 "not mapped: DeepSpeed clips inside engine.step() by the gradient_clipping set "
@@ -548,9 +559,18 @@ class DeepSpeedAdapter(Adapter):
             }
 
     # ------------------------------------------------------------------ training loop
-    def optimizer(self, model: nn.Module, name: str = "sgd", **hyperparameters: Any) -> Any:
+    def optimizer(
+        self,
+        model: nn.Module,
+        name: str = "sgd",
+        *,
+        param_groups: Any = None,
+        **hyperparameters: Any,
+    ) -> Any:
+        if param_groups is not None:
+            self.check(Feature.PARAM_GROUPS)
         if not _is_engine(model):
-            return super().optimizer(model, name, **hyperparameters)
+            return super().optimizer(model, name, param_groups=param_groups, **hyperparameters)
         classes = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
         if name not in classes:
             raise ValueError(

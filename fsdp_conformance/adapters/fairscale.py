@@ -312,7 +312,15 @@ class FairscaleAdapter(Adapter):
             ),
         }
         unsupported[Feature.USE_ORIG_PARAMS] = "fairscale 0.4.13 has no use_orig_params flag"
+        unsupported[Feature.HYBRID_SHARD] = (
+            "fairscale 0.4.13 FSDP shards over one process group and reduces over it; it has no "
+            "hybrid strategy (no replicate group to all-reduce across)"
+        )
         if self.flatten_parameters:
+            unsupported[Feature.PARAM_GROUPS] = (
+                "fairscale 0.4.13 flattens an instance's parameters into one, so an optimizer "
+                "cannot group them by name (FairscaleAdapter(flatten_parameters=False) keeps them)"
+            )
             unsupported[Feature.FROZEN_PARAMETERS_MIXED] = (
                 "fairscale 0.4.13 flattens an instance's parameters into one and asserts 'expects "
                 "all parameters to have same requires_grad' (measured)"

@@ -4,7 +4,11 @@
 caches the result per rank process (a rank set is reused across tests in the harness's
 `process` mode, so the reference is computed once per model, world size and step count).
 `fsdp_run` builds, wraps and trains the same model through an adapter. `assert_same_training`
-compares losses and full parameters, naming the config and the first parameter that differs.
+compares, step by step, the losses and -- where the adapter reads its local gradient shards
+(`Adapter.grad_shards`) -- each rank's gradient shards with the matching slice of DDP's full
+gradients after every backward, then the full parameters, naming the config, the step and the
+first parameter that differs. Both runs call ``optimizer.zero_grad(set_to_none=...)`` with True
+and False alternating (True in step 0), so accumulating into a zeroed gradient is exercised.
 """
 
 from __future__ import annotations
@@ -38,6 +42,9 @@ class TrainingResult:
     # Full parameters after the last step, by the unwrapped model's names (tied ones under
     # each name)
     params: dict[str, torch.Tensor]
+    # Per step, the gradients right after backward by the unwrapped model's names: DDP's full
+    # gradients, or an FSDP run's `Adapter.grad_shards`; None: the adapter does not read them
+    grads: list[dict[str, Any]] | None = None
 
 
 def train(
@@ -66,7 +73,7 @@ def train(
         optimizer = adapter.optimizer(model, "sgd", lr=LR, momentum=MOMENTUM)
     losses = []
     for step in range(steps):
-        optimizer.zero_grad()
+        optimizer.zero_grad(set_to_none=step % 2 == 0)
         inputs = zoo_model.get_input(device)
         with around_forward(step) if around_forward else contextlib.nullcontext():
             output = model(*inputs)
@@ -144,12 +151,23 @@ def reference_run(model_name: str, dist: Any, steps: int = STEPS) -> TrainingRes
             wrapped: nn.Module = DummyDDP(model)
         else:
             wrapped = nn.parallel.DistributedDataParallel(model, process_group=dist.group)
-        losses = train(wrapped, model, dist.device, steps)
+        grads: list[dict[str, Any]] = []
+
+        def record_grads(step: int) -> None:
+            grads.append(
+                {
+                    name: param.grad.detach().clone()
+                    for name, param in model.named_parameters(remove_duplicate=False)
+                    if param.grad is not None
+                }
+            )
+
+        losses = train(wrapped, model, dist.device, steps, after_backward=record_grads)
         params = {
             name: param.detach().clone()
             for name, param in model.named_parameters(remove_duplicate=False)
         }
-        _reference_cache[key] = TrainingResult(losses, params)
+        _reference_cache[key] = TrainingResult(losses, params, grads)
     return _reference_cache[key]
 
 
@@ -189,8 +207,27 @@ def fsdp_run(
 ) -> TrainingResult:
     """The zoo model wrapped by `adapter` with `config`, trained `steps` steps."""
     root, zoo_model = wrap_model(adapter, model_name, dist, config, device_init)
-    losses = train(root, zoo_model, dist.device, steps, adapter=adapter)
-    return TrainingResult(losses, adapter.full_params(root))
+    return fsdp_train(adapter, root, zoo_model, dist, steps)
+
+
+def fsdp_train(
+    adapter: Adapter, root: nn.Module, zoo_model: nn.Module, dist: Any, steps: int = STEPS
+) -> TrainingResult:
+    """Train a wrapped root `steps` steps; with the gradient shards after every backward where
+    the adapter reads them (`Adapter.grad_shards`)."""
+    grads: list[Any] = []
+
+    def record_grads(step: int) -> None:
+        shards = adapter.grad_shards(root)
+        grads.append(
+            None
+            if shards is None
+            else {name: (start, values.clone()) for name, (start, values) in shards.items()}
+        )
+
+    losses = train(root, zoo_model, dist.device, steps, record_grads, adapter=adapter)
+    readable = all(shards is not None for shards in grads)
+    return TrainingResult(losses, adapter.full_params(root), grads if readable else None)
 
 
 def assert_same_training(
@@ -218,20 +255,55 @@ def assert_same_training(
             f"{label}: full parameter names differ from DDP's: missing {sorted(missing)}, "
             f"unexpected {sorted(extra)}"
         )
-    _assert_close(
-        f"{label}: losses differ from DDP's ({_tolerance(loss_atol, loss_rtol)})",
-        actual.losses,
-        expected.losses,
-        loss_atol,
-        loss_rtol,
-        detail=f"FSDP losses {actual.losses.tolist()}, DDP losses {expected.losses.tolist()}",
-    )
+    detail = f"FSDP losses {actual.losses.tolist()}, DDP losses {expected.losses.tolist()}"
+    if actual.losses.shape != expected.losses.shape:
+        raise AssertionError(f"{label}: {len(actual.losses)} losses, DDP {len(expected.losses)}")
+    for step in range(len(expected.losses)):
+        _assert_close(
+            f"{label}: losses differ from DDP's at step {step} "
+            f"({_tolerance(loss_atol, loss_rtol)})",
+            actual.losses[step],
+            expected.losses[step],
+            loss_atol,
+            loss_rtol,
+            detail=detail,
+        )
+        if actual.grads is not None and expected.grads is not None:
+            assert_grad_shards(label, step, actual.grads[step], expected.grads[step], atol, rtol)
     for name, reference in expected.params.items():
         _assert_close(
             f"{label}: parameter {name!r} differs from DDP's after {len(expected.losses)} "
             f"steps ({_tolerance(atol, rtol)})",
             actual.params[name],
             reference,
+            atol,
+            rtol,
+        )
+
+
+def assert_grad_shards(
+    label: str,
+    step: int,
+    shards: dict[str, tuple[int, torch.Tensor]],
+    full: dict[str, torch.Tensor],
+    atol: float = 0.0,
+    rtol: float = 0.0,
+) -> None:
+    """Each of this rank's gradient pieces (`Adapter.grad_shards`) equals the matching slice of
+    DDP's full gradient after the same backward."""
+    for name, (start, values) in shards.items():
+        if name not in full:
+            raise AssertionError(
+                f"{label}: after step {step}'s backward the FSDP run holds a gradient of "
+                f"{name!r}, DDP has none (DDP's: {sorted(full)})"
+            )
+        expected = full[name].reshape(-1)[start : start + values.numel()]
+        _assert_close(
+            f"{label}: after step {step}'s backward, this rank's gradient shard of {name!r} "
+            f"(elements {start}..{start + values.numel()} of the flattened parameter) differs "
+            f"from DDP's gradient there ({_tolerance(atol, rtol)})",
+            values,
+            expected,
             atol,
             rtol,
         )
