@@ -185,11 +185,11 @@ class SimpleFSDPAdapter(Adapter):
         Deviation(
             "parity.ddp",
             "a parameter shared by two modules (the transformer's tied embedding and output "
-            "weight) is sharded once per module: the copies train apart; reproduction: wrap "
-            "the zoo 'transformer', train one step, compare embed_tokens.weight with "
-            "output_proj.weight",
+            "weight) is sharded once per module: two shards, trained apart (losses off by 0.11 "
+            "from step 1); reproduction: tests/suite/test_shapes.py, "
+            "test_simple_fsdp_unties_tied_weights",
             lambda case: case.model == "transformer",
-            match=r"parameter '.*' differs from DDP's",
+            match=r"(losses|parameter '.*') differs? from DDP's",
             measured_on=MEASURED_ON,
         ),
     )

@@ -154,3 +154,20 @@ def test_deepspeed_zero3_keeps_parameters_after_forward_from_the_second_step(dis
         optimizer.step()
     assert not any(gathered[0].values()), gathered[0]
     assert all(gathered[1].values()), gathered[1]
+
+
+@pytest.mark.world_size(2)
+def test_simple_fsdp_unties_tied_weights(dist, monkeypatch) -> None:
+    """The reproduction of simple_fsdp's declared parity.ddp deviation: the zoo transformer's
+    tied embedding / output weight becomes two shards."""
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parent))
+    from simple_fsdp import ADAPTER
+
+    from fsdp_conformance.suite import training
+
+    root, zoo_model = training.wrap_model(ADAPTER, "transformer", dist, {})
+    shards = [
+        module.parametrizations.weight.original
+        for module in (zoo_model.embed_tokens, zoo_model.output_proj)
+    ]
+    assert shards[0] is not shards[1]
