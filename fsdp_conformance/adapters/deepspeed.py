@@ -213,13 +213,11 @@ DEEPSPEED_DEVIATIONS: tuple[Deviation, ...] = (
     ),
     _deviation(
         "comm.counts",
-        "DeepSpeed has no root that stays unsharded between forward and backward: with "
-        "stage3_max_reuse_distance=0 it releases every module after its forward and gathers "
-        "every instance again in backward (FULL_SHARD: instances all-gathers in backward, not "
-        "instances - 1), and ZeRO-2 (SHARD_GRAD_OP) never shards parameters, so its forward "
-        "gathers nothing (0, not one per instance); reproduction: "
-        "fsdp_conformance.suite.comm_checks.trace_training(ds, 'nested', dist, "
-        "{'sharding_strategy': 'FULL_SHARD'})[0].render()",
+        "ZeRO-2 (SHARD_GRAD_OP) never shards parameters, so its forward gathers nothing (no "
+        "all-gather for any instance, where every parameter is gathered before use); "
+        "reproduction: fsdp_conformance.suite.comm_checks.trace_training(ds, 'nested', dist, "
+        "{'sharding_strategy': 'SHARD_GRAD_OP'})[0].render()",
+        applies=lambda case: case == "SHARD_GRAD_OP",
         match=r"collective counts differ",
     ),
     _deviation(
