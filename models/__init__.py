@@ -17,6 +17,7 @@ from .moe import MixtureOfExperts
 from .nested import ALWAYS_WRAP, AlwaysWrapNestedWrappedModule, NestedWrappedModule
 from .overlap import Layer
 from .transformer import TransformerWithSharedParams
+from .uneven import Gain, UnevenModule
 
 __all__ = [
     "ALWAYS_WRAP",
@@ -26,6 +27,7 @@ __all__ = [
     "DelayHooks",
     "DeviceInit",
     "DummyDDP",
+    "Gain",
     "Layer",
     "LoopModule",
     "MixtureOfExperts",
@@ -33,6 +35,7 @@ __all__ = [
     "NestedWrappedModule",
     "NestedWrappedModuleWithDelay",
     "TransformerWithSharedParams",
+    "UnevenModule",
     "Wrap",
     "cycles_per_ms",
     "move_after_wrap",

@@ -32,6 +32,7 @@ from .misuse import BaseBadInputTests, BaseExecOrderTests
 from .overlap import BaseOverlapTests
 from .parity import BaseDDPParityTests, BaseStateDictTests, BaseSummonFullParamsTests
 from .states import BaseTrainingStateTests
+from .test_sharding import BaseHybridShardingTests, BaseUnevenShardingTests
 
 __all__ = [
     "BaseActivationCheckpointingTests",
@@ -45,10 +46,12 @@ __all__ = [
     "BaseGradientAccumulationTests",
     "BaseGradientClippingTests",
     "BaseGeneratedModelTests",
+    "BaseHybridShardingTests",
     "BaseMemoryBoundTests",
     "BaseOverlapTests",
     "BasePrefetchOrderTests",
     "BaseStateDictTests",
     "BaseSummonFullParamsTests",
     "BaseTrainingStateTests",
+    "BaseUnevenShardingTests",
 ]
