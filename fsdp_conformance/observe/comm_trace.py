@@ -83,15 +83,12 @@ class Collective(NamedTuple):
     ranks: tuple[int, ...]
 
 
-# torch.distributed's collectives and what each does (a name a release lacks is skipped)
+# torch.distributed's collectives (named after the op: all_gather, all_gather_single, ...) and
+# what each does; a name a release lacks is skipped
 DIST_COLLECTIVES = {
-    "all_gather_single": Op.ALL_GATHER,
-    "all_gather_into_tensor": Op.ALL_GATHER,
-    "all_gather": Op.ALL_GATHER,
-    "reduce_scatter_single": Op.REDUCE_SCATTER,
-    "reduce_scatter_tensor": Op.REDUCE_SCATTER,
-    "reduce_scatter": Op.REDUCE_SCATTER,
-    "all_reduce": Op.ALL_REDUCE,
+    **{f"{Op.ALL_GATHER}{end}": Op.ALL_GATHER for end in ("", "_single", "_into_tensor")},
+    **{f"{Op.REDUCE_SCATTER}{end}": Op.REDUCE_SCATTER for end in ("", "_single", "_tensor")},
+    str(Op.ALL_REDUCE): Op.ALL_REDUCE,
 }
 _COLLECTIVES_KEY = "fsdp-conformance comm trace: torch.distributed collectives"
 # the callbacks of the active collective recorders, filtered by thread ([Note: observation])
