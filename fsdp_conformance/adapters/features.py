@@ -14,7 +14,9 @@ default. Values are normalised by `normalize_config` into:
   limit_all_gathers   bool
   cpu_offload         bool   (also accepts None or an object with `.offload_params`)
   mixed_precision     None | MixedPrecisionConfig   (also accepts a dict or an object with
-                      param_dtype / reduce_dtype / buffer_dtype attributes)
+                      param_dtype / reduce_dtype / buffer_dtype / output_dtype /
+                      cast_forward_inputs attributes: FSDP1's MixedPrecision, FSDP2's
+                      MixedPrecisionPolicy)
   auto_wrap_policy    None | "always" | callable(module) -> bool  (which submodules to wrap;
                       the root is always wrapped by the call itself)
   sync_module_states  bool
@@ -26,6 +28,7 @@ default. Values are normalised by `normalize_config` into:
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -83,6 +86,10 @@ class Feature:
     PARAM_GROUPS = "param_groups"  # optimizer parameter groups by the plain module's names
     IGNORED_PARAMS = "ignored_params"  # parameters left unsharded and unreduced by the wrapper
     FORWARD_METHOD = "forward_method"  # a method other than forward running wrapped parameters
+    # - Subjects an implementation of another shape may not have (docs/adapters.md, "FSDPs of
+    #   other shapes"): the checks about them are then not applicable, never run on a stand-in
+    TRAINING_STATES = "training_states"  # `training_state` / `root_state` report real states
+    SUMMON_FULL_PARAMS = "summon_full_params"  # `summon_full_params` is the implementation's own
 
 
 ALL_FEATURES: frozenset[str] = frozenset(
@@ -118,6 +125,36 @@ class MixedPrecisionConfig:
     reduce_dtype: torch.dtype | None = None
     # Dtype buffers are cast to
     buffer_dtype: torch.dtype | None = None
+    # Dtype the root's floating-point outputs are cast to (FSDP2's output_dtype)
+    output_dtype: torch.dtype | None = None
+    # Whether each instance casts its floating-point forward inputs to param_dtype (None: the
+    # implementation's default)
+    cast_forward_inputs: bool | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype", "buffer_dtype", "output_dtype"):
+            value = getattr(self, name)
+            if value is not None and not (
+                isinstance(value, torch.dtype) and value.is_floating_point
+            ):
+                raise TypeError(
+                    f"mixed_precision {name}={value!r}: give a floating-point torch.dtype or None"
+                )
+        if self.cast_forward_inputs not in (None, True, False):
+            raise TypeError(
+                f"mixed_precision cast_forward_inputs={self.cast_forward_inputs!r}: give a bool "
+                "or None"
+            )
+
+    @property
+    def needs_policy(self) -> bool:
+        """Whether this config goes beyond one low-precision dtype (reduce_dtype other than
+        param_dtype, an output_dtype, cast_forward_inputs=False): `mixed_precision_policy`."""
+        return (
+            (self.reduce_dtype is not None and self.reduce_dtype != self.param_dtype)
+            or self.output_dtype is not None
+            or self.cast_forward_inputs is False
+        )
 
 
 def _enum_name(key: str, value: Any, allowed: tuple[str, ...]) -> str:
@@ -184,7 +221,7 @@ def check_process_group(process_group: Any, config: dict[str, Any]) -> None:
 def _mixed_precision(value: Any) -> MixedPrecisionConfig | None:
     if value is None or isinstance(value, MixedPrecisionConfig):
         return value
-    fields = ("param_dtype", "reduce_dtype", "buffer_dtype")
+    fields = tuple(field.name for field in dataclasses.fields(MixedPrecisionConfig))
     if isinstance(value, dict):
         unknown = sorted(set(value) - set(fields))
         if unknown:
@@ -218,6 +255,8 @@ def features_for(config: dict[str, Any]) -> frozenset[str]:
         needed.add(Feature.MIXED_PRECISION)
         if mixed.buffer_dtype is not None:
             needed.add(Feature.MIXED_PRECISION_BUFFER_DTYPE)
+        if mixed.needs_policy:
+            needed.add(Feature.MIXED_PRECISION_POLICY)
     if config.get("auto_wrap_policy") is not None:
         needed.add(Feature.AUTO_WRAP_POLICY)
     if config.get("sync_module_states"):

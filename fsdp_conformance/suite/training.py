@@ -55,6 +55,7 @@ def train(
     after_backward: Callable[[int], None] | None = None,
     after_step: Callable[[int], None] | None = None,
     adapter: Adapter | None = None,
+    around_forward: Callable[[int], contextlib.AbstractContextManager[Any]] | None = None,
     phase: Callable[[int], contextlib.AbstractContextManager[None]] | None = None,
 ) -> torch.Tensor:
     """`steps` SGD+momentum steps of `model` (a wrapped `zoo_model`); returns the fp32 losses.
@@ -64,6 +65,8 @@ def train(
         after_step: called with the step index after optimizer.step().
         adapter: the adapter that wrapped `model`: the optimizer and backward are its own
             (`Adapter.optimizer`, `Adapter.backward`); None (the DDP reference) uses torch's.
+        around_forward: step index -> a context manager the forward of that step runs in
+            (after zero_grad; the loss is computed outside it).
         phase: each step's forward and backward run inside ``phase(step)`` (e.g. a comm
             trace's phase).
     """
@@ -76,7 +79,9 @@ def train(
         optimizer.zero_grad(set_to_none=step % 2 == 0)
         with contextlib.nullcontext() if phase is None else phase(step):
             inputs = zoo_model.get_input(device)
-            loss = zoo_model.get_loss(inputs, model(*inputs))
+            with around_forward(step) if around_forward else contextlib.nullcontext():
+                output = model(*inputs)
+            loss = zoo_model.get_loss(inputs, output)
             if adapter is None:
                 zoo_model.run_backward(loss)
             else:
@@ -91,14 +96,49 @@ def train(
 
 
 def adapter_backward(adapter: Adapter, model: nn.Module, loss: torch.Tensor) -> None:
-    """Backward of `loss` through `adapter` (`Adapter.backward`); under
-    ``grad_reduction == "sum"`` the loss is divided by the world size first, so summed gradients
-    equal DDP's averaged ones."""
-    if adapter.grad_reduction == "sum":
-        import torch.distributed as dist
+    """Backward of `loss` through `adapter` (`Adapter.backward`).
 
-        loss = loss / (dist.get_world_size() if dist.is_initialized() else 1)
-    adapter.backward(model, loss)
+    Under ``grad_reduction == "sum"`` each instance's gradients are divided by its own group
+    size (`Adapter.group_size`), so summed gradients equal DDP's averaged ones also for an
+    instance on another group (the MoE expert on one rank, a model wrapped on a subgroup): the
+    loss is divided by the root's group size, and a gradient hook on the parameters of each
+    instance on a group of another size multiplies what reaches them by root size / own size
+    (linear, so it holds whether the implementation reduces before or after the hook).
+    """
+    if adapter.grad_reduction != "sum":
+        adapter.backward(model, loss)
+        return
+    instances = adapter.instances(model)
+    root_size = adapter.group_size(instances[0] if instances else model)
+    handles = []
+    for instance in instances[1:]:
+        size = adapter.group_size(instance)
+        if size != root_size:
+            for param in own_parameters(instances, instance):
+                if param.requires_grad:
+                    handles.append(param.register_hook(_scaled(root_size / size)))
+    try:
+        adapter.backward(model, loss / root_size)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _scaled(factor: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda grad: grad * factor
+
+
+def own_parameters(instances: list[nn.Module], instance: nn.Module) -> list[torch.Tensor]:
+    """The parameters `instance` registers itself: in its module tree, outside the trees of the
+    other `instances` nested in it (flat parameters, DTensor shards, parametrization
+    originals)."""
+    nested = {id(other) for other in instances if other is not instance}
+    params, stack = [], [instance]
+    while stack:
+        module = stack.pop()
+        params.extend(p for p in module._parameters.values() if p is not None)
+        stack.extend(child for child in module.children() if id(child) not in nested)
+    return params
 
 
 # (model, rank, world size, device, steps) -> result; per rank process (and per rank thread)
