@@ -676,6 +676,8 @@ class _EngineOptimizer:
         return self.engine.optimizer.param_groups
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        # DeepSpeed's engine.zero_grad() takes no set_to_none: ZeRO keeps the reduced
+        # gradients in its own partitions, and the module's .grad are always set to None
         self.engine.zero_grad()
 
     def step(self) -> None:
