@@ -158,10 +158,9 @@ class BaseHybridShardingTests:
                 f"adapter {adapter.name!r}, {HYBRID_MODEL} at world size {dist.world_size} with "
                 f"sharding_strategy={hybrid_strategy!r} on a 2 x 2 mesh"
             )
-            groups = {
-                tuple(tdist.get_process_group_ranks(shard)): "shard",
-                tuple(tdist.get_process_group_ranks(replicate)): "replicate",
-            }
+            shard_ranks = tuple(tdist.get_process_group_ranks(shard))
+            replicate_ranks = tuple(tdist.get_process_group_ranks(replicate))
+            groups = {shard_ranks: "shard", replicate_ranks: "replicate"}
             labels = loops.trainable_labels(adapter, root, trace)
             trainable = sorted(name for name, trains in labels.items() if trains)
             failures = [
@@ -171,8 +170,7 @@ class BaseHybridShardingTests:
             ]
             assert not failures, (
                 f"{label}: collectives break the hybrid promise (shard group "
-                f"{[r for r, g in groups.items() if g == 'shard'][0]}, replicate group "
-                f"{[r for r, g in groups.items() if g == 'replicate'][0]}):\n  "
+                f"{list(shard_ranks)}, replicate group {list(replicate_ranks)}):\n  "
                 + "\n  ".join(failures)
                 + "\ncollectives: "
                 + "; ".join(f"{c.phase}: {c.op} over {list(c.ranks)}" for c in trace.collectives)
