@@ -377,7 +377,7 @@ class DeepSpeedAdapter(Adapter):
             Feature.USE_ORIG_PARAMS: "a torch FSDP1 flag",
             Feature.HYBRID_SHARD: (
                 "no hybrid sharding: MiCS (mics_shard_size) is removed from DeepSpeed 0.19.8 "
-                "('MiCS ZeRO-3 sharding has been removed', measured); ZeRO++ hpZ "
+                "(its config refuses the key: 'MiCS ZeRO-3 sharding has been removed'); ZeRO++ hpZ "
                 "(zero_hpz_partition_size) keeps a secondary parameter copy per group for the "
                 "all-gather only, gradients and optimizer states stay sharded over the whole "
                 "data-parallel group (by its design; not measured here)"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import textwrap
 
 import pytest
+import torch
 
 from fsdp_conformance.adapters import Feature, get_adapter
 from fsdp_conformance.suite import BaseHybridShardingTests, BaseUnevenShardingTests
@@ -182,3 +183,12 @@ def test_each_sharding_check_fails_on_its_broken_variant(pytester: pytest.Pytest
         ],
         consecutive=False,
     )
+
+
+def test_hybrid_process_group_is_validated_where_it_enters() -> None:
+    adapter = get_adapter("torch-fsdp1")
+    module = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"needs process_group=\(shard_group, replicate_group\)"):
+        adapter.wrap(module, sharding_strategy="HYBRID_SHARD")
+    with pytest.raises(ValueError, match="is a \\(shard, replicate\\) pair: give it with"):
+        adapter.wrap(module, process_group=(object(), object()), sharding_strategy="FULL_SHARD")
