@@ -374,10 +374,11 @@ class DeepSpeedAdapter(Adapter):
             Feature.MIXED_PRECISION_BUFFER_DTYPE: "DeepSpeed's bf16 mode does not cast buffers",
             Feature.USE_ORIG_PARAMS: "a torch FSDP1 flag",
             Feature.HYBRID_SHARD: (
-                "not mapped: ZeRO++ hpZ (zero_hpz_partition_size) keeps a secondary copy of the "
-                "parameters per node but still reduce-scatters gradients over the whole "
-                "data-parallel group; MiCS (mics_shard_size) is hybrid but its init "
-                "(deepspeed.zero.MiCS_Init) was not measured on CPU/gloo in this session"
+                "no hybrid sharding: MiCS (mics_shard_size) is removed from DeepSpeed 0.19.8 "
+                "(its config refuses the key: 'MiCS ZeRO-3 sharding has been removed'); ZeRO++ hpZ "
+                "(zero_hpz_partition_size) keeps a secondary parameter copy per group for the "
+                "all-gather only, gradients and optimizer states stay sharded over the whole "
+                "data-parallel group (by its design; not measured here)"
             ),
             Feature.CHECKPOINT_RESUME: "not mapped by this adapter (engine.save_checkpoint)",
             Feature.GRADIENT_ACCUMULATION: (
@@ -674,6 +675,8 @@ class _EngineOptimizer:
         return self.engine.optimizer.param_groups
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        # DeepSpeed's engine.zero_grad() takes no set_to_none: ZeRO keeps the reduced
+        # gradients in its own partitions, and the module's .grad are always set to None
         self.engine.zero_grad()
 
     def step(self) -> None:

@@ -101,6 +101,7 @@ def build(
     *,
     checkpointing: bool | str = False,
     group: Any = None,
+    process_group: Any = None,
 ) -> tuple[nn.Module, nn.Module]:
     """The zoo model wrapped by `adapter` (root and zoo model); skips on a missing feature.
 
@@ -108,17 +109,20 @@ def build(
         checkpointing: each wrapped block runs under non-reentrant activation checkpointing
             ("inside" or True: inside the FSDP instance; "outside": around it).
         group: the process group (None: the test's).
+        process_group: what the instances shard over when not `group` (a hybrid strategy's
+            (shard_group, replicate_group) pair).
     """
     spec = zoo.MODELS[model_name]
     adapter.require(*spec.features)
     adapter.require(*adapter.features_for(**config))
     group = dist.group if group is None else group
-    wrap: Any = adapter.wrapper(process_group=group, **config)
+    process_group = group if process_group is None else process_group
+    wrap: Any = adapter.wrapper(process_group=process_group, **config)
     if checkpointing:
         wrap = CheckpointingWrap(wrap, outside=checkpointing == "outside")
     zoo_model = zoo.build(model_name, group, wrap, dist.device)
     root_config = {**config, **zoo_model.ROOT_WRAP_CONFIG}
-    root = adapter.wrap(zoo_model, process_group=group, root=True, **root_config)
+    root = adapter.wrap(zoo_model, process_group=process_group, root=True, **root_config)
     return move_after_wrap(root, DeviceInit.AFTER, dist.device), zoo_model
 
 
