@@ -347,6 +347,11 @@ class DeepSpeedAdapter(Adapter):
                 "which bounds prefetch only, so the bound cannot be switched off"
             ),
             Feature.MIXED_PRECISION_BUFFER_DTYPE: "DeepSpeed's bf16 mode does not cast buffers",
+            Feature.META_INIT: (
+                "DeepSpeed's deferred init is deepspeed.zero.Init (parameters partitioned as "
+                "they are built), not a meta-device model materialised after initialize; the "
+                "adapter refuses a module on the meta device"
+            ),
             Feature.USE_ORIG_PARAMS: "a torch FSDP1 flag",
             Feature.CHECKPOINT_RESUME: "not mapped by this adapter (engine.save_checkpoint)",
             Feature.GRADIENT_ACCUMULATION: (

@@ -13,9 +13,11 @@ size 2) at world size 2 against DDP:
   ``strict=True`` into a plain module that then trains as DDP's own weights do. A default state
   dict taken *before* training whose values are DTensors (FSDP2 documents them as views of the
   live shards) must show the trained values.
-- ``test_mixed_precision_buffers``: under ``MixedPrecision(buffer_dtype=bf16)``, after a forward
-  and backward, the full state dict keeps every buffer's original dtype and its value (at most
-  one bf16 rounding: the cast buffer cannot give back the bits bf16 dropped).
+- ``test_mixed_precision_buffers``: under ``MixedPrecision`` with fp16 parameters, reduction and
+  buffers (fp16: fairscale casts inputs with ``.half()`` whatever its compute dtype), after a
+  forward and backward, the full state dict keeps every buffer's original dtype and its value
+  (exact, or rounded once to fp16: a cast buffer cannot give back the bits fp16 dropped) and
+  every parameter's (no step was taken: the fp32 master values).
 - ``test_load_plain_state_dict[copy|assign]``: a plain module's state dict (other values than
   the initial ones) loaded into the freshly wrapped model before its first forward
   (``Adapter.load_state_dict``, with ``assign=True`` the parameters are re-assigned between
@@ -173,7 +175,7 @@ class BaseFullStateDictTests:
     def test_mixed_precision_buffers(self, fsdp_adapter: Any, dist: Any):
         adapter = fsdp_adapter
         with verdict.cell(adapter, "state_dict.full", StateDictCase("mixed_precision_buffers")):
-            low = torch.bfloat16
+            low = torch.float16
             config = {"mixed_precision": {"param_dtype": low, "reduce_dtype": low, "buffer_dtype": low}}
             root, zoo_model = loops.build(adapter, MODEL, dist, config)
             inputs = zoo_model.get_input(dist.device)
@@ -182,7 +184,7 @@ class BaseFullStateDictTests:
             )
             full = adapter.state_dict(root)
             expected = _plain(dist).state_dict()
-            label = f"adapter {adapter.name!r}, {MODEL}, full state dict under bf16 buffers"
+            label = f"adapter {adapter.name!r}, {MODEL}, full state dict under fp16 buffers"
             rounded = {
                 key: value.to(low).to(value.dtype) if key.endswith("shift") else value
                 for key, value in expected.items()
