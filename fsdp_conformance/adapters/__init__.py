@@ -17,6 +17,7 @@ from fsdp_conformance.training_states import (
 from .base import (
     Adapter,
     AdapterWrap,
+    FeatureNotImplementedError,
     ObserverRegistry,
     UnsupportedFeatureError,
     clean_param_name,
@@ -36,6 +37,7 @@ __all__ = [
     "AdapterWrap",
     "Deviation",
     "Feature",
+    "FeatureNotImplementedError",
     "InstanceState",
     "MixedPrecisionConfig",
     "ObserverRegistry",

@@ -36,6 +36,7 @@ from .base import (
     Adapter,
     ObserverRegistry,
     UnsupportedFeatureError,
+    clean_param_name,
     require_before_first_forward,
 )
 from .deviations import Deviation
@@ -280,6 +281,12 @@ class TorchFSDP1Adapter(Adapter):
             kwargs["cpu_offload"] = CPUOffload(offload_params=config["cpu_offload"])
         if config.get("mixed_precision") is not None:
             mixed = config["mixed_precision"]
+            if mixed.output_dtype is not None:
+                raise UnsupportedFeatureError(
+                    self.name,
+                    Feature.MIXED_PRECISION_POLICY,
+                    "torch FSDP1's MixedPrecision has no output_dtype (FSDP2's policy has)",
+                )
             kwargs["mixed_precision"] = MixedPrecision(
                 param_dtype=mixed.param_dtype,
                 reduce_dtype=mixed.reduce_dtype,
@@ -287,7 +294,7 @@ class TorchFSDP1Adapter(Adapter):
                 # every instance casts its floating-point inputs to param_dtype, as impl and
                 # FSDP2 do (FSDP1's default casts the root's only: a nested instance then gets
                 # fp32 activations, e.g. after adding an fp32 buffer, and fails in its matmul)
-                cast_forward_inputs=True,
+                cast_forward_inputs=mixed.cast_forward_inputs is not False,
             )
         if config.get("auto_wrap_policy") is not None:
             kwargs["auto_wrap_policy"] = _fsdp1_policy(config["auto_wrap_policy"])
@@ -346,6 +353,33 @@ class TorchFSDP1Adapter(Adapter):
         for instance in instances:
             internals.set_device_handle(instance, handle)
 
+
+    # ------------------------------------------------------------------ precision
+    def grad_scaler(self, model: nn.Module, **options: Any) -> Any:
+        """``ShardedGradScaler`` (``torch.distributed.fsdp.sharded_grad_scaler``) over the
+        root's process group, as FSDP1's documentation pairs them."""
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        device = next(model.parameters()).device.type
+        return ShardedGradScaler(device, process_group=model.process_group, **options)
+
+    # ------------------------------------------------------------------ sharding
+    def grad_shards(self, model: nn.Module) -> dict[str, tuple[int, torch.Tensor]]:
+        """Each FlatParameter's local gradient shard, cut by its shard metadata (FSDP1 has no
+        public per-parameter view of it with flat parameters: ``summon_full_params(
+        with_grads=True)`` needs ``use_orig_params=True``)."""
+        paths = {id(module): name for name, module in model.named_modules()}
+        pieces = {}
+        for instance in FullyShardedDataParallel.fsdp_modules(model):
+            handle = internals.handle_of(instance)
+            if handle is None or handle.flat_param.grad is None:
+                continue
+            path = paths[id(instance)]
+            prefix = clean_param_name(path + ".") if path else ""
+            grad = handle.flat_param.grad.detach()
+            for fqn, start, offset, numel in internals.grad_shard_layout(handle):
+                pieces[prefix + fqn] = (start, grad[offset : offset + numel])
+        return pieces
 
     # ------------------------------------------------------------------ full state dict, meta init
     def state_dict(

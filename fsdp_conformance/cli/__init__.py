@@ -33,14 +33,15 @@ import traceback
 from collections.abc import Callable, Sequence
 
 from fsdp_conformance.cli import conformance as _conformance
+from fsdp_conformance.cli import coverage as _coverage
 from fsdp_conformance.cli import fuzz as _fuzz
 from fsdp_conformance.cli import overlap as _overlap
 from fsdp_conformance.cli import run as _run
 from fsdp_conformance.cli import timeline as _timeline
 from fsdp_conformance.cli.common import (
     BUILTIN_IMPLS,
-    COVERAGES,
     CLI_TIMEOUT_S,
+    COVERAGES,
     DEFAULT_COVERAGE,
     DEFAULT_WORKERS,
     MODES,
@@ -64,9 +65,9 @@ DEFAULT_TIMEOUT = CLI_TIMEOUT_S  # the old name of CLI_TIMEOUT_S
 
 __all__ = [
     "BUILTIN_IMPLS",
+    "CLI_TIMEOUT_S",
     "COVERAGES",
     "DEFAULT_COVERAGE",
-    "CLI_TIMEOUT_S",
     "DEFAULT_TIMEOUT",
     "DEFAULT_WORKERS",
     "MODES",
@@ -105,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     _timeline.add_parser(commands, formatter)
     _conformance.add_parser(commands, formatter)
     _fuzz.add_parser(commands, formatter)
+    _coverage.add_parser(commands, formatter)
     return parser
 
 

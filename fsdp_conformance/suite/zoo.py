@@ -122,6 +122,8 @@ MODELS: dict[str, ModelSpec] = {
             features=(Feature.NO_SHARD,),
         ),
         ModelSpec("loops_branch", _loops(branch=True)),
+        ModelSpec("loops_buffer", _loops(buffer=True)),
+        ModelSpec("loops_norm", _loops(norm=True)),
         ModelSpec(
             "loops_frozen", _loops(freeze="instance"), features=(Feature.FROZEN_PARAMETERS,)
         ),

@@ -252,3 +252,29 @@ def test_this_torch_dcp_gives_fsdp1_its_subgroup(dist):
     optimizer.step()
     model_state, optim_state = get_state_dict(model, optimizer)
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+
+
+
+
+@pytest.mark.world_size(2)
+def test_torch_fsdp2_clip_grad_norm_over_two_meshes_fails(dist):
+    """torch-fsdp2's loops.clipping deviation: torch's clip_grad_norm_ (what FSDP2 users call)
+    over parameters of a 1-D mesh and a 2-D (HSDP) mesh."""
+    import torch.distributed as tdist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    alone = tdist.new_group([tdist.get_rank()], use_local_synchronization=True)
+    ranks = tdist.get_process_group_ranks(dist.group)
+    hsdp = DeviceMesh.from_group(
+        [dist.group, alone],
+        "cpu",
+        mesh=torch.tensor(ranks).view(-1, 1),
+        mesh_dim_names=("replicate", "shard"),
+    )
+    model = _model()
+    fully_shard(model[0], mesh=hsdp)
+    fully_shard(model, mesh=DeviceMesh.from_group(dist.group, "cpu"))
+    _step(model)
+    with pytest.raises(RuntimeError, match="must have the same mesh"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
