@@ -205,7 +205,8 @@ def test_torch_fsdp1_load_state_dict_assign_loads_nothing(dist):
             model.load_state_dict(wanted, assign=assign)
         _step(model)  # the first forward / backward
         with FSDP.summon_full_params(model):
-            return {name: bool((p == wanted[name]).all()) for name, p in model.module.named_parameters()}
+            params = model.module.named_parameters()
+            return {name: bool((p == wanted[name]).all()) for name, p in params}
 
     assert loaded(assign=False) == {"weight": True, "bias": True}
     assert loaded(assign=True) == {"weight": False, "bias": False}

@@ -286,20 +286,20 @@ GROUPS = {
         ],
         [
             # (fnmatch: no brackets, they would be a character class)
-            "*adapter 'keeps-prefixes', buffered, full state dict (default): keys differ from the "
+            ("*adapter 'keeps-prefixes', buffered, full state dict (default): keys differ from the "
             "plain module's state_dict(): missing *'blocks.0.affine.shift'*unexpected "
-            "*'blocks.0._fsdp_wrapped_module.affine.shift'*",
-            "*adapter 'drops-buffers', buffered, full state dict (rank0_only): keys differ from "
+            "*'blocks.0._fsdp_wrapped_module.affine.shift'*"),
+            ("*adapter 'drops-buffers', buffered, full state dict (rank0_only): keys differ from "
             "the plain module's state_dict(): missing *'blocks.0.affine.shift', "
-            "'blocks.1.affine.shift'*",
-            "*adapter 'cast-buffers', buffered, full state dict under fp16 buffers: "
+            "'blocks.1.affine.shift'*"),
+            ("*adapter 'cast-buffers', buffered, full state dict under fp16 buffers: "
             "'blocks.0.affine.shift' is torch.float16 (15,), the plain module's is "
-            "torch.float32 (15,)*",
-            "*adapter 'assign-loads-nothing', buffered, a plain state dict loaded (assign): "
-            "losses differ from DDP's*",
-            "*adapter 'copies-shards', buffered, full state dict (default): 'head.weight' of the "
+            "torch.float32 (15,)*"),
+            ("*adapter 'assign-loads-nothing', buffered, a plain state dict loaded (assign): "
+            "losses differ from DDP's*"),
+            ("*adapter 'copies-shards', buffered, full state dict (default): 'head.weight' of the "
             "state dict taken before training (a DTensor, documented as a view of the shards) "
-            "differs from the trained value*",
+            "differs from the trained value*"),
         ],
     ),
     "meta-init": (
@@ -308,10 +308,10 @@ GROUPS = {
             "TestLeavesBuffersOnMeta::test_meta_init[auto_wrap]",
         ],
         [
-            "*adapter 'initialises-twice', buffered_meta (nested): after materialisation these "
-            "differ from the model built on the CPU (max |difference|): {'blocks.0.lin.weight'*",
-            "*adapter 'leaves-buffers-on-meta', buffered_meta (auto_wrap): still on the meta "
-            "device after materialize: *affine.scale*",
+            ("*adapter 'initialises-twice', buffered_meta (nested): after materialisation these "
+            "differ from the model built on the CPU (max |difference|): {'blocks.0.lin.weight'*"),
+            ("*adapter 'leaves-buffers-on-meta', buffered_meta (auto_wrap): still on the meta "
+            "device after materialize: *affine.scale*"),
         ],
     ),
     "subgroup": (
