@@ -330,3 +330,26 @@ def test_each_check_fails_on_its_broken_variant(pytester: pytest.Pytester, group
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-rf", "-n", "0", *selected)
     result.assert_outcomes(failed=len(tests))
     result.stdout.fnmatch_lines(lines, consecutive=False)
+
+
+def test_an_override_without_the_options_still_runs_and_names_what_to_extend() -> None:
+    """An outside adapter's ``state_dict(self, model)``, written before the options existed:
+    called without options as before; an option makes the cell not applicable, naming it."""
+    from fsdp_conformance.adapters import UnsupportedFeatureError
+    from fsdp_conformance.adapters.impl import ImplAdapter
+    from fsdp_conformance.suite.test_state_dict import call_with_options
+
+    class Legacy(ImplAdapter):
+        name = "legacy"
+
+        def state_dict(self, model):  # type: ignore[override]
+            return {"model": model}
+
+    adapter = Legacy()
+    assert call_with_options(adapter, "state_dict", "m", rank0_only=False) == {"model": "m"}
+    with pytest.raises(
+        UnsupportedFeatureError,
+        match=r"adapter 'legacy' does not support 'full_state_dict': Legacy\.state_dict takes no "
+        r"keyword rank0_only; extend that override of Adapter\.state_dict",
+    ):
+        call_with_options(adapter, "state_dict", "m", rank0_only=True)
