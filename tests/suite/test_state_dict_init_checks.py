@@ -336,6 +336,7 @@ def test_an_override_without_the_options_still_runs_and_names_what_to_extend() -
     """An outside adapter's ``state_dict(self, model)``, written before the options existed:
     called without options as before; an option makes the cell not applicable, naming it."""
     from fsdp_conformance.adapters import UnsupportedFeatureError
+    from fsdp_conformance.adapters.base import claimed_but_not_implemented
     from fsdp_conformance.adapters.impl import ImplAdapter
     from fsdp_conformance.suite.test_state_dict import call_with_options
 
@@ -351,5 +352,7 @@ def test_an_override_without_the_options_still_runs_and_names_what_to_extend() -
         UnsupportedFeatureError,
         match=r"adapter 'legacy' does not support 'full_state_dict': Legacy\.state_dict takes no "
         r"keyword rank0_only; extend that override of Adapter\.state_dict",
-    ):
+    ) as raised:
         call_with_options(adapter, "state_dict", "m", rank0_only=True)
+    # an override exists: not applicable, not "claimed but never implemented" (a FAIL)
+    assert claimed_but_not_implemented(adapter, raised.value) is None
