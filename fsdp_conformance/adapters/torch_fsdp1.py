@@ -94,6 +94,40 @@ def _patch_torch_fsdp1() -> None:
         patch_attribute(owner, attribute, make, key=_PATCH_KEY, written_for=_WRITTEN_FOR)
 
 
+def label_instances(model: nn.Module) -> None:
+    """Make every torch FSDP1 instance in ``model`` known to `observe_fsdp1` (its all-gathers
+    and frees happen on its ``FlatParamHandle``, which does not know its instance): call it on
+    each model your adapter wraps. Public: an adapter of its own that wraps with torch FSDP1
+    (examples/my_fsdp_adapter.py) reuses these hooks."""
+    for instance in FullyShardedDataParallel.fsdp_modules(model):
+        handle = internals.handle_of(instance)
+        if handle is not None:
+            _INSTANCE_OF_HANDLE[handle] = instance
+
+
+def observe_fsdp1(callback: Any, instances: list[nn.Module] | None) -> Any:
+    """`Adapter._observe` for torch FSDP1: the context manager that reports each labelled
+    instance's all-gathers, frees and gradient reductions to ``callback`` ([Note:
+    observation] in adapters/base.py), through the patches of `_patch_torch_fsdp1`."""
+    _patch_torch_fsdp1()
+    return _REGISTRY.observing(callback, instances)
+
+
+def install_fsdp1_device_handle(adapter_name: str, model: nn.Module, handle: Any) -> None:
+    """`Adapter._install_device_handle` for torch FSDP1: every instance in ``model`` (and its
+    ``FlatParamHandle``) uses ``handle`` for streams, events and synchronize.
+
+    FSDP1's lazy init of the first forward creates the streams from the handle: RuntimeError
+    naming the adapter when ``model`` already ran forward. On a CPU host FSDP1 only calls
+    Event, Stream, stream, current_stream, synchronize and is_available on it (what the lagging
+    device of fsdp_conformance.observe provides; torch 2.13.0).
+    """
+    instances = FullyShardedDataParallel.fsdp_modules(model)
+    require_before_first_forward(adapter_name, model, instances)
+    for instance in instances:
+        internals.set_device_handle(instance, handle)
+
+
 def _prefetches_with_limit(case: Any) -> bool:
     """A memory-bound case where FSDP1 prefetches a handle under the limiter (FULL_SHARD)."""
     return (
@@ -266,10 +300,7 @@ class TorchFSDP1Adapter(Adapter):
         if device_id is not None:
             kwargs["device_id"] = device_id
         wrapped = FullyShardedDataParallel(module, process_group=process_group, **kwargs)
-        for instance in FullyShardedDataParallel.fsdp_modules(wrapped):
-            handle = internals.handle_of(instance)
-            if handle is not None:
-                _INSTANCE_OF_HANDLE[handle] = instance
+        label_instances(wrapped)
         return wrapped
 
     def unwrap(self, model: nn.Module) -> nn.Module:
@@ -301,20 +332,10 @@ class TorchFSDP1Adapter(Adapter):
         return FullyShardedDataParallel.summon_full_params(model, writeback=writeback)
 
     def _observe(self, callback, instances):
-        _patch_torch_fsdp1()
-        return _REGISTRY.observing(callback, instances)
+        return observe_fsdp1(callback, instances)
 
     def _install_device_handle(self, model: nn.Module, handle: Any) -> None:
-        # FSDP1 keeps the handle on each state (streams, events, current_stream) and on each
-        # FlatParamHandle (current_stream during all-gather / free) -- torch 2.13.0. On a CPU host
-        # it only calls Event, Stream, stream, current_stream, synchronize and is_available on it
-        # (what the lagging device of fsdp_conformance.observe provides). The root's lazy init
-        # creates the streams from the handle, so it must be replaced before the first forward.
-        instances = FullyShardedDataParallel.fsdp_modules(model)
-        require_before_first_forward(self.name, model, instances)
-        for instance in instances:
-            internals.set_device_handle(instance, handle)
-
+        install_fsdp1_device_handle(self.name, model, handle)
 
     # ------------------------------------------------------------------ training loops (issue 21)
     # no_sync() and clip_grad_norm_() are FSDP1's own methods on the root (the Adapter defaults)
