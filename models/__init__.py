@@ -8,6 +8,7 @@ the unwrapped reference), is seeded without the global RNG, and has `get_input(d
 
 from __future__ import annotations
 
+from .buffered import Affine, BufferedBlock, BufferedModule, SeededLinear
 from .common import DelayHooks, DeviceInit, Wrap, move_after_wrap, move_before_wrap, seeded_init_
 from .ddp import DummyDDP
 from .delay import cycles_per_ms, sleep_cycles, sleep_ms
@@ -20,7 +21,10 @@ from .transformer import TransformerWithSharedParams
 
 __all__ = [
     "ALWAYS_WRAP",
+    "Affine",
     "AlwaysWrapNestedWrappedModule",
+    "BufferedBlock",
+    "BufferedModule",
     "CheckpointedModule",
     "CheckpointingWrap",
     "DelayHooks",
@@ -32,6 +36,7 @@ __all__ = [
     "ModuleWithDelay",
     "NestedWrappedModule",
     "NestedWrappedModuleWithDelay",
+    "SeededLinear",
     "TransformerWithSharedParams",
     "Wrap",
     "cycles_per_ms",

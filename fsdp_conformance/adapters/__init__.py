@@ -18,6 +18,7 @@ from fsdp_conformance.training_states import (
 from .base import (
     Adapter,
     AdapterWrap,
+    FeatureNotImplementedError,
     ObserverRegistry,
     UnsupportedFeatureError,
     clean_param_name,
@@ -45,6 +46,7 @@ __all__ = [
     "DeviceHandle",
     "Deviation",
     "Feature",
+    "FeatureNotImplementedError",
     "InstanceState",
     "MixedPrecisionConfig",
     "ObserverRegistry",

@@ -300,6 +300,33 @@ DEEPSPEED_DEVIATIONS: tuple[Deviation, ...] = (
         match=r"differs? from DDP's",
     ),
     _deviation(
+        "memory.reshard_after_forward",
+        "ZeRO-3 releases a module's gathered parameters after its forward only in the first "
+        "iteration: once its parameter trace is complete (every later iteration) every module "
+        "keeps its full parameters (ds_status AVAILABLE, full data) from forward into backward, "
+        "stage3_max_reuse_distance=0 notwithstanding; reproduction: wrap 'nested' FULL_SHARD, "
+        "train one step, forward again -> every zoo_model parameter has ds_status AVAILABLE "
+        "and p.data.numel() > 0 (after the first forward: NOT_AVAILABLE, 0)",
+        match=r"still hold unsharded parameters",
+    ),
+    _deviation(
+        "wrap.configs_isolated",
+        "the memory.reshard_after_forward deviation seen from the FULL_SHARD model of the two "
+        "(ZeRO-3 keeps every module's full parameters after forward from the second iteration "
+        "on); reproduction: see memory.reshard_after_forward",
+        applies=lambda case: case == "sharding",
+        match=r"FULL_SHARD reshards after forward, but",
+    ),
+    _deviation(
+        "wrap.configs_isolated",
+        "the parity.bf16 deviation met by the bf16 model of the two: DeepSpeed's bf16 mode "
+        "casts the parameters, never the inputs ('mat1 and mat2 must have the same dtype, but "
+        "got Float and BFloat16'); reproduction: see parity.bf16",
+        applies=lambda case: case == "mixed_precision",
+        raises=RuntimeError,
+        match=r"same dtype",
+    ),
+    _deviation(
         "fuzz.generated",
         "the loops.forward_variants deviation met by a generated case: a branch unused in some "
         "steps is updated unlike DDP's zero-gradient update (ZeRO-3 even without momentum); "
@@ -348,11 +375,22 @@ class DeepSpeedAdapter(Adapter):
             ),
             Feature.MIXED_PRECISION_BUFFER_DTYPE: "DeepSpeed's bf16 mode does not cast buffers",
             Feature.USE_ORIG_PARAMS: "a torch FSDP1 flag",
+            Feature.HYBRID_SHARD: (
+                "not mapped: ZeRO++ hpZ (zero_hpz_partition_size) keeps a secondary copy of the "
+                "parameters per node but still reduce-scatters gradients over the whole "
+                "data-parallel group; MiCS (mics_shard_size) is hybrid but its init "
+                "(deepspeed.zero.MiCS_Init) was not measured on CPU/gloo in this session"
+            ),
             Feature.CHECKPOINT_RESUME: "not mapped by this adapter (engine.save_checkpoint)",
             Feature.GRADIENT_ACCUMULATION: (
                 "no backward without a gradient reduction: ZeRO-2/3 reduce-scatter every "
                 "micro-batch's gradients into their partitions (accumulation with a reduction "
                 "per micro-batch is mapped: accumulation_boundary)"
+            ),
+            Feature.PARAM_GROUPS: (
+                "not mapped: DeepSpeed takes the optimizer's parameter groups at "
+                "deepspeed.initialize, which this adapter calls at wrap time, before the check "
+                "builds its optimizer"
             ),
             Feature.CLIP_GRAD_NORM: (
                 "not mapped: DeepSpeed clips inside engine.step() by the gradient_clipping set "
@@ -523,9 +561,18 @@ class DeepSpeedAdapter(Adapter):
             }
 
     # ------------------------------------------------------------------ training loop
-    def optimizer(self, model: nn.Module, name: str = "sgd", **hyperparameters: Any) -> Any:
+    def optimizer(
+        self,
+        model: nn.Module,
+        name: str = "sgd",
+        *,
+        param_groups: Any = None,
+        **hyperparameters: Any,
+    ) -> Any:
+        if param_groups is not None:
+            self.check(Feature.PARAM_GROUPS)
         if not _is_engine(model):
-            return super().optimizer(model, name, **hyperparameters)
+            return super().optimizer(model, name, param_groups=param_groups, **hyperparameters)
         classes = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
         if name not in classes:
             raise ValueError(

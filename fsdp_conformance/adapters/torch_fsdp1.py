@@ -32,7 +32,13 @@ from fsdp_conformance.vocab import Op
 
 from . import _fsdp1_internals as internals
 from ._support import RANGES, support_problem
-from .base import Adapter, ObserverRegistry, require_before_first_forward
+from .base import (
+    Adapter,
+    ObserverRegistry,
+    UnsupportedFeatureError,
+    clean_param_name,
+    require_before_first_forward,
+)
 from .deviations import Deviation
 from .features import ALWAYS_WRAP, Feature, module_predicate
 from .states import InstanceState, RootState
@@ -188,6 +194,32 @@ FSDP1_DEVIATIONS = (
         match=r"does not name the problem .*got AssertionError: Expects tensor to be unsharded",
         measured_on=_MEASURED_ON,
     ),
+    # state_dict.full (reproductions: tests/adapters/test_measured_torch_facts.py)
+    Deviation(
+        "state_dict.full",
+        "torch FSDP1's FULL_STATE_DICT with offload_to_cpu=True fails on a CPU-only host "
+        "('setStorage: ... out of bounds for storage of size 0'; rank0_only=True too). "
+        "Reproduction (2 ranks): FSDP(nn.Linear(8, 5), device_id=cpu) after one step, "
+        "model.state_dict() under state_dict_type(FULL_STATE_DICT, "
+        "FullStateDictConfig(offload_to_cpu=True)) raises; offload_to_cpu=False works",
+        lambda case: case is not None
+        and getattr(case, "option", "") == "offload_to_cpu"
+        and not accelerator_available(),
+        raises=RuntimeError,
+        match=r"setStorage: .* out of bounds for storage of size 0",
+        measured_on="torch 2.13.0 (CPU build)",
+    ),
+    Deviation(
+        "state_dict.full",
+        "torch FSDP1's load_state_dict(state_dict, assign=True) under FULL_STATE_DICT returns "
+        "without an error but loads nothing: the model trains on from its old values. "
+        "Reproduction (2 ranks): FSDP(nn.Linear(8, 5), device_id=cpu), load_state_dict("
+        "{'weight': 0.5, 'bias': -1.0 filled}, assign=True) under FULL_STATE_DICT, one step: "
+        "summon_full_params shows other values (assign=False loads them)",
+        lambda case: case is not None and getattr(case, "option", "") == "assign",
+        match=r"losses differ from DDP's",
+        measured_on="torch 2.13.0",
+    ),
     # issue 20 (fsdp-conformance fuzz, docs/fuzz.md)
     Deviation(
         "fuzz.generated",
@@ -283,6 +315,12 @@ class TorchFSDP1Adapter(Adapter):
             kwargs["cpu_offload"] = CPUOffload(offload_params=config["cpu_offload"])
         if config.get("mixed_precision") is not None:
             mixed = config["mixed_precision"]
+            if mixed.output_dtype is not None:
+                raise UnsupportedFeatureError(
+                    self.name,
+                    Feature.MIXED_PRECISION_POLICY,
+                    "torch FSDP1's MixedPrecision has no output_dtype (FSDP2's policy has)",
+                )
             kwargs["mixed_precision"] = MixedPrecision(
                 param_dtype=mixed.param_dtype,
                 reduce_dtype=mixed.reduce_dtype,
@@ -290,7 +328,7 @@ class TorchFSDP1Adapter(Adapter):
                 # every instance casts its floating-point inputs to param_dtype, as impl and
                 # FSDP2 do (FSDP1's default casts the root's only: a nested instance then gets
                 # fp32 activations, e.g. after adding an fp32 buffer, and fails in its matmul)
-                cast_forward_inputs=True,
+                cast_forward_inputs=mixed.cast_forward_inputs is not False,
             )
         if config.get("auto_wrap_policy") is not None:
             kwargs["auto_wrap_policy"] = _fsdp1_policy(config["auto_wrap_policy"])
@@ -337,6 +375,58 @@ class TorchFSDP1Adapter(Adapter):
     def _install_device_handle(self, model: nn.Module, handle: Any) -> None:
         install_fsdp1_device_handle(self.name, model, handle)
 
+    # ------------------------------------------------------------------ precision
+    def grad_scaler(self, model: nn.Module, **options: Any) -> Any:
+        """``ShardedGradScaler`` (``torch.distributed.fsdp.sharded_grad_scaler``) over the
+        root's process group, as FSDP1's documentation pairs them."""
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        device = next(model.parameters()).device.type
+        return ShardedGradScaler(device, process_group=model.process_group, **options)
+
+    # ------------------------------------------------------------------ sharding
+    def grad_shards(self, model: nn.Module) -> dict[str, tuple[int, torch.Tensor]]:
+        """Each FlatParameter's local gradient shard, cut by its shard metadata (FSDP1 has no
+        public per-parameter view of it with flat parameters: ``summon_full_params(
+        with_grads=True)`` needs ``use_orig_params=True``)."""
+        paths = {id(module): name for name, module in model.named_modules()}
+        pieces = {}
+        for instance in FullyShardedDataParallel.fsdp_modules(model):
+            handle = internals.handle_of(instance)
+            if handle is None or handle.flat_param.grad is None:
+                continue
+            path = paths[id(instance)]
+            prefix = clean_param_name(path + ".") if path else ""
+            grad = handle.flat_param.grad.detach()
+            for fqn, start, offset, numel in internals.grad_shard_layout(handle):
+                pieces[prefix + fqn] = (start, grad[offset : offset + numel])
+        return pieces
+
+    # ------------------------------------------------------------------ full state dict, meta init
+    def state_dict(
+        self, model: nn.Module, *, rank0_only: bool = False, offload_to_cpu: bool = False
+    ) -> dict[str, Any]:
+        """``FULL_STATE_DICT`` with ``FullStateDictConfig(offload_to_cpu, rank0_only)``."""
+        from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+
+        config = FullStateDictConfig(offload_to_cpu=offload_to_cpu, rank0_only=rank0_only)
+        with FullyShardedDataParallel.state_dict_type(
+            model, StateDictType.FULL_STATE_DICT, config
+        ):
+            return model.state_dict()
+
+    def load_state_dict(
+        self, model: nn.Module, state_dict: dict[str, Any], *, assign: bool = False
+    ) -> None:
+        from torch.distributed.fsdp import StateDictType
+
+        with FullyShardedDataParallel.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+            model.load_state_dict(state_dict, assign=assign)
+
+    def materialize(self, model: nn.Module, *, device: torch.device) -> None:
+        """Nothing: FSDP1 materialises a meta-device module while wrapping it (no
+        ``param_init_fn``: ``to_empty`` + ``reset_parameters()`` of each module it manages)."""
+
     # ------------------------------------------------------------------ training loops (issue 21)
     # no_sync() and clip_grad_norm_() are FSDP1's own methods on the root (the Adapter defaults)
     def save_checkpoint(self, model: nn.Module, optimizer: Any, directory: str) -> None:
@@ -344,12 +434,23 @@ class TorchFSDP1Adapter(Adapter):
         written with torch.distributed.checkpoint (``_dcp.py``)."""
         from . import _dcp
 
+        self._require_dcp_group(model)
         _dcp.save(model, optimizer, directory, model.process_group)
 
     def load_checkpoint(self, model: nn.Module, optimizer: Any, directory: str) -> None:
         from . import _dcp
 
+        self._require_dcp_group(model)
         _dcp.load(model, optimizer, directory, model.process_group)
+
+    def _require_dcp_group(self, model: nn.Module) -> None:
+        """Not applicable where this torch's DCP drops FSDP1's subgroup ([Note: DCP on a
+        subgroup with FSDP1] in _dcp.py)."""
+        from . import _dcp
+
+        problem = _dcp.fsdp1_subgroup_problem(model.process_group)
+        if problem is not None:
+            raise UnsupportedFeatureError(self.name, Feature.CHECKPOINT_RESUME, problem)
 
 
 def _fsdp1_policy(policy: Any):

@@ -40,8 +40,8 @@ from fsdp_conformance.cli import run as _run
 from fsdp_conformance.cli import timeline as _timeline
 from fsdp_conformance.cli.common import (
     BUILTIN_IMPLS,
-    COVERAGES,
     CLI_TIMEOUT_S,
+    COVERAGES,
     DEFAULT_COVERAGE,
     DEFAULT_WORKERS,
     MODES,
@@ -65,9 +65,9 @@ DEFAULT_TIMEOUT = CLI_TIMEOUT_S  # the old name of CLI_TIMEOUT_S
 
 __all__ = [
     "BUILTIN_IMPLS",
+    "CLI_TIMEOUT_S",
     "COVERAGES",
     "DEFAULT_COVERAGE",
-    "CLI_TIMEOUT_S",
     "DEFAULT_TIMEOUT",
     "DEFAULT_WORKERS",
     "MODES",

@@ -5,6 +5,7 @@ made before anything starts, and running a function in a rank set of ``fsdp_conf
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 import textwrap
@@ -28,6 +29,8 @@ CLI_TIMEOUT_S = 300.0
 RANK_MEMORY_BYTES = limits.RANK_BYTES
 # CPU ranks per core beyond which a world is not runnable in reasonable time
 RANKS_PER_CPU = 4
+# Built-in adapters that need an optional package: adapter -> (package, extra that installs it)
+EXTRAS = {"fairscale": ("fairscale", "fairscale"), "deepspeed": ("deepspeed", "deepspeed")}
 
 
 class BrokenAdapter(Exception):
@@ -70,13 +73,45 @@ def _positive_float(text: str) -> float:
 # Validation (before anything starts)
 
 
+def missing_extra(impl: str) -> str | None:
+    """Why the built-in adapter ``impl`` cannot run here -- its optional package does not import
+    -- as one line naming the install command; None when it can (or needs no extra).
+
+    The package is imported for real (as the adapter will import it in every rank), so a
+    package that is present but broken is refused too.
+    """
+    if impl not in EXTRAS:
+        return None
+    package, extra = EXTRAS[impl]
+    try:
+        importlib.import_module(package)
+    except Exception as error:  # noqa: BLE001  any failure to import the package refuses it
+        reason = " ".join(f"{type(error).__name__}: {error}".split())
+        return (
+            f"adapter {impl!r} needs {package}, which cannot be imported here ({reason}); "
+            f"install it with: pip install 'fsdp-conformance[{extra}]'"
+        )
+    return None
+
+
+def check_extra(impl: str) -> None:
+    """UsageError (exit 2) when the built-in adapter ``impl`` lacks its optional package: every
+    command calls it (through ``check_impl``) where it resolves ``--impl``."""
+    problem = missing_extra(impl)
+    if problem is not None:
+        raise UsageError(f"--impl {impl}: {problem}")
+
+
 def check_impl(name: str) -> None:
     """Resolve ``name`` as the ranks will (``get_adapter``); UsageError with the reason if not.
 
-    Built-in names are not imported here (they always resolve). ``pkg.mod:ATTR`` is imported
-    with the current directory on ``sys.path``, as ``python -m pytest`` and the ranks have it.
+    Built-in names are not imported here (they always resolve), except that an adapter needing
+    an optional package is refused when the package does not import (``check_extra``).
+    ``pkg.mod:ATTR`` is imported with the current directory on ``sys.path``, as
+    ``python -m pytest`` and the ranks have it.
     """
     if name in BUILTIN_IMPLS:
+        check_extra(name)
         return
     if ":" not in name:
         raise UsageError(

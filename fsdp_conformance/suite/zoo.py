@@ -18,6 +18,7 @@ from torch import nn
 from fsdp_conformance.adapters import Feature
 from fsdp_conformance.models import (
     AlwaysWrapNestedWrappedModule,
+    BufferedModule,
     DeviceInit,
     LoopModule,
     MixtureOfExperts,
@@ -91,6 +92,13 @@ def _loops(**options: Any) -> Builder:
     return build
 
 
+def _buffered(meta: bool) -> Builder:
+    def build(group: Any, wrap: Any, **kwargs: Any) -> nn.Module:
+        return BufferedModule(group, wrap, meta=meta, **kwargs)
+
+    return build
+
+
 MODELS: dict[str, ModelSpec] = {
     spec.name: spec
     for spec in (
@@ -114,6 +122,8 @@ MODELS: dict[str, ModelSpec] = {
             features=(Feature.NO_SHARD,),
         ),
         ModelSpec("loops_branch", _loops(branch=True)),
+        ModelSpec("loops_buffer", _loops(buffer=True)),
+        ModelSpec("loops_norm", _loops(norm=True)),
         ModelSpec(
             "loops_frozen", _loops(freeze="instance"), features=(Feature.FROZEN_PARAMETERS,)
         ),
@@ -122,13 +132,18 @@ MODELS: dict[str, ModelSpec] = {
             _loops(freeze="mixed"),
             features=(Feature.FROZEN_PARAMETERS_MIXED,),
         ),
+        # the full-state-dict and meta-init checks' model (models/buffered.py): a
+        # non-persistent buffer, uneven shards; "buffered_meta" is built on the meta device
+        ModelSpec("buffered", _buffered(meta=False)),
+        ModelSpec("buffered_meta", _buffered(meta=True), features=(Feature.META_INIT,)),
     )
 }
 # The models of the parity check (transformer_without_batchnorm is for mixed precision)
 MODEL_NAMES = tuple(
     name
     for name in MODELS
-    if name != "transformer_without_batchnorm" and not name.startswith("loops")
+    if name != "transformer_without_batchnorm"
+    and not name.startswith(("loops", "buffered"))
 )
 
 
