@@ -35,6 +35,8 @@ class MyFSDPAdapter(Adapter):
     # the reason below, naming the adapter and the feature
     SUPPORTED = frozenset(
         {
+            Feature.TRAINING_STATES,  # training_state / root_state below
+            Feature.SUMMON_FULL_PARAMS,  # _summon_full_params below
             Feature.FULL_SHARD,
             Feature.SHARD_GRAD_OP,
             Feature.NO_SHARD,

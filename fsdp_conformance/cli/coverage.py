@@ -36,7 +36,6 @@ from fsdp_conformance import checks
 from fsdp_conformance.cli.common import (
     PROG,
     UsageError,
-    _add_common,
     _paragraph,
     check_impl,
     check_output,
@@ -410,7 +409,8 @@ def render_text(data: dict[str, Any]) -> str:
     if data["unlocks"]:
         for entry in data["unlocks"]:
             lines.append(
-                f"implement `{entry['feature']}` next: +{entry['cells']} cells "
+                f"implement `{entry['feature']}` next: +{entry['cells']} "
+                f"cell{'s' if entry['cells'] != 1 else ''} "
                 f"({_family_counts(entry['checks'])})"
             )
     else:
@@ -424,6 +424,8 @@ def render_text(data: dict[str, Any]) -> str:
 
 def _coverage_command(args: argparse.Namespace) -> int:
     check_impl(args.impl)
+    if args.world_size < 1:
+        raise UsageError(f"--world-size {args.world_size}: must be >= 1")
     if args.json not in (None, "-"):
         check_output(args.json, "--json")
     try:
@@ -457,7 +459,20 @@ def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
         "  cd examples && fsdp-conformance coverage --impl my_fsdp_adapter:ADAPTER --json -",
         formatter_class=formatter,
     )
-    _add_common(parser, "ranks for cells that do not fix their own world size (default 2)")
+    parser.add_argument(
+        "--impl",
+        default="impl",
+        metavar="NAME",
+        help="FSDP adapter: impl (default), torch-fsdp1, torch-fsdp2, fairscale, deepspeed or "
+        "pkg.module:ATTR (the current directory and PYTHONPATH are searched)",
+    )
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        default=2,
+        metavar="N",
+        help="ranks for cells that do not fix their own world size, as `run` (default 2)",
+    )
     parser.add_argument(
         "--coverage",
         choices=COVERAGES,
