@@ -5,16 +5,18 @@ Next to my_fsdp_adapter.py (the tutorial adapter of docs/adapters.md). Run from 
     pytest test_my_fsdp.py -n 2            # every check of the suite (pytest-xdist optional)
     pytest test_my_fsdp.py -k "Parity and nested"
 
-The same cells as ``fsdp-conformance run --impl my_fsdp_adapter:ADAPTER``: what the adapter
-does not claim skips with "adapter 'my-fsdp' does not support '<feature>': not wired up in
-my-fsdp yet", torch FSDP1's declared deviations are expected failures.
+The checks of ``fsdp-conformance run --impl my_fsdp_adapter:ADAPTER``: what the adapter does not
+claim skips with "adapter 'my-fsdp' does not support '<feature>': not wired up in my-fsdp yet",
+torch FSDP1's declared deviations are expected failures. (The parity configs are collected
+over the values of ``--fsdp-impl``, the reference FSDP's unless given, so a few cells more are
+collected here than by ``run``, and skip.)
 """
 
 from __future__ import annotations
 
 import pytest
 
-import fsdp_conformance.suite as suite
+from fsdp_conformance import suite
 
 
 @pytest.fixture

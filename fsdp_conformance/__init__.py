@@ -32,8 +32,8 @@ _EXPORTS: dict[str, str] = {
 __all__ = [
     "ALL_FEATURES",
     "Adapter",
-    "DeviceHandle",
     "Deviation",
+    "DeviceHandle",
     "DummyProcessGroup",
     "FSDPInitMode",
     "FSDPTest",

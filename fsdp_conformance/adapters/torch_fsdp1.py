@@ -202,9 +202,11 @@ FSDP1_DEVIATIONS = (
         "Reproduction (2 ranks): FSDP(nn.Linear(8, 5), device_id=cpu) after one step, "
         "model.state_dict() under state_dict_type(FULL_STATE_DICT, "
         "FullStateDictConfig(offload_to_cpu=True)) raises; offload_to_cpu=False works",
-        lambda case: case is not None
-        and getattr(case, "option", "") == "offload_to_cpu"
-        and not accelerator_available(),
+        lambda case: (
+            case is not None
+            and getattr(case, "option", "") == "offload_to_cpu"
+            and not accelerator_available()
+        ),
         raises=RuntimeError,
         match=r"setStorage: .* out of bounds for storage of size 0",
         measured_on="torch 2.13.0 (CPU build)",
@@ -263,9 +265,11 @@ FSDP1_DEVIATIONS = (
         "base ... has been modified inplace'), 2.8.0 in its next forward "
         "(_writeback_orig_params: 'Cannot writeback when the parameter shape changes') "
         "(tests/adapters/test_measured_torch_facts.py)",
-        lambda case: case is not None
-        and {"branch", "config:sharding_strategy=NO_SHARD", "config:use_orig_params=True"}
-        <= case.uses(),
+        lambda case: (
+            case is not None
+            and {"branch", "config:sharding_strategy=NO_SHARD", "config:use_orig_params=True"}
+            <= case.uses()
+        ),
         raises=(AssertionError, RuntimeError),
         match=r"full parameter names differ from DDP's: missing \["
         r"|is a view and its base or another view of its base has been modified inplace"
@@ -308,7 +312,12 @@ class TorchFSDP1Adapter(Adapter):
         if "backward_prefetch" in config:
             prefetch = config["backward_prefetch"]
             kwargs["backward_prefetch"] = None if prefetch is None else BackwardPrefetch[prefetch]
-        for key in ("forward_prefetch", "limit_all_gathers", "sync_module_states", "use_orig_params"):
+        for key in (
+            "forward_prefetch",
+            "limit_all_gathers",
+            "sync_module_states",
+            "use_orig_params",
+        ):
             if key in config:
                 kwargs[key] = config[key]
         if "cpu_offload" in config:
@@ -410,9 +419,7 @@ class TorchFSDP1Adapter(Adapter):
         from torch.distributed.fsdp import FullStateDictConfig, StateDictType
 
         config = FullStateDictConfig(offload_to_cpu=offload_to_cpu, rank0_only=rank0_only)
-        with FullyShardedDataParallel.state_dict_type(
-            model, StateDictType.FULL_STATE_DICT, config
-        ):
+        with FullyShardedDataParallel.state_dict_type(model, StateDictType.FULL_STATE_DICT, config):
             return model.state_dict()
 
     def load_state_dict(

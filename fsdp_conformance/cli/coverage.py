@@ -114,8 +114,10 @@ class _ProbeAdapter:
         return self._capabilities.supports(*features)
 
     def unsupported_reason(self, feature: str) -> str | None:
-        return None if self.supports(feature) else self._capabilities.adapter.unsupported_reason(
-            feature
+        return (
+            None
+            if self.supports(feature)
+            else self._capabilities.adapter.unsupported_reason(feature)
         )
 
     def features_for(self, **config: Any) -> frozenset[str]:
@@ -281,22 +283,22 @@ def collect(
     configs.dimensions_for_impl = lambda name: configs.supported_dimensions(capabilities)
     try:
         with _quiet():
-            code = pytest.main(
-                [
-                    "--collect-only", "-qq", "-p", "no:cacheprovider", "-p", "no:xdist",
-                    "-o", "addopts=", "--pyargs", "fsdp_conformance.suite",
-                    f"--fsdp-impl={impl}", f"--fsdp-world-size={world_size}",
-                    f"--fsdp-coverage={coverage}",
-                ],  # fmt: skip
-                plugins=[collector],
-            )
+            arguments = [
+                "--collect-only", "-qq", "-p", "no:cacheprovider", "-p", "no:xdist",
+                "-o", "addopts=", "--pyargs", "fsdp_conformance.suite",
+                f"--fsdp-impl={impl}", f"--fsdp-world-size={world_size}",
+                f"--fsdp-coverage={coverage}",
+            ]  # fmt: skip
+            code = pytest.main(arguments, plugins=[collector])
     finally:
         configs.dimensions_for_impl = original
     if collector.errors or code not in (0, 5):
         raise RuntimeError(
             f"the suite did not collect (pytest exit {int(code)}): "
-            + ("; ".join(collector.errors) or "see pytest --collect-only --pyargs "
-               "fsdp_conformance.suite")
+            + (
+                "; ".join(collector.errors)
+                or "see pytest --collect-only --pyargs fsdp_conformance.suite"
+            )
         )
     return collector.cells
 
@@ -393,8 +395,10 @@ def _family_counts(gains: dict[str, int]) -> str:
 def render_text(data: dict[str, Any]) -> str:
     """The report as the terminal shows it."""
     lines = [
-        f"adapter {data['adapter']!r} ({data['impl']}), coverage {data['coverage']}: "
-        f"{data['cells']} cells collected, {data['run']} would run, {data['skip']} would skip"
+        (
+            f"adapter {data['adapter']!r} ({data['impl']}), coverage {data['coverage']}: "
+            f"{data['cells']} cells collected, {data['run']} would run, {data['skip']} would skip"
+        )
     ]
     if data["support_problem"]:
         lines.append(f"every cell skips: {data['support_problem']}")

@@ -27,9 +27,7 @@ def _names_in_code() -> set[str]:
 
 
 def public_members() -> list[str]:
-    return sorted(
-        {name for name in dir(Adapter) if not name.startswith("_")} | set(PRIMITIVES)
-    )
+    return sorted({name for name in dir(Adapter) if not name.startswith("_")} | set(PRIMITIVES))
 
 
 def test_every_adapter_member_is_documented() -> None:

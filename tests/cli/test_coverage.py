@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import textwrap
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
@@ -40,7 +40,7 @@ IMPL = "small_coverage_adapter:ADAPTER"
 class _NoRanks:
     """Fails a test that starts a rank: coverage collects only."""
 
-    started: list[str] = []
+    started: ClassVar[list[str]] = []
 
     @classmethod
     def install(cls, monkeypatch: pytest.MonkeyPatch) -> None:

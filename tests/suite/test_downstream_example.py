@@ -60,7 +60,7 @@ def test_subclassing_module_covers_the_suite(monkeypatch: pytest.MonkeyPatch) ->
     """Every base class of the suite is a test class of the example module."""
     import importlib
 
-    import fsdp_conformance.suite as suite
+    from fsdp_conformance import suite
 
     monkeypatch.syspath_prepend(str(EXAMPLES))
     monkeypatch.delitem(sys.modules, "test_my_fsdp", raising=False)
