@@ -8,6 +8,7 @@ the unwrapped reference), is seeded without the global RNG, and has `get_input(d
 
 from __future__ import annotations
 
+from .buffered import Affine, BufferedBlock, BufferedModule, SeededLinear
 from .common import DelayHooks, DeviceInit, Wrap, move_after_wrap, move_before_wrap, seeded_init_
 from .ddp import DummyDDP
 from .delay import cycles_per_ms, sleep_cycles, sleep_ms
@@ -17,22 +18,29 @@ from .moe import MixtureOfExperts
 from .nested import ALWAYS_WRAP, AlwaysWrapNestedWrappedModule, NestedWrappedModule
 from .overlap import Layer
 from .transformer import TransformerWithSharedParams
+from .uneven import Gain, UnevenModule
 
 __all__ = [
     "ALWAYS_WRAP",
+    "Affine",
     "AlwaysWrapNestedWrappedModule",
+    "BufferedBlock",
+    "BufferedModule",
     "CheckpointedModule",
     "CheckpointingWrap",
     "DelayHooks",
     "DeviceInit",
     "DummyDDP",
+    "Gain",
     "Layer",
     "LoopModule",
     "MixtureOfExperts",
     "ModuleWithDelay",
     "NestedWrappedModule",
     "NestedWrappedModuleWithDelay",
+    "SeededLinear",
     "TransformerWithSharedParams",
+    "UnevenModule",
     "Wrap",
     "cycles_per_ms",
     "move_after_wrap",

@@ -2,7 +2,8 @@
 frozen parameters, and non-reentrant activation checkpointing inside wrapped blocks.
 
     LoopModule: Linear(8, 16) -> [block 0] -> [block 1] -> [block 2] -> ([branch]) -> [head]
-    (brackets = wrapped; block i = Sequential(Linear(16, 16), Tanh, Scale(gains[i])))
+    (brackets = wrapped; block i = Sequential(Linear(16, 16), Tanh, Scale(gains[i])); with
+    ``norm=True`` Sequential(linear=Linear(16, 16), norm=LayerNorm(16), act=Tanh, scale=...))
 
 `gains` makes the instances' gradient magnitudes differ by orders of magnitude (the clipping
 check's global norm then depends on every shard); `branch=True` adds a wrapped Linear(16, 16)
@@ -19,6 +20,7 @@ around its module, so every FSDP instance nested inside it is recomputed during 
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -101,6 +103,8 @@ class LoopModule(nn.Module):
         no_shard_block: index of a block wrapped with NO_SHARD (None: none).
         buffer: add a floating-point buffer ``offset`` of the root, added to the trunk's
             output (what mixed precision's buffer_dtype casts).
+        norm: blocks are ``Sequential(linear=Linear(16, 16), norm=LayerNorm(16), act=Tanh,
+            scale=Scale)`` (named, for optimizer groups by name).
     """
 
     ROOT_WRAP_CONFIG: ClassVar[dict[str, Any]] = {}
@@ -115,6 +119,7 @@ class LoopModule(nn.Module):
         freeze: str | None = None,
         no_shard_block: int | None = None,
         buffer: bool = False,
+        norm: bool = False,
         device_init: DeviceInit = DeviceInit.AFTER,
         device: torch.device | None = None,
     ) -> None:
@@ -128,7 +133,17 @@ class LoopModule(nn.Module):
         self.trunk = _init(nn.Linear(8, 16), gen)
         blocks = []
         for index, gain in enumerate(gains):
-            block = nn.Sequential(_init(nn.Linear(16, 16), gen), nn.Tanh(), Scale(gain))
+            if norm:
+                block = nn.Sequential(
+                    OrderedDict(
+                        linear=_init(nn.Linear(16, 16), gen),
+                        norm=nn.LayerNorm(16),
+                        act=nn.Tanh(),
+                        scale=Scale(gain),
+                    )
+                )
+            else:
+                block = nn.Sequential(_init(nn.Linear(16, 16), gen), nn.Tanh(), Scale(gain))
             if index == 0 and freeze == "instance":
                 block.requires_grad_(False)
             elif index == 0 and freeze == "mixed":

@@ -6,7 +6,9 @@ the member name (case-insensitive) or any enum member whose `.name` is that name
 enums, torch's enums and plain strings all work. Keys not given keep the implementation's own
 default. Values are normalised by `normalize_config` into:
 
-  sharding_strategy   "FULL_SHARD" | "SHARD_GRAD_OP" | "NO_SHARD"
+  sharding_strategy   "FULL_SHARD" | "SHARD_GRAD_OP" | "NO_SHARD" | "HYBRID_SHARD" |
+                      "_HYBRID_SHARD_ZERO2"   (the hybrid two need `hybrid_shard` and
+                      process_group=(shard_group, replicate_group), FSDP1's own tuple)
   backward_prefetch   None | "BACKWARD_PRE" | "BACKWARD_POST"
   forward_prefetch    bool
   limit_all_gathers   bool
@@ -20,7 +22,8 @@ default. Values are normalised by `normalize_config` into:
   sync_module_states  bool
   device_id           None | torch.device | int
   use_orig_params     bool   (torch FSDP1's flag; needs `use_orig_params` when True)
-  process_group       None | ProcessGroup   (keyword of `wrap` itself)
+  process_group       None | ProcessGroup | (shard_group, replicate_group)   (keyword of `wrap`
+                      itself; the pair only with a hybrid sharding_strategy)
 """
 
 from __future__ import annotations
@@ -83,6 +86,10 @@ class Feature:
     PARAM_GROUPS = "param_groups"  # optimizer parameter groups by the plain module's names
     IGNORED_PARAMS = "ignored_params"  # parameters left unsharded and unreduced by the wrapper
     FORWARD_METHOD = "forward_method"  # a method other than forward running wrapped parameters
+    # - Subjects an implementation of another shape may not have (docs/adapters.md, "FSDPs of
+    #   other shapes"): the checks about them are then not applicable, never run on a stand-in
+    TRAINING_STATES = "training_states"  # `training_state` / `root_state` report real states
+    SUMMON_FULL_PARAMS = "summon_full_params"  # `summon_full_params` is the implementation's own
 
 
 ALL_FEATURES: frozenset[str] = frozenset(
@@ -90,6 +97,8 @@ ALL_FEATURES: frozenset[str] = frozenset(
 )
 
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
+# shard within a group, replicate across groups: full shard / shard_grad_op per group
+HYBRID_STRATEGIES = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
 BACKWARD_PREFETCHES = ("BACKWARD_PRE", "BACKWARD_POST")
 ALWAYS_WRAP = vocab.ALWAYS_WRAP
 CONFIG_KEYS = (
@@ -166,7 +175,7 @@ def normalize_config(config: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in config.items():
         if key == "sharding_strategy":
-            out[key] = _enum_name(key, value, SHARDING_STRATEGIES)
+            out[key] = _enum_name(key, value, SHARDING_STRATEGIES + HYBRID_STRATEGIES)
         elif key == "backward_prefetch":
             out[key] = None if value is None else _enum_name(key, value, BACKWARD_PREFETCHES)
         elif key in (
@@ -192,6 +201,23 @@ def normalize_config(config: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def check_process_group(process_group: Any, config: dict[str, Any]) -> None:
+    """ValueError unless `process_group` fits the normalised config's sharding strategy: a
+    (shard_group, replicate_group) pair for a hybrid strategy, one group (or None) otherwise."""
+    hybrid = config.get("sharding_strategy") in HYBRID_STRATEGIES
+    pair = isinstance(process_group, tuple)
+    if hybrid and not (pair and len(process_group) == 2 and None not in process_group):
+        raise ValueError(
+            f"sharding_strategy={config['sharding_strategy']!r} needs "
+            f"process_group=(shard_group, replicate_group), got {process_group!r}"
+        )
+    if pair and not hybrid:
+        raise ValueError(
+            f"process_group={process_group!r} is a (shard, replicate) pair: give it with "
+            f"sharding_strategy in {HYBRID_STRATEGIES}, or give one process group"
+        )
+
+
 def _mixed_precision(value: Any) -> MixedPrecisionConfig | None:
     if value is None or isinstance(value, MixedPrecisionConfig):
         return value
@@ -207,7 +233,9 @@ def _mixed_precision(value: Any) -> MixedPrecisionConfig | None:
 def features_for(config: dict[str, Any]) -> frozenset[str]:
     """The features a normalised wrap config needs."""
     needed: set[str] = set()
-    if "sharding_strategy" in config:
+    if config.get("sharding_strategy") in HYBRID_STRATEGIES:
+        needed.add(Feature.HYBRID_SHARD)
+    elif "sharding_strategy" in config:
         needed.add(config["sharding_strategy"].lower())
     if "backward_prefetch" in config:
         prefetch = config["backward_prefetch"]

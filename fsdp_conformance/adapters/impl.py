@@ -15,7 +15,7 @@ from torch import nn
 
 from fsdp_conformance.training_states import InstanceState, RootState
 
-from .base import Adapter, clean_param_name, scoped_observer
+from .base import Adapter, clean_param_name, flat_grad_pieces, scoped_observer
 from .features import Feature, MixedPrecisionConfig, module_predicate
 
 
@@ -116,6 +116,30 @@ class ImplAdapter(Adapter):
         device = next(model.parameters()).device.type
         return ShardedGradScaler(device, process_group=model.process_group, **options)
 
+    # ------------------------------------------------------------------ sharding
+    def grad_shards(self, model: nn.Module) -> dict[str, tuple[int, torch.Tensor]]:
+        """Each instance's ``flat_param.grad`` cut along the flat parameter's layout."""
+        paths = {id(module): name for name, module in model.named_modules()}
+        pieces = {}
+        for instance in self.instances(model):
+            handle = instance._fsdp_state.handle
+            if handle is None or handle.flat_param.grad is None:
+                continue
+            names = {}
+            for slot in handle.slots:  # a tied parameter: its first name
+                prefix = paths[id(slot.module)]
+                names.setdefault(slot.index, clean_param_name(f"{prefix}.{slot.name}".lstrip(".")))
+            start = handle.rank * handle.shard_numel if handle.sharded else 0
+            pieces.update(
+                flat_grad_pieces(
+                    [names[index] for index in range(len(handle.numels))],
+                    handle.numels,
+                    handle.flat_param.grad.detach(),
+                    start,
+                )
+            )
+        return pieces
+
     # ------------------------------------------------------------------ training loops (issue 21)
     def unsupported(self) -> dict[str, str]:
         return {
@@ -123,7 +147,44 @@ class ImplAdapter(Adapter):
                 "impl's optimizer always sees flat parameters; frozen and trainable parameters "
                 "mix in one instance without a flag (the frozen ones stay unflattened)"
             ),
+            Feature.HYBRID_SHARD: (
+                "impl shards each flat parameter over one process group; it has no replicate "
+                "group to all-reduce across (HYBRID_SHARD)"
+            ),
         }
+
+    # ------------------------------------------------------------------ full state dict, meta init
+    def state_dict(
+        self, model: nn.Module, *, rank0_only: bool = False, offload_to_cpu: bool = False
+    ) -> dict[str, Any]:
+        """impl's full state dict (its default form), with its own two options."""
+        return model.state_dict(rank0_only=rank0_only, offload_to_cpu=offload_to_cpu)
+
+    def load_state_dict(
+        self, model: nn.Module, state_dict: dict[str, Any], *, assign: bool = False
+    ) -> None:
+        model.load_state_dict(state_dict, assign=assign)
+
+    def materialize(self, model: nn.Module, *, device: torch.device) -> None:
+        """Nothing: each impl instance materialises the meta-device modules it manages when it
+        is built (``to_empty`` + ``reset_parameters``, or ``param_init_fn``)."""
+
+    def optimizer(
+        self,
+        model: nn.Module,
+        name: str = "sgd",
+        *,
+        param_groups: Any = None,
+        **hyperparameters: Any,
+    ) -> torch.optim.Optimizer:
+        """torch's optimizer; with `param_groups`, over the pieces of the original parameters in
+        each rank's shard (``impl/optim.py``), grouped by their names."""
+        if param_groups is None:
+            return super().optimizer(model, name, **hyperparameters)
+        self.check(Feature.PARAM_GROUPS)
+        from fsdp_conformance.impl import optim
+
+        return optim.optimizer(model, self._optimizer_class(name), param_groups, **hyperparameters)
 
     def save_checkpoint(self, model: nn.Module, optimizer: Any, directory: str) -> None:
         from fsdp_conformance.impl import checkpoint

@@ -45,7 +45,7 @@ from . import _fsdp2_internals as internals
 from ._fsdp2_device import install_lagging_device, observe_buffers
 from ._fsdp2_prefetch import configure_prefetch
 from ._support import RANGES, support_problem
-from .base import Adapter, ObserverRegistry, scoped_observer
+from .base import Adapter, ObserverRegistry, UnsupportedFeatureError, scoped_observer
 from .deviations import Deviation
 from .features import Feature, auto_wrap_targets
 from .states import InstanceState, RootState
@@ -173,6 +173,19 @@ FSDP2_DEVIATIONS = (
         match=r"no exception was raised",
         measured_on=_MEASURED_ON,
     ),
+    Deviation(
+        "loops.clipping",
+        "torch.nn.utils.clip_grad_norm_ over FSDP2 parameters on two device meshes (a NO_SHARD "
+        "block is HSDP on its own 2-D mesh next to 1-D sharded blocks) fails: it stacks the "
+        "per-tensor norms of both meshes. Reproduction (2 ranks): fully_shard one Linear on a "
+        "(replicate=2, shard=1) mesh and the root on the 1-D mesh, backward, "
+        "clip_grad_norm_(root.parameters(), 1.0) -> RuntimeError 'All operands in "
+        "aten.stack.default must have the same mesh' (tests/adapters/test_measured_torch_facts.py)",
+        lambda case: case.model == "loops_gains_no_shard",
+        raises=RuntimeError,
+        match=r"must have the same mesh",
+        measured_on="torch 2.13.0",
+    ),
 )
 
 
@@ -215,7 +228,9 @@ class TorchFSDP2Adapter(Adapter):
         }
 
     def _wrap(self, module: nn.Module, process_group: Any, config: dict[str, Any]) -> nn.Module:
-        group = process_group if process_group is not None else dist.group.WORLD
+        hybrid = isinstance(process_group, tuple)  # (shard, replicate): a HYBRID_* strategy
+        group = process_group[0] if hybrid else process_group
+        group = group if group is not None else dist.group.WORLD
         device_id = config.get("device_id")
         if device_id is not None:
             device_type = torch.device(device_id).type if not isinstance(device_id, int) else "cuda"
@@ -225,10 +240,12 @@ class TorchFSDP2Adapter(Adapter):
         kwargs: dict[str, Any] = {"mesh": DeviceMesh.from_group(group, device_type)}
         if config.get("sharding_strategy") == "NO_SHARD" and group.size() > 1:
             kwargs["mesh"] = _replicate_mesh(group, device_type)
+        if hybrid:
+            kwargs["mesh"] = _hybrid_mesh(*process_group, device_type)
         if "sharding_strategy" in config:
             # None = FSDP2's auto: reshard non-root instances, keep the root (as FSDP1 FULL_SHARD)
             # NO_SHARD: nothing to reshard on a one-rank shard group (HSDP, _replicate_mesh)
-            full_shard = config["sharding_strategy"] == "FULL_SHARD"
+            full_shard = config["sharding_strategy"] in ("FULL_SHARD", "HYBRID_SHARD")
             kwargs["reshard_after_forward"] = None if full_shard else False
         if config.get("cpu_offload"):
             kwargs["offload_policy"] = api.CPUOffloadPolicy(pin_memory=accelerator_available())
@@ -321,6 +338,34 @@ class TorchFSDP2Adapter(Adapter):
         device = next(model.parameters()).device.type
         return torch.amp.GradScaler(device, **options)
 
+    def on_test_end(self) -> None:
+        _HYBRID_MESHES.clear()  # the groups of these meshes are destroyed after the test
+
+    # ------------------------------------------------------------------ sharding
+    def grad_shards(self, model: nn.Module) -> dict[str, tuple[int, torch.Tensor]]:
+        """Each DTensor gradient's local shard (``to_local()``) at its offset: FSDP2 shards dim
+        0 in ``torch.chunk``'s rows (ceil(rows / n) per mesh coordinate, the last ones short
+        or empty), replicated over an HSDP mesh's other dimension; no collective."""
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        pieces = {}
+        for name, param in model.named_parameters():
+            grad = param.grad
+            if not isinstance(grad, DTensor) or grad.ndim == 0:
+                continue
+            start_row = 0
+            coordinate = grad.device_mesh.get_coordinate()
+            for mesh_dim, placement in enumerate(grad.placements):
+                if isinstance(placement, Shard) and placement.dim == 0:
+                    rows_per_rank = -(-grad.shape[0] // grad.device_mesh.size(mesh_dim))
+                    start_row = coordinate[mesh_dim] * rows_per_rank
+                elif not isinstance(placement, Replicate):
+                    return None  # a layout this reading does not know: parity per step only
+            local = grad.to_local().detach().reshape(-1)
+            if local.numel():
+                pieces[name] = (start_row * (grad.numel() // grad.shape[0]), local)
+        return pieces
+
     # ------------------------------------------------------------------ training loops (issue 21)
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:
@@ -335,32 +380,66 @@ class TorchFSDP2Adapter(Adapter):
     def clip_grad_norm_(
         self, model: nn.Module, max_norm: float, norm_type: float = 2.0
     ) -> torch.Tensor:
-        """``torch.nn.utils.get_total_norm`` over the DTensor gradients, per device mesh (a
-        NO_SHARD instance lives on its own 2-D mesh), ``full_tensor()`` of each partial norm,
-        combined into the global norm; then every local gradient shard is scaled by
-        ``max_norm / (norm + 1e-6)`` (at most 1), as ``torch.nn.utils.clip_grad_norm_`` does."""
+        """``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)``, what an FSDP2 user calls:
+        torch computes the global norm over the DTensor gradients and scales them; the norm it
+        returns is a DTensor, made a plain tensor with ``full_tensor()`` as users do."""
         self.check(Feature.CLIP_GRAD_NORM)
         from torch.distributed.tensor import DTensor
 
-        by_mesh: dict[Any, list[torch.Tensor]] = {}
-        for param in model.parameters():
-            if param.grad is not None:
-                grad = param.grad
-                mesh = grad.device_mesh if isinstance(grad, DTensor) else None
-                by_mesh.setdefault(mesh, []).append(grad)
-        norms = []
-        for grads in by_mesh.values():
-            norm = torch.nn.utils.get_total_norm(grads, norm_type)
-            norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-        if not norms:
-            return torch.zeros(())
-        total = torch.nn.utils.get_total_norm(norms, norm_type)
-        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for grads in by_mesh.values():
-            for grad in grads:  # the local shard in place (a DTensor op would not write it)
-                local = grad.to_local() if isinstance(grad, DTensor) else grad
-                local.mul_(coefficient.to(local.device, local.dtype))
-        return total
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+    # ------------------------------------------------------------------ full state dict, meta init
+    def state_dict(
+        self, model: nn.Module, *, rank0_only: bool = False, offload_to_cpu: bool = False
+    ) -> dict[str, Any]:
+        """``get_model_state_dict(full_state_dict=True)``; its ``cpu_offload=True`` gives the
+        state dict, on the CPU, to rank 0 only: ``rank0_only`` is that (``offload_to_cpu``
+        alone has no FSDP2 form)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        if offload_to_cpu and not rank0_only:
+            raise UnsupportedFeatureError(
+                self.name,
+                Feature.FULL_STATE_DICT,
+                "offload_to_cpu without rank0_only: torch FSDP2's get_model_state_dict("
+                "full_state_dict=True, cpu_offload=True) gives the other ranks an empty dict",
+            )
+        options = StateDictOptions(full_state_dict=True, cpu_offload=rank0_only)
+        return get_model_state_dict(model, options=options)
+
+    def load_state_dict(
+        self, model: nn.Module, state_dict: dict[str, Any], *, assign: bool = False
+    ) -> None:
+        """``set_model_state_dict(full_state_dict=True)``; with ``assign``, FSDP2's documented
+        form: each full tensor laid out as its parameter's DTensor (``distribute_tensor``), then
+        ``model.load_state_dict(..., assign=True)`` (the parameters re-assigned)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        if not assign:
+            options = StateDictOptions(full_state_dict=True)
+            set_model_state_dict(model, state_dict, options=options)
+            return
+        current = model.state_dict()
+        sharded = {}
+        for key, value in state_dict.items():
+            target = current.get(key)
+            if isinstance(target, DTensor):
+                value = distribute_tensor(
+                    value.to(target.device), target.device_mesh, target.placements
+                )
+            sharded[key] = value
+        model.load_state_dict(sharded, assign=True)
+
+    def materialize(self, model: nn.Module, *, device: torch.device) -> None:
+        """FSDP2's documented meta-device init: ``model.to_empty(device=...)``, then each
+        module's ``reset_parameters()``."""
+        model.to_empty(device=device)
+        for module in model.modules():
+            reset = getattr(module, "reset_parameters", None)
+            if callable(reset):
+                reset()
 
     def save_checkpoint(self, model: nn.Module, optimizer: Any, directory: str) -> None:
         """``torch.distributed.checkpoint.state_dict`` (DTensor state dicts) + ``dcp.save``."""
@@ -418,6 +497,33 @@ def _replicate_mesh(group: Any, device_type: str) -> DeviceMesh:
             mesh_dim_names=("replicate", "shard"),
         )
     return _REPLICATE_MESHES[key]
+
+
+# (shard group, replicate group, device type) -> their 2-D mesh; emptied after every test
+_HYBRID_MESHES: dict[tuple[Any, Any, str], DeviceMesh] = {}
+
+
+def _hybrid_mesh(shard: Any, replicate: Any, device_type: str) -> DeviceMesh:
+    """HYBRID_SHARD in FSDP2's terms: the 2-D mesh (replicate, shard) of two existing groups.
+
+    Row i of the mesh is the i-th shard group (its global ranks in group order), so this
+    rank sits at (its index in ``replicate``, its index in ``shard``).
+    """
+    key = (shard, replicate, device_type)
+    if key not in _HYBRID_MESHES:
+        sizes = (replicate.size(), shard.size())
+        ranks = [None] * (sizes[0] * sizes[1])
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (dist.get_rank(), replicate.rank(), shard.rank()))
+        for rank, row, column in gathered:
+            ranks[row * sizes[1] + column] = rank
+        _HYBRID_MESHES[key] = DeviceMesh.from_group(
+            [replicate, shard],
+            device_type,
+            mesh=torch.tensor(ranks).view(*sizes),
+            mesh_dim_names=("replicate", "shard"),
+        )
+    return _HYBRID_MESHES[key]
 
 
 @contextlib.contextmanager

@@ -31,26 +31,39 @@ from .memory_bound import BaseMemoryBoundTests
 from .misuse import BaseBadInputTests, BaseExecOrderTests
 from .overlap import BaseOverlapTests
 from .parity import BaseDDPParityTests, BaseStateDictTests, BaseSummonFullParamsTests
-from .test_precision import BasePrecisionTests
 from .states import BaseTrainingStateTests
+from .test_init import BaseMetaInitTests
+from .test_memory import BaseReshardAfterForwardTests
+from .test_optim import BaseParamGroupTests
+from .test_precision import BasePrecisionTests
+from .test_sharding import BaseHybridShardingTests, BaseUnevenShardingTests
+from .test_state_dict import BaseFullStateDictTests
+from .test_wrap_isolation import BaseConfigIsolationTests
 
 __all__ = [
     "BaseActivationCheckpointingTests",
     "BaseBadInputTests",
     "BaseCheckpointResumeTests",
     "BaseCollectiveCountTests",
+    "BaseConfigIsolationTests",
     "BaseDDPParityTests",
     "BaseExecOrderTests",
     "BaseForwardVariantsTests",
     "BaseFrozenParameterTests",
+    "BaseFullStateDictTests",
+    "BaseGeneratedModelTests",
     "BaseGradientAccumulationTests",
     "BaseGradientClippingTests",
-    "BaseGeneratedModelTests",
+    "BaseHybridShardingTests",
     "BaseMemoryBoundTests",
+    "BaseMetaInitTests",
     "BaseOverlapTests",
+    "BaseParamGroupTests",
     "BasePrecisionTests",
     "BasePrefetchOrderTests",
+    "BaseReshardAfterForwardTests",
     "BaseStateDictTests",
     "BaseSummonFullParamsTests",
     "BaseTrainingStateTests",
+    "BaseUnevenShardingTests",
 ]

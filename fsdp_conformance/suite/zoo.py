@@ -18,12 +18,14 @@ from torch import nn
 from fsdp_conformance.adapters import Feature
 from fsdp_conformance.models import (
     AlwaysWrapNestedWrappedModule,
+    BufferedModule,
     DeviceInit,
     LoopModule,
     MixtureOfExperts,
     NestedWrappedModule,
     NestedWrappedModuleWithDelay,
     TransformerWithSharedParams,
+    UnevenModule,
 )
 
 # Delays of the delay models (ms): long enough to reorder work, short enough for CI
@@ -64,6 +66,10 @@ def _transformer_without_batchnorm(group: Any, wrap: Any, **kwargs: Any) -> nn.M
     return TransformerWithSharedParams(group, wrap, add_bn=False, **kwargs)
 
 
+def _uneven(group: Any, wrap: Any, **kwargs: Any) -> nn.Module:
+    return UnevenModule(group, wrap, **kwargs)
+
+
 def _mixture_of_experts(group: Any, wrap: Any, **kwargs: Any) -> nn.Module:
     return MixtureOfExperts(group, wrap, **kwargs)
 
@@ -91,6 +97,13 @@ def _loops(**options: Any) -> Builder:
     return build
 
 
+def _buffered(meta: bool) -> Builder:
+    def build(group: Any, wrap: Any, **kwargs: Any) -> nn.Module:
+        return BufferedModule(group, wrap, meta=meta, **kwargs)
+
+    return build
+
+
 MODELS: dict[str, ModelSpec] = {
     spec.name: spec
     for spec in (
@@ -106,6 +119,8 @@ MODELS: dict[str, ModelSpec] = {
             reference="dummy_ddp",
             features=(Feature.COMM_TRACE,),
         ),
+        # the sharding checks' model: uneven and empty shards at world size 3
+        ModelSpec("uneven", _uneven),
         ModelSpec("loops", _loops()),
         ModelSpec("loops_gains", _loops(gains=LOOP_GAINS)),
         ModelSpec(
@@ -115,6 +130,7 @@ MODELS: dict[str, ModelSpec] = {
         ),
         ModelSpec("loops_branch", _loops(branch=True)),
         ModelSpec("loops_buffer", _loops(buffer=True)),
+        ModelSpec("loops_norm", _loops(norm=True)),
         ModelSpec(
             "loops_frozen", _loops(freeze="instance"), features=(Feature.FROZEN_PARAMETERS,)
         ),
@@ -123,13 +139,19 @@ MODELS: dict[str, ModelSpec] = {
             _loops(freeze="mixed"),
             features=(Feature.FROZEN_PARAMETERS_MIXED,),
         ),
+        # the full-state-dict and meta-init checks' model (models/buffered.py): a
+        # non-persistent buffer, uneven shards; "buffered_meta" is built on the meta device
+        ModelSpec("buffered", _buffered(meta=False)),
+        ModelSpec("buffered_meta", _buffered(meta=True), features=(Feature.META_INIT,)),
     )
 }
-# The models of the parity check (transformer_without_batchnorm is for mixed precision)
+# The models of the parity check (transformer_without_batchnorm is for mixed precision,
+# uneven for the sharding checks)
 MODEL_NAMES = tuple(
     name
     for name in MODELS
-    if name != "transformer_without_batchnorm" and not name.startswith("loops")
+    if name not in ("transformer_without_batchnorm", "uneven")
+    and not name.startswith(("loops", "buffered"))
 )
 
 

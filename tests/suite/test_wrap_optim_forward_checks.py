@@ -1,0 +1,121 @@
+"""The optimizer-group, wrap and forward-method checks against the built-in adapters, and each
+check failing on an implementation broken the way it checks (one pytester run per group of
+broken variants, as tests/suite/test_loops_catch_broken.py does); also torch-fsdp2's clipping
+through torch's own ``clip_grad_norm_``, and a torch whose ``clip_grad_norm_`` uses each rank's
+local norm failing ``loops.clipping``."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from fsdp_conformance.suite import BaseGradientClippingTests, BaseParamGroupTests
+
+pytest_plugins = ["pytester"]
+
+
+@pytest.fixture(params=("impl", "torch-fsdp1", "torch-fsdp2"))
+def fsdp_impl(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+class TestParamGroupsBuiltin(BaseParamGroupTests):
+    strategies = ("FULL_SHARD",)
+
+
+class TestFSDP2ClipsThroughTorch(BaseGradientClippingTests):
+    models = ("loops_gains",)
+    strategies = ("FULL_SHARD",)
+    norm_types = (2.0,)
+
+    @pytest.fixture
+    def fsdp_impl(self) -> str:
+        return "torch-fsdp2"
+
+
+BROKEN = textwrap.dedent(
+    """
+    from __future__ import annotations
+
+    import pytest
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    from fsdp_conformance.impl import optim
+    from fsdp_conformance.suite import BaseGradientClippingTests, BaseParamGroupTests
+
+    # impl whose optimizer puts every parameter in one group (the group options are lost)
+    _optimizer = optim.optimizer
+    optim.optimizer = lambda root, cls, options, **defaults: _optimizer(
+        root, cls, lambda name, param: {}, **defaults
+    )
+
+    # a torch whose clip_grad_norm_ over DTensor gradients uses this rank's local norm
+    _clip_grad_norm_ = torch.nn.utils.clip_grad_norm_
+
+
+    def _local_norm_clip(parameters, max_norm, norm_type=2.0, **kwargs):
+        params = [p for p in parameters if p.grad is not None]
+        if not any(isinstance(p.grad, DTensor) for p in params):
+            return _clip_grad_norm_(params, max_norm, norm_type, **kwargs)
+        grads = [p.grad.to_local() for p in params]
+        norm = torch.nn.utils.get_total_norm(grads, norm_type)
+        for grad in grads:
+            grad.mul_(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+        return norm
+
+
+    torch.nn.utils.clip_grad_norm_ = _local_norm_clip
+
+
+    def _impl(name):
+        @pytest.fixture
+        def fsdp_impl(self):
+            return name
+
+        return fsdp_impl
+
+
+    class TestMergedGroups(BaseParamGroupTests):
+        fsdp_impl = _impl("impl")
+        strategies = ("FULL_SHARD",)
+
+
+    class TestLocalNormTorchClip(BaseGradientClippingTests):
+        fsdp_impl = _impl("torch-fsdp2")
+        models = ("loops_gains",)
+        strategies = ("FULL_SHARD",)
+        norm_types = (2.0,)
+    """
+)
+
+# (selected tests, the lines the run must show)
+GROUPS = {
+    "groups-clipping": (
+        [
+            "TestMergedGroups::test_param_groups_match_ddp",
+            "TestLocalNormTorchClip::test_clipping_matches_ddp",
+        ],
+        [
+            (
+                "*AssertionError: adapter 'impl', loops_norm, FULL_SHARD, AdamW "
+                "with groups*losses differ from DDP's*"
+            ),
+            (
+                "*AssertionError: adapter 'torch-fsdp2', loops_gains, FULL_SHARD, norm_type=2.0: "
+                "total norms returned by clip_grad_norm_ differ from DDP*"
+            ),
+        ],
+    ),
+}
+
+
+@pytest.mark.parametrize("group", list(GROUPS))
+def test_each_check_fails_on_its_broken_variant(pytester: pytest.Pytester, group: str) -> None:
+    tests, lines = GROUPS[group]
+    pytester.makepyfile(test_broken_wrap_optim=BROKEN)
+    selected = [f"test_broken_wrap_optim.py::{test}" for test in tests]
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-rf", "-n", "0", *selected)
+    result.assert_outcomes(failed=len(tests))
+    result.stdout.fnmatch_lines(lines, consecutive=False)
