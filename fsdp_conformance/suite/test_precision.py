@@ -8,7 +8,9 @@
   backward is in ``reduce_dtype``; the registered (sharded) parameters and their gradients stay
   float32; the root's buffer is in ``buffer_dtype`` (float32 when not cast) in every forward,
   also after a state dict was taken, and the state dict holds it in float32, the unwrapped
-  module's dtype; training matches float32 DDP within [Note: precision tolerances].
+  module's dtype; the root's output is in ``output_dtype`` where one is given (FSDP2's
+  policy; not applicable where the implementation has none); training matches float32 DDP
+  within [Note: precision tolerances].
 - ``BasePrecisionTests.test_accumulation`` (``precision.dtypes``): the gradient accumulated over
   ``MICRO_BATCHES`` micro-batches (under no_sync, or synchronising each) by one instance
   around the whole model is no further from float32 DDP's than one micro-batch's
@@ -33,8 +35,8 @@ float32 sum of N of them is exact, so the accumulated update equals the one-micr
 bit for bit, and its error against float32 DDP's (one micro-batch: the same gradient) stays
 the same: the error at N may exceed the error at 1 by at most ``GROWTH`` = 1.25x. Measured
 (torch 2.13.0, CPU, bf16): 1.00000x for impl, torch FSDP1 (sync on every micro-batch) and
-torch FSDP2; a bfloat16 running sum rounds N times: 5.6x (no_sync: torch FSDP1 as released,
-FSDP2 / impl made to accumulate in bf16), 3.5x (impl adding reduced gradients in bf16).
+torch FSDP2; a bfloat16 running sum rounds N times: 4.5x (no_sync: torch FSDP1 as released,
+FSDP2 made to accumulate in bf16), 7.1x (impl adding reduced gradients in bf16), on ``loops``.
 """
 
 from __future__ import annotations
@@ -75,10 +77,18 @@ _REDUCTIONS = (
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def _policy(name: str) -> tuple[torch.dtype, torch.dtype]:
-    """(param_dtype, reduce_dtype) of a policy name such as ``"bf16-reduce-fp32"``."""
-    param, _, reduce = name.partition("-reduce-")
-    return _DTYPES[param], _DTYPES[reduce or param]
+def _policy(name: str) -> tuple[torch.dtype, torch.dtype, torch.dtype | None]:
+    """(param_dtype, reduce_dtype, output_dtype) of a policy name such as
+    ``"bf16-reduce-fp32"`` or ``"bf16-output-fp32"`` (reduce_dtype defaults to param_dtype,
+    output_dtype to None)."""
+    param, *pairs = name.split("-")
+    fields = dict(zip(pairs[::2], pairs[1::2], strict=True))
+    output = fields.get("output")
+    return (
+        _DTYPES[param],
+        _DTYPES[fields.get("reduce", param)],
+        None if output is None else _DTYPES[output],
+    )
 
 
 @contextlib.contextmanager
@@ -160,8 +170,13 @@ class BasePrecisionTests:
     """Mixed precision dtypes, accumulation precision and the sharded gradient scaler (see the
     module docstring and [Note: precision tolerances])."""
 
-    # the mixed precision policies of test_dtypes: "<param>[-reduce-<reduce>]"
-    policies: ClassVar[tuple[str, ...]] = ("bf16-reduce-fp32", "bf16", "fp16-reduce-fp32")
+    # the mixed precision policies of test_dtypes: "<param>[-reduce-<dtype>][-output-<dtype>]"
+    policies: ClassVar[tuple[str, ...]] = (
+        "bf16-reduce-fp32",
+        "bf16",
+        "fp16-reduce-fp32",
+        "bf16-output-fp32",
+    )
     # accumulation: (sync mode, policy); under no_sync FSDP2 accumulates in reduce_dtype (its
     # documentation), so reduce_dtype is float32 there
     accumulations: ClassVar[tuple[str, ...]] = ("no_sync:bf16-reduce-fp32", "sync_every:bf16")
@@ -176,12 +191,13 @@ class BasePrecisionTests:
     def test_dtypes(self, fsdp_adapter: Any, dist: Any, policy: str):
         adapter = fsdp_adapter
         with verdict.cell(adapter, "precision.dtypes", LoopCase(MODEL, "FULL_SHARD", policy)):
-            param_dtype, reduce_dtype = _policy(policy)
+            param_dtype, reduce_dtype, output_dtype = _policy(policy)
             casts_buffers = adapter.supports(Feature.MIXED_PRECISION_BUFFER_DTYPE)
             mixed = {
                 "param_dtype": param_dtype,
                 "reduce_dtype": reduce_dtype,
                 "buffer_dtype": param_dtype if casts_buffers else None,
+                "output_dtype": output_dtype,
             }
             config = {"sharding_strategy": "FULL_SHARD", "mixed_precision": mixed}
             root, zoo_model = loops.build(adapter, MODEL, dist, config)
@@ -195,7 +211,13 @@ class BasePrecisionTests:
                 optimizer.zero_grad()
                 inputs = loops.micro_input(zoo_model, dist.device, step)
                 with recording_forward_dtypes(adapter.unwrap(root)) as seen:
-                    loss = zoo_model.get_loss(inputs, root(*inputs))
+                    output = root(*inputs)
+                loss = zoo_model.get_loss(inputs, output)
+                if output_dtype is not None and output.dtype != output_dtype:
+                    failures.append(
+                        f"step {step} forward: the root's output in {output.dtype}, "
+                        f"output_dtype is {output_dtype}"
+                    )
                 with recording_reductions() as reduced:
                     driver.backward(loss)
                 expected_buffer = param_dtype if casts_buffers else torch.float32
@@ -264,7 +286,7 @@ class BasePrecisionTests:
         with verdict.cell(adapter, "precision.dtypes", case):
             if sync == "no_sync":
                 adapter.require(Feature.GRADIENT_ACCUMULATION)
-            param_dtype, reduce_dtype = _policy(policy)
+            param_dtype, reduce_dtype, _ = _policy(policy)
             mixed = {"param_dtype": param_dtype, "reduce_dtype": reduce_dtype}
             config = {"sharding_strategy": "FULL_SHARD", "mixed_precision": mixed}
             # the reference: float32 DDP, one micro-batch (N identical micro-batches with the
