@@ -52,6 +52,7 @@ from torch import nn
 
 from fsdp_conformance._patching import patch_attribute
 from fsdp_conformance.adapters import Feature, clean_param_name
+from fsdp_conformance.vocab import Op
 
 from . import loops, verdict
 from .loops import LoopCase
@@ -68,8 +69,8 @@ GROWTH = 1.25
 ACCUMULATION_LR = 1.0  # one plain SGD step: the parameter change is the gradient
 # torch.distributed's reduction collectives an FSDP reduces gradients with
 _REDUCTIONS = (
-    "all_reduce",
-    "reduce_scatter",
+    Op.ALL_REDUCE.value,
+    Op.REDUCE_SCATTER.value,
     "reduce_scatter_tensor",
     "reduce_scatter_single",
     "_reduce_scatter_base",
