@@ -131,11 +131,6 @@ class BaseHybridShardingTests:
         if "hybrid_strategy" in metafunc.fixturenames:
             metafunc.parametrize("hybrid_strategy", self.strategies)
 
-    # fresh rank processes: torch keeps process-global DeviceMesh state keyed by the mesh's
-    # value, so in a reused rank process a 2 x 2 mesh rebuilt from the next test's new groups
-    # made FSDP2's full_tensor() all-gather over the destroyed groups of the previous one
-    # ("Could not resolve the process group registered under the name 1", torch 2.13.0)
-    @pytest.mark.fsdp_mode("process-fresh")
     @pytest.mark.world_size(4)
     def test_hybrid_matches_ddp(self, fsdp_adapter: Any, dist: Any, hybrid_strategy: str):
         adapter = fsdp_adapter
