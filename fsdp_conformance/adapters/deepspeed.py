@@ -213,13 +213,11 @@ DEEPSPEED_DEVIATIONS: tuple[Deviation, ...] = (
     ),
     _deviation(
         "comm.counts",
-        "DeepSpeed has no root that stays unsharded between forward and backward: with "
-        "stage3_max_reuse_distance=0 it releases every module after its forward and gathers "
-        "every instance again in backward (FULL_SHARD: instances all-gathers in backward, not "
-        "instances - 1), and ZeRO-2 (SHARD_GRAD_OP) never shards parameters, so its forward "
-        "gathers nothing (0, not one per instance); reproduction: "
-        "fsdp_conformance.suite.comm_checks.trace_training(ds, 'nested', dist, "
-        "{'sharding_strategy': 'FULL_SHARD'})[0].render()",
+        "ZeRO-2 (SHARD_GRAD_OP) never shards parameters, so its forward gathers nothing (no "
+        "all-gather for any instance, where every parameter is gathered before use); "
+        "reproduction: fsdp_conformance.suite.comm_checks.trace_training(ds, 'nested', dist, "
+        "{'sharding_strategy': 'SHARD_GRAD_OP'})[0].render()",
+        applies=lambda case: case == "SHARD_GRAD_OP",
         match=r"collective counts differ",
     ),
     _deviation(
@@ -374,6 +372,11 @@ class DeepSpeedAdapter(Adapter):
                 "which bounds prefetch only, so the bound cannot be switched off"
             ),
             Feature.MIXED_PRECISION_BUFFER_DTYPE: "DeepSpeed's bf16 mode does not cast buffers",
+            Feature.META_INIT: (
+                "DeepSpeed's deferred init is deepspeed.zero.Init (parameters partitioned as "
+                "they are built), not a meta-device model materialised after initialize; the "
+                "adapter refuses a module on the meta device"
+            ),
             Feature.USE_ORIG_PARAMS: "a torch FSDP1 flag",
             Feature.HYBRID_SHARD: (
                 "no hybrid sharding: MiCS (mics_shard_size) is removed from DeepSpeed 0.19.8 "
@@ -599,18 +602,38 @@ class DeepSpeedAdapter(Adapter):
         if _is_engine(model):
             model.set_gradient_accumulation_boundary(boundary)
 
-    def state_dict(self, model: nn.Module) -> dict[str, Any]:
+    def state_dict(
+        self, model: nn.Module, *, rank0_only: bool = False, offload_to_cpu: bool = False
+    ) -> dict[str, Any]:
         """The full state dict on every rank, gathered with ``GatheredParameters``."""
         import deepspeed
+
+        if rank0_only or offload_to_cpu:
+            raise UnsupportedFeatureError(
+                self.name,
+                Feature.FULL_STATE_DICT,
+                "not mapped: DeepSpeed's full state dicts (GatheredParameters on every rank, "
+                "zero_to_fp32 from a saved checkpoint) take no rank-0-only or CPU option",
+            )
 
         module = self.unwrap(model)
         with deepspeed.zero.GatheredParameters(list(module.parameters())):
             return {key: value.detach().clone() for key, value in module.state_dict().items()}
 
-    def load_state_dict(self, model: nn.Module, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(
+        self, model: nn.Module, state_dict: dict[str, Any], *, assign: bool = False
+    ) -> None:
         """Load a full state dict into the shards (rank 0's values) and DeepSpeed's master
         weights."""
         import deepspeed
+
+        if assign:
+            raise UnsupportedFeatureError(
+                self.name,
+                Feature.FULL_STATE_DICT,
+                "not mapped: ZeRO-3's parameters are partitioned placeholders the engine owns; "
+                "re-assigning them (assign=True) has no DeepSpeed form",
+            )
 
         module = self.unwrap(model)
         with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=0):

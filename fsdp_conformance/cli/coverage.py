@@ -36,7 +36,6 @@ from fsdp_conformance import checks
 from fsdp_conformance.cli.common import (
     PROG,
     UsageError,
-    _add_common,
     _paragraph,
     check_impl,
     check_output,
@@ -115,8 +114,10 @@ class _ProbeAdapter:
         return self._capabilities.supports(*features)
 
     def unsupported_reason(self, feature: str) -> str | None:
-        return None if self.supports(feature) else self._capabilities.adapter.unsupported_reason(
-            feature
+        return (
+            None
+            if self.supports(feature)
+            else self._capabilities.adapter.unsupported_reason(feature)
         )
 
     def features_for(self, **config: Any) -> frozenset[str]:
@@ -282,22 +283,22 @@ def collect(
     configs.dimensions_for_impl = lambda name: configs.supported_dimensions(capabilities)
     try:
         with _quiet():
-            code = pytest.main(
-                [
-                    "--collect-only", "-qq", "-p", "no:cacheprovider", "-p", "no:xdist",
-                    "-o", "addopts=", "--pyargs", "fsdp_conformance.suite",
-                    f"--fsdp-impl={impl}", f"--fsdp-world-size={world_size}",
-                    f"--fsdp-coverage={coverage}",
-                ],  # fmt: skip
-                plugins=[collector],
-            )
+            arguments = [
+                "--collect-only", "-qq", "-p", "no:cacheprovider", "-p", "no:xdist",
+                "-o", "addopts=", "--pyargs", "fsdp_conformance.suite",
+                f"--fsdp-impl={impl}", f"--fsdp-world-size={world_size}",
+                f"--fsdp-coverage={coverage}",
+            ]  # fmt: skip
+            code = pytest.main(arguments, plugins=[collector])
     finally:
         configs.dimensions_for_impl = original
     if collector.errors or code not in (0, 5):
         raise RuntimeError(
             f"the suite did not collect (pytest exit {int(code)}): "
-            + ("; ".join(collector.errors) or "see pytest --collect-only --pyargs "
-               "fsdp_conformance.suite")
+            + (
+                "; ".join(collector.errors)
+                or "see pytest --collect-only --pyargs fsdp_conformance.suite"
+            )
         )
     return collector.cells
 
@@ -394,8 +395,10 @@ def _family_counts(gains: dict[str, int]) -> str:
 def render_text(data: dict[str, Any]) -> str:
     """The report as the terminal shows it."""
     lines = [
-        f"adapter {data['adapter']!r} ({data['impl']}), coverage {data['coverage']}: "
-        f"{data['cells']} cells collected, {data['run']} would run, {data['skip']} would skip"
+        (
+            f"adapter {data['adapter']!r} ({data['impl']}), coverage {data['coverage']}: "
+            f"{data['cells']} cells collected, {data['run']} would run, {data['skip']} would skip"
+        )
     ]
     if data["support_problem"]:
         lines.append(f"every cell skips: {data['support_problem']}")
@@ -410,7 +413,8 @@ def render_text(data: dict[str, Any]) -> str:
     if data["unlocks"]:
         for entry in data["unlocks"]:
             lines.append(
-                f"implement `{entry['feature']}` next: +{entry['cells']} cells "
+                f"implement `{entry['feature']}` next: +{entry['cells']} "
+                f"cell{'s' if entry['cells'] != 1 else ''} "
                 f"({_family_counts(entry['checks'])})"
             )
     else:
@@ -424,6 +428,8 @@ def render_text(data: dict[str, Any]) -> str:
 
 def _coverage_command(args: argparse.Namespace) -> int:
     check_impl(args.impl)
+    if args.world_size < 1:
+        raise UsageError(f"--world-size {args.world_size}: must be >= 1")
     if args.json not in (None, "-"):
         check_output(args.json, "--json")
     try:
@@ -457,7 +463,20 @@ def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
         "  cd examples && fsdp-conformance coverage --impl my_fsdp_adapter:ADAPTER --json -",
         formatter_class=formatter,
     )
-    _add_common(parser, "ranks for cells that do not fix their own world size (default 2)")
+    parser.add_argument(
+        "--impl",
+        default="impl",
+        metavar="NAME",
+        help="FSDP adapter: impl (default), torch-fsdp1, torch-fsdp2, fairscale, deepspeed or "
+        "pkg.module:ATTR (the current directory and PYTHONPATH are searched)",
+    )
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        default=2,
+        metavar="N",
+        help="ranks for cells that do not fix their own world size, as `run` (default 2)",
+    )
     parser.add_argument(
         "--coverage",
         choices=COVERAGES,

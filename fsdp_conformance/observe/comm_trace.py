@@ -45,6 +45,7 @@ from torch import nn
 from fsdp_conformance import vocab
 from fsdp_conformance._patching import patch_attribute
 from fsdp_conformance.adapters.base import clean_param_name, scoped_observer
+from fsdp_conformance.adapters.features import Feature
 from fsdp_conformance.vocab import Op
 
 # The ops every adapter with `comm_trace` reports (others, e.g. impl's `Op.PREFETCH`, are dropped)
@@ -202,6 +203,8 @@ class CommTrace:
             self._phase = previous
 
     def _state(self, instance: nn.Module) -> str:
+        if not self.adapter.supports(Feature.TRAINING_STATES):
+            return "-"  # the implementation has no training states
         try:
             return str(self.adapter.training_state(instance).value)
         except ValueError:  # an instance without parameters keeps no state (torch FSDP1)

@@ -9,19 +9,25 @@ from __future__ import annotations
 import json
 import textwrap
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
 from fsdp_conformance.cli import coverage, main
 
-# A small adapter: the reference FSDP claiming only FULL_SHARD, SHARD_GRAD_OP and BACKWARD_PRE
+# A small adapter: the reference FSDP claiming the wrap config's values except an explicit
+# backward_prefetch=None (so one feature changes the parity configs: collected again), and none
+# of the operations or loops
 FAKE_ADAPTER = textwrap.dedent(
     """
     from fsdp_conformance.adapters import ALL_FEATURES, Feature
     from fsdp_conformance.adapters.impl import ImplAdapter
 
-    CLAIMED = {Feature.FULL_SHARD, Feature.SHARD_GRAD_OP, Feature.BACKWARD_PREFETCH_PRE}
+    CLAIMED = {
+        Feature.FULL_SHARD, Feature.SHARD_GRAD_OP, Feature.NO_SHARD,
+        Feature.BACKWARD_PREFETCH_PRE, Feature.BACKWARD_PREFETCH_POST, Feature.FORWARD_PREFETCH,
+        Feature.LIMIT_ALL_GATHERS, Feature.LIMIT_ALL_GATHERS_OFF, Feature.CPU_OFFLOAD,
+    }
 
 
     class SmallAdapter(ImplAdapter):
@@ -40,7 +46,7 @@ IMPL = "small_coverage_adapter:ADAPTER"
 class _NoRanks:
     """Fails a test that starts a rank: coverage collects only."""
 
-    started: list[str] = []
+    started: ClassVar[list[str]] = []
 
     @classmethod
     def install(cls, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -86,7 +92,7 @@ def test_counts_match_an_independent_collection(small: dict[str, Any]) -> None:
 
     adapter = get_adapter(IMPL)
     dimensions = configs.supported_dimensions(adapter)
-    assert dimensions["backward_prefetch"] == ("BACKWARD_PRE",)
+    assert dimensions["backward_prefetch"] == ("BACKWARD_PRE", "BACKWARD_POST")
     cases = configs.parity_cases(
         BaseDDPParityTests.models,
         "pairwise",
