@@ -11,8 +11,9 @@ before it first makes the adapter act: each body is called once in this process 
 wrap config passed to ``features_for``, ``wrapper`` (whose callable leaves nested modules
 unwrapped) and ``wrap`` (its features and refused values count), and stops the body at
 ``wrap`` or any other call that acts (``observe``, ``optimizer`` ...). No rank starts, nothing
-is wrapped. A body that cannot be probed (a fixture only pytest can make, an error before its
-first action) keeps its check's features and its case's ``wrap_config``.
+is wrapped. A body that cannot be probed (a fixture only pytest can make, an error before it
+acts, e.g. a process group it creates) keeps its check's features, its case's ``wrap_config``
+and what it asked for until then.
 
 A feature *unlocks* the cells that would run if the adapter supported it too (the suite
 collected again where it changes the configs); its gain is that count minus the cells that
@@ -163,12 +164,12 @@ class _ProbeWrap:
 
 
 @contextlib.contextmanager
-def _probe_cell(found: dict[str, Any]):
-    """Replaces ``suite.verdict.cell`` while probing: records the check and its case."""
+def _probe_cell():
+    """Replaces ``suite.verdict.cell`` while probing: the check's registered features are
+    needs; nothing is recorded as a verdict."""
 
     @contextlib.contextmanager
     def cell(adapter: Any, check_id: str, case: Any = None):
-        found["check"], found["case"] = check_id, case
         adapter.check(*checks.get_check(check_id).features)
         yield
 
@@ -202,6 +203,7 @@ def _static_needs(item: Any, check: checks.Check | None, adapter: Any) -> list[s
 
 def _probe(item: Any, capabilities: _Granted, world_size: int) -> Cell:
     """The cell of pytest item `item` (see [Note: coverage probe])."""
+    import pytest
     import torch
 
     from fsdp_conformance.adapters import UnsupportedFeatureError
@@ -238,14 +240,11 @@ def _probe(item: Any, capabilities: _Granted, world_size: int) -> Cell:
             kwargs[name] = dist
         elif name in params:
             kwargs[name] = params[name]
-        else:  # a fixture only pytest can make: the static needs stand
+        else:  # a fixture only pytest can make: the registry's and the case's needs stand
             cell.probed = False
             return cell
-    found: dict[str, Any] = {}
-    import pytest
-
     try:
-        with _probe_cell(found), _quiet():
+        with _probe_cell(), _quiet():
             function(**kwargs)
     except _Reached:
         pass
