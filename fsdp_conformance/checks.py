@@ -306,6 +306,21 @@ _CHECKS: tuple[Check, ...] = (
     ),
     #
     # ---------------------------------------------------------------- sharding.* (sharding.uneven, sharding.hybrid), wrap.shared_across_instances
+    Check(
+        "sharding.uneven",
+        "at world size 3, parameters not divisible by 3, an empty shard and a 1-element "
+        "parameter train as DDP (losses, gradient shards, full parameters, full state dict)",
+        ("BaseUnevenShardingTests.test_uneven_shards_match_ddp",),
+        case="suite.test_sharding.ShardingCase",
+    ),
+    Check(
+        "sharding.hybrid",
+        "hybrid sharding on a 2 x 2 mesh trains as DDP at world size 4; gradients "
+        "reduce-scattered within the shard group, all-reduced across replicas",
+        ("BaseHybridShardingTests.test_hybrid_matches_ddp",),
+        features=("hybrid_shard", "comm_trace"),
+        case="suite.test_sharding.ShardingCase",
+    ),
     #
     # ---------------------------------------------------------------- optim.param_groups, wrap.ignored, forward.other_method
     Check(

@@ -18,6 +18,7 @@ from .moe import MixtureOfExperts
 from .nested import ALWAYS_WRAP, AlwaysWrapNestedWrappedModule, NestedWrappedModule
 from .overlap import Layer
 from .transformer import TransformerWithSharedParams
+from .uneven import Gain, UnevenModule
 
 __all__ = [
     "ALWAYS_WRAP",
@@ -30,6 +31,7 @@ __all__ = [
     "DelayHooks",
     "DeviceInit",
     "DummyDDP",
+    "Gain",
     "Layer",
     "LoopModule",
     "MixtureOfExperts",
@@ -38,6 +40,7 @@ __all__ = [
     "NestedWrappedModuleWithDelay",
     "SeededLinear",
     "TransformerWithSharedParams",
+    "UnevenModule",
     "Wrap",
     "cycles_per_ms",
     "move_after_wrap",

@@ -718,6 +718,8 @@ class Adapter:
 def _group_size(process_group: Any) -> int:
     import torch.distributed as dist
 
+    if isinstance(process_group, tuple):  # hybrid (shard, replicate): the ranks of the mesh
+        return _group_size(process_group[0]) * _group_size(process_group[1])
     return dist.get_world_size(process_group) if dist.is_initialized() else 1
 
 

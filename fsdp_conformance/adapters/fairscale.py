@@ -49,7 +49,12 @@ from torch import nn
 
 from fsdp_conformance.vocab import Op
 
-from .base import Adapter, ObserverRegistry, require_before_first_forward
+from .base import (
+    Adapter,
+    ObserverRegistry,
+    UnsupportedFeatureError,
+    require_before_first_forward,
+)
 from .deviations import Deviation
 from .features import ALL_FEATURES, Feature, auto_wrap_targets
 from .states import InstanceState, RootState
@@ -332,6 +337,10 @@ class FairscaleAdapter(Adapter):
             "diverged; at 1 -> 2 ranks AttributeError '_full_param_padded'); whether fairscale or "
             "the mapping is at fault is not settled"
         )
+        unsupported[Feature.META_INIT] = (
+            "fairscale 0.4.13's FullyShardedDataParallel has no meta-device path (no "
+            "param_init_fn; it flattens and shards the parameters it is given; read in its source)"
+        )
         if not _cuda_hosted():
             unsupported[Feature.CLIP_GRAD_NORM] = (
                 "fairscale 0.4.13 FSDP.clip_grad_norm_ is CUDA-only: on a CPU-only host it fails "
@@ -342,6 +351,32 @@ class FairscaleAdapter(Adapter):
                 "fails with 'Cannot access accelerator device when none is available'"
             )
         return unsupported
+
+    # ------------------------------------------------------------------ full state dict
+    def state_dict(
+        self, model: nn.Module, *, rank0_only: bool = False, offload_to_cpu: bool = False
+    ) -> dict[str, Any]:
+        """fairscale's ``state_dict()``: full, on every rank, by default."""
+        if rank0_only or offload_to_cpu:
+            raise UnsupportedFeatureError(
+                self.name,
+                Feature.FULL_STATE_DICT,
+                "fairscale 0.4.13 fixes rank-0-only and the state dict's device per instance at "
+                "construction (state_dict_on_rank_0_only, state_dict_device), not per "
+                "state_dict() call; not mapped",
+            )
+        return model.state_dict()
+
+    def load_state_dict(
+        self, model: nn.Module, state_dict: dict[str, Any], *, assign: bool = False
+    ) -> None:
+        if assign:
+            raise UnsupportedFeatureError(
+                self.name,
+                Feature.FULL_STATE_DICT,
+                "fairscale 0.4.13's load_state_dict(state_dict, strict) takes no assign",
+            )
+        model.load_state_dict(state_dict)
 
     def wrap(self, module: nn.Module, *, process_group: Any = None, **config: Any) -> nn.Module:
         _skip_without_fairscale()

@@ -290,9 +290,15 @@ class TorchFSDP1Adapter(Adapter):
         return support_problem(self.name, RANGES["torch-fsdp1"])
 
     def unsupported(self) -> dict[str, str]:
+        from . import _dcp
+
+        unsupported = {}
+        if _dcp.fsdp1_group_dropped():
+            unsupported[Feature.CHECKPOINT_RESUME] = _dcp.FSDP1_SUBGROUP_REASON
         if accelerator_available():
-            return {}
+            return unsupported
         return {
+            **unsupported,
             Feature.CPU_OFFLOAD: (
                 "torch FSDP1 CPU offload needs an accelerator: on a CPU-only host forward fails "
                 "with 'Cannot access accelerator device when none is available' (a CUDA build: "
@@ -441,23 +447,14 @@ class TorchFSDP1Adapter(Adapter):
         written with torch.distributed.checkpoint (``_dcp.py``)."""
         from . import _dcp
 
-        self._require_dcp_group(model)
+        self.check(Feature.CHECKPOINT_RESUME)
         _dcp.save(model, optimizer, directory, model.process_group)
 
     def load_checkpoint(self, model: nn.Module, optimizer: Any, directory: str) -> None:
         from . import _dcp
 
-        self._require_dcp_group(model)
+        self.check(Feature.CHECKPOINT_RESUME)
         _dcp.load(model, optimizer, directory, model.process_group)
-
-    def _require_dcp_group(self, model: nn.Module) -> None:
-        """Not applicable where this torch's DCP drops FSDP1's subgroup ([Note: DCP on a
-        subgroup with FSDP1] in _dcp.py)."""
-        from . import _dcp
-
-        problem = _dcp.fsdp1_subgroup_problem(model.process_group)
-        if problem is not None:
-            raise UnsupportedFeatureError(self.name, Feature.CHECKPOINT_RESUME, problem)
 
 
 def _fsdp1_policy(policy: Any):

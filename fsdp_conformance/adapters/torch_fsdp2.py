@@ -339,18 +339,32 @@ class TorchFSDP2Adapter(Adapter):
         return torch.amp.GradScaler(device, **options)
 
     def on_test_end(self) -> None:
-        _HYBRID_MESHES.clear()  # their groups are destroyed after the test
+        _HYBRID_MESHES.clear()  # the groups of these meshes are destroyed after the test
 
     # ------------------------------------------------------------------ sharding
     def grad_shards(self, model: nn.Module) -> dict[str, tuple[int, torch.Tensor]]:
-        """Every DTensor gradient as its ``full_tensor()`` (collective), flattened from 0."""
-        from torch.distributed.tensor import DTensor
+        """Each DTensor gradient's local shard (``to_local()``) at its offset: FSDP2 shards dim
+        0 in ``torch.chunk``'s rows (ceil(rows / n) per mesh coordinate, the last ones short
+        or empty), replicated over an HSDP mesh's other dimension; no collective."""
+        from torch.distributed.tensor import DTensor, Replicate, Shard
 
-        return {
-            name: (0, param.grad.full_tensor().detach().reshape(-1))
-            for name, param in model.named_parameters()
-            if isinstance(param.grad, DTensor)
-        }
+        pieces = {}
+        for name, param in model.named_parameters():
+            grad = param.grad
+            if not isinstance(grad, DTensor) or grad.ndim == 0:
+                continue
+            start_row = 0
+            coordinate = grad.device_mesh.get_coordinate()
+            for mesh_dim, placement in enumerate(grad.placements):
+                if isinstance(placement, Shard) and placement.dim == 0:
+                    rows_per_rank = -(-grad.shape[0] // grad.device_mesh.size(mesh_dim))
+                    start_row = coordinate[mesh_dim] * rows_per_rank
+                elif not isinstance(placement, Replicate):
+                    return None  # a layout this reading does not know: parity per step only
+            local = grad.to_local().detach().reshape(-1)
+            if local.numel():
+                pieces[name] = (start_row * (grad.numel() // grad.shape[0]), local)
+        return pieces
 
     # ------------------------------------------------------------------ training loops (issue 21)
     @contextlib.contextmanager

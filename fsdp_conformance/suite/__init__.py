@@ -36,6 +36,7 @@ from .test_init import BaseMetaInitTests
 from .test_memory import BaseReshardAfterForwardTests
 from .test_optim import BaseParamGroupTests
 from .test_precision import BasePrecisionTests
+from .test_sharding import BaseHybridShardingTests, BaseUnevenShardingTests
 from .test_state_dict import BaseFullStateDictTests
 from .test_wrap_isolation import BaseConfigIsolationTests
 
@@ -53,6 +54,7 @@ __all__ = [
     "BaseGeneratedModelTests",
     "BaseGradientAccumulationTests",
     "BaseGradientClippingTests",
+    "BaseHybridShardingTests",
     "BaseMemoryBoundTests",
     "BaseMetaInitTests",
     "BaseOverlapTests",
@@ -63,4 +65,5 @@ __all__ = [
     "BaseStateDictTests",
     "BaseSummonFullParamsTests",
     "BaseTrainingStateTests",
+    "BaseUnevenShardingTests",
 ]

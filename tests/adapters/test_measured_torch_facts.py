@@ -205,28 +205,24 @@ def test_torch_fsdp1_load_state_dict_assign_loads_nothing(dist):
             model.load_state_dict(wanted, assign=assign)
         _step(model)  # the first forward / backward
         with FSDP.summon_full_params(model):
-            return {name: bool((p == wanted[name]).all()) for name, p in model.module.named_parameters()}
+            params = model.module.named_parameters()
+            return {name: bool((p == wanted[name]).all()) for name, p in params}
 
     assert loaded(assign=False) == {"weight": True, "bias": True}
     assert loaded(assign=True) == {"weight": False, "bias": False}
 
 
-def test_fsdp1_dcp_subgroup_problem_names_the_releases_before_2_13():
-    """[Note: DCP on a subgroup with FSDP1] (adapters/_dcp.py): torch-fsdp1 cells that
-    checkpoint on a subgroup are not applicable before torch 2.13 (measured: 2.8.0 hangs),
-    never on the world group, never from 2.13 on."""
-    from unittest import mock
+def test_fsdp1_checkpoints_only_where_dcp_passes_its_group():
+    """[Note: DCP on a subgroup with FSDP1] (adapters/_dcp.py): torch-fsdp1 declares
+    checkpoint_resume unsupported before torch 2.13 (measured: 2.8.0 hangs on a subgroup) and
+    supported from 2.13 on (this torch's cells run)."""
+    from fsdp_conformance.adapters import Feature, _dcp, get_adapter
 
-    from fsdp_conformance.adapters import _dcp
-
-    subgroup, world = mock.Mock(), mock.Mock()
-    subgroup.size.return_value, world.size.return_value = 1, 2
-    with mock.patch.object(_dcp.dist, "get_world_size", return_value=2):
-        assert "measured on torch 2.8.0" in _dcp.fsdp1_subgroup_problem(subgroup, "2.8.0")
-        assert _dcp.fsdp1_subgroup_problem(subgroup, "2.12.1") is not None
-        for version in ("2.13.0", "2.14.1", "2.15.0"):
-            assert _dcp.fsdp1_subgroup_problem(subgroup, version) is None
-        assert _dcp.fsdp1_subgroup_problem(world, "2.8.0") is None
+    assert _dcp.fsdp1_group_dropped("2.8.0") and _dcp.fsdp1_group_dropped("2.12.1")
+    for version in ("2.13.0", "2.14.1", "2.15.0"):
+        assert not _dcp.fsdp1_group_dropped(version)
+    reason = get_adapter("torch-fsdp1").unsupported_reason(Feature.CHECKPOINT_RESUME)
+    assert (reason == _dcp.FSDP1_SUBGROUP_REASON) is _dcp.fsdp1_group_dropped(), reason
 
 
 @pytest.mark.world_size(2)
@@ -239,9 +235,8 @@ def test_this_torch_dcp_gives_fsdp1_its_subgroup(dist):
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     from fsdp_conformance.adapters import _dcp
-    from fsdp_conformance.adapters._support import release
 
-    if release(torch.__version__) < _dcp.FSDP1_GROUP_PASSED_FROM:
+    if _dcp.fsdp1_group_dropped():
         pytest.skip("this torch drops FSDP1's group in DCP (it would hang): " + torch.__version__)
     solo = tdist.new_group([0])
     if dist.rank != 0:
