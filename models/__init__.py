@@ -16,6 +16,7 @@ from .loops import CheckpointedModule, CheckpointingWrap, LoopModule
 from .moe import MixtureOfExperts
 from .nested import ALWAYS_WRAP, AlwaysWrapNestedWrappedModule, NestedWrappedModule
 from .overlap import Layer
+from .tied import TiedInstances
 from .transformer import TransformerWithSharedParams
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "ModuleWithDelay",
     "NestedWrappedModule",
     "NestedWrappedModuleWithDelay",
+    "TiedInstances",
     "TransformerWithSharedParams",
     "Wrap",
     "cycles_per_ms",

@@ -154,6 +154,18 @@ FSDP1_DEVIATIONS = (
         match=r"does not name the problem .*got AssertionError: Expects tensor to be unsharded",
         measured_on=_MEASURED_ON,
     ),
+    Deviation(
+        "wrap.shared_across_instances",
+        "torch FSDP1 accepts a parameter tied across two instances wrapped apart and silently "
+        "unties it: each instance flattens its own copy of the shared parameter, and each copy "
+        "is trained with its own module's part of the gradient, so training diverges from DDP. "
+        "Reproduction (2 ranks, device_id=cpu): head.weight = embed.weight; FSDP(embed), "
+        "FSDP(head), FSDP(root): the flat parameters hold 96 + 96 + 12 elements (the (12, 8) "
+        "weight twice); after one SGD step embed's and head's weights differ under "
+        "summon_full_params (tests/adapters/test_measured_torch_facts.py)",
+        match=r"the wrap was accepted, so training must match DDP: losses differ from DDP's",
+        measured_on="torch 2.13.0",
+    ),
     # issue 20 (fsdp-conformance fuzz, docs/fuzz.md)
     Deviation(
         "fuzz.generated",

@@ -33,6 +33,7 @@ from .overlap import BaseOverlapTests
 from .parity import BaseDDPParityTests, BaseStateDictTests, BaseSummonFullParamsTests
 from .states import BaseTrainingStateTests
 from .test_optim import BaseParamGroupTests
+from .test_wrap import BaseSharedParamsTests
 
 __all__ = [
     "BaseActivationCheckpointingTests",
@@ -50,6 +51,7 @@ __all__ = [
     "BaseOverlapTests",
     "BaseParamGroupTests",
     "BasePrefetchOrderTests",
+    "BaseSharedParamsTests",
     "BaseStateDictTests",
     "BaseSummonFullParamsTests",
     "BaseTrainingStateTests",

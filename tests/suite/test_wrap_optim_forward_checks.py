@@ -10,7 +10,11 @@ import textwrap
 
 import pytest
 
-from fsdp_conformance.suite import BaseGradientClippingTests, BaseParamGroupTests
+from fsdp_conformance.suite import (
+    BaseGradientClippingTests,
+    BaseParamGroupTests,
+    BaseSharedParamsTests,
+)
 
 pytest_plugins = ["pytester"]
 
@@ -21,6 +25,10 @@ def fsdp_impl(request: pytest.FixtureRequest) -> str:
 
 
 class TestParamGroupsBuiltin(BaseParamGroupTests):
+    strategies = ("FULL_SHARD",)
+
+
+class TestSharedParamsBuiltin(BaseSharedParamsTests):
     strategies = ("FULL_SHARD",)
 
 
@@ -42,14 +50,32 @@ BROKEN = textwrap.dedent(
     import torch
     from torch.distributed.tensor import DTensor
 
-    from fsdp_conformance.impl import optim
-    from fsdp_conformance.suite import BaseGradientClippingTests, BaseParamGroupTests
+    from fsdp_conformance.impl import fully_sharded, optim
+    from fsdp_conformance.suite import (
+        BaseGradientClippingTests,
+        BaseParamGroupTests,
+        BaseSharedParamsTests,
+    )
 
     # impl whose optimizer puts every parameter in one group (the group options are lost)
     _optimizer = optim.optimizer
     optim.optimizer = lambda root, cls, options, **defaults: _optimizer(
         root, cls, lambda name, param: {}, **defaults
     )
+
+    # impl that gives a second instance its own copy of a parameter another one flattened
+    _collect_params = fully_sharded._collect_params
+
+
+    def _untying_collect_params(module, ignored):
+        for submodule in module.modules():
+            for name, param in list(submodule._parameters.items()):
+                if getattr(param, "_fsdp_flattened", False):
+                    submodule._parameters[name] = torch.nn.Parameter(param.detach().clone())
+        return _collect_params(module, ignored)
+
+
+    fully_sharded._collect_params = _untying_collect_params
 
     # a torch whose clip_grad_norm_ over DTensor gradients uses this rank's local norm
     _clip_grad_norm_ = torch.nn.utils.clip_grad_norm_
@@ -82,6 +108,11 @@ BROKEN = textwrap.dedent(
         strategies = ("FULL_SHARD",)
 
 
+    class TestUntiedShared(BaseSharedParamsTests):
+        fsdp_impl = _impl("impl")
+        strategies = ("FULL_SHARD",)
+
+
     class TestLocalNormTorchClip(BaseGradientClippingTests):
         fsdp_impl = _impl("torch-fsdp2")
         models = ("loops_gains",)
@@ -96,6 +127,7 @@ GROUPS = {
         [
             "TestMergedGroups::test_param_groups_match_ddp",
             "TestLocalNormTorchClip::test_clipping_matches_ddp",
+            "TestUntiedShared::test_shared_parameter_across_instances",
         ],
         [
             (
@@ -105,6 +137,11 @@ GROUPS = {
             (
                 "*AssertionError: adapter 'torch-fsdp2', loops_gains, FULL_SHARD, norm_type=2.0: "
                 "total norms returned by clip_grad_norm_ differ from DDP*"
+            ),
+            (
+                "*AssertionError: adapter 'impl', tied_instances (embed.weight is head.weight, the "
+                "two wrapped apart), FULL_SHARD: the wrap was accepted, so training must match "
+                "DDP: losses differ from DDP's*"
             ),
         ],
     ),
