@@ -239,6 +239,17 @@ FAIRSCALE_DEVIATIONS: tuple[Deviation, ...] = (
         match=r"FSDP .* != DDP |differs from DDP's",
         measured_on="fairscale 0.4.13, torch 2.13.0",
     ),
+    Deviation(
+        "wrap.shared_across_instances",
+        "fairscale 0.4.13 FSDP accepts a parameter tied across two instances wrapped apart and "
+        "silently unties it: each instance flattens its own copy, trained with its own module's "
+        "part of the gradient, so training diverges from DDP. Reproduction: (2 ranks) "
+        "tied_instances (head.weight = embed.weight, embed and head wrapped apart), one SGD "
+        "step: full parameters embed.weight and head.weight differ "
+        "(tests/adapters/test_fairscale.py)",
+        match=r"the wrap was accepted, so training must match DDP: losses differ from DDP's",
+        measured_on="fairscale 0.4.13, torch 2.13.0",
+    ),
 )
 
 
