@@ -280,6 +280,13 @@ _CHECKS: tuple[Check, ...] = (
         features=("param_groups",),
         case="suite.loops.LoopCase",
     ),
+    Check(
+        "forward.other_method",
+        "a registered method other than forward, and a nested instance's forward called alone: "
+        "parameters unsharded while used, legal states, resharded after, matches DDP",
+        ("BaseForwardMethodTests.test_other_forward_method",),
+        case="suite.loops.LoopCase",
+    ),
     #
     # ---------------------------------------------------------------- memory.reshard_after_forward, wrap.configs_isolated
     #

@@ -346,6 +346,13 @@ class TorchFSDP2Adapter(Adapter):
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
+    def register_forward_method(self, instance: nn.Module, name: str) -> None:
+        """``torch.distributed.fsdp.register_fsdp_forward_method(instance, name)``."""
+        self.check(Feature.FORWARD_METHOD)
+        from torch.distributed.fsdp import register_fsdp_forward_method
+
+        register_fsdp_forward_method(instance, name)
+
     def save_checkpoint(self, model: nn.Module, optimizer: Any, directory: str) -> None:
         """``torch.distributed.checkpoint.state_dict`` (DTensor state dicts) + ``dcp.save``."""
         self.check(Feature.CHECKPOINT_RESUME)

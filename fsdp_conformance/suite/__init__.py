@@ -32,6 +32,7 @@ from .misuse import BaseBadInputTests, BaseExecOrderTests
 from .overlap import BaseOverlapTests
 from .parity import BaseDDPParityTests, BaseStateDictTests, BaseSummonFullParamsTests
 from .states import BaseTrainingStateTests
+from .test_forward import BaseForwardMethodTests
 from .test_optim import BaseParamGroupTests
 from .test_wrap import BaseSharedParamsTests
 
@@ -43,6 +44,7 @@ __all__ = [
     "BaseDDPParityTests",
     "BaseExecOrderTests",
     "BaseForwardVariantsTests",
+    "BaseForwardMethodTests",
     "BaseFrozenParameterTests",
     "BaseGradientAccumulationTests",
     "BaseGradientClippingTests",

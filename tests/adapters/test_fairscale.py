@@ -214,12 +214,13 @@ def test_deviation_reproductions_reproduce(tmp_path):
     # suite's loop checks run (fsdp_conformance.suite.test_loops, their declared match)
     deviations = get_adapter("fairscale").known_deviations
     # (and the generated-model deviations: test_generated_model_deviations_reproduce below; the
-    # tied parameter's: test_shared_parameter_across_instances_is_untied)
+    # tied parameter's and the nested instance's: the two tests at the end)
     loops = [
         deviation
         for deviation in deviations
         if deviation.check.startswith("loops.")
-        or deviation.check in ("fuzz.generated", "wrap.shared_across_instances")
+        or deviation.check
+        in ("fuzz.generated", "wrap.shared_across_instances", "forward.other_method")
     ]
     assert all("Reproduction:" in d.reason and d.match for d in loops), loops
     declared = {deviation.check for deviation in deviations if deviation not in loops}
@@ -330,3 +331,16 @@ def test_shared_parameter_across_instances_is_untied(dist):
     optimizer.step()
     params = adapter.full_params(root)
     assert not torch.equal(params["embed.weight"], params["head.weight"])
+
+
+@pytest.mark.world_size(2)
+def test_nested_instance_called_alone_stays_in_backward_post(dist):
+    """The declared forward.other_method deviation (a nested instance called alone)."""
+    from fsdp_conformance.suite.loops import build
+    from fsdp_conformance.training_states import InstanceState
+
+    adapter = get_adapter("fairscale")
+    root, zoo_model = build(adapter, "loops", dist, {"sharding_strategy": "FULL_SHARD"})
+    root(zoo_model.get_input(dist.device)[0]).sum().backward()
+    zoo_model.head(torch.rand(4, 16)).sum().backward()
+    assert adapter.training_state(zoo_model.head) == InstanceState.BACKWARD_POST

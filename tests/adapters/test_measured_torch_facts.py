@@ -255,3 +255,18 @@ def test_torch_fsdp1_unties_a_parameter_shared_across_instances(dist):
     optimizer.step()
     with FSDP.summon_full_params(root):
         assert not torch.equal(model.embed.module.weight, model.head.module.weight)
+
+
+@pytest.mark.world_size(2)
+def test_torch_fsdp1_nested_instance_called_alone_stays_in_backward_post(dist):
+    """torch-fsdp1's forward.other_method deviation (the nested instance called alone)."""
+    from fsdp_conformance.adapters import get_adapter
+    from fsdp_conformance.suite.loops import build
+    from fsdp_conformance.training_states import InstanceState
+
+    adapter = get_adapter("torch-fsdp1")
+    root, zoo_model = build(adapter, "loops", dist, {"sharding_strategy": "FULL_SHARD"})
+    x = zoo_model.get_input(dist.device)[0]
+    root(x).sum().backward()
+    zoo_model.head(torch.rand(4, 16)).sum().backward()
+    assert adapter.training_state(zoo_model.head) == InstanceState.BACKWARD_POST

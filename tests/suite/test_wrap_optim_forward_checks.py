@@ -11,6 +11,7 @@ import textwrap
 import pytest
 
 from fsdp_conformance.suite import (
+    BaseForwardMethodTests,
     BaseGradientClippingTests,
     BaseParamGroupTests,
     BaseSharedParamsTests,
@@ -32,6 +33,10 @@ class TestSharedParamsBuiltin(BaseSharedParamsTests):
     strategies = ("FULL_SHARD",)
 
 
+class TestForwardMethodBuiltin(BaseForwardMethodTests):
+    strategies = ("FULL_SHARD",)
+
+
 class TestFSDP2ClipsThroughTorch(BaseGradientClippingTests):
     models = ("loops_gains",)
     strategies = ("FULL_SHARD",)
@@ -50,8 +55,10 @@ BROKEN = textwrap.dedent(
     import torch
     from torch.distributed.tensor import DTensor
 
-    from fsdp_conformance.impl import fully_sharded, optim
+    from fsdp_conformance.adapters.impl import ImplAdapter
+    from fsdp_conformance.impl import forward, fully_sharded, optim, runtime
     from fsdp_conformance.suite import (
+        BaseForwardMethodTests,
         BaseGradientClippingTests,
         BaseParamGroupTests,
         BaseSharedParamsTests,
@@ -76,6 +83,46 @@ BROKEN = textwrap.dedent(
 
 
     fully_sharded._collect_params = _untying_collect_params
+
+    # impl whose register_forward_method registers nothing (the method runs with its
+    # instance's parameters sharded), and impl that leaves a registered method's instance
+    # unsharded after the step
+    class MethodUnregistered(ImplAdapter):
+        name = "method-unregistered"
+
+        def _wrap(self, module, process_group, config):
+            wrapped = super()._wrap(module, process_group, config)
+            wrapped.register_forward_method = lambda name: None
+            return wrapped
+
+
+    class MethodKeepsUnsharded(ImplAdapter):
+        name = "method-keeps-unsharded"
+
+        def _wrap(self, module, process_group, config):
+            wrapped = super()._wrap(module, process_group, config)
+            wrapped._mutant_keeps_unsharded = True
+            return wrapped
+
+
+    _run_as_forward = forward.run_as_forward
+    _reshard = runtime.reshard
+
+
+    def _marking_run_as_forward(state, function, args, kwargs):
+        if state.owner.__dict__.get("_mutant_keeps_unsharded") and function is not state.module:
+            state.owner.__dict__["_mutant_kept"] = True
+        return _run_as_forward(state, function, args, kwargs)
+
+
+    def _keeping_reshard(state):
+        if state.owner.__dict__.get("_mutant_kept"):
+            return None
+        return _reshard(state)
+
+
+    forward.run_as_forward = _marking_run_as_forward
+    runtime.reshard = _keeping_reshard
 
     # a torch whose clip_grad_norm_ over DTensor gradients uses this rank's local norm
     _clip_grad_norm_ = torch.nn.utils.clip_grad_norm_
@@ -113,6 +160,18 @@ BROKEN = textwrap.dedent(
         strategies = ("FULL_SHARD",)
 
 
+    class TestMethodUnregistered(BaseForwardMethodTests):
+        fsdp_impl = _impl("test_broken_wrap_optim:MethodUnregistered")
+        variants = ("method",)
+        strategies = ("FULL_SHARD",)
+
+
+    class TestMethodKeepsUnsharded(BaseForwardMethodTests):
+        fsdp_impl = _impl("test_broken_wrap_optim:MethodKeepsUnsharded")
+        variants = ("method",)
+        strategies = ("FULL_SHARD",)
+
+
     class TestLocalNormTorchClip(BaseGradientClippingTests):
         fsdp_impl = _impl("torch-fsdp2")
         models = ("loops_gains",)
@@ -123,6 +182,22 @@ BROKEN = textwrap.dedent(
 
 # (selected tests, the lines the run must show)
 GROUPS = {
+    "forward-method": (
+        [
+            "TestMethodUnregistered::test_other_forward_method",
+            "TestMethodKeepsUnsharded::test_other_forward_method",
+        ],
+        [
+            (
+                "*AssertionError: adapter 'method-unregistered', loops, FULL_SHARD, method: the "
+                "root's own parameters (the trunk's) are sharded while encode uses them (step 0)*"
+            ),
+            (
+                "*AssertionError: adapter 'method-keeps-unsharded', loops, FULL_SHARD, method: "
+                "unsharded parameters left after the step*"
+            ),
+        ],
+    ),
     "groups-clipping": (
         [
             "TestMergedGroups::test_param_groups_match_ddp",
