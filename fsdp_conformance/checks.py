@@ -73,6 +73,7 @@ _CHECKS: tuple[Check, ...] = (
         "parity.summon_full_params",
         "summon_full_params shows the full parameters; writeback writes them back",
         ("BaseSummonFullParamsTests.test_summon_full_params",),
+        features=("summon_full_params",),
         case="writeback (bool)",
     ),
     Check(
@@ -86,6 +87,7 @@ _CHECKS: tuple[Check, ...] = (
         "states.legal",
         "legal training-state transitions at every hook",
         ("BaseTrainingStateTests.test_states_are_legal_at_every_hook",),
+        features=("training_states",),
         case="configs.ParityCase",
     ),
     Check(
@@ -178,12 +180,14 @@ _CHECKS: tuple[Check, ...] = (
         "misuse.forward_inside_summon",
         "a forward inside summon_full_params is refused",
         ("BaseBadInputTests.test_forward_inside_summon_full_params",),
+        features=("summon_full_params",),
         strict=False,
     ),
     Check(
         "misuse.summon_during_forward",
         "summon_full_params inside forward is refused",
         ("BaseBadInputTests.test_summon_full_params_during_forward",),
+        features=("summon_full_params",),
         strict=False,
     ),
     Check(
@@ -203,7 +207,8 @@ _CHECKS: tuple[Check, ...] = (
     ),
     Check(
         "loops.grad_accumulation_comm",
-        "no gradient reduction while sync is off; exactly one per instance when it is on",
+        "no gradient reduction while sync is off; when it is on, every trainable instance "
+        "reduces, at most once per parameter gathered in its forward",
         ("BaseGradientAccumulationTests.test_no_reduction_while_accumulating",),
         features=("gradient_accumulation", "comm_trace"),
         case="suite.loops.LoopCase",
@@ -259,10 +264,63 @@ _CHECKS: tuple[Check, ...] = (
         case="the generated FuzzCase (per case; None for the whole cell)",
     ),
     # ---------------------------------------------------------------- precision.* (precision.dtypes, precision.grad_scaler)
+    Check(
+        "precision.dtypes",
+        "mixed precision observed: forward in param_dtype, reductions in reduce_dtype, fp32 "
+        "shards and gradients, buffers and their state dict in the promised dtype, fp32 "
+        "accumulation over many micro-batches, training within tolerance of fp32 DDP",
+        ("BasePrecisionTests.test_dtypes", "BasePrecisionTests.test_accumulation"),
+        features=("mixed_precision", "mixed_precision_policy"),
+        case="suite.loops.LoopCase",
+    ),
+    Check(
+        "precision.grad_scaler",
+        "the implementation's grad scaler with an inf gradient on one rank: every rank skips "
+        "the step, the scale shrinks identically, parameters equal DDP + GradScaler's",
+        ("BasePrecisionTests.test_grad_scaler",),
+        features=("grad_scaler",),
+        case="suite.loops.LoopCase",
+    ),
     #
     # ---------------------------------------------------------------- state_dict.full, init.meta
+    Check(
+        "state_dict.full",
+        "the full state dict has the plain module's keys and DDP's values, loads both ways "
+        "(strict, assign, via DCP on a subgroup) and trains as DDP",
+        (
+            "BaseFullStateDictTests.test_full_state_dict",
+            "BaseFullStateDictTests.test_mixed_precision_buffers",
+            "BaseFullStateDictTests.test_load_plain_state_dict",
+            "BaseFullStateDictTests.test_on_a_subgroup",
+        ),
+        features=("full_state_dict",),
+        case="suite.test_state_dict.StateDictCase",
+    ),
+    Check(
+        "init.meta",
+        "a meta-device model materialised the implementation's way: nothing left on meta, "
+        "nested instances initialised once, then loaded and trained as DDP",
+        ("BaseMetaInitTests.test_meta_init",),
+        features=("meta_init",),
+        case="wrapping: 'nested' (inner first by hand) or 'auto_wrap'",
+    ),
     #
     # ---------------------------------------------------------------- sharding.* (sharding.uneven, sharding.hybrid), wrap.shared_across_instances
+    Check(
+        "sharding.uneven",
+        "at world size 3, parameters not divisible by 3, an empty shard and a 1-element "
+        "parameter train as DDP (losses, gradient shards, full parameters, full state dict)",
+        ("BaseUnevenShardingTests.test_uneven_shards_match_ddp",),
+        case="suite.test_sharding.ShardingCase",
+    ),
+    Check(
+        "sharding.hybrid",
+        "hybrid sharding on a 2 x 2 mesh trains as DDP at world size 4; gradients "
+        "reduce-scattered within the shard group, all-reduced across replicas",
+        ("BaseHybridShardingTests.test_hybrid_matches_ddp",),
+        features=("hybrid_shard", "comm_trace"),
+        case="suite.test_sharding.ShardingCase",
+    ),
     Check(
         "wrap.shared_across_instances",
         "one parameter used by two instances (tied embedding and head wrapped apart): a clear "
@@ -289,7 +347,20 @@ _CHECKS: tuple[Check, ...] = (
     ),
     #
     # ---------------------------------------------------------------- memory.reshard_after_forward, wrap.configs_isolated
-    #
+    Check(
+        "memory.reshard_after_forward",
+        "with resharding after forward configured (FULL_SHARD), no unsharded parameter of a "
+        "non-root instance stays alive after the model's forward",
+        ("BaseReshardAfterForwardTests.test_no_unsharded_parameter_after_forward",),
+        case="suite.loops.LoopCase",
+    ),
+    Check(
+        "wrap.configs_isolated",
+        "two models wrapped in one process with different configurations (mixed precision, "
+        "sharding) each behave by their own and train as DDP",
+        ("BaseConfigIsolationTests.test_two_configs_in_one_process",),
+        case="the axis that differs: 'mixed_precision' or 'sharding'",
+    ),
 )
 
 CHECKS: dict[str, Check] = {}

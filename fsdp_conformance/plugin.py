@@ -117,7 +117,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default="impl",
         metavar="NAME",
         help="FSDP implementation under test: 'impl', 'torch-fsdp1', 'torch-fsdp2', "
-        "'fairscale' or 'pkg.module:ATTR' (default 'impl').",
+        "'fairscale', 'deepspeed' or 'pkg.module:ATTR' (default 'impl').",
     )
     group.addoption(
         "--fsdp-backend",
@@ -212,12 +212,34 @@ def _validated_options(config: pytest.Config) -> dict[str, Any]:
             "world_size": runtime.parse_world_size(
                 config.getoption("fsdp_world_size"), "--fsdp-world-size"
             ),
-            "impl": config.getoption("fsdp_impl"),
+            "impl": _validated_impl(config.getoption("fsdp_impl")),
             "backend": runtime.parse_backend(*pick("fsdp_backend", runtime.ENV_BACKEND, None)),
             "coverage": config.getoption("fsdp_coverage"),
         }
     except runtime.OptionError as error:
         raise pytest.UsageError(str(error)) from None
+
+
+def _validated_impl(name: str) -> str:
+    """``--fsdp-impl``: a built-in adapter whose optional package imports, or ``pkg.mod:ATTR``
+    (resolved in the ranks, where its own errors name the module).
+
+    Raises:
+        pytest.UsageError: an unknown name (listing the known ones), or a built-in adapter
+            whose extra is not installed (naming the pip command).
+    """
+    if name not in vocab.BUILTIN_ADAPTERS and ":" not in name:
+        raise pytest.UsageError(
+            f"--fsdp-impl {name!r}: unknown adapter; use one of "
+            f"{', '.join(vocab.BUILTIN_ADAPTERS)} or 'pkg.module:ATTR' naming an Adapter "
+            "instance, subclass or factory"
+        )
+    from fsdp_conformance.cli.common import missing_extra
+
+    problem = missing_extra(name)
+    if problem is not None:
+        raise pytest.UsageError(f"--fsdp-impl {name}: {problem}")
+    return name
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -8,6 +8,7 @@ the unwrapped reference), is seeded without the global RNG, and has `get_input(d
 
 from __future__ import annotations
 
+from .buffered import Affine, BufferedBlock, BufferedModule, SeededLinear
 from .common import DelayHooks, DeviceInit, Wrap, move_after_wrap, move_before_wrap, seeded_init_
 from .ddp import DummyDDP
 from .delay import cycles_per_ms, sleep_cycles, sleep_ms
@@ -18,23 +19,30 @@ from .nested import ALWAYS_WRAP, AlwaysWrapNestedWrappedModule, NestedWrappedMod
 from .overlap import Layer
 from .tied import TiedInstances
 from .transformer import TransformerWithSharedParams
+from .uneven import Gain, UnevenModule
 
 __all__ = [
     "ALWAYS_WRAP",
+    "Affine",
     "AlwaysWrapNestedWrappedModule",
+    "BufferedBlock",
+    "BufferedModule",
     "CheckpointedModule",
     "CheckpointingWrap",
     "DelayHooks",
     "DeviceInit",
     "DummyDDP",
+    "Gain",
     "Layer",
     "LoopModule",
     "MixtureOfExperts",
     "ModuleWithDelay",
     "NestedWrappedModule",
     "NestedWrappedModuleWithDelay",
+    "SeededLinear",
     "TiedInstances",
     "TransformerWithSharedParams",
+    "UnevenModule",
     "Wrap",
     "cycles_per_ms",
     "move_after_wrap",

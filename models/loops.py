@@ -101,6 +101,8 @@ class LoopModule(nn.Module):
         branch: add the wrapped branch (used while `use_branch` is True).
         freeze: None, "instance" (block 0 entirely) or "mixed" (block 0's Linear weight).
         no_shard_block: index of a block wrapped with NO_SHARD (None: none).
+        buffer: add a floating-point buffer ``offset`` of the root, added to the trunk's
+            output (what mixed precision's buffer_dtype casts).
         norm: blocks are ``Sequential(linear=Linear(16, 16), norm=LayerNorm(16), act=Tanh,
             scale=Scale)`` (named, for optimizer groups by name).
     """
@@ -116,6 +118,7 @@ class LoopModule(nn.Module):
         branch: bool = False,
         freeze: str | None = None,
         no_shard_block: int | None = None,
+        buffer: bool = False,
         norm: bool = False,
         device_init: DeviceInit = DeviceInit.AFTER,
         device: torch.device | None = None,
@@ -156,13 +159,19 @@ class LoopModule(nn.Module):
         move_before_wrap(head, device_init, device)
         self.head = maybe_wrap(wrap, head)
         move_before_wrap(self.trunk, device_init, device)
+        at = device if device_init is DeviceInit.BEFORE else None
+        offset = torch.linspace(-0.5, 0.5, 16, device=at) if buffer else None
+        self.register_buffer("offset", offset)
 
     def get_input(self, device: torch.device) -> tuple[torch.Tensor]:
         return (torch.rand(4, 8, generator=generator(11 + self.rank)).to(device),)  # (B=4, 8)
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """The trunk and the blocks, without the head: a method other than forward (B, 16)."""
-        return self.blocks(torch.relu(self.trunk(x)))
+        x = torch.relu(self.trunk(x))
+        if self.offset is not None:
+            x = x + self.offset
+        return self.blocks(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.encode(x)  # (B, 16)

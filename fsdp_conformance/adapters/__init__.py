@@ -7,6 +7,7 @@ protocol is `Adapter` (base.py), feature names are `Feature` (features.py), cano
 
 from __future__ import annotations
 
+from fsdp_conformance.device_handle import DeviceHandle
 from fsdp_conformance.training_states import (
     LEGAL_INSTANCE_TRANSITIONS,
     LEGAL_ROOT_TRANSITIONS,
@@ -17,12 +18,20 @@ from fsdp_conformance.training_states import (
 from .base import (
     Adapter,
     AdapterWrap,
+    FeatureNotImplementedError,
     ObserverRegistry,
     UnsupportedFeatureError,
     clean_param_name,
 )
 from .deviations import CHECK_IDS, Deviation
-from .features import ALL_FEATURES, ALWAYS_WRAP, Feature, MixedPrecisionConfig, normalize_config
+from .features import (
+    ALL_FEATURES,
+    ALWAYS_WRAP,
+    Feature,
+    MixedPrecisionConfig,
+    module_predicate,
+    normalize_config,
+)
 from .registry import BUILTIN_ADAPTERS, get_adapter
 
 __all__ = [
@@ -35,7 +44,9 @@ __all__ = [
     "Adapter",
     "AdapterWrap",
     "Deviation",
+    "DeviceHandle",
     "Feature",
+    "FeatureNotImplementedError",
     "InstanceState",
     "MixedPrecisionConfig",
     "ObserverRegistry",
@@ -43,5 +54,6 @@ __all__ = [
     "UnsupportedFeatureError",
     "clean_param_name",
     "get_adapter",
+    "module_predicate",
     "normalize_config",
 ]

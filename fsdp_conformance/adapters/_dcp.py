@@ -1,4 +1,5 @@
-"""Checkpoints through ``torch.distributed.checkpoint`` (DCP) for the torch adapters.
+"""Checkpoints through ``torch.distributed.checkpoint`` (DCP) for the torch adapters, called as
+users call it.
 
 ``torch.distributed.checkpoint.state_dict.get_state_dict`` reads a model's and an optimizer's
 state the implementation's own way -- torch FSDP1 under ``SHARDED_STATE_DICT`` with
@@ -9,81 +10,52 @@ the state dicts of the freshly wrapped model (whose shards follow the *current* 
 resharding), and ``set_state_dict`` loads them. ``get_state_dict`` also creates the
 optimizer's state of a fresh optimizer first (a step with zero gradients, lr unchanged), so the
 template names every state tensor and the load fills them. Collective over ``group``.
+
+[Note: DCP on a subgroup with FSDP1]
+``get_state_dict`` / ``set_state_dict`` call ``FSDP.optim_state_dict`` /
+``optim_state_dict_to_load`` without ``group=`` on torch releases before the fix of
+pytorch/pytorch#180449 (PR #181261, April 2026): FSDP1's optimizer-state collectives then run on
+the default group, and a model on a subgroup deadlocks against the ranks outside it. Measured
+on torch 2.8.0 (the checkpoint/resume cells across world sizes hung); 2.13.0, 2.14.1 and 2.15.0
+pass the group. Releases 2.9 to 2.12 were not run: the range is every tested release before
+2.13. There torch-fsdp1 declares ``checkpoint_resume`` unsupported (``FSDP1_SUBGROUP_REASON``):
+per feature, so every rank of a cell decides alike before any collective (a cell deciding on
+one rank only, inside the body, would leave the others waiting); the adapter never hands DCP the
+group itself.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import os
-import threading
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-# the process group get_state_dict / set_state_dict should hand FSDP1 (per rank thread)
-_GROUP = threading.local()
-_PATCH_KEY = "fsdp-conformance DCP group for FSDP1 optimizer state (torch 2.8)"
+from ._support import release
+
+# the first tested torch release whose get_state_dict / set_state_dict pass FSDP1 its group
+FSDP1_GROUP_PASSED_FROM = (2, 13, 0)
+# why torch-fsdp1 does not declare checkpoint_resume on an earlier torch
+FSDP1_SUBGROUP_REASON = (
+    "this torch's get_state_dict / set_state_dict call FSDP.optim_state_dict(_to_load) without "
+    "the model's process group, so a checkpoint of a model on a subgroup deadlocks (FSDP1's "
+    "optimizer-state collectives run on the default group; measured on torch 2.8.0, passed "
+    "from 2.13.0, pytorch/pytorch#180449)"
+)
 
 
-@functools.cache
-def fsdp1_optim_group_passed() -> bool:
-    """Whether this torch's ``get_state_dict`` hands ``FSDP.optim_state_dict`` the model's
-    process group. torch 2.8.0's does not (2.13.0 does): FSDP1's optimizer-state collectives
-    then run on the default group, and a model on a subgroup deadlocks against the ranks
-    outside it (measured: the checkpoint/resume cells across world sizes hung)."""
-    import inspect
-
-    from torch.distributed.checkpoint import state_dict
-
-    try:
-        source = inspect.getsource(state_dict._get_optim_state_dict)
-    except (AttributeError, OSError, TypeError):
-        return True  # cannot tell: assume the fixed form
-    return "group=" in source
-
-
-@contextlib.contextmanager
-def _fsdp1_optim_group(group: Any) -> Iterator[None]:
-    """On a torch whose DCP helpers omit the group, hand it to FSDP1's ``optim_state_dict`` /
-    ``optim_state_dict_to_load`` while the helpers run (a keyword they leave unset); elsewhere
-    nothing."""
-    if group is None or fsdp1_optim_group_passed():
-        yield
-        return
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    from fsdp_conformance._patching import patch_attribute
-
-    def make(original: Any) -> Any:
-        @functools.wraps(original)
-        def with_group(*args: Any, **kwargs: Any) -> Any:
-            bound = getattr(_GROUP, "group", None)
-            if bound is not None and kwargs.get("group") is None:
-                kwargs["group"] = bound
-            return original(*args, **kwargs)
-
-        return staticmethod(with_group)
-
-    for name in ("optim_state_dict", "optim_state_dict_to_load"):
-        patch_attribute(
-            FullyShardedDataParallel, name, make, key=_PATCH_KEY, written_for="torch 2.8.0"
-        )
-    _GROUP.group = group
-    try:
-        yield
-    finally:
-        _GROUP.group = None
+def fsdp1_group_dropped(version: str | None = None) -> bool:
+    """Whether this torch (``version``: the installed one by default) is one whose DCP helpers
+    drop FSDP1's group: see [Note: DCP on a subgroup with FSDP1]."""
+    return release(torch.__version__ if version is None else version) < FSDP1_GROUP_PASSED_FROM
 
 
 def save(model: nn.Module, optimizer: torch.optim.Optimizer, directory: str, group: Any) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    with _fsdp1_optim_group(group):
-        model_state, optimizer_state = get_state_dict(model, optimizer)
+    model_state, optimizer_state = get_state_dict(model, optimizer)
     os.makedirs(directory, exist_ok=True)
     dcp.save(
         {"model": model_state, "optimizer": optimizer_state},
@@ -96,14 +68,12 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer, directory: str, gro
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    with _fsdp1_optim_group(group):
-        model_state, optimizer_state = get_state_dict(model, optimizer)
+    model_state, optimizer_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state}
     dcp.load(state, checkpoint_id=directory, process_group=group)
-    with _fsdp1_optim_group(group):
-        set_state_dict(
-            model,
-            optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optimizer"],
-        )
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optimizer"],
+    )

@@ -91,6 +91,19 @@ def assert_state(instance: Any, state_names: list[str]) -> None:
     instance._assert_state([enum[name] for name in state_names])
 
 
+def grad_shard_layout(handle: Any) -> list[tuple[str, int, int, int]]:
+    """(fqn relative to the instance, start in the flattened parameter, offset in the local
+    shard, element count) of each original parameter with elements in this rank's shard of the
+    FlatParameter (``_fqns``, ``_shard_param_infos``)."""
+    flat = handle.flat_param
+    require(flat, "_fqns", "_shard_param_infos")
+    return [
+        (fqn, info.intra_param_start_idx, info.offset_in_shard, info.numel_in_shard)
+        for fqn, info in zip(flat._fqns, flat._shard_param_infos)
+        if info.in_shard and info.numel_in_shard
+    ]
+
+
 def set_device_handle(instance: Any, handle: Any) -> None:
     """Point an instance (and its ``FlatParamHandle``) at ``handle``."""
     require(instance, "_device_handle")

@@ -24,6 +24,7 @@ import contextlib
 import re
 import threading
 import unittest
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -35,7 +36,7 @@ from fsdp_conformance.training_states import InstanceState, RootState
 from fsdp_conformance.vocab import Op
 
 from .deviations import Deviation, find_deviation
-from .features import ALL_FEATURES, Feature, features_for, normalize_config
+from .features import ALL_FEATURES, Feature, check_process_group, features_for, normalize_config
 
 # callback(op, instance, info) -- see [Note: observation]
 Observer = Callable[[str, nn.Module, dict], None]
@@ -87,6 +88,42 @@ class UnsupportedFeatureError(NotImplementedError, unittest.SkipTest):
         self.reason = reason  # why, in words
 
 
+class FeatureNotImplementedError(NotImplementedError):
+    """An adapter lacks a member it needs: one it must have, or one for a feature it claims (does
+    not declare in ``unsupported()``). A FAIL of the adapter, never a skip; the message names the
+    adapter, the member to implement and the feature to declare unsupported instead."""
+
+    def __init__(self, adapter: str, member: str, feature: str | None = None) -> None:
+        if feature is None:
+            text = (
+                f"adapter {adapter!r} does not implement {member}, which every adapter needs: "
+                "override it"
+            )
+        else:
+            text = (
+                f"adapter {adapter!r} claims feature {feature!r} but does not implement it: "
+                f"override {member}, or declare {feature!r} in unsupported() instead"
+            )
+        super().__init__(text)
+        self.adapter = adapter  # the adapter's name
+        self.member = member  # "Adapter.<method>" to override
+        self.feature = feature  # the claimed feature (None: a member every adapter needs)
+
+
+def claimed_but_not_implemented(
+    adapter: Adapter, error: UnsupportedFeatureError
+) -> FeatureNotImplementedError | None:
+    """The failure ``error`` stands for when it is a base default's "override Adapter.X" for a
+    feature ``adapter`` claims (a skip would hide that the member was never written), else None.
+    """
+    member = re.search(r"override (Adapter\.\w+)", error.reason)
+    if member is None or error.feature not in ALL_FEATURES:
+        return None
+    if adapter.unsupported_reason(error.feature) is not None:
+        return None
+    return FeatureNotImplementedError(adapter.name, member.group(1), error.feature)
+
+
 def require_before_first_forward(
     adapter_name: str, model: nn.Module, states: Iterable[Any]
 ) -> None:
@@ -127,6 +164,21 @@ def clean_param_name(name: str, segments: Iterable[str] = ()) -> str:
     return name
 
 
+def flat_grad_pieces(
+    names: list[str], numels: list[int], shard_grad: torch.Tensor, shard_start: int
+) -> dict[str, tuple[int, torch.Tensor]]:
+    """`Adapter.grad_shards` of one flat parameter: parameters `names` (sizes `numels`) lie
+    back to back in the flat (padded) parameter, whose elements ``[shard_start, shard_start +
+    len(shard_grad))`` this rank's gradient shard `shard_grad` holds."""
+    pieces = {}
+    offset, shard_end = 0, shard_start + shard_grad.numel()
+    for name, numel in zip(names, numels):
+        lo, hi = max(offset, shard_start), min(offset + numel, shard_end)
+        if hi > lo:
+            pieces[name] = (lo - offset, shard_grad[lo - shard_start : hi - shard_start])
+        offset += numel
+    return pieces
+
 # (name, param) -> the options of the parameter's optimizer group (Adapter.optimizer)
 GroupOptions = Callable[[str, nn.Parameter], dict[str, Any]]
 
@@ -164,8 +216,8 @@ class Adapter:
     # `clean_param_name` (torch FSDP1's `_fsdp_wrapped_module` is always removed)
     wrapper_segments: tuple[str, ...] = ()
     # How gradients are combined across ranks: "mean" (FSDP and DDP average) or "sum" (e.g.
-    # torchtitan's SimpleFSDP); under "sum" the suite divides the loss by the world size before
-    # backward in the FSDP run, so parity with DDP still holds
+    # torchtitan's SimpleFSDP); under "sum" the suite scales each instance's gradients by its
+    # own group size (`group_size`) in the FSDP run, so parity with DDP still holds
     grad_reduction: str = "mean"
     # False: the implementation has no per-instance training state, only root (coarse) states;
     # the training-state checks then check what exists and say what they could not check
@@ -309,7 +361,8 @@ class Adapter:
 
         Args:
             module: the module to shard; already-wrapped submodules stay their own instances.
-            process_group: the group to shard over (None = the default group).
+            process_group: the group to shard over (None = the default group); with a hybrid
+                `sharding_strategy`, the pair (shard_group, replicate_group).
             root: True for the root (outermost) call, False for a nested one, None when not
                 known; `_wrap` reads it as `self.wrapping_root` (an implementation that builds
                 one engine per model builds it here, so misuse surfaces at wrap time).
@@ -323,11 +376,16 @@ class Adapter:
         normalized = normalize_config(config)
         self.check(*features_for(normalized))
         self._check_values(normalized)
+        check_process_group(process_group, normalized)
         previous, self.wrapping_root = self.wrapping_root, root
         try:
-            return self._wrap(module, process_group, normalized)
+            instance = self._wrap(module, process_group, normalized)
         finally:
             self.wrapping_root = previous
+        sizes = self.__dict__.setdefault("_group_sizes", weakref.WeakKeyDictionary())
+        for wrapped in {id(instance): instance, id(module): module}.values():
+            sizes[wrapped] = _group_size(process_group)
+        return instance
 
     def wrapper(self, *, process_group: Any = None, **config: Any) -> AdapterWrap:
         """A `wrap` callable for the model zoo: `wrapper(**config)(module, **overrides)`.
@@ -349,15 +407,15 @@ class Adapter:
     # ------------------------------------------------------------------ instances and states
     def instances(self, model: nn.Module) -> list[nn.Module]:
         """FSDP instances in `model`, pre-order (outermost first)."""
-        raise NotImplementedError
+        raise FeatureNotImplementedError(self.name, "Adapter.instances")
 
     def training_state(self, instance: nn.Module) -> InstanceState:
         """The canonical instance state of `instance`."""
-        raise NotImplementedError
+        raise FeatureNotImplementedError(self.name, "Adapter.training_state")
 
     def root_state(self, instance: nn.Module) -> RootState:
         """The canonical coarse (root-level) state of `instance`."""
-        raise NotImplementedError
+        raise FeatureNotImplementedError(self.name, "Adapter.root_state")
 
     def is_unsharded(self, instance: nn.Module) -> bool | None:
         """Whether `instance`'s unsharded parameters are currently allocated (optional).
@@ -367,6 +425,14 @@ class Adapter:
         the adapter does not say; adapter tests and your own checks may use it.
         """
         return None
+
+    def group_size(self, instance: nn.Module) -> int:
+        """How many ranks `instance`'s gradients are combined over: the size of the process
+        group it was wrapped on (recorded by `wrap` for the module it returned and the module
+        it was given; the default group's size for any other module). An implementation whose
+        instances are not what `wrap` returned overrides it."""
+        sizes = self.__dict__.get("_group_sizes", {})
+        return sizes[instance] if instance in sizes else _group_size(None)
 
     def assert_state(self, instance: nn.Module, *states: RootState) -> None:
         """Call the implementation's own state assertion (needs `assert_state`)."""
@@ -519,14 +585,6 @@ class Adapter:
             )
         return method(max_norm, norm_type)
 
-    def state_dict(self, model: nn.Module) -> dict[str, Any]:
-        """The implementation's own full (unsharded) model state dict, on every rank."""
-        return model.state_dict()
-
-    def load_state_dict(self, model: nn.Module, state_dict: dict[str, Any]) -> None:
-        """Load a state dict from `state_dict` the implementation's own way."""
-        model.load_state_dict(state_dict)
-
     def save_checkpoint(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, directory: str
     ) -> None:
@@ -547,10 +605,87 @@ class Adapter:
         )
 
     # ------------------------------------------------------------------ precision (mixed precision policy, grad scaler)
+    def grad_scaler(self, model: nn.Module, **options: Any) -> Any:
+        """The gradient scaler a user of this implementation pairs with `model` (the
+        ``torch.amp.GradScaler`` protocol: scale, unscale_, step, update, get_scale), built with
+        `options` (GradScaler's keywords: init_scale, growth_factor, backoff_factor,
+        growth_interval). It must skip the step on every rank when any rank's gradient shard
+        holds an inf or NaN."""
+        self.check(Feature.GRAD_SCALER)
+        raise UnsupportedFeatureError(
+            self.name,
+            Feature.GRAD_SCALER,
+            "override Adapter.grad_scaler (return the scaler users pair with this "
+            "implementation, e.g. torch's ShardedGradScaler over the model's process group)",
+        )
 
     # ------------------------------------------------------------------ full state dict, meta-device init
+    def state_dict(
+        self, model: nn.Module, *, rank0_only: bool = False, offload_to_cpu: bool = False
+    ) -> dict[str, Any]:
+        """The implementation's own full (unsharded) model state dict, keyed like the unwrapped
+        module's ``state_dict()``, on every rank.
+
+        Args:
+            rank0_only: only rank 0 gets it; the other ranks get an empty dict.
+            offload_to_cpu: every tensor of it is on the CPU.
+        (Both need `full_state_dict`; the default takes neither: override this method.)
+        """
+        if rank0_only or offload_to_cpu:
+            self.check(Feature.FULL_STATE_DICT)
+            raise UnsupportedFeatureError(
+                self.name,
+                Feature.FULL_STATE_DICT,
+                "override Adapter.state_dict (rank0_only: the full state dict on rank 0, empty "
+                "elsewhere; offload_to_cpu: its tensors on the CPU)",
+            )
+        return model.state_dict()
+
+    def load_state_dict(
+        self, model: nn.Module, state_dict: dict[str, Any], *, assign: bool = False
+    ) -> None:
+        """Load a full state dict (the unwrapped module's keys) the implementation's own way.
+
+        Args:
+            assign: load as ``nn.Module.load_state_dict(assign=True)`` does (the parameters
+                re-assigned, before the first forward); needs `full_state_dict` and an override.
+        """
+        if assign:
+            self.check(Feature.FULL_STATE_DICT)
+            raise UnsupportedFeatureError(
+                self.name,
+                Feature.FULL_STATE_DICT,
+                "override Adapter.load_state_dict (assign=True: load_state_dict's assign)",
+            )
+        model.load_state_dict(state_dict)
+
+    def materialize(self, model: nn.Module, *, device: torch.device) -> None:
+        """Materialise, on `device`, a model built on the meta device and wrapped (root and
+        nested instances): afterwards no parameter or buffer is on meta, each module initialised
+        once by its ``reset_parameters()`` the implementation's documented way (an
+        implementation that materialises while wrapping, like torch FSDP1, does nothing here).
+        """
+        self.check(Feature.META_INIT)
+        raise UnsupportedFeatureError(
+            self.name,
+            Feature.META_INIT,
+            "override Adapter.materialize (after wrapping a meta-device model: every parameter "
+            "and buffer on `device`, each module's reset_parameters() run once)",
+        )
+
 
     # ------------------------------------------------------------------ sharding (hybrid)
+    def grad_shards(self, model: nn.Module) -> dict[str, tuple[int, torch.Tensor]] | None:
+        """This rank's gradient pieces after a backward, by the unwrapped model's names (optional).
+
+        Each value is ``(start, values)``: `values` (1-D) equals the averaged full gradient of
+        that parameter, flattened, at ``[start, start + len(values))``. A parameter this rank
+        holds nothing of (an empty shard), or without a gradient, may be left out. None (the
+        default) means the adapter does not say; parity then compares the full parameters
+        after each step only.
+        """
+        return None
+
 
     # ------------------------------------------------------------------ optimizer groups, ignored parameters, other forward methods
     def register_forward_method(self, instance: nn.Module, name: str) -> None:
@@ -567,26 +702,36 @@ class Adapter:
 
     # ------------------------------------------------------------------ primitives
     def _wrap(self, module: nn.Module, process_group: Any, config: dict[str, Any]) -> nn.Module:
-        raise NotImplementedError
+        raise FeatureNotImplementedError(self.name, "Adapter._wrap")
 
     def _summon_full_params(
         self, model: nn.Module, writeback: bool
     ) -> contextlib.AbstractContextManager[None]:
-        raise NotImplementedError
+        raise FeatureNotImplementedError(self.name, "Adapter._summon_full_params")
 
     def _assert_state(self, instance: nn.Module, states: tuple[RootState, ...]) -> None:
-        raise NotImplementedError
+        raise FeatureNotImplementedError(self.name, "Adapter._assert_state", Feature.ASSERT_STATE)
 
     def _observe(
         self, callback: Observer, instances: list[nn.Module] | None
     ) -> contextlib.AbstractContextManager[None]:
-        raise NotImplementedError
+        raise FeatureNotImplementedError(self.name, "Adapter._observe", Feature.COMM_TRACE)
 
     def _install_device_handle(self, model: nn.Module, handle: Any) -> None:
-        raise NotImplementedError
+        raise FeatureNotImplementedError(
+            self.name, "Adapter._install_device_handle", Feature.DEVICE_HANDLE
+        )
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"
+
+
+def _group_size(process_group: Any) -> int:
+    import torch.distributed as dist
+
+    if isinstance(process_group, tuple):  # hybrid (shard, replicate): the ranks of the mesh
+        return _group_size(process_group[0]) * _group_size(process_group[1])
+    return dist.get_world_size(process_group) if dist.is_initialized() else 1
 
 
 class AdapterWrap:

@@ -224,13 +224,11 @@ DEEPSPEED_DEVIATIONS: tuple[Deviation, ...] = (
     ),
     _deviation(
         "comm.counts",
-        "DeepSpeed has no root that stays unsharded between forward and backward: with "
-        "stage3_max_reuse_distance=0 it releases every module after its forward and gathers "
-        "every instance again in backward (FULL_SHARD: instances all-gathers in backward, not "
-        "instances - 1), and ZeRO-2 (SHARD_GRAD_OP) never shards parameters, so its forward "
-        "gathers nothing (0, not one per instance); reproduction: "
-        "fsdp_conformance.suite.comm_checks.trace_training(ds, 'nested', dist, "
-        "{'sharding_strategy': 'FULL_SHARD'})[0].render()",
+        "ZeRO-2 (SHARD_GRAD_OP) never shards parameters, so its forward gathers nothing (no "
+        "all-gather for any instance, where every parameter is gathered before use); "
+        "reproduction: fsdp_conformance.suite.comm_checks.trace_training(ds, 'nested', dist, "
+        "{'sharding_strategy': 'SHARD_GRAD_OP'})[0].render()",
+        applies=lambda case: case == "SHARD_GRAD_OP",
         match=r"collective counts differ",
     ),
     _deviation(
@@ -311,6 +309,33 @@ DEEPSPEED_DEVIATIONS: tuple[Deviation, ...] = (
         match=r"differs? from DDP's",
     ),
     _deviation(
+        "memory.reshard_after_forward",
+        "ZeRO-3 releases a module's gathered parameters after its forward only in the first "
+        "iteration: once its parameter trace is complete (every later iteration) every module "
+        "keeps its full parameters (ds_status AVAILABLE, full data) from forward into backward, "
+        "stage3_max_reuse_distance=0 notwithstanding; reproduction: wrap 'nested' FULL_SHARD, "
+        "train one step, forward again -> every zoo_model parameter has ds_status AVAILABLE "
+        "and p.data.numel() > 0 (after the first forward: NOT_AVAILABLE, 0)",
+        match=r"still hold unsharded parameters",
+    ),
+    _deviation(
+        "wrap.configs_isolated",
+        "the memory.reshard_after_forward deviation seen from the FULL_SHARD model of the two "
+        "(ZeRO-3 keeps every module's full parameters after forward from the second iteration "
+        "on); reproduction: see memory.reshard_after_forward",
+        applies=lambda case: case == "sharding",
+        match=r"FULL_SHARD reshards after forward, but",
+    ),
+    _deviation(
+        "wrap.configs_isolated",
+        "the parity.bf16 deviation met by the bf16 model of the two: DeepSpeed's bf16 mode "
+        "casts the parameters, never the inputs ('mat1 and mat2 must have the same dtype, but "
+        "got Float and BFloat16'); reproduction: see parity.bf16",
+        applies=lambda case: case == "mixed_precision",
+        raises=RuntimeError,
+        match=r"same dtype",
+    ),
+    _deviation(
         "fuzz.generated",
         "the loops.forward_variants deviation met by a generated case: a branch unused in some "
         "steps is updated unlike DDP's zero-gradient update (ZeRO-3 even without momentum); "
@@ -358,7 +383,19 @@ class DeepSpeedAdapter(Adapter):
                 "which bounds prefetch only, so the bound cannot be switched off"
             ),
             Feature.MIXED_PRECISION_BUFFER_DTYPE: "DeepSpeed's bf16 mode does not cast buffers",
+            Feature.META_INIT: (
+                "DeepSpeed's deferred init is deepspeed.zero.Init (parameters partitioned as "
+                "they are built), not a meta-device model materialised after initialize; the "
+                "adapter refuses a module on the meta device"
+            ),
             Feature.USE_ORIG_PARAMS: "a torch FSDP1 flag",
+            Feature.HYBRID_SHARD: (
+                "no hybrid sharding: MiCS (mics_shard_size) is removed from DeepSpeed 0.19.8 "
+                "(its config refuses the key: 'MiCS ZeRO-3 sharding has been removed'); ZeRO++ hpZ "
+                "(zero_hpz_partition_size) keeps a secondary parameter copy per group for the "
+                "all-gather only, gradients and optimizer states stay sharded over the whole "
+                "data-parallel group (by its design; not measured here)"
+            ),
             Feature.CHECKPOINT_RESUME: "not mapped by this adapter (engine.save_checkpoint)",
             Feature.GRADIENT_ACCUMULATION: (
                 "no backward without a gradient reduction: ZeRO-2/3 reduce-scatter every "
@@ -580,18 +617,38 @@ class DeepSpeedAdapter(Adapter):
         if _is_engine(model):
             model.set_gradient_accumulation_boundary(boundary)
 
-    def state_dict(self, model: nn.Module) -> dict[str, Any]:
+    def state_dict(
+        self, model: nn.Module, *, rank0_only: bool = False, offload_to_cpu: bool = False
+    ) -> dict[str, Any]:
         """The full state dict on every rank, gathered with ``GatheredParameters``."""
         import deepspeed
+
+        if rank0_only or offload_to_cpu:
+            raise UnsupportedFeatureError(
+                self.name,
+                Feature.FULL_STATE_DICT,
+                "not mapped: DeepSpeed's full state dicts (GatheredParameters on every rank, "
+                "zero_to_fp32 from a saved checkpoint) take no rank-0-only or CPU option",
+            )
 
         module = self.unwrap(model)
         with deepspeed.zero.GatheredParameters(list(module.parameters())):
             return {key: value.detach().clone() for key, value in module.state_dict().items()}
 
-    def load_state_dict(self, model: nn.Module, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(
+        self, model: nn.Module, state_dict: dict[str, Any], *, assign: bool = False
+    ) -> None:
         """Load a full state dict into the shards (rank 0's values) and DeepSpeed's master
         weights."""
         import deepspeed
+
+        if assign:
+            raise UnsupportedFeatureError(
+                self.name,
+                Feature.FULL_STATE_DICT,
+                "not mapped: ZeRO-3's parameters are partitioned placeholders the engine owns; "
+                "re-assigning them (assign=True) has no DeepSpeed form",
+            )
 
         module = self.unwrap(model)
         with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=0):
@@ -658,6 +715,8 @@ class _EngineOptimizer:
         return self.engine.optimizer.param_groups
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        # DeepSpeed's engine.zero_grad() takes no set_to_none: ZeRO keeps the reduced
+        # gradients in its own partitions, and the module's .grad are always set to None
         self.engine.zero_grad()
 
     def step(self) -> None:

@@ -49,7 +49,12 @@ from torch import nn
 
 from fsdp_conformance.vocab import Op
 
-from .base import Adapter, ObserverRegistry, require_before_first_forward
+from .base import (
+    Adapter,
+    ObserverRegistry,
+    UnsupportedFeatureError,
+    require_before_first_forward,
+)
 from .deviations import Deviation
 from .features import ALL_FEATURES, Feature, auto_wrap_targets
 from .states import InstanceState, RootState
@@ -108,6 +113,16 @@ FAIRSCALE_DEVIATIONS: tuple[Deviation, ...] = (
         "activations reaching one fail too ('Float and Half', 'Float and BFloat16'); reproduce: "
         "fs.wrap(nn.Linear(8, 8), mixed_precision={'param_dtype': torch.bfloat16})(x) "
         "(docs/fairscale.md)",
+        raises=RuntimeError,
+        match=r"mat1 and mat2 must have the same dtype",
+        measured_on=_MEASURED_ON,
+    ),
+    Deviation(
+        "wrap.configs_isolated",
+        "the parity.bf16 deviation met by the bf16 model of the two: fairscale 0.4.13 casts "
+        "the root's inputs with .half() whatever compute_dtype is ('mat1 and mat2 must have "
+        "the same dtype, but got Half and BFloat16'); reproduction: see parity.bf16",
+        applies=lambda case: case == "mixed_precision",
         raises=RuntimeError,
         match=r"mat1 and mat2 must have the same dtype",
         measured_on=_MEASURED_ON,
@@ -328,6 +343,10 @@ class FairscaleAdapter(Adapter):
             "fairscale 0.4.13 FSDP has no way to run a method other than forward with the "
             "instance's parameters gathered (its hooks run in forward only)"
         )
+        unsupported[Feature.HYBRID_SHARD] = (
+            "fairscale 0.4.13 FSDP shards over one process group and reduces over it; it has no "
+            "hybrid strategy (no replicate group to all-reduce across)"
+        )
         if self.flatten_parameters:
             unsupported[Feature.PARAM_GROUPS] = (
                 "fairscale 0.4.13 flattens an instance's parameters into one, so an optimizer "
@@ -344,6 +363,10 @@ class FairscaleAdapter(Adapter):
             "diverged; at 1 -> 2 ranks AttributeError '_full_param_padded'); whether fairscale or "
             "the mapping is at fault is not settled"
         )
+        unsupported[Feature.META_INIT] = (
+            "fairscale 0.4.13's FullyShardedDataParallel has no meta-device path (no "
+            "param_init_fn; it flattens and shards the parameters it is given; read in its source)"
+        )
         if not _cuda_hosted():
             unsupported[Feature.CLIP_GRAD_NORM] = (
                 "fairscale 0.4.13 FSDP.clip_grad_norm_ is CUDA-only: on a CPU-only host it fails "
@@ -354,6 +377,32 @@ class FairscaleAdapter(Adapter):
                 "fails with 'Cannot access accelerator device when none is available'"
             )
         return unsupported
+
+    # ------------------------------------------------------------------ full state dict
+    def state_dict(
+        self, model: nn.Module, *, rank0_only: bool = False, offload_to_cpu: bool = False
+    ) -> dict[str, Any]:
+        """fairscale's ``state_dict()``: full, on every rank, by default."""
+        if rank0_only or offload_to_cpu:
+            raise UnsupportedFeatureError(
+                self.name,
+                Feature.FULL_STATE_DICT,
+                "fairscale 0.4.13 fixes rank-0-only and the state dict's device per instance at "
+                "construction (state_dict_on_rank_0_only, state_dict_device), not per "
+                "state_dict() call; not mapped",
+            )
+        return model.state_dict()
+
+    def load_state_dict(
+        self, model: nn.Module, state_dict: dict[str, Any], *, assign: bool = False
+    ) -> None:
+        if assign:
+            raise UnsupportedFeatureError(
+                self.name,
+                Feature.FULL_STATE_DICT,
+                "fairscale 0.4.13's load_state_dict(state_dict, strict) takes no assign",
+            )
+        model.load_state_dict(state_dict)
 
     def wrap(self, module: nn.Module, *, process_group: Any = None, **config: Any) -> nn.Module:
         _skip_without_fairscale()

@@ -6,23 +6,29 @@ the member name (case-insensitive) or any enum member whose `.name` is that name
 enums, torch's enums and plain strings all work. Keys not given keep the implementation's own
 default. Values are normalised by `normalize_config` into:
 
-  sharding_strategy   "FULL_SHARD" | "SHARD_GRAD_OP" | "NO_SHARD"
+  sharding_strategy   "FULL_SHARD" | "SHARD_GRAD_OP" | "NO_SHARD" | "HYBRID_SHARD" |
+                      "_HYBRID_SHARD_ZERO2"   (the hybrid two need `hybrid_shard` and
+                      process_group=(shard_group, replicate_group), FSDP1's own tuple)
   backward_prefetch   None | "BACKWARD_PRE" | "BACKWARD_POST"
   forward_prefetch    bool
   limit_all_gathers   bool
   cpu_offload         bool   (also accepts None or an object with `.offload_params`)
   mixed_precision     None | MixedPrecisionConfig   (also accepts a dict or an object with
-                      param_dtype / reduce_dtype / buffer_dtype attributes)
+                      param_dtype / reduce_dtype / buffer_dtype / output_dtype /
+                      cast_forward_inputs attributes: FSDP1's MixedPrecision, FSDP2's
+                      MixedPrecisionPolicy)
   auto_wrap_policy    None | "always" | callable(module) -> bool  (which submodules to wrap;
                       the root is always wrapped by the call itself)
   sync_module_states  bool
   device_id           None | torch.device | int
   use_orig_params     bool   (torch FSDP1's flag; needs `use_orig_params` when True)
-  process_group       None | ProcessGroup   (keyword of `wrap` itself)
+  process_group       None | ProcessGroup | (shard_group, replicate_group)   (keyword of `wrap`
+                      itself; the pair only with a hybrid sharding_strategy)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -80,6 +86,10 @@ class Feature:
     PARAM_GROUPS = "param_groups"  # optimizer parameter groups by the plain module's names
     IGNORED_PARAMS = "ignored_params"  # parameters left unsharded and unreduced by the wrapper
     FORWARD_METHOD = "forward_method"  # a method other than forward running wrapped parameters
+    # - Subjects an implementation of another shape may not have (docs/adapters.md, "FSDPs of
+    #   other shapes"): the checks about them are then not applicable, never run on a stand-in
+    TRAINING_STATES = "training_states"  # `training_state` / `root_state` report real states
+    SUMMON_FULL_PARAMS = "summon_full_params"  # `summon_full_params` is the implementation's own
 
 
 ALL_FEATURES: frozenset[str] = frozenset(
@@ -87,6 +97,8 @@ ALL_FEATURES: frozenset[str] = frozenset(
 )
 
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
+# shard within a group, replicate across groups: full shard / shard_grad_op per group
+HYBRID_STRATEGIES = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
 BACKWARD_PREFETCHES = ("BACKWARD_PRE", "BACKWARD_POST")
 ALWAYS_WRAP = vocab.ALWAYS_WRAP
 CONFIG_KEYS = (
@@ -113,6 +125,36 @@ class MixedPrecisionConfig:
     reduce_dtype: torch.dtype | None = None
     # Dtype buffers are cast to
     buffer_dtype: torch.dtype | None = None
+    # Dtype the root's floating-point outputs are cast to (FSDP2's output_dtype)
+    output_dtype: torch.dtype | None = None
+    # Whether each instance casts its floating-point forward inputs to param_dtype (None: the
+    # implementation's default)
+    cast_forward_inputs: bool | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype", "buffer_dtype", "output_dtype"):
+            value = getattr(self, name)
+            if value is not None and not (
+                isinstance(value, torch.dtype) and value.is_floating_point
+            ):
+                raise TypeError(
+                    f"mixed_precision {name}={value!r}: give a floating-point torch.dtype or None"
+                )
+        if self.cast_forward_inputs not in (None, True, False):
+            raise TypeError(
+                f"mixed_precision cast_forward_inputs={self.cast_forward_inputs!r}: give a bool "
+                "or None"
+            )
+
+    @property
+    def needs_policy(self) -> bool:
+        """Whether this config goes beyond one low-precision dtype (reduce_dtype other than
+        param_dtype, an output_dtype, cast_forward_inputs=False): `mixed_precision_policy`."""
+        return (
+            (self.reduce_dtype is not None and self.reduce_dtype != self.param_dtype)
+            or self.output_dtype is not None
+            or self.cast_forward_inputs is False
+        )
 
 
 def _enum_name(key: str, value: Any, allowed: tuple[str, ...]) -> str:
@@ -133,7 +175,7 @@ def normalize_config(config: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in config.items():
         if key == "sharding_strategy":
-            out[key] = _enum_name(key, value, SHARDING_STRATEGIES)
+            out[key] = _enum_name(key, value, SHARDING_STRATEGIES + HYBRID_STRATEGIES)
         elif key == "backward_prefetch":
             out[key] = None if value is None else _enum_name(key, value, BACKWARD_PREFETCHES)
         elif key in (
@@ -159,10 +201,27 @@ def normalize_config(config: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def check_process_group(process_group: Any, config: dict[str, Any]) -> None:
+    """ValueError unless `process_group` fits the normalised config's sharding strategy: a
+    (shard_group, replicate_group) pair for a hybrid strategy, one group (or None) otherwise."""
+    hybrid = config.get("sharding_strategy") in HYBRID_STRATEGIES
+    pair = isinstance(process_group, tuple)
+    if hybrid and not (pair and len(process_group) == 2 and None not in process_group):
+        raise ValueError(
+            f"sharding_strategy={config['sharding_strategy']!r} needs "
+            f"process_group=(shard_group, replicate_group), got {process_group!r}"
+        )
+    if pair and not hybrid:
+        raise ValueError(
+            f"process_group={process_group!r} is a (shard, replicate) pair: give it with "
+            f"sharding_strategy in {HYBRID_STRATEGIES}, or give one process group"
+        )
+
+
 def _mixed_precision(value: Any) -> MixedPrecisionConfig | None:
     if value is None or isinstance(value, MixedPrecisionConfig):
         return value
-    fields = ("param_dtype", "reduce_dtype", "buffer_dtype")
+    fields = tuple(field.name for field in dataclasses.fields(MixedPrecisionConfig))
     if isinstance(value, dict):
         unknown = sorted(set(value) - set(fields))
         if unknown:
@@ -174,7 +233,9 @@ def _mixed_precision(value: Any) -> MixedPrecisionConfig | None:
 def features_for(config: dict[str, Any]) -> frozenset[str]:
     """The features a normalised wrap config needs."""
     needed: set[str] = set()
-    if "sharding_strategy" in config:
+    if config.get("sharding_strategy") in HYBRID_STRATEGIES:
+        needed.add(Feature.HYBRID_SHARD)
+    elif "sharding_strategy" in config:
         needed.add(config["sharding_strategy"].lower())
     if "backward_prefetch" in config:
         prefetch = config["backward_prefetch"]
@@ -194,6 +255,8 @@ def features_for(config: dict[str, Any]) -> frozenset[str]:
         needed.add(Feature.MIXED_PRECISION)
         if mixed.buffer_dtype is not None:
             needed.add(Feature.MIXED_PRECISION_BUFFER_DTYPE)
+        if mixed.needs_policy:
+            needed.add(Feature.MIXED_PRECISION_POLICY)
     if config.get("auto_wrap_policy") is not None:
         needed.add(Feature.AUTO_WRAP_POLICY)
     if config.get("sync_module_states"):

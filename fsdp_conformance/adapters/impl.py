@@ -15,7 +15,7 @@ from torch import nn
 
 from fsdp_conformance.training_states import InstanceState, RootState
 
-from .base import Adapter, clean_param_name, scoped_observer
+from .base import Adapter, clean_param_name, flat_grad_pieces, scoped_observer
 from .features import Feature, MixedPrecisionConfig, module_predicate
 
 
@@ -56,6 +56,8 @@ class ImplAdapter(Adapter):
                 param_dtype=mixed.param_dtype,
                 reduce_dtype=mixed.reduce_dtype,
                 buffer_dtype=mixed.buffer_dtype,
+                output_dtype=mixed.output_dtype,
+                cast_forward_inputs=mixed.cast_forward_inputs is not False,
             )
         if config.get("auto_wrap_policy") is not None:
             kwargs["auto_wrap_policy"] = _fsdp1_style_policy(config["auto_wrap_policy"])
@@ -105,6 +107,39 @@ class ImplAdapter(Adapter):
     def _install_device_handle(self, model: nn.Module, handle: Any) -> None:
         self._impl.device.install_device_handle(model, handle)
 
+    # ------------------------------------------------------------------ precision
+    def grad_scaler(self, model: nn.Module, **options: Any) -> Any:
+        """torch's ``ShardedGradScaler`` over the root's process group: impl's gradients are
+        plain sharded tensors, as FSDP1's, so a user pairs impl with the same scaler."""
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        device = next(model.parameters()).device.type
+        return ShardedGradScaler(device, process_group=model.process_group, **options)
+
+    # ------------------------------------------------------------------ sharding
+    def grad_shards(self, model: nn.Module) -> dict[str, tuple[int, torch.Tensor]]:
+        """Each instance's ``flat_param.grad`` cut along the flat parameter's layout."""
+        paths = {id(module): name for name, module in model.named_modules()}
+        pieces = {}
+        for instance in self.instances(model):
+            handle = instance._fsdp_state.handle
+            if handle is None or handle.flat_param.grad is None:
+                continue
+            names = {}
+            for slot in handle.slots:  # a tied parameter: its first name
+                prefix = paths[id(slot.module)]
+                names.setdefault(slot.index, clean_param_name(f"{prefix}.{slot.name}".lstrip(".")))
+            start = handle.rank * handle.shard_numel if handle.sharded else 0
+            pieces.update(
+                flat_grad_pieces(
+                    [names[index] for index in range(len(handle.numels))],
+                    handle.numels,
+                    handle.flat_param.grad.detach(),
+                    start,
+                )
+            )
+        return pieces
+
     # ------------------------------------------------------------------ training loops (issue 21)
     def unsupported(self) -> dict[str, str]:
         return {
@@ -112,7 +147,27 @@ class ImplAdapter(Adapter):
                 "impl's optimizer always sees flat parameters; frozen and trainable parameters "
                 "mix in one instance without a flag (the frozen ones stay unflattened)"
             ),
+            Feature.HYBRID_SHARD: (
+                "impl shards each flat parameter over one process group; it has no replicate "
+                "group to all-reduce across (HYBRID_SHARD)"
+            ),
         }
+
+    # ------------------------------------------------------------------ full state dict, meta init
+    def state_dict(
+        self, model: nn.Module, *, rank0_only: bool = False, offload_to_cpu: bool = False
+    ) -> dict[str, Any]:
+        """impl's full state dict (its default form), with its own two options."""
+        return model.state_dict(rank0_only=rank0_only, offload_to_cpu=offload_to_cpu)
+
+    def load_state_dict(
+        self, model: nn.Module, state_dict: dict[str, Any], *, assign: bool = False
+    ) -> None:
+        model.load_state_dict(state_dict, assign=assign)
+
+    def materialize(self, model: nn.Module, *, device: torch.device) -> None:
+        """Nothing: each impl instance materialises the meta-device modules it manages when it
+        is built (``to_empty`` + ``reset_parameters``, or ``param_init_fn``)."""
 
     def optimizer(
         self,

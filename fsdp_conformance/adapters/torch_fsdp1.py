@@ -32,7 +32,13 @@ from fsdp_conformance.vocab import Op
 
 from . import _fsdp1_internals as internals
 from ._support import RANGES, support_problem
-from .base import Adapter, ObserverRegistry, require_before_first_forward
+from .base import (
+    Adapter,
+    ObserverRegistry,
+    UnsupportedFeatureError,
+    clean_param_name,
+    require_before_first_forward,
+)
 from .deviations import Deviation
 from .features import ALWAYS_WRAP, Feature, module_predicate
 from .states import InstanceState, RootState
@@ -92,6 +98,40 @@ def _patch_torch_fsdp1() -> None:
         (runtime_utils, "_reduce_grad_no_shard", reduce(Op.ALL_REDUCE)),
     ):
         patch_attribute(owner, attribute, make, key=_PATCH_KEY, written_for=_WRITTEN_FOR)
+
+
+def label_instances(model: nn.Module) -> None:
+    """Make every torch FSDP1 instance in ``model`` known to `observe_fsdp1` (its all-gathers
+    and frees happen on its ``FlatParamHandle``, which does not know its instance): call it on
+    each model your adapter wraps. Public: an adapter of its own that wraps with torch FSDP1
+    (examples/my_fsdp_adapter.py) reuses these hooks."""
+    for instance in FullyShardedDataParallel.fsdp_modules(model):
+        handle = internals.handle_of(instance)
+        if handle is not None:
+            _INSTANCE_OF_HANDLE[handle] = instance
+
+
+def observe_fsdp1(callback: Any, instances: list[nn.Module] | None) -> Any:
+    """`Adapter._observe` for torch FSDP1: the context manager that reports each labelled
+    instance's all-gathers, frees and gradient reductions to ``callback`` ([Note:
+    observation] in adapters/base.py), through the patches of `_patch_torch_fsdp1`."""
+    _patch_torch_fsdp1()
+    return _REGISTRY.observing(callback, instances)
+
+
+def install_fsdp1_device_handle(adapter_name: str, model: nn.Module, handle: Any) -> None:
+    """`Adapter._install_device_handle` for torch FSDP1: every instance in ``model`` (and its
+    ``FlatParamHandle``) uses ``handle`` for streams, events and synchronize.
+
+    FSDP1's lazy init of the first forward creates the streams from the handle: RuntimeError
+    naming the adapter when ``model`` already ran forward. On a CPU host FSDP1 only calls
+    Event, Stream, stream, current_stream, synchronize and is_available on it (what the lagging
+    device of fsdp_conformance.observe provides; torch 2.13.0).
+    """
+    instances = FullyShardedDataParallel.fsdp_modules(model)
+    require_before_first_forward(adapter_name, model, instances)
+    for instance in instances:
+        internals.set_device_handle(instance, handle)
 
 
 def _prefetches_with_limit(case: Any) -> bool:
@@ -179,6 +219,34 @@ FSDP1_DEVIATIONS = (
         match=r"instance 'head' at after optimizer.step: instance state BACKWARD_POST",
         measured_on="torch 2.13.0",
     ),
+    # state_dict.full (reproductions: tests/adapters/test_measured_torch_facts.py)
+    Deviation(
+        "state_dict.full",
+        "torch FSDP1's FULL_STATE_DICT with offload_to_cpu=True fails on a CPU-only host "
+        "('setStorage: ... out of bounds for storage of size 0'; rank0_only=True too). "
+        "Reproduction (2 ranks): FSDP(nn.Linear(8, 5), device_id=cpu) after one step, "
+        "model.state_dict() under state_dict_type(FULL_STATE_DICT, "
+        "FullStateDictConfig(offload_to_cpu=True)) raises; offload_to_cpu=False works",
+        lambda case: (
+            case is not None
+            and getattr(case, "option", "") == "offload_to_cpu"
+            and not accelerator_available()
+        ),
+        raises=RuntimeError,
+        match=r"setStorage: .* out of bounds for storage of size 0",
+        measured_on="torch 2.13.0 (CPU build)",
+    ),
+    Deviation(
+        "state_dict.full",
+        "torch FSDP1's load_state_dict(state_dict, assign=True) under FULL_STATE_DICT returns "
+        "without an error but loads nothing: the model trains on from its old values. "
+        "Reproduction (2 ranks): FSDP(nn.Linear(8, 5), device_id=cpu), load_state_dict("
+        "{'weight': 0.5, 'bias': -1.0 filled}, assign=True) under FULL_STATE_DICT, one step: "
+        "summon_full_params shows other values (assign=False loads them)",
+        lambda case: case is not None and getattr(case, "option", "") == "assign",
+        match=r"losses differ from DDP's",
+        measured_on="torch 2.13.0",
+    ),
     # issue 20 (fsdp-conformance fuzz, docs/fuzz.md)
     Deviation(
         "fuzz.generated",
@@ -222,9 +290,11 @@ FSDP1_DEVIATIONS = (
         "base ... has been modified inplace'), 2.8.0 in its next forward "
         "(_writeback_orig_params: 'Cannot writeback when the parameter shape changes') "
         "(tests/adapters/test_measured_torch_facts.py)",
-        lambda case: case is not None
-        and {"branch", "config:sharding_strategy=NO_SHARD", "config:use_orig_params=True"}
-        <= case.uses(),
+        lambda case: (
+            case is not None
+            and {"branch", "config:sharding_strategy=NO_SHARD", "config:use_orig_params=True"}
+            <= case.uses()
+        ),
         raises=(AssertionError, RuntimeError),
         match=r"full parameter names differ from DDP's: missing \["
         r"|is a view and its base or another view of its base has been modified inplace"
@@ -245,6 +315,8 @@ class TorchFSDP1Adapter(Adapter):
         return support_problem(self.name, RANGES["torch-fsdp1"])
 
     def unsupported(self) -> dict[str, str]:
+        from . import _dcp
+
         unsupported = {
             Feature.FORWARD_METHOD: (
                 "torch FSDP1 has no way to run a method other than forward: root.encode(x) "
@@ -253,9 +325,12 @@ class TorchFSDP1Adapter(Adapter):
                 "of size 0', measured on torch 2.13.0); FSDP1 users call wrapped children"
             ),
         }
+        if _dcp.fsdp1_group_dropped():
+            unsupported[Feature.CHECKPOINT_RESUME] = _dcp.FSDP1_SUBGROUP_REASON
         if accelerator_available():
             return unsupported
-        return unsupported | {
+        return {
+            **unsupported,
             Feature.CPU_OFFLOAD: (
                 "torch FSDP1 CPU offload needs an accelerator: on a CPU-only host forward fails "
                 "with 'Cannot access accelerator device when none is available' (a CUDA build: "
@@ -275,13 +350,24 @@ class TorchFSDP1Adapter(Adapter):
         if "backward_prefetch" in config:
             prefetch = config["backward_prefetch"]
             kwargs["backward_prefetch"] = None if prefetch is None else BackwardPrefetch[prefetch]
-        for key in ("forward_prefetch", "limit_all_gathers", "sync_module_states", "use_orig_params"):
+        for key in (
+            "forward_prefetch",
+            "limit_all_gathers",
+            "sync_module_states",
+            "use_orig_params",
+        ):
             if key in config:
                 kwargs[key] = config[key]
         if "cpu_offload" in config:
             kwargs["cpu_offload"] = CPUOffload(offload_params=config["cpu_offload"])
         if config.get("mixed_precision") is not None:
             mixed = config["mixed_precision"]
+            if mixed.output_dtype is not None:
+                raise UnsupportedFeatureError(
+                    self.name,
+                    Feature.MIXED_PRECISION_POLICY,
+                    "torch FSDP1's MixedPrecision has no output_dtype (FSDP2's policy has)",
+                )
             kwargs["mixed_precision"] = MixedPrecision(
                 param_dtype=mixed.param_dtype,
                 reduce_dtype=mixed.reduce_dtype,
@@ -289,7 +375,7 @@ class TorchFSDP1Adapter(Adapter):
                 # every instance casts its floating-point inputs to param_dtype, as impl and
                 # FSDP2 do (FSDP1's default casts the root's only: a nested instance then gets
                 # fp32 activations, e.g. after adding an fp32 buffer, and fails in its matmul)
-                cast_forward_inputs=True,
+                cast_forward_inputs=mixed.cast_forward_inputs is not False,
             )
         if config.get("auto_wrap_policy") is not None:
             kwargs["auto_wrap_policy"] = _fsdp1_policy(config["auto_wrap_policy"])
@@ -299,10 +385,7 @@ class TorchFSDP1Adapter(Adapter):
         if device_id is not None:
             kwargs["device_id"] = device_id
         wrapped = FullyShardedDataParallel(module, process_group=process_group, **kwargs)
-        for instance in FullyShardedDataParallel.fsdp_modules(wrapped):
-            handle = internals.handle_of(instance)
-            if handle is not None:
-                _INSTANCE_OF_HANDLE[handle] = instance
+        label_instances(wrapped)
         return wrapped
 
     def unwrap(self, model: nn.Module) -> nn.Module:
@@ -334,20 +417,60 @@ class TorchFSDP1Adapter(Adapter):
         return FullyShardedDataParallel.summon_full_params(model, writeback=writeback)
 
     def _observe(self, callback, instances):
-        _patch_torch_fsdp1()
-        return _REGISTRY.observing(callback, instances)
+        return observe_fsdp1(callback, instances)
 
     def _install_device_handle(self, model: nn.Module, handle: Any) -> None:
-        # FSDP1 keeps the handle on each state (streams, events, current_stream) and on each
-        # FlatParamHandle (current_stream during all-gather / free) -- torch 2.13.0. On a CPU host
-        # it only calls Event, Stream, stream, current_stream, synchronize and is_available on it
-        # (what the lagging device of fsdp_conformance.observe provides). The root's lazy init
-        # creates the streams from the handle, so it must be replaced before the first forward.
-        instances = FullyShardedDataParallel.fsdp_modules(model)
-        require_before_first_forward(self.name, model, instances)
-        for instance in instances:
-            internals.set_device_handle(instance, handle)
+        install_fsdp1_device_handle(self.name, model, handle)
 
+    # ------------------------------------------------------------------ precision
+    def grad_scaler(self, model: nn.Module, **options: Any) -> Any:
+        """``ShardedGradScaler`` (``torch.distributed.fsdp.sharded_grad_scaler``) over the
+        root's process group, as FSDP1's documentation pairs them."""
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        device = next(model.parameters()).device.type
+        return ShardedGradScaler(device, process_group=model.process_group, **options)
+
+    # ------------------------------------------------------------------ sharding
+    def grad_shards(self, model: nn.Module) -> dict[str, tuple[int, torch.Tensor]]:
+        """Each FlatParameter's local gradient shard, cut by its shard metadata (FSDP1 has no
+        public per-parameter view of it with flat parameters: ``summon_full_params(
+        with_grads=True)`` needs ``use_orig_params=True``)."""
+        paths = {id(module): name for name, module in model.named_modules()}
+        pieces = {}
+        for instance in FullyShardedDataParallel.fsdp_modules(model):
+            handle = internals.handle_of(instance)
+            if handle is None or handle.flat_param.grad is None:
+                continue
+            path = paths[id(instance)]
+            prefix = clean_param_name(path + ".") if path else ""
+            grad = handle.flat_param.grad.detach()
+            for fqn, start, offset, numel in internals.grad_shard_layout(handle):
+                pieces[prefix + fqn] = (start, grad[offset : offset + numel])
+        return pieces
+
+    # ------------------------------------------------------------------ full state dict, meta init
+    def state_dict(
+        self, model: nn.Module, *, rank0_only: bool = False, offload_to_cpu: bool = False
+    ) -> dict[str, Any]:
+        """``FULL_STATE_DICT`` with ``FullStateDictConfig(offload_to_cpu, rank0_only)``."""
+        from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+
+        config = FullStateDictConfig(offload_to_cpu=offload_to_cpu, rank0_only=rank0_only)
+        with FullyShardedDataParallel.state_dict_type(model, StateDictType.FULL_STATE_DICT, config):
+            return model.state_dict()
+
+    def load_state_dict(
+        self, model: nn.Module, state_dict: dict[str, Any], *, assign: bool = False
+    ) -> None:
+        from torch.distributed.fsdp import StateDictType
+
+        with FullyShardedDataParallel.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+            model.load_state_dict(state_dict, assign=assign)
+
+    def materialize(self, model: nn.Module, *, device: torch.device) -> None:
+        """Nothing: FSDP1 materialises a meta-device module while wrapping it (no
+        ``param_init_fn``: ``to_empty`` + ``reset_parameters()`` of each module it manages)."""
 
     # ------------------------------------------------------------------ training loops (issue 21)
     # no_sync() and clip_grad_norm_() are FSDP1's own methods on the root (the Adapter defaults)
@@ -356,11 +479,13 @@ class TorchFSDP1Adapter(Adapter):
         written with torch.distributed.checkpoint (``_dcp.py``)."""
         from . import _dcp
 
+        self.check(Feature.CHECKPOINT_RESUME)
         _dcp.save(model, optimizer, directory, model.process_group)
 
     def load_checkpoint(self, model: nn.Module, optimizer: Any, directory: str) -> None:
         from . import _dcp
 
+        self.check(Feature.CHECKPOINT_RESUME)
         _dcp.load(model, optimizer, directory, model.process_group)
 
 

@@ -18,8 +18,8 @@ Mapping of the FSDP1 vocabulary (torch 2.13.0):
 - cpu_offload -> `CPUOffloadPolicy(pin_memory=<host has an accelerator>)`: on a CPU-only host
   the default `pin_memory=True` fails with "Cannot access accelerator device when none is
   available"; `pin_memory=False` works (measured).
-- mixed_precision -> `MixedPrecisionPolicy(param_dtype, reduce_dtype)`; FSDP2 does not cast
-  buffers (buffer_dtype unsupported).
+- mixed_precision -> `MixedPrecisionPolicy(param_dtype, reduce_dtype, output_dtype,
+  cast_forward_inputs)`; FSDP2 does not cast buffers (buffer_dtype unsupported).
 - sync_module_states: no FSDP2 flag (unsupported).
 - auto_wrap_policy: emulated by this adapter (fully_shard each matching submodule, inner first).
 - summon_full_params: emulated with `FSDPModule.unshard()` / `reshard()`; no writeback.
@@ -45,7 +45,7 @@ from . import _fsdp2_internals as internals
 from ._fsdp2_device import install_lagging_device, observe_buffers
 from ._fsdp2_prefetch import configure_prefetch
 from ._support import RANGES, support_problem
-from .base import Adapter, ObserverRegistry, scoped_observer
+from .base import Adapter, ObserverRegistry, UnsupportedFeatureError, scoped_observer
 from .deviations import Deviation
 from .features import Feature, auto_wrap_targets
 from .states import InstanceState, RootState
@@ -228,7 +228,9 @@ class TorchFSDP2Adapter(Adapter):
         }
 
     def _wrap(self, module: nn.Module, process_group: Any, config: dict[str, Any]) -> nn.Module:
-        group = process_group if process_group is not None else dist.group.WORLD
+        hybrid = isinstance(process_group, tuple)  # (shard, replicate): a HYBRID_* strategy
+        group = process_group[0] if hybrid else process_group
+        group = group if group is not None else dist.group.WORLD
         device_id = config.get("device_id")
         if device_id is not None:
             device_type = torch.device(device_id).type if not isinstance(device_id, int) else "cuda"
@@ -238,17 +240,22 @@ class TorchFSDP2Adapter(Adapter):
         kwargs: dict[str, Any] = {"mesh": DeviceMesh.from_group(group, device_type)}
         if config.get("sharding_strategy") == "NO_SHARD" and group.size() > 1:
             kwargs["mesh"] = _replicate_mesh(group, device_type)
+        if hybrid:
+            kwargs["mesh"] = _hybrid_mesh(*process_group, device_type)
         if "sharding_strategy" in config:
             # None = FSDP2's auto: reshard non-root instances, keep the root (as FSDP1 FULL_SHARD)
             # NO_SHARD: nothing to reshard on a one-rank shard group (HSDP, _replicate_mesh)
-            full_shard = config["sharding_strategy"] == "FULL_SHARD"
+            full_shard = config["sharding_strategy"] in ("FULL_SHARD", "HYBRID_SHARD")
             kwargs["reshard_after_forward"] = None if full_shard else False
         if config.get("cpu_offload"):
             kwargs["offload_policy"] = api.CPUOffloadPolicy(pin_memory=accelerator_available())
         if config.get("mixed_precision") is not None:
             mixed = config["mixed_precision"]
             kwargs["mp_policy"] = api.MixedPrecisionPolicy(
-                param_dtype=mixed.param_dtype, reduce_dtype=mixed.reduce_dtype
+                param_dtype=mixed.param_dtype,
+                reduce_dtype=mixed.reduce_dtype,
+                output_dtype=mixed.output_dtype,
+                cast_forward_inputs=mixed.cast_forward_inputs is not False,
             )
         prefetch = (
             config.get("forward_prefetch", False),
@@ -323,6 +330,42 @@ class TorchFSDP2Adapter(Adapter):
         install_lagging_device(model, handle)
 
 
+    # ------------------------------------------------------------------ precision
+    def grad_scaler(self, model: nn.Module, **options: Any) -> Any:
+        """``torch.amp.GradScaler``: FSDP2's gradients are DTensors, whose inf/NaN check
+        (``_amp_foreach_non_finite_check_and_unscale_``) combines found_inf across the mesh
+        (measured on CPU/gloo, torch 2.13.0: one rank's inf skips the step on both ranks)."""
+        device = next(model.parameters()).device.type
+        return torch.amp.GradScaler(device, **options)
+
+    def on_test_end(self) -> None:
+        _HYBRID_MESHES.clear()  # the groups of these meshes are destroyed after the test
+
+    # ------------------------------------------------------------------ sharding
+    def grad_shards(self, model: nn.Module) -> dict[str, tuple[int, torch.Tensor]]:
+        """Each DTensor gradient's local shard (``to_local()``) at its offset: FSDP2 shards dim
+        0 in ``torch.chunk``'s rows (ceil(rows / n) per mesh coordinate, the last ones short
+        or empty), replicated over an HSDP mesh's other dimension; no collective."""
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        pieces = {}
+        for name, param in model.named_parameters():
+            grad = param.grad
+            if not isinstance(grad, DTensor) or grad.ndim == 0:
+                continue
+            start_row = 0
+            coordinate = grad.device_mesh.get_coordinate()
+            for mesh_dim, placement in enumerate(grad.placements):
+                if isinstance(placement, Shard) and placement.dim == 0:
+                    rows_per_rank = -(-grad.shape[0] // grad.device_mesh.size(mesh_dim))
+                    start_row = coordinate[mesh_dim] * rows_per_rank
+                elif not isinstance(placement, Replicate):
+                    return None  # a layout this reading does not know: parity per step only
+            local = grad.to_local().detach().reshape(-1)
+            if local.numel():
+                pieces[name] = (start_row * (grad.numel() // grad.shape[0]), local)
+        return pieces
+
     # ------------------------------------------------------------------ training loops (issue 21)
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:
@@ -346,6 +389,59 @@ class TorchFSDP2Adapter(Adapter):
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
+    # ------------------------------------------------------------------ full state dict, meta init
+    def state_dict(
+        self, model: nn.Module, *, rank0_only: bool = False, offload_to_cpu: bool = False
+    ) -> dict[str, Any]:
+        """``get_model_state_dict(full_state_dict=True)``; its ``cpu_offload=True`` gives the
+        state dict, on the CPU, to rank 0 only: ``rank0_only`` is that (``offload_to_cpu``
+        alone has no FSDP2 form)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        if offload_to_cpu and not rank0_only:
+            raise UnsupportedFeatureError(
+                self.name,
+                Feature.FULL_STATE_DICT,
+                "offload_to_cpu without rank0_only: torch FSDP2's get_model_state_dict("
+                "full_state_dict=True, cpu_offload=True) gives the other ranks an empty dict",
+            )
+        options = StateDictOptions(full_state_dict=True, cpu_offload=rank0_only)
+        return get_model_state_dict(model, options=options)
+
+    def load_state_dict(
+        self, model: nn.Module, state_dict: dict[str, Any], *, assign: bool = False
+    ) -> None:
+        """``set_model_state_dict(full_state_dict=True)``; with ``assign``, FSDP2's documented
+        form: each full tensor laid out as its parameter's DTensor (``distribute_tensor``), then
+        ``model.load_state_dict(..., assign=True)`` (the parameters re-assigned)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        if not assign:
+            options = StateDictOptions(full_state_dict=True)
+            set_model_state_dict(model, state_dict, options=options)
+            return
+        current = model.state_dict()
+        sharded = {}
+        for key, value in state_dict.items():
+            target = current.get(key)
+            if isinstance(target, DTensor):
+                value = distribute_tensor(
+                    value.to(target.device), target.device_mesh, target.placements
+                )
+            sharded[key] = value
+        model.load_state_dict(sharded, assign=True)
+
+    def materialize(self, model: nn.Module, *, device: torch.device) -> None:
+        """FSDP2's documented meta-device init: ``model.to_empty(device=...)``, then each
+        module's ``reset_parameters()``."""
+        model.to_empty(device=device)
+        for module in model.modules():
+            reset = getattr(module, "reset_parameters", None)
+            if callable(reset):
+                reset()
+
+    # ------------------------------------------------------------------ other forward methods
     def register_forward_method(self, instance: nn.Module, name: str) -> None:
         """``torch.distributed.fsdp.register_fsdp_forward_method(instance, name)``."""
         self.check(Feature.FORWARD_METHOD)
@@ -409,6 +505,33 @@ def _replicate_mesh(group: Any, device_type: str) -> DeviceMesh:
             mesh_dim_names=("replicate", "shard"),
         )
     return _REPLICATE_MESHES[key]
+
+
+# (shard group, replicate group, device type) -> their 2-D mesh; emptied after every test
+_HYBRID_MESHES: dict[tuple[Any, Any, str], DeviceMesh] = {}
+
+
+def _hybrid_mesh(shard: Any, replicate: Any, device_type: str) -> DeviceMesh:
+    """HYBRID_SHARD in FSDP2's terms: the 2-D mesh (replicate, shard) of two existing groups.
+
+    Row i of the mesh is the i-th shard group (its global ranks in group order), so this
+    rank sits at (its index in ``replicate``, its index in ``shard``).
+    """
+    key = (shard, replicate, device_type)
+    if key not in _HYBRID_MESHES:
+        sizes = (replicate.size(), shard.size())
+        ranks = [None] * (sizes[0] * sizes[1])
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (dist.get_rank(), replicate.rank(), shard.rank()))
+        for rank, row, column in gathered:
+            ranks[row * sizes[1] + column] = rank
+        _HYBRID_MESHES[key] = DeviceMesh.from_group(
+            [replicate, shard],
+            device_type,
+            mesh=torch.tensor(ranks).view(*sizes),
+            mesh_dim_names=("replicate", "shard"),
+        )
+    return _HYBRID_MESHES[key]
 
 
 @contextlib.contextmanager

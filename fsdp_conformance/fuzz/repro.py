@@ -1,6 +1,9 @@
 """Reproductions: ``write_repro`` writes a standalone ``repro.py`` for a failing case; running it
-calls ``main``, which runs the case once on local ranks against the implementation, prints the
-first difference and exits 1 while the failure persists, 0 once it is gone.
+calls ``main``, which runs the case once on local ranks against the implementation and ends
+with one line saying which of three it is: exit 1 (``STILL_FAILS``) while the failure persists,
+0 (``PASSES``) once it is gone, 2 (``CANNOT_RUN``) when the case cannot be run here at all
+(fsdp-conformance or torch not importable, the adapter missing or broken, torch outside the
+adapter's supported range) -- never 1 for a reproduction that did not run.
 
     python repro.py                         # the --impl and world size it was found with
     python repro.py --impl torch-fsdp2      # the same case on another implementation
@@ -24,7 +27,7 @@ _TEMPLATE = '''\
 """A failing case found by `fsdp-conformance fuzz --impl {impl} --seed {seed}` (world size
 {world_size}), shrunk by hypothesis. Run it to see whether it still fails:
 
-    python {name}                       # exit 1 while it fails, 0 once fixed
+    python {name}                       # exit 1 while it fails, 0 once fixed, 2: cannot run
     python {name} --impl torch-fsdp2    # the same case on another implementation
 
 {description}
@@ -35,8 +38,16 @@ First difference when found:
 
 import sys
 
-from fsdp_conformance.fuzz.repro import main
-from fsdp_conformance.fuzz.spec import Block, FuzzCase, ModelSpec, Program, Seq, Step
+try:
+    from fsdp_conformance.fuzz.repro import main
+    from fsdp_conformance.fuzz.spec import Block, FuzzCase, ModelSpec, Program, Seq, Step
+except ImportError as error:
+    print(
+        f"cannot run (exit 2): fsdp-conformance does not import here ({{error}}); run this "
+        "file with the Python that has fsdp-conformance installed",
+        file=sys.stderr,
+    )
+    sys.exit(2)
 
 CASE = {case}
 IMPL = {impl!r}
@@ -141,8 +152,16 @@ def repro_in_rank(dist: Any, case: FuzzCase, out_file: str) -> None:
             json.dump({"kind": combined.kind, "message": combined.message}, stream)
 
 
+class CannotRun(RuntimeError):
+    """The reproduction could not run its case here (repro.py exits ``CANNOT_RUN``)."""
+
+
 def run_in_ranks(case: FuzzCase, impl: str, world_size: int, timeout: float = 600.0) -> Outcome:
-    """``case`` run once on ``world_size`` fresh local ranks against ``impl``."""
+    """``case`` run once on ``world_size`` fresh local ranks against ``impl``.
+
+    Raises:
+        CannotRun: the ranks skipped the case (it needs what this host lacks).
+    """
     from fsdp_conformance.world.runtime import run_function
 
     if os.getcwd() not in sys.path:
@@ -159,6 +178,8 @@ def run_in_ranks(case: FuzzCase, impl: str, world_size: int, timeout: float = 60
         test_id="fsdp-conformance fuzz repro",
     )
     try:
+        if result.verdict.status == "skipped":  # e.g. the ranks lack the GPUs the case needs
+            raise CannotRun(f"the ranks skipped: {result.verdict.message}")
         if result.verdict.status != "passed":
             return Outcome(FAIL, f"the ranks {result.verdict.status}: {result.verdict.message}")
         with open(out_file, encoding="utf-8") as stream:
@@ -170,10 +191,42 @@ def run_in_ranks(case: FuzzCase, impl: str, world_size: int, timeout: float = 60
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+# repro.py's exit codes
+PASSES = 0
+STILL_FAILS = 1
+CANNOT_RUN = 2
+
+
+def cannot_run_reason(impl: str) -> str | None:
+    """Why a reproduction cannot run against ``impl`` here (torch or the adapter does not
+    import, its extra is missing, torch is outside its supported range), or None."""
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # pkg.module:ATTR adapters next to the script
+    from fsdp_conformance.cli.common import missing_extra
+
+    problem = missing_extra(impl)
+    if problem is not None:
+        return problem
+    try:
+        from fsdp_conformance.adapters import get_adapter
+
+        adapter = get_adapter(impl)
+    except Exception as error:  # noqa: BLE001  whatever stops the adapter from loading
+        return " ".join(f"--impl {impl}: {type(error).__name__}: {error}".split())
+    support = adapter.support_problem()
+    if support is not None:
+        return f"adapter {adapter.name!r}: {support}"
+    return None
+
+
 def main(case: FuzzCase, impl: str, world_size: int, argv: list[str] | None = None) -> int:
-    """A reproduction script's entry point: 1 while ``case`` fails on ``impl``, 0 otherwise."""
+    """A reproduction script's entry point: ``STILL_FAILS`` (1) while ``case`` fails on
+    ``impl``, ``PASSES`` (0) once it does not, ``CANNOT_RUN`` (2) when it cannot run here; the
+    last line printed says which."""
     parser = argparse.ArgumentParser(
-        description="Run a reproduction written by fsdp-conformance fuzz."
+        description="Run a reproduction written by fsdp-conformance fuzz. Exit codes: 0 passes "
+        "now, 1 still fails, 2 cannot run here (import error, missing adapter, torch outside "
+        "the adapter's range, bad option)."
     )
     parser.add_argument("--impl", default=impl, help=f"the adapter (default {impl!r})")
     parser.add_argument(
@@ -183,16 +236,26 @@ def main(case: FuzzCase, impl: str, world_size: int, argv: list[str] | None = No
     args = parser.parse_args(argv)
     if args.world_size < 1:
         parser.error(f"--world-size {args.world_size}: must be >= 1")
+    problem = cannot_run_reason(args.impl)
+    if problem is not None:
+        print(f"cannot run (exit {CANNOT_RUN}): {problem}", file=sys.stderr)
+        return CANNOT_RUN
     print(describe(case, args.world_size))
     print(f"running on {args.world_size} local ranks against --impl {args.impl} ...", flush=True)
-    outcome = run_in_ranks(case, args.impl, args.world_size, args.timeout)
+    try:
+        outcome = run_in_ranks(case, args.impl, args.world_size, args.timeout)
+    except CannotRun as error:
+        print(f"cannot run (exit {CANNOT_RUN}): {error}", file=sys.stderr)
+        return CANNOT_RUN
     if outcome.kind == FAIL:
         print(f"FAILS: {outcome.message}")
-        return 1
+        print(f"still fails (exit {STILL_FAILS})")
+        return STILL_FAILS
     if outcome.kind == OK:
         print("passes: the FSDP run matches DDP (the failure is gone)")
     elif outcome.kind == UNSUPPORTED:
         print(f"refused with a clear error (not a failure): {outcome.message}")
     elif outcome.kind == DEVIATION:
         print(f"fails as the adapter declares (a known deviation): {outcome.message}")
-    return 0
+    print(f"passes now (exit {PASSES})")
+    return PASSES

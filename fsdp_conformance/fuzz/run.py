@@ -45,7 +45,11 @@ import torch
 from torch import nn
 
 from fsdp_conformance.adapters import UnsupportedFeatureError, clean_param_name
-from fsdp_conformance.suite.training import LR, MOMENTUM  # the suite's SGD, both runs
+from fsdp_conformance.suite.training import (  # the suite's SGD, both runs
+    LR,
+    MOMENTUM,
+    adapter_backward,
+)
 
 from .model import build_model, make_batch, unpack
 from .spec import FuzzCase
@@ -206,11 +210,7 @@ def fsdp_run(adapter: Any, case: FuzzCase, dist: Any) -> Trace:
 
 
 def _backward(adapter: Any, root: nn.Module, loss: torch.Tensor) -> None:
-    if adapter.grad_reduction == "sum":
-        import torch.distributed as tdist
-
-        loss = loss / tdist.get_world_size()
-    adapter.backward(root, loss)
+    adapter_backward(adapter, root, loss)
 
 
 def _recorder(adapter: Any, root: nn.Module) -> Any:

@@ -62,14 +62,21 @@ class MixedPrecision:
     Args:
         param_dtype: dtype parameters are all-gathered and computed in (also the dtype
             floating-point forward inputs are cast to). ``None``: the original dtype.
-        reduce_dtype: dtype gradients are reduced in. ``None``: ``param_dtype``.
+        reduce_dtype: dtype gradients are reduced in. ``None``: ``param_dtype``. Gradients
+            accumulate in the original dtype: across ``no_sync`` micro-batches and after
+            each reduction.
         buffer_dtype: dtype floating-point buffers are cast to at lazy init (the state
             dict returns them in their original dtype). ``None``: unchanged.
+        output_dtype: dtype the root casts its floating-point outputs to. ``None``: unchanged.
+        cast_forward_inputs: whether each instance casts its floating-point forward inputs
+            to ``param_dtype``.
     """
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     buffer_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
 
 
 class ShardedFlatParameter(NamedTuple):

@@ -15,9 +15,18 @@ import torch.distributed as dist
 from fsdp_conformance.impl import trace
 from fsdp_conformance.vocab import Op
 
-# torch 2.13 renamed the tensor collectives; fall back to the old names on older torch
-_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+# torch 2.13 renamed the tensor collectives; fall back to the old names on older torch (looked
+# up at each call, as torch FSDP does, so a wrapper installed on torch.distributed sees them)
+def _all_gather_tensor(*args: Any, **kwargs: Any) -> Any:
+    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(
+        *args, **kwargs
+    )
+
+
+def _reduce_scatter_tensor(*args: Any, **kwargs: Any) -> Any:
+    function = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return function(*args, **kwargs)
 
 
 def all_gather(

@@ -114,6 +114,10 @@ class FlatParamHandle:
         self.compute_dtype = mp.param_dtype or self.orig_dtype
         # dtype gradients are reduced in
         self.reduce_dtype = mp.reduce_dtype or self.compute_dtype
+        # whether forward inputs are cast to compute_dtype
+        self.cast_forward_inputs = mp.cast_forward_inputs
+        # no_sync's unreduced gradient in the original dtype (None: nothing accumulated)
+        self.unsynced_grad: torch.Tensor | None = None
         with torch.no_grad():
             flat = torch.cat([p.detach().reshape(-1) for p in unique])
             if self.sharded:
@@ -220,9 +224,24 @@ class FlatParamHandle:
         self._resize(0)
 
     # ------------------------------------------------------------------ gradients
+    def accumulate_unsynced_grad(self) -> None:
+        """Inside ``no_sync``: add the unsharded gradient to ``unsynced_grad`` in the original
+        dtype (a low-precision sum over many micro-batches would lose their small terms)."""
+        grad = self.unsharded.grad
+        if grad is None or grad.dtype == self.orig_dtype:
+            return  # the same dtype: autograd keeps accumulating into unsharded.grad
+        self.unsharded.grad = None
+        if self.unsynced_grad is None:
+            self.unsynced_grad = grad.to(self.orig_dtype)
+        else:
+            self.unsynced_grad += grad
+
     def start_grad_reduction(self) -> PendingReduction | None:
         """Take the unsharded gradient and issue its reduction (pre-divided by world size)."""
+        self.accumulate_unsynced_grad()
         grad = self.unsharded.grad
+        if self.unsynced_grad is not None:
+            grad, self.unsynced_grad = self.unsynced_grad, None
         if grad is None:
             return None
         self.unsharded.grad = None

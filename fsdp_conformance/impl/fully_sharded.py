@@ -67,6 +67,11 @@ class FullyShardedDataParallel(ForwardMixin, StateDictMixin, nn.Module):
         forward_prefetch: issue the next instance's all-gather in pre-forward (static graphs).
         limit_all_gathers: rate-limit all-gathers (see ``limiter.py``).
         ignored_modules: modules whose parameters and buffers FSDP leaves alone.
+        param_init_fn: for a module built on the meta device: ``param_init_fn(submodule)``
+            allocates and initialises that submodule's own parameters and buffers; default:
+            ``submodule.to_empty(device=..., recurse=False)`` then its ``reset_parameters()``.
+            Called once per submodule this instance manages (nested instances materialised
+            themselves when they were built), on the compute device.
     """
 
     def __init__(
@@ -83,6 +88,7 @@ class FullyShardedDataParallel(ForwardMixin, StateDictMixin, nn.Module):
         forward_prefetch: bool = False,
         limit_all_gathers: bool = True,
         ignored_modules: Iterable[nn.Module] | None = None,
+        param_init_fn: Callable[[nn.Module], None] | None = None,
     ) -> None:
         _check_arguments(module, sharding_strategy, cpu_offload, backward_prefetch, mixed_precision)
         if not dist.is_available() or not dist.is_initialized():
@@ -113,9 +119,11 @@ class FullyShardedDataParallel(ForwardMixin, StateDictMixin, nn.Module):
                 "forward_prefetch": forward_prefetch,
                 "limit_all_gathers": limit_all_gathers,
                 "ignored_modules": ignored_modules,
+                "param_init_fn": param_init_fn,
             }
             _recursive_wrap(module, auto_wrap_policy, ignored, child_kwargs, only_children=True)
 
+        _materialize_meta(module, ignored, device_id, param_init_fn)
         params = _frozen_apart(_collect_params(module, ignored))
         compute_device = _compute_device(module, params, device_id)
         cpu_offload = cpu_offload or CPUOffload()
@@ -352,6 +360,61 @@ def _collect_params(
 
     visit(module, "")
     return found
+
+
+def _materialize_meta(
+    module: nn.Module,
+    ignored: set[nn.Module],
+    device_id: int | torch.device | None,
+    param_init_fn: Callable[[nn.Module], None] | None,
+) -> None:
+    """Materialise the submodules this instance manages when all their parameters (and
+    buffers) are on the meta device: each submodule holding tensors is allocated on the compute
+    device and initialised once (``param_init_fn`` or ``to_empty`` + ``reset_parameters``).
+    Parameters on meta and elsewhere are left to the mixed-devices error of ``_compute_device``.
+    """
+    if param_init_fn is not None and not callable(param_init_fn):
+        raise TypeError(f"param_init_fn must be callable (module) -> None, got {param_init_fn!r}")
+    owned: list[nn.Module] = []
+
+    def visit(m: nn.Module) -> None:
+        if isinstance(m, FullyShardedDataParallel) or m in ignored:
+            return
+        owned.append(m)
+        for child in m.children():
+            visit(child)
+
+    visit(module)
+    tensors = [
+        t
+        for m in owned
+        for t in (*m._parameters.values(), *m._buffers.values())
+        if t is not None
+    ]
+    if not tensors or not all(t.is_meta for t in tensors):
+        return
+    if device_id is not None:
+        device = torch.device("cuda", device_id) if isinstance(device_id, int) else device_id
+    else:
+        device = torch.device("cuda", torch.cuda.current_device()) if (
+            accelerator_available()
+        ) else torch.device("cpu")
+    with torch.no_grad():
+        for m in owned:
+            if not any(t is not None for t in (*m._parameters.values(), *m._buffers.values())):
+                continue
+            if param_init_fn is not None:
+                param_init_fn(m)
+                continue
+            reset = getattr(m, "reset_parameters", None)
+            if not callable(reset):
+                raise ValueError(
+                    f"{type(m).__name__} was built on the meta device but has no "
+                    "reset_parameters(); give it one (initialising its own parameters and "
+                    "buffers) or pass param_init_fn"
+                )
+            m.to_empty(device=torch.device(device), recurse=False)
+            reset()
 
 
 def _frozen_apart(

@@ -222,7 +222,7 @@ def pre_forward(state: FSDPState, args: tuple, kwargs: dict) -> tuple[tuple, dic
         prefetch(state, "forward")
     wait_unshard(state)
     handle.use_views(handle.unsharded)
-    if handle.compute_dtype != handle.orig_dtype:
+    if handle.compute_dtype != handle.orig_dtype and handle.cast_forward_inputs:
         dtype = handle.compute_dtype
         args, kwargs = tree_map_only(
             torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, (args, kwargs)
@@ -238,6 +238,12 @@ def post_forward(state: FSDPState, output: Any) -> Any:
         transition(state, HandleTrainingState.BACKWARD_PRE, "post-forward (recompute)")
         return output
     state.context.exec_order.record_post_forward(state)
+    mp = state.mixed_precision
+    if state.is_root and mp is not None and mp.output_dtype is not None:
+        dtype = mp.output_dtype
+        output = tree_map_only(
+            torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, output
+        )
     handle = state.handle
     if handle is not None and handle.strategy == ShardingStrategy.FULL_SHARD and not state.is_root:
         reshard(state)
@@ -284,7 +290,8 @@ def post_backward_hook(state: FSDPState, unsharded: torch.Tensor) -> None:
     if state.backward_prefetch == BackwardPrefetch.BACKWARD_POST:
         prefetch(state, "backward_post")
     if not state.sync_gradients:
-        return  # no_sync(): keep accumulating the unsharded gradient
+        handle.accumulate_unsynced_grad()  # no_sync(): keep the unreduced gradient
+        return
     context.post_backward_stream.wait_stream(device.current_stream())
     with device.stream(context.post_backward_stream):
         pending = handle.start_grad_reduction()

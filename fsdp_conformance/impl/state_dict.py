@@ -145,12 +145,11 @@ class StateDictMixin:
         Args:
             state_dict: from ``state_dict()`` (any form), or an unwrapped module's state dict.
             strict: raise if keys are missing or unexpected.
-            assign: unsupported (must be False).
+            assign: accepted as ``nn.Module.load_state_dict`` takes it (e.g. before the first
+                forward of a meta-device model): the values are loaded into the flat parameter,
+                since the original parameters are views of it and cannot adopt the given
+                tensors; dtypes and ``requires_grad`` stay the module's.
         """
-        if assign:
-            raise ValueError(
-                "FullyShardedDataParallel.load_state_dict does not support assign=True"
-            )
         entries = list(self._state_entries())
         sharded = any(isinstance(v, ShardedFlatParameter) for v in state_dict.values())
         skipped_kind = "param" if sharded else "flat"  # the entries of the other form

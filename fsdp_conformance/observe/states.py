@@ -52,7 +52,7 @@ from torch import nn
 
 from fsdp_conformance import training_states
 from fsdp_conformance._tensors import output_tensors
-from fsdp_conformance.adapters import Adapter, clean_param_name
+from fsdp_conformance.adapters import Adapter, Feature, clean_param_name
 from fsdp_conformance.training_states import (
     LEGAL_INSTANCE_TRANSITIONS,
     LEGAL_ROOT_TRANSITIONS,
@@ -119,6 +119,9 @@ class TrainingStateRecorder:
             id(instance): names.get(id(instance)) or "<root>" for instance in self.instances
         }
         self.root = self.instances[0] if self.instances else None  # outermost instance
+        # False: the implementation has no training states (feature training_states): nothing
+        # is read, so a loop check that records states along the way checks the rest only
+        self.enabled = adapter.supports(Feature.TRAINING_STATES)
         # - Recorded state
         self.last: dict[tuple[int, str], str] = {}  # (instance id, level) -> last state seen
         self.violations: list[Violation] = []  # first MAX_VIOLATIONS illegal states
@@ -190,6 +193,8 @@ class TrainingStateRecorder:
         """
         self.samples += 1
         self.hooks_seen.add(hook)
+        if not self.enabled:
+            return
         label = hook if of is None else f"{hook} of {of}"
         for instance in self.instances:
             name = self.names[id(instance)]
@@ -224,6 +229,8 @@ class TrainingStateRecorder:
         """
         hook = "after optimizer.step"
         self.sample(hook)
+        if not self.enabled:
+            return
         for instance in self.instances:
             state = self._instance_state(instance)
             if state is not None and state != InstanceState.IDLE:

@@ -34,7 +34,13 @@ in the docstring of ``BaseGradientClippingTests``. Accumulation with synchronisa
 micro-batch is not bit-exact either: DDP all-reduces the gradient accumulated so far (local sum
 of the micro-batches, then averaged), FSDP reduces each micro-batch's gradient and adds the
 averaged results; ``atol = rtol = 1e-6`` (a few float32 ulps of gradients of order 1; measured
-max difference 3.5e-10 on ``nested`` after 2 steps, impl).
+max difference 3.5e-10 on ``nested`` after 2 steps, impl). Two forwards before one backward get
+the same tolerance: an implementation that reduces once per parameter access (SimpleFSDP's
+all-gather in a parametrization, whose backward reduce-scatters) reduces each forward's
+gradient and adds the two results, where DDP reduces their sum -- one float32 addition in
+another order per element per step, so the parameters after 4 steps differ by at most a few
+ulps of the gradient times ``lr`` and momentum's ``1 / (1 - 0.9)``: far below 1e-6 (impl, FSDP1
+and FSDP2 reduce once and stay bit-exact).
 """
 
 from __future__ import annotations
@@ -58,6 +64,7 @@ from fsdp_conformance.models import (
 )
 from fsdp_conformance.observe.comm_trace import REDUCE_OPS, CommTrace
 from fsdp_conformance.observe.states import IllegalTrainingState, TrainingStateRecorder
+from fsdp_conformance.vocab import Op
 
 from . import training, verdict, zoo
 
@@ -94,6 +101,7 @@ def build(
     *,
     checkpointing: bool | str = False,
     group: Any = None,
+    process_group: Any = None,
 ) -> tuple[nn.Module, nn.Module]:
     """The zoo model wrapped by `adapter` (root and zoo model); skips on a missing feature.
 
@@ -101,17 +109,20 @@ def build(
         checkpointing: each wrapped block runs under non-reentrant activation checkpointing
             ("inside" or True: inside the FSDP instance; "outside": around it).
         group: the process group (None: the test's).
+        process_group: what the instances shard over when not `group` (a hybrid strategy's
+            (shard_group, replicate_group) pair).
     """
     spec = zoo.MODELS[model_name]
     adapter.require(*spec.features)
     adapter.require(*adapter.features_for(**config))
     group = dist.group if group is None else group
-    wrap: Any = adapter.wrapper(process_group=group, **config)
+    process_group = group if process_group is None else process_group
+    wrap: Any = adapter.wrapper(process_group=process_group, **config)
     if checkpointing:
         wrap = CheckpointingWrap(wrap, outside=checkpointing == "outside")
     zoo_model = zoo.build(model_name, group, wrap, dist.device)
     root_config = {**config, **zoo_model.ROOT_WRAP_CONFIG}
-    root = adapter.wrap(zoo_model, process_group=group, root=True, **root_config)
+    root = adapter.wrap(zoo_model, process_group=process_group, root=True, **root_config)
     return move_after_wrap(root, DeviceInit.AFTER, dist.device), zoo_model
 
 
@@ -223,22 +234,20 @@ def trainable_labels(adapter: Any, root: nn.Module, trace: CommTrace) -> dict[st
     """Instance label -> whether the instance manages a parameter that requires a gradient
     (its own registered parameters: flat parameters, or FSDP2's DTensors)."""
     instances = adapter.instances(root)
-    nested = {id(instance) for instance in instances}
-    labels = {}
-    for instance in instances:
-        trainable = False
-        stack = [instance]
-        while stack:
-            module = stack.pop()
-            trainable |= any(p is not None and p.requires_grad for p in module._parameters.values())
-            stack.extend(c for c in module.children() if id(c) not in nested)
-        labels[trace.labels[id(instance)]] = trainable
-    return labels
+    return {
+        trace.labels[id(instance)]: any(
+            p.requires_grad for p in training.own_parameters(instances, instance)
+        )
+        for instance in instances
+    }
 
 
-def reductions_per_label(trace: CommTrace, phase: str) -> dict[str, int]:
+def reductions_per_label(
+    trace: CommTrace, phase: str, ops: Any = REDUCE_OPS
+) -> dict[str, int]:
+    """Instance label -> how many of `ops` (gradient reductions by default) it issued."""
     counts: dict[str, int] = {}
-    for event in trace.select(phase, REDUCE_OPS):
+    for event in trace.select(phase, ops):
         counts[event.label] = counts.get(event.label, 0) + 1
     return counts
 
@@ -287,8 +296,9 @@ class BaseGradientAccumulationTests:
     the adapter's ``no_sync`` (FSDP1/impl/fairscale ``no_sync()``, FSDP2
     ``set_requires_gradient_sync(False)``), against DDP's ``no_sync``; and the same with
     synchronisation on every micro-batch. Losses and full parameters bit-exact; the comm trace
-    shows no gradient reduction inside ``no_sync`` and exactly one per instance (with trainable
-    parameters) on every synchronising micro-batch."""
+    shows no gradient reduction inside ``no_sync`` and, on every synchronising micro-batch, every
+    instance with trainable parameters reduced, at most once per all-gather of it ([Note:
+    counts as bounds] in comm_checks.py)."""
 
     MICRO_BATCHES: ClassVar[int] = 3
     STEPS: ClassVar[int] = 2
@@ -364,15 +374,19 @@ class BaseGradientAccumulationTests:
                 for micro in range(self.MICRO_BATCHES):
                     phase = f"step {step} micro {micro}"
                     counts = reductions_per_label(trace, phase)
+                    gathers = reductions_per_label(trace, phase, (Op.ALL_GATHER,))
                     if micro < self.MICRO_BATCHES - 1:
                         if counts:
                             failures.append(
                                 f"{phase} (inside no_sync): gradient reductions {counts}"
                             )
-                    elif set(counts) != expected or any(n != 1 for n in counts.values()):
+                    elif set(counts) != expected or any(
+                        n > max(1, gathers.get(label, 0)) for label, n in counts.items()
+                    ):
                         failures.append(
                             f"{phase} (synchronising): gradient reductions {counts}; expected "
-                            f"exactly one for each of {sorted(expected)}"
+                            f"each of {sorted(expected)} reduced, at most once per all-gather "
+                            f"of it ({gathers}; [Note: counts as bounds] in comm_checks.py)"
                         )
             assert not failures, (
                 f"adapter {adapter.name!r}, loops, {strategy}: gradient accumulation broke no_sync's "
@@ -624,7 +638,9 @@ class BaseForwardVariantsTests:
       ranks), against DDP with ``find_unused_parameters=True``;
     - ``two_forwards``: two forwards (two micro-batches) before one backward of the summed
       loss, against the unwrapped model with its gradients all-reduced by hand (DDP refuses a
-      second forward before backward), averaged as DDP averages; an instance may run its
+      second forward before backward), averaged as DDP averages, within ``SYNC_EVERY_TOL``
+      (an implementation may reduce once per forward: [Note: loop tolerances]); an instance may
+      run its
       backward hooks once per forward here (BACKWARD_POST -> BACKWARD_PRE: torch FSDP2 does);
     - ``eval_forward``: after each step a forward under ``torch.no_grad()``, whose output must
       equal the reference's, and after which no non-root instance may hold its unsharded
@@ -713,8 +729,11 @@ class BaseForwardVariantsTests:
                     0.0,
                     0.0,
                 )
-            assert_losses(label, fsdp[0], reference[0])
-            assert_params(label, fsdp[1], reference[1], self.STEPS)
+            # two forwards: an implementation may reduce once per forward (per parameter access)
+            # and add the results, as sync_every does ([Note: loop tolerances])
+            tol = SYNC_EVERY_TOL if variant == "two_forwards" else 0.0
+            assert_losses(label, fsdp[0], reference[0], tol)
+            assert_params(label, fsdp[1], reference[1], self.STEPS, tol, tol)
 
 
 def _variant_run(

@@ -10,7 +10,9 @@ Every suite test runs its whole body inside ``cell(adapter, check_id, case)``::
 
   not applicable  the adapter is outside its support range (``support_problem``), lacks a
                   feature the registered check needs, or raises UnsupportedFeatureError
-                  inside the body -> a skip
+                  inside the body -> a skip; but a feature the adapter claims whose member
+                  is the base default ("override Adapter.X") is a FAIL naming the adapter,
+                  the member and the feature to declare unsupported instead
   deviation       the body failed with exactly the failure a declared ``Deviation`` covers
                   (its ``raises`` type and ``match`` pattern) -> an expected failure
   FAIL            any other failure; or a strict declared deviation that did not occur
@@ -32,6 +34,7 @@ import pytest
 
 from fsdp_conformance import checks
 from fsdp_conformance.adapters import Adapter, UnsupportedFeatureError
+from fsdp_conformance.adapters.base import claimed_but_not_implemented
 from fsdp_conformance.world import properties
 
 
@@ -79,7 +82,11 @@ def cell(adapter: Adapter, check_id: str, case: Any = None) -> Iterator[None]:
     try:
         yield
     except UnsupportedFeatureError as error:
-        _not_applicable(check_id, str(error), error.feature)
+        missing = claimed_but_not_implemented(adapter, error)
+        if missing is None:
+            _not_applicable(check_id, str(error), error.feature)
+        _record(check_id, checks.FAIL, _first_line(missing))
+        raise missing from None
     except pytest.skip.Exception as error:
         _not_applicable(check_id, str(error.msg))
     except BaseException as error:

@@ -18,6 +18,7 @@ from torch import nn
 from fsdp_conformance.adapters import Feature
 from fsdp_conformance.models import (
     AlwaysWrapNestedWrappedModule,
+    BufferedModule,
     DeviceInit,
     LoopModule,
     MixtureOfExperts,
@@ -25,6 +26,7 @@ from fsdp_conformance.models import (
     NestedWrappedModuleWithDelay,
     TiedInstances,
     TransformerWithSharedParams,
+    UnevenModule,
 )
 
 # Delays of the delay models (ms): long enough to reorder work, short enough for CI
@@ -69,6 +71,10 @@ def _tied_instances(group: Any, wrap: Any, **kwargs: Any) -> nn.Module:
     return TiedInstances(group, wrap, **kwargs)
 
 
+def _uneven(group: Any, wrap: Any, **kwargs: Any) -> nn.Module:
+    return UnevenModule(group, wrap, **kwargs)
+
+
 def _mixture_of_experts(group: Any, wrap: Any, **kwargs: Any) -> nn.Module:
     return MixtureOfExperts(group, wrap, **kwargs)
 
@@ -96,6 +102,13 @@ def _loops(**options: Any) -> Builder:
     return build
 
 
+def _buffered(meta: bool) -> Builder:
+    def build(group: Any, wrap: Any, **kwargs: Any) -> nn.Module:
+        return BufferedModule(group, wrap, meta=meta, **kwargs)
+
+    return build
+
+
 MODELS: dict[str, ModelSpec] = {
     spec.name: spec
     for spec in (
@@ -111,6 +124,8 @@ MODELS: dict[str, ModelSpec] = {
             reference="dummy_ddp",
             features=(Feature.COMM_TRACE,),
         ),
+        # the sharding checks' model: uneven and empty shards at world size 3
+        ModelSpec("uneven", _uneven),
         ModelSpec("loops", _loops()),
         ModelSpec("loops_gains", _loops(gains=LOOP_GAINS)),
         ModelSpec(
@@ -119,6 +134,7 @@ MODELS: dict[str, ModelSpec] = {
             features=(Feature.NO_SHARD,),
         ),
         ModelSpec("loops_branch", _loops(branch=True)),
+        ModelSpec("loops_buffer", _loops(buffer=True)),
         ModelSpec("loops_norm", _loops(norm=True)),
         ModelSpec("tied_instances", _tied_instances),
         ModelSpec("loops_frozen", _loops(freeze="instance"), features=(Feature.FROZEN_PARAMETERS,)),
@@ -127,15 +143,19 @@ MODELS: dict[str, ModelSpec] = {
             _loops(freeze="mixed"),
             features=(Feature.FROZEN_PARAMETERS_MIXED,),
         ),
+        # the full-state-dict and meta-init checks' model (models/buffered.py): a
+        # non-persistent buffer, uneven shards; "buffered_meta" is built on the meta device
+        ModelSpec("buffered", _buffered(meta=False)),
+        ModelSpec("buffered_meta", _buffered(meta=True), features=(Feature.META_INIT,)),
     )
 }
 # The models of the parity check (transformer_without_batchnorm is for mixed precision,
-# tied_instances for wrap.shared_across_instances)
+# uneven for the sharding checks, tied_instances for wrap.shared_across_instances)
 MODEL_NAMES = tuple(
     name
     for name in MODELS
-    if name not in ("transformer_without_batchnorm", "tied_instances")
-    and not name.startswith("loops")
+    if name not in ("transformer_without_batchnorm", "uneven", "tied_instances")
+    and not name.startswith(("loops", "buffered"))
 )
 
 

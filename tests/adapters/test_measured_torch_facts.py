@@ -161,45 +161,95 @@ def test_torch_fsdp1_no_shard_orig_params_vanish_after_a_skipped_forward(dist):
     assert vanished or failed, (torch.__version__, seen)
 
 
-def test_dcp_hands_fsdp1_its_group_where_torch_does_not(monkeypatch):
-    """torch 2.8.0's get_state_dict / set_state_dict call FSDP.optim_state_dict(_to_load)
-    without group=, so a model on a subgroup deadlocked (the checkpoint/resume cells across world
-    sizes); adapters/_dcp.py hands the group itself there, and only there."""
+# ---------------------------------------------------------------- full state dicts and DCP
+def _fsdp1_linear():
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    from fsdp_conformance import _patching
+    torch.manual_seed(0)
+    return FSDP(nn.Linear(8, 5), device_id=torch.device("cpu"))
+
+
+@pytest.mark.world_size(2)
+def test_torch_fsdp1_full_state_dict_offload_to_cpu_fails_on_a_cpu_only_host(dist):
+    """FULL_STATE_DICT with offload_to_cpu=True fails on a CPU-only host (FSDP1_DEVIATIONS,
+    state_dict.full; with rank0_only=True too, measured: rank 0 fails the same way);
+    offload_to_cpu=False works, rank0_only=True included."""
+    from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    model = _fsdp1_linear()
+    _step(model)
+    for rank0_only in (False, True):
+        config = FullStateDictConfig(offload_to_cpu=False, rank0_only=rank0_only)
+        with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, config):
+            assert len(model.state_dict()) == (0 if rank0_only and dist.rank else 2)
+    config = FullStateDictConfig(offload_to_cpu=True, rank0_only=False)
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, config):
+        with pytest.raises(RuntimeError, match=FSDP1_OFFLOAD_FAILURE):
+            model.state_dict()
+
+
+FSDP1_OFFLOAD_FAILURE = r"setStorage: .* out of bounds for storage of size 0"
+
+
+@pytest.mark.world_size(2)
+def test_torch_fsdp1_load_state_dict_assign_loads_nothing(dist):
+    """FULL_STATE_DICT load_state_dict(assign=True) returns without an error but the flat
+    parameter keeps its old values (FSDP1_DEVIATIONS, state_dict.full); assign=False loads."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import StateDictType
+
+    def loaded(assign: bool) -> dict:
+        model = _fsdp1_linear()
+        wanted = {"weight": torch.full((5, 8), 0.5), "bias": torch.full((5,), -1.0)}
+        with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+            model.load_state_dict(wanted, assign=assign)
+        _step(model)  # the first forward / backward
+        with FSDP.summon_full_params(model):
+            params = model.module.named_parameters()
+            return {name: bool((p == wanted[name]).all()) for name, p in params}
+
+    assert loaded(assign=False) == {"weight": True, "bias": True}
+    assert loaded(assign=True) == {"weight": False, "bias": False}
+
+
+def test_fsdp1_checkpoints_only_where_dcp_passes_its_group():
+    """[Note: DCP on a subgroup with FSDP1] (adapters/_dcp.py): torch-fsdp1 declares
+    checkpoint_resume unsupported before torch 2.13 (measured: 2.8.0 hangs on a subgroup) and
+    supported from 2.13 on (this torch's cells run)."""
+    from fsdp_conformance.adapters import Feature, _dcp, get_adapter
+
+    assert _dcp.fsdp1_group_dropped("2.8.0") and _dcp.fsdp1_group_dropped("2.12.1")
+    for version in ("2.13.0", "2.14.1", "2.15.0"):
+        assert not _dcp.fsdp1_group_dropped(version)
+    reason = get_adapter("torch-fsdp1").unsupported_reason(Feature.CHECKPOINT_RESUME)
+    assert (reason == _dcp.FSDP1_SUBGROUP_REASON) is _dcp.fsdp1_group_dropped(), reason
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.fsdp_timeout(30)
+def test_this_torch_dcp_gives_fsdp1_its_subgroup(dist):
+    """get_state_dict / set_state_dict on a model on a one-rank subgroup (the other rank
+    outside it) finish on this torch: they pass FSDP1 its group (a hang is a FAIL at 30 s)."""
+    import torch.distributed as tdist
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
     from fsdp_conformance.adapters import _dcp
 
-    seen = []
-
-    def recorder(*args, **kwargs):
-        seen.append(kwargs.get("group"))
-
-    monkeypatch.setattr(FSDP, "optim_state_dict", staticmethod(recorder))
-    monkeypatch.setattr(FSDP, "optim_state_dict_to_load", staticmethod(recorder))
-    try:
-        # this torch passes the group itself (2.13.0 does): nothing is bound
-        monkeypatch.setattr(_dcp, "fsdp1_optim_group_passed", lambda: True)
-        with _dcp._fsdp1_optim_group("G"):
-            FSDP.optim_state_dict("model", "optim", {})
-        # a torch that omits it: bound for FSDP1's two calls, only inside the helpers' call
-        monkeypatch.setattr(_dcp, "fsdp1_optim_group_passed", lambda: False)
-        with _dcp._fsdp1_optim_group("G"):
-            FSDP.optim_state_dict("model", "optim", {})
-            FSDP.optim_state_dict_to_load("model", "optim", {})
-            FSDP.optim_state_dict("model", "optim", {}, group="mine")  # given: kept
-        FSDP.optim_state_dict("model", "optim", {})
-    finally:
-        _patching.undo_all(_dcp._PATCH_KEY)
-    assert seen == [None, "G", "G", "mine", None]
+    if _dcp.fsdp1_group_dropped():
+        pytest.skip("this torch drops FSDP1's group in DCP (it would hang): " + torch.__version__)
+    solo = tdist.new_group([0])
+    if dist.rank != 0:
+        return
+    model = FSDP(_model(), process_group=solo, device_id=torch.device("cpu"))
+    optimizer = torch.optim.Adam(model.parameters())
+    _step(model)
+    optimizer.step()
+    model_state, optim_state = get_state_dict(model, optimizer)
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
 
 
-def test_this_torch_dcp_passes_the_group_as_measured():
-    from fsdp_conformance.adapters import _dcp
-
-    # measured: torch 2.8.0 omits it; 2.13.0, 2.14.1 and 2.15.0 pass it
-    omits = torch.__version__.startswith("2.8.")
-    assert _dcp.fsdp1_optim_group_passed() is not omits, torch.__version__
 
 
 @pytest.mark.world_size(2)

@@ -64,7 +64,7 @@ def test_context(dist):
     assert dist.world_size == 2 and dist.backend == "gloo" and dist.mode == "process"
     assert dist.device == torch.device("cpu")
     assert dist.group is tdist.group.WORLD and tdist.get_rank() == dist.rank
-    assert dist.impl == "my-impl"
+    assert dist.impl == "my_fsdp:ADAPTER"
     assert dist.init_method.startswith("file://")
     (dist.tmp_path / f"rank{dist.rank}").write_text("x")
     dist.barrier()
@@ -143,7 +143,7 @@ def test_dist_outside_the_body(request):
 
 def test_dist_fixture_contract(pytester, private_tmpdir):
     write_test(pytester, "test_contract", CONTRACT)
-    result = pytester.runpytest("-p", "no:cacheprovider", "--fsdp-impl=my-impl", "-v")
+    result = pytester.runpytest("-p", "no:cacheprovider", "--fsdp-impl=my_fsdp:ADAPTER", "-v")
     result.assert_outcomes(passed=16, failed=1)
     result.stdout.fnmatch_lines(
         [

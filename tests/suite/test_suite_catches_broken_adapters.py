@@ -175,7 +175,9 @@ def test_each_check_fails_on_its_broken_adapter(pytester: pytest.Pytester) -> No
                 "*rank 0 of 2 failed: AssertionError: adapter 'sums-gradients', nested at world size 2"
                 " with sharding_strategy='FULL_SHARD', backward_prefetch='BACKWARD_PRE', "
                 "forward_prefetch=False, limit_all_gathers=None, cpu_offload=False, "
-                "device_init='after': losses differ from DDP's (bit-exact): max |difference|*"
+                "device_init='after': after step 0's backward, this rank's gradient shard of "
+                "'module.*' (elements *) differs from DDP's gradient there (bit-exact): "
+                "max |difference|*"
             ),
         ],
         consecutive=False,

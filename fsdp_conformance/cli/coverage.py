@@ -1,0 +1,496 @@
+"""``fsdp-conformance coverage``: which cells of the suite an adapter would run, which it would
+skip, and which unsupported feature to implement next -- from a collection, not a run.
+
+[Note: coverage probe]
+The suite is collected in this process (``pytest --collect-only``, as ``run`` would collect it
+for the adapter: the parity and state configs depend on what the adapter supports). A cell
+needs the features its registered check declares (``checks.py``) plus what its body asks for
+before it first makes the adapter act: each body is called once in this process with a
+*probe* in place of the adapter and a ``dist`` without ranks. The probe answers
+``supports`` truthfully, records every feature passed to ``check`` / ``require`` and every
+wrap config passed to ``features_for`` (its features and refused values count), and stops the
+body at the first other call (``wrap``, ``wrapper``, ``observe`` ...). No rank starts, nothing
+is wrapped. A body that cannot be probed (a fixture only pytest can make, an error before its
+first action) keeps its check's features and its case's ``wrap_config``.
+
+A feature *unlocks* the cells that would run if the adapter supported it too (the suite
+collected again where it changes the configs); its gain is that count minus the cells that
+run now, counted per check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import inspect
+import io
+import json
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from fsdp_conformance import checks
+from fsdp_conformance.cli.common import (
+    PROG,
+    UsageError,
+    _paragraph,
+    check_impl,
+    check_output,
+)
+from fsdp_conformance.vocab import COVERAGES
+
+DEFAULT_COVERAGE = "pairwise"  # what `run` collects by default
+JSON_SCHEMA_VERSION = 1
+
+
+@dataclasses.dataclass
+class Cell:
+    """One collected cell and what it needs (see [Note: coverage probe])."""
+
+    nodeid: str
+    # the registered check id ("" for a test that is no registered check)
+    check: str
+    # features the cell needs, in the order asked
+    needs: tuple[str, ...]
+    # why it skips whatever the adapter supports (a GPU it needs, a refused config value); ""
+    blocked: str = ""
+    # whether the body was probed (False: only the registry's and the case's features)
+    probed: bool = True
+
+    def missing(self, supports: Any) -> list[str]:
+        """The features of `needs` that `supports(feature)` denies, sorted."""
+        return sorted({feature for feature in self.needs if not supports(feature)})
+
+
+class _Reached(Exception):
+    """The probed body made the adapter act: everything it needs is recorded."""
+
+
+class _Granted:
+    """An adapter's capabilities as if it also supported `granted` (what `supported_dimensions`
+    and the probe read)."""
+
+    def __init__(self, adapter: Any, granted: frozenset[str] = frozenset()) -> None:
+        self.adapter = adapter  # the adapter under test
+        self.granted = granted  # features supposed implemented
+
+    def supports(self, *features: str) -> bool:
+        return all(f in self.granted or self.adapter.supports(f) for f in features)
+
+    def features_for(self, **config: Any) -> frozenset[str]:
+        return self.adapter.features_for(**config)
+
+    def _check_values(self, config: dict[str, Any]) -> None:
+        self.adapter._check_values(config)
+
+
+class _ProbeAdapter:
+    """Stands in for the adapter in a probed body: records needs, stops at the first action."""
+
+    def __init__(self, capabilities: _Granted) -> None:
+        self._capabilities = capabilities
+        self.needs: list[str] = []  # features asked for, in order
+        self.blocked = ""  # a refused config value
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._capabilities.adapter, name)
+        if not callable(value):
+            return value
+
+        def act(*args: Any, **kwargs: Any) -> Any:
+            raise _Reached(name)
+
+        return act
+
+    def check(self, *features: str) -> None:
+        self.needs.extend(f for f in features if f not in self.needs)
+
+    require = check
+
+    def supports(self, *features: str) -> bool:
+        return self._capabilities.supports(*features)
+
+    def unsupported_reason(self, feature: str) -> str | None:
+        return (
+            None
+            if self.supports(feature)
+            else self._capabilities.adapter.unsupported_reason(feature)
+        )
+
+    def features_for(self, **config: Any) -> frozenset[str]:
+        from fsdp_conformance.adapters import UnsupportedFeatureError, normalize_config
+
+        features = self._capabilities.features_for(**config)
+        try:
+            self._capabilities._check_values(normalize_config(config))
+        except UnsupportedFeatureError as error:
+            self.blocked = self.blocked or str(error)
+        return features
+
+    def wrapper(self, *, process_group: Any = None, **config: Any) -> Any:
+        self.check(*self.features_for(**config))
+        raise _Reached("wrapper")
+
+    def wrap(self, module: Any, *, process_group: Any = None, root: Any = None, **config: Any):
+        self.check(*self.features_for(**config))
+        raise _Reached("wrap")
+
+
+@contextlib.contextmanager
+def _probe_cell(found: dict[str, Any]):
+    """Replaces ``suite.verdict.cell`` while probing: records the check and its case."""
+
+    @contextlib.contextmanager
+    def cell(adapter: Any, check_id: str, case: Any = None):
+        found["check"], found["case"] = check_id, case
+        adapter.check(*checks.get_check(check_id).features)
+        yield
+
+    from fsdp_conformance.suite import verdict
+
+    original, verdict.cell = verdict.cell, cell
+    try:
+        yield
+    finally:
+        verdict.cell = original
+
+
+def _gpus_needed(item: Any, world_size: int) -> int:
+    gpus = item.get_closest_marker("gpus")
+    needed = int(gpus.args[0]) if gpus is not None and gpus.args else 0
+    if item.get_closest_marker("cuda") is not None:
+        needed = max(needed, world_size)
+    return needed
+
+
+def _static_needs(item: Any, check: checks.Check | None, adapter: Any) -> list[str]:
+    """The registry's features and those of each parameter's ``wrap_config``."""
+    needs = list(check.features) if check else []
+    for value in getattr(getattr(item, "callspec", None), "params", {}).values():
+        config = getattr(value, "wrap_config", None)
+        if isinstance(config, dict):
+            with contextlib.suppress(Exception):
+                needs += sorted(adapter.features_for(**config))
+    return needs
+
+
+def _probe(item: Any, capabilities: _Granted, world_size: int) -> Cell:
+    """The cell of pytest item `item` (see [Note: coverage probe])."""
+    import torch
+
+    from fsdp_conformance.adapters import UnsupportedFeatureError
+    from fsdp_conformance.world.context import RankContext
+
+    names = [cls.__name__ for cls in inspect.getmro(item.cls)] if item.cls else []
+    check = checks.check_for_test(names, item.originalname)
+    marker = item.get_closest_marker("world_size")
+    ranks = int(marker.args[0]) if marker is not None and marker.args else world_size
+    static = _static_needs(item, check, capabilities.adapter)
+    cell = Cell(item.nodeid, check.id if check else "", tuple(dict.fromkeys(static)))
+    gpus = _gpus_needed(item, ranks)
+    if gpus > torch.cuda.device_count():
+        cell.blocked = f"needs {gpus} GPU(s), this host has {torch.cuda.device_count()}"
+        return cell
+    adapter = _ProbeAdapter(capabilities)
+    dist = RankContext(
+        rank=0,
+        world_size=ranks,
+        group=None,
+        device=torch.device("cpu"),
+        backend="gloo",
+        tmp_path=Path(tempfile.gettempdir()) / "fsdp-conformance-coverage-probe-unused",
+        test_id=item.nodeid,
+    )
+    params = dict(getattr(getattr(item, "callspec", None), "params", {}))
+    function = getattr(item.cls(), item.originalname) if item.cls else item.function
+    kwargs: dict[str, Any] = {}
+    for name in inspect.signature(function).parameters:
+        if name == "fsdp_adapter":
+            kwargs[name] = adapter
+        elif name == "dist":
+            kwargs[name] = dist
+        elif name in params:
+            kwargs[name] = params[name]
+        else:  # a fixture only pytest can make: the static needs stand
+            cell.probed = False
+            return cell
+    found: dict[str, Any] = {}
+    import pytest
+
+    try:
+        with _probe_cell(found), _quiet():
+            function(**kwargs)
+    except _Reached:
+        pass
+    except UnsupportedFeatureError as error:
+        adapter.check(error.feature)
+    except pytest.skip.Exception as error:
+        cell.blocked = " ".join(str(error.msg).split())
+    except Exception:  # noqa: BLE001 -- the body needs ranks before it acts: static needs
+        cell.probed = False
+    cell.needs = tuple(dict.fromkeys([*cell.needs, *adapter.needs]))
+    cell.blocked = cell.blocked or adapter.blocked
+    return cell
+
+
+@contextlib.contextmanager
+def _quiet():
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        yield
+
+
+class _Collector:
+    """pytest plugin: probes every collected item at the end of the collection."""
+
+    def __init__(self, capabilities: _Granted, world_size: int) -> None:
+        self.capabilities = capabilities
+        self.world_size = world_size
+        self.cells: list[Cell] = []  # one per collected item
+        self.errors: list[str] = []  # collection errors, one line each
+
+    def pytest_collectreport(self, report: Any) -> None:
+        if report.failed:
+            text = str(report.longrepr).strip().splitlines()
+            self.errors.append(f"{report.nodeid}: {text[-1] if text else 'error'}")
+
+    def pytest_collection_finish(self, session: Any) -> None:
+        self.cells = [_probe(item, self.capabilities, self.world_size) for item in session.items]
+
+
+def collect(
+    impl: str,
+    adapter: Any,
+    *,
+    coverage: str = DEFAULT_COVERAGE,
+    world_size: int = 2,
+    granted: frozenset[str] = frozenset(),
+) -> list[Cell]:
+    """The suite's cells for `impl`, as collected if `adapter` also supported `granted`.
+
+    Raises:
+        RuntimeError: the suite did not collect (the first error).
+    """
+    import pytest
+
+    from fsdp_conformance.suite import configs
+
+    capabilities = _Granted(adapter, granted)
+    collector = _Collector(capabilities, world_size)
+    original = configs.dimensions_for_impl
+    configs.dimensions_for_impl = lambda name: configs.supported_dimensions(capabilities)
+    try:
+        with _quiet():
+            arguments = [
+                "--collect-only", "-qq", "-p", "no:cacheprovider", "-p", "no:xdist",
+                "-o", "addopts=", "--pyargs", "fsdp_conformance.suite",
+                f"--fsdp-impl={impl}", f"--fsdp-world-size={world_size}",
+                f"--fsdp-coverage={coverage}",
+            ]  # fmt: skip
+            code = pytest.main(arguments, plugins=[collector])
+    finally:
+        configs.dimensions_for_impl = original
+    if collector.errors or code not in (0, 5):
+        raise RuntimeError(
+            f"the suite did not collect (pytest exit {int(code)}): "
+            + (
+                "; ".join(collector.errors)
+                or "see pytest --collect-only --pyargs fsdp_conformance.suite"
+            )
+        )
+    return collector.cells
+
+
+def _changes_configs(adapter: Any, feature: str) -> bool:
+    from fsdp_conformance.suite import configs
+
+    granted = _Granted(adapter, frozenset({feature}))
+    return configs.supported_dimensions(granted) != configs.supported_dimensions(_Granted(adapter))
+
+
+def report(impl: str, *, coverage: str = DEFAULT_COVERAGE, world_size: int = 2) -> dict[str, Any]:
+    """The coverage of adapter `impl` as a JSON-ready dict (``--json`` writes it).
+
+    Keys: ``impl``, ``adapter``, ``coverage``, ``world_size``, ``support_problem``, ``cells``
+    (collected), ``run``, ``skip``, ``checks`` ({check id: {"run", "skip"}}), ``skipped_by``
+    ({feature or reason: cells it alone or first blocks}), ``unlocks`` (one entry per
+    unsupported feature, most cells first: ``feature``, ``reason``, ``cells``, ``checks``),
+    ``unprobed`` (cells counted by their static needs only), ``cell_list`` (per cell:
+    ``nodeid``, ``check``, ``runs``, ``missing``, ``blocked``).
+    """
+    from fsdp_conformance.adapters import get_adapter
+
+    adapter = get_adapter(impl)
+    problem = adapter.support_problem()
+    cells = collect(impl, adapter, coverage=coverage, world_size=world_size)
+
+    def runs(cell: Cell, supports: Any) -> bool:
+        return problem is None and not cell.blocked and not cell.missing(supports)
+
+    now = [runs(cell, adapter.supports) for cell in cells]
+    per_check: dict[str, dict[str, int]] = {}
+    skipped_by: Counter = Counter()
+    for cell, running in zip(cells, now):
+        entry = per_check.setdefault(cell.check or "(unregistered)", {"run": 0, "skip": 0})
+        entry["run" if running else "skip"] += 1
+        if not running:
+            missing = cell.missing(adapter.supports)
+            skipped_by[problem or cell.blocked or (missing[0] if missing else "?")] += 1
+    running_now = Counter(cell.check for cell, running in zip(cells, now) if running)
+    unlocks = []
+    for feature, reason in sorted(adapter.unsupported().items()):
+        granted = _Granted(adapter, frozenset({feature}))
+        if _changes_configs(adapter, feature):
+            then = collect(
+                impl, adapter, coverage=coverage, world_size=world_size, granted=granted.granted
+            )
+        else:
+            then = cells
+        running_then = Counter(cell.check for cell in then if runs(cell, granted.supports))
+        gains = {
+            check: running_then[check] - running_now[check]
+            for check in sorted(set(running_then) | set(running_now))
+            if running_then[check] != running_now[check]
+        }
+        total = sum(running_then.values()) - sum(running_now.values())
+        if total > 0:
+            unlocks.append({"feature": feature, "reason": reason, "cells": total, "checks": gains})
+    unlocks.sort(key=lambda entry: (-entry["cells"], entry["feature"]))
+    return {
+        "schema": JSON_SCHEMA_VERSION,
+        "impl": impl,
+        "adapter": adapter.name,
+        "coverage": coverage,
+        "world_size": world_size,
+        "support_problem": problem,
+        "cells": len(cells),
+        "run": sum(now),
+        "skip": len(cells) - sum(now),
+        "checks": dict(sorted(per_check.items())),
+        "skipped_by": dict(skipped_by.most_common()),
+        "unlocks": unlocks,
+        "unprobed": sum(not cell.probed for cell in cells),
+        "cell_list": [
+            {
+                "nodeid": cell.nodeid,
+                "check": cell.check,
+                "runs": running,
+                "missing": cell.missing(adapter.supports),
+                "blocked": cell.blocked,
+            }
+            for cell, running in zip(cells, now)
+        ],
+    }
+
+
+def _family_counts(gains: dict[str, int]) -> str:
+    families: Counter = Counter()
+    for check, count in gains.items():
+        families[check.partition(".")[0]] += count
+    return ", ".join(f"{family} {count:+d}" for family, count in families.most_common())
+
+
+def render_text(data: dict[str, Any]) -> str:
+    """The report as the terminal shows it."""
+    lines = [
+        (
+            f"adapter {data['adapter']!r} ({data['impl']}), coverage {data['coverage']}: "
+            f"{data['cells']} cells collected, {data['run']} would run, {data['skip']} would skip"
+        )
+    ]
+    if data["support_problem"]:
+        lines.append(f"every cell skips: {data['support_problem']}")
+    lines.append("")
+    width = max((len(check) for check in data["checks"]), default=10)
+    for check, counts in data["checks"].items():
+        lines.append(f"  {check:<{width}}  {counts['run']:4d} run  {counts['skip']:4d} skip")
+    if data["skipped_by"]:
+        lines += ["", "skipped by (the first missing feature or the reason):"]
+        lines += [f"  {count:4d}  {why}" for why, count in data["skipped_by"].items()]
+    lines.append("")
+    if data["unlocks"]:
+        for entry in data["unlocks"]:
+            lines.append(
+                f"implement `{entry['feature']}` next: +{entry['cells']} "
+                f"cell{'s' if entry['cells'] != 1 else ''} "
+                f"({_family_counts(entry['checks'])})"
+            )
+    else:
+        lines.append("no single unsupported feature unlocks a cell")
+    if data["unprobed"]:
+        lines.append(
+            f"({data['unprobed']} cells counted from their check's and case's features only)"
+        )
+    return "\n".join(lines)
+
+
+def _coverage_command(args: argparse.Namespace) -> int:
+    check_impl(args.impl)
+    if args.world_size < 1:
+        raise UsageError(f"--world-size {args.world_size}: must be >= 1")
+    if args.json not in (None, "-"):
+        check_output(args.json, "--json")
+    try:
+        data = report(args.impl, coverage=args.coverage, world_size=args.world_size)
+    except RuntimeError as error:
+        print(f"{PROG} coverage: {error}", file=sys.stderr)
+        return 1
+    if args.json is None:
+        print(render_text(data))
+    elif args.json == "-":
+        print(json.dumps(data, indent=1))
+    else:
+        with open(args.json, "w", encoding="utf-8") as stream:
+            json.dump(data, stream, indent=1)
+        print(render_text(data))
+    return 0
+
+
+def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
+    """Add the ``coverage`` subcommand to ``commands`` (the subparsers of the main parser)."""
+    parser = commands.add_parser(
+        "coverage",
+        help="which cells an adapter would run or skip, and what to implement next",
+        description=_paragraph(
+            "Collect the conformance suite for one adapter (no rank starts, nothing runs) and "
+            "print how many cells would run and skip, per check, and for each unsupported "
+            "feature how many cells implementing it would unlock, most first."
+        ),
+        epilog="examples:\n"
+        "  fsdp-conformance coverage --impl torch-fsdp2\n"
+        "  cd examples && fsdp-conformance coverage --impl my_fsdp_adapter:ADAPTER --json -",
+        formatter_class=formatter,
+    )
+    parser.add_argument(
+        "--impl",
+        default="impl",
+        metavar="NAME",
+        help="FSDP adapter: impl (default), torch-fsdp1, torch-fsdp2, fairscale, deepspeed or "
+        "pkg.module:ATTR (the current directory and PYTHONPATH are searched)",
+    )
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        default=2,
+        metavar="N",
+        help="ranks for cells that do not fix their own world size, as `run` (default 2)",
+    )
+    parser.add_argument(
+        "--coverage",
+        choices=COVERAGES,
+        default=DEFAULT_COVERAGE,
+        help=f"parity configurations as `run` collects them (default {DEFAULT_COVERAGE})",
+    )
+    parser.add_argument(
+        "--json",
+        nargs="?",
+        const="-",
+        metavar="FILE",
+        help="write the report as JSON to FILE (no FILE or '-': to stdout, instead of the text)",
+    )
+    parser.set_defaults(handler=_coverage_command)
+
+
+__all__ = ["Cell", "add_parser", "collect", "render_text", "report"]

@@ -1,0 +1,103 @@
+"""Resharding after forward, a memory check any FSDP can run (collected by ``--pyargs``).
+
+``memory.reshard_after_forward``: where resharding after forward is configured (FULL_SHARD:
+torch FSDP1's FULL_SHARD, FSDP2's ``reshard_after_forward``, fairscale's
+``reshard_after_forward=True``, DeepSpeed ZeRO-3), no unsharded parameter of a non-root instance
+stays alive once the model's forward has returned: neither held by the implementation nor saved
+for backward (it is gathered again there). The root is exempt: FSDP keeps it unsharded into
+backward, which starts right away. Seen by value and weak reference, no device handle or rate
+limiter needed ([Note: unsharded parameters by value] in ``observe/unsharded.py``).
+SHARD_GRAD_OP keeps the parameters until backward by design: the premise does not hold, so no
+cell runs for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any, ClassVar
+
+import pytest
+import torch
+from torch import nn
+
+from fsdp_conformance.adapters import Adapter
+from fsdp_conformance.observe.unsharded import UnshardedParams
+
+from . import training, verdict
+from .loops import LoopCase, _parametrize
+
+# steps trained; the forward of the last one is observed (the first runs any lazy init)
+STEPS = 2
+
+
+def observed_training(
+    adapter: Adapter, root: nn.Module, zoo_model: nn.Module, dist: Any
+) -> tuple[UnshardedParams, torch.Tensor]:
+    """Train `root` ``STEPS`` steps through `adapter`, observing the last forward's unsharded
+    parameters; returns the probe (``seen``, ``alive``) and the losses."""
+    probes: list[UnshardedParams] = []
+
+    @contextlib.contextmanager
+    def around_forward(step: int) -> Iterator[None]:
+        if step < STEPS - 1:
+            yield
+            return
+        probes.append(UnshardedParams(adapter, root, adapter.full_params(root)))
+        with probes[0]:
+            yield
+
+    losses = training.train(
+        root, zoo_model, dist.device, STEPS, adapter=adapter, around_forward=around_forward
+    )
+    return probes[0], losses
+
+
+def unseen_instances(probe: UnshardedParams) -> list[str]:
+    """Non-root instances in whose forward no unsharded parameter was recognised (the check
+    could not see them: a check that sees nothing must not pass)."""
+    return [
+        label
+        for label in probe.labels.values()
+        if label != probe.root_label and not probe.seen.get(label)
+    ]
+
+
+class BaseReshardAfterForwardTests:
+    """No unsharded parameter of a non-root instance is alive after the forward (FULL_SHARD);
+    every non-root instance must have been seen using one."""
+
+    models: ClassVar[tuple[str, ...]] = ("nested", "transformer")
+
+    def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
+        _parametrize(metafunc, model_name=self.models)
+
+    @pytest.mark.world_size(2)
+    def test_no_unsharded_parameter_after_forward(
+        self, fsdp_adapter: Any, dist: Any, model_name: str
+    ):
+        case = LoopCase(model_name, "FULL_SHARD", "reshard_after_forward")
+        with verdict.cell(fsdp_adapter, "memory.reshard_after_forward", case):
+            adapter = fsdp_adapter
+            root, zoo_model = training.wrap_model(
+                adapter, model_name, dist, {"sharding_strategy": "FULL_SHARD"}
+            )
+            probe, _ = observed_training(adapter, root, zoo_model, dist)
+            label = f"adapter {adapter.name!r}, {model_name}, FULL_SHARD"
+            unseen = unseen_instances(probe)
+            assert not unseen, (
+                f"{label}: no unsharded parameter was recognised in the forward of instance(s) "
+                f"{unseen} (tensors equal to a full parameter, passed to a torch function); the "
+                "check cannot see this implementation's parameters"
+            )
+            alive = {name: names for name, names in probe.alive.items() if names}
+            alive.pop(probe.root_label, None)
+            assert not alive, (
+                f"{label}: resharding after forward is configured, but after the model's forward "
+                f"these non-root instances still hold unsharded parameters (alive, storage not "
+                f"freed): {alive}"
+            )
+
+
+class TestReshardAfterForward(BaseReshardAfterForwardTests):
+    pass

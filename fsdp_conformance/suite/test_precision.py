@@ -1,0 +1,381 @@
+"""Mixed precision as users configure it, and the sharded gradient scaler (collected by
+``--pyargs``).
+
+- ``BasePrecisionTests.test_dtypes`` (``precision.dtypes``): with ``mixed_precision``
+  (param_dtype, reduce_dtype, buffer_dtype where the adapter casts buffers) the dtypes are
+  observed, not assumed: forward pre-hooks on every ``nn.Linear`` see inputs and weights in
+  ``param_dtype``; every tensor handed to ``torch.distributed``'s reduction collectives during
+  backward is in ``reduce_dtype``; the registered (sharded) parameters and their gradients stay
+  float32; the root's buffer is in ``buffer_dtype`` (float32 when not cast) in every forward,
+  also after a state dict was taken, and the state dict holds it in float32, the unwrapped
+  module's dtype; training matches float32 DDP within [Note: precision tolerances].
+- ``BasePrecisionTests.test_accumulation`` (``precision.dtypes``): the gradient accumulated over
+  ``MICRO_BATCHES`` micro-batches is no further from float32 DDP's than one micro-batch's
+  (accumulation in float32, not in a low precision).
+- ``BasePrecisionTests.test_grad_scaler`` (``precision.grad_scaler``): the adapter's
+  ``grad_scaler`` with an inf in one gradient element on one rank: every rank skips that step,
+  the scale halves identically on every rank, and the parameters equal DDP + GradScaler's.
+
+[Note: precision tolerances]
+Parity with float32 DDP after ``STEPS`` SGD+momentum steps (lr 0.01) on ``loops_buffer``
+(forward in param_dtype; the gradient of each step has a relative error of a few units of
+param_dtype's rounding, eps = 2**-8 (bf16) or 2**-11 (fp16), summed over the few layers it
+passes). A parameter moves by lr * |g| <= ~0.05 per step, momentum adding up to 1.9x over 3
+steps: its error is below ``STEPS * 2 * lr * |g| * k * eps`` with |g| <= 3 and k ~ 4 layers, i.e.
+~0.01 (bf16) / ~1.5e-3 (fp16); we take ``PARAM_ATOL`` = 8 eps * 0.3 (2**-8 * 2.4 ~ 9e-3 and
+1.2e-3). Measured max differences (torch 2.13.0, CPU, impl / torch FSDP1 / torch FSDP2):
+bf16 1.6e-4, fp16 2.4e-5. Losses: relative 16 eps (forward rounding of every layer).
+Accumulation: the relative error of the accumulated gradient against DDP's may at most double
+from 1 to ``MICRO_BATCHES`` micro-batches (``GROWTH``); a float32 sum of N bf16 gradients keeps
+the one-micro-batch error (measured ratios 0.3-1.1), a bf16 sum rounds the running sum N times
+(measured ratio >= 4 at N = 32, bf16).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any, ClassVar
+
+import pytest
+import torch
+import torch.distributed as torch_dist
+from torch import nn
+
+from fsdp_conformance._patching import patch_attribute
+from fsdp_conformance.adapters import Feature, clean_param_name
+
+from . import loops, verdict
+from .loops import LoopCase
+
+MODEL = "loops_buffer"
+BUFFER = "offset"  # the root's floating-point buffer in loops_buffer
+STEPS = 3
+EPS = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+PARAM_ATOL_PER_EPS = 8 * 0.3
+LOSS_RTOL_PER_EPS = 16
+GROWTH = 2.0
+ACCUMULATION_LR = 1.0  # one plain SGD step: the parameter change is the gradient
+# torch.distributed's reduction collectives an FSDP reduces gradients with
+_REDUCTIONS = ("all_reduce", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single")
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _policy(name: str) -> tuple[torch.dtype, torch.dtype]:
+    """(param_dtype, reduce_dtype) of a policy name such as ``"bf16-reduce-fp32"``."""
+    param, _, reduce = name.partition("-reduce-")
+    return _DTYPES[param], _DTYPES[reduce or param]
+
+
+@contextlib.contextmanager
+def recording_reductions() -> Iterator[list[tuple[str, torch.dtype]]]:
+    """(collective, dtype) of every tensor handed to torch.distributed's reduction collectives
+    while active (a test double around ``torch.distributed.<collective>``, undone after)."""
+    seen: list[tuple[str, torch.dtype]] = []
+
+    def make(name: str):
+        def wrap(original):
+            def recorded(*args: Any, **kwargs: Any) -> Any:
+                for value in (*args, *kwargs.values()):
+                    for tensor in value if isinstance(value, (list, tuple)) else (value,):
+                        if isinstance(tensor, torch.Tensor):
+                            seen.append((name, tensor.dtype))
+                return original(*args, **kwargs)
+
+            return recorded
+
+        return wrap
+
+    records = [
+        patch_attribute(torch_dist, name, make(name), key=f"fsdp-conformance reductions {id(seen)}")
+        for name in _REDUCTIONS
+        if hasattr(torch_dist, name)
+    ]
+    try:
+        yield seen
+    finally:
+        for record in reversed(records):
+            record.undo()
+
+
+@contextlib.contextmanager
+def recording_forward_dtypes(model: nn.Module) -> Iterator[dict[str, set[torch.dtype]]]:
+    """What the wrapped modules see in forward: "input", "weight" (every ``nn.Linear``) and
+    "buffer" (the dtype of ``BUFFER`` of the module owning it) -> dtypes seen."""
+    seen: dict[str, set[torch.dtype]] = {"input": set(), "weight": set(), "buffer": set()}
+
+    def linear_hook(module: nn.Module, args: tuple) -> None:
+        seen["input"].add(args[0].dtype)
+        seen["weight"].add(module.weight.dtype)
+
+    def buffer_hook(module: nn.Module, args: tuple) -> None:
+        seen["buffer"].add(getattr(module, BUFFER).dtype)
+
+    handles = []
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            handles.append(module.register_forward_pre_hook(linear_hook))
+        if isinstance(module._buffers.get(BUFFER), torch.Tensor):
+            handles.append(module.register_forward_pre_hook(buffer_hook))
+    try:
+        yield seen
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _params_and_grads(root: nn.Module) -> dict[str, torch.dtype]:
+    """Dtype of every registered (sharded) parameter and of its gradient."""
+    dtypes = {}
+    for name, param in root.named_parameters():
+        dtypes[name] = param.dtype
+        if param.grad is not None:
+            dtypes[f"{name}.grad"] = param.grad.dtype
+    return dtypes
+
+
+def _relative_error(actual: dict, expected: dict, before: dict) -> float:
+    """max |(actual - before) - (expected - before)| / max |expected - before| over all
+    parameters: the error of the applied update relative to the reference's."""
+    error = max((actual[n] - expected[n]).abs().max().item() for n in expected)
+    scale = max((expected[n] - before[n]).abs().max().item() for n in expected)
+    return error / scale
+
+
+class BasePrecisionTests:
+    """Mixed precision dtypes, accumulation precision and the sharded gradient scaler (see the
+    module docstring and [Note: precision tolerances])."""
+
+    # the mixed precision policies of test_dtypes: "<param>[-reduce-<reduce>]"
+    policies: ClassVar[tuple[str, ...]] = ("bf16-reduce-fp32", "bf16", "fp16-reduce-fp32")
+    # accumulation: (sync mode, policy); under no_sync FSDP2 accumulates in reduce_dtype (its
+    # documentation), so reduce_dtype is float32 there
+    accumulations: ClassVar[tuple[str, ...]] = ("no_sync:bf16-reduce-fp32", "sync_every:bf16")
+    MICRO_BATCHES: ClassVar[int] = 32
+
+    def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
+        for name, values in (("policy", self.policies), ("accumulation", self.accumulations)):
+            if name in metafunc.fixturenames:
+                metafunc.parametrize(name, values)
+
+    @pytest.mark.world_size(2)
+    def test_dtypes(self, fsdp_adapter: Any, dist: Any, policy: str):
+        adapter = fsdp_adapter
+        with verdict.cell(adapter, "precision.dtypes", LoopCase(MODEL, "FULL_SHARD", policy)):
+            param_dtype, reduce_dtype = _policy(policy)
+            casts_buffers = adapter.supports(Feature.MIXED_PRECISION_BUFFER_DTYPE)
+            mixed = {
+                "param_dtype": param_dtype,
+                "reduce_dtype": reduce_dtype,
+                "buffer_dtype": param_dtype if casts_buffers else None,
+            }
+            config = {"sharding_strategy": "FULL_SHARD", "mixed_precision": mixed}
+            root, zoo_model = loops.build(adapter, MODEL, dist, config)
+            driver = loops.Driver(root, zoo_model, adapter)
+            optimizer = loops.fsdp_optimizer(adapter, root)
+            label = f"adapter {adapter.name!r}, {MODEL}, mixed_precision {policy}"
+            failures: list[str] = []
+            losses = []
+            state_buffer = None
+            for step in range(STEPS):
+                optimizer.zero_grad()
+                inputs = loops.micro_input(zoo_model, dist.device, step)
+                with recording_forward_dtypes(adapter.unwrap(root)) as seen:
+                    loss = zoo_model.get_loss(inputs, root(*inputs))
+                with recording_reductions() as reduced:
+                    driver.backward(loss)
+                expected_buffer = param_dtype if casts_buffers else torch.float32
+                for key, what, expected in (
+                    ("input", "inputs of the nn.Linear layers", param_dtype),
+                    ("weight", "weights of the nn.Linear layers", param_dtype),
+                    ("buffer", f"buffer {BUFFER!r}", expected_buffer),
+                ):
+                    if seen[key] != {expected}:
+                        failures.append(
+                            f"step {step} forward: {what} in {_names(seen[key])}, expected "
+                            f"{expected}"
+                        )
+                wrong = sorted(
+                    {f"{op} in {dtype}" for op, dtype in reduced if dtype != reduce_dtype}
+                )
+                if not reduced or wrong:
+                    failures.append(
+                        f"step {step} backward: gradient reductions "
+                        f"{wrong or 'none observed'}, expected every one in {reduce_dtype}"
+                    )
+                low = {n: d for n, d in _params_and_grads(root).items() if d != torch.float32}
+                if low:
+                    failures.append(
+                        f"step {step}: sharded parameters / gradients not float32: {low}"
+                    )
+                optimizer.step()
+                losses.append(loss.detach().float())
+                if step == 0:
+                    state = adapter.state_dict(root)
+                    names = {clean_param_name(k, adapter.wrapper_segments): k for k in state}
+                    state_buffer = state[names[BUFFER]].dtype
+            if state_buffer != torch.float32:
+                failures.append(
+                    f"the state dict holds buffer {BUFFER!r} in {state_buffer}; the unwrapped "
+                    "module has it in torch.float32"
+                )
+            assert not failures, f"{label}:\n  " + "\n  ".join(failures)
+            ddp, reference_model = loops.build_reference(MODEL, dist)
+            reference = loops.Driver(ddp, reference_model)
+            reference_optimizer = loops.ddp_optimizer(ddp)
+            reference_losses = []
+            for step in range(STEPS):
+                reference_optimizer.zero_grad()
+                inputs = loops.micro_input(reference_model, dist.device, step)
+                loss = reference_model.get_loss(inputs, ddp(*inputs))
+                reference.backward(loss)
+                reference_optimizer.step()
+                reference_losses.append(loss.detach().float())
+            eps = EPS[param_dtype]
+            loops.training.assert_same_training(
+                f"{label}, against float32 DDP",
+                loops.training.TrainingResult(torch.stack(losses), driver.params()),
+                loops.training.TrainingResult(torch.stack(reference_losses), reference.params()),
+                atol=PARAM_ATOL_PER_EPS * eps,
+                rtol=0.0,
+                loss_atol=0.0,
+                loss_rtol=LOSS_RTOL_PER_EPS * eps,
+            )
+
+    @pytest.mark.world_size(2)
+    def test_accumulation(self, fsdp_adapter: Any, dist: Any, accumulation: str):
+        adapter = fsdp_adapter
+        sync, _, policy = accumulation.partition(":")
+        case = LoopCase(MODEL, "FULL_SHARD", f"{sync} {policy}")
+        with verdict.cell(adapter, "precision.dtypes", case):
+            if sync == "no_sync":
+                adapter.require(Feature.GRADIENT_ACCUMULATION)
+            param_dtype, reduce_dtype = _policy(policy)
+            mixed = {"param_dtype": param_dtype, "reduce_dtype": reduce_dtype}
+            config = {"sharding_strategy": "FULL_SHARD", "mixed_precision": mixed}
+            errors = {}
+            for micro_batches in (1, self.MICRO_BATCHES):
+                root, zoo_model = loops.build(adapter, MODEL, dist, config)
+                before = adapter.full_params(root)
+                loops.accumulate_steps(
+                    loops.Driver(root, zoo_model, adapter),
+                    adapter.optimizer(root, "sgd", lr=ACCUMULATION_LR),
+                    dist.device,
+                    1,
+                    micro_batches,
+                    sync_every=sync == "sync_every",
+                )
+                ddp, reference_model = loops.build_reference(MODEL, dist)
+                reference = loops.Driver(ddp, reference_model)
+                loops.accumulate_steps(
+                    reference,
+                    torch.optim.SGD(ddp.parameters(), lr=ACCUMULATION_LR),
+                    dist.device,
+                    1,
+                    micro_batches,
+                    sync_every=sync == "sync_every",
+                )
+                fsdp_params = adapter.full_params(root)
+                errors[micro_batches] = _relative_error(fsdp_params, reference.params(), before)
+            one, many = errors[1], errors[self.MICRO_BATCHES]
+            assert many <= GROWTH * one, (
+                f"adapter {adapter.name!r}, {MODEL}, mixed_precision {policy}, "
+                f"{'no_sync' if sync == 'no_sync' else 'sync on every micro-batch'}: the "
+                f"gradient accumulated over {self.MICRO_BATCHES} micro-batches is {many:.3g} "
+                f"(relative) away from float32 DDP's, {many / one:.3g}x the error of one "
+                f"micro-batch ({one:.3g}; at most {GROWTH}x): gradients accumulate in a low "
+                "precision, not in float32"
+            )
+
+    @pytest.mark.world_size(2)
+    def test_grad_scaler(self, fsdp_adapter: Any, dist: Any):
+        adapter = fsdp_adapter
+        with verdict.cell(adapter, "precision.grad_scaler", LoopCase(MODEL, "FULL_SHARD", "inf")):
+            adapter.require(Feature.GRAD_SCALER)
+            root, zoo_model = loops.build(adapter, MODEL, dist, {"sharding_strategy": "FULL_SHARD"})
+            fsdp = _scaled_run(
+                loops.Driver(root, zoo_model, adapter),
+                loops.fsdp_optimizer(adapter, root),
+                adapter.grad_scaler(root, **SCALER_OPTIONS),
+                adapter.unwrap(root),
+                dist,
+            )
+            ddp, reference_model = loops.build_reference(MODEL, dist)
+            ddp_run = _scaled_run(
+                loops.Driver(ddp, reference_model),
+                loops.ddp_optimizer(ddp),
+                torch.amp.GradScaler(dist.device.type, **SCALER_OPTIONS),
+                reference_model,
+                dist,
+            )
+            label = f"adapter {adapter.name!r}, {MODEL}, an inf gradient on rank 1 in step 1"
+            scales = [None] * dist.world_size
+            torch_dist.all_gather_object(scales, fsdp["scales"], group=dist.group)
+            assert all(s == scales[0] for s in scales), (
+                f"{label}: the scale differs across ranks after each step: {scales}"
+            )
+            assert fsdp["scales"] == ddp_run["scales"], (
+                f"{label}: scales after each step {fsdp['scales']}, DDP + GradScaler's "
+                f"{ddp_run['scales']} (the inf step must halve the scale)"
+            )
+            skipped = [None] * dist.world_size
+            torch_dist.all_gather_object(skipped, fsdp["skipped"], group=dist.group)
+            assert all(s == [INF_STEP] for s in skipped), (
+                f"{label}: steps that left the parameters unchanged, per rank: {skipped}; "
+                f"expected only step {INF_STEP} on every rank"
+            )
+            loops.assert_params(label, fsdp["params"], ddp_run["params"], SCALER_STEPS)
+
+
+SCALER_OPTIONS = {"init_scale": 2.0**10, "growth_interval": 1000}
+SCALER_STEPS = 3
+INF_STEP = 1
+
+
+def _scaled_run(driver: Any, optimizer: Any, scaler: Any, module: nn.Module, dist: Any) -> dict:
+    """SCALER_STEPS steps with `scaler`; in step INF_STEP rank 1 sets one element of the first
+    nn.Linear's weight gradient to inf (a hook on the weight the module computes with, so
+    after the reduction the inf lives in one rank's gradient shard only)."""
+    linear = next(m for m in module.modules() if isinstance(m, nn.Linear))
+    scales, skipped = [], []
+    for step in range(SCALER_STEPS):
+        optimizer.zero_grad()
+        handles = []
+        if step == INF_STEP and dist.rank == 1:
+
+            def inject(grad: torch.Tensor) -> torch.Tensor:
+                grad = grad.clone()
+                grad.view(-1)[0] = float("inf")
+                return grad
+
+            def pre_hook(mod: nn.Module, args: tuple, handles: list = handles) -> None:
+                handles.append(mod.weight.register_hook(inject))
+
+            handles.append(linear.register_forward_pre_hook(pre_hook))
+        inputs = loops.micro_input(driver.zoo_model, dist.device, step)
+        loss = driver.zoo_model.get_loss(inputs, driver.model(*inputs))
+        driver.backward(scaler.scale(loss))
+        for handle in handles:
+            handle.remove()
+        before = [_local(p).clone() for p in driver.model.parameters()]
+        scaler.step(optimizer)
+        scaler.update()
+        after = list(driver.model.parameters())
+        if all(torch.equal(b, _local(a)) for b, a in zip(before, after)):
+            skipped.append(step)
+        scales.append(float(scaler.get_scale()))
+    return {"scales": scales, "skipped": skipped, "params": driver.params()}
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a registered parameter (a DTensor's local shard)."""
+    to_local = getattr(tensor, "to_local", None)
+    return (to_local() if to_local is not None else tensor).detach()
+
+
+def _names(dtypes: set[torch.dtype]) -> str:
+    return ", ".join(sorted(str(d) for d in dtypes)) or "nothing (no forward seen)"
+
+
+class TestPrecision(BasePrecisionTests):
+    pass
