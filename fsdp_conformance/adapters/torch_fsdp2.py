@@ -441,6 +441,14 @@ class TorchFSDP2Adapter(Adapter):
             if callable(reset):
                 reset()
 
+    # ------------------------------------------------------------------ other forward methods
+    def register_forward_method(self, instance: nn.Module, name: str) -> None:
+        """``torch.distributed.fsdp.register_fsdp_forward_method(instance, name)``."""
+        self.check(Feature.FORWARD_METHOD)
+        from torch.distributed.fsdp import register_fsdp_forward_method
+
+        register_fsdp_forward_method(instance, name)
+
     def save_checkpoint(self, model: nn.Module, optimizer: Any, directory: str) -> None:
         """``torch.distributed.checkpoint.state_dict`` (DTensor state dicts) + ``dcp.save``."""
         self.check(Feature.CHECKPOINT_RESUME)
