@@ -14,7 +14,14 @@ class MyFSDPAdapter(Adapter):
     name = "my-fsdp"
 
     # what this adapter claims; everything else skips with the reason below
-    SUPPORTED = frozenset({Feature.FULL_SHARD, Feature.SHARD_GRAD_OP})
+    SUPPORTED = frozenset(
+        {
+            Feature.FULL_SHARD,
+            Feature.SHARD_GRAD_OP,
+            Feature.TRAINING_STATES,
+            Feature.SUMMON_FULL_PARAMS,
+        }
+    )
 
     def unsupported(self) -> dict[str, str]:
         reason = "not wired up in my-fsdp yet"
