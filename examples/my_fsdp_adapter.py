@@ -31,7 +31,6 @@ from fsdp_conformance.adapters.torch_fsdp1 import (
 class MyFSDPAdapter(Adapter):
     name = "my-fsdp"
 
-<<<<<<< HEAD
     # Step 2 (features, in the order that unlocks the most cells); everything else skips with
     # the reason below, naming the adapter and the feature
     SUPPORTED = frozenset(
@@ -64,17 +63,6 @@ class MyFSDPAdapter(Adapter):
     # Step 3: what torch FSDP1 does differently, each with its reproduction
     # (tests/adapters/test_measured_torch_facts.py, docs/memory_bound.md)
     known_deviations = FSDP1_DEVIATIONS
-=======
-    # what this adapter claims; everything else skips with the reason below
-    SUPPORTED = frozenset(
-        {
-            Feature.FULL_SHARD,
-            Feature.SHARD_GRAD_OP,
-            Feature.TRAINING_STATES,
-            Feature.SUMMON_FULL_PARAMS,
-        }
-    )
->>>>>>> shapes
 
     def unsupported(self) -> dict[str, str]:
         reason = "not wired up in my-fsdp yet"
