@@ -321,6 +321,13 @@ _CHECKS: tuple[Check, ...] = (
         features=("hybrid_shard", "comm_trace"),
         case="suite.test_sharding.ShardingCase",
     ),
+    Check(
+        "wrap.shared_across_instances",
+        "one parameter used by two instances (tied embedding and head wrapped apart): a clear "
+        "error at wrap naming the parameter, or training that matches DDP",
+        ("BaseSharedParamsTests.test_shared_parameter_across_instances",),
+        case="suite.loops.LoopCase",
+    ),
     #
     # ---------------------------------------------------------------- optim.param_groups, wrap.ignored, forward.other_method
     Check(
@@ -329,6 +336,13 @@ _CHECKS: tuple[Check, ...] = (
         "another learning rate): AdamW matches DDP",
         ("BaseParamGroupTests.test_param_groups_match_ddp",),
         features=("param_groups",),
+        case="suite.loops.LoopCase",
+    ),
+    Check(
+        "forward.other_method",
+        "a registered method other than forward, and a nested instance's forward called alone: "
+        "parameters unsharded while used, legal states, resharded after, matches DDP",
+        ("BaseForwardMethodTests.test_other_forward_method",),
         case="suite.loops.LoopCase",
     ),
     #

@@ -17,6 +17,7 @@ from .loops import CheckpointedModule, CheckpointingWrap, LoopModule
 from .moe import MixtureOfExperts
 from .nested import ALWAYS_WRAP, AlwaysWrapNestedWrappedModule, NestedWrappedModule
 from .overlap import Layer
+from .tied import TiedInstances
 from .transformer import TransformerWithSharedParams
 from .uneven import Gain, UnevenModule
 
@@ -39,6 +40,7 @@ __all__ = [
     "NestedWrappedModule",
     "NestedWrappedModuleWithDelay",
     "SeededLinear",
+    "TiedInstances",
     "TransformerWithSharedParams",
     "UnevenModule",
     "Wrap",

@@ -688,6 +688,17 @@ class Adapter:
 
 
     # ------------------------------------------------------------------ optimizer groups, ignored parameters, other forward methods
+    def register_forward_method(self, instance: nn.Module, name: str) -> None:
+        """Make ``instance.<name>(...)``, a method other than forward of the wrapped module, run
+        as forward does: parameters unsharded while it runs, resharded after, gradients
+        reduced (FSDP2's ``register_fsdp_forward_method``). Needs `forward_method`."""
+        self.check(Feature.FORWARD_METHOD)
+        raise UnsupportedFeatureError(
+            self.name,
+            Feature.FORWARD_METHOD,
+            "override Adapter.register_forward_method (make instance.<name>() run the wrapped "
+            "module's method with the instance's parameters unsharded, as forward does)",
+        )
 
     # ------------------------------------------------------------------ primitives
     def _wrap(self, module: nn.Module, process_group: Any, config: dict[str, Any]) -> nn.Module:

@@ -194,6 +194,46 @@ FSDP1_DEVIATIONS = (
         match=r"does not name the problem .*got AssertionError: Expects tensor to be unsharded",
         measured_on=_MEASURED_ON,
     ),
+    Deviation(
+        "precision.dtypes",
+        "torch FSDP1 accumulates gradients across no_sync() micro-batches in param_dtype, not "
+        "float32 (nor reduce_dtype): inside no_sync the unsharded gradient stays in param_dtype "
+        "and is cast to reduce_dtype only at the synchronising backward, so N micro-batches "
+        "round the running sum N times. Reproduction (2 ranks): FSDP(nn.Linear(8, 8), "
+        "device_id=cpu, mixed_precision=MixedPrecision(param_dtype=bfloat16, "
+        "reduce_dtype=float32)); two backwards inside no_sync() leave a bfloat16 gradient of "
+        "the unsharded size. loops (one instance), 32 identical micro-batches: the update is "
+        "0.0178 (relative) away from float32 DDP's, 4.5x one micro-batch's 0.0039 (impl, "
+        "FSDP2: 1.0x)",
+        lambda case: case is not None and case.variant.startswith("no_sync"),
+        match=r"gradients accumulate in a low precision",
+        measured_on="torch 2.13.0",
+    ),
+    Deviation(
+        "wrap.shared_across_instances",
+        "torch FSDP1 accepts a parameter tied across two instances wrapped apart and silently "
+        "unties it: each instance flattens its own copy of the shared parameter, and each copy "
+        "is trained with its own module's part of the gradient, so training diverges from DDP. "
+        "Reproduction (2 ranks, device_id=cpu): head.weight = embed.weight; FSDP(embed), "
+        "FSDP(head), FSDP(root): the flat parameters hold 96 + 96 + 12 elements (the (12, 8) "
+        "weight twice); after one SGD step embed's and head's weights differ under "
+        "summon_full_params (tests/adapters/test_measured_torch_facts.py)",
+        match=r"the wrap was accepted, so training must match DDP: losses differ from DDP's",
+        measured_on="torch 2.13.0",
+    ),
+    Deviation(
+        "forward.other_method",
+        "torch FSDP1 leaves a nested instance in BACKWARD_POST when its forward is called alone "
+        "(not through the root) after the root's lazy init: the end-of-backward callback that "
+        "resets the states is queued by the root's forward only. Reproduction (2 ranks): "
+        "loops wrapped FULL_SHARD, root(x) and backward once, then head(h).sum().backward(): "
+        "head's handle state is BACKWARD_POST after the step "
+        "(tests/adapters/test_measured_torch_facts.py)",
+        lambda case: case.variant == "nested_alone",
+        raises=AssertionError,
+        match=r"instance 'head' at after optimizer.step: instance state BACKWARD_POST",
+        measured_on="torch 2.13.0",
+    ),
     # state_dict.full (reproductions: tests/adapters/test_measured_torch_facts.py)
     Deviation(
         "state_dict.full",
@@ -292,7 +332,14 @@ class TorchFSDP1Adapter(Adapter):
     def unsupported(self) -> dict[str, str]:
         from . import _dcp
 
-        unsupported = {}
+        unsupported = {
+            Feature.FORWARD_METHOD: (
+                "torch FSDP1 has no way to run a method other than forward: root.encode(x) "
+                "reaches the module's method through __getattr__ with the root's parameters "
+                "sharded and fails (after a forward: 'setStorage: ... out of bounds for storage "
+                "of size 0', measured on torch 2.13.0); FSDP1 users call wrapped children"
+            ),
+        }
         if _dcp.fsdp1_group_dropped():
             unsupported[Feature.CHECKPOINT_RESUME] = _dcp.FSDP1_SUBGROUP_REASON
         if accelerator_available():

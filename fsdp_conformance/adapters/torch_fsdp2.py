@@ -441,6 +441,14 @@ class TorchFSDP2Adapter(Adapter):
             if callable(reset):
                 reset()
 
+    # ------------------------------------------------------------------ other forward methods
+    def register_forward_method(self, instance: nn.Module, name: str) -> None:
+        """``torch.distributed.fsdp.register_fsdp_forward_method(instance, name)``."""
+        self.check(Feature.FORWARD_METHOD)
+        from torch.distributed.fsdp import register_fsdp_forward_method
+
+        register_fsdp_forward_method(instance, name)
+
     def save_checkpoint(self, model: nn.Module, optimizer: Any, directory: str) -> None:
         """``torch.distributed.checkpoint.state_dict`` (DTensor state dicts) + ``dcp.save``."""
         self.check(Feature.CHECKPOINT_RESUME)
@@ -507,7 +515,11 @@ def _hybrid_mesh(shard: Any, replicate: Any, device_type: str) -> DeviceMesh:
     """HYBRID_SHARD in FSDP2's terms: the 2-D mesh (replicate, shard) of two existing groups.
 
     Row i of the mesh is the i-th shard group (its global ranks in group order), so this
-    rank sits at (its index in ``replicate``, its index in ``shard``).
+    rank sits at (its index in ``replicate``, its index in ``shard``). The dimension names
+    carry the shard group's name: torch keeps DeviceMesh state per mesh *value* (layout and
+    names), so an equal mesh of groups destroyed since (a previous test in the same rank
+    process) made DTensor's ``full_tensor()`` all-gather over those ("Could not resolve the
+    process group registered under the name 1", torch 2.13.0).
     """
     key = (shard, replicate, device_type)
     if key not in _HYBRID_MESHES:
@@ -521,7 +533,7 @@ def _hybrid_mesh(shard: Any, replicate: Any, device_type: str) -> DeviceMesh:
             [replicate, shard],
             device_type,
             mesh=torch.tensor(ranks).view(*sizes),
-            mesh_dim_names=("replicate", "shard"),
+            mesh_dim_names=(f"replicate{shard.group_name}", f"shard{shard.group_name}"),
         )
     return _HYBRID_MESHES[key]
 
