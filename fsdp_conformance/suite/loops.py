@@ -64,6 +64,7 @@ from fsdp_conformance.models import (
 )
 from fsdp_conformance.observe.comm_trace import REDUCE_OPS, CommTrace
 from fsdp_conformance.observe.states import IllegalTrainingState, TrainingStateRecorder
+from fsdp_conformance.vocab import Op
 
 from . import training, verdict, zoo
 
@@ -100,6 +101,7 @@ def build(
     *,
     checkpointing: bool | str = False,
     group: Any = None,
+    process_group: Any = None,
 ) -> tuple[nn.Module, nn.Module]:
     """The zoo model wrapped by `adapter` (root and zoo model); skips on a missing feature.
 
@@ -107,17 +109,20 @@ def build(
         checkpointing: each wrapped block runs under non-reentrant activation checkpointing
             ("inside" or True: inside the FSDP instance; "outside": around it).
         group: the process group (None: the test's).
+        process_group: what the instances shard over when not `group` (a hybrid strategy's
+            (shard_group, replicate_group) pair).
     """
     spec = zoo.MODELS[model_name]
     adapter.require(*spec.features)
     adapter.require(*adapter.features_for(**config))
     group = dist.group if group is None else group
-    wrap: Any = adapter.wrapper(process_group=group, **config)
+    process_group = group if process_group is None else process_group
+    wrap: Any = adapter.wrapper(process_group=process_group, **config)
     if checkpointing:
         wrap = CheckpointingWrap(wrap, outside=checkpointing == "outside")
     zoo_model = zoo.build(model_name, group, wrap, dist.device)
     root_config = {**config, **zoo_model.ROOT_WRAP_CONFIG}
-    root = adapter.wrap(zoo_model, process_group=group, root=True, **root_config)
+    root = adapter.wrap(zoo_model, process_group=process_group, root=True, **root_config)
     return move_after_wrap(root, DeviceInit.AFTER, dist.device), zoo_model
 
 
@@ -204,9 +209,11 @@ def accumulate_steps(
     micro_batches: int,
     sync_every: bool,
     trace: CommTrace | None = None,
+    same_input: bool = False,
 ) -> torch.Tensor:
     """`steps` optimizer steps of `micro_batches` micro-batches each (loss / micro_batches);
-    without ``sync_every`` all but the last run inside ``no_sync``. Returns every micro loss."""
+    without ``sync_every`` all but the last run inside ``no_sync``; with ``same_input`` every
+    micro-batch of a step gets the step's input. Returns every micro loss."""
     losses = []
     for step in range(steps):
         optimizer.zero_grad()
@@ -217,7 +224,8 @@ def accumulate_steps(
             context = contextlib.nullcontext() if synchronise else driver.no_sync()
             phase = trace.phase(f"step {step} micro {micro}") if trace else None
             with context, phase or contextlib.nullcontext():
-                inputs = micro_input(driver.zoo_model, device, step * micro_batches + micro)
+                index = step * micro_batches + (0 if same_input else micro)
+                inputs = micro_input(driver.zoo_model, device, index)
                 loss = driver.zoo_model.get_loss(inputs, driver.model(*inputs)) / micro_batches
                 driver.backward(loss)
             losses.append(loss.detach().float())
@@ -237,9 +245,12 @@ def trainable_labels(adapter: Any, root: nn.Module, trace: CommTrace) -> dict[st
     }
 
 
-def reductions_per_label(trace: CommTrace, phase: str) -> dict[str, int]:
+def reductions_per_label(
+    trace: CommTrace, phase: str, ops: Any = REDUCE_OPS
+) -> dict[str, int]:
+    """Instance label -> how many of `ops` (gradient reductions by default) it issued."""
     counts: dict[str, int] = {}
-    for event in trace.select(phase, REDUCE_OPS):
+    for event in trace.select(phase, ops):
         counts[event.label] = counts.get(event.label, 0) + 1
     return counts
 
@@ -288,8 +299,9 @@ class BaseGradientAccumulationTests:
     the adapter's ``no_sync`` (FSDP1/impl/fairscale ``no_sync()``, FSDP2
     ``set_requires_gradient_sync(False)``), against DDP's ``no_sync``; and the same with
     synchronisation on every micro-batch. Losses and full parameters bit-exact; the comm trace
-    shows no gradient reduction inside ``no_sync`` and exactly one per instance (with trainable
-    parameters) on every synchronising micro-batch."""
+    shows no gradient reduction inside ``no_sync`` and, on every synchronising micro-batch, every
+    instance with trainable parameters reduced, at most once per all-gather of it ([Note:
+    counts as bounds] in comm_checks.py)."""
 
     MICRO_BATCHES: ClassVar[int] = 3
     STEPS: ClassVar[int] = 2
@@ -365,15 +377,19 @@ class BaseGradientAccumulationTests:
                 for micro in range(self.MICRO_BATCHES):
                     phase = f"step {step} micro {micro}"
                     counts = reductions_per_label(trace, phase)
+                    gathers = reductions_per_label(trace, phase, (Op.ALL_GATHER,))
                     if micro < self.MICRO_BATCHES - 1:
                         if counts:
                             failures.append(
                                 f"{phase} (inside no_sync): gradient reductions {counts}"
                             )
-                    elif set(counts) != expected or any(n != 1 for n in counts.values()):
+                    elif set(counts) != expected or any(
+                        n > max(1, gathers.get(label, 0)) for label, n in counts.items()
+                    ):
                         failures.append(
                             f"{phase} (synchronising): gradient reductions {counts}; expected "
-                            f"exactly one for each of {sorted(expected)}"
+                            f"each of {sorted(expected)} reduced, at most once per all-gather "
+                            f"of it ({gathers}; [Note: counts as bounds] in comm_checks.py)"
                         )
             assert not failures, (
                 f"adapter {adapter.name!r}, loops, {strategy}: gradient accumulation broke no_sync's "

@@ -3,6 +3,7 @@
 If a torch release lifts one of these limits, the test fails and the declaration in
 torch_fsdp1.py / torch_fsdp2.py (and docs/adapters.md) must be updated.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -55,6 +56,24 @@ def test_torch_fsdp2_cpu_offload_needs_pin_memory_false(dist):
     with pytest.raises(RuntimeError, match=NO_ACCELERATOR):
         _step(fully_shard(_model(), mesh=mesh, offload_policy=CPUOffloadPolicy()))
     _step(fully_shard(_model(), mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False)))
+
+
+# ---------------------------------------------------------------- the precision.dtypes deviation
+@pytest.mark.world_size(2)
+def test_torch_fsdp1_accumulates_no_sync_gradients_in_param_dtype(dist):
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import MixedPrecision
+
+    policy = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = FSDP(nn.Linear(8, 8), device_id=torch.device("cpu"), mixed_precision=policy)
+    with model.no_sync():
+        for _ in range(2):
+            model(torch.rand(4, 8)).sum().backward()
+    (flat,) = model.parameters()
+    # the unsharded gradient (both ranks' size), accumulated in param_dtype
+    assert flat.grad.dtype == torch.bfloat16 and flat.grad.numel() == 2 * flat.numel()
+    model(torch.rand(4, 8)).sum().backward()
+    assert flat.grad.dtype == torch.float32 and flat.grad.shape == flat.shape
 
 
 # ---------------------------------------------------------------- the fuzz.generated deviations
@@ -292,3 +311,49 @@ def test_torch_fsdp2_clip_grad_norm_over_two_meshes_fails(dist):
     _step(model)
     with pytest.raises(RuntimeError, match="must have the same mesh"):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+
+
+@pytest.mark.world_size(2)
+def test_torch_fsdp1_unties_a_parameter_shared_across_instances(dist):
+    """torch-fsdp1's wrap.shared_across_instances deviation: each instance flattens its own copy
+    of the tied weight, and one step unties them."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.head = nn.Embedding(12, 8), nn.Linear(8, 12)
+            self.head.weight = self.embed.weight
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.head(self.embed(ids))
+
+    torch.manual_seed(0)
+    model = Tied()
+    cpu = torch.device("cpu")
+    model.embed = FSDP(model.embed, device_id=cpu)
+    model.head = FSDP(model.head, device_id=cpu)
+    root = FSDP(model, device_id=cpu)
+    # 96 (embed's weight) + 96 (head's copy of it) + 12 (head's bias), 2 shards each
+    assert sum(p.numel() for p in root.parameters()) * 2 == 96 + 96 + 12
+    optimizer = torch.optim.SGD(root.parameters(), lr=0.1)
+    ids = torch.randint(0, 12, (4,), generator=torch.Generator().manual_seed(dist.rank))
+    root(ids).sum().backward()
+    optimizer.step()
+    with FSDP.summon_full_params(root):
+        assert not torch.equal(model.embed.module.weight, model.head.module.weight)
+
+
+@pytest.mark.world_size(2)
+def test_torch_fsdp1_nested_instance_called_alone_stays_in_backward_post(dist):
+    """torch-fsdp1's forward.other_method deviation (the nested instance called alone)."""
+    from fsdp_conformance.adapters import get_adapter
+    from fsdp_conformance.suite.loops import build
+    from fsdp_conformance.training_states import InstanceState
+
+    adapter = get_adapter("torch-fsdp1")
+    root, zoo_model = build(adapter, "loops", dist, {"sharding_strategy": "FULL_SHARD"})
+    x = zoo_model.get_input(dist.device)[0]
+    root(x).sum().backward()
+    zoo_model.head(torch.rand(4, 16)).sum().backward()
+    assert adapter.training_state(zoo_model.head) == InstanceState.BACKWARD_POST
