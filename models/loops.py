@@ -159,9 +159,11 @@ class LoopModule(nn.Module):
         move_before_wrap(head, device_init, device)
         self.head = maybe_wrap(wrap, head)
         move_before_wrap(self.trunk, device_init, device)
-        at = device if device_init is DeviceInit.BEFORE else None
-        offset = torch.linspace(-0.5, 0.5, 16, device=at) if buffer else None
-        self.register_buffer("offset", offset)
+        if buffer:
+            at = device if device_init is DeviceInit.BEFORE else None
+            self.register_buffer("offset", torch.linspace(-0.5, 0.5, 16, device=at))
+        else:
+            self.offset = None
 
     def get_input(self, device: torch.device) -> tuple[torch.Tensor]:
         return (torch.rand(4, 8, generator=generator(11 + self.rank)).to(device),)  # (B=4, 8)

@@ -419,6 +419,17 @@ class DeepSpeedAdapter(Adapter):
                 "not mapped: DeepSpeed clips inside engine.step() by the gradient_clipping set "
                 "at initialize, not on request"
             ),
+            Feature.MIXED_PRECISION_POLICY: (
+                "not mapped: DeepSpeed's bf16 mode casts the parameters but never the inputs "
+                "(the declared parity.bf16 deviation), so a policy's cells would fail before a "
+                "dtype is observed; its reduce dtype would be the engine's "
+                "communication_data_type"
+            ),
+            Feature.GRAD_SCALER: (
+                "DeepSpeed scales the loss inside the engine (fp16.loss_scale / dynamic loss "
+                "scaling in engine.backward and engine.step), with no scaler object a user pairs "
+                "with the model; the adapter maps bf16 only, which needs no loss scaling"
+            ),
         }
         if _cpu_host():
             unsupported[Feature.CPU_OFFLOAD] = (

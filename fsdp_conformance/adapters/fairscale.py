@@ -118,6 +118,17 @@ FAIRSCALE_DEVIATIONS: tuple[Deviation, ...] = (
         measured_on=_MEASURED_ON,
     ),
     Deviation(
+        "precision.dtypes",
+        "fairscale 0.4.13 casts the root's float32 inputs with .half() whatever compute_dtype "
+        "is (the parity.bf16 deviation): a bfloat16 policy fails in the first Linear with "
+        "'mat1 and mat2 must have the same dtype, but got Half and BFloat16'; reproduce: "
+        "fs.wrap(nn.Linear(8, 8), mixed_precision={'param_dtype': torch.bfloat16})(x)",
+        lambda case: case is not None and "bf16" in case.variant,
+        raises=RuntimeError,
+        match=r"mat1 and mat2 must have the same dtype",
+        measured_on="fairscale 0.4.13, torch 2.13.0",
+    ),
+    Deviation(
         "wrap.configs_isolated",
         "the parity.bf16 deviation met by the bf16 model of the two: fairscale 0.4.13 casts "
         "the root's inputs with .half() whatever compute_dtype is ('mat1 and mat2 must have "
@@ -376,6 +387,11 @@ class FairscaleAdapter(Adapter):
                 "fairscale 0.4.13 FSDP.clip_grad_norm_ is CUDA-only: on a CPU-only host it fails "
                 "with 'Torch not compiled with CUDA enabled' (measured)"
             )
+            unsupported[Feature.GRAD_SCALER] = (
+                "fairscale 0.4.13's ShardedGradScaler (fairscale.optim.grad_scaler) is a "
+                "torch.cuda.amp.GradScaler: on a CPU-only host it disables itself ('CUDA is not "
+                "available.  Disabling.'), so it neither scales nor skips a step (measured)"
+            )
             unsupported[Feature.CPU_OFFLOAD] = (
                 "fairscale 0.4.13 move_params_to_cpu pins host memory: on a CPU-only host it "
                 "fails with 'Cannot access accelerator device when none is available'"
@@ -438,6 +454,12 @@ class FairscaleAdapter(Adapter):
             kwargs["move_params_to_cpu"] = True
         mixed = config.get("mixed_precision")
         if mixed is not None:
+            if mixed.output_dtype is not None or mixed.cast_forward_inputs is False:
+                raise UnsupportedFeatureError(
+                    self.name,
+                    Feature.MIXED_PRECISION_POLICY,
+                    "fairscale 0.4.13 FSDP has no output_dtype and always casts the root's inputs",
+                )
             compute = mixed.param_dtype or torch.float32
             reduce = mixed.reduce_dtype or compute
             if reduce not in (compute, torch.float32):
@@ -485,6 +507,14 @@ class FairscaleAdapter(Adapter):
         return [
             module for module in model.modules() if isinstance(module, FullyShardedDataParallel)
         ]
+
+    # ------------------------------------------------------------------ precision
+    def grad_scaler(self, model: nn.Module, **options: Any) -> Any:
+        """fairscale's own ``ShardedGradScaler`` over the root's process group (CUDA hosts)."""
+        self.check(Feature.GRAD_SCALER)
+        from fairscale.optim.grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(process_group=model.process_group, **options)
 
     # ------------------------------------------------------------------ states
     def training_state(self, instance: nn.Module) -> InstanceState:

@@ -517,7 +517,11 @@ def _hybrid_mesh(shard: Any, replicate: Any, device_type: str) -> DeviceMesh:
     """HYBRID_SHARD in FSDP2's terms: the 2-D mesh (replicate, shard) of two existing groups.
 
     Row i of the mesh is the i-th shard group (its global ranks in group order), so this
-    rank sits at (its index in ``replicate``, its index in ``shard``).
+    rank sits at (its index in ``replicate``, its index in ``shard``). The dimension names
+    carry the shard group's name: torch keeps DeviceMesh state per mesh *value* (layout and
+    names), so an equal mesh of groups destroyed since (a previous test in the same rank
+    process) made DTensor's ``full_tensor()`` all-gather over those ("Could not resolve the
+    process group registered under the name 1", torch 2.13.0).
     """
     key = (shard, replicate, device_type)
     if key not in _HYBRID_MESHES:
@@ -531,7 +535,7 @@ def _hybrid_mesh(shard: Any, replicate: Any, device_type: str) -> DeviceMesh:
             [replicate, shard],
             device_type,
             mesh=torch.tensor(ranks).view(*sizes),
-            mesh_dim_names=("replicate", "shard"),
+            mesh_dim_names=(f"replicate{shard.group_name}", f"shard{shard.group_name}"),
         )
     return _HYBRID_MESHES[key]
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import importlib
 import os
 import shutil
 import sys
@@ -18,6 +17,7 @@ from typing import Any, NoReturn
 
 from fsdp_conformance import vocab
 from fsdp_conformance.cli import limits
+from fsdp_conformance.world.extras import missing_extra
 
 PROG = "fsdp-conformance"
 BUILTIN_IMPLS = vocab.BUILTIN_ADAPTERS
@@ -34,8 +34,6 @@ CLI_TIMEOUT_S = 300.0
 RANK_MEMORY_BYTES = limits.RANK_BYTES
 # CPU ranks per core beyond which a world is not runnable in reasonable time
 RANKS_PER_CPU = 4
-# Built-in adapters that need an optional package: adapter -> (package, extra that installs it)
-EXTRAS = {"fairscale": ("fairscale", "fairscale"), "deepspeed": ("deepspeed", "deepspeed")}
 
 
 # pytest logs of failed or interrupted `run`s kept in cache_dir("logs"): the newest this many
@@ -186,27 +184,6 @@ def _positive_float(text: str) -> float:
 
 # -----------------------------------------------------------------------------
 # Validation (before anything starts)
-
-
-def missing_extra(impl: str) -> str | None:
-    """Why the built-in adapter ``impl`` cannot run here -- its optional package does not import
-    -- as one line naming the install command; None when it can (or needs no extra).
-
-    The package is imported for real (as the adapter will import it in every rank), so a
-    package that is present but broken is refused too.
-    """
-    if impl not in EXTRAS:
-        return None
-    package, extra = EXTRAS[impl]
-    try:
-        importlib.import_module(package)
-    except Exception as error:  # noqa: BLE001  any failure to import the package refuses it
-        reason = " ".join(f"{type(error).__name__}: {error}".split())
-        return (
-            f"adapter {impl!r} needs {package}, which cannot be imported here ({reason}); "
-            f"install it with: pip install 'fsdp-conformance[{extra}]'"
-        )
-    return None
 
 
 def check_extra(impl: str) -> None:

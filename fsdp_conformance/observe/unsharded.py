@@ -66,7 +66,7 @@ class UnshardedParams(TorchFunctionMode):
             self._handles.append(instance.register_forward_hook(lambda *_: self._pop()))
         return super().__enter__()
 
-    def __exit__(self, *exc_info: Any) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         super().__exit__(*exc_info)
         for handle in self._handles:
             handle.remove()

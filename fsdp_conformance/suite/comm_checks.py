@@ -44,7 +44,6 @@ instance as its *uses*:
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import itertools
 from collections.abc import Callable

@@ -209,9 +209,11 @@ def accumulate_steps(
     micro_batches: int,
     sync_every: bool,
     trace: CommTrace | None = None,
+    same_input: bool = False,
 ) -> torch.Tensor:
     """`steps` optimizer steps of `micro_batches` micro-batches each (loss / micro_batches);
-    without ``sync_every`` all but the last run inside ``no_sync``. Returns every micro loss."""
+    without ``sync_every`` all but the last run inside ``no_sync``; with ``same_input`` every
+    micro-batch of a step gets the step's input. Returns every micro loss."""
     losses = []
     for step in range(steps):
         optimizer.zero_grad()
@@ -222,7 +224,8 @@ def accumulate_steps(
             context = contextlib.nullcontext() if synchronise else driver.no_sync()
             phase = trace.phase(f"step {step} micro {micro}") if trace else None
             with context, phase or contextlib.nullcontext():
-                inputs = micro_input(driver.zoo_model, device, step * micro_batches + micro)
+                index = step * micro_batches + (0 if same_input else micro)
+                inputs = micro_input(driver.zoo_model, device, index)
                 loss = driver.zoo_model.get_loss(inputs, driver.model(*inputs)) / micro_batches
                 driver.backward(loss)
             losses.append(loss.detach().float())

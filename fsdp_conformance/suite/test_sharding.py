@@ -11,9 +11,9 @@
   ``_HYBRID_SHARD_ZERO2`` train as DDP at world size 4 does, and the collectives of each step
   (``CommTrace(collectives=True)``) are what the configuration promises: parameters gathered
   and gradients reduce-scattered within the shard group, gradients all-reduced across the
-  replicate group, nothing over any other group; at least once and at most once per instance
-  with trainable parameters per backward (an implementation may bucket), and every such
-  instance reporting exactly one reduction per backward.
+  replicate group, nothing over any other group; each at least once per step and at most once
+  per reduction the instances may issue (an implementation may bucket), and every instance with
+  trainable parameters reporting a reduction, at most once per all-gather of it.
 
 Tolerances: ``parity.tolerance`` (bit-exact up to world size 2; at 3 and 4, ``atol = rtol =
 1e-6``: the average of 3 or 4 float32 gradients depends on the order and the splitting of the
@@ -131,11 +131,6 @@ class BaseHybridShardingTests:
         if "hybrid_strategy" in metafunc.fixturenames:
             metafunc.parametrize("hybrid_strategy", self.strategies)
 
-    # fresh rank processes: torch keeps process-global DeviceMesh state keyed by the mesh's
-    # value, so in a reused rank process a 2 x 2 mesh rebuilt from the next test's new groups
-    # made FSDP2's full_tensor() all-gather over the destroyed groups of the previous one
-    # ("Could not resolve the process group registered under the name 1", torch 2.13.0)
-    @pytest.mark.fsdp_mode("process-fresh")
     @pytest.mark.world_size(4)
     def test_hybrid_matches_ddp(self, fsdp_adapter: Any, dist: Any, hybrid_strategy: str):
         adapter = fsdp_adapter
@@ -207,18 +202,23 @@ def _hybrid_step_failures(
     for op, group in counts:
         if (op, group) not in _PROMISED:
             failures.append(f"{phase}: {counts[op, group]} {op} over the {group} group")
+    # each instance's reductions: at most once per all-gather of it ([Note: counts as bounds]
+    # in comm_checks.py), once for an instance that never gathers
+    gathers = loops.reductions_per_label(trace, phase, (Op.ALL_GATHER,))
+    allowed = {label: max(1, gathers.get(label, 0)) for label in trainable}
     for op, group in ((Op.REDUCE_SCATTER, "shard"), (Op.ALL_REDUCE, "replicate")):
         count = counts.get((op, group), 0)
-        if not 1 <= count <= len(trainable):
+        if not 1 <= count <= sum(allowed.values()):
             failures.append(
                 f"{phase}: {count} {op} over the {group} group; expected 1 to "
-                f"{len(trainable)} (once per instance with trainable parameters, or bucketed)"
+                f"{sum(allowed.values())} (at most one per reduction the instances may issue, "
+                "fewer where bucketed)"
             )
     reported = loops.reductions_per_label(trace, phase)
-    if set(reported) != set(trainable) or any(n != 1 for n in reported.values()):
+    if set(reported) != set(trainable) or any(n > allowed[k] for k, n in reported.items()):
         failures.append(
-            f"{phase}: gradient reductions per instance {reported}; expected exactly one for "
-            f"each of {trainable}"
+            f"{phase}: gradient reductions per instance {reported}; expected each of "
+            f"{trainable} reduced, at most {allowed} times"
         )
     return failures
 

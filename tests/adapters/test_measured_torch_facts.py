@@ -58,6 +58,24 @@ def test_torch_fsdp2_cpu_offload_needs_pin_memory_false(dist):
     _step(fully_shard(_model(), mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False)))
 
 
+# ---------------------------------------------------------------- the precision.dtypes deviation
+@pytest.mark.world_size(2)
+def test_torch_fsdp1_accumulates_no_sync_gradients_in_param_dtype(dist):
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import MixedPrecision
+
+    policy = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = FSDP(nn.Linear(8, 8), device_id=torch.device("cpu"), mixed_precision=policy)
+    with model.no_sync():
+        for _ in range(2):
+            model(torch.rand(4, 8)).sum().backward()
+    (flat,) = model.parameters()
+    # the unsharded gradient (both ranks' size), accumulated in param_dtype
+    assert flat.grad.dtype == torch.bfloat16 and flat.grad.numel() == 2 * flat.numel()
+    model(torch.rand(4, 8)).sum().backward()
+    assert flat.grad.dtype == torch.float32 and flat.grad.shape == flat.shape
+
+
 # ---------------------------------------------------------------- the fuzz.generated deviations
 # The minimal reproductions of torch FSDP1's declared fuzz.generated deviations
 # (adapters/torch_fsdp1.py, FSDP1_DEVIATIONS). Each test asserts the deviation is still there:

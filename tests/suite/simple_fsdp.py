@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.nn.utils import parametrize
 
-from fsdp_conformance.adapters import Adapter, Deviation, Feature
+from fsdp_conformance.adapters import Adapter, Deviation, Feature, _dcp
 from fsdp_conformance.adapters.base import scoped_observer
 from fsdp_conformance.adapters.features import ALL_FEATURES, auto_wrap_targets
 
@@ -41,7 +41,7 @@ _policy_by_class: dict[type, torch.dtype | None] = {}  # the broken per-class ca
 
 
 def _emit(op: str, instance: nn.Module | None) -> None:
-    for callback in list(_observers):
+    for callback in _observers:
         callback(op, instance, {})
 
 
@@ -144,7 +144,7 @@ def _pre_forward(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, d
     dtype = module._param_dtype
     if dtype is None:
         return args, kwargs
-    cast = lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
+    cast = lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
     return tuple(map(cast, args)), {k: cast(v) for k, v in kwargs.items()}
 
 
@@ -245,22 +245,10 @@ class SimpleFSDPAdapter(Adapter):
                 _observers.remove(observer)
 
     def save_checkpoint(self, model: nn.Module, optimizer: Any, directory: str) -> None:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        model_state, optim_state = get_state_dict(model, optimizer)
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=directory,
-                 process_group=self._group(model))
+        _dcp.save(model, optimizer, directory, self._group(model))
 
     def load_checkpoint(self, model: nn.Module, optimizer: Any, directory: str) -> None:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-        model_state, optim_state = get_state_dict(model, optimizer)
-        state = {"model": model_state, "optim": optim_state}
-        dcp.load(state, checkpoint_id=directory, process_group=self._group(model))
-        set_state_dict(model, optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
+        _dcp.load(model, optimizer, directory, self._group(model))
 
     def _group(self, model: nn.Module) -> Any:
         shard = next(p for p in model.parameters() if isinstance(p, DTensor))

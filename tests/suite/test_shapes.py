@@ -165,7 +165,7 @@ def test_simple_fsdp_unties_tied_weights(dist, monkeypatch) -> None:
 
     from fsdp_conformance.suite import training
 
-    root, zoo_model = training.wrap_model(ADAPTER, "transformer", dist, {})
+    _, zoo_model = training.wrap_model(ADAPTER, "transformer", dist, {})
     shards = [
         module.parametrizations.weight.original
         for module in (zoo_model.embed_tokens, zoo_model.output_proj)

@@ -2,9 +2,8 @@
 and the sharper DDP parity, failing on an FSDP broken in the way it checks.
 
 The built-in run: ``sharding.uneven`` on all five adapters (fairscale and DeepSpeed skip with
-the install line when their extra is missing), ``sharding.hybrid`` on torch FSDP1 (both hybrid
-strategies) and FSDP2 (HYBRID_SHARD; each cell starts 4 fresh ranks) -- impl, fairscale and
-DeepSpeed are not applicable: their reasons are checked here too.
+the install line when their extra is missing), ``sharding.hybrid`` on torch FSDP1 and FSDP2
+(impl, fairscale and DeepSpeed are not applicable: their reasons are checked here too).
 The broken run: one pytest subprocess (pytester) of a test file defining the broken variants.
 """
 
@@ -30,18 +29,10 @@ class TestUnevenSharding(BaseUnevenShardingTests):
     pass
 
 
-class TestHybridShardingFSDP1(BaseHybridShardingTests):
-    @pytest.fixture
-    def fsdp_impl(self) -> str:
-        return "torch-fsdp1"
-
-
-class TestHybridShardingFSDP2(BaseHybridShardingTests):
-    strategies = ("HYBRID_SHARD",)  # 4 fresh ranks per cell: _HYBRID_SHARD_ZERO2 in --pyargs
-
-    @pytest.fixture
-    def fsdp_impl(self) -> str:
-        return "torch-fsdp2"
+class TestHybridSharding(BaseHybridShardingTests):
+    @pytest.fixture(params=("torch-fsdp1", "torch-fsdp2"))
+    def fsdp_impl(self, request: pytest.FixtureRequest) -> str:
+        return request.param
 
 
 @pytest.mark.parametrize("name", ["impl", "fairscale", "deepspeed"])
