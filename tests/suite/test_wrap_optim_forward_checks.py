@@ -222,30 +222,16 @@ BROKEN = textwrap.dedent(
     """
 )
 
-# (selected tests, the lines the run must show)
+# (selected tests, the lines the run must show), in one subprocess
 GROUPS = {
-    "forward-method": (
-        [
-            "TestMethodUnregistered::test_other_forward_method",
-            "TestMethodKeepsUnsharded::test_other_forward_method",
-        ],
-        [
-            (
-                "*AssertionError: adapter 'method-unregistered', loops, FULL_SHARD, method: the "
-                "root's own parameters (the trunk's) are sharded while encode uses them (step 0)*"
-            ),
-            (
-                "*AssertionError: adapter 'method-keeps-unsharded', loops, FULL_SHARD, method: "
-                "unsharded parameters left after the step*"
-            ),
-        ],
-    ),
-    "groups-clipping": (
+    "all": (
         [
             "TestMergedGroups::test_param_groups_match_ddp",
             "TestLocalNormTorchClip::test_clipping_matches_ddp",
             "TestUntiedShared::test_shared_parameter_across_instances",
             "TestIgnoredUnderAutoWrap::test_ignored_params",
+            "TestMethodUnregistered::test_other_forward_method",
+            "TestMethodKeepsUnsharded::test_other_forward_method",
         ],
         [
             (
@@ -265,6 +251,14 @@ GROUPS = {
                 "*AssertionError: adapter 'impl', loops, FULL_SHARD, blocks.1.0.* ignored, "
                 "auto_wrap: ignored parameter 'blocks.1.0.weight' is not registered under its "
                 "name as the same nn.Parameter*"
+            ),
+            (
+                "*AssertionError: adapter 'method-unregistered', loops, FULL_SHARD, method: the "
+                "root's own parameters (the trunk's) are sharded while encode uses them (step 0)*"
+            ),
+            (
+                "*AssertionError: adapter 'method-keeps-unsharded', loops, FULL_SHARD, method: "
+                "unsharded parameters left after the step*"
             ),
         ],
     ),
