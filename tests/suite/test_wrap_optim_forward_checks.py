@@ -160,6 +160,21 @@ BROKEN = textwrap.dedent(
 
     fully_sharded._recursive_wrap = _forgetting_recursive_wrap
 
+    # a torch whose register_fsdp_forward_method registers nothing, and whose fully_shard
+    # shards the parameters it is told to ignore
+    import torch.distributed.fsdp as fsdp_api
+
+    fsdp_api.register_fsdp_forward_method = lambda module, name: None
+    _fully_shard = fsdp_api.fully_shard
+
+
+    def _sharding_ignored(module, **kwargs):
+        kwargs.pop("ignored_params", None)
+        return _fully_shard(module, **kwargs)
+
+
+    fsdp_api.fully_shard = _sharding_ignored
+
     # a torch whose clip_grad_norm_ over DTensor gradients uses this rank's local norm
     _clip_grad_norm_ = torch.nn.utils.clip_grad_norm_
 
@@ -214,6 +229,18 @@ BROKEN = textwrap.dedent(
         strategies = ("FULL_SHARD",)
 
 
+    class TestTorchMethodUnregistered(BaseForwardMethodTests):
+        fsdp_impl = _impl("torch-fsdp2")
+        variants = ("method",)
+        strategies = ("FULL_SHARD",)
+
+
+    class TestTorchShardsIgnored(BaseIgnoredParamsTests):
+        fsdp_impl = _impl("torch-fsdp2")
+        variants = ("auto_wrap",)
+        strategies = ("FULL_SHARD",)
+
+
     class TestLocalNormTorchClip(BaseGradientClippingTests):
         fsdp_impl = _impl("torch-fsdp2")
         models = ("loops_gains",)
@@ -232,6 +259,8 @@ GROUPS = {
             "TestIgnoredUnderAutoWrap::test_ignored_params",
             "TestMethodUnregistered::test_other_forward_method",
             "TestMethodKeepsUnsharded::test_other_forward_method",
+            "TestTorchMethodUnregistered::test_other_forward_method",
+            "TestTorchShardsIgnored::test_ignored_params",
         ],
         [
             (
@@ -259,6 +288,15 @@ GROUPS = {
             (
                 "*AssertionError: adapter 'method-keeps-unsharded', loops, FULL_SHARD, method: "
                 "unsharded parameters left after the step*"
+            ),
+            (
+                "*AssertionError: adapter 'torch-fsdp2', loops, FULL_SHARD, method: the root's "
+                "own parameters (the trunk's) are sharded while encode uses them (step 0)*"
+            ),
+            (
+                "*AssertionError: adapter 'torch-fsdp2', loops, FULL_SHARD, blocks.1.0.* ignored, "
+                "auto_wrap: ignored parameter 'blocks.1.0.weight' is not registered under its "
+                "name as the same nn.Parameter*"
             ),
         ],
     ),
