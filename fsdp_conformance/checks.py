@@ -339,6 +339,14 @@ _CHECKS: tuple[Check, ...] = (
         case="suite.loops.LoopCase",
     ),
     Check(
+        "wrap.ignored",
+        "ignored parameters, alone and under an auto-wrap policy: registered whole on every "
+        "rank, not reduced, in the state dict under their keys; the rest trains as DDP",
+        ("BaseIgnoredParamsTests.test_ignored_params",),
+        features=("ignored_params",),
+        case="suite.loops.LoopCase",
+    ),
+    Check(
         "forward.other_method",
         "a registered method other than forward, and a nested instance's forward called alone: "
         "parameters unsharded while used, legal states, resharded after, matches DDP",

@@ -402,6 +402,10 @@ class DeepSpeedAdapter(Adapter):
                 "micro-batch's gradients into their partitions (accumulation with a reduction "
                 "per micro-batch is mapped: accumulation_boundary)"
             ),
+            Feature.IGNORED_PARAMS: (
+                "not mapped: ZeRO-3 partitions every parameter of the engine's module (a "
+                "parameter kept whole would need DeepSpeed's own persistence settings)"
+            ),
             Feature.FORWARD_METHOD: (
                 "not mapped: ZeRO-3 gathers parameters in every submodule's forward hooks, so a "
                 "method calling submodules may work, but this adapter has not measured it"

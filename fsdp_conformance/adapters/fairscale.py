@@ -350,6 +350,10 @@ class FairscaleAdapter(Adapter):
             ),
         }
         unsupported[Feature.USE_ORIG_PARAMS] = "fairscale 0.4.13 has no use_orig_params flag"
+        unsupported[Feature.IGNORED_PARAMS] = (
+            "fairscale 0.4.13 FSDP has no ignored modules or parameters (its constructor takes "
+            "none): every parameter of the wrapped module is sharded"
+        )
         unsupported[Feature.FORWARD_METHOD] = (
             "fairscale 0.4.13 FSDP has no way to run a method other than forward with the "
             "instance's parameters gathered (its hooks run in forward only)"

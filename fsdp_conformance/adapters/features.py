@@ -22,6 +22,9 @@ default. Values are normalised by `normalize_config` into:
   sync_module_states  bool
   device_id           None | torch.device | int
   use_orig_params     bool   (torch FSDP1's flag; needs `use_orig_params` when True)
+  ignored_params      tuple of nn.Parameter / nn.Module   (left unsharded and unreduced by the
+                      wrapper, a module standing for its parameters; needs `ignored_params`
+                      when not empty; any iterable accepted)
   process_group       None | ProcessGroup | (shard_group, replicate_group)   (keyword of `wrap`
                       itself; the pair only with a hybrid sharding_strategy)
 """
@@ -112,6 +115,7 @@ CONFIG_KEYS = (
     "sync_module_states",
     "device_id",
     "use_orig_params",
+    "ignored_params",
 )
 
 
@@ -196,6 +200,8 @@ def normalize_config(config: dict[str, Any]) -> dict[str, Any]:
                     "(module) -> bool"
                 )
             out[key] = value
+        elif key == "ignored_params":
+            out[key] = _ignored(value)
         elif key == "device_id":
             out[key] = value if value is None or isinstance(value, int) else torch.device(value)
     return out
@@ -234,6 +240,28 @@ def _mixed_precision(value: Any) -> MixedPrecisionConfig | None:
     return MixedPrecisionConfig(**values)
 
 
+def _ignored(value: Any) -> tuple[nn.Parameter | nn.Module, ...]:
+    items = () if value is None else tuple(value)
+    for item in items:
+        if not isinstance(item, (nn.Parameter, nn.Module)):
+            raise TypeError(
+                f"ignored_params holds {type(item).__name__}; give nn.Parameters and/or "
+                "nn.Modules (a module stands for its parameters)"
+            )
+    return items
+
+
+def ignored_parameters(config: dict[str, Any]) -> list[nn.Parameter]:
+    """The parameters a normalised config's ``ignored_params`` names (modules expanded), each
+    once, in order."""
+    found: dict[int, nn.Parameter] = {}
+    for item in config.get("ignored_params", ()):
+        params = item.parameters() if isinstance(item, nn.Module) else (item,)
+        for param in params:
+            found.setdefault(id(param), param)
+    return list(found.values())
+
+
 def features_for(config: dict[str, Any]) -> frozenset[str]:
     """The features a normalised wrap config needs."""
     needed: set[str] = set()
@@ -265,6 +293,8 @@ def features_for(config: dict[str, Any]) -> frozenset[str]:
         needed.add(Feature.AUTO_WRAP_POLICY)
     if config.get("sync_module_states"):
         needed.add(Feature.SYNC_MODULE_STATES)
+    if config.get("ignored_params"):
+        needed.add(Feature.IGNORED_PARAMS)
     if config.get("use_orig_params"):
         needed.add(Feature.USE_ORIG_PARAMS)
     return frozenset(needed)

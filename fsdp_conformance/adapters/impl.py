@@ -15,8 +15,14 @@ from torch import nn
 
 from fsdp_conformance.training_states import InstanceState, RootState
 
-from .base import Adapter, clean_param_name, flat_grad_pieces, scoped_observer
-from .features import Feature, MixedPrecisionConfig, module_predicate
+from .base import (
+    Adapter,
+    UnsupportedFeatureError,
+    clean_param_name,
+    flat_grad_pieces,
+    scoped_observer,
+)
+from .features import Feature, MixedPrecisionConfig, ignored_parameters, module_predicate
 
 
 class ImplAdapter(Adapter):
@@ -61,7 +67,29 @@ class ImplAdapter(Adapter):
             )
         if config.get("auto_wrap_policy") is not None:
             kwargs["auto_wrap_policy"] = _fsdp1_style_policy(config["auto_wrap_policy"])
+        if config.get("ignored_params"):
+            kwargs["ignored_modules"] = self._ignored_modules(module, config)
         return impl.FullyShardedDataParallel(module, process_group=process_group, **kwargs)
+
+    def _ignored_modules(self, module: nn.Module, config: dict[str, Any]) -> list[nn.Module]:
+        """``ignored_params`` as impl's ``ignored_modules``: the largest submodules all of whose
+        parameters are ignored; impl ignores whole modules, so each parameter must be one."""
+        ignored = {id(param) for param in ignored_parameters(config)}
+        modules: list[nn.Module] = []
+        covered: set[int] = set()
+        for submodule in module.modules():
+            params = {id(param) for param in submodule.parameters()}
+            if params and params <= ignored and not params <= covered:
+                modules.append(submodule)
+                covered |= params
+        if covered != ignored:
+            raise UnsupportedFeatureError(
+                self.name,
+                Feature.IGNORED_PARAMS,
+                "impl ignores whole modules (ignored_modules); give parameters that make up "
+                "whole submodules of the wrapped module",
+            )
+        return modules
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         if isinstance(model, self._impl.FullyShardedDataParallel):

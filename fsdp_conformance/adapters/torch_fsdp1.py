@@ -40,7 +40,7 @@ from .base import (
     require_before_first_forward,
 )
 from .deviations import Deviation
-from .features import ALWAYS_WRAP, Feature, module_predicate
+from .features import ALWAYS_WRAP, Feature, ignored_parameters, module_predicate
 from .states import InstanceState, RootState
 
 # Process-wide: observers of the patched FSDP1 internals, and handle -> its FSDP instance
@@ -414,6 +414,8 @@ class TorchFSDP1Adapter(Adapter):
             device_id = torch.device("cpu")  # FSDP1 refuses a CPU-only host without it
         if device_id is not None:
             kwargs["device_id"] = device_id
+        if config.get("ignored_params"):
+            kwargs["ignored_states"] = ignored_parameters(config)
         wrapped = FullyShardedDataParallel(module, process_group=process_group, **kwargs)
         label_instances(wrapped)
         return wrapped

@@ -47,7 +47,7 @@ from ._fsdp2_prefetch import configure_prefetch
 from ._support import RANGES, support_problem
 from .base import Adapter, ObserverRegistry, UnsupportedFeatureError, scoped_observer
 from .deviations import Deviation
-from .features import Feature, auto_wrap_targets
+from .features import Feature, auto_wrap_targets, ignored_parameters
 from .states import InstanceState, RootState
 
 # Process-wide: observers of the patched FSDP2 internals, and param group -> its module
@@ -182,7 +182,8 @@ FSDP2_DEVIATIONS = (
         "clip_grad_norm_(root.parameters(), 1.0) -> RuntimeError 'All operands in "
         "aten.stack.default must have the same mesh' (tests/adapters/test_measured_torch_facts.py)",
         lambda case: case.model == "loops_gains_no_shard",
-        raises=RuntimeError,
+        # DTensor's sharding propagation raises the RuntimeError from a ValueError
+        raises=(RuntimeError, ValueError),
         match=r"must have the same mesh",
         measured_on="torch 2.13.0",
     ),
@@ -257,6 +258,8 @@ class TorchFSDP2Adapter(Adapter):
                 output_dtype=mixed.output_dtype,
                 cast_forward_inputs=mixed.cast_forward_inputs is not False,
             )
+        if config.get("ignored_params"):
+            kwargs["ignored_params"] = set(ignored_parameters(config))
         prefetch = (
             config.get("forward_prefetch", False),
             config.get("backward_prefetch"),

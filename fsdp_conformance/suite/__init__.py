@@ -39,7 +39,7 @@ from .test_optim import BaseParamGroupTests
 from .test_precision import BasePrecisionTests
 from .test_sharding import BaseHybridShardingTests, BaseUnevenShardingTests
 from .test_state_dict import BaseFullStateDictTests
-from .test_wrap import BaseSharedParamsTests
+from .test_wrap import BaseIgnoredParamsTests, BaseSharedParamsTests
 from .test_wrap_isolation import BaseConfigIsolationTests
 
 __all__ = [
@@ -58,6 +58,7 @@ __all__ = [
     "BaseGradientAccumulationTests",
     "BaseGradientClippingTests",
     "BaseHybridShardingTests",
+    "BaseIgnoredParamsTests",
     "BaseMemoryBoundTests",
     "BaseMetaInitTests",
     "BaseOverlapTests",

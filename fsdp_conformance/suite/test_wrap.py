@@ -1,5 +1,5 @@
 """What wrapping promises about parameters outside the usual one-owner case (collected by
-``--pyargs``): ``wrap.shared_across_instances``.
+``--pyargs``): ``wrap.shared_across_instances``, ``wrap.ignored``.
 
 ``BaseSharedParamsTests``: ``tied_instances`` (models/tied.py) ties an embedding's weight to an
 output head's and wraps the two apart, so one parameter is used by two FSDP instances. The
@@ -10,6 +10,16 @@ trains it as DDP does, bit for bit (SGD with momentum: the same arithmetic as DD
 uses' gradients are summed before the reduction; ``training.assert_same_training``). A wrap
 that succeeds and then trains the two uses as two parameters (untied) diverges from DDP and
 fails.
+
+``BaseIgnoredParamsTests``: ``loops`` with block 1's Linear parameters ignored
+(``ignored_params``; FSDP1 ``ignored_states``, FSDP2 ``ignored_params``), the root alone
+(``alone``) or with an ``auto_wrap_policy`` wrapping every block and the head (``auto_wrap``: the
+ignored parameters lie inside an auto-wrapped block). They must stay registered under their
+names as the same plain ``nn.Parameter`` objects with their full shape, on every rank; their
+gradient after the first backward must be this rank's own (bit-exact with the unwrapped model's
+local gradient: not reduced); the full state dict holds them under their own keys; and after
+``STEPS`` SGD steps losses and full parameters equal the unwrapped model's with every other
+gradient averaged across ranks by hand, bit for bit (the same arithmetic).
 """
 
 from __future__ import annotations
@@ -19,11 +29,24 @@ from typing import Any, ClassVar
 
 import pytest
 import torch
+from torch import nn
 
-from fsdp_conformance.adapters import UnsupportedFeatureError
+from fsdp_conformance.adapters import UnsupportedFeatureError, clean_param_name
+from fsdp_conformance.models import DeviceInit, move_after_wrap
 
-from . import training, verdict
-from .loops import LoopCase, _parametrize, build
+from . import training, verdict, zoo
+from .loops import (
+    Driver,
+    LoopCase,
+    _parametrize,
+    assert_losses,
+    assert_params,
+    build,
+    build_reference,
+    ddp_optimizer,
+    fsdp_optimizer,
+    micro_input,
+)
 
 # an error that names the shared parameter: its attribute name and one of its modules
 _NAMES_SHARED = re.compile(r"\bweight\b.*\b(embed|head|Embedding|Linear)|(embed|head)\.weight")
@@ -71,4 +94,108 @@ class BaseSharedParamsTests:
 
 
 class TestSharedParams(BaseSharedParamsTests):
+    pass
+
+
+# the ignored parameters: block 1's Linear (inside a block the auto_wrap variant wraps)
+IGNORED = "blocks.1.0."
+
+
+def _ignored_run(driver: Driver, optimizer: Any, dist: Any, steps: int, ignored: dict):
+    """`steps` SGD steps; returns losses, the ignored parameters' gradients after the first
+    backward, and the full parameters. The reference (``driver.adapter`` None) averages every
+    gradient but the ignored ones."""
+    from .loops import _average_gradients
+
+    losses, first_grads = [], {}
+    for step in range(steps):
+        optimizer.zero_grad()
+        inputs = micro_input(driver.zoo_model, dist.device, step)
+        loss = driver.zoo_model.get_loss(inputs, driver.model(*inputs))
+        driver.backward(loss)
+        if step == 0:
+            first_grads = {name: p.grad.clone() for name, p in ignored.items()}
+        if driver.adapter is None:
+            saved = {name: p.grad for name, p in ignored.items()}
+            for p in ignored.values():
+                p.grad = None
+            _average_gradients(driver.zoo_model, dist.group)
+            for name, p in ignored.items():
+                p.grad = saved[name]
+        optimizer.step()
+        losses.append(loss.detach().float())
+    return torch.stack(losses), first_grads, driver.params()
+
+
+class BaseIgnoredParamsTests:
+    """Ignored parameters (feature ``ignored_params``): registered, whole, unreduced, in the
+    state dict under their names; the rest trains as DDP."""
+
+    STEPS: ClassVar[int] = 3
+    variants: ClassVar[tuple[str, ...]] = ("alone", "auto_wrap")
+    strategies: ClassVar[tuple[str, ...]] = ("FULL_SHARD", "SHARD_GRAD_OP")
+
+    def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
+        _parametrize(metafunc, variant=self.variants, strategy=self.strategies)
+
+    @pytest.mark.world_size(2)
+    def test_ignored_params(self, fsdp_adapter: Any, dist: Any, variant: str, strategy: str):
+        with verdict.cell(fsdp_adapter, "wrap.ignored", LoopCase("loops", strategy, variant)):
+            adapter = fsdp_adapter
+            zoo_model = zoo.build("loops", dist.group, None, dist.device)
+            ignored = {
+                name: p for name, p in zoo_model.named_parameters() if name.startswith(IGNORED)
+            }
+            config: dict[str, Any] = {
+                "sharding_strategy": strategy,
+                "ignored_params": tuple(ignored.values()),
+            }
+            if variant == "auto_wrap":
+                targets = [*zoo_model.blocks, zoo_model.head]
+                config["auto_wrap_policy"] = lambda module: any(module is t for t in targets)
+            root = adapter.wrap(zoo_model, process_group=dist.group, root=True, **config)
+            root = move_after_wrap(root, DeviceInit.AFTER, dist.device)
+            label = f"adapter {adapter.name!r}, loops, {strategy}, {IGNORED}* ignored, {variant}"
+            registered = {
+                clean_param_name(name, adapter.wrapper_segments): p
+                for name, p in root.named_parameters()
+            }
+            for name, param in ignored.items():
+                seen = registered.get(name)
+                assert seen is param and type(seen) is nn.Parameter, (
+                    f"{label}: ignored parameter {name!r} is not registered under its name as "
+                    f"the same nn.Parameter (found {type(seen).__name__}"
+                    f"{'' if seen is None else tuple(seen.shape)})"
+                )
+            losses, grads, params = _ignored_run(
+                Driver(root, zoo_model, adapter),
+                fsdp_optimizer(adapter, root),
+                dist,
+                self.STEPS,
+                ignored,
+            )
+            model, _ = build_reference("loops", dist, ddp=False)
+            reference_ignored = {
+                name: p for name, p in model.named_parameters() if name.startswith(IGNORED)
+            }
+            ref_losses, ref_grads, ref_params = _ignored_run(
+                Driver(model, model), ddp_optimizer(model), dist, self.STEPS, reference_ignored
+            )
+            for name, grad in grads.items():
+                assert torch.equal(grad, ref_grads[name]), (
+                    f"{label}: the gradient of ignored parameter {name!r} after the first "
+                    "backward is not this rank's own (the implementation reduced it?): max "
+                    f"|difference| {(grad - ref_grads[name]).abs().max().item():.3g}"
+                )
+            state = adapter.state_dict(root)
+            for name, param in ignored.items():
+                assert name in state and torch.equal(state[name], param.detach()), (
+                    f"{label}: the full state dict does not hold ignored parameter {name!r} "
+                    f"under its own key with its value (keys: {sorted(state)})"
+                )
+            assert_losses(label, losses, ref_losses)
+            assert_params(label, params, ref_params, self.STEPS)
+
+
+class TestIgnoredParams(BaseIgnoredParamsTests):
     pass

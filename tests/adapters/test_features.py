@@ -95,10 +95,12 @@ def test_features_for_maps_each_config_key():
 @cpu_only
 def test_torch_fsdp1_declares_cpu_host_limits_with_reasons():
     adapter = get_adapter("torch-fsdp1")
-    assert set(adapter.unsupported()) == {Feature.CPU_OFFLOAD, Feature.SYNC_MODULE_STATES}
+    lacking = {Feature.CPU_OFFLOAD, Feature.SYNC_MODULE_STATES, Feature.FORWARD_METHOD}
+    assert set(adapter.unsupported()) == lacking
     assert "accelerator" in adapter.unsupported_reason(Feature.CPU_OFFLOAD)
     assert "sync_module_states" in adapter.unsupported_reason(Feature.SYNC_MODULE_STATES)
-    assert adapter.capabilities == ALL_FEATURES - {Feature.CPU_OFFLOAD, Feature.SYNC_MODULE_STATES}
+    assert "other than forward" in adapter.unsupported_reason(Feature.FORWARD_METHOD)
+    assert adapter.capabilities == ALL_FEATURES - lacking
 
 
 def test_torch_fsdp2_declares_what_fully_shard_cannot_express():

@@ -1,4 +1,4 @@
-"""The optimizer-group, wrap and forward-method checks against the built-in adapters, and each
+"""The optimizer-group, wrap (shared, ignored) and forward-method checks against the built-in adapters, and each
 check failing on an implementation broken the way it checks (one pytester run per group of
 broken variants, as tests/suite/test_loops_catch_broken.py does); also torch-fsdp2's clipping
 through torch's own ``clip_grad_norm_``, and a torch whose ``clip_grad_norm_`` uses each rank's
@@ -13,6 +13,7 @@ import pytest
 from fsdp_conformance.suite import (
     BaseForwardMethodTests,
     BaseGradientClippingTests,
+    BaseIgnoredParamsTests,
     BaseParamGroupTests,
     BaseSharedParamsTests,
 )
@@ -33,6 +34,10 @@ class TestSharedParamsBuiltin(BaseSharedParamsTests):
     strategies = ("FULL_SHARD",)
 
 
+class TestIgnoredParamsBuiltin(BaseIgnoredParamsTests):
+    strategies = ("FULL_SHARD",)
+
+
 class TestForwardMethodBuiltin(BaseForwardMethodTests):
     strategies = ("FULL_SHARD",)
 
@@ -45,6 +50,25 @@ class TestFSDP2ClipsThroughTorch(BaseGradientClippingTests):
     @pytest.fixture
     def fsdp_impl(self) -> str:
         return "torch-fsdp2"
+
+
+def test_ignored_params_config_key_is_validated() -> None:
+    from torch import nn
+
+    from fsdp_conformance.adapters.features import (
+        features_for,
+        ignored_parameters,
+        normalize_config,
+    )
+
+    linear = nn.Linear(2, 2)
+    config = normalize_config({"ignored_params": [linear, linear.weight]})
+    assert [id(item) for item in config["ignored_params"]] == [id(linear), id(linear.weight)]
+    assert "ignored_params" in features_for(config)
+    assert [id(p) for p in ignored_parameters(config)] == [id(linear.weight), id(linear.bias)]
+    assert "ignored_params" not in features_for(normalize_config({"ignored_params": ()}))
+    with pytest.raises(TypeError, match="ignored_params holds str; give nn.Parameters"):
+        normalize_config({"ignored_params": ["trunk"]})
 
 
 BROKEN = textwrap.dedent(
@@ -60,6 +84,7 @@ BROKEN = textwrap.dedent(
     from fsdp_conformance.suite import (
         BaseForwardMethodTests,
         BaseGradientClippingTests,
+        BaseIgnoredParamsTests,
         BaseParamGroupTests,
         BaseSharedParamsTests,
     )
@@ -124,6 +149,32 @@ BROKEN = textwrap.dedent(
     forward.run_as_forward = _marking_run_as_forward
     runtime.reshard = _keeping_reshard
 
+    # impl whose auto-wrap forgets the ignored modules (the children shard their parameters)
+    _recursive_wrap = fully_sharded._recursive_wrap
+
+
+    def _forgetting_recursive_wrap(module, policy, ignored, kwargs, only_children):
+        kwargs = {**kwargs, "ignored_modules": None}
+        return _recursive_wrap(module, policy, set(), kwargs, only_children)
+
+
+    fully_sharded._recursive_wrap = _forgetting_recursive_wrap
+
+    # a torch whose register_fsdp_forward_method registers nothing, and whose fully_shard
+    # shards the parameters it is told to ignore
+    import torch.distributed.fsdp as fsdp_api
+
+    fsdp_api.register_fsdp_forward_method = lambda module, name: None
+    _fully_shard = fsdp_api.fully_shard
+
+
+    def _sharding_ignored(module, **kwargs):
+        kwargs.pop("ignored_params", None)
+        return _fully_shard(module, **kwargs)
+
+
+    fsdp_api.fully_shard = _sharding_ignored
+
     # a torch whose clip_grad_norm_ over DTensor gradients uses this rank's local norm
     _clip_grad_norm_ = torch.nn.utils.clip_grad_norm_
 
@@ -172,6 +223,24 @@ BROKEN = textwrap.dedent(
         strategies = ("FULL_SHARD",)
 
 
+    class TestIgnoredUnderAutoWrap(BaseIgnoredParamsTests):
+        fsdp_impl = _impl("impl")
+        variants = ("auto_wrap",)
+        strategies = ("FULL_SHARD",)
+
+
+    class TestTorchMethodUnregistered(BaseForwardMethodTests):
+        fsdp_impl = _impl("torch-fsdp2")
+        variants = ("method",)
+        strategies = ("FULL_SHARD",)
+
+
+    class TestTorchShardsIgnored(BaseIgnoredParamsTests):
+        fsdp_impl = _impl("torch-fsdp2")
+        variants = ("auto_wrap",)
+        strategies = ("FULL_SHARD",)
+
+
     class TestLocalNormTorchClip(BaseGradientClippingTests):
         fsdp_impl = _impl("torch-fsdp2")
         models = ("loops_gains",)
@@ -180,29 +249,18 @@ BROKEN = textwrap.dedent(
     """
 )
 
-# (selected tests, the lines the run must show)
+# (selected tests, the lines the run must show), in one subprocess
 GROUPS = {
-    "forward-method": (
-        [
-            "TestMethodUnregistered::test_other_forward_method",
-            "TestMethodKeepsUnsharded::test_other_forward_method",
-        ],
-        [
-            (
-                "*AssertionError: adapter 'method-unregistered', loops, FULL_SHARD, method: the "
-                "root's own parameters (the trunk's) are sharded while encode uses them (step 0)*"
-            ),
-            (
-                "*AssertionError: adapter 'method-keeps-unsharded', loops, FULL_SHARD, method: "
-                "unsharded parameters left after the step*"
-            ),
-        ],
-    ),
-    "groups-clipping": (
+    "all": (
         [
             "TestMergedGroups::test_param_groups_match_ddp",
             "TestLocalNormTorchClip::test_clipping_matches_ddp",
             "TestUntiedShared::test_shared_parameter_across_instances",
+            "TestIgnoredUnderAutoWrap::test_ignored_params",
+            "TestMethodUnregistered::test_other_forward_method",
+            "TestMethodKeepsUnsharded::test_other_forward_method",
+            "TestTorchMethodUnregistered::test_other_forward_method",
+            "TestTorchShardsIgnored::test_ignored_params",
         ],
         [
             (
@@ -217,6 +275,28 @@ GROUPS = {
                 "*AssertionError: adapter 'impl', tied_instances (embed.weight is head.weight, the "
                 "two wrapped apart), FULL_SHARD: the wrap was accepted, so training must match "
                 "DDP: losses differ from DDP's*"
+            ),
+            (
+                "*AssertionError: adapter 'impl', loops, FULL_SHARD, blocks.1.0.* ignored, "
+                "auto_wrap: ignored parameter 'blocks.1.0.weight' is not registered under its "
+                "name as the same nn.Parameter*"
+            ),
+            (
+                "*AssertionError: adapter 'method-unregistered', loops, FULL_SHARD, method: the "
+                "root's own parameters (the trunk's) are sharded while encode uses them (step 0)*"
+            ),
+            (
+                "*AssertionError: adapter 'method-keeps-unsharded', loops, FULL_SHARD, method: "
+                "unsharded parameters left after the step*"
+            ),
+            (
+                "*AssertionError: adapter 'torch-fsdp2', loops, FULL_SHARD, method: the root's "
+                "own parameters (the trunk's) are sharded while encode uses them (step 0)*"
+            ),
+            (
+                "*AssertionError: adapter 'torch-fsdp2', loops, FULL_SHARD, blocks.1.0.* ignored, "
+                "auto_wrap: ignored parameter 'blocks.1.0.weight' is not registered under its "
+                "name as the same nn.Parameter*"
             ),
         ],
     ),
