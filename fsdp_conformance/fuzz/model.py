@@ -133,7 +133,7 @@ class FuzzModel(nn.Module):
 
 def build_model(spec: ModelSpec, device: torch.device | str = "cpu") -> FuzzModel:
     """The model of ``spec`` with its deterministic weights, ties and frozen blocks, on
-    ``device``."""
+    ``device`` (``"meta"``: the same modules and ties, every tensor on the meta device)."""
     model = FuzzModel(spec)
     generator = torch.Generator().manual_seed(spec.seed)
     with torch.no_grad():
@@ -144,6 +144,8 @@ def build_model(spec: ModelSpec, device: torch.device | str = "cpu") -> FuzzMode
                 fan_in = param.shape[-1] if param.dim() > 1 else max(1, param.shape[0])
                 values = torch.randn(param.shape, generator=generator) / math.sqrt(fan_in)
             param.copy_(values)
+    if torch.device(device).type == "meta":
+        model = model.to("meta")  # before tying: a conversion would untie
     ties: dict[int, nn.Parameter] = {}
     for module in model.modules():
         if isinstance(module, FuzzBlock):

@@ -88,6 +88,7 @@ def _train(
     backward: Any,
     after_step: Any = None,
     boundary: Any = None,
+    round_trip: Any = None,
 ) -> list[tuple[str, float]]:
     values: list[tuple[str, float]] = []
     program = case.program
@@ -113,6 +114,8 @@ def _train(
         optimizer.step()
         if after_step is not None:
             after_step()
+        if step.round_trip and round_trip is not None:
+            round_trip()
         if step.eval:
             x, tokens = make_batch(
                 case.model, program.batch, program.data_seed, dist.rank, forward, dist.device
@@ -151,7 +154,7 @@ def reference_run(case: FuzzCase, dist: Any) -> Trace:
 def wrap_case(adapter: Any, case: FuzzCase) -> nn.Module:
     """Build the model and wrap it as the plan says: nested instances innermost first, then the
     root (``root=True``)."""
-    model = build_model(case.model, "cpu")
+    model = build_model(case.model, "meta" if case.meta else "cpu")
     config = case.wrap_config
     for path in sorted(case.plan, key=lambda p: (-p.count("."), p)):
         parent_path, _, attribute = path.rpartition(".")
@@ -182,7 +185,11 @@ def fsdp_wrap(adapter: Any, case: FuzzCase, dist: Any) -> nn.Module:
 
 
 def fsdp_train(adapter: Any, root: nn.Module, case: FuzzCase, dist: Any) -> Trace:
-    """Train the wrapped ``root`` through ``adapter`` (states recorded where it has them)."""
+    """Train the wrapped ``root`` through ``adapter`` (states recorded where it has them); a
+    meta-device case is materialised and loaded with the CPU build's weights first."""
+    if case.meta:
+        adapter.materialize(root, device=dist.device)
+        adapter.load_state_dict(root, build_model(case.model, dist.device).state_dict())
     recorder = _recorder(adapter, root)
     optimizer = adapter.optimizer(root, "sgd", lr=LR, momentum=MOMENTUM)
     with recorder if recorder is not None else contextlib.nullcontext():
@@ -196,6 +203,7 @@ def fsdp_train(adapter: Any, root: nn.Module, case: FuzzCase, dist: Any) -> Trac
             lambda loss: _backward(adapter, root, loss),
             None if recorder is None else recorder.after_step,
             lambda last: adapter.accumulation_boundary(root, last),
+            lambda: adapter.load_state_dict(root, adapter.state_dict(root)),
         )
     if recorder is not None:
         recorder.assert_legal()
@@ -230,11 +238,22 @@ def _recorder(adapter: Any, root: nn.Module) -> Any:
 
 
 def tolerance(case: FuzzCase, world_size: int) -> tuple[float, float]:
-    """(atol, rtol) of the comparison ([Note: the property])."""
+    """(atol, rtol) of the comparison ([Note: the property]); with a mixed-precision policy,
+    the suite's precision tolerance for the coarsest dtype of it (``EPS``: bf16 2**-8, fp16
+    2**-11; [Note: precision tolerances] in suite/test_precision.py): parameters within
+    ``PARAM_ATOL_PER_EPS * eps`` absolute, losses and norms ``LOSS_RTOL_PER_EPS * eps``
+    relative (one ``allclose`` with both bounds for every value)."""
     from fsdp_conformance.suite.parity import tolerance as parity_tolerance
+    from fsdp_conformance.suite.test_precision import EPS, LOSS_RTOL_PER_EPS, PARAM_ATOL_PER_EPS
 
     atol, rtol = parity_tolerance(world_size)
-    return max(atol, ATOL), max(rtol, RTOL)
+    atol, rtol = max(atol, ATOL), max(rtol, RTOL)
+    low = [
+        EPS[dtype] for dtype in case.wrap_config.get("mixed_precision", {}).values() if dtype in EPS
+    ]
+    if low:
+        atol, rtol = max(atol, PARAM_ATOL_PER_EPS * max(low)), max(rtol, LOSS_RTOL_PER_EPS * max(low))
+    return atol, rtol
 
 
 def first_difference(case: FuzzCase, actual: Trace, expected: Trace, world_size: int) -> str | None:

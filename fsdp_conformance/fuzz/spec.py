@@ -33,6 +33,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Union
 
+# dtype names of the mixed-precision policy -> torch attribute
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 OUTPUT_KINDS = ("tensor", "tuple", "list", "dict", "dataclass")
 BLOCK_KINDS = ("linear", "layernorm", "act", "embed", "twice", "branch")
 
@@ -82,6 +84,8 @@ class Step:
     micro: tuple[bool, ...] = (True,)
     clip: float | None = None  # max_norm of clip_grad_norm_ before optimizer.step
     eval: bool = False  # an evaluation forward under no_grad after the step
+    # after optimizer.step: the adapter's full state dict taken and loaded back into the model
+    round_trip: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,16 +107,30 @@ class FuzzCase:
             wrap; wrapped innermost first.
         config: the wrap config as sorted (key, value) pairs ([Note: config vocabulary]).
         program: the training program.
+        precision: the mixed-precision policy as sorted (key, dtype name) pairs, keys among
+            param_dtype / reduce_dtype / buffer_dtype, names among ``DTYPES``; () = float32.
+        meta: the model is built on the meta device, wrapped, materialised
+            (``Adapter.materialize``) and loaded with the weights the CPU build has.
     """
 
     model: ModelSpec
     plan: tuple[str, ...] = ()
     config: tuple[tuple[str, Any], ...] = ()
     program: Program = Program(steps=(Step(),))
+    precision: tuple[tuple[str, str], ...] = ()
+    meta: bool = False
 
     @property
     def wrap_config(self) -> dict[str, Any]:
-        return dict(self.config)
+        """The config ``adapter.wrap`` gets (``mixed_precision`` as a dict of torch dtypes)."""
+        config = dict(self.config)
+        if self.precision:
+            import torch
+
+            config["mixed_precision"] = {
+                key: getattr(torch, DTYPES[name]) for key, name in self.precision
+            }
+        return config
 
     def uses(self) -> frozenset[str]:
         """What the case exercises: block kinds, "frozen", "tie", "checkpoint", output kinds
@@ -121,7 +139,9 @@ class FuzzCase:
         checkpointed node that is or holds an instance), "branch:wrapped" (a branch that is an
         instance),
         "instance-output:KIND" (what the root or a wrapped node returns its activation in),
-        config keys ("config:KEY=VALUE").
+        config keys ("config:KEY=VALUE"), the mixed-precision policy ("precision:bf16" for
+        param_dtype, "precision:reduce=fp32", "precision:buffer=bf16"), "state_dict:round_trip"
+        and "init:meta".
         Adapters' ``Deviation(check="fuzz.generated", applies=...)`` select cases with it."""
         used: set[str] = set()
         for node in iter_nodes(self.model.body):
@@ -144,6 +164,8 @@ class FuzzCase:
                 used.add("clip")
             if step.eval:
                 used.add("eval")
+            if step.round_trip:
+                used.add("state_dict:round_trip")
         if any(a != b and b.startswith(a + ".") for a in self.plan for b in self.plan):
             used.add("nested")
         used.add(f"instance-output:{self.model.output}")  # the root's
@@ -156,6 +178,16 @@ class FuzzCase:
             if isinstance(node, Block) and node.kind == "branch":
                 used.add("branch:wrapped")  # the branch is itself an instance
         used.update(f"config:{key}={value}" for key, value in self.config)
+        policy = dict(self.precision)
+        if "param_dtype" in policy:
+            used.add(f"precision:{policy['param_dtype']}")
+        used.update(
+            f"precision:{key.removesuffix('_dtype')}={name}"
+            for key, name in self.precision
+            if key != "param_dtype"
+        )
+        if self.meta:
+            used.add("init:meta")
         return frozenset(used)
 
     def size(self) -> int:
@@ -164,9 +196,11 @@ class FuzzCase:
             sum(1 for _ in iter_nodes(self.model.body))
             + len(self.plan)
             + sum(
-                len(step.micro) + (step.clip is not None) + step.eval
+                len(step.micro) + (step.clip is not None) + step.eval + step.round_trip
                 for step in self.program.steps
             )
+            + len(self.precision)
+            + self.meta
         )
 
 
@@ -193,6 +227,11 @@ def node_paths(seq: Seq, prefix: str = "body") -> list[tuple[str, Node]]:
 def describe(case: FuzzCase, world_size: int | None = None) -> str:
     """The case as readable text: the model as code-like lines, the plan, config and program."""
     lines = ["model (input width %d, init seed %d):" % (case.model.width, case.model.seed)]
+    if case.meta:
+        lines[0] += (
+            "  # built on the meta device, wrapped, adapter.materialize(), then loaded with "
+            "these weights"
+        )
     wrapped = set(case.plan)
 
     def render(seq: Seq, prefix: str, indent: int) -> None:
@@ -226,6 +265,9 @@ def describe(case: FuzzCase, world_size: int | None = None) -> str:
     )
     config = ", ".join(f"{k}={v!r}" for k, v in case.config) or "defaults"
     lines.append(f"config: {config}")
+    if case.precision:
+        policy = ", ".join(f"{key}={name}" for key, name in case.precision)
+        lines.append(f"mixed_precision: {policy} (compared with float32 DDP within a tolerance)")
     program = case.program
     lines.append(
         f"program: batch {program.batch} per micro-batch per rank, data seed {program.data_seed}"
@@ -237,6 +279,8 @@ def describe(case: FuzzCase, world_size: int | None = None) -> str:
         if step.clip is not None:
             extra.append(f"clip_grad_norm_({step.clip:g})")
         extra.append("optimizer.step()")
+        if step.round_trip:
+            extra.append("load_state_dict(state_dict()) (the full state dict, round trip)")
         if step.eval:
             extra.append("eval forward under no_grad")
         lines.append(f"  step {index}: micro-batches [{micro}]; " + "; ".join(extra))

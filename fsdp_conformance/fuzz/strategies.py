@@ -9,8 +9,9 @@ towards small, plain cases (one block, tensor outputs, root-only wrapping, one s
 - A weight tied across two *different* instances: FSDP1-style flat parameters require shared
   parameters to live in one instance (their lowest common ancestor); the plan never separates
   tied blocks (a tie is always inside one instance, the root or a nested one).
-- Mixed precision: parity is checked in fp32 (bit-exact at world size <= 2); bf16 is the
-  suite's ``parity.bf16`` check.
+- Mixed precision: drawn in one case in four (param_dtype and reduce_dtype among bf16 / fp16 /
+  fp32, buffer_dtype where the adapter casts buffers), as far as the adapter's features allow;
+  the comparison then uses the suite's precision tolerance (``run.tolerance``).
 - ``sync_module_states`` / ``device_id``: every rank builds identical weights already; they
   are the config-matrix checks' business.
 - A step whose last micro-batch runs inside ``no_sync``: the optimizer would step on
@@ -34,6 +35,7 @@ MAX_NODES = 4  # children per Seq
 MAX_STEPS = 3
 MAX_MICRO = 3
 CLIP_NORMS = (1.0, 0.05, 100.0)
+PRECISIONS = ("bf16", "fp16", "fp32")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +87,29 @@ def _config_options(caps: Capabilities) -> list[tuple[str, tuple[Any, ...]]]:
     return options
 
 
+def _precision_policies(caps: Capabilities) -> list[tuple[tuple[str, str], ...]]:
+    """The mixed-precision policies (``FuzzCase.precision``) the adapter's features allow, at
+    least one dtype of each below float32 (all-float32 is the plain case)."""
+    from fsdp_conformance.adapters.features import features_for, normalize_config
+
+    if not caps.has(Feature.MIXED_PRECISION):
+        return []
+    policies = []
+    for param in PRECISIONS:
+        for reduce in PRECISIONS:
+            for buffer in (None, param):
+                if "fp32" == param == reduce or (buffer is not None and param == "fp32"):
+                    continue
+                policy = (("param_dtype", param), ("reduce_dtype", reduce))
+                if buffer is not None:
+                    policy += (("buffer_dtype", buffer),)
+                case = FuzzCase(ModelSpec(1, Seq(())), precision=tuple(sorted(policy)))
+                needed = features_for(normalize_config(case.wrap_config))
+                if all(feature in caps.supported for feature in needed):
+                    policies.append(tuple(sorted(policy)))
+    return policies
+
+
 def cases(caps: Capabilities, max_steps: int = MAX_STEPS, max_nodes: int = MAX_NODES) -> Any:
     """The strategy of ``FuzzCase`` for an adapter with ``caps``."""
     from hypothesis import strategies as st
@@ -97,6 +122,9 @@ def cases(caps: Capabilities, max_steps: int = MAX_STEPS, max_nodes: int = MAX_N
     checkpoint_ok = caps.has(Feature.ACTIVATION_CHECKPOINTING)
     outputs = st.sampled_from(("tensor", "tuple", "list", "dict", "dataclass"))
     config_options = _config_options(caps)
+    policies = _precision_policies(caps)
+    round_trip_ok = caps.has(Feature.FULL_STATE_DICT)
+    meta_ok = caps.has(Feature.META_INIT)
 
     @st.composite
     def block(draw: Any, width: int) -> Block:
@@ -174,11 +202,18 @@ def cases(caps: Capabilities, max_steps: int = MAX_STEPS, max_nodes: int = MAX_N
             if caps.has(Feature.CLIP_GRAD_NORM) and draw(st.booleans()):
                 clip = draw(st.sampled_from(CLIP_NORMS))
             evaluate = caps.has(Feature.FORWARD_VARIANTS) and draw(st.booleans())
-            steps.append(Step(tuple(micro), clip, evaluate))
+            round_trip = round_trip_ok and draw(st.integers(0, 3)) == 3
+            steps.append(Step(tuple(micro), clip, evaluate, round_trip))
         program = Program(
             tuple(steps), batch=draw(st.integers(1, 3)), data_seed=draw(st.integers(0, 3))
         )
-        return FuzzCase(model, tuple(sorted(plan)), tuple(sorted(config)), program)
+        precision = ()
+        if policies and draw(st.integers(0, 3)) == 3:
+            precision = draw(st.sampled_from(policies))
+        meta = meta_ok and draw(st.integers(0, 3)) == 3
+        return FuzzCase(
+            model, tuple(sorted(plan)), tuple(sorted(config)), program, precision, meta
+        )
 
     return case()
 
