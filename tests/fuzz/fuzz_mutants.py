@@ -58,6 +58,53 @@ def _second_use_not_unsharded() -> None:
     runtime.finish_iteration = finish_iteration
 
 
+def _load_skips_nested() -> None:
+    """A full ``load_state_dict`` writes only the parameters of the instance it is called on:
+    those of nested instances keep their values (after meta-device init: ``reset_parameters``')."""
+    from fsdp_conformance.impl.state_dict import StateDictMixin
+
+    original = StateDictMixin.load_state_dict
+
+    def load_state_dict(self, state_dict, strict=True, assign=False):
+        handle = self._fsdp_state.handle
+        own = {id(slot.module) for slot in handle.slots} if handle is not None else set()
+        entries = self._state_entries
+        self._state_entries = lambda: (
+            e for e in entries() if e.kind != "param" or id(e.module) in own
+        )
+        try:
+            return original(self, state_dict, strict=False, assign=assign)
+        finally:
+            del self._state_entries
+
+    StateDictMixin.load_state_dict = load_state_dict
+
+
+def _load_replaces_flat_params() -> None:
+    """A full ``load_state_dict`` loads into new flat parameters instead of the existing ones:
+    the optimizer keeps stepping the old ones, which the model no longer uses."""
+    import torch
+    from torch import nn
+
+    from fsdp_conformance.impl.state import fsdp_states
+    from fsdp_conformance.impl.state_dict import StateDictMixin
+
+    original = StateDictMixin.load_state_dict
+
+    def load_state_dict(self, state_dict, strict=True, assign=False):
+        for state in fsdp_states(self._fsdp_state.owner):
+            handle = state.handle
+            if handle is not None:
+                old = handle.flat_param
+                handle.flat_param = nn.Parameter(old.detach().clone(), old.requires_grad)
+                if state.owner._parameters.get("_flat_param") is old:
+                    state.owner._parameters["_flat_param"] = handle.flat_param
+        with torch.no_grad():
+            return original(self, state_dict, strict=strict, assign=assign)
+
+    StateDictMixin.load_state_dict = load_state_dict
+
+
 class _Mutant(ImplAdapter):
     patch = staticmethod(lambda: None)
 
@@ -80,3 +127,17 @@ class SecondUseNotUnsharded(_Mutant):
 
 DROP_SMALL_GRADS = DropSmallGrads()
 SECOND_USE_NOT_UNSHARDED = SecondUseNotUnsharded()
+
+
+class LoadSkipsNested(_Mutant):
+    name = "impl-load-skips-nested"
+    patch = staticmethod(_load_skips_nested)
+
+
+class LoadReplacesFlatParams(_Mutant):
+    name = "impl-load-replaces-flat-params"
+    patch = staticmethod(_load_replaces_flat_params)
+
+
+LOAD_SKIPS_NESTED = LoadSkipsNested()
+LOAD_REPLACES_FLAT_PARAMS = LoadReplacesFlatParams()

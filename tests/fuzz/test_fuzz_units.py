@@ -138,3 +138,45 @@ def test_uses_names_what_adapter_deviations_select_on():
     uses = unwrapped.uses()
     assert not {"checkpoint:wrapped", "branch:wrapped", "instance-output:dataclass"} & uses
     assert "accumulate:synced" not in uses  # only the last micro-batch reduces
+
+
+@pytest.mark.parametrize(
+    "token", ["precision:bf16", "precision:fp16", "precision:reduce=fp32",
+              "precision:buffer=bf16", "state_dict:round_trip", "init:meta"],
+)  # fmt: skip
+def test_strategies_reach_the_user_promise_settings(token: str):
+    from hypothesis import find
+
+    from hypothesis import Phase
+
+    reach = settings(FAST, max_examples=1000, phases=[Phase.generate])  # generation: cheap
+    case = find(cases(EVERYTHING), lambda case: token in case.uses(), settings=reach)
+    assert token in case.uses()
+    assert eval(repr(case), {"__builtins__": {}}, vars(spec)) == case  # noqa: S307
+    if case.precision:
+        mixed = case.wrap_config["mixed_precision"]
+        assert all(isinstance(dtype, torch.dtype) for dtype in mixed.values())
+        assert "mixed_precision:" in spec.describe(case)
+
+
+@FAST
+@given(
+    cases(
+        Capabilities(
+            EVERYTHING.supported
+            - {Feature.MIXED_PRECISION, Feature.FULL_STATE_DICT, Feature.META_INIT}, (), 2
+        )
+    )
+)
+def test_user_promise_settings_only_where_declared(case: FuzzCase):
+    assert not case.precision and not case.meta
+    assert not any(step.round_trip for step in case.program.steps)
+
+
+def test_meta_build_keeps_ties_and_frozen_blocks():
+    tied = Block("linear", 3, 3, tie=3, frozen=False)
+    model_spec = ModelSpec(3, Seq((tied, Block("linear", 3, 3, frozen=True), tied)))
+    model = fuzz_model.build_model(model_spec, "meta")
+    assert all(p.is_meta for p in model.parameters())
+    assert model.body.nodes[0].lin.weight is model.body.nodes[2].lin.weight
+    assert not model.body.nodes[1].lin.weight.requires_grad
