@@ -252,7 +252,8 @@ def tolerance(case: FuzzCase, world_size: int) -> tuple[float, float]:
         EPS[dtype] for dtype in case.wrap_config.get("mixed_precision", {}).values() if dtype in EPS
     ]
     if low:
-        atol, rtol = max(atol, PARAM_ATOL_PER_EPS * max(low)), max(rtol, LOSS_RTOL_PER_EPS * max(low))
+        eps = max(low)
+        atol, rtol = max(atol, PARAM_ATOL_PER_EPS * eps), max(rtol, LOSS_RTOL_PER_EPS * eps)
     return atol, rtol
 
 

@@ -124,7 +124,9 @@ class FullyShardedDataParallel(ForwardMixin, StateDictMixin, nn.Module):
             _recursive_wrap(module, auto_wrap_policy, ignored, child_kwargs, only_children=True)
 
         _materialize_meta(module, ignored, device_id, param_init_fn)
-        params = _frozen_apart(_collect_params(module, ignored))
+        collected = _collect_params(module, ignored)
+        params = _frozen_apart(collected)
+        _check_frozen_apart_precision(module, collected, params, mixed_precision)
         compute_device = _compute_device(module, params, device_id)
         cpu_offload = cpu_offload or CPUOffload()
         if compute_device.type != "cpu":
@@ -432,6 +434,26 @@ def _frozen_apart(
     if not any(param.requires_grad for _, _, param in params):
         return params
     return [(m, name, param) for m, name, param in params if param.requires_grad]
+
+
+def _check_frozen_apart_precision(
+    module: nn.Module,
+    collected: list[tuple[nn.Module, str, nn.Parameter]],
+    params: list[tuple[nn.Module, str, nn.Parameter]],
+    mixed_precision: MixedPrecision | None,
+) -> None:
+    """Refuse a ``param_dtype`` for an instance that keeps frozen parameters apart: they are
+    not in the flat parameter, so nothing casts them, and they would meet activations of
+    another dtype in forward."""
+    dtype = None if mixed_precision is None else mixed_precision.param_dtype
+    kept_apart = [p for _, _, p in collected if not p.requires_grad] if params != collected else []
+    if dtype is not None and any(param.dtype != dtype for param in kept_apart):
+        raise ValueError(
+            f"cannot wrap {type(module).__name__} with mixed_precision param_dtype={dtype}: it "
+            "mixes frozen and trainable parameters, and the frozen ones stay apart in their own "
+            "dtype; wrap the frozen submodules in their own FSDP instance (or freeze all or none "
+            "of this instance's parameters)"
+        )
 
 
 def _compute_device(

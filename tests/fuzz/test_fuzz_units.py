@@ -145,9 +145,7 @@ def test_uses_names_what_adapter_deviations_select_on():
               "precision:buffer=bf16", "state_dict:round_trip", "init:meta"],
 )  # fmt: skip
 def test_strategies_reach_the_user_promise_settings(token: str):
-    from hypothesis import find
-
-    from hypothesis import Phase
+    from hypothesis import Phase, find
 
     reach = settings(FAST, max_examples=1000, phases=[Phase.generate])  # generation: cheap
     case = find(cases(EVERYTHING), lambda case: token in case.uses(), settings=reach)
@@ -164,7 +162,9 @@ def test_strategies_reach_the_user_promise_settings(token: str):
     cases(
         Capabilities(
             EVERYTHING.supported
-            - {Feature.MIXED_PRECISION, Feature.FULL_STATE_DICT, Feature.META_INIT}, (), 2
+            - {Feature.MIXED_PRECISION, Feature.FULL_STATE_DICT, Feature.META_INIT},
+            (),
+            2,
         )
     )
 )

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from fsdp_conformance.impl import FullyShardedDataParallel as FSDP
-from fsdp_conformance.impl import ShardedFlatParameter, StateDictType
+from fsdp_conformance.impl import MixedPrecision, ShardedFlatParameter, StateDictType
 
 # Process mode always: these tests patch classes and observe the process-global trace, and
 # the models seed the global RNG (dropout), none of which is rank-local in thread mode.
@@ -126,6 +126,11 @@ def test_misconfiguration_errors(dist):
         mixed = FSDP(module)
         assert mixed.module[0].weight.requires_grad is False
         assert mixed._fsdp_state.handle.numel == 2 + 4 + 2  # bias 0, weight and bias 1
+        # ... and so are not cast: a param_dtype for such an instance is refused
+        module = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+        module[0].weight.requires_grad_(False)
+        with pytest.raises(ValueError, match="wrap the frozen submodules in their own FSDP"):
+            FSDP(module, mixed_precision=MixedPrecision(param_dtype=torch.bfloat16))
         model = FSDP(nn.Linear(2, 2))
         with pytest.raises(ValueError, match="rank0_only=True, writeback=True"):
             with model.summon_full_params(rank0_only=True):
