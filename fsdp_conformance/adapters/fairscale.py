@@ -266,6 +266,20 @@ FAIRSCALE_DEVIATIONS: tuple[Deviation, ...] = (
         measured_on="fairscale 0.4.13, torch 2.13.0",
     ),
     Deviation(
+        "fuzz.generated",
+        "the parity.bf16 deviation met by a generated bfloat16 policy: fairscale 0.4.13 casts "
+        "the root's float32 inputs with .half() whatever compute_dtype is, so the first Linear "
+        "multiplies float16 activations by bfloat16 weights ('expected m1 and m2 to have the "
+        "same dtype, but got: c10::Half != c10::BFloat16' without a bias, 'mat1 and mat2 must "
+        "have the same dtype' with one). Reproduction: fs.wrap(nn.Linear(4, 1, bias=False), "
+        "mixed_precision={'param_dtype': torch.bfloat16})(x) (found by fsdp-conformance fuzz "
+        "--impl fairscale --seed 0)",
+        applies=lambda case: case is not None and "precision:bf16" in case.uses(),
+        raises=RuntimeError,
+        match=r"(mat1 and mat2 must|m1 and m2 to) have the same dtype",
+        measured_on="fairscale 0.4.13, torch 2.13.0",
+    ),
+    Deviation(
         "forward.other_method",
         "fairscale 0.4.13 FSDP leaves a nested instance in BACKWARD_POST when its forward is "
         "called alone (not through the root) after the root's first forward: the states are "
