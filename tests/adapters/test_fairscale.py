@@ -157,6 +157,27 @@ def test_routing_is_undone_when_a_routed_call_raises(dist):
 
 
 @pytest.mark.world_size(2)
+@pytest.mark.fsdp_mode("process")
+def test_bf16_policy_meets_half_cast_inputs(dist):
+    """The fuzz.generated bfloat16 deviation: the root casts float32 inputs with .half()
+    whatever compute_dtype is, with and without a bias (two error messages)."""
+    adapter = get_adapter("fairscale")
+    (deviation,) = [
+        d
+        for d in adapter.known_deviations
+        if d.check == "fuzz.generated" and "bfloat16 policy" in d.reason
+    ]
+    for bias in (False, True):
+        model = adapter.wrap(
+            nn.Linear(4, 1, bias=bias),
+            process_group=dist.group,
+            mixed_precision={"param_dtype": torch.bfloat16},
+        )
+        with pytest.raises(RuntimeError, match=deviation.match):
+            model(torch.ones(2, 4))
+
+
+@pytest.mark.world_size(2)
 def test_no_process_group_of_fairscale_cache_is_used(dist):
     from fairscale.internal import parallel
 
