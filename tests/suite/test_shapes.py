@@ -63,6 +63,9 @@ class TestParity(BaseDDPParityTests):
 
 
 class TestResume(BaseCheckpointResumeTests):
+    # saved at world size 1 (a one-rank group): the loss scaled by that group's size; 2 -> 1 is
+    # not run here: simple_fsdp's DCP load into a one-rank mesh restored nothing inside the
+    # suite's cell (it restores in isolation; cause not found)
     cases = (ResumeCase(1, 2),)
 
 
