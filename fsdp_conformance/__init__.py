@@ -19,20 +19,30 @@ _EXPORTS: dict[str, str] = {
     "RankContext": "fsdp_conformance.world",
     # driving an FSDP implementation (docs/adapters.md)
     "Adapter": "fsdp_conformance.adapters",
+    "ALL_FEATURES": "fsdp_conformance.adapters",
+    "DeviceHandle": "fsdp_conformance.device_handle",
     "Deviation": "fsdp_conformance.adapters",
     "Feature": "fsdp_conformance.adapters",
+    "InstanceState": "fsdp_conformance.adapters",
+    "RootState": "fsdp_conformance.adapters",
+    "UnsupportedFeatureError": "fsdp_conformance.adapters",
     "get_adapter": "fsdp_conformance.adapters",
 }
 
 __all__ = [
+    "ALL_FEATURES",
     "Adapter",
     "Deviation",
+    "DeviceHandle",
     "DummyProcessGroup",
     "FSDPInitMode",
     "FSDPTest",
     "Feature",
     "InRank",
+    "InstanceState",
     "RankContext",
+    "RootState",
+    "UnsupportedFeatureError",
     "get_adapter",
     "get_full_params",
 ]

@@ -306,6 +306,28 @@ _CHECKS: tuple[Check, ...] = (
     ),
     #
     # ---------------------------------------------------------------- sharding.* (sharding.uneven, sharding.hybrid), wrap.shared_across_instances
+    Check(
+        "sharding.uneven",
+        "at world size 3, parameters not divisible by 3, an empty shard and a 1-element "
+        "parameter train as DDP (losses, gradient shards, full parameters, full state dict)",
+        ("BaseUnevenShardingTests.test_uneven_shards_match_ddp",),
+        case="suite.test_sharding.ShardingCase",
+    ),
+    Check(
+        "sharding.hybrid",
+        "hybrid sharding on a 2 x 2 mesh trains as DDP at world size 4; gradients "
+        "reduce-scattered within the shard group, all-reduced across replicas",
+        ("BaseHybridShardingTests.test_hybrid_matches_ddp",),
+        features=("hybrid_shard", "comm_trace"),
+        case="suite.test_sharding.ShardingCase",
+    ),
+    Check(
+        "wrap.shared_across_instances",
+        "one parameter used by two instances (tied embedding and head wrapped apart): a clear "
+        "error at wrap naming the parameter, or training that matches DDP",
+        ("BaseSharedParamsTests.test_shared_parameter_across_instances",),
+        case="suite.loops.LoopCase",
+    ),
     #
     # ---------------------------------------------------------------- optim.param_groups, wrap.ignored, forward.other_method
     Check(
@@ -314,6 +336,13 @@ _CHECKS: tuple[Check, ...] = (
         "another learning rate): AdamW matches DDP",
         ("BaseParamGroupTests.test_param_groups_match_ddp",),
         features=("param_groups",),
+        case="suite.loops.LoopCase",
+    ),
+    Check(
+        "forward.other_method",
+        "a registered method other than forward, and a nested instance's forward called alone: "
+        "parameters unsharded while used, legal states, resharded after, matches DDP",
+        ("BaseForwardMethodTests.test_other_forward_method",),
         case="suite.loops.LoopCase",
     ),
     #

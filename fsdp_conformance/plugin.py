@@ -234,7 +234,7 @@ def _validated_impl(name: str) -> str:
             f"{', '.join(vocab.BUILTIN_ADAPTERS)} or 'pkg.module:ATTR' naming an Adapter "
             "instance, subclass or factory"
         )
-    from fsdp_conformance.cli.common import missing_extra
+    from fsdp_conformance.world.extras import missing_extra
 
     problem = missing_extra(name)
     if problem is not None:

@@ -17,7 +17,9 @@ from .loops import CheckpointedModule, CheckpointingWrap, LoopModule
 from .moe import MixtureOfExperts
 from .nested import ALWAYS_WRAP, AlwaysWrapNestedWrappedModule, NestedWrappedModule
 from .overlap import Layer
+from .tied import TiedInstances
 from .transformer import TransformerWithSharedParams
+from .uneven import Gain, UnevenModule
 
 __all__ = [
     "ALWAYS_WRAP",
@@ -30,6 +32,7 @@ __all__ = [
     "DelayHooks",
     "DeviceInit",
     "DummyDDP",
+    "Gain",
     "Layer",
     "LoopModule",
     "MixtureOfExperts",
@@ -37,7 +40,9 @@ __all__ = [
     "NestedWrappedModule",
     "NestedWrappedModuleWithDelay",
     "SeededLinear",
+    "TiedInstances",
     "TransformerWithSharedParams",
+    "UnevenModule",
     "Wrap",
     "cycles_per_ms",
     "move_after_wrap",

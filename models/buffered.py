@@ -123,7 +123,9 @@ class BufferedModule(nn.Module):
             block = move_before_wrap(BufferedBlock(seed, on), device_init, None if meta else device)
             blocks.append(maybe_wrap(wrap, block))
         self.blocks = nn.Sequential(*blocks)
-        head = move_before_wrap(SeededLinear(FEATURES, 8, 4, on), device_init, None if meta else device)
+        head = move_before_wrap(
+            SeededLinear(FEATURES, 8, 4, on), device_init, None if meta else device
+        )
         self.head = maybe_wrap(wrap, head)
         move_before_wrap(self.trunk, device_init, None if meta else device)
 

@@ -159,18 +159,24 @@ class LoopModule(nn.Module):
         move_before_wrap(head, device_init, device)
         self.head = maybe_wrap(wrap, head)
         move_before_wrap(self.trunk, device_init, device)
-        at = device if device_init is DeviceInit.BEFORE else None
-        offset = torch.linspace(-0.5, 0.5, 16, device=at) if buffer else None
-        self.register_buffer("offset", offset)
+        if buffer:
+            at = device if device_init is DeviceInit.BEFORE else None
+            self.register_buffer("offset", torch.linspace(-0.5, 0.5, 16, device=at))
+        else:
+            self.offset = None
 
     def get_input(self, device: torch.device) -> tuple[torch.Tensor]:
         return (torch.rand(4, 8, generator=generator(11 + self.rank)).to(device),)  # (B=4, 8)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = torch.relu(self.trunk(x))  # (B, 16)
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """The trunk and the blocks, without the head: a method other than forward (B, 16)."""
+        x = torch.relu(self.trunk(x))
         if self.offset is not None:
             x = x + self.offset
-        x = self.blocks(x)
+        return self.blocks(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.encode(x)  # (B, 16)
         if self.branch is not None and self.use_branch:
             x = x + self.branch(x)
         return self.head(x)  # (B, 8)

@@ -7,6 +7,7 @@ protocol is `Adapter` (base.py), feature names are `Feature` (features.py), cano
 
 from __future__ import annotations
 
+from fsdp_conformance.device_handle import DeviceHandle
 from fsdp_conformance.training_states import (
     LEGAL_INSTANCE_TRANSITIONS,
     LEGAL_ROOT_TRANSITIONS,
@@ -23,7 +24,14 @@ from .base import (
     clean_param_name,
 )
 from .deviations import CHECK_IDS, Deviation
-from .features import ALL_FEATURES, ALWAYS_WRAP, Feature, MixedPrecisionConfig, normalize_config
+from .features import (
+    ALL_FEATURES,
+    ALWAYS_WRAP,
+    Feature,
+    MixedPrecisionConfig,
+    module_predicate,
+    normalize_config,
+)
 from .registry import BUILTIN_ADAPTERS, get_adapter
 
 __all__ = [
@@ -36,6 +44,7 @@ __all__ = [
     "Adapter",
     "AdapterWrap",
     "Deviation",
+    "DeviceHandle",
     "Feature",
     "FeatureNotImplementedError",
     "InstanceState",
@@ -45,5 +54,6 @@ __all__ = [
     "UnsupportedFeatureError",
     "clean_param_name",
     "get_adapter",
+    "module_predicate",
     "normalize_config",
 ]

@@ -17,10 +17,11 @@ template names every state tensor and the load fills them. Collective over ``gro
 pytorch/pytorch#180449 (PR #181261, April 2026): FSDP1's optimizer-state collectives then run on
 the default group, and a model on a subgroup deadlocks against the ranks outside it. Measured
 on torch 2.8.0 (the checkpoint/resume cells across world sizes hung); 2.13.0, 2.14.1 and 2.15.0
-pass the group. Releases 2.9 to 2.12 were not run: the range below is every tested release
-before 2.13. There, ``fsdp1_subgroup_problem`` makes the torch-fsdp1 cells that checkpoint a
-model on a subgroup not applicable, with this reason; the adapter never hands DCP the group
-itself.
+pass the group. Releases 2.9 to 2.12 were not run: the range is every tested release before
+2.13. There torch-fsdp1 declares ``checkpoint_resume`` unsupported (``FSDP1_SUBGROUP_REASON``):
+per feature, so every rank of a cell decides alike before any collective (a cell deciding on
+one rank only, inside the body, would leave the others waiting); the adapter never hands DCP the
+group itself.
 """
 
 from __future__ import annotations
@@ -29,28 +30,25 @@ import os
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ._support import release
 
 # the first tested torch release whose get_state_dict / set_state_dict pass FSDP1 its group
 FSDP1_GROUP_PASSED_FROM = (2, 13, 0)
+# why torch-fsdp1 does not declare checkpoint_resume on an earlier torch
+FSDP1_SUBGROUP_REASON = (
+    "this torch's get_state_dict / set_state_dict call FSDP.optim_state_dict(_to_load) without "
+    "the model's process group, so a checkpoint of a model on a subgroup deadlocks (FSDP1's "
+    "optimizer-state collectives run on the default group; measured on torch 2.8.0, passed "
+    "from 2.13.0, pytorch/pytorch#180449)"
+)
 
 
-def fsdp1_subgroup_problem(group: Any, version: str | None = None) -> str | None:
-    """Why torch FSDP1 cannot checkpoint through DCP on `group` with this torch (``version``:
-    the installed one by default), or None: see [Note: DCP on a subgroup with FSDP1]."""
-    version = torch.__version__ if version is None else version
-    on_subgroup = group is not None and group.size() < dist.get_world_size()
-    if not on_subgroup or release(version) >= FSDP1_GROUP_PASSED_FROM:
-        return None
-    return (
-        f"torch {version}'s get_state_dict / set_state_dict call FSDP.optim_state_dict(_to_load) "
-        "without the model's process group, so on a subgroup FSDP1's optimizer-state "
-        "collectives run on the default group and deadlock (measured on torch 2.8.0; passed "
-        "from torch 2.13.0, pytorch/pytorch#180449)"
-    )
+def fsdp1_group_dropped(version: str | None = None) -> bool:
+    """Whether this torch (``version``: the installed one by default) is one whose DCP helpers
+    drop FSDP1's group: see [Note: DCP on a subgroup with FSDP1]."""
+    return release(torch.__version__ if version is None else version) < FSDP1_GROUP_PASSED_FROM
 
 
 def save(model: nn.Module, optimizer: torch.optim.Optimizer, directory: str, group: Any) -> None:

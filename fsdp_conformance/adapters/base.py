@@ -689,6 +689,17 @@ class Adapter:
 
 
     # ------------------------------------------------------------------ optimizer groups, ignored parameters, other forward methods
+    def register_forward_method(self, instance: nn.Module, name: str) -> None:
+        """Make ``instance.<name>(...)``, a method other than forward of the wrapped module, run
+        as forward does: parameters unsharded while it runs, resharded after, gradients
+        reduced (FSDP2's ``register_fsdp_forward_method``). Needs `forward_method`."""
+        self.check(Feature.FORWARD_METHOD)
+        raise UnsupportedFeatureError(
+            self.name,
+            Feature.FORWARD_METHOD,
+            "override Adapter.register_forward_method (make instance.<name>() run the wrapped "
+            "module's method with the instance's parameters unsharded, as forward does)",
+        )
 
     # ------------------------------------------------------------------ primitives
     def _wrap(self, module: nn.Module, process_group: Any, config: dict[str, Any]) -> nn.Module:
@@ -719,6 +730,8 @@ class Adapter:
 def _group_size(process_group: Any) -> int:
     import torch.distributed as dist
 
+    if isinstance(process_group, tuple):  # hybrid (shard, replicate): the ranks of the mesh
+        return _group_size(process_group[0]) * _group_size(process_group[1])
     return dist.get_world_size(process_group) if dist.is_initialized() else 1
 
 

@@ -49,7 +49,12 @@ from torch import nn
 
 from fsdp_conformance.vocab import Op
 
-from .base import Adapter, ObserverRegistry, require_before_first_forward
+from .base import (
+    Adapter,
+    ObserverRegistry,
+    UnsupportedFeatureError,
+    require_before_first_forward,
+)
 from .deviations import Deviation
 from .features import ALL_FEATURES, Feature, auto_wrap_targets
 from .states import InstanceState, RootState
@@ -111,6 +116,17 @@ FAIRSCALE_DEVIATIONS: tuple[Deviation, ...] = (
         raises=RuntimeError,
         match=r"mat1 and mat2 must have the same dtype",
         measured_on=_MEASURED_ON,
+    ),
+    Deviation(
+        "precision.dtypes",
+        "fairscale 0.4.13 casts the root's float32 inputs with .half() whatever compute_dtype "
+        "is (the parity.bf16 deviation): a bfloat16 policy fails in the first Linear with "
+        "'mat1 and mat2 must have the same dtype, but got Half and BFloat16'; reproduce: "
+        "fs.wrap(nn.Linear(8, 8), mixed_precision={'param_dtype': torch.bfloat16})(x)",
+        lambda case: case is not None and "bf16" in case.variant,
+        raises=RuntimeError,
+        match=r"mat1 and mat2 must have the same dtype",
+        measured_on="fairscale 0.4.13, torch 2.13.0",
     ),
     Deviation(
         "wrap.configs_isolated",
@@ -249,6 +265,28 @@ FAIRSCALE_DEVIATIONS: tuple[Deviation, ...] = (
         match=r"FSDP .* != DDP |differs from DDP's",
         measured_on="fairscale 0.4.13, torch 2.13.0",
     ),
+    Deviation(
+        "forward.other_method",
+        "fairscale 0.4.13 FSDP leaves a nested instance in BACKWARD_POST when its forward is "
+        "called alone (not through the root) after the root's first forward: the states are "
+        "reset by the root's end-of-backward callback only. Reproduction: (2 ranks) loops "
+        "wrapped, root(x) and backward once, then head(h).sum().backward(): head's state is "
+        "BACKWARD_POST (tests/adapters/test_fairscale.py)",
+        lambda case: case.variant == "nested_alone",
+        match=r"instance 'head' at after optimizer.step: instance state BACKWARD_POST",
+        measured_on="fairscale 0.4.13, torch 2.13.0",
+    ),
+    Deviation(
+        "wrap.shared_across_instances",
+        "fairscale 0.4.13 FSDP accepts a parameter tied across two instances wrapped apart and "
+        "silently unties it: each instance flattens its own copy, trained with its own module's "
+        "part of the gradient, so training diverges from DDP. Reproduction: (2 ranks) "
+        "tied_instances (head.weight = embed.weight, embed and head wrapped apart), one SGD "
+        "step: full parameters embed.weight and head.weight differ "
+        "(tests/adapters/test_fairscale.py)",
+        match=r"the wrap was accepted, so training must match DDP: losses differ from DDP's",
+        measured_on="fairscale 0.4.13, torch 2.13.0",
+    ),
 )
 
 
@@ -312,6 +350,10 @@ class FairscaleAdapter(Adapter):
             ),
         }
         unsupported[Feature.USE_ORIG_PARAMS] = "fairscale 0.4.13 has no use_orig_params flag"
+        unsupported[Feature.FORWARD_METHOD] = (
+            "fairscale 0.4.13 FSDP has no way to run a method other than forward with the "
+            "instance's parameters gathered (its hooks run in forward only)"
+        )
         unsupported[Feature.HYBRID_SHARD] = (
             "fairscale 0.4.13 FSDP shards over one process group and reduces over it; it has no "
             "hybrid strategy (no replicate group to all-reduce across)"
@@ -332,16 +374,51 @@ class FairscaleAdapter(Adapter):
             "diverged; at 1 -> 2 ranks AttributeError '_full_param_padded'); whether fairscale or "
             "the mapping is at fault is not settled"
         )
+        unsupported[Feature.META_INIT] = (
+            "fairscale 0.4.13's FullyShardedDataParallel has no meta-device path (no "
+            "param_init_fn; it flattens and shards the parameters it is given; read in its source)"
+        )
         if not _cuda_hosted():
             unsupported[Feature.CLIP_GRAD_NORM] = (
                 "fairscale 0.4.13 FSDP.clip_grad_norm_ is CUDA-only: on a CPU-only host it fails "
                 "with 'Torch not compiled with CUDA enabled' (measured)"
+            )
+            unsupported[Feature.GRAD_SCALER] = (
+                "fairscale 0.4.13's ShardedGradScaler (fairscale.optim.grad_scaler) is a "
+                "torch.cuda.amp.GradScaler: on a CPU-only host it disables itself ('CUDA is not "
+                "available.  Disabling.'), so it neither scales nor skips a step (measured)"
             )
             unsupported[Feature.CPU_OFFLOAD] = (
                 "fairscale 0.4.13 move_params_to_cpu pins host memory: on a CPU-only host it "
                 "fails with 'Cannot access accelerator device when none is available'"
             )
         return unsupported
+
+    # ------------------------------------------------------------------ full state dict
+    def state_dict(
+        self, model: nn.Module, *, rank0_only: bool = False, offload_to_cpu: bool = False
+    ) -> dict[str, Any]:
+        """fairscale's ``state_dict()``: full, on every rank, by default."""
+        if rank0_only or offload_to_cpu:
+            raise UnsupportedFeatureError(
+                self.name,
+                Feature.FULL_STATE_DICT,
+                "fairscale 0.4.13 fixes rank-0-only and the state dict's device per instance at "
+                "construction (state_dict_on_rank_0_only, state_dict_device), not per "
+                "state_dict() call; not mapped",
+            )
+        return model.state_dict()
+
+    def load_state_dict(
+        self, model: nn.Module, state_dict: dict[str, Any], *, assign: bool = False
+    ) -> None:
+        if assign:
+            raise UnsupportedFeatureError(
+                self.name,
+                Feature.FULL_STATE_DICT,
+                "fairscale 0.4.13's load_state_dict(state_dict, strict) takes no assign",
+            )
+        model.load_state_dict(state_dict)
 
     def wrap(self, module: nn.Module, *, process_group: Any = None, **config: Any) -> nn.Module:
         _skip_without_fairscale()
@@ -373,6 +450,12 @@ class FairscaleAdapter(Adapter):
             kwargs["move_params_to_cpu"] = True
         mixed = config.get("mixed_precision")
         if mixed is not None:
+            if mixed.output_dtype is not None or mixed.cast_forward_inputs is False:
+                raise UnsupportedFeatureError(
+                    self.name,
+                    Feature.MIXED_PRECISION_POLICY,
+                    "fairscale 0.4.13 FSDP has no output_dtype and always casts the root's inputs",
+                )
             compute = mixed.param_dtype or torch.float32
             reduce = mixed.reduce_dtype or compute
             if reduce not in (compute, torch.float32):
@@ -420,6 +503,14 @@ class FairscaleAdapter(Adapter):
         return [
             module for module in model.modules() if isinstance(module, FullyShardedDataParallel)
         ]
+
+    # ------------------------------------------------------------------ precision
+    def grad_scaler(self, model: nn.Module, **options: Any) -> Any:
+        """fairscale's own ``ShardedGradScaler`` over the root's process group (CUDA hosts)."""
+        self.check(Feature.GRAD_SCALER)
+        from fairscale.optim.grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(process_group=model.process_group, **options)
 
     # ------------------------------------------------------------------ states
     def training_state(self, instance: nn.Module) -> InstanceState:

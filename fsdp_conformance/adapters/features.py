@@ -227,7 +227,11 @@ def _mixed_precision(value: Any) -> MixedPrecisionConfig | None:
         if unknown:
             raise TypeError(f"mixed_precision keys {unknown} are not among {list(fields)}")
         return MixedPrecisionConfig(**value)
-    return MixedPrecisionConfig(**{name: getattr(value, name, None) for name in fields})
+    values = {name: getattr(value, name, None) for name in fields}
+    if hasattr(value, "cast_root_forward_inputs") and not values["cast_forward_inputs"]:
+        # FSDP1's MixedPrecision: its default False means "the root casts", not "none casts"
+        values["cast_forward_inputs"] = None
+    return MixedPrecisionConfig(**values)
 
 
 def features_for(config: dict[str, Any]) -> frozenset[str]:

@@ -186,6 +186,11 @@ class ImplAdapter(Adapter):
 
         return optim.optimizer(model, self._optimizer_class(name), param_groups, **hyperparameters)
 
+    def register_forward_method(self, instance: nn.Module, name: str) -> None:
+        """impl's ``FullyShardedDataParallel.register_forward_method``."""
+        self.check(Feature.FORWARD_METHOD)
+        instance.register_forward_method(name)
+
     def save_checkpoint(self, model: nn.Module, optimizer: Any, directory: str) -> None:
         from fsdp_conformance.impl import checkpoint
 

@@ -100,6 +100,40 @@ def _patch_torch_fsdp1() -> None:
         patch_attribute(owner, attribute, make, key=_PATCH_KEY, written_for=_WRITTEN_FOR)
 
 
+def label_instances(model: nn.Module) -> None:
+    """Make every torch FSDP1 instance in ``model`` known to `observe_fsdp1` (its all-gathers
+    and frees happen on its ``FlatParamHandle``, which does not know its instance): call it on
+    each model your adapter wraps. Public: an adapter of its own that wraps with torch FSDP1
+    (examples/my_fsdp_adapter.py) reuses these hooks."""
+    for instance in FullyShardedDataParallel.fsdp_modules(model):
+        handle = internals.handle_of(instance)
+        if handle is not None:
+            _INSTANCE_OF_HANDLE[handle] = instance
+
+
+def observe_fsdp1(callback: Any, instances: list[nn.Module] | None) -> Any:
+    """`Adapter._observe` for torch FSDP1: the context manager that reports each labelled
+    instance's all-gathers, frees and gradient reductions to ``callback`` ([Note:
+    observation] in adapters/base.py), through the patches of `_patch_torch_fsdp1`."""
+    _patch_torch_fsdp1()
+    return _REGISTRY.observing(callback, instances)
+
+
+def install_fsdp1_device_handle(adapter_name: str, model: nn.Module, handle: Any) -> None:
+    """`Adapter._install_device_handle` for torch FSDP1: every instance in ``model`` (and its
+    ``FlatParamHandle``) uses ``handle`` for streams, events and synchronize.
+
+    FSDP1's lazy init of the first forward creates the streams from the handle: RuntimeError
+    naming the adapter when ``model`` already ran forward. On a CPU host FSDP1 only calls
+    Event, Stream, stream, current_stream, synchronize and is_available on it (what the lagging
+    device of fsdp_conformance.observe provides; torch 2.13.0).
+    """
+    instances = FullyShardedDataParallel.fsdp_modules(model)
+    require_before_first_forward(adapter_name, model, instances)
+    for instance in instances:
+        internals.set_device_handle(instance, handle)
+
+
 def _prefetches_with_limit(case: Any) -> bool:
     """A memory-bound case where FSDP1 prefetches a handle under the limiter (FULL_SHARD)."""
     return (
@@ -160,6 +194,46 @@ FSDP1_DEVIATIONS = (
         match=r"does not name the problem .*got AssertionError: Expects tensor to be unsharded",
         measured_on=_MEASURED_ON,
     ),
+    Deviation(
+        "precision.dtypes",
+        "torch FSDP1 accumulates gradients across no_sync() micro-batches in param_dtype, not "
+        "float32 (nor reduce_dtype): inside no_sync the unsharded gradient stays in param_dtype "
+        "and is cast to reduce_dtype only at the synchronising backward, so N micro-batches "
+        "round the running sum N times. Reproduction (2 ranks): FSDP(nn.Linear(8, 8), "
+        "device_id=cpu, mixed_precision=MixedPrecision(param_dtype=bfloat16, "
+        "reduce_dtype=float32)); two backwards inside no_sync() leave a bfloat16 gradient of "
+        "the unsharded size. loops (one instance), 32 identical micro-batches: the update is "
+        "0.0178 (relative) away from float32 DDP's, 4.5x one micro-batch's 0.0039 (impl, "
+        "FSDP2: 1.0x)",
+        lambda case: case is not None and case.variant.startswith("no_sync"),
+        match=r"gradients accumulate in a low precision",
+        measured_on="torch 2.13.0",
+    ),
+    Deviation(
+        "wrap.shared_across_instances",
+        "torch FSDP1 accepts a parameter tied across two instances wrapped apart and silently "
+        "unties it: each instance flattens its own copy of the shared parameter, and each copy "
+        "is trained with its own module's part of the gradient, so training diverges from DDP. "
+        "Reproduction (2 ranks, device_id=cpu): head.weight = embed.weight; FSDP(embed), "
+        "FSDP(head), FSDP(root): the flat parameters hold 96 + 96 + 12 elements (the (12, 8) "
+        "weight twice); after one SGD step embed's and head's weights differ under "
+        "summon_full_params (tests/adapters/test_measured_torch_facts.py)",
+        match=r"the wrap was accepted, so training must match DDP: losses differ from DDP's",
+        measured_on="torch 2.13.0",
+    ),
+    Deviation(
+        "forward.other_method",
+        "torch FSDP1 leaves a nested instance in BACKWARD_POST when its forward is called alone "
+        "(not through the root) after the root's lazy init: the end-of-backward callback that "
+        "resets the states is queued by the root's forward only. Reproduction (2 ranks): "
+        "loops wrapped FULL_SHARD, root(x) and backward once, then head(h).sum().backward(): "
+        "head's handle state is BACKWARD_POST after the step "
+        "(tests/adapters/test_measured_torch_facts.py)",
+        lambda case: case.variant == "nested_alone",
+        raises=AssertionError,
+        match=r"instance 'head' at after optimizer.step: instance state BACKWARD_POST",
+        measured_on="torch 2.13.0",
+    ),
     # state_dict.full (reproductions: tests/adapters/test_measured_torch_facts.py)
     Deviation(
         "state_dict.full",
@@ -168,9 +242,11 @@ FSDP1_DEVIATIONS = (
         "Reproduction (2 ranks): FSDP(nn.Linear(8, 5), device_id=cpu) after one step, "
         "model.state_dict() under state_dict_type(FULL_STATE_DICT, "
         "FullStateDictConfig(offload_to_cpu=True)) raises; offload_to_cpu=False works",
-        lambda case: case is not None
-        and getattr(case, "option", "") == "offload_to_cpu"
-        and not accelerator_available(),
+        lambda case: (
+            case is not None
+            and getattr(case, "option", "") == "offload_to_cpu"
+            and not accelerator_available()
+        ),
         raises=RuntimeError,
         match=r"setStorage: .* out of bounds for storage of size 0",
         measured_on="torch 2.13.0 (CPU build)",
@@ -229,9 +305,11 @@ FSDP1_DEVIATIONS = (
         "base ... has been modified inplace'), 2.8.0 in its next forward "
         "(_writeback_orig_params: 'Cannot writeback when the parameter shape changes') "
         "(tests/adapters/test_measured_torch_facts.py)",
-        lambda case: case is not None
-        and {"branch", "config:sharding_strategy=NO_SHARD", "config:use_orig_params=True"}
-        <= case.uses(),
+        lambda case: (
+            case is not None
+            and {"branch", "config:sharding_strategy=NO_SHARD", "config:use_orig_params=True"}
+            <= case.uses()
+        ),
         raises=(AssertionError, RuntimeError),
         match=r"full parameter names differ from DDP's: missing \["
         r"|is a view and its base or another view of its base has been modified inplace"
@@ -252,9 +330,22 @@ class TorchFSDP1Adapter(Adapter):
         return support_problem(self.name, RANGES["torch-fsdp1"])
 
     def unsupported(self) -> dict[str, str]:
+        from . import _dcp
+
+        unsupported = {
+            Feature.FORWARD_METHOD: (
+                "torch FSDP1 has no way to run a method other than forward: root.encode(x) "
+                "reaches the module's method through __getattr__ with the root's parameters "
+                "sharded and fails (after a forward: 'setStorage: ... out of bounds for storage "
+                "of size 0', measured on torch 2.13.0); FSDP1 users call wrapped children"
+            ),
+        }
+        if _dcp.fsdp1_group_dropped():
+            unsupported[Feature.CHECKPOINT_RESUME] = _dcp.FSDP1_SUBGROUP_REASON
         if accelerator_available():
-            return {}
+            return unsupported
         return {
+            **unsupported,
             Feature.CPU_OFFLOAD: (
                 "torch FSDP1 CPU offload needs an accelerator: on a CPU-only host forward fails "
                 "with 'Cannot access accelerator device when none is available' (a CUDA build: "
@@ -274,7 +365,12 @@ class TorchFSDP1Adapter(Adapter):
         if "backward_prefetch" in config:
             prefetch = config["backward_prefetch"]
             kwargs["backward_prefetch"] = None if prefetch is None else BackwardPrefetch[prefetch]
-        for key in ("forward_prefetch", "limit_all_gathers", "sync_module_states", "use_orig_params"):
+        for key in (
+            "forward_prefetch",
+            "limit_all_gathers",
+            "sync_module_states",
+            "use_orig_params",
+        ):
             if key in config:
                 kwargs[key] = config[key]
         if "cpu_offload" in config:
@@ -304,10 +400,7 @@ class TorchFSDP1Adapter(Adapter):
         if device_id is not None:
             kwargs["device_id"] = device_id
         wrapped = FullyShardedDataParallel(module, process_group=process_group, **kwargs)
-        for instance in FullyShardedDataParallel.fsdp_modules(wrapped):
-            handle = internals.handle_of(instance)
-            if handle is not None:
-                _INSTANCE_OF_HANDLE[handle] = instance
+        label_instances(wrapped)
         return wrapped
 
     def unwrap(self, model: nn.Module) -> nn.Module:
@@ -339,20 +432,10 @@ class TorchFSDP1Adapter(Adapter):
         return FullyShardedDataParallel.summon_full_params(model, writeback=writeback)
 
     def _observe(self, callback, instances):
-        _patch_torch_fsdp1()
-        return _REGISTRY.observing(callback, instances)
+        return observe_fsdp1(callback, instances)
 
     def _install_device_handle(self, model: nn.Module, handle: Any) -> None:
-        # FSDP1 keeps the handle on each state (streams, events, current_stream) and on each
-        # FlatParamHandle (current_stream during all-gather / free) -- torch 2.13.0. On a CPU host
-        # it only calls Event, Stream, stream, current_stream, synchronize and is_available on it
-        # (what the lagging device of fsdp_conformance.observe provides). The root's lazy init
-        # creates the streams from the handle, so it must be replaced before the first forward.
-        instances = FullyShardedDataParallel.fsdp_modules(model)
-        require_before_first_forward(self.name, model, instances)
-        for instance in instances:
-            internals.set_device_handle(instance, handle)
-
+        install_fsdp1_device_handle(self.name, model, handle)
 
     # ------------------------------------------------------------------ precision
     def grad_scaler(self, model: nn.Module, **options: Any) -> Any:
@@ -389,9 +472,7 @@ class TorchFSDP1Adapter(Adapter):
         from torch.distributed.fsdp import FullStateDictConfig, StateDictType
 
         config = FullStateDictConfig(offload_to_cpu=offload_to_cpu, rank0_only=rank0_only)
-        with FullyShardedDataParallel.state_dict_type(
-            model, StateDictType.FULL_STATE_DICT, config
-        ):
+        with FullyShardedDataParallel.state_dict_type(model, StateDictType.FULL_STATE_DICT, config):
             return model.state_dict()
 
     def load_state_dict(
@@ -413,23 +494,14 @@ class TorchFSDP1Adapter(Adapter):
         written with torch.distributed.checkpoint (``_dcp.py``)."""
         from . import _dcp
 
-        self._require_dcp_group(model)
+        self.check(Feature.CHECKPOINT_RESUME)
         _dcp.save(model, optimizer, directory, model.process_group)
 
     def load_checkpoint(self, model: nn.Module, optimizer: Any, directory: str) -> None:
         from . import _dcp
 
-        self._require_dcp_group(model)
+        self.check(Feature.CHECKPOINT_RESUME)
         _dcp.load(model, optimizer, directory, model.process_group)
-
-    def _require_dcp_group(self, model: nn.Module) -> None:
-        """Not applicable where this torch's DCP drops FSDP1's subgroup ([Note: DCP on a
-        subgroup with FSDP1] in _dcp.py)."""
-        from . import _dcp
-
-        problem = _dcp.fsdp1_subgroup_problem(model.process_group)
-        if problem is not None:
-            raise UnsupportedFeatureError(self.name, Feature.CHECKPOINT_RESUME, problem)
 
 
 def _fsdp1_policy(policy: Any):

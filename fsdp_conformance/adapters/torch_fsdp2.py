@@ -339,18 +339,32 @@ class TorchFSDP2Adapter(Adapter):
         return torch.amp.GradScaler(device, **options)
 
     def on_test_end(self) -> None:
-        _HYBRID_MESHES.clear()  # their groups are destroyed after the test
+        _HYBRID_MESHES.clear()  # the groups of these meshes are destroyed after the test
 
     # ------------------------------------------------------------------ sharding
     def grad_shards(self, model: nn.Module) -> dict[str, tuple[int, torch.Tensor]]:
-        """Every DTensor gradient as its ``full_tensor()`` (collective), flattened from 0."""
-        from torch.distributed.tensor import DTensor
+        """Each DTensor gradient's local shard (``to_local()``) at its offset: FSDP2 shards dim
+        0 in ``torch.chunk``'s rows (ceil(rows / n) per mesh coordinate, the last ones short
+        or empty), replicated over an HSDP mesh's other dimension; no collective."""
+        from torch.distributed.tensor import DTensor, Replicate, Shard
 
-        return {
-            name: (0, param.grad.full_tensor().detach().reshape(-1))
-            for name, param in model.named_parameters()
-            if isinstance(param.grad, DTensor)
-        }
+        pieces = {}
+        for name, param in model.named_parameters():
+            grad = param.grad
+            if not isinstance(grad, DTensor) or grad.ndim == 0:
+                continue
+            start_row = 0
+            coordinate = grad.device_mesh.get_coordinate()
+            for mesh_dim, placement in enumerate(grad.placements):
+                if isinstance(placement, Shard) and placement.dim == 0:
+                    rows_per_rank = -(-grad.shape[0] // grad.device_mesh.size(mesh_dim))
+                    start_row = coordinate[mesh_dim] * rows_per_rank
+                elif not isinstance(placement, Replicate):
+                    return None  # a layout this reading does not know: parity per step only
+            local = grad.to_local().detach().reshape(-1)
+            if local.numel():
+                pieces[name] = (start_row * (grad.numel() // grad.shape[0]), local)
+        return pieces
 
     # ------------------------------------------------------------------ training loops (issue 21)
     @contextlib.contextmanager
@@ -427,6 +441,14 @@ class TorchFSDP2Adapter(Adapter):
             if callable(reset):
                 reset()
 
+    # ------------------------------------------------------------------ other forward methods
+    def register_forward_method(self, instance: nn.Module, name: str) -> None:
+        """``torch.distributed.fsdp.register_fsdp_forward_method(instance, name)``."""
+        self.check(Feature.FORWARD_METHOD)
+        from torch.distributed.fsdp import register_fsdp_forward_method
+
+        register_fsdp_forward_method(instance, name)
+
     def save_checkpoint(self, model: nn.Module, optimizer: Any, directory: str) -> None:
         """``torch.distributed.checkpoint.state_dict`` (DTensor state dicts) + ``dcp.save``."""
         self.check(Feature.CHECKPOINT_RESUME)
@@ -493,7 +515,11 @@ def _hybrid_mesh(shard: Any, replicate: Any, device_type: str) -> DeviceMesh:
     """HYBRID_SHARD in FSDP2's terms: the 2-D mesh (replicate, shard) of two existing groups.
 
     Row i of the mesh is the i-th shard group (its global ranks in group order), so this
-    rank sits at (its index in ``replicate``, its index in ``shard``).
+    rank sits at (its index in ``replicate``, its index in ``shard``). The dimension names
+    carry the shard group's name: torch keeps DeviceMesh state per mesh *value* (layout and
+    names), so an equal mesh of groups destroyed since (a previous test in the same rank
+    process) made DTensor's ``full_tensor()`` all-gather over those ("Could not resolve the
+    process group registered under the name 1", torch 2.13.0).
     """
     key = (shard, replicate, device_type)
     if key not in _HYBRID_MESHES:
@@ -507,7 +533,7 @@ def _hybrid_mesh(shard: Any, replicate: Any, device_type: str) -> DeviceMesh:
             [replicate, shard],
             device_type,
             mesh=torch.tensor(ranks).view(*sizes),
-            mesh_dim_names=("replicate", "shard"),
+            mesh_dim_names=(f"replicate{shard.group_name}", f"shard{shard.group_name}"),
         )
     return _HYBRID_MESHES[key]
 

@@ -22,7 +22,9 @@ One module per subcommand, each with its ``add_parser`` and handler:
 - ``cli.common``: usage errors, argument types and the checks made before anything starts.
 
 Exit codes: 0 success (``run``: nothing failed); 1 a check failed or the experiment could not
-run; 2 a bad argument (one line on stderr, never a traceback); 130 interrupted.
+run; 2 a bad argument (one line on stderr, never a traceback); 130 SIGINT (Ctrl-C), 143
+SIGTERM. A signal to the CLI's pid alone ends any command within 10 s; every temp file of a
+command and of its processes is in one private directory, removed however the command ended.
 """
 
 from __future__ import annotations
@@ -55,11 +57,14 @@ from fsdp_conformance.cli.common import (
     check_keyword_expression,
     check_output,
     check_world_size,
+    exit_codes_epilog,
     max_world_size,
+    private_tempdir,
 )
 from fsdp_conformance.cli.overlap import render_overlap
 from fsdp_conformance.cli.run import pytest_command
 from fsdp_conformance.cli.timeline import RATE_LIMITER_RANGE, render_timeline
+from fsdp_conformance.world import signals
 
 DEFAULT_TIMEOUT = CLI_TIMEOUT_S  # the old name of CLI_TIMEOUT_S
 
@@ -107,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     _conformance.add_parser(commands, formatter)
     _fuzz.add_parser(commands, formatter)
     _coverage.add_parser(commands, formatter)
+    for name, command in commands.choices.items():
+        command.epilog = "\n\n".join(filter(None, (command.epilog, exit_codes_epilog(name))))
     return parser
 
 
@@ -116,7 +123,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     handler: Callable[[argparse.Namespace], int] = args.handler
     try:
-        return handler(args)
+        with signals.cli_signals(), private_tempdir():
+            return handler(args)
     except UsageError as error:
         sys.stderr.write(f"{PROG} {args.command}: error: {error}\n")
         return 2
@@ -124,6 +132,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.write("".join(traceback.format_exception(error.__cause__ or error)))
         sys.stderr.write(f"{PROG} {args.command}: error: {error} (the adapter is broken)\n")
         return 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as interrupt:
         sys.stderr.write(f"\n{PROG} {args.command}: interrupted\n")
-        return 130
+        return 128 + interrupt.signum if isinstance(interrupt, signals.Terminated) else 130

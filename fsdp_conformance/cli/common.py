@@ -5,14 +5,19 @@ made before anything starts, and running a function in a rank set of ``fsdp_conf
 from __future__ import annotations
 
 import argparse
-import importlib
+import contextlib
+import datetime
 import os
+import shutil
 import sys
+import tempfile
 import textwrap
+from collections.abc import Iterator
 from typing import Any, NoReturn
 
 from fsdp_conformance import vocab
 from fsdp_conformance.cli import limits
+from fsdp_conformance.world.extras import missing_extra
 
 PROG = "fsdp-conformance"
 BUILTIN_IMPLS = vocab.BUILTIN_ADAPTERS
@@ -29,8 +34,116 @@ CLI_TIMEOUT_S = 300.0
 RANK_MEMORY_BYTES = limits.RANK_BYTES
 # CPU ranks per core beyond which a world is not runnable in reasonable time
 RANKS_PER_CPU = 4
-# Built-in adapters that need an optional package: adapter -> (package, extra that installs it)
-EXTRAS = {"fairscale": ("fairscale", "fairscale"), "deepspeed": ("deepspeed", "deepspeed")}
+
+
+# pytest logs of failed or interrupted `run`s kept in cache_dir("logs"): the newest this many
+KEPT_LOGS = 20
+
+
+def cache_dir(*parts: str) -> str:
+    """``fsdp-conformance/<parts>`` under ``XDG_CACHE_HOME`` (default ``~/.cache``): what the
+    commands keep between runs (hypothesis' files, logs of failed runs), never in the working
+    directory or /tmp."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(root, "fsdp-conformance", *parts)
+
+
+@contextlib.contextmanager
+def private_tempdir() -> Iterator[str]:
+    """A temp directory of this command that every temp file of it and of its children lands
+    in (``TMPDIR`` and ``tempfile.tempdir`` point into it), removed on the way out whatever
+    ended the command. The GPU lock files stay in the shared temp directory (every process of
+    the user must see them)."""
+    from fsdp_conformance import vocab
+
+    saved = {name: os.environ.get(name) for name in ("TMPDIR", vocab.ENV_GPU_LOCK_DIR)}
+    saved_tempdir = tempfile.tempdir
+    from fsdp_conformance.world import gpus
+
+    shared_locks = os.environ.get(vocab.ENV_GPU_LOCK_DIR) or gpus.lock_dir_path()
+    path = tempfile.mkdtemp(prefix="fsdp-cli-")
+    os.environ["TMPDIR"] = path
+    os.environ[vocab.ENV_GPU_LOCK_DIR] = shared_locks
+    tempfile.tempdir = path
+    try:
+        yield path
+    finally:
+        tempfile.tempdir = saved_tempdir
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def keep_log(path: str, command: str) -> str:
+    """Move the log ``path`` into ``cache_dir("logs")`` (the newest ``KEPT_LOGS`` stay there);
+    returns its new path."""
+    directory = cache_dir("logs")
+    os.makedirs(directory, exist_ok=True)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    kept = os.path.join(directory, f"{command}-{stamp}-{os.getpid()}.log")
+    shutil.move(path, kept)
+    logs = sorted(
+        (os.path.join(directory, name) for name in os.listdir(directory)), key=os.path.getmtime
+    )
+    for old in logs[:-KEPT_LOGS]:
+        with contextlib.suppress(OSError):
+            os.remove(old)
+    return kept
+
+
+# Each command's exit codes: shown under its --help, documented in docs/cli.md (a test compares)
+_USAGE = {
+    2: "a bad argument, one line on stderr (also an --impl that does not resolve, or a built-in "
+    "adapter whose extra is not installed)"
+}
+_SIGNALS = {130: "SIGINT (Ctrl-C)", 143: "SIGTERM"}
+EXIT_CODES: dict[str, dict[int, str]] = {
+    "run": {
+        0: "nothing failed (skips and expected failures allowed)",
+        1: "a check failed, pytest could not finish, or the --impl module raises on import",
+        **_USAGE,
+        **_SIGNALS,
+    },
+    "overlap": {
+        0: "the measurement ran (its verdict line carries the suite's judgement)",
+        1: "it cannot run on this adapter, or its ranks failed",
+        **_USAGE,
+        **_SIGNALS,
+    },
+    "timeline": {
+        0: "the picture was drawn (its verdict says within or over the bound)",
+        1: "it cannot run on this adapter, or its ranks failed",
+        **_USAGE,
+        **_SIGNALS,
+    },
+    "conformance": {
+        0: "the table was written",
+        1: "an --impl module raises on import",
+        **_USAGE,
+        **_SIGNALS,
+    },
+    "fuzz": {
+        0: "no counterexample found",
+        1: "a counterexample (repro.py written), no case could run, or the ranks failed",
+        **_USAGE,
+        **_SIGNALS,
+    },
+    "coverage": {
+        0: "the report was printed",
+        1: "the suite could not be collected for this adapter",
+        **_USAGE,
+        **_SIGNALS,
+    },
+}
+
+
+def exit_codes_epilog(command: str) -> str:
+    """The "exit codes:" lines of ``command``'s --help."""
+    lines = [f"  {code}  {text}" for code, text in sorted(EXIT_CODES[command].items())]
+    return "exit codes:\n" + "\n".join(lines)
 
 
 class BrokenAdapter(Exception):
@@ -71,27 +184,6 @@ def _positive_float(text: str) -> float:
 
 # -----------------------------------------------------------------------------
 # Validation (before anything starts)
-
-
-def missing_extra(impl: str) -> str | None:
-    """Why the built-in adapter ``impl`` cannot run here -- its optional package does not import
-    -- as one line naming the install command; None when it can (or needs no extra).
-
-    The package is imported for real (as the adapter will import it in every rank), so a
-    package that is present but broken is refused too.
-    """
-    if impl not in EXTRAS:
-        return None
-    package, extra = EXTRAS[impl]
-    try:
-        importlib.import_module(package)
-    except Exception as error:  # noqa: BLE001  any failure to import the package refuses it
-        reason = " ".join(f"{type(error).__name__}: {error}".split())
-        return (
-            f"adapter {impl!r} needs {package}, which cannot be imported here ({reason}); "
-            f"install it with: pip install 'fsdp-conformance[{extra}]'"
-        )
-    return None
 
 
 def check_extra(impl: str) -> None:

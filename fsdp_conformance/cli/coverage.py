@@ -8,10 +8,12 @@ needs the features its registered check declares (``checks.py``) plus what its b
 before it first makes the adapter act: each body is called once in this process with a
 *probe* in place of the adapter and a ``dist`` without ranks. The probe answers
 ``supports`` truthfully, records every feature passed to ``check`` / ``require`` and every
-wrap config passed to ``features_for`` (its features and refused values count), and stops the
-body at the first other call (``wrap``, ``wrapper``, ``observe`` ...). No rank starts, nothing
-is wrapped. A body that cannot be probed (a fixture only pytest can make, an error before its
-first action) keeps its check's features and its case's ``wrap_config``.
+wrap config passed to ``features_for``, ``wrapper`` (whose callable leaves nested modules
+unwrapped) and ``wrap`` (its features and refused values count), and stops the body at
+``wrap`` or any other call that acts (``observe``, ``optimizer`` ...). No rank starts, nothing
+is wrapped. A body that cannot be probed (a fixture only pytest can make, an error before it
+acts, e.g. a process group it creates) keeps its check's features, its case's ``wrap_config``
+and what it asked for until then.
 
 A feature *unlocks* the cells that would run if the adapter supported it too (the suite
 collected again where it changes the configs); its gain is that count minus the cells that
@@ -36,7 +38,6 @@ from fsdp_conformance import checks
 from fsdp_conformance.cli.common import (
     PROG,
     UsageError,
-    _add_common,
     _paragraph,
     check_impl,
     check_output,
@@ -66,8 +67,10 @@ class Cell:
         return sorted({feature for feature in self.needs if not supports(feature)})
 
 
-class _Reached(Exception):
-    """The probed body made the adapter act: everything it needs is recorded."""
+class _Reached(BaseException):
+    """The probed body made the adapter act: everything it needs is recorded (a BaseException,
+    so that a body's own ``except Exception`` -- a misuse check expecting an error -- does not
+    take it for the implementation's answer)."""
 
 
 class _Granted:
@@ -115,8 +118,10 @@ class _ProbeAdapter:
         return self._capabilities.supports(*features)
 
     def unsupported_reason(self, feature: str) -> str | None:
-        return None if self.supports(feature) else self._capabilities.adapter.unsupported_reason(
-            feature
+        return (
+            None
+            if self.supports(feature)
+            else self._capabilities.adapter.unsupported_reason(feature)
         )
 
     def features_for(self, **config: Any) -> frozenset[str]:
@@ -129,22 +134,42 @@ class _ProbeAdapter:
             self.blocked = self.blocked or str(error)
         return features
 
-    def wrapper(self, *, process_group: Any = None, **config: Any) -> Any:
+    def wrapper(self, *, process_group: Any = None, **config: Any) -> _ProbeWrap:
         self.check(*self.features_for(**config))
-        raise _Reached("wrapper")
+        return _ProbeWrap(self, config)
 
     def wrap(self, module: Any, *, process_group: Any = None, root: Any = None, **config: Any):
         self.check(*self.features_for(**config))
         raise _Reached("wrap")
 
 
+class _ProbeWrap:
+    """The probe's zoo `wrap` callable: records each nested config's needs and leaves the module
+    unwrapped, so a body builds its model and reaches the root wrap (whose config, e.g. a zoo
+    model's ``ROOT_WRAP_CONFIG``, counts too)."""
+
+    def __init__(self, adapter: _ProbeAdapter, config: dict[str, Any]) -> None:
+        self.adapter = adapter
+        self.config = config
+
+    def __call__(self, module: Any, *, process_group: Any = None, root: Any = None, **overrides):
+        self.adapter.check(*self.adapter.features_for(**{**self.config, **overrides}))
+        return module
+
+    def delay_before_reduction(self, delay: Any) -> Any:
+        return contextlib.nullcontext()
+
+    def delay_before_free(self, instance: Any, delay: Any) -> Any:
+        return contextlib.nullcontext()
+
+
 @contextlib.contextmanager
-def _probe_cell(found: dict[str, Any]):
-    """Replaces ``suite.verdict.cell`` while probing: records the check and its case."""
+def _probe_cell():
+    """Replaces ``suite.verdict.cell`` while probing: the check's registered features are
+    needs; nothing is recorded as a verdict."""
 
     @contextlib.contextmanager
     def cell(adapter: Any, check_id: str, case: Any = None):
-        found["check"], found["case"] = check_id, case
         adapter.check(*checks.get_check(check_id).features)
         yield
 
@@ -178,9 +203,11 @@ def _static_needs(item: Any, check: checks.Check | None, adapter: Any) -> list[s
 
 def _probe(item: Any, capabilities: _Granted, world_size: int) -> Cell:
     """The cell of pytest item `item` (see [Note: coverage probe])."""
+    import pytest
     import torch
 
     from fsdp_conformance.adapters import UnsupportedFeatureError
+    from fsdp_conformance.testing import DummyProcessGroup
     from fsdp_conformance.world.context import RankContext
 
     names = [cls.__name__ for cls in inspect.getmro(item.cls)] if item.cls else []
@@ -197,7 +224,7 @@ def _probe(item: Any, capabilities: _Granted, world_size: int) -> Cell:
     dist = RankContext(
         rank=0,
         world_size=ranks,
-        group=None,
+        group=DummyProcessGroup(0, ranks),  # what zoo models ask of a group: rank and size
         device=torch.device("cpu"),
         backend="gloo",
         tmp_path=Path(tempfile.gettempdir()) / "fsdp-conformance-coverage-probe-unused",
@@ -213,14 +240,11 @@ def _probe(item: Any, capabilities: _Granted, world_size: int) -> Cell:
             kwargs[name] = dist
         elif name in params:
             kwargs[name] = params[name]
-        else:  # a fixture only pytest can make: the static needs stand
+        else:  # a fixture only pytest can make: the registry's and the case's needs stand
             cell.probed = False
             return cell
-    found: dict[str, Any] = {}
-    import pytest
-
     try:
-        with _probe_cell(found), _quiet():
+        with _probe_cell(), _quiet():
             function(**kwargs)
     except _Reached:
         pass
@@ -282,22 +306,22 @@ def collect(
     configs.dimensions_for_impl = lambda name: configs.supported_dimensions(capabilities)
     try:
         with _quiet():
-            code = pytest.main(
-                [
-                    "--collect-only", "-qq", "-p", "no:cacheprovider", "-p", "no:xdist",
-                    "-o", "addopts=", "--pyargs", "fsdp_conformance.suite",
-                    f"--fsdp-impl={impl}", f"--fsdp-world-size={world_size}",
-                    f"--fsdp-coverage={coverage}",
-                ],  # fmt: skip
-                plugins=[collector],
-            )
+            arguments = [
+                "--collect-only", "-qq", "-p", "no:cacheprovider", "-p", "no:xdist",
+                "-o", "addopts=", "--pyargs", "fsdp_conformance.suite",
+                f"--fsdp-impl={impl}", f"--fsdp-world-size={world_size}",
+                f"--fsdp-coverage={coverage}",
+            ]  # fmt: skip
+            code = pytest.main(arguments, plugins=[collector])
     finally:
         configs.dimensions_for_impl = original
     if collector.errors or code not in (0, 5):
         raise RuntimeError(
             f"the suite did not collect (pytest exit {int(code)}): "
-            + ("; ".join(collector.errors) or "see pytest --collect-only --pyargs "
-               "fsdp_conformance.suite")
+            + (
+                "; ".join(collector.errors)
+                or "see pytest --collect-only --pyargs fsdp_conformance.suite"
+            )
         )
     return collector.cells
 
@@ -394,8 +418,10 @@ def _family_counts(gains: dict[str, int]) -> str:
 def render_text(data: dict[str, Any]) -> str:
     """The report as the terminal shows it."""
     lines = [
-        f"adapter {data['adapter']!r} ({data['impl']}), coverage {data['coverage']}: "
-        f"{data['cells']} cells collected, {data['run']} would run, {data['skip']} would skip"
+        (
+            f"adapter {data['adapter']!r} ({data['impl']}), coverage {data['coverage']}: "
+            f"{data['cells']} cells collected, {data['run']} would run, {data['skip']} would skip"
+        )
     ]
     if data["support_problem"]:
         lines.append(f"every cell skips: {data['support_problem']}")
@@ -410,7 +436,8 @@ def render_text(data: dict[str, Any]) -> str:
     if data["unlocks"]:
         for entry in data["unlocks"]:
             lines.append(
-                f"implement `{entry['feature']}` next: +{entry['cells']} cells "
+                f"implement `{entry['feature']}` next: +{entry['cells']} "
+                f"cell{'s' if entry['cells'] != 1 else ''} "
                 f"({_family_counts(entry['checks'])})"
             )
     else:
@@ -424,6 +451,8 @@ def render_text(data: dict[str, Any]) -> str:
 
 def _coverage_command(args: argparse.Namespace) -> int:
     check_impl(args.impl)
+    if args.world_size < 1:
+        raise UsageError(f"--world-size {args.world_size}: must be >= 1")
     if args.json not in (None, "-"):
         check_output(args.json, "--json")
     try:
@@ -457,7 +486,20 @@ def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
         "  cd examples && fsdp-conformance coverage --impl my_fsdp_adapter:ADAPTER --json -",
         formatter_class=formatter,
     )
-    _add_common(parser, "ranks for cells that do not fix their own world size (default 2)")
+    parser.add_argument(
+        "--impl",
+        default="impl",
+        metavar="NAME",
+        help="FSDP adapter: impl (default), torch-fsdp1, torch-fsdp2, fairscale, deepspeed or "
+        "pkg.module:ATTR (the current directory and PYTHONPATH are searched)",
+    )
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        default=2,
+        metavar="N",
+        help="ranks for cells that do not fix their own world size, as `run` (default 2)",
+    )
     parser.add_argument(
         "--coverage",
         choices=COVERAGES,

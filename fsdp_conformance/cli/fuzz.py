@@ -206,7 +206,7 @@ def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
         "--impl",
         default="impl",
         metavar="NAME",
-        help="FSDP under test: impl (default), torch-fsdp1, torch-fsdp2, fairscale or "
+        help="FSDP under test: impl (default), torch-fsdp1, torch-fsdp2, fairscale, deepspeed or "
         "pkg.module:ATTR",
     )
     fuzz.add_argument(

@@ -86,14 +86,27 @@ def overlap_in_rank(
 
 
 # ---------------------------------------------------------------------------- timeline
-def _panel(tracker: Any, case: memory_bound.BoundCase) -> dict[str, Any]:
+def _bound_of(adapter: Any, case: memory_bound.BoundCase) -> tuple[str, dict[str, int]]:
+    """The bound the timeline holds ``adapter`` to -- its own (``memory_bound.OWN_BOUNDS``,
+    as the memory-bound check does) or the limiter's -- as (name, bound per phase)."""
+    own = memory_bound.own_bound_of(adapter, memory_bound.OWN_BOUNDS)
+    if own is not None:
+        return own.name, {phase: own.bound(phase) for phase in PHASES}
+    name = "the rate limiter's bound (2 instances, +1 for a prefetch before the reshard)"
+    return name, {phase: case.bound(phase) for phase in PHASES}
+
+
+def _panel(tracker: Any, case: memory_bound.BoundCase, adapter: Any) -> dict[str, Any]:
+    """One panel's data; ``over`` lists the phases whose peak exceeds the bound, the one
+    verdict the table and the picture both show."""
     samples = tracker.rows()
+    bound_name, bound = _bound_of(adapter, case)
     peaks = [
         {
             "iteration": iteration,
             "phase": phase,
             "resident": peak.resident,
-            "bound": case.bound(phase),
+            "bound": bound[phase],
             "at_instance": peak.at_instance,
         }
         for (iteration, phase), peak in tracker.peaks.items()
@@ -102,9 +115,11 @@ def _panel(tracker: Any, case: memory_bound.BoundCase) -> dict[str, Any]:
     return {
         "limit_all_gathers": case.limit_all_gathers,
         "config": case.describe(),
-        "bound": {phase: case.bound(phase) for phase in PHASES},
+        "bound_name": bound_name,
+        "bound": bound,
         "max_resident": max((sample["resident"] for sample in samples), default=0),
         "peaks": peaks,
+        "over": [peak for peak in peaks if peak["resident"] > peak["bound"]],
         "samples": samples,
     }
 
@@ -140,7 +155,7 @@ def timeline_in_rank(
             )
         if profile:
             profiler.export_chrome_trace(trace_file)
-        panels.append(_panel(tracker, case))
+        panels.append(_panel(tracker, case, adapter))
     _write(
         dist,
         out_file,

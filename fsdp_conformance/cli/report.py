@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import textwrap
 from collections.abc import Iterable
 from typing import Any
 
@@ -152,7 +153,9 @@ def _label(outcome: str) -> str:
 
 
 def render_text(cells: list[Cell], detail_width: int = 160) -> str:
-    """The matrix for a terminal: per check a header with its counts, then one line per cell."""
+    """The matrix for a terminal: per check a header with its counts, then one line per cell;
+    a detail (failure message, skip reason) longer than ``detail_width`` is wrapped onto
+    lines indented under its start, never cut (it may carry the command that fixes it)."""
     lines = []
     for check, group in by_check(cells).items():
         total = counts(group)
@@ -161,11 +164,12 @@ def render_text(cells: list[Cell], detail_width: int = 160) -> str:
         lines.append(f"{check}  ({len(group)} configuration{plural}: {tally})")
         width = max(len(cell.configuration) for cell in group)
         for cell in group:
-            detail = cell.detail
-            if len(detail) > detail_width:
-                detail = detail[: detail_width - 3] + "..."
-            line = f"  {_label(cell.outcome):<5}  {cell.configuration:<{width}}"
-            lines.append(f"{line}  {detail}".rstrip())
+            line = f"  {_label(cell.outcome):<5}  {cell.configuration:<{width}}  "
+            parts = textwrap.wrap(
+                cell.detail, detail_width, break_long_words=False, break_on_hyphens=False
+            )
+            lines.append((line + (parts[0] if parts else "")).rstrip())
+            lines.extend(" " * len(line) + part for part in parts[1:])
     return "\n".join(lines)
 
 

@@ -36,6 +36,7 @@ from fsdp_conformance.cli.common import (
     check_keyword_expression,
     check_output,
     check_world_size,
+    keep_log,
 )
 from fsdp_conformance.cli.report import split_nodeid
 from fsdp_conformance.world import signals
@@ -63,7 +64,7 @@ def _run_command(args: argparse.Namespace) -> int:
     if args.workers > 0 and importlib.util.find_spec("xdist") is None:
         raise UsageError("-n needs pytest-xdist, which is not installed (or give -n 0)")
 
-    workdir = tempfile.mkdtemp(prefix="fsdp-cli-")
+    workdir = tempfile.mkdtemp(prefix="run-")  # in the command's private temp directory
     results = os.path.join(workdir, "results.jsonl")
     log_path = os.path.join(workdir, "pytest.log")
     command = pytest_command(args)
@@ -77,8 +78,11 @@ def _run_command(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     started = time.monotonic()
-    with open(log_path, "w", encoding="utf-8") as log, signals.sigterm_interrupts():
-        child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    with open(log_path, "w", encoding="utf-8") as log:
+        # its own session: a signal reaches it only from us (one SIGTERM, then its group killed)
+        child = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
         try:
             progress = _Progress(sys.stderr)
             while child.poll() is None:
@@ -88,12 +92,15 @@ def _run_command(args: argparse.Namespace) -> int:
             progress.finish()
         except KeyboardInterrupt as interrupt:
             code = signals.stop_child(child, interrupt)
-            print(f"\n{PROG} run: interrupted; pytest output: {log_path}", file=sys.stderr)
+            print(
+                f"\n{PROG} run: interrupted; pytest output: {keep_log(log_path, 'run')}",
+                file=sys.stderr,
+            )
             return code
     wall = time.monotonic() - started
     records = report.read_records(results)
     if uses_torchrun and not records:
-        return torchrun.no_results_here(child.returncode, log_path)
+        return torchrun.no_results_here(child.returncode, keep_log(log_path, "run"))
     cells = report.cells_from_records(records)
     collected = next((r["count"] for r in records if r.get("event") == "collected"), None)
     returncode = child.returncode
@@ -102,7 +109,6 @@ def _run_command(args: argparse.Namespace) -> int:
             message = f"-k {args.k!r}: no check matches" if args.k else "no check collected"
         else:
             message = f"pytest refused the arguments: {_pytest_error(log_path)}"
-        shutil.rmtree(workdir, ignore_errors=True)
         raise UsageError(message)
 
     summary = report.summary_line(cells, adapter_name(args.impl), wall)
@@ -115,11 +121,10 @@ def _run_command(args: argparse.Namespace) -> int:
     _write_outputs(args, cells, _report_header(args, command, wall), summary, returncode)
     failed = any(cell.outcome == "fail" for cell in cells) or returncode != 0 or not_run > 0
     if failed:
-        print(f"pytest output (tracebacks): {log_path}", file=sys.stderr)
         if returncode not in (0, 1):
             print(_tail(log_path, 15), file=sys.stderr)
+        print(f"pytest output (tracebacks): {keep_log(log_path, 'run')}", file=sys.stderr)
         return 1
-    shutil.rmtree(workdir, ignore_errors=True)
     return 0
 
 

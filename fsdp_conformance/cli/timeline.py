@@ -102,16 +102,20 @@ def render_timeline(document: dict[str, Any]) -> str:
             f"resident unsharded buffers of {document['impl']!r}: {document['layers']} instances "
             f"under a root, {document['lag']} lagging device, world size {document['world_size']}"
         ),
+        f"bound: {document['panels'][0]['bound_name']}" if document["panels"] else "",
         "",
         "  limit_all_gathers  iteration  phase     peak  bound",
     ]
     for panel in document["panels"]:
+        over = {(peak["iteration"], peak["phase"]) for peak in panel["over"]}
         for peak in panel["peaks"]:
-            over = "  over the bound" if peak["resident"] > peak["bound"] else ""
+            mark = "  over the bound" if (peak["iteration"], peak["phase"]) in over else ""
             lines.append(
                 f"  {panel['limit_all_gathers']!s:<17}  {peak['iteration']:>9}  "
-                f"{peak['phase']:<8}  {peak['resident']:>4}  {peak['bound']:>5}{over}"
+                f"{peak['phase']:<8}  {peak['resident']:>4}  {peak['bound']:>5}{mark}"
             )
+    for panel in document["panels"]:
+        lines.append(f"limit_all_gathers={panel['limit_all_gathers']}: {draw.verdict(panel)}")
     return "\n".join(lines)
 
 

@@ -9,15 +9,18 @@ loop on the broadcast until rank 0 sends ``None``. An example therefore costs a 
 gather, never a process start; generation and shrinking decisions happen in one process only,
 so no two ranks can disagree about what to run next. hypothesis runs with a fixed seed, no
 example database, no timing health checks and the phases generate + shrink, so a run is
-reproducible from (adapter, seed, examples, world size).
+reproducible from (adapter, seed, examples, world size). What hypothesis stores on disk (its
+constants and charmap caches) goes under ``hypothesis_dir()``, never the working directory.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from .run import DEVIATION, FAIL, UNSUPPORTED, Outcome, combine, run_case
@@ -36,6 +39,32 @@ def require_hypothesis() -> None:
         import hypothesis  # noqa: F401
     except ImportError:
         raise ImportError(HYPOTHESIS_MISSING) from None
+
+
+def hypothesis_dir() -> str:
+    """Where hypothesis keeps its files during a fuzz run: ``HYPOTHESIS_STORAGE_DIRECTORY``
+    when the user set it, else ``fsdp-conformance/hypothesis`` under ``XDG_CACHE_HOME``
+    (default ``~/.cache``)."""
+    chosen = os.environ.get("HYPOTHESIS_STORAGE_DIRECTORY")
+    if chosen:
+        return chosen
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "fsdp-conformance", "hypothesis")
+
+
+@contextlib.contextmanager
+def _hypothesis_storage() -> Iterator[None]:
+    """Within the block hypothesis stores under ``hypothesis_dir()``; the process's previous
+    choice is put back after."""
+    from hypothesis import configuration
+
+    key = "__hypothesis_home_directory"  # the module global set_hypothesis_home_dir sets
+    previous = vars(configuration).get(key)
+    configuration.set_hypothesis_home_dir(hypothesis_dir())
+    try:
+        yield
+    finally:
+        configuration.set_hypothesis_home_dir(previous)
 
 
 class FuzzFailure(AssertionError):
@@ -274,7 +303,8 @@ def _drive(
         print_blob=False,
     )(fixed_seed(seed)(given(strategy)(prop)))
     try:
-        test()
+        with _hypothesis_storage():
+            test()
     except FuzzFailure:
         case = minimal[0]
         result.status = "fail"

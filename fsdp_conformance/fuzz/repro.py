@@ -136,11 +136,10 @@ def _flat(value: Any) -> str:
 
 def repro_in_rank(dist: Any, case: FuzzCase, out_file: str) -> None:
     """Run ``case`` once in every rank; rank 0 writes the combined outcome as JSON."""
+    import torch
     import torch.distributed as tdist
 
     from fsdp_conformance.adapters import get_adapter
-
-    import torch
 
     torch.set_num_threads(1)  # as the fuzzing loop runs it (the harness restores it)
     outcome = run_case(get_adapter(dist.impl), case, dist)
@@ -202,7 +201,7 @@ def cannot_run_reason(impl: str) -> str | None:
     import, its extra is missing, torch is outside its supported range), or None."""
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # pkg.module:ATTR adapters next to the script
-    from fsdp_conformance.cli.common import missing_extra
+    from fsdp_conformance.world.extras import missing_extra
 
     problem = missing_extra(impl)
     if problem is not None:

@@ -34,22 +34,46 @@ class ForwardMixin:
     _fsdp_state: FSDPState
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return run_as_forward(self._fsdp_state, self._fsdp_state.module, args, kwargs)
+
+    def register_forward_method(self, name: str) -> None:
+        """Make ``self.<name>(...)`` run the wrapped module's method ``name`` as ``forward``
+        runs (parameters unsharded, resharded after, gradients reduced), e.g. ``generate``.
+
+        Raises:
+            TypeError: the wrapped module has no method ``name``.
+            ValueError: ``name`` is ``forward`` (it runs so already).
+        """
         state = self._fsdp_state
-        if state.training_state == TrainingState.SUMMON_FULL_PARAMS:
-            raise RuntimeError(
-                f"forward of FSDP instance {state.name()} called inside "
-                "summon_full_params; exit the summon_full_params context before forward"
+        if name == "forward":
+            raise ValueError("register_forward_method('forward'): forward runs so already")
+        method = getattr(state.module, name, None)
+        if not callable(method):
+            raise TypeError(
+                f"register_forward_method({name!r}): {type(state.module).__name__}.{name} is not "
+                "a method; give the name of a method of the wrapped module"
             )
-        with torch.autograd.profiler.record_function("FullyShardedDataParallel.forward"):
-            runtime.root_pre_forward(state)
-            if state.is_root and state.compute_device.type != "cpu":
-                device = state.compute_device
-                args, kwargs = tree_map_only(
-                    torch.Tensor, lambda t: t.to(device, non_blocking=True), (args, kwargs)
-                )
-            args, kwargs = runtime.pre_forward(state, args, kwargs)
-            output = state.module(*args, **kwargs)
-            return runtime.post_forward(state, output)
+        self.__dict__[name] = lambda *args, **kwargs: run_as_forward(state, method, args, kwargs)
+
+
+def run_as_forward(state: FSDPState, function: Any, args: tuple, kwargs: dict) -> Any:
+    """``function(*args, **kwargs)`` (the wrapped module or one of its methods) inside the
+    instance's forward hooks."""
+    if state.training_state == TrainingState.SUMMON_FULL_PARAMS:
+        raise RuntimeError(
+            f"forward of FSDP instance {state.name()} called inside "
+            "summon_full_params; exit the summon_full_params context before forward"
+        )
+    with torch.autograd.profiler.record_function("FullyShardedDataParallel.forward"):
+        runtime.root_pre_forward(state)
+        if state.is_root and state.compute_device.type != "cpu":
+            device = state.compute_device
+            args, kwargs = tree_map_only(
+                torch.Tensor, lambda t: t.to(device, non_blocking=True), (args, kwargs)
+            )
+        args, kwargs = runtime.pre_forward(state, args, kwargs)
+        output = function(*args, **kwargs)
+        return runtime.post_forward(state, output)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

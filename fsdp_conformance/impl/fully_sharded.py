@@ -348,8 +348,9 @@ def _collect_params(
                 continue
             if getattr(param, "_fsdp_flattened", False):
                 raise ValueError(
-                    f"parameter '{path}{name}' is shared with a nested FSDP instance that already "
-                    "flattened it; wrap all modules sharing a parameter in the same instance"
+                    f"parameter '{path}{name}' of {type(m).__name__} is shared with another FSDP "
+                    "instance that already flattened it (a tied parameter); wrap all modules "
+                    "sharing a parameter in the same instance (e.g. their common parent)"
                 )
             seen.add((id(m), name))
             found.append((m, name, param))

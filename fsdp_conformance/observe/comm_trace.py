@@ -8,6 +8,12 @@ each instance wraps adds a ``compute`` event when that module's own forward star
 implementation's pre-forward: unshard, forward prefetch). The driver names the phases
 (``with trace.phase("iteration 2 backward"): ...``).
 
+With ``collectives=True`` the trace also records every collective of ``torch.distributed``
+called while it is active (in this rank's thread, as [Note: observation] filters), with the
+global ranks of the group it ran on, as a ``Collective(phase, op, ranks)`` in
+``trace.collectives``: what really went over which group, whatever the adapter reports (an
+implementation calling ``torch.distributed``'s functions; impl binds its own at import).
+
 Labels are stable across ranks and runs: the instance's module path in the *unwrapped* model
 (``module.1`` for ``NestedWrappedModule``'s wrapped ``Sequential``; ``<root>`` for the root),
 with wrapper segments removed. The state is the canonical instance state (docs/adapters.md) at
@@ -28,13 +34,17 @@ addresses, timings) reaches ``render()``, which is what the prefetch-order golde
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+import functools
+import inspect
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple, Self
 
+import torch.distributed as torch_dist
 from torch import nn
 
 from fsdp_conformance import vocab
-from fsdp_conformance.adapters.base import clean_param_name
+from fsdp_conformance._patching import patch_attribute
+from fsdp_conformance.adapters.base import clean_param_name, scoped_observer
 from fsdp_conformance.adapters.features import Feature
 from fsdp_conformance.vocab import Op
 
@@ -63,6 +73,67 @@ class CommEvent(NamedTuple):
         return f"{self.op} {self.label} {self.state}"
 
 
+class Collective(NamedTuple):
+    """One ``torch.distributed`` collective recorded by ``CommTrace(collectives=True)``."""
+
+    # the driver's phase name, NO_PHASE outside any
+    phase: str
+    # Op.ALL_GATHER, Op.REDUCE_SCATTER or Op.ALL_REDUCE
+    op: str
+    # global ranks of the process group it ran on
+    ranks: tuple[int, ...]
+
+
+# torch.distributed's collectives (named after the op: all_gather, all_gather_single, ...) and
+# what each does; a name a release lacks is skipped
+DIST_COLLECTIVES = {
+    **{f"{Op.ALL_GATHER}{end}": Op.ALL_GATHER for end in ("", "_single", "_into_tensor")},
+    **{f"{Op.REDUCE_SCATTER}{end}": Op.REDUCE_SCATTER for end in ("", "_single", "_tensor")},
+    str(Op.ALL_REDUCE): Op.ALL_REDUCE,
+}
+_COLLECTIVES_KEY = "fsdp-conformance comm trace: torch.distributed collectives"
+# the callbacks of the active collective recorders, filtered by thread ([Note: observation])
+_collective_observers: list[Callable[[str, Any, dict], None]] = []
+
+
+def _patch_collectives() -> None:
+    """Make each of ``DIST_COLLECTIVES`` report (op, its group's ranks) to the active recorders
+    before it runs; installed once per process, a pass-through while none is active."""
+
+    def make(op: str):
+        def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
+            signature = inspect.signature(original)
+
+            @functools.wraps(original)
+            def collective(*args: Any, **kwargs: Any) -> Any:
+                if _collective_observers:
+                    group = signature.bind_partial(*args, **kwargs).arguments.get("group")
+                    group = torch_dist.group.WORLD if group is None else group
+                    ranks = tuple(torch_dist.get_process_group_ranks(group))
+                    for observer in list(_collective_observers):
+                        observer(op, None, {"ranks": ranks})
+                return original(*args, **kwargs)
+
+            return collective
+
+        return wrap
+
+    for name, op in DIST_COLLECTIVES.items():
+        if hasattr(torch_dist, name):
+            patch_attribute(torch_dist, name, make(op), key=_COLLECTIVES_KEY)
+
+
+@contextlib.contextmanager
+def _observing_collectives(callback: Callable[[str, Any, dict], None]) -> Iterator[None]:
+    _patch_collectives()
+    with scoped_observer(callback, None) as observer:
+        _collective_observers.append(observer)
+        try:
+            yield
+        finally:
+            _collective_observers.remove(observer)
+
+
 def instance_labels(adapter: Any, root: nn.Module) -> dict[int, str]:
     """id(instance) -> its module path in the unwrapped model (ROOT_LABEL for the root).
 
@@ -86,12 +157,18 @@ class CommTrace:
         adapter: the adapter that wrapped ``root`` (needs feature ``comm_trace``).
         root: the wrapped model.
         compute: also record ``compute`` when each instance's wrapped module starts forward.
+        collectives: also record ``torch.distributed``'s collectives with their groups
+            (``collectives``).
     """
 
-    def __init__(self, adapter: Any, root: nn.Module, compute: bool = False) -> None:
+    def __init__(
+        self, adapter: Any, root: nn.Module, compute: bool = False, collectives: bool = False
+    ) -> None:
         self.adapter = adapter  # the adapter observed through
         self.root = root  # the wrapped model
         self.compute = compute  # record compute events too
+        self.record_collectives = collectives  # record torch.distributed's collectives too
+        self.collectives: list[Collective] = []  # those recorded, in order
         self.labels = instance_labels(adapter, root)  # id(instance) -> label
         self.instances = {id(i): i for i in adapter.instances(root)}  # id -> instance
         self.events: list[CommEvent] = []  # everything recorded, in order
@@ -102,6 +179,8 @@ class CommTrace:
     # ------------------------------------------------------------------ recording
     def __enter__(self) -> Self:
         self._stack.enter_context(self.adapter.observe(self._on_op, self.instances.values()))
+        if self.record_collectives:
+            self._stack.enter_context(_observing_collectives(self._on_collective))
         if self.compute:
             for instance in self.instances.values():
                 module = self.adapter.unwrap(instance)
@@ -136,6 +215,9 @@ class CommTrace:
             return
         label = self.labels[id(instance)]
         self.events.append(CommEvent(self._phase, op, label, self._state(instance)))
+
+    def _on_collective(self, op: str, instance: Any, info: dict) -> None:
+        self.collectives.append(Collective(self._phase, op, info["ranks"]))
 
     def _compute_hook(self, instance: nn.Module):
         def record_compute(module: nn.Module, args: Any) -> None:

@@ -32,11 +32,14 @@ from .misuse import BaseBadInputTests, BaseExecOrderTests
 from .overlap import BaseOverlapTests
 from .parity import BaseDDPParityTests, BaseStateDictTests, BaseSummonFullParamsTests
 from .states import BaseTrainingStateTests
+from .test_forward import BaseForwardMethodTests
 from .test_init import BaseMetaInitTests
 from .test_memory import BaseReshardAfterForwardTests
 from .test_optim import BaseParamGroupTests
 from .test_precision import BasePrecisionTests
+from .test_sharding import BaseHybridShardingTests, BaseUnevenShardingTests
 from .test_state_dict import BaseFullStateDictTests
+from .test_wrap import BaseSharedParamsTests
 from .test_wrap_isolation import BaseConfigIsolationTests
 
 __all__ = [
@@ -48,11 +51,13 @@ __all__ = [
     "BaseDDPParityTests",
     "BaseExecOrderTests",
     "BaseForwardVariantsTests",
+    "BaseForwardMethodTests",
     "BaseFrozenParameterTests",
     "BaseFullStateDictTests",
     "BaseGeneratedModelTests",
     "BaseGradientAccumulationTests",
     "BaseGradientClippingTests",
+    "BaseHybridShardingTests",
     "BaseMemoryBoundTests",
     "BaseMetaInitTests",
     "BaseOverlapTests",
@@ -60,7 +65,9 @@ __all__ = [
     "BasePrecisionTests",
     "BasePrefetchOrderTests",
     "BaseReshardAfterForwardTests",
+    "BaseSharedParamsTests",
     "BaseStateDictTests",
     "BaseSummonFullParamsTests",
     "BaseTrainingStateTests",
+    "BaseUnevenShardingTests",
 ]

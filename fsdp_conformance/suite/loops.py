@@ -101,6 +101,7 @@ def build(
     *,
     checkpointing: bool | str = False,
     group: Any = None,
+    process_group: Any = None,
 ) -> tuple[nn.Module, nn.Module]:
     """The zoo model wrapped by `adapter` (root and zoo model); skips on a missing feature.
 
@@ -108,17 +109,20 @@ def build(
         checkpointing: each wrapped block runs under non-reentrant activation checkpointing
             ("inside" or True: inside the FSDP instance; "outside": around it).
         group: the process group (None: the test's).
+        process_group: what the instances shard over when not `group` (a hybrid strategy's
+            (shard_group, replicate_group) pair).
     """
     spec = zoo.MODELS[model_name]
     adapter.require(*spec.features)
     adapter.require(*adapter.features_for(**config))
     group = dist.group if group is None else group
-    wrap: Any = adapter.wrapper(process_group=group, **config)
+    process_group = group if process_group is None else process_group
+    wrap: Any = adapter.wrapper(process_group=process_group, **config)
     if checkpointing:
         wrap = CheckpointingWrap(wrap, outside=checkpointing == "outside")
     zoo_model = zoo.build(model_name, group, wrap, dist.device)
     root_config = {**config, **zoo_model.ROOT_WRAP_CONFIG}
-    root = adapter.wrap(zoo_model, process_group=group, root=True, **root_config)
+    root = adapter.wrap(zoo_model, process_group=process_group, root=True, **root_config)
     return move_after_wrap(root, DeviceInit.AFTER, dist.device), zoo_model
 
 
@@ -205,9 +209,11 @@ def accumulate_steps(
     micro_batches: int,
     sync_every: bool,
     trace: CommTrace | None = None,
+    same_input: bool = False,
 ) -> torch.Tensor:
     """`steps` optimizer steps of `micro_batches` micro-batches each (loss / micro_batches);
-    without ``sync_every`` all but the last run inside ``no_sync``. Returns every micro loss."""
+    without ``sync_every`` all but the last run inside ``no_sync``; with ``same_input`` every
+    micro-batch of a step gets the step's input. Returns every micro loss."""
     losses = []
     for step in range(steps):
         optimizer.zero_grad()
@@ -218,7 +224,8 @@ def accumulate_steps(
             context = contextlib.nullcontext() if synchronise else driver.no_sync()
             phase = trace.phase(f"step {step} micro {micro}") if trace else None
             with context, phase or contextlib.nullcontext():
-                inputs = micro_input(driver.zoo_model, device, step * micro_batches + micro)
+                index = step * micro_batches + (0 if same_input else micro)
+                inputs = micro_input(driver.zoo_model, device, index)
                 loss = driver.zoo_model.get_loss(inputs, driver.model(*inputs)) / micro_batches
                 driver.backward(loss)
             losses.append(loss.detach().float())

@@ -56,6 +56,7 @@ def train(
     after_step: Callable[[int], None] | None = None,
     adapter: Adapter | None = None,
     around_forward: Callable[[int], contextlib.AbstractContextManager[Any]] | None = None,
+    phase: Callable[[int], contextlib.AbstractContextManager[None]] | None = None,
 ) -> torch.Tensor:
     """`steps` SGD+momentum steps of `model` (a wrapped `zoo_model`); returns the fp32 losses.
 
@@ -66,6 +67,8 @@ def train(
             (`Adapter.optimizer`, `Adapter.backward`); None (the DDP reference) uses torch's.
         around_forward: step index -> a context manager the forward of that step runs in
             (after zero_grad; the loss is computed outside it).
+        phase: each step's forward and backward run inside ``phase(step)`` (e.g. a comm
+            trace's phase).
     """
     if adapter is None:
         optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
@@ -74,14 +77,15 @@ def train(
     losses = []
     for step in range(steps):
         optimizer.zero_grad(set_to_none=step % 2 == 0)
-        inputs = zoo_model.get_input(device)
-        with around_forward(step) if around_forward else contextlib.nullcontext():
-            output = model(*inputs)
-        loss = zoo_model.get_loss(inputs, output)
-        if adapter is None:
-            zoo_model.run_backward(loss)
-        else:
-            zoo_model.run_backward(loss, functools.partial(adapter_backward, adapter, model))
+        with contextlib.nullcontext() if phase is None else phase(step):
+            inputs = zoo_model.get_input(device)
+            with around_forward(step) if around_forward else contextlib.nullcontext():
+                output = model(*inputs)
+            loss = zoo_model.get_loss(inputs, output)
+            if adapter is None:
+                zoo_model.run_backward(loss)
+            else:
+                zoo_model.run_backward(loss, functools.partial(adapter_backward, adapter, model))
         if after_backward is not None:
             after_backward(step)
         optimizer.step()
@@ -211,10 +215,15 @@ def fsdp_run(
 
 
 def fsdp_train(
-    adapter: Adapter, root: nn.Module, zoo_model: nn.Module, dist: Any, steps: int = STEPS
+    adapter: Adapter,
+    root: nn.Module,
+    zoo_model: nn.Module,
+    dist: Any,
+    steps: int = STEPS,
+    phase: Callable[[int], contextlib.AbstractContextManager[None]] | None = None,
 ) -> TrainingResult:
-    """Train a wrapped root `steps` steps; with the gradient shards after every backward where
-    the adapter reads them (`Adapter.grad_shards`)."""
+    """Train a wrapped root `steps` steps (`phase` as `train` takes it); with the gradient
+    shards after every backward where the adapter reads them (`Adapter.grad_shards`)."""
     grads: list[Any] = []
 
     def record_grads(step: int) -> None:
@@ -225,7 +234,7 @@ def fsdp_train(
             else {name: (start, values.clone()) for name, (start, values) in shards.items()}
         )
 
-    losses = train(root, zoo_model, dist.device, steps, record_grads, adapter=adapter)
+    losses = train(root, zoo_model, dist.device, steps, record_grads, adapter=adapter, phase=phase)
     readable = all(shards is not None for shards in grads)
     return TrainingResult(losses, adapter.full_params(root), grads if readable else None)
 

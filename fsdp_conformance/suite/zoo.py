@@ -24,7 +24,9 @@ from fsdp_conformance.models import (
     MixtureOfExperts,
     NestedWrappedModule,
     NestedWrappedModuleWithDelay,
+    TiedInstances,
     TransformerWithSharedParams,
+    UnevenModule,
 )
 
 # Delays of the delay models (ms): long enough to reorder work, short enough for CI
@@ -63,6 +65,14 @@ def _transformer_without_batchnorm(group: Any, wrap: Any, **kwargs: Any) -> nn.M
     # for mixed precision: a BatchNorm's fp32 running stats next to bf16 parameters fail in
     # F.batch_norm unless buffers are cast too (feature mixed_precision_buffer_dtype)
     return TransformerWithSharedParams(group, wrap, add_bn=False, **kwargs)
+
+
+def _tied_instances(group: Any, wrap: Any, **kwargs: Any) -> nn.Module:
+    return TiedInstances(group, wrap, **kwargs)
+
+
+def _uneven(group: Any, wrap: Any, **kwargs: Any) -> nn.Module:
+    return UnevenModule(group, wrap, **kwargs)
 
 
 def _mixture_of_experts(group: Any, wrap: Any, **kwargs: Any) -> nn.Module:
@@ -114,6 +124,8 @@ MODELS: dict[str, ModelSpec] = {
             reference="dummy_ddp",
             features=(Feature.COMM_TRACE,),
         ),
+        # the sharding checks' model: uneven and empty shards at world size 3
+        ModelSpec("uneven", _uneven),
         ModelSpec("loops", _loops()),
         ModelSpec("loops_gains", _loops(gains=LOOP_GAINS)),
         ModelSpec(
@@ -124,9 +136,8 @@ MODELS: dict[str, ModelSpec] = {
         ModelSpec("loops_branch", _loops(branch=True)),
         ModelSpec("loops_buffer", _loops(buffer=True)),
         ModelSpec("loops_norm", _loops(norm=True)),
-        ModelSpec(
-            "loops_frozen", _loops(freeze="instance"), features=(Feature.FROZEN_PARAMETERS,)
-        ),
+        ModelSpec("tied_instances", _tied_instances),
+        ModelSpec("loops_frozen", _loops(freeze="instance"), features=(Feature.FROZEN_PARAMETERS,)),
         ModelSpec(
             "loops_frozen_mixed",
             _loops(freeze="mixed"),
@@ -138,11 +149,12 @@ MODELS: dict[str, ModelSpec] = {
         ModelSpec("buffered_meta", _buffered(meta=True), features=(Feature.META_INIT,)),
     )
 }
-# The models of the parity check (transformer_without_batchnorm is for mixed precision)
+# The models of the parity check (transformer_without_batchnorm is for mixed precision,
+# uneven for the sharding checks, tied_instances for wrap.shared_across_instances)
 MODEL_NAMES = tuple(
     name
     for name in MODELS
-    if name != "transformer_without_batchnorm"
+    if name not in ("transformer_without_batchnorm", "uneven", "tied_instances")
     and not name.startswith(("loops", "buffered"))
 )
 

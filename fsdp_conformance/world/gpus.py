@@ -44,11 +44,17 @@ def gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def lock_dir() -> str:
-    """Directory of the per-GPU lock files (shared by every pytest process of this user)."""
-    path = os.environ.get(ENV_LOCK_DIR) or os.path.join(
+def lock_dir_path() -> str:
+    """Where the per-GPU lock files are (``FSDP_CONFORMANCE_GPU_LOCK_DIR``, else one folder in
+    the temp directory per user); created by ``lock_dir``."""
+    return os.environ.get(ENV_LOCK_DIR) or os.path.join(
         tempfile.gettempdir(), f"fsdp-conformance-gpu-locks-{os.getuid()}"
     )
+
+
+def lock_dir() -> str:
+    """Directory of the per-GPU lock files (shared by every pytest process of this user)."""
+    path = lock_dir_path()
     os.makedirs(path, exist_ok=True)
     return path
 

@@ -213,11 +213,14 @@ def test_deviation_reproductions_reproduce(tmp_path):
     # the training-loop deviations (issue 21) by the reproduction in their reason, which the
     # suite's loop checks run (fsdp_conformance.suite.test_loops, their declared match)
     deviations = get_adapter("fairscale").known_deviations
-    # (and the generated-model deviations: test_generated_model_deviations_reproduce below)
+    # (and the generated-model deviations: test_generated_model_deviations_reproduce below; the
+    # tied parameter's and the nested instance's: the two tests at the end)
     loops = [
         deviation
         for deviation in deviations
-        if deviation.check.startswith("loops.") or deviation.check == "fuzz.generated"
+        if deviation.check.startswith("loops.")
+        or deviation.check
+        in ("fuzz.generated", "wrap.shared_across_instances", "forward.other_method")
     ]
     assert all("Reproduction:" in d.reason and d.match for d in loops), loops
     declared = {deviation.check for deviation in deviations if deviation not in loops}
@@ -313,3 +316,31 @@ def test_generated_model_deviations_reproduce(dist):
     two_backwards_one_step(root)
     actual, expected = adapter.full_params(root)["0.weight"], reference_model[0].weight.detach()
     assert not torch.allclose(actual, expected, atol=1e-6), (actual, expected)
+
+
+@pytest.mark.world_size(2)
+def test_shared_parameter_across_instances_is_untied(dist):
+    """The declared wrap.shared_across_instances deviation: one step unties the tied weight."""
+    from fsdp_conformance.suite.loops import build
+
+    adapter = get_adapter("fairscale")
+    root, zoo_model = build(adapter, "tied_instances", dist, {})
+    optimizer = torch.optim.SGD(root.parameters(), lr=0.1)
+    inputs = zoo_model.get_input(dist.device)
+    zoo_model.get_loss(inputs, root(*inputs)).backward()
+    optimizer.step()
+    params = adapter.full_params(root)
+    assert not torch.equal(params["embed.weight"], params["head.weight"])
+
+
+@pytest.mark.world_size(2)
+def test_nested_instance_called_alone_stays_in_backward_post(dist):
+    """The declared forward.other_method deviation (a nested instance called alone)."""
+    from fsdp_conformance.suite.loops import build
+    from fsdp_conformance.training_states import InstanceState
+
+    adapter = get_adapter("fairscale")
+    root, zoo_model = build(adapter, "loops", dist, {"sharding_strategy": "FULL_SHARD"})
+    root(zoo_model.get_input(dist.device)[0]).sum().backward()
+    zoo_model.head(torch.rand(4, 16)).sum().backward()
+    assert adapter.training_state(zoo_model.head) == InstanceState.BACKWARD_POST

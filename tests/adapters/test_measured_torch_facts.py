@@ -3,6 +3,7 @@
 If a torch release lifts one of these limits, the test fails and the declaration in
 torch_fsdp1.py / torch_fsdp2.py (and docs/adapters.md) must be updated.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -55,6 +56,24 @@ def test_torch_fsdp2_cpu_offload_needs_pin_memory_false(dist):
     with pytest.raises(RuntimeError, match=NO_ACCELERATOR):
         _step(fully_shard(_model(), mesh=mesh, offload_policy=CPUOffloadPolicy()))
     _step(fully_shard(_model(), mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False)))
+
+
+# ---------------------------------------------------------------- the precision.dtypes deviation
+@pytest.mark.world_size(2)
+def test_torch_fsdp1_accumulates_no_sync_gradients_in_param_dtype(dist):
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import MixedPrecision
+
+    policy = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = FSDP(nn.Linear(8, 8), device_id=torch.device("cpu"), mixed_precision=policy)
+    with model.no_sync():
+        for _ in range(2):
+            model(torch.rand(4, 8)).sum().backward()
+    (flat,) = model.parameters()
+    # the unsharded gradient (both ranks' size), accumulated in param_dtype
+    assert flat.grad.dtype == torch.bfloat16 and flat.grad.numel() == 2 * flat.numel()
+    model(torch.rand(4, 8)).sum().backward()
+    assert flat.grad.dtype == torch.float32 and flat.grad.shape == flat.shape
 
 
 # ---------------------------------------------------------------- the fuzz.generated deviations
@@ -205,28 +224,24 @@ def test_torch_fsdp1_load_state_dict_assign_loads_nothing(dist):
             model.load_state_dict(wanted, assign=assign)
         _step(model)  # the first forward / backward
         with FSDP.summon_full_params(model):
-            return {name: bool((p == wanted[name]).all()) for name, p in model.module.named_parameters()}
+            params = model.module.named_parameters()
+            return {name: bool((p == wanted[name]).all()) for name, p in params}
 
     assert loaded(assign=False) == {"weight": True, "bias": True}
     assert loaded(assign=True) == {"weight": False, "bias": False}
 
 
-def test_fsdp1_dcp_subgroup_problem_names_the_releases_before_2_13():
-    """[Note: DCP on a subgroup with FSDP1] (adapters/_dcp.py): torch-fsdp1 cells that
-    checkpoint on a subgroup are not applicable before torch 2.13 (measured: 2.8.0 hangs),
-    never on the world group, never from 2.13 on."""
-    from unittest import mock
+def test_fsdp1_checkpoints_only_where_dcp_passes_its_group():
+    """[Note: DCP on a subgroup with FSDP1] (adapters/_dcp.py): torch-fsdp1 declares
+    checkpoint_resume unsupported before torch 2.13 (measured: 2.8.0 hangs on a subgroup) and
+    supported from 2.13 on (this torch's cells run)."""
+    from fsdp_conformance.adapters import Feature, _dcp, get_adapter
 
-    from fsdp_conformance.adapters import _dcp
-
-    subgroup, world = mock.Mock(), mock.Mock()
-    subgroup.size.return_value, world.size.return_value = 1, 2
-    with mock.patch.object(_dcp.dist, "get_world_size", return_value=2):
-        assert "measured on torch 2.8.0" in _dcp.fsdp1_subgroup_problem(subgroup, "2.8.0")
-        assert _dcp.fsdp1_subgroup_problem(subgroup, "2.12.1") is not None
-        for version in ("2.13.0", "2.14.1", "2.15.0"):
-            assert _dcp.fsdp1_subgroup_problem(subgroup, version) is None
-        assert _dcp.fsdp1_subgroup_problem(world, "2.8.0") is None
+    assert _dcp.fsdp1_group_dropped("2.8.0") and _dcp.fsdp1_group_dropped("2.12.1")
+    for version in ("2.13.0", "2.14.1", "2.15.0"):
+        assert not _dcp.fsdp1_group_dropped(version)
+    reason = get_adapter("torch-fsdp1").unsupported_reason(Feature.CHECKPOINT_RESUME)
+    assert (reason == _dcp.FSDP1_SUBGROUP_REASON) is _dcp.fsdp1_group_dropped(), reason
 
 
 @pytest.mark.world_size(2)
@@ -239,9 +254,8 @@ def test_this_torch_dcp_gives_fsdp1_its_subgroup(dist):
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     from fsdp_conformance.adapters import _dcp
-    from fsdp_conformance.adapters._support import release
 
-    if release(torch.__version__) < _dcp.FSDP1_GROUP_PASSED_FROM:
+    if _dcp.fsdp1_group_dropped():
         pytest.skip("this torch drops FSDP1's group in DCP (it would hang): " + torch.__version__)
     solo = tdist.new_group([0])
     if dist.rank != 0:
@@ -278,3 +292,49 @@ def test_torch_fsdp2_clip_grad_norm_over_two_meshes_fails(dist):
     _step(model)
     with pytest.raises(RuntimeError, match="must have the same mesh"):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+
+
+@pytest.mark.world_size(2)
+def test_torch_fsdp1_unties_a_parameter_shared_across_instances(dist):
+    """torch-fsdp1's wrap.shared_across_instances deviation: each instance flattens its own copy
+    of the tied weight, and one step unties them."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.head = nn.Embedding(12, 8), nn.Linear(8, 12)
+            self.head.weight = self.embed.weight
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.head(self.embed(ids))
+
+    torch.manual_seed(0)
+    model = Tied()
+    cpu = torch.device("cpu")
+    model.embed = FSDP(model.embed, device_id=cpu)
+    model.head = FSDP(model.head, device_id=cpu)
+    root = FSDP(model, device_id=cpu)
+    # 96 (embed's weight) + 96 (head's copy of it) + 12 (head's bias), 2 shards each
+    assert sum(p.numel() for p in root.parameters()) * 2 == 96 + 96 + 12
+    optimizer = torch.optim.SGD(root.parameters(), lr=0.1)
+    ids = torch.randint(0, 12, (4,), generator=torch.Generator().manual_seed(dist.rank))
+    root(ids).sum().backward()
+    optimizer.step()
+    with FSDP.summon_full_params(root):
+        assert not torch.equal(model.embed.module.weight, model.head.module.weight)
+
+
+@pytest.mark.world_size(2)
+def test_torch_fsdp1_nested_instance_called_alone_stays_in_backward_post(dist):
+    """torch-fsdp1's forward.other_method deviation (the nested instance called alone)."""
+    from fsdp_conformance.adapters import get_adapter
+    from fsdp_conformance.suite.loops import build
+    from fsdp_conformance.training_states import InstanceState
+
+    adapter = get_adapter("torch-fsdp1")
+    root, zoo_model = build(adapter, "loops", dist, {"sharding_strategy": "FULL_SHARD"})
+    x = zoo_model.get_input(dist.device)[0]
+    root(x).sum().backward()
+    zoo_model.head(torch.rand(4, 16)).sum().backward()
+    assert adapter.training_state(zoo_model.head) == InstanceState.BACKWARD_POST

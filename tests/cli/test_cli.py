@@ -54,12 +54,16 @@ def matrix_cells(output: str, check: str) -> list[tuple[str, str, str]]:
     """(result, configuration, detail) of each cell line printed under ``check``'s header."""
     lines = output.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith(check + "  ("))
-    cells = []
+    cells: list[tuple[str, str, str]] = []
     for line in lines[start + 1 :]:
         if not line.startswith("  "):
             break
-        result, configuration, *detail = line.split(None, 2)
-        cells.append((result, configuration, detail[0] if detail else ""))
+        if line.startswith("   "):  # a long detail wrapped onto the next line
+            result, configuration, detail = cells.pop()
+            cells.append((result, configuration, f"{detail} {line.strip()}"))
+            continue
+        result, configuration, *rest = line.split(None, 2)
+        cells.append((result, configuration, rest[0] if rest else ""))
     return cells
 
 

@@ -9,19 +9,25 @@ from __future__ import annotations
 import json
 import textwrap
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
 from fsdp_conformance.cli import coverage, main
 
-# A small adapter: the reference FSDP claiming only FULL_SHARD, SHARD_GRAD_OP and BACKWARD_PRE
+# A small adapter: the reference FSDP claiming the wrap config's values except an explicit
+# backward_prefetch=None (so one feature changes the parity configs: collected again), and none
+# of the operations or loops
 FAKE_ADAPTER = textwrap.dedent(
     """
     from fsdp_conformance.adapters import ALL_FEATURES, Feature
     from fsdp_conformance.adapters.impl import ImplAdapter
 
-    CLAIMED = {Feature.FULL_SHARD, Feature.SHARD_GRAD_OP, Feature.BACKWARD_PREFETCH_PRE}
+    CLAIMED = {
+        Feature.FULL_SHARD, Feature.SHARD_GRAD_OP, Feature.NO_SHARD,
+        Feature.BACKWARD_PREFETCH_PRE, Feature.BACKWARD_PREFETCH_POST, Feature.FORWARD_PREFETCH,
+        Feature.LIMIT_ALL_GATHERS, Feature.LIMIT_ALL_GATHERS_OFF, Feature.CPU_OFFLOAD,
+    }
 
 
     class SmallAdapter(ImplAdapter):
@@ -40,7 +46,7 @@ IMPL = "small_coverage_adapter:ADAPTER"
 class _NoRanks:
     """Fails a test that starts a rank: coverage collects only."""
 
-    started: list[str] = []
+    started: ClassVar[list[str]] = []
 
     @classmethod
     def install(cls, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -76,6 +82,8 @@ def test_no_rank_is_started(small: dict[str, Any]) -> None:
 def test_counts_match_an_independent_collection(small: dict[str, Any]) -> None:
     """Every collected cell is counted once; the parity cells that run are the parity cases
     over the values the adapter supports, without the models that need a missing feature."""
+    from fsdp_conformance.models import AlwaysWrapNestedWrappedModule
+
     from fsdp_conformance.adapters import get_adapter
     from fsdp_conformance.suite import BaseDDPParityTests, configs, zoo
 
@@ -86,7 +94,7 @@ def test_counts_match_an_independent_collection(small: dict[str, Any]) -> None:
 
     adapter = get_adapter(IMPL)
     dimensions = configs.supported_dimensions(adapter)
-    assert dimensions["backward_prefetch"] == ("BACKWARD_PRE",)
+    assert dimensions["backward_prefetch"] == ("BACKWARD_PRE", "BACKWARD_POST")
     cases = configs.parity_cases(
         BaseDDPParityTests.models,
         "pairwise",
@@ -94,11 +102,14 @@ def test_counts_match_an_independent_collection(small: dict[str, Any]) -> None:
         BaseDDPParityTests.large_world_models,
         dimensions,
     )
+    # the always-wrap model's root is wrapped with its ROOT_WRAP_CONFIG (auto_wrap_policy)
+    root_config = {"always_wrap": AlwaysWrapNestedWrappedModule.ROOT_WRAP_CONFIG}
     runnable = [
         case
         for case in cases
         if adapter.supports(*zoo.MODELS[case.model].features)
         and adapter.supports(*adapter.features_for(**case.wrap_config))
+        and adapter.supports(*adapter.features_for(**root_config.get(case.model, {})))
     ]
     assert 0 < len(runnable) < len(cases)  # the delay models need comm_trace
     skipped = len(cases) - len(runnable)
@@ -117,8 +128,12 @@ def test_unlocks_are_sorted_and_add_up(small: dict[str, Any]) -> None:
         assert entry["cells"] == sum(entry["checks"].values()), entry
         assert entry["reason"] == "not in small"
     by_feature = {entry["feature"]: entry for entry in unlocks}
-    # comm_trace unlocks the delay models' parity cells and the collective counts
-    assert by_feature["comm_trace"]["checks"]["parity.ddp"] == data["checks"]["parity.ddp"]["skip"]
+    # the parity cells that skip need either comm_trace (the delay models) or auto_wrap_policy
+    # (the always-wrap model's root config, asked for after its nested wraps)
+    parity_gains = [
+        by_feature[f]["checks"]["parity.ddp"] for f in ("comm_trace", "auto_wrap_policy")
+    ]
+    assert min(parity_gains) > 0 and sum(parity_gains) == data["checks"]["parity.ddp"]["skip"]
     assert by_feature["comm_trace"]["checks"]["comm.counts"] > 0
     # backward_prefetch_none is a new value of a parity dimension: more configs, collected anew
     assert by_feature["backward_prefetch_none"]["checks"]["parity.ddp"] > 0

@@ -39,7 +39,7 @@ def hidden_env(tmp_path: Path) -> dict[str, str]:
 @pytest.mark.parametrize("extra", EXTRAS)
 @pytest.mark.parametrize(
     "command",
-    [["run", "-n", "0"], ["fuzz", "--examples", "1"], ["overlap"], ["timeline"]],
+    [["run", "-n", "0"], ["fuzz", "--examples", "1"], ["overlap"], ["timeline"], ["coverage"]],
     ids=lambda command: command[0],
 )
 def test_cli_refuses_a_builtin_adapter_without_its_extra(

@@ -10,7 +10,12 @@ import textwrap
 
 import pytest
 
-from fsdp_conformance.suite import BaseGradientClippingTests, BaseParamGroupTests
+from fsdp_conformance.suite import (
+    BaseForwardMethodTests,
+    BaseGradientClippingTests,
+    BaseParamGroupTests,
+    BaseSharedParamsTests,
+)
 
 pytest_plugins = ["pytester"]
 
@@ -21,6 +26,14 @@ def fsdp_impl(request: pytest.FixtureRequest) -> str:
 
 
 class TestParamGroupsBuiltin(BaseParamGroupTests):
+    strategies = ("FULL_SHARD",)
+
+
+class TestSharedParamsBuiltin(BaseSharedParamsTests):
+    strategies = ("FULL_SHARD",)
+
+
+class TestForwardMethodBuiltin(BaseForwardMethodTests):
     strategies = ("FULL_SHARD",)
 
 
@@ -42,14 +55,74 @@ BROKEN = textwrap.dedent(
     import torch
     from torch.distributed.tensor import DTensor
 
-    from fsdp_conformance.impl import optim
-    from fsdp_conformance.suite import BaseGradientClippingTests, BaseParamGroupTests
+    from fsdp_conformance.adapters.impl import ImplAdapter
+    from fsdp_conformance.impl import forward, fully_sharded, optim, runtime
+    from fsdp_conformance.suite import (
+        BaseForwardMethodTests,
+        BaseGradientClippingTests,
+        BaseParamGroupTests,
+        BaseSharedParamsTests,
+    )
 
     # impl whose optimizer puts every parameter in one group (the group options are lost)
     _optimizer = optim.optimizer
     optim.optimizer = lambda root, cls, options, **defaults: _optimizer(
         root, cls, lambda name, param: {}, **defaults
     )
+
+    # impl that gives a second instance its own copy of a parameter another one flattened
+    _collect_params = fully_sharded._collect_params
+
+
+    def _untying_collect_params(module, ignored):
+        for submodule in module.modules():
+            for name, param in list(submodule._parameters.items()):
+                if getattr(param, "_fsdp_flattened", False):
+                    submodule._parameters[name] = torch.nn.Parameter(param.detach().clone())
+        return _collect_params(module, ignored)
+
+
+    fully_sharded._collect_params = _untying_collect_params
+
+    # impl whose register_forward_method registers nothing (the method runs with its
+    # instance's parameters sharded), and impl that leaves a registered method's instance
+    # unsharded after the step
+    class MethodUnregistered(ImplAdapter):
+        name = "method-unregistered"
+
+        def _wrap(self, module, process_group, config):
+            wrapped = super()._wrap(module, process_group, config)
+            wrapped.register_forward_method = lambda name: None
+            return wrapped
+
+
+    class MethodKeepsUnsharded(ImplAdapter):
+        name = "method-keeps-unsharded"
+
+        def _wrap(self, module, process_group, config):
+            wrapped = super()._wrap(module, process_group, config)
+            wrapped._mutant_keeps_unsharded = True
+            return wrapped
+
+
+    _run_as_forward = forward.run_as_forward
+    _reshard = runtime.reshard
+
+
+    def _marking_run_as_forward(state, function, args, kwargs):
+        if state.owner.__dict__.get("_mutant_keeps_unsharded") and function is not state.module:
+            state.owner.__dict__["_mutant_kept"] = True
+        return _run_as_forward(state, function, args, kwargs)
+
+
+    def _keeping_reshard(state):
+        if state.owner.__dict__.get("_mutant_kept"):
+            return None
+        return _reshard(state)
+
+
+    forward.run_as_forward = _marking_run_as_forward
+    runtime.reshard = _keeping_reshard
 
     # a torch whose clip_grad_norm_ over DTensor gradients uses this rank's local norm
     _clip_grad_norm_ = torch.nn.utils.clip_grad_norm_
@@ -82,6 +155,23 @@ BROKEN = textwrap.dedent(
         strategies = ("FULL_SHARD",)
 
 
+    class TestUntiedShared(BaseSharedParamsTests):
+        fsdp_impl = _impl("impl")
+        strategies = ("FULL_SHARD",)
+
+
+    class TestMethodUnregistered(BaseForwardMethodTests):
+        fsdp_impl = _impl("test_broken_wrap_optim:MethodUnregistered")
+        variants = ("method",)
+        strategies = ("FULL_SHARD",)
+
+
+    class TestMethodKeepsUnsharded(BaseForwardMethodTests):
+        fsdp_impl = _impl("test_broken_wrap_optim:MethodKeepsUnsharded")
+        variants = ("method",)
+        strategies = ("FULL_SHARD",)
+
+
     class TestLocalNormTorchClip(BaseGradientClippingTests):
         fsdp_impl = _impl("torch-fsdp2")
         models = ("loops_gains",)
@@ -92,10 +182,27 @@ BROKEN = textwrap.dedent(
 
 # (selected tests, the lines the run must show)
 GROUPS = {
+    "forward-method": (
+        [
+            "TestMethodUnregistered::test_other_forward_method",
+            "TestMethodKeepsUnsharded::test_other_forward_method",
+        ],
+        [
+            (
+                "*AssertionError: adapter 'method-unregistered', loops, FULL_SHARD, method: the "
+                "root's own parameters (the trunk's) are sharded while encode uses them (step 0)*"
+            ),
+            (
+                "*AssertionError: adapter 'method-keeps-unsharded', loops, FULL_SHARD, method: "
+                "unsharded parameters left after the step*"
+            ),
+        ],
+    ),
     "groups-clipping": (
         [
             "TestMergedGroups::test_param_groups_match_ddp",
             "TestLocalNormTorchClip::test_clipping_matches_ddp",
+            "TestUntiedShared::test_shared_parameter_across_instances",
         ],
         [
             (
@@ -105,6 +212,11 @@ GROUPS = {
             (
                 "*AssertionError: adapter 'torch-fsdp2', loops_gains, FULL_SHARD, norm_type=2.0: "
                 "total norms returned by clip_grad_norm_ differ from DDP*"
+            ),
+            (
+                "*AssertionError: adapter 'impl', tied_instances (embed.weight is head.weight, the "
+                "two wrapped apart), FULL_SHARD: the wrap was accepted, so training must match "
+                "DDP: losses differ from DDP's*"
             ),
         ],
     ),

@@ -1,0 +1,231 @@
+"""Sharding layouts users rely on, each against DDP: uneven and empty shards, hybrid sharding.
+
+- ``BaseUnevenShardingTests`` (``sharding.uneven``): at world size 3 (whatever
+  ``--fsdp-world-size`` says), the zoo's ``uneven`` model (``models/uneven.py``: parameters
+  whose sizes are not divisible by 3, one of 2 elements -- an empty shard on a rank -- and one
+  of 1 element) trains as DDP does: losses and, where the adapter reads them, each rank's
+  gradient shards after every backward, the full parameters and the full state dict.
+- ``BaseHybridShardingTests`` (``sharding.hybrid``): at world size 4 on a 2 x 2 mesh (shard
+  groups {0, 1} and {2, 3}, replicate groups {0, 2} and {1, 3}) given as
+  ``process_group=(shard_group, replicate_group)``, ``HYBRID_SHARD`` and
+  ``_HYBRID_SHARD_ZERO2`` train as DDP at world size 4 does, and the collectives of each step
+  (``CommTrace(collectives=True)``) are what the configuration promises: parameters gathered
+  and gradients reduce-scattered within the shard group, gradients all-reduced across the
+  replicate group, nothing over any other group; each at least once per step and at most once
+  per reduction the instances may issue (an implementation may bucket), and every instance with
+  trainable parameters reporting a reduction, at most once per all-gather of it.
+
+Tolerances: ``parity.tolerance`` (bit-exact up to world size 2; at 3 and 4, ``atol = rtol =
+1e-6``: the average of 3 or 4 float32 gradients depends on the order and the splitting of the
+division -- torch FSDP1 divides by 2 before its reduce-scatter and by 1.5 after it at world size
+3, DDP by 3 -- a few ulps of values of order 1; measured on torch 2.13.0: uneven losses and
+parameters bit-exact, gradients within 1.5e-11; hybrid gradients within 6e-8, parameters
+within 1.5e-8).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import pytest
+import torch
+from torch import nn
+
+from fsdp_conformance.adapters import Feature, clean_param_name
+from fsdp_conformance.adapters.features import HYBRID_STRATEGIES
+from fsdp_conformance.observe.comm_trace import CommTrace
+from fsdp_conformance.vocab import Op
+
+from . import loops, parity, training, verdict
+
+UNEVEN_MODEL = "uneven"
+HYBRID_MODEL = "nested"
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingCase:
+    """The case a sharding check's cell hands to ``Deviation.applies``."""
+
+    # zoo model name (suite/zoo.py)
+    model: str
+    # the sharding strategy of every instance
+    sharding_strategy: str
+
+
+def full_state_dict(adapter: Any, root: nn.Module) -> dict[str, torch.Tensor]:
+    """``adapter.state_dict(root)`` by the unwrapped model's names, DTensor values as their
+    ``full_tensor()`` (torch FSDP2's default state dict is sharded)."""
+    from torch.distributed.tensor import DTensor
+
+    return {
+        clean_param_name(name, adapter.wrapper_segments): (
+            value.full_tensor() if isinstance(value, DTensor) else value
+        )
+        for name, value in adapter.state_dict(root).items()
+    }
+
+
+class BaseUnevenShardingTests:
+    """Uneven and empty shards at world size 3 train as DDP (see the module docstring)."""
+
+    STEPS: ClassVar[int] = 3
+    strategies: ClassVar[tuple[str, ...]] = ("FULL_SHARD", "SHARD_GRAD_OP")
+
+    def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
+        if "uneven_strategy" in metafunc.fixturenames:
+            metafunc.parametrize("uneven_strategy", self.strategies)
+
+    @pytest.mark.world_size(3)
+    def test_uneven_shards_match_ddp(self, fsdp_adapter: Any, dist: Any, uneven_strategy: str):
+        adapter = fsdp_adapter
+        with verdict.cell(adapter, "sharding.uneven", ShardingCase(UNEVEN_MODEL, uneven_strategy)):
+            config = {"sharding_strategy": uneven_strategy}
+            root, zoo_model = training.wrap_model(adapter, UNEVEN_MODEL, dist, config)
+            result = training.fsdp_train(adapter, root, zoo_model, dist, self.STEPS)
+            reference = training.reference_run(UNEVEN_MODEL, dist, self.STEPS)
+            atol, rtol = parity.tolerance(dist.world_size)
+            label = (
+                f"adapter {adapter.name!r}, {UNEVEN_MODEL} at world size {dist.world_size} "
+                f"with sharding_strategy={uneven_strategy!r}"
+            )
+            training.assert_same_training(label, result, reference, atol, rtol)
+            state = full_state_dict(adapter, root)
+            loops.assert_params(
+                f"{label}, full state dict",
+                {name: value for name, value in state.items() if name in reference.params},
+                reference.params,
+                self.STEPS,
+                atol,
+                rtol,
+            )
+
+
+def hybrid_groups(dist: Any, shard_size: int = 2) -> tuple[Any, Any]:
+    """(shard group, replicate group) of this rank on the mesh of the test's ranks with rows of
+    `shard_size` consecutive ranks (world size 4: shard {0, 1} / {2, 3}, replicate {0, 2} /
+    {1, 3}); every rank creates every group, as ``new_group`` needs."""
+    import torch.distributed as tdist
+
+    ranks = tdist.get_process_group_ranks(dist.group)
+    rows = [ranks[start : start + shard_size] for start in range(0, len(ranks), shard_size)]
+    mine = ranks[dist.rank]
+    shard = replicate = None
+    for row in rows:
+        group = tdist.new_group(row)
+        shard = group if mine in row else shard
+    for column in zip(*rows):
+        group = tdist.new_group(list(column))
+        replicate = group if mine in column else replicate
+    return shard, replicate
+
+
+class BaseHybridShardingTests:
+    """Hybrid sharding on a 2 x 2 mesh trains as DDP and communicates within the right groups
+    (see the module docstring)."""
+
+    STEPS: ClassVar[int] = 2
+    strategies: ClassVar[tuple[str, ...]] = HYBRID_STRATEGIES
+
+    def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
+        if "hybrid_strategy" in metafunc.fixturenames:
+            metafunc.parametrize("hybrid_strategy", self.strategies)
+
+    @pytest.mark.world_size(4)
+    def test_hybrid_matches_ddp(self, fsdp_adapter: Any, dist: Any, hybrid_strategy: str):
+        adapter = fsdp_adapter
+        with verdict.cell(adapter, "sharding.hybrid", ShardingCase(HYBRID_MODEL, hybrid_strategy)):
+            adapter.require(Feature.HYBRID_SHARD, Feature.COMM_TRACE)
+            import torch.distributed as tdist
+
+            shard, replicate = hybrid_groups(dist)
+            root, zoo_model = loops.build(
+                adapter,
+                HYBRID_MODEL,
+                dist,
+                {"sharding_strategy": hybrid_strategy},
+                process_group=(shard, replicate),
+            )
+            trace = CommTrace(adapter, root, collectives=True)
+            with trace:
+                result = training.fsdp_train(
+                    adapter, root, zoo_model, dist, self.STEPS, lambda s: trace.phase(f"step {s}")
+                )
+            label = (
+                f"adapter {adapter.name!r}, {HYBRID_MODEL} at world size {dist.world_size} with "
+                f"sharding_strategy={hybrid_strategy!r} on a 2 x 2 mesh"
+            )
+            shard_ranks = tuple(tdist.get_process_group_ranks(shard))
+            replicate_ranks = tuple(tdist.get_process_group_ranks(replicate))
+            groups = {shard_ranks: "shard", replicate_ranks: "replicate"}
+            labels = loops.trainable_labels(adapter, root, trace)
+            trainable = sorted(name for name, trains in labels.items() if trains)
+            failures = [
+                failure
+                for step in range(self.STEPS)
+                for failure in _hybrid_step_failures(trace, f"step {step}", groups, trainable)
+            ]
+            assert not failures, (
+                f"{label}: collectives break the hybrid promise (shard group "
+                f"{list(shard_ranks)}, replicate group {list(replicate_ranks)}):\n  "
+                + "\n  ".join(failures)
+                + "\ncollectives: "
+                + "; ".join(f"{c.phase}: {c.op} over {list(c.ranks)}" for c in trace.collectives)
+            )
+            reference = training.reference_run(HYBRID_MODEL, dist, self.STEPS)
+            atol, rtol = parity.tolerance(dist.world_size)
+            training.assert_same_training(label, result, reference, atol, rtol)
+
+
+# (op, group) pairs the hybrid promise allows: gather and reduce-scatter within the shard group,
+# all-reduce across replicas
+_PROMISED = ((Op.ALL_GATHER, "shard"), (Op.REDUCE_SCATTER, "shard"), (Op.ALL_REDUCE, "replicate"))
+
+
+def _hybrid_step_failures(
+    trace: CommTrace, phase: str, groups: dict[tuple[int, ...], str], trainable: list[str]
+) -> list[str]:
+    """What one step's forward and backward did against the hybrid promise."""
+    failures = []
+    counts: dict[tuple[str, str], int] = {}
+    for collective in trace.collectives:
+        if collective.phase != phase:
+            continue
+        group = groups.get(collective.ranks)
+        if group is None:
+            failures.append(
+                f"{phase}: {collective.op} over ranks {list(collective.ranks)}, neither the "
+                "shard nor the replicate group"
+            )
+            continue
+        counts[collective.op, group] = counts.get((collective.op, group), 0) + 1
+    for op, group in counts:
+        if (op, group) not in _PROMISED:
+            failures.append(f"{phase}: {counts[op, group]} {op} over the {group} group")
+    # each instance's reductions: at most once per all-gather of it ([Note: counts as bounds]
+    # in comm_checks.py), once for an instance that never gathers
+    gathers = loops.reductions_per_label(trace, phase, (Op.ALL_GATHER,))
+    allowed = {label: max(1, gathers.get(label, 0)) for label in trainable}
+    for op, group in ((Op.REDUCE_SCATTER, "shard"), (Op.ALL_REDUCE, "replicate")):
+        count = counts.get((op, group), 0)
+        if not 1 <= count <= sum(allowed.values()):
+            failures.append(
+                f"{phase}: {count} {op} over the {group} group; expected 1 to "
+                f"{sum(allowed.values())} (at most one per reduction the instances may issue, "
+                "fewer where bucketed)"
+            )
+    reported = loops.reductions_per_label(trace, phase)
+    if set(reported) != set(trainable) or any(n > allowed[k] for k, n in reported.items()):
+        failures.append(
+            f"{phase}: gradient reductions per instance {reported}; expected each of "
+            f"{trainable} reduced, at most {allowed} times"
+        )
+    return failures
+
+
+class TestUnevenSharding(BaseUnevenShardingTests):
+    pass
+
+
+class TestHybridSharding(BaseHybridShardingTests):
+    pass
