@@ -2,8 +2,8 @@
 meta-device-init checks.
 
     BufferedModule: trunk Linear(8, 15) -> [block 0] -> [block 1] -> [head Linear(15, 8)]
-    (brackets = wrapped; block = tanh(Linear(15, 15)(x)) * scale + shift, where `scale` is a
-    non-persistent buffer and `shift` a persistent one)
+    (brackets = wrapped; block = tanh(Linear(15, 15)(x)) * scale * gain + shift, where `scale`
+    is a non-persistent buffer, `shift` and `gain` persistent ones)
 
 Sizes are odd, so every flat parameter or dim-0 shard is uneven at world size 2. Every module
 holding parameters or buffers has ``reset_parameters()``, the hook meta-device materialisation
@@ -61,13 +61,15 @@ class SeededLinear(nn.Linear):
 
 
 class Affine(nn.Module):
-    """``x * scale + shift`` from buffers: ``scale`` non-persistent (not in the state dict: only
-    initialisation gives it its values), ``shift`` persistent."""
+    """``x * scale * gain + shift`` from buffers: ``scale`` non-persistent (not in the state
+    dict: only initialisation gives it its values), ``shift`` and ``gain`` persistent (two of one
+    shape in one instance: a state dict that mixes up an instance's buffers shows)."""
 
     def __init__(self, features: int, device: Any = None) -> None:
         super().__init__()
         self.register_buffer("scale", torch.empty(features, device=device), persistent=False)
         self.register_buffer("shift", torch.empty(features, device=device))
+        self.register_buffer("gain", torch.empty(features, device=device))
         self.reset_parameters()
 
     @torch.no_grad()
@@ -77,9 +79,10 @@ class Affine(nn.Module):
         n = self.scale.numel()
         self.scale.copy_(1.0 + torch.arange(n, device="cpu") / n)
         self.shift.copy_(torch.linspace(-0.5, 0.5, n, device="cpu"))
+        self.gain.copy_(torch.linspace(1.3, 0.7, n, device="cpu"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.scale + self.shift
+        return x * self.scale * self.gain + self.shift
 
 
 class BufferedBlock(nn.Module):

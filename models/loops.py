@@ -81,14 +81,19 @@ class CheckpointingWrap:
 
 
 class Scale(nn.Module):
-    """Multiplies by a constant (no parameters)."""
+    """Multiplies by a constant (no parameters; with ``buffer``, a 0-dim floating-point buffer
+    ``gain_buffer`` holds it)."""
 
-    def __init__(self, gain: float) -> None:
+    def __init__(self, gain: float, buffer: bool = False) -> None:
         super().__init__()
         self.gain = gain
+        if buffer:
+            self.register_buffer("gain_buffer", torch.tensor(float(gain)))
+        else:
+            self.gain_buffer = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.gain
+        return x * (self.gain if self.gain_buffer is None else self.gain_buffer)
 
 
 class LoopModule(nn.Module):
@@ -101,8 +106,9 @@ class LoopModule(nn.Module):
         branch: add the wrapped branch (used while `use_branch` is True).
         freeze: None, "instance" (block 0 entirely) or "mixed" (block 0's Linear weight).
         no_shard_block: index of a block wrapped with NO_SHARD (None: none).
-        buffer: add a floating-point buffer ``offset`` of the root, added to the trunk's
-            output (what mixed precision's buffer_dtype casts).
+        buffer: add floating-point buffers (what mixed precision's buffer_dtype casts): the
+            root's ``offset``, added to the trunk's output, and each block's
+            ``Scale.gain_buffer`` (inside the wrapped blocks).
         norm: blocks are ``Sequential(linear=Linear(16, 16), norm=LayerNorm(16), act=Tanh,
             scale=Scale)`` (named, for optimizer groups by name).
     """
@@ -143,7 +149,9 @@ class LoopModule(nn.Module):
                     )
                 )
             else:
-                block = nn.Sequential(_init(nn.Linear(16, 16), gen), nn.Tanh(), Scale(gain))
+                block = nn.Sequential(
+                    _init(nn.Linear(16, 16), gen), nn.Tanh(), Scale(gain, buffer=buffer)
+                )
             if index == 0 and freeze == "instance":
                 block.requires_grad_(False)
             elif index == 0 and freeze == "mixed":

@@ -262,6 +262,21 @@ FSDP1_DEVIATIONS = (
         match=r"losses differ from DDP's",
         measured_on="torch 2.13.0",
     ),
+    Deviation(
+        "state_dict.full",
+        "torch FSDP1's optimizer state dict (FSDP.optim_state_dict, which DCP's get_state_dict "
+        "calls) fails on a process group without global rank 0: _map_param_key_to_optim_keys "
+        "broadcasts from src=0, a global rank, over the model's group ('Global rank 0 is not "
+        "part of group'). Reproduction (2 ranks): on rank 1, FSDP(nn.Linear(8, 5), "
+        "process_group=new_group([1]), device_id=cpu), one Adam step, "
+        "FSDP.optim_state_dict(model, optimizer, group=that group) raises",
+        lambda case: case is not None
+        and getattr(case, "test", "") == "subgroup"
+        and getattr(case, "option", "") == "last",
+        raises=ValueError,
+        match=r"Global rank 0 is not part of group",
+        measured_on="torch 2.13.0",
+    ),
     # issue 20 (fsdp-conformance fuzz, docs/fuzz.md)
     Deviation(
         "fuzz.generated",

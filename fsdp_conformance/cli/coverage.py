@@ -143,6 +143,19 @@ class _ProbeAdapter:
         raise _Reached("wrap")
 
 
+class _ProbeGroup:
+    """The probed body's process group: what zoo models ask of one while they are built."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+
+    def rank(self) -> int:
+        return 0
+
+    def size(self) -> int:
+        return self._size
+
+
 class _ProbeWrap:
     """The probe's zoo `wrap` callable: records each nested config's needs and leaves the module
     unwrapped, so a body builds its model and reaches the root wrap (whose config, e.g. a zoo
@@ -207,7 +220,6 @@ def _probe(item: Any, capabilities: _Granted, world_size: int) -> Cell:
     import torch
 
     from fsdp_conformance.adapters import UnsupportedFeatureError
-    from fsdp_conformance.testing import DummyProcessGroup
     from fsdp_conformance.world.context import RankContext
 
     names = [cls.__name__ for cls in inspect.getmro(item.cls)] if item.cls else []
@@ -224,7 +236,7 @@ def _probe(item: Any, capabilities: _Granted, world_size: int) -> Cell:
     dist = RankContext(
         rank=0,
         world_size=ranks,
-        group=DummyProcessGroup(0, ranks),  # what zoo models ask of a group: rank and size
+        group=_ProbeGroup(ranks),
         device=torch.device("cpu"),
         backend="gloo",
         tmp_path=Path(tempfile.gettempdir()) / "fsdp-conformance-coverage-probe-unused",

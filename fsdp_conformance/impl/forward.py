@@ -55,26 +55,6 @@ class ForwardMixin:
             )
         self.__dict__[name] = lambda *args, **kwargs: run_as_forward(state, method, args, kwargs)
 
-
-def run_as_forward(state: FSDPState, function: Any, args: tuple, kwargs: dict) -> Any:
-    """``function(*args, **kwargs)`` (the wrapped module or one of its methods) inside the
-    instance's forward hooks."""
-    if state.training_state == TrainingState.SUMMON_FULL_PARAMS:
-        raise RuntimeError(
-            f"forward of FSDP instance {state.name()} called inside "
-            "summon_full_params; exit the summon_full_params context before forward"
-        )
-    with torch.autograd.profiler.record_function("FullyShardedDataParallel.forward"):
-        runtime.root_pre_forward(state)
-        if state.is_root and state.compute_device.type != "cpu":
-            device = state.compute_device
-            args, kwargs = tree_map_only(
-                torch.Tensor, lambda t: t.to(device, non_blocking=True), (args, kwargs)
-            )
-        args, kwargs = runtime.pre_forward(state, args, kwargs)
-        output = function(*args, **kwargs)
-        return runtime.post_forward(state, output)
-
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally (unsharded, no communication) inside the block.
@@ -173,3 +153,23 @@ def summon_full_params(
                     trace.emit(Op.FREE, other.owner, event=None, phase="summon")
             other.handle_training_state = HandleTrainingState.IDLE
             other.training_state = TrainingState.IDLE
+
+
+def run_as_forward(state: FSDPState, function: Any, args: tuple, kwargs: dict) -> Any:
+    """``function(*args, **kwargs)`` (the wrapped module or one of its methods) inside the
+    instance's forward hooks."""
+    if state.training_state == TrainingState.SUMMON_FULL_PARAMS:
+        raise RuntimeError(
+            f"forward of FSDP instance {state.name()} called inside "
+            "summon_full_params; exit the summon_full_params context before forward"
+        )
+    with torch.autograd.profiler.record_function("FullyShardedDataParallel.forward"):
+        runtime.root_pre_forward(state)
+        if state.is_root and state.compute_device.type != "cpu":
+            device = state.compute_device
+            args, kwargs = tree_map_only(
+                torch.Tensor, lambda t: t.to(device, non_blocking=True), (args, kwargs)
+            )
+        args, kwargs = runtime.pre_forward(state, args, kwargs)
+        output = function(*args, **kwargs)
+        return runtime.post_forward(state, output)

@@ -6,9 +6,9 @@
   observed, not assumed: forward pre-hooks on every ``nn.Linear`` see inputs and weights in
   ``param_dtype``; every tensor handed to ``torch.distributed``'s reduction collectives during
   backward is in ``reduce_dtype``; the registered (sharded) parameters and their gradients stay
-  float32; the root's buffer is in ``buffer_dtype`` (float32 when not cast) in every forward,
-  also after a state dict was taken, and the state dict holds it in float32, the unwrapped
-  module's dtype; the root's output is in ``output_dtype`` where one is given (FSDP2's
+  float32; the floating-point buffers (the root's and those inside wrapped blocks) are in
+  ``buffer_dtype`` (float32 when not cast) in every forward, also after a state dict was
+  taken, and the state dict holds them in float32, the unwrapped module's dtype; the root's output is in ``output_dtype`` where one is given (FSDP2's
   policy; not applicable where the implementation has none); training matches float32 DDP
   within [Note: precision tolerances].
 - ``BasePrecisionTests.test_accumulation`` (``precision.dtypes``): the gradient accumulated over
@@ -58,7 +58,6 @@ from . import loops, verdict
 from .loops import LoopCase
 
 MODEL = "loops_buffer"
-BUFFER = "offset"  # the root's floating-point buffer in loops_buffer
 # the accumulation model: one instance around it (no fp32 buffer meeting bf16 activations)
 ACCUMULATION_MODEL = "loops"
 STEPS = 3
@@ -126,7 +125,7 @@ def recording_reductions() -> Iterator[list[tuple[str, torch.dtype]]]:
 @contextlib.contextmanager
 def recording_forward_dtypes(model: nn.Module) -> Iterator[dict[str, set[torch.dtype]]]:
     """What the wrapped modules see in forward: "input", "weight" (every ``nn.Linear``) and
-    "buffer" (the dtype of ``BUFFER`` of the module owning it) -> dtypes seen."""
+    "buffer" (the floating-point buffers of every module that has them) -> dtypes seen."""
     seen: dict[str, set[torch.dtype]] = {"input": set(), "weight": set(), "buffer": set()}
 
     def linear_hook(module: nn.Module, args: tuple) -> None:
@@ -134,19 +133,24 @@ def recording_forward_dtypes(model: nn.Module) -> Iterator[dict[str, set[torch.d
         seen["weight"].add(module.weight.dtype)
 
     def buffer_hook(module: nn.Module, args: tuple) -> None:
-        seen["buffer"].add(getattr(module, BUFFER).dtype)
+        seen["buffer"].update(b.dtype for b in _float_buffers(module))
 
     handles = []
     for module in model.modules():
         if isinstance(module, nn.Linear):
             handles.append(module.register_forward_pre_hook(linear_hook))
-        if isinstance(module._buffers.get(BUFFER), torch.Tensor):
+        if _float_buffers(module):
             handles.append(module.register_forward_pre_hook(buffer_hook))
     try:
         yield seen
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _float_buffers(module: nn.Module) -> list[torch.Tensor]:
+    """The module's own floating-point buffers."""
+    return [b for b in module._buffers.values() if b is not None and b.is_floating_point()]
 
 
 def _params_and_grads(root: nn.Module) -> dict[str, torch.dtype]:
@@ -207,7 +211,7 @@ class BasePrecisionTests:
             label = f"adapter {adapter.name!r}, {MODEL}, mixed_precision {policy}"
             failures: list[str] = []
             losses = []
-            state_buffer = None
+            state_dtypes: dict[str, torch.dtype] = {}
             for step in range(STEPS):
                 optimizer.zero_grad()
                 inputs = loops.micro_input(zoo_model, dist.device, step)
@@ -225,7 +229,7 @@ class BasePrecisionTests:
                 for key, what, expected in (
                     ("input", "inputs of the nn.Linear layers", param_dtype),
                     ("weight", "weights of the nn.Linear layers", param_dtype),
-                    ("buffer", f"buffer {BUFFER!r}", expected_buffer),
+                    ("buffer", "floating-point buffers", expected_buffer),
                 ):
                     if seen[key] != {expected}:
                         failures.append(
@@ -249,15 +253,24 @@ class BasePrecisionTests:
                 losses.append(loss.detach().float())
                 if step == 0:
                     state = adapter.state_dict(root)
-                    names = {clean_param_name(k, adapter.wrapper_segments): k for k in state}
-                    state_buffer = state[names[BUFFER]].dtype
-            if state_buffer != torch.float32:
+                    state_dtypes = {
+                        clean_param_name(k, adapter.wrapper_segments): v.dtype
+                        for k, v in state.items()
+                        if isinstance(v, torch.Tensor)
+                    }
+            ddp, reference_model = loops.build_reference(MODEL, dist)
+            buffers = {name: b.dtype for name, b in reference_model.named_buffers()}
+            wrong_state = {
+                name: state_dtypes.get(name, "missing")
+                for name, dtype in buffers.items()
+                if state_dtypes.get(name) != dtype
+            }
+            if wrong_state:
                 failures.append(
-                    f"the state dict holds buffer {BUFFER!r} in {state_buffer}; the unwrapped "
-                    "module has it in torch.float32"
+                    f"the state dict holds buffers {wrong_state}; the unwrapped module has "
+                    f"them in {sorted(set(map(str, buffers.values())))}"
                 )
             assert not failures, f"{label}:\n  " + "\n  ".join(failures)
-            ddp, reference_model = loops.build_reference(MODEL, dist)
             reference = loops.Driver(ddp, reference_model)
             reference_optimizer = loops.ddp_optimizer(ddp)
             reference_losses = []

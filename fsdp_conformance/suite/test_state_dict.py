@@ -22,8 +22,8 @@ size 2) at world size 2 against DDP:
   the initial ones) loaded into the freshly wrapped model before its first forward
   (``Adapter.load_state_dict``, with ``assign=True`` the parameters are re-assigned between
   wrapping and the first forward), which then trains as DDP from those values.
-- ``test_on_a_subgroup``: rank 0 alone on a one-rank group (the other rank outside it): the
-  full state dict, a load into a fresh model, and -- where the adapter checkpoints --
+- ``test_on_a_subgroup[first|last]``: rank 0, or rank 1 (its group rank 0 is not its global
+  rank), alone on a one-rank group, the other rank outside it: the full state dict, a load into a fresh model, and -- where the adapter checkpoints --
   ``save_checkpoint`` / ``load_checkpoint`` (DCP's ``get_state_dict`` / ``set_state_dict`` for
   the torch adapters) must use that group only. A collective on the world group hangs: the
   cell's timeout (``SUBGROUP_TIMEOUT_S``) turns that into a FAIL.
@@ -58,7 +58,8 @@ class StateDictCase:
 
     # "full", "mixed_precision_buffers", "load_plain" or "subgroup"
     test: str
-    # "default" / "rank0_only" / "offload_to_cpu" (full), "copy" / "assign" (load_plain)
+    # "default" / "rank0_only" / "offload_to_cpu" (full), "copy" / "assign" (load_plain),
+    # "first" / "last" (subgroup: the rank alone in it; "outside" on the other rank)
     option: str = ""
 
 
@@ -143,9 +144,10 @@ class BaseFullStateDictTests:
 
     options: ClassVar[tuple[str, ...]] = ("default", "rank0_only", "offload_to_cpu")
     loads: ClassVar[tuple[str, ...]] = ("copy", "assign")
+    members: ClassVar[tuple[str, ...]] = ("first", "last")
 
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
-        loops._parametrize(metafunc, option=self.options, load=self.loads)
+        loops._parametrize(metafunc, option=self.options, load=self.loads, member=self.members)
 
     @pytest.mark.world_size(2)
     def test_full_state_dict(self, fsdp_adapter: Any, dist: Any, option: str):
@@ -234,14 +236,17 @@ class BaseFullStateDictTests:
 
     @pytest.mark.world_size(2)
     @pytest.mark.fsdp_timeout(SUBGROUP_TIMEOUT_S)
-    def test_on_a_subgroup(self, fsdp_adapter: Any, dist: Any):
-        adapter = fsdp_adapter
-        with verdict.cell(adapter, "state_dict.full", StateDictCase("subgroup")):
-            import torch.distributed as tdist
+    def test_on_a_subgroup(self, fsdp_adapter: Any, dist: Any, member: str):
+        import torch.distributed as tdist
 
-            ranks = tdist.get_process_group_ranks(dist.group)
-            solo = tdist.new_group([ranks[0]])
-            if dist.rank != 0:  # outside the group: nothing of it may wait for this rank
+        adapter = fsdp_adapter
+        # "first": rank 0 alone; "last": rank 1 alone (its group rank 0 is not its global rank)
+        member_rank = tdist.get_process_group_ranks(dist.group)[0 if member == "first" else -1]
+        inside = tdist.get_rank() == member_rank
+        case = StateDictCase("subgroup", member if inside else "outside")
+        with verdict.cell(adapter, "state_dict.full", case):
+            solo = tdist.new_group([member_rank])
+            if not inside:  # outside the group: nothing of it may wait for this rank
                 return
             label = f"adapter {adapter.name!r}, {MODEL}, on a one-rank subgroup"
             root, zoo_model = loops.build(adapter, MODEL, dist, {}, group=solo)

@@ -246,6 +246,25 @@ def test_fsdp1_checkpoints_only_where_dcp_passes_its_group():
 
 @pytest.mark.world_size(2)
 @pytest.mark.fsdp_timeout(30)
+def test_torch_fsdp1_optim_state_dict_fails_on_a_group_without_rank_0(dist):
+    """FSDP.optim_state_dict on a process group without global rank 0 fails: it broadcasts
+    from src=0 (a global rank) over the group (FSDP1_DEVIATIONS, state_dict.full)."""
+    import torch.distributed as tdist
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    solo = tdist.new_group([1])
+    if dist.rank != 1:
+        return
+    model = FSDP(_model(), process_group=solo, device_id=torch.device("cpu"))
+    optimizer = torch.optim.Adam(model.parameters())
+    _step(model)
+    optimizer.step()
+    with pytest.raises(ValueError, match="Global rank 0 is not part of group"):
+        FSDP.optim_state_dict(model, optimizer, group=solo)
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.fsdp_timeout(30)
 def test_this_torch_dcp_gives_fsdp1_its_subgroup(dist):
     """get_state_dict / set_state_dict on a model on a one-rank subgroup (the other rank
     outside it) finish on this torch: they pass FSDP1 its group (a hang is a FAIL at 30 s)."""

@@ -99,8 +99,8 @@ LINES = [
         "gradient accumulated over 32 micro-batches is*"
     ),
     (
-        "*the state dict holds buffer 'offset' in torch.bfloat16; the unwrapped module has it "
-        "in torch.float32*"
+        "*the state dict holds buffers ?'offset': torch.bfloat16, *; the unwrapped module has "
+        "them in ?'torch.float32'?*"
     ),
     "*adapter 'torch-fsdp1', loops_buffer, an inf gradient on rank 1 in step 1: *",
 ]

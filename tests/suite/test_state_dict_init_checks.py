@@ -95,6 +95,13 @@ BROKEN = textwrap.dedent(
         name, flag = "cast-buffers", "_mutant_cast_buffers"
 
 
+    class MixesBuffers(_Flagging, ImplAdapter):
+        """impl whose state dict gives each of a module's buffers its last buffer's value (the
+        loop-variable mix-up of pytorch/pytorch#93391)."""
+
+        name, flag = "mixes-buffers", "_mutant_mixes_buffers"
+
+
     class AssignLoadsNothing(_Flagging, ImplAdapter):
         """impl whose load_state_dict(assign=True) returns without loading."""
 
@@ -173,6 +180,9 @@ BROKEN = textwrap.dedent(
     def _broken_plain_value(self, entry):
         if _flagged(self, "_mutant_cast_buffers") and entry.kind == "buffer":
             return entry.module._buffers[entry.attr].detach().clone()
+        if _flagged(self, "_mutant_mixes_buffers") and entry.kind == "buffer":
+            last = list(entry.module._buffers)[-1]
+            return _plain_value(self, entry._replace(attr=last))
         return _plain_value(self, entry)
 
 
@@ -253,6 +263,10 @@ BROKEN = textwrap.dedent(
         fsdp_impl = _impl("CastBuffers")
 
 
+    class TestMixesBuffers(BaseFullStateDictTests):
+        fsdp_impl = _impl("MixesBuffers")
+
+
     class TestAssignLoadsNothing(BaseFullStateDictTests):
         fsdp_impl = _impl("AssignLoadsNothing")
 
@@ -281,6 +295,7 @@ GROUPS = {
             "TestKeepsPrefixes::test_full_state_dict[default]",
             "TestDropsBuffers::test_full_state_dict[rank0_only]",
             "TestCastBuffers::test_mixed_precision_buffers",
+            "TestMixesBuffers::test_full_state_dict[offload_to_cpu]",
             "TestAssignLoadsNothing::test_load_plain_state_dict[assign]",
             "TestCopiesShards::test_full_state_dict[default]",
         ],
@@ -295,6 +310,10 @@ GROUPS = {
             ("*adapter 'cast-buffers', buffered, full state dict under fp16 buffers: "
             "'blocks.0.affine.shift' is torch.float16 (15,), the plain module's is "
             "torch.float32 (15,)*"),
+            (
+                "*adapter 'mixes-buffers', buffered, full state dict (offload_to_cpu): "
+                "'blocks.0.affine.shift' differs from DDP's by *"
+            ),
             ("*adapter 'assign-loads-nothing', buffered, a plain state dict loaded (assign): "
             "losses differ from DDP's*"),
             ("*adapter 'copies-shards', buffered, full state dict (default): 'head.weight' of the "
@@ -315,7 +334,7 @@ GROUPS = {
         ],
     ),
     "subgroup": (
-        ["TestDropsDCPGroup::test_on_a_subgroup"],
+        ["TestDropsDCPGroup::test_on_a_subgroup[first]"],
         # the harness names the collective on the world group that rank 1 never enters
         ["*rank 0 of 2 hung: waiting in *never entered by the others*"],
     ),
