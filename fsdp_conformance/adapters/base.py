@@ -384,7 +384,8 @@ class Adapter:
             self.wrapping_root = previous
         sizes = self.__dict__.setdefault("_group_sizes", weakref.WeakKeyDictionary())
         for wrapped in {id(instance): instance, id(module): module}.values():
-            sizes[wrapped] = _group_size(process_group)
+            if isinstance(wrapped, nn.Module):
+                sizes[wrapped] = _group_size(process_group)
         return instance
 
     def wrapper(self, *, process_group: Any = None, **config: Any) -> AdapterWrap:
