@@ -674,7 +674,6 @@ class Adapter:
             "and buffer on `device`, each module's reset_parameters() run once)",
         )
 
-
     # ------------------------------------------------------------------ sharding (hybrid)
     def grad_shards(self, model: nn.Module) -> dict[str, tuple[int, torch.Tensor]] | None:
         """This rank's gradient pieces after a backward, by the unwrapped model's names (optional).
