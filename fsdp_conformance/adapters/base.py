@@ -384,7 +384,8 @@ class Adapter:
             self.wrapping_root = previous
         sizes = self.__dict__.setdefault("_group_sizes", weakref.WeakKeyDictionary())
         for wrapped in {id(instance): instance, id(module): module}.values():
-            sizes[wrapped] = _group_size(process_group)
+            if isinstance(wrapped, nn.Module):
+                sizes[wrapped] = _group_size(process_group)
         return instance
 
     def wrapper(self, *, process_group: Any = None, **config: Any) -> AdapterWrap:
@@ -672,7 +673,6 @@ class Adapter:
             "override Adapter.materialize (after wrapping a meta-device model: every parameter "
             "and buffer on `device`, each module's reset_parameters() run once)",
         )
-
 
     # ------------------------------------------------------------------ sharding (hybrid)
     def grad_shards(self, model: nn.Module) -> dict[str, tuple[int, torch.Tensor]] | None:

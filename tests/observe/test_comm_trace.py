@@ -41,6 +41,9 @@ class FakeAdapter:
     def training_state(self, instance):
         return instance.state
 
+    def supports(self, *features):
+        return True
+
     @contextlib.contextmanager
     def observe(self, callback, instances=None):
         self.callback = callback

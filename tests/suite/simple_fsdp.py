@@ -117,6 +117,7 @@ def simple_fsdp(
         param_dtype = _policy_by_class.setdefault(type(module), param_dtype)
     group = group if group is not None else dist.group.WORLD
     module._reshard_after_forward = reshard_after_forward
+    module._process_group = group
     module._param_dtype = param_dtype
     stack = [module]
     while stack:
@@ -157,7 +158,7 @@ def _post_forward(module: nn.Module, args: Any, output: Any) -> None:
 
 
 # ---------------------------------------------------------------------------- the adapter
-MEASURED_ON = f"torch {torch.__version__.split('+')[0]}, this eager implementation"
+MEASURED_ON = "torch 2.13.0 (CPU, gloo), this eager implementation"
 _SUPPORTED = {
     Feature.FULL_SHARD,
     Feature.SHARD_GRAD_OP,
@@ -232,7 +233,7 @@ class SimpleFSDPAdapter(Adapter):
                     full[dot + name] = param.detach().clone()
             if parametrize.is_parametrized(module):
                 for name, entry in module.parametrizations.items():
-                    full[dot + name] = entry.original.detach().full_tensor()
+                    full[dot + name] = entry.original.detach().full_tensor().clone()
         return {k: v for k, v in full.items() if ".parametrizations." not in f".{k}"}
 
     @contextlib.contextmanager
@@ -251,8 +252,7 @@ class SimpleFSDPAdapter(Adapter):
         _dcp.load(model, optimizer, directory, self._group(model))
 
     def _group(self, model: nn.Module) -> Any:
-        shard = next(p for p in model.parameters() if isinstance(p, DTensor))
-        return shard.device_mesh.get_group()
+        return model._process_group
 
 
 class PerClassCache(SimpleFSDPAdapter):
