@@ -52,12 +52,13 @@ from fsdp_conformance.suite.training import (  # the suite's SGD, both runs
 )
 
 from .model import build_model, make_batch, unpack
-from .spec import FuzzCase
+from .spec import Block, FuzzCase, iter_nodes
 
 # The comparison's tolerance ([Note: the property]); at world size > 2 at least the suite's
 ATOL = 1e-6
 RTOL = 1e-5
 CHECK_ID = "fuzz.generated"
+PRECISION_LAYERS = 4  # the layer count [Note: precision tolerances] derives its bounds for
 
 OK, UNSUPPORTED, DEVIATION, FAIL = "ok", "unsupported", "deviation", "FAIL"
 
@@ -242,7 +243,12 @@ def tolerance(case: FuzzCase, world_size: int) -> tuple[float, float]:
     the suite's precision tolerance for the coarsest dtype of it (``EPS``: bf16 2**-8, fp16
     2**-11; [Note: precision tolerances] in suite/test_precision.py): parameters within
     ``PARAM_ATOL_PER_EPS * eps`` absolute, losses and norms ``LOSS_RTOL_PER_EPS * eps``
-    relative (one ``allclose`` with both bounds for every value)."""
+    relative (one ``allclose`` with both bounds for every value). That derivation is for about
+    ``PRECISION_LAYERS`` layers rounding in param_dtype and grows linearly with their number, so
+    a generated model with more layers (a twice-called block counts twice, the head once)
+    scales it by layers / ``PRECISION_LAYERS``. Measured at seed 0 (torch 2.13.0, CPU): a bf16
+    Linear(4, 1) + head exceeds a tenth of the tolerance (loss 1.4% off, the bound 6.25%) on
+    impl, torch FSDP1 and FSDP2 alike, and stays within it."""
     from fsdp_conformance.suite.parity import tolerance as parity_tolerance
     from fsdp_conformance.suite.test_precision import EPS, LOSS_RTOL_PER_EPS, PARAM_ATOL_PER_EPS
 
@@ -252,7 +258,12 @@ def tolerance(case: FuzzCase, world_size: int) -> tuple[float, float]:
         EPS[dtype] for dtype in case.wrap_config.get("mixed_precision", {}).values() if dtype in EPS
     ]
     if low:
-        eps = max(low)
+        layers = 1 + sum(
+            (node.kind == "twice") + (node.kind != "act")
+            for node in iter_nodes(case.model.body)
+            if isinstance(node, Block)
+        )
+        eps = max(low) * max(1.0, layers / PRECISION_LAYERS)
         atol, rtol = max(atol, PARAM_ATOL_PER_EPS * eps), max(rtol, LOSS_RTOL_PER_EPS * eps)
     return atol, rtol
 

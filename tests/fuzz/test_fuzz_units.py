@@ -180,3 +180,20 @@ def test_meta_build_keeps_ties_and_frozen_blocks():
     assert all(p.is_meta for p in model.parameters())
     assert model.body.nodes[0].lin.weight is model.body.nodes[2].lin.weight
     assert not model.body.nodes[1].lin.weight.requires_grad
+
+
+def test_precision_tolerance_is_the_suites_and_grows_with_layers():
+    from fsdp_conformance.fuzz.run import PRECISION_LAYERS, tolerance
+    from fsdp_conformance.suite.test_precision import LOSS_RTOL_PER_EPS, PARAM_ATOL_PER_EPS
+
+    def case(blocks: int, precision: tuple = (("param_dtype", "bf16"),)) -> FuzzCase:
+        body = Seq(tuple(Block("linear", 4, 4) for _ in range(blocks)))
+        return FuzzCase(ModelSpec(4, body), precision=precision)
+
+    eps = 2.0**-8
+    assert tolerance(case(1), 2) == (PARAM_ATOL_PER_EPS * eps, LOSS_RTOL_PER_EPS * eps)
+    deep = 2 * PRECISION_LAYERS - 1  # + the head: twice the derivation's layers
+    assert tolerance(case(deep), 2) == (2 * PARAM_ATOL_PER_EPS * eps, 2 * LOSS_RTOL_PER_EPS * eps)
+    assert tolerance(case(deep, ()), 2) == tolerance(case(1, ()), 2)  # float32: unchanged
+    fp16 = tolerance(case(1, (("param_dtype", "fp32"), ("reduce_dtype", "fp16"))), 2)
+    assert fp16 == (PARAM_ATOL_PER_EPS * 2.0**-11, LOSS_RTOL_PER_EPS * 2.0**-11)
