@@ -138,9 +138,17 @@ def run_trial(
             seconds = time.monotonic() - sent
         except subprocess.TimeoutExpired:
             seconds = float("inf")
-        time.sleep(1.0)
-        for process in [*_descendants(cli.pid), *_group(cli.pid)]:
-            seen.setdefault(process.pid, process)
+        # the promise is the whole run gone within the bound: wait for stragglers until then
+        # (at least 1 s after the exit, so a process that would linger is seen)
+        settled = time.monotonic() + 1.0
+        deadline = max(sent + BOUND_S, settled)
+        while True:
+            time.sleep(0.2)
+            for process in [*_descendants(cli.pid), *_group(cli.pid)]:
+                seen.setdefault(process.pid, process)
+            now = time.monotonic()
+            if now >= deadline or (now >= settled and not any(map(_alive, seen.values()))):
+                break
         left = []
         for process in seen.values():
             if _alive(process):

@@ -216,6 +216,9 @@ class Runtime:
         self._root: str | None = None
         # process mode: (world_size, backend, gpu_ids) -> live rank set, least recently used first
         self._pool: dict[tuple[int, str, tuple[int, ...]], RankSet] = {}
+        # rank sets starting or running a test (out of the pool): `close` from another thread
+        # (an interrupted CLI) kills them
+        self._busy: set[RankSet] = set()
         self._gpu_total: int | None = None
         self._tests = 0
         atexit.register(self.close)
@@ -235,6 +238,8 @@ class Runtime:
 
     def close(self) -> None:
         """Stop every rank set and remove all temp files."""
+        for rank_set in list(self._busy):
+            rank_set.kill()
         for rank_set in self._pool.values():
             rank_set.close()
         self._pool.clear()
@@ -347,13 +352,17 @@ class Runtime:
                 rank_set = RankSet(
                     request.world_size, backend, self.root, request.timeout, request.mode, gpu_ids
                 )
+                self._busy.add(rank_set)
                 try:
                     rank_set.start()
                 except RankSetError as exc:
+                    self._busy.discard(rank_set)
                     return _fail(f"could not start {request.world_size} ranks: {exc}")
+            self._busy.add(rank_set)
             try:
                 result = rank_set.run(blob, request.timeout)
             finally:
+                self._busy.discard(rank_set)
                 if fresh or rank_set.closed:
                     rank_set.close()
                 else:
