@@ -28,11 +28,11 @@ from .loops import (
     Driver,
     LoopCase,
     _parametrize,
+    _steps_from,
     assert_losses,
     assert_params,
     build,
     build_reference,
-    micro_input,
 )
 
 ADAMW_LR = 1e-2
@@ -55,18 +55,6 @@ def group_options(name: str, param: nn.Parameter) -> dict[str, Any]:
 def reference_groups(model: nn.Module) -> list[dict[str, Any]]:
     """``group_options``' groups over the unwrapped model, for torch's AdamW under DDP."""
     return group_by(model.named_parameters(), group_options)
-
-
-def _train(driver: Driver, optimizer: torch.optim.Optimizer, device: Any, steps: int):
-    losses = []
-    for step in range(steps):
-        optimizer.zero_grad()
-        inputs = micro_input(driver.zoo_model, device, step)
-        loss = driver.zoo_model.get_loss(inputs, driver.model(*inputs))
-        driver.backward(loss)
-        optimizer.step()
-        losses.append(loss.detach().float())
-    return torch.stack(losses), driver.params()
 
 
 class BaseParamGroupTests:
@@ -94,16 +82,16 @@ class BaseParamGroupTests:
             optimizer = adapter.optimizer(
                 root, "adamw", param_groups=group_options, lr=ADAMW_LR, weight_decay=WEIGHT_DECAY
             )
-            losses, params = _train(
-                Driver(root, zoo_model, adapter), optimizer, dist.device, self.STEPS
-            )
+            driver = Driver(root, zoo_model, adapter)
+            losses = _steps_from(driver, optimizer, dist.device, 0, self.STEPS)
+            params = driver.params()
             ddp, model = build_reference(model_name, dist)
             reference_optimizer = torch.optim.AdamW(
                 reference_groups(model), lr=ADAMW_LR, weight_decay=WEIGHT_DECAY
             )
-            ref_losses, ref_params = _train(
-                Driver(ddp, model), reference_optimizer, dist.device, self.STEPS
-            )
+            reference = Driver(ddp, model)
+            ref_losses = _steps_from(reference, reference_optimizer, dist.device, 0, self.STEPS)
+            ref_params = reference.params()
             label = (
                 f"adapter {adapter.name!r}, {model_name}, {strategy}, AdamW with groups (no "
                 f"weight decay on biases and norms, lr/10 for {SLOW_BLOCK}*)"
