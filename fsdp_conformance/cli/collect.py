@@ -33,14 +33,17 @@ import pytest
 from fsdp_conformance import checks, vocab
 
 ENV_RESULTS = vocab.ENV_CLI_RESULTS
+# Plugins blocked in the CLI's own pytest runs: they would leave files in the user's cwd
+NO_LITTER = ("-p", "no:cacheprovider", "-p", "no:benchmark")
 
 
 def suite_command(impl: str, *pytest_args: str) -> list[str]:
     """The command line of a pytest run of the installed suite on ``impl`` with this plugin
-    (no user ``addopts``, quiet), followed by ``pytest_args``."""
+    (no user ``addopts``, quiet, none of the plugins that write into the working directory:
+    pytest's cache, pytest-benchmark's ``.benchmarks``), followed by ``pytest_args``."""
     return [
         sys.executable, "-m", "pytest", "--pyargs", "fsdp_conformance.suite",
-        "-p", "fsdp_conformance.cli.collect", "-p", "no:cacheprovider",
+        "-p", "fsdp_conformance.cli.collect", *NO_LITTER,
         "-o", "addopts=", "-q", f"--fsdp-impl={impl}", *pytest_args,
     ]  # fmt: skip
 
