@@ -41,9 +41,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from fsdp_conformance._patching import patch_attribute
-from fsdp_conformance.world import collectives, execute, hooks, isolation
+from fsdp_conformance.world import collectives, isolation
+from fsdp_conformance.world import rank as rank_task
 from fsdp_conformance.world.context import RankContext
-from fsdp_conformance.world.protocol import (
+from fsdp_conformance.world.wire import (
     ABORTED,
     DIED,
     FAILED,
@@ -52,6 +53,7 @@ from fsdp_conformance.world.protocol import (
     SKIPPED,
     XFAILED,
     RankOutcome,
+    RankTask,
 )
 
 # How the first rank that stopped reads in the other ranks' reports.
@@ -64,16 +66,14 @@ _BATON_KEY = "fsdp-conformance thread ranks: baton released while waiting"
 
 
 class RngBaton:
-    """Mutual exclusion between rank threads that swaps per-rank RNG state on hand-over.
+    """Mutual exclusion between rank threads that swaps per-rank RNG state on hand-over
+    (see [Note: per-rank RNG in threads]); a rank's first turn keeps the state it finds
+    (``rank.run_task`` seeds it)."""
 
-    See [Note: per-rank RNG in threads].
-    """
-
-    def __init__(self, world_size: int, seed: int) -> None:
+    def __init__(self, world_size: int) -> None:
         self._lock = threading.Lock()
         # rank -> (torch state, random state, numpy state or None); None before first use
         self._states: dict[int, tuple[Any, Any, Any] | None] = dict.fromkeys(range(world_size))
-        self._seed = seed
 
     def acquire(self, rank: int) -> None:
         import torch
@@ -81,7 +81,6 @@ class RngBaton:
         self._lock.acquire()
         state = self._states[rank]
         if state is None:
-            execute.seed_all(self._seed)
             return
         torch_state, random_state, numpy_state = state
         torch.set_rng_state(torch_state)
@@ -146,17 +145,24 @@ def _patched_wait_points(mtpg: Any) -> Iterator[None]:
             record.undo()
 
 
+class ThreadRanks:
+    """The rank backend of ``thread`` mode (see ``world/controller.py``)."""
+
+    def run(self, request: Any, task: RankTask) -> Any:
+        from fsdp_conformance.world.controller import RunResult, summarize
+
+        call = request.function or rank_task.resolve_target(task.target)
+        outcomes, mismatch = run_threaded(task, request.world_size, call, request.kwargs)
+        return RunResult(summarize(outcomes, request.world_size, mismatch))
+
+    def close(self) -> None:
+        pass
+
+
 def run_threaded(
-    world_size: int,
-    body: Callable[[RankContext], None],
-    *,
-    timeout: float,
-    tmp_path: str,
-    seed: int,
-    impl: str,
-    test_id: str,
+    task: RankTask, world_size: int, call: Callable[..., Any], values: dict[str, Any]
 ) -> tuple[dict[int, RankOutcome], str]:
-    """Run ``body(ctx)`` in ``world_size`` rank threads.
+    """Run ``task`` (``call`` with the fixture ``values``) in ``world_size`` rank threads.
 
     A rank still running at the timeout is reported HUNG with its stack; its thread is
     left behind (a daemon: Python threads cannot be killed) after the threaded process
@@ -170,6 +176,7 @@ def run_threaded(
     import torch.distributed as dist
     from torch.testing._internal.distributed import multi_threaded_pg as mtpg
 
+    timeout = task.timeout
     mtpg.ProcessLocalGroup.reset()
     # per-thread registry of process group names (each rank thread has group "0")
     torch._C._distributed_c10d._set_thread_isolation_mode(True)
@@ -177,7 +184,7 @@ def run_threaded(
         # (still installed when an earlier test left a hung rank thread behind)
         mtpg._install_threaded_pg()
     store = dist.HashStore()
-    baton = RngBaton(world_size, seed)
+    baton = RngBaton(world_size)
     outcomes: dict[int, RankOutcome] = {}
     slots = {rank: collectives.CollectiveSlot.in_memory() for rank in range(world_size)}
     # ranks whose body began (they held the baton at least once)
@@ -195,34 +202,28 @@ def run_threaded(
                 store=store,
                 timeout=datetime.timedelta(seconds=timeout),
             )
-            import torch
-
             ctx = RankContext(
                 rank=rank,
                 world_size=world_size,
                 group=dist.group.WORLD,
                 device=torch.device("cpu"),
                 backend="threaded",
-                tmp_path=pathlib.Path(tmp_path),
-                impl=impl,
+                tmp_path=pathlib.Path(task.tmp_path),
+                impl=task.impl,
                 mode="thread",
-                test_id=test_id,
+                test_id=task.test_id,
                 init_method="threaded://",
             )
-            from fsdp_conformance.world import rank_main
-
             baton.acquire(rank)
             began.add(rank)
             _local.held = (baton, rank)
-            rank_main._current_context.ctx = ctx
             try:
-                outcome = execute.call_and_classify(rank, lambda: body(ctx))
+                outcome = rank_task.run_task(task, ctx, call, values)
             finally:
                 _local.held = None
-                rank_main._current_context.ctx = None
                 baton.release(rank)
         except BaseException as exc:  # noqa: BLE001  init failure
-            outcome = execute.classify_exception(rank, exc)
+            outcome = rank_task.classify_exception(rank, exc)
         if outcome.status == FAILED and "Test termination event occurs" in outcome.message:
             first = first_stop[0] if first_stop else None
             where = slots[rank].read()
@@ -305,7 +306,7 @@ def run_threaded(
                 mtpg.ProcessLocalGroup.exception_handle(None)  # release collective waiters
     finally:
         uninstall()
-        hooks.run_after_test()  # before the threaded groups go (e.g. Adapter.on_test_end)
+        rank_task.run_after_test()  # before the threaded groups go (e.g. Adapter.on_test_end)
         if not any(t.is_alive() for t in threads):
             mtpg._uninstall_threaded_pg()
             mtpg.ProcessLocalGroup.reset()

@@ -1,13 +1,11 @@
-"""Messages between the parent (pytest) and its ranks.
+"""The wire protocol between the controller (pytest) and its rank processes; torch-free.
 
-Torch-free: the parent of ``process`` / ``process-fresh`` ranks never needs torch.
-Everything here is pickled over the parent <-> rank connection. Each message is a small
-frozen dataclass; a side that receives anything else raises :class:`ProtocolError` (see
-:func:`expect`) instead of guessing.
+Every message is a small frozen dataclass pickled over the controller <-> rank connection; a
+side that receives anything else raises :class:`ProtocolError` (:func:`expect`).
 
-Parent -> rank: :class:`RunTest`, :class:`ReinitGroup`, :class:`Exit`.
-Rank -> parent: :class:`Ready` or :class:`StartupFailed` once; per test :class:`Started` then
-:class:`Finished`; :class:`GroupReinitialized` after a :class:`ReinitGroup`.
+Controller -> rank: :class:`RunTest`, :class:`ReinitGroup`, :class:`Exit`.
+Rank -> controller: :class:`Ready` or :class:`StartupFailed` once; per test :class:`Started`
+then :class:`Finished`; :class:`GroupReinitialized` after a :class:`ReinitGroup`.
 """
 
 from __future__ import annotations
@@ -16,8 +14,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-# Seed every rank's RNGs (torch, random, numpy) with before each test; tests that want
-# rank-dependent data seed themselves.
+# Every rank seeds torch, random and numpy with this before each test.
 RANK_SEED = 0
 
 # Outcome statuses of one rank.
@@ -25,10 +22,10 @@ PASSED = "passed"
 FAILED = "failed"
 SKIPPED = "skipped"
 XFAILED = "xfailed"
-# Set by the parent, never sent by a rank:
+# Decided by the controller, never sent by a rank:
 DIED = "died"  # the rank process exited or was killed while running the test
-HUNG = "hung"  # the rank did not finish within the timeout (or the grace after another rank failed)
-ABORTED = "aborted"  # thread mode: the rank stopped because another rank failed
+HUNG = "hung"  # the rank did not finish within the timeout (or the grace after another failed)
+ABORTED = "aborted"  # the rank stopped because another rank failed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,28 +47,28 @@ class TestTarget:
 
 @dataclasses.dataclass
 class RankTask:
-    """One test, sent to every rank of a rank set."""
+    """One test as every rank runs it, in every mode (pickled to rank processes)."""
 
     target: TestTarget
-    # pickle of the fixture values other than ``dist`` (unpickled in the rank after the
-    # test module was imported, so values whose classes live in the test module work)
-    kwargs_blob: bytes
     test_id: str
-    seed: int
-    # per-test directory shared by all ranks (removed by the parent after the test)
+    # per-test directory shared by all ranks (removed by the controller after the test)
     tmp_path: str
-    # parent's sys.path / cwd / environment at the time of the test
-    sys_path: list[str]
-    cwd: str
-    environ: dict[str, str]
     # --fsdp-impl: the implementation name adapters resolve in the rank
     impl: str
     # deadline for collectives the rank starts (seconds)
     timeout: float
     # whether the test function takes `dist` (it may get it only through a fixture)
     wants_dist: bool = True
-    # module-level functions to call after the test (world/hooks.py), registered on receipt
+    seed: int = RANK_SEED
+    # module-level functions to call after the test (rank.add_after_test)
     after_test: tuple[Callable[[], None], ...] = ()
+    # rank processes: pickle of the fixture values other than ``dist``, unpickled after the
+    # test module was imported (so values whose classes live in the test module work)
+    kwargs_blob: bytes = b""
+    # rank processes: the controller's sys.path / cwd / environment at the time of the test
+    sys_path: list[str] = dataclasses.field(default_factory=list)
+    cwd: str = ""
+    environ: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -92,17 +89,12 @@ class RankOutcome:
 
 @dataclasses.dataclass
 class InRank:
-    """A fixture value that is built inside every rank instead of being pickled.
+    """A fixture value built inside every rank instead of being pickled.
 
-    Return ``InRank(factory, *args, **kwargs)`` from a fixture whose value cannot be
-    pickled (an FSDP adapter, a model): each rank calls ``factory(*args, **kwargs)`` before
-    the test body and passes the result. ``factory`` must be importable (module-level);
-    if it accepts a keyword argument ``dist`` it receives the rank's context.
-
-    Args:
-        factory: module-level callable building the value.
-        args: positional arguments (picklable).
-        kwargs: keyword arguments (picklable).
+    Return ``InRank(factory, *args, **kwargs)`` from a fixture whose value cannot be pickled
+    (an FSDP adapter, a model): each rank calls ``factory(*args, **kwargs)`` before the body.
+    ``factory`` must be importable (module level); if it accepts a keyword argument ``dist``
+    it receives the rank's context. ``args`` and ``kwargs`` must be picklable.
     """
 
     factory: Callable[..., Any]
@@ -118,11 +110,7 @@ class InRank:
 @dataclasses.dataclass(frozen=True)
 class RankMonkeyPatch:
     """Stands for a ``monkeypatch`` fixture sent to rank processes: each rank gets a fresh
-    ``pytest.MonkeyPatch``, undone after the test (the parent's one stays in the parent)."""
-
-
-# -----------------------------------------------------------------------------
-# Typed messages
+    ``pytest.MonkeyPatch``, undone after the test."""
 
 
 class ProtocolError(RuntimeError):
@@ -131,47 +119,47 @@ class ProtocolError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class RunTest:
-    """Parent -> rank: run one test (a pickled :class:`RankTask`)."""
+    """Controller -> rank: run one test (a pickled :class:`RankTask`)."""
 
     task_blob: bytes
 
 
 @dataclasses.dataclass(frozen=True)
 class ReinitGroup:
-    """Parent -> rank: every rank's default process group was destroyed by the test;
-    initialise a new one (rendezvous keys prefixed with ``generation``)."""
+    """Controller -> rank: the test destroyed every rank's default process group; initialise
+    a new one (rendezvous keys prefixed with ``generation``)."""
 
     generation: int
 
 
 @dataclasses.dataclass(frozen=True)
 class Exit:
-    """Parent -> rank: leave now."""
+    """Controller -> rank: leave now."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Ready:
-    """Rank -> parent: joined the default process group; waiting for tests."""
+    """Rank -> controller: joined the default process group; waiting for tests."""
 
     pid: int
 
 
 @dataclasses.dataclass(frozen=True)
 class StartupFailed:
-    """Rank -> parent: start-up (import, rendezvous) failed with this traceback."""
+    """Rank -> controller: start-up (import, rendezvous) failed with this traceback."""
 
     traceback: str
 
 
 @dataclasses.dataclass(frozen=True)
 class Started:
-    """Rank -> parent: the test module is imported and the fixture values unpickled; the
-    test's timeout starts when every rank sent this."""
+    """Rank -> controller: the test is imported and its fixture values unpickled; the test's
+    timeout starts when every rank sent this."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Finished:
-    """Rank -> parent: the test's outcome, after the rank restored its per-test state."""
+    """Rank -> controller: the test's outcome, after the rank restored its per-test state."""
 
     outcome: RankOutcome
     # False: the rank could not restore its state (it leaves after sending this)
@@ -184,21 +172,18 @@ class Finished:
 
 @dataclasses.dataclass(frozen=True)
 class GroupReinitialized:
-    """Rank -> parent: answer to :class:`ReinitGroup`; ``error`` is "" on success."""
+    """Rank -> controller: answer to :class:`ReinitGroup`; ``error`` is "" on success."""
 
     error: str = ""
 
 
 def expect(message: object, sender: str, *types: type) -> Any:
-    """Return ``message`` if it is an instance of one of ``types``.
-
-    Raises:
-        ProtocolError: naming the sender, what arrived and what was expected.
-    """
+    """``message`` if it is one of ``types``, else :class:`ProtocolError` naming the sender,
+    what arrived and what was expected."""
     if isinstance(message, types):
         return message
     raise ProtocolError(
         f"unexpected message from {sender}: {message!r} (expected "
-        f"{' or '.join(t.__name__ for t in types)}); the rank and the parent run different "
+        f"{' or '.join(t.__name__ for t in types)}); the rank and the controller run different "
         "versions of fsdp_conformance, or test code wrote to the rank's connection"
     )
