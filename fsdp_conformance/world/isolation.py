@@ -47,7 +47,7 @@ class StateSnapshot:
             sys_path=list(sys.path),
             warnings_guard=guard,
             torch_state=_torch_state(),
-            rng=_rng_state(),
+            rng=rng_state(),
             threads=frozenset(t.ident for t in threading.enumerate() if t.ident is not None),
         )
 
@@ -73,7 +73,7 @@ class StateSnapshot:
             self.warnings_guard = warnings.catch_warnings()
             self.warnings_guard.__enter__()
         _restore_torch_state(self.torch_state)
-        _restore_rng(self.rng)
+        restore_rng(self.rng)
 
 
 def leftover_threads(snapshot: StateSnapshot) -> list[str]:
@@ -153,7 +153,7 @@ def _restore_torch_state(state: dict[str, Any]) -> None:
             setattr(hooks, name, saved)
 
 
-def _rng_state() -> tuple[Any, Any, Any]:
+def rng_state() -> tuple[Any, Any, Any]:
     import torch
 
     numpy = sys.modules.get("numpy")
@@ -164,7 +164,7 @@ def _rng_state() -> tuple[Any, Any, Any]:
     )
 
 
-def _restore_rng(state: tuple[Any, Any, Any]) -> None:
+def restore_rng(state: tuple[Any, Any, Any]) -> None:
     import torch
 
     torch_state, random_state, numpy_state = state

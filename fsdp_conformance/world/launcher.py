@@ -1,39 +1,11 @@
-"""External-launcher mode: the pytest session is one process of a ``torchrun`` job and every
-test that uses ``dist`` (or ``FSDPTest``) runs *in place*, SPMD, in every process of the job.
-
-    torchrun --nnodes 1 --nproc-per-node 2 -m pytest --pyargs fsdp_conformance.suite -k parity
-
-[Note: launcher mode]
-- Detection (``--fsdp-launcher auto``): the launcher's environment (``RANK``, ``WORLD_SIZE``,
-  ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) or an already initialised default process
-  group. ``torchrun`` forces the mode (and fails without that environment), ``none`` disables it.
-- One default process group for the session, ``env://`` rendezvous, timeout ``--fsdp-timeout``:
-  nccl with one GPU per local rank (``cuda:LOCAL_RANK``) when the node has a GPU for every
-  local rank, gloo otherwise; ``--fsdp-backend`` overrides.
-- Everything the ranks tell each other outside the test body goes through the default
-  group's key-value store (the launcher's store, which survives a dead rank), never through a
-  collective, and every wait has a deadline: the collected test lists, each test's per-rank
-  outcomes, rank 0's exit status.
-- A test that needs N ranks runs on ranks 0..N-1: the whole default group when N is the job's
-  world size, else a new group of the first N ranks (``dist.group``; ``dist.rank`` and
-  ``dist.world_size`` follow it) while the other ranks wait for its verdict; N larger than the
-  job skips with a reason naming both sizes. While such an N-rank test runs, that group *is*
-  torch.distributed's default group in its ranks (``group.WORLD`` is swapped for the body and
-  restored after it), so code that uses the default group (an FSDP wrapped without
-  ``process_group``, ``dist.get_world_size()``, ``dist.barrier()``) sees an N-rank world, as in
-  the spawning modes.
-- Per test: RNG seeding, then after the body the same reset as a pooled rank process (groups
-  other than the default one destroyed, global module hooks cleared, torch flags restored).
-- Every rank computes the same verdict from all ranks' outcomes (the combination of the
-  spawning modes, ``controller.summarize``), so skips agree and rank 0 reports a failure of
-  any rank with its number and traceback. Ranks other than 0 write no terminal report, no
-  ``--junitxml`` and no CLI results; at the end they take rank 0's exit status.
-- Watchdog: after ``--fsdp-timeout`` a rank still in the body dumps its Python stack
-  (faulthandler, every thread) into its outcome and is interrupted (SIGUSR2 raises in the body).
-  A body stuck in C code that does not return within another ``timeout`` + 5 s (a collective
-  started in the test has timed out by then) makes the rank print the verdict to stderr and
-  exit 1. A rank without an outcome 5 s after the timeout counts as gone; after a hang or a gone
-  rank the process group cannot be trusted, so the session stops after that test.
+"""The torchrun launcher: the pytest session is one process of a ``torchrun`` job and every
+test that uses ``dist`` (or ``FSDPTest``) runs in place, SPMD, in every process of the job
+(:class:`TorchrunRanks`, the controller's rank backend there; :class:`LauncherPlugin`, its
+pytest hooks). What it promises is docs/torchrun.md: one default group for the session; the
+ranks talk outside test bodies only through the launcher's key-value store, every wait with a
+deadline; an N-rank test runs on ranks 0..N-1 with that group as the default group; every rank
+computes the same verdict; a watchdog dumps and interrupts a body past its timeout and ends a
+rank stuck in C code; after a hang or a gone rank the session stops.
 """
 
 from __future__ import annotations
@@ -148,7 +120,7 @@ class _Timeout(BaseException):
 
 
 class _Watchdog:
-    """Interrupts one test body after ``timeout`` seconds; see [Note: launcher mode]."""
+    """Interrupts one test body after ``timeout`` seconds (docs/torchrun.md, "Nothing hangs")."""
 
     def __init__(self, runtime: TorchrunRanks, key: str, size: int, timeout: float) -> None:
         self.runtime = runtime
@@ -206,7 +178,7 @@ class _Watchdog:
 
 class TorchrunRanks:
     """Runs each test in place in this launcher process, in step with the job's other
-    processes (the :class:`fsdp_conformance.world.runtime.Runtime` of launcher mode).
+    processes: the rank backend of launcher mode (see ``world/controller.py``).
 
     Args:
         options: the session's ``RuntimeOptions`` (timeout, impl, backend).
@@ -435,7 +407,7 @@ class TorchrunRanks:
         snapshot = isolation.StateSnapshot.take()
         try:
             with watchdog:
-                # see [Note: launcher mode]: the test's group is the default group meanwhile
+                # the test's group is the default group while its body runs
                 tdist.GroupMember.WORLD = group
                 call = request.function or rank_task.resolve_target(task.target)
                 outcome = rank_task.run_task(task, ctx, call, request.kwargs)

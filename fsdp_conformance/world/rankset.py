@@ -80,8 +80,6 @@ class RunReport:
     outcomes: dict[int, RankOutcome]
     # what each rank printed during the test (stdout and stderr), minus stack dumps
     logs: dict[int, str]
-    # False when the set must not run another test (a rank died, hung, failed or could not reset)
-    reusable: bool
     # what the harness did about state the test left behind, one line each
     notes: list[str] = dataclasses.field(default_factory=list)
     # the last collective each rank entered during the test
@@ -282,7 +280,6 @@ class RankSet:
         return RunReport(
             outcomes=run.outcomes,
             logs=logs,
-            reusable=run.reusable,
             notes=run.notes,
             collectives=run.records(),
         )
@@ -432,7 +429,7 @@ class _TestRun:
                     outcome,
                     status=ABORTED,
                     message=f"failed in {records[rank].where()} after rank {cause.rank} "
-                    f"{_STOPPED.get(cause.status, cause.status)}: {outcome.message}",
+                    f"{cause.status}: {outcome.message}",
                 )
 
     def _wait_for_outcomes(self) -> None:
@@ -524,8 +521,7 @@ class _TestRun:
                 first = self.first_trouble
                 why = (
                     f"was still running {PEER_GRACE_S:g} s after rank {first.rank} "
-                    f"{_STOPPED.get(first.status, first.status)}"
-                    + (f" (waiting {where})" if where.startswith("in ") else "")
+                    f"{first.status}" + (f" (waiting {where})" if where.startswith("in ") else "")
                 )
             elif loading:
                 why = (
@@ -542,10 +538,6 @@ class _TestRun:
                     )
             self.outcomes[rank] = RankOutcome(rank, HUNG, message=why, traceback=dumps[rank])
         self.reusable = False
-
-
-# How a rank's status reads after "rank N ..." in a waiting rank's report.
-_STOPPED = {FAILED: "failed", DIED: "died", SKIPPED: "skipped", HUNG: "hung"}
 
 
 def _drop_watchdog_thread(dump: str) -> str:

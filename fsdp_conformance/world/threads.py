@@ -2,28 +2,19 @@
 process group (``torch.testing._internal.distributed.multi_threaded_pg``).
 
 [Note: per-rank RNG in threads]
-torch has one default CPU generator per process, shared by all threads: ``torch.manual_seed``
-in one rank thread reseeds the others, and a rank that seeds and then builds a model races
-with the other ranks doing the same (measured: 2-3 of 6 threaded parity tests fail).
-So each rank owns an RNG state (torch's default generator, ``random`` and numpy) and the rank
-threads take turns: a rank runs Python only while it holds the *baton*; taking the baton
-installs the rank's RNG state, giving it back saves it. A rank gives the baton back while it
-waits for the other ranks -- inside a collective of the threaded process group and in the
-store-based barrier of ``new_group`` -- and when its test body ends. Consequences:
-- each rank sees exactly the random numbers it would see alone, whatever the interleaving;
-- rank threads never run Python concurrently (collectives are the only switch points), so
-  code that waits for another rank outside a collective (a busy loop on a shared flag)
-  deadlocks and fails at the timeout.
+torch has one default CPU generator per process: ``manual_seed`` in one rank thread would
+reseed the others. So each rank owns an RNG state (torch, ``random``, numpy) and the rank threads
+take turns: a rank runs Python only while it holds the *baton*; taking it installs the rank's
+RNG state, giving it back saves it. A rank gives the baton back while it waits for the others
+(in a collective of the threaded group, in ``new_group``'s store barrier) and when its body
+ends. Each rank thus sees the random numbers it would see alone; code that waits for another
+rank outside a collective (a busy loop on a shared flag) deadlocks and fails at the timeout.
 
 [Note: isolation in thread mode]
-The rank threads share the pytest process. Before a test the process-wide state is saved
-(``world/isolation.py``: environment, cwd, ``sys.path``, warnings filters, torch's default
-dtype/device, anomaly and deterministic modes, thread count, print options, global module
-hooks, RNGs) and restored after it; the collectives are wrapped only while the test runs.
-Thread-local state (grad mode, a default device set in the thread) dies with the rank thread.
-What cannot be restored in a shared interpreter, and a thread-mode test therefore must not
-change: modules it patches by hand (use the ``monkeypatch`` fixture, which pytest undoes),
-modules it imports, signal handlers, and threads it starts and leaves running.
+The process-wide state is saved before a test and restored after it (``world/isolation.py``);
+the collectives are wrapped only while the test runs. A thread-mode test must not change what
+a shared interpreter cannot restore: modules patched by hand (use ``monkeypatch``), imported
+modules, signal handlers, threads left running.
 """
 
 from __future__ import annotations
@@ -32,7 +23,6 @@ import contextlib
 import datetime
 import functools
 import pathlib
-import random
 import sys
 import threading
 import time
@@ -46,18 +36,12 @@ from fsdp_conformance.world import rank as rank_task
 from fsdp_conformance.world.context import RankContext
 from fsdp_conformance.world.wire import (
     ABORTED,
-    DIED,
     FAILED,
     HUNG,
     PASSED,
-    SKIPPED,
-    XFAILED,
     RankOutcome,
     RankTask,
 )
-
-# How the first rank that stopped reads in the other ranks' reports.
-_STOPPED = {FAILED: "failed", DIED: "died", SKIPPED: "skipped", XFAILED: "xfailed"}
 
 # The rank thread's (baton, rank), or None outside rank threads.
 _local = threading.local()
@@ -72,46 +56,17 @@ class RngBaton:
 
     def __init__(self, world_size: int) -> None:
         self._lock = threading.Lock()
-        # rank -> (torch state, random state, numpy state or None); None before first use
-        self._states: dict[int, tuple[Any, Any, Any] | None] = dict.fromkeys(range(world_size))
+        # rank -> its RNG state while another rank holds the baton; None before first use
+        self._states: dict[int, Any] = dict.fromkeys(range(world_size))
 
     def acquire(self, rank: int) -> None:
-        import torch
-
         self._lock.acquire()
-        state = self._states[rank]
-        if state is None:
-            return
-        torch_state, random_state, numpy_state = state
-        torch.set_rng_state(torch_state)
-        random.setstate(random_state)
-        if numpy_state is not None:
-            sys.modules["numpy"].random.set_state(numpy_state)
+        if self._states[rank] is not None:
+            isolation.restore_rng(self._states[rank])
 
     def release(self, rank: int) -> None:
-        import torch
-
-        numpy = sys.modules.get("numpy")
-        self._states[rank] = (
-            torch.get_rng_state(),
-            random.getstate(),
-            numpy.random.get_state() if numpy is not None else None,
-        )
+        self._states[rank] = isolation.rng_state()
         self._lock.release()
-
-
-@contextlib.contextmanager
-def _baton_released() -> Iterator[None]:
-    held = getattr(_local, "held", None)
-    if held is None:
-        yield
-        return
-    baton, rank = held
-    baton.release(rank)
-    try:
-        yield
-    finally:
-        baton.acquire(rank)
 
 
 def _releasing_baton(wait: Callable[..., Any]) -> Callable[..., Any]:
@@ -119,8 +74,15 @@ def _releasing_baton(wait: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(wait)
     def releasing(*args: Any, **kwargs: Any) -> Any:
-        with _baton_released():
+        held = getattr(_local, "held", None)
+        if held is None:
             return wait(*args, **kwargs)
+        baton, rank = held
+        baton.release(rank)
+        try:
+            return wait(*args, **kwargs)
+        finally:
+            baton.acquire(rank)
 
     return releasing
 
@@ -239,7 +201,7 @@ def run_threaded(
                 )
             else:
                 why = (
-                    f"stopped because rank {first.rank} {_STOPPED.get(first.status, first.status)}"
+                    f"stopped because rank {first.rank} {first.status}"
                     if first is not None
                     else "stopped because the threaded process group was terminated"
                 )

@@ -32,16 +32,13 @@ ABORTED = "aborted"  # the rank stopped because another rank failed
 class TestTarget:
     """Where a test callable lives, so that a rank process can import it by file path."""
 
-    # the name the test module is imported under (pytest's module name; may be dotted)
+    # pytest's name of the test module, and its file (loaded with assertion rewriting)
     module_name: str
-    # the test module's file (absolute); the rank loads it from here with assertion rewriting
     module_file: str | None
-    # attribute names leading from the module to the test class (nested classes); () for functions
+    # attributes leading from the module to the test class (nested classes); () for functions
     class_path: tuple[str, ...]
-    # attribute name of the test function / method
     function_name: str
-    # "pytest": call the function with fixture kwargs + ``dist``;
-    # "unittest": instantiate the TestCase with function_name and run ``debug()``
+    # "pytest": the function gets fixture values + ``dist``; "unittest": TestCase ``debug()``
     kind: str = "pytest"
 
 
@@ -55,9 +52,9 @@ class RankTask:
     tmp_path: str
     # --fsdp-impl: the implementation name adapters resolve in the rank
     impl: str
-    # deadline for collectives the rank starts (seconds)
+    # seconds; also the deadline of collectives the rank starts
     timeout: float
-    # whether the test function takes `dist` (it may get it only through a fixture)
+    # whether the test function takes `dist` itself (else only through a fixture)
     wants_dist: bool = True
     seed: int = RANK_SEED
     # module-level functions to call after the test (rank.add_after_test)
@@ -65,7 +62,7 @@ class RankTask:
     # rank processes: pickle of the fixture values other than ``dist``, unpickled after the
     # test module was imported (so values whose classes live in the test module work)
     kwargs_blob: bytes = b""
-    # rank processes: the controller's sys.path / cwd / environment at the time of the test
+    # rank processes: the controller's sys.path, cwd and environment
     sys_path: list[str] = dataclasses.field(default_factory=list)
     cwd: str = ""
     environ: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -77,11 +74,11 @@ class RankOutcome:
 
     rank: int
     status: str
-    # one-line message (exception "Type: message", skip reason, how the rank died)
+    # one line: exception "Type: message", skip reason, how the rank died
     message: str = ""
-    # full formatted traceback / stack dump; "" when not applicable
+    # formatted traceback or stack dump
     traceback: str = ""
-    # seconds the test body ran in this rank
+    # seconds the body ran
     duration: float = 0.0
     # (name, value) report properties the body recorded (world/properties.py)
     properties: list[tuple[str, Any]] = dataclasses.field(default_factory=list)
@@ -166,7 +163,7 @@ class Finished:
     reusable: bool
     # whether the default process group still exists (a test may destroy it)
     group_alive: bool = True
-    # what the rank could not undo, one line each (said once in the test's report)
+    # what the rank could not undo, one line each
     notes: tuple[str, ...] = ()
 
 
