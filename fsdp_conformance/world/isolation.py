@@ -1,15 +1,8 @@
-"""Per-test isolation of interpreter state: what a test may change, saved before it and
-restored after it.
-
-A :class:`StateSnapshot` covers the environment, working directory, ``sys.path``,
-``warnings`` filters, the RNGs (torch, ``random``, numpy) and torch's process-wide settings:
-default dtype and device, grad mode, deterministic algorithms, anomaly mode, intra-op threads,
-print options and the global module hooks (``register_module_forward_hook`` & co.).
-
-Process ranks take one snapshot after start-up and restore it after every test; thread mode
-takes one in the pytest process before a test and restores it afterwards. What a snapshot
-cannot undo (threads a test left running, modules it imported or patched by hand) is found by
-:func:`leftover_threads` and, in process ranks, answered by replacing the rank set.
+"""Per-test isolation: a :class:`StateSnapshot` of what a test may change in an interpreter
+(environment, cwd, ``sys.path``, ``warnings`` filters, RNGs, torch's default dtype and device,
+grad mode, deterministic and anomaly modes, intra-op threads, print options, global module
+hooks), taken before tests and restored after each. Threads a test left running
+(:func:`leftover_threads`) make the controller replace a rank set.
 """
 
 from __future__ import annotations
@@ -52,13 +45,8 @@ class StateSnapshot:
         )
 
     def restore(self, *, keep_warnings_guard: bool = True) -> None:
-        """Put everything back as it was at :meth:`take`.
-
-        Args:
-            keep_warnings_guard: re-enter a warnings guard, so that the snapshot can be
-                restored again after the next test (process ranks); False in thread mode,
-                where the snapshot is used once.
-        """
+        """Put everything back as it was at :meth:`take`; ``keep_warnings_guard`` re-enters
+        a warnings guard so that the snapshot can be restored again (rank processes)."""
         if dict(os.environ) != self.environ:
             os.environ.clear()
             os.environ.update(self.environ)

@@ -67,12 +67,9 @@ def _int_env(name: str, default: str | None = None) -> int:
 
 
 def detect(choice: str) -> LauncherEnv | None:
-    """This process's :class:`LauncherEnv` when pytest runs inside a launcher, else None.
-
-    Args:
-        choice: ``auto`` (launcher environment or an initialised default group), ``torchrun``
-            (required) or ``none``.
-    """
+    """This process's :class:`LauncherEnv` when pytest runs inside a launcher, else None;
+    ``choice``: ``auto`` (launcher environment or an initialised default group), ``torchrun``
+    (required) or ``none``."""
     if choice not in LAUNCHERS:
         raise pytest.UsageError(
             f"--fsdp-launcher {choice!r}: use one of {', '.join(LAUNCHERS)} (env {ENV_LAUNCHER})"
@@ -177,13 +174,9 @@ class _Watchdog:
 
 
 class TorchrunRanks:
-    """Runs each test in place in this launcher process, in step with the job's other
-    processes: the rank backend of launcher mode (see ``world/controller.py``).
-
-    Args:
-        options: the session's ``RuntimeOptions`` (timeout, impl, backend).
-        env: this process's place in the job (:func:`detect`).
-    """
+    """The rank backend of launcher mode: runs each test in place in this process, in step
+    with the job's other processes (``options``: the session's ``RuntimeOptions``; ``env``:
+    this process's place in the job, :func:`detect`)."""
 
     def __init__(self, options: Any, env: LauncherEnv) -> None:
         self.options = options

@@ -121,11 +121,8 @@ class RankSet:
     # Lifecycle
 
     def start(self) -> None:
-        """Spawn the ranks and wait until all joined the process group.
-
-        Raises:
-            RankSetError: a rank failed to start; the set is killed.
-        """
+        """Spawn the ranks and wait until all joined the process group (else
+        :class:`RankSetError`; the set is killed)."""
         try:
             self._spawn()
             self._await_ready(time.monotonic() + max(self.timeout, STARTUP_TIMEOUT_S))
