@@ -46,7 +46,7 @@ class PluginState:
     # --fsdp-coverage: how much of a suite check's config product to run (None: the check's
     # own default, see fsdp_conformance.suite.configs)
     coverage: str | None = None
-    # fsdp_conformance.world.runtime.Runtime (starts no process until a test needs ranks)
+    # fsdp_conformance.world.controller.Runtime (starts no process until a test needs ranks)
     runtime: Any = None
     # the runtime that was active before this session (an outer session, for pytester runs)
     previous_runtime: Any = None
@@ -60,9 +60,9 @@ class PluginState:
 
     def get_runtime(self) -> Any:
         if self.runtime is None:
-            from fsdp_conformance.world import runtime
+            from fsdp_conformance.world import controller
 
-            options = runtime.RuntimeOptions(
+            options = controller.RuntimeOptions(
                 mode=self.mode,
                 timeout=self.timeout,
                 world_size=self.world_size,
@@ -70,14 +70,9 @@ class PluginState:
                 backend=self.backend,
                 after_test=(adapters_test_end,),
             )
-            if self.launcher is not None:
-                from fsdp_conformance.world.launcher import LauncherRuntime
-
-                self.runtime = LauncherRuntime(options, self.launcher)
-            else:
-                self.runtime = runtime.Runtime(options)
-            self.previous_runtime = runtime.active_runtime()
-            runtime.set_active_runtime(self.runtime, pytest_session=True)
+            self.runtime = controller.Runtime(options, launcher=self.launcher)
+            self.previous_runtime = controller.active_runtime()
+            controller.set_active_runtime(self.runtime, pytest_session=True)
         return self.runtime
 
 
@@ -184,7 +179,7 @@ def pytest_configure(config: pytest.Config) -> None:
     # FSDPTest classes (which find it through runtime.get_runtime()) use the session options.
     runtime = config.stash[STATE_KEY].get_runtime()
     if launcher_env is not None:
-        config.pluginmanager.register(launcher.LauncherPlugin(runtime), "fsdp-launcher")
+        config.pluginmanager.register(launcher.LauncherPlugin(runtime.launcher), "fsdp-launcher")
 
 
 def _validated_options(config: pytest.Config) -> dict[str, Any]:
@@ -193,7 +188,7 @@ def _validated_options(config: pytest.Config) -> dict[str, Any]:
     Raises:
         pytest.UsageError: one line naming the option or variable and what it accepts.
     """
-    from fsdp_conformance.world import runtime
+    from fsdp_conformance.world import controller as runtime
 
     def pick(option: str, env: str, default: Any) -> tuple[Any, str]:
         value = config.getoption(option)
@@ -252,12 +247,12 @@ def pytest_unconfigure(config: pytest.Config) -> None:
             os.environ[vocab.ENV_ACCEPT_GOLDENS] = state.previous_accept
         state.accepting_goldens = False
     if state is not None and state.runtime is not None:
-        from fsdp_conformance.world import runtime
+        from fsdp_conformance.world import controller
 
         state.runtime.close()
-        if runtime.active_runtime()[0] is state.runtime:
+        if controller.active_runtime()[0] is state.runtime:
             previous, was_pytest = state.previous_runtime or (None, False)
-            runtime.set_active_runtime(previous, pytest_session=was_pytest)
+            controller.set_active_runtime(previous, pytest_session=was_pytest)
         state.runtime = None
 
 
@@ -290,12 +285,12 @@ def _mode(item: pytest.Item, state: PluginState) -> str:
 
 
 def _timeout(item: pytest.Item, state: PluginState) -> float:
-    from fsdp_conformance.world import runtime
+    from fsdp_conformance.world import controller
 
     value = _marker_arg(item, "fsdp_timeout", state.timeout)
     try:
-        return runtime.parse_timeout(value, "fsdp_timeout marker")
-    except runtime.OptionError as error:
+        return controller.parse_timeout(value, "fsdp_timeout marker")
+    except controller.OptionError as error:
         raise pytest.UsageError(f"{item.nodeid}: {error}") from None
 
 
@@ -339,7 +334,7 @@ def fsdp_adapter(fsdp_impl: str, dist: Any) -> Any:
     depending on it would get the ``InRank``). Override ``fsdp_impl`` (a fixture returning the
     adapter name, e.g. ``"mypkg.mod:ADAPTER"``) to point a test class at another adapter.
     """
-    from fsdp_conformance.world.protocol import InRank
+    from fsdp_conformance.world.wire import InRank
 
     return InRank(resolve_adapter, fsdp_impl)
 
@@ -355,7 +350,7 @@ def fsdp_coverage(request: pytest.FixtureRequest) -> str | None:
 
 
 def _target(item: pytest.Function) -> Any:
-    from fsdp_conformance.world.protocol import TestTarget
+    from fsdp_conformance.world.wire import TestTarget
 
     module = item.module
     class_path: list[str] = []
@@ -384,22 +379,15 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     # also tests that get `dist` only through another fixture run in the ranks
     if "dist" not in pyfuncitem.fixturenames:
         return None
-    from fsdp_conformance.world import runtime as runtime_module
-    from fsdp_conformance.world.execute import build_kwargs
-    from fsdp_conformance.world.protocol import FAILED, SKIPPED, XFAILED
+    from fsdp_conformance.world import controller
+    from fsdp_conformance.world.wire import FAILED, SKIPPED, XFAILED
 
     state = pyfuncitem.config.stash[STATE_KEY]
     runtime = state.get_runtime()
     world_size = _world_size(pyfuncitem, state)
     argnames = pyfuncitem._fixtureinfo.argnames
     kwargs = {name: pyfuncitem.funcargs[name] for name in argnames if name != "dist"}
-    wants_dist = "dist" in argnames
-    function = pyfuncitem.obj
-
-    def thread_body(ctx: Any) -> None:
-        function(**build_kwargs(kwargs, ctx, wants_dist))
-
-    request = runtime_module.TestRequest(
+    request = controller.TestRequest(
         target=_target(pyfuncitem),
         kwargs=kwargs,
         test_id=pyfuncitem.nodeid,
@@ -407,12 +395,12 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         mode=_mode(pyfuncitem, state),
         timeout=_timeout(pyfuncitem, state),
         gpus=_gpus_needed(pyfuncitem, world_size),
-        thread_body=thread_body,
-        wants_dist=wants_dist,
+        function=pyfuncitem.obj,
+        wants_dist="dist" in argnames,
     )
     try:
         result = runtime.run(request)
-    except runtime_module.FixtureNotPicklable as exc:
+    except controller.FixtureNotPicklable as exc:
         not_picklable = str(exc)
     else:
         not_picklable = None
