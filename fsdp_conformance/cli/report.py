@@ -4,7 +4,7 @@ A *cell* is one check (test class and function, ``TestDDPParity::test_matches_dd
 configuration (its parametrisation id, ``nested-ws2-FULL_SHARD-...``; ``(default)`` when the
 test is not parametrised) with one result: ``pass``, ``fail``, ``xfail``, ``xpass`` or
 ``skip``, plus a detail (the first assertion message of a failure, the reason of a skip or an
-expected failure). Cells come from the JSON lines of ``fsdp_conformance.cli.collect``.
+expected failure). Cells come from the JSON lines of ``fsdp_conformance.cli.records``.
 """
 
 from __future__ import annotations
