@@ -438,9 +438,8 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
 # Verdicts of suite checks (fsdp_conformance/checks.py, suite/verdict.py)
 
 _RESULT_KEY = pytest.StashKey[Any]()  # the item's checks.Result decided at collection
-
-
 _CHECK_KEY = pytest.StashKey[Any]()  # the item's checks.Check (None: no registered check)
+_UNRESOLVED = object()
 
 
 def _registered_check(item: pytest.Item) -> Any:
@@ -454,18 +453,21 @@ def _registered_check(item: pytest.Item) -> Any:
     return item.stash[_CHECK_KEY]
 
 
-def _session_adapter(item: pytest.Item) -> Any:
-    """The adapter an item's cells run on when that is the session's ``--fsdp-impl`` (not a
-    test's own ``fsdp_impl`` fixture), resolved once per process; None when it is not, or
-    when it cannot be resolved here (the ranks then report the adapter's error)."""
+def _uses_session_impl(item: pytest.Item) -> bool:
+    """Whether the item's adapter is the session's ``--fsdp-impl`` (its ``fsdp_impl`` fixture is
+    this plugin's, not a test's own)."""
     definitions = getattr(item, "_fixtureinfo", None)
     chain = definitions.name2fixturedefs.get("fsdp_impl", ()) if definitions else ()
-    if not chain or getattr(chain[-1].func, "__module__", None) != __name__:
-        return None
+    return bool(chain) and getattr(chain[-1].func, "__module__", None) == __name__
+
+
+def _session_adapter(config: pytest.Config) -> Any:
+    """The session's adapter, or None when it cannot be resolved here (its cells then run, and
+    the ranks report the adapter's error)."""
     from fsdp_conformance.adapters import get_adapter
 
     try:
-        return get_adapter(item.config.stash[STATE_KEY].impl)
+        return get_adapter(config.stash[STATE_KEY].impl)
     except Exception:  # noqa: BLE001 -- resolution errors are reported by the ranks
         return None
 
@@ -490,10 +492,16 @@ def _not_applicable(adapter: Any, check: Any) -> Any:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """A cell that is not applicable to the adapter under test is skipped here, with its verdict
     recorded: it never reaches a rank."""
+    adapter: Any = _UNRESOLVED  # resolved once, at the first registered check
     for item in items:
         check = _registered_check(item)
-        adapter = _session_adapter(item) if check is not None else None
-        result = _not_applicable(adapter, check) if adapter is not None else None
+        if check is None or not _uses_session_impl(item):
+            continue
+        if adapter is _UNRESOLVED:
+            adapter = _session_adapter(config)
+        if adapter is None:
+            return
+        result = _not_applicable(adapter, check)
         if result is not None:
             item.stash[_RESULT_KEY] = result
             item.add_marker(pytest.mark.skip(reason=result.reason))

@@ -15,9 +15,9 @@ the controller through ``pytest_runtest_logreport``). Without the variable the p
 
 Every field comes from the cell's ``checks.Result`` (the report properties ``PROPERTY_*`` the
 suite's plugin puts on each report of a registered check; a test that is no registered check
-gets the one its report's outcome implies): ``outcome`` is ``pass``, ``fail``, ``xfail`` or
-``skip``; ``detail`` is the failure, the reason of a skip, or the failure and reason of a
-deviation. No message text is parsed.
+gets the one its report's outcome implies, with ``check_id`` ""): ``outcome`` is ``pass``,
+``fail``, ``xfail`` or ``skip``; ``detail`` is the failure, the reason of a skip, or the failure
+and reason of a deviation. No message text is parsed.
 """
 
 from __future__ import annotations
@@ -34,15 +34,19 @@ from fsdp_conformance import checks, vocab
 ENV_RESULTS = vocab.ENV_CLI_RESULTS
 # Plugins blocked in the CLI's own pytest runs: they would leave files in the user's cwd
 NO_LITTER = ("-p", "no:cacheprovider", "-p", "no:benchmark")
+# Plugins the suite does not use that cost start-up time (hypothesis' plugin imports hypothesis
+# at the end of every session; the suite's fuzz check drives hypothesis itself, in its ranks)
+_UNUSED = ("-p", "no:hypothesispytest")
 
 
 def suite_command(impl: str, *pytest_args: str) -> list[str]:
     """The command line of a pytest run of the installed suite on ``impl`` with this plugin
     (no user ``addopts``, quiet, none of the plugins that write into the working directory:
-    pytest's cache, pytest-benchmark's ``.benchmarks``), followed by ``pytest_args``."""
+    pytest's cache, pytest-benchmark's ``.benchmarks``, nor hypothesis' plugin), followed by
+    ``pytest_args``."""
     return [
         sys.executable, "-m", "pytest", "--pyargs", "fsdp_conformance.suite",
-        "-p", "fsdp_conformance.cli.records", *NO_LITTER,
+        "-p", "fsdp_conformance.cli.records", *NO_LITTER, *_UNUSED,
         "-o", "addopts=", "-q", f"--fsdp-impl={impl}", *pytest_args,
     ]  # fmt: skip
 
@@ -123,11 +127,10 @@ class _Recorder:
             decided = record["nodeid"] in self.decided
             if not decided or (result.verdict == checks.FAIL and record["outcome"] != "fail"):
                 self.decided.add(record["nodeid"])
-                record.update(outcome=result.outcome, detail=detail(result, report.when))
-                if result.check:
-                    record.update(
-                        check_id=result.check, verdict=result.verdict, reason=result.reason
-                    )
+                record.update(
+                    outcome=result.outcome, detail=detail(result, report.when),
+                    check_id=result.check, verdict=result.verdict, reason=result.reason,
+                )  # fmt: skip
         if report.when == "teardown":
             self.decided.discard(report.nodeid)
             self.write(self.pending.pop(report.nodeid))

@@ -45,16 +45,6 @@ _OPTIONAL_PACKAGES = {
 }
 # Verdict labels, in the order a mixed cell lists them
 VERDICTS = checks.VERDICTS
-# pytest outcome -> verdict, for a test that recorded none (not a registered check)
-_OUTCOME_VERDICT = {
-    "pass": checks.PASS,
-    "fail": checks.FAIL,
-    "xpass": checks.FAIL,
-    "xfail": checks.DEVIATION,
-    "skip": checks.NOT_APPLICABLE,
-}
-
-
 @dataclasses.dataclass(frozen=True)
 class TableCell:
     """One configuration of one check, as the table needs it."""
@@ -69,11 +59,11 @@ class TableCell:
 
 
 def table_cell(cell: Any) -> TableCell:
-    """A ``cli.report.Cell`` as a TableCell: its recorded verdict (report properties), or, for
-    a test that recorded none, the one its pytest outcome implies."""
+    """A ``cli.report.Cell`` as a TableCell: its recorded ``checks.Result`` (a collection error,
+    which has none, is a FAIL)."""
     if cell.verdict:
         return TableCell(cell.check_id or cell.check, cell.verdict, cell.reason)
-    return TableCell(cell.check, _OUTCOME_VERDICT[cell.outcome], " ".join(cell.detail.split()))
+    return TableCell(cell.check, checks.FAIL, " ".join(cell.detail.split()))
 
 
 @dataclasses.dataclass
