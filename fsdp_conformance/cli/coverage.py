@@ -35,7 +35,6 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_conformance import checks
-from fsdp_conformance.cli import records
 from fsdp_conformance.cli.common import (
     PROG,
     UsageError,
@@ -43,6 +42,7 @@ from fsdp_conformance.cli.common import (
     check_impl,
     check_output,
 )
+from fsdp_conformance.cli.records import NO_LITTER
 from fsdp_conformance.vocab import COVERAGES
 
 DEFAULT_COVERAGE = "pairwise"  # what `run` collects by default
@@ -319,7 +319,7 @@ def collect(
     try:
         with _quiet():
             arguments = [
-                "--collect-only", "-qq", *records.NO_LITTER, "-p", "no:xdist",
+                "--collect-only", "-qq", *NO_LITTER, "-p", "no:xdist",
                 "-o", "addopts=", "--pyargs", "fsdp_conformance.suite",
                 f"--fsdp-impl={impl}", f"--fsdp-world-size={world_size}",
                 f"--fsdp-coverage={coverage}",
