@@ -45,6 +45,8 @@ _OPTIONAL_PACKAGES = {
 }
 # Verdict labels, in the order a mixed cell lists them
 VERDICTS = checks.VERDICTS
+
+
 @dataclasses.dataclass(frozen=True)
 class TableCell:
     """One configuration of one check, as the table needs it."""
