@@ -200,8 +200,7 @@ _CHECKS: tuple[Check, ...] = (
     # ---------------------------------------------------------------- (issue 21: loops.*)
     Check(
         "loops.grad_accumulation",
-        "gradient accumulation (micro-batches under no_sync, or synchronising each) matches "
-        "DDP",
+        "gradient accumulation (micro-batches under no_sync, or synchronising each) matches DDP",
         ("BaseGradientAccumulationTests.test_accumulation_matches_ddp",),
         case="suite.loops.LoopCase",
     ),
@@ -416,9 +415,9 @@ def verdict_of_outcome(
 ) -> tuple[str, str]:
     """(verdict, reason) of a cell from pytest's final outcome, keeping what its check recorded.
 
-    The check's cell (suite/verdict.py) records the verdict it decided; when the ranks'
-    combined outcome disagrees (a rank failed on its own, the test hung, the body never reached
-    the cell), pytest's outcome decides, with `text` (the failure or skip line) as the reason.
+    When the outcome disagrees with the recorded verdict (a rank failed on its own, the test
+    hung, the body never reached its cell), the outcome decides, with `text` (one line of the
+    failure or skip) as the reason.
 
     Args:
         outcome: the report's outcome, "passed", "failed" or "skipped".
@@ -437,6 +436,89 @@ def verdict_of_outcome(
     if recorded.get(PROPERTY_VERDICT) == verdict:
         return verdict, recorded.get(PROPERTY_REASON, "")
     return verdict, "" if verdict == PASS else " ".join(text.split())
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    """The verdict of one cell, the one record every reader takes it from: decided by the
+    check's cell in a rank (suite/verdict.py) or, for a cell that never reached its check, by
+    the plugin from pytest's outcome. It travels as the report properties ``PROPERTY_*``."""
+
+    # the check id ("" when the test is no registered check)
+    check: str
+    # one of VERDICTS
+    verdict: str
+    # one line: deviation reason, why not applicable, what failed ("" for a pass)
+    reason: str = ""
+    # PROPERTY_FAILURE: what failed in a deviating cell (None: not recorded)
+    failure: str | None = None
+    # PROPERTY_FEATURE: the missing feature of a not-applicable cell (None: not recorded)
+    feature: str | None = None
+
+    def properties(self) -> list[tuple[str, str]]:
+        """The record as report properties, each value on one line."""
+        pairs = [
+            (PROPERTY_CHECK, self.check),
+            (PROPERTY_VERDICT, self.verdict),
+            (PROPERTY_REASON, _one_line(self.reason)),
+        ]
+        if self.feature is not None:
+            pairs.append((PROPERTY_FEATURE, _one_line(self.feature)))
+        if self.failure is not None:
+            pairs.append((PROPERTY_FAILURE, _one_line(self.failure)))
+        return pairs
+
+    @classmethod
+    def from_properties(cls, properties: Iterable[tuple[str, object]]) -> Result | None:
+        """The record among report properties (the last value of each wins), or None."""
+        values = {name: str(value) for name, value in properties}
+        if PROPERTY_VERDICT not in values:
+            return None
+        return cls(
+            values.get(PROPERTY_CHECK, ""),
+            values[PROPERTY_VERDICT],
+            values.get(PROPERTY_REASON, ""),
+            values.get(PROPERTY_FAILURE),
+            values.get(PROPERTY_FEATURE),
+        )
+
+    @classmethod
+    def of_report(cls, check: str, report: object, recorded: Result | None = None) -> Result:
+        """The record of a pytest report (a ``TestReport`` or ``CollectReport``): ``recorded``
+        when the report's outcome agrees with it, else the verdict the outcome implies
+        (``verdict_of_outcome``) with the report's one-line failure, skip or xfail text."""
+        outcome = str(getattr(report, "outcome", "failed"))
+        expected_failure = hasattr(report, "wasxfail")
+        kept = dict(recorded.properties()) if recorded is not None else {}
+        verdict, reason = verdict_of_outcome(outcome, expected_failure, kept, report_line(report))
+        if recorded is not None and recorded.verdict == verdict:
+            return recorded
+        return cls(check, verdict, reason)
+
+    @property
+    def outcome(self) -> str:
+        """The CLI's outcome of the cell: pass, fail, xfail or skip."""
+        return _OUTCOME_OF_VERDICT[self.verdict]
+
+
+_OUTCOME_OF_VERDICT = {PASS: "pass", FAIL: "fail", DEVIATION: "xfail", NOT_APPLICABLE: "skip"}
+
+
+def report_line(report: object) -> str:
+    """One line of a pytest report's failure, skip or xfail: the skip reason, the xfail reason,
+    or the first line of the crash's message (read from the report's objects)."""
+    longrepr = getattr(report, "longrepr", None)
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:  # a skip: (file, line, reason)
+        return str(longrepr[2]).removeprefix("Skipped: ")
+    wasxfail = getattr(report, "wasxfail", "")
+    crash = getattr(longrepr, "reprcrash", None)
+    text = wasxfail or (crash.message if crash is not None else str(longrepr or ""))
+    lines = [line.strip() for line in str(text).strip().splitlines() if line.strip()]
+    return lines[0] if lines else ""
 
 
 def registry_table() -> str:

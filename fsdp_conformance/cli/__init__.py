@@ -11,7 +11,7 @@
 One module per subcommand, each with its ``add_parser`` and handler:
 
 - ``cli.run``: starts pytest on ``fsdp_conformance.suite`` in a subprocess (``--pyargs``, with
-  pytest-xdist when ``-n`` > 0) with the collector plugin ``cli.collect``, shows progress from
+  pytest-xdist when ``-n`` > 0) with the records plugin ``cli.records``, shows progress from
   its results file, and prints the matrix (``cli.report``);
 - ``cli.overlap`` and ``cli.timeline``: run the suite's measuring functions (``cli.ranks``) in a
   rank set of ``fsdp_conformance.world``; ``timeline`` draws with matplotlib (``cli.draw``);

@@ -99,7 +99,7 @@ def _report(result: Any, args: argparse.Namespace) -> int:
     from fsdp_conformance.fuzz.spec import Block, FuzzCase, ModelSpec, Program, Seq, Step
 
     names = {cls.__name__: cls for cls in (Block, FuzzCase, ModelSpec, Program, Seq, Step)}
-    case = eval(result.case, {"__builtins__": {}}, names)  # noqa: S307  our own repr of a FuzzCase
+    case = eval(result.case, {"__builtins__": {}}, names)  # our own repr of a FuzzCase
     print(
         f"COUNTEREXAMPLE after {result.found_at} examples, shrunk in {result.shrinks} runs"
         + (" (shrinking stopped by --max-seconds)" if result.time_limited else "")
