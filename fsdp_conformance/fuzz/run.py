@@ -249,7 +249,7 @@ def tolerance(case: FuzzCase, world_size: int) -> tuple[float, float]:
     scales it by layers / ``PRECISION_LAYERS``. Measured at seed 0 (torch 2.13.0, CPU): a bf16
     Linear(4, 1) + head exceeds a tenth of the tolerance (loss 1.4% off, the bound 6.25%) on
     impl, torch FSDP1 and FSDP2 alike, and stays within it."""
-    from fsdp_conformance.suite.parity import tolerance as parity_tolerance
+    from fsdp_conformance.suite.test_parity import tolerance as parity_tolerance
     from fsdp_conformance.suite.test_precision import EPS, LOSS_RTOL_PER_EPS, PARAM_ATOL_PER_EPS
 
     atol, rtol = parity_tolerance(world_size)

@@ -41,7 +41,7 @@ import dataclasses
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any, ClassVar
+from typing import Any
 
 import pytest
 import torch
@@ -49,11 +49,8 @@ import torch.distributed as tdist
 from torch import nn
 
 from fsdp_conformance._patching import patch_attribute
-from fsdp_conformance.adapters import Feature
 from fsdp_conformance.models import Layer, delay
 from fsdp_conformance.vocab import Op
-
-from . import verdict
 
 # Layers (FSDP instances under the root), as in the seed
 LAYERS = 4
@@ -363,32 +360,3 @@ def check_overlap(adapter: Any, dist: Any, label: str, retries: int = 1) -> Over
         if failure is None:
             return times
     raise AssertionError(f"{failure} (failed {retries + 1} measurements)")
-
-
-class BaseOverlapTests:
-    """Prefetch overlaps communication with computation ([Note: overlap timing])."""
-
-    # measurements before failing (1 + retries)
-    retries: ClassVar[int] = 1
-
-    @pytest.mark.world_size(2)
-    @pytest.mark.fsdp_mode("process")  # patches ProcessGroup methods process-wide
-    def test_prefetch_overlaps_communication_cpu(self, fsdp_adapter: Any, dist: Any):
-        with verdict.cell(fsdp_adapter, "overlap"):
-            if dist.device.type != "cpu":
-                pytest.skip("the CPU overlap check runs on CPU ranks (gloo); this world has GPUs")
-            adapter = fsdp_adapter
-            adapter.require(Feature.FORWARD_PREFETCH, Feature.LIMIT_ALL_GATHERS)
-            times = check_overlap(adapter, dist, f"adapter {adapter.name!r}", self.retries)
-            print(f"overlap ratio {times.cpu_ratio(CPU_COMM_MS):.3f}: {times.describe()}")
-
-    @pytest.mark.cuda
-    @pytest.mark.world_size(2)
-    @pytest.mark.fsdp_mode("process")
-    def test_prefetch_overlaps_communication_cuda(self, fsdp_adapter: Any, dist: Any):
-        with verdict.cell(fsdp_adapter, "overlap"):
-            if dist.device.type != "cuda":
-                pytest.skip("needs one GPU per rank (CUDA overlap check, seed 000's shape)")
-            adapter = fsdp_adapter
-            adapter.require(Feature.LIMIT_ALL_GATHERS)
-            check_overlap(adapter, dist, f"adapter {adapter.name!r}", self.retries)

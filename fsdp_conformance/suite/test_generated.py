@@ -1,8 +1,73 @@
-"""Generated models and training programs vs DDP (collected by ``--pyargs``; docs/fuzz.md)."""
+"""Generated models and training programs vs DDP (the fuzzer of ``fsdp_conformance.fuzz``), as a
+base class to subclass.
+
+    class TestMyGeneratedModels(BaseGeneratedModelTests):
+        fuzz_examples = 50          # more cases (default 12: the suite's run stays in budget)
+        fuzz_seed = 1
+
+One test runs the whole hypothesis loop inside one rank set (rank 0 draws, every rank runs each
+case; docs/fuzz.md): derandomised by ``fuzz_seed``, bounded by ``fuzz_examples``. A failure
+names the minimal case (model as code, wrap plan, config, program) and the first difference;
+``fsdp-conformance fuzz --impl NAME --seed S --examples N`` reproduces it and writes its
+``repro.py``. Needs hypothesis (the ``test`` extra).
+"""
 
 from __future__ import annotations
 
-from fsdp_conformance.suite.generated import BaseGeneratedModelTests
+from typing import Any, ClassVar
+
+import pytest
+
+from .declare import check
+
+
+class BaseGeneratedModelTests:
+    """Every generated case matches DDP, sees legal states and finishes (docs/fuzz.md)."""
+
+    # Cases run (cases the adapter refuses are not counted)
+    fuzz_examples: ClassVar[int] = 12
+    # hypothesis seed (the run is reproducible from adapter, seed, examples and world size)
+    fuzz_seed: ClassVar[int] = 0
+
+    @check(
+        "fuzz.generated",
+        "generated models, wrap plans, configs and training programs match DDP, with legal states and no hang (shrunk to a repro.py)",
+        strict=False,
+        case="the generated FuzzCase (per case; None for the whole cell)",
+    )
+    @pytest.mark.world_size(2)
+    def test_generated_models_match_ddp(self, fsdp_adapter: Any, dist: Any):
+        from fsdp_conformance.fuzz import driver
+
+        try:
+            driver.require_hypothesis()
+        except ImportError as error:
+            pytest.skip(str(error))
+        self._fuzz(fsdp_adapter, dist)
+
+    def _fuzz(self, fsdp_adapter: Any, dist: Any) -> None:
+        from fsdp_conformance.fuzz import driver
+
+        result = driver.fuzz(fsdp_adapter, dist, self.fuzz_examples, self.fuzz_seed)
+        command = (
+            f"fsdp-conformance fuzz --impl {dist.impl} --seed {self.fuzz_seed} --examples "
+            f"{self.fuzz_examples} --world-size {dist.world_size}"
+        )
+        if result.status == "unsatisfiable":
+            from fsdp_conformance.adapters import UnsupportedFeatureError
+
+            # every drawn case was refused with a clear error: the check does not apply
+            raise UnsupportedFeatureError(
+                fsdp_adapter.name,
+                "generated models",
+                f"no generated case could run: {result.message}",
+            )
+        assert result.status == "pass", (
+            f"adapter {fsdp_adapter.name!r}: a generated case differs from DDP after "
+            f"{result.found_at} examples (shrunk in {result.shrinks} runs):\n"
+            f"{result.description}\nfirst difference: {result.message}\n"
+            f"reproduce and write its repro.py: {command}"
+        )
 
 
 class TestGeneratedModels(BaseGeneratedModelTests):

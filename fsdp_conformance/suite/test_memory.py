@@ -24,8 +24,9 @@ from torch import nn
 from fsdp_conformance.adapters import Adapter
 from fsdp_conformance.observe.unsharded import UnshardedParams
 
-from . import training, verdict
-from .loops import LoopCase, _parametrize
+from . import training
+from .declare import check
+from .loop_driver import LoopCase, parametrize
 
 # steps trained; the forward of the last one is observed (the first runs any lazy init)
 STEPS = 2
@@ -70,33 +71,37 @@ class BaseReshardAfterForwardTests:
     models: ClassVar[tuple[str, ...]] = ("nested", "transformer")
 
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
-        _parametrize(metafunc, model_name=self.models)
+        parametrize(metafunc, model_name=self.models)
 
+    @check(
+        "memory.reshard_after_forward",
+        "with resharding after forward configured (FULL_SHARD), no unsharded parameter of a non-root instance stays alive after the model's forward",
+        case="suite.loop_driver.LoopCase",
+        case_of=lambda model_name: LoopCase(model_name, "FULL_SHARD", "reshard_after_forward"),
+    )
     @pytest.mark.world_size(2)
     def test_no_unsharded_parameter_after_forward(
         self, fsdp_adapter: Any, dist: Any, model_name: str
     ):
-        case = LoopCase(model_name, "FULL_SHARD", "reshard_after_forward")
-        with verdict.cell(fsdp_adapter, "memory.reshard_after_forward", case):
-            adapter = fsdp_adapter
-            root, zoo_model = training.wrap_model(
-                adapter, model_name, dist, {"sharding_strategy": "FULL_SHARD"}
-            )
-            probe, _ = observed_training(adapter, root, zoo_model, dist)
-            label = f"adapter {adapter.name!r}, {model_name}, FULL_SHARD"
-            unseen = unseen_instances(probe)
-            assert not unseen, (
-                f"{label}: no unsharded parameter was recognised in the forward of instance(s) "
-                f"{unseen} (tensors equal to a full parameter, passed to a torch function); the "
-                "check cannot see this implementation's parameters"
-            )
-            alive = {name: names for name, names in probe.alive.items() if names}
-            alive.pop(probe.root_label, None)
-            assert not alive, (
-                f"{label}: resharding after forward is configured, but after the model's forward "
-                f"these non-root instances still hold unsharded parameters (alive, storage not "
-                f"freed): {alive}"
-            )
+        adapter = fsdp_adapter
+        root, zoo_model = training.wrap_model(
+            adapter, model_name, dist, {"sharding_strategy": "FULL_SHARD"}
+        )
+        probe, _ = observed_training(adapter, root, zoo_model, dist)
+        label = f"adapter {adapter.name!r}, {model_name}, FULL_SHARD"
+        unseen = unseen_instances(probe)
+        assert not unseen, (
+            f"{label}: no unsharded parameter was recognised in the forward of instance(s) "
+            f"{unseen} (tensors equal to a full parameter, passed to a torch function); the "
+            "check cannot see this implementation's parameters"
+        )
+        alive = {name: names for name, names in probe.alive.items() if names}
+        alive.pop(probe.root_label, None)
+        assert not alive, (
+            f"{label}: resharding after forward is configured, but after the model's forward "
+            f"these non-root instances still hold unsharded parameters (alive, storage not "
+            f"freed): {alive}"
+        )
 
 
 class TestReshardAfterForward(BaseReshardAfterForwardTests):

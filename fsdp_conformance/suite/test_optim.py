@@ -23,16 +23,16 @@ from torch import nn
 from fsdp_conformance.adapters import Feature
 from fsdp_conformance.adapters.base import group_by
 
-from . import verdict
-from .loops import (
+from .declare import check
+from .loop_driver import (
     Driver,
     LoopCase,
-    _parametrize,
-    _steps_from,
     assert_losses,
     assert_params,
     build,
     build_reference,
+    parametrize,
+    steps_from,
 )
 
 ADAMW_LR = 1e-2
@@ -65,39 +65,43 @@ class BaseParamGroupTests:
     strategies: ClassVar[tuple[str, ...]] = ("FULL_SHARD", "SHARD_GRAD_OP")
 
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
-        _parametrize(metafunc, model_name=self.models, strategy=self.strategies)
+        parametrize(metafunc, model_name=self.models, strategy=self.strategies)
 
+    @check(
+        "optim.param_groups",
+        "optimizer parameter groups by name (no weight decay on biases and norms, one block at another learning rate): AdamW matches DDP",
+        features=("param_groups",),
+        case="suite.loop_driver.LoopCase",
+        case_of=lambda model_name, strategy: LoopCase(model_name, strategy, "adamw_groups"),
+    )
     @pytest.mark.world_size(2)
     def test_param_groups_match_ddp(
         self, fsdp_adapter: Any, dist: Any, model_name: str, strategy: str
     ):
-        with verdict.cell(
-            fsdp_adapter, "optim.param_groups", LoopCase(model_name, strategy, "adamw_groups")
-        ):
-            adapter = fsdp_adapter
-            config: dict[str, Any] = {"sharding_strategy": strategy}
-            if adapter.supports(Feature.USE_ORIG_PARAMS):  # FSDP1: groups need the flag
-                config["use_orig_params"] = True
-            root, zoo_model = build(adapter, model_name, dist, config)
-            optimizer = adapter.optimizer(
-                root, "adamw", param_groups=group_options, lr=ADAMW_LR, weight_decay=WEIGHT_DECAY
-            )
-            driver = Driver(root, zoo_model, adapter)
-            losses = _steps_from(driver, optimizer, dist.device, 0, self.STEPS)
-            params = driver.params()
-            ddp, model = build_reference(model_name, dist)
-            reference_optimizer = torch.optim.AdamW(
-                reference_groups(model), lr=ADAMW_LR, weight_decay=WEIGHT_DECAY
-            )
-            reference = Driver(ddp, model)
-            ref_losses = _steps_from(reference, reference_optimizer, dist.device, 0, self.STEPS)
-            ref_params = reference.params()
-            label = (
-                f"adapter {adapter.name!r}, {model_name}, {strategy}, AdamW with groups (no "
-                f"weight decay on biases and norms, lr/10 for {SLOW_BLOCK}*)"
-            )
-            assert_losses(label, losses, ref_losses)
-            assert_params(label, params, ref_params, self.STEPS)
+        adapter = fsdp_adapter
+        config: dict[str, Any] = {"sharding_strategy": strategy}
+        if adapter.supports(Feature.USE_ORIG_PARAMS):  # FSDP1: groups need the flag
+            config["use_orig_params"] = True
+        root, zoo_model = build(adapter, model_name, dist, config)
+        optimizer = adapter.optimizer(
+            root, "adamw", param_groups=group_options, lr=ADAMW_LR, weight_decay=WEIGHT_DECAY
+        )
+        driver = Driver(root, zoo_model, adapter)
+        losses = steps_from(driver, optimizer, dist.device, 0, self.STEPS)
+        params = driver.params()
+        ddp, model = build_reference(model_name, dist)
+        reference_optimizer = torch.optim.AdamW(
+            reference_groups(model), lr=ADAMW_LR, weight_decay=WEIGHT_DECAY
+        )
+        reference = Driver(ddp, model)
+        ref_losses = steps_from(reference, reference_optimizer, dist.device, 0, self.STEPS)
+        ref_params = reference.params()
+        label = (
+            f"adapter {adapter.name!r}, {model_name}, {strategy}, AdamW with groups (no "
+            f"weight decay on biases and norms, lr/10 for {SLOW_BLOCK}*)"
+        )
+        assert_losses(label, losses, ref_losses)
+        assert_params(label, params, ref_params, self.STEPS)
 
 
 class TestParamGroups(BaseParamGroupTests):

@@ -13,7 +13,9 @@ import textwrap
 
 import pytest
 
+import fsdp_conformance.suite  # noqa: F401  (the suite declares the checks)
 from fsdp_conformance.adapters import CHECK_IDS, Adapter, Deviation, get_adapter
+from fsdp_conformance.adapters.deviations import find_deviation
 
 pytest_plugins = ["pytester"]
 
@@ -60,7 +62,7 @@ def test_builtin_deviations_use_known_check_ids() -> None:
 
 def test_bad_declarations_raise_naming_the_fix() -> None:
     with pytest.raises(ValueError, match="unknown check id.*misuse.wrap_twice"):
-        Deviation("wrap_twice", "why")
+        find_deviation((Deviation("wrap_twice", "why"),), "misuse.wrap_twice")
     with pytest.raises(ValueError, match="non-empty reason"):
         Deviation("misuse.wrap_twice", " ")
     with pytest.raises(ValueError, match="unknown check id"):

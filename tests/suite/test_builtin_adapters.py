@@ -33,7 +33,7 @@ from fsdp_conformance.suite import (
     BaseSummonFullParamsTests,
     BaseTrainingStateTests,
 )
-from fsdp_conformance.suite.loops import RESUME_CASES
+from fsdp_conformance.suite.test_loops import RESUME_CASES
 
 ADAPTERS = ("impl", "torch-fsdp1", "torch-fsdp2")
 
