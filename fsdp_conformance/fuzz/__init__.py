@@ -1,34 +1,7 @@
-"""A generative differential fuzzer: generated models, wrap plans, configs and training programs,
-FSDP vs DDP, shrunk to a runnable reproduction (docs/fuzz.md).
-
-    fsdp-conformance fuzz --impl torch-fsdp2 --examples 200 --seed 0 --out repro.py
-
-Inside your own multi-rank test (``dist`` fixture)::
-
-    from fsdp_conformance.fuzz import fuzz
-    result = fuzz(adapter, dist, examples=50, seed=0)      # the FuzzResult, on every rank
-
-The case types (``FuzzCase`` ...) are plain frozen dataclasses (``fsdp_conformance.fuzz.spec``);
-the strategies need hypothesis (the ``test`` extra) and are imported only when used.
-"""
+"""The fuzzer's old home, kept for code and ``repro.py`` files written before it moved: the
+fuzzer is ``fsdp_conformance.suite.fuzz``."""
 
 from __future__ import annotations
 
-from .driver import FuzzResult, fuzz, require_hypothesis
-from .run import Outcome, run_case
-from .spec import Block, FuzzCase, ModelSpec, Program, Seq, Step, describe
-
-__all__ = [
-    "Block",
-    "FuzzCase",
-    "FuzzResult",
-    "ModelSpec",
-    "Outcome",
-    "Program",
-    "Seq",
-    "Step",
-    "describe",
-    "fuzz",
-    "require_hypothesis",
-    "run_case",
-]
+from fsdp_conformance.suite.fuzz import *
+from fsdp_conformance.suite.fuzz import __all__  # noqa: F401

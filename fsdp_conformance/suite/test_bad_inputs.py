@@ -1,28 +1,12 @@
-"""Misuses that do harm are refused with a clear error (``misuse.*``), and ``expect_error``,
-which test_exec_order.py shares.
+"""Misuses that do harm are refused with a clear error (``misuse.*``; [Note: misuse] in
+test_exec_order.py).
 
     class TestMyMisuse(BaseBadInputTests):   # in your tests; pytest collects Test* classes
         pass
-
-[Note: misuse]
-Each misuse must raise an exception *within seconds* (``DEADLINE_S``, generous for a loaded
-machine; a hang is caught by the harness timeout as the backstop) whose message names the
-problem (a per-case regular expression, implementation-neutral: the words any sensible message
-would use). Every rank makes the same mistake, so an implementation that raises before any
-collective raises on every rank and none is left waiting.
-
-An adapter that accepts a misuse silently (no exception) fails the check, unless the adapter
-declares it (``Adapter.known_deviations``, check ids ``exec_order.divergent`` and
-``misuse.<case>``, see adapters/deviations.py): then the case is a deviation with that reason
-(suite/verdict.py); an adapter that raises anyway passes. docs/checks.md records what each
-adapter does and why each misuse does harm.
 """
 
 from __future__ import annotations
 
-import re
-import time
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -32,43 +16,7 @@ from torch import nn
 from fsdp_conformance.adapters import Feature
 
 from .declare import check
-
-# Seconds a misuse may take to raise (the harness timeout, default 120 s, is the backstop)
-DEADLINE_S = 30.0
-WIDTH = 8
-
-
-def expect_error(action: Callable[[], Any], pattern: str, label: str) -> BaseException:
-    """Run ``action``; it must raise within ``DEADLINE_S`` with a message matching ``pattern``.
-
-    Raises:
-        AssertionError: it did not raise or raised too late (what a misuse deviation covers),
-            or raised an error not naming the problem (raised *from* that error, so only a
-            deviation whose ``raises`` covers that error's type covers it).
-    """
-    start = time.perf_counter()
-    try:
-        action()
-    except Exception as error:
-        elapsed = time.perf_counter() - start
-        message = f"{type(error).__name__}: {error}"
-        if elapsed > DEADLINE_S:
-            failure = (
-                f"{label}: raised only after {elapsed:.1f} s (expected within "
-                f"{DEADLINE_S:g} s): {message}"
-            )
-        elif not re.search(pattern, message, re.IGNORECASE | re.DOTALL):
-            # not a refusal but some other error: the assertion reports it as its cause, so a
-            # deviation declaring "accepts the misuse" does not cover it (Deviation.covers)
-            raise AssertionError(
-                f"{label}: the error does not name the problem (expected a message matching "
-                f"{pattern!r}), got {message}"
-            ) from error
-        else:
-            return error
-    else:
-        failure = f"{label}: no exception was raised (expected one matching {pattern!r})"
-    raise AssertionError(failure)
+from .test_exec_order import WIDTH, expect_error
 
 
 def _linear() -> nn.Linear:

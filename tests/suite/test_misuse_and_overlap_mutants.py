@@ -135,7 +135,7 @@ def test_bad_input_check_catches_a_slow_error(dist):
 
     with (
         mock.patch.object(fully_sharded, "_compute_device", slow_compute_device),
-        mock.patch("fsdp_conformance.suite.test_bad_inputs.DEADLINE_S", 0.1),
+        mock.patch("fsdp_conformance.suite.test_exec_order.DEADLINE_S", 0.1),
         pytest.raises(AssertionError, match="raised only after") as failure,
     ):
         BaseBadInputTests().test_parameters_on_mixed_devices(get_adapter("impl"), dist)
