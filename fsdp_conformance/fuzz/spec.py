@@ -3,4 +3,11 @@
 from __future__ import annotations
 
 from fsdp_conformance.suite.fuzz.spec import *
-from fsdp_conformance.suite.fuzz.spec import Block, FuzzCase, ModelSpec, Program, Seq, Step  # noqa: F401
+from fsdp_conformance.suite.fuzz.spec import (  # noqa: F401
+    Block,
+    FuzzCase,
+    ModelSpec,
+    Program,
+    Seq,
+    Step,
+)

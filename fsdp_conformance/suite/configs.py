@@ -184,7 +184,7 @@ def configs_for(
 def supported_dimensions(
     adapter: Any, dimensions: dict[str, tuple[Any, ...]] = DIMENSIONS
 ) -> dict[str, tuple[Any, ...]]:
-    """`dimensions` without the values `adapter` cannot run (issue 19).
+    """`dimensions` without the values `adapter` cannot run (no cell for a value it lacks).
 
     A value is kept when the wrap config holding only it needs no feature the adapter lacks
     and is not among its ``unsupported_values()``; ``device_init`` values are kept. Pairs are

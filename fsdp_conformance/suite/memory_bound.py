@@ -1,7 +1,5 @@
-"""The two-instance memory bound of ``limit_all_gathers``, as a base class to subclass.
-
-    class TestMyMemoryBound(BaseMemoryBoundTests):   # in your tests; pytest collects Test*
-        lag_variants = ("strict",)                   # optional: fewer lagging-device variants
+"""Measuring the two-instance memory bound of ``limit_all_gathers`` (``measure_residency``,
+``check_residency``); the check is ``BaseMemoryBoundTests`` in test_memory_bound.py.
 
 [Note: memory bound]
 *Resident* unsharded buffers are counted as ``fsdp_conformance.observe.residency`` says (from
@@ -27,9 +25,8 @@ torch FSDP1 deviation.
 
 An adapter declares the cases its implementation exceeds the bound on as a known deviation
 (``Deviation("memory_bound", reason, applies=lambda case: ...)``, the case a ``BoundCase``):
-such cases are strict expected failures (suite/verdict.py). (The suite class's old
-``known_deviations`` attribute is gone: a subclass that still sets it gets a TypeError naming
-the fix.)
+such cases are strict expected failures (suite/verdict.py); a suite subclass setting
+``known_deviations`` gets a TypeError naming the fix.
 """
 
 from __future__ import annotations
@@ -408,7 +405,7 @@ def check_shard_grad_op_forward(
 OWN_BOUNDS: dict[str, StreamOrderedBound] = {"torch-fsdp2": FSDP2_BOUND}
 
 
-# - issue 19: DeepSpeed ZeRO-3 (0.19.8) bounds memory with fetch back-pressure, not a limiter
+# - DeepSpeed ZeRO-3 (0.19.8) bounds memory with fetch back-pressure, not a limiter
 @dataclasses.dataclass(frozen=True)
 class FetchBackpressureBound:
     """DeepSpeed ZeRO-3's own bound under the lagging device (docs/deepspeed.md).

@@ -1,13 +1,11 @@
-"""Communication/computation overlap (seed 000's ``test_fsdp_overlap``), as a base class.
-
-    class TestMyOverlap(BaseOverlapTests):   # in your tests; pytest collects Test*
-        pass
+"""Measuring communication/computation overlap (``measure_overlap``, ``check_overlap``); the
+check is ``BaseOverlapTests`` in test_overlap.py.
 
 [Note: overlap timing]
 Four ``models.Layer`` instances under a root (``limit_all_gathers=False``; on CPU also
-``forward_prefetch``, see ``overlap_config``); each layer "computes" for ``compute`` ms in forward, each all-gather is
-delayed by ``comm`` ms. Four cases -- nothing / all-gather only / compute only / both -- are
-timed (forward of iterations >= 2, after the order was recorded), interleaved round-robin
+``forward_prefetch``, see ``overlap_config``); each layer "computes" for ``compute`` ms in
+forward, each all-gather is delayed by ``comm`` ms. Four cases -- nothing / all-gather only /
+compute only / both -- are timed (forward of iterations >= 2, after the order was recorded), interleaved round-robin
 ``REPEATS`` times; each case's statistic is the minimum over repeats (Min-k: the least
 disturbed run) and the maximum over ranks (every rank decides on the same numbers, so a retry
 never leaves one rank behind). A failing measurement is repeated once before the check fails.
@@ -26,7 +24,7 @@ compute-only time over "nothing" -- ratios of measured times, never an absolute 
 An adapter issuing all-gathers with ``async_op=False`` (torch FSDP1 and FSDP2 on CPU) cannot
 overlap on CPU and skips with that reason.
 
-CUDA (nccl): the seed's shape. The all-gather is delayed on the device (``torch.cuda._sleep``
+CUDA (nccl): the all-gather is delayed on the device (``torch.cuda._sleep``
 enqueued on the issuing stream before the collective), compute is ``torch.cuda._sleep`` in
 the layer; times are device times between CUDA events on the compute stream. Assertions: the
 short case is at least 10x faster than each long case (``nothing * 10 < compute``, ``nothing *
@@ -61,7 +59,7 @@ CPU_COMPUTE_MS = 30.0
 CPU_COMM_MS = 30.0
 # CPU: overlapped extra time <= this x (communication + computation serialised)
 MAX_OVERLAP_RATIO = 0.8
-# CUDA (seed 000): compute and all-gather sleep lengths (ms), and the two ratios
+# CUDA: compute and all-gather sleep lengths (ms), and the two ratios
 CUDA_COMPUTE_MS = 20.0
 CUDA_COMM_MS = 20.0
 SHORT_TO_LONG = 10.0
@@ -312,7 +310,7 @@ def cpu_overlap_failure(times: OverlapTimes, comm_ms: float, label: str) -> str 
 
 
 def cuda_overlap_failure(times: OverlapTimes, label: str) -> str | None:
-    """Why seed 000's ratio assertions fail on ``times``, or None when they pass."""
+    """Why the CUDA ratio assertions fail on ``times``, or None when they pass."""
     problems = []
     for long_case in ("compute", Op.ALL_GATHER.value):
         long = getattr(times, long_case)

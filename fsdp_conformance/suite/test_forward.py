@@ -62,7 +62,8 @@ class BaseForwardMethodTests:
 
     @check(
         "forward.other_method",
-        "a registered method other than forward, and a nested instance's forward called alone: parameters unsharded while used, legal states, resharded after, matches DDP",
+        "a registered method other than forward, and a nested instance's forward called alone: "
+        "parameters unsharded while used, legal states, resharded after, matches DDP",
         case="suite.loop_driver.LoopCase",
         case_of=lambda variant, strategy: LoopCase("loops", strategy, variant),
     )

@@ -49,7 +49,8 @@ class BaseMetaInitTests:
 
     @check(
         "init.meta",
-        "a meta-device model materialised the implementation's way: nothing left on meta, nested instances initialised once, then loaded and trained as DDP",
+        "a meta-device model materialised the implementation's way: nothing left on meta, nested "
+        "instances initialised once, then loaded and trained as DDP",
         features=("meta_init",),
         case="wrapping: 'nested' (inner first by hand) or 'auto_wrap'",
         case_of="wrapping",

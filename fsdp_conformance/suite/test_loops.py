@@ -123,7 +123,8 @@ class BaseGradientAccumulationTests:
 
     @check(
         "loops.grad_accumulation_comm",
-        "no gradient reduction while sync is off; when it is on, every trainable instance reduces, at most once per parameter gathered in its forward",
+        "no gradient reduction while sync is off; when it is on, every trainable instance "
+        "reduces, at most once per parameter gathered in its forward",
         features=("gradient_accumulation", "comm_trace"),
         case="suite.loop_driver.LoopCase",
         case_of=lambda strategy: LoopCase("loops", strategy, "no_sync"),

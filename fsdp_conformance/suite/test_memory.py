@@ -75,7 +75,8 @@ class BaseReshardAfterForwardTests:
 
     @check(
         "memory.reshard_after_forward",
-        "with resharding after forward configured (FULL_SHARD), no unsharded parameter of a non-root instance stays alive after the model's forward",
+        "with resharding after forward configured (FULL_SHARD), no unsharded parameter of a "
+        "non-root instance stays alive after the model's forward",
         case="suite.loop_driver.LoopCase",
         case_of=lambda model_name: LoopCase(model_name, "FULL_SHARD", "reshard_after_forward"),
     )

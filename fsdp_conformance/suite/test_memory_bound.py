@@ -1,8 +1,8 @@
 """The two-instance memory bound of limit_all_gathers (``memory_bound*``; [Note: memory bound]
 in memory_bound.py, which measures).
 
-    class TestMyMemoryBound(BaseMemoryBoundTests):   # pytest collects Test* classes
-        pass
+    class TestMyMemoryBound(BaseMemoryBoundTests):   # in your tests; pytest collects Test*
+        lag_variants = ("strict",)                   # optional: fewer lagging-device variants
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from .stream_bound import StreamOrderedBound
 class BaseMemoryBoundTests:
     """Resident unsharded buffers stay within the two-instance bound (see [Note: memory bound]).
 
-    Every test runs at world size 2 on a ``ChainOfLinears`` with ``memory_bound.LAYERS`` non-root instances.
+    Every test runs at world size 2 on a ``ChainOfLinears`` with ``memory_bound.LAYERS``
+    non-root instances.
     Adapters without ``limit_all_gathers``, ``device_handle`` or ``comm_trace`` skip, naming the
     adapter and the feature.
     """
@@ -77,7 +78,8 @@ class BaseMemoryBoundTests:
 
     @check(
         "memory_bound.unlimited",
-        "without the limiter the lagging device keeps every all-gather resident (the bound check can fail)",
+        "without the limiter the lagging device keeps every all-gather resident (the bound check "
+        "can fail)",
         features=("limit_all_gathers_off",),
         case="memory_bound.BoundCase",
         case_of="unlimited_case",
@@ -86,7 +88,7 @@ class BaseMemoryBoundTests:
         self, fsdp_adapter: Adapter, dist: Any, unlimited_case: BoundCase
     ) -> None:
         # The check is only worth something if it can fail: without the limiter the CPU never
-        # waits, so every all-gather of an iteration stays resident (memory_bound.LAYERS > MAX_INFLIGHT).
+        # waits, so every all-gather of an iteration stays resident (LAYERS > MAX_INFLIGHT).
         tracker = memory_bound.measure_residency(
             fsdp_adapter, dist.group, unlimited_case.wrap_config, unlimited_case.lag
         )

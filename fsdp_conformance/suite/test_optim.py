@@ -69,7 +69,8 @@ class BaseParamGroupTests:
 
     @check(
         "optim.param_groups",
-        "optimizer parameter groups by name (no weight decay on biases and norms, one block at another learning rate): AdamW matches DDP",
+        "optimizer parameter groups by name (no weight decay on biases and norms, one block at "
+        "another learning rate): AdamW matches DDP",
         features=("param_groups",),
         case="suite.loop_driver.LoopCase",
         case_of=lambda model_name, strategy: LoopCase(model_name, strategy, "adamw_groups"),

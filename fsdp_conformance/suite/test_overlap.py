@@ -40,7 +40,7 @@ class BaseOverlapTests:
     @pytest.mark.fsdp_mode("process")
     def test_prefetch_overlaps_communication_cuda(self, fsdp_adapter: Any, dist: Any):
         if dist.device.type != "cuda":
-            pytest.skip("needs one GPU per rank (CUDA overlap check, seed 000's shape)")
+            pytest.skip("needs one GPU per rank (the CUDA overlap check)")
         adapter = fsdp_adapter
         adapter.require(Feature.LIMIT_ALL_GATHERS)
         overlap.check_overlap(adapter, dist, f"adapter {adapter.name!r}", self.retries)

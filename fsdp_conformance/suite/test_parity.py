@@ -1,4 +1,5 @@
-"""DDP parity checks (seed 002's `_test_identical_outputs`), as base classes to subclass.
+"""DDP parity checks (training, summon_full_params, state dict round trips), as base classes
+to subclass.
 
     class TestMyParity(BaseDDPParityTests):        # in your tests; pytest collects Test*
         coverage = "pairwise"                      # optional: see configs.py [Note: coverage]

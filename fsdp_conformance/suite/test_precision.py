@@ -200,7 +200,9 @@ class BasePrecisionTests:
 
     @check(
         "precision.dtypes",
-        "mixed precision observed: forward in param_dtype, reductions in reduce_dtype, fp32 shards and gradients, buffers and their state dict in the promised dtype, fp32 accumulation over many micro-batches, training within tolerance of fp32 DDP",
+        "mixed precision observed: forward in param_dtype, reductions in reduce_dtype, fp32 "
+        "shards and gradients, buffers and their state dict in the promised dtype, fp32 "
+        "accumulation over many micro-batches, training within tolerance of fp32 DDP",
         features=("mixed_precision", "mixed_precision_policy"),
         case="suite.loop_driver.LoopCase",
         case_of=lambda policy: LoopCase(MODEL, "FULL_SHARD", policy),
@@ -344,7 +346,8 @@ class BasePrecisionTests:
 
     @check(
         "precision.grad_scaler",
-        "the implementation's grad scaler with an inf gradient on one rank: every rank skips the step, the scale shrinks identically, parameters equal DDP + GradScaler's",
+        "the implementation's grad scaler with an inf gradient on one rank: every rank skips the "
+        "step, the scale shrinks identically, parameters equal DDP + GradScaler's",
         features=("grad_scaler",),
         case="suite.loop_driver.LoopCase",
         case_of=lambda: LoopCase(MODEL, "FULL_SHARD", "inf"),

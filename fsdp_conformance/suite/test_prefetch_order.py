@@ -90,7 +90,8 @@ class BasePrefetchOrderTests:
         tdist.all_gather_object(renders, rendered, group=dist.group)
         differing = [rank for rank, other in enumerate(renders) if other != renders[0]]
         assert not differing, (
-            f"adapter {fsdp_adapter.name!r}, {model_name}, {comm_checks.describe_config(config)}: the trace of "
+            f"adapter {fsdp_adapter.name!r}, {model_name}, {comm_checks.describe_config(config)}: "
+            "the trace of "
             f"rank(s) {differing} differs from rank 0's (labels or order are not stable across "
             f"ranks):\nrank 0:\n{renders[0]}\nrank {differing[0]}:\n{renders[differing[0]]}"
         )

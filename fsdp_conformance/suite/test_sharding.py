@@ -79,7 +79,8 @@ class BaseUnevenShardingTests:
 
     @check(
         "sharding.uneven",
-        "at world size 3, parameters not divisible by 3, an empty shard and a 1-element parameter train as DDP (losses, gradient shards, full parameters, full state dict)",
+        "at world size 3, parameters not divisible by 3, an empty shard and a 1-element parameter "
+        "train as DDP (losses, gradient shards, full parameters, full state dict)",
         case="suite.test_sharding.ShardingCase",
         case_of=lambda uneven_strategy: ShardingCase(UNEVEN_MODEL, uneven_strategy),
     )
@@ -139,7 +140,8 @@ class BaseHybridShardingTests:
 
     @check(
         "sharding.hybrid",
-        "hybrid sharding on a 2 x 2 mesh trains as DDP at world size 4; gradients reduce-scattered within the shard group, all-reduced across replicas",
+        "hybrid sharding on a 2 x 2 mesh trains as DDP at world size 4; gradients "
+        "reduce-scattered within the shard group, all-reduced across replicas",
         features=("hybrid_shard", "comm_trace"),
         case="suite.test_sharding.ShardingCase",
         case_of=lambda hybrid_strategy: ShardingCase(HYBRID_MODEL, hybrid_strategy),

@@ -163,7 +163,8 @@ class BaseFullStateDictTests:
 
     @check(
         "state_dict.full",
-        "the full state dict has the plain module's keys and DDP's values, loads both ways (strict, assign, via DCP on a subgroup) and trains as DDP",
+        "the full state dict has the plain module's keys and DDP's values, loads both ways "
+        "(strict, assign, via DCP on a subgroup) and trains as DDP",
         features=("full_state_dict",),
         case="suite.test_state_dict.StateDictCase",
         case_of=lambda option: StateDictCase("full", option),

@@ -51,7 +51,7 @@ class BaseTrainingStateTests:
 
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
         if "state_case" in metafunc.fixturenames:
-            # the prefetch values the adapter has (issue 19: no cell for a value it lacks)
+            # the prefetch values the adapter has (no cell for a value it lacks)
             supported = configs.dimensions_for_impl(metafunc.config.getoption("fsdp_impl", None))
             prefetches = [
                 prefetch

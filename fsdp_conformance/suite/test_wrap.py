@@ -66,7 +66,8 @@ class BaseSharedParamsTests:
 
     @check(
         "wrap.shared_across_instances",
-        "one parameter used by two instances (tied embedding and head wrapped apart): a clear error at wrap naming the parameter, or training that matches DDP",
+        "one parameter used by two instances (tied embedding and head wrapped apart): a clear "
+        "error at wrap naming the parameter, or training that matches DDP",
         case="suite.loop_driver.LoopCase",
         case_of=lambda self, strategy: LoopCase(self.model, strategy, "tied_apart"),
     )
@@ -145,7 +146,8 @@ class BaseIgnoredParamsTests:
 
     @check(
         "wrap.ignored",
-        "ignored parameters, alone and under an auto-wrap policy: registered whole on every rank, not reduced, in the state dict under their keys; the rest trains as DDP",
+        "ignored parameters, alone and under an auto-wrap policy: registered whole on every rank, "
+        "not reduced, in the state dict under their keys; the rest trains as DDP",
         features=("ignored_params",),
         case="suite.loop_driver.LoopCase",
         case_of=lambda variant, strategy: LoopCase("loops", strategy, variant),

@@ -59,7 +59,8 @@ class BaseConfigIsolationTests:
 
     @check(
         "wrap.configs_isolated",
-        "two models wrapped in one process with different configurations (mixed precision, sharding) each behave by their own and train as DDP",
+        "two models wrapped in one process with different configurations (mixed precision, "
+        "sharding) each behave by their own and train as DDP",
         case="the axis that differs: 'mixed_precision' or 'sharding'",
         case_of="axis",
     )

@@ -117,7 +117,7 @@ class TestBadInputs(BaseBadInputTests):
     pass
 
 
-# The training-loop checks (suite/loops.py, issue 21): a representative subset per class on
+# The training-loop checks (suite/test_loops.py): a representative subset per class on
 # impl and torch-fsdp2 (FULL_SHARD; the model that shows the most); `fsdp-conformance run`
 # runs every cell for every adapter.
 @pytest.fixture(params=("impl", "torch-fsdp2"))

@@ -1,5 +1,6 @@
-"""A generative differential fuzzer and its suite check (``test_generated.py``): generated models, wrap plans, configs and training programs,
-FSDP vs DDP, shrunk to a runnable reproduction (docs/fuzz.md).
+"""A generative differential fuzzer and its suite check (``test_generated.py``): generated
+models, wrap plans, configs and training programs, FSDP vs DDP, shrunk to a runnable
+reproduction (docs/fuzz.md).
 
     fsdp-conformance fuzz --impl torch-fsdp2 --examples 200 --seed 0 --out repro.py
 
