@@ -147,11 +147,6 @@ def check_for_test(class_names: Iterable[str], function_name: str) -> Check | No
     return None
 
 
-def registered_tests() -> dict[str, str]:
-    """``"BaseClass.test_method"`` -> check id, for every registered test."""
-    return {test: check.id for check in CHECKS.values() for test in check.tests}
-
-
 def verdict_of_outcome(
     outcome: str, expected_failure: bool, recorded: dict[str, str], text: str
 ) -> tuple[str, str]:
