@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_conformance import checks
-from fsdp_conformance.cli import collect
+from fsdp_conformance.cli.collect import NO_LITTER
 from fsdp_conformance.cli.common import (
     PROG,
     UsageError,
@@ -320,7 +320,7 @@ def collect(
     try:
         with _quiet():
             arguments = [
-                "--collect-only", "-qq", *collect.NO_LITTER, "-p", "no:xdist",
+                "--collect-only", "-qq", *NO_LITTER, "-p", "no:xdist",
                 "-o", "addopts=", "--pyargs", "fsdp_conformance.suite",
                 f"--fsdp-impl={impl}", f"--fsdp-world-size={world_size}",
                 f"--fsdp-coverage={coverage}",
