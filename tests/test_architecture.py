@@ -33,7 +33,6 @@ LAYER_OF: dict[str, str] = {
     "fsdp_conformance.adapters": "adapters",
     "fsdp_conformance.observe": "observe",
     "fsdp_conformance.suite": "suite",
-    "fsdp_conformance.fuzz": "suite",  # the fuzzer's old name (suite.fuzz), kept for old repros
     "fsdp_conformance.testing": "testing",
     "fsdp_conformance.plugin": "plugin",
     "fsdp_conformance.cli": "cli",

@@ -207,7 +207,8 @@ def test_the_fuzzers_old_paths_still_import():
     import fsdp_conformance.fuzz as old
     from fsdp_conformance.fuzz.repro import main
     from fsdp_conformance.fuzz.spec import FuzzCase as OldFuzzCase
+
     from fsdp_conformance.suite import fuzz
 
-    assert old.fuzz is fuzz.fuzz and main is fuzz.repro.main and OldFuzzCase is fuzz.FuzzCase
+    assert old is fuzz and main is fuzz.repro.main and OldFuzzCase is fuzz.FuzzCase
     subprocess.run([sys.executable, "-m", "fsdp_conformance.fuzz.repro"], check=True, timeout=300)
