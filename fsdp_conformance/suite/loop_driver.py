@@ -6,9 +6,8 @@ it (``steps_from``, ``accumulate_steps``) and compare (``assert_losses``, ``asse
 Parity is bit-exact (fp32, world size 2) wherever the FSDP run does the same arithmetic as DDP
 in the same order: accumulation under no_sync (each micro-batch's gradient is added locally in
 the same order, and the one reduction averages the sum; DDP's no_sync does the same), frozen
-parameters,
-activation checkpointing (the recompute repeats the same forward), forward variants and
-checkpoint/resume (Adam is elementwise; a load restores the exact bits). Measured bit-exact on
+parameters, activation checkpointing (the recompute repeats the same forward), forward variants
+and checkpoint/resume (Adam is elementwise; a load restores the exact bits). Measured bit-exact on
 torch 2.13.0 for impl, torch FSDP1 and torch FSDP2. Clipping is the exception: the global norm
 sums squares in another order (per shard, then across ranks; impl in float64), so the total norm
 differs from DDP's by a few ulps, and so does the clip coefficient ``max_norm / (norm + 1e-6)``

@@ -143,8 +143,8 @@ def _ddp_run(dist: Any, model: nn.Module, start: int = 0):
 
 
 def _subgroup_case(dist: Any, member: str) -> StateDictCase:
-    """ "first": rank 0 alone; "last": rank 1 alone (its group rank 0 is not its global rank);
-    "outside" on the rank not in the subgroup."""
+    """The subgroup's case on this rank: member "first" is rank 0 alone, "last" rank 1 alone
+    (its group rank 0 is not its global rank); "outside" on the rank not in the subgroup."""
     import torch.distributed as tdist
 
     member_rank = tdist.get_process_group_ranks(dist.group)[0 if member == "first" else -1]
