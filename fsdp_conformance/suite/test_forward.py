@@ -1,19 +1,9 @@
-"""Forward through something other than the root's ``forward`` (collected by ``--pyargs``):
-``forward.other_method``.
-
-``BaseForwardMethodTests``, on ``loops`` (trunk owned by the root; blocks and head wrapped):
-
-- ``method``: the loss comes from ``root.encode(x)`` (trunk and blocks, no head), a method
-  registered with ``adapter.register_forward_method(root, "encode")`` (FSDP2
-  ``register_fsdp_forward_method``, impl ``register_forward_method``);
-- ``nested_alone``: every other step the loss comes from the wrapped head called alone
-  (``head(x)``, not through the root), the steps between run the root's forward.
-
-While the root's own parameters are in use (a forward pre-hook on the trunk) the root must hold
-them unsharded; training states are legal at every hook (``TrainingStateRecorder``); after each
-step no instance holds unsharded parameters (FULL_SHARD); losses and full parameters after
-``STEPS`` SGD steps equal the unwrapped model's with its gradients averaged across ranks by hand
-(DDP reduces only through its own forward), bit for bit: the same arithmetic as DDP.
+"""Forward through something other than the root's ``forward`` (``forward.other_method``), on
+``loops``: a method registered with ``adapter.register_forward_method`` (``method``), and the
+wrapped head called alone every other step (``nested_alone``). The root holds its own
+parameters unsharded while they are used, states are legal at every hook, nothing stays
+unsharded after a step (FULL_SHARD), and training matches DDP's arithmetic bit for bit.
+docs/suite.md, "Optimizer groups, shared and ignored parameters, other forward methods".
 """
 
 from __future__ import annotations

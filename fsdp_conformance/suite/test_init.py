@@ -1,20 +1,10 @@
-"""Meta-device initialisation (check ``init.meta``).
-
-``BaseMetaInitTests.test_meta_init[nested|auto_wrap]`` builds the zoo's ``buffered_meta`` model
-(models/buffered.py: every parameter and buffer on the meta device) at world size 2, wraps it --
-``nested``: the blocks and the head wrapped inner first by hand, then the root; ``auto_wrap``:
-the root with an ``auto_wrap_policy`` picking the blocks -- and materialises it the
-implementation's documented way (``Adapter.materialize``: torch FSDP1 and impl while wrapping,
-``to_empty`` + ``reset_parameters()``; torch FSDP2 ``model.to_empty`` then each module's
-``reset_parameters()``). Then:
-
-- no parameter and no buffer (persistent or not) is left on the meta device;
-- every full parameter and every buffer equals the model built on the CPU, bit for bit: each
-  module was initialised exactly once (a ``SeededLinear`` initialised twice -- a nested
-  instance re-initialised by its root's materialisation -- has other values; a buffer left
-  uninitialised by ``to_empty`` holds garbage), the same on every rank (the CPU model is);
-- loaded from those reference weights (``Adapter.load_state_dict``), it trains ``STEPS`` SGD
-  steps bit-exactly as DDP (fp32, world size 2: [Note: loop tolerances] in suite/loop_driver.py).
+"""Meta-device initialisation (``init.meta``): the zoo's ``buffered_meta`` model (every
+parameter and buffer on the meta device), wrapped by hand (``nested``) or by an
+``auto_wrap_policy``, materialised the implementation's documented way
+(``Adapter.materialize``): nothing is left on meta, every parameter and buffer equals the model
+built on the CPU bit for bit (each module initialised exactly once), and loaded from those
+weights it trains ``STEPS`` SGD steps bit-exactly as DDP. docs/suite.md, "Full state dict and
+meta-device init".
 """
 
 from __future__ import annotations

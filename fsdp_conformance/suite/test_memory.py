@@ -1,14 +1,8 @@
-"""Resharding after forward, a memory check any FSDP can run (collected by ``--pyargs``).
-
-``memory.reshard_after_forward``: where resharding after forward is configured (FULL_SHARD:
-torch FSDP1's FULL_SHARD, FSDP2's ``reshard_after_forward``, fairscale's
-``reshard_after_forward=True``, DeepSpeed ZeRO-3), no unsharded parameter of a non-root instance
-stays alive once the model's forward has returned: neither held by the implementation nor saved
-for backward (it is gathered again there). The root is exempt: FSDP keeps it unsharded into
-backward, which starts right away. Seen by value and weak reference, no device handle or rate
-limiter needed ([Note: unsharded parameters by value] in ``observe/unsharded.py``).
-SHARD_GRAD_OP keeps the parameters until backward by design: the premise does not hold, so no
-cell runs for it.
+"""Resharding after forward (``memory.reshard_after_forward``): with FULL_SHARD, no unsharded
+parameter of a non-root instance stays alive once the model's forward has returned (held by the
+implementation or saved for backward); the root is exempt. Seen by value and weak reference
+([Note: unsharded parameters by value] in ``observe/unsharded.py``). SHARD_GRAD_OP keeps them
+by design: no cell runs for it. docs/suite.md, "Checks any FSDP can run".
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
-"""Optimizer parameter groups as users write them (collected by ``--pyargs``):
-``optim.param_groups``.
-
-``BaseParamGroupTests``: AdamW with weight decay, no decay on biases and norms, a tenth of the
-learning rate for one wrapped block (``loops_norm``: a LayerNorm in each wrapped block), the
+"""Optimizer parameter groups as users write them (``optim.param_groups``): AdamW with no
+weight decay on biases and norms and one wrapped block at a tenth of the learning rate, the
 groups chosen by the unwrapped model's parameter names (``adapter.optimizer(root, "adamw",
-param_groups=...)``: FSDP1 with ``use_orig_params=True``, FSDP2 natively, impl over the pieces
-of each shard). After ``STEPS`` steps losses and full parameters equal DDP's with the same
-groups bit for bit: AdamW is elementwise, so a shard updates exactly as the full parameter
-does (measured bit-exact on torch 2.13.0: impl, FSDP1, FSDP2). A group lost or merged (a bias
-decayed, the block at the full rate) moves parameters by ``lr * weight_decay * |p|`` or more
-per step, far from bit-exact.
+param_groups=...)``), trains bit for bit as DDP with the same groups (AdamW is elementwise; a
+group lost or merged moves parameters far from bit-exact). docs/suite.md, "Optimizer groups,
+shared and ignored parameters, other forward methods".
 """
 
 from __future__ import annotations

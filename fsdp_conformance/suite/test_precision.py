@@ -1,23 +1,11 @@
-"""Mixed precision as users configure it, and the sharded gradient scaler (collected by
-``--pyargs``).
-
-- ``BasePrecisionTests.test_dtypes`` (``precision.dtypes``): with ``mixed_precision``
-  (param_dtype, reduce_dtype, buffer_dtype where the adapter casts buffers) the dtypes are
-  observed, not assumed: forward pre-hooks on every ``nn.Linear`` see inputs and weights in
-  ``param_dtype``; every tensor handed to ``torch.distributed``'s reduction collectives during
-  backward is in ``reduce_dtype``; the registered (sharded) parameters and their gradients stay
-  float32; the floating-point buffers (the root's and those inside wrapped blocks) are in
-  ``buffer_dtype`` (float32 when not cast) in every forward, also after a state dict was
-  taken, and the state dict holds them in float32, the unwrapped module's dtype; the root's output is in ``output_dtype`` where one is given (FSDP2's
-  policy; not applicable where the implementation has none); training matches float32 DDP
-  within [Note: precision tolerances].
-- ``BasePrecisionTests.test_accumulation`` (``precision.dtypes``): the gradient accumulated over
-  ``MICRO_BATCHES`` micro-batches (under no_sync, or synchronising each) by one instance
-  around the whole model is no further from float32 DDP's than one micro-batch's
-  (accumulation in float32, not in a low precision).
-- ``BasePrecisionTests.test_grad_scaler`` (``precision.grad_scaler``): the adapter's
-  ``grad_scaler`` with an inf in one gradient element on one rank: every rank skips that step,
-  the scale halves identically on every rank, and the parameters equal DDP + GradScaler's.
+"""Mixed precision as users configure it, and the sharded gradient scaler (docs/suite.md,
+"Precision"): ``test_dtypes`` observes the dtypes (forward in param_dtype, reductions in
+reduce_dtype, float32 shards and gradients, buffers and their state dict, the output dtype)
+and trains within tolerance of float32 DDP; ``test_accumulation``: accumulating many
+micro-batches is no further from float32 DDP than one (float32 accumulation); both
+``precision.dtypes``. ``test_grad_scaler`` (``precision.grad_scaler``): an inf gradient on one
+rank makes every rank skip the step, the scale shrinks identically, parameters equal DDP +
+GradScaler's.
 
 [Note: precision tolerances]
 Parity with float32 DDP after ``STEPS`` SGD+momentum steps (lr 0.01) on ``loops_buffer``

@@ -1,26 +1,15 @@
-"""Sharding layouts users rely on, each against DDP: uneven and empty shards, hybrid sharding.
+"""Sharding layouts users rely on, each against DDP (docs/suite.md, "Sharding"):
 
-- ``BaseUnevenShardingTests`` (``sharding.uneven``): at world size 3 (whatever
-  ``--fsdp-world-size`` says), the zoo's ``uneven`` model (``models/uneven.py``: parameters
-  whose sizes are not divisible by 3, one of 2 elements -- an empty shard on a rank -- and one
-  of 1 element) trains as DDP does: losses and, where the adapter reads them, each rank's
-  gradient shards after every backward, the full parameters and the full state dict.
-- ``BaseHybridShardingTests`` (``sharding.hybrid``): at world size 4 on a 2 x 2 mesh (shard
-  groups {0, 1} and {2, 3}, replicate groups {0, 2} and {1, 3}) given as
-  ``process_group=(shard_group, replicate_group)``, ``HYBRID_SHARD`` and
-  ``_HYBRID_SHARD_ZERO2`` train as DDP at world size 4 does, and the collectives of each step
-  (``CommTrace(collectives=True)``) are what the configuration promises: parameters gathered
-  and gradients reduce-scattered within the shard group, gradients all-reduced across the
-  replicate group, nothing over any other group; each at least once per step and at most once
-  per reduction the instances may issue (an implementation may bucket), and every instance with
-  trainable parameters reporting a reduction, at most once per all-gather of it.
+- ``BaseUnevenShardingTests`` (``sharding.uneven``): at world size 3, the zoo's ``uneven``
+  model (sizes not divisible by 3, an empty shard, a 1-element parameter) trains as DDP:
+  losses, gradient shards where the adapter reads them, full parameters, full state dict.
+- ``BaseHybridShardingTests`` (``sharding.hybrid``): at world size 4 on a 2 x 2 mesh,
+  ``HYBRID_SHARD`` and ``_HYBRID_SHARD_ZERO2`` train as DDP, gathering and reduce-scattering
+  within the shard group, all-reducing across the replicate group, nothing over another group.
 
-Tolerances: ``test_parity.tolerance`` (bit-exact up to world size 2; at 3 and 4, ``atol = rtol =
-1e-6``: the average of 3 or 4 float32 gradients depends on the order and the splitting of the
-division -- torch FSDP1 divides by 2 before its reduce-scatter and by 1.5 after it at world size
-3, DDP by 3 -- a few ulps of values of order 1; measured on torch 2.13.0: uneven losses and
-parameters bit-exact, gradients within 1.5e-11; hybrid gradients within 6e-8, parameters
-within 1.5e-8).
+Tolerances: ``test_parity.tolerance`` (bit-exact up to world size 2; at 3 and 4 ``atol = rtol
+= 1e-6``: the average of 3 or 4 float32 gradients depends on the order and the splitting of
+the division; measured on torch 2.13.0: gradients within 6e-8, parameters within 1.5e-8).
 """
 
 from __future__ import annotations

@@ -1,35 +1,10 @@
-"""The full state dict (check ``state_dict.full``): what users save and load.
-
-``BaseFullStateDictTests`` runs the zoo's ``buffered`` model (models/buffered.py: nested
-instances, a persistent and a non-persistent buffer, odd sizes so every shard is uneven at world
-size 2) at world size 2 against DDP:
-
-- ``test_full_state_dict[default|rank0_only|offload_to_cpu]``: after training, the adapter's
-  full state dict (``Adapter.state_dict``: FSDP1 ``FULL_STATE_DICT`` with
-  ``FullStateDictConfig``, FSDP2 ``get_model_state_dict(full_state_dict=True)``, impl's own)
-  has exactly the keys of the plain module's ``state_dict()`` (no wrapper prefixes, the
-  persistent buffer included), its dtypes and DDP's values bit for bit; ``rank0_only``: the
-  other ranks get an empty dict; ``offload_to_cpu``: every tensor on the CPU. It loads with
-  ``strict=True`` into a plain module that then trains as DDP's own weights do. A default state
-  dict taken *before* training whose values are DTensors (FSDP2 documents them as views of the
-  live shards) must show the trained values.
-- ``test_mixed_precision_buffers``: under ``MixedPrecision`` with fp16 parameters, reduction and
-  buffers (fp16: fairscale casts inputs with ``.half()`` whatever its compute dtype), after a
-  forward and backward, the full state dict keeps every buffer's original dtype and its value
-  (exact, or rounded once to fp16: a cast buffer cannot give back the bits fp16 dropped) and
-  every parameter's (no step was taken: the fp32 master values).
-- ``test_load_plain_state_dict[copy|assign]``: a plain module's state dict (other values than
-  the initial ones) loaded into the freshly wrapped model before its first forward
-  (``Adapter.load_state_dict``, with ``assign=True`` the parameters are re-assigned between
-  wrapping and the first forward), which then trains as DDP from those values.
-- ``test_on_a_subgroup[first|last]``: rank 0, or rank 1 (its group rank 0 is not its global
-  rank), alone on a one-rank group, the other rank outside it: the full state dict, a load into a fresh model, and -- where the adapter checkpoints --
-  ``save_checkpoint`` / ``load_checkpoint`` (DCP's ``get_state_dict`` / ``set_state_dict`` for
-  the torch adapters) must use that group only. A collective on the world group hangs: the
-  cell's timeout (``SUBGROUP_TIMEOUT_S``) turns that into a FAIL.
-
-Every comparison is bit-exact: fp32, world size 2 (the same arithmetic as DDP, see
-``[Note: loop tolerances]`` in suite/loop_driver.py), and a state dict is a copy of the values.
+"""The full state dict (``state_dict.full``): what users save and load, on the zoo's
+``buffered`` model at world size 2 against DDP -- the plain module's keys and DDP's values
+(also ``rank0_only`` / ``offload_to_cpu``), buffers under mixed precision, a plain state dict
+loaded before the first forward (copied or assigned), and all of it on a one-rank subgroup (a
+collective on the world group hangs: ``SUBGROUP_TIMEOUT_S`` makes that a FAIL). Every
+comparison is bit-exact ([Note: loop tolerances] in loop_driver.py). The cells:
+docs/suite.md, "Full state dict and meta-device init".
 """
 
 from __future__ import annotations

@@ -1,25 +1,12 @@
-"""What wrapping promises about parameters outside the usual one-owner case (collected by
-``--pyargs``): ``wrap.shared_across_instances``, ``wrap.ignored``.
+"""What wrapping promises about parameters outside the usual one-owner case
+(docs/suite.md, "Optimizer groups, shared and ignored parameters, other forward methods"):
 
-``BaseSharedParamsTests``: ``tied_instances`` (models/tied.py) ties an embedding's weight to an
-output head's and wraps the two apart, so one parameter is used by two FSDP instances. The
-implementation either refuses the wrap, or the first forward (the root's lazy init: where FSDP2
-checks), with an error naming the shared parameter (``weight`` with one of its modules,
-``embed`` / ``head`` / ``Embedding`` / ``Linear``), or
-trains it as DDP does, bit for bit (SGD with momentum: the same arithmetic as DDP where the two
-uses' gradients are summed before the reduction; ``training.assert_same_training``). A wrap
-that succeeds and then trains the two uses as two parameters (untied) diverges from DDP and
-fails.
-
-``BaseIgnoredParamsTests``: ``loops`` with block 1's Linear parameters ignored
-(``ignored_params``; FSDP1 ``ignored_states``, FSDP2 ``ignored_params``), the root alone
-(``alone``) or with an ``auto_wrap_policy`` wrapping every block and the head (``auto_wrap``: the
-ignored parameters lie inside an auto-wrapped block). They must stay registered under their
-names as the same plain ``nn.Parameter`` objects with their full shape, on every rank; their
-gradient after the first backward must be this rank's own (bit-exact with the unwrapped model's
-local gradient: not reduced); the full state dict holds them under their own keys; and after
-``STEPS`` SGD steps losses and full parameters equal the unwrapped model's with every other
-gradient averaged across ranks by hand, bit for bit (the same arithmetic).
+- ``BaseSharedParamsTests`` (``wrap.shared_across_instances``): an embedding's weight tied to
+  an output head's, the two wrapped apart: a clear error naming the shared parameter (at wrap
+  or the first forward), or training bit-exact with DDP; trained untied, it diverges and fails.
+- ``BaseIgnoredParamsTests`` (``wrap.ignored``): ignored parameters, alone or inside an
+  auto-wrapped block, stay whole plain parameters on every rank, are not reduced, keep their
+  keys in the full state dict, and the rest trains bit-exact with DDP.
 """
 
 from __future__ import annotations

@@ -1,22 +1,9 @@
-"""Two configurations in one process (collected by ``--pyargs``).
-
-``wrap.configs_isolated``: two copies of ``nested`` are wrapped in one process, one after the
-other and before either runs, with configurations that differ on one axis; then both train
-(``STEPS`` SGD+momentum steps each). Each must behave by its own configuration, whatever the
-other one was wrapped with -- an implementation that caches per module class, or keeps its
-configuration in process-wide state, hands the second model the first one's:
-
-- ``mixed_precision``: the first model without mixed precision, the second with
-  ``param_dtype = reduce_dtype = bfloat16``. The unsharded parameters each one's forward uses
-  ([Note: unsharded parameters by value] in ``observe/unsharded.py``) are float32 in the first,
-  bfloat16 in the second; the first trains bit-exact with DDP, the second within the
-  ``parity.bf16`` tolerances (``test_parity.ATOL_BF16_PARAMS``, ``RTOL_BF16_LOSSES``).
-- ``sharding``: the first FULL_SHARD, the second SHARD_GRAD_OP. After the forward no non-root
-  instance of the first holds an unsharded parameter, while the second (which keeps them for
-  backward by design) still holds some; both train bit-exact with DDP.
-
-Both models are used in the same test: clearing a cache between tests (``on_test_end``) does
-not make an implementation pass.
+"""Two configurations in one process (``wrap.configs_isolated``): two ``nested`` models
+wrapped one after the other, differing on one axis (``mixed_precision``: float32 vs bfloat16
+unsharded parameters; ``sharding``: FULL_SHARD vs SHARD_GRAD_OP resharding after forward), then
+both trained in the same test. Each behaves by its own configuration and trains as DDP (the
+bfloat16 one within ``parity.bf16``'s tolerances): an implementation that caches per module
+class, or keeps its configuration process-wide, fails. docs/suite.md, "Checks any FSDP can run".
 """
 
 from __future__ import annotations
