@@ -17,7 +17,7 @@ One module per subcommand, each with its ``add_parser`` and handler:
   rank set of ``fsdp_conformance.world``; ``timeline`` draws with matplotlib (``cli.draw``);
 - ``cli.conformance``: ``run``'s pytest once per implementation, tabulated by ``cli.table``
   into docs/conformance.md;
-- ``cli.fuzz``: the differential fuzzer of ``fsdp_conformance.fuzz`` in one rank set, with a
+- ``cli.fuzz``: the differential fuzzer of ``fsdp_conformance.suite.fuzz`` in one rank set, with a
   progress line, the minimal counterexample and its ``repro.py``;
 - ``cli.common``: usage errors, argument types and the checks made before anything starts.
 

@@ -33,6 +33,7 @@ import tempfile
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import fsdp_conformance.suite  # noqa: F401  (importing the suite declares its checks)
 from fsdp_conformance import checks, vocab
 
 # The implementations of the table, in column order (one source: vocab.BUILTIN_ADAPTERS)

@@ -113,8 +113,12 @@ def test_a_deviation_names_the_failure_it_covers() -> None:
         Deviation("parity.ddp", "r", raises="AssertionError")
     with pytest.raises(ValueError, match="is not a regular expression"):
         Deviation("parity.ddp", "r", match="(")
-    with pytest.raises(ValueError, match="unknown check id"):
-        Deviation("parity.nope", "r")
+    from fsdp_conformance.adapters.deviations import find_deviation
+    from fsdp_conformance.suite import verdict  # noqa: F401  (the suite declares the checks)
+
+    unknown = Deviation("parity.nope", "r")  # checked when the suite matches deviations
+    with pytest.raises(ValueError, match=r"Deviation\(check='parity.nope'\): unknown check id"):
+        find_deviation((unknown,), "parity.ddp")
 
 
 _UNTRACED = '''
