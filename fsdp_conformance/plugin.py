@@ -425,23 +425,81 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
 # -----------------------------------------------------------------------------
 # Verdicts of suite checks (fsdp_conformance/checks.py, suite/verdict.py)
 
+_RESULT_KEY = pytest.StashKey[Any]()  # the item's checks.Result decided at collection
+_CHECK_KEY = pytest.StashKey[Any]()  # the item's checks.Check (None: no registered check)
+_UNRESOLVED = object()
+
 
 def _registered_check(item: pytest.Item) -> Any:
-    from fsdp_conformance import checks
+    if _CHECK_KEY not in item.stash:
+        from fsdp_conformance import checks
 
-    cls = getattr(item, "cls", None)
-    if cls is None:
+        cls = getattr(item, "cls", None)
+        names = [klass.__name__ for klass in cls.__mro__] if cls is not None else []
+        function = getattr(item, "originalname", item.name)
+        item.stash[_CHECK_KEY] = checks.check_for_test(names, function) if names else None
+    return item.stash[_CHECK_KEY]
+
+
+def _uses_session_impl(item: pytest.Item) -> bool:
+    """Whether the item's adapter is the session's ``--fsdp-impl`` (its ``fsdp_impl`` fixture is
+    this plugin's, not a test's own)."""
+    definitions = getattr(item, "_fixtureinfo", None)
+    chain = definitions.name2fixturedefs.get("fsdp_impl", ()) if definitions else ()
+    return bool(chain) and getattr(chain[-1].func, "__module__", None) == __name__
+
+
+def _session_adapter(config: pytest.Config) -> Any:
+    """The session's adapter, or None when it cannot be resolved here (its cells then run, and
+    the ranks report the adapter's error)."""
+    from fsdp_conformance.adapters import get_adapter
+
+    try:
+        return get_adapter(config.stash[STATE_KEY].impl)
+    except Exception:  # noqa: BLE001 -- resolution errors are reported by the ranks
         return None
-    names = [klass.__name__ for klass in cls.__mro__]
-    return checks.check_for_test(names, getattr(item, "originalname", item.name))
+
+
+def _not_applicable(adapter: Any, check: Any) -> Any:
+    """The not-applicable ``checks.Result`` of every cell of ``check`` on ``adapter`` (outside
+    its support range, or lacking a feature the check needs), or None."""
+    from fsdp_conformance import checks
+    from fsdp_conformance.adapters import UnsupportedFeatureError
+
+    problem = adapter.support_problem()
+    if problem is not None:
+        reason = f"adapter {adapter.name!r}: {problem}"
+        return checks.Result(check.id, checks.NOT_APPLICABLE, reason, feature="version")
+    try:
+        adapter.check(*check.features)
+    except UnsupportedFeatureError as error:
+        return checks.Result(check.id, checks.NOT_APPLICABLE, str(error), feature=error.feature)
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A cell that is not applicable to the adapter under test is skipped here, with its verdict
+    recorded: it never reaches a rank."""
+    adapter: Any = _UNRESOLVED  # resolved once, at the first registered check
+    for item in items:
+        check = _registered_check(item)
+        if check is None or not _uses_session_impl(item):
+            continue
+        if adapter is _UNRESOLVED:
+            adapter = _session_adapter(config)
+        if adapter is None:
+            return
+        result = _not_applicable(adapter, check)
+        if result is not None:
+            item.stash[_RESULT_KEY] = result
+            item.add_marker(pytest.mark.skip(reason=result.reason))
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
-    """Every report of a registered check carries its verdict as properties: the one the
-    check's cell recorded (suite/verdict.py), or, for a cell that never reached its check (a
-    fixture error, a dead or hung rank, a body outside ``verdict.cell``), the one pytest's
-    outcome implies (``checks.verdict_of_outcome``)."""
+    """Every report of a registered check carries its ``checks.Result`` as properties: the one
+    its cell recorded (or collection decided), or, for a cell that never reached its check (a
+    fixture error, a dead or hung rank), the one pytest's outcome implies."""
     from fsdp_conformance import checks
     from fsdp_conformance.world import properties
 
@@ -451,30 +509,13 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     check = _registered_check(item)
     if check is None or (report.when != "call" and report.passed):
         return report
-    recorded = {name: value for name, value in item.user_properties if name.startswith("fsdp_")}
-    verdict, reason = checks.verdict_of_outcome(
-        report.outcome, hasattr(report, "wasxfail"), recorded, _longrepr_line(report)
+    recorded = item.stash.get(_RESULT_KEY, None) or checks.Result.from_properties(
+        item.user_properties
     )
-    values = {
-        checks.PROPERTY_CHECK: check.id,
-        checks.PROPERTY_VERDICT: verdict,
-        checks.PROPERTY_REASON: reason,
-    }
-    kept = [(n, v) for n, v in item.user_properties if n not in values]
-    if verdict != recorded.get(checks.PROPERTY_VERDICT):
-        kept = [(n, v) for n, v in kept if not n.startswith("fsdp_")]
-    item.user_properties[:] = kept + list(values.items())
+    result = dataclasses.replace(
+        checks.Result.of_report(check.id, report, recorded), check=check.id
+    )
+    kept = [(n, v) for n, v in item.user_properties if not n.startswith("fsdp_")]
+    item.user_properties[:] = kept + result.properties()
     report.user_properties = list(item.user_properties)
     return report
-
-
-def _longrepr_line(report: pytest.TestReport) -> str:
-    """One line of a report's failure or skip text (a fallback reason)."""
-    longrepr = report.longrepr
-    if isinstance(longrepr, tuple) and len(longrepr) == 3:  # a skip: (file, line, reason)
-        return str(longrepr[2]).removeprefix("Skipped: ")
-    text = getattr(report, "wasxfail", "") or str(
-        getattr(longrepr, "reprcrash", None) and longrepr.reprcrash.message or longrepr or ""
-    )
-    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
-    return lines[0] if lines else ""

@@ -5,7 +5,7 @@ DeepSpeed adapter met: it owns its optimizer and backward (backward refuses to r
 suite asked the adapter for the optimizer), needs to know the root at wrap time (``_wrap``
 refuses ``root=None``), sums gradients across ranks (``grad_reduction = "sum"``: its backward
 scales the loss by the world size) and keeps no per-instance training state
-(``instance_states = False``). Before issue 19 the suite failed every one of these cells
+(``instance_states = False``). The suite once failed every one of these cells
 (``torch.optim.SGD`` built by the suite, ``wrap`` never told the root, no loss scaling, "the
 adapter reported no instance state at all"); now they pass. The coverage test checks that the
 pairwise set is built over the values an adapter supports.
@@ -23,7 +23,7 @@ from fsdp_conformance.suite import configs
 
 pytest_plugins = ["pytester"]
 
-_ADAPTER = '''
+_ADAPTER = """
 import torch
 
 from fsdp_conformance.adapters.impl import ImplAdapter
@@ -57,7 +57,7 @@ class EngineLike(ImplAdapter):
 
 
 ADAPTER = EngineLike()
-'''
+"""
 
 _CHECKS = """
 from fsdp_conformance.suite import BaseDDPParityTests, BaseTrainingStateTests
@@ -112,7 +112,12 @@ def test_coverage_pairs_the_values_the_adapter_has() -> None:
     chosen = configs.pairwise(dimensions)
     for (a, values_a), (b, values_b) in itertools.combinations(dimensions.items(), 2):
         for value_a, value_b in itertools.product(values_a, values_b):
-            assert any(c[a] == value_a and c[b] == value_b for c in chosen), (a, value_a, b, value_b)
+            assert any(c[a] == value_a and c[b] == value_b for c in chosen), (
+                a,
+                value_a,
+                b,
+                value_b,
+            )
     # every config is runnable: nothing built around a value the adapter lacks
     adapter = _NoBackwardPre()
     for config in chosen:
