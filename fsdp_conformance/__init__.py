@@ -14,6 +14,14 @@ _aliases.install(
     {
         # the fuzzer, now part of the suite (repro.py files written before import the old name)
         "fsdp_conformance.fuzz": "fsdp_conformance.suite.fuzz",
+        # the harness's modules before it was laid out by process role
+        "fsdp_conformance.world.runtime": "fsdp_conformance.world.controller",
+        "fsdp_conformance.world.report": "fsdp_conformance.world.controller",
+        "fsdp_conformance.world.protocol": "fsdp_conformance.world.wire",
+        "fsdp_conformance.world.execute": "fsdp_conformance.world.rank",
+        "fsdp_conformance.world.rank_main": "fsdp_conformance.world.rank",
+        "fsdp_conformance.world.hooks": "fsdp_conformance.world.rank",
+        "fsdp_conformance.world.procs": "fsdp_conformance.world.rankset",
     }
 )
 
