@@ -442,11 +442,16 @@ def _registered_check(item: pytest.Item) -> Any:
 
 
 def _uses_session_impl(item: pytest.Item) -> bool:
-    """Whether the item's adapter is the session's ``--fsdp-impl`` (its ``fsdp_impl`` fixture is
-    this plugin's, not a test's own)."""
+    """Whether the item's adapter is the session's ``--fsdp-impl`` (its ``fsdp_impl`` and
+    ``fsdp_adapter`` fixtures are this plugin's, not a test's own)."""
     definitions = getattr(item, "_fixtureinfo", None)
-    chain = definitions.name2fixturedefs.get("fsdp_impl", ()) if definitions else ()
-    return bool(chain) and getattr(chain[-1].func, "__module__", None) == __name__
+    if definitions is None or "fsdp_impl" not in definitions.name2fixturedefs:
+        return False
+    return all(
+        getattr(chain[-1].func, "__module__", None) == __name__
+        for name, chain in definitions.name2fixturedefs.items()
+        if name in ("fsdp_impl", "fsdp_adapter") and chain
+    )
 
 
 def _session_adapter(config: pytest.Config) -> Any:
