@@ -44,6 +44,7 @@ from torch import nn
 
 from fsdp_conformance import vocab
 from fsdp_conformance._patching import patch_attribute
+from fsdp_conformance.adapters import features as adapter_features
 from fsdp_conformance.adapters.base import clean_param_name, scoped_observer
 from fsdp_conformance.adapters.features import Feature
 from fsdp_conformance.vocab import Op
@@ -203,7 +204,7 @@ class CommTrace:
             self._phase = previous
 
     def _state(self, instance: nn.Module) -> str:
-        if not self.adapter.supports(Feature.TRAINING_STATES):
+        if not adapter_features.supports(self.adapter, Feature.TRAINING_STATES):
             return "-"  # the implementation has no training states
         try:
             return str(self.adapter.training_state(instance).value)

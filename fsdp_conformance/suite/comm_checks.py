@@ -53,7 +53,9 @@ import pytest
 import torch
 from torch import nn
 
-from fsdp_conformance.adapters import Adapter, Feature
+from fsdp_conformance.adapters import Feature
+from fsdp_conformance.adapters import features as adapter_features
+from fsdp_conformance.adapters import loop as adapter_loop
 from fsdp_conformance.observe.comm_trace import REDUCE_OPS, CommEvent, CommTrace
 from fsdp_conformance.vocab import Op
 
@@ -89,15 +91,15 @@ def trace_training(
     """
     from fsdp_conformance.adapters import Feature
 
-    adapter.require(Feature.COMM_TRACE)
+    adapter_features.skip_unless(adapter, Feature.COMM_TRACE)
     root, zoo_model = training.wrap_model(adapter, model_name, dist, config)
-    optimizer = adapter.optimizer(root, "sgd", lr=training.LR, momentum=training.MOMENTUM)
+    optimizer = adapter_loop.optimizer(adapter, root, "sgd", lr=training.LR, momentum=training.MOMENTUM)
     backward = functools.partial(training.adapter_backward, adapter, root)
     trace = CommTrace(adapter, root, compute=compute)
     with trace:
         for iteration in range(1, iterations + 1):
             no_sync = inside_no_sync is not None and inside_no_sync(iteration)
-            with adapter.no_sync(root) if no_sync else contextlib.nullcontext():
+            with adapter_loop.no_sync(adapter, root) if no_sync else contextlib.nullcontext():
                 inputs = zoo_model.get_input(dist.device)
                 with trace.phase(phase_name(iteration, "forward")):
                     loss = zoo_model.get_loss(inputs, root(*inputs))
@@ -405,10 +407,10 @@ class BaseCollectiveCountTests:
             # reduction inside; the next iteration outside reduces once per instance; the
             # accumulated gradients train exactly as DDP's no_sync does.
             config = {"sharding_strategy": strategy}
-            fsdp_adapter.require(*fsdp_adapter.features_for(**config))
-            fsdp_adapter.require(Feature.GRADIENT_ACCUMULATION)
+            adapter_features.skip_unless(fsdp_adapter, *adapter_features.wrap_features(**config))
+            adapter_features.skip_unless(fsdp_adapter, Feature.GRADIENT_ACCUMULATION)
             root, _ = training.wrap_model(fsdp_adapter, "nested", dist, config)
-            overrides_no_sync = type(fsdp_adapter).no_sync is not Adapter.no_sync
+            overrides_no_sync = adapter_loop.overrides(fsdp_adapter, "no_sync")
             if not overrides_no_sync and not callable(getattr(root, "no_sync", None)):
                 pytest.skip(
                     f"adapter {fsdp_adapter.name!r} does not support 'no_sync': its root module has "
@@ -427,7 +429,7 @@ class BaseCollectiveCountTests:
                 + trace.render()
             )
             reference = _ddp_no_sync_params(dist, no_sync_iterations=(1,))
-            actual = fsdp_adapter.full_params(root)
+            actual = adapter_loop.full_params(fsdp_adapter, root)
             training.assert_same_training(
                 f"{label}, iteration 1 inside no_sync (accumulated gradients)",
                 training.TrainingResult(torch.zeros(0), actual),

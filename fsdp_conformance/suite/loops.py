@@ -56,6 +56,8 @@ import torch
 from torch import nn
 
 from fsdp_conformance.adapters import Adapter, Feature, UnsupportedFeatureError, clean_param_name
+from fsdp_conformance.adapters import features as adapter_features
+from fsdp_conformance.adapters import loop as adapter_loop
 from fsdp_conformance.models import (
     CheckpointedModule,
     CheckpointingWrap,
@@ -113,8 +115,8 @@ def build(
             (shard_group, replicate_group) pair).
     """
     spec = zoo.MODELS[model_name]
-    adapter.require(*spec.features)
-    adapter.require(*adapter.features_for(**config))
+    adapter_features.skip_unless(adapter, *spec.features)
+    adapter_features.skip_unless(adapter, *adapter_features.wrap_features(**config))
     group = dist.group if group is None else group
     process_group = group if process_group is None else process_group
     wrap: Any = adapter.wrapper(process_group=process_group, **config)
@@ -152,8 +154,8 @@ def micro_input(zoo_model: nn.Module, device: torch.device, index: int) -> tuple
 
 def fsdp_optimizer(adapter: Any, root: nn.Module, name: str = "sgd") -> torch.optim.Optimizer:
     if name == "adam":
-        return adapter.optimizer(root, "adam", lr=ADAM_LR)
-    return adapter.optimizer(root, "sgd", lr=LR, momentum=MOMENTUM)
+        return adapter_loop.optimizer(adapter, root, "adam", lr=ADAM_LR)
+    return adapter_loop.optimizer(adapter, root, "sgd", lr=LR, momentum=MOMENTUM)
 
 
 def ddp_optimizer(model: nn.Module, name: str = "sgd") -> torch.optim.Optimizer:
@@ -180,17 +182,17 @@ class Driver:
 
     def accumulation_boundary(self, boundary: bool) -> None:
         if self.adapter is not None:
-            self.adapter.accumulation_boundary(self.model, boundary)
+            adapter_loop.accumulation_boundary(self.adapter, self.model, boundary)
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         if self.adapter is None:
             return self.model.no_sync()
-        return self.adapter.no_sync(self.model)
+        return adapter_loop.no_sync(self.adapter, self.model)
 
     def clip(self, max_norm: float, norm_type: float) -> torch.Tensor:
         if self.adapter is None:
             return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, norm_type)
-        return self.adapter.clip_grad_norm_(self.model, max_norm, norm_type)
+        return adapter_loop.clip_grad_norm_(self.adapter, self.model, max_norm, norm_type)
 
     def params(self) -> dict[str, torch.Tensor]:
         if self.adapter is None:
@@ -198,7 +200,7 @@ class Driver:
                 name: param.detach().clone()
                 for name, param in self.zoo_model.named_parameters(remove_duplicate=False)
             }
-        return self.adapter.full_params(self.model)
+        return adapter_loop.full_params(self.adapter, self.model)
 
 
 def accumulate_steps(
@@ -322,7 +324,7 @@ class BaseGradientAccumulationTests:
             adapter = fsdp_adapter
             sync_every = sync == "sync_every"
             if not sync_every:
-                adapter.require(Feature.GRADIENT_ACCUMULATION)
+                adapter_features.skip_unless(adapter, Feature.GRADIENT_ACCUMULATION)
             config = {"sharding_strategy": strategy}
             root, zoo_model = build(adapter, model_name, dist, config)
             driver = Driver(root, zoo_model, adapter)
@@ -355,7 +357,7 @@ class BaseGradientAccumulationTests:
         loop_case = LoopCase("loops", strategy, "no_sync")
         with verdict.cell(fsdp_adapter, "loops.grad_accumulation_comm", loop_case):
             adapter = fsdp_adapter
-            adapter.require(Feature.GRADIENT_ACCUMULATION, Feature.COMM_TRACE)
+            adapter_features.skip_unless(adapter, Feature.GRADIENT_ACCUMULATION, Feature.COMM_TRACE)
             root, zoo_model = build(adapter, "loops", dist, {"sharding_strategy": strategy})
             driver = Driver(root, zoo_model, adapter)
             trace = CommTrace(adapter, root)
@@ -429,7 +431,7 @@ class BaseGradientClippingTests:
         loop_case = LoopCase(model_name, strategy, variant)
         with verdict.cell(fsdp_adapter, "loops.clipping", loop_case):
             adapter = fsdp_adapter
-            adapter.require(Feature.CLIP_GRAD_NORM)
+            adapter_features.skip_unless(adapter, Feature.CLIP_GRAD_NORM)
             max_norm = CLIP_MAX_NORM[model_name]
             root, zoo_model = build(adapter, model_name, dist, {"sharding_strategy": strategy})
             fsdp = _clip_run(
@@ -512,9 +514,9 @@ class BaseFrozenParameterTests:
         with verdict.cell(fsdp_adapter, "loops.frozen", loop_case):
             adapter = fsdp_adapter
             config: dict[str, Any] = {"sharding_strategy": strategy}
-            if model_name == "loops_frozen_mixed" and adapter.supports(Feature.USE_ORIG_PARAMS):
+            if model_name == "loops_frozen_mixed" and adapter_features.supports(adapter, Feature.USE_ORIG_PARAMS):
                 config["use_orig_params"] = True
-            traced = model_name == "loops_frozen" and adapter.supports(Feature.COMM_TRACE)
+            traced = model_name == "loops_frozen" and adapter_features.supports(adapter, Feature.COMM_TRACE)
             root, zoo_model = build(adapter, model_name, dist, config)
             driver = Driver(root, zoo_model, adapter)
             initial = driver.params()
@@ -583,7 +585,7 @@ class BaseActivationCheckpointingTests:
         loop_case = LoopCase(model_name, strategy, placement)
         with verdict.cell(fsdp_adapter, "loops.activation_checkpointing", loop_case):
             adapter = fsdp_adapter
-            adapter.require(Feature.ACTIVATION_CHECKPOINTING)
+            adapter_features.skip_unless(adapter, Feature.ACTIVATION_CHECKPOINTING)
             config = {"sharding_strategy": strategy}
             root, zoo_model = build(adapter, model_name, dist, config, checkpointing=placement)
             blocks = [m for m in root.modules() if isinstance(m, CheckpointedModule)]
@@ -626,8 +628,8 @@ class BaseActivationCheckpointingTests:
             )
             reference = training.reference_run(model_name, dist)
             params = {  # names of the model without checkpointing (what DDP trained)
-                clean_param_name(name, adapter.wrapper_segments): value
-                for name, value in adapter.full_params(root).items()
+                clean_param_name(name, adapter_features.declared(adapter).wrapper_segments): value
+                for name, value in adapter_loop.full_params(adapter, root).items()
             }
             training.assert_same_training(label, training.TrainingResult(losses, params), reference)
 
@@ -663,7 +665,7 @@ class BaseForwardVariantsTests:
         loop_case = LoopCase(model, strategy, variant)
         with verdict.cell(fsdp_adapter, "loops.forward_variants", loop_case):
             adapter = fsdp_adapter
-            adapter.require(Feature.FORWARD_VARIANTS)
+            adapter_features.skip_unless(adapter, Feature.FORWARD_VARIANTS)
             model_name = "loops_branch" if variant == "unused_branch" else "loops"
             root, zoo_model = build(adapter, model_name, dist, {"sharding_strategy": strategy})
             label = f"adapter {adapter.name!r}, {model_name}, {strategy}, {variant}"
@@ -674,7 +676,7 @@ class BaseForwardVariantsTests:
                 if strategy != "FULL_SHARD":
                     return
                 for instance in adapter.instances(root)[1:]:
-                    if adapter.is_unsharded(instance):
+                    if adapter_loop.is_unsharded(adapter, instance):
                         resident.append(f"step {step}: {type(adapter.unwrap(instance)).__name__}")
 
             def after_step() -> None:
@@ -827,7 +829,7 @@ class BaseCheckpointResumeTests:
     def test_checkpoint_resume(self, fsdp_adapter: Any, dist: Any, case: ResumeCase):
         with verdict.cell(fsdp_adapter, "loops.checkpoint_resume", case):
             adapter = fsdp_adapter
-            adapter.require(Feature.CHECKPOINT_RESUME)
+            adapter_features.skip_unless(adapter, Feature.CHECKPOINT_RESUME)
             # on every rank alike, before a world the other rank waits out (no one-rank skip)
             for method in ("save_checkpoint", "load_checkpoint"):
                 if getattr(type(adapter), method) is getattr(Adapter, method):

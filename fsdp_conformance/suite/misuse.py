@@ -29,6 +29,8 @@ import torch
 from torch import nn
 
 from fsdp_conformance.adapters import Feature
+from fsdp_conformance.adapters import features as adapter_features
+from fsdp_conformance.adapters import loop as adapter_loop
 
 from . import verdict
 
@@ -116,7 +118,7 @@ class BaseExecOrderTests:
             x = torch.ones(2, WIDTH, device=dist.device)
 
             def iteration() -> None:
-                adapter.backward(model, model(x).sum())
+                adapter_loop.backward(adapter, model, model(x).sum())
 
             expect_error(
                 iteration,
@@ -181,7 +183,7 @@ class BaseBadInputTests:
                 nn.Sequential(adapter.wrap(_linear(), root=False), _linear()), root=True
             )
             x = torch.ones(2, WIDTH, device=dist.device)
-            adapter.backward(model, model(x).sum())
+            adapter_loop.backward(adapter, model, model(x).sum())
 
             def forward_inside() -> None:
                 with adapter.summon_full_params(model):
@@ -201,7 +203,7 @@ class BaseBadInputTests:
                 nn.Sequential(adapter.wrap(_linear(), root=False), _linear()), root=True
             )
             x = torch.ones(2, WIDTH, device=dist.device)
-            adapter.backward(model, model(x).sum())
+            adapter_loop.backward(adapter, model, model(x).sum())
             inner = adapter.unwrap(model)[1]
 
             def summon(*_: Any) -> None:
@@ -222,7 +224,7 @@ class BaseBadInputTests:
     def test_sync_module_states_with_different_shapes(self, fsdp_adapter: Any, dist: Any):
         with verdict.cell(fsdp_adapter, "misuse.sync_module_states_shapes"):
             adapter = fsdp_adapter
-            adapter.require(Feature.SYNC_MODULE_STATES)
+            adapter_features.skip_unless(adapter, Feature.SYNC_MODULE_STATES)
             module = nn.Sequential(_linear(), nn.Linear(WIDTH, WIDTH + dist.rank))
             expect_error(
                 lambda: adapter.wrap(module, root=True, sync_module_states=True),

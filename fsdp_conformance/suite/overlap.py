@@ -50,6 +50,8 @@ from torch import nn
 
 from fsdp_conformance._patching import patch_attribute
 from fsdp_conformance.adapters import Feature
+from fsdp_conformance.adapters import features as adapter_features
+from fsdp_conformance.adapters import loop as adapter_loop
 from fsdp_conformance.models import Layer, delay
 from fsdp_conformance.vocab import Op
 
@@ -246,7 +248,7 @@ def measure_overlap(
         wrap = adapter.wrapper(**config)
         compute_cycles = cycles if case in ("compute", "both") else 0
         model = adapter.wrap(_Chain(wrap, compute_cycles), root=True, **config)
-        optimizer = adapter.optimizer(model, "sgd", lr=0.01)
+        optimizer = adapter_loop.optimizer(adapter, model, "sgd", lr=0.01)
         models[case] = (model, optimizer)
         _iteration(model, optimizer, device, adapter)  # iteration 1: records the forward order
     times: dict[str, list[float]] = {case: [] for case in CASES}
@@ -267,7 +269,7 @@ def measure_overlap(
 
 def _iteration(model: nn.Module, optimizer: Any, device: torch.device, adapter: Any) -> None:
     optimizer.zero_grad()
-    adapter.backward(model, model(torch.ones(2, 1, device=device)).sum())
+    adapter_loop.backward(adapter, model, model(torch.ones(2, 1, device=device)).sum())
     optimizer.step()
 
 
@@ -291,7 +293,7 @@ def _timed_forward(
             elapsed = start.elapsed_time(end)
         else:
             elapsed = (time.perf_counter() - begin) * 1000.0
-    adapter.backward(model, output.sum())
+    adapter_loop.backward(adapter, model, output.sum())
     optimizer.step()
     return elapsed, log
 
@@ -340,7 +342,7 @@ def check_overlap(adapter: Any, dist: Any, label: str, retries: int = 1) -> Over
     Skips when the adapter lacks a feature of the config, or (CPU) issues its all-gathers
     synchronously.
     """
-    adapter.require(*adapter.features_for(**overlap_config(dist.device)))
+    adapter_features.skip_unless(adapter, *adapter_features.wrap_features(**overlap_config(dist.device)))
     cuda = dist.device.type == "cuda"
     compute_ms, comm_ms = (CUDA_COMPUTE_MS, CUDA_COMM_MS) if cuda else (CPU_COMPUTE_MS, CPU_COMM_MS)
     failure = None
@@ -378,7 +380,7 @@ class BaseOverlapTests:
             if dist.device.type != "cpu":
                 pytest.skip("the CPU overlap check runs on CPU ranks (gloo); this world has GPUs")
             adapter = fsdp_adapter
-            adapter.require(Feature.FORWARD_PREFETCH, Feature.LIMIT_ALL_GATHERS)
+            adapter_features.skip_unless(adapter, Feature.FORWARD_PREFETCH, Feature.LIMIT_ALL_GATHERS)
             times = check_overlap(adapter, dist, f"adapter {adapter.name!r}", self.retries)
             print(f"overlap ratio {times.cpu_ratio(CPU_COMM_MS):.3f}: {times.describe()}")
 
@@ -390,5 +392,5 @@ class BaseOverlapTests:
             if dist.device.type != "cuda":
                 pytest.skip("needs one GPU per rank (CUDA overlap check, seed 000's shape)")
             adapter = fsdp_adapter
-            adapter.require(Feature.LIMIT_ALL_GATHERS)
+            adapter_features.skip_unless(adapter, Feature.LIMIT_ALL_GATHERS)
             check_overlap(adapter, dist, f"adapter {adapter.name!r}", self.retries)

@@ -19,6 +19,7 @@ import textwrap
 import pytest
 
 from fsdp_conformance.adapters import Adapter, Feature, get_adapter
+from fsdp_conformance.adapters import features as adapter_features
 from fsdp_conformance.suite import configs
 
 pytest_plugins = ["pytester"]
@@ -117,12 +118,12 @@ def test_coverage_pairs_the_values_the_adapter_has() -> None:
     adapter = _NoBackwardPre()
     for config in chosen:
         wrap_config = {k: v for k, v in config.items() if k != "device_init" and v is not None}
-        assert adapter.supports(*adapter.features_for(**wrap_config)), config
+        assert adapter_features.supports(adapter, *adapter_features.wrap_features(**wrap_config)), config
 
 
 def test_fairscale_coverage_skips_nothing_for_a_missing_value() -> None:
     dimensions = configs.supported_dimensions(get_adapter("fairscale"))
-    if get_adapter("fairscale").unsupported_reason(Feature.FULL_SHARD) is not None:
+    if adapter_features.why_unsupported(get_adapter("fairscale"), Feature.FULL_SHARD) is not None:
         pytest.skip("fairscale is not installed")
     assert dimensions["backward_prefetch"] == (None,)
     assert "NO_SHARD" not in dimensions["sharding_strategy"]
