@@ -10,12 +10,11 @@ from . import deviations, features, loop
 
 # old method -> the module function taking the adapter first
 _FUNCTIONS = {
-    "capabilities": None,  # a property: the value
     "supports": features.supports,
     "check": features.require,
     "require": features.skip_unless,
     "unsupported_reason": features.why_unsupported,
-    "features_for": lambda adapter, **config: features.wrap_features(**config),
+    "features_for": features.wrap_features,
     "_check_values": features.require_values,
     "support_problem": features.support_problem,
     "find_deviation": deviations.find_deviation,

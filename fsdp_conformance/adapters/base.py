@@ -8,7 +8,7 @@ adapter that lacks them declares `comm_trace` / `device_handle` unsupported.
 
 [Note: observation]
 `observe(callback, instances=None)` calls `callback(op, instance, info)` for each operation an
-instance performs, *before* the operation happens: "all_gather" (issue of an unshard),
+instance performs, *before* the operation happens: "all_gather" (an unshard is issued),
 "free" (the unsharded parameters are about to be freed), "reduce_scatter" / "all_reduce"
 (gradient reduction about to be issued). `instances=None` observes every instance in this
 rank: events emitted on the thread that called `observe`, or on a thread that observes

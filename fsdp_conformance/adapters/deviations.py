@@ -29,7 +29,7 @@ import torch
 
 from fsdp_conformance.checks import CHECKS, get_check
 
-from .features import declared
+from .features import declared, stand_in
 
 # check id -> its description (the registry's, fsdp_conformance.checks.CHECKS; kept because
 # docs/adapters.md lists the ids under this name)
@@ -170,6 +170,8 @@ def delegation_chain(adapter: Any) -> list[Any]:
     """
     from .base import Adapter
 
+    if method := stand_in(adapter, "delegation_chain"):
+        return method()
     chain = [adapter]
     delegate = declared(adapter).delegates_to
     while delegate is not None and all(delegate is not seen for seen in chain):
@@ -192,8 +194,10 @@ def find_deviation(
     Raises:
         ValueError: ``check`` is not a registered check id.
     """
-    if not hasattr(adapter, "declarations"):  # a plain iterable of deviations
+    if isinstance(adapter, (tuple, list)):  # the deviations themselves
         return first_covering(adapter, check, case, error)
+    if method := stand_in(adapter, "find_deviation"):
+        return method(check, case, error)
     for link in delegation_chain(adapter):
         deviation = first_covering(declared(link).known_deviations, check, case, error)
         if deviation is not None:
@@ -203,17 +207,23 @@ def find_deviation(
 
 def deviation_reason(adapter: Any, check: str, case: Any = None) -> str | None:
     """The reason of the deviation ``adapter`` declares for ``check`` / ``case``, or None."""
+    if method := stand_in(adapter, "deviation"):
+        return method(check, case)
     deviation = find_deviation(adapter, check, case)
     return None if deviation is None else deviation.reason
 
 
 def running_versions(adapter: Any) -> str:
     """The versions of what ``adapter`` drives, e.g. ``"torch 2.13.0"``."""
+    if method := stand_in(adapter, "running_versions"):
+        return method()
     method = getattr(type(adapter), "running_versions", None)
     return method(adapter) if method is not None else f"torch {torch.__version__}"
 
 
 def deviation_text(adapter: Any, deviation: Deviation) -> str:
     """``deviation``'s reason with where it was measured and what runs now."""
+    if method := stand_in(adapter, "deviation_text"):
+        return method(deviation)
     measured = f"measured on {deviation.measured_on}; " if deviation.measured_on else ""
     return f"{deviation.reason} ({measured}running {running_versions(adapter)})"

@@ -168,7 +168,7 @@ FAIRSCALE_DEVIATIONS: tuple[Deviation, ...] = (
         match=r"does not name the problem .*got AssertionError: $",
         measured_on=_MEASURED_ON,
     ),
-    # issue 21 (suite/loops.py), measured with fairscale 0.4.13, torch 2.13.0, CPU, 2 ranks
+    # the training loops (suite/loops.py), measured with fairscale 0.4.13, torch 2.13.0, CPU
     Deviation(
         "loops.activation_checkpointing",
         "fairscale 0.4.13 FSDP fails when non-reentrant checkpoint runs around an FSDP instance "
@@ -193,8 +193,7 @@ FAIRSCALE_DEVIATIONS: tuple[Deviation, ...] = (
         match="expected to be in states",
         measured_on="fairscale 0.4.13, torch 2.13.0",
     ),
-    # issue 20 (fsdp-conformance fuzz, docs/fuzz.md): the loops.activation_checkpointing
-    # deviation above, met by a generated case
+    # the loops.activation_checkpointing deviation above, met by a generated case (docs/fuzz.md)
     Deviation(
         "fuzz.generated",
         "fairscale 0.4.13 FSDP fails when non-reentrant checkpoint runs around an FSDP instance: "

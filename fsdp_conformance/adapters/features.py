@@ -375,9 +375,29 @@ def own_member(adapter: Any, name: str) -> Any:
     return None
 
 
+def stand_in(adapter: Any, old_name: str) -> Any:
+    """For an object that plays an adapter without being one (the coverage probe of
+    cli/coverage.py), its own member `old_name` of the older protocol; None for an Adapter."""
+    if hasattr(type(adapter), "declarations"):
+        return None
+    return getattr(adapter, old_name)
+
+
+class _StandInDeclarations:
+    """`declared` of a stand-in: each field read from the stand-in itself."""
+
+    def __init__(self, adapter: Any) -> None:
+        self._adapter = adapter
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._adapter, name)
+
+
 def declared(adapter: Any) -> Declarations:
     """``adapter.declarations``, overlaid by the members of the older protocol it defines
     (``unsupported()``, ``known_deviations``, ``grad_reduction`` ...)."""
+    if not hasattr(type(adapter), "declarations"):
+        return _StandInDeclarations(adapter)  # type: ignore[return-value]
     overrides = {}
     for name, is_method in _OLD_STYLE.items():
         value = own_member(adapter, name)
@@ -390,7 +410,7 @@ def declared(adapter: Any) -> Declarations:
 def support_problem(adapter: Any) -> str | None:
     """None when the installed libraries are inside the adapter's declared support ranges, else
     one line naming the installed and the supported versions."""
-    method = own_member(adapter, "support_problem")
+    method = own_member(adapter, "support_problem") or stand_in(adapter, "support_problem")
     if method is not None:
         return method()
     return support_problem_of(declared(adapter).support)
@@ -435,6 +455,8 @@ class FeatureNotImplementedError(NotImplementedError):
 
 def why_unsupported(adapter: Any, feature: str) -> str | None:
     """Why ``adapter`` does not support ``feature``, or None when it does."""
+    if method := stand_in(adapter, "unsupported_reason"):
+        return method(feature)
     if feature not in ALL_FEATURES:
         raise ValueError(f"unknown feature {feature!r}; known: {sorted(ALL_FEATURES)}")
     return declared(adapter).unsupported.get(feature)
@@ -442,16 +464,22 @@ def why_unsupported(adapter: Any, feature: str) -> str | None:
 
 def capabilities(adapter: Any) -> frozenset[str]:
     """The features ``adapter`` supports on this host."""
+    if not hasattr(type(adapter), "declarations"):
+        return adapter.capabilities
     return ALL_FEATURES - set(declared(adapter).unsupported)
 
 
 def supports(adapter: Any, *features: str) -> bool:
     """Whether ``adapter`` supports every one of ``features``."""
+    if method := stand_in(adapter, "supports"):
+        return method(*features)
     return all(why_unsupported(adapter, feature) is None for feature in features)
 
 
 def require(adapter: Any, *features: str) -> None:
     """UnsupportedFeatureError for the first of ``features`` (sorted) ``adapter`` lacks."""
+    if method := stand_in(adapter, "check"):
+        return method(*features)
     for feature in sorted(features):
         reason = why_unsupported(adapter, feature)
         if reason is not None:
@@ -460,6 +488,8 @@ def require(adapter: Any, *features: str) -> None:
 
 def skip_unless(adapter: Any, *features: str) -> None:
     """pytest.skip naming the adapter, feature and reason unless all are supported."""
+    if method := stand_in(adapter, "require"):
+        return method(*features)
     try:
         require(adapter, *features)
     except UnsupportedFeatureError as error:
@@ -470,13 +500,18 @@ def skip_unless(adapter: Any, *features: str) -> None:
 
 def require_values(adapter: Any, config: dict[str, Any]) -> None:
     """UnsupportedFeatureError for a normalised config value ``adapter`` refuses."""
+    if method := stand_in(adapter, "_check_values"):
+        return method(config)
     for (key, value), reason in declared(adapter).unsupported_values.items():
         if key in config and config[key] == value:
             raise UnsupportedFeatureError(adapter.name, f"{key}={value!r}", reason)
 
 
-def wrap_features(**config: Any) -> frozenset[str]:
-    """The features a wrap config (``wrap``'s keywords) needs; validates the config."""
+def wrap_features(adapter: Any, **config: Any) -> frozenset[str]:
+    """The features a wrap config (``wrap``'s keywords) needs of ``adapter``; validates the
+    config."""
+    if method := stand_in(adapter, "features_for"):
+        return method(**config)
     return features_for(normalize_config(config))
 
 

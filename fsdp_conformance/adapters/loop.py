@@ -28,7 +28,7 @@ from .base import (
     delay_before_reduction,
     group_by,
 )
-from .features import Feature, declared, own_member, require
+from .features import Feature, declared, own_member, require, stand_in
 
 __all__ = [
     "EngineHooks",
@@ -226,7 +226,7 @@ HOOKS = frozenset(name for name in vars(EngineHooks) if not name.startswith("_")
 
 def _hook(adapter: Any, name: str) -> Callable[..., Any]:
     """The adapter's own hook `name`, else the plain behaviour bound to it."""
-    method = own_member(adapter, name)
+    method = own_member(adapter, name) or stand_in(adapter, name)
     return method if method is not None else getattr(EngineHooks, name).__get__(adapter)
 
 
@@ -313,7 +313,7 @@ def on_test_end(adapter: Any) -> None:
 def group_size(adapter: Any, instance: nn.Module) -> int:
     """How many ranks `instance`'s gradients are combined over: the size of the process group
     it was wrapped on (recorded by `Adapter.wrap`; the default group's for another module)."""
-    method = own_member(adapter, "group_size")
+    method = own_member(adapter, "group_size") or stand_in(adapter, "group_size")
     if method is not None:
         return method(instance)
     sizes = adapter.__dict__.get("_group_sizes", {})
@@ -323,5 +323,7 @@ def group_size(adapter: Any, instance: nn.Module) -> int:
 def assert_state(adapter: Any, instance: nn.Module, *states: RootState) -> None:
     """Call the implementation's own state assertion, `_assert_state` (needs
     `assert_state`)."""
+    if method := stand_in(adapter, "assert_state"):
+        return method(instance, *states)
     require(adapter, Feature.ASSERT_STATE)
     _primitive(adapter, "_assert_state", Feature.ASSERT_STATE)(instance, states)

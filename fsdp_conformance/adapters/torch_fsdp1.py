@@ -287,7 +287,7 @@ FSDP1_DEVIATIONS = (
         match=r"Global rank 0 is not part of group",
         measured_on="torch 2.13.0",
     ),
-    # issue 20 (fsdp-conformance fuzz, docs/fuzz.md)
+    # met by generated cases (fsdp-conformance fuzz, docs/fuzz.md)
     Deviation(
         "fuzz.generated",
         "torch FSDP1 sets the gradient of a flat parameter to None when its instance ran forward "
@@ -518,7 +518,7 @@ class TorchFSDP1Adapter(EngineHooks, Adapter):
         """Nothing: FSDP1 materialises a meta-device module while wrapping it (no
         ``param_init_fn``: ``to_empty`` + ``reset_parameters()`` of each module it manages)."""
 
-    # ------------------------------------------------------------------ training loops (issue 21)
+    # ------------------------------------------------------------------ training loops
     # no_sync() and clip_grad_norm_() are FSDP1's own methods on the root (the Adapter defaults)
     def save_checkpoint(self, model: nn.Module, optimizer: Any, directory: str) -> None:
         """FSDP1's sharded state dict (``SHARDED_STATE_DICT``) and ``FSDP.optim_state_dict``,

@@ -366,7 +366,7 @@ class TorchFSDP2Adapter(EngineHooks, Adapter):
                 pieces[name] = (start_row * (grad.numel() // grad.shape[0]), local)
         return pieces
 
-    # ------------------------------------------------------------------ training loops (issue 21)
+    # ------------------------------------------------------------------ training loops
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:
         """FSDP2's ``set_requires_gradient_sync(False)`` on every instance, restored after."""

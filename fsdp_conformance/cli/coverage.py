@@ -87,7 +87,7 @@ class _Granted:
         return all(f in self.granted or adapter_features.supports(self.adapter, f) for f in features)
 
     def features_for(self, **config: Any) -> frozenset[str]:
-        return adapter_features.wrap_features(**config)
+        return adapter_features.wrap_features(self.adapter, **config)
 
     def _check_values(self, config: dict[str, Any]) -> None:
         adapter_features.require_values(self.adapter, config)
@@ -168,7 +168,7 @@ class _ProbeWrap:
         self.config = config
 
     def __call__(self, module: Any, *, process_group: Any = None, root: Any = None, **overrides):
-        adapter_features.require(self.adapter, *adapter_features.wrap_features(**{**self.config, **overrides}))
+        adapter_features.require(self.adapter, *adapter_features.wrap_features(self.adapter, **{**self.config, **overrides}))
         return module
 
     def delay_before_reduction(self, delay: Any) -> Any:
@@ -212,7 +212,7 @@ def _static_needs(item: Any, check: checks.Check | None, adapter: Any) -> list[s
         config = getattr(value, "wrap_config", None)
         if isinstance(config, dict):
             with contextlib.suppress(Exception):
-                needs += sorted(adapter_features.wrap_features(**config))
+                needs += sorted(adapter_features.wrap_features(adapter, **config))
     return needs
 
 

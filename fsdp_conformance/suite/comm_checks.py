@@ -407,7 +407,7 @@ class BaseCollectiveCountTests:
             # reduction inside; the next iteration outside reduces once per instance; the
             # accumulated gradients train exactly as DDP's no_sync does.
             config = {"sharding_strategy": strategy}
-            adapter_features.skip_unless(fsdp_adapter, *adapter_features.wrap_features(**config))
+            adapter_features.skip_unless(fsdp_adapter, *adapter_features.wrap_features(fsdp_adapter, **config))
             adapter_features.skip_unless(fsdp_adapter, Feature.GRADIENT_ACCUMULATION)
             root, _ = training.wrap_model(fsdp_adapter, "nested", dist, config)
             overrides_no_sync = adapter_loop.overrides(fsdp_adapter, "no_sync")

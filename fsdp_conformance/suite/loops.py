@@ -116,7 +116,7 @@ def build(
     """
     spec = zoo.MODELS[model_name]
     adapter_features.skip_unless(adapter, *spec.features)
-    adapter_features.skip_unless(adapter, *adapter_features.wrap_features(**config))
+    adapter_features.skip_unless(adapter, *adapter_features.wrap_features(adapter, **config))
     group = dist.group if group is None else group
     process_group = group if process_group is None else process_group
     wrap: Any = adapter.wrapper(process_group=process_group, **config)

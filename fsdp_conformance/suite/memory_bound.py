@@ -190,7 +190,7 @@ def measure_residency(
     """
     adapter_features.skip_unless(adapter, Feature.LIMIT_ALL_GATHERS)
     adapter_features.skip_unless(adapter, Feature.DEVICE_HANDLE, Feature.COMM_TRACE)
-    adapter_features.skip_unless(adapter, *adapter_features.wrap_features(**config))
+    adapter_features.skip_unless(adapter, *adapter_features.wrap_features(adapter, **config))
     wrap = adapter.wrapper(**config)
     chain = ChainOfLinears(lambda module: wrap(module, process_group=group), layers)
     model = adapter.wrap(chain, process_group=group, root=True, **config)
@@ -261,7 +261,7 @@ def measure_cuda_forward_peaks(
 
     adapter_features.skip_unless(adapter, Feature.LIMIT_ALL_GATHERS)
     adapter_features.skip_unless(adapter, Feature.COMM_TRACE)
-    adapter_features.skip_unless(adapter, *adapter_features.wrap_features(**config))
+    adapter_features.skip_unless(adapter, *adapter_features.wrap_features(adapter, **config))
     wrap = adapter.wrapper(**config)
     chain = ChainOfLinears(
         lambda module: wrap(module, process_group=group), layers, width, device=device

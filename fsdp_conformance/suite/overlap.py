@@ -342,7 +342,7 @@ def check_overlap(adapter: Any, dist: Any, label: str, retries: int = 1) -> Over
     Skips when the adapter lacks a feature of the config, or (CPU) issues its all-gathers
     synchronously.
     """
-    adapter_features.skip_unless(adapter, *adapter_features.wrap_features(**overlap_config(dist.device)))
+    adapter_features.skip_unless(adapter, *adapter_features.wrap_features(adapter, **overlap_config(dist.device)))
     cuda = dist.device.type == "cuda"
     compute_ms, comm_ms = (CUDA_COMPUTE_MS, CUDA_COMM_MS) if cuda else (CPU_COMPUTE_MS, CPU_COMM_MS)
     failure = None

@@ -64,7 +64,7 @@ class BaseConfigIsolationTests:
             adapter = fsdp_adapter
             first, second = CONFIGS[axis]
             for config in (first, second):  # skip before wrapping either
-                adapter_features.skip_unless(adapter, *adapter_features.wrap_features(**config))
+                adapter_features.skip_unless(adapter, *adapter_features.wrap_features(adapter, **config))
             models = [training.wrap_model(adapter, self.model, dist, c) for c in (first, second)]
             probes, results = [], []
             for root, zoo_model in models:

@@ -191,11 +191,11 @@ def wrap_model(
     """
     spec = zoo.MODELS[model_name]
     adapter_features.skip_unless(adapter, *spec.features)
-    adapter_features.skip_unless(adapter, *adapter_features.wrap_features(**config))
+    adapter_features.skip_unless(adapter, *adapter_features.wrap_features(adapter, **config))
     wrap = adapter.wrapper(**config)
     zoo_model = zoo.build(model_name, dist.group, wrap, dist.device, device_init)
     root_config = {**config, **zoo_model.ROOT_WRAP_CONFIG}
-    adapter_features.skip_unless(adapter, *adapter_features.wrap_features(**root_config))
+    adapter_features.skip_unless(adapter, *adapter_features.wrap_features(adapter, **root_config))
     if DeviceInit(device_init) is DeviceInit.NEVER and dist.device.type != "cpu":
         root_config.setdefault("device_id", dist.device)  # the implementation moves it
     root = adapter.wrap(zoo_model, root=True, **root_config)

@@ -4,6 +4,7 @@ A supported key must wrap, train two steps and match DDP; an unsupported one ski
 adapter's reason. Together with test_measured_torch_facts.py this is the evidence behind the
 capability table in docs/adapters.md.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -36,7 +37,7 @@ CONFIGS = {
 def test_config_key_trains_like_ddp_or_skips(dist, adapter_name, config_id):
     adapter = get_adapter(adapter_name)
     config = CONFIGS[config_id]
-    adapter_features.skip_unless(adapter, *adapter_features.wrap_features(**config))
+    adapter_features.skip_unless(adapter, *adapter_features.wrap_features(adapter, **config))
     deviation = _declared_deviation(adapter, config)
     if deviation is None:
         _trains_like_ddp(dist, adapter, config)
@@ -76,6 +77,9 @@ def _trains_like_ddp(dist, adapter, config: dict) -> None:
     full = adapter_loop.full_params(adapter, root)
     for name, param in reference.named_parameters():
         torch.testing.assert_close(
-            full[name].float(), param.detach(), atol=tolerance, rtol=tolerance,
+            full[name].float(),
+            param.detach(),
+            atol=tolerance,
+            rtol=tolerance,
             msg=lambda message, name=name: f"{name}: {message}",
         )

@@ -1,4 +1,4 @@
-"""The built-in deepspeed adapter (issue 19): a small subset of the suite against DeepSpeed ZeRO.
+"""The built-in deepspeed adapter: a small subset of the suite against DeepSpeed ZeRO.
 
 Skipped, with the install line, when DeepSpeed is not installed (.ci/run installs the extra).
 The whole suite against it: ``fsdp-conformance run --impl deepspeed`` (docs/deepspeed.md).

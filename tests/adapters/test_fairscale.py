@@ -233,7 +233,7 @@ def test_deviation_reproductions_reproduce(tmp_path):
         for phase, peak in zip(("forward", "backward"), peaks)
     ), lines
     # every check the script reproduces is declared, and every declared check is reproduced --
-    # the training-loop deviations (issue 21) by the reproduction in their reason, which the
+    # the training-loop deviations by the reproduction in their reason, which the
     # suite's loop checks run (fsdp_conformance.suite.test_loops, their declared match)
     deviations = adapter_features.declared(get_adapter("fairscale")).known_deviations
     # (and the generated-model deviations: test_generated_model_deviations_reproduce below; the

@@ -1,4 +1,5 @@
 """Config vocabulary, feature mapping, declared capabilities and skip reasons (one process)."""
+
 from __future__ import annotations
 
 import pytest
@@ -67,8 +68,10 @@ def test_bad_config_names_the_key(config, error, match):
 
 
 def test_features_for_maps_each_config_key():
-    assert adapter_features.wrap_features() == frozenset()
+    adapter = Adapter()
+    assert adapter_features.wrap_features(adapter) == frozenset()
     assert adapter_features.wrap_features(
+        adapter,
         sharding_strategy="NO_SHARD",
         backward_prefetch=None,
         forward_prefetch=True,
@@ -89,8 +92,9 @@ def test_features_for_maps_each_config_key():
         Feature.AUTO_WRAP_POLICY,
         Feature.SYNC_MODULE_STATES,
     }
-    assert adapter_features.wrap_features(backward_prefetch="BACKWARD_PRE", forward_prefetch=False,
-                                cpu_offload=False) == {Feature.BACKWARD_PREFETCH_PRE}
+    assert adapter_features.wrap_features(
+        adapter, backward_prefetch="BACKWARD_PRE", forward_prefetch=False, cpu_offload=False
+    ) == {Feature.BACKWARD_PREFETCH_PRE}
 
 
 @cpu_only
@@ -99,7 +103,9 @@ def test_torch_fsdp1_declares_cpu_host_limits_with_reasons():
     lacking = {Feature.CPU_OFFLOAD, Feature.SYNC_MODULE_STATES, Feature.FORWARD_METHOD}
     assert set(dict(adapter_features.declared(adapter).unsupported)) == lacking
     assert "accelerator" in adapter_features.why_unsupported(adapter, Feature.CPU_OFFLOAD)
-    assert "sync_module_states" in adapter_features.why_unsupported(adapter, Feature.SYNC_MODULE_STATES)
+    assert "sync_module_states" in adapter_features.why_unsupported(
+        adapter, Feature.SYNC_MODULE_STATES
+    )
     assert "other than forward" in adapter_features.why_unsupported(adapter, Feature.FORWARD_METHOD)
     assert adapter_features.capabilities(adapter) == ALL_FEATURES - lacking
 
@@ -112,10 +118,20 @@ def test_torch_fsdp2_declares_what_fully_shard_cannot_express():
         Feature.ASSERT_STATE,
     } <= set(dict(adapter_features.declared(adapter).unsupported))
     # expressed in FSDP2's own terms (explicit prefetch lists, its own memory bound)
-    assert adapter_features.supports(adapter, Feature.FULL_SHARD, Feature.SHARD_GRAD_OP, Feature.CPU_OFFLOAD,
-                            Feature.COMM_TRACE, Feature.AUTO_WRAP_POLICY, Feature.DEVICE_HANDLE,
-                            Feature.LIMIT_ALL_GATHERS, Feature.FORWARD_PREFETCH, Feature.NO_SHARD,
-                            Feature.BACKWARD_PREFETCH_NONE, Feature.BACKWARD_PREFETCH_POST)
+    assert adapter_features.supports(
+        adapter,
+        Feature.FULL_SHARD,
+        Feature.SHARD_GRAD_OP,
+        Feature.CPU_OFFLOAD,
+        Feature.COMM_TRACE,
+        Feature.AUTO_WRAP_POLICY,
+        Feature.DEVICE_HANDLE,
+        Feature.LIMIT_ALL_GATHERS,
+        Feature.FORWARD_PREFETCH,
+        Feature.NO_SHARD,
+        Feature.BACKWARD_PREFETCH_NONE,
+        Feature.BACKWARD_PREFETCH_POST,
+    )
     for feature, reason in dict(adapter_features.declared(adapter).unsupported).items():
         assert feature in ALL_FEATURES and reason.strip(), feature
 
@@ -167,10 +183,16 @@ def test_base_adapter_optional_hooks_are_undeclared_features():
 
 def test_canonical_states_and_transitions():
     assert [state.value for state in InstanceState] == [
-        "IDLE", "FORWARD", "BACKWARD_PRE", "BACKWARD_POST", "SUMMON_FULL_PARAMS"
+        "IDLE",
+        "FORWARD",
+        "BACKWARD_PRE",
+        "BACKWARD_POST",
+        "SUMMON_FULL_PARAMS",
     ]
     assert [state.value for state in RootState] == [
-        "IDLE", "FORWARD_BACKWARD", "SUMMON_FULL_PARAMS"
+        "IDLE",
+        "FORWARD_BACKWARD",
+        "SUMMON_FULL_PARAMS",
     ]
     assert InstanceState.BACKWARD_PRE == "BACKWARD_PRE" and str(RootState.IDLE) == "IDLE"
     assert InstanceState.FORWARD in LEGAL_INSTANCE_TRANSITIONS[InstanceState.BACKWARD_PRE]  # AC

@@ -1,4 +1,4 @@
-"""Declared support ranges (issue 18) and the one place per adapter for torch internals."""
+"""Declared support ranges and the one place per adapter for torch internals."""
 
 from __future__ import annotations
 
@@ -201,7 +201,7 @@ def test_every_builtin_deviation_states_its_failure_and_where_it_was_measured(na
 
 def test_the_fsdp2_mixed_devices_deviation_does_not_hide_a_moved_internal():
     # torch 2.8 with the old adapter: an AttributeError inside this cell was reported as the
-    # declared deviation (issue 18); now only the "accepts the misuse" failure is covered
+    # declared deviation; only the "accepts the misuse" failure is covered
     deviation = adapter_deviations.find_deviation(get_adapter("torch-fsdp2"), "misuse.mixed_devices")
     crash = AttributeError("'FSDPState' object has no attribute '_fsdp_param_groups'")
     assert not deviation.covers(crash)

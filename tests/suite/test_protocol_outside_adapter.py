@@ -1,14 +1,13 @@
-"""Issue 19: the protocol fits an implementation not shaped like FSDP1 (no false failures).
+"""The protocol fits an implementation not shaped like FSDP1 (no false failures).
 
 An outside adapter (``engine_like:ADAPTER``, written by pytester) reproduces each gap the
 DeepSpeed adapter met: it owns its optimizer and backward (backward refuses to run unless the
 suite asked the adapter for the optimizer), needs to know the root at wrap time (``_wrap``
 refuses ``root=None``), sums gradients across ranks (``grad_reduction = "sum"``: its backward
 scales the loss by the world size) and keeps no per-instance training state
-(``instance_states = False``). Before issue 19 the suite failed every one of these cells
-(``torch.optim.SGD`` built by the suite, ``wrap`` never told the root, no loss scaling, "the
-adapter reported no instance state at all"); now they pass. The coverage test checks that the
-pairwise set is built over the values an adapter supports.
+(``instance_states = False``); written against the older, wider ``Adapter`` protocol, it must
+still pass every one of these cells. The coverage test checks that the pairwise set is built
+over the values an adapter supports.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ from fsdp_conformance.suite import configs
 
 pytest_plugins = ["pytester"]
 
-_ADAPTER = '''
+_ADAPTER = """
 import torch
 
 from fsdp_conformance.adapters.impl import ImplAdapter
@@ -58,7 +57,7 @@ class EngineLike(ImplAdapter):
 
 
 ADAPTER = EngineLike()
-'''
+"""
 
 _CHECKS = """
 from fsdp_conformance.suite import BaseDDPParityTests, BaseTrainingStateTests
@@ -113,12 +112,19 @@ def test_coverage_pairs_the_values_the_adapter_has() -> None:
     chosen = configs.pairwise(dimensions)
     for (a, values_a), (b, values_b) in itertools.combinations(dimensions.items(), 2):
         for value_a, value_b in itertools.product(values_a, values_b):
-            assert any(c[a] == value_a and c[b] == value_b for c in chosen), (a, value_a, b, value_b)
+            assert any(c[a] == value_a and c[b] == value_b for c in chosen), (
+                a,
+                value_a,
+                b,
+                value_b,
+            )
     # every config is runnable: nothing built around a value the adapter lacks
     adapter = _NoBackwardPre()
     for config in chosen:
         wrap_config = {k: v for k, v in config.items() if k != "device_init" and v is not None}
-        assert adapter_features.supports(adapter, *adapter_features.wrap_features(**wrap_config)), config
+        assert adapter_features.supports(
+            adapter, *adapter_features.wrap_features(adapter, **wrap_config)
+        ), config
 
 
 def test_fairscale_coverage_skips_nothing_for_a_missing_value() -> None:
