@@ -36,32 +36,15 @@ from fsdp_conformance.training_states import InstanceState, RootState
 from fsdp_conformance.vocab import Op
 
 from . import features
-from .features import (
+from .features import (  # the errors and claimed_but_not_implemented: also imported from here
     Declarations,
     Feature,
     FeatureNotImplementedError,
     UnsupportedFeatureError,
     check_process_group,
-    claimed_but_not_implemented,
+    claimed_but_not_implemented,  # noqa: F401
     normalize_config,
 )
-
-# names other modules import from here
-__all__ = [
-    "Adapter",
-    "AdapterWrap",
-    "FeatureNotImplementedError",
-    "ObserverRegistry",
-    "UnsupportedFeatureError",
-    "claimed_but_not_implemented",
-    "clean_param_name",
-    "delay_before_free",
-    "delay_before_reduction",
-    "flat_grad_pieces",
-    "group_by",
-    "require_before_first_forward",
-    "scoped_observer",
-]
 
 # callback(op, instance, info) -- see [Note: observation]
 Observer = Callable[[str, nn.Module, dict], None]

@@ -384,13 +384,14 @@ def stand_in(adapter: Any, old_name: str) -> Any:
 
 
 class _StandInDeclarations:
-    """`declared` of a stand-in: each field read from the stand-in itself."""
+    """`declared` of a stand-in: each field read from the stand-in itself (the default where
+    it has none)."""
 
     def __init__(self, adapter: Any) -> None:
         self._adapter = adapter
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._adapter, name)
+        return getattr(self._adapter, name, getattr(Declarations(), name))
 
 
 def declared(adapter: Any) -> Declarations:

@@ -24,35 +24,11 @@ from .base import (
     _group_size,
     _primitive,
     clean_param_name,
-    delay_before_free,
-    delay_before_reduction,
+    delay_before_free,  # noqa: F401 -- loop.delay_before_free/_reduction: part of the loop
+    delay_before_reduction,  # noqa: F401
     group_by,
 )
 from .features import Feature, declared, own_member, require, stand_in
-
-__all__ = [
-    "EngineHooks",
-    "accumulation_boundary",
-    "assert_state",
-    "backward",
-    "clip_grad_norm_",
-    "delay_before_free",
-    "delay_before_reduction",
-    "full_params",
-    "grad_scaler",
-    "grad_shards",
-    "group_size",
-    "is_unsharded",
-    "load_state_dict",
-    "materialize",
-    "no_sync",
-    "on_test_end",
-    "optimizer",
-    "optimizer_class",
-    "overrides",
-    "register_forward_method",
-    "state_dict",
-]
 
 _OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
 

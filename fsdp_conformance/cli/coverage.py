@@ -84,7 +84,9 @@ class _Granted:
         self.granted = granted  # features supposed implemented
 
     def supports(self, *features: str) -> bool:
-        return all(f in self.granted or adapter_features.supports(self.adapter, f) for f in features)
+        return all(
+            f in self.granted or adapter_features.supports(self.adapter, f) for f in features
+        )
 
     def features_for(self, **config: Any) -> frozenset[str]:
         return adapter_features.wrap_features(self.adapter, **config)
@@ -168,7 +170,10 @@ class _ProbeWrap:
         self.config = config
 
     def __call__(self, module: Any, *, process_group: Any = None, root: Any = None, **overrides):
-        adapter_features.require(self.adapter, *adapter_features.wrap_features(self.adapter, **{**self.config, **overrides}))
+        adapter_features.require(
+            self.adapter,
+            *adapter_features.wrap_features(self.adapter, **{**self.config, **overrides}),
+        )
         return module
 
     def delay_before_reduction(self, delay: Any) -> Any:

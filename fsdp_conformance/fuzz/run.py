@@ -193,7 +193,9 @@ def fsdp_train(adapter: Any, root: nn.Module, case: FuzzCase, dist: Any) -> Trac
     meta-device case is materialised and loaded with the CPU build's weights first."""
     if case.meta:
         adapter_loop.materialize(adapter, root, device=dist.device)
-        adapter_loop.load_state_dict(adapter, root, build_model(case.model, dist.device).state_dict())
+        adapter_loop.load_state_dict(
+            adapter, root, build_model(case.model, dist.device).state_dict()
+        )
     recorder = _recorder(adapter, root)
     optimizer = adapter_loop.optimizer(adapter, root, "sgd", lr=LR, momentum=MOMENTUM)
     with recorder if recorder is not None else contextlib.nullcontext():
@@ -207,12 +209,17 @@ def fsdp_train(adapter: Any, root: nn.Module, case: FuzzCase, dist: Any) -> Trac
             lambda loss: _backward(adapter, root, loss),
             None if recorder is None else recorder.after_step,
             lambda last: adapter_loop.accumulation_boundary(adapter, root, last),
-            lambda: adapter_loop.load_state_dict(adapter, root, adapter_loop.state_dict(adapter, root)),
+            lambda: adapter_loop.load_state_dict(
+                adapter, root, adapter_loop.state_dict(adapter, root)
+            ),
         )
     if recorder is not None:
         recorder.assert_legal()
     params = adapter_loop.full_params(adapter, root)
-    params = {clean_param_name(name, adapter_features.declared(adapter).wrapper_segments): p for name, p in params.items()}
+    params = {
+        clean_param_name(name, adapter_features.declared(adapter).wrapper_segments): p
+        for name, p in params.items()
+    }
     return Trace(values, params)
 
 

@@ -93,7 +93,9 @@ def trace_training(
 
     adapter_features.skip_unless(adapter, Feature.COMM_TRACE)
     root, zoo_model = training.wrap_model(adapter, model_name, dist, config)
-    optimizer = adapter_loop.optimizer(adapter, root, "sgd", lr=training.LR, momentum=training.MOMENTUM)
+    optimizer = adapter_loop.optimizer(
+        adapter, root, "sgd", lr=training.LR, momentum=training.MOMENTUM
+    )
     backward = functools.partial(training.adapter_backward, adapter, root)
     trace = CommTrace(adapter, root, compute=compute)
     with trace:
@@ -407,7 +409,9 @@ class BaseCollectiveCountTests:
             # reduction inside; the next iteration outside reduces once per instance; the
             # accumulated gradients train exactly as DDP's no_sync does.
             config = {"sharding_strategy": strategy}
-            adapter_features.skip_unless(fsdp_adapter, *adapter_features.wrap_features(fsdp_adapter, **config))
+            adapter_features.skip_unless(
+                fsdp_adapter, *adapter_features.wrap_features(fsdp_adapter, **config)
+            )
             adapter_features.skip_unless(fsdp_adapter, Feature.GRADIENT_ACCUMULATION)
             root, _ = training.wrap_model(fsdp_adapter, "nested", dist, config)
             overrides_no_sync = adapter_loop.overrides(fsdp_adapter, "no_sync")

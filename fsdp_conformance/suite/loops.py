@@ -514,9 +514,13 @@ class BaseFrozenParameterTests:
         with verdict.cell(fsdp_adapter, "loops.frozen", loop_case):
             adapter = fsdp_adapter
             config: dict[str, Any] = {"sharding_strategy": strategy}
-            if model_name == "loops_frozen_mixed" and adapter_features.supports(adapter, Feature.USE_ORIG_PARAMS):
+            if model_name == "loops_frozen_mixed" and adapter_features.supports(
+                adapter, Feature.USE_ORIG_PARAMS
+            ):
                 config["use_orig_params"] = True
-            traced = model_name == "loops_frozen" and adapter_features.supports(adapter, Feature.COMM_TRACE)
+            traced = model_name == "loops_frozen" and adapter_features.supports(
+                adapter, Feature.COMM_TRACE
+            )
             root, zoo_model = build(adapter, model_name, dist, config)
             driver = Driver(root, zoo_model, adapter)
             initial = driver.params()

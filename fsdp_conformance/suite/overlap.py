@@ -342,7 +342,9 @@ def check_overlap(adapter: Any, dist: Any, label: str, retries: int = 1) -> Over
     Skips when the adapter lacks a feature of the config, or (CPU) issues its all-gathers
     synchronously.
     """
-    adapter_features.skip_unless(adapter, *adapter_features.wrap_features(adapter, **overlap_config(dist.device)))
+    adapter_features.skip_unless(
+        adapter, *adapter_features.wrap_features(adapter, **overlap_config(dist.device))
+    )
     cuda = dist.device.type == "cuda"
     compute_ms, comm_ms = (CUDA_COMPUTE_MS, CUDA_COMM_MS) if cuda else (CPU_COMPUTE_MS, CPU_COMM_MS)
     failure = None
@@ -380,7 +382,9 @@ class BaseOverlapTests:
             if dist.device.type != "cpu":
                 pytest.skip("the CPU overlap check runs on CPU ranks (gloo); this world has GPUs")
             adapter = fsdp_adapter
-            adapter_features.skip_unless(adapter, Feature.FORWARD_PREFETCH, Feature.LIMIT_ALL_GATHERS)
+            adapter_features.skip_unless(
+                adapter, Feature.FORWARD_PREFETCH, Feature.LIMIT_ALL_GATHERS
+            )
             times = check_overlap(adapter, dist, f"adapter {adapter.name!r}", self.retries)
             print(f"overlap ratio {times.cpu_ratio(CPU_COMM_MS):.3f}: {times.describe()}")
 

@@ -272,7 +272,9 @@ def _params_by_clean_name(adapter: Any, root: torch.nn.Module) -> dict[str, torc
     params = {}
     for module in (adapter.unwrap(root), root):
         for name, param in module.named_parameters(remove_duplicate=False):
-            params.setdefault(clean_param_name(name, adapter_features.declared(adapter).wrapper_segments), param)
+            params.setdefault(
+                clean_param_name(name, adapter_features.declared(adapter).wrapper_segments), param
+            )
     return params
 
 

@@ -52,9 +52,13 @@ class BaseMetaInitTests:
     def test_meta_init(self, fsdp_adapter: Any, dist: Any, wrapping: str):
         adapter = fsdp_adapter
         with verdict.cell(adapter, "init.meta", wrapping):
-            adapter_features.skip_unless(adapter, Feature.META_INIT, *zoo.MODELS["buffered_meta"].features)
+            adapter_features.skip_unless(
+                adapter, Feature.META_INIT, *zoo.MODELS["buffered_meta"].features
+            )
             config = {"auto_wrap_policy": _is_block} if wrapping == "auto_wrap" else {}
-            adapter_features.skip_unless(adapter, *adapter_features.wrap_features(adapter, **config))
+            adapter_features.skip_unless(
+                adapter, *adapter_features.wrap_features(adapter, **config)
+            )
             nested = adapter.wrapper(process_group=dist.group) if wrapping == "nested" else None
             zoo_model = zoo.build("buffered_meta", dist.group, nested, dist.device)
             root = adapter.wrap(zoo_model, process_group=dist.group, root=True, **config)

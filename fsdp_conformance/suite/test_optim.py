@@ -78,7 +78,9 @@ class BaseParamGroupTests:
         ):
             adapter = fsdp_adapter
             config: dict[str, Any] = {"sharding_strategy": strategy}
-            if adapter_features.supports(adapter, Feature.USE_ORIG_PARAMS):  # FSDP1: groups need the flag
+            if adapter_features.supports(
+                adapter, Feature.USE_ORIG_PARAMS
+            ):  # FSDP1: groups need the flag
                 config["use_orig_params"] = True
             root, zoo_model = build(adapter, model_name, dist, config)
             optimizer = adapter_loop.optimizer(adapter, 

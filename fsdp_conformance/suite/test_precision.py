@@ -256,7 +256,9 @@ class BasePrecisionTests:
                 if step == 0:
                     state = adapter_loop.state_dict(adapter, root)
                     state_dtypes = {
-                        clean_param_name(k, adapter_features.declared(adapter).wrapper_segments): v.dtype
+                        clean_param_name(
+                            k, adapter_features.declared(adapter).wrapper_segments
+                        ): v.dtype
                         for k, v in state.items()
                         if isinstance(v, torch.Tensor)
                     }
@@ -327,7 +329,9 @@ class BasePrecisionTests:
                     sync_every=sync == "sync_every",
                     same_input=True,
                 )
-                errors[micro_batches] = _relative_error(adapter_loop.full_params(adapter, root), expected, before)
+                errors[micro_batches] = _relative_error(
+                    adapter_loop.full_params(adapter, root), expected, before
+                )
             one, many = errors[1], errors[self.MICRO_BATCHES]
             assert many <= GROWTH * one, (
                 f"adapter {adapter.name!r}, {ACCUMULATION_MODEL}, mixed_precision {policy}, "

@@ -238,7 +238,9 @@ def fsdp_train(
 
     losses = train(root, zoo_model, dist.device, steps, record_grads, adapter=adapter, phase=phase)
     readable = all(shards is not None for shards in grads)
-    return TrainingResult(losses, adapter_loop.full_params(adapter, root), grads if readable else None)
+    return TrainingResult(
+        losses, adapter_loop.full_params(adapter, root), grads if readable else None
+    )
 
 
 def assert_same_training(

@@ -109,8 +109,12 @@ def test_counts_match_an_independent_collection(small: dict[str, Any]) -> None:
         case
         for case in cases
         if adapter_features.supports(adapter, *zoo.MODELS[case.model].features)
-        and adapter_features.supports(adapter, *adapter_features.wrap_features(adapter, **case.wrap_config))
-        and adapter_features.supports(adapter, *adapter_features.wrap_features(adapter, **root_config.get(case.model, {})))
+        and adapter_features.supports(
+            adapter, *adapter_features.wrap_features(adapter, **case.wrap_config)
+        )
+        and adapter_features.supports(
+            adapter, *adapter_features.wrap_features(adapter, **root_config.get(case.model, {}))
+        )
     ]
     assert 0 < len(runnable) < len(cases)  # the delay models need comm_trace
     skipped = len(cases) - len(runnable)

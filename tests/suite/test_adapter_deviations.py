@@ -193,9 +193,16 @@ def test_several_deviations_of_one_check_each_cover_their_own_failure() -> None:
     adapter = _Two()
     state = ValueError("expected to be in states [IDLE]")
     mismatch = AssertionError("parameter 'w' differs from DDP's")
-    assert adapter_deviations.find_deviation(adapter, "fuzz.generated", None, state).reason.startswith("state")
-    assert adapter_deviations.find_deviation(adapter, "fuzz.generated", None, mismatch).reason.startswith("drops")
-    assert adapter_deviations.find_deviation(adapter, "fuzz.generated", None, RuntimeError("boom")) is None
+    assert adapter_deviations.find_deviation(
+        adapter, "fuzz.generated", None, state
+    ).reason.startswith("state")
+    assert adapter_deviations.find_deviation(
+        adapter, "fuzz.generated", None, mismatch
+    ).reason.startswith("drops")
+    assert (
+        adapter_deviations.find_deviation(adapter, "fuzz.generated", None, RuntimeError("boom"))
+        is None
+    )
     # without an error: the first that applies (what a cell reports when nothing failed)
     assert adapter_deviations.find_deviation(adapter, "fuzz.generated").reason.startswith("state")
 
