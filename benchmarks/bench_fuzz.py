@@ -1,6 +1,6 @@
 """Examples per second of the differential fuzzer (``fsdp-conformance fuzz``) at world size 2.
 
-Runs the fuzzing loop of ``fsdp_conformance.fuzz`` (default program size: up to 3 steps of up to
+Runs the fuzzing loop of ``fsdp_conformance.suite.fuzz`` (default program size: up to 3 steps of up to
 3 micro-batches, up to 4 nodes per container, 2 nesting levels) in one rank set per
 implementation, at a fixed seed, and reports examples per second measured inside the ranks (rank
 start-up excluded: it is paid once per run, not per example), the refused cases, and the
@@ -35,8 +35,8 @@ def harness_cost_in_rank(dist, out_file: str, rounds: int) -> None:
     """The per-example traffic of the driver (broadcast a case, gather outcomes), timed."""
     import torch.distributed as tdist
 
-    from fsdp_conformance.fuzz.run import OK, Outcome
-    from fsdp_conformance.fuzz.spec import Block, FuzzCase, ModelSpec, Seq
+    from fsdp_conformance.suite.fuzz.compare import OK, Outcome
+    from fsdp_conformance.suite.fuzz.spec import Block, FuzzCase, ModelSpec, Seq
 
     case = FuzzCase(ModelSpec(4, Seq((Block("linear", 4, 4),) * 4)))
     start = time.perf_counter()
@@ -102,7 +102,9 @@ def main() -> int:
         for impl in impls:
             out = os.path.join(workdir, f"{impl}.json")
             kwargs = {"out_file": out, "examples": args.examples, "seed": args.seed}
-            _run("fuzz_in_rank", "fsdp_conformance.fuzz.driver", kwargs, impl, args.world_size)
+            _run(
+                "fuzz_in_rank", "fsdp_conformance.suite.fuzz.driver", kwargs, impl, args.world_size
+            )
             with open(out, encoding="utf-8") as stream:
                 result = json.load(stream)
             cases = result["examples"] + result["unsupported"]

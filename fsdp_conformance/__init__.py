@@ -6,7 +6,16 @@ pytest start-up); the public names are resolved on first attribute access.
 
 from __future__ import annotations
 
+from fsdp_conformance import _aliases
 from fsdp_conformance._lazy import lazy_exports
+
+# old import paths of moved public modules (the same module objects; python -m included)
+_aliases.install(
+    {
+        # the fuzzer, now part of the suite (repro.py files written before import the old name)
+        "fsdp_conformance.fuzz": "fsdp_conformance.suite.fuzz",
+    }
+)
 
 # public name -> module that defines it
 _EXPORTS: dict[str, str] = {

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from fsdp_conformance import vocab
+from fsdp_conformance.adapters import features as adapter_features
 from fsdp_conformance.world import signals as _signals
 
 _MODES = vocab.MODES
@@ -46,7 +47,7 @@ class PluginState:
     # --fsdp-coverage: how much of a suite check's config product to run (None: the check's
     # own default, see fsdp_conformance.suite.configs)
     coverage: str | None = None
-    # fsdp_conformance.world.runtime.Runtime (starts no process until a test needs ranks)
+    # fsdp_conformance.world.controller.Runtime (starts no process until a test needs ranks)
     runtime: Any = None
     # the runtime that was active before this session (an outer session, for pytester runs)
     previous_runtime: Any = None
@@ -60,9 +61,9 @@ class PluginState:
 
     def get_runtime(self) -> Any:
         if self.runtime is None:
-            from fsdp_conformance.world import runtime
+            from fsdp_conformance.world import controller
 
-            options = runtime.RuntimeOptions(
+            options = controller.RuntimeOptions(
                 mode=self.mode,
                 timeout=self.timeout,
                 world_size=self.world_size,
@@ -70,14 +71,9 @@ class PluginState:
                 backend=self.backend,
                 after_test=(adapters_test_end,),
             )
-            if self.launcher is not None:
-                from fsdp_conformance.world.launcher import LauncherRuntime
-
-                self.runtime = LauncherRuntime(options, self.launcher)
-            else:
-                self.runtime = runtime.Runtime(options)
-            self.previous_runtime = runtime.active_runtime()
-            runtime.set_active_runtime(self.runtime, pytest_session=True)
+            self.runtime = controller.Runtime(options, launcher=self.launcher)
+            self.previous_runtime = controller.active_runtime()
+            controller.set_active_runtime(self.runtime, pytest_session=True)
         return self.runtime
 
 
@@ -184,7 +180,7 @@ def pytest_configure(config: pytest.Config) -> None:
     # FSDPTest classes (which find it through runtime.get_runtime()) use the session options.
     runtime = config.stash[STATE_KEY].get_runtime()
     if launcher_env is not None:
-        config.pluginmanager.register(launcher.LauncherPlugin(runtime), "fsdp-launcher")
+        config.pluginmanager.register(launcher.LauncherPlugin(runtime.launcher), "fsdp-launcher")
 
 
 def _validated_options(config: pytest.Config) -> dict[str, Any]:
@@ -193,7 +189,7 @@ def _validated_options(config: pytest.Config) -> dict[str, Any]:
     Raises:
         pytest.UsageError: one line naming the option or variable and what it accepts.
     """
-    from fsdp_conformance.world import runtime
+    from fsdp_conformance.world import controller as runtime
 
     def pick(option: str, env: str, default: Any) -> tuple[Any, str]:
         value = config.getoption(option)
@@ -252,12 +248,12 @@ def pytest_unconfigure(config: pytest.Config) -> None:
             os.environ[vocab.ENV_ACCEPT_GOLDENS] = state.previous_accept
         state.accepting_goldens = False
     if state is not None and state.runtime is not None:
-        from fsdp_conformance.world import runtime
+        from fsdp_conformance.world import controller
 
         state.runtime.close()
-        if runtime.active_runtime()[0] is state.runtime:
+        if controller.active_runtime()[0] is state.runtime:
             previous, was_pytest = state.previous_runtime or (None, False)
-            runtime.set_active_runtime(previous, pytest_session=was_pytest)
+            controller.set_active_runtime(previous, pytest_session=was_pytest)
         state.runtime = None
 
 
@@ -290,12 +286,12 @@ def _mode(item: pytest.Item, state: PluginState) -> str:
 
 
 def _timeout(item: pytest.Item, state: PluginState) -> float:
-    from fsdp_conformance.world import runtime
+    from fsdp_conformance.world import controller
 
     value = _marker_arg(item, "fsdp_timeout", state.timeout)
     try:
-        return runtime.parse_timeout(value, "fsdp_timeout marker")
-    except runtime.OptionError as error:
+        return controller.parse_timeout(value, "fsdp_timeout marker")
+    except controller.OptionError as error:
         raise pytest.UsageError(f"{item.nodeid}: {error}") from None
 
 
@@ -339,7 +335,7 @@ def fsdp_adapter(fsdp_impl: str, dist: Any) -> Any:
     depending on it would get the ``InRank``). Override ``fsdp_impl`` (a fixture returning the
     adapter name, e.g. ``"mypkg.mod:ADAPTER"``) to point a test class at another adapter.
     """
-    from fsdp_conformance.world.protocol import InRank
+    from fsdp_conformance.world.wire import InRank
 
     return InRank(resolve_adapter, fsdp_impl)
 
@@ -355,7 +351,7 @@ def fsdp_coverage(request: pytest.FixtureRequest) -> str | None:
 
 
 def _target(item: pytest.Function) -> Any:
-    from fsdp_conformance.world.protocol import TestTarget
+    from fsdp_conformance.world.wire import TestTarget
 
     module = item.module
     class_path: list[str] = []
@@ -384,22 +380,15 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     # also tests that get `dist` only through another fixture run in the ranks
     if "dist" not in pyfuncitem.fixturenames:
         return None
-    from fsdp_conformance.world import runtime as runtime_module
-    from fsdp_conformance.world.execute import build_kwargs
-    from fsdp_conformance.world.protocol import FAILED, SKIPPED, XFAILED
+    from fsdp_conformance.world import controller
+    from fsdp_conformance.world.wire import FAILED, SKIPPED, XFAILED
 
     state = pyfuncitem.config.stash[STATE_KEY]
     runtime = state.get_runtime()
     world_size = _world_size(pyfuncitem, state)
     argnames = pyfuncitem._fixtureinfo.argnames
     kwargs = {name: pyfuncitem.funcargs[name] for name in argnames if name != "dist"}
-    wants_dist = "dist" in argnames
-    function = pyfuncitem.obj
-
-    def thread_body(ctx: Any) -> None:
-        function(**build_kwargs(kwargs, ctx, wants_dist))
-
-    request = runtime_module.TestRequest(
+    request = controller.TestRequest(
         target=_target(pyfuncitem),
         kwargs=kwargs,
         test_id=pyfuncitem.nodeid,
@@ -407,12 +396,12 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         mode=_mode(pyfuncitem, state),
         timeout=_timeout(pyfuncitem, state),
         gpus=_gpus_needed(pyfuncitem, world_size),
-        thread_body=thread_body,
-        wants_dist=wants_dist,
+        function=pyfuncitem.obj,
+        wants_dist="dist" in argnames,
     )
     try:
         result = runtime.run(request)
-    except runtime_module.FixtureNotPicklable as exc:
+    except controller.FixtureNotPicklable as exc:
         not_picklable = str(exc)
     else:
         not_picklable = None
@@ -437,23 +426,81 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
 # -----------------------------------------------------------------------------
 # Verdicts of suite checks (fsdp_conformance/checks.py, suite/verdict.py)
 
+_RESULT_KEY = pytest.StashKey[Any]()  # the item's checks.Result decided at collection
+_CHECK_KEY = pytest.StashKey[Any]()  # the item's checks.Check (None: no registered check)
+_UNRESOLVED = object()
+
 
 def _registered_check(item: pytest.Item) -> Any:
-    from fsdp_conformance import checks
+    if _CHECK_KEY not in item.stash:
+        from fsdp_conformance import checks
 
-    cls = getattr(item, "cls", None)
-    if cls is None:
+        cls = getattr(item, "cls", None)
+        names = [klass.__name__ for klass in cls.__mro__] if cls is not None else []
+        function = getattr(item, "originalname", item.name)
+        item.stash[_CHECK_KEY] = checks.check_for_test(names, function) if names else None
+    return item.stash[_CHECK_KEY]
+
+
+def _uses_session_impl(item: pytest.Item) -> bool:
+    """Whether the item's adapter is the session's ``--fsdp-impl`` (its ``fsdp_impl`` fixture is
+    this plugin's, not a test's own)."""
+    definitions = getattr(item, "_fixtureinfo", None)
+    chain = definitions.name2fixturedefs.get("fsdp_impl", ()) if definitions else ()
+    return bool(chain) and getattr(chain[-1].func, "__module__", None) == __name__
+
+
+def _session_adapter(config: pytest.Config) -> Any:
+    """The session's adapter, or None when it cannot be resolved here (its cells then run, and
+    the ranks report the adapter's error)."""
+    from fsdp_conformance.adapters import get_adapter
+
+    try:
+        return get_adapter(config.stash[STATE_KEY].impl)
+    except Exception:  # noqa: BLE001 -- resolution errors are reported by the ranks
         return None
-    names = [klass.__name__ for klass in cls.__mro__]
-    return checks.check_for_test(names, getattr(item, "originalname", item.name))
+
+
+def _not_applicable(adapter: Any, check: Any) -> Any:
+    """The not-applicable ``checks.Result`` of every cell of ``check`` on ``adapter`` (outside
+    its support range, or lacking a feature the check needs), or None."""
+    from fsdp_conformance import checks
+    from fsdp_conformance.adapters import UnsupportedFeatureError
+
+    problem = adapter_features.support_problem(adapter)
+    if problem is not None:
+        reason = f"adapter {adapter.name!r}: {problem}"
+        return checks.Result(check.id, checks.NOT_APPLICABLE, reason, feature="version")
+    try:
+        adapter_features.require(adapter, *check.features)
+    except UnsupportedFeatureError as error:
+        return checks.Result(check.id, checks.NOT_APPLICABLE, str(error), feature=error.feature)
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A cell that is not applicable to the adapter under test is skipped here, with its verdict
+    recorded: it never reaches a rank."""
+    adapter: Any = _UNRESOLVED  # resolved once, at the first registered check
+    for item in items:
+        check = _registered_check(item)
+        if check is None or not _uses_session_impl(item):
+            continue
+        if adapter is _UNRESOLVED:
+            adapter = _session_adapter(config)
+        if adapter is None:
+            return
+        result = _not_applicable(adapter, check)
+        if result is not None:
+            item.stash[_RESULT_KEY] = result
+            item.add_marker(pytest.mark.skip(reason=result.reason))
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
-    """Every report of a registered check carries its verdict as properties: the one the
-    check's cell recorded (suite/verdict.py), or, for a cell that never reached its check (a
-    fixture error, a dead or hung rank, a body outside ``verdict.cell``), the one pytest's
-    outcome implies (``checks.verdict_of_outcome``)."""
+    """Every report of a registered check carries its ``checks.Result`` as properties: the one
+    its cell recorded (or collection decided), or, for a cell that never reached its check (a
+    fixture error, a dead or hung rank), the one pytest's outcome implies."""
     from fsdp_conformance import checks
     from fsdp_conformance.world import properties
 
@@ -463,30 +510,13 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     check = _registered_check(item)
     if check is None or (report.when != "call" and report.passed):
         return report
-    recorded = {name: value for name, value in item.user_properties if name.startswith("fsdp_")}
-    verdict, reason = checks.verdict_of_outcome(
-        report.outcome, hasattr(report, "wasxfail"), recorded, _longrepr_line(report)
+    recorded = item.stash.get(_RESULT_KEY, None) or checks.Result.from_properties(
+        item.user_properties
     )
-    values = {
-        checks.PROPERTY_CHECK: check.id,
-        checks.PROPERTY_VERDICT: verdict,
-        checks.PROPERTY_REASON: reason,
-    }
-    kept = [(n, v) for n, v in item.user_properties if n not in values]
-    if verdict != recorded.get(checks.PROPERTY_VERDICT):
-        kept = [(n, v) for n, v in kept if not n.startswith("fsdp_")]
-    item.user_properties[:] = kept + list(values.items())
+    result = dataclasses.replace(
+        checks.Result.of_report(check.id, report, recorded), check=check.id
+    )
+    kept = [(n, v) for n, v in item.user_properties if not n.startswith("fsdp_")]
+    item.user_properties[:] = kept + result.properties()
     report.user_properties = list(item.user_properties)
     return report
-
-
-def _longrepr_line(report: pytest.TestReport) -> str:
-    """One line of a report's failure or skip text (a fallback reason)."""
-    longrepr = report.longrepr
-    if isinstance(longrepr, tuple) and len(longrepr) == 3:  # a skip: (file, line, reason)
-        return str(longrepr[2]).removeprefix("Skipped: ")
-    text = getattr(report, "wasxfail", "") or str(
-        getattr(longrepr, "reprcrash", None) and longrepr.reprcrash.message or longrepr or ""
-    )
-    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
-    return lines[0] if lines else ""

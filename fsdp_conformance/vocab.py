@@ -41,7 +41,7 @@ ENV_ACCEPT_GOLDENS = "FSDP_CONFORMANCE_ACCEPT_GOLDENS"
 # ``--fsdp-launcher``: whether tests run in place in the processes of an external launcher
 # (torchrun) instead of in ranks the plugin spawns
 ENV_LAUNCHER = "FSDP_CONFORMANCE_LAUNCHER"
-# issue 18: "1" lifts the upper end of the built-in adapters' tested version ranges
+# "1" lifts the upper end of the built-in adapters' tested version ranges
 ENV_UNTESTED_VERSIONS = "FSDP_CONFORMANCE_UNTESTED_VERSIONS"
 LAUNCHERS = ("auto", "torchrun", "none")
 

@@ -1,4 +1,4 @@
-"""The model zoo (`fsdp_conformance.models`): seed 000's FSDP test models, implementation-free.
+"""The model zoo (`fsdp_conformance.models`): FSDP test models, implementation-free.
 
 Every model takes the process group and a `wrap` callable (`wrap(module, **overrides)`; None =
 the unwrapped reference), is seeded without the global RNG, and has `get_input(device)`,

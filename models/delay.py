@@ -14,7 +14,7 @@ import time
 
 import torch
 
-# `Layer(compute_cycles, ...)` speaks in GPU sleep cycles (seed 000's overlap test). On CPU a cycle
+# `Layer(compute_cycles, ...)` speaks in GPU sleep cycles (the CUDA overlap check's). On CPU a cycle
 # count is turned into wall time with this nominal clock (1 GHz): 1e6 cycles = 1 ms.
 NOMINAL_CPU_CYCLES_PER_MS = 1_000_000.0
 

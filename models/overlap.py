@@ -1,4 +1,4 @@
-"""Layer: the building block of the overlap check (seed 000's `test_fsdp_overlap`).
+"""Layer: the building block of the overlap check (a Linear that sleeps a set time in forward).
 
 A layer that "computes" for `compute_cycles` GPU sleep cycles (on CPU: the same time at the
 nominal 1 GHz clock of `delay.NOMINAL_CPU_CYCLES_PER_MS`, by sleeping) and optionally owns one

@@ -33,7 +33,6 @@ LAYER_OF: dict[str, str] = {
     "fsdp_conformance.adapters": "adapters",
     "fsdp_conformance.observe": "observe",
     "fsdp_conformance.suite": "suite",
-    "fsdp_conformance.fuzz": "suite",  # the generative fuzzer (issue 20): checks, like suite
     "fsdp_conformance.testing": "testing",
     "fsdp_conformance.plugin": "plugin",
     "fsdp_conformance.cli": "cli",
@@ -194,7 +193,11 @@ def test_the_documented_rule_is_this_rule():
             "import importlib\nm = importlib.import_module('fsdp_conformance.suite.zoo')\n",
             "(suite)",
         ),
-        ("world/bad.py", "import sys\nb = sys.modules['fsdp_conformance.adapters.base']\n", "(adapters)"),
+        (
+            "world/bad.py",
+            "import sys\nb = sys.modules['fsdp_conformance.adapters.base']\n",
+            "(adapters)",
+        ),
         ("impl/good.py", "from fsdp_conformance import vocab\nfrom . import state\n", None),
         ("adapters/good.py", "from fsdp_conformance.impl import device\nimport torch\n", None),
     ],

@@ -1,4 +1,5 @@
-"""The check registry (fsdp_conformance/checks.py) and the suite keep in step, both ways."""
+"""The check registry (fsdp_conformance/checks.py) and the suite keep in step, both ways; the
+suite declares its checks where it writes them (``fsdp_conformance.suite.check``)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ import inspect
 
 import pytest
 
-from fsdp_conformance import checks
+import fsdp_conformance.suite  # noqa: F401  (the suite declares the checks)
+from fsdp_conformance import checks, vocab
+from fsdp_conformance.suite import check
 
 
 def suite_base_classes(module) -> dict[str, type]:
@@ -22,13 +25,13 @@ def registry_problems(registry: dict[str, checks.Check], bases: dict[str, type])
     """Registered tests missing from the suite, and suite tests no check registers."""
     problems = []
     registered = set()
-    for check in registry.values():
-        for test in check.tests:
+    for declared in registry.values():
+        for test in declared.tests:
             registered.add(test)
             class_name, _, method = test.rpartition(".")
             base = bases.get(class_name)
             if base is None or not callable(getattr(base, method, None)):
-                problems.append(f"check {check.id!r} names {test}, which the suite lacks")
+                problems.append(f"check {declared.id!r} names {test}, which the suite lacks")
     for name, base in bases.items():
         for method in dir(base):
             if method.startswith("test_") and f"{name}.{method}" not in registered:
@@ -75,6 +78,58 @@ def test_ids_are_unique_and_lookups_explain_themselves():
     )
     assert found is not None and found.id == "misuse.wrap_twice"
     assert checks.check_for_test(["Other"], "test_wrapping_a_module_twice") is None
+
+
+def test_check_of_reads_the_check_from_the_test_function():
+    from fsdp_conformance.suite import BaseBadInputTests, BaseMemoryBoundTests
+
+    class TestBadInputs(BaseBadInputTests):
+        pass
+
+    found = checks.check_of(TestBadInputs.test_wrapping_a_module_twice)
+    assert found is not None and found.id == "misuse.wrap_twice"
+    assert found.tests == ("BaseBadInputTests.test_wrapping_a_module_twice",)
+    bound = checks.check_of(BaseMemoryBoundTests.test_shard_grad_op_keeps_backward_within_bound)
+    assert bound is checks.CHECKS["memory_bound"] and len(bound.tests) == 2
+    assert checks.check_of(test_check_of_reads_the_check_from_the_test_function) is None
+
+
+def test_the_decorator_refuses_what_it_cannot_register(monkeypatch):
+    monkeypatch.setattr(checks, "CHECKS", dict(checks.CHECKS))
+
+    class _Fake:
+        def test_a(self, fsdp_adapter, dist, strategy):
+            pass
+
+    with pytest.raises(
+        ValueError, match="'nope.first' .*is not declared yet; give its description"
+    ):
+        check("nope.first")(_Fake.test_a)
+    with pytest.raises(ValueError, match="'parity.ddp' is declared twice, differently"):
+        check("parity.ddp", "another promise")(_Fake.test_a)
+    with pytest.raises(ValueError, match="options belong to its first declaration"):
+        check("parity.ddp", strict=False)(_Fake.test_a)
+    with pytest.raises(TypeError, match="case_of names \\['case'\\], which the test does not"):
+        check("x.case", "promise", case_of="case")(_Fake.test_a)
+
+    def test_without_adapter(self, dist):
+        pass
+
+    with pytest.raises(TypeError, match="takes the fsdp_adapter fixture"):
+        check("x.adapter", "promise")(test_without_adapter)
+    declared = check("x.ok", "promise", case_of=lambda strategy: strategy.lower())(_Fake.test_a)
+    assert checks.check_of(declared).tests == (
+        "test_the_decorator_refuses_what_it_cannot_register.<locals>._Fake.test_a",
+    )
+    assert inspect.signature(declared) == inspect.signature(_Fake.test_a)  # pytest's fixtures
+
+
+def test_every_builtin_deviation_names_a_declared_check():
+    from fsdp_conformance.adapters import get_adapter
+
+    for name in vocab.BUILTIN_ADAPTERS:  # the suite checks each when it matches deviations
+        for deviation in type(get_adapter(name)).known_deviations:
+            assert deviation.check in checks.CHECKS, (name, deviation.check)
 
 
 def test_the_old_check_ids_name_is_the_registry():

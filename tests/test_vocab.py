@@ -40,7 +40,8 @@ def test_modules_reuse_the_vocabulary():
     from fsdp_conformance.impl import runtime as impl_runtime
     from fsdp_conformance.observe import comm_trace
     from fsdp_conformance.suite import configs, memory_bound
-    from fsdp_conformance.world import gpus, rank_main, runtime
+    from fsdp_conformance.world import controller as runtime
+    from fsdp_conformance.world import gpus
 
     pairs = [
         (plugin.COVERAGES, vocab.COVERAGES),
@@ -53,7 +54,6 @@ def test_modules_reuse_the_vocabulary():
         (runtime.ENV_TIMEOUT, vocab.ENV_TIMEOUT),
         (runtime.ENV_BACKEND, vocab.ENV_BACKEND),
         (gpus.ENV_FAKE_GPUS, vocab.ENV_FAKE_GPUS),
-        (rank_main.ENV_FAKE_GPUS, vocab.ENV_FAKE_GPUS),
         (gpus.ENV_LOCK_DIR, vocab.ENV_GPU_LOCK_DIR),
         (collect.ENV_RESULTS, vocab.ENV_CLI_RESULTS),
         (impl_runtime.RATE_LIMITER_RANGE, vocab.RATE_LIMITER_RANGE),

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -31,9 +31,23 @@ from fsdp_conformance.checks import CHECKS, get_check
 
 from .features import declared, stand_in
 
-# check id -> its description (the registry's, fsdp_conformance.checks.CHECKS; kept because
-# docs/adapters.md lists the ids under this name)
-CHECK_IDS: dict[str, str] = {check.id: check.description for check in CHECKS.values()}
+
+class _CheckIds(Mapping[str, str]):
+    """Check id -> its description, read live from ``fsdp_conformance.checks.CHECKS`` (which
+    the suite fills when imported)."""
+
+    def __getitem__(self, check_id: str) -> str:
+        return CHECKS[check_id].description
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(CHECKS)
+
+    def __len__(self) -> int:
+        return len(CHECKS)
+
+
+# check id -> its description (kept because docs/adapters.md lists the ids under this name)
+CHECK_IDS: Mapping[str, str] = _CheckIds()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,11 +74,6 @@ class Deviation:
     measured_on: str = ""
 
     def __post_init__(self) -> None:
-        if self.check not in CHECKS:
-            raise ValueError(
-                f"Deviation(check={self.check!r}): unknown check id; use one of "
-                f"{', '.join(sorted(CHECKS))}"
-            )
         if not isinstance(self.reason, str) or not self.reason.strip():
             raise ValueError(
                 f"Deviation(check={self.check!r}): give a non-empty reason (why, with a minimal "
@@ -147,15 +156,22 @@ def first_covering(
     that failure: ``Deviation.covers``), or None.
 
     Raises:
-        ValueError: ``check`` is not a registered check id.
+        ValueError: ``check``, or the check a deviation names, is not a registered check id.
     """
     get_check(check)
+    deviations = tuple(deviations)
     for deviation in deviations:
         if not isinstance(deviation, Deviation):
             raise TypeError(
                 f"known_deviations holds {deviation!r}, not a Deviation; declare "
                 "Deviation(check, reason, applies) entries"
             )
+        if deviation.check not in CHECKS:
+            raise ValueError(
+                f"Deviation(check={deviation.check!r}): unknown check id; use one of "
+                f"{', '.join(sorted(CHECKS))}"
+            )
+    for deviation in deviations:
         if deviation.matches(check, case) and (error is None or deviation.covers(error)):
             return deviation
     return None

@@ -299,7 +299,7 @@ FSDP1_DEVIATIONS = (
         "zeros (found by fsdp-conformance fuzz --impl torch-fsdp1 --seed 0)",
         lambda case: case is not None and "branch" in case.uses(),
         raises=AssertionError,
-        # a value or a parameter differing from DDP's (fuzz.run.first_difference), nothing else
+        # a value or a parameter differing from DDP's (suite.fuzz.compare.first_difference), nothing else
         match=r"FSDP .* != DDP |differs from DDP's",
         measured_on=_FUZZ_MEASURED_ON,
     ),

@@ -11,13 +11,13 @@
 One module per subcommand, each with its ``add_parser`` and handler:
 
 - ``cli.run``: starts pytest on ``fsdp_conformance.suite`` in a subprocess (``--pyargs``, with
-  pytest-xdist when ``-n`` > 0) with the collector plugin ``cli.collect``, shows progress from
+  pytest-xdist when ``-n`` > 0) with the records plugin ``cli.records``, shows progress from
   its results file, and prints the matrix (``cli.report``);
 - ``cli.overlap`` and ``cli.timeline``: run the suite's measuring functions (``cli.ranks``) in a
   rank set of ``fsdp_conformance.world``; ``timeline`` draws with matplotlib (``cli.draw``);
 - ``cli.conformance``: ``run``'s pytest once per implementation, tabulated by ``cli.table``
   into docs/conformance.md;
-- ``cli.fuzz``: the differential fuzzer of ``fsdp_conformance.fuzz`` in one rank set, with a
+- ``cli.fuzz``: the differential fuzzer of ``fsdp_conformance.suite.fuzz`` in one rank set, with a
   progress line, the minimal counterexample and its ``repro.py``;
 - ``cli.common``: usage errors, argument types and the checks made before anything starts.
 

@@ -36,7 +36,6 @@ from typing import Any
 
 from fsdp_conformance import checks
 from fsdp_conformance.adapters import features as adapter_features
-from fsdp_conformance.cli import collect
 from fsdp_conformance.cli.common import (
     PROG,
     UsageError,
@@ -44,6 +43,7 @@ from fsdp_conformance.cli.common import (
     check_impl,
     check_output,
 )
+from fsdp_conformance.cli.records import NO_LITTER
 from fsdp_conformance.vocab import COVERAGES
 
 DEFAULT_COVERAGE = "pairwise"  # what `run` collects by default
@@ -295,8 +295,7 @@ class _Collector:
 
     def pytest_collectreport(self, report: Any) -> None:
         if report.failed:
-            text = str(report.longrepr).strip().splitlines()
-            self.errors.append(f"{report.nodeid}: {text[-1] if text else 'error'}")
+            self.errors.append(f"{report.nodeid}: {checks.report_line(report) or 'error'}")
 
     def pytest_collection_finish(self, session: Any) -> None:
         self.cells = [_probe(item, self.capabilities, self.world_size) for item in session.items]
@@ -326,7 +325,7 @@ def collect(
     try:
         with _quiet():
             arguments = [
-                "--collect-only", "-qq", *collect.NO_LITTER, "-p", "no:xdist",
+                "--collect-only", "-qq", *NO_LITTER, "-p", "no:xdist",
                 "-o", "addopts=", "--pyargs", "fsdp_conformance.suite",
                 f"--fsdp-impl={impl}", f"--fsdp-world-size={world_size}",
                 f"--fsdp-coverage={coverage}",

@@ -1,6 +1,6 @@
 """``fsdp-conformance fuzz``: generated models and training programs, FSDP vs DDP (docs/fuzz.md).
 
-The whole hypothesis run happens in one rank set (``fsdp_conformance.fuzz.driver``); this
+The whole hypothesis run happens in one rank set (``fsdp_conformance.suite.fuzz.driver``); this
 process shows rank 0's progress line while it runs, prints the minimal failing case and writes
 its ``repro.py``. Exit 0: nothing found; 1: a counterexample (or the ranks failed); 2: a bad
 option.
@@ -46,7 +46,7 @@ def _fuzz_command(args: argparse.Namespace) -> int:
     check_impl(args.impl)
     check_world_size(args.world_size)
     check_output(args.out, "--out")
-    from fsdp_conformance.fuzz.driver import HYPOTHESIS_MISSING, FuzzResult
+    from fsdp_conformance.suite.fuzz.driver import HYPOTHESIS_MISSING, FuzzResult
 
     try:
         import hypothesis  # noqa: F401
@@ -95,11 +95,11 @@ def _report(result: Any, args: argparse.Namespace) -> int:
     if result.status == "unsatisfiable":
         print(f"no generated case could run: {result.message}")
         return 1
-    from fsdp_conformance.fuzz.repro import write_repro
-    from fsdp_conformance.fuzz.spec import Block, FuzzCase, ModelSpec, Program, Seq, Step
+    from fsdp_conformance.suite.fuzz.repro import write_repro
+    from fsdp_conformance.suite.fuzz.spec import Block, FuzzCase, ModelSpec, Program, Seq, Step
 
     names = {cls.__name__: cls for cls in (Block, FuzzCase, ModelSpec, Program, Seq, Step)}
-    case = eval(result.case, {"__builtins__": {}}, names)  # noqa: S307  our own repr of a FuzzCase
+    case = eval(result.case, {"__builtins__": {}}, names)  # our own repr of a FuzzCase
     print(
         f"COUNTEREXAMPLE after {result.found_at} examples, shrunk in {result.shrinks} runs"
         + (" (shrinking stopped by --max-seconds)" if result.time_limited else "")
@@ -125,7 +125,7 @@ def _run_with_progress(
         )
     )
     request = TestRequest(
-        target=TestTarget("fsdp_conformance.fuzz.driver", None, (), "fuzz_in_rank"),
+        target=TestTarget("fsdp_conformance.suite.fuzz.driver", None, (), "fuzz_in_rank"),
         kwargs=kwargs,
         test_id=f"{PROG} fuzz",
         world_size=world_size,

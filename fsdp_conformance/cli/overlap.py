@@ -93,7 +93,7 @@ def render_overlap(document: dict[str, Any]) -> str:
     if cuda:
         lines.append(
             f"overlap ratio (compute + communication) / both = {document['ratio']:.2f} "
-            "(> 1.1: overlapped, seed 000's threshold)"
+            "(> 1.1: overlapped)"
         )
     else:
         serialised = (
@@ -121,7 +121,7 @@ def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
         help="time compute only / communication only / both and print the overlap ratio",
         description=_paragraph(
             "Reproduce the overlap-timing experiment of the suite "
-            "(fsdp_conformance.suite.overlap, seed 000's test_fsdp_overlap): 4 FSDP layers under a "
+            "(fsdp_conformance.suite.overlap): 4 FSDP layers under a "
             "root; each layer computes for a fixed time, each all-gather is delayed; the forward "
             "is timed with nothing / communication only / compute only / both, each the minimum "
             "of --repeats runs and the maximum over ranks. On CPU the delay is injected into the "
@@ -141,7 +141,7 @@ def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
         type=_bool,
         default=False,
         metavar="true|false",
-        help="the rate limiter setting (default false, as in the seed's experiment)",
+        help="the rate limiter setting (default false)",
     )
     overlap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     overlap.add_argument(

@@ -4,7 +4,7 @@ A *cell* is one check (test class and function, ``TestDDPParity::test_matches_dd
 configuration (its parametrisation id, ``nested-ws2-FULL_SHARD-...``; ``(default)`` when the
 test is not parametrised) with one result: ``pass``, ``fail``, ``xfail``, ``xpass`` or
 ``skip``, plus a detail (the first assertion message of a failure, the reason of a skip or an
-expected failure). Cells come from the JSON lines of ``fsdp_conformance.cli.collect``.
+expected failure). Cells come from the JSON lines of ``fsdp_conformance.cli.records``.
 """
 
 from __future__ import annotations
@@ -57,34 +57,23 @@ def split_nodeid(nodeid: str) -> tuple[str, str]:
 
 
 def cells_from_records(records: Iterable[dict[str, Any]]) -> list[Cell]:
-    """Cells from the collector's JSON records, in the order tests finished."""
+    """Cells from the records plugin's JSON records, in the order tests finished."""
     cells = []
     for record in records:
         if record.get("event") == "test":
-            check, configuration = split_nodeid(record["nodeid"])
+            names = ("check_id", "verdict", "reason")
             cells.append(
                 Cell(
-                    check,
-                    configuration,
-                    record["outcome"],
-                    record.get("detail", ""),
-                    record["nodeid"],
-                    float(record.get("duration", 0.0)),
-                    record.get("check_id", ""),
-                    record.get("verdict", ""),
-                    record.get("reason", ""),
+                    *split_nodeid(record["nodeid"]), record["outcome"], record.get("detail", ""),
+                    record["nodeid"], float(record.get("duration", 0.0)),
+                    **{name: record[name] for name in names if name in record},
                 )
-            )
+            )  # fmt: skip
         elif record.get("event") == "collect_error":
             nodeid = record["nodeid"] or "(collection)"
+            detail = record.get("detail", "")
             cells.append(
-                Cell(
-                    f"collecting {nodeid}",
-                    DEFAULT_CONFIGURATION,
-                    "fail",
-                    record.get("detail", ""),
-                    nodeid,
-                )
+                Cell(f"collecting {nodeid}", DEFAULT_CONFIGURATION, "fail", detail, nodeid)
             )
     return cells
 
@@ -200,9 +189,6 @@ def render_json(cells: list[Cell], header: dict[str, Any]) -> str:
     document = dict(header)
     document["summary"] = counts(cells)
     document["checks"] = {check: counts(group) for check, group in by_check(cells).items()}
-    document["cells"] = [dataclasses.asdict(cell) for cell in by_check_flat(cells)]
+    groups = by_check(cells).values()
+    document["cells"] = [dataclasses.asdict(cell) for group in groups for cell in group]
     return json.dumps(document, indent=2) + "\n"
-
-
-def by_check_flat(cells: list[Cell]) -> list[Cell]:
-    return [cell for group in by_check(cells).values() for cell in group]

@@ -1,7 +1,7 @@
 """``fsdp-conformance run``: the suite in a pytest subprocess, its progress, and the matrix.
 
 ``run`` starts pytest on ``fsdp_conformance.suite`` in a subprocess (``--pyargs``, with
-pytest-xdist when ``-n`` > 0) with the collector plugin ``fsdp_conformance.cli.collect``, shows
+pytest-xdist when ``-n`` > 0) with the collector plugin ``fsdp_conformance.cli.records``, shows
 progress from its results file, and prints the matrix (``fsdp_conformance.cli.report``).
 """
 
@@ -21,7 +21,7 @@ import tempfile
 import time
 from typing import Any
 
-from fsdp_conformance.cli import collect, limits, report, torchrun
+from fsdp_conformance.cli import limits, records, report, torchrun
 from fsdp_conformance.cli.common import (
     COVERAGES,
     DEFAULT_COVERAGE,
@@ -71,7 +71,7 @@ def _run_command(args: argparse.Namespace) -> int:
     if uses_torchrun:
         command = torchrun.torchrun_command(args, command)
         print(f"{PROG} run: {shlex.join(command)}", file=sys.stderr)
-    env = collect.suite_environment(results)
+    env = records.suite_environment(results)
     print(
         f"{PROG} run: suite on {args.impl!r} (coverage {args.coverage}, mode {args.mode}, "
         f"{args.workers or 'no'} xdist workers{', -k ' + repr(args.k) if args.k else ''})",
@@ -98,17 +98,18 @@ def _run_command(args: argparse.Namespace) -> int:
             )
             return code
     wall = time.monotonic() - started
-    records = report.read_records(results)
-    if uses_torchrun and not records:
+    written = report.read_records(results)
+    if uses_torchrun and not written:
         return torchrun.no_results_here(child.returncode, keep_log(log_path, "run"))
-    cells = report.cells_from_records(records)
-    collected = next((r["count"] for r in records if r.get("event") == "collected"), None)
+    cells = report.cells_from_records(written)
+    collected = next((r["count"] for r in written if r.get("event") == "collected"), None)
     returncode = child.returncode
     if returncode == 4 or (returncode == 5 and not cells):
         if returncode == 5:
             message = f"-k {args.k!r}: no check matches" if args.k else "no check collected"
         else:
-            message = f"pytest refused the arguments: {_pytest_error(log_path)}"
+            refusal = next((r["detail"] for r in written if r["event"] == "usage_error"), None)
+            message = f"pytest refused the arguments: {refusal or keep_log(log_path, 'run')}"
         raise UsageError(message)
 
     summary = report.summary_line(cells, adapter_name(args.impl), wall)
@@ -130,7 +131,7 @@ def _run_command(args: argparse.Namespace) -> int:
 
 def pytest_command(args: argparse.Namespace) -> list[str]:
     """The pytest command line ``run`` starts (in the user's directory)."""
-    command = collect.suite_command(
+    command = records.suite_command(
         args.impl,
         f"--fsdp-world-size={args.world_size}",
         f"--fsdp-mode={args.mode}",
@@ -225,13 +226,6 @@ def _clock(seconds: float) -> str:
 def _tail(path: str, lines: int) -> str:
     with open(path, encoding="utf-8", errors="replace") as stream:
         return "".join(stream.readlines()[-lines:]).rstrip()
-
-
-def _pytest_error(log_path: str) -> str:
-    with open(log_path, encoding="utf-8", errors="replace") as stream:
-        text = stream.read()
-    errors = [line.removeprefix("ERROR: ") for line in text.splitlines() if "ERROR" in line]
-    return " ".join((errors[0] if errors else text.strip().splitlines()[-1]).split())
 
 
 def _version(package: str) -> str:

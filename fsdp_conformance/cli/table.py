@@ -1,7 +1,7 @@
 """``fsdp-conformance conformance``: the suite run per implementation, as one check x impl table.
 
 Each implementation runs the suite in its own pytest process (as ``fsdp-conformance run``
-does, through the ``cli.collect`` plugin); its cells (one per check and configuration) are
+does, through the ``cli.records`` plugin); its cells (one per check and configuration) are
 folded per check into one *verdict* per table cell:
 
   pass            every configuration that ran passed
@@ -11,7 +11,7 @@ folded per check into one *verdict* per table cell:
 
 Each configuration's verdict and reason are data: the report properties the suite's verdict
 path recorded (``fsdp_conformance/suite/verdict.py``, ``checks.PROPERTY_*``), carried by the
-``cli.collect`` records; no message text is parsed. Rows are the registered checks
+``cli.records`` records; no message text is parsed. Rows are the registered checks
 (``fsdp_conformance.checks.CHECKS``). A check mixing outcomes lists each with its number of
 configurations ("pass 10, deviation 4
 [2]"). Reasons are numbered notes under the table, so the table stays one line per check. An
@@ -26,12 +26,14 @@ import datetime
 import importlib.metadata
 import importlib.util
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import fsdp_conformance.suite  # noqa: F401  (importing the suite declares its checks)
 from fsdp_conformance import checks, vocab
 
 # The implementations of the table, in column order (one source: vocab.BUILTIN_ADAPTERS)
@@ -44,14 +46,6 @@ _OPTIONAL_PACKAGES = {
 }
 # Verdict labels, in the order a mixed cell lists them
 VERDICTS = checks.VERDICTS
-# pytest outcome -> verdict, for a test that recorded none (not a registered check)
-_OUTCOME_VERDICT = {
-    "pass": checks.PASS,
-    "fail": checks.FAIL,
-    "xpass": checks.FAIL,
-    "xfail": checks.DEVIATION,
-    "skip": checks.NOT_APPLICABLE,
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,11 +62,11 @@ class TableCell:
 
 
 def table_cell(cell: Any) -> TableCell:
-    """A ``cli.report.Cell`` as a TableCell: its recorded verdict (report properties), or, for
-    a test that recorded none, the one its pytest outcome implies."""
+    """A ``cli.report.Cell`` as a TableCell: its recorded ``checks.Result`` (a collection error,
+    which has none, is a FAIL)."""
     if cell.verdict:
         return TableCell(cell.check_id or cell.check, cell.verdict, cell.reason)
-    return TableCell(cell.check, _OUTCOME_VERDICT[cell.outcome], " ".join(cell.detail.split()))
+    return TableCell(cell.check, checks.FAIL, " ".join(cell.detail.split()))
 
 
 @dataclasses.dataclass
@@ -115,15 +109,15 @@ def run_implementation(
         pytest_args: further pytest arguments (-k, --fsdp-coverage, -n ...).
         timeout: seconds the whole run may take (None: no limit).
     """
-    from fsdp_conformance.cli import collect, report
+    from fsdp_conformance.cli import records, report
 
     reason = unavailable_reason(impl)
     if reason is not None:
         return ImplResult(impl, unavailable=reason)
     with tempfile.TemporaryDirectory(prefix="fsdp-conformance-table-") as workdir:
         results = os.path.join(workdir, "results.jsonl")
-        command = collect.suite_command(impl, *pytest_args)
-        env = collect.suite_environment(results)
+        command = records.suite_command(impl, *pytest_args)
+        env = records.suite_environment(results)
         log_path = os.path.join(workdir, "pytest.log")
         with open(log_path, "w", encoding="utf-8") as log:
             try:
@@ -137,12 +131,13 @@ def run_implementation(
                 ).returncode
             except subprocess.TimeoutExpired:
                 returncode = None
-        cells = report.cells_from_records(report.read_records(results))
+        written = report.read_records(results)
+        cells = report.cells_from_records(written)
         if not cells:
-            with open(log_path, encoding="utf-8", errors="replace") as stream:
-                tail = " ".join(stream.read().split()[-40:])
             why = "timed out" if returncode is None else f"pytest exit code {returncode}"
-            return ImplResult(impl, unavailable=f"the run reported no check ({why}): {tail}")
+            refusal = next((r["detail"] for r in written if "detail" in r), None)
+            see = refusal or f"run {shlex.join(command)} to see its output"
+            return ImplResult(impl, unavailable=f"the run reported no check ({why}): {see}")
     return ImplResult(impl, _adapter_name(impl), [table_cell(cell) for cell in cells])
 
 

@@ -50,7 +50,6 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-import torch
 from torch import nn
 
 from fsdp_conformance.adapters import Feature
@@ -59,7 +58,7 @@ from fsdp_conformance.adapters import loop as adapter_loop
 from fsdp_conformance.observe.comm_trace import REDUCE_OPS, CommEvent, CommTrace
 from fsdp_conformance.vocab import Op
 
-from . import training, verdict
+from . import training
 
 # Iterations traced: forward prefetch starts in iteration 2 (it uses iteration 1's order);
 # iteration 3 shows the steady state
@@ -89,7 +88,6 @@ def trace_training(
         inside_no_sync: iteration -> run that iteration's forward and backward inside the
             root's ``no_sync()`` (the caller checks the root has one).
     """
-    from fsdp_conformance.adapters import Feature
 
     adapter_features.skip_unless(adapter, Feature.COMM_TRACE)
     root, zoo_model = training.wrap_model(adapter, model_name, dist, config)
@@ -236,8 +234,7 @@ def count_failures(
         if iteration in no_sync_iterations:
             if reductions:
                 failures.append(
-                    f"{phase} inside no_sync: {_total(reductions)} gradient reductions, "
-                    "expected 0"
+                    f"{phase} inside no_sync: {_total(reductions)} gradient reductions, expected 0"
                 )
             continue
         missing = [label for label in labels if not reductions.get(label)]
@@ -283,7 +280,7 @@ def prefetch_case_id(model_name: str, backward_prefetch: str | None, forward_pre
     return f"{model_name}-bwd={backward_prefetch}-fwd={int(forward_prefetch)}"
 
 
-def _prefetch_params() -> list[Any]:
+def prefetch_params() -> list[Any]:
     return [
         pytest.param(model, backward, forward, id=prefetch_case_id(model, backward, forward))
         for model in TRACE_MODELS
@@ -291,192 +288,7 @@ def _prefetch_params() -> list[Any]:
     ]
 
 
-class BasePrefetchOrderTests:
-    """Prefetch order goldens and "prefetch actually happens" (FULL_SHARD, 3 iterations).
-
-    ``test_prefetch_happens`` holds every adapter that supports a prefetch setting to it
-    ([Note: prefetch happens]). ``test_trace_matches_golden`` compares the rendered trace
-    (one event per line, labels = module paths in the unwrapped model) with the golden of the
-    adapter (``check_golden``): the goldens are implementation-specific (the exact interleaving
-    of all-gathers, frees, reductions and compute), shipped for ``impl`` and ``torch-fsdp1``
-    (recorded on torch 2.13; compared on other releases with the nearest recorded one) as data
-    files (``prefetch_goldens.py`` reads and accepts them); other
-    adapters skip it -- override ``check_golden`` in a subclass with your own goldens.
-    """
-
-    def check_golden(self, adapter_name: str, case: str, rendered: str) -> str | None:
-        """Compare ``rendered`` with the golden of ``adapter_name`` / ``case`` (or skip); the
-        torch adapters' goldens travel to other torch releases ([Note: goldens that travel] in
-        ``prefetch_goldens.py``): returns "recorded on torch X, matches on torch Y" then."""
-        from . import prefetch_goldens
-
-        return prefetch_goldens.check_golden(adapter_name, case, rendered)
-
-    @pytest.mark.world_size(2)
-    @pytest.mark.parametrize(
-        ("model_name", "backward_prefetch", "forward_prefetch"), _prefetch_params()
-    )
-    def test_prefetch_happens(
-        self,
-        fsdp_adapter: Any,
-        dist: Any,
-        model_name: str,
-        backward_prefetch: Any,
-        forward_prefetch: bool,
-    ):
-        with verdict.cell(
-            fsdp_adapter,
-            "comm.prefetch_happens",
-            _prefetch_config(backward_prefetch, forward_prefetch),
-        ):
-            config = _prefetch_config(backward_prefetch, forward_prefetch)
-            trace, _ = trace_training(fsdp_adapter, model_name, dist, config)
-            label = f"adapter {fsdp_adapter.name!r}, {model_name}, {_describe(config)}"
-            assert_prefetch_happens(trace, config, label)
-
-    @pytest.mark.world_size(2)
-    @pytest.mark.parametrize(
-        ("model_name", "backward_prefetch", "forward_prefetch"), _prefetch_params()
-    )
-    def test_trace_matches_golden(
-        self,
-        fsdp_adapter: Any,
-        dist: Any,
-        model_name: str,
-        backward_prefetch: Any,
-        forward_prefetch: bool,
-    ):
-        with verdict.cell(
-            fsdp_adapter,
-            "comm.prefetch_golden",
-            prefetch_case_id(model_name, backward_prefetch, forward_prefetch),
-        ):
-            import torch.distributed as tdist
-
-            config = _prefetch_config(backward_prefetch, forward_prefetch)
-            trace, _ = trace_training(fsdp_adapter, model_name, dist, config)
-            rendered = trace.render(ops=None)
-            renders: list[Any] = [None] * dist.world_size
-            tdist.all_gather_object(renders, rendered, group=dist.group)
-            differing = [rank for rank, other in enumerate(renders) if other != renders[0]]
-            assert not differing, (
-                f"adapter {fsdp_adapter.name!r}, {model_name}, {_describe(config)}: the trace of "
-                f"rank(s) {differing} differs from rank 0's (labels or order are not stable across "
-                f"ranks):\nrank 0:\n{renders[0]}\nrank {differing[0]}:\n{renders[differing[0]]}"
-            )
-            from . import prefetch_goldens
-
-            if prefetch_goldens.accepting() and dist.rank != 0:
-                return  # accept on rank 0 only: one writer per golden
-            self.check_golden(
-                fsdp_adapter.name,
-                prefetch_case_id(model_name, backward_prefetch, forward_prefetch),
-                rendered,
-            )
-
-
-class BaseCollectiveCountTests:
-    """Collectives per phase, counted through the adapter's ``observe`` labels.
-
-    Bounds, not one call per instance ([Note: counts as bounds]): every instance gathered in
-    forward, none reduced there; SHARD_GRAD_OP: no backward all-gather; FULL_SHARD: backward
-    all-gathers of an instance at most its forward ones;
-    every instance reduced, at most once per forward all-gather; inside ``no_sync`` no
-    reduction. Counting observer events (one per unshard / reduction the implementation
-    reports, whatever the backend issues underneath: torch FSDP1 on gloo calls ``all_gather``
-    with a tensor list where NCCL runs ``_allgather_base``) makes the counts
-    backend-independent; every zoo instance here owns parameters.
-    """
-
-    @pytest.mark.world_size(2)
-    @pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
-    @pytest.mark.parametrize("model_name", TRACE_MODELS)
-    def test_counts_per_phase(self, fsdp_adapter: Any, dist: Any, model_name: str, strategy: str):
-        with verdict.cell(fsdp_adapter, "comm.counts", strategy):
-            config = {"sharding_strategy": strategy}
-            trace, root = trace_training(fsdp_adapter, model_name, dist, config, compute=False)
-            instances = len(fsdp_adapter.instances(root))
-            assert_counts(
-                trace, strategy, instances, f"adapter {fsdp_adapter.name!r}, {model_name}"
-            )
-
-    @pytest.mark.world_size(2)
-    @pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
-    def test_no_reduction_inside_no_sync(self, fsdp_adapter: Any, dist: Any, strategy: str):
-        with verdict.cell(fsdp_adapter, "comm.no_sync", strategy):
-            # What no_sync promises, not how many all-gathers it costs (an implementation may keep
-            # parameters unsharded through a no_sync backward, e.g. fairscale's root): no gradient
-            # reduction inside; the next iteration outside reduces once per instance; the
-            # accumulated gradients train exactly as DDP's no_sync does.
-            config = {"sharding_strategy": strategy}
-            adapter_features.skip_unless(
-                fsdp_adapter, *adapter_features.wrap_features(fsdp_adapter, **config)
-            )
-            adapter_features.skip_unless(fsdp_adapter, Feature.GRADIENT_ACCUMULATION)
-            root, _ = training.wrap_model(fsdp_adapter, "nested", dist, config)
-            overrides_no_sync = adapter_loop.overrides(fsdp_adapter, "no_sync")
-            if not overrides_no_sync and not callable(getattr(root, "no_sync", None)):
-                pytest.skip(
-                    f"adapter {fsdp_adapter.name!r} does not support 'no_sync': its root module has "
-                    "no no_sync() context manager"
-                )
-            trace, root = trace_training(
-                fsdp_adapter, "nested", dist, config, compute=False, inside_no_sync=lambda i: i == 1
-            )
-            label = f"adapter {fsdp_adapter.name!r}, nested, {strategy}"
-            instances = len(fsdp_adapter.instances(root))
-            failures = no_sync_failures(trace, instances, no_sync_iterations=(1,))
-            assert not failures, (
-                f"no_sync broken ({label}):\n  "
-                + "\n  ".join(failures)
-                + "\ntrace:\n"
-                + trace.render()
-            )
-            reference = _ddp_no_sync_params(dist, no_sync_iterations=(1,))
-            actual = adapter_loop.full_params(fsdp_adapter, root)
-            training.assert_same_training(
-                f"{label}, iteration 1 inside no_sync (accumulated gradients)",
-                training.TrainingResult(torch.zeros(0), actual),
-                training.TrainingResult(torch.zeros(0), reference),
-            )
-
-
-def no_sync_failures(
-    trace: CommTrace, instances: int, no_sync_iterations: tuple[int, ...]
-) -> list[str]:
-    """Phases that break no_sync's promise: a reduction inside it, or an instance not reduced
-    (or reduced more often than gathered) in a backward outside it ([Note: counts as bounds]).
-    All-gathers are not counted (implementation-specific)."""
-    return [
-        failure
-        for failure in count_failures(trace, "", instances, no_sync_iterations)
-        if "gradient reductions" in failure
-    ]
-
-
-def _ddp_no_sync_params(dist: Any, no_sync_iterations: tuple[int, ...]) -> dict[str, torch.Tensor]:
-    """``nested`` trained as ``trace_training`` does, under DDP (its own ``no_sync``)."""
-    from fsdp_conformance.suite import zoo
-
-    model = zoo.build("nested", dist.group, None, dist.device)
-    model.to(dist.device)
-    ddp = nn.parallel.DistributedDataParallel(model, process_group=dist.group)
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=training.LR, momentum=training.MOMENTUM)
-    for iteration in range(1, ITERATIONS + 1):
-        no_sync = iteration in no_sync_iterations
-        with ddp.no_sync() if no_sync else contextlib.nullcontext():
-            inputs = model.get_input(dist.device)
-            model.run_backward(model.get_loss(inputs, ddp(*inputs)))
-        if not no_sync:
-            optimizer.step()
-            optimizer.zero_grad()
-    return {
-        name: param.detach().clone()
-        for name, param in model.named_parameters(remove_duplicate=False)
-    }
-
-
-def _prefetch_config(backward_prefetch: Any, forward_prefetch: bool) -> dict[str, Any]:
+def prefetch_config(backward_prefetch: Any, forward_prefetch: bool) -> dict[str, Any]:
     config: dict[str, Any] = {
         "sharding_strategy": "FULL_SHARD",
         "backward_prefetch": backward_prefetch,
@@ -486,5 +298,5 @@ def _prefetch_config(backward_prefetch: Any, forward_prefetch: bool) -> dict[str
     return config
 
 
-def _describe(config: dict[str, Any]) -> str:
+def describe_config(config: dict[str, Any]) -> str:
     return ", ".join(f"{key}={value!r}" for key, value in config.items())

@@ -160,7 +160,9 @@ def per_strategy(dimensions: dict[str, tuple[Any, ...]] = DIMENSIONS) -> list[di
     """The default config per sharding strategy, with each of ``PER_STRATEGY_PREFETCHES``."""
     defaults = {key: values[0] for key, values in dimensions.items()}
     prefetches = [
-        prefetch for prefetch in PER_STRATEGY_PREFETCHES if prefetch in dimensions["backward_prefetch"]
+        prefetch
+        for prefetch in PER_STRATEGY_PREFETCHES
+        if prefetch in dimensions["backward_prefetch"]
     ] or [dimensions["backward_prefetch"][0]]
     return [
         {**defaults, "sharding_strategy": strategy, "backward_prefetch": prefetch}
@@ -183,7 +185,7 @@ def configs_for(
 def supported_dimensions(
     adapter: Any, dimensions: dict[str, tuple[Any, ...]] = DIMENSIONS
 ) -> dict[str, tuple[Any, ...]]:
-    """`dimensions` without the values `adapter` cannot run (issue 19).
+    """`dimensions` without the values `adapter` cannot run (no cell for a value it lacks).
 
     A value is kept when the wrap config holding only it needs no feature the adapter lacks
     and is not among its ``unsupported_values()``; ``device_init`` values are kept. Pairs are
@@ -254,9 +256,7 @@ def parity_cases(
     """
     cases = []
     for world_size in world_sizes:
-        configs = (
-            configs_for(coverage, dimensions) if world_size == 2 else per_strategy(dimensions)
-        )
+        configs = configs_for(coverage, dimensions) if world_size == 2 else per_strategy(dimensions)
         for model in models:
             if world_size > 2 and model not in large_world_models:
                 continue

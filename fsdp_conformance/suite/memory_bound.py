@@ -1,7 +1,5 @@
-"""The two-instance memory bound of ``limit_all_gathers``, as a base class to subclass.
-
-    class TestMyMemoryBound(BaseMemoryBoundTests):   # in your tests; pytest collects Test*
-        lag_variants = ("strict",)                   # optional: fewer lagging-device variants
+"""Measuring the two-instance memory bound of ``limit_all_gathers`` (``measure_residency``,
+``check_residency``); the check is ``BaseMemoryBoundTests`` in test_memory_bound.py.
 
 [Note: memory bound]
 *Resident* unsharded buffers are counted as ``fsdp_conformance.observe.residency`` says (from
@@ -27,9 +25,8 @@ torch FSDP1 deviation.
 
 An adapter declares the cases its implementation exceeds the bound on as a known deviation
 (``Deviation("memory_bound", reason, applies=lambda case: ...)``, the case a ``BoundCase``):
-such cases are strict expected failures (suite/verdict.py). (The suite class's old
-``known_deviations`` attribute is gone: a subclass that still sets it gets a TypeError naming
-the fix.)
+such cases are strict expected failures (suite/verdict.py); a suite subclass setting
+``known_deviations`` gets a TypeError naming the fix.
 """
 
 from __future__ import annotations
@@ -39,7 +36,7 @@ import dataclasses
 import functools
 import gc
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any
 
 import pytest
 import torch
@@ -52,7 +49,6 @@ from fsdp_conformance.adapters import features as adapter_features
 from fsdp_conformance.adapters import loop as adapter_loop
 from fsdp_conformance.observe.lagging import LAG_VARIANTS, LaggingDevice
 from fsdp_conformance.observe.residency import PHASES, ResidencyTracker
-from fsdp_conformance.suite import verdict
 from fsdp_conformance.suite.stream_bound import FSDP2_BOUND, StreamOrderedBound
 
 # Buffers the limiter allows: the instance computing now and the one whose all-gather is in
@@ -412,7 +408,7 @@ def check_shard_grad_op_forward(
 OWN_BOUNDS: dict[str, StreamOrderedBound] = {"torch-fsdp2": FSDP2_BOUND}
 
 
-# - issue 19: DeepSpeed ZeRO-3 (0.19.8) bounds memory with fetch back-pressure, not a limiter
+# - DeepSpeed ZeRO-3 (0.19.8) bounds memory with fetch back-pressure, not a limiter
 @dataclasses.dataclass(frozen=True)
 class FetchBackpressureBound:
     """DeepSpeed ZeRO-3's own bound under the lagging device (docs/deepspeed.md).
@@ -466,99 +462,3 @@ def limited_cases(lag_variants: tuple[str, ...] = LAG_VARIANTS) -> list[BoundCas
         for backward in (None, "BACKWARD_PRE", "BACKWARD_POST")
         for forward in (False, True)
     ]
-
-
-# ---------------------------------------------------------------------------- the checks
-class BaseMemoryBoundTests:
-    """Resident unsharded buffers stay within the two-instance bound (see [Note: memory bound]).
-
-    Every test runs at world size 2 on a ``ChainOfLinears`` with ``LAYERS`` non-root instances.
-    Adapters without ``limit_all_gathers``, ``device_handle`` or ``comm_trace`` skip, naming the
-    adapter and the feature.
-    """
-
-    # Lagging-device variants to run every CPU case under
-    lag_variants: ClassVar[tuple[str, ...]] = LAG_VARIANTS
-    # Adapter name -> its own bound (stream-ordered implementations), see OWN_BOUNDS
-    own_bounds: ClassVar[dict[str, StreamOrderedBound]] = OWN_BOUNDS
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        if "known_deviations" in cls.__dict__:
-            raise TypeError(
-                f"{cls.__name__}.known_deviations: the suite class no longer takes deviations; "
-                "declare them on the adapter instead (Adapter.known_deviations = "
-                "(Deviation('memory_bound', reason, applies=lambda case: ...),), docs/adapters.md)"
-            )
-
-    def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
-        if "bound_case" in metafunc.fixturenames:
-            cases = limited_cases(self.lag_variants)
-            metafunc.parametrize("bound_case", [case.param() for case in cases])
-        if "unlimited_case" in metafunc.fixturenames:
-            cases = [BoundCase(lag, limit_all_gathers=False) for lag in self.lag_variants]
-            metafunc.parametrize("unlimited_case", [case.param() for case in cases])
-        if "cuda_case" in metafunc.fixturenames:
-            cases = [BoundCase("cuda"), BoundCase("cuda", limit_all_gathers=False)]
-            metafunc.parametrize("cuda_case", [case.param() for case in cases])
-        if "shard_grad_op_case" in metafunc.fixturenames:
-            cases = [
-                BoundCase(lag, "SHARD_GRAD_OP", "BACKWARD_PRE", False) for lag in self.lag_variants
-            ]
-            metafunc.parametrize("shard_grad_op_case", [case.param() for case in cases])
-
-    def test_limited_all_gathers_stay_within_bound(
-        self, fsdp_adapter: Adapter, dist: Any, bound_case: BoundCase
-    ) -> None:
-        with verdict.cell(fsdp_adapter, "memory_bound", bound_case):
-            tracker = measure_residency(
-                fsdp_adapter, dist.group, bound_case.wrap_config, bound_case.lag
-            )
-            own_bound = own_bound_of(fsdp_adapter, self.own_bounds)
-            check_residency(tracker, bound_case, f"adapter {fsdp_adapter.name!r}", own_bound)
-
-    def test_unlimited_all_gathers_exceed_bound(
-        self, fsdp_adapter: Adapter, dist: Any, unlimited_case: BoundCase
-    ) -> None:
-        # The check is only worth something if it can fail: without the limiter the CPU never
-        # waits, so every all-gather of an iteration stays resident (LAYERS > MAX_INFLIGHT).
-        with verdict.cell(fsdp_adapter, "memory_bound.unlimited", unlimited_case):
-            tracker = measure_residency(
-                fsdp_adapter, dist.group, unlimited_case.wrap_config, unlimited_case.lag
-            )
-            with pytest.raises(AssertionError, match="memory bound exceeded") as failure:
-                check_residency(tracker, unlimited_case, f"adapter {fsdp_adapter.name!r}")
-            assert f"iteration 1 forward: peak {LAYERS} " in str(failure.value), str(failure.value)
-
-    def test_shard_grad_op_keeps_backward_within_bound(
-        self, fsdp_adapter: Adapter, dist: Any, shard_grad_op_case: BoundCase
-    ) -> None:
-        case = shard_grad_op_case
-        with verdict.cell(fsdp_adapter, "memory_bound", case):
-            tracker = measure_residency(fsdp_adapter, dist.group, case.wrap_config, case.lag)
-            own_bound = own_bound_of(fsdp_adapter, self.own_bounds)
-            label = f"adapter {fsdp_adapter.name!r}"
-            # forward is exempt from the bound: SHARD_GRAD_OP keeps every buffer until backward
-            check_shard_grad_op_forward(tracker, case, label, own_bound)
-            check_residency(tracker, case, label, own_bound)
-
-    @pytest.mark.cuda
-    def test_cuda_allocator_peak_within_bound(
-        self, fsdp_adapter: Adapter, dist: Any, cuda_case: BoundCase
-    ) -> None:
-        with verdict.cell(fsdp_adapter, "memory_bound.cuda", cuda_case):
-            if dist.device.type != "cuda":
-                pytest.skip(
-                    "CUDA variant of the memory-bound check: needs one GPU per rank (the ranks "
-                    f"run on {dist.device}); the CPU variant with the lagging device covers the "
-                    "bound"
-                )
-            measured = measure_cuda_forward_peaks(
-                fsdp_adapter, dist.group, dist.device, cuda_case.wrap_config
-            )
-            label = f"adapter {fsdp_adapter.name!r}"
-            if cuda_case.limit_all_gathers:
-                check_cuda_forward_peaks(measured, cuda_case, label)
-            else:
-                with pytest.raises(AssertionError, match="memory bound exceeded"):
-                    check_cuda_forward_peaks(measured, cuda_case, label)

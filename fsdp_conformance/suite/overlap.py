@@ -1,13 +1,11 @@
-"""Communication/computation overlap (seed 000's ``test_fsdp_overlap``), as a base class.
-
-    class TestMyOverlap(BaseOverlapTests):   # in your tests; pytest collects Test*
-        pass
+"""Measuring communication/computation overlap (``measure_overlap``, ``check_overlap``); the
+check is ``BaseOverlapTests`` in test_overlap.py.
 
 [Note: overlap timing]
 Four ``models.Layer`` instances under a root (``limit_all_gathers=False``; on CPU also
-``forward_prefetch``, see ``overlap_config``); each layer "computes" for ``compute`` ms in forward, each all-gather is
-delayed by ``comm`` ms. Four cases -- nothing / all-gather only / compute only / both -- are
-timed (forward of iterations >= 2, after the order was recorded), interleaved round-robin
+``forward_prefetch``, see ``overlap_config``); each layer "computes" for ``compute`` ms in
+forward, each all-gather is delayed by ``comm`` ms. Four cases -- nothing / all-gather only /
+compute only / both -- are timed (forward of iterations >= 2, after the order was recorded), interleaved round-robin
 ``REPEATS`` times; each case's statistic is the minimum over repeats (Min-k: the least
 disturbed run) and the maximum over ranks (every rank decides on the same numbers, so a retry
 never leaves one rank behind). A failing measurement is repeated once before the check fails.
@@ -26,7 +24,7 @@ compute-only time over "nothing" -- ratios of measured times, never an absolute 
 An adapter issuing all-gathers with ``async_op=False`` (torch FSDP1 and FSDP2 on CPU) cannot
 overlap on CPU and skips with that reason.
 
-CUDA (nccl): the seed's shape. The all-gather is delayed on the device (``torch.cuda._sleep``
+CUDA (nccl): the all-gather is delayed on the device (``torch.cuda._sleep``
 enqueued on the issuing stream before the collective), compute is ``torch.cuda._sleep`` in
 the layer; times are device times between CUDA events on the compute stream. Assertions: the
 short case is at least 10x faster than each long case (``nothing * 10 < compute``, ``nothing *
@@ -41,7 +39,7 @@ import dataclasses
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any, ClassVar
+from typing import Any
 
 import pytest
 import torch
@@ -49,13 +47,10 @@ import torch.distributed as tdist
 from torch import nn
 
 from fsdp_conformance._patching import patch_attribute
-from fsdp_conformance.adapters import Feature
 from fsdp_conformance.adapters import features as adapter_features
 from fsdp_conformance.adapters import loop as adapter_loop
 from fsdp_conformance.models import Layer, delay
 from fsdp_conformance.vocab import Op
-
-from . import verdict
 
 # Layers (FSDP instances under the root), as in the seed
 LAYERS = 4
@@ -66,7 +61,7 @@ CPU_COMPUTE_MS = 30.0
 CPU_COMM_MS = 30.0
 # CPU: overlapped extra time <= this x (communication + computation serialised)
 MAX_OVERLAP_RATIO = 0.8
-# CUDA (seed 000): compute and all-gather sleep lengths (ms), and the two ratios
+# CUDA: compute and all-gather sleep lengths (ms), and the two ratios
 CUDA_COMPUTE_MS = 20.0
 CUDA_COMM_MS = 20.0
 SHORT_TO_LONG = 10.0
@@ -317,7 +312,7 @@ def cpu_overlap_failure(times: OverlapTimes, comm_ms: float, label: str) -> str 
 
 
 def cuda_overlap_failure(times: OverlapTimes, label: str) -> str | None:
-    """Why seed 000's ratio assertions fail on ``times``, or None when they pass."""
+    """Why the CUDA ratio assertions fail on ``times``, or None when they pass."""
     problems = []
     for long_case in ("compute", Op.ALL_GATHER.value):
         long = getattr(times, long_case)
@@ -367,34 +362,3 @@ def check_overlap(adapter: Any, dist: Any, label: str, retries: int = 1) -> Over
         if failure is None:
             return times
     raise AssertionError(f"{failure} (failed {retries + 1} measurements)")
-
-
-class BaseOverlapTests:
-    """Prefetch overlaps communication with computation ([Note: overlap timing])."""
-
-    # measurements before failing (1 + retries)
-    retries: ClassVar[int] = 1
-
-    @pytest.mark.world_size(2)
-    @pytest.mark.fsdp_mode("process")  # patches ProcessGroup methods process-wide
-    def test_prefetch_overlaps_communication_cpu(self, fsdp_adapter: Any, dist: Any):
-        with verdict.cell(fsdp_adapter, "overlap"):
-            if dist.device.type != "cpu":
-                pytest.skip("the CPU overlap check runs on CPU ranks (gloo); this world has GPUs")
-            adapter = fsdp_adapter
-            adapter_features.skip_unless(
-                adapter, Feature.FORWARD_PREFETCH, Feature.LIMIT_ALL_GATHERS
-            )
-            times = check_overlap(adapter, dist, f"adapter {adapter.name!r}", self.retries)
-            print(f"overlap ratio {times.cpu_ratio(CPU_COMM_MS):.3f}: {times.describe()}")
-
-    @pytest.mark.cuda
-    @pytest.mark.world_size(2)
-    @pytest.mark.fsdp_mode("process")
-    def test_prefetch_overlaps_communication_cuda(self, fsdp_adapter: Any, dist: Any):
-        with verdict.cell(fsdp_adapter, "overlap"):
-            if dist.device.type != "cuda":
-                pytest.skip("needs one GPU per rank (CUDA overlap check, seed 000's shape)")
-            adapter = fsdp_adapter
-            adapter_features.skip_unless(adapter, Feature.LIMIT_ALL_GATHERS)
-            check_overlap(adapter, dist, f"adapter {adapter.name!r}", self.retries)

@@ -50,7 +50,6 @@ BASE_TORCH_VERSIONS = {
     "torch-fsdp1": TORCH_FSDP1_GOLDEN_VERSION,
     "torch-fsdp2": TORCH_FSDP2_GOLDEN_VERSION,
 }
-_TORCH_GOLDEN_VERSIONS = BASE_TORCH_VERSIONS  # the old private name
 # Subfolder of goldens/<adapter>/ holding the goldens recorded on another torch release
 VERSION_DIR_PREFIX = "torch-"
 # Folder of the golden files, inside this package

@@ -1,8 +1,147 @@
-"""Bad inputs raise clear errors within seconds (collected by ``--pyargs``)."""
+"""Misuses that do harm are refused with a clear error (``misuse.*``; [Note: misuse] in
+test_exec_order.py).
+
+    class TestMyMisuse(BaseBadInputTests):   # in your tests; pytest collects Test* classes
+        pass
+"""
 
 from __future__ import annotations
 
-from fsdp_conformance.suite.misuse import BaseBadInputTests
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from fsdp_conformance.adapters import Feature
+from fsdp_conformance.adapters import features as adapter_features
+from fsdp_conformance.adapters import loop as adapter_loop
+
+from .declare import check
+from .test_exec_order import WIDTH, expect_error
+
+
+def _linear() -> nn.Linear:
+    return nn.Linear(WIDTH, WIDTH)
+
+
+class BaseBadInputTests:
+    """Misuses that do harm, each refused with a clear error ([Note: misuse]).
+
+    Only a misuse whose acceptance hurts is here (nesting an instance inside another, e.g.
+    ``FSDP(FSDP(lin))``, is ordinary nesting for torch FSDP1 and fairscale, so it is not):
+
+    - wrapping a module twice: two instances claim the same parameters; the first one's flat
+      parameter is orphaned (its views replaced) and which instance reduces the gradients is
+      undefined, so training silently diverges;
+    - parameters on mixed devices (cpu and meta): a meta parameter has no data; flattening it
+      with real ones fails (or trains garbage) far from the cause, at the first forward;
+    - a forward inside ``summon_full_params``: the forward unshards and frees the buffers the
+      context is still exposing (and a writeback would copy back what the forward freed);
+    - ``summon_full_params`` inside forward: leaving the context reshards the parameters the
+      running forward and backward still use;
+    - ``sync_module_states`` with shapes differing across ranks: the broadcast of differing
+      sizes hangs or corrupts the parameters.
+    """
+
+    @check(
+        "misuse.wrap_twice",
+        "wrapping a module that an instance already wraps is refused",
+        strict=False,
+    )
+    @pytest.mark.world_size(2)
+    def test_wrapping_a_module_twice(self, fsdp_adapter: Any, dist: Any):
+        adapter = fsdp_adapter
+        linear = _linear()
+        adapter.wrap(linear, root=True)
+        expect_error(
+            lambda: adapter.wrap(linear, root=True),
+            r"already|twice|again",
+            f"adapter {adapter.name!r}, wrapping the same module twice",
+        )
+
+    @check("misuse.mixed_devices", "wrapping parameters on cpu and meta is refused", strict=False)
+    @pytest.mark.world_size(2)
+    def test_parameters_on_mixed_devices(self, fsdp_adapter: Any, dist: Any):
+        adapter = fsdp_adapter
+        module = nn.Sequential(_linear(), nn.Linear(WIDTH, WIDTH, device="meta"))
+        expect_error(
+            lambda: adapter.wrap(module, root=True),
+            r"device|meta",
+            f"adapter {adapter.name!r}, parameters on cpu and meta",
+        )
+
+    @check(
+        "misuse.forward_inside_summon",
+        "a forward inside summon_full_params is refused",
+        features=("summon_full_params",),
+        strict=False,
+    )
+    @pytest.mark.world_size(2)
+    def test_forward_inside_summon_full_params(self, fsdp_adapter: Any, dist: Any):
+        adapter = fsdp_adapter
+        model = adapter.wrap(
+            nn.Sequential(adapter.wrap(_linear(), root=False), _linear()), root=True
+        )
+        x = torch.ones(2, WIDTH, device=dist.device)
+        adapter_loop.backward(adapter, model, model(x).sum())
+
+        def forward_inside() -> None:
+            with adapter.summon_full_params(model):
+                model(x)
+
+        expect_error(
+            forward_inside,
+            r"summon|SUMMON|state",
+            f"adapter {adapter.name!r}, forward inside summon_full_params",
+        )
+
+    @check(
+        "misuse.summon_during_forward",
+        "summon_full_params inside forward is refused",
+        features=("summon_full_params",),
+        strict=False,
+    )
+    @pytest.mark.world_size(2)
+    def test_summon_full_params_during_forward(self, fsdp_adapter: Any, dist: Any):
+        adapter = fsdp_adapter
+        model = adapter.wrap(
+            nn.Sequential(adapter.wrap(_linear(), root=False), _linear()), root=True
+        )
+        x = torch.ones(2, WIDTH, device=dist.device)
+        adapter_loop.backward(adapter, model, model(x).sum())
+        inner = adapter.unwrap(model)[1]
+
+        def summon(*_: Any) -> None:
+            with adapter.summon_full_params(model):
+                pass
+
+        handle = inner.register_forward_hook(summon)
+        try:
+            expect_error(
+                lambda: model(x),
+                r"forward|backward|FORWARD_BACKWARD|IDLE|state",
+                f"adapter {adapter.name!r}, summon_full_params inside forward",
+            )
+        finally:
+            handle.remove()
+
+    @check(
+        "misuse.sync_module_states_shapes",
+        "sync_module_states with differing shapes is refused",
+        features=("sync_module_states",),
+        strict=False,
+    )
+    @pytest.mark.world_size(2)
+    def test_sync_module_states_with_different_shapes(self, fsdp_adapter: Any, dist: Any):
+        adapter = fsdp_adapter
+        adapter_features.skip_unless(adapter, Feature.SYNC_MODULE_STATES)
+        module = nn.Sequential(_linear(), nn.Linear(WIDTH, WIDTH + dist.rank))
+        expect_error(
+            lambda: adapter.wrap(module, root=True, sync_module_states=True),
+            r"shape|size|differ",
+            f"adapter {adapter.name!r}, sync_module_states with shapes that differ across ranks",
+        )
 
 
 class TestBadInputs(BaseBadInputTests):

@@ -1,8 +1,133 @@
-"""Divergent execution order across ranks (collected by ``--pyargs``)."""
+"""Ranks running instances in different orders get a clear error (``exec_order.divergent``),
+and ``expect_error``, which the misuse checks (test_bad_inputs.py) share.
+
+    class TestMyExecOrder(BaseExecOrderTests):   # in your tests; pytest collects Test* classes
+        pass
+
+[Note: misuse]
+Each misuse must raise an exception *within seconds* (``DEADLINE_S``, generous for a loaded
+machine; a hang is caught by the harness timeout as the backstop) whose message names the
+problem (a per-case regular expression, implementation-neutral: the words any sensible message
+would use). Every rank makes the same mistake, so an implementation that raises before any
+collective raises on every rank and none is left waiting.
+
+An adapter that accepts a misuse silently (no exception) fails the check, unless the adapter
+declares it (``Adapter.known_deviations``, check ids ``exec_order.divergent`` and
+``misuse.<case>``, see adapters/deviations.py): then the case is a deviation with that reason
+(suite/verdict.py); an adapter that raises anyway passes. docs/checks.md records what each
+adapter does and why each misuse does harm.
+"""
 
 from __future__ import annotations
 
-from fsdp_conformance.suite.misuse import BaseExecOrderTests
+import re
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from fsdp_conformance.adapters import loop as adapter_loop
+
+from .declare import check
+
+# Seconds a misuse may take to raise (the harness timeout, default 120 s, is the backstop)
+DEADLINE_S = 30.0
+WIDTH = 8
+
+
+def expect_error(action: Callable[[], Any], pattern: str, label: str) -> BaseException:
+    """Run ``action``; it must raise within ``DEADLINE_S`` with a message matching ``pattern``.
+
+    Raises:
+        AssertionError: it did not raise or raised too late (what a misuse deviation covers),
+            or raised an error not naming the problem (raised *from* that error, so only a
+            deviation whose ``raises`` covers that error's type covers it).
+    """
+    start = time.perf_counter()
+    try:
+        action()
+    except Exception as error:
+        elapsed = time.perf_counter() - start
+        message = f"{type(error).__name__}: {error}"
+        if elapsed > DEADLINE_S:
+            failure = (
+                f"{label}: raised only after {elapsed:.1f} s (expected within "
+                f"{DEADLINE_S:g} s): {message}"
+            )
+        elif not re.search(pattern, message, re.IGNORECASE | re.DOTALL):
+            # not a refusal but some other error: the assertion reports it as its cause, so a
+            # deviation declaring "accepts the misuse" does not cover it (Deviation.covers)
+            raise AssertionError(
+                f"{label}: the error does not name the problem (expected a message matching "
+                f"{pattern!r}), got {message}"
+            ) from error
+        else:
+            return error
+    else:
+        failure = f"{label}: no exception was raised (expected one matching {pattern!r})"
+    raise AssertionError(failure)
+
+
+class TwoBranches(nn.Module):
+    """A root Linear and two wrapped Linears of the same shape, run in either order.
+
+    Same shapes on purpose: an implementation that does not check the order exchanges
+    matching all-gathers (wrong data, no hang), so the check fails quickly instead of hanging.
+    """
+
+    def __init__(self, wrap: Callable[[nn.Module], nn.Module]) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(0)
+        linears = [nn.Linear(WIDTH, WIDTH) for _ in range(3)]
+        with torch.no_grad():
+            for linear in linears:
+                linear.weight.copy_(torch.randn(linear.weight.shape, generator=generator))
+        self.stem = linears[0]
+        self.branch_a = wrap(linears[1])
+        self.branch_b = wrap(linears[2])
+        self.swapped = False  # run branch_b before branch_a
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        first, second = (
+            (self.branch_b, self.branch_a) if self.swapped else (self.branch_a, self.branch_b)
+        )
+        return second(first(x))
+
+
+class BaseExecOrderTests:
+    """Ranks running FSDP instances in different orders get a clear error, never a hang.
+
+    Rank 1 runs ``branch_b`` before ``branch_a`` in the first iteration; every rank must raise
+    within ``DEADLINE_S`` with a message about the execution order naming a divergent instance
+    (``branch_a`` or ``branch_b``).
+    """
+
+    @check(
+        "exec_order.divergent",
+        "ranks running instances in different orders get a clear error",
+        strict=False,
+    )
+    @pytest.mark.world_size(2)
+    def test_divergent_exec_order_raises(self, fsdp_adapter: Any, dist: Any):
+        adapter = fsdp_adapter
+        wrap = adapter.wrapper()
+        model = adapter.wrap(TwoBranches(wrap), root=True)
+        adapter.unwrap(model).swapped = dist.rank == 1
+        x = torch.ones(2, WIDTH, device=dist.device)
+
+        def iteration() -> None:
+            adapter_loop.backward(adapter, model, model(x).sum())
+
+        expect_error(
+            iteration,
+            r"order.*branch_[ab]|branch_[ab].*order",
+            f"adapter {adapter.name!r}, rank {dist.rank} running "
+            f"{'branch_b, branch_a' if dist.rank == 1 else 'branch_a, branch_b'}",
+        )
 
 
 class TestExecOrder(BaseExecOrderTests):

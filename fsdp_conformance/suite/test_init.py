@@ -1,20 +1,10 @@
-"""Meta-device initialisation (check ``init.meta``).
-
-``BaseMetaInitTests.test_meta_init[nested|auto_wrap]`` builds the zoo's ``buffered_meta`` model
-(models/buffered.py: every parameter and buffer on the meta device) at world size 2, wraps it --
-``nested``: the blocks and the head wrapped inner first by hand, then the root; ``auto_wrap``:
-the root with an ``auto_wrap_policy`` picking the blocks -- and materialises it the
-implementation's documented way (``Adapter.materialize``: torch FSDP1 and impl while wrapping,
-``to_empty`` + ``reset_parameters()``; torch FSDP2 ``model.to_empty`` then each module's
-``reset_parameters()``). Then:
-
-- no parameter and no buffer (persistent or not) is left on the meta device;
-- every full parameter and every buffer equals the model built on the CPU, bit for bit: each
-  module was initialised exactly once (a ``SeededLinear`` initialised twice -- a nested
-  instance re-initialised by its root's materialisation -- has other values; a buffer left
-  uninitialised by ``to_empty`` holds garbage), the same on every rank (the CPU model is);
-- loaded from those reference weights (``Adapter.load_state_dict``), it trains ``STEPS`` SGD
-  steps bit-exactly as DDP (fp32, world size 2: [Note: loop tolerances] in suite/loops.py).
+"""Meta-device initialisation (``init.meta``): the zoo's ``buffered_meta`` model (every
+parameter and buffer on the meta device), wrapped by hand (``nested``) or by an
+``auto_wrap_policy``, materialised the implementation's documented way
+(``Adapter.materialize``): nothing is left on meta, every parameter and buffer equals the model
+built on the CPU bit for bit (each module initialised exactly once), and loaded from those
+weights it trains ``STEPS`` SGD steps bit-exactly as DDP. docs/suite.md, "Full state dict and
+meta-device init".
 """
 
 from __future__ import annotations
@@ -30,7 +20,8 @@ from fsdp_conformance.adapters import features as adapter_features
 from fsdp_conformance.adapters import loop as adapter_loop
 from fsdp_conformance.models import BufferedBlock
 
-from . import loops, verdict, zoo
+from . import loop_driver, zoo
+from .declare import check
 
 STEPS = 2
 
@@ -46,70 +37,74 @@ class BaseMetaInitTests:
     wrappings: ClassVar[tuple[str, ...]] = ("nested", "auto_wrap")
 
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
-        loops._parametrize(metafunc, wrapping=self.wrappings)
+        loop_driver.parametrize(metafunc, wrapping=self.wrappings)
 
+    @check(
+        "init.meta",
+        "a meta-device model materialised the implementation's way: nothing left on meta, nested "
+        "instances initialised once, then loaded and trained as DDP",
+        features=("meta_init",),
+        case="wrapping: 'nested' (inner first by hand) or 'auto_wrap'",
+        case_of="wrapping",
+    )
     @pytest.mark.world_size(2)
     def test_meta_init(self, fsdp_adapter: Any, dist: Any, wrapping: str):
         adapter = fsdp_adapter
-        with verdict.cell(adapter, "init.meta", wrapping):
-            adapter_features.skip_unless(
-                adapter, Feature.META_INIT, *zoo.MODELS["buffered_meta"].features
-            )
-            config = {"auto_wrap_policy": _is_block} if wrapping == "auto_wrap" else {}
-            adapter_features.skip_unless(
-                adapter, *adapter_features.wrap_features(adapter, **config)
-            )
-            nested = adapter.wrapper(process_group=dist.group) if wrapping == "nested" else None
-            zoo_model = zoo.build("buffered_meta", dist.group, nested, dist.device)
-            root = adapter.wrap(zoo_model, process_group=dist.group, root=True, **config)
-            adapter_loop.materialize(adapter, root, device=dist.device)
-            label = f"adapter {adapter.name!r}, buffered_meta ({wrapping})"
+        adapter_features.skip_unless(
+            adapter, Feature.META_INIT, *zoo.MODELS["buffered_meta"].features
+        )
+        config = {"auto_wrap_policy": _is_block} if wrapping == "auto_wrap" else {}
+        adapter_features.skip_unless(adapter, *adapter_features.wrap_features(adapter, **config))
+        nested = adapter.wrapper(process_group=dist.group) if wrapping == "nested" else None
+        zoo_model = zoo.build("buffered_meta", dist.group, nested, dist.device)
+        root = adapter.wrap(zoo_model, process_group=dist.group, root=True, **config)
+        adapter_loop.materialize(adapter, root, device=dist.device)
+        label = f"adapter {adapter.name!r}, buffered_meta ({wrapping})"
 
-            on_meta = [
-                name
-                for name, tensor in itertools.chain(root.named_parameters(), root.named_buffers())
-                if tensor.is_meta
-            ]
-            assert not on_meta, f"{label}: still on the meta device after materialize: {on_meta}"
-            plain = zoo.build("buffered", dist.group, None, dist.device).to(dist.device)
-            full = adapter_loop.full_params(adapter, root)
-            expected = {name: p.detach() for name, p in plain.named_parameters()}
-            assert sorted(full) == sorted(expected), (
-                f"{label}: full parameter names {sorted(full)}, the plain model's "
-                f"{sorted(expected)}"
-            )
-            buffers = {
-                clean_param_name(name, adapter_features.declared(adapter).wrapper_segments): buffer
-                for name, buffer in adapter.unwrap(root).named_buffers()
-            }
-            for name, value in plain.named_buffers():  # persistent and not
-                assert name in buffers, f"{label}: buffer {name!r} is gone ({sorted(buffers)})"
-                expected[name] = value
-                full[name] = buffers[name]
-            wrong = {
-                name: (full[name].cpu().double() - value.cpu().double()).abs().max().item()
-                for name, value in expected.items()
-                if not torch.equal(full[name].cpu(), value.cpu())
-            }
-            assert not wrong, (
-                f"{label}: after materialisation these differ from the model built on the CPU "
-                f"(max |difference|): {wrong}; each module must be initialised exactly once by "
-                "its own reset_parameters() (initialised twice -- e.g. a nested instance "
-                "re-initialised by its root's materialisation -- or left uninitialised)"
-            )
+        on_meta = [
+            name
+            for name, tensor in itertools.chain(root.named_parameters(), root.named_buffers())
+            if tensor.is_meta
+        ]
+        assert not on_meta, f"{label}: still on the meta device after materialize: {on_meta}"
+        plain = zoo.build("buffered", dist.group, None, dist.device).to(dist.device)
+        full = adapter_loop.full_params(adapter, root)
+        expected = {name: p.detach() for name, p in plain.named_parameters()}
+        assert sorted(full) == sorted(expected), (
+            f"{label}: full parameter names {sorted(full)}, the plain model's {sorted(expected)}"
+        )
+        buffers = {
+            clean_param_name(name, adapter_features.declared(adapter).wrapper_segments): buffer
+            for name, buffer in adapter.unwrap(root).named_buffers()
+        }
+        for name, value in plain.named_buffers():  # persistent and not
+            assert name in buffers, f"{label}: buffer {name!r} is gone ({sorted(buffers)})"
+            expected[name] = value
+            full[name] = buffers[name]
+        wrong = {
+            name: (full[name].cpu().double() - value.cpu().double()).abs().max().item()
+            for name, value in expected.items()
+            if not torch.equal(full[name].cpu(), value.cpu())
+        }
+        assert not wrong, (
+            f"{label}: after materialisation these differ from the model built on the CPU "
+            f"(max |difference|): {wrong}; each module must be initialised exactly once by "
+            "its own reset_parameters() (initialised twice -- e.g. a nested instance "
+            "re-initialised by its root's materialisation -- or left uninitialised)"
+        )
 
-            adapter_loop.load_state_dict(adapter, root, plain.state_dict())
-            driver = loops.Driver(root, zoo_model, adapter)
-            losses = loops._steps_from(
-                driver, loops.fsdp_optimizer(adapter, root), dist.device, 0, STEPS
-            )
-            ddp = torch.nn.parallel.DistributedDataParallel(plain, process_group=dist.group)
-            reference = loops.Driver(ddp, plain)
-            reference_losses = loops._steps_from(
-                reference, loops.ddp_optimizer(plain), dist.device, 0, STEPS
-            )
-            loops.assert_losses(label, losses, reference_losses)
-            loops.assert_params(label, driver.params(), reference.params(), STEPS)
+        adapter_loop.load_state_dict(adapter, root, plain.state_dict())
+        driver = loop_driver.Driver(root, zoo_model, adapter)
+        losses = loop_driver.steps_from(
+            driver, loop_driver.fsdp_optimizer(adapter, root), dist.device, 0, STEPS
+        )
+        ddp = torch.nn.parallel.DistributedDataParallel(plain, process_group=dist.group)
+        reference = loop_driver.Driver(ddp, plain)
+        reference_losses = loop_driver.steps_from(
+            reference, loop_driver.ddp_optimizer(plain), dist.device, 0, STEPS
+        )
+        loop_driver.assert_losses(label, losses, reference_losses)
+        loop_driver.assert_params(label, driver.params(), reference.params(), STEPS)
 
 
 class TestMetaInit(BaseMetaInitTests):

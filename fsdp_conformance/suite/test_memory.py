@@ -1,14 +1,8 @@
-"""Resharding after forward, a memory check any FSDP can run (collected by ``--pyargs``).
-
-``memory.reshard_after_forward``: where resharding after forward is configured (FULL_SHARD:
-torch FSDP1's FULL_SHARD, FSDP2's ``reshard_after_forward``, fairscale's
-``reshard_after_forward=True``, DeepSpeed ZeRO-3), no unsharded parameter of a non-root instance
-stays alive once the model's forward has returned: neither held by the implementation nor saved
-for backward (it is gathered again there). The root is exempt: FSDP keeps it unsharded into
-backward, which starts right away. Seen by value and weak reference, no device handle or rate
-limiter needed ([Note: unsharded parameters by value] in ``observe/unsharded.py``).
-SHARD_GRAD_OP keeps the parameters until backward by design: the premise does not hold, so no
-cell runs for it.
+"""Resharding after forward (``memory.reshard_after_forward``): with FULL_SHARD, no unsharded
+parameter of a non-root instance stays alive once the model's forward has returned (held by the
+implementation or saved for backward); the root is exempt. Seen by value and weak reference
+([Note: unsharded parameters by value] in ``observe/unsharded.py``). SHARD_GRAD_OP keeps them
+by design: no cell runs for it. docs/suite.md, "Checks any FSDP can run".
 """
 
 from __future__ import annotations
@@ -25,8 +19,9 @@ from fsdp_conformance.adapters import Adapter
 from fsdp_conformance.adapters import loop as adapter_loop
 from fsdp_conformance.observe.unsharded import UnshardedParams
 
-from . import training, verdict
-from .loops import LoopCase, _parametrize
+from . import training
+from .declare import check
+from .loop_driver import LoopCase, parametrize
 
 # steps trained; the forward of the last one is observed (the first runs any lazy init)
 STEPS = 2
@@ -71,33 +66,38 @@ class BaseReshardAfterForwardTests:
     models: ClassVar[tuple[str, ...]] = ("nested", "transformer")
 
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
-        _parametrize(metafunc, model_name=self.models)
+        parametrize(metafunc, model_name=self.models)
 
+    @check(
+        "memory.reshard_after_forward",
+        "with resharding after forward configured (FULL_SHARD), no unsharded parameter of a "
+        "non-root instance stays alive after the model's forward",
+        case="suite.loop_driver.LoopCase",
+        case_of=lambda model_name: LoopCase(model_name, "FULL_SHARD", "reshard_after_forward"),
+    )
     @pytest.mark.world_size(2)
     def test_no_unsharded_parameter_after_forward(
         self, fsdp_adapter: Any, dist: Any, model_name: str
     ):
-        case = LoopCase(model_name, "FULL_SHARD", "reshard_after_forward")
-        with verdict.cell(fsdp_adapter, "memory.reshard_after_forward", case):
-            adapter = fsdp_adapter
-            root, zoo_model = training.wrap_model(
-                adapter, model_name, dist, {"sharding_strategy": "FULL_SHARD"}
-            )
-            probe, _ = observed_training(adapter, root, zoo_model, dist)
-            label = f"adapter {adapter.name!r}, {model_name}, FULL_SHARD"
-            unseen = unseen_instances(probe)
-            assert not unseen, (
-                f"{label}: no unsharded parameter was recognised in the forward of instance(s) "
-                f"{unseen} (tensors equal to a full parameter, passed to a torch function); the "
-                "check cannot see this implementation's parameters"
-            )
-            alive = {name: names for name, names in probe.alive.items() if names}
-            alive.pop(probe.root_label, None)
-            assert not alive, (
-                f"{label}: resharding after forward is configured, but after the model's forward "
-                f"these non-root instances still hold unsharded parameters (alive, storage not "
-                f"freed): {alive}"
-            )
+        adapter = fsdp_adapter
+        root, zoo_model = training.wrap_model(
+            adapter, model_name, dist, {"sharding_strategy": "FULL_SHARD"}
+        )
+        probe, _ = observed_training(adapter, root, zoo_model, dist)
+        label = f"adapter {adapter.name!r}, {model_name}, FULL_SHARD"
+        unseen = unseen_instances(probe)
+        assert not unseen, (
+            f"{label}: no unsharded parameter was recognised in the forward of instance(s) "
+            f"{unseen} (tensors equal to a full parameter, passed to a torch function); the "
+            "check cannot see this implementation's parameters"
+        )
+        alive = {name: names for name, names in probe.alive.items() if names}
+        alive.pop(probe.root_label, None)
+        assert not alive, (
+            f"{label}: resharding after forward is configured, but after the model's forward "
+            f"these non-root instances still hold unsharded parameters (alive, storage not "
+            f"freed): {alive}"
+        )
 
 
 class TestReshardAfterForward(BaseReshardAfterForwardTests):

@@ -1,8 +1,142 @@
-"""The two-instance memory bound of limit_all_gathers (collected by ``--pyargs``)."""
+"""The two-instance memory bound of limit_all_gathers (``memory_bound*``; [Note: memory bound]
+in memory_bound.py, which measures).
+
+    class TestMyMemoryBound(BaseMemoryBoundTests):   # in your tests; pytest collects Test*
+        lag_variants = ("strict",)                   # optional: fewer lagging-device variants
+"""
 
 from __future__ import annotations
 
-from fsdp_conformance.suite.memory_bound import BaseMemoryBoundTests
+from typing import Any, ClassVar
+
+import pytest
+
+from fsdp_conformance.adapters import Adapter
+from fsdp_conformance.observe.lagging import LAG_VARIANTS
+
+from . import memory_bound
+from .declare import check
+from .memory_bound import OWN_BOUNDS, BoundCase
+from .stream_bound import StreamOrderedBound
+
+
+class BaseMemoryBoundTests:
+    """Resident unsharded buffers stay within the two-instance bound (see [Note: memory bound]).
+
+    Every test runs at world size 2 on a ``ChainOfLinears`` with ``memory_bound.LAYERS``
+    non-root instances.
+    Adapters without ``limit_all_gathers``, ``device_handle`` or ``comm_trace`` skip, naming the
+    adapter and the feature.
+    """
+
+    # Lagging-device variants to run every CPU case under
+    lag_variants: ClassVar[tuple[str, ...]] = LAG_VARIANTS
+    # Adapter name -> its own bound (stream-ordered implementations), see OWN_BOUNDS
+    own_bounds: ClassVar[dict[str, StreamOrderedBound]] = OWN_BOUNDS
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "known_deviations" in cls.__dict__:
+            raise TypeError(
+                f"{cls.__name__}.known_deviations: the suite class no longer takes deviations; "
+                "declare them on the adapter instead (Adapter.known_deviations = "
+                "(Deviation('memory_bound', reason, applies=lambda case: ...),), docs/adapters.md)"
+            )
+
+    def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
+        if "bound_case" in metafunc.fixturenames:
+            cases = memory_bound.limited_cases(self.lag_variants)
+            metafunc.parametrize("bound_case", [case.param() for case in cases])
+        if "unlimited_case" in metafunc.fixturenames:
+            cases = [BoundCase(lag, limit_all_gathers=False) for lag in self.lag_variants]
+            metafunc.parametrize("unlimited_case", [case.param() for case in cases])
+        if "cuda_case" in metafunc.fixturenames:
+            cases = [BoundCase("cuda"), BoundCase("cuda", limit_all_gathers=False)]
+            metafunc.parametrize("cuda_case", [case.param() for case in cases])
+        if "shard_grad_op_case" in metafunc.fixturenames:
+            cases = [
+                BoundCase(lag, "SHARD_GRAD_OP", "BACKWARD_PRE", False) for lag in self.lag_variants
+            ]
+            metafunc.parametrize("shard_grad_op_case", [case.param() for case in cases])
+
+    @check(
+        "memory_bound",
+        "two-instance memory bound of limit_all_gathers (or the implementation's own bound)",
+        case="memory_bound.BoundCase",
+        case_of="bound_case",
+    )
+    def test_limited_all_gathers_stay_within_bound(
+        self, fsdp_adapter: Adapter, dist: Any, bound_case: BoundCase
+    ) -> None:
+        tracker = memory_bound.measure_residency(
+            fsdp_adapter, dist.group, bound_case.wrap_config, bound_case.lag
+        )
+        own_bound = memory_bound.own_bound_of(fsdp_adapter, self.own_bounds)
+        memory_bound.check_residency(
+            tracker, bound_case, f"adapter {fsdp_adapter.name!r}", own_bound
+        )
+
+    @check(
+        "memory_bound.unlimited",
+        "without the limiter the lagging device keeps every all-gather resident (the bound check "
+        "can fail)",
+        features=("limit_all_gathers_off",),
+        case="memory_bound.BoundCase",
+        case_of="unlimited_case",
+    )
+    def test_unlimited_all_gathers_exceed_bound(
+        self, fsdp_adapter: Adapter, dist: Any, unlimited_case: BoundCase
+    ) -> None:
+        # The check is only worth something if it can fail: without the limiter the CPU never
+        # waits, so every all-gather of an iteration stays resident (LAYERS > MAX_INFLIGHT).
+        tracker = memory_bound.measure_residency(
+            fsdp_adapter, dist.group, unlimited_case.wrap_config, unlimited_case.lag
+        )
+        with pytest.raises(AssertionError, match="memory bound exceeded") as failure:
+            memory_bound.check_residency(tracker, unlimited_case, f"adapter {fsdp_adapter.name!r}")
+        assert f"iteration 1 forward: peak {memory_bound.LAYERS} " in str(failure.value), str(
+            failure.value
+        )
+
+    @check("memory_bound", case_of="shard_grad_op_case")
+    def test_shard_grad_op_keeps_backward_within_bound(
+        self, fsdp_adapter: Adapter, dist: Any, shard_grad_op_case: BoundCase
+    ) -> None:
+        case = shard_grad_op_case
+        tracker = memory_bound.measure_residency(
+            fsdp_adapter, dist.group, case.wrap_config, case.lag
+        )
+        own_bound = memory_bound.own_bound_of(fsdp_adapter, self.own_bounds)
+        label = f"adapter {fsdp_adapter.name!r}"
+        # forward is exempt from the bound: SHARD_GRAD_OP keeps every buffer until backward
+        memory_bound.check_shard_grad_op_forward(tracker, case, label, own_bound)
+        memory_bound.check_residency(tracker, case, label, own_bound)
+
+    @check(
+        "memory_bound.cuda",
+        "the CUDA caching allocator's forward peaks respect the bound (GPU)",
+        case="memory_bound.BoundCase",
+        case_of="cuda_case",
+    )
+    @pytest.mark.cuda
+    def test_cuda_allocator_peak_within_bound(
+        self, fsdp_adapter: Adapter, dist: Any, cuda_case: BoundCase
+    ) -> None:
+        if dist.device.type != "cuda":
+            pytest.skip(
+                "CUDA variant of the memory-bound check: needs one GPU per rank (the ranks "
+                f"run on {dist.device}); the CPU variant with the lagging device covers the "
+                "bound"
+            )
+        measured = memory_bound.measure_cuda_forward_peaks(
+            fsdp_adapter, dist.group, dist.device, cuda_case.wrap_config
+        )
+        label = f"adapter {fsdp_adapter.name!r}"
+        if cuda_case.limit_all_gathers:
+            memory_bound.check_cuda_forward_peaks(measured, cuda_case, label)
+        else:
+            with pytest.raises(AssertionError, match="memory bound exceeded"):
+                memory_bound.check_cuda_forward_peaks(measured, cuda_case, label)
 
 
 class TestMemoryBound(BaseMemoryBoundTests):

@@ -1,15 +1,9 @@
-"""Optimizer parameter groups as users write them (collected by ``--pyargs``):
-``optim.param_groups``.
-
-``BaseParamGroupTests``: AdamW with weight decay, no decay on biases and norms, a tenth of the
-learning rate for one wrapped block (``loops_norm``: a LayerNorm in each wrapped block), the
+"""Optimizer parameter groups as users write them (``optim.param_groups``): AdamW with no
+weight decay on biases and norms and one wrapped block at a tenth of the learning rate, the
 groups chosen by the unwrapped model's parameter names (``adapter.optimizer(root, "adamw",
-param_groups=...)``: FSDP1 with ``use_orig_params=True``, FSDP2 natively, impl over the pieces
-of each shard). After ``STEPS`` steps losses and full parameters equal DDP's with the same
-groups bit for bit: AdamW is elementwise, so a shard updates exactly as the full parameter
-does (measured bit-exact on torch 2.13.0: impl, FSDP1, FSDP2). A group lost or merged (a bias
-decayed, the block at the full rate) moves parameters by ``lr * weight_decay * |p|`` or more
-per step, far from bit-exact.
+param_groups=...)``), trains bit for bit as DDP with the same groups (AdamW is elementwise; a
+group lost or merged moves parameters far from bit-exact). docs/suite.md, "Optimizer groups,
+shared and ignored parameters, other forward methods".
 """
 
 from __future__ import annotations
@@ -25,16 +19,16 @@ from fsdp_conformance.adapters import features as adapter_features
 from fsdp_conformance.adapters import loop as adapter_loop
 from fsdp_conformance.adapters.base import group_by
 
-from . import verdict
-from .loops import (
+from .declare import check
+from .loop_driver import (
     Driver,
     LoopCase,
-    _parametrize,
-    _steps_from,
     assert_losses,
     assert_params,
     build,
     build_reference,
+    parametrize,
+    steps_from,
 )
 
 ADAMW_LR = 1e-2
@@ -67,41 +61,46 @@ class BaseParamGroupTests:
     strategies: ClassVar[tuple[str, ...]] = ("FULL_SHARD", "SHARD_GRAD_OP")
 
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
-        _parametrize(metafunc, model_name=self.models, strategy=self.strategies)
+        parametrize(metafunc, model_name=self.models, strategy=self.strategies)
 
+    @check(
+        "optim.param_groups",
+        "optimizer parameter groups by name (no weight decay on biases and norms, one block at "
+        "another learning rate): AdamW matches DDP",
+        features=("param_groups",),
+        case="suite.loop_driver.LoopCase",
+        case_of=lambda model_name, strategy: LoopCase(model_name, strategy, "adamw_groups"),
+    )
     @pytest.mark.world_size(2)
     def test_param_groups_match_ddp(
         self, fsdp_adapter: Any, dist: Any, model_name: str, strategy: str
     ):
-        with verdict.cell(
-            fsdp_adapter, "optim.param_groups", LoopCase(model_name, strategy, "adamw_groups")
-        ):
-            adapter = fsdp_adapter
-            config: dict[str, Any] = {"sharding_strategy": strategy}
-            if adapter_features.supports(
-                adapter, Feature.USE_ORIG_PARAMS
-            ):  # FSDP1: groups need the flag
-                config["use_orig_params"] = True
-            root, zoo_model = build(adapter, model_name, dist, config)
-            optimizer = adapter_loop.optimizer(adapter, 
-                root, "adamw", param_groups=group_options, lr=ADAMW_LR, weight_decay=WEIGHT_DECAY
-            )
-            driver = Driver(root, zoo_model, adapter)
-            losses = _steps_from(driver, optimizer, dist.device, 0, self.STEPS)
-            params = driver.params()
-            ddp, model = build_reference(model_name, dist)
-            reference_optimizer = torch.optim.AdamW(
-                reference_groups(model), lr=ADAMW_LR, weight_decay=WEIGHT_DECAY
-            )
-            reference = Driver(ddp, model)
-            ref_losses = _steps_from(reference, reference_optimizer, dist.device, 0, self.STEPS)
-            ref_params = reference.params()
-            label = (
-                f"adapter {adapter.name!r}, {model_name}, {strategy}, AdamW with groups (no "
-                f"weight decay on biases and norms, lr/10 for {SLOW_BLOCK}*)"
-            )
-            assert_losses(label, losses, ref_losses)
-            assert_params(label, params, ref_params, self.STEPS)
+        adapter = fsdp_adapter
+        config: dict[str, Any] = {"sharding_strategy": strategy}
+        if adapter_features.supports(
+            adapter, Feature.USE_ORIG_PARAMS
+        ):  # FSDP1: groups need the flag
+            config["use_orig_params"] = True
+        root, zoo_model = build(adapter, model_name, dist, config)
+        optimizer = adapter_loop.optimizer(adapter, 
+            root, "adamw", param_groups=group_options, lr=ADAMW_LR, weight_decay=WEIGHT_DECAY
+        )
+        driver = Driver(root, zoo_model, adapter)
+        losses = steps_from(driver, optimizer, dist.device, 0, self.STEPS)
+        params = driver.params()
+        ddp, model = build_reference(model_name, dist)
+        reference_optimizer = torch.optim.AdamW(
+            reference_groups(model), lr=ADAMW_LR, weight_decay=WEIGHT_DECAY
+        )
+        reference = Driver(ddp, model)
+        ref_losses = steps_from(reference, reference_optimizer, dist.device, 0, self.STEPS)
+        ref_params = reference.params()
+        label = (
+            f"adapter {adapter.name!r}, {model_name}, {strategy}, AdamW with groups (no "
+            f"weight decay on biases and norms, lr/10 for {SLOW_BLOCK}*)"
+        )
+        assert_losses(label, losses, ref_losses)
+        assert_params(label, params, ref_params, self.STEPS)
 
 
 class TestParamGroups(BaseParamGroupTests):

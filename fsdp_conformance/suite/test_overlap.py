@@ -1,8 +1,50 @@
-"""Communication/computation overlap (collected by ``--pyargs``)."""
+"""Prefetch overlaps communication with computation (``overlap``; [Note: overlap timing] in
+overlap.py).
+
+    class TestMyOverlap(BaseOverlapTests):   # pytest collects Test* classes
+        pass
+"""
 
 from __future__ import annotations
 
-from fsdp_conformance.suite.overlap import BaseOverlapTests
+from typing import Any, ClassVar
+
+import pytest
+
+from fsdp_conformance.adapters import Feature
+from fsdp_conformance.adapters import features as adapter_features
+
+from . import overlap
+from .declare import check
+
+
+class BaseOverlapTests:
+    """Prefetch overlaps communication with computation ([Note: overlap timing])."""
+
+    # measurements before failing (1 + retries)
+    retries: ClassVar[int] = 1
+
+    @check("overlap", "communication overlaps computation")
+    @pytest.mark.world_size(2)
+    @pytest.mark.fsdp_mode("process")  # patches ProcessGroup methods process-wide
+    def test_prefetch_overlaps_communication_cpu(self, fsdp_adapter: Any, dist: Any):
+        if dist.device.type != "cpu":
+            pytest.skip("the CPU overlap check runs on CPU ranks (gloo); this world has GPUs")
+        adapter = fsdp_adapter
+        adapter_features.skip_unless(adapter, Feature.FORWARD_PREFETCH, Feature.LIMIT_ALL_GATHERS)
+        times = overlap.check_overlap(adapter, dist, f"adapter {adapter.name!r}", self.retries)
+        print(f"overlap ratio {times.cpu_ratio(overlap.CPU_COMM_MS):.3f}: {times.describe()}")
+
+    @check("overlap")
+    @pytest.mark.cuda
+    @pytest.mark.world_size(2)
+    @pytest.mark.fsdp_mode("process")
+    def test_prefetch_overlaps_communication_cuda(self, fsdp_adapter: Any, dist: Any):
+        if dist.device.type != "cuda":
+            pytest.skip("needs one GPU per rank (the CUDA overlap check)")
+        adapter = fsdp_adapter
+        adapter_features.skip_unless(adapter, Feature.LIMIT_ALL_GATHERS)
+        overlap.check_overlap(adapter, dist, f"adapter {adapter.name!r}", self.retries)
 
 
 class TestOverlap(BaseOverlapTests):

@@ -1,23 +1,11 @@
-"""Mixed precision as users configure it, and the sharded gradient scaler (collected by
-``--pyargs``).
-
-- ``BasePrecisionTests.test_dtypes`` (``precision.dtypes``): with ``mixed_precision``
-  (param_dtype, reduce_dtype, buffer_dtype where the adapter casts buffers) the dtypes are
-  observed, not assumed: forward pre-hooks on every ``nn.Linear`` see inputs and weights in
-  ``param_dtype``; every tensor handed to ``torch.distributed``'s reduction collectives during
-  backward is in ``reduce_dtype``; the registered (sharded) parameters and their gradients stay
-  float32; the floating-point buffers (the root's and those inside wrapped blocks) are in
-  ``buffer_dtype`` (float32 when not cast) in every forward, also after a state dict was
-  taken, and the state dict holds them in float32, the unwrapped module's dtype; the root's output is in ``output_dtype`` where one is given (FSDP2's
-  policy; not applicable where the implementation has none); training matches float32 DDP
-  within [Note: precision tolerances].
-- ``BasePrecisionTests.test_accumulation`` (``precision.dtypes``): the gradient accumulated over
-  ``MICRO_BATCHES`` micro-batches (under no_sync, or synchronising each) by one instance
-  around the whole model is no further from float32 DDP's than one micro-batch's
-  (accumulation in float32, not in a low precision).
-- ``BasePrecisionTests.test_grad_scaler`` (``precision.grad_scaler``): the adapter's
-  ``grad_scaler`` with an inf in one gradient element on one rank: every rank skips that step,
-  the scale halves identically on every rank, and the parameters equal DDP + GradScaler's.
+"""Mixed precision as users configure it, and the sharded gradient scaler (docs/suite.md,
+"Precision"): ``test_dtypes`` observes the dtypes (forward in param_dtype, reductions in
+reduce_dtype, float32 shards and gradients, buffers and their state dict, the output dtype)
+and trains within tolerance of float32 DDP; ``test_accumulation``: accumulating many
+micro-batches is no further from float32 DDP than one (float32 accumulation); both
+``precision.dtypes``. ``test_grad_scaler`` (``precision.grad_scaler``): an inf gradient on one
+rank makes every rank skip the step, the scale shrinks identically, parameters equal DDP +
+GradScaler's.
 
 [Note: precision tolerances]
 Parity with float32 DDP after ``STEPS`` SGD+momentum steps (lr 0.01) on ``loops_buffer``
@@ -56,8 +44,9 @@ from fsdp_conformance.adapters import features as adapter_features
 from fsdp_conformance.adapters import loop as adapter_loop
 from fsdp_conformance.vocab import Op
 
-from . import loops, verdict
-from .loops import LoopCase
+from . import loop_driver, training
+from .declare import check
+from .loop_driver import LoopCase
 
 MODEL = "loops_buffer"
 # the accumulation model: one instance around it (no fp32 buffer meeting bf16 activations)
@@ -173,6 +162,11 @@ def _relative_error(actual: dict, expected: dict, before: dict) -> float:
     return error / scale
 
 
+def _accumulation_case(accumulation: str) -> LoopCase:
+    sync, _, policy = accumulation.partition(":")
+    return LoopCase(ACCUMULATION_MODEL, "FULL_SHARD", f"{sync} {policy}")
+
+
 class BasePrecisionTests:
     """Mixed precision dtypes, accumulation precision and the sharded gradient scaler (see the
     module docstring and [Note: precision tolerances])."""
@@ -194,192 +188,203 @@ class BasePrecisionTests:
             if name in metafunc.fixturenames:
                 metafunc.parametrize(name, values)
 
+    @check(
+        "precision.dtypes",
+        "mixed precision observed: forward in param_dtype, reductions in reduce_dtype, fp32 "
+        "shards and gradients, buffers and their state dict in the promised dtype, fp32 "
+        "accumulation over many micro-batches, training within tolerance of fp32 DDP",
+        features=("mixed_precision", "mixed_precision_policy"),
+        case="suite.loop_driver.LoopCase",
+        case_of=lambda policy: LoopCase(MODEL, "FULL_SHARD", policy),
+    )
     @pytest.mark.world_size(2)
     def test_dtypes(self, fsdp_adapter: Any, dist: Any, policy: str):
         adapter = fsdp_adapter
-        with verdict.cell(adapter, "precision.dtypes", LoopCase(MODEL, "FULL_SHARD", policy)):
-            param_dtype, reduce_dtype, output_dtype = _policy(policy)
-            casts_buffers = adapter_features.supports(adapter, Feature.MIXED_PRECISION_BUFFER_DTYPE)
-            mixed = {
-                "param_dtype": param_dtype,
-                "reduce_dtype": reduce_dtype,
-                "buffer_dtype": param_dtype if casts_buffers else None,
-                "output_dtype": output_dtype,
-            }
-            config = {"sharding_strategy": "FULL_SHARD", "mixed_precision": mixed}
-            root, zoo_model = loops.build(adapter, MODEL, dist, config)
-            driver = loops.Driver(root, zoo_model, adapter)
-            optimizer = loops.fsdp_optimizer(adapter, root)
-            label = f"adapter {adapter.name!r}, {MODEL}, mixed_precision {policy}"
-            failures: list[str] = []
-            losses = []
-            state_dtypes: dict[str, torch.dtype] = {}
-            for step in range(STEPS):
-                optimizer.zero_grad()
-                inputs = loops.micro_input(zoo_model, dist.device, step)
-                with recording_forward_dtypes(adapter.unwrap(root)) as seen:
-                    output = root(*inputs)
-                loss = zoo_model.get_loss(inputs, output)
-                if output_dtype is not None and output.dtype != output_dtype:
-                    failures.append(
-                        f"step {step} forward: the root's output in {output.dtype}, "
-                        f"output_dtype is {output_dtype}"
-                    )
-                with recording_reductions() as reduced:
-                    driver.backward(loss)
-                expected_buffer = param_dtype if casts_buffers else torch.float32
-                for key, what, expected in (
-                    ("input", "inputs of the nn.Linear layers", param_dtype),
-                    ("weight", "weights of the nn.Linear layers", param_dtype),
-                    ("buffer", "floating-point buffers", expected_buffer),
-                ):
-                    if seen[key] != {expected}:
-                        failures.append(
-                            f"step {step} forward: {what} in {_names(seen[key])}, expected "
-                            f"{expected}"
-                        )
-                wrong = sorted(
-                    {f"{op} in {dtype}" for op, dtype in reduced if dtype != reduce_dtype}
-                )
-                if not reduced or wrong:
-                    failures.append(
-                        f"step {step} backward: gradient reductions "
-                        f"{wrong or 'none observed'}, expected every one in {reduce_dtype}"
-                    )
-                low = {n: d for n, d in _params_and_grads(root).items() if d != torch.float32}
-                if low:
-                    failures.append(
-                        f"step {step}: sharded parameters / gradients not float32: {low}"
-                    )
-                optimizer.step()
-                losses.append(loss.detach().float())
-                if step == 0:
-                    state = adapter_loop.state_dict(adapter, root)
-                    state_dtypes = {
-                        clean_param_name(
-                            k, adapter_features.declared(adapter).wrapper_segments
-                        ): v.dtype
-                        for k, v in state.items()
-                        if isinstance(v, torch.Tensor)
-                    }
-            ddp, reference_model = loops.build_reference(MODEL, dist)
-            buffers = {name: b.dtype for name, b in reference_model.named_buffers()}
-            wrong_state = {
-                name: state_dtypes.get(name, "missing")
-                for name, dtype in buffers.items()
-                if state_dtypes.get(name) != dtype
-            }
-            if wrong_state:
+        param_dtype, reduce_dtype, output_dtype = _policy(policy)
+        casts_buffers = adapter_features.supports(adapter, Feature.MIXED_PRECISION_BUFFER_DTYPE)
+        mixed = {
+            "param_dtype": param_dtype,
+            "reduce_dtype": reduce_dtype,
+            "buffer_dtype": param_dtype if casts_buffers else None,
+            "output_dtype": output_dtype,
+        }
+        config = {"sharding_strategy": "FULL_SHARD", "mixed_precision": mixed}
+        root, zoo_model = loop_driver.build(adapter, MODEL, dist, config)
+        driver = loop_driver.Driver(root, zoo_model, adapter)
+        optimizer = loop_driver.fsdp_optimizer(adapter, root)
+        label = f"adapter {adapter.name!r}, {MODEL}, mixed_precision {policy}"
+        failures: list[str] = []
+        losses = []
+        state_dtypes: dict[str, torch.dtype] = {}
+        for step in range(STEPS):
+            optimizer.zero_grad()
+            inputs = loop_driver.micro_input(zoo_model, dist.device, step)
+            with recording_forward_dtypes(adapter.unwrap(root)) as seen:
+                output = root(*inputs)
+            loss = zoo_model.get_loss(inputs, output)
+            if output_dtype is not None and output.dtype != output_dtype:
                 failures.append(
-                    f"the state dict holds buffers {wrong_state}; the unwrapped module has "
-                    f"them in {sorted(set(map(str, buffers.values())))}"
+                    f"step {step} forward: the root's output in {output.dtype}, "
+                    f"output_dtype is {output_dtype}"
                 )
-            assert not failures, f"{label}:\n  " + "\n  ".join(failures)
-            reference = loops.Driver(ddp, reference_model)
-            reference_optimizer = loops.ddp_optimizer(ddp)
-            reference_losses = []
-            for step in range(STEPS):
-                reference_optimizer.zero_grad()
-                inputs = loops.micro_input(reference_model, dist.device, step)
-                loss = reference_model.get_loss(inputs, ddp(*inputs))
-                reference.backward(loss)
-                reference_optimizer.step()
-                reference_losses.append(loss.detach().float())
-            eps = EPS[param_dtype]
-            loops.training.assert_same_training(
-                f"{label}, against float32 DDP",
-                loops.training.TrainingResult(torch.stack(losses), driver.params()),
-                loops.training.TrainingResult(torch.stack(reference_losses), reference.params()),
-                atol=PARAM_ATOL_PER_EPS * eps,
-                rtol=0.0,
-                loss_atol=0.0,
-                loss_rtol=LOSS_RTOL_PER_EPS * eps,
+            with recording_reductions() as reduced:
+                driver.backward(loss)
+            expected_buffer = param_dtype if casts_buffers else torch.float32
+            for key, what, expected in (
+                ("input", "inputs of the nn.Linear layers", param_dtype),
+                ("weight", "weights of the nn.Linear layers", param_dtype),
+                ("buffer", "floating-point buffers", expected_buffer),
+            ):
+                if seen[key] != {expected}:
+                    failures.append(
+                        f"step {step} forward: {what} in {_names(seen[key])}, expected {expected}"
+                    )
+            wrong = sorted({f"{op} in {dtype}" for op, dtype in reduced if dtype != reduce_dtype})
+            if not reduced or wrong:
+                failures.append(
+                    f"step {step} backward: gradient reductions "
+                    f"{wrong or 'none observed'}, expected every one in {reduce_dtype}"
+                )
+            low = {n: d for n, d in _params_and_grads(root).items() if d != torch.float32}
+            if low:
+                failures.append(f"step {step}: sharded parameters / gradients not float32: {low}")
+            optimizer.step()
+            losses.append(loss.detach().float())
+            if step == 0:
+                state = adapter_loop.state_dict(adapter, root)
+                state_dtypes = {
+                    clean_param_name(
+                        k, adapter_features.declared(adapter).wrapper_segments
+                    ): v.dtype
+                    for k, v in state.items()
+                    if isinstance(v, torch.Tensor)
+                }
+        ddp, reference_model = loop_driver.build_reference(MODEL, dist)
+        buffers = {name: b.dtype for name, b in reference_model.named_buffers()}
+        wrong_state = {
+            name: state_dtypes.get(name, "missing")
+            for name, dtype in buffers.items()
+            if state_dtypes.get(name) != dtype
+        }
+        if wrong_state:
+            failures.append(
+                f"the state dict holds buffers {wrong_state}; the unwrapped module has "
+                f"them in {sorted(set(map(str, buffers.values())))}"
             )
+        assert not failures, f"{label}:\n  " + "\n  ".join(failures)
+        reference = loop_driver.Driver(ddp, reference_model)
+        reference_optimizer = loop_driver.ddp_optimizer(ddp)
+        reference_losses = []
+        for step in range(STEPS):
+            reference_optimizer.zero_grad()
+            inputs = loop_driver.micro_input(reference_model, dist.device, step)
+            loss = reference_model.get_loss(inputs, ddp(*inputs))
+            reference.backward(loss)
+            reference_optimizer.step()
+            reference_losses.append(loss.detach().float())
+        eps = EPS[param_dtype]
+        training.assert_same_training(
+            f"{label}, against float32 DDP",
+            training.TrainingResult(torch.stack(losses), driver.params()),
+            training.TrainingResult(torch.stack(reference_losses), reference.params()),
+            atol=PARAM_ATOL_PER_EPS * eps,
+            rtol=0.0,
+            loss_atol=0.0,
+            loss_rtol=LOSS_RTOL_PER_EPS * eps,
+        )
 
+    @check("precision.dtypes", case_of=_accumulation_case)
     @pytest.mark.world_size(2)
     def test_accumulation(self, fsdp_adapter: Any, dist: Any, accumulation: str):
         adapter = fsdp_adapter
         sync, _, policy = accumulation.partition(":")
-        case = LoopCase(ACCUMULATION_MODEL, "FULL_SHARD", f"{sync} {policy}")
-        with verdict.cell(adapter, "precision.dtypes", case):
-            if sync == "no_sync":
-                adapter_features.skip_unless(adapter, Feature.GRADIENT_ACCUMULATION)
-            param_dtype, reduce_dtype, _ = _policy(policy)
-            mixed = {"param_dtype": param_dtype, "reduce_dtype": reduce_dtype}
-            config = {"sharding_strategy": "FULL_SHARD", "mixed_precision": mixed}
-            # the reference: float32 DDP, one micro-batch (N identical micro-batches with the
-            # loss divided by N have the same gradient; see [Note: precision tolerances])
-            ddp, reference_model = loops.build_reference(ACCUMULATION_MODEL, dist)
-            reference = loops.Driver(ddp, reference_model)
-            optimizer = torch.optim.SGD(ddp.parameters(), lr=ACCUMULATION_LR)
-            loops.accumulate_steps(reference, optimizer, dist.device, 1, 1, sync_every=True)
-            expected = reference.params()
-            errors = {}
-            for micro_batches in (1, self.MICRO_BATCHES):
-                # one instance around the whole model: 32 micro-batches cost 32 all-gathers
-                zoo_model, _ = loops.build_reference(ACCUMULATION_MODEL, dist, ddp=False)
-                root = adapter.wrap(zoo_model, process_group=dist.group, root=True, **config)
-                before = adapter_loop.full_params(adapter, root)
-                loops.accumulate_steps(
-                    loops.Driver(root, zoo_model, adapter),
-                    adapter_loop.optimizer(adapter, root, "sgd", lr=ACCUMULATION_LR),
-                    dist.device,
-                    1,
-                    micro_batches,
-                    sync_every=sync == "sync_every",
-                    same_input=True,
-                )
-                errors[micro_batches] = _relative_error(
-                    adapter_loop.full_params(adapter, root), expected, before
-                )
-            one, many = errors[1], errors[self.MICRO_BATCHES]
-            assert many <= GROWTH * one, (
-                f"adapter {adapter.name!r}, {ACCUMULATION_MODEL}, mixed_precision {policy}, "
-                f"{'no_sync' if sync == 'no_sync' else 'sync on every micro-batch'}: the "
-                f"gradient accumulated over {self.MICRO_BATCHES} micro-batches is {many:.3g} "
-                f"(relative) away from float32 DDP's, {many / one:.3g}x the error of one "
-                f"micro-batch ({one:.3g}; at most {GROWTH}x): gradients accumulate in a low "
-                "precision, not in float32"
+        if sync == "no_sync":
+            adapter_features.skip_unless(adapter, Feature.GRADIENT_ACCUMULATION)
+        param_dtype, reduce_dtype, _ = _policy(policy)
+        mixed = {"param_dtype": param_dtype, "reduce_dtype": reduce_dtype}
+        config = {"sharding_strategy": "FULL_SHARD", "mixed_precision": mixed}
+        # the reference: float32 DDP, one micro-batch (N identical micro-batches with the
+        # loss divided by N have the same gradient; see [Note: precision tolerances])
+        ddp, reference_model = loop_driver.build_reference(ACCUMULATION_MODEL, dist)
+        reference = loop_driver.Driver(ddp, reference_model)
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=ACCUMULATION_LR)
+        loop_driver.accumulate_steps(reference, optimizer, dist.device, 1, 1, sync_every=True)
+        expected = reference.params()
+        errors = {}
+        for micro_batches in (1, self.MICRO_BATCHES):
+            # one instance around the whole model: 32 micro-batches cost 32 all-gathers
+            zoo_model, _ = loop_driver.build_reference(ACCUMULATION_MODEL, dist, ddp=False)
+            root = adapter.wrap(zoo_model, process_group=dist.group, root=True, **config)
+            before = adapter_loop.full_params(adapter, root)
+            loop_driver.accumulate_steps(
+                loop_driver.Driver(root, zoo_model, adapter),
+                adapter_loop.optimizer(adapter, root, "sgd", lr=ACCUMULATION_LR),
+                dist.device,
+                1,
+                micro_batches,
+                sync_every=sync == "sync_every",
+                same_input=True,
             )
+            errors[micro_batches] = _relative_error(
+                adapter_loop.full_params(adapter, root), expected, before
+            )
+        one, many = errors[1], errors[self.MICRO_BATCHES]
+        assert many <= GROWTH * one, (
+            f"adapter {adapter.name!r}, {ACCUMULATION_MODEL}, mixed_precision {policy}, "
+            f"{'no_sync' if sync == 'no_sync' else 'sync on every micro-batch'}: the "
+            f"gradient accumulated over {self.MICRO_BATCHES} micro-batches is {many:.3g} "
+            f"(relative) away from float32 DDP's, {many / one:.3g}x the error of one "
+            f"micro-batch ({one:.3g}; at most {GROWTH}x): gradients accumulate in a low "
+            "precision, not in float32"
+        )
 
+    @check(
+        "precision.grad_scaler",
+        "the implementation's grad scaler with an inf gradient on one rank: every rank skips the "
+        "step, the scale shrinks identically, parameters equal DDP + GradScaler's",
+        features=("grad_scaler",),
+        case="suite.loop_driver.LoopCase",
+        case_of=lambda: LoopCase(MODEL, "FULL_SHARD", "inf"),
+    )
     @pytest.mark.world_size(2)
     def test_grad_scaler(self, fsdp_adapter: Any, dist: Any):
         adapter = fsdp_adapter
-        with verdict.cell(adapter, "precision.grad_scaler", LoopCase(MODEL, "FULL_SHARD", "inf")):
-            adapter_features.skip_unless(adapter, Feature.GRAD_SCALER)
-            root, zoo_model = loops.build(adapter, MODEL, dist, {"sharding_strategy": "FULL_SHARD"})
-            fsdp = _scaled_run(
-                loops.Driver(root, zoo_model, adapter),
-                loops.fsdp_optimizer(adapter, root),
-                adapter_loop.grad_scaler(adapter, root, **SCALER_OPTIONS),
-                adapter.unwrap(root),
-                dist,
-            )
-            ddp, reference_model = loops.build_reference(MODEL, dist)
-            ddp_run = _scaled_run(
-                loops.Driver(ddp, reference_model),
-                loops.ddp_optimizer(ddp),
-                torch.amp.GradScaler(dist.device.type, **SCALER_OPTIONS),
-                reference_model,
-                dist,
-            )
-            label = f"adapter {adapter.name!r}, {MODEL}, an inf gradient on rank 1 in step 1"
-            scales = [None] * dist.world_size
-            torch_dist.all_gather_object(scales, fsdp["scales"], group=dist.group)
-            assert all(s == scales[0] for s in scales), (
-                f"{label}: the scale differs across ranks after each step: {scales}"
-            )
-            assert fsdp["scales"] == ddp_run["scales"], (
-                f"{label}: scales after each step {fsdp['scales']}, DDP + GradScaler's "
-                f"{ddp_run['scales']} (the inf step must halve the scale)"
-            )
-            skipped = [None] * dist.world_size
-            torch_dist.all_gather_object(skipped, fsdp["skipped"], group=dist.group)
-            assert all(s == [INF_STEP] for s in skipped), (
-                f"{label}: steps that left the parameters unchanged, per rank: {skipped}; "
-                f"expected only step {INF_STEP} on every rank"
-            )
-            loops.assert_params(label, fsdp["params"], ddp_run["params"], SCALER_STEPS)
+        adapter_features.skip_unless(adapter, Feature.GRAD_SCALER)
+        root, zoo_model = loop_driver.build(
+            adapter, MODEL, dist, {"sharding_strategy": "FULL_SHARD"}
+        )
+        fsdp = _scaled_run(
+            loop_driver.Driver(root, zoo_model, adapter),
+            loop_driver.fsdp_optimizer(adapter, root),
+            adapter_loop.grad_scaler(adapter, root, **SCALER_OPTIONS),
+            adapter.unwrap(root),
+            dist,
+        )
+        ddp, reference_model = loop_driver.build_reference(MODEL, dist)
+        ddp_run = _scaled_run(
+            loop_driver.Driver(ddp, reference_model),
+            loop_driver.ddp_optimizer(ddp),
+            torch.amp.GradScaler(dist.device.type, **SCALER_OPTIONS),
+            reference_model,
+            dist,
+        )
+        label = f"adapter {adapter.name!r}, {MODEL}, an inf gradient on rank 1 in step 1"
+        scales = [None] * dist.world_size
+        torch_dist.all_gather_object(scales, fsdp["scales"], group=dist.group)
+        assert all(s == scales[0] for s in scales), (
+            f"{label}: the scale differs across ranks after each step: {scales}"
+        )
+        assert fsdp["scales"] == ddp_run["scales"], (
+            f"{label}: scales after each step {fsdp['scales']}, DDP + GradScaler's "
+            f"{ddp_run['scales']} (the inf step must halve the scale)"
+        )
+        skipped = [None] * dist.world_size
+        torch_dist.all_gather_object(skipped, fsdp["skipped"], group=dist.group)
+        assert all(s == [INF_STEP] for s in skipped), (
+            f"{label}: steps that left the parameters unchanged, per rank: {skipped}; "
+            f"expected only step {INF_STEP} on every rank"
+        )
+        loop_driver.assert_params(label, fsdp["params"], ddp_run["params"], SCALER_STEPS)
 
 
 SCALER_OPTIONS = {"init_scale": 2.0**10, "growth_interval": 1000}
@@ -407,7 +412,7 @@ def _scaled_run(driver: Any, optimizer: Any, scaler: Any, module: nn.Module, dis
                 handles.append(mod.weight.register_hook(inject))
 
             handles.append(linear.register_forward_pre_hook(pre_hook))
-        inputs = loops.micro_input(driver.zoo_model, dist.device, step)
+        inputs = loop_driver.micro_input(driver.zoo_model, dist.device, step)
         loss = driver.zoo_model.get_loss(inputs, driver.model(*inputs))
         driver.backward(scaler.scale(loss))
         for handle in handles:

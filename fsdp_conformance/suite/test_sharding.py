@@ -1,26 +1,15 @@
-"""Sharding layouts users rely on, each against DDP: uneven and empty shards, hybrid sharding.
+"""Sharding layouts users rely on, each against DDP (docs/suite.md, "Sharding"):
 
-- ``BaseUnevenShardingTests`` (``sharding.uneven``): at world size 3 (whatever
-  ``--fsdp-world-size`` says), the zoo's ``uneven`` model (``models/uneven.py``: parameters
-  whose sizes are not divisible by 3, one of 2 elements -- an empty shard on a rank -- and one
-  of 1 element) trains as DDP does: losses and, where the adapter reads them, each rank's
-  gradient shards after every backward, the full parameters and the full state dict.
-- ``BaseHybridShardingTests`` (``sharding.hybrid``): at world size 4 on a 2 x 2 mesh (shard
-  groups {0, 1} and {2, 3}, replicate groups {0, 2} and {1, 3}) given as
-  ``process_group=(shard_group, replicate_group)``, ``HYBRID_SHARD`` and
-  ``_HYBRID_SHARD_ZERO2`` train as DDP at world size 4 does, and the collectives of each step
-  (``CommTrace(collectives=True)``) are what the configuration promises: parameters gathered
-  and gradients reduce-scattered within the shard group, gradients all-reduced across the
-  replicate group, nothing over any other group; each at least once per step and at most once
-  per reduction the instances may issue (an implementation may bucket), and every instance with
-  trainable parameters reporting a reduction, at most once per all-gather of it.
+- ``BaseUnevenShardingTests`` (``sharding.uneven``): at world size 3, the zoo's ``uneven``
+  model (sizes not divisible by 3, an empty shard, a 1-element parameter) trains as DDP:
+  losses, gradient shards where the adapter reads them, full parameters, full state dict.
+- ``BaseHybridShardingTests`` (``sharding.hybrid``): at world size 4 on a 2 x 2 mesh,
+  ``HYBRID_SHARD`` and ``_HYBRID_SHARD_ZERO2`` train as DDP, gathering and reduce-scattering
+  within the shard group, all-reducing across the replicate group, nothing over another group.
 
-Tolerances: ``parity.tolerance`` (bit-exact up to world size 2; at 3 and 4, ``atol = rtol =
-1e-6``: the average of 3 or 4 float32 gradients depends on the order and the splitting of the
-division -- torch FSDP1 divides by 2 before its reduce-scatter and by 1.5 after it at world size
-3, DDP by 3 -- a few ulps of values of order 1; measured on torch 2.13.0: uneven losses and
-parameters bit-exact, gradients within 1.5e-11; hybrid gradients within 6e-8, parameters
-within 1.5e-8).
+Tolerances: ``test_parity.tolerance`` (bit-exact up to world size 2; at 3 and 4 ``atol = rtol
+= 1e-6``: the average of 3 or 4 float32 gradients depends on the order and the splitting of
+the division; measured on torch 2.13.0: gradients within 6e-8, parameters within 1.5e-8).
 """
 
 from __future__ import annotations
@@ -39,7 +28,8 @@ from fsdp_conformance.adapters.features import HYBRID_STRATEGIES
 from fsdp_conformance.observe.comm_trace import CommTrace
 from fsdp_conformance.vocab import Op
 
-from . import loops, parity, training, verdict
+from . import loop_driver, test_parity, training
+from .declare import check
 
 UNEVEN_MODEL = "uneven"
 HYBRID_MODEL = "nested"
@@ -78,29 +68,35 @@ class BaseUnevenShardingTests:
         if "uneven_strategy" in metafunc.fixturenames:
             metafunc.parametrize("uneven_strategy", self.strategies)
 
+    @check(
+        "sharding.uneven",
+        "at world size 3, parameters not divisible by 3, an empty shard and a 1-element parameter "
+        "train as DDP (losses, gradient shards, full parameters, full state dict)",
+        case="suite.test_sharding.ShardingCase",
+        case_of=lambda uneven_strategy: ShardingCase(UNEVEN_MODEL, uneven_strategy),
+    )
     @pytest.mark.world_size(3)
     def test_uneven_shards_match_ddp(self, fsdp_adapter: Any, dist: Any, uneven_strategy: str):
         adapter = fsdp_adapter
-        with verdict.cell(adapter, "sharding.uneven", ShardingCase(UNEVEN_MODEL, uneven_strategy)):
-            config = {"sharding_strategy": uneven_strategy}
-            root, zoo_model = training.wrap_model(adapter, UNEVEN_MODEL, dist, config)
-            result = training.fsdp_train(adapter, root, zoo_model, dist, self.STEPS)
-            reference = training.reference_run(UNEVEN_MODEL, dist, self.STEPS)
-            atol, rtol = parity.tolerance(dist.world_size)
-            label = (
-                f"adapter {adapter.name!r}, {UNEVEN_MODEL} at world size {dist.world_size} "
-                f"with sharding_strategy={uneven_strategy!r}"
-            )
-            training.assert_same_training(label, result, reference, atol, rtol)
-            state = full_state_dict(adapter, root)
-            loops.assert_params(
-                f"{label}, full state dict",
-                {name: value for name, value in state.items() if name in reference.params},
-                reference.params,
-                self.STEPS,
-                atol,
-                rtol,
-            )
+        config = {"sharding_strategy": uneven_strategy}
+        root, zoo_model = training.wrap_model(adapter, UNEVEN_MODEL, dist, config)
+        result = training.fsdp_train(adapter, root, zoo_model, dist, self.STEPS)
+        reference = training.reference_run(UNEVEN_MODEL, dist, self.STEPS)
+        atol, rtol = test_parity.tolerance(dist.world_size)
+        label = (
+            f"adapter {adapter.name!r}, {UNEVEN_MODEL} at world size {dist.world_size} "
+            f"with sharding_strategy={uneven_strategy!r}"
+        )
+        training.assert_same_training(label, result, reference, atol, rtol)
+        state = full_state_dict(adapter, root)
+        loop_driver.assert_params(
+            f"{label}, full state dict",
+            {name: value for name, value in state.items() if name in reference.params},
+            reference.params,
+            self.STEPS,
+            atol,
+            rtol,
+        )
 
 
 def hybrid_groups(dist: Any, shard_size: int = 2) -> tuple[Any, Any]:
@@ -133,50 +129,57 @@ class BaseHybridShardingTests:
         if "hybrid_strategy" in metafunc.fixturenames:
             metafunc.parametrize("hybrid_strategy", self.strategies)
 
+    @check(
+        "sharding.hybrid",
+        "hybrid sharding on a 2 x 2 mesh trains as DDP at world size 4; gradients "
+        "reduce-scattered within the shard group, all-reduced across replicas",
+        features=("hybrid_shard", "comm_trace"),
+        case="suite.test_sharding.ShardingCase",
+        case_of=lambda hybrid_strategy: ShardingCase(HYBRID_MODEL, hybrid_strategy),
+    )
     @pytest.mark.world_size(4)
     def test_hybrid_matches_ddp(self, fsdp_adapter: Any, dist: Any, hybrid_strategy: str):
         adapter = fsdp_adapter
-        with verdict.cell(adapter, "sharding.hybrid", ShardingCase(HYBRID_MODEL, hybrid_strategy)):
-            adapter_features.skip_unless(adapter, Feature.HYBRID_SHARD, Feature.COMM_TRACE)
-            import torch.distributed as tdist
+        adapter_features.skip_unless(adapter, Feature.HYBRID_SHARD, Feature.COMM_TRACE)
+        import torch.distributed as tdist
 
-            shard, replicate = hybrid_groups(dist)
-            root, zoo_model = loops.build(
-                adapter,
-                HYBRID_MODEL,
-                dist,
-                {"sharding_strategy": hybrid_strategy},
-                process_group=(shard, replicate),
+        shard, replicate = hybrid_groups(dist)
+        root, zoo_model = loop_driver.build(
+            adapter,
+            HYBRID_MODEL,
+            dist,
+            {"sharding_strategy": hybrid_strategy},
+            process_group=(shard, replicate),
+        )
+        trace = CommTrace(adapter, root, collectives=True)
+        with trace:
+            result = training.fsdp_train(
+                adapter, root, zoo_model, dist, self.STEPS, lambda s: trace.phase(f"step {s}")
             )
-            trace = CommTrace(adapter, root, collectives=True)
-            with trace:
-                result = training.fsdp_train(
-                    adapter, root, zoo_model, dist, self.STEPS, lambda s: trace.phase(f"step {s}")
-                )
-            label = (
-                f"adapter {adapter.name!r}, {HYBRID_MODEL} at world size {dist.world_size} with "
-                f"sharding_strategy={hybrid_strategy!r} on a 2 x 2 mesh"
-            )
-            shard_ranks = tuple(tdist.get_process_group_ranks(shard))
-            replicate_ranks = tuple(tdist.get_process_group_ranks(replicate))
-            groups = {shard_ranks: "shard", replicate_ranks: "replicate"}
-            labels = loops.trainable_labels(adapter, root, trace)
-            trainable = sorted(name for name, trains in labels.items() if trains)
-            failures = [
-                failure
-                for step in range(self.STEPS)
-                for failure in _hybrid_step_failures(trace, f"step {step}", groups, trainable)
-            ]
-            assert not failures, (
-                f"{label}: collectives break the hybrid promise (shard group "
-                f"{list(shard_ranks)}, replicate group {list(replicate_ranks)}):\n  "
-                + "\n  ".join(failures)
-                + "\ncollectives: "
-                + "; ".join(f"{c.phase}: {c.op} over {list(c.ranks)}" for c in trace.collectives)
-            )
-            reference = training.reference_run(HYBRID_MODEL, dist, self.STEPS)
-            atol, rtol = parity.tolerance(dist.world_size)
-            training.assert_same_training(label, result, reference, atol, rtol)
+        label = (
+            f"adapter {adapter.name!r}, {HYBRID_MODEL} at world size {dist.world_size} with "
+            f"sharding_strategy={hybrid_strategy!r} on a 2 x 2 mesh"
+        )
+        shard_ranks = tuple(tdist.get_process_group_ranks(shard))
+        replicate_ranks = tuple(tdist.get_process_group_ranks(replicate))
+        groups = {shard_ranks: "shard", replicate_ranks: "replicate"}
+        labels = loop_driver.trainable_labels(adapter, root, trace)
+        trainable = sorted(name for name, trains in labels.items() if trains)
+        failures = [
+            failure
+            for step in range(self.STEPS)
+            for failure in _hybrid_step_failures(trace, f"step {step}", groups, trainable)
+        ]
+        assert not failures, (
+            f"{label}: collectives break the hybrid promise (shard group "
+            f"{list(shard_ranks)}, replicate group {list(replicate_ranks)}):\n  "
+            + "\n  ".join(failures)
+            + "\ncollectives: "
+            + "; ".join(f"{c.phase}: {c.op} over {list(c.ranks)}" for c in trace.collectives)
+        )
+        reference = training.reference_run(HYBRID_MODEL, dist, self.STEPS)
+        atol, rtol = test_parity.tolerance(dist.world_size)
+        training.assert_same_training(label, result, reference, atol, rtol)
 
 
 # (op, group) pairs the hybrid promise allows: gather and reduce-scatter within the shard group,
@@ -206,7 +209,7 @@ def _hybrid_step_failures(
             failures.append(f"{phase}: {counts[op, group]} {op} over the {group} group")
     # each instance's reductions: at most once per all-gather of it ([Note: counts as bounds]
     # in comm_checks.py), once for an instance that never gathers
-    gathers = loops.reductions_per_label(trace, phase, (Op.ALL_GATHER,))
+    gathers = loop_driver.reductions_per_label(trace, phase, (Op.ALL_GATHER,))
     allowed = {label: max(1, gathers.get(label, 0)) for label in trainable}
     for op, group in ((Op.REDUCE_SCATTER, "shard"), (Op.ALL_REDUCE, "replicate")):
         count = counts.get((op, group), 0)
@@ -216,7 +219,7 @@ def _hybrid_step_failures(
                 f"{sum(allowed.values())} (at most one per reduction the instances may issue, "
                 "fewer where bucketed)"
             )
-    reported = loops.reductions_per_label(trace, phase)
+    reported = loop_driver.reductions_per_label(trace, phase)
     if set(reported) != set(trainable) or any(n > allowed[k] for k, n in reported.items()):
         failures.append(
             f"{phase}: gradient reductions per instance {reported}; expected each of "

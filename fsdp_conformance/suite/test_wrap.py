@@ -1,25 +1,12 @@
-"""What wrapping promises about parameters outside the usual one-owner case (collected by
-``--pyargs``): ``wrap.shared_across_instances``, ``wrap.ignored``.
+"""What wrapping promises about parameters outside the usual one-owner case
+(docs/suite.md, "Optimizer groups, shared and ignored parameters, other forward methods"):
 
-``BaseSharedParamsTests``: ``tied_instances`` (models/tied.py) ties an embedding's weight to an
-output head's and wraps the two apart, so one parameter is used by two FSDP instances. The
-implementation either refuses the wrap, or the first forward (the root's lazy init: where FSDP2
-checks), with an error naming the shared parameter (``weight`` with one of its modules,
-``embed`` / ``head`` / ``Embedding`` / ``Linear``), or
-trains it as DDP does, bit for bit (SGD with momentum: the same arithmetic as DDP where the two
-uses' gradients are summed before the reduction; ``training.assert_same_training``). A wrap
-that succeeds and then trains the two uses as two parameters (untied) diverges from DDP and
-fails.
-
-``BaseIgnoredParamsTests``: ``loops`` with block 1's Linear parameters ignored
-(``ignored_params``; FSDP1 ``ignored_states``, FSDP2 ``ignored_params``), the root alone
-(``alone``) or with an ``auto_wrap_policy`` wrapping every block and the head (``auto_wrap``: the
-ignored parameters lie inside an auto-wrapped block). They must stay registered under their
-names as the same plain ``nn.Parameter`` objects with their full shape, on every rank; their
-gradient after the first backward must be this rank's own (bit-exact with the unwrapped model's
-local gradient: not reduced); the full state dict holds them under their own keys; and after
-``STEPS`` SGD steps losses and full parameters equal the unwrapped model's with every other
-gradient averaged across ranks by hand, bit for bit (the same arithmetic).
+- ``BaseSharedParamsTests`` (``wrap.shared_across_instances``): an embedding's weight tied to
+  an output head's, the two wrapped apart: a clear error naming the shared parameter (at wrap
+  or the first forward), or training bit-exact with DDP; trained untied, it diverges and fails.
+- ``BaseIgnoredParamsTests`` (``wrap.ignored``): ignored parameters, alone or inside an
+  auto-wrapped block, stay whole plain parameters on every rank, are not reduced, keep their
+  keys in the full state dict, and the rest trains bit-exact with DDP.
 """
 
 from __future__ import annotations
@@ -36,18 +23,20 @@ from fsdp_conformance.adapters import features as adapter_features
 from fsdp_conformance.adapters import loop as adapter_loop
 from fsdp_conformance.models import DeviceInit, move_after_wrap
 
-from . import training, verdict, zoo
-from .loops import (
+from . import training, zoo
+from .declare import check
+from .loop_driver import (
     Driver,
     LoopCase,
-    _parametrize,
     assert_losses,
     assert_params,
+    average_gradients,
     build,
     build_reference,
     ddp_optimizer,
     fsdp_optimizer,
     micro_input,
+    parametrize,
 )
 
 # an error that names the shared parameter: its attribute name and one of its modules
@@ -62,37 +51,42 @@ class BaseSharedParamsTests:
     strategies: ClassVar[tuple[str, ...]] = ("FULL_SHARD", "SHARD_GRAD_OP")
 
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
-        _parametrize(metafunc, strategy=self.strategies)
+        parametrize(metafunc, strategy=self.strategies)
 
+    @check(
+        "wrap.shared_across_instances",
+        "one parameter used by two instances (tied embedding and head wrapped apart): a clear "
+        "error at wrap naming the parameter, or training that matches DDP",
+        case="suite.loop_driver.LoopCase",
+        case_of=lambda self, strategy: LoopCase(self.model, strategy, "tied_apart"),
+    )
     @pytest.mark.world_size(2)
     def test_shared_parameter_across_instances(self, fsdp_adapter: Any, dist: Any, strategy: str):
-        case = LoopCase(self.model, strategy, "tied_apart")
-        with verdict.cell(fsdp_adapter, "wrap.shared_across_instances", case):
-            adapter = fsdp_adapter
-            label = (
-                f"adapter {adapter.name!r}, {self.model} (embed.weight is head.weight, the two "
-                f"wrapped apart), {strategy}"
+        adapter = fsdp_adapter
+        label = (
+            f"adapter {adapter.name!r}, {self.model} (embed.weight is head.weight, the two "
+            f"wrapped apart), {strategy}"
+        )
+        try:
+            root, zoo_model = build(adapter, self.model, dist, {"sharding_strategy": strategy})
+            with torch.no_grad():  # the root's lazy init (FSDP2 checks parameters there)
+                root(*zoo_model.get_input(dist.device))
+        except UnsupportedFeatureError:
+            raise
+        except Exception as error:  # noqa: BLE001 -- a refusal of any type is allowed
+            message = f"{type(error).__name__}: {error}"
+            assert _NAMES_SHARED.search(message), (
+                f"{label}: wrapping failed with {message!r}, which does not name the shared "
+                "parameter (e.g. 'head.weight', shared with 'embed')"
             )
-            try:
-                root, zoo_model = build(adapter, self.model, dist, {"sharding_strategy": strategy})
-                with torch.no_grad():  # the root's lazy init (FSDP2 checks parameters there)
-                    root(*zoo_model.get_input(dist.device))
-            except UnsupportedFeatureError:
-                raise
-            except Exception as error:  # noqa: BLE001 -- a refusal of any type is allowed
-                message = f"{type(error).__name__}: {error}"
-                assert _NAMES_SHARED.search(message), (
-                    f"{label}: wrapping failed with {message!r}, which does not name the shared "
-                    "parameter (e.g. 'head.weight', shared with 'embed')"
-                )
-                return
-            losses = training.train(root, zoo_model, dist.device, adapter=adapter)
-            result = training.TrainingResult(losses, adapter_loop.full_params(adapter, root))
-            training.assert_same_training(
-                f"{label}: the wrap was accepted, so training must match DDP",
-                result,
-                training.reference_run(self.model, dist),
-            )
+            return
+        losses = training.train(root, zoo_model, dist.device, adapter=adapter)
+        result = training.TrainingResult(losses, adapter_loop.full_params(adapter, root))
+        training.assert_same_training(
+            f"{label}: the wrap was accepted, so training must match DDP",
+            result,
+            training.reference_run(self.model, dist),
+        )
 
 
 class TestSharedParams(BaseSharedParamsTests):
@@ -107,7 +101,6 @@ def _ignored_run(driver: Driver, optimizer: Any, dist: Any, steps: int, ignored:
     """`steps` SGD steps; returns losses, the ignored parameters' gradients after the first
     backward, and the full parameters. The reference (``driver.adapter`` None) averages every
     gradient but the ignored ones."""
-    from .loops import _average_gradients
 
     losses, first_grads = [], {}
     for step in range(steps):
@@ -121,7 +114,7 @@ def _ignored_run(driver: Driver, optimizer: Any, dist: Any, steps: int, ignored:
             saved = {name: p.grad for name, p in ignored.items()}
             for p in ignored.values():
                 p.grad = None
-            _average_gradients(driver.zoo_model, dist.group)
+            average_gradients(driver.zoo_model, dist.group)
             for name, p in ignored.items():
                 p.grad = saved[name]
         optimizer.step()
@@ -138,65 +131,70 @@ class BaseIgnoredParamsTests:
     strategies: ClassVar[tuple[str, ...]] = ("FULL_SHARD", "SHARD_GRAD_OP")
 
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
-        _parametrize(metafunc, variant=self.variants, strategy=self.strategies)
+        parametrize(metafunc, variant=self.variants, strategy=self.strategies)
 
+    @check(
+        "wrap.ignored",
+        "ignored parameters, alone and under an auto-wrap policy: registered whole on every rank, "
+        "not reduced, in the state dict under their keys; the rest trains as DDP",
+        features=("ignored_params",),
+        case="suite.loop_driver.LoopCase",
+        case_of=lambda variant, strategy: LoopCase("loops", strategy, variant),
+    )
     @pytest.mark.world_size(2)
     def test_ignored_params(self, fsdp_adapter: Any, dist: Any, variant: str, strategy: str):
-        with verdict.cell(fsdp_adapter, "wrap.ignored", LoopCase("loops", strategy, variant)):
-            adapter = fsdp_adapter
-            zoo_model = zoo.build("loops", dist.group, None, dist.device)
-            ignored = {
-                name: p for name, p in zoo_model.named_parameters() if name.startswith(IGNORED)
-            }
-            config: dict[str, Any] = {
-                "sharding_strategy": strategy,
-                "ignored_params": tuple(ignored.values()),
-            }
-            if variant == "auto_wrap":
-                targets = [*zoo_model.blocks, zoo_model.head]
-                config["auto_wrap_policy"] = lambda module: any(module is t for t in targets)
-            root = adapter.wrap(zoo_model, process_group=dist.group, root=True, **config)
-            root = move_after_wrap(root, DeviceInit.AFTER, dist.device)
-            label = f"adapter {adapter.name!r}, loops, {strategy}, {IGNORED}* ignored, {variant}"
-            registered = {
-                clean_param_name(name, adapter_features.declared(adapter).wrapper_segments): p
-                for name, p in root.named_parameters()
-            }
-            for name, param in ignored.items():
-                seen = registered.get(name)
-                assert seen is param and type(seen) is nn.Parameter, (
-                    f"{label}: ignored parameter {name!r} is not registered under its name as "
-                    f"the same nn.Parameter (found {type(seen).__name__}"
-                    f"{'' if seen is None else tuple(seen.shape)})"
-                )
-            losses, grads, params = _ignored_run(
-                Driver(root, zoo_model, adapter),
-                fsdp_optimizer(adapter, root),
-                dist,
-                self.STEPS,
-                ignored,
+        adapter = fsdp_adapter
+        zoo_model = zoo.build("loops", dist.group, None, dist.device)
+        ignored = {name: p for name, p in zoo_model.named_parameters() if name.startswith(IGNORED)}
+        config: dict[str, Any] = {
+            "sharding_strategy": strategy,
+            "ignored_params": tuple(ignored.values()),
+        }
+        if variant == "auto_wrap":
+            targets = [*zoo_model.blocks, zoo_model.head]
+            config["auto_wrap_policy"] = lambda module: any(module is t for t in targets)
+        root = adapter.wrap(zoo_model, process_group=dist.group, root=True, **config)
+        root = move_after_wrap(root, DeviceInit.AFTER, dist.device)
+        label = f"adapter {adapter.name!r}, loops, {strategy}, {IGNORED}* ignored, {variant}"
+        registered = {
+            clean_param_name(name, adapter_features.declared(adapter).wrapper_segments): p
+            for name, p in root.named_parameters()
+        }
+        for name, param in ignored.items():
+            seen = registered.get(name)
+            assert seen is param and type(seen) is nn.Parameter, (
+                f"{label}: ignored parameter {name!r} is not registered under its name as "
+                f"the same nn.Parameter (found {type(seen).__name__}"
+                f"{'' if seen is None else tuple(seen.shape)})"
             )
-            model, _ = build_reference("loops", dist, ddp=False)
-            reference_ignored = {
-                name: p for name, p in model.named_parameters() if name.startswith(IGNORED)
-            }
-            ref_losses, ref_grads, ref_params = _ignored_run(
-                Driver(model, model), ddp_optimizer(model), dist, self.STEPS, reference_ignored
+        losses, grads, params = _ignored_run(
+            Driver(root, zoo_model, adapter),
+            fsdp_optimizer(adapter, root),
+            dist,
+            self.STEPS,
+            ignored,
+        )
+        model, _ = build_reference("loops", dist, ddp=False)
+        reference_ignored = {
+            name: p for name, p in model.named_parameters() if name.startswith(IGNORED)
+        }
+        ref_losses, ref_grads, ref_params = _ignored_run(
+            Driver(model, model), ddp_optimizer(model), dist, self.STEPS, reference_ignored
+        )
+        for name, grad in grads.items():
+            assert torch.equal(grad, ref_grads[name]), (
+                f"{label}: the gradient of ignored parameter {name!r} after the first "
+                "backward is not this rank's own (the implementation reduced it?): max "
+                f"|difference| {(grad - ref_grads[name]).abs().max().item():.3g}"
             )
-            for name, grad in grads.items():
-                assert torch.equal(grad, ref_grads[name]), (
-                    f"{label}: the gradient of ignored parameter {name!r} after the first "
-                    "backward is not this rank's own (the implementation reduced it?): max "
-                    f"|difference| {(grad - ref_grads[name]).abs().max().item():.3g}"
-                )
-            state = adapter_loop.state_dict(adapter, root)
-            for name, param in ignored.items():
-                assert name in state and torch.equal(state[name], param.detach()), (
-                    f"{label}: the full state dict does not hold ignored parameter {name!r} "
-                    f"under its own key with its value (keys: {sorted(state)})"
-                )
-            assert_losses(label, losses, ref_losses)
-            assert_params(label, params, ref_params, self.STEPS)
+        state = adapter_loop.state_dict(adapter, root)
+        for name, param in ignored.items():
+            assert name in state and torch.equal(state[name], param.detach()), (
+                f"{label}: the full state dict does not hold ignored parameter {name!r} "
+                f"under its own key with its value (keys: {sorted(state)})"
+            )
+        assert_losses(label, losses, ref_losses)
+        assert_params(label, params, ref_params, self.STEPS)
 
 
 class TestIgnoredParams(BaseIgnoredParamsTests):

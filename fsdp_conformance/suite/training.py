@@ -29,7 +29,7 @@ from fsdp_conformance.models import DeviceInit, DummyDDP, move_after_wrap
 
 from . import zoo
 
-# Training: seed 002's SGD with momentum
+# Training: SGD with momentum
 STEPS = 3
 LR = 0.01
 MOMENTUM = 0.9

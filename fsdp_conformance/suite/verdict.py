@@ -1,4 +1,4 @@
-"""How a check becomes a verdict: the one place (see docs/architecture.md).
+"""How a check becomes a verdict in the rank (see docs/architecture.md).
 
 Every suite test runs its whole body inside ``cell(adapter, check_id, case)``::
 
@@ -8,20 +8,18 @@ Every suite test runs its whole body inside ``cell(adapter, check_id, case)``::
 
 ``cell`` decides the cell's verdict (``fsdp_conformance.checks.VERDICTS``):
 
-  not applicable  the adapter is outside its support range (``support_problem``), lacks a
-                  feature the registered check needs, or raises UnsupportedFeatureError
-                  inside the body -> a skip; but a feature the adapter claims whose member
-                  is the base default ("override Adapter.X") is a FAIL naming the adapter,
-                  the member and the feature to declare unsupported instead
+  not applicable  the adapter is outside its support range, lacks a feature the registered
+                  check needs (the plugin decides both at collection for the session's
+                  adapter; ``cell`` for any other), or raises UnsupportedFeatureError inside
+                  the body -> a skip; but a feature the adapter claims whose member is the
+                  base default ("override Adapter.X") is a FAIL naming the adapter, the
+                  member and the feature to declare unsupported instead
   deviation       the body failed with exactly the failure a declared ``Deviation`` covers
                   (its ``raises`` type and ``match`` pattern) -> an expected failure
   FAIL            any other failure; or a strict declared deviation that did not occur
   pass            the body passed and no strict deviation was declared
 
-and records it as report properties (``checks.PROPERTY_*``) through the harness
-(``world.properties``), so pytest's report, JUnit and the CLI carry it as data. The plugin
-records a cell that never reached its check (a fixture error, a dead rank) from pytest's
-outcome (``checks.verdict_of_outcome``).
+and records it as one ``checks.Result`` (report properties, through ``world.properties``).
 """
 
 from __future__ import annotations
@@ -40,23 +38,24 @@ from fsdp_conformance.adapters.base import claimed_but_not_implemented
 from fsdp_conformance.world import properties
 
 
-def _record(check_id: str, verdict: str, reason: str = "", **extra: str) -> None:
-    properties.record_property(checks.PROPERTY_CHECK, check_id)
-    properties.record_property(checks.PROPERTY_VERDICT, verdict)
-    properties.record_property(checks.PROPERTY_REASON, " ".join(reason.split()))
-    for name, value in extra.items():
-        properties.record_property(name, " ".join(str(value).split()))
+def _record(result: checks.Result) -> None:
+    for name, value in result.properties():
+        properties.record_property(name, value)
 
 
-def _first_line(error: BaseException) -> str:
+def failure_line(error: BaseException) -> str:
+    """``Type: first line`` of an error's message; a first line ending in ":" (a headline such
+    as "2 problems:") goes on with the next line."""
     message = getattr(error, "msg", None) or str(error)
-    text = str(message).strip()
-    first = text.splitlines()[0] if text else ""
-    return f"{type(error).__name__}: {first}" if first else type(error).__name__
+    lines = [line.strip() for line in str(message).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(error).__name__
+    first = f"{lines[0]} {lines[1]}" if lines[0].endswith(":") and len(lines) > 1 else lines[0]
+    return f"{type(error).__name__}: {first}"
 
 
 def _not_applicable(check_id: str, reason: str, feature: str = "") -> None:
-    _record(check_id, checks.NOT_APPLICABLE, reason, **{checks.PROPERTY_FEATURE: feature})
+    _record(checks.Result(check_id, checks.NOT_APPLICABLE, reason, feature=feature))
     pytest.skip(reason)
 
 
@@ -87,18 +86,18 @@ def cell(adapter: Adapter, check_id: str, case: Any = None) -> Iterator[None]:
         missing = claimed_but_not_implemented(adapter, error)
         if missing is None:
             _not_applicable(check_id, str(error), error.feature)
-        _record(check_id, checks.FAIL, _first_line(missing))
+        _record(checks.Result(check_id, checks.FAIL, failure_line(missing)))
         raise missing from None
     except pytest.skip.Exception as error:
         _not_applicable(check_id, str(error.msg))
     except BaseException as error:
         if isinstance(error, (KeyboardInterrupt, SystemExit)):
             raise
-        failure = _first_line(error)
+        failure = failure_line(error)
         covering = adapter_deviations.find_deviation(adapter, check_id, case, error)
         if covering is not None:
             reason = adapter_deviations.deviation_text(adapter, covering)
-            _record(check_id, checks.DEVIATION, reason, **{checks.PROPERTY_FAILURE: failure})
+            _record(checks.Result(check_id, checks.DEVIATION, reason, failure=failure))
             pytest.xfail(
                 f"{failure} -- known deviation of adapter {adapter.name!r} ({check_id}): {reason}"
             )
@@ -108,7 +107,7 @@ def cell(adapter: Adapter, check_id: str, case: Any = None) -> Iterator[None]:
                 f" (adapter {adapter.name!r} declares a deviation of {check_id!r} here, but it "
                 f"covers {deviation.covers_text()}, not this failure)"
             )
-        _record(check_id, checks.FAIL, failure + why)
+        _record(checks.Result(check_id, checks.FAIL, failure + why))
         if why and isinstance(error, Exception):
             error.add_note(why.strip())
         raise
@@ -118,6 +117,6 @@ def cell(adapter: Adapter, check_id: str, case: Any = None) -> Iterator[None]:
             f"but the check passed: remove the Deviation (or narrow its applies). Declared "
             f"reason: {deviation.reason}"
         )
-        _record(check_id, checks.FAIL, message)
+        _record(checks.Result(check_id, checks.FAIL, message))
         raise AssertionError(message)
-    _record(check_id, checks.PASS)
+    _record(checks.Result(check_id, checks.PASS))

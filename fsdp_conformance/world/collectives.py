@@ -2,13 +2,10 @@
 named in failure reports ("rank 0 is in all_reduce #1, rank 1 in all_gather #1") instead of
 surfacing as a torch-internal error or a hang.
 
-The ``torch.distributed`` collective functions are wrapped (in rank processes once at
-start-up; in thread mode for the duration of a test). A wrapper costs one thread-local read
-and a 40-byte write per call; nested calls (a collective implemented with another) record the
-outermost only; collectives on groups other than the default one are not recorded (they
-need not match across all ranks). Each rank writes into its own :class:`CollectiveSlot`: a small file mapped
-into memory in process mode, which the parent reads while the test runs; a ``bytearray`` in
-thread mode. Torch is imported only by :func:`install`.
+The ``torch.distributed`` collectives are wrapped (in rank processes at start-up, in thread
+mode during a test); nested calls record the outermost, other groups than the default one are
+not recorded. Each rank writes its own :class:`CollectiveSlot`: a memory-mapped file the
+controller reads while the test runs (processes), a ``bytearray`` (threads).
 """
 
 from __future__ import annotations

@@ -75,17 +75,8 @@ class GpuLease:
 
 
 def acquire_gpus(count: int, total: int, timeout: float, prefer: tuple[int, ...] = ()) -> GpuLease:
-    """Take ``count`` of the ``total`` GPUs, all or none, waiting up to ``timeout`` seconds.
-
-    Args:
-        count: GPUs wanted.
-        total: GPUs on the machine.
-        timeout: seconds to wait for other processes to free GPUs.
-        prefer: GPUs to try first (those an existing rank set already uses).
-
-    Raises:
-        TimeoutError: fewer than ``count`` GPUs became free in time.
-    """
+    """Take ``count`` of the ``total`` GPUs, all or none, ``prefer`` first (those a pooled
+    rank set uses); :class:`TimeoutError` when they are not free within ``timeout`` seconds."""
     directory = lock_dir()
     order = list(prefer) + [g for g in range(total) if g not in prefer]
     deadline = time.monotonic() + timeout

@@ -1,15 +1,8 @@
-"""Per-test isolation of interpreter state: what a test may change, saved before it and
-restored after it.
-
-A :class:`StateSnapshot` covers the environment, working directory, ``sys.path``,
-``warnings`` filters, the RNGs (torch, ``random``, numpy) and torch's process-wide settings:
-default dtype and device, grad mode, deterministic algorithms, anomaly mode, intra-op threads,
-print options and the global module hooks (``register_module_forward_hook`` & co.).
-
-Process ranks take one snapshot after start-up and restore it after every test; thread mode
-takes one in the pytest process before a test and restores it afterwards. What a snapshot
-cannot undo (threads a test left running, modules it imported or patched by hand) is found by
-:func:`leftover_threads` and, in process ranks, answered by replacing the rank set.
+"""Per-test isolation: a :class:`StateSnapshot` of what a test may change in an interpreter
+(environment, cwd, ``sys.path``, ``warnings`` filters, RNGs, torch's default dtype and device,
+grad mode, deterministic and anomaly modes, intra-op threads, print options, global module
+hooks), taken before tests and restored after each. Threads a test left running
+(:func:`leftover_threads`) make the controller replace a rank set.
 """
 
 from __future__ import annotations
@@ -47,18 +40,13 @@ class StateSnapshot:
             sys_path=list(sys.path),
             warnings_guard=guard,
             torch_state=_torch_state(),
-            rng=_rng_state(),
+            rng=rng_state(),
             threads=frozenset(t.ident for t in threading.enumerate() if t.ident is not None),
         )
 
     def restore(self, *, keep_warnings_guard: bool = True) -> None:
-        """Put everything back as it was at :meth:`take`.
-
-        Args:
-            keep_warnings_guard: re-enter a warnings guard, so that the snapshot can be
-                restored again after the next test (process ranks); False in thread mode,
-                where the snapshot is used once.
-        """
+        """Put everything back as it was at :meth:`take`; ``keep_warnings_guard`` re-enters
+        a warnings guard so that the snapshot can be restored again (rank processes)."""
         if dict(os.environ) != self.environ:
             os.environ.clear()
             os.environ.update(self.environ)
@@ -73,7 +61,7 @@ class StateSnapshot:
             self.warnings_guard = warnings.catch_warnings()
             self.warnings_guard.__enter__()
         _restore_torch_state(self.torch_state)
-        _restore_rng(self.rng)
+        restore_rng(self.rng)
 
 
 def leftover_threads(snapshot: StateSnapshot) -> list[str]:
@@ -153,7 +141,7 @@ def _restore_torch_state(state: dict[str, Any]) -> None:
             setattr(hooks, name, saved)
 
 
-def _rng_state() -> tuple[Any, Any, Any]:
+def rng_state() -> tuple[Any, Any, Any]:
     import torch
 
     numpy = sys.modules.get("numpy")
@@ -164,7 +152,7 @@ def _rng_state() -> tuple[Any, Any, Any]:
     )
 
 
-def _restore_rng(state: tuple[Any, Any, Any]) -> None:
+def restore_rng(state: tuple[Any, Any, Any]) -> None:
     import torch
 
     torch_state, random_state, numpy_state = state

@@ -1,39 +1,11 @@
-"""External-launcher mode: the pytest session is one process of a ``torchrun`` job and every
-test that uses ``dist`` (or ``FSDPTest``) runs *in place*, SPMD, in every process of the job.
-
-    torchrun --nnodes 1 --nproc-per-node 2 -m pytest --pyargs fsdp_conformance.suite -k parity
-
-[Note: launcher mode]
-- Detection (``--fsdp-launcher auto``): the launcher's environment (``RANK``, ``WORLD_SIZE``,
-  ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) or an already initialised default process
-  group. ``torchrun`` forces the mode (and fails without that environment), ``none`` disables it.
-- One default process group for the session, ``env://`` rendezvous, timeout ``--fsdp-timeout``:
-  nccl with one GPU per local rank (``cuda:LOCAL_RANK``) when the node has a GPU for every
-  local rank, gloo otherwise; ``--fsdp-backend`` overrides.
-- Everything the ranks tell each other outside the test body goes through the default
-  group's key-value store (the launcher's store, which survives a dead rank), never through a
-  collective, and every wait has a deadline: the collected test lists, each test's per-rank
-  outcomes, rank 0's exit status.
-- A test that needs N ranks runs on ranks 0..N-1: the whole default group when N is the job's
-  world size, else a new group of the first N ranks (``dist.group``; ``dist.rank`` and
-  ``dist.world_size`` follow it) while the other ranks wait for its verdict; N larger than the
-  job skips with a reason naming both sizes. While such an N-rank test runs, that group *is*
-  torch.distributed's default group in its ranks (``group.WORLD`` is swapped for the body and
-  restored after it), so code that uses the default group (an FSDP wrapped without
-  ``process_group``, ``dist.get_world_size()``, ``dist.barrier()``) sees an N-rank world, as in
-  the spawning modes.
-- Per test: RNG seeding, then after the body the same reset as a pooled rank process (groups
-  other than the default one destroyed, global module hooks cleared, torch flags restored).
-- Every rank computes the same verdict from all ranks' outcomes (the combination of the
-  spawning modes, ``world.report.summarize``), so skips agree and rank 0 reports a failure of
-  any rank with its number and traceback. Ranks other than 0 write no terminal report, no
-  ``--junitxml`` and no CLI results; at the end they take rank 0's exit status.
-- Watchdog: after ``--fsdp-timeout`` a rank still in the body dumps its Python stack
-  (faulthandler, every thread) into its outcome and is interrupted (SIGUSR2 raises in the body).
-  A body stuck in C code that does not return within another ``timeout`` + 5 s (a collective
-  started in the test has timed out by then) makes the rank print the verdict to stderr and
-  exit 1. A rank without an outcome 5 s after the timeout counts as gone; after a hang or a gone
-  rank the process group cannot be trusted, so the session stops after that test.
+"""The torchrun launcher: the pytest session is one process of a ``torchrun`` job and every
+test that uses ``dist`` (or ``FSDPTest``) runs in place, SPMD, in every process of the job
+(:class:`TorchrunRanks`, the controller's rank backend there; :class:`LauncherPlugin`, its
+pytest hooks). What it promises is docs/torchrun.md: one default group for the session; the
+ranks talk outside test bodies only through the launcher's key-value store, every wait with a
+deadline; an N-rank test runs on ranks 0..N-1 with that group as the default group; every rank
+computes the same verdict; a watchdog dumps and interrupts a body past its timeout and ends a
+rank stuck in C code; after a hang or a gone rank the session stops.
 """
 
 from __future__ import annotations
@@ -56,15 +28,8 @@ from typing import Any
 import pytest
 
 from fsdp_conformance import vocab
-from fsdp_conformance.world import hooks, report
-from fsdp_conformance.world.protocol import (
-    DIED,
-    FAILED,
-    HUNG,
-    RANK_SEED,
-    SKIPPED,
-    RankOutcome,
-)
+from fsdp_conformance.world import rank as rank_task
+from fsdp_conformance.world.wire import DIED, FAILED, HUNG, SKIPPED, RankOutcome, RankTask
 
 # --fsdp-launcher choices and its env variable
 LAUNCHERS = vocab.LAUNCHERS
@@ -102,12 +67,9 @@ def _int_env(name: str, default: str | None = None) -> int:
 
 
 def detect(choice: str) -> LauncherEnv | None:
-    """This process's :class:`LauncherEnv` when pytest runs inside a launcher, else None.
-
-    Args:
-        choice: ``auto`` (launcher environment or an initialised default group), ``torchrun``
-            (required) or ``none``.
-    """
+    """This process's :class:`LauncherEnv` when pytest runs inside a launcher, else None;
+    ``choice``: ``auto`` (launcher environment or an initialised default group), ``torchrun``
+    (required) or ``none``."""
     if choice not in LAUNCHERS:
         raise pytest.UsageError(
             f"--fsdp-launcher {choice!r}: use one of {', '.join(LAUNCHERS)} (env {ENV_LAUNCHER})"
@@ -155,9 +117,9 @@ class _Timeout(BaseException):
 
 
 class _Watchdog:
-    """Interrupts one test body after ``timeout`` seconds; see [Note: launcher mode]."""
+    """Interrupts one test body after ``timeout`` seconds (docs/torchrun.md, "Nothing hangs")."""
 
-    def __init__(self, runtime: LauncherRuntime, key: str, size: int, timeout: float) -> None:
+    def __init__(self, runtime: TorchrunRanks, key: str, size: int, timeout: float) -> None:
         self.runtime = runtime
         self.key = key
         self.size = size
@@ -211,19 +173,15 @@ class _Watchdog:
 # The runtime
 
 
-class LauncherRuntime:
-    """Runs each test in place in this launcher process, in step with the job's other
-    processes (the :class:`fsdp_conformance.world.runtime.Runtime` of launcher mode).
-
-    Args:
-        options: the session's ``RuntimeOptions`` (timeout, impl, backend).
-        env: this process's place in the job (:func:`detect`).
-    """
+class TorchrunRanks:
+    """The rank backend of launcher mode: runs each test in place in this process, in step
+    with the job's other processes (``options``: the session's ``RuntimeOptions``; ``env``:
+    this process's place in the job, :func:`detect`)."""
 
     def __init__(self, options: Any, env: LauncherEnv) -> None:
         self.options = options
         self.env = env
-        hooks.add_after_test(options.after_test)  # run by reset_after_test after each test
+        rank_task.add_after_test(options.after_test)  # run by reset_after_test after each test
         # why the session must stop (a hang or a gone rank), None while healthy
         self.broken: str | None = None
         self._started = False
@@ -363,37 +321,28 @@ class LauncherRuntime:
 
     # -- one test
 
-    def run(self, request: Any) -> Any:
-        """Run ``request`` (a ``runtime.TestRequest``) in place; every rank of the job calls
-        this for the same test. Returns the job's ``runtime.RunResult``."""
-        from fsdp_conformance.world.runtime import RunResult
+    def run(self, request: Any, task: RankTask) -> Any:
+        """Run ``task`` (of ``request``, a ``controller.TestRequest``) in place; every rank of
+        the job calls this for the same test. Returns the job's ``controller.RunResult``."""
+        from fsdp_conformance.world.controller import RunResult, Verdict, summarize
 
         self.start()
-        size = request.world_size
+        size, jobs = request.world_size, self.env.world_size
         if size < 1:
-            return RunResult(report.Verdict(FAILED, f"world_size must be >= 1, got {size}"), {})
+            return RunResult(Verdict(FAILED, f"world_size must be >= 1, got {size}"))
         if size > self.env.world_size:
             return RunResult(
-                report.Verdict(
-                    SKIPPED,
-                    f"needs {size} ranks, the launcher's job has {self.env.world_size} "
-                    "(WORLD_SIZE)",
-                ),
-                {},
+                Verdict(SKIPPED, f"needs {size} ranks, the launcher's job has {jobs} (WORLD_SIZE)")
             )
         if request.gpus and (self._backend != "nccl" or request.gpus > self.env.world_size):
             # the spawning modes' reason; here every rank of an nccl job holds one GPU
             held = self.env.world_size if self._backend == "nccl" else 0
+            where = " (CPU-only host)" if self._gpu_count == 0 else " (gloo job)"
             return RunResult(
-                report.Verdict(
-                    SKIPPED,
-                    f"needs {request.gpus} GPUs, {held} available"
-                    + (" (CPU-only host)" if self._gpu_count == 0 else " (gloo job)"),
-                ),
-                {},
+                Verdict(SKIPPED, f"needs {request.gpus} GPUs, {held} available{where}")
             )
         if self.broken is not None:
-            return RunResult(report.Verdict(FAILED, f"not run: {self.broken}"), {})
+            return RunResult(Verdict(FAILED, f"not run: {self.broken}"))
         occurrence = self._occurrences.get(request.test_id, 0)
         self._occurrences[request.test_id] = occurrence + 1
         key = f"test/{request.test_id}#{occurrence}"
@@ -401,7 +350,8 @@ class LauncherRuntime:
         os.makedirs(tmp_path, exist_ok=True)
         deadline = time.monotonic() + request.timeout + OUTCOME_GRACE_S
         if self.env.rank < size:
-            self._post(key, self._run_body(request, size, tmp_path, key))
+            task = dataclasses.replace(task, tmp_path=tmp_path)
+            self._post(key, self._run_body(request, task, size, key))
         outcomes = self._gather(key, size, deadline)
         if self.env.local_rank == 0:
             shutil.rmtree(tmp_path, ignore_errors=True)
@@ -411,12 +361,12 @@ class LauncherRuntime:
                 f"rank(s) {', '.join(map(str, gone))} hung or ended in {request.test_id}; the "
                 "process group cannot be trusted after that, so the session stopped"
             )
-        return RunResult(report.summarize(outcomes, size), {})
+        return RunResult(summarize(outcomes, size))
 
-    def _run_body(self, request: Any, size: int, tmp_path: str, key: str) -> RankOutcome:
+    def _run_body(self, request: Any, task: RankTask, size: int, key: str) -> RankOutcome:
         import torch.distributed as tdist
 
-        from fsdp_conformance.world import execute, isolation, rank_main
+        from fsdp_conformance.world import isolation
         from fsdp_conformance.world.context import RankContext
 
         rank = self.env.rank
@@ -430,42 +380,39 @@ class LauncherRuntime:
                     use_local_synchronization=True,
                 )
         except Exception as exc:  # noqa: BLE001  reported like a failure of the body
-            return execute.classify_exception(rank, exc)
+            return rank_task.classify_exception(rank, exc)
         ctx = RankContext(
             rank=rank,
             world_size=size,
             group=group,
             device=self._device,
             backend=self._backend,
-            tmp_path=pathlib.Path(tmp_path),
+            tmp_path=pathlib.Path(task.tmp_path),
             impl=self.options.impl,
             mode=MODE,
             gpu_ids=(self._device.index,) if self._backend == "nccl" else (),
             test_id=request.test_id,
             init_method="env://",
         )
-        assert request.thread_body is not None, "launcher mode runs the request's thread_body"
         watchdog = _Watchdog(self, key, size, request.timeout)
         job_group = tdist.group.WORLD
         # what the test may change in this interpreter, restored after it (world/isolation.py)
         snapshot = isolation.StateSnapshot.take()
         try:
             with watchdog:
-                # see [Note: launcher mode]: the test's group is the default group meanwhile
+                # the test's group is the default group while its body runs
                 tdist.GroupMember.WORLD = group
-                rank_main._current_context.ctx = ctx
-                execute.seed_all(RANK_SEED)
-                outcome = execute.call_and_classify(rank, lambda: request.thread_body(ctx))
+                call = request.function or rank_task.resolve_target(task.target)
+                outcome = rank_task.run_task(task, ctx, call, request.kwargs)
         except _Timeout:
             outcome = RankOutcome(rank, FAILED)
         finally:
-            rank_main._current_context.ctx = None
             tdist.GroupMember.WORLD = job_group
         if watchdog.fired:
             outcome = self._hung(rank, request.timeout, watchdog.dump)
         try:
             # the pooled rank process's reset, on this process
-            for problem in rank_main.reset_after_test(snapshot, [], rank):
+            for problem in rank_task.reset_after_test(snapshot, [], rank):
                 sys.stderr.write(f"fsdp-conformance: {request.test_id}: {problem}\n")
         except BaseException as exc:  # noqa: BLE001  a broken reset poisons later tests
             self.broken = f"rank {rank} could not reset after {request.test_id}: {exc!r}"
@@ -484,8 +431,10 @@ class LauncherRuntime:
             f"{self.options.timeout:g} s after its timeout interrupted it; ending this process"
         )
         if self.env.rank == 0:
+            from fsdp_conformance.world.controller import summarize
+
             outcomes = self._gather(key, size, time.monotonic() + OUTCOME_GRACE_S)
-            head += "\n" + report.summarize(outcomes, size).message
+            head += "\n" + summarize(outcomes, size).message
         sys.stderr.write(head + "\n")
         sys.stderr.flush()
         os._exit(1)
@@ -499,7 +448,7 @@ class LauncherPlugin:
     """pytest hooks of launcher mode (registered by the plugin when :func:`detect` finds a
     launcher): quiet ranks other than 0, check the collection, agree on the exit status."""
 
-    def __init__(self, runtime: LauncherRuntime) -> None:
+    def __init__(self, runtime: TorchrunRanks) -> None:
         self.runtime = runtime
         self.env = runtime.env
 

@@ -1,13 +1,8 @@
-"""Report properties recorded inside a test body, in whichever rank or thread it runs.
+"""``record_property(name, value)``: pytest's ``record_property`` for code running in ranks.
 
-``record_property(name, value)`` is pytest's ``record_property`` for code running in ranks: the
-harness collects what a rank records while it runs a test (``collecting()``, around every test
-body in every mode), sends it back with the rank's outcome, and the plugin adds it to the
-test's ``item.user_properties`` (so the report, ``--junitxml`` and report hooks carry it).
-Values must be picklable; strings, numbers and booleans keep JUnit readable.
-
-Outside any collected body (a test that runs in the pytest process without ranks), the values
-wait in this process until the plugin takes them (``take_pending()``) for the running test.
+What a body records (``collecting()``, around every body in every mode) travels back with the
+rank's outcome; the plugin adds it to ``item.user_properties`` (report, ``--junitxml``). Values
+must be picklable. Outside a collected body the values wait for ``take_pending()``.
 """
 
 from __future__ import annotations

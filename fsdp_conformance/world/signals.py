@@ -1,15 +1,12 @@
 """Signal-safe cleanup.
 
-pytest side: SIGTERM (a CI cancel, ``timeout``) ends the session like Ctrl-C, so that the
-runtime's normal teardown kills every rank and removes every ``fsdp-conformance-*`` temp
-directory; the previous handler is put back when the session ends.
+pytest side: SIGTERM ends the session like Ctrl-C, so that the normal teardown kills every rank
+and removes every ``fsdp-conformance-*`` temp directory.
 
-CLI side: SIGINT and SIGTERM to the CLI's pid (also when it was started with SIGINT ignored,
-as a shell's background job is) interrupt it (``cli_signals``). ``fsdp-conformance run``'s
-pytest child runs in its own session, so the CLI alone decides: it forwards one SIGTERM, waits a
-bounded time for the child to clean up, then kills the child's process group; the ranks exit
-within 0.5 s of their parent's end by themselves, and everything the run wrote went to the CLI's
-private temp directory, which the CLI removes. The CLI ends within ``CLI_EXIT_BOUND_S``.
+CLI side: SIGINT and SIGTERM interrupt the CLI (``cli_signals``, also when SIGINT was ignored
+at start); it forwards one SIGTERM to its pytest child (its own session), waits a bounded time,
+then kills the child's process group; ranks exit within 0.5 s of their parent's end. The CLI
+ends within ``CLI_EXIT_BOUND_S``.
 """
 
 from __future__ import annotations
@@ -94,16 +91,9 @@ def cli_signals() -> Iterator[None]:
 
 
 def stop_child(child: subprocess.Popen, interrupt: KeyboardInterrupt) -> int:
-    """End ``child`` (started with ``start_new_session=True``) after the CLI was interrupted;
-    return the CLI's exit code (130 for SIGINT, 128 + the signal for SIGTERM).
-
-    The child gets one SIGTERM (its pytest session ends like Ctrl-C), ``CHILD_EXIT_WAIT_S`` to
-    clean up, then SIGKILL to its whole process group (pytest-xdist workers included).
-
-    Args:
-        child: the pytest process.
-        interrupt: the interrupt the CLI received (:class:`Terminated` for SIGTERM).
-    """
+    """End the pytest ``child`` (its own session) after the CLI got ``interrupt``: one SIGTERM,
+    ``CHILD_EXIT_WAIT_S`` to clean up, then SIGKILL to its process group. Returns the CLI's exit
+    code (130 for SIGINT, 128 + the signal for SIGTERM)."""
     code = 128 + interrupt.signum if isinstance(interrupt, Terminated) else 130
     if child.poll() is None:
         with contextlib.suppress(ProcessLookupError):

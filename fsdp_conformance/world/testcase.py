@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fsdp_conformance.world import gpus
-from fsdp_conformance.world.protocol import FAILED, SKIPPED, XFAILED, TestTarget
+from fsdp_conformance.world.wire import FAILED, SKIPPED, XFAILED, TestTarget
 
 # Hide this module's frames from unittest's and pytest's failure tracebacks.
 __unittest = True
@@ -51,7 +51,7 @@ class RankTestCase(unittest.TestCase):
     @property
     def dist(self) -> Any:
         """The rank's context (``rank``, ``group``, ``device``, ``backend``, ``tmp_path``)."""
-        from fsdp_conformance.world.rank_main import current_context
+        from fsdp_conformance.world.rank import current_context
 
         ctx = current_context()
         if ctx is None:
@@ -107,7 +107,7 @@ class RankTestCase(unittest.TestCase):
     # Dispatch: in the test process, a test method runs in the ranks instead.
 
     def run(self, result: Any = None) -> Any:
-        from fsdp_conformance.world.rank_main import current_context
+        from fsdp_conformance.world.rank import current_context
 
         if current_context() is not None:
             return super().run(result)  # in a rank
@@ -132,9 +132,9 @@ def _nothing() -> None:
 
 
 def _run_in_ranks(case: RankTestCase, method_name: str) -> None:
-    from fsdp_conformance.world import runtime as runtime_module
+    from fsdp_conformance.world import controller
 
-    runtime = runtime_module.get_runtime()
+    runtime = controller.get_runtime()
     cls = type(case)
     module = sys.modules[cls.__module__]
     target = TestTarget(
@@ -145,17 +145,14 @@ def _run_in_ranks(case: RankTestCase, method_name: str) -> None:
         kind="unittest",
     )
 
-    def thread_body(ctx: Any) -> None:
-        cls(method_name).debug()
-
-    request = runtime_module.TestRequest(
+    request = controller.TestRequest(
         target=target,
         kwargs={},
         test_id=case.id(),
         world_size=case.world_size,
         mode=case.fsdp_mode or runtime.options.mode,
         timeout=case.fsdp_timeout or runtime.options.timeout,
-        thread_body=thread_body,
+        function=lambda: cls(method_name).debug(),
     )
     result = runtime.run(request)
     output = result.output() + "".join(f"fsdp-conformance: {note}\n" for note in result.notes)
@@ -165,7 +162,7 @@ def _run_in_ranks(case: RankTestCase, method_name: str) -> None:
     if verdict.status in (SKIPPED, XFAILED):
         raise unittest.SkipTest(verdict.message)
     if verdict.status == FAILED:
-        if "_pytest" in sys.modules and runtime_module.under_pytest():
+        if "_pytest" in sys.modules and controller.under_pytest():
             import pytest
 
             pytest.fail(verdict.message, pytrace=False)

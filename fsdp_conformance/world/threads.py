@@ -2,28 +2,19 @@
 process group (``torch.testing._internal.distributed.multi_threaded_pg``).
 
 [Note: per-rank RNG in threads]
-torch has one default CPU generator per process, shared by all threads: ``torch.manual_seed``
-in one rank thread reseeds the others, and a rank that seeds and then builds a model races
-with the other ranks doing the same (measured: 2-3 of 6 threaded parity tests fail).
-So each rank owns an RNG state (torch's default generator, ``random`` and numpy) and the rank
-threads take turns: a rank runs Python only while it holds the *baton*; taking the baton
-installs the rank's RNG state, giving it back saves it. A rank gives the baton back while it
-waits for the other ranks -- inside a collective of the threaded process group and in the
-store-based barrier of ``new_group`` -- and when its test body ends. Consequences:
-- each rank sees exactly the random numbers it would see alone, whatever the interleaving;
-- rank threads never run Python concurrently (collectives are the only switch points), so
-  code that waits for another rank outside a collective (a busy loop on a shared flag)
-  deadlocks and fails at the timeout.
+torch has one default CPU generator per process: ``manual_seed`` in one rank thread would
+reseed the others. So each rank owns an RNG state (torch, ``random``, numpy) and the rank threads
+take turns: a rank runs Python only while it holds the *baton*; taking it installs the rank's
+RNG state, giving it back saves it. A rank gives the baton back while it waits for the others
+(in a collective of the threaded group, in ``new_group``'s store barrier) and when its body
+ends. Each rank thus sees the random numbers it would see alone; code that waits for another
+rank outside a collective (a busy loop on a shared flag) deadlocks and fails at the timeout.
 
 [Note: isolation in thread mode]
-The rank threads share the pytest process. Before a test the process-wide state is saved
-(``world/isolation.py``: environment, cwd, ``sys.path``, warnings filters, torch's default
-dtype/device, anomaly and deterministic modes, thread count, print options, global module
-hooks, RNGs) and restored after it; the collectives are wrapped only while the test runs.
-Thread-local state (grad mode, a default device set in the thread) dies with the rank thread.
-What cannot be restored in a shared interpreter, and a thread-mode test therefore must not
-change: modules it patches by hand (use the ``monkeypatch`` fixture, which pytest undoes),
-modules it imports, signal handlers, and threads it starts and leaves running.
+The process-wide state is saved before a test and restored after it (``world/isolation.py``);
+the collectives are wrapped only while the test runs. A thread-mode test must not change what
+a shared interpreter cannot restore: modules patched by hand (use ``monkeypatch``), imported
+modules, signal handlers, threads left running.
 """
 
 from __future__ import annotations
@@ -32,7 +23,6 @@ import contextlib
 import datetime
 import functools
 import pathlib
-import random
 import sys
 import threading
 import time
@@ -41,21 +31,17 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from fsdp_conformance._patching import patch_attribute
-from fsdp_conformance.world import collectives, execute, hooks, isolation
+from fsdp_conformance.world import collectives, isolation
+from fsdp_conformance.world import rank as rank_task
 from fsdp_conformance.world.context import RankContext
-from fsdp_conformance.world.protocol import (
+from fsdp_conformance.world.wire import (
     ABORTED,
-    DIED,
     FAILED,
     HUNG,
     PASSED,
-    SKIPPED,
-    XFAILED,
     RankOutcome,
+    RankTask,
 )
-
-# How the first rank that stopped reads in the other ranks' reports.
-_STOPPED = {FAILED: "failed", DIED: "died", SKIPPED: "skipped", XFAILED: "xfailed"}
 
 # The rank thread's (baton, rank), or None outside rank threads.
 _local = threading.local()
@@ -64,55 +50,23 @@ _BATON_KEY = "fsdp-conformance thread ranks: baton released while waiting"
 
 
 class RngBaton:
-    """Mutual exclusion between rank threads that swaps per-rank RNG state on hand-over.
+    """Mutual exclusion between rank threads that swaps per-rank RNG state on hand-over
+    (see [Note: per-rank RNG in threads]); a rank's first turn keeps the state it finds
+    (``rank.run_task`` seeds it)."""
 
-    See [Note: per-rank RNG in threads].
-    """
-
-    def __init__(self, world_size: int, seed: int) -> None:
+    def __init__(self, world_size: int) -> None:
         self._lock = threading.Lock()
-        # rank -> (torch state, random state, numpy state or None); None before first use
-        self._states: dict[int, tuple[Any, Any, Any] | None] = dict.fromkeys(range(world_size))
-        self._seed = seed
+        # rank -> its RNG state while another rank holds the baton; None before first use
+        self._states: dict[int, Any] = dict.fromkeys(range(world_size))
 
     def acquire(self, rank: int) -> None:
-        import torch
-
         self._lock.acquire()
-        state = self._states[rank]
-        if state is None:
-            execute.seed_all(self._seed)
-            return
-        torch_state, random_state, numpy_state = state
-        torch.set_rng_state(torch_state)
-        random.setstate(random_state)
-        if numpy_state is not None:
-            sys.modules["numpy"].random.set_state(numpy_state)
+        if self._states[rank] is not None:
+            isolation.restore_rng(self._states[rank])
 
     def release(self, rank: int) -> None:
-        import torch
-
-        numpy = sys.modules.get("numpy")
-        self._states[rank] = (
-            torch.get_rng_state(),
-            random.getstate(),
-            numpy.random.get_state() if numpy is not None else None,
-        )
+        self._states[rank] = isolation.rng_state()
         self._lock.release()
-
-
-@contextlib.contextmanager
-def _baton_released() -> Iterator[None]:
-    held = getattr(_local, "held", None)
-    if held is None:
-        yield
-        return
-    baton, rank = held
-    baton.release(rank)
-    try:
-        yield
-    finally:
-        baton.acquire(rank)
 
 
 def _releasing_baton(wait: Callable[..., Any]) -> Callable[..., Any]:
@@ -120,8 +74,15 @@ def _releasing_baton(wait: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(wait)
     def releasing(*args: Any, **kwargs: Any) -> Any:
-        with _baton_released():
+        held = getattr(_local, "held", None)
+        if held is None:
             return wait(*args, **kwargs)
+        baton, rank = held
+        baton.release(rank)
+        try:
+            return wait(*args, **kwargs)
+        finally:
+            baton.acquire(rank)
 
     return releasing
 
@@ -146,17 +107,24 @@ def _patched_wait_points(mtpg: Any) -> Iterator[None]:
             record.undo()
 
 
+class ThreadRanks:
+    """The rank backend of ``thread`` mode (see ``world/controller.py``)."""
+
+    def run(self, request: Any, task: RankTask) -> Any:
+        from fsdp_conformance.world.controller import RunResult, summarize
+
+        call = request.function or rank_task.resolve_target(task.target)
+        outcomes, mismatch = run_threaded(task, request.world_size, call, request.kwargs)
+        return RunResult(summarize(outcomes, request.world_size, mismatch))
+
+    def close(self) -> None:
+        pass
+
+
 def run_threaded(
-    world_size: int,
-    body: Callable[[RankContext], None],
-    *,
-    timeout: float,
-    tmp_path: str,
-    seed: int,
-    impl: str,
-    test_id: str,
+    task: RankTask, world_size: int, call: Callable[..., Any], values: dict[str, Any]
 ) -> tuple[dict[int, RankOutcome], str]:
-    """Run ``body(ctx)`` in ``world_size`` rank threads.
+    """Run ``task`` (``call`` with the fixture ``values``) in ``world_size`` rank threads.
 
     A rank still running at the timeout is reported HUNG with its stack; its thread is
     left behind (a daemon: Python threads cannot be killed) after the threaded process
@@ -170,6 +138,7 @@ def run_threaded(
     import torch.distributed as dist
     from torch.testing._internal.distributed import multi_threaded_pg as mtpg
 
+    timeout = task.timeout
     mtpg.ProcessLocalGroup.reset()
     # per-thread registry of process group names (each rank thread has group "0")
     torch._C._distributed_c10d._set_thread_isolation_mode(True)
@@ -177,7 +146,7 @@ def run_threaded(
         # (still installed when an earlier test left a hung rank thread behind)
         mtpg._install_threaded_pg()
     store = dist.HashStore()
-    baton = RngBaton(world_size, seed)
+    baton = RngBaton(world_size)
     outcomes: dict[int, RankOutcome] = {}
     slots = {rank: collectives.CollectiveSlot.in_memory() for rank in range(world_size)}
     # ranks whose body began (they held the baton at least once)
@@ -195,34 +164,28 @@ def run_threaded(
                 store=store,
                 timeout=datetime.timedelta(seconds=timeout),
             )
-            import torch
-
             ctx = RankContext(
                 rank=rank,
                 world_size=world_size,
                 group=dist.group.WORLD,
                 device=torch.device("cpu"),
                 backend="threaded",
-                tmp_path=pathlib.Path(tmp_path),
-                impl=impl,
+                tmp_path=pathlib.Path(task.tmp_path),
+                impl=task.impl,
                 mode="thread",
-                test_id=test_id,
+                test_id=task.test_id,
                 init_method="threaded://",
             )
-            from fsdp_conformance.world import rank_main
-
             baton.acquire(rank)
             began.add(rank)
             _local.held = (baton, rank)
-            rank_main._current_context.ctx = ctx
             try:
-                outcome = execute.call_and_classify(rank, lambda: body(ctx))
+                outcome = rank_task.run_task(task, ctx, call, values)
             finally:
                 _local.held = None
-                rank_main._current_context.ctx = None
                 baton.release(rank)
         except BaseException as exc:  # noqa: BLE001  init failure
-            outcome = execute.classify_exception(rank, exc)
+            outcome = rank_task.classify_exception(rank, exc)
         if outcome.status == FAILED and "Test termination event occurs" in outcome.message:
             first = first_stop[0] if first_stop else None
             where = slots[rank].read()
@@ -238,7 +201,7 @@ def run_threaded(
                 )
             else:
                 why = (
-                    f"stopped because rank {first.rank} {_STOPPED.get(first.status, first.status)}"
+                    f"stopped because rank {first.rank} {first.status}"
                     if first is not None
                     else "stopped because the threaded process group was terminated"
                 )
@@ -305,7 +268,7 @@ def run_threaded(
                 mtpg.ProcessLocalGroup.exception_handle(None)  # release collective waiters
     finally:
         uninstall()
-        hooks.run_after_test()  # before the threaded groups go (e.g. Adapter.on_test_end)
+        rank_task.run_after_test()  # before the threaded groups go (e.g. Adapter.on_test_end)
         if not any(t.is_alive() for t in threads):
             mtpg._uninstall_threaded_pg()
             mtpg.ProcessLocalGroup.reset()

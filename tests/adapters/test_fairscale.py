@@ -254,7 +254,7 @@ def test_deviation_reproductions_reproduce(tmp_path):
 
 
 OUTSIDE_ADAPTERS = '''
-from fsdp_conformance.adapters.fairscale import FairscaleAdapter
+from fsdp_conformance.adapters.fairscale import FAIRSCALE_DEVIATIONS, FairscaleAdapter
 
 
 class MyFairscale(FairscaleAdapter):
@@ -268,7 +268,7 @@ class StaleDeclaration(FairscaleAdapter):
 
     def __init__(self):
         super().__init__(sync_after_free=True)
-        self.known_deviations = FairscaleAdapter.known_deviations
+        self.known_deviations = FAIRSCALE_DEVIATIONS
 '''
 
 
@@ -347,7 +347,7 @@ def test_generated_model_deviations_reproduce(dist):
 @pytest.mark.world_size(2)
 def test_shared_parameter_across_instances_is_untied(dist):
     """The declared wrap.shared_across_instances deviation: one step unties the tied weight."""
-    from fsdp_conformance.suite.loops import build
+    from fsdp_conformance.suite.loop_driver import build
 
     adapter = get_adapter("fairscale")
     root, zoo_model = build(adapter, "tied_instances", dist, {})
@@ -362,7 +362,7 @@ def test_shared_parameter_across_instances_is_untied(dist):
 @pytest.mark.world_size(2)
 def test_nested_instance_called_alone_stays_in_backward_post(dist):
     """The declared forward.other_method deviation (a nested instance called alone)."""
-    from fsdp_conformance.suite.loops import build
+    from fsdp_conformance.suite.loop_driver import build
     from fsdp_conformance.training_states import InstanceState
 
     adapter = get_adapter("fairscale")

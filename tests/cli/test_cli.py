@@ -346,25 +346,19 @@ def test_matrix_of_a_collection_error(tmp_path: Path) -> None:
 
 
 def test_failure_message_is_the_first_assertion_line() -> None:
-    from types import SimpleNamespace
+    # the failure a cell records (and the matrix shows): type and first line of the message; a
+    # headline ending in ":" goes on with its next line
+    from fsdp_conformance.suite.verdict import failure_line
 
-    from fsdp_conformance.cli.collect import failure_message
+    class IllegalTrainingState(AssertionError):
+        pass
 
-    rank_failure = SimpleNamespace(
-        longrepr=None,
-        longreprtext=(
-            "    def test_x(dist):\n>       check()\n"
-            "E       Failed: rank 1 of 2 failed: IllegalTrainingState: 2 illegal states seen:\n"
-            "E         instance 3 in FORWARD at post_backward\n"
-            "E       ranks that passed: 0\n"
-        ),
+    error = IllegalTrainingState(
+        "2 illegal states seen:\n  instance 3 in FORWARD at post_backward\nranks that passed: 0\n"
     )
-    assert failure_message(rank_failure) == (
+    assert failure_line(error) == (
         "IllegalTrainingState: 2 illegal states seen: instance 3 in FORWARD at post_backward"
     )
-    plain = SimpleNamespace(
-        longrepr=None,
-        longreprtext="E   assert 1 == 2\nE   AssertionError: loss differs at step 3\n",
-    )
-    assert failure_message(plain) == "AssertionError: loss differs at step 3"
-    assert failure_message(SimpleNamespace(longrepr=None, longreprtext="E   x\n")) == "x"
+    plain = AssertionError("loss differs at step 3\nexpected 1.0, got 2.0")
+    assert failure_line(plain) == "AssertionError: loss differs at step 3"
+    assert failure_line(AssertionError()) == "AssertionError"

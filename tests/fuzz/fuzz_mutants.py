@@ -1,4 +1,4 @@
-"""Broken variants of the reference FSDP that the fixed zoo does not catch (issue 20), as
+"""Broken variants of the reference FSDP that the fixed zoo does not catch, as
 adapters: ``--impl fuzz_mutants:DROP_SMALL_GRADS`` (with this directory on sys.path).
 
 Each patches impl in the rank process when it first wraps (the rank sets of these tests are

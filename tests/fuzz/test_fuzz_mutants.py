@@ -1,6 +1,6 @@
 """`fsdp-conformance fuzz` finds broken variants of the reference FSDP (fuzz_mutants.py) that the
 fixed zoo does not catch, within 300 examples at seed 0, shrinks them, and the written repro.py
-fails standalone on the variant and passes on the real implementation (issue 20)."""
+fails standalone on the variant and passes on the real implementation."""
 
 from __future__ import annotations
 

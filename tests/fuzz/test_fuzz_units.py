@@ -13,11 +13,11 @@ from hypothesis import HealthCheck, given, settings
 
 from fsdp_conformance.adapters import Feature
 from fsdp_conformance.adapters.features import ALL_FEATURES
-from fsdp_conformance.fuzz import model as fuzz_model
-from fsdp_conformance.fuzz import spec
-from fsdp_conformance.fuzz.repro import repro_source
-from fsdp_conformance.fuzz.spec import Block, FuzzCase, ModelSpec, Program, Seq, Step
-from fsdp_conformance.fuzz.strategies import Capabilities, _innermost, cases
+from fsdp_conformance.suite.fuzz import model as fuzz_model
+from fsdp_conformance.suite.fuzz import spec
+from fsdp_conformance.suite.fuzz.repro import repro_source
+from fsdp_conformance.suite.fuzz.spec import Block, FuzzCase, ModelSpec, Program, Seq, Step
+from fsdp_conformance.suite.fuzz.strategies import Capabilities, _innermost, cases
 
 EVERYTHING = Capabilities(frozenset(ALL_FEATURES - {Feature.FROZEN_PARAMETERS_MIXED}), (), 2)
 BARE = Capabilities(
@@ -183,7 +183,7 @@ def test_meta_build_keeps_ties_and_frozen_blocks():
 
 
 def test_precision_tolerance_is_the_suites_and_grows_with_layers():
-    from fsdp_conformance.fuzz.run import PRECISION_LAYERS, tolerance
+    from fsdp_conformance.suite.fuzz.compare import PRECISION_LAYERS, tolerance
     from fsdp_conformance.suite.test_precision import LOSS_RTOL_PER_EPS, PARAM_ATOL_PER_EPS
 
     def case(blocks: int, precision: tuple = (("param_dtype", "bf16"),)) -> FuzzCase:
@@ -197,3 +197,18 @@ def test_precision_tolerance_is_the_suites_and_grows_with_layers():
     assert tolerance(case(deep, ()), 2) == tolerance(case(1, ()), 2)  # float32: unchanged
     fp16 = tolerance(case(1, (("param_dtype", "fp32"), ("reduce_dtype", "fp16"))), 2)
     assert fp16 == (PARAM_ATOL_PER_EPS * 2.0**-11, LOSS_RTOL_PER_EPS * 2.0**-11)
+
+
+def test_the_fuzzers_old_paths_still_import():
+    """``repro.py`` files written before the fuzzer moved into the suite import these."""
+    import subprocess
+    import sys
+
+    import fsdp_conformance.fuzz as old
+    from fsdp_conformance.fuzz.repro import main
+    from fsdp_conformance.fuzz.spec import FuzzCase as OldFuzzCase
+
+    from fsdp_conformance.suite import fuzz
+
+    assert old is fuzz and main is fuzz.repro.main and OldFuzzCase is fuzz.FuzzCase
+    subprocess.run([sys.executable, "-m", "fsdp_conformance.fuzz.repro"], check=True, timeout=300)

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_conformance.fuzz.repro import write_repro
-from fsdp_conformance.fuzz.spec import Block, FuzzCase, ModelSpec, Seq
+from fsdp_conformance.suite.fuzz.repro import write_repro
+from fsdp_conformance.suite.fuzz.spec import Block, FuzzCase, ModelSpec, Seq
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # a bias of one element: fewer elements than ranks, which fuzz_mutants.DROP_SMALL_GRADS drops

@@ -47,20 +47,20 @@ def test_only_default_group_collectives_are_recorded() -> None:
     import torch.distributed as dist
 
     from fsdp_conformance.world import threads
+    from fsdp_conformance.world.wire import RankTask, TestTarget
 
     slots = {}
 
-    def body(ctx):
+    def body(dist_ctx):
         slot = collectives._current_slot()
-        slots[ctx.rank] = slot
+        slots[dist_ctx.rank] = slot
         sub = dist.new_group([0, 1])
         dist.all_reduce(torch.ones(1), group=sub)  # a subgroup: not recorded
         dist.all_reduce(torch.ones(1))
         dist.barrier(group=dist.group.WORLD)
 
-    outcomes, mismatch = threads.run_threaded(
-        2, body, timeout=60, tmp_path=".", seed=0, impl="impl", test_id="t"
-    )
+    task = RankTask(TestTarget(__name__, None, (), "body"), "t", ".", "impl", timeout=60)
+    outcomes, mismatch = threads.run_threaded(task, 2, lambda dist: body(dist), {})
     assert {o.status for o in outcomes.values()} == {"passed"}, outcomes
     assert mismatch == ""
     assert [slots[r].read() for r in (0, 1)] == [CollectiveRecord(2, 0, "barrier")] * 2

@@ -10,15 +10,15 @@ from typing import Any
 import pytest
 
 from conftest import write_test
-from fsdp_conformance.world import execute, protocol
+from fsdp_conformance.world import rank, wire
 
 pytest_plugins = ["pytester"]
 
 
 def test_expect_rejects_an_unknown_message() -> None:
-    assert protocol.expect(protocol.Started(), "rank 0", protocol.Started) == protocol.Started()
-    with pytest.raises(protocol.ProtocolError, match=r"unexpected message from rank 1: \('run',"):
-        protocol.expect(("run", b""), "rank 1", protocol.Started, protocol.Finished)
+    assert wire.expect(wire.Started(), "rank 0", wire.Started) == wire.Started()
+    with pytest.raises(wire.ProtocolError, match=r"unexpected message from rank 1: \('run',"):
+        wire.expect(("run", b""), "rank 1", wire.Started, wire.Finished)
 
 
 def test_parent_rejects_an_unknown_message_from_a_rank(pytester: pytest.Pytester) -> None:
@@ -29,12 +29,12 @@ def test_parent_rejects_an_unknown_message_from_a_rank(pytester: pytest.Pytester
 import torch
 import torch.distributed as tdist
 
-from fsdp_conformance.world import rank_main
+from fsdp_conformance.world import rank
 
 
 def test_a_garbles(dist):
     if dist.rank == 1:
-        rank_main._process.conn.send(("result", "not a Finished message"))
+        rank._process.conn.send(("result", "not a Finished message"))
     tdist.barrier()
 
 
@@ -88,10 +88,10 @@ def _shape_from_pytest_9_2(
 def test_assertrepr_compare_both_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
     from _pytest.assertion import util
 
-    installed = execute._reprcompare("==", [1, 2, 0], [1, 2, 7])
+    installed = rank._reprcompare("==", [1, 2, 0], [1, 2, 7])
     assert installed is not None and "At index 2 diff: 0 != 7" in installed
     monkeypatch.setattr(util, "assertrepr_compare", _shape_from_pytest_9_2)
-    newer = execute._reprcompare("==", [1, 2, 0], [1, 2, 7])
+    newer = rank._reprcompare("==", [1, 2, 0], [1, 2, 7])
     assert newer == "[1, 2, 0] == [1, 2, 7]\n~At index 2 diff: 0 != 7"
     monkeypatch.setattr(util, "assertrepr_compare", lambda unknown, op, left, right: ["x"])
-    assert execute._reprcompare("==", 1, 2) is None  # an unknown shape: no explanation
+    assert rank._reprcompare("==", 1, 2) is None  # an unknown shape: no explanation

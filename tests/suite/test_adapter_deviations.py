@@ -13,9 +13,11 @@ import textwrap
 
 import pytest
 
+import fsdp_conformance.suite  # noqa: F401  (the suite declares the checks)
 from fsdp_conformance.adapters import CHECK_IDS, Adapter, Deviation, get_adapter
 from fsdp_conformance.adapters import deviations as adapter_deviations
 from fsdp_conformance.adapters import features as adapter_features
+from fsdp_conformance.adapters.deviations import find_deviation
 
 pytest_plugins = ["pytester"]
 
@@ -62,7 +64,7 @@ def test_builtin_deviations_use_known_check_ids() -> None:
 
 def test_bad_declarations_raise_naming_the_fix() -> None:
     with pytest.raises(ValueError, match="unknown check id.*misuse.wrap_twice"):
-        Deviation("wrap_twice", "why")
+        find_deviation((Deviation("wrap_twice", "why"),), "misuse.wrap_twice")
     with pytest.raises(ValueError, match="non-empty reason"):
         Deviation("misuse.wrap_twice", " ")
     with pytest.raises(ValueError, match="unknown check id"):
@@ -209,7 +211,7 @@ def test_several_deviations_of_one_check_each_cover_their_own_failure() -> None:
 
 def test_every_builtin_deviation_names_its_failure() -> None:
     """A built-in deviation covers one failure message (`match`), never "any assertion of the
-    check": an unrelated failure in a declared cell stays a FAIL (issue 19)."""
+    check": an unrelated failure in a declared cell stays a FAIL."""
     from fsdp_conformance.vocab import BUILTIN_ADAPTERS
 
     for name in BUILTIN_ADAPTERS:

@@ -33,7 +33,7 @@ from fsdp_conformance.suite import (
     BaseSummonFullParamsTests,
     BaseTrainingStateTests,
 )
-from fsdp_conformance.suite.loops import RESUME_CASES
+from fsdp_conformance.suite.test_loops import RESUME_CASES
 
 ADAPTERS = ("impl", "torch-fsdp1", "torch-fsdp2")
 
@@ -117,7 +117,7 @@ class TestBadInputs(BaseBadInputTests):
     pass
 
 
-# The training-loop checks (suite/loops.py, issue 21): a representative subset per class on
+# The training-loop checks (suite/test_loops.py): a representative subset per class on
 # impl and torch-fsdp2 (FULL_SHARD; the model that shows the most); `fsdp-conformance run`
 # runs every cell for every adapter.
 @pytest.fixture(params=("impl", "torch-fsdp2"))

@@ -22,7 +22,7 @@ ADAPTERS = textwrap.dedent(
     from fsdp_conformance.adapters import Adapter, Feature
     from fsdp_conformance.adapters.impl import ImplAdapter
     from fsdp_conformance.suite import BaseCheckpointResumeTests, BaseTrainingStateTests
-    from fsdp_conformance.suite.loops import ResumeCase
+    from fsdp_conformance.suite.test_loops import ResumeCase
 
 
     class ClaimsButLacks(ImplAdapter):

@@ -1,4 +1,4 @@
-"""check_shard_grad_op_forward: two bounds, not one release's count (issue 18), without ranks."""
+"""check_shard_grad_op_forward: two bounds, not one release's count, without ranks."""
 
 from __future__ import annotations
 
@@ -6,12 +6,8 @@ import types
 
 import pytest
 
-from fsdp_conformance.suite.memory_bound import (
-    LAYERS,
-    BaseMemoryBoundTests,
-    BoundCase,
-    check_shard_grad_op_forward,
-)
+from fsdp_conformance.suite import BaseMemoryBoundTests
+from fsdp_conformance.suite.memory_bound import LAYERS, BoundCase, check_shard_grad_op_forward
 from fsdp_conformance.suite.stream_bound import FSDP2_BOUND
 
 CASE = BoundCase("strict", "SHARD_GRAD_OP", "BACKWARD_PRE", False)

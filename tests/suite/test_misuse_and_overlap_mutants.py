@@ -14,7 +14,7 @@ import pytest
 from fsdp_conformance.adapters import get_adapter
 from fsdp_conformance.impl import comm, fully_sharded, runtime
 from fsdp_conformance.suite import overlap
-from fsdp_conformance.suite.misuse import BaseBadInputTests, BaseExecOrderTests
+from fsdp_conformance.suite import BaseBadInputTests, BaseExecOrderTests
 
 # Process mode: the patches are process-global (impl's module functions, ProcessGroup methods).
 pytestmark = [pytest.mark.fsdp_mode("process"), pytest.mark.world_size(2)]
@@ -135,7 +135,7 @@ def test_bad_input_check_catches_a_slow_error(dist):
 
     with (
         mock.patch.object(fully_sharded, "_compute_device", slow_compute_device),
-        mock.patch("fsdp_conformance.suite.misuse.DEADLINE_S", 0.1),
+        mock.patch("fsdp_conformance.suite.test_exec_order.DEADLINE_S", 0.1),
         pytest.raises(AssertionError, match="raised only after") as failure,
     ):
         BaseBadInputTests().test_parameters_on_mixed_devices(get_adapter("impl"), dist)

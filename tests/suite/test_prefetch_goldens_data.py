@@ -187,7 +187,7 @@ def test_pyproject_ships_the_goldens_and_the_cli_package():
     assert "fsdp_conformance.cli" in setuptools["packages"]
 
 
-# ---------------------------------------------------------------- goldens that travel (issue 18)
+# ---------------------------------------------------------------- goldens that travel
 def _as_torch(monkeypatch, version):
     monkeypatch.setattr(prefetch_goldens.torch, "__version__", version)
 

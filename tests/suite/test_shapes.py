@@ -54,7 +54,7 @@ from fsdp_conformance.suite import (
     BaseSummonFullParamsTests,
     BaseTrainingStateTests,
 )
-from fsdp_conformance.suite.loops import ResumeCase
+from fsdp_conformance.suite.test_loops import ResumeCase
 
 
 class TestParity(BaseDDPParityTests):

@@ -113,5 +113,69 @@ def test_a_deviation_names_the_failure_it_covers() -> None:
         Deviation("parity.ddp", "r", raises="AssertionError")
     with pytest.raises(ValueError, match="is not a regular expression"):
         Deviation("parity.ddp", "r", match="(")
-    with pytest.raises(ValueError, match="unknown check id"):
-        Deviation("parity.nope", "r")
+    from fsdp_conformance.adapters.deviations import find_deviation
+    from fsdp_conformance.suite import verdict  # noqa: F401  (the suite declares the checks)
+
+    unknown = Deviation("parity.nope", "r")  # checked when the suite matches deviations
+    with pytest.raises(ValueError, match=r"Deviation\(check='parity.nope'\): unknown check id"):
+        find_deviation((unknown,), "parity.ddp")
+
+
+_UNTRACED = '''
+import os
+import pathlib
+
+import torch.distributed
+
+from fsdp_conformance.adapters.impl import ImplAdapter
+
+
+class Untraced(ImplAdapter):
+    """Lacks the comm trace; notes in a file when a rank asks it what it supports."""
+
+    name = "untraced"
+
+    def unsupported(self):
+        if torch.distributed.is_initialized():  # a rank (never the collecting process)
+            pathlib.Path(os.environ["UNTRACED_MARK"]).touch()
+        return {**super().unsupported(), "comm_trace": "no trace here"}
+'''
+
+
+def test_a_cell_lacking_a_feature_is_skipped_at_collection(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(untraced=textwrap.dedent(_UNTRACED))
+    mark = pytester.path / "asked-in-a-rank"
+    junit = pytester.path / "junit.xml"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("UNTRACED_MARK", str(mark))
+        result = pytester.runpytest_subprocess(
+            "--pyargs", "fsdp_conformance.suite", "-p", "no:cacheprovider", "-n", "0",
+            "--fsdp-impl=untraced:Untraced", "-k", "test_counts_per_phase and nested",
+            f"--junitxml={junit}", "-rs",
+        )  # fmt: skip
+    result.assert_outcomes(skipped=2)
+    result.stdout.fnmatch_lines(["*adapter 'untraced' does not support 'comm_trace': no trace*"])
+    assert not mark.exists(), "a not-applicable cell was dispatched to the ranks"
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        props = {p.get("name"): p.get("value") for p in case.iter("property")}
+        assert props == {
+            "fsdp_check": "comm.counts",
+            "fsdp_verdict": "not applicable",
+            "fsdp_reason": "adapter 'untraced' does not support 'comm_trace': no trace here",
+            "fsdp_feature": "comm_trace",
+        }, props
+
+
+def test_a_result_travels_as_report_properties() -> None:
+    from fsdp_conformance import checks
+
+    result = checks.Result("parity.ddp", checks.DEVIATION, "why\n  so", failure="E: x")
+    assert result.properties() == [
+        ("fsdp_check", "parity.ddp"),
+        ("fsdp_verdict", "deviation"),
+        ("fsdp_reason", "why so"),
+        ("fsdp_failure", "E: x"),
+    ]
+    back = checks.Result.from_properties([("other", 1), *result.properties()])
+    assert back == checks.Result("parity.ddp", checks.DEVIATION, "why so", failure="E: x")
+    assert back.outcome == "xfail" and checks.Result.from_properties([("other", 1)]) is None

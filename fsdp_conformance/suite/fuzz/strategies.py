@@ -138,9 +138,7 @@ def cases(caps: Capabilities, max_steps: int = MAX_STEPS, max_nodes: int = MAX_N
             bias = draw(st.booleans())
             if width_out == width and draw(st.booleans()):
                 tie = width  # every tied square Linear of this width shares one weight
-        frozen = (
-            frozen_ok and kind not in ("act",) and not tie and draw(st.integers(0, 4)) == 4
-        )
+        frozen = frozen_ok and kind not in ("act",) and not tie and draw(st.integers(0, 4)) == 4
         return Block(
             kind=kind,
             width_in=width,
@@ -212,9 +210,7 @@ def cases(caps: Capabilities, max_steps: int = MAX_STEPS, max_nodes: int = MAX_N
         if policies and draw(st.integers(0, 3)) == 3:
             precision = draw(st.sampled_from(policies))
         meta = meta_ok and draw(st.integers(0, 3)) == 3
-        return FuzzCase(
-            model, tuple(sorted(plan)), tuple(sorted(config)), program, precision, meta
-        )
+        return FuzzCase(model, tuple(sorted(plan)), tuple(sorted(config)), program, precision, meta)
 
     return case()
 

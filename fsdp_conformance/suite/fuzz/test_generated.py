@@ -1,5 +1,5 @@
-"""Generated models and training programs vs DDP (the fuzzer of ``fsdp_conformance.fuzz``), as a
-base class to subclass.
+"""Generated models and training programs vs DDP (``fuzz.generated``, this package's fuzzer),
+as a base class to subclass.
 
     class TestMyGeneratedModels(BaseGeneratedModelTests):
         fuzz_examples = 50          # more cases (default 12: the suite's run stays in budget)
@@ -18,6 +18,11 @@ from typing import Any, ClassVar
 
 import pytest
 
+from fsdp_conformance.adapters import UnsupportedFeatureError
+
+from ..declare import check
+from . import driver
+
 
 class BaseGeneratedModelTests:
     """Every generated case matches DDP, sees legal states and finishes (docs/fuzz.md)."""
@@ -27,30 +32,25 @@ class BaseGeneratedModelTests:
     # hypothesis seed (the run is reproducible from adapter, seed, examples and world size)
     fuzz_seed: ClassVar[int] = 0
 
+    @check(
+        "fuzz.generated",
+        "generated models, wrap plans, configs and training programs match DDP, with legal "
+        "states and no hang (shrunk to a repro.py)",
+        strict=False,
+        case="the generated FuzzCase (per case; None for the whole cell)",
+    )
     @pytest.mark.world_size(2)
     def test_generated_models_match_ddp(self, fsdp_adapter: Any, dist: Any):
-        from fsdp_conformance.fuzz import driver
-
-        from . import verdict
-
         try:
             driver.require_hypothesis()
         except ImportError as error:
             pytest.skip(str(error))
-        with verdict.cell(fsdp_adapter, "fuzz.generated", None):
-            self._fuzz(fsdp_adapter, dist)
-
-    def _fuzz(self, fsdp_adapter: Any, dist: Any) -> None:
-        from fsdp_conformance.fuzz import driver
-
         result = driver.fuzz(fsdp_adapter, dist, self.fuzz_examples, self.fuzz_seed)
         command = (
             f"fsdp-conformance fuzz --impl {dist.impl} --seed {self.fuzz_seed} --examples "
             f"{self.fuzz_examples} --world-size {dist.world_size}"
         )
         if result.status == "unsatisfiable":
-            from fsdp_conformance.adapters import UnsupportedFeatureError
-
             # every drawn case was refused with a clear error: the check does not apply
             raise UnsupportedFeatureError(
                 fsdp_adapter.name,
@@ -63,3 +63,7 @@ class BaseGeneratedModelTests:
             f"{result.description}\nfirst difference: {result.message}\n"
             f"reproduce and write its repro.py: {command}"
         )
+
+
+class TestGeneratedModels(BaseGeneratedModelTests):
+    pass

@@ -21,7 +21,7 @@ from typing import Any
 
 from fsdp_conformance.adapters import features as adapter_features
 
-from .run import DEVIATION, FAIL, OK, UNSUPPORTED, Outcome, combine, run_case
+from .compare import DEVIATION, FAIL, OK, UNSUPPORTED, Outcome, combine, run_case
 from .spec import FuzzCase, describe
 
 _TEMPLATE = '''\
@@ -41,8 +41,8 @@ First difference when found:
 import sys
 
 try:
-    from fsdp_conformance.fuzz.repro import main
-    from fsdp_conformance.fuzz.spec import Block, FuzzCase, ModelSpec, Program, Seq, Step
+    from fsdp_conformance.suite.fuzz.repro import main
+    from fsdp_conformance.suite.fuzz.spec import Block, FuzzCase, ModelSpec, Program, Seq, Step
 except ImportError as error:
     print(
         f"cannot run (exit 2): fsdp-conformance does not import here ({{error}}); run this "
@@ -86,7 +86,7 @@ def write_repro(
 def _short(message: str, lines: int = 12) -> str:
     parts = message.replace('"""', "'''").splitlines()
     if len(parts) > lines:
-        parts = parts[:2] + ["..."] + parts[-(lines - 3):]
+        parts = parts[:2] + ["..."] + parts[-(lines - 3) :]
     return "\n".join(parts)
 
 
@@ -170,7 +170,7 @@ def run_in_ranks(case: FuzzCase, impl: str, world_size: int, timeout: float = 60
     workdir = tempfile.mkdtemp(prefix="fsdp-fuzz-repro-")
     out_file = os.path.join(workdir, "outcome.json")
     result = run_function(
-        "fsdp_conformance.fuzz.repro",
+        "fsdp_conformance.suite.fuzz.repro",
         "repro_in_rank",
         {"case": case, "out_file": out_file},
         world_size=world_size,

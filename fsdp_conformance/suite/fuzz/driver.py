@@ -23,7 +23,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from .run import DEVIATION, FAIL, UNSUPPORTED, Outcome, combine, run_case
+from .compare import DEVIATION, FAIL, UNSUPPORTED, Outcome, combine, run_case
 from .spec import FuzzCase, describe
 from .strategies import MAX_NODES, MAX_STEPS, Capabilities, cases
 
@@ -160,7 +160,7 @@ def _fuzz(
 ) -> FuzzResult:
     import torch.distributed as tdist
 
-    from .run import probe_capabilities
+    from .compare import probe_capabilities
 
     caps = probe_capabilities(adapter, dist)
     if dist.rank != 0:

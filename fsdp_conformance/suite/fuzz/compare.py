@@ -259,7 +259,7 @@ def tolerance(case: FuzzCase, world_size: int) -> tuple[float, float]:
     scales it by layers / ``PRECISION_LAYERS``. Measured at seed 0 (torch 2.13.0, CPU): a bf16
     Linear(4, 1) + head exceeds a tenth of the tolerance (loss 1.4% off, the bound 6.25%) on
     impl, torch FSDP1 and FSDP2 alike, and stays within it."""
-    from fsdp_conformance.suite.parity import tolerance as parity_tolerance
+    from fsdp_conformance.suite.test_parity import tolerance as parity_tolerance
     from fsdp_conformance.suite.test_precision import EPS, LOSS_RTOL_PER_EPS, PARAM_ATOL_PER_EPS
 
     atol, rtol = parity_tolerance(world_size)
@@ -296,8 +296,7 @@ def first_difference(case: FuzzCase, actual: Trace, expected: Trace, world_size:
         reference = reference.detach().float().cpu()
         if value.shape != reference.shape:
             return (
-                f"parameter {name!r}: shape {tuple(value.shape)} != DDP's "
-                f"{tuple(reference.shape)}"
+                f"parameter {name!r}: shape {tuple(value.shape)} != DDP's {tuple(reference.shape)}"
             )
         if not _close(value, reference, atol, rtol):
             worst = (value - reference).abs().flatten().argmax().item()
@@ -338,8 +337,11 @@ def run_case(adapter: Any, case: FuzzCase, dist: Any) -> Outcome:
     try:
         expected = reference_run(case, dist)
     except Exception as raised:  # noqa: BLE001  a case DDP cannot run is the generator's bug
-        return Outcome(FAIL, "the DDP reference run failed (a bug of the generator, not of the "
-                       "FSDP): " + "".join(traceback.format_exception(raised)).rstrip())
+        return Outcome(
+            FAIL,
+            "the DDP reference run failed (a bug of the generator, not of the "
+            "FSDP): " + "".join(traceback.format_exception(raised)).rstrip(),
+        )
     try:
         actual = fsdp_train(adapter, root, case, dist)
         difference = first_difference(case, actual, expected, dist.world_size)

@@ -1,8 +1,7 @@
-"""Rank processes, seen from the parent: spawn a rank set, run a test in it, tear it down.
-
-A :class:`RankSet` is ``world_size`` processes that initialised one default process group
-(FileStore rendezvous in the set's private directory) and then run tests on request.
-``process`` mode keeps a set across tests; ``process-fresh`` makes one per test.
+"""The rank set: ``world_size`` rank processes that joined one default process group
+(FileStore rendezvous in the set's private directory), seen from the controller: spawn them,
+run a test in them (outcomes, output, hang and mismatch reports), tear them down.
+``process`` mode reuses a set across tests; ``process-fresh`` makes one per test.
 """
 
 from __future__ import annotations
@@ -18,8 +17,9 @@ import tempfile
 import time
 from multiprocessing.connection import Connection, wait
 
-from fsdp_conformance.world import collectives, rank_main
-from fsdp_conformance.world.protocol import (
+from fsdp_conformance.world import collectives
+from fsdp_conformance.world import rank as rank_process
+from fsdp_conformance.world.wire import (
     ABORTED,
     DIED,
     FAILED,
@@ -52,7 +52,7 @@ STARTUP_TIMEOUT_S = 120.0
 # Seconds between looks at the ranks' collective records while a test runs.
 POLL_S = 0.5
 
-_RANK_COMMAND = "from fsdp_conformance.world.rank_main import main; main()"
+_RANK_COMMAND = "from fsdp_conformance.world.rank import main; main()"
 
 
 class RankSetError(RuntimeError):
@@ -74,14 +74,12 @@ def describe_exit(returncode: int | None) -> str:
 
 @dataclasses.dataclass
 class RunReport:
-    """Everything the parent learnt from one test in a rank set."""
+    """Everything the controller learnt from one test in a rank set."""
 
     # one outcome per rank
     outcomes: dict[int, RankOutcome]
     # what each rank printed during the test (stdout and stderr), minus stack dumps
     logs: dict[int, str]
-    # False when the set must not run another test (a rank died, hung, failed or could not reset)
-    reusable: bool
     # what the harness did about state the test left behind, one line each
     notes: list[str] = dataclasses.field(default_factory=list)
     # the last collective each rank entered during the test
@@ -100,13 +98,12 @@ class RankSet:
         mode: str,
         gpu_ids: tuple[int, ...] = (),
     ) -> None:
-        # - Shape
         self.world_size = world_size
         self.backend = backend
         self.gpu_ids = gpu_ids
         self.mode = mode
         self.timeout = timeout
-        # - Files: the FileStore and one output log per rank, removed by kill()
+        # the FileStore, one output log and one collective slot per rank; removed by kill()
         self.dir = tempfile.mkdtemp(prefix=f"ranks-ws{world_size}-", dir=parent_dir)
         self.log_paths = [os.path.join(self.dir, f"rank{r}.log") for r in range(world_size)]
         self.slot_paths = [os.path.join(self.dir, f"rank{r}.coll") for r in range(world_size)]
@@ -114,24 +111,18 @@ class RankSet:
         self.group_generation = 0
         # read position in each log: output before it was already reported
         self.log_offsets = [0] * world_size
-        # - Processes and their connections, index = rank
         self.procs: list[subprocess.Popen] = []
         self.conns: list[Connection] = []
         # output read while taking stack dumps, not yet handed to a RunReport
         self.unreported_output = [""] * world_size
-        # number of tests run, for reuse statistics
-        self.tests_run = 0
         self.closed = False
 
     # -------------------------------------------------------------------------
     # Lifecycle
 
     def start(self) -> None:
-        """Spawn the ranks and wait until all joined the process group.
-
-        Raises:
-            RankSetError: a rank failed to start; the set is killed.
-        """
+        """Spawn the ranks and wait until all joined the process group (else
+        :class:`RankSetError`; the set is killed)."""
         try:
             self._spawn()
             self._await_ready(time.monotonic() + max(self.timeout, STARTUP_TIMEOUT_S))
@@ -147,15 +138,15 @@ class RankSet:
             env = dict(os.environ)
             env.update(
                 {
-                    rank_main.ENV_FD: str(child_sock.fileno()),
-                    rank_main.ENV_RANK: str(rank),
-                    rank_main.ENV_WORLD_SIZE: str(self.world_size),
-                    rank_main.ENV_STORE: store,
-                    rank_main.ENV_BACKEND: self.backend,
-                    rank_main.ENV_GPU_IDS: ",".join(map(str, self.gpu_ids)),
-                    rank_main.ENV_TIMEOUT: str(max(self.timeout, STARTUP_TIMEOUT_S)),
-                    rank_main.ENV_MODE: self.mode,
-                    rank_main.ENV_COLLECTIVE_SLOT: self.slot_paths[rank],
+                    rank_process.ENV_FD: str(child_sock.fileno()),
+                    rank_process.ENV_RANK: str(rank),
+                    rank_process.ENV_WORLD_SIZE: str(self.world_size),
+                    rank_process.ENV_STORE: store,
+                    rank_process.ENV_BACKEND: self.backend,
+                    rank_process.ENV_GPU_IDS: ",".join(map(str, self.gpu_ids)),
+                    rank_process.ENV_TIMEOUT: str(max(self.timeout, STARTUP_TIMEOUT_S)),
+                    rank_process.ENV_MODE: self.mode,
+                    rank_process.ENV_COLLECTIVE_SLOT: self.slot_paths[rank],
                     "PYTHONUNBUFFERED": "1",
                 }
             )
@@ -262,7 +253,6 @@ class RankSet:
         one (rank 0 ``all_reduce``, rank 1 ``all_gather``), or inside a collective that the
         ranks which already finished never entered, are reported then, naming the operations.
         """
-        self.tests_run += 1
         run = _TestRun(self, timeout)
         try:
             for conn in self.conns:
@@ -287,7 +277,6 @@ class RankSet:
         return RunReport(
             outcomes=run.outcomes,
             logs=logs,
-            reusable=run.reusable,
             notes=run.notes,
             collectives=run.records(),
         )
@@ -373,7 +362,7 @@ class RankSet:
 
 
 class _TestRun:
-    """The parent's bookkeeping while one test runs in a rank set."""
+    """The controller's bookkeeping while one test runs in a rank set."""
 
     def __init__(self, rank_set: RankSet, timeout: float) -> None:
         self.rank_set = rank_set
@@ -437,7 +426,7 @@ class _TestRun:
                     outcome,
                     status=ABORTED,
                     message=f"failed in {records[rank].where()} after rank {cause.rank} "
-                    f"{_STOPPED.get(cause.status, cause.status)}: {outcome.message}",
+                    f"{cause.status}: {outcome.message}",
                 )
 
     def _wait_for_outcomes(self) -> None:
@@ -529,8 +518,7 @@ class _TestRun:
                 first = self.first_trouble
                 why = (
                     f"was still running {PEER_GRACE_S:g} s after rank {first.rank} "
-                    f"{_STOPPED.get(first.status, first.status)}"
-                    + (f" (waiting {where})" if where.startswith("in ") else "")
+                    f"{first.status}" + (f" (waiting {where})" if where.startswith("in ") else "")
                 )
             elif loading:
                 why = (
@@ -547,10 +535,6 @@ class _TestRun:
                     )
             self.outcomes[rank] = RankOutcome(rank, HUNG, message=why, traceback=dumps[rank])
         self.reusable = False
-
-
-# How a rank's status reads after "rank N ..." in a waiting rank's report.
-_STOPPED = {FAILED: "failed", DIED: "died", SKIPPED: "skipped", HUNG: "hung"}
 
 
 def _drop_watchdog_thread(dump: str) -> str:

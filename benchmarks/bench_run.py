@@ -1,0 +1,89 @@
+"""Wall time of ``fsdp-conformance run --impl impl`` beside the pytest collection of the same suite.
+
+Each round runs, in fresh processes and in a private temporary directory:
+
+- ``pytest --collect-only`` of the suite with the options ``run`` passes (what every run pays
+  before its first cell);
+- ``fsdp-conformance run --impl impl --json ...`` (the default: pairwise coverage, 2 xdist
+  workers), whose JSON gives the cells and the seconds each took.
+
+It prints one Markdown row per round and the median, and the cells that took longest in the
+last round (where the time goes). The machine's load average is printed too: on a shared host
+compare runs made in the same conditions.
+
+    python benchmarks/bench_run.py              # 3 rounds
+    python benchmarks/bench_run.py --rounds 1 -k parity
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def _timed(command: list[str], cwd: str) -> float:
+    started = time.monotonic()
+    done = subprocess.run(command, cwd=cwd, capture_output=True, text=True, check=False)
+    if done.returncode not in (0, 1):
+        raise SystemExit(f"{' '.join(command)} exited {done.returncode}:\n{done.stderr[-2000:]}")
+    return time.monotonic() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3, help="rounds (default 3)")
+    parser.add_argument("--impl", default="impl", help="the --impl to run (default impl)")
+    parser.add_argument("-k", default=None, help="only checks matching this -k expression")
+    parser.add_argument("--slowest", type=int, default=10, help="slowest cells to list")
+    args = parser.parse_args()
+
+    from fsdp_conformance.cli import records
+
+    selection = ["-k", args.k] if args.k else []
+    collect = records.suite_command(
+        args.impl, "--fsdp-coverage=pairwise", "--collect-only", "-p", "no:xdist", *selection
+    )
+    rows = []
+    cells: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="bench-run-") as directory:
+        matrix = os.path.join(directory, "matrix.json")
+        run = [sys.executable, "-m", "fsdp_conformance.cli", "run", "--impl", args.impl]
+        run += ["--json", matrix, *selection]
+        for round_number in range(1, args.rounds + 1):
+            collect_s = _timed(collect, directory)
+            run_s = _timed(run, directory)
+            with open(matrix, encoding="utf-8") as stream:
+                cells = json.load(stream)["cells"]
+            rows.append((collect_s, run_s, len(cells), sum(c["duration"] for c in cells)))
+            print(f"round {round_number}: run {run_s:.1f} s", file=sys.stderr)
+
+    import torch
+
+    print(
+        f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
+        f"{os.cpu_count()} CPUs, Python {platform.python_version()}, torch {torch.__version__}, "
+        f"--impl {args.impl}" + (f", -k {args.k!r}" if args.k else "")
+    )
+    print("| round | collection s | run s | cells | sum of cell s |")
+    print("|---:|---:|---:|---:|---:|")
+    for number, (collect_s, run_s, count, cell_s) in enumerate(rows, 1):
+        print(f"| {number} | {collect_s:.1f} | {run_s:.1f} | {count} | {cell_s:.1f} |")
+    median = [statistics.median(row[i] for row in rows) for i in range(4)]
+    print(f"| median | {median[0]:.1f} | {median[1]:.1f} | {median[2]:.0f} | {median[3]:.1f} |")
+    print("\nslowest cells of the last round (setup + call + teardown, s):")
+    for cell in sorted(cells, key=lambda c: -c["duration"])[: args.slowest]:
+        print(f"  {cell['duration']:6.1f}  {cell['check']}[{cell['configuration']}]")
+    load = os.getloadavg()
+    print(f"load average after the run: {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""pytest plugin the CLI loads with ``-p``: one JSON line per finished test, for the matrix.
+
+``fsdp-conformance run`` starts pytest with ``-p fsdp_conformance.cli.records`` and the
+environment variable ``FSDP_CONFORMANCE_CLI_RESULTS`` naming a file; this plugin appends to it
+
+    {"event": "collected", "count": 165}
+    {"event": "test", "nodeid": ..., "outcome": "pass", "detail": "", "duration": 1.2,
+     "check_id": "parity.ddp", "verdict": "pass", "reason": ""}
+    {"event": "collect_error", "nodeid": ..., "detail": "ImportError: ..."}
+    {"event": "usage_error", "detail": "..."}
+
+as results arrive, so the CLI can show progress while pytest runs and build the matrix when it
+ends. Only the controlling pytest process writes (under pytest-xdist the workers' reports reach
+the controller through ``pytest_runtest_logreport``). Without the variable the plugin is inert.
+
+Every field comes from the cell's ``checks.Result`` (the report properties ``PROPERTY_*`` the
+suite's plugin puts on each report of a registered check; a test that is no registered check
+gets the one its report's outcome implies, with ``check_id`` ""): ``outcome`` is ``pass``,
+``fail``, ``xfail`` or ``skip``; ``detail`` is the failure, the reason of a skip, or the failure
+and reason of a deviation. No message text is parsed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+import pytest
+
+from fsdp_conformance import checks, vocab
+
+ENV_RESULTS = vocab.ENV_CLI_RESULTS
+# Plugins blocked in the CLI's own pytest runs: they would leave files in the user's cwd
+NO_LITTER = ("-p", "no:cacheprovider", "-p", "no:benchmark")
+# Plugins the suite does not use that cost start-up time (hypothesis' plugin imports hypothesis
+# at the end of every session; the suite's fuzz check drives hypothesis itself, in its ranks)
+_UNUSED = ("-p", "no:hypothesispytest")
+
+
+def suite_command(impl: str, *pytest_args: str) -> list[str]:
+    """The command line of a pytest run of the installed suite on ``impl`` with this plugin
+    (no user ``addopts``, quiet, none of the plugins that write into the working directory:
+    pytest's cache, pytest-benchmark's ``.benchmarks``, nor hypothesis' plugin), followed by
+    ``pytest_args``."""
+    return [
+        sys.executable, "-m", "pytest", "--pyargs", "fsdp_conformance.suite",
+        "-p", "fsdp_conformance.cli.records", *NO_LITTER, *_UNUSED,
+        "-o", "addopts=", "-q", f"--fsdp-impl={impl}", *pytest_args,
+    ]  # fmt: skip
+
+
+def suite_environment(results: str) -> dict[str, str]:
+    """The environment of that run: this process's, as a fresh pytest session (not a worker of
+    an outer pytest-xdist run, e.g. the CLI's own tests), writing its records to ``results``."""
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if not key.startswith(("PYTEST_XDIST_", "PYTEST_CURRENT_TEST"))
+    }
+    env[ENV_RESULTS] = results
+    return env
+
+
+def detail(result: checks.Result, phase: str = "call") -> str:
+    """The matrix's text of a cell: its failure (naming a setup or teardown phase), skip reason,
+    or a deviation's failure and reason."""
+    if result.verdict == checks.FAIL and phase != "call":
+        return f"error in {phase}: {result.reason}"
+    if result.verdict == checks.DEVIATION and result.failure:
+        return f"{result.failure} -- known deviation ({result.check}): {result.reason}"
+    return result.reason
+
+
+class _Recorder:
+    """Registered as a plugin object: writes each test's record when its teardown reports."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path  # the JSON-lines file the CLI reads
+        self.pending: dict[str, dict[str, Any]] = {}  # nodeid -> record so far (until teardown)
+        self.collected_seen = False  # under xdist every worker announces its collection
+        self.decided: set[str] = set()  # node ids whose record a phase has set
+
+    def write(self, record: dict[str, Any]) -> None:
+        with open(self.path, "a", encoding="utf-8") as stream:
+            stream.write(json.dumps(record) + "\n")
+
+    def _collected(self, count: int) -> None:
+        if not self.collected_seen:
+            self.collected_seen = True
+            self.write({"event": "collected", "count": count})
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_cmdline_main(self, config: pytest.Config) -> Any:
+        try:
+            return (yield)
+        except pytest.UsageError as error:
+            self.write({"event": "usage_error", "detail": " ".join(str(error).split())})
+            raise
+
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        if not session.config.pluginmanager.has_plugin("dsession"):  # xdist reports below
+            self._collected(len(session.items))
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_xdist_node_collection_finished(self, node: Any, ids: list[str]) -> None:
+        self._collected(len(ids))
+
+    def pytest_collectreport(self, report: pytest.CollectReport) -> None:
+        if report.failed:
+            line = checks.report_line(report) or "failed (no message)"
+            self.write({"event": "collect_error", "nodeid": report.nodeid, "detail": line})
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        record = self.pending.setdefault(
+            report.nodeid,
+            {"event": "test", "nodeid": report.nodeid, "outcome": "pass", "detail": "",
+             "duration": 0.0},
+        )  # fmt: skip
+        record["duration"] += getattr(report, "duration", 0.0) or 0.0
+        if report.when == "call" or not report.passed:  # a phase that says something
+            result = checks.Result.from_properties(report.user_properties)
+            if result is None:  # no registered check: the outcome decides
+                result = checks.Result.of_report("", report)
+            # the first phase that says decides; a later one only by failing
+            decided = record["nodeid"] in self.decided
+            if not decided or (result.verdict == checks.FAIL and record["outcome"] != "fail"):
+                self.decided.add(record["nodeid"])
+                record.update(
+                    outcome=result.outcome, detail=detail(result, report.when),
+                    check_id=result.check, verdict=result.verdict, reason=result.reason,
+                )  # fmt: skip
+        if report.when == "teardown":
+            self.decided.discard(report.nodeid)
+            self.write(self.pending.pop(report.nodeid))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    path = os.environ.get(ENV_RESULTS)
+    if path and not hasattr(config, "workerinput"):  # the controller (or the only process)
+        config.pluginmanager.register(_Recorder(path), "fsdp-conformance-cli-recorder")

@@ -1,0 +1,80 @@
+"""``check``: declare a suite test as a check where it is written, and run it as one cell.
+
+::
+
+    @check("parity.ddp", "training matches DDP (losses and full parameters)",
+           case="configs.ParityCase", case_of="parity_case")
+    def test_matches_ddp(self, fsdp_adapter, dist, parity_case):
+        ...  # wrap, train, assert
+
+records the check in ``fsdp_conformance.checks.CHECKS`` (its test: ``BaseClass.test_method``)
+and runs the body inside ``verdict.cell(fsdp_adapter, "parity.ddp", parity_case)``, which
+decides the cell's verdict. A check with several tests names only its id on the others.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from fsdp_conformance import checks
+
+from . import verdict
+
+
+def check(
+    check_id: str,
+    description: str = "",
+    *,
+    features: Iterable[str] = (),
+    strict: bool = True,
+    case: str = "",
+    case_of: str | Callable[..., Any] | None = None,
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Declare the decorated test as (a test of) check `check_id`; its body runs as one cell.
+
+    Args:
+        check_id, description, features, strict, case: the ``checks.Check`` fields (given on
+            the check's first test only).
+        case_of: the case handed to ``Deviation.applies``: the name of the test's argument
+            that is the case, or a function whose parameters name test arguments (``self``
+            included) and which returns it; None: no case.
+    """
+
+    def decorate(function: Callable[..., Any]) -> Callable[..., Any]:
+        signature = inspect.signature(function)
+        case_from = _case_getter(case_of, signature, function.__qualname__)
+
+        @functools.wraps(function)
+        def run_cell(*args: Any, **kwargs: Any) -> Any:
+            arguments = signature.bind(*args, **kwargs).arguments
+            with verdict.cell(arguments["fsdp_adapter"], check_id, case_from(arguments)):
+                return function(*args, **kwargs)
+
+        if "fsdp_adapter" not in signature.parameters:
+            raise TypeError(
+                f"{function.__qualname__}: a check's test takes the fsdp_adapter fixture; add "
+                "it to the test's parameters"
+            )
+        checks.declare(run_cell, check_id, description, features=features, strict=strict, case=case)
+        return run_cell
+
+    return decorate
+
+
+def _case_getter(
+    case_of: str | Callable[..., Any] | None, signature: inspect.Signature, test: str
+) -> Callable[[dict[str, Any]], Any]:
+    if case_of is None:
+        return lambda arguments: None
+    names = [case_of] if isinstance(case_of, str) else list(inspect.signature(case_of).parameters)
+    unknown = [name for name in names if name not in signature.parameters]
+    if unknown:
+        raise TypeError(
+            f"{test}: case_of names {unknown}, which the test does not take; name its arguments"
+        )
+    if isinstance(case_of, str):
+        return lambda arguments: arguments[case_of]
+    return lambda arguments: case_of(**{name: arguments[name] for name in names})

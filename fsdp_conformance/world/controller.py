@@ -1,0 +1,520 @@
+"""The controller: the pytest side of the harness. It checks the options, chooses how a test's
+ranks run (backend, GPUs), hands the test to a rank backend and combines the ranks' outcomes
+into one verdict.
+
+One rank backend per way of running ranks, all with one interface (``run(request, task)`` ->
+:class:`RunResult`, ``close()``): :class:`_ProcessRanks` (reused or fresh rank sets,
+``world/rankset.py``), ``world/threads.py`` and the torchrun job (``world/launcher.py``). One
+:class:`Runtime` per pytest process (the plugin keeps it; each pytest-xdist worker has its
+own); :func:`get_runtime` gives ``RankTestCase`` the active one, or a default one outside pytest.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import os
+import pickle
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from fsdp_conformance import vocab
+from fsdp_conformance.world import collectives, gpus, rank
+from fsdp_conformance.world.rankset import RankSet, RankSetError
+from fsdp_conformance.world.wire import (
+    ABORTED,
+    DIED,
+    FAILED,
+    HUNG,
+    PASSED,
+    SKIPPED,
+    XFAILED,
+    RankMonkeyPatch,
+    RankOutcome,
+    RankTask,
+    TestTarget,
+)
+
+MODES = vocab.MODES
+ENV_BACKEND = vocab.ENV_BACKEND
+ENV_MODE = vocab.ENV_MODE
+ENV_TIMEOUT = vocab.ENV_TIMEOUT
+# At most this many pooled rank processes stay alive (least recently used sets go first).
+MAX_POOLED_RANKS = 8
+# Backends --fsdp-backend / FSDP_CONFORMANCE_BACKEND accept.
+BACKENDS = ("gloo", "nccl", "ucc", "mpi", "xccl")
+DEFAULT_TIMEOUT_S = vocab.DEFAULT_TIMEOUT_S
+
+
+class OptionError(ValueError):
+    """An option or environment variable of the harness has a value it cannot use."""
+
+
+def parse_timeout(value: object, source: str) -> float:
+    """``value`` as a timeout in seconds (a finite number > 0), else :class:`OptionError`
+    naming ``source`` (the option or variable), the value and what is accepted."""
+    try:
+        seconds = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        seconds = float("nan")
+    if not seconds > 0 or seconds == float("inf"):
+        raise OptionError(
+            f"{source}={value!r}: the timeout must be a number of seconds > 0 (e.g. 120)"
+        )
+    return seconds
+
+
+def parse_mode(value: str, source: str) -> str:
+    """``value`` if it names a mode, else :class:`OptionError` naming ``source``."""
+    if value not in MODES:
+        raise OptionError(f"{source}={value!r}: use one of {', '.join(MODES)}")
+    return value
+
+
+def parse_backend(value: str | None, source: str) -> str | None:
+    """``value`` if it names a backend (None / "": choose automatically), else
+    :class:`OptionError` naming ``source``."""
+    if not value:
+        return None
+    if value not in BACKENDS:
+        raise OptionError(
+            f"{source}={value!r}: use one of {', '.join(BACKENDS)} (or leave it unset: gloo "
+            "on CPU, nccl when each rank gets its own GPU)"
+        )
+    return value
+
+
+def parse_world_size(value: object, source: str) -> int:
+    """``value`` as a world size >= 1, else :class:`OptionError` naming ``source``."""
+    try:
+        size = int(value)  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        size = 0
+    if size < 1 or str(size) != str(value).strip():
+        raise OptionError(f"{source}={value!r}: the world size must be a whole number >= 1")
+    return size
+
+
+class FixtureNotPicklable(TypeError):
+    """A fixture value cannot be sent to rank processes."""
+
+
+@dataclasses.dataclass
+class RuntimeOptions:
+    """Session-wide settings (pytest options, or environment variables outside pytest)."""
+
+    # default mode: "process", "process-fresh" or "thread"
+    mode: str = vocab.DEFAULT_MODE
+    # seconds a test may run in its ranks before it is failed with stack dumps
+    timeout: float = DEFAULT_TIMEOUT_S
+    # world size for tests that do not say
+    world_size: int = 2
+    # --fsdp-impl: FSDP implementation under test, passed to the ranks as dist.impl
+    impl: str = "impl"
+    # backend override ("gloo", "nccl"); None: gloo on CPU, nccl when each rank gets a GPU
+    backend: str | None = None
+    # module-level functions every rank calls after each test (rank.add_after_test; the
+    # plugin passes the adapters' on_test_end)
+    after_test: tuple[Callable[[], None], ...] = ()
+
+    @classmethod
+    def from_env(cls) -> RuntimeOptions:
+        """Options from ``FSDP_CONFORMANCE_MODE`` / ``_TIMEOUT`` / ``_BACKEND``
+        (:class:`OptionError` names a variable whose value cannot be used)."""
+        return cls(
+            mode=parse_mode(os.environ.get(ENV_MODE) or vocab.DEFAULT_MODE, ENV_MODE),
+            timeout=parse_timeout(os.environ.get(ENV_TIMEOUT) or DEFAULT_TIMEOUT_S, ENV_TIMEOUT),
+            backend=parse_backend(os.environ.get(ENV_BACKEND), ENV_BACKEND),
+        )
+
+
+@dataclasses.dataclass
+class TestRequest:
+    """One test to run in ranks."""
+
+    # where rank processes find the test callable
+    target: TestTarget
+    # fixture values other than `dist` (pickled for rank processes)
+    kwargs: dict[str, Any]
+    # pytest node id (or unittest id)
+    test_id: str
+    world_size: int
+    mode: str
+    timeout: float
+    # GPUs the test needs (0: none required; it may still get nccl + GPUs when available)
+    gpus: int = 0
+    # the test callable in this process (thread and torchrun ranks call it in place; a
+    # unittest body takes no arguments); None: resolved from `target`
+    function: Callable[..., Any] | None = None
+    # whether the test function takes `dist` itself (else only through a fixture)
+    wants_dist: bool = True
+
+
+@dataclasses.dataclass
+class Verdict:
+    """The test's result as pytest / unittest should report it."""
+
+    # PASSED, FAILED, SKIPPED or XFAILED
+    status: str
+    # failure report, skip / xfail reason; "" when passed
+    message: str = ""
+    # report properties recorded in the ranks: the lowest rank's that recorded any
+    properties: list[tuple[str, Any]] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class RunResult:
+    """A verdict plus what the ranks printed."""
+
+    verdict: Verdict
+    # rank -> output printed during the test (rank processes only)
+    logs: dict[int, str] = dataclasses.field(default_factory=dict)
+    # what the harness did about state the test left behind (for the test's report section)
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    def output(self) -> str:
+        """The ranks' output, one section per rank that printed something."""
+        return "".join(
+            f"----- rank {rank} output -----\n{text}{'' if text.endswith(chr(10)) else chr(10)}"
+            for rank, text in sorted(self.logs.items())
+            if text
+        )
+
+
+def _result(status: str, message: str) -> RunResult:
+    return RunResult(Verdict(status, message))
+
+
+# Order in which problems are reported: the cause first, its consequences after.
+_SEVERITY = {DIED: 0, FAILED: 1, HUNG: 2, ABORTED: 3}
+
+
+def summarize(outcomes: dict[int, RankOutcome], world_size: int, mismatch: str = "") -> Verdict:
+    """Combine per-rank outcomes: any failure fails, then xfail, then skip, else pass.
+
+    A failure names every rank's outcome (failed, died, hung, aborted, skipped with its
+    reason, passed) and shows each distinct traceback once; ``mismatch`` (ranks inside
+    different collectives entered as the same one) leads the report when given.
+    """
+    for rank_id in range(world_size):  # a rank that reported nothing is a harness bug
+        outcomes.setdefault(rank_id, RankOutcome(rank_id, HUNG, message="reported no result"))
+    ordered = sorted(outcomes.values(), key=lambda o: o.rank)
+    recorded = next((o.properties for o in ordered if o.properties), [])
+    problems = sorted(
+        (o for o in ordered if o.status in _SEVERITY), key=lambda o: _SEVERITY[o.status]
+    )
+    if not problems:
+        for status in (XFAILED, SKIPPED):
+            first = next((o for o in ordered if o.status == status), None)
+            if first is not None:
+                return Verdict(status, first.message, list(recorded))
+        return Verdict(PASSED, "", list(recorded))
+    lines = [mismatch] if mismatch else []
+    for o in problems:
+        what = o.message.removeprefix(f"rank {o.rank} ") if o.status == DIED else o.message
+        lines.append(f"rank {o.rank} of {world_size} {o.status}: {what}")
+    lines += [
+        f"rank {o.rank} of {world_size} {o.status}: {o.message}"
+        for o in ordered
+        if o.status in (SKIPPED, XFAILED)
+    ]
+    passed = [str(o.rank) for o in ordered if o.status == PASSED]
+    if passed:
+        lines.append(f"ranks that passed: {', '.join(passed)}")
+    shown: dict[str, int] = {}  # traceback text -> first rank that showed it
+    for o in problems:
+        details = o.traceback.rstrip()
+        if details in shown:
+            lines.append(f"\n===== rank {o.rank}: same traceback as rank {shown[details]} =====")
+        elif details:
+            shown[details] = o.rank
+            title = "stack dump" if o.status == HUNG else "traceback"
+            lines.append(f"\n===== rank {o.rank} {title} =====\n{details}")
+    return Verdict(FAILED, "\n".join(lines), list(recorded))
+
+
+def pickle_kwargs(kwargs: dict[str, Any]) -> bytes:
+    """Pickle fixture values for rank processes (``monkeypatch`` becomes a rank-side one),
+    or :class:`FixtureNotPicklable` naming the fixture that cannot be sent and the fixes."""
+    monkeypatch = sys.modules.get("_pytest.monkeypatch")
+    if monkeypatch is not None:
+        kwargs = {
+            name: RankMonkeyPatch() if isinstance(value, monkeypatch.MonkeyPatch) else value
+            for name, value in kwargs.items()
+        }
+    try:
+        return pickle.dumps(kwargs)
+    except Exception:  # noqa: BLE001, S110  find out which value it was, below
+        pass
+    for name, value in kwargs.items():
+        try:
+            pickle.dumps(value)
+        except Exception as exc:  # noqa: BLE001
+            raise FixtureNotPicklable(
+                f"fixture {name!r} (a {type(value).__module__}.{type(value).__qualname__}) "
+                f"cannot be sent to the rank processes: {type(exc).__name__}: {exc}. "
+                "Fixture values of tests that use `dist` must be picklable in process modes; "
+                "build the object in the test body, return "
+                "fsdp_conformance.world.InRank(factory, ...) from the fixture to build it in "
+                "each rank, or mark the test @pytest.mark.fsdp_mode('thread')."
+            ) from None
+    raise FixtureNotPicklable("the fixture values cannot be pickled together")  # pragma: no cover
+
+
+class RankBackend(Protocol):
+    """One way of running a test's ranks."""
+
+    def run(self, request: TestRequest, task: RankTask) -> RunResult:
+        """Run ``task`` (``request``'s test) in ``request.world_size`` ranks."""
+
+    def close(self) -> None:
+        """Stop everything the backend started."""
+
+
+class _ProcessRanks:
+    """``process`` and ``process-fresh`` modes: rank sets chosen by shape, kept for reuse."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        # process mode: (world_size, backend, gpu_ids) -> live rank set, least recently used first
+        self.pool: dict[tuple[int, str, tuple[int, ...]], RankSet] = {}
+        # rank sets starting or running a test (out of the pool): `close` from another thread
+        # (an interrupted CLI) kills them
+        self.busy: set[RankSet] = set()
+
+    def close(self) -> None:
+        for rank_set in list(self.busy):
+            rank_set.kill()
+        for rank_set in self.pool.values():
+            rank_set.close()
+        self.pool.clear()
+
+    def run(self, request: TestRequest, task: RankTask) -> RunResult:
+        options, size = self.runtime.options, request.world_size
+        total = self.runtime.gpu_total() if (request.gpus or options.backend != "gloo") else 0
+        # each rank gets its own GPU when the test needs GPUs, or (real GPUs only) when the
+        # machine has one per rank and the backend is not forced to gloo
+        fake = gpus.fake_gpu_count() is not None
+        want_gpus = request.gpus > 0 or (
+            not fake and options.backend in (None, "nccl") and total >= size
+        )
+        if want_gpus and size > total:
+            return _result(SKIPPED, f"needs {size} GPUs (one per rank), {total} available")
+        if options.backend == "nccl" and not want_gpus:
+            return _result(
+                SKIPPED,
+                f"backend nccl needs one GPU per rank: {size} needed, {total} available",
+            )
+        backend = options.backend or ("nccl" if want_gpus and not fake else "gloo")
+        task = dataclasses.replace(
+            task,
+            kwargs_blob=pickle_kwargs(request.kwargs),
+            sys_path=list(sys.path),
+            cwd=os.getcwd(),
+            environ=dict(os.environ),
+        )
+        lease = None
+        if want_gpus:
+            prefer = next((key[2] for key in self.pool if key[:2] == (size, backend)), ())
+            try:
+                lease = gpus.acquire_gpus(size, total, request.timeout, prefer)
+            except TimeoutError as exc:
+                return _result(FAILED, str(exc))
+        try:
+            return self._run(request, pickle.dumps(task), backend, lease.ids if lease else ())
+        finally:
+            if lease is not None:
+                lease.release()
+
+    def _run(
+        self, request: TestRequest, blob: bytes, backend: str, gpu_ids: tuple[int, ...]
+    ) -> RunResult:
+        size, fresh = request.world_size, request.mode == "process-fresh"
+        key = (size, backend, gpu_ids)
+        rank_set = None if fresh else self.pool.pop(key, None)
+        if rank_set is not None and not rank_set.healthy():
+            rank_set.kill()
+            rank_set = None
+        if rank_set is None:
+            while (
+                not fresh
+                and self.pool
+                and (sum(s.world_size for s in self.pool.values()) + size > MAX_POOLED_RANKS)
+            ):
+                self.pool.pop(next(iter(self.pool))).close()  # least recently used first
+            rank_set = RankSet(
+                size, backend, self.runtime.root, request.timeout, request.mode, gpu_ids
+            )
+            self.busy.add(rank_set)
+            try:
+                rank_set.start()
+            except RankSetError as exc:
+                self.busy.discard(rank_set)
+                return _result(FAILED, f"could not start {size} ranks: {exc}")
+        self.busy.add(rank_set)
+        try:
+            report = rank_set.run(blob, request.timeout)
+        finally:
+            self.busy.discard(rank_set)
+            if fresh or rank_set.closed:
+                rank_set.close()
+            else:
+                self.pool[key] = rank_set  # most recently used last
+        mismatch = collectives.mismatch(report.collectives)
+        return RunResult(summarize(report.outcomes, size, mismatch), report.logs, report.notes)
+
+
+class Runtime:
+    """Runs tests in ranks; owns the rank backends and the session's temp directory.
+
+    Args:
+        options: the session's settings.
+        launcher: this process's place in a torchrun job (``launcher.LauncherEnv``): every
+            test then runs in place in the job's processes.
+    """
+
+    def __init__(self, options: RuntimeOptions, launcher: Any = None) -> None:
+        self.options = options
+        rank.add_after_test(options.after_test)  # ranks that run in this process
+        # private directory for rank sets, FileStores and per-test tmp dirs; removed by close()
+        self._root: str | None = None
+        self._gpu_total: int | None = None
+        self._tests = 0
+        self._processes = _ProcessRanks(self)
+        self._threads: RankBackend | None = None
+        # the torchrun job's backend (launcher.TorchrunRanks), None when ranks are spawned
+        self.launcher: Any = None
+        if launcher is not None:
+            from fsdp_conformance.world.launcher import TorchrunRanks
+
+            self.launcher = TorchrunRanks(options, launcher)
+        atexit.register(self.close)
+
+    @property
+    def root(self) -> str:
+        if self._root is None or not os.path.isdir(self._root):
+            self._root = tempfile.mkdtemp(prefix="fsdp-conformance-")
+        return self._root
+
+    def gpu_total(self) -> int:
+        if self._gpu_total is None:
+            self._gpu_total = gpus.gpu_count()
+        return self._gpu_total
+
+    def close(self) -> None:
+        """Stop every rank and remove all temp files."""
+        self._processes.close()
+        if self.launcher is not None:
+            self.launcher.close()
+        if self._root is not None:
+            shutil.rmtree(self._root, ignore_errors=True)
+            self._root = None
+
+    def run(self, request: TestRequest) -> RunResult:
+        """Run one test in its ranks and return the combined verdict."""
+        task = RankTask(
+            target=request.target,
+            test_id=request.test_id,
+            tmp_path="",
+            impl=self.options.impl,
+            timeout=request.timeout,
+            wants_dist=request.wants_dist,
+            after_test=tuple(self.options.after_test),
+        )
+        if self.launcher is not None:
+            return self.launcher.run(request, task)
+        if request.mode not in MODES:
+            return _result(
+                FAILED, f"unknown fsdp mode {request.mode!r}; use one of {', '.join(MODES)}"
+            )
+        if request.world_size < 1:
+            return _result(FAILED, f"world_size must be >= 1, got {request.world_size}")
+        if not request.timeout > 0:
+            return _result(FAILED, f"the timeout must be > 0 seconds, got {request.timeout!r}")
+        total = self.gpu_total() if (request.gpus or self.options.backend != "gloo") else 0
+        if request.gpus > total:
+            where = " (CPU-only host)" if total == 0 else ""
+            return _result(SKIPPED, f"needs {request.gpus} GPUs, {total} available{where}")
+        backend: RankBackend = self._processes
+        if request.mode == "thread":
+            if request.gpus:
+                return _result(SKIPPED, "thread mode runs ranks on CPU; this test needs GPUs")
+            if self._threads is None:
+                from fsdp_conformance.world.threads import ThreadRanks
+
+                self._threads = ThreadRanks()
+            backend = self._threads
+        self._tests += 1
+        tmp_path = tempfile.mkdtemp(prefix=f"test{self._tests}-", dir=self.root)
+        try:
+            return backend.run(request, dataclasses.replace(task, tmp_path=tmp_path))
+        finally:
+            shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+# The runtime of the running pytest session (set by the plugin), else a default one.
+_active: Runtime | None = None
+# whether _active belongs to a pytest session
+_active_is_pytest = False
+
+
+def set_active_runtime(runtime: Runtime | None, *, pytest_session: bool = False) -> None:
+    """Make ``runtime`` the one :func:`get_runtime` returns (the plugin sets its own)."""
+    global _active, _active_is_pytest
+    _active = runtime
+    _active_is_pytest = pytest_session and runtime is not None
+
+
+def active_runtime() -> tuple[Runtime | None, bool]:
+    """The runtime :func:`set_active_runtime` set (None: none yet) and whether it is a pytest
+    session's, without creating one."""
+    return _active, _active_is_pytest
+
+
+def under_pytest() -> bool:
+    """Whether the active runtime is a pytest session's (failures then use pytest.fail)."""
+    return _active_is_pytest
+
+
+def get_runtime() -> Runtime:
+    """The pytest session's runtime, or one configured from the environment
+    (``FSDP_CONFORMANCE_MODE``, ``FSDP_CONFORMANCE_TIMEOUT``, ``FSDP_CONFORMANCE_BACKEND``)."""
+    global _active
+    if _active is None:
+        _active = Runtime(RuntimeOptions.from_env())
+    return _active
+
+
+def run_function(
+    module: str,
+    function: str,
+    kwargs: dict[str, Any],
+    *,
+    world_size: int,
+    timeout: float,
+    impl: str,
+    test_id: str,
+    backend: str | None = "gloo",
+) -> RunResult:
+    """Call ``module.function(dist=..., **kwargs)`` once in ``world_size`` rank processes of a
+    runtime of its own (outside pytest: the CLI's commands), closed afterwards."""
+    runtime = Runtime(
+        RuntimeOptions(
+            mode="process", timeout=timeout, world_size=world_size, impl=impl, backend=backend
+        )
+    )
+    request = TestRequest(
+        target=TestTarget(module, None, (), function),
+        kwargs=kwargs,
+        test_id=test_id,
+        world_size=world_size,
+        mode="process",
+        timeout=timeout,
+    )
+    try:
+        return runtime.run(request)
+    finally:
+        runtime.close()

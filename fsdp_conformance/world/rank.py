@@ -1,0 +1,576 @@
+"""The rank: one test body run in one rank, the same in every mode, and the entry point of a
+rank process (``process`` and ``process-fresh`` modes).
+
+:func:`run_task` is the rank task of every mode: seed, build the fixture values, call the body,
+classify its end as a :class:`RankOutcome`; :func:`reset_after_test` undoes what the test left.
+A rank process (:func:`main`, started by ``world/rankset.py``) loops over :class:`RunTest`
+messages; thread ranks (``world/threads.py``) and torchrun ranks (``world/launcher.py``) call
+:func:`run_task` in place.
+
+[Note: leaving a rank]
+A rank process leaves with ``os._exit`` after flushing its output and sending its last
+message: ranks sometimes abort during interpreter-exit garbage collection after
+``destroy_process_group``, which would turn a passing test into a crash report.
+"""
+
+from __future__ import annotations
+
+import ast
+import datetime
+import faulthandler
+import importlib
+import importlib.util
+import inspect
+import os
+import pathlib
+import pickle
+import random
+import signal
+import sys
+import threading
+import time
+import traceback
+import types
+from collections.abc import Callable, Iterable
+from multiprocessing.connection import Connection
+from typing import Any
+
+from fsdp_conformance import vocab
+from fsdp_conformance.world import properties
+from fsdp_conformance.world.wire import (
+    FAILED,
+    PASSED,
+    SKIPPED,
+    XFAILED,
+    Exit,
+    Finished,
+    GroupReinitialized,
+    InRank,
+    RankMonkeyPatch,
+    RankOutcome,
+    RankTask,
+    Ready,
+    ReinitGroup,
+    RunTest,
+    Started,
+    StartupFailed,
+    TestTarget,
+    expect,
+)
+
+# Environment variables the controller sets for a rank process.
+ENV_FD = "FSDP_CONFORMANCE_CONN_FD"
+ENV_RANK = "FSDP_CONFORMANCE_RANK"
+ENV_WORLD_SIZE = "FSDP_CONFORMANCE_WORLD_SIZE"
+ENV_STORE = "FSDP_CONFORMANCE_STORE"
+ENV_BACKEND = "FSDP_CONFORMANCE_RANK_BACKEND"
+ENV_GPU_IDS = "FSDP_CONFORMANCE_RANK_GPUS"
+ENV_TIMEOUT = "FSDP_CONFORMANCE_RANK_TIMEOUT"
+ENV_MODE = "FSDP_CONFORMANCE_RANK_MODE"
+ENV_COLLECTIVE_SLOT = "FSDP_CONFORMANCE_COLLECTIVE_SLOT"
+# what a test's environment must not override in its rank process
+_KEPT_ENV = (ENV_RANK, ENV_WORLD_SIZE, ENV_BACKEND, ENV_GPU_IDS, ENV_MODE)
+# Seconds between checks that the controller is still alive (an orphaned rank exits).
+PARENT_POLL_S = 0.5
+
+
+# -----------------------------------------------------------------------------
+# Functions called after every test (the plugin passes the adapters' on_test_end)
+
+_after_test: list[Callable[[], None]] = []
+_after_test_lock = threading.Lock()
+
+
+def add_after_test(functions: Iterable[Callable[[], None]]) -> None:
+    """Register ``functions`` (each once) to run in this process after every test, before
+    the test's non-default process groups are destroyed. They must be importable (module
+    level): they travel to rank processes by reference."""
+    with _after_test_lock:
+        for function in functions:
+            if not callable(function):
+                raise TypeError(f"after_test hook {function!r} is not callable")
+            if function not in _after_test:
+                _after_test.append(function)
+
+
+def run_after_test() -> None:
+    """Call every registered function, in registration order."""
+    with _after_test_lock:
+        functions = list(_after_test)
+    for function in functions:
+        function()
+
+
+# -----------------------------------------------------------------------------
+# Importing the test (rank processes)
+
+
+def load_test_module(name: str, file: str | None) -> types.ModuleType:
+    """Import the test module ``name`` from ``file`` with pytest's assertion rewriting; reuse
+    it when already loaded from the same file (a module of that name from another file is
+    replaced)."""
+    if name == "__main__":  # a unittest script run as `python test_x.py`
+        name = "__mp_main__"
+    module = sys.modules.get(name)
+    if module is not None and _same_file(getattr(module, "__file__", None), file):
+        return module
+    if file is None:
+        return importlib.import_module(name)
+    parent = name.rpartition(".")[0]
+    if parent:
+        try:
+            importlib.import_module(parent)  # for relative imports in the test module
+        except ImportError:
+            pass  # pytest's importlib mode: synthetic package names
+    spec = importlib.util.spec_from_file_location(name, file)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load test module {name!r} from {file}")
+    module = importlib.util.module_from_spec(spec)
+    with open(file, "rb") as source_file:
+        source = source_file.read()
+    code = _compile_with_assert_rewriting(source, file)
+    sys.modules[name] = module
+    try:
+        exec(code, module.__dict__)  # noqa: S102  (what importing the module does)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    return module
+
+
+def _same_file(a: str | None, b: str | None) -> bool:
+    if a is None or b is None:
+        return a == b
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def _compile_with_assert_rewriting(source: bytes, file: str) -> types.CodeType:
+    tree = ast.parse(source, filename=file)
+    try:
+        from _pytest.assertion import rewrite, util
+
+        rewrite.rewrite_asserts(tree, source, file, None)
+        util._reprcompare = _reprcompare  # rich `==` explanations, as pytest shows them
+    except Exception:  # noqa: BLE001  pytest internals moved: plain asserts still work
+        tree = ast.parse(source, filename=file)
+    return compile(tree, file, "exec", dont_inherit=True)
+
+
+class _AssertConfig:
+    """The two things pytest's assertion explanations need from a Config."""
+
+    def get_verbosity(self, verbosity_type: str | None = None) -> int:
+        return 0
+
+    def get_terminal_writer(self) -> Any:
+        from _pytest._io import TerminalWriter
+
+        return TerminalWriter(file=open(os.devnull, "w"))
+
+
+def _no_highlighting(source: str, lexer: str = "python") -> str:
+    return source
+
+
+def _reprcompare(op: str, left: Any, right: Any) -> str | None:
+    """pytest's rich comparison explanation, or None (the plain assertion message).
+
+    ``_pytest.assertion.util.assertrepr_compare`` is private and has two shapes in the
+    supported pytest range: ``(config, op, left, right, use_ascii=False)`` returning a list
+    (pytest 8 to 9.1) and ``(op, left, right, *, verbose, highlighter,
+    assertion_text_diff_style, ...)`` returning an iterator (9.2+). Every parameter is passed by
+    name with a terminal-less run's values; an unknown required parameter drops the
+    explanation rather than replacing the test's AssertionError with a TypeError.
+    """
+    from _pytest.assertion import util
+
+    try:
+        function = util.assertrepr_compare
+        arguments = {
+            "config": _AssertConfig(),
+            "op": op,
+            "left": left,
+            "right": right,
+            "verbose": 0,
+            "highlighter": _no_highlighting,
+            "assertion_text_diff_style": "ndiff",
+        }
+        kwargs = {}
+        for name, parameter in inspect.signature(function).parameters.items():
+            if name in arguments:
+                kwargs[name] = arguments[name]
+            elif parameter.default is inspect.Parameter.empty:
+                return None  # a layout this module does not know
+        lines = list(function(**kwargs) or ())
+    except Exception:  # noqa: BLE001  pytest internals moved
+        return None
+    return "\n~".join(lines) if lines else None
+
+
+def resolve_target(target: TestTarget) -> Callable[..., Any]:
+    """The callable that runs the test body (a function, a bound method, a TestCase's
+    ``debug``)."""
+    module = load_test_module(target.module_name, target.module_file)
+    owner: Any = module
+    for attribute in target.class_path:
+        owner = getattr(owner, attribute)
+    if target.kind == "unittest":
+        return owner(target.function_name).debug  # setUp, the method, tearDown
+    if target.class_path:
+        owner = owner()  # pytest instantiates test classes without arguments, per test
+    return getattr(owner, target.function_name)
+
+
+# -----------------------------------------------------------------------------
+# The rank task
+
+
+def seed_all(seed: int) -> None:
+    """Seed torch (all devices), ``random`` and numpy (when importable)."""
+    import torch
+
+    torch.manual_seed(seed)
+    random.seed(seed)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed(seed)
+
+
+def build_kwargs(
+    values: dict[str, Any], ctx: Any, wants_dist: bool = True, monkeypatches: list | None = None
+) -> dict[str, Any]:
+    """Resolve :class:`InRank` fixture values in this rank; add ``dist`` if the test takes it.
+    A :class:`RankMonkeyPatch` becomes a fresh ``pytest.MonkeyPatch``, appended to
+    ``monkeypatches`` for the caller to undo after the test."""
+    kwargs = {}
+    for name, value in values.items():
+        if isinstance(value, RankMonkeyPatch):
+            import pytest
+
+            value = pytest.MonkeyPatch()
+            if monkeypatches is not None:
+                monkeypatches.append(value)
+        elif isinstance(value, InRank):
+            try:
+                wants_ctx = "dist" in inspect.signature(value.factory).parameters
+            except (TypeError, ValueError):
+                wants_ctx = False
+            extra = {"dist": ctx} if wants_ctx else {}
+            value = value.factory(*value.args, **value.kwargs, **extra)
+        kwargs[name] = value
+    if wants_dist:
+        kwargs["dist"] = ctx
+    return kwargs
+
+
+def run_task(
+    task: RankTask,
+    ctx: Any,
+    call: Callable[..., Any],
+    values: dict[str, Any],
+    monkeypatches: list | None = None,
+) -> RankOutcome:
+    """Run one test body in this rank (every mode): make ``ctx`` the current context, seed,
+    call ``call`` (a pytest function with its fixture ``values``, or a unittest body) and
+    classify how it ended."""
+    _current_context.ctx = ctx
+    try:
+        seed_all(task.seed)
+        if task.target.kind == "unittest":
+            return call_and_classify(ctx.rank, call)
+        return call_and_classify(
+            ctx.rank, lambda: call(**build_kwargs(values, ctx, task.wants_dist, monkeypatches))
+        )
+    finally:
+        _current_context.ctx = None
+
+
+def call_and_classify(rank: int, body: Callable[[], Any]) -> RankOutcome:
+    """Call ``body`` and turn its return or exception into a :class:`RankOutcome`, with the
+    report properties it recorded."""
+    start = time.perf_counter()
+    with properties.collecting() as recorded:
+        try:
+            body()
+        except BaseException as exc:  # noqa: BLE001  (everything is reported)
+            outcome = classify_exception(rank, exc)
+        else:
+            outcome = RankOutcome(rank, PASSED)
+    outcome.duration = time.perf_counter() - start
+    outcome.properties = list(recorded)
+    return outcome
+
+
+def classify_exception(rank: int, exc: BaseException) -> RankOutcome:
+    """The outcome an exception of a body means: pytest's skip / xfail / fail, unittest's
+    skip, else a failure with the user's traceback."""
+    import unittest
+
+    from _pytest.outcomes import Failed, Skipped, XFailed
+
+    if isinstance(exc, Skipped):
+        return RankOutcome(rank, SKIPPED, message=str(exc.msg))
+    if isinstance(exc, unittest.SkipTest):
+        return RankOutcome(rank, SKIPPED, message=str(exc))
+    if isinstance(exc, XFailed):
+        return RankOutcome(rank, XFAILED, message=str(exc.msg))
+    if isinstance(exc, Failed) and not exc.pytrace:
+        return RankOutcome(rank, FAILED, message=str(exc.msg))
+    text = str(exc).strip()
+    first = text.splitlines()[0] if text else ""
+    message = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+    return RankOutcome(rank, FAILED, message=message, traceback=format_user_traceback(exc))
+
+
+_HARNESS_DIR = os.path.dirname(os.path.abspath(__file__))
+_PLUGIN_FILE = os.path.join(os.path.dirname(_HARNESS_DIR), "plugin.py")
+# the wrapper that records collectives: noise inside user tracebacks
+_COLLECTIVES_FILE = os.path.join(_HARNESS_DIR, "collectives.py")
+
+
+def format_user_traceback(exc: BaseException) -> str:
+    """Format ``exc`` without the harness's leading frames, the collective wrapper's frames
+    and unittest's frames (modules that set ``__unittest``)."""
+    frames = []
+    tb = exc.__traceback__
+    leading = True
+    while tb is not None:
+        frame = tb.tb_frame
+        filename = os.path.abspath(frame.f_code.co_filename)
+        harness = os.path.dirname(filename) == _HARNESS_DIR or filename == _PLUGIN_FILE
+        if not (leading and harness):
+            leading = False
+            if "__unittest" not in frame.f_globals and filename != _COLLECTIVES_FILE:
+                frames.append((frame, tb.tb_lineno))
+        tb = tb.tb_next
+    report = traceback.TracebackException(type(exc), exc, exc.__traceback__)
+    if frames:
+        report.stack = traceback.StackSummary.extract(iter(frames))
+    return "".join(report.format())
+
+
+def reset_after_test(snapshot: Any, monkeypatches: list[Any], rank: int) -> list[str]:
+    """Undo what a test left in this interpreter: the after-test functions run, its
+    monkeypatches are undone, process groups other than the default one destroyed, and
+    ``snapshot`` (an ``isolation.StateSnapshot``) restored.
+
+    Returns:
+        what could not be undone, one line each (the rank set is then replaced).
+    """
+    import torch.distributed as dist
+
+    from fsdp_conformance.world import isolation
+
+    run_after_test()
+    while monkeypatches:
+        monkeypatches.pop().undo()
+    if dist.is_initialized():
+        world = dist.distributed_c10d._world
+        for group in list(world.pg_map):
+            if group is not world.default_pg:
+                dist.destroy_process_group(group)
+    snapshot.restore()
+    left = isolation.leftover_threads(snapshot)
+    if left:
+        return [f"the test left thread(s) running in rank {rank}: {', '.join(left)}"]
+    return []
+
+
+class _CurrentContext(threading.local):
+    ctx: Any = None
+
+
+# The rank context of the test running in this process / rank thread (RankTestCase reads it).
+_current_context = _CurrentContext()
+
+
+def current_context() -> Any:
+    """The :class:`RankContext` of the test running in this rank, or None."""
+    return _current_context.ctx
+
+
+# -----------------------------------------------------------------------------
+# A rank process
+
+
+def _leave(code: int) -> None:
+    """Flush and leave without interpreter teardown; see [Note: leaving a rank]."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001, S110  (a closed stream must not stop the exit)
+            pass
+    os._exit(code)
+
+
+def _watch_parent(parent_pid: int) -> None:
+    while True:
+        time.sleep(PARENT_POLL_S)
+        if os.getppid() != parent_pid:
+            _leave(70)
+
+
+class _RankProcess:
+    """State of one rank process across the tests it runs."""
+
+    def __init__(self) -> None:
+        self.rank = int(os.environ[ENV_RANK])
+        self.world_size = int(os.environ[ENV_WORLD_SIZE])
+        self.backend = os.environ[ENV_BACKEND]
+        self.mode = os.environ.get(ENV_MODE, "process")
+        # GPUs held by the rank set, one per rank, () on CPU
+        self.gpu_ids = tuple(int(g) for g in os.environ.get(ENV_GPU_IDS, "").split(",") if g)
+        self.timeout = float(os.environ.get(ENV_TIMEOUT, str(vocab.DEFAULT_TIMEOUT_S)))
+        self.store_path = os.environ[ENV_STORE]
+        self.conn = Connection(int(os.environ[ENV_FD]))
+        self.base_environ: dict[str, str] = {}
+        self.base_sys_path: list[str] = list(sys.path)
+        # saved after start-up, restored after every test (world/isolation.py)
+        self.snapshot: Any = None
+        # monkeypatch fixtures made for the running test (undone after it)
+        self.monkeypatches: list[Any] = []
+
+    def start(self) -> None:
+        # unittest, pytest's and numpy are imported now, not in the first test's timeout
+        import unittest  # noqa: F401
+
+        import _pytest.assertion.rewrite
+        import _pytest.outcomes  # noqa: F401
+        import torch
+        import torch.distributed as dist
+
+        from fsdp_conformance.world import collectives, isolation
+
+        try:
+            import numpy  # noqa: F401
+        except ImportError:
+            pass
+        if self.backend == "nccl":
+            torch.cuda.set_device(self.gpu_ids[self.rank])
+            self.device = torch.device("cuda", self.gpu_ids[self.rank])
+        else:
+            self.device = torch.device("cpu")
+        # kept for re-creating the default group after a test destroyed it
+        self.store = dist.FileStore(self.store_path, self.world_size)
+        self.init_group(self.store)
+        self.slot = None
+        slot_path = os.environ.get(ENV_COLLECTIVE_SLOT)
+        if slot_path:
+            self.slot = collectives.CollectiveSlot.mapped(slot_path)
+            collectives.set_process_slot(self.slot)
+            collectives.install()
+        self.base_environ = dict(os.environ)
+        self.snapshot = isolation.StateSnapshot.take()
+
+    def init_group(self, store: Any) -> None:
+        import torch.distributed as dist
+
+        dist.init_process_group(
+            backend=self.backend,
+            store=store,
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=datetime.timedelta(seconds=self.timeout),
+            **({"device_id": self.device} if self.backend == "nccl" else {}),
+        )
+        self.group = dist.group.WORLD
+        if self.backend == "nccl":
+            dist.barrier(device_ids=[self.device.index])
+        else:
+            dist.barrier()
+
+    def run(self, task: RankTask) -> RankOutcome:
+        from fsdp_conformance.world.context import RankContext
+
+        os.environ.clear()
+        os.environ.update(task.environ)
+        for key in _KEPT_ENV:
+            os.environ[key] = self.base_environ.get(key, "")
+        os.environ.update(RANK=str(self.rank), LOCAL_RANK=str(self.rank))
+        os.environ["WORLD_SIZE"] = str(self.world_size)
+        sys.path[:] = task.sys_path + [p for p in self.base_sys_path if p not in task.sys_path]
+        try:
+            os.chdir(task.cwd)
+        except OSError:
+            pass
+        add_after_test(task.after_test)
+        ctx = RankContext(
+            rank=self.rank,
+            world_size=self.world_size,
+            group=self.group,
+            device=self.device,
+            backend=self.backend,
+            tmp_path=pathlib.Path(task.tmp_path),
+            impl=task.impl,
+            mode=self.mode,
+            gpu_ids=self.gpu_ids,
+            test_id=task.test_id,
+            init_method=f"file://{self.store_path}",
+        )
+        # importing the test is start-up, not test time: the controller starts the test's
+        # timeout once every rank sent Started
+        try:
+            call = resolve_target(task.target)
+            values = pickle.loads(task.kwargs_blob)
+        except BaseException as exc:  # noqa: BLE001  reported like a failure of the body
+            return classify_exception(self.rank, exc)
+        self.conn.send(Started())
+        if self.slot is not None:
+            self.slot.reset()
+        return run_task(task, ctx, call, values, self.monkeypatches)
+
+
+# This process's rank state (None outside rank processes).
+_process: _RankProcess | None = None
+
+
+def main() -> None:
+    """Rank process main loop: initialise, then run tests until told to exit."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the controller handles Ctrl-C and kills us
+    faulthandler.enable(all_threads=True)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the controller's hang dump
+    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+    global _process
+    process = _process = _RankProcess()
+    try:
+        process.start()
+    except BaseException:  # noqa: BLE001
+        process.conn.send(StartupFailed(traceback.format_exc()))
+        _leave(1)
+    process.conn.send(Ready(os.getpid()))
+    while True:
+        try:
+            message = process.conn.recv()
+        except (EOFError, OSError):
+            _leave(0)
+        message = expect(message, "the controller", RunTest, ReinitGroup, Exit)
+        if isinstance(message, Exit):
+            _leave(0)
+        if isinstance(message, ReinitGroup):
+            import torch.distributed as dist
+
+            try:
+                process.init_group(dist.PrefixStore(f"reinit{message.generation}/", process.store))
+                error = ""
+            except BaseException:  # noqa: BLE001  reported; the controller replaces the set
+                error = traceback.format_exc()
+            process.conn.send(GroupReinitialized(error))
+            if error:
+                _leave(72)
+            continue
+        outcome = process.run(pickle.loads(message.task_blob))
+        try:
+            notes = tuple(reset_after_test(process.snapshot, process.monkeypatches, process.rank))
+        except BaseException:  # noqa: BLE001  a broken reset would poison the next test
+            traceback.print_exc()
+            notes = (f"rank {process.rank} could not restore its state after the test",)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        import torch.distributed as dist
+
+        process.conn.send(Finished(outcome, not notes, dist.is_initialized(), notes))
+        if notes:
+            _leave(71)

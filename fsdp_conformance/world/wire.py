@@ -1,0 +1,186 @@
+"""The wire protocol between the controller (pytest) and its rank processes; torch-free.
+
+Every message is a small frozen dataclass pickled over the controller <-> rank connection; a
+side that receives anything else raises :class:`ProtocolError` (:func:`expect`).
+
+Controller -> rank: :class:`RunTest`, :class:`ReinitGroup`, :class:`Exit`.
+Rank -> controller: :class:`Ready` or :class:`StartupFailed` once; per test :class:`Started`
+then :class:`Finished`; :class:`GroupReinitialized` after a :class:`ReinitGroup`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+# Every rank seeds torch, random and numpy with this before each test.
+RANK_SEED = 0
+
+# Outcome statuses of one rank.
+PASSED = "passed"
+FAILED = "failed"
+SKIPPED = "skipped"
+XFAILED = "xfailed"
+# Decided by the controller, never sent by a rank:
+DIED = "died"  # the rank process exited or was killed while running the test
+HUNG = "hung"  # the rank did not finish within the timeout (or the grace after another failed)
+ABORTED = "aborted"  # the rank stopped because another rank failed
+
+
+@dataclasses.dataclass(frozen=True)
+class TestTarget:
+    """Where a test callable lives, so that a rank process can import it by file path."""
+
+    # pytest's name of the test module, and its file (loaded with assertion rewriting)
+    module_name: str
+    module_file: str | None
+    # attributes leading from the module to the test class (nested classes); () for functions
+    class_path: tuple[str, ...]
+    function_name: str
+    # "pytest": the function gets fixture values + ``dist``; "unittest": TestCase ``debug()``
+    kind: str = "pytest"
+
+
+@dataclasses.dataclass
+class RankTask:
+    """One test as every rank runs it, in every mode (pickled to rank processes)."""
+
+    target: TestTarget
+    test_id: str
+    # per-test directory shared by all ranks (removed by the controller after the test)
+    tmp_path: str
+    # --fsdp-impl: the implementation name adapters resolve in the rank
+    impl: str
+    # seconds; also the deadline of collectives the rank starts
+    timeout: float
+    # whether the test function takes `dist` itself (else only through a fixture)
+    wants_dist: bool = True
+    seed: int = RANK_SEED
+    # module-level functions to call after the test (rank.add_after_test)
+    after_test: tuple[Callable[[], None], ...] = ()
+    # rank processes: pickle of the fixture values other than ``dist``, unpickled after the
+    # test module was imported (so values whose classes live in the test module work)
+    kwargs_blob: bytes = b""
+    # rank processes: the controller's sys.path, cwd and environment
+    sys_path: list[str] = dataclasses.field(default_factory=list)
+    cwd: str = ""
+    environ: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class RankOutcome:
+    """What one rank reports for one test."""
+
+    rank: int
+    status: str
+    # one line: exception "Type: message", skip reason, how the rank died
+    message: str = ""
+    # formatted traceback or stack dump
+    traceback: str = ""
+    # seconds the body ran
+    duration: float = 0.0
+    # (name, value) report properties the body recorded (world/properties.py)
+    properties: list[tuple[str, Any]] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class InRank:
+    """A fixture value built inside every rank instead of being pickled.
+
+    Return ``InRank(factory, *args, **kwargs)`` from a fixture whose value cannot be pickled
+    (an FSDP adapter, a model): each rank calls ``factory(*args, **kwargs)`` before the body.
+    ``factory`` must be importable (module level); if it accepts a keyword argument ``dist``
+    it receives the rank's context. ``args`` and ``kwargs`` must be picklable.
+    """
+
+    factory: Callable[..., Any]
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __init__(self, factory: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        self.factory = factory
+        self.args = args
+        self.kwargs = kwargs
+
+
+@dataclasses.dataclass(frozen=True)
+class RankMonkeyPatch:
+    """Stands for a ``monkeypatch`` fixture sent to rank processes: each rank gets a fresh
+    ``pytest.MonkeyPatch``, undone after the test."""
+
+
+class ProtocolError(RuntimeError):
+    """A message of a type the receiving side does not expect at this point."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RunTest:
+    """Controller -> rank: run one test (a pickled :class:`RankTask`)."""
+
+    task_blob: bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class ReinitGroup:
+    """Controller -> rank: the test destroyed every rank's default process group; initialise
+    a new one (rendezvous keys prefixed with ``generation``)."""
+
+    generation: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Exit:
+    """Controller -> rank: leave now."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Ready:
+    """Rank -> controller: joined the default process group; waiting for tests."""
+
+    pid: int
+
+
+@dataclasses.dataclass(frozen=True)
+class StartupFailed:
+    """Rank -> controller: start-up (import, rendezvous) failed with this traceback."""
+
+    traceback: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Started:
+    """Rank -> controller: the test is imported and its fixture values unpickled; the test's
+    timeout starts when every rank sent this."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Finished:
+    """Rank -> controller: the test's outcome, after the rank restored its per-test state."""
+
+    outcome: RankOutcome
+    # False: the rank could not restore its state (it leaves after sending this)
+    reusable: bool
+    # whether the default process group still exists (a test may destroy it)
+    group_alive: bool = True
+    # what the rank could not undo, one line each
+    notes: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupReinitialized:
+    """Rank -> controller: answer to :class:`ReinitGroup`; ``error`` is "" on success."""
+
+    error: str = ""
+
+
+def expect(message: object, sender: str, *types: type) -> Any:
+    """``message`` if it is one of ``types``, else :class:`ProtocolError` naming the sender,
+    what arrived and what was expected."""
+    if isinstance(message, types):
+        return message
+    raise ProtocolError(
+        f"unexpected message from {sender}: {message!r} (expected "
+        f"{' or '.join(t.__name__ for t in types)}); the rank and the controller run different "
+        "versions of fsdp_conformance, or test code wrote to the rank's connection"
+    )
