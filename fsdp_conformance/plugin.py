@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from fsdp_conformance import vocab
+from fsdp_conformance.adapters import features as adapter_features
 from fsdp_conformance.world import signals as _signals
 
 _MODES = vocab.MODES
@@ -471,12 +472,12 @@ def _not_applicable(adapter: Any, check: Any) -> Any:
     from fsdp_conformance import checks
     from fsdp_conformance.adapters import UnsupportedFeatureError
 
-    problem = adapter.support_problem()
+    problem = adapter_features.support_problem(adapter)
     if problem is not None:
         reason = f"adapter {adapter.name!r}: {problem}"
         return checks.Result(check.id, checks.NOT_APPLICABLE, reason, feature="version")
     try:
-        adapter.check(*check.features)
+        adapter_features.require(adapter, *check.features)
     except UnsupportedFeatureError as error:
         return checks.Result(check.id, checks.NOT_APPLICABLE, str(error), feature=error.feature)
     return None
