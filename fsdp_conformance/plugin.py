@@ -22,7 +22,6 @@ from typing import Any
 import pytest
 
 from fsdp_conformance import vocab
-from fsdp_conformance.adapters import features as adapter_features
 from fsdp_conformance.world import signals as _signals
 
 _MODES = vocab.MODES
@@ -471,6 +470,7 @@ def _not_applicable(adapter: Any, check: Any) -> Any:
     its support range, or lacking a feature the check needs), or None."""
     from fsdp_conformance import checks
     from fsdp_conformance.adapters import UnsupportedFeatureError
+    from fsdp_conformance.adapters import features as adapter_features
 
     problem = adapter_features.support_problem(adapter)
     if problem is not None:

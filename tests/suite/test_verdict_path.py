@@ -122,6 +122,7 @@ def test_a_deviation_names_the_failure_it_covers() -> None:
 
 
 _UNTRACED = '''
+import dataclasses
 import os
 import pathlib
 
@@ -131,14 +132,17 @@ from fsdp_conformance.adapters.impl import ImplAdapter
 
 
 class Untraced(ImplAdapter):
-    """Lacks the comm trace; notes in a file when a rank asks it what it supports."""
+    """Lacks the comm trace; notes in a file when a rank asks it what it declares."""
 
     name = "untraced"
 
-    def unsupported(self):
+    @property
+    def declarations(self):
         if torch.distributed.is_initialized():  # a rank (never the collecting process)
             pathlib.Path(os.environ["UNTRACED_MARK"]).touch()
-        return {**super().unsupported(), "comm_trace": "no trace here"}
+        declared = ImplAdapter.declarations
+        unsupported = {**declared.unsupported, "comm_trace": "no trace here"}
+        return dataclasses.replace(declared, unsupported=unsupported)
 '''
 
 
