@@ -8,18 +8,11 @@
     fsdp-conformance conformance --out docs/conformance.md
     fsdp-conformance fuzz --impl torch-fsdp2 --examples 200 --seed 0
 
-One module per subcommand, each with its ``add_parser`` and handler:
-
-- ``cli.run``: starts pytest on ``fsdp_conformance.suite`` in a subprocess (``--pyargs``, with
-  pytest-xdist when ``-n`` > 0) with the records plugin ``cli.records``, shows progress from
-  its results file, and prints the matrix (``cli.report``);
-- ``cli.overlap`` and ``cli.timeline``: run the suite's measuring functions (``cli.ranks``) in a
-  rank set of ``fsdp_conformance.world``; ``timeline`` draws with matplotlib (``cli.draw``);
-- ``cli.conformance``: ``run``'s pytest once per implementation, tabulated by ``cli.table``
-  into docs/conformance.md;
-- ``cli.fuzz``: the differential fuzzer of ``fsdp_conformance.suite.fuzz`` in one rank set, with a
-  progress line, the minimal counterexample and its ``repro.py``;
-- ``cli.common``: usage errors, argument types and the checks made before anything starts.
+One module per subcommand, each with its ``add_parser`` and handler: ``run`` (the suite in a
+pytest subprocess with the records plugin ``cli.records``; the matrix by ``cli.report``),
+``overlap`` and ``timeline`` (the suite's measurements, ``cli.ranks``, in a rank set; drawn by
+``cli.draw``), ``conformance`` (``run``'s pytest per implementation, tabulated by ``cli.table``),
+``fuzz`` and ``coverage``; ``cli.common`` holds what they share.
 
 Exit codes: 0 success (``run``: nothing failed); 1 a check failed or the experiment could not
 run; 2 a bad argument (one line on stderr, never a traceback); 130 SIGINT (Ctrl-C), 143
@@ -69,29 +62,12 @@ from fsdp_conformance.world import signals
 DEFAULT_TIMEOUT = CLI_TIMEOUT_S  # the old name of CLI_TIMEOUT_S
 
 __all__ = [
-    "BUILTIN_IMPLS",
-    "CLI_TIMEOUT_S",
-    "COVERAGES",
-    "DEFAULT_COVERAGE",
-    "DEFAULT_TIMEOUT",
-    "DEFAULT_WORKERS",
-    "MODES",
-    "PROG",
-    "RANKS_PER_CPU",
-    "RANK_MEMORY_BYTES",
-    "RATE_LIMITER_RANGE",
-    "UsageError",
-    "build_parser",
-    "check_impl",
-    "check_keyword_expression",
-    "check_output",
-    "check_world_size",
-    "main",
-    "max_world_size",
-    "pytest_command",
-    "render_overlap",
-    "render_timeline",
-]
+    "BUILTIN_IMPLS", "CLI_TIMEOUT_S", "COVERAGES", "DEFAULT_COVERAGE", "DEFAULT_TIMEOUT",
+    "DEFAULT_WORKERS", "MODES", "PROG", "RANKS_PER_CPU", "RANK_MEMORY_BYTES",
+    "RATE_LIMITER_RANGE", "UsageError", "build_parser", "check_impl", "check_keyword_expression",
+    "check_output", "check_world_size", "main", "max_world_size", "pytest_command",
+    "render_overlap", "render_timeline",
+]  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:

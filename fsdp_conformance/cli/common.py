@@ -1,12 +1,12 @@
-"""What the subcommands of ``fsdp-conformance`` share: usage errors, argument types, the checks
-made before anything starts, and running a function in a rank set of ``fsdp_conformance.world``.
-"""
+"""What the subcommands share: usage errors, argument types, the checks made before anything
+starts, and running a measurement in a rank set of ``fsdp_conformance.world``."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
 import datetime
+import json
 import os
 import shutil
 import sys
@@ -23,19 +23,15 @@ PROG = "fsdp-conformance"
 BUILTIN_IMPLS = vocab.BUILTIN_ADAPTERS
 MODES = vocab.MODES
 COVERAGES = vocab.COVERAGES
-# `run` defaults, chosen so that the whole default run fits in 10 minutes on a 2-core CPU host
-# (measured in docs/cli.md): pairwise coverage of the parity configs, two xdist workers
+# `run` defaults: the whole default run fits in 10 minutes on a 2-core CPU host (docs/cli.md)
 DEFAULT_COVERAGE = "pairwise"
 DEFAULT_WORKERS = 2
-# Per-test timeout in the ranks of `run` and `conformance` (seconds): longer than the suite's own
-# default (vocab.DEFAULT_TIMEOUT_S) because they run the whole suite with xdist workers
+# Per-test timeout (seconds) of `run` and `conformance`: the whole suite under xdist workers
 CLI_TIMEOUT_S = 300.0
 # Memory one CPU rank process needs (torch + gloo + a small model), for the world-size limit
 RANK_MEMORY_BYTES = limits.RANK_BYTES
 # CPU ranks per core beyond which a world is not runnable in reasonable time
 RANKS_PER_CPU = 4
-
-
 # pytest logs of failed or interrupted `run`s kept in cache_dir("logs"): the newest this many
 KEPT_LOGS = 20
 
@@ -54,8 +50,6 @@ def private_tempdir() -> Iterator[str]:
     in (``TMPDIR`` and ``tempfile.tempdir`` point into it), removed on the way out whatever
     ended the command. The GPU lock files stay in the shared temp directory (every process of
     the user must see them)."""
-    from fsdp_conformance import vocab
-
     saved = {name: os.environ.get(name) for name in ("TMPDIR", vocab.ENV_GPU_LOCK_DIR)}
     saved_tempdir = tempfile.tempdir
     from fsdp_conformance.world import gpus
@@ -95,48 +89,36 @@ def keep_log(path: str, command: str) -> str:
 
 
 # Each command's exit codes: shown under its --help, documented in docs/cli.md (a test compares)
-_USAGE = {
-    2: "a bad argument, one line on stderr (also an --impl that does not resolve, or a built-in "
-    "adapter whose extra is not installed)"
+_EXIT_0_AND_1 = {
+    "run": (
+        "nothing failed (skips and expected failures allowed)",
+        "a check failed, pytest could not finish, or the --impl module raises on import",
+    ),
+    "overlap": (
+        "the measurement ran (its verdict line carries the suite's judgement)",
+        "it cannot run on this adapter, or its ranks failed",
+    ),
+    "timeline": (
+        "the picture was drawn (its verdict says within or over the bound)",
+        "it cannot run on this adapter, or its ranks failed",
+    ),
+    "conformance": ("the table was written", "an --impl module raises on import"),
+    "fuzz": (
+        "no counterexample found",
+        "a counterexample (repro.py written), no case could run, or the ranks failed",
+    ),
+    "coverage": ("the report was printed", "the suite could not be collected for this adapter"),
 }
-_SIGNALS = {130: "SIGINT (Ctrl-C)", 143: "SIGTERM"}
 EXIT_CODES: dict[str, dict[int, str]] = {
-    "run": {
-        0: "nothing failed (skips and expected failures allowed)",
-        1: "a check failed, pytest could not finish, or the --impl module raises on import",
-        **_USAGE,
-        **_SIGNALS,
-    },
-    "overlap": {
-        0: "the measurement ran (its verdict line carries the suite's judgement)",
-        1: "it cannot run on this adapter, or its ranks failed",
-        **_USAGE,
-        **_SIGNALS,
-    },
-    "timeline": {
-        0: "the picture was drawn (its verdict says within or over the bound)",
-        1: "it cannot run on this adapter, or its ranks failed",
-        **_USAGE,
-        **_SIGNALS,
-    },
-    "conformance": {
-        0: "the table was written",
-        1: "an --impl module raises on import",
-        **_USAGE,
-        **_SIGNALS,
-    },
-    "fuzz": {
-        0: "no counterexample found",
-        1: "a counterexample (repro.py written), no case could run, or the ranks failed",
-        **_USAGE,
-        **_SIGNALS,
-    },
-    "coverage": {
-        0: "the report was printed",
-        1: "the suite could not be collected for this adapter",
-        **_USAGE,
-        **_SIGNALS,
-    },
+    command: {
+        0: success,
+        1: failure,
+        2: "a bad argument, one line on stderr (also an --impl that does not resolve, or a "
+        "built-in adapter whose extra is not installed)",
+        130: "SIGINT (Ctrl-C)",
+        143: "SIGTERM",
+    }
+    for command, (success, failure) in _EXIT_0_AND_1.items()
 }
 
 
@@ -195,13 +177,9 @@ def check_extra(impl: str) -> None:
 
 
 def check_impl(name: str) -> None:
-    """Resolve ``name`` as the ranks will (``get_adapter``); UsageError with the reason if not.
-
-    Built-in names are not imported here (they always resolve), except that an adapter needing
-    an optional package is refused when the package does not import (``check_extra``).
-    ``pkg.mod:ATTR`` is imported with the current directory on ``sys.path``, as
-    ``python -m pytest`` and the ranks have it.
-    """
+    """Resolve ``name`` as the ranks will (``pkg.mod:ATTR`` with the current directory on
+    ``sys.path``; a built-in is not imported, only its extra checked); UsageError with the reason
+    if it does not resolve, BrokenAdapter when its module raises."""
     if name in BUILTIN_IMPLS:
         check_extra(name)
         return
@@ -270,8 +248,7 @@ def max_world_size() -> tuple[int, str]:
 
 
 def check_world_size(world_size: int, minimum: int = 1) -> None:
-    if world_size < minimum:
-        raise UsageError(f"--world-size {world_size}: must be >= {minimum}")
+    check_at_least(world_size, "--world-size", minimum)
     limit, why = max_world_size()
     if world_size > limit:
         raise UsageError(
@@ -299,44 +276,57 @@ def check_output(path: str | None, option: str) -> None:
 # overlap and timeline: the suite's measurements in a rank set
 
 
-def _run_in_ranks(
-    function: str,
-    kwargs: dict[str, Any],
-    impl: str,
-    world_size: int,
-    backend: str,
-    timeout: float,
-) -> tuple[str, str]:
-    """Call ``fsdp_conformance.cli.ranks.<function>(dist=..., **kwargs)`` in every rank.
-
-    Returns:
-        (status, message): the ranks' combined verdict ("passed", "failed", "skipped") and its
-        message (failure report with tracebacks, or the skip reason).
+def measure_in_ranks(
+    command: str, function: str, kwargs: dict[str, Any], args: argparse.Namespace, backend: str
+) -> dict[str, Any] | None:
+    """Call ``cli.ranks.<function>(dist=..., out_file=..., **kwargs)`` in every rank and return
+    the JSON document rank 0 wrote; None (the reason on stderr) when the ranks skipped or failed.
     """
     from fsdp_conformance.world.runtime import run_function
 
-    result = run_function(
-        "fsdp_conformance.cli.ranks",
-        function,
-        kwargs,
-        world_size=world_size,
-        timeout=timeout,
-        impl=impl,
-        test_id=f"{PROG} {function}",
-        backend=backend,
-    )
-    message = result.verdict.message
-    if result.verdict.status == "failed" and result.output():
-        message += "\n" + result.output()
-    return result.verdict.status, message
-
-
-def _ranks_failed(command: str, status: str, message: str) -> int:
+    with tempfile.TemporaryDirectory(prefix="fsdp-cli-") as workdir:
+        out_file = os.path.join(workdir, f"{command}.json")
+        result = run_function(
+            "fsdp_conformance.cli.ranks",
+            function,
+            {"out_file": out_file, **kwargs},
+            world_size=args.world_size,
+            timeout=args.timeout,
+            impl=args.impl,
+            test_id=f"{PROG} {function}",
+            backend=backend,
+        )
+        status, message = ranks_verdict(result)
+        if status == "passed":
+            with open(out_file, encoding="utf-8") as stream:
+                return json.load(stream)
     if status == "skipped":
         print(f"{PROG} {command}: cannot run on this adapter: {message}", file=sys.stderr)
     else:
         print(f"{PROG} {command}: the ranks failed:\n{message}", file=sys.stderr)
-    return 1
+    return None
+
+
+def ranks_verdict(result: Any) -> tuple[str, str]:
+    """A rank set's (status, message); a failure's message ends with the ranks' output."""
+    status, message, output = result.verdict.status, result.verdict.message, result.output()
+    return status, message + ("\n" + output if status == "failed" and output else "")
+
+
+def write_json(path: str, document: Any, indent: int) -> None:
+    with open(path, "w", encoding="utf-8") as stream:
+        json.dump(document, stream, indent=indent)
+
+
+def check_at_least(value: int, option: str, minimum: int = 1, why: str = "") -> None:
+    """UsageError unless ``value`` of ``option`` is at least ``minimum``."""
+    if value < minimum:
+        raise UsageError(f"{option} {value}: {why or f'must be >= {minimum}'}")
+
+
+def check_worker_count(workers: int) -> None:
+    if workers < 0:
+        raise UsageError(f"-n {workers}: give 0 (no xdist) or a number of workers")
 
 
 # -----------------------------------------------------------------------------
@@ -344,22 +334,40 @@ def _ranks_failed(command: str, status: str, message: str) -> int:
 
 
 def _add_common(parser: argparse.ArgumentParser, world_size_help: str) -> None:
-    parser.add_argument(
-        "--impl",
-        default="impl",
-        metavar="NAME",
-        help="FSDP under test: impl (the reference FSDP, default), torch-fsdp1, torch-fsdp2, "
-        "fairscale, deepspeed or "
-        "pkg.module:ATTR (an Adapter instance, subclass or factory; the current directory and "
-        "PYTHONPATH are searched)",
+    _add_impl(
+        parser,
+        "FSDP under test: impl (the reference FSDP, default), torch-fsdp1, torch-fsdp2, "
+        "fairscale, deepspeed or pkg.module:ATTR (an Adapter instance, subclass or factory; the "
+        "current directory and PYTHONPATH are searched)",
     )
     parser.add_argument("--world-size", type=int, default=2, metavar="N", help=world_size_help)
+    _add_timeout(parser)
+
+
+def _add_impl(parser: argparse.ArgumentParser, help_text: str) -> None:
+    parser.add_argument("--impl", default="impl", metavar="NAME", help=help_text)
+
+
+def _add_timeout(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--timeout",
         type=_positive_float,
         default=CLI_TIMEOUT_S,
         metavar="SECONDS",
         help=f"fail a rank body still running after this long (default {CLI_TIMEOUT_S:g})",
+    )
+
+
+def _subcommand(
+    commands: Any, formatter: type, name: str, summary: str, description: str, *examples: str
+) -> argparse.ArgumentParser:
+    """Add subcommand ``name``: its description filled to 79 columns, ``examples`` under it."""
+    return commands.add_parser(
+        name,
+        help=summary,
+        description=_paragraph(description),
+        epilog="examples:\n" + "\n".join(f"  {example}" for example in examples),
+        formatter_class=formatter,
     )
 
 

@@ -9,16 +9,15 @@ from typing import Any
 
 from fsdp_conformance.cli.common import (
     BUILTIN_IMPLS,
-    CLI_TIMEOUT_S,
     COVERAGES,
     DEFAULT_COVERAGE,
     PROG,
-    UsageError,
-    _paragraph,
-    _positive_float,
+    _add_timeout,
+    _subcommand,
     check_impl,
     check_keyword_expression,
     check_output,
+    check_worker_count,
 )
 
 
@@ -31,8 +30,7 @@ def _conformance_command(args: argparse.Namespace) -> int:
             check_impl(impl)
     check_keyword_expression(args.k)
     check_output(args.out, "--out")
-    if args.workers < 0:
-        raise UsageError(f"-n {args.workers}: give 0 (no xdist) or a number of workers")
+    check_worker_count(args.workers)
     pytest_args = [f"--fsdp-coverage={args.coverage}", f"--fsdp-timeout={args.timeout:g}"]
     if args.workers > 0:
         pytest_args += ["-n", str(args.workers)]
@@ -45,22 +43,20 @@ def _conformance_command(args: argparse.Namespace) -> int:
 
 def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
     """Add the ``conformance`` subcommand to ``commands``."""
-    conformance = commands.add_parser(
+    conformance = _subcommand(
+        commands,
+        formatter,
         "conformance",
-        help="run the suite per implementation and write the check x implementation table",
-        description=_paragraph(
-            "Run the conformance suite once per implementation (--impl, repeatable; default "
-            "every built-in adapter: impl, torch-fsdp1, torch-fsdp2, fairscale, deepspeed) and write "
-            "docs/conformance.md: each check "
-            "x implementation -> pass / deviation (the adapter's declared reason) / not "
-            "applicable (the missing feature) / FAIL, with the torch version and the date. An "
-            "implementation that is not installed gets that, with the install command, in its "
-            "cells. Exit code 0 when the table was written."
-        ),
-        epilog="examples:\n"
-        "  fsdp-conformance conformance --out docs/conformance.md\n"
-        "  fsdp-conformance conformance --impl impl --impl torch-fsdp1 -k MemoryBound",
-        formatter_class=formatter,
+        "run the suite per implementation and write the check x implementation table",
+        "Run the conformance suite once per implementation (--impl, repeatable; default "
+        "every built-in adapter: impl, torch-fsdp1, torch-fsdp2, fairscale, deepspeed) and write "
+        "docs/conformance.md: each check "
+        "x implementation -> pass / deviation (the adapter's declared reason) / not "
+        "applicable (the missing feature) / FAIL, with the torch version and the date. An "
+        "implementation that is not installed gets that, with the install command, in its "
+        "cells. Exit code 0 when the table was written.",
+        "fsdp-conformance conformance --out docs/conformance.md",
+        "fsdp-conformance conformance --impl impl --impl torch-fsdp1 -k MemoryBound",
     )
     conformance.add_argument(
         "--impl", action="append", metavar="NAME", help="an implementation (repeatable)"
@@ -71,11 +67,5 @@ def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
     conformance.add_argument(
         "-n", dest="workers", type=int, default=0, metavar="WORKERS", help="xdist workers"
     )
-    conformance.add_argument(
-        "--timeout",
-        type=_positive_float,
-        default=CLI_TIMEOUT_S,
-        metavar="SECONDS",
-        help=f"fail a rank body still running after this long (default {CLI_TIMEOUT_S:g})",
-    )
+    _add_timeout(conformance)
     conformance.set_defaults(handler=_conformance_command)

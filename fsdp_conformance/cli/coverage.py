@@ -1,23 +1,14 @@
-"""``fsdp-conformance coverage``: which cells of the suite an adapter would run, which it would
-skip, and which unsupported feature to implement next -- from a collection, not a run.
+"""``fsdp-conformance coverage``: which cells of the suite an adapter would run or skip, and
+which unsupported feature to implement next -- from a collection, not a run.
 
 [Note: coverage probe]
-The suite is collected in this process (``pytest --collect-only``, as ``run`` would collect it
-for the adapter: the parity and state configs depend on what the adapter supports). A cell
-needs the features its registered check declares (``checks.py``) plus what its body asks for
-before it first makes the adapter act: each body is called once in this process with a
-*probe* in place of the adapter and a ``dist`` without ranks. The probe answers
-``supports`` truthfully, records every feature passed to ``check`` / ``require`` and every
-wrap config passed to ``features_for``, ``wrapper`` (whose callable leaves nested modules
-unwrapped) and ``wrap`` (its features and refused values count), and stops the body at
-``wrap`` or any other call that acts (``observe``, ``optimizer`` ...). No rank starts, nothing
-is wrapped. A body that cannot be probed (a fixture only pytest can make, an error before it
-acts, e.g. a process group it creates) keeps its check's features, its case's ``wrap_config``
-and what it asked for until then.
-
-A feature *unlocks* the cells that would run if the adapter supported it too (the suite
-collected again where it changes the configs); its gain is that count minus the cells that
-run now, counted per check.
+The suite is collected here as ``run`` would collect it for the adapter. A cell needs its
+check's registered features plus what its body asks for before it first makes the adapter act:
+each body is called once with a *probe* in place of the adapter (it answers ``supports``
+truthfully, records what ``check``/``require``/``features_for``/``wrapper``/``wrap`` are asked,
+and stops the body at ``wrap`` or any other action) and a ``dist`` without ranks. A body that
+cannot be probed keeps its check's and its case's features. A feature *unlocks* the cells that
+would run if the adapter supported it too (collected again where it changes the configs).
 """
 
 from __future__ import annotations
@@ -38,10 +29,12 @@ from fsdp_conformance import checks
 from fsdp_conformance.adapters import features as adapter_features
 from fsdp_conformance.cli.common import (
     PROG,
-    UsageError,
-    _paragraph,
+    _add_impl,
+    _subcommand,
+    check_at_least,
     check_impl,
     check_output,
+    write_json,
 )
 from fsdp_conformance.cli.records import NO_LITTER
 from fsdp_conformance.vocab import COVERAGES
@@ -55,14 +48,10 @@ class Cell:
     """One collected cell and what it needs (see [Note: coverage probe])."""
 
     nodeid: str
-    # the registered check id ("" for a test that is no registered check)
-    check: str
-    # features the cell needs, in the order asked
-    needs: tuple[str, ...]
-    # why it skips whatever the adapter supports (a GPU it needs, a refused config value); ""
-    blocked: str = ""
-    # whether the body was probed (False: only the registry's and the case's features)
-    probed: bool = True
+    check: str  # the registered check id ("" for no registered check)
+    needs: tuple[str, ...]  # features the cell needs, in the order asked
+    blocked: str = ""  # why it skips whatever the adapter supports (a GPU, a refused value)
+    probed: bool = True  # False: only the registry's and the case's features
 
     def missing(self, supports: Any) -> list[str]:
         """The features of `needs` that `supports(feature)` denies, sorted."""
@@ -76,12 +65,11 @@ class _Reached(BaseException):
 
 
 class _Granted:
-    """An adapter's capabilities as if it also supported `granted` (what `supported_dimensions`
-    and the probe read)."""
+    """An adapter's capabilities as if it also supported the features `granted`."""
 
     def __init__(self, adapter: Any, granted: frozenset[str] = frozenset()) -> None:
-        self.adapter = adapter  # the adapter under test
-        self.granted = granted  # features supposed implemented
+        self.adapter = adapter
+        self.granted = granted
 
     def supports(self, *features: str) -> bool:
         return all(
@@ -309,11 +297,8 @@ def collect(
     world_size: int = 2,
     granted: frozenset[str] = frozenset(),
 ) -> list[Cell]:
-    """The suite's cells for `impl`, as collected if `adapter` also supported `granted`.
-
-    Raises:
-        RuntimeError: the suite did not collect (the first error).
-    """
+    """The suite's cells for `impl`, as collected if `adapter` also supported `granted`;
+    RuntimeError naming the first error when the suite does not collect."""
     import pytest
 
     from fsdp_conformance.suite import configs
@@ -352,15 +337,7 @@ def _changes_configs(adapter: Any, feature: str) -> bool:
 
 
 def report(impl: str, *, coverage: str = DEFAULT_COVERAGE, world_size: int = 2) -> dict[str, Any]:
-    """The coverage of adapter `impl` as a JSON-ready dict (``--json`` writes it).
-
-    Keys: ``impl``, ``adapter``, ``coverage``, ``world_size``, ``support_problem``, ``cells``
-    (collected), ``run``, ``skip``, ``checks`` ({check id: {"run", "skip"}}), ``skipped_by``
-    ({feature or reason: cells it alone or first blocks}), ``unlocks`` (one entry per
-    unsupported feature, most cells first: ``feature``, ``reason``, ``cells``, ``checks``),
-    ``unprobed`` (cells counted by their static needs only), ``cell_list`` (per cell:
-    ``nodeid``, ``check``, ``runs``, ``missing``, ``blocked``).
-    """
+    """The coverage of adapter `impl` as the JSON-ready dict ``--json`` writes (docs/cli.md)."""
     from fsdp_conformance.adapters import get_adapter
 
     adapter = get_adapter(impl)
@@ -469,8 +446,7 @@ def render_text(data: dict[str, Any]) -> str:
 
 def _coverage_command(args: argparse.Namespace) -> int:
     check_impl(args.impl)
-    if args.world_size < 1:
-        raise UsageError(f"--world-size {args.world_size}: must be >= 1")
+    check_at_least(args.world_size, "--world-size")
     if args.json not in (None, "-"):
         check_output(args.json, "--json")
     try:
@@ -483,32 +459,27 @@ def _coverage_command(args: argparse.Namespace) -> int:
     elif args.json == "-":
         print(json.dumps(data, indent=1))
     else:
-        with open(args.json, "w", encoding="utf-8") as stream:
-            json.dump(data, stream, indent=1)
+        write_json(args.json, data, indent=1)
         print(render_text(data))
     return 0
 
 
 def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
     """Add the ``coverage`` subcommand to ``commands`` (the subparsers of the main parser)."""
-    parser = commands.add_parser(
+    parser = _subcommand(
+        commands,
+        formatter,
         "coverage",
-        help="which cells an adapter would run or skip, and what to implement next",
-        description=_paragraph(
-            "Collect the conformance suite for one adapter (no rank starts, nothing runs) and "
-            "print how many cells would run and skip, per check, and for each unsupported "
-            "feature how many cells implementing it would unlock, most first."
-        ),
-        epilog="examples:\n"
-        "  fsdp-conformance coverage --impl torch-fsdp2\n"
-        "  cd examples && fsdp-conformance coverage --impl my_fsdp_adapter:ADAPTER --json -",
-        formatter_class=formatter,
+        "which cells an adapter would run or skip, and what to implement next",
+        "Collect the conformance suite for one adapter (no rank starts, nothing runs) and "
+        "print how many cells would run and skip, per check, and for each unsupported "
+        "feature how many cells implementing it would unlock, most first.",
+        "fsdp-conformance coverage --impl torch-fsdp2",
+        "cd examples && fsdp-conformance coverage --impl my_fsdp_adapter:ADAPTER --json -",
     )
-    parser.add_argument(
-        "--impl",
-        default="impl",
-        metavar="NAME",
-        help="FSDP adapter: impl (default), torch-fsdp1, torch-fsdp2, fairscale, deepspeed or "
+    _add_impl(
+        parser,
+        "FSDP adapter: impl (default), torch-fsdp1, torch-fsdp2, fairscale, deepspeed or "
         "pkg.module:ATTR (the current directory and PYTHONPATH are searched)",
     )
     parser.add_argument(

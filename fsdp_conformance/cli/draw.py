@@ -9,6 +9,7 @@ matplotlib is imported here only (an optional dependency of the CLI).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 # phase -> shading colour
@@ -59,11 +60,8 @@ def _phase_spans(samples: list[dict[str, Any]]) -> list[tuple[str, int, int, int
 
 
 def draw(document: dict[str, Any], out_file: str) -> int:
-    """Draw the panels of ``document`` into ``out_file`` (PNG, SVG, PDF by its suffix).
-
-    Returns:
-        the number of panels (axes) drawn.
-    """
+    """Draw the panels of ``document`` into ``out_file`` (PNG, SVG, PDF by its suffix); returns
+    the number of panels (axes) drawn."""
     plt = _pyplot()
     panels = document["panels"]
     figure, axes = plt.subplots(len(panels), 1, figsize=(13, 3.4 * len(panels)), squeeze=False)
@@ -78,31 +76,14 @@ def draw(document: dict[str, Any], out_file: str) -> int:
                 label = f"{'fwd' if phase == 'forward' else 'bwd'} {iteration}"
                 ax.text((first + last) / 2, top * 0.98, label, ha="center", va="top", fontsize=8)
         bound = [panel["bound"].get(sample["phase"]) for sample in samples]
-        ax.step(
-            index,
-            [float("nan") if value is None else value for value in bound],
-            where="post",
-            color="#c0392b",
-            ls="--",
-            lw=1.5,
-            label=f"bound: {panel['bound_name']}",
-        )
-        ax.step(
-            index,
-            [sample["resident"] for sample in samples],
-            where="post",
-            color="#1f4e79",
-            lw=2,
-            label="resident non-root buffers",
-        )
-        ax.step(
-            index,
-            [sample["root_resident"] for sample in samples],
-            where="post",
-            color="#7f7f7f",
-            lw=1,
-            label="resident root buffers",
-        )
+        curves = (
+            ([math.nan if v is None else v for v in bound], "#c0392b", "--", 1.5,
+             f"bound: {panel['bound_name']}"),
+            ([s["resident"] for s in samples], "#1f4e79", "-", 2, "resident non-root buffers"),
+            ([s["root_resident"] for s in samples], "#7f7f7f", "-", 1, "resident root buffers"),
+        )  # fmt: skip
+        for values, colour, style, width, label in curves:
+            ax.step(index, values, where="post", color=colour, ls=style, lw=width, label=label)
         ax.set_title(
             f"limit_all_gathers={panel['limit_all_gathers']}: peak {panel['max_resident']} "
             f"resident non-root buffers; {verdict(panel)}",

@@ -20,10 +20,13 @@ from typing import Any
 from fsdp_conformance.cli.common import (
     PROG,
     UsageError,
-    _paragraph,
+    _add_impl,
+    _subcommand,
+    check_at_least,
     check_impl,
     check_output,
     check_world_size,
+    ranks_verdict,
 )
 
 DEFAULT_EXAMPLES = 100
@@ -35,10 +38,8 @@ PROGRESS_LINE_S = 10.0  # how often a progress line is printed when stderr is no
 
 
 def _fuzz_command(args: argparse.Namespace) -> int:
-    if args.examples < 1:
-        raise UsageError(f"--examples {args.examples}: must be >= 1")
-    if args.seed < 0:
-        raise UsageError(f"--seed {args.seed}: must be >= 0")
+    check_at_least(args.examples, "--examples")
+    check_at_least(args.seed, "--seed", 0)
     if args.max_seconds is not None and not args.max_seconds > 0:
         raise UsageError(f"--max-seconds {args.max_seconds:g}: must be > 0")
     if args.timeout is not None and not args.timeout > 0:
@@ -164,11 +165,7 @@ def _run_with_progress(
     runtime.close()
     if "error" in outcome:
         raise outcome["error"]
-    result = outcome["result"]
-    message = result.verdict.message
-    if result.verdict.status == "failed" and result.output():
-        message += "\n" + result.output()
-    return result.verdict.status, message
+    return ranks_verdict(outcome["result"])
 
 
 def _read(path: str) -> str:
@@ -181,32 +178,28 @@ def _read(path: str) -> str:
 
 def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
     """Add the ``fuzz`` subcommand to ``commands`` (the subparsers of the main parser)."""
-    fuzz = commands.add_parser(
+    fuzz = _subcommand(
+        commands,
+        formatter,
         "fuzz",
-        help="generated models and training programs, FSDP vs DDP, shrunk to a repro.py",
-        description=_paragraph(
-            "Differential fuzzing (docs/fuzz.md): hypothesis draws small models (odd sizes, "
-            "sizes below the world size, embeddings, layer norms, parameter-free modules, a "
-            "module called twice, tied weights, frozen blocks, branches unused in some steps, "
-            "outputs in tuples / lists / dicts / dataclasses), a nested wrap plan, a wrap config "
-            "and a training program (steps, micro-batches with and without gradient sync, "
-            "clipping, evaluation forwards, activation checkpointing) from the features the "
-            "adapter declares, and checks that the FSDP run matches a DDP run (losses, norms, "
-            "full parameters), that every hook sees a legal training state and that no rank "
-            "hangs. A failure is shrunk to a minimal case, printed, and written as a standalone "
-            "reproduction (--out). Exit code 0: nothing found; 1: a counterexample; 2: a bad "
-            "option."
-        ),
-        epilog="examples:\n"
-        "  fsdp-conformance fuzz --examples 200 --seed 0\n"
-        "  fsdp-conformance fuzz --impl torch-fsdp2 --max-seconds 120 --out fsdp2_repro.py",
-        formatter_class=formatter,
+        "generated models and training programs, FSDP vs DDP, shrunk to a repro.py",
+        "Differential fuzzing (docs/fuzz.md): hypothesis draws small models (odd sizes, "
+        "sizes below the world size, embeddings, layer norms, parameter-free modules, a "
+        "module called twice, tied weights, frozen blocks, branches unused in some steps, "
+        "outputs in tuples / lists / dicts / dataclasses), a nested wrap plan, a wrap config "
+        "and a training program (steps, micro-batches with and without gradient sync, "
+        "clipping, evaluation forwards, activation checkpointing) from the features the "
+        "adapter declares, and checks that the FSDP run matches a DDP run (losses, norms, "
+        "full parameters), that every hook sees a legal training state and that no rank "
+        "hangs. A failure is shrunk to a minimal case, printed, and written as a standalone "
+        "reproduction (--out). Exit code 0: nothing found; 1: a counterexample; 2: a bad "
+        "option.",
+        "fsdp-conformance fuzz --examples 200 --seed 0",
+        "fsdp-conformance fuzz --impl torch-fsdp2 --max-seconds 120 --out fsdp2_repro.py",
     )
-    fuzz.add_argument(
-        "--impl",
-        default="impl",
-        metavar="NAME",
-        help="FSDP under test: impl (default), torch-fsdp1, torch-fsdp2, fairscale, deepspeed or "
+    _add_impl(
+        fuzz,
+        "FSDP under test: impl (default), torch-fsdp1, torch-fsdp2, fairscale, deepspeed or "
         "pkg.module:ATTR",
     )
     fuzz.add_argument(

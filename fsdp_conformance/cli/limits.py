@@ -41,11 +41,7 @@ def cpu_count() -> int:
 
 
 def max_workers(world_size: int) -> tuple[int, str]:
-    """The most xdist workers this machine holds for ``world_size``-rank tests, and why.
-
-    Args:
-        world_size: ranks per test.
-    """
+    """The most xdist workers this machine holds for ``world_size``-rank tests, and why."""
     cpus = cpu_count()
     memory = available_memory()
     if memory is None:
@@ -60,12 +56,7 @@ def max_workers(world_size: int) -> tuple[int, str]:
 
 
 def check_workers(workers: int, world_size: int) -> None:
-    """Raise ValueError (one line, naming the cap) when ``-n workers`` exceeds it.
-
-    Args:
-        workers: the requested number of xdist workers.
-        world_size: ranks per test.
-    """
+    """Raise ValueError (one line, naming the cap) when ``-n workers`` exceeds it."""
     cap, reason = max_workers(world_size)
     if workers > cap:
         raise ValueError(

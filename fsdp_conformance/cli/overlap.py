@@ -3,22 +3,19 @@
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import shutil
-import tempfile
 from typing import Any
 
 from fsdp_conformance.cli.common import (
     UsageError,
     _add_common,
     _bool,
-    _paragraph,
-    _ranks_failed,
-    _run_in_ranks,
+    _subcommand,
+    check_at_least,
     check_impl,
     check_output,
     check_world_size,
+    measure_in_ranks,
+    write_json,
 )
 from fsdp_conformance.vocab import Op
 
@@ -26,8 +23,7 @@ from fsdp_conformance.vocab import Op
 def _overlap_command(args: argparse.Namespace) -> int:
     check_impl(args.impl)
     check_world_size(args.world_size)
-    if args.repeats < 1:
-        raise UsageError(f"--repeats {args.repeats}: must be >= 1")
+    check_at_least(args.repeats, "--repeats")
     check_output(args.json, "--json")
     if args.device == "cuda":
         from fsdp_conformance.world import gpus
@@ -38,28 +34,14 @@ def _overlap_command(args: argparse.Namespace) -> int:
                 f"--device cuda: needs one GPU per rank ({args.world_size}), {available} "
                 "available; use --device cpu or a smaller --world-size"
             )
-    workdir = tempfile.mkdtemp(prefix="fsdp-cli-")
-    out_file = os.path.join(workdir, "overlap.json")
-    try:
-        status, message = _run_in_ranks(
-            "overlap_in_rank",
-            {"out_file": out_file, "limit_all_gathers": args.limit_all_gathers,
-             "repeats": args.repeats},
-            args.impl,
-            args.world_size,
-            "nccl" if args.device == "cuda" else "gloo",
-            args.timeout,
-        )  # fmt: skip
-        if status != "passed":
-            return _ranks_failed("overlap", status, message)
-        with open(out_file, encoding="utf-8") as stream:
-            document = json.load(stream)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+    kwargs = {"limit_all_gathers": args.limit_all_gathers, "repeats": args.repeats}
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    document = measure_in_ranks("overlap", "overlap_in_rank", kwargs, args, backend)
+    if document is None:
+        return 1
     print(render_overlap(document))
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as stream:
-            json.dump(document, stream, indent=2)
+        write_json(args.json, document, indent=2)
     return 0
 
 
@@ -116,24 +98,22 @@ def render_overlap(document: dict[str, Any]) -> str:
 
 def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
     """Add the ``overlap`` subcommand to ``commands`` (the subparsers of the main parser)."""
-    overlap = commands.add_parser(
+    overlap = _subcommand(
+        commands,
+        formatter,
         "overlap",
-        help="time compute only / communication only / both and print the overlap ratio",
-        description=_paragraph(
-            "Reproduce the overlap-timing experiment of the suite "
-            "(fsdp_conformance.suite.overlap): 4 FSDP layers under a "
-            "root; each layer computes for a fixed time, each all-gather is delayed; the forward "
-            "is timed with nothing / communication only / compute only / both, each the minimum "
-            "of --repeats runs and the maximum over ranks. On CPU the delay is injected into the "
-            "all-gather's work handle without blocking the CPU thread, and forward prefetch is on; "
-            "on CUDA both delays are torch.cuda._sleep on the device. Prints the table, the "
-            "overlap ratio and the suite's verdict; exit code 0 when the measurement ran."
-        ),
-        epilog="examples:\n"
-        "  fsdp-conformance overlap --limit-all-gathers false\n"
-        "  fsdp-conformance overlap --impl torch-fsdp1 --limit-all-gathers true\n"
-        "  fsdp-conformance overlap --device cuda --json overlap.json",
-        formatter_class=formatter,
+        "time compute only / communication only / both and print the overlap ratio",
+        "Reproduce the overlap-timing experiment of the suite "
+        "(fsdp_conformance.suite.overlap): 4 FSDP layers under a "
+        "root; each layer computes for a fixed time, each all-gather is delayed; the forward "
+        "is timed with nothing / communication only / compute only / both, each the minimum "
+        "of --repeats runs and the maximum over ranks. On CPU the delay is injected into the "
+        "all-gather's work handle without blocking the CPU thread, and forward prefetch is on; "
+        "on CUDA both delays are torch.cuda._sleep on the device. Prints the table, the "
+        "overlap ratio and the suite's verdict; exit code 0 when the measurement ran.",
+        "fsdp-conformance overlap --limit-all-gathers false",
+        "fsdp-conformance overlap --impl torch-fsdp1 --limit-all-gathers true",
+        "fsdp-conformance overlap --device cuda --json overlap.json",
     )
     _add_common(overlap, "ranks (default 2)")
     overlap.add_argument(

@@ -1,10 +1,7 @@
 """What ``fsdp-conformance overlap`` and ``timeline`` run inside every rank.
 
-The CLI sends these functions to a rank set of ``fsdp_conformance.world`` (as the pytest plugin
-sends a test body): each is called in every rank with its keyword arguments plus ``dist``, and
-rank 0 writes what it measured as JSON to ``out_file``. The measuring itself is the suite's:
-``fsdp_conformance.suite.overlap.measure_overlap`` and
-``fsdp_conformance.suite.memory_bound.measure_residency``.
+Each is called in every rank with ``dist`` and its keyword arguments; rank 0 writes what the
+suite's measuring (``suite.overlap``, ``suite.memory_bound``) found as JSON to ``out_file``.
 """
 
 from __future__ import annotations
@@ -37,16 +34,8 @@ def overlap_in_rank(
     compute_ms: float | None = None,
     comm_ms: float | None = None,
 ) -> None:
-    """Time the four cases of ``[Note: overlap timing]`` and write them (rank 0).
-
-    Args:
-        dist: the rank context.
-        out_file: where rank 0 writes the JSON.
-        limit_all_gathers: the rate limiter setting of the experiment.
-        repeats: runs of each case (the statistic is the minimum over them).
-        compute_ms, comm_ms: per-layer compute and per-all-gather delay; default the suite's
-            CPU or CUDA values.
-    """
+    """Time the four cases of ``[Note: overlap timing]`` (each the minimum of ``repeats`` runs;
+    delays default to the suite's CPU or CUDA values); rank 0 writes them to ``out_file``."""
     adapter = get_adapter(dist.impl)
     cuda = dist.device.type == "cuda"
     if compute_ms is None:
@@ -98,8 +87,7 @@ def _bound_of(adapter: Any, case: memory_bound.BoundCase) -> tuple[str, dict[str
 
 
 def _panel(tracker: Any, case: memory_bound.BoundCase, adapter: Any) -> dict[str, Any]:
-    """One panel's data; ``over`` lists the phases whose peak exceeds the bound, the one
-    verdict the table and the picture both show."""
+    """One panel's data; ``over``: the phases whose peak exceeds the bound (the verdict)."""
     samples = tracker.rows()
     bound_name, bound = _bound_of(adapter, case)
     peaks = [

@@ -9,15 +9,10 @@ environment variable ``FSDP_CONFORMANCE_CLI_RESULTS`` naming a file; this plugin
     {"event": "collect_error", "nodeid": ..., "detail": "ImportError: ..."}
     {"event": "usage_error", "detail": "..."}
 
-as results arrive, so the CLI can show progress while pytest runs and build the matrix when it
-ends. Only the controlling pytest process writes (under pytest-xdist the workers' reports reach
-the controller through ``pytest_runtest_logreport``). Without the variable the plugin is inert.
-
-Every field comes from the cell's ``checks.Result`` (the report properties ``PROPERTY_*`` the
-suite's plugin puts on each report of a registered check; a test that is no registered check
-gets the one its report's outcome implies, with ``check_id`` ""): ``outcome`` is ``pass``,
-``fail``, ``xfail`` or ``skip``; ``detail`` is the failure, the reason of a skip, or the failure
-and reason of a deviation. No message text is parsed.
+as results arrive (only the controlling pytest process writes; without the variable the plugin
+is inert). Every field comes from the cell's ``checks.Result`` (the report properties
+``PROPERTY_*``; a test that is no registered check gets the one its outcome implies, with
+``check_id`` ""). No message text is parsed.
 """
 
 from __future__ import annotations

@@ -1,15 +1,14 @@
 """The conformance matrix of ``fsdp-conformance run``: cells, summary, text / Markdown / JSON.
 
-A *cell* is one check (test class and function, ``TestDDPParity::test_matches_ddp``) in one
-configuration (its parametrisation id, ``nested-ws2-FULL_SHARD-...``; ``(default)`` when the
-test is not parametrised) with one result: ``pass``, ``fail``, ``xfail``, ``xpass`` or
-``skip``, plus a detail (the first assertion message of a failure, the reason of a skip or an
-expected failure). Cells come from the JSON lines of ``fsdp_conformance.cli.records``.
+A *cell* is one check (``TestDDPParity::test_matches_ddp``) in one configuration (its
+parametrisation id; ``(default)`` when not parametrised) with an outcome of ``OUTCOMES`` and a
+detail (failure message, skip or xfail reason), read from the records of ``cli.records``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import json
 import textwrap
 from collections.abc import Iterable
@@ -24,20 +23,13 @@ DEFAULT_CONFIGURATION = "(default)"
 class Cell:
     """One check in one configuration."""
 
-    # "TestClass::test_function" (module path dropped), or the collection error's node
-    check: str
-    # the parametrisation id, or DEFAULT_CONFIGURATION
-    configuration: str
-    # one of OUTCOMES
-    outcome: str
-    # failure message / skip or xfail reason ("" for a pass)
-    detail: str
-    # the pytest node id
+    check: str  # "TestClass::test_function", or "collecting <node>" for a collection error
+    configuration: str  # the parametrisation id, or DEFAULT_CONFIGURATION
+    outcome: str  # one of OUTCOMES
+    detail: str  # failure message / skip or xfail reason ("" for a pass)
     nodeid: str
-    # seconds over setup, call and teardown
-    duration: float = 0.0
-    # the registered check's id, verdict and reason (fsdp_conformance.checks; "" when the test
-    # is no registered check)
+    duration: float = 0.0  # seconds over setup, call and teardown
+    # the recorded checks.Result's id, verdict and reason ("" for no registered check)
     check_id: str = ""
     verdict: str = ""
     reason: str = ""
@@ -160,6 +152,13 @@ def render_text(cells: list[Cell], detail_width: int = 160) -> str:
             lines.append((line + (parts[0] if parts else "")).rstrip())
             lines.extend(" " * len(line) + part for part in parts[1:])
     return "\n".join(lines)
+
+
+def package_version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
 
 
 def _md(text: str) -> str:

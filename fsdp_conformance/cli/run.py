@@ -1,15 +1,10 @@
-"""``fsdp-conformance run``: the suite in a pytest subprocess, its progress, and the matrix.
-
-``run`` starts pytest on ``fsdp_conformance.suite`` in a subprocess (``--pyargs``, with
-pytest-xdist when ``-n`` > 0) with the collector plugin ``fsdp_conformance.cli.records``, shows
-progress from its results file, and prints the matrix (``fsdp_conformance.cli.report``).
-"""
+"""``fsdp-conformance run``: the suite in a pytest subprocess (with the records plugin
+``cli.records``), its progress from the records, and the matrix (``cli.report``)."""
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.metadata
 import importlib.util
 import os
 import platform
@@ -30,11 +25,12 @@ from fsdp_conformance.cli.common import (
     PROG,
     UsageError,
     _add_common,
-    _paragraph,
+    _subcommand,
     adapter_name,
     check_impl,
     check_keyword_expression,
     check_output,
+    check_worker_count,
     check_world_size,
     keep_log,
 )
@@ -52,8 +48,7 @@ def _run_command(args: argparse.Namespace) -> int:
     check_impl(args.impl)
     check_world_size(args.world_size)
     check_keyword_expression(args.k)
-    if args.workers < 0:
-        raise UsageError(f"-n {args.workers}: give 0 (no xdist) or a number of workers")
+    check_worker_count(args.workers)
     try:
         if args.workers != DEFAULT_WORKERS:  # (the default is not the user's request)
             limits.check_workers(args.workers, args.world_size)
@@ -148,18 +143,14 @@ def pytest_command(args: argparse.Namespace) -> list[str]:
 
 
 def _write_outputs(
-    args: argparse.Namespace,
-    cells: list[Any],
-    header: dict[str, str],
-    summary: str,
-    returncode: int,
+    args: argparse.Namespace, cells: list[Any], header: dict[str, str], summary: str, code: int
 ) -> None:
     """--report (Markdown) and --json (pytest writes --junit itself)."""
     if args.report:
         with open(args.report, "w", encoding="utf-8") as stream:
             stream.write(report.render_markdown(cells, header, summary))
     if args.json:
-        document = {**header, "summary_line": summary, "pytest_exit_code": returncode}
+        document = {**header, "summary_line": summary, "pytest_exit_code": code}
         with open(args.json, "w", encoding="utf-8") as stream:
             stream.write(report.render_json(cells, document))
 
@@ -169,7 +160,7 @@ class _Progress:
     arrive."""
 
     def __init__(self, stream: Any) -> None:
-        self.stream = stream  # where progress goes (stderr)
+        self.stream = stream
         self.tty = stream.isatty()  # rewrite one status line in place
         self.seen = 0  # records already handled
         self.total: int | None = None  # cells collected (None: still collecting)
@@ -228,13 +219,6 @@ def _tail(path: str, lines: int) -> str:
         return "".join(stream.readlines()[-lines:]).rstrip()
 
 
-def _version(package: str) -> str:
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
-
-
 def _report_header(args: argparse.Namespace, command: list[str], wall: float) -> dict[str, str]:
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     return {
@@ -242,8 +226,9 @@ def _report_header(args: argparse.Namespace, command: list[str], wall: float) ->
         "date": now,
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()} "
         f"{platform.release()}, load average {os.getloadavg()[0]:.1f}",
-        "versions": f"python {platform.python_version()}, torch {_version('torch')}, "
-        f"fsdp-conformance {_version('fsdp-conformance')}",
+        "versions": f"python {platform.python_version()}, torch "
+        f"{report.package_version('torch')}, fsdp-conformance "
+        f"{report.package_version('fsdp-conformance')}",
         "options": f"world size {args.world_size}, mode {args.mode}, coverage {args.coverage}, "
         f"{args.workers} xdist workers" + (f", -k {args.k!r}" if args.k else ""),
         "pytest command": shlex.join(["python", *command[1:]]),
@@ -253,23 +238,21 @@ def _report_header(args: argparse.Namespace, command: list[str], wall: float) ->
 
 def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
     """Add the ``run`` subcommand to ``commands`` (the subparsers of the main parser)."""
-    run = commands.add_parser(
+    run = _subcommand(
+        commands,
+        formatter,
         "run",
-        help="run the conformance suite and print the check x configuration matrix",
-        description=_paragraph(
-            "Run the conformance suite (pytest --pyargs fsdp_conformance.suite) against "
-            "one FSDP implementation and print the matrix: each check (test class and function) in "
-            "each configuration (its parametrisation) -> pass / FAIL (first assertion message) / "
-            "xfail / skip (reason). Exit code 0 only when nothing failed. Default: pairwise "
-            "coverage of the parity configurations and 2 xdist workers (fits in 10 minutes on a "
-            "2-core CPU host); --coverage full runs every combination."
-        ),
-        epilog="examples:\n"
-        "  fsdp-conformance run\n"
-        "  fsdp-conformance run --impl torch-fsdp1 --report matrix.md --json matrix.json\n"
-        "  fsdp-conformance run --impl mypkg.fsdp_adapter:ADAPTER -k 'MemoryBound or Parity'\n"
-        "  fsdp-conformance run -n 0 -k test_counts_per_phase --junit junit.xml",
-        formatter_class=formatter,
+        "run the conformance suite and print the check x configuration matrix",
+        "Run the conformance suite (pytest --pyargs fsdp_conformance.suite) against "
+        "one FSDP implementation and print the matrix: each check (test class and function) in "
+        "each configuration (its parametrisation) -> pass / FAIL (first assertion message) / "
+        "xfail / skip (reason). Exit code 0 only when nothing failed. Default: pairwise "
+        "coverage of the parity configurations and 2 xdist workers (fits in 10 minutes on a "
+        "2-core CPU host); --coverage full runs every combination.",
+        "fsdp-conformance run",
+        "fsdp-conformance run --impl torch-fsdp1 --report matrix.md --json matrix.json",
+        "fsdp-conformance run --impl mypkg.fsdp_adapter:ADAPTER -k 'MemoryBound or Parity'",
+        "fsdp-conformance run -n 0 -k test_counts_per_phase --junit junit.xml",
     )
     _add_common(
         run,

@@ -1,29 +1,17 @@
 """``fsdp-conformance conformance``: the suite run per implementation, as one check x impl table.
 
-Each implementation runs the suite in its own pytest process (as ``fsdp-conformance run``
-does, through the ``cli.records`` plugin); its cells (one per check and configuration) are
-folded per check into one *verdict* per table cell:
-
-  pass            every configuration that ran passed
-  deviation       a declared known deviation (``Adapter.known_deviations``): the reason
-  not applicable  the adapter lacks a feature the check needs (a skip): the reason
-  FAIL            a configuration failed: its first message
-
-Each configuration's verdict and reason are data: the report properties the suite's verdict
-path recorded (``fsdp_conformance/suite/verdict.py``, ``checks.PROPERTY_*``), carried by the
-``cli.records`` records; no message text is parsed. Rows are the registered checks
-(``fsdp_conformance.checks.CHECKS``). A check mixing outcomes lists each with its number of
-configurations ("pass 10, deviation 4
-[2]"). Reasons are numbered notes under the table, so the table stays one line per check. An
-implementation that cannot run (fairscale not installed, no such adapter) gets one note saying
-why, in every cell of its column.
+Each implementation runs ``run``'s pytest (``cli.records``); its cells are folded per check into
+one *verdict* per table cell from the recorded ``checks.Result`` (no message text is parsed):
+pass, deviation (the declared reason), not applicable (the missing feature) or FAIL (the first
+message). A check mixing verdicts lists each with its count ("pass 10, deviation 4 [2]");
+reasons are numbered notes under the table. An implementation that cannot run gets one note
+saying why, in every cell of its column.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
-import importlib.metadata
 import importlib.util
 import os
 import shlex
@@ -35,15 +23,13 @@ from typing import Any
 
 import fsdp_conformance.suite  # noqa: F401  (importing the suite declares its checks)
 from fsdp_conformance import checks, vocab
+from fsdp_conformance.cli.report import _md, package_version
 
 # The implementations of the table, in column order (one source: vocab.BUILTIN_ADAPTERS)
 IMPLEMENTATIONS = vocab.BUILTIN_ADAPTERS
 
-# impl -> (python package it needs, extra that installs it)
-_OPTIONAL_PACKAGES = {
-    "fairscale": ("fairscale", "fairscale"),
-    "deepspeed": ("deepspeed", "deepspeed"),
-}
+# impls whose python package is an extra of the same name
+_OPTIONAL_PACKAGES = ("fairscale", "deepspeed")
 # Verdict labels, in the order a mixed cell lists them
 VERDICTS = checks.VERDICTS
 
@@ -52,13 +38,9 @@ VERDICTS = checks.VERDICTS
 class TableCell:
     """One configuration of one check, as the table needs it."""
 
-    # the registered check id (fsdp_conformance.checks), or the test ("Class::test") when the
-    # test is no registered check
-    check: str
-    # one of checks.VERDICTS
-    verdict: str
-    # the deviation's declared reason, the missing feature's reason, or the failure ("" = pass)
-    reason: str = ""
+    check: str  # the registered check id, or "Class::test" for no registered check
+    verdict: str  # one of checks.VERDICTS
+    reason: str = ""  # the deviation's or missing feature's reason, or the failure
 
 
 def table_cell(cell: Any) -> TableCell:
@@ -73,24 +55,18 @@ def table_cell(cell: Any) -> TableCell:
 class ImplResult:
     """What one implementation's run produced."""
 
-    # the name given to --impl (column header)
-    impl: str
-    # the adapter's own name when it differs from `impl` (shown under the header)
-    adapter_name: str = ""
-    # one per configuration that reported
-    cells: list[TableCell] = dataclasses.field(default_factory=list)
-    # why the implementation could not run at all (then `cells` is empty)
-    unavailable: str | None = None
+    impl: str  # the name given to --impl (column header)
+    adapter_name: str = ""  # the adapter's own name when it differs from `impl`
+    cells: list[TableCell] = dataclasses.field(default_factory=list)  # one per configuration
+    unavailable: str | None = None  # why the implementation could not run at all
 
 
 def unavailable_reason(impl: str) -> str | None:
     """Why ``impl`` cannot run here (not installed / unknown), or None when it can."""
     from fsdp_conformance.adapters import BUILTIN_ADAPTERS
 
-    if impl in _OPTIONAL_PACKAGES:
-        package, extra = _OPTIONAL_PACKAGES[impl]
-        if importlib.util.find_spec(package) is None:
-            return f"not installed: pip install 'fsdp-conformance[{extra}]'"
+    if impl in _OPTIONAL_PACKAGES and importlib.util.find_spec(impl) is None:
+        return f"not installed: pip install 'fsdp-conformance[{impl}]'"
     if impl not in BUILTIN_ADAPTERS and ":" not in impl:
         return (
             f"no built-in adapter {impl!r} in this fsdp-conformance "
@@ -102,13 +78,8 @@ def unavailable_reason(impl: str) -> str | None:
 def run_implementation(
     impl: str, pytest_args: Sequence[str], timeout: float | None = None
 ) -> ImplResult:
-    """Run ``pytest --pyargs fsdp_conformance.suite --fsdp-impl impl *pytest_args``; its cells.
-
-    Args:
-        impl: the --fsdp-impl name.
-        pytest_args: further pytest arguments (-k, --fsdp-coverage, -n ...).
-        timeout: seconds the whole run may take (None: no limit).
-    """
+    """The cells of ``run``'s pytest on ``impl`` with ``pytest_args`` (``timeout`` seconds at
+    most; None: no limit)."""
     from fsdp_conformance.cli import records, report
 
     reason = unavailable_reason(impl)
@@ -229,18 +200,10 @@ def render_table(results: Iterable[ImplResult], header: dict[str, str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _md(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
-
-
 def default_header(pytest_args: Sequence[str]) -> dict[str, str]:
     """torch version, date and the options of the run."""
-    versions = []
-    for package in ("torch", "fairscale", "deepspeed", "fsdp-conformance"):
-        try:
-            versions.append(f"{package} {importlib.metadata.version(package)}")
-        except importlib.metadata.PackageNotFoundError:
-            versions.append(f"{package} not installed")
+    packages = ("torch", "fairscale", "deepspeed", "fsdp-conformance")
+    versions = [f"{package} {package_version(package)}" for package in packages]
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "versions": ", ".join(versions),

@@ -9,8 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import tempfile
 from typing import Any
 
 from fsdp_conformance import vocab
@@ -18,24 +16,22 @@ from fsdp_conformance.cli import draw
 from fsdp_conformance.cli.common import (
     UsageError,
     _add_common,
-    _paragraph,
-    _ranks_failed,
-    _run_in_ranks,
+    _subcommand,
+    check_at_least,
     check_impl,
     check_output,
     check_world_size,
+    measure_in_ranks,
+    write_json,
 )
 
 
 def _timeline_command(args: argparse.Namespace) -> int:
     check_impl(args.impl)
     check_world_size(args.world_size, minimum=2)
-    if args.iterations < 1:
-        raise UsageError(f"--iterations {args.iterations}: must be >= 1")
-    if args.layers < 4:
-        raise UsageError(
-            f"--layers {args.layers}: the bound only shows with >= 4 instances (default 6)"
-        )
+    check_at_least(args.iterations, "--iterations")
+    why = "the bound only shows with >= 4 instances (default 6)"
+    check_at_least(args.layers, "--layers", 4, why)
     for path, option in ((args.out, "--out"), (args.data, "--data"), (args.trace, "--trace")):
         check_output(path, option)
     try:
@@ -45,37 +41,22 @@ def _timeline_command(args: argparse.Namespace) -> int:
             "the timeline picture needs matplotlib, which cannot be imported "
             f"({error}): pip install matplotlib"
         ) from None
-    workdir = tempfile.mkdtemp(prefix="fsdp-cli-")
-    out_file = os.path.join(workdir, "timeline.json")
-    try:
-        status, message = _run_in_ranks(
-            "timeline_in_rank",
-            {
-                "out_file": out_file,
-                "lag": args.lag,
-                "iterations": args.iterations,
-                "layers": args.layers,
-                "backward_prefetch": args.backward_prefetch,
-                "forward_prefetch": args.forward_prefetch,
-                "trace_file": os.path.abspath(args.trace) if args.trace else None,
-            },
-            args.impl,
-            args.world_size,
-            "gloo",
-            args.timeout,
-        )
-        if status != "passed":
-            return _ranks_failed("timeline", status, message)
-        with open(out_file, encoding="utf-8") as stream:
-            document = json.load(stream)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+    kwargs = {
+        "lag": args.lag,
+        "iterations": args.iterations,
+        "layers": args.layers,
+        "backward_prefetch": args.backward_prefetch,
+        "forward_prefetch": args.forward_prefetch,
+        "trace_file": os.path.abspath(args.trace) if args.trace else None,
+    }
+    document = measure_in_ranks("timeline", "timeline_in_rank", kwargs, args, "gloo")
+    if document is None:
+        return 1
     document["axes_drawn"] = draw.draw(document, args.out)
     print(render_timeline(document))
     written = [f"{args.out} ({document['axes_drawn']} panels)"]
     if args.data:
-        with open(args.data, "w", encoding="utf-8") as stream:
-            json.dump(document, stream, indent=1)
+        write_json(args.data, document, indent=1)
         written.append(args.data)
     if args.trace:
         ranges = _count_trace_ranges(args.trace, RATE_LIMITER_RANGE)
@@ -121,24 +102,22 @@ def render_timeline(document: dict[str, Any]) -> str:
 
 def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
     """Add the ``timeline`` subcommand to ``commands`` (the subparsers of the main parser)."""
-    timeline = commands.add_parser(
+    timeline = _subcommand(
+        commands,
+        formatter,
         "timeline",
-        help="draw resident unsharded buffers over time with limit_all_gathers on and off",
-        description=_paragraph(
-            "Train a chain of --layers FSDP instances under a root for a few "
-            "iterations under the lagging device (fsdp_conformance.observe: events complete only "
-            "when the CPU blocks on them), once with limit_all_gathers=True and once with False, "
-            "counting resident unsharded buffers after every event (fsdp_conformance.suite."
-            "memory_bound). Draws two panels (forward and backward shaded, the bound as a dashed "
-            "line), prints the peaks per phase, and optionally writes the data and a Chrome trace "
-            "of the limited run whose FullyShardedDataParallel.rate_limiter ranges show the "
-            "limiter's waits. Needs matplotlib."
-        ),
-        epilog="examples:\n"
-        "  fsdp-conformance timeline --out timeline.png\n"
-        "  fsdp-conformance timeline --impl torch-fsdp1 --lag drained --data timeline.json\n"
-        "  fsdp-conformance timeline --trace trace.json   # open in chrome://tracing or Perfetto",
-        formatter_class=formatter,
+        "draw resident unsharded buffers over time with limit_all_gathers on and off",
+        "Train a chain of --layers FSDP instances under a root for a few "
+        "iterations under the lagging device (fsdp_conformance.observe: events complete only "
+        "when the CPU blocks on them), once with limit_all_gathers=True and once with False, "
+        "counting resident unsharded buffers after every event (fsdp_conformance.suite."
+        "memory_bound). Draws two panels (forward and backward shaded, the bound as a dashed "
+        "line), prints the peaks per phase, and optionally writes the data and a Chrome trace "
+        "of the limited run whose FullyShardedDataParallel.rate_limiter ranges show the "
+        "limiter's waits. Needs matplotlib.",
+        "fsdp-conformance timeline --out timeline.png",
+        "fsdp-conformance timeline --impl torch-fsdp1 --lag drained --data timeline.json",
+        "fsdp-conformance timeline --trace trace.json   # open in chrome://tracing or Perfetto",
     )
     _add_common(timeline, "ranks (default 2, at least 2)")
     timeline.add_argument(

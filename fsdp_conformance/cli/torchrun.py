@@ -21,11 +21,8 @@ CLI_LAUNCHERS = ("none", "torchrun")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add ``--launcher``, ``--nnodes``, ``--nproc-per-node`` and ``--rdzv-endpoint``.
-
-    Args:
-        parser: the ``run`` subcommand's parser.
-    """
+    """Add ``--launcher``, ``--nnodes``, ``--nproc-per-node`` and ``--rdzv-endpoint`` to
+    ``run``'s parser."""
     parser.add_argument(
         "--launcher",
         choices=CLI_LAUNCHERS,
@@ -33,32 +30,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="'torchrun': run the suite as one torchrun job (every process runs each check in "
         "place; multi-node: run the same command on every node); default: spawn ranks",
     )
+    parser.add_argument("--nnodes", type=int, metavar="N", help="torchrun: nodes (default 1)")
     parser.add_argument(
-        "--nnodes", type=int, default=None, metavar="N", help="torchrun: nodes (default 1)"
-    )
-    parser.add_argument(
-        "--nproc-per-node",
-        type=int,
-        default=None,
-        metavar="M",
+        "--nproc-per-node", type=int, metavar="M",
         help="torchrun: processes per node (default: --world-size)",
-    )
+    )  # fmt: skip
     parser.add_argument(
-        "--rdzv-endpoint",
-        default=None,
-        metavar="HOST:PORT",
+        "--rdzv-endpoint", metavar="HOST:PORT",
         help="torchrun: c10d rendezvous (needed with --nnodes > 1; default: --standalone)",
-    )
+    )  # fmt: skip
 
 
 def check(args: argparse.Namespace, default_workers: int, default_mode: str) -> str | None:
-    """The one-line problem with the launcher options, or None when they are usable.
-
-    Args:
-        args: the parsed ``run`` arguments.
-        default_workers: ``-n``'s default (ignored under torchrun; another value is an error).
-        default_mode: ``--mode``'s default (likewise).
-    """
+    """The one-line problem with the launcher options, or None when they are usable (under
+    torchrun, ``-n`` and ``--mode`` must keep their defaults)."""
     if args.launcher != "torchrun":
         for option, value in (
             ("--nnodes", args.nnodes),
@@ -89,21 +74,12 @@ def check(args: argparse.Namespace, default_workers: int, default_mode: str) -> 
 
 
 def torchrun_command(args: argparse.Namespace, pytest_command: list[str]) -> list[str]:
-    """``pytest_command`` (``[python, "-m", "pytest", ...]``, without ``-n``) as a torchrun job.
-
-    Args:
-        args: the parsed ``run`` arguments (after :func:`check`).
-        pytest_command: the CLI's pytest command.
-    """
+    """``pytest_command`` (``[python, "-m", "pytest", ...]``, without ``-n``) as a torchrun job
+    (``args`` already passed :func:`check`)."""
     assert pytest_command[1:3] == ["-m", "pytest"], pytest_command
     nproc = args.nproc_per_node or args.world_size
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nnodes={args.nnodes or 1}",
-        f"--nproc-per-node={nproc}",
-    ]
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={args.nnodes or 1}",
+               f"--nproc-per-node={nproc}"]  # fmt: skip
     if args.rdzv_endpoint is None:
         command.append("--standalone")
     else:
