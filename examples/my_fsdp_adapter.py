@@ -15,6 +15,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from fsdp_conformance.adapters import (
     ALL_FEATURES,
     Adapter,
+    Declarations,
     Feature,
     InstanceState,
     RootState,
@@ -27,46 +28,47 @@ from fsdp_conformance.adapters.torch_fsdp1 import (
     observe_fsdp1,
 )
 
+# Step 2 (features, in the order that unlocks the most cells); everything else skips with the
+# reason below, naming the adapter and the feature
+SUPPORTED = frozenset(
+    {
+        Feature.TRAINING_STATES,  # training_state / root_state below
+        Feature.SUMMON_FULL_PARAMS,  # _summon_full_params below
+        Feature.FULL_SHARD,
+        Feature.SHARD_GRAD_OP,
+        Feature.NO_SHARD,
+        Feature.BACKWARD_PREFETCH_PRE,
+        Feature.BACKWARD_PREFETCH_POST,
+        Feature.BACKWARD_PREFETCH_NONE,
+        Feature.FORWARD_PREFETCH,
+        Feature.COMM_TRACE,  # _observe below
+        Feature.DEVICE_HANDLE,  # _install_device_handle below
+        Feature.LIMIT_ALL_GATHERS,
+        Feature.LIMIT_ALL_GATHERS_OFF,
+        Feature.AUTO_WRAP_POLICY,
+        Feature.USE_ORIG_PARAMS,
+        Feature.SUMMON_FULL_PARAMS_WRITEBACK,
+        # the training loops: FSDP1's own no_sync() / clip_grad_norm_() on the root
+        Feature.GRADIENT_ACCUMULATION,
+        Feature.CLIP_GRAD_NORM,
+        Feature.FROZEN_PARAMETERS,
+        Feature.FROZEN_PARAMETERS_MIXED,
+        Feature.ACTIVATION_CHECKPOINTING,
+        Feature.FORWARD_VARIANTS,
+    }
+)
+
 
 class MyFSDPAdapter(Adapter):
     name = "my-fsdp"
-
-    # Step 2 (features, in the order that unlocks the most cells); everything else skips with
-    # the reason below, naming the adapter and the feature
-    SUPPORTED = frozenset(
-        {
-            Feature.TRAINING_STATES,  # training_state / root_state below
-            Feature.SUMMON_FULL_PARAMS,  # _summon_full_params below
-            Feature.FULL_SHARD,
-            Feature.SHARD_GRAD_OP,
-            Feature.NO_SHARD,
-            Feature.BACKWARD_PREFETCH_PRE,
-            Feature.BACKWARD_PREFETCH_POST,
-            Feature.BACKWARD_PREFETCH_NONE,
-            Feature.FORWARD_PREFETCH,
-            Feature.COMM_TRACE,  # _observe below
-            Feature.DEVICE_HANDLE,  # _install_device_handle below
-            Feature.LIMIT_ALL_GATHERS,
-            Feature.LIMIT_ALL_GATHERS_OFF,
-            Feature.AUTO_WRAP_POLICY,
-            Feature.USE_ORIG_PARAMS,
-            Feature.SUMMON_FULL_PARAMS_WRITEBACK,
-            # the training loops: FSDP1's own no_sync() / clip_grad_norm_() on the root
-            Feature.GRADIENT_ACCUMULATION,
-            Feature.CLIP_GRAD_NORM,
-            Feature.FROZEN_PARAMETERS,
-            Feature.FROZEN_PARAMETERS_MIXED,
-            Feature.ACTIVATION_CHECKPOINTING,
-            Feature.FORWARD_VARIANTS,
-        }
+    declarations = Declarations(
+        unsupported={
+            feature: "not wired up in my-fsdp yet" for feature in ALL_FEATURES - SUPPORTED
+        },
+        # Step 3: what torch FSDP1 does differently, each with its reproduction
+        # (tests/adapters/test_measured_torch_facts.py, docs/memory_bound.md)
+        known_deviations=FSDP1_DEVIATIONS,
     )
-    # Step 3: what torch FSDP1 does differently, each with its reproduction
-    # (tests/adapters/test_measured_torch_facts.py, docs/memory_bound.md)
-    known_deviations = FSDP1_DEVIATIONS
-
-    def unsupported(self) -> dict[str, str]:
-        reason = "not wired up in my-fsdp yet"
-        return {feature: reason for feature in ALL_FEATURES - self.SUPPORTED}
 
     # Step 1: the minimum adapter
     def _wrap(self, module, process_group, config):

@@ -19,10 +19,12 @@ MOVED: dict[str, str] = {}
 
 
 def _target(name: str) -> str | None:
-    for old, new in MOVED.items():
-        if name == old or name.startswith(old + "."):
-            return new + name[len(old) :]
-    return None
+    """Where old module ``name`` lives now (the longest moved prefix decides), or None."""
+    olds = [old for old in MOVED if name == old or name.startswith(old + ".")]
+    if not olds:
+        return None
+    old = max(olds, key=len)
+    return MOVED[old] + name[len(old) :]
 
 
 class _AliasLoader(importlib.abc.Loader):

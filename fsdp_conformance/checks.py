@@ -251,7 +251,7 @@ def report_line(report: object) -> str:
     longrepr = getattr(report, "longrepr", None)
     if isinstance(longrepr, tuple) and len(longrepr) == 3:  # a skip: (file, line, reason)
         return str(longrepr[2]).removeprefix("Skipped: ")
-    wasxfail = getattr(report, "wasxfail", "")
+    wasxfail = str(getattr(report, "wasxfail", "")).removeprefix("reason: ")
     crash = getattr(longrepr, "reprcrash", None)
     text = wasxfail or (crash.message if crash is not None else str(longrepr or ""))
     lines = [line.strip() for line in str(text).strip().splitlines() if line.strip()]

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from fsdp_conformance import vocab
+from fsdp_conformance.adapters import features as adapter_features
 from fsdp_conformance.world import signals as _signals
 
 _MODES = vocab.MODES
@@ -442,11 +443,16 @@ def _registered_check(item: pytest.Item) -> Any:
 
 
 def _uses_session_impl(item: pytest.Item) -> bool:
-    """Whether the item's adapter is the session's ``--fsdp-impl`` (its ``fsdp_impl`` fixture is
-    this plugin's, not a test's own)."""
+    """Whether the item's adapter is the session's ``--fsdp-impl`` (its ``fsdp_impl`` and
+    ``fsdp_adapter`` fixtures are this plugin's, not a test's own)."""
     definitions = getattr(item, "_fixtureinfo", None)
-    chain = definitions.name2fixturedefs.get("fsdp_impl", ()) if definitions else ()
-    return bool(chain) and getattr(chain[-1].func, "__module__", None) == __name__
+    if definitions is None or "fsdp_impl" not in definitions.name2fixturedefs:
+        return False
+    return all(
+        getattr(chain[-1].func, "__module__", None) == __name__
+        for name, chain in definitions.name2fixturedefs.items()
+        if name in ("fsdp_impl", "fsdp_adapter") and chain
+    )
 
 
 def _session_adapter(config: pytest.Config) -> Any:
@@ -466,12 +472,12 @@ def _not_applicable(adapter: Any, check: Any) -> Any:
     from fsdp_conformance import checks
     from fsdp_conformance.adapters import UnsupportedFeatureError
 
-    problem = adapter.support_problem()
+    problem = adapter_features.support_problem(adapter)
     if problem is not None:
         reason = f"adapter {adapter.name!r}: {problem}"
         return checks.Result(check.id, checks.NOT_APPLICABLE, reason, feature="version")
     try:
-        adapter.check(*check.features)
+        adapter_features.require(adapter, *check.features)
     except UnsupportedFeatureError as error:
         return checks.Result(check.id, checks.NOT_APPLICABLE, str(error), feature=error.feature)
     return None

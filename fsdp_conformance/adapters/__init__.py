@@ -1,7 +1,9 @@
 """Adapters: how the conformance suite drives one FSDP implementation (docs/adapters.md).
 
 `get_adapter(name)` with "impl", "torch-fsdp1", "torch-fsdp2" or "pkg.module:ATTR"; the
-protocol is `Adapter` (base.py), feature names are `Feature` (features.py), canonical states are
+protocol is `Adapter` (base.py) and what it declares `Declarations`; feature names and
+negotiation are in features.py, deviation matching in deviations.py, the training loop's hooks
+in loop.py; canonical states are
 `InstanceState` / `RootState` (fsdp_conformance/training_states.py). See docs/adapters.md.
 """
 
@@ -15,23 +17,21 @@ from fsdp_conformance.training_states import (
     RootState,
 )
 
-from .base import (
-    Adapter,
-    AdapterWrap,
-    FeatureNotImplementedError,
-    ObserverRegistry,
-    UnsupportedFeatureError,
-    clean_param_name,
-)
+from . import deviations, features, loop
+from .base import Adapter, AdapterWrap, ObserverRegistry, clean_param_name
 from .deviations import CHECK_IDS, Deviation
 from .features import (
     ALL_FEATURES,
     ALWAYS_WRAP,
+    Declarations,
     Feature,
+    FeatureNotImplementedError,
     MixedPrecisionConfig,
+    UnsupportedFeatureError,
     module_predicate,
     normalize_config,
 )
+from .loop import EngineHooks
 from .registry import BUILTIN_ADAPTERS, get_adapter
 
 __all__ = [
@@ -43,8 +43,10 @@ __all__ = [
     "LEGAL_ROOT_TRANSITIONS",
     "Adapter",
     "AdapterWrap",
+    "Declarations",
     "Deviation",
     "DeviceHandle",
+    "EngineHooks",
     "Feature",
     "FeatureNotImplementedError",
     "InstanceState",
@@ -53,7 +55,10 @@ __all__ = [
     "RootState",
     "UnsupportedFeatureError",
     "clean_param_name",
+    "deviations",
+    "features",
     "get_adapter",
+    "loop",
     "module_predicate",
     "normalize_config",
 ]

@@ -191,4 +191,3 @@ def has_grads_to_reduce(group: Any) -> bool:
         if hasattr(fsdp_param, "_unsharded_param") and fsdp_param.unsharded_param.grad is not None:
             return True
     return False
-

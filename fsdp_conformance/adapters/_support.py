@@ -2,7 +2,7 @@
 
 Each built-in adapter declares the library versions it was run against end to end
 (``fsdp-conformance run --impl <name>``, tools/compat_matrix.py) as a ``SupportRange``;
-``Adapter.support_problem()`` returns one line naming the installed and the supported versions
+``features.support_problem(adapter)`` returns one line naming the installed and the supported versions
 when the installed library is outside it, and the suite then skips every cell of that adapter
 with that line instead of failing them one by one.
 
@@ -100,13 +100,11 @@ class SupportRange:
         return None
 
 
-def support_problem(adapter_name: str, ranges: tuple[SupportRange, ...]) -> str | None:
-    """The one line for ``Adapter.support_problem()``: the first range the install misses
-    (``adapter_name`` is kept for callers; the suite names the adapter itself)."""
+def support_problem_of(ranges: tuple[SupportRange, ...]) -> str | None:
+    """The first of ``ranges`` the install misses, as one line (None: inside all of them)."""
     for supported in ranges:
         problem = supported.problem(installed_version(supported.library))
         if problem is not None:
-            # the suite prefixes "adapter '<name>': " (suite/verdict.py)
             return f"{problem}; docs/compatibility.md"
     return None
 

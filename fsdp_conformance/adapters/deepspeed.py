@@ -46,9 +46,11 @@ from torch import nn
 
 from fsdp_conformance.vocab import Op
 
+from ._support import RANGES
 from .base import Adapter, ObserverRegistry, UnsupportedFeatureError
 from .deviations import Deviation
-from .features import ALL_FEATURES, Feature, auto_wrap_targets
+from .features import ALL_FEATURES, Declarations, Feature, auto_wrap_targets, require
+from .loop import EngineHooks
 from .states import InstanceState, RootState
 
 # The one line every deepspeed check skips with when DeepSpeed is not importable
@@ -216,9 +218,11 @@ DEEPSPEED_DEVIATIONS: tuple[Deviation, ...] = (
         "is bit-exact with every other model; world size 1 differs too); reproduction: "
         "fsdp_conformance.suite.training.fsdp_run(ds, 'transformer', dist, "
         "{'sharding_strategy': 'FULL_SHARD'}) vs reference_run('transformer', dist), 2 ranks",
-        applies=lambda case: case.model == "transformer"
-        and case.world_size <= 2
-        and dict(case.settings).get("sharding_strategy") == "FULL_SHARD",
+        applies=lambda case: (
+            case.model == "transformer"
+            and case.world_size <= 2
+            and dict(case.settings).get("sharding_strategy") == "FULL_SHARD"
+        ),
         match=r"(losses differ|parameter 'embed_tokens.weight' differs) from DDP's .*"
         r"max \|difference\| [0-9.]+e-0[6-9]",
     ),
@@ -364,17 +368,23 @@ DEEPSPEED_DEVIATIONS: tuple[Deviation, ...] = (
 )
 
 
-class DeepSpeedAdapter(Adapter):
+class DeepSpeedAdapter(EngineHooks, Adapter):
     """DeepSpeed ZeRO stages 1-3 through ``deepspeed.initialize`` (see [Note: DeepSpeed as an
     FSDP])."""
 
     name = "deepspeed"
-    known_deviations: tuple[Deviation, ...] = DEEPSPEED_DEVIATIONS
-    instance_states = False  # per-parameter status only; no per-instance training state
-    grad_reduction = "mean"
+
+    @property
+    def declarations(self) -> Declarations:
+        return Declarations(
+            unsupported=self._unsupported(),
+            known_deviations=DEEPSPEED_DEVIATIONS,
+            support=RANGES["deepspeed"],
+            instance_states=False,  # per-parameter status only; no per-instance training state
+        )
 
     # ------------------------------------------------------------------ capabilities
-    def unsupported(self) -> dict[str, str]:
+    def _unsupported(self) -> dict[str, str]:
         missing = _import_error() or _compiler_problem()
         if missing is not None:
             return {feature: missing for feature in ALL_FEATURES}
@@ -447,14 +457,6 @@ class DeepSpeedAdapter(Adapter):
                 "they are there already (nothing to offload)"
             )
         return unsupported
-
-    def support_problem(self) -> str | None:
-        """None with a torch and deepspeed in the tested ranges (docs/compatibility.md), else
-        the one line (deepspeed not installed is not a range problem: every check skips with
-        the install line instead)."""
-        from ._support import RANGES, support_problem
-
-        return support_problem(self.name, RANGES["deepspeed"])
 
     # ------------------------------------------------------------------ wrapping
     def wrap(self, module: nn.Module, *, process_group: Any = None, **config: Any) -> nn.Module:
@@ -614,7 +616,7 @@ class DeepSpeedAdapter(Adapter):
         **hyperparameters: Any,
     ) -> Any:
         if param_groups is not None:
-            self.check(Feature.PARAM_GROUPS)
+            require(self, Feature.PARAM_GROUPS)
         if not _is_engine(model):
             return super().optimizer(model, name, param_groups=param_groups, **hyperparameters)
         classes = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
@@ -781,9 +783,7 @@ def _nested_in(module: nn.Module) -> list[nn.Module]:
 def _own_numel(module: nn.Module) -> int:
     """Elements of the parameters `module` owns (not those of nested instances inside it)."""
     inner = {id(p) for sub in _nested_in(module) for p in sub.parameters()}
-    return sum(
-        getattr(p, "ds_numel", p.numel()) for p in module.parameters() if id(p) not in inner
-    )
+    return sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters() if id(p) not in inner)
 
 
 def _assign_owners(engine: nn.Module, instances: list[nn.Module]) -> None:

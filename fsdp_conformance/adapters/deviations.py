@@ -1,10 +1,10 @@
 """Known deviations: behaviour of an implementation that a check would fail, declared by its adapter.
 
 An adapter lists what its implementation is known to do differently from what a check demands
-(``Adapter.known_deviations``, a tuple of ``Deviation``); the check's cell then reports a
+(``Declarations.known_deviations``, a tuple of ``Deviation``); the check's cell then reports a
 *deviation* (an expected failure carrying the reason) instead of a failure. Declaring it on the
 adapter (not on the command line name) means a subclass, or an adapter that delegates to
-another (``Adapter.delegates_to``), keeps the deviations of the adapter it builds on.
+another (``Declarations.delegates_to``), keeps the deviations of the adapter it builds on.
 
 A deviation names the check (an id of the registry, ``fsdp_conformance.checks.CHECKS``; the
 case object ``applies`` receives is the check's ``case``) and the failure it covers:
@@ -12,7 +12,7 @@ case object ``applies`` receives is the check's ``case``) and the failure it cov
 ``pytest.raises``, i.e. the check's own assertion) and ``match`` (a regular expression searched
 in the message). Any other error in that cell is a failure, reported as such: a declared
 deviation never hides a crash. ``measured_on`` says where it was measured; the reason shown
-carries it and the versions running (``Adapter.running_versions``).
+carries it and the versions running (``running_versions``).
 
 How the verdict is decided: ``fsdp_conformance/suite/verdict.py`` (the one place).
 """
@@ -25,7 +25,11 @@ import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
+import torch
+
 from fsdp_conformance.checks import CHECKS, get_check
+
+from .features import declared, stand_in
 
 
 class _CheckIds(Mapping[str, str]):
@@ -142,8 +146,11 @@ def _is_pytest_failure(error: BaseException) -> bool:
     return failed is not None and isinstance(error, failed)
 
 
-def find_deviation(
-    deviations: Iterable[Deviation], check: str, case: Any = None, error: BaseException | None = None
+def first_covering(
+    deviations: Iterable[Deviation],
+    check: str,
+    case: Any = None,
+    error: BaseException | None = None,
 ) -> Deviation | None:
     """The first of ``deviations`` covering ``check`` / ``case`` (and, given ``error``, covering
     that failure: ``Deviation.covers``), or None.
@@ -168,3 +175,71 @@ def find_deviation(
         if deviation.matches(check, case) and (error is None or deviation.covers(error)):
             return deviation
     return None
+
+
+def delegation_chain(adapter: Any) -> list[Any]:
+    """``adapter``, then the adapter it delegates to (``delegates_to``), then that one's, ...
+    (each once).
+
+    Raises:
+        TypeError: a ``delegates_to`` is not an Adapter.
+    """
+    from .base import Adapter
+
+    if method := stand_in(adapter, "delegation_chain"):
+        return method()
+    chain = [adapter]
+    delegate = declared(adapter).delegates_to
+    while delegate is not None and all(delegate is not seen for seen in chain):
+        if not isinstance(delegate, Adapter):
+            raise TypeError(
+                f"adapter {adapter.name!r}: delegates_to is {delegate!r}, not an Adapter; set it "
+                "to the adapter instance this one wraps (or None)"
+            )
+        chain.append(delegate)
+        delegate = declared(delegate).delegates_to
+    return chain
+
+
+def find_deviation(
+    adapter: Any, check: str, case: Any = None, error: BaseException | None = None
+) -> Deviation | None:
+    """The deviation ``adapter`` declares (itself first, then along ``delegation_chain``) that
+    covers ``check`` / ``case`` and, given ``error``, that failure; or None.
+
+    Raises:
+        ValueError: ``check`` is not a registered check id.
+    """
+    if isinstance(adapter, (tuple, list)):  # the deviations themselves
+        return first_covering(adapter, check, case, error)
+    if method := stand_in(adapter, "find_deviation"):
+        return method(check, case, error)
+    for link in delegation_chain(adapter):
+        deviation = first_covering(declared(link).known_deviations, check, case, error)
+        if deviation is not None:
+            return deviation
+    return None
+
+
+def deviation_reason(adapter: Any, check: str, case: Any = None) -> str | None:
+    """The reason of the deviation ``adapter`` declares for ``check`` / ``case``, or None."""
+    if method := stand_in(adapter, "deviation"):
+        return method(check, case)
+    deviation = find_deviation(adapter, check, case)
+    return None if deviation is None else deviation.reason
+
+
+def running_versions(adapter: Any) -> str:
+    """The versions of what ``adapter`` drives, e.g. ``"torch 2.13.0"``."""
+    if method := stand_in(adapter, "running_versions"):
+        return method()
+    method = getattr(type(adapter), "running_versions", None)
+    return method(adapter) if method is not None else f"torch {torch.__version__}"
+
+
+def deviation_text(adapter: Any, deviation: Deviation) -> str:
+    """``deviation``'s reason with where it was measured and what runs now."""
+    if method := stand_in(adapter, "deviation_text"):
+        return method(deviation)
+    measured = f"measured on {deviation.measured_on}; " if deviation.measured_on else ""
+    return f"{deviation.reason} ({measured}running {running_versions(adapter)})"

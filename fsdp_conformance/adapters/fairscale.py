@@ -49,6 +49,7 @@ from torch import nn
 
 from fsdp_conformance.vocab import Op
 
+from ._support import RANGES
 from .base import (
     Adapter,
     ObserverRegistry,
@@ -56,7 +57,8 @@ from .base import (
     require_before_first_forward,
 )
 from .deviations import Deviation
-from .features import ALL_FEATURES, Feature, auto_wrap_targets
+from .features import ALL_FEATURES, Declarations, Feature, auto_wrap_targets, require
+from .loop import EngineHooks
 from .states import InstanceState, RootState
 
 # The one line every fairscale check skips with when fairscale is not importable
@@ -166,7 +168,7 @@ FAIRSCALE_DEVIATIONS: tuple[Deviation, ...] = (
         match=r"does not name the problem .*got AssertionError: $",
         measured_on=_MEASURED_ON,
     ),
-    # issue 21 (suite/loops.py), measured with fairscale 0.4.13, torch 2.13.0, CPU, 2 ranks
+    # the training loops (suite/loops.py), measured with fairscale 0.4.13, torch 2.13.0, CPU
     Deviation(
         "loops.activation_checkpointing",
         "fairscale 0.4.13 FSDP fails when non-reentrant checkpoint runs around an FSDP instance "
@@ -191,8 +193,7 @@ FAIRSCALE_DEVIATIONS: tuple[Deviation, ...] = (
         match="expected to be in states",
         measured_on="fairscale 0.4.13, torch 2.13.0",
     ),
-    # issue 20 (fsdp-conformance fuzz, docs/fuzz.md): the loops.activation_checkpointing
-    # deviation above, met by a generated case
+    # the loops.activation_checkpointing deviation above, met by a generated case (docs/fuzz.md)
     Deviation(
         "fuzz.generated",
         "fairscale 0.4.13 FSDP fails when non-reentrant checkpoint runs around an FSDP instance: "
@@ -304,7 +305,7 @@ FAIRSCALE_DEVIATIONS: tuple[Deviation, ...] = (
 )
 
 
-class FairscaleAdapter(Adapter):
+class FairscaleAdapter(EngineHooks, Adapter):
     """fairscale's `FullyShardedDataParallel` (0.4.13), driven through its constructor.
 
     Args:
@@ -318,9 +319,6 @@ class FairscaleAdapter(Adapter):
     """
 
     name = "fairscale"
-    known_deviations: tuple[Deviation, ...] = FAIRSCALE_DEVIATIONS
-    # fairscale's FlattenParamsWrapper inserts `_fpw_module.` into parameter and module names
-    wrapper_segments: tuple[str, ...] = ("_fpw_module",)
 
     def __init__(self, *, flatten_parameters: bool = True, sync_after_free: bool = False) -> None:
         for option, value in (
@@ -335,22 +333,20 @@ class FairscaleAdapter(Adapter):
             # fairscale PR 972's synchronize after free: not fairscale as released, so not
             # named like it, and it meets the memory bound (no memory_bound deviation)
             self.name = "fairscale-sync-after-free"
-            self.known_deviations = tuple(
-                deviation
-                for deviation in type(self).known_deviations
-                if deviation.check != "memory_bound"
-            )
 
-    def support_problem(self) -> str | None:
-        """None with a torch and fairscale in the tested ranges (docs/compatibility.md), else
-        the one line (fairscale not installed is not a range problem: every check skips with
-        the install line instead)."""
-        from ._support import RANGES, support_problem
+    @property
+    def declarations(self) -> Declarations:
+        deviations = FAIRSCALE_DEVIATIONS
+        if self.sync_after_free:  # meets the memory bound
+            deviations = tuple(d for d in deviations if d.check != "memory_bound")
+        return Declarations(
+            unsupported=self._unsupported(),
+            known_deviations=deviations,
+            support=RANGES["fairscale"],
+            wrapper_segments=("_fpw_module",),
+        )
 
-        return support_problem(self.name, RANGES["fairscale"])
-
-    # ------------------------------------------------------------------ capabilities
-    def unsupported(self) -> dict[str, str]:
+    def _unsupported(self) -> dict[str, str]:
         missing = _import_error()
         if missing is not None:
             return {feature: missing for feature in ALL_FEATURES}
@@ -525,7 +521,7 @@ class FairscaleAdapter(Adapter):
     # ------------------------------------------------------------------ precision
     def grad_scaler(self, model: nn.Module, **options: Any) -> Any:
         """fairscale's own ``ShardedGradScaler`` over the root's process group (CUDA hosts)."""
-        self.check(Feature.GRAD_SCALER)
+        require(self, Feature.GRAD_SCALER)
         from fairscale.optim.grad_scaler import ShardedGradScaler
 
         return ShardedGradScaler(process_group=model.process_group, **options)

@@ -33,14 +33,18 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Callable
-from dataclasses import dataclass
+import re
+import unittest
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
 from fsdp_conformance import vocab
+
+from ._support import SupportRange, support_problem_of
 
 
 class Feature:
@@ -321,3 +325,206 @@ def auto_wrap_targets(
         and any(True for _ in submodule.parameters())
         and predicate(submodule)
     ]
+
+
+# ---------------------------------------------------------------------- what an adapter declares
+@dataclass(frozen=True)
+class Declarations:
+    """What an adapter declares about its implementation (``Adapter.declarations``)."""
+
+    # feature -> why this adapter does not support it (on this host)
+    unsupported: Mapping[str, str] = field(default_factory=dict)
+    # (config key, canonical value) -> why that value is refused although the key's feature is
+    # supported, e.g. {("limit_all_gathers", False): "the limiter is always on"}
+    unsupported_values: Mapping[tuple[str, Any], str] = field(default_factory=dict)
+    # what the implementation does differently from a check (deviations.Deviation)
+    known_deviations: tuple[Any, ...] = ()
+    # the library versions the adapter was tested with; outside them every cell is skipped
+    support: tuple[SupportRange, ...] = ()
+    # attribute names the implementation's wrappers insert into parameter names (removed by
+    # base.clean_param_name besides torch FSDP1's and activation checkpointing's)
+    wrapper_segments: tuple[str, ...] = ()
+    # "mean" (FSDP and DDP average gradients) or "sum": the suite then scales each instance's
+    # gradients by its group size (loop.group_size) to compare with DDP
+    grad_reduction: str = "mean"
+    # False: no per-instance training state, only root states
+    instance_states: bool = True
+    # the adapter this one drives the implementation through: its deviations apply here too
+    delegates_to: Any = None
+
+
+# member of an adapter written before `Declarations` (a field of it) -> whether it is a method
+_OLD_STYLE = {
+    "unsupported": True,
+    "unsupported_values": True,
+    "known_deviations": False,
+    "wrapper_segments": False,
+    "grad_reduction": False,
+    "instance_states": False,
+    "delegates_to": False,
+}
+
+
+def own_member(adapter: Any, name: str) -> Any:
+    """``adapter.<name>`` when its class (or the instance) defines it, else None; never the
+    compatibility aliases of ``Adapter.__getattr__``."""
+    if name in getattr(adapter, "__dict__", {}) or any(
+        name in vars(cls) for cls in type(adapter).__mro__
+    ):
+        return getattr(adapter, name)
+    return None
+
+
+def stand_in(adapter: Any, old_name: str) -> Any:
+    """For an object that plays an adapter without being one (the coverage probe of
+    cli/coverage.py), its own member `old_name` of the older protocol; None for an Adapter."""
+    if hasattr(type(adapter), "declarations"):
+        return None
+    return getattr(adapter, old_name)
+
+
+class _StandInDeclarations:
+    """`declared` of a stand-in: each field read from the stand-in itself (the default where
+    it has none)."""
+
+    def __init__(self, adapter: Any) -> None:
+        self._adapter = adapter
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._adapter, name, getattr(Declarations(), name))
+
+
+def declared(adapter: Any) -> Declarations:
+    """``adapter.declarations``, overlaid by the members of the older protocol it defines
+    (``unsupported()``, ``known_deviations``, ``grad_reduction`` ...)."""
+    if not hasattr(type(adapter), "declarations"):
+        return _StandInDeclarations(adapter)  # type: ignore[return-value]
+    overrides = {}
+    for name, is_method in _OLD_STYLE.items():
+        value = own_member(adapter, name)
+        if value is not None:
+            overrides[name] = value() if is_method else value
+    record = adapter.declarations
+    return dataclasses.replace(record, **overrides) if overrides else record
+
+
+def support_problem(adapter: Any) -> str | None:
+    """None when the installed libraries are inside the adapter's declared support ranges, else
+    one line naming the installed and the supported versions."""
+    method = own_member(adapter, "support_problem") or stand_in(adapter, "support_problem")
+    if method is not None:
+        return method()
+    return support_problem_of(declared(adapter).support)
+
+
+# ---------------------------------------------------------------------- negotiation
+class UnsupportedFeatureError(NotImplementedError, unittest.SkipTest):
+    """An adapter was asked for a feature (or config value) it does not support.
+
+    A ``unittest.SkipTest`` too, so any runner reports it as a skip without knowing adapters;
+    an adapter's ``_wrap`` may raise it for what only the implementation can tell at wrap time.
+    """
+
+    def __init__(self, adapter: str, feature: str, reason: str) -> None:
+        super().__init__(f"adapter {adapter!r} does not support {feature!r}: {reason}")
+        self.adapter = adapter  # the adapter's name
+        self.feature = feature  # the feature name (Feature)
+        self.reason = reason  # why, in words
+
+
+class FeatureNotImplementedError(NotImplementedError):
+    """An adapter lacks a member it needs: one every adapter must have, or one for a feature it
+    claims. A FAIL of the adapter, never a skip; the message names the adapter, the member to
+    implement and the feature to declare unsupported instead."""
+
+    def __init__(self, adapter: str, member: str, feature: str | None = None) -> None:
+        if feature is None:
+            text = (
+                f"adapter {adapter!r} does not implement {member}, which every adapter needs: "
+                "override it"
+            )
+        else:
+            text = (
+                f"adapter {adapter!r} claims feature {feature!r} but does not implement it: "
+                f"override {member}, or declare {feature!r} in unsupported() instead"
+            )
+        super().__init__(text)
+        self.adapter = adapter  # the adapter's name
+        self.member = member  # "Adapter.<member>" to implement
+        self.feature = feature  # the claimed feature (None: a member every adapter needs)
+
+
+def why_unsupported(adapter: Any, feature: str) -> str | None:
+    """Why ``adapter`` does not support ``feature``, or None when it does."""
+    if method := stand_in(adapter, "unsupported_reason"):
+        return method(feature)
+    if feature not in ALL_FEATURES:
+        raise ValueError(f"unknown feature {feature!r}; known: {sorted(ALL_FEATURES)}")
+    return declared(adapter).unsupported.get(feature)
+
+
+def capabilities(adapter: Any) -> frozenset[str]:
+    """The features ``adapter`` supports on this host."""
+    if not hasattr(type(adapter), "declarations"):
+        return adapter.capabilities
+    return ALL_FEATURES - set(declared(adapter).unsupported)
+
+
+def supports(adapter: Any, *features: str) -> bool:
+    """Whether ``adapter`` supports every one of ``features``."""
+    if method := stand_in(adapter, "supports"):
+        return method(*features)
+    return all(why_unsupported(adapter, feature) is None for feature in features)
+
+
+def require(adapter: Any, *features: str) -> None:
+    """UnsupportedFeatureError for the first of ``features`` (sorted) ``adapter`` lacks."""
+    if method := stand_in(adapter, "check"):
+        return method(*features)
+    for feature in sorted(features):
+        reason = why_unsupported(adapter, feature)
+        if reason is not None:
+            raise UnsupportedFeatureError(adapter.name, feature, reason)
+
+
+def skip_unless(adapter: Any, *features: str) -> None:
+    """pytest.skip naming the adapter, feature and reason unless all are supported."""
+    if method := stand_in(adapter, "require"):
+        return method(*features)
+    try:
+        require(adapter, *features)
+    except UnsupportedFeatureError as error:
+        import pytest
+
+        pytest.skip(str(error))
+
+
+def require_values(adapter: Any, config: dict[str, Any]) -> None:
+    """UnsupportedFeatureError for a normalised config value ``adapter`` refuses."""
+    if method := stand_in(adapter, "_check_values"):
+        return method(config)
+    for (key, value), reason in declared(adapter).unsupported_values.items():
+        if key in config and config[key] == value:
+            raise UnsupportedFeatureError(adapter.name, f"{key}={value!r}", reason)
+
+
+def wrap_features(adapter: Any, **config: Any) -> frozenset[str]:
+    """The features a wrap config (``wrap``'s keywords) needs of ``adapter``; validates the
+    config."""
+    if method := stand_in(adapter, "features_for"):
+        return method(**config)
+    return features_for(normalize_config(config))
+
+
+def claimed_but_not_implemented(
+    adapter: Any, error: UnsupportedFeatureError
+) -> FeatureNotImplementedError | None:
+    """The failure ``error`` stands for when it is a default's "override Adapter.X" for a
+    feature ``adapter`` claims (a skip would hide that the member was never written), else None.
+    """
+    member = re.search(r"override (Adapter\.\w+)", error.reason)
+    if member is None or error.feature not in ALL_FEATURES:
+        return None
+    if why_unsupported(adapter, error.feature) is not None:
+        return None
+    return FeatureNotImplementedError(adapter.name, member.group(1), error.feature)

@@ -15,6 +15,7 @@ from torch import nn
 
 from fsdp_conformance.training_states import InstanceState, RootState
 
+from ._support import RANGES
 from .base import (
     Adapter,
     UnsupportedFeatureError,
@@ -22,19 +23,34 @@ from .base import (
     flat_grad_pieces,
     scoped_observer,
 )
-from .features import Feature, MixedPrecisionConfig, ignored_parameters, module_predicate
+from .features import (
+    Declarations,
+    Feature,
+    MixedPrecisionConfig,
+    ignored_parameters,
+    module_predicate,
+    require,
+)
+from .loop import EngineHooks, optimizer_class
 
 
-class ImplAdapter(Adapter):
+class ImplAdapter(EngineHooks, Adapter):
     """The reference FSDP of this project."""
 
     name = "impl"
-
-    def support_problem(self) -> str | None:
-        """None on a torch in the tested range (docs/compatibility.md), else the one line."""
-        from ._support import RANGES, support_problem
-
-        return support_problem(self.name, RANGES["impl"])
+    declarations = Declarations(
+        unsupported={
+            Feature.USE_ORIG_PARAMS: (
+                "impl's optimizer always sees flat parameters; frozen and trainable parameters "
+                "mix in one instance without a flag (the frozen ones stay unflattened)"
+            ),
+            Feature.HYBRID_SHARD: (
+                "impl shards each flat parameter over one process group; it has no replicate "
+                "group to all-reduce across (HYBRID_SHARD)"
+            ),
+        },
+        support=RANGES["impl"],
+    )
 
     def __init__(self) -> None:
         from fsdp_conformance import impl
@@ -168,19 +184,6 @@ class ImplAdapter(Adapter):
             )
         return pieces
 
-    # ------------------------------------------------------------------ training loops (issue 21)
-    def unsupported(self) -> dict[str, str]:
-        return {
-            Feature.USE_ORIG_PARAMS: (
-                "impl's optimizer always sees flat parameters; frozen and trainable parameters "
-                "mix in one instance without a flag (the frozen ones stay unflattened)"
-            ),
-            Feature.HYBRID_SHARD: (
-                "impl shards each flat parameter over one process group; it has no replicate "
-                "group to all-reduce across (HYBRID_SHARD)"
-            ),
-        }
-
     # ------------------------------------------------------------------ full state dict, meta init
     def state_dict(
         self, model: nn.Module, *, rank0_only: bool = False, offload_to_cpu: bool = False
@@ -209,14 +212,14 @@ class ImplAdapter(Adapter):
         each rank's shard (``impl/optim.py``), grouped by their names."""
         if param_groups is None:
             return super().optimizer(model, name, **hyperparameters)
-        self.check(Feature.PARAM_GROUPS)
+        require(self, Feature.PARAM_GROUPS)
         from fsdp_conformance.impl import optim
 
-        return optim.optimizer(model, self._optimizer_class(name), param_groups, **hyperparameters)
+        return optim.optimizer(model, optimizer_class(self, name), param_groups, **hyperparameters)
 
     def register_forward_method(self, instance: nn.Module, name: str) -> None:
         """impl's ``FullyShardedDataParallel.register_forward_method``."""
-        self.check(Feature.FORWARD_METHOD)
+        require(self, Feature.FORWARD_METHOD)
         instance.register_forward_method(name)
 
     def save_checkpoint(self, model: nn.Module, optimizer: Any, directory: str) -> None:
@@ -231,7 +234,7 @@ class ImplAdapter(Adapter):
 
 
 def _fsdp1_style_policy(policy: Any):
-    """Our auto_wrap_policy as the (module, recurse, nonwrapped_numel) form of issue 2."""
+    """Our auto_wrap_policy as torch FSDP1's (module, recurse, nonwrapped_numel) form."""
     predicate = module_predicate(policy)
 
     def policy_fn(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from fsdp_conformance import vocab
 
 from .base import Adapter
+from .loop import on_test_end
 
 # built-in name -> (module, class name); imported lazily (torch FSDP modules are heavy)
 _BUILTIN: dict[str, tuple[str, str]] = {
@@ -72,12 +73,12 @@ def get_adapter(name: str) -> Adapter:
 
 
 def notify_test_end() -> None:
-    """Call `on_test_end()` of every adapter resolved in this process (the harness calls it in
+    """Call `loop.on_test_end` of every adapter resolved in this process (the harness calls it in
     each rank process after a test, before it destroys the non-default process groups)."""
     with _cache_lock:
         adapters = list(_cache.values())
     for adapter in adapters:
-        adapter.on_test_end()
+        on_test_end(adapter)
 
 
 def _resolve(name: str) -> Adapter:

@@ -31,7 +31,7 @@ from fsdp_conformance.device_handle import accelerator_available
 from fsdp_conformance.vocab import Op
 
 from . import _fsdp1_internals as internals
-from ._support import RANGES, support_problem
+from ._support import RANGES
 from .base import (
     Adapter,
     ObserverRegistry,
@@ -40,7 +40,15 @@ from .base import (
     require_before_first_forward,
 )
 from .deviations import Deviation
-from .features import ALWAYS_WRAP, Feature, ignored_parameters, module_predicate
+from .features import (
+    ALWAYS_WRAP,
+    Declarations,
+    Feature,
+    ignored_parameters,
+    module_predicate,
+    require,
+)
+from .loop import EngineHooks
 from .states import InstanceState, RootState
 
 # Process-wide: observers of the patched FSDP1 internals, and handle -> its FSDP instance
@@ -270,14 +278,16 @@ FSDP1_DEVIATIONS = (
         "part of group'). Reproduction (2 ranks): on rank 1, FSDP(nn.Linear(8, 5), "
         "process_group=new_group([1]), device_id=cpu), one Adam step, "
         "FSDP.optim_state_dict(model, optimizer, group=that group) raises",
-        lambda case: case is not None
-        and getattr(case, "test", "") == "subgroup"
-        and getattr(case, "option", "") == "last",
+        lambda case: (
+            case is not None
+            and getattr(case, "test", "") == "subgroup"
+            and getattr(case, "option", "") == "last"
+        ),
         raises=ValueError,
         match=r"Global rank 0 is not part of group",
         measured_on="torch 2.13.0",
     ),
-    # issue 20 (fsdp-conformance fuzz, docs/fuzz.md)
+    # met by generated cases (fsdp-conformance fuzz, docs/fuzz.md)
     Deviation(
         "fuzz.generated",
         "torch FSDP1 sets the gradient of a flat parameter to None when its instance ran forward "
@@ -334,44 +344,48 @@ FSDP1_DEVIATIONS = (
 )
 
 
-class TorchFSDP1Adapter(Adapter):
+def _fsdp1_unsupported() -> dict[str, str]:
+    from . import _dcp
+
+    unsupported = {
+        Feature.FORWARD_METHOD: (
+            "torch FSDP1 has no way to run a method other than forward: root.encode(x) "
+            "reaches the module's method through __getattr__ with the root's parameters "
+            "sharded and fails (after a forward: 'setStorage: ... out of bounds for storage "
+            "of size 0', measured on torch 2.13.0); FSDP1 users call wrapped children"
+        ),
+    }
+    if _dcp.fsdp1_group_dropped():
+        unsupported[Feature.CHECKPOINT_RESUME] = _dcp.FSDP1_SUBGROUP_REASON
+    if accelerator_available():
+        return unsupported
+    return {
+        **unsupported,
+        Feature.CPU_OFFLOAD: (
+            "torch FSDP1 CPU offload needs an accelerator: on a CPU-only host forward fails "
+            "with 'Cannot access accelerator device when none is available' (a CUDA build: "
+            "'Found no NVIDIA driver') (torch 2.13.0)"
+        ),
+        Feature.SYNC_MODULE_STATES: (
+            "torch FSDP1 sync_module_states needs the module on GPU: on a CPU-only host "
+            "wrap fails with 'The module has CPU parameters or buffers when "
+            "`sync_module_states=True`' even with device_id=cpu (torch 2.13.0)"
+        ),
+    }
+
+
+class TorchFSDP1Adapter(EngineHooks, Adapter):
     """torch FSDP1 (`FullyShardedDataParallel`), driven through its public constructor."""
 
     name = "torch-fsdp1"
-    known_deviations = FSDP1_DEVIATIONS
 
-    def support_problem(self) -> str | None:
-        """None on a torch in the tested range (docs/compatibility.md), else the one line."""
-        return support_problem(self.name, RANGES["torch-fsdp1"])
-
-    def unsupported(self) -> dict[str, str]:
-        from . import _dcp
-
-        unsupported = {
-            Feature.FORWARD_METHOD: (
-                "torch FSDP1 has no way to run a method other than forward: root.encode(x) "
-                "reaches the module's method through __getattr__ with the root's parameters "
-                "sharded and fails (after a forward: 'setStorage: ... out of bounds for storage "
-                "of size 0', measured on torch 2.13.0); FSDP1 users call wrapped children"
-            ),
-        }
-        if _dcp.fsdp1_group_dropped():
-            unsupported[Feature.CHECKPOINT_RESUME] = _dcp.FSDP1_SUBGROUP_REASON
-        if accelerator_available():
-            return unsupported
-        return {
-            **unsupported,
-            Feature.CPU_OFFLOAD: (
-                "torch FSDP1 CPU offload needs an accelerator: on a CPU-only host forward fails "
-                "with 'Cannot access accelerator device when none is available' (a CUDA build: "
-                "'Found no NVIDIA driver') (torch 2.13.0)"
-            ),
-            Feature.SYNC_MODULE_STATES: (
-                "torch FSDP1 sync_module_states needs the module on GPU: on a CPU-only host "
-                "wrap fails with 'The module has CPU parameters or buffers when "
-                "`sync_module_states=True`' even with device_id=cpu (torch 2.13.0)"
-            ),
-        }
+    @property
+    def declarations(self) -> Declarations:
+        return Declarations(
+            unsupported=_fsdp1_unsupported(),
+            known_deviations=FSDP1_DEVIATIONS,
+            support=RANGES["torch-fsdp1"],
+        )
 
     def _wrap(self, module: nn.Module, process_group: Any, config: dict[str, Any]) -> nn.Module:
         kwargs: dict[str, Any] = {}
@@ -504,20 +518,20 @@ class TorchFSDP1Adapter(Adapter):
         """Nothing: FSDP1 materialises a meta-device module while wrapping it (no
         ``param_init_fn``: ``to_empty`` + ``reset_parameters()`` of each module it manages)."""
 
-    # ------------------------------------------------------------------ training loops (issue 21)
+    # ------------------------------------------------------------------ training loops
     # no_sync() and clip_grad_norm_() are FSDP1's own methods on the root (the Adapter defaults)
     def save_checkpoint(self, model: nn.Module, optimizer: Any, directory: str) -> None:
         """FSDP1's sharded state dict (``SHARDED_STATE_DICT``) and ``FSDP.optim_state_dict``,
         written with torch.distributed.checkpoint (``_dcp.py``)."""
         from . import _dcp
 
-        self.check(Feature.CHECKPOINT_RESUME)
+        require(self, Feature.CHECKPOINT_RESUME)
         _dcp.save(model, optimizer, directory, model.process_group)
 
     def load_checkpoint(self, model: nn.Module, optimizer: Any, directory: str) -> None:
         from . import _dcp
 
-        self.check(Feature.CHECKPOINT_RESUME)
+        require(self, Feature.CHECKPOINT_RESUME)
         _dcp.load(model, optimizer, directory, model.process_group)
 
 

@@ -44,10 +44,11 @@ from fsdp_conformance.vocab import Op
 from . import _fsdp2_internals as internals
 from ._fsdp2_device import install_lagging_device, observe_buffers
 from ._fsdp2_prefetch import configure_prefetch
-from ._support import RANGES, support_problem
+from ._support import RANGES
 from .base import Adapter, ObserverRegistry, UnsupportedFeatureError, scoped_observer
 from .deviations import Deviation
-from .features import Feature, auto_wrap_targets, ignored_parameters
+from .features import Declarations, Feature, auto_wrap_targets, ignored_parameters, require
+from .loop import EngineHooks
 from .states import InstanceState, RootState
 
 # Process-wide: observers of the patched FSDP2 internals, and param group -> its module
@@ -190,22 +191,12 @@ FSDP2_DEVIATIONS = (
 )
 
 
-class TorchFSDP2Adapter(Adapter):
+class TorchFSDP2Adapter(EngineHooks, Adapter):
     """torch FSDP2 (`fully_shard`), one-dimensional mesh built from the process group."""
 
     name = "torch-fsdp2"
-    known_deviations = FSDP2_DEVIATIONS
-
-    def support_problem(self) -> str | None:
-        """None on a torch in the tested range (docs/compatibility.md), else the one line."""
-        return support_problem(self.name, RANGES["torch-fsdp2"])
-
-    def __init__(self) -> None:
-        # Instances inside an emulated summon_full_params (their root state reads SUMMON)
-        self._summoned: weakref.WeakSet = weakref.WeakSet()
-
-    def unsupported(self) -> dict[str, str]:
-        return {
+    declarations = Declarations(
+        unsupported={
             Feature.LIMIT_ALL_GATHERS_OFF: (
                 "torch FSDP2's memory bound is built in (stream-ordered reuse of all-gather "
                 "outputs, reshard after forward) and never blocks the CPU; limit_all_gathers=False "
@@ -226,7 +217,14 @@ class TorchFSDP2Adapter(Adapter):
                 "torch FSDP2 always registers the original parameters (as DTensors); FSDP1's "
                 "use_orig_params flag has nothing to switch"
             ),
-        }
+        },
+        known_deviations=FSDP2_DEVIATIONS,
+        support=RANGES["torch-fsdp2"],
+    )
+
+    def __init__(self) -> None:
+        # Instances inside an emulated summon_full_params (their root state reads SUMMON)
+        self._summoned: weakref.WeakSet = weakref.WeakSet()
 
     def _wrap(self, module: nn.Module, process_group: Any, config: dict[str, Any]) -> nn.Module:
         hybrid = isinstance(process_group, tuple)  # (shard, replicate): a HYBRID_* strategy
@@ -332,7 +330,6 @@ class TorchFSDP2Adapter(Adapter):
     def _install_device_handle(self, model: nn.Module, handle: Any) -> None:
         install_lagging_device(model, handle)
 
-
     # ------------------------------------------------------------------ precision
     def grad_scaler(self, model: nn.Module, **options: Any) -> Any:
         """``torch.amp.GradScaler``: FSDP2's gradients are DTensors, whose inf/NaN check
@@ -369,11 +366,11 @@ class TorchFSDP2Adapter(Adapter):
                 pieces[name] = (start_row * (grad.numel() // grad.shape[0]), local)
         return pieces
 
-    # ------------------------------------------------------------------ training loops (issue 21)
+    # ------------------------------------------------------------------ training loops
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:
         """FSDP2's ``set_requires_gradient_sync(False)`` on every instance, restored after."""
-        self.check(Feature.GRADIENT_ACCUMULATION)
+        require(self, Feature.GRADIENT_ACCUMULATION)
         model.set_requires_gradient_sync(False)
         try:
             yield
@@ -386,7 +383,7 @@ class TorchFSDP2Adapter(Adapter):
         """``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)``, what an FSDP2 user calls:
         torch computes the global norm over the DTensor gradients and scales them; the norm it
         returns is a DTensor, made a plain tensor with ``full_tensor()`` as users do."""
-        self.check(Feature.CLIP_GRAD_NORM)
+        require(self, Feature.CLIP_GRAD_NORM)
         from torch.distributed.tensor import DTensor
 
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
@@ -447,20 +444,20 @@ class TorchFSDP2Adapter(Adapter):
     # ------------------------------------------------------------------ other forward methods
     def register_forward_method(self, instance: nn.Module, name: str) -> None:
         """``torch.distributed.fsdp.register_fsdp_forward_method(instance, name)``."""
-        self.check(Feature.FORWARD_METHOD)
+        require(self, Feature.FORWARD_METHOD)
         from torch.distributed.fsdp import register_fsdp_forward_method
 
         register_fsdp_forward_method(instance, name)
 
     def save_checkpoint(self, model: nn.Module, optimizer: Any, directory: str) -> None:
         """``torch.distributed.checkpoint.state_dict`` (DTensor state dicts) + ``dcp.save``."""
-        self.check(Feature.CHECKPOINT_RESUME)
+        require(self, Feature.CHECKPOINT_RESUME)
         from . import _dcp
 
         _dcp.save(model, optimizer, directory, _model_group(model))
 
     def load_checkpoint(self, model: nn.Module, optimizer: Any, directory: str) -> None:
-        self.check(Feature.CHECKPOINT_RESUME)
+        require(self, Feature.CHECKPOINT_RESUME)
         from . import _dcp
 
         _dcp.load(model, optimizer, directory, _model_group(model))
@@ -468,9 +465,11 @@ class TorchFSDP2Adapter(Adapter):
 
 def _model_group(model: nn.Module) -> Any:
     """The process group a FSDP2 model spans (its root mesh's; HSDP: the replicate group)."""
-    mesh = model._get_fsdp_state()._fsdp_param_groups[0].mesh_info.mesh if (
-        model._get_fsdp_state()._fsdp_param_groups
-    ) else None
+    mesh = (
+        model._get_fsdp_state()._fsdp_param_groups[0].mesh_info.mesh
+        if (model._get_fsdp_state()._fsdp_param_groups)
+        else None
+    )
     if mesh is None:
         from torch.distributed.tensor import DTensor
 

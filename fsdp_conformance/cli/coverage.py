@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_conformance import checks
+from fsdp_conformance.adapters import features as adapter_features
 from fsdp_conformance.cli.common import (
     PROG,
     UsageError,
@@ -83,13 +84,15 @@ class _Granted:
         self.granted = granted  # features supposed implemented
 
     def supports(self, *features: str) -> bool:
-        return all(f in self.granted or self.adapter.supports(f) for f in features)
+        return all(
+            f in self.granted or adapter_features.supports(self.adapter, f) for f in features
+        )
 
     def features_for(self, **config: Any) -> frozenset[str]:
-        return self.adapter.features_for(**config)
+        return adapter_features.wrap_features(self.adapter, **config)
 
     def _check_values(self, config: dict[str, Any]) -> None:
-        self.adapter._check_values(config)
+        adapter_features.require_values(self.adapter, config)
 
 
 class _ProbeAdapter:
@@ -122,7 +125,7 @@ class _ProbeAdapter:
         return (
             None
             if self.supports(feature)
-            else self._capabilities.adapter.unsupported_reason(feature)
+            else adapter_features.why_unsupported(self._capabilities.adapter, feature)
         )
 
     def features_for(self, **config: Any) -> frozenset[str]:
@@ -167,7 +170,10 @@ class _ProbeWrap:
         self.config = config
 
     def __call__(self, module: Any, *, process_group: Any = None, root: Any = None, **overrides):
-        self.adapter.check(*self.adapter.features_for(**{**self.config, **overrides}))
+        adapter_features.require(
+            self.adapter,
+            *adapter_features.wrap_features(self.adapter, **{**self.config, **overrides}),
+        )
         return module
 
     def delay_before_reduction(self, delay: Any) -> Any:
@@ -184,7 +190,7 @@ def _probe_cell():
 
     @contextlib.contextmanager
     def cell(adapter: Any, check_id: str, case: Any = None):
-        adapter.check(*checks.get_check(check_id).features)
+        adapter_features.require(adapter, *checks.get_check(check_id).features)
         yield
 
     from fsdp_conformance.suite import verdict
@@ -211,7 +217,7 @@ def _static_needs(item: Any, check: checks.Check | None, adapter: Any) -> list[s
         config = getattr(value, "wrap_config", None)
         if isinstance(config, dict):
             with contextlib.suppress(Exception):
-                needs += sorted(adapter.features_for(**config))
+                needs += sorted(adapter_features.wrap_features(adapter, **config))
     return needs
 
 
@@ -262,7 +268,7 @@ def _probe(item: Any, capabilities: _Granted, world_size: int) -> Cell:
     except _Reached:
         pass
     except UnsupportedFeatureError as error:
-        adapter.check(error.feature)
+        adapter_features.require(adapter, error.feature)
     except pytest.skip.Exception as error:
         cell.blocked = " ".join(str(error.msg).split())
     except Exception:  # noqa: BLE001 -- the body needs ranks before it acts: static needs
@@ -358,7 +364,7 @@ def report(impl: str, *, coverage: str = DEFAULT_COVERAGE, world_size: int = 2) 
     from fsdp_conformance.adapters import get_adapter
 
     adapter = get_adapter(impl)
-    problem = adapter.support_problem()
+    problem = adapter_features.support_problem(adapter)
     cells = collect(impl, adapter, coverage=coverage, world_size=world_size)
 
     def runs(cell: Cell, supports: Any) -> bool:
@@ -375,7 +381,7 @@ def report(impl: str, *, coverage: str = DEFAULT_COVERAGE, world_size: int = 2) 
             skipped_by[problem or cell.blocked or (missing[0] if missing else "?")] += 1
     running_now = Counter(cell.check for cell, running in zip(cells, now) if running)
     unlocks = []
-    for feature, reason in sorted(adapter.unsupported().items()):
+    for feature, reason in sorted(dict(adapter_features.declared(adapter).unsupported).items()):
         granted = _Granted(adapter, frozenset({feature}))
         if _changes_configs(adapter, feature):
             then = collect(

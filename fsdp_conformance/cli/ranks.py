@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from fsdp_conformance.adapters import features as adapter_features
 from fsdp_conformance.adapters import get_adapter
 from fsdp_conformance.observe.residency import PHASES
 from fsdp_conformance.suite import memory_bound, overlap
@@ -54,7 +55,7 @@ def overlap_in_rank(
         comm_ms = overlap.CUDA_COMM_MS if cuda else overlap.CPU_COMM_MS
     # the suite's overlap config (forward prefetch on CPU, FULL_SHARD) with only the limiter set
     wrap_config = overlap.overlap_config(dist.device, limit_all_gathers)
-    adapter.require(*adapter.features_for(**wrap_config))
+    adapter_features.skip_unless(adapter, *adapter_features.wrap_features(adapter, **wrap_config))
     times = overlap.measure_overlap(
         adapter, dist, compute_ms, comm_ms, repeats, limit_all_gathers=limit_all_gathers
     )

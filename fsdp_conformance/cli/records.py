@@ -73,6 +73,11 @@ def detail(result: checks.Result, phase: str = "call") -> str:
     return result.reason
 
 
+def _append(path: str, record: dict[str, Any]) -> None:
+    with open(path, "a", encoding="utf-8") as stream:
+        stream.write(json.dumps(record) + "\n")
+
+
 class _Recorder:
     """Registered as a plugin object: writes each test's record when its teardown reports."""
 
@@ -83,21 +88,12 @@ class _Recorder:
         self.decided: set[str] = set()  # node ids whose record a phase has set
 
     def write(self, record: dict[str, Any]) -> None:
-        with open(self.path, "a", encoding="utf-8") as stream:
-            stream.write(json.dumps(record) + "\n")
+        _append(self.path, record)
 
     def _collected(self, count: int) -> None:
         if not self.collected_seen:
             self.collected_seen = True
             self.write({"event": "collected", "count": count})
-
-    @pytest.hookimpl(wrapper=True)
-    def pytest_cmdline_main(self, config: pytest.Config) -> Any:
-        try:
-            return (yield)
-        except pytest.UsageError as error:
-            self.write({"event": "usage_error", "detail": " ".join(str(error).split())})
-            raise
 
     def pytest_collection_finish(self, session: pytest.Session) -> None:
         if not session.config.pluginmanager.has_plugin("dsession"):  # xdist reports below
@@ -140,3 +136,15 @@ def pytest_configure(config: pytest.Config) -> None:
     path = os.environ.get(ENV_RESULTS)
     if path and not hasattr(config, "workerinput"):  # the controller (or the only process)
         config.pluginmanager.register(_Recorder(path), "fsdp-conformance-cli-recorder")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_cmdline_main(config: pytest.Config) -> Any:
+    """A usage error (raised while pytest configures or collects) as a record too."""
+    try:
+        return (yield)
+    except pytest.UsageError as error:
+        path = os.environ.get(ENV_RESULTS)
+        if path and not hasattr(config, "workerinput"):
+            _append(path, {"event": "usage_error", "detail": " ".join(str(error).split())})
+        raise

@@ -44,6 +44,7 @@ from torch import nn
 
 from fsdp_conformance import vocab
 from fsdp_conformance._patching import patch_attribute
+from fsdp_conformance.adapters import features as adapter_features
 from fsdp_conformance.adapters.base import clean_param_name, scoped_observer
 from fsdp_conformance.adapters.features import Feature
 from fsdp_conformance.vocab import Op
@@ -145,7 +146,9 @@ def instance_labels(adapter: Any, root: nn.Module) -> dict[int, str]:
     for instance in adapter.instances(root):
         wrapped = adapter.unwrap(instance)
         path = paths.get(id(wrapped), paths.get(id(instance), ""))
-        path = clean_param_name(path + ".", getattr(adapter, "wrapper_segments", ())).rstrip(".")
+        path = clean_param_name(
+            path + ".", adapter_features.declared(adapter).wrapper_segments
+        ).rstrip(".")
         labels[id(instance)] = path if path and instance is not root else ROOT_LABEL
     return labels
 
@@ -203,7 +206,7 @@ class CommTrace:
             self._phase = previous
 
     def _state(self, instance: nn.Module) -> str:
-        if not self.adapter.supports(Feature.TRAINING_STATES):
+        if not adapter_features.supports(self.adapter, Feature.TRAINING_STATES):
             return "-"  # the implementation has no training states
         try:
             return str(self.adapter.training_state(instance).value)

@@ -53,6 +53,7 @@ from torch import nn
 from fsdp_conformance import training_states
 from fsdp_conformance._tensors import output_tensors
 from fsdp_conformance.adapters import Adapter, Feature, clean_param_name
+from fsdp_conformance.adapters import features as adapter_features
 from fsdp_conformance.training_states import (
     LEGAL_INSTANCE_TRANSITIONS,
     LEGAL_ROOT_TRANSITIONS,
@@ -111,7 +112,7 @@ class TrainingStateRecorder:
         # the instances, pre-order, and their names in `model`
         self.instances: list[nn.Module] = list(adapter.instances(model))
         # names without the segments wrappers insert (`_fsdp_wrapped_module.`)
-        segments = adapter.wrapper_segments
+        segments = adapter_features.declared(adapter).wrapper_segments
         names = {
             id(module): clean_param_name(name, segments) for name, module in model.named_modules()
         }
@@ -121,7 +122,7 @@ class TrainingStateRecorder:
         self.root = self.instances[0] if self.instances else None  # outermost instance
         # False: the implementation has no training states (feature training_states): nothing
         # is read, so a loop check that records states along the way checks the rest only
-        self.enabled = adapter.supports(Feature.TRAINING_STATES)
+        self.enabled = adapter_features.supports(adapter, Feature.TRAINING_STATES)
         # - Recorded state
         self.last: dict[tuple[int, str], str] = {}  # (instance id, level) -> last state seen
         self.violations: list[Violation] = []  # first MAX_VIOLATIONS illegal states
@@ -253,7 +254,7 @@ class TrainingStateRecorder:
         )
 
     def _instance_state(self, instance: nn.Module) -> InstanceState | None:
-        if not getattr(self.adapter, "instance_states", True):
+        if not adapter_features.declared(self.adapter).instance_states:
             return None  # the implementation keeps root states only (Adapter.instance_states)
         try:
             return InstanceState(self.adapter.training_state(instance))

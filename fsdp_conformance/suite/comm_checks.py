@@ -53,6 +53,8 @@ import pytest
 from torch import nn
 
 from fsdp_conformance.adapters import Feature
+from fsdp_conformance.adapters import features as adapter_features
+from fsdp_conformance.adapters import loop as adapter_loop
 from fsdp_conformance.observe.comm_trace import REDUCE_OPS, CommEvent, CommTrace
 from fsdp_conformance.vocab import Op
 
@@ -87,15 +89,17 @@ def trace_training(
             root's ``no_sync()`` (the caller checks the root has one).
     """
 
-    adapter.require(Feature.COMM_TRACE)
+    adapter_features.skip_unless(adapter, Feature.COMM_TRACE)
     root, zoo_model = training.wrap_model(adapter, model_name, dist, config)
-    optimizer = adapter.optimizer(root, "sgd", lr=training.LR, momentum=training.MOMENTUM)
+    optimizer = adapter_loop.optimizer(
+        adapter, root, "sgd", lr=training.LR, momentum=training.MOMENTUM
+    )
     backward = functools.partial(training.adapter_backward, adapter, root)
     trace = CommTrace(adapter, root, compute=compute)
     with trace:
         for iteration in range(1, iterations + 1):
             no_sync = inside_no_sync is not None and inside_no_sync(iteration)
-            with adapter.no_sync(root) if no_sync else contextlib.nullcontext():
+            with adapter_loop.no_sync(adapter, root) if no_sync else contextlib.nullcontext():
                 inputs = zoo_model.get_input(dist.device)
                 with trace.phase(phase_name(iteration, "forward")):
                     loss = zoo_model.get_loss(inputs, root(*inputs))

@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 
 from fsdp_conformance import vocab
+from fsdp_conformance.adapters import features as adapter_features
 from fsdp_conformance.adapters.features import SHARDING_STRATEGIES
 
 # - Dimensions (adapter vocabulary); the first value of each is the default config
@@ -207,9 +208,11 @@ def _runs(adapter: Any, key: str, value: Any) -> bool:
         return True  # the key is not given
     config = {key: value}
     try:
-        if not adapter.supports(*adapter.features_for(**config)):
+        if not adapter_features.supports(
+            adapter, *adapter_features.wrap_features(adapter, **config)
+        ):
             return False
-        adapter._check_values(_normalized(config))
+        adapter_features.require_values(adapter, _normalized(config))
     except Exception:  # noqa: BLE001 -- a refused value (UnsupportedFeatureError) or a bad one
         return False
     return True

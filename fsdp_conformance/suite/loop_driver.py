@@ -40,6 +40,8 @@ import pytest
 import torch
 from torch import nn
 
+from fsdp_conformance.adapters import features as adapter_features
+from fsdp_conformance.adapters import loop as adapter_loop
 from fsdp_conformance.models import (
     CheckpointingWrap,
     DeviceInit,
@@ -94,8 +96,8 @@ def build(
             (shard_group, replicate_group) pair).
     """
     spec = zoo.MODELS[model_name]
-    adapter.require(*spec.features)
-    adapter.require(*adapter.features_for(**config))
+    adapter_features.skip_unless(adapter, *spec.features)
+    adapter_features.skip_unless(adapter, *adapter_features.wrap_features(adapter, **config))
     group = dist.group if group is None else group
     process_group = group if process_group is None else process_group
     wrap: Any = adapter.wrapper(process_group=process_group, **config)
@@ -133,8 +135,8 @@ def micro_input(zoo_model: nn.Module, device: torch.device, index: int) -> tuple
 
 def fsdp_optimizer(adapter: Any, root: nn.Module, name: str = "sgd") -> torch.optim.Optimizer:
     if name == "adam":
-        return adapter.optimizer(root, "adam", lr=ADAM_LR)
-    return adapter.optimizer(root, "sgd", lr=LR, momentum=MOMENTUM)
+        return adapter_loop.optimizer(adapter, root, "adam", lr=ADAM_LR)
+    return adapter_loop.optimizer(adapter, root, "sgd", lr=LR, momentum=MOMENTUM)
 
 
 def ddp_optimizer(model: nn.Module, name: str = "sgd") -> torch.optim.Optimizer:
@@ -161,17 +163,17 @@ class Driver:
 
     def accumulation_boundary(self, boundary: bool) -> None:
         if self.adapter is not None:
-            self.adapter.accumulation_boundary(self.model, boundary)
+            adapter_loop.accumulation_boundary(self.adapter, self.model, boundary)
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         if self.adapter is None:
             return self.model.no_sync()
-        return self.adapter.no_sync(self.model)
+        return adapter_loop.no_sync(self.adapter, self.model)
 
     def clip(self, max_norm: float, norm_type: float) -> torch.Tensor:
         if self.adapter is None:
             return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, norm_type)
-        return self.adapter.clip_grad_norm_(self.model, max_norm, norm_type)
+        return adapter_loop.clip_grad_norm_(self.adapter, self.model, max_norm, norm_type)
 
     def params(self) -> dict[str, torch.Tensor]:
         if self.adapter is None:
@@ -179,7 +181,7 @@ class Driver:
                 name: param.detach().clone()
                 for name, param in self.zoo_model.named_parameters(remove_duplicate=False)
             }
-        return self.adapter.full_params(self.model)
+        return adapter_loop.full_params(self.adapter, self.model)
 
 
 def accumulate_steps(

@@ -44,6 +44,9 @@ from torch import nn
 
 from fsdp_conformance import vocab
 from fsdp_conformance.adapters import Adapter, Feature
+from fsdp_conformance.adapters import deviations as adapter_deviations
+from fsdp_conformance.adapters import features as adapter_features
+from fsdp_conformance.adapters import loop as adapter_loop
 from fsdp_conformance.observe.lagging import LAG_VARIANTS, LaggingDevice
 from fsdp_conformance.observe.residency import PHASES, ResidencyTracker
 from fsdp_conformance.suite.stream_bound import FSDP2_BOUND, StreamOrderedBound
@@ -181,16 +184,16 @@ def measure_residency(
             "backward" and "step" phases.
         layers: non-root instances.
     """
-    adapter.require(Feature.LIMIT_ALL_GATHERS)
-    adapter.require(Feature.DEVICE_HANDLE, Feature.COMM_TRACE)
-    adapter.require(*adapter.features_for(**config))
+    adapter_features.skip_unless(adapter, Feature.LIMIT_ALL_GATHERS)
+    adapter_features.skip_unless(adapter, Feature.DEVICE_HANDLE, Feature.COMM_TRACE)
+    adapter_features.skip_unless(adapter, *adapter_features.wrap_features(adapter, **config))
     wrap = adapter.wrapper(**config)
     chain = ChainOfLinears(lambda module: wrap(module, process_group=group), layers)
     model = adapter.wrap(chain, process_group=group, root=True, **config)
     device = LaggingDevice(lag)
     adapter.install_device_handle(model, device)
     tracker = ResidencyTracker(device, adapter.instances(model))
-    optimizer = adapter.optimizer(model, "sgd", lr=0.01, momentum=0.9)
+    optimizer = adapter_loop.optimizer(adapter, model, "sgd", lr=0.01, momentum=0.9)
     x = chain.get_input(torch.device("cpu"), group.rank())
     # Buffers observed by their lifetime (torch FSDP2) must not die at a garbage collection of
     # an earlier model's cycles halfway through a phase: collect now, none while measuring
@@ -204,7 +207,7 @@ def measure_residency(
                 tracker.start(iteration, "forward")
                 loss = model(x).sum()
                 tracker.start(iteration, "backward")
-                adapter.backward(model, loss)
+                adapter_loop.backward(adapter, model, loss)
                 tracker.start(iteration, "step")
                 optimizer.step()
                 optimizer.zero_grad()
@@ -252,9 +255,9 @@ def measure_cuda_forward_peaks(
 
     cycles_per_ms(device)  # calibrate now: calibration synchronizes, which would drain the device
 
-    adapter.require(Feature.LIMIT_ALL_GATHERS)
-    adapter.require(Feature.COMM_TRACE)
-    adapter.require(*adapter.features_for(**config))
+    adapter_features.skip_unless(adapter, Feature.LIMIT_ALL_GATHERS)
+    adapter_features.skip_unless(adapter, Feature.COMM_TRACE)
+    adapter_features.skip_unless(adapter, *adapter_features.wrap_features(adapter, **config))
     wrap = adapter.wrapper(**config)
     chain = ChainOfLinears(
         lambda module: wrap(module, process_group=group), layers, width, device=device
@@ -266,13 +269,13 @@ def measure_cuda_forward_peaks(
     instances = adapter.instances(model)
     element_bytes = chain.root_linear.weight.element_size()
     instance_bytes = (width * width + width) * element_bytes
-    optimizer = adapter.optimizer(model, "sgd", lr=0.01)
+    optimizer = adapter_loop.optimizer(adapter, model, "sgd", lr=0.01)
     x = chain.get_input(device, group.rank())
     peaks = []
     with contextlib.ExitStack() as hooks:
         for instance in instances[1:]:
-            hooks.enter_context(adapter.delay_before_free(instance, delay))
-        hooks.enter_context(adapter.delay_before_reduction(delay))
+            hooks.enter_context(adapter_loop.delay_before_free(adapter, instance, delay))
+        hooks.enter_context(adapter_loop.delay_before_reduction(adapter, delay))
         for _ in range(iterations):
             torch.cuda.synchronize(device)
             before = torch.cuda.memory_stats(device)["active_bytes.all.current"]
@@ -280,7 +283,7 @@ def measure_cuda_forward_peaks(
             loss = model(x).sum()
             torch.cuda.synchronize(device)
             peaks.append(torch.cuda.memory_stats(device)["active_bytes.all.peak"] - before)
-            adapter.backward(model, loss)
+            adapter_loop.backward(adapter, model, loss)
             optimizer.step()
             optimizer.zero_grad()
     return CudaForwardPeaks(instance_bytes, instance_bytes, peaks)
@@ -443,7 +446,7 @@ def own_bound_of(
     adapter: Adapter, bounds: dict[str, StreamOrderedBound]
 ) -> StreamOrderedBound | None:
     """The implementation's own bound for ``adapter`` from ``bounds`` (None: the limiter's)."""
-    for member in adapter.delegation_chain():
+    for member in adapter_deviations.delegation_chain(adapter):
         names = [member.name] + [cls.__dict__.get("name") for cls in type(member).__mro__]
         for name in names:
             if isinstance(name, str) and name in bounds:

@@ -47,6 +47,8 @@ import torch.distributed as tdist
 from torch import nn
 
 from fsdp_conformance._patching import patch_attribute
+from fsdp_conformance.adapters import features as adapter_features
+from fsdp_conformance.adapters import loop as adapter_loop
 from fsdp_conformance.models import Layer, delay
 from fsdp_conformance.vocab import Op
 
@@ -241,7 +243,7 @@ def measure_overlap(
         wrap = adapter.wrapper(**config)
         compute_cycles = cycles if case in ("compute", "both") else 0
         model = adapter.wrap(_Chain(wrap, compute_cycles), root=True, **config)
-        optimizer = adapter.optimizer(model, "sgd", lr=0.01)
+        optimizer = adapter_loop.optimizer(adapter, model, "sgd", lr=0.01)
         models[case] = (model, optimizer)
         _iteration(model, optimizer, device, adapter)  # iteration 1: records the forward order
     times: dict[str, list[float]] = {case: [] for case in CASES}
@@ -262,7 +264,7 @@ def measure_overlap(
 
 def _iteration(model: nn.Module, optimizer: Any, device: torch.device, adapter: Any) -> None:
     optimizer.zero_grad()
-    adapter.backward(model, model(torch.ones(2, 1, device=device)).sum())
+    adapter_loop.backward(adapter, model, model(torch.ones(2, 1, device=device)).sum())
     optimizer.step()
 
 
@@ -286,7 +288,7 @@ def _timed_forward(
             elapsed = start.elapsed_time(end)
         else:
             elapsed = (time.perf_counter() - begin) * 1000.0
-    adapter.backward(model, output.sum())
+    adapter_loop.backward(adapter, model, output.sum())
     optimizer.step()
     return elapsed, log
 
@@ -335,7 +337,9 @@ def check_overlap(adapter: Any, dist: Any, label: str, retries: int = 1) -> Over
     Skips when the adapter lacks a feature of the config, or (CPU) issues its all-gathers
     synchronously.
     """
-    adapter.require(*adapter.features_for(**overlap_config(dist.device)))
+    adapter_features.skip_unless(
+        adapter, *adapter_features.wrap_features(adapter, **overlap_config(dist.device))
+    )
     cuda = dist.device.type == "cuda"
     compute_ms, comm_ms = (CUDA_COMPUTE_MS, CUDA_COMM_MS) if cuda else (CPU_COMPUTE_MS, CPU_COMM_MS)
     failure = None

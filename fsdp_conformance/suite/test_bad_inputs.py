@@ -14,6 +14,8 @@ import torch
 from torch import nn
 
 from fsdp_conformance.adapters import Feature
+from fsdp_conformance.adapters import features as adapter_features
+from fsdp_conformance.adapters import loop as adapter_loop
 
 from .declare import check
 from .test_exec_order import WIDTH, expect_error
@@ -82,7 +84,7 @@ class BaseBadInputTests:
             nn.Sequential(adapter.wrap(_linear(), root=False), _linear()), root=True
         )
         x = torch.ones(2, WIDTH, device=dist.device)
-        adapter.backward(model, model(x).sum())
+        adapter_loop.backward(adapter, model, model(x).sum())
 
         def forward_inside() -> None:
             with adapter.summon_full_params(model):
@@ -107,7 +109,7 @@ class BaseBadInputTests:
             nn.Sequential(adapter.wrap(_linear(), root=False), _linear()), root=True
         )
         x = torch.ones(2, WIDTH, device=dist.device)
-        adapter.backward(model, model(x).sum())
+        adapter_loop.backward(adapter, model, model(x).sum())
         inner = adapter.unwrap(model)[1]
 
         def summon(*_: Any) -> None:
@@ -133,7 +135,7 @@ class BaseBadInputTests:
     @pytest.mark.world_size(2)
     def test_sync_module_states_with_different_shapes(self, fsdp_adapter: Any, dist: Any):
         adapter = fsdp_adapter
-        adapter.require(Feature.SYNC_MODULE_STATES)
+        adapter_features.skip_unless(adapter, Feature.SYNC_MODULE_STATES)
         module = nn.Sequential(_linear(), nn.Linear(WIDTH, WIDTH + dist.rank))
         expect_error(
             lambda: adapter.wrap(module, root=True, sync_module_states=True),

@@ -14,7 +14,9 @@ import pytest
 import torch
 from torch import nn
 
-from fsdp_conformance.adapters import Adapter, Feature
+from fsdp_conformance.adapters import Feature
+from fsdp_conformance.adapters import features as adapter_features
+from fsdp_conformance.adapters import loop as adapter_loop
 from fsdp_conformance.observe.comm_trace import CommTrace
 
 from . import comm_checks, training, zoo
@@ -69,10 +71,12 @@ class BaseCollectiveCountTests:
         # reduction inside; the next iteration outside reduces once per instance; the
         # accumulated gradients train exactly as DDP's no_sync does.
         config = {"sharding_strategy": strategy}
-        fsdp_adapter.require(*fsdp_adapter.features_for(**config))
-        fsdp_adapter.require(Feature.GRADIENT_ACCUMULATION)
+        adapter_features.skip_unless(
+            fsdp_adapter, *adapter_features.wrap_features(fsdp_adapter, **config)
+        )
+        adapter_features.skip_unless(fsdp_adapter, Feature.GRADIENT_ACCUMULATION)
         root, _ = training.wrap_model(fsdp_adapter, "nested", dist, config)
-        overrides_no_sync = type(fsdp_adapter).no_sync is not Adapter.no_sync
+        overrides_no_sync = adapter_loop.overrides(fsdp_adapter, "no_sync")
         if not overrides_no_sync and not callable(getattr(root, "no_sync", None)):
             pytest.skip(
                 f"adapter {fsdp_adapter.name!r} does not support 'no_sync': its root module has "
@@ -88,7 +92,7 @@ class BaseCollectiveCountTests:
             f"no_sync broken ({label}):\n  " + "\n  ".join(failures) + "\ntrace:\n" + trace.render()
         )
         reference = _ddp_no_sync_params(dist, no_sync_iterations=(1,))
-        actual = fsdp_adapter.full_params(root)
+        actual = adapter_loop.full_params(fsdp_adapter, root)
         training.assert_same_training(
             f"{label}, iteration 1 inside no_sync (accumulated gradients)",
             training.TrainingResult(torch.zeros(0), actual),

@@ -29,6 +29,8 @@ import pytest
 import torch
 from torch import nn
 
+from fsdp_conformance.adapters import loop as adapter_loop
+
 from .declare import check
 
 # Seconds a misuse may take to raise (the harness timeout, default 120 s, is the backstop)
@@ -118,7 +120,7 @@ class BaseExecOrderTests:
         x = torch.ones(2, WIDTH, device=dist.device)
 
         def iteration() -> None:
-            adapter.backward(model, model(x).sum())
+            adapter_loop.backward(adapter, model, model(x).sum())
 
         expect_error(
             iteration,

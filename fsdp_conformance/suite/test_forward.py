@@ -14,6 +14,8 @@ import pytest
 import torch
 
 from fsdp_conformance.adapters import Feature
+from fsdp_conformance.adapters import features as adapter_features
+from fsdp_conformance.adapters import loop as adapter_loop
 from fsdp_conformance.observe.states import TrainingStateRecorder
 
 from .declare import check
@@ -62,14 +64,14 @@ class BaseForwardMethodTests:
         adapter = fsdp_adapter
         root, zoo_model = build(adapter, "loops", dist, {"sharding_strategy": strategy})
         if variant == "method":  # the nested instance alone needs no registration
-            adapter.check(Feature.FORWARD_METHOD)
-            adapter.register_forward_method(root, "encode")
+            adapter_features.require(adapter, Feature.FORWARD_METHOD)
+            adapter_loop.register_forward_method(adapter, root, "encode")
         label = f"adapter {adapter.name!r}, loops, {strategy}, {variant}"
         resident: list[str] = []
         step_of = [0]
 
         def root_params_in_use(module: Any, args: Any) -> None:
-            if adapter.is_unsharded(adapter.instances(root)[0]) is False:
+            if adapter_loop.is_unsharded(adapter, adapter.instances(root)[0]) is False:
                 raise AssertionError(
                     f"{label}: the root's own parameters (the trunk's) are sharded while "
                     f"{'encode' if variant == 'method' else 'forward'} uses them (step "
@@ -93,7 +95,7 @@ class BaseForwardMethodTests:
                     resident += [
                         f"step {step}: {type(adapter.unwrap(instance)).__name__}"
                         for instance in adapter.instances(root)
-                        if adapter.is_unsharded(instance)
+                        if adapter_loop.is_unsharded(adapter, instance)
                     ]
         hook.remove()
         recorder.assert_legal()

@@ -16,6 +16,8 @@ import pytest
 import torch
 
 from fsdp_conformance.adapters import Feature, clean_param_name
+from fsdp_conformance.adapters import features as adapter_features
+from fsdp_conformance.adapters import loop as adapter_loop
 from fsdp_conformance.models import BufferedBlock
 
 from . import loop_driver, zoo
@@ -48,13 +50,15 @@ class BaseMetaInitTests:
     @pytest.mark.world_size(2)
     def test_meta_init(self, fsdp_adapter: Any, dist: Any, wrapping: str):
         adapter = fsdp_adapter
-        adapter.require(Feature.META_INIT, *zoo.MODELS["buffered_meta"].features)
+        adapter_features.skip_unless(
+            adapter, Feature.META_INIT, *zoo.MODELS["buffered_meta"].features
+        )
         config = {"auto_wrap_policy": _is_block} if wrapping == "auto_wrap" else {}
-        adapter.require(*adapter.features_for(**config))
+        adapter_features.skip_unless(adapter, *adapter_features.wrap_features(adapter, **config))
         nested = adapter.wrapper(process_group=dist.group) if wrapping == "nested" else None
         zoo_model = zoo.build("buffered_meta", dist.group, nested, dist.device)
         root = adapter.wrap(zoo_model, process_group=dist.group, root=True, **config)
-        adapter.materialize(root, device=dist.device)
+        adapter_loop.materialize(adapter, root, device=dist.device)
         label = f"adapter {adapter.name!r}, buffered_meta ({wrapping})"
 
         on_meta = [
@@ -64,13 +68,13 @@ class BaseMetaInitTests:
         ]
         assert not on_meta, f"{label}: still on the meta device after materialize: {on_meta}"
         plain = zoo.build("buffered", dist.group, None, dist.device).to(dist.device)
-        full = adapter.full_params(root)
+        full = adapter_loop.full_params(adapter, root)
         expected = {name: p.detach() for name, p in plain.named_parameters()}
         assert sorted(full) == sorted(expected), (
             f"{label}: full parameter names {sorted(full)}, the plain model's {sorted(expected)}"
         )
         buffers = {
-            clean_param_name(name, adapter.wrapper_segments): buffer
+            clean_param_name(name, adapter_features.declared(adapter).wrapper_segments): buffer
             for name, buffer in adapter.unwrap(root).named_buffers()
         }
         for name, value in plain.named_buffers():  # persistent and not
@@ -89,7 +93,7 @@ class BaseMetaInitTests:
             "re-initialised by its root's materialisation -- or left uninitialised)"
         )
 
-        adapter.load_state_dict(root, plain.state_dict())
+        adapter_loop.load_state_dict(adapter, root, plain.state_dict())
         driver = loop_driver.Driver(root, zoo_model, adapter)
         losses = loop_driver.steps_from(
             driver, loop_driver.fsdp_optimizer(adapter, root), dist.device, 0, STEPS

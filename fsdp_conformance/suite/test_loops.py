@@ -29,6 +29,8 @@ import torch
 from torch import nn
 
 from fsdp_conformance.adapters import Adapter, Feature, UnsupportedFeatureError, clean_param_name
+from fsdp_conformance.adapters import features as adapter_features
+from fsdp_conformance.adapters import loop as adapter_loop
 from fsdp_conformance.models import CheckpointedModule
 from fsdp_conformance.observe.comm_trace import CommTrace
 from fsdp_conformance.observe.states import IllegalTrainingState, TrainingStateRecorder
@@ -93,7 +95,7 @@ class BaseGradientAccumulationTests:
         adapter = fsdp_adapter
         sync_every = sync == "sync_every"
         if not sync_every:
-            adapter.require(Feature.GRADIENT_ACCUMULATION)
+            adapter_features.skip_unless(adapter, Feature.GRADIENT_ACCUMULATION)
         config = {"sharding_strategy": strategy}
         root, zoo_model = build(adapter, model_name, dist, config)
         driver = Driver(root, zoo_model, adapter)
@@ -132,7 +134,7 @@ class BaseGradientAccumulationTests:
     @pytest.mark.world_size(2)
     def test_no_reduction_while_accumulating(self, fsdp_adapter: Any, dist: Any, strategy: str):
         adapter = fsdp_adapter
-        adapter.require(Feature.GRADIENT_ACCUMULATION, Feature.COMM_TRACE)
+        adapter_features.skip_unless(adapter, Feature.GRADIENT_ACCUMULATION, Feature.COMM_TRACE)
         root, zoo_model = build(adapter, "loops", dist, {"sharding_strategy": strategy})
         driver = Driver(root, zoo_model, adapter)
         trace = CommTrace(adapter, root)
@@ -212,7 +214,7 @@ class BaseGradientClippingTests:
         self, fsdp_adapter: Any, dist: Any, model_name: str, strategy: str, norm_type: float
     ):
         adapter = fsdp_adapter
-        adapter.require(Feature.CLIP_GRAD_NORM)
+        adapter_features.skip_unless(adapter, Feature.CLIP_GRAD_NORM)
         max_norm = CLIP_MAX_NORM[model_name]
         root, zoo_model = build(adapter, model_name, dist, {"sharding_strategy": strategy})
         fsdp = _clip_run(
@@ -299,9 +301,13 @@ class BaseFrozenParameterTests:
     def test_frozen_parameters(self, fsdp_adapter: Any, dist: Any, model_name: str, strategy: str):
         adapter = fsdp_adapter
         config: dict[str, Any] = {"sharding_strategy": strategy}
-        if model_name == "loops_frozen_mixed" and adapter.supports(Feature.USE_ORIG_PARAMS):
+        if model_name == "loops_frozen_mixed" and adapter_features.supports(
+            adapter, Feature.USE_ORIG_PARAMS
+        ):
             config["use_orig_params"] = True
-        traced = model_name == "loops_frozen" and adapter.supports(Feature.COMM_TRACE)
+        traced = model_name == "loops_frozen" and adapter_features.supports(
+            adapter, Feature.COMM_TRACE
+        )
         root, zoo_model = build(adapter, model_name, dist, config)
         driver = Driver(root, zoo_model, adapter)
         initial = driver.params()
@@ -373,7 +379,7 @@ class BaseActivationCheckpointingTests:
         self, fsdp_adapter: Any, dist: Any, model_name: str, strategy: str, placement: str
     ):
         adapter = fsdp_adapter
-        adapter.require(Feature.ACTIVATION_CHECKPOINTING)
+        adapter_features.skip_unless(adapter, Feature.ACTIVATION_CHECKPOINTING)
         config = {"sharding_strategy": strategy}
         root, zoo_model = build(adapter, model_name, dist, config, checkpointing=placement)
         blocks = [m for m in root.modules() if isinstance(m, CheckpointedModule)]
@@ -416,8 +422,8 @@ class BaseActivationCheckpointingTests:
         )
         reference = training.reference_run(model_name, dist)
         params = {  # names of the model without checkpointing (what DDP trained)
-            clean_param_name(name, adapter.wrapper_segments): value
-            for name, value in adapter.full_params(root).items()
+            clean_param_name(name, adapter_features.declared(adapter).wrapper_segments): value
+            for name, value in adapter_loop.full_params(adapter, root).items()
         }
         training.assert_same_training(label, training.TrainingResult(losses, params), reference)
 
@@ -461,7 +467,7 @@ class BaseForwardVariantsTests:
     @pytest.mark.world_size(2)
     def test_forward_variant(self, fsdp_adapter: Any, dist: Any, variant: str, strategy: str):
         adapter = fsdp_adapter
-        adapter.require(Feature.FORWARD_VARIANTS)
+        adapter_features.skip_unless(adapter, Feature.FORWARD_VARIANTS)
         model_name = "loops_branch" if variant == "unused_branch" else "loops"
         root, zoo_model = build(adapter, model_name, dist, {"sharding_strategy": strategy})
         label = f"adapter {adapter.name!r}, {model_name}, {strategy}, {variant}"
@@ -472,7 +478,7 @@ class BaseForwardVariantsTests:
             if strategy != "FULL_SHARD":
                 return
             for instance in adapter.instances(root)[1:]:
-                if adapter.is_unsharded(instance):
+                if adapter_loop.is_unsharded(adapter, instance):
                     resident.append(f"step {step}: {type(adapter.unwrap(instance)).__name__}")
 
         def after_step() -> None:
@@ -621,7 +627,7 @@ class BaseCheckpointResumeTests:
     @pytest.mark.world_size(2)
     def test_checkpoint_resume(self, fsdp_adapter: Any, dist: Any, case: ResumeCase):
         adapter = fsdp_adapter
-        adapter.require(Feature.CHECKPOINT_RESUME)
+        adapter_features.skip_unless(adapter, Feature.CHECKPOINT_RESUME)
         # on every rank alike, before a world the other rank waits out (no one-rank skip)
         for method in ("save_checkpoint", "load_checkpoint"):
             if getattr(type(adapter), method) is getattr(Adapter, method):

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from fsdp_conformance.adapters import Adapter
+from fsdp_conformance.adapters import loop as adapter_loop
 from fsdp_conformance.observe.unsharded import UnshardedParams
 
 from . import training
@@ -38,7 +39,7 @@ def observed_training(
         if step < STEPS - 1:
             yield
             return
-        probes.append(UnshardedParams(adapter, root, adapter.full_params(root)))
+        probes.append(UnshardedParams(adapter, root, adapter_loop.full_params(adapter, root)))
         with probes[0]:
             yield
 

@@ -15,6 +15,8 @@ import torch
 from torch import nn
 
 from fsdp_conformance.adapters import Feature
+from fsdp_conformance.adapters import features as adapter_features
+from fsdp_conformance.adapters import loop as adapter_loop
 from fsdp_conformance.adapters.base import group_by
 
 from .declare import check
@@ -75,10 +77,12 @@ class BaseParamGroupTests:
     ):
         adapter = fsdp_adapter
         config: dict[str, Any] = {"sharding_strategy": strategy}
-        if adapter.supports(Feature.USE_ORIG_PARAMS):  # FSDP1: groups need the flag
+        if adapter_features.supports(
+            adapter, Feature.USE_ORIG_PARAMS
+        ):  # FSDP1: groups need the flag
             config["use_orig_params"] = True
         root, zoo_model = build(adapter, model_name, dist, config)
-        optimizer = adapter.optimizer(
+        optimizer = adapter_loop.optimizer(adapter, 
             root, "adamw", param_groups=group_options, lr=ADAMW_LR, weight_decay=WEIGHT_DECAY
         )
         driver = Driver(root, zoo_model, adapter)

@@ -17,6 +17,8 @@ import pytest
 import torch
 
 from fsdp_conformance.adapters import Feature
+from fsdp_conformance.adapters import features as adapter_features
+from fsdp_conformance.adapters import loop as adapter_loop
 
 from . import configs, training, zoo
 from .declare import check
@@ -151,10 +153,10 @@ class BaseSummonFullParamsTests:
     ):
         adapter = fsdp_adapter
         if writeback:
-            adapter.require(Feature.SUMMON_FULL_PARAMS_WRITEBACK)
+            adapter_features.skip_unless(adapter, Feature.SUMMON_FULL_PARAMS_WRITEBACK)
         root, zoo_model = training.wrap_model(adapter, summon_model, dist, {})
         training.train(root, zoo_model, dist.device, steps=1, adapter=adapter)
-        full_before = adapter.full_params(root)
+        full_before = adapter_loop.full_params(adapter, root)
         shards_before = _local_shards(root)
         with adapter.summon_full_params(root, writeback=writeback), torch.no_grad():
             increased = set()  # a tied parameter is listed under each name: increase it once
@@ -164,7 +166,7 @@ class BaseSummonFullParamsTests:
                 if id(param) not in increased:
                     increased.add(id(param))
                     param.add_(1.0)
-        full_after = adapter.full_params(root)
+        full_after = adapter_loop.full_params(adapter, root)
         shards_after = _local_shards(root)
         label = f"adapter {adapter.name!r}, {summon_model}"
         changed = sorted(
@@ -263,15 +265,15 @@ def _state_dict_round_trip(
     """Save after one step, train two more, load: the full parameters are the saved ones."""
     root, zoo_model = training.wrap_model(adapter, model_name, dist, {})
     training.train(root, zoo_model, dist.device, steps=1, adapter=adapter)
-    saved_full = adapter.full_params(root)
+    saved_full = adapter_loop.full_params(adapter, root)
     state = {key: _clone(value) for key, value in save(root).items()}
     training.train(root, zoo_model, dist.device, steps=2, adapter=adapter)
-    moved = adapter.full_params(root)
+    moved = adapter_loop.full_params(adapter, root)
     assert any(not torch.equal(moved[name], saved_full[name]) for name in saved_full), (
         "training did not change any parameter; the round trip would prove nothing"
     )
     load(root, state)
-    loaded = adapter.full_params(root)
+    loaded = adapter_loop.full_params(adapter, root)
     label = f"adapter {adapter.name!r}, {model_name}, {path}"
     unchanged = [name for name in saved_full if torch.equal(loaded[name], moved[name])]
     for name, expected in saved_full.items():
@@ -298,7 +300,9 @@ def _params_by_clean_name(adapter: Any, root: torch.nn.Module) -> dict[str, torc
     params = {}
     for module in (adapter.unwrap(root), root):
         for name, param in module.named_parameters(remove_duplicate=False):
-            params.setdefault(clean_param_name(name, adapter.wrapper_segments), param)
+            params.setdefault(
+                clean_param_name(name, adapter_features.declared(adapter).wrapper_segments), param
+            )
     return params
 
 

@@ -40,6 +40,8 @@ from torch import nn
 
 from fsdp_conformance._patching import patch_attribute
 from fsdp_conformance.adapters import Feature, clean_param_name
+from fsdp_conformance.adapters import features as adapter_features
+from fsdp_conformance.adapters import loop as adapter_loop
 from fsdp_conformance.vocab import Op
 
 from . import loop_driver, training
@@ -199,7 +201,7 @@ class BasePrecisionTests:
     def test_dtypes(self, fsdp_adapter: Any, dist: Any, policy: str):
         adapter = fsdp_adapter
         param_dtype, reduce_dtype, output_dtype = _policy(policy)
-        casts_buffers = adapter.supports(Feature.MIXED_PRECISION_BUFFER_DTYPE)
+        casts_buffers = adapter_features.supports(adapter, Feature.MIXED_PRECISION_BUFFER_DTYPE)
         mixed = {
             "param_dtype": param_dtype,
             "reduce_dtype": reduce_dtype,
@@ -249,9 +251,11 @@ class BasePrecisionTests:
             optimizer.step()
             losses.append(loss.detach().float())
             if step == 0:
-                state = adapter.state_dict(root)
+                state = adapter_loop.state_dict(adapter, root)
                 state_dtypes = {
-                    clean_param_name(k, adapter.wrapper_segments): v.dtype
+                    clean_param_name(
+                        k, adapter_features.declared(adapter).wrapper_segments
+                    ): v.dtype
                     for k, v in state.items()
                     if isinstance(v, torch.Tensor)
                 }
@@ -295,7 +299,7 @@ class BasePrecisionTests:
         adapter = fsdp_adapter
         sync, _, policy = accumulation.partition(":")
         if sync == "no_sync":
-            adapter.require(Feature.GRADIENT_ACCUMULATION)
+            adapter_features.skip_unless(adapter, Feature.GRADIENT_ACCUMULATION)
         param_dtype, reduce_dtype, _ = _policy(policy)
         mixed = {"param_dtype": param_dtype, "reduce_dtype": reduce_dtype}
         config = {"sharding_strategy": "FULL_SHARD", "mixed_precision": mixed}
@@ -311,17 +315,19 @@ class BasePrecisionTests:
             # one instance around the whole model: 32 micro-batches cost 32 all-gathers
             zoo_model, _ = loop_driver.build_reference(ACCUMULATION_MODEL, dist, ddp=False)
             root = adapter.wrap(zoo_model, process_group=dist.group, root=True, **config)
-            before = adapter.full_params(root)
+            before = adapter_loop.full_params(adapter, root)
             loop_driver.accumulate_steps(
                 loop_driver.Driver(root, zoo_model, adapter),
-                adapter.optimizer(root, "sgd", lr=ACCUMULATION_LR),
+                adapter_loop.optimizer(adapter, root, "sgd", lr=ACCUMULATION_LR),
                 dist.device,
                 1,
                 micro_batches,
                 sync_every=sync == "sync_every",
                 same_input=True,
             )
-            errors[micro_batches] = _relative_error(adapter.full_params(root), expected, before)
+            errors[micro_batches] = _relative_error(
+                adapter_loop.full_params(adapter, root), expected, before
+            )
         one, many = errors[1], errors[self.MICRO_BATCHES]
         assert many <= GROWTH * one, (
             f"adapter {adapter.name!r}, {ACCUMULATION_MODEL}, mixed_precision {policy}, "
@@ -343,14 +349,14 @@ class BasePrecisionTests:
     @pytest.mark.world_size(2)
     def test_grad_scaler(self, fsdp_adapter: Any, dist: Any):
         adapter = fsdp_adapter
-        adapter.require(Feature.GRAD_SCALER)
+        adapter_features.skip_unless(adapter, Feature.GRAD_SCALER)
         root, zoo_model = loop_driver.build(
             adapter, MODEL, dist, {"sharding_strategy": "FULL_SHARD"}
         )
         fsdp = _scaled_run(
             loop_driver.Driver(root, zoo_model, adapter),
             loop_driver.fsdp_optimizer(adapter, root),
-            adapter.grad_scaler(root, **SCALER_OPTIONS),
+            adapter_loop.grad_scaler(adapter, root, **SCALER_OPTIONS),
             adapter.unwrap(root),
             dist,
         )

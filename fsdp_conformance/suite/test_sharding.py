@@ -22,6 +22,8 @@ import torch
 from torch import nn
 
 from fsdp_conformance.adapters import Feature, clean_param_name
+from fsdp_conformance.adapters import features as adapter_features
+from fsdp_conformance.adapters import loop as adapter_loop
 from fsdp_conformance.adapters.features import HYBRID_STRATEGIES
 from fsdp_conformance.observe.comm_trace import CommTrace
 from fsdp_conformance.vocab import Op
@@ -49,10 +51,10 @@ def full_state_dict(adapter: Any, root: nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.tensor import DTensor
 
     return {
-        clean_param_name(name, adapter.wrapper_segments): (
+        clean_param_name(name, adapter_features.declared(adapter).wrapper_segments): (
             value.full_tensor() if isinstance(value, DTensor) else value
         )
-        for name, value in adapter.state_dict(root).items()
+        for name, value in adapter_loop.state_dict(adapter, root).items()
     }
 
 
@@ -138,7 +140,7 @@ class BaseHybridShardingTests:
     @pytest.mark.world_size(4)
     def test_hybrid_matches_ddp(self, fsdp_adapter: Any, dist: Any, hybrid_strategy: str):
         adapter = fsdp_adapter
-        adapter.require(Feature.HYBRID_SHARD, Feature.COMM_TRACE)
+        adapter_features.skip_unless(adapter, Feature.HYBRID_SHARD, Feature.COMM_TRACE)
         import torch.distributed as tdist
 
         shard, replicate = hybrid_groups(dist)

@@ -18,6 +18,8 @@ import torch
 from torch import nn
 
 from fsdp_conformance.adapters import Feature, UnsupportedFeatureError
+from fsdp_conformance.adapters import features as adapter_features
+from fsdp_conformance.adapters import loop as adapter_loop
 
 from . import loop_driver, zoo
 from .declare import check
@@ -192,7 +194,7 @@ class BaseFullStateDictTests:
         loop_driver.Driver(root, zoo_model, adapter).backward(
             zoo_model.get_loss(inputs, root(*inputs)).float()
         )
-        full = adapter.state_dict(root)
+        full = adapter_loop.state_dict(adapter, root)
         plain = _plain(dist)
         expected = plain.state_dict()
         label = f"adapter {adapter.name!r}, {MODEL}, full state dict under fp16 buffers"
@@ -248,16 +250,16 @@ class BaseFullStateDictTests:
             0,
             STEPS,
         )
-        assert_state_dict(label, adapter.state_dict(root), reference.state_dict())
+        assert_state_dict(label, adapter_loop.state_dict(adapter, root), reference.state_dict())
         fresh, fresh_zoo = loop_driver.build(adapter, MODEL, dist, {}, group=solo)
-        adapter.load_state_dict(fresh, reference.state_dict())
+        adapter_loop.load_state_dict(adapter, fresh, reference.state_dict())
         loop_driver.assert_params(
             f"{label}, loaded into a fresh model",
-            adapter.full_params(fresh),
+            adapter_loop.full_params(adapter, fresh),
             dict(reference.named_parameters()),
             STEPS,
         )
-        if not adapter.supports(Feature.CHECKPOINT_RESUME):
+        if not adapter_features.supports(adapter, Feature.CHECKPOINT_RESUME):
             return
         with _directory() as directory:
             adapter.save_checkpoint(root, optimizer, directory)
@@ -275,8 +277,8 @@ class BaseFullStateDictTests:
         loop_driver.assert_losses(f"{label}, a step after save/load_checkpoint", after[1], after[0])
         loop_driver.assert_params(
             f"{label}, a step after save/load_checkpoint",
-            adapter.full_params(fresh),
-            adapter.full_params(root),
+            adapter_loop.full_params(adapter, fresh),
+            adapter_loop.full_params(adapter, root),
             STEPS + 1,
         )
 

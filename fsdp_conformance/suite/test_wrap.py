@@ -19,6 +19,8 @@ import torch
 from torch import nn
 
 from fsdp_conformance.adapters import UnsupportedFeatureError, clean_param_name
+from fsdp_conformance.adapters import features as adapter_features
+from fsdp_conformance.adapters import loop as adapter_loop
 from fsdp_conformance.models import DeviceInit, move_after_wrap
 
 from . import training, zoo
@@ -79,7 +81,7 @@ class BaseSharedParamsTests:
             )
             return
         losses = training.train(root, zoo_model, dist.device, adapter=adapter)
-        result = training.TrainingResult(losses, adapter.full_params(root))
+        result = training.TrainingResult(losses, adapter_loop.full_params(adapter, root))
         training.assert_same_training(
             f"{label}: the wrap was accepted, so training must match DDP",
             result,
@@ -155,7 +157,7 @@ class BaseIgnoredParamsTests:
         root = move_after_wrap(root, DeviceInit.AFTER, dist.device)
         label = f"adapter {adapter.name!r}, loops, {strategy}, {IGNORED}* ignored, {variant}"
         registered = {
-            clean_param_name(name, adapter.wrapper_segments): p
+            clean_param_name(name, adapter_features.declared(adapter).wrapper_segments): p
             for name, p in root.named_parameters()
         }
         for name, param in ignored.items():
@@ -185,7 +187,7 @@ class BaseIgnoredParamsTests:
                 "backward is not this rank's own (the implementation reduced it?): max "
                 f"|difference| {(grad - ref_grads[name]).abs().max().item():.3g}"
             )
-        state = adapter.state_dict(root)
+        state = adapter_loop.state_dict(adapter, root)
         for name, param in ignored.items():
             assert name in state and torch.equal(state[name], param.detach()), (
                 f"{label}: the full state dict does not hold ignored parameter {name!r} "

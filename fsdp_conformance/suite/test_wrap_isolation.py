@@ -13,6 +13,8 @@ from typing import Any, ClassVar
 import pytest
 import torch
 
+from fsdp_conformance.adapters import features as adapter_features
+from fsdp_conformance.adapters import loop as adapter_loop
 from fsdp_conformance.observe.unsharded import UnshardedParams
 
 from . import test_parity, training
@@ -56,13 +58,15 @@ class BaseConfigIsolationTests:
         adapter = fsdp_adapter
         first, second = CONFIGS[axis]
         for config in (first, second):  # skip before wrapping either
-            adapter.require(*adapter.features_for(**config))
+            adapter_features.skip_unless(
+                adapter, *adapter_features.wrap_features(adapter, **config)
+            )
         models = [training.wrap_model(adapter, self.model, dist, c) for c in (first, second)]
         probes, results = [], []
         for root, zoo_model in models:
             probe, losses = observed_training(adapter, root, zoo_model, dist)
             probes.append(probe)
-            results.append(training.TrainingResult(losses, adapter.full_params(root)))
+            results.append(training.TrainingResult(losses, adapter_loop.full_params(adapter, root)))
         reference = training.reference_run(self.model, dist, STEPS)
         labels = [
             f"adapter {adapter.name!r}, {self.model} wrapped with {c or 'the defaults'} "

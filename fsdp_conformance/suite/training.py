@@ -23,6 +23,8 @@ import torch
 from torch import nn
 
 from fsdp_conformance.adapters import Adapter
+from fsdp_conformance.adapters import features as adapter_features
+from fsdp_conformance.adapters import loop as adapter_loop
 from fsdp_conformance.models import DeviceInit, DummyDDP, move_after_wrap
 
 from . import zoo
@@ -73,7 +75,7 @@ def train(
     if adapter is None:
         optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     else:
-        optimizer = adapter.optimizer(model, "sgd", lr=LR, momentum=MOMENTUM)
+        optimizer = adapter_loop.optimizer(adapter, model, "sgd", lr=LR, momentum=MOMENTUM)
     losses = []
     for step in range(steps):
         optimizer.zero_grad(set_to_none=step % 2 == 0)
@@ -105,20 +107,20 @@ def adapter_backward(adapter: Adapter, model: nn.Module, loss: torch.Tensor) -> 
     instance on a group of another size multiplies what reaches them by root size / own size
     (linear, so it holds whether the implementation reduces before or after the hook).
     """
-    if adapter.grad_reduction != "sum":
-        adapter.backward(model, loss)
+    if adapter_features.declared(adapter).grad_reduction != "sum":
+        adapter_loop.backward(adapter, model, loss)
         return
     instances = adapter.instances(model)
-    root_size = adapter.group_size(instances[0] if instances else model)
+    root_size = adapter_loop.group_size(adapter, instances[0] if instances else model)
     handles = []
     for instance in instances[1:]:
-        size = adapter.group_size(instance)
+        size = adapter_loop.group_size(adapter, instance)
         if size != root_size:
             for param in own_parameters(instances, instance):
                 if param.requires_grad:
                     handles.append(param.register_hook(_scaled(root_size / size)))
     try:
-        adapter.backward(model, loss / root_size)
+        adapter_loop.backward(adapter, model, loss / root_size)
     finally:
         for handle in handles:
             handle.remove()
@@ -188,12 +190,12 @@ def wrap_model(
     needs, naming the adapter, the feature and the reason.
     """
     spec = zoo.MODELS[model_name]
-    adapter.require(*spec.features)
-    adapter.require(*adapter.features_for(**config))
+    adapter_features.skip_unless(adapter, *spec.features)
+    adapter_features.skip_unless(adapter, *adapter_features.wrap_features(adapter, **config))
     wrap = adapter.wrapper(**config)
     zoo_model = zoo.build(model_name, dist.group, wrap, dist.device, device_init)
     root_config = {**config, **zoo_model.ROOT_WRAP_CONFIG}
-    adapter.require(*adapter.features_for(**root_config))
+    adapter_features.skip_unless(adapter, *adapter_features.wrap_features(adapter, **root_config))
     if DeviceInit(device_init) is DeviceInit.NEVER and dist.device.type != "cpu":
         root_config.setdefault("device_id", dist.device)  # the implementation moves it
     root = adapter.wrap(zoo_model, root=True, **root_config)
@@ -227,7 +229,7 @@ def fsdp_train(
     grads: list[Any] = []
 
     def record_grads(step: int) -> None:
-        shards = adapter.grad_shards(root)
+        shards = adapter_loop.grad_shards(adapter, root)
         grads.append(
             None
             if shards is None
@@ -236,7 +238,9 @@ def fsdp_train(
 
     losses = train(root, zoo_model, dist.device, steps, record_grads, adapter=adapter, phase=phase)
     readable = all(shards is not None for shards in grads)
-    return TrainingResult(losses, adapter.full_params(root), grads if readable else None)
+    return TrainingResult(
+        losses, adapter_loop.full_params(adapter, root), grads if readable else None
+    )
 
 
 def assert_same_training(

@@ -32,6 +32,8 @@ import pytest
 
 from fsdp_conformance import checks
 from fsdp_conformance.adapters import Adapter, UnsupportedFeatureError
+from fsdp_conformance.adapters import deviations as adapter_deviations
+from fsdp_conformance.adapters import features as adapter_features
 from fsdp_conformance.adapters.base import claimed_but_not_implemented
 from fsdp_conformance.world import properties
 
@@ -70,14 +72,14 @@ def cell(adapter: Adapter, check_id: str, case: Any = None) -> Iterator[None]:
         ValueError: ``check_id`` is not registered.
     """
     check = checks.get_check(check_id)
-    problem = adapter.support_problem()
+    problem = adapter_features.support_problem(adapter)
     if problem is not None:
         _not_applicable(check_id, f"adapter {adapter.name!r}: {problem}", "version")
     try:
-        adapter.check(*check.features)
+        adapter_features.require(adapter, *check.features)
     except UnsupportedFeatureError as error:
         _not_applicable(check_id, str(error), error.feature)
-    deviation = adapter.find_deviation(check_id, case)
+    deviation = adapter_deviations.find_deviation(adapter, check_id, case)
     try:
         yield
     except UnsupportedFeatureError as error:
@@ -92,9 +94,9 @@ def cell(adapter: Adapter, check_id: str, case: Any = None) -> Iterator[None]:
         if isinstance(error, (KeyboardInterrupt, SystemExit)):
             raise
         failure = failure_line(error)
-        covering = adapter.find_deviation(check_id, case, error)
+        covering = adapter_deviations.find_deviation(adapter, check_id, case, error)
         if covering is not None:
-            reason = adapter.deviation_text(covering)
+            reason = adapter_deviations.deviation_text(adapter, covering)
             _record(checks.Result(check_id, checks.DEVIATION, reason, failure=failure))
             pytest.xfail(
                 f"{failure} -- known deviation of adapter {adapter.name!r} ({check_id}): {reason}"

@@ -23,6 +23,8 @@ from fsdp_conformance.adapters import (
     RootState,
     get_adapter,
 )
+from fsdp_conformance.adapters import features as adapter_features
+from fsdp_conformance.adapters import loop as adapter_loop
 from fsdp_conformance.suite.training import train
 
 S, R = InstanceState, RootState  # short names for the state tables below
@@ -55,7 +57,7 @@ def test_wraps_nested_module_and_matches_ddp(dist, adapter_name):
     losses = train(root, model, dist.device, steps=2)
 
     assert torch.equal(losses, reference_losses)
-    full = adapter.full_params(root)
+    full = adapter_loop.full_params(adapter, root)
     expected = {
         name: param.detach() for name, param in reference.named_parameters(remove_duplicate=False)
     }
@@ -102,7 +104,7 @@ def test_training_states_at_hooks(dist, adapter_name):
         inputs = model.get_input(dist.device)
         loss = model.get_loss(inputs, root(*inputs))
         after_forward = _states(adapter, instances), adapter.root_state(instances[0])
-        unsharded_after_forward = [adapter.is_unsharded(instance) for instance in instances]
+        unsharded_after_forward = [adapter_loop.is_unsharded(adapter, instance) for instance in instances]
         model.run_backward(loss)
 
         assert seen["forward"] == ([S.FORWARD, S.FORWARD, S.IDLE, S.IDLE], R.FORWARD_BACKWARD)
@@ -119,9 +121,9 @@ def test_training_states_at_hooks(dist, adapter_name):
         assert backward_states[3] == S.BACKWARD_POST  # module.2: its backward is over
         assert _states(adapter, instances) == [S.IDLE] * 4
         assert adapter.root_state(instances[0]) == R.IDLE
-        assert not any(adapter.is_unsharded(instance) for instance in instances)
-        if adapter.supports(Feature.ASSERT_STATE):
-            adapter.assert_state(instances[0], R.IDLE)
+        assert not any(adapter_loop.is_unsharded(adapter, instance) for instance in instances)
+        if adapter_features.supports(adapter, Feature.ASSERT_STATE):
+            adapter_loop.assert_state(adapter, instances[0], R.IDLE)
 
 
 @pytest.mark.world_size(2)
@@ -137,23 +139,23 @@ def test_summon_full_params_states_and_values(dist, adapter_name):
     with adapter.summon_full_params(root):
         assert _states(adapter, instances) == [S.SUMMON_FULL_PARAMS] * 4
         assert adapter.root_state(instances[0]) == R.SUMMON_FULL_PARAMS
-    full = adapter.full_params(root)
+    full = adapter_loop.full_params(adapter, root)
     reference = NestedWrappedModule(dist.group)
     assert {name: value.shape for name, value in full.items()} == {
         name: param.shape for name, param in reference.named_parameters()
     }
     assert _states(adapter, instances) == [S.IDLE] * 4
-    assert not any(adapter.is_unsharded(instance) for instance in instances)
-    if adapter.supports(Feature.ASSERT_STATE):
+    assert not any(adapter_loop.is_unsharded(adapter, instance) for instance in instances)
+    if adapter_features.supports(adapter, Feature.ASSERT_STATE):
         with pytest.raises(Exception, match=r"(?i)state"):
-            adapter.assert_state(instances[0], R.FORWARD_BACKWARD)
+            adapter_loop.assert_state(adapter, instances[0], R.FORWARD_BACKWARD)
 
 
 @pytest.mark.world_size(2)
 @pytest.mark.parametrize("adapter_name", PER_INSTANCE_ADAPTERS)
 def test_observe_labels_all_gathers_frees_and_reductions(dist, adapter_name):
     adapter = adapter_or_skip(adapter_name)
-    adapter.require(Feature.COMM_TRACE)
+    adapter_features.skip_unless(adapter, Feature.COMM_TRACE)
     model = NestedWrappedModule(dist.group, adapter.wrapper(sharding_strategy="FULL_SHARD"))
     root = adapter.wrap(model, sharding_strategy="FULL_SHARD")
     instances = adapter.instances(root)
@@ -179,7 +181,7 @@ def test_observe_labels_all_gathers_frees_and_reductions(dist, adapter_name):
 @pytest.mark.parametrize("adapter_name", PER_INSTANCE_ADAPTERS)
 def test_delay_before_reduction_really_delays_on_cpu(dist, adapter_name):
     adapter = adapter_or_skip(adapter_name)
-    adapter.require(Feature.COMM_TRACE)
+    adapter_features.skip_unless(adapter, Feature.COMM_TRACE)
     delay_ms = 40
     delayed = NestedWrappedModuleWithDelay(
         dist.group, adapter.wrapper(), delay_before_reduction_ms=delay_ms
@@ -197,14 +199,14 @@ def test_delay_before_reduction_really_delays_on_cpu(dist, adapter_name):
 @pytest.mark.parametrize("adapter_name", PER_INSTANCE_ADAPTERS)
 def test_delay_before_free_runs_while_still_unsharded(dist, adapter_name):
     adapter = adapter_or_skip(adapter_name)
-    adapter.require(Feature.COMM_TRACE)
+    adapter_features.skip_unless(adapter, Feature.COMM_TRACE)
     # the delay runs once per free of the chosen instance, before it
     model = NestedWrappedModule(dist.group, adapter.wrapper(sharding_strategy="FULL_SHARD"))
     root = adapter.wrap(model, sharding_strategy="FULL_SHARD")
     target = adapter.instances(root)[3]  # module.2
     unsharded_at_delay: list[bool] = []
-    with adapter.delay_before_free(
-        target, lambda: unsharded_at_delay.append(adapter.is_unsharded(target))
+    with adapter_loop.delay_before_free(adapter, 
+        target, lambda: unsharded_at_delay.append(adapter_loop.is_unsharded(adapter, target))
     ):
         train(root, model, dist.device, steps=1)
     # one free after forward, one after backward; the delay runs while still unsharded
@@ -224,7 +226,7 @@ def test_moe_expert_on_one_rank_group(dist, adapter_name):
     expert = model.module[2]
     assert expert in adapter.instances(root)
     train(root, model, dist.device, steps=2)
-    expert_params = adapter.full_params(expert)
+    expert_params = adapter_loop.full_params(adapter, expert)
     gathered = [torch.zeros_like(expert_params["weight"]) for _ in range(dist.world_size)]
     torch.distributed.all_gather(gathered, expert_params["weight"].contiguous())
     assert not torch.equal(gathered[0], gathered[1])  # per-rank experts were never averaged
@@ -258,7 +260,7 @@ def _native_cpu_handle(adapter_name: str):
 @pytest.mark.parametrize("adapter_name", PER_INSTANCE_ADAPTERS)
 def test_install_device_handle_routes_streams_and_events(dist, adapter_name):
     adapter = adapter_or_skip(adapter_name)
-    adapter.require(Feature.DEVICE_HANDLE)
+    adapter_features.skip_unless(adapter, Feature.DEVICE_HANDLE)
     model = NestedWrappedModule(dist.group, adapter.wrapper(sharding_strategy="FULL_SHARD"))
     root = adapter.wrap(model, sharding_strategy="FULL_SHARD")
     handle = RecordingDeviceHandle(_native_cpu_handle(adapter_name))
@@ -283,17 +285,17 @@ def _resolve(module: nn.Module, dotted: str):
 def test_summon_full_params_writeback(dist, adapter_name, writeback):
     adapter = adapter_or_skip(adapter_name)
     if writeback:
-        adapter.require(Feature.SUMMON_FULL_PARAMS_WRITEBACK)
+        adapter_features.skip_unless(adapter, Feature.SUMMON_FULL_PARAMS_WRITEBACK)
     model = NestedWrappedModule(dist.group, adapter.wrapper())
     root = adapter.wrap(model)
     train(root, model, dist.device, steps=1)
-    before = adapter.full_params(root)
+    before = adapter_loop.full_params(adapter, root)
     target = "module.2.weight"  # the parameter of the instance module.2 (16 -> 4)
     with adapter.summon_full_params(root, writeback=writeback), torch.no_grad():
         full = _resolve(adapter.unwrap(root), target)
         assert full.shape == before[target].shape  # the whole parameter, not a shard
         full.fill_(7.0)
-    after = adapter.full_params(root)
+    after = adapter_loop.full_params(adapter, root)
     if writeback:
         assert torch.equal(after[target], torch.full_like(before[target], 7.0))
     else:

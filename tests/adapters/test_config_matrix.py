@@ -4,6 +4,7 @@ A supported key must wrap, train two steps and match DDP; an unsupported one ski
 adapter's reason. Together with test_measured_torch_facts.py this is the evidence behind the
 capability table in docs/adapters.md.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -12,6 +13,8 @@ from fsdp_conformance.models import NestedWrappedModule
 from torch import nn
 
 from fsdp_conformance.adapters import ALWAYS_WRAP, BUILTIN_ADAPTERS, get_adapter
+from fsdp_conformance.adapters import features as adapter_features
+from fsdp_conformance.adapters import loop as adapter_loop
 from fsdp_conformance.suite.training import train
 
 CONFIGS = {
@@ -34,7 +37,7 @@ CONFIGS = {
 def test_config_key_trains_like_ddp_or_skips(dist, adapter_name, config_id):
     adapter = get_adapter(adapter_name)
     config = CONFIGS[config_id]
-    adapter.require(*adapter.features_for(**config))
+    adapter_features.skip_unless(adapter, *adapter_features.wrap_features(adapter, **config))
     deviation = _declared_deviation(adapter, config)
     if deviation is None:
         _trains_like_ddp(dist, adapter, config)
@@ -49,7 +52,7 @@ def _declared_deviation(adapter, config: dict):
     """The adapter's declared bf16 parity deviation covering every case, for `config`, or None."""
     if "mixed_precision" not in config:
         return None
-    for deviation in adapter.known_deviations:
+    for deviation in adapter_features.declared(adapter).known_deviations:
         if deviation.check == "parity.bf16" and deviation.applies is None:
             return deviation
     return None
@@ -71,9 +74,12 @@ def _trains_like_ddp(dist, adapter, config: dict) -> None:
 
     tolerance = 5e-2 if "mixed_precision" in config else 1e-6
     torch.testing.assert_close(losses, reference_losses, atol=tolerance, rtol=tolerance)
-    full = adapter.full_params(root)
+    full = adapter_loop.full_params(adapter, root)
     for name, param in reference.named_parameters():
         torch.testing.assert_close(
-            full[name].float(), param.detach(), atol=tolerance, rtol=tolerance,
+            full[name].float(),
+            param.detach(),
+            atol=tolerance,
+            rtol=tolerance,
             msg=lambda message, name=name: f"{name}: {message}",
         )

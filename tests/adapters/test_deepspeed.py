@@ -1,4 +1,4 @@
-"""The built-in deepspeed adapter (issue 19): a small subset of the suite against DeepSpeed ZeRO.
+"""The built-in deepspeed adapter: a small subset of the suite against DeepSpeed ZeRO.
 
 Skipped, with the install line, when DeepSpeed is not installed (.ci/run installs the extra).
 The whole suite against it: ``fsdp-conformance run --impl deepspeed`` (docs/deepspeed.md).
@@ -12,6 +12,7 @@ import pytest
 
 from fsdp_conformance.adapters import Feature, get_adapter
 from fsdp_conformance.adapters import deepspeed as ds_adapter
+from fsdp_conformance.adapters import features as adapter_features
 
 pytest_plugins = ["pytester"]
 
@@ -103,9 +104,9 @@ def test_without_deepspeed_every_feature_says_how_to_install(monkeypatch) -> Non
         ds_adapter.importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else 1
     )
     adapter = ds_adapter.DeepSpeedAdapter()
-    reason = adapter.unsupported_reason(Feature.FULL_SHARD)
+    reason = adapter_features.why_unsupported(adapter, Feature.FULL_SHARD)
     assert reason is not None and "pip install 'fsdp-conformance[deepspeed]'" in reason
-    assert set(adapter.unsupported()) == set(ds_adapter.ALL_FEATURES)
+    assert set(dict(adapter_features.declared(adapter).unsupported)) == set(ds_adapter.ALL_FEATURES)
 
 
 def test_missing_compiler_is_one_line(monkeypatch, tmp_path) -> None:
@@ -128,7 +129,7 @@ def test_registered_builtin() -> None:
 
     assert "deepspeed" in BUILTIN_ADAPTERS and "deepspeed" in table.IMPLEMENTATIONS
     assert get_adapter("deepspeed").name == "deepspeed"
-    assert get_adapter("deepspeed").instance_states is False
+    assert adapter_features.declared(get_adapter("deepspeed")).instance_states is False
 
 
 _ACCUMULATION = """

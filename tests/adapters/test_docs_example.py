@@ -11,6 +11,8 @@ from fsdp_conformance.models import NestedWrappedModule
 from torch import nn
 
 from fsdp_conformance.adapters import Feature, InstanceState, get_adapter
+from fsdp_conformance.adapters import features as adapter_features
+from fsdp_conformance.adapters import loop as adapter_loop
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "adapters.md"
 
@@ -32,7 +34,7 @@ def test_docs_example_adapter_runs_through_module_attr(dist):
         adapter = get_adapter("my_fsdp_adapter:ADAPTER")
         assert adapter.name == "my-fsdp"
         with pytest.raises(pytest.skip.Exception, match="'my-fsdp' does not support 'cpu_offload'"):
-            adapter.require(Feature.CPU_OFFLOAD)
+            adapter_features.skip_unless(adapter, Feature.CPU_OFFLOAD)
 
         reference = NestedWrappedModule(dist.group)
         ddp = nn.parallel.DistributedDataParallel(reference)
@@ -45,7 +47,7 @@ def test_docs_example_adapter_runs_through_module_attr(dist):
         assert [adapter.training_state(i) for i in adapter.instances(root)] == [
             InstanceState.IDLE
         ] * 4
-        full = adapter.full_params(root)
+        full = adapter_loop.full_params(adapter, root)
         for name, param in reference.named_parameters():
             assert torch.equal(full[name], param.detach()), name
     finally:

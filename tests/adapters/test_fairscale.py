@@ -18,7 +18,9 @@ import pytest
 import torch
 from torch import nn
 
+from fsdp_conformance.adapters import features as adapter_features
 from fsdp_conformance.adapters import get_adapter
+from fsdp_conformance.adapters import loop as adapter_loop
 from fsdp_conformance.suite import training
 from fsdp_conformance.suite.memory_bound import (
     LAYERS,
@@ -83,8 +85,8 @@ RELEASED_PEAKS = {"strict": [(6, 12), (18, 24), (30, 36)], "drained": [(6, 12)] 
 @pytest.mark.world_size(2)
 @pytest.mark.parametrize("lag", ["strict", "drained"])
 def test_released_fairscale_exceeds_the_bound_and_sync_after_free_meets_it(dist, lag):
-    from fsdp_conformance.suite.verdict import cell
     from fsdp_conformance.adapters.fairscale import FairscaleAdapter
+    from fsdp_conformance.suite.verdict import cell
 
     case = BoundCase(lag, "FULL_SHARD", None, False, True)
     released = get_adapter("fairscale")
@@ -164,7 +166,7 @@ def test_bf16_policy_meets_half_cast_inputs(dist):
     adapter = get_adapter("fairscale")
     (deviation,) = [
         d
-        for d in adapter.known_deviations
+        for d in adapter_features.declared(adapter).known_deviations
         if d.check == "fuzz.generated" and "bfloat16 policy" in d.reason
     ]
     for bias in (False, True):
@@ -231,9 +233,9 @@ def test_deviation_reproductions_reproduce(tmp_path):
         for phase, peak in zip(("forward", "backward"), peaks)
     ), lines
     # every check the script reproduces is declared, and every declared check is reproduced --
-    # the training-loop deviations (issue 21) by the reproduction in their reason, which the
+    # the training-loop deviations by the reproduction in their reason, which the
     # suite's loop checks run (fsdp_conformance.suite.test_loops, their declared match)
-    deviations = get_adapter("fairscale").known_deviations
+    deviations = adapter_features.declared(get_adapter("fairscale")).known_deviations
     # (and the generated-model deviations: test_generated_model_deviations_reproduce below; the
     # tied parameter's and the nested instance's: the two tests at the end)
     loops = [
@@ -252,7 +254,7 @@ def test_deviation_reproductions_reproduce(tmp_path):
 
 
 OUTSIDE_ADAPTERS = '''
-from fsdp_conformance.adapters.fairscale import FairscaleAdapter
+from fsdp_conformance.adapters.fairscale import FAIRSCALE_DEVIATIONS, FairscaleAdapter
 
 
 class MyFairscale(FairscaleAdapter):
@@ -266,7 +268,7 @@ class StaleDeclaration(FairscaleAdapter):
 
     def __init__(self):
         super().__init__(sync_after_free=True)
-        self.known_deviations = FairscaleAdapter.known_deviations
+        self.known_deviations = FAIRSCALE_DEVIATIONS
 '''
 
 
@@ -338,7 +340,7 @@ def test_generated_model_deviations_reproduce(dist):
     model[1] = adapter.wrap(model[1], root=False)
     root = adapter.wrap(model, root=True)
     two_backwards_one_step(root)
-    actual, expected = adapter.full_params(root)["0.weight"], reference_model[0].weight.detach()
+    actual, expected = adapter_loop.full_params(adapter, root)["0.weight"], reference_model[0].weight.detach()
     assert not torch.allclose(actual, expected, atol=1e-6), (actual, expected)
 
 
@@ -353,7 +355,7 @@ def test_shared_parameter_across_instances_is_untied(dist):
     inputs = zoo_model.get_input(dist.device)
     zoo_model.get_loss(inputs, root(*inputs)).backward()
     optimizer.step()
-    params = adapter.full_params(root)
+    params = adapter_loop.full_params(adapter, root)
     assert not torch.equal(params["embed.weight"], params["head.weight"])
 
 

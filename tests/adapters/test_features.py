@@ -1,4 +1,5 @@
 """Config vocabulary, feature mapping, declared capabilities and skip reasons (one process)."""
+
 from __future__ import annotations
 
 import pytest
@@ -19,6 +20,8 @@ from fsdp_conformance.adapters import (
     get_adapter,
     normalize_config,
 )
+from fsdp_conformance.adapters import features as adapter_features
+from fsdp_conformance.adapters import loop as adapter_loop
 from fsdp_conformance.device_handle import accelerator_available
 
 cpu_only = pytest.mark.skipif(accelerator_available(), reason="facts about CPU-only hosts")
@@ -66,8 +69,9 @@ def test_bad_config_names_the_key(config, error, match):
 
 def test_features_for_maps_each_config_key():
     adapter = Adapter()
-    assert adapter.features_for() == frozenset()
-    assert adapter.features_for(
+    assert adapter_features.wrap_features(adapter) == frozenset()
+    assert adapter_features.wrap_features(
+        adapter,
         sharding_strategy="NO_SHARD",
         backward_prefetch=None,
         forward_prefetch=True,
@@ -88,19 +92,22 @@ def test_features_for_maps_each_config_key():
         Feature.AUTO_WRAP_POLICY,
         Feature.SYNC_MODULE_STATES,
     }
-    assert adapter.features_for(backward_prefetch="BACKWARD_PRE", forward_prefetch=False,
-                                cpu_offload=False) == {Feature.BACKWARD_PREFETCH_PRE}
+    assert adapter_features.wrap_features(
+        adapter, backward_prefetch="BACKWARD_PRE", forward_prefetch=False, cpu_offload=False
+    ) == {Feature.BACKWARD_PREFETCH_PRE}
 
 
 @cpu_only
 def test_torch_fsdp1_declares_cpu_host_limits_with_reasons():
     adapter = get_adapter("torch-fsdp1")
     lacking = {Feature.CPU_OFFLOAD, Feature.SYNC_MODULE_STATES, Feature.FORWARD_METHOD}
-    assert set(adapter.unsupported()) == lacking
-    assert "accelerator" in adapter.unsupported_reason(Feature.CPU_OFFLOAD)
-    assert "sync_module_states" in adapter.unsupported_reason(Feature.SYNC_MODULE_STATES)
-    assert "other than forward" in adapter.unsupported_reason(Feature.FORWARD_METHOD)
-    assert adapter.capabilities == ALL_FEATURES - lacking
+    assert set(dict(adapter_features.declared(adapter).unsupported)) == lacking
+    assert "accelerator" in adapter_features.why_unsupported(adapter, Feature.CPU_OFFLOAD)
+    assert "sync_module_states" in adapter_features.why_unsupported(
+        adapter, Feature.SYNC_MODULE_STATES
+    )
+    assert "other than forward" in adapter_features.why_unsupported(adapter, Feature.FORWARD_METHOD)
+    assert adapter_features.capabilities(adapter) == ALL_FEATURES - lacking
 
 
 def test_torch_fsdp2_declares_what_fully_shard_cannot_express():
@@ -109,21 +116,31 @@ def test_torch_fsdp2_declares_what_fully_shard_cannot_express():
         Feature.LIMIT_ALL_GATHERS_OFF,
         Feature.SYNC_MODULE_STATES,
         Feature.ASSERT_STATE,
-    } <= set(adapter.unsupported())
+    } <= set(dict(adapter_features.declared(adapter).unsupported))
     # expressed in FSDP2's own terms (explicit prefetch lists, its own memory bound)
-    assert adapter.supports(Feature.FULL_SHARD, Feature.SHARD_GRAD_OP, Feature.CPU_OFFLOAD,
-                            Feature.COMM_TRACE, Feature.AUTO_WRAP_POLICY, Feature.DEVICE_HANDLE,
-                            Feature.LIMIT_ALL_GATHERS, Feature.FORWARD_PREFETCH, Feature.NO_SHARD,
-                            Feature.BACKWARD_PREFETCH_NONE, Feature.BACKWARD_PREFETCH_POST)
-    for feature, reason in adapter.unsupported().items():
+    assert adapter_features.supports(
+        adapter,
+        Feature.FULL_SHARD,
+        Feature.SHARD_GRAD_OP,
+        Feature.CPU_OFFLOAD,
+        Feature.COMM_TRACE,
+        Feature.AUTO_WRAP_POLICY,
+        Feature.DEVICE_HANDLE,
+        Feature.LIMIT_ALL_GATHERS,
+        Feature.FORWARD_PREFETCH,
+        Feature.NO_SHARD,
+        Feature.BACKWARD_PREFETCH_NONE,
+        Feature.BACKWARD_PREFETCH_POST,
+    )
+    for feature, reason in dict(adapter_features.declared(adapter).unsupported).items():
         assert feature in ALL_FEATURES and reason.strip(), feature
 
 
 def test_require_skips_naming_adapter_feature_and_reason():
     adapter = get_adapter("torch-fsdp2")
-    adapter.require(Feature.FULL_SHARD)  # supported: no skip
+    adapter_features.skip_unless(adapter, Feature.FULL_SHARD)  # supported: no skip
     with pytest.raises(pytest.skip.Exception) as info:
-        adapter.require(Feature.FULL_SHARD, Feature.LIMIT_ALL_GATHERS_OFF)
+        adapter_features.skip_unless(adapter, Feature.FULL_SHARD, Feature.LIMIT_ALL_GATHERS_OFF)
     message = str(info.value)
     assert "'torch-fsdp2'" in message and "'limit_all_gathers_off'" in message
     assert "cannot be switched off" in message
@@ -144,7 +161,7 @@ def test_unsupported_config_raises_before_touching_the_module():
 
 def test_unknown_feature_name_is_an_error_not_a_skip():
     with pytest.raises(ValueError, match="unknown feature 'limit_allgathers'"):
-        get_adapter("torch-fsdp1").unsupported_reason("limit_allgathers")
+        adapter_features.why_unsupported(get_adapter("torch-fsdp1"), "limit_allgathers")
 
 
 def test_base_adapter_optional_hooks_are_undeclared_features():
@@ -159,17 +176,23 @@ def test_base_adapter_optional_hooks_are_undeclared_features():
         adapter.observe(lambda *args: None)
     with pytest.raises(UnsupportedFeatureError, match="device_handle"):
         adapter.install_device_handle(nn.Linear(1, 1), object())
-    delayed = adapter.delay_before_reduction(lambda: None)
+    delayed = adapter_loop.delay_before_reduction(adapter, lambda: None)
     with pytest.raises(UnsupportedFeatureError, match="comm_trace"), delayed:
         pass
 
 
 def test_canonical_states_and_transitions():
     assert [state.value for state in InstanceState] == [
-        "IDLE", "FORWARD", "BACKWARD_PRE", "BACKWARD_POST", "SUMMON_FULL_PARAMS"
+        "IDLE",
+        "FORWARD",
+        "BACKWARD_PRE",
+        "BACKWARD_POST",
+        "SUMMON_FULL_PARAMS",
     ]
     assert [state.value for state in RootState] == [
-        "IDLE", "FORWARD_BACKWARD", "SUMMON_FULL_PARAMS"
+        "IDLE",
+        "FORWARD_BACKWARD",
+        "SUMMON_FULL_PARAMS",
     ]
     assert InstanceState.BACKWARD_PRE == "BACKWARD_PRE" and str(RootState.IDLE) == "IDLE"
     assert InstanceState.FORWARD in LEGAL_INSTANCE_TRANSITIONS[InstanceState.BACKWARD_PRE]  # AC

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from fsdp_conformance.adapters import features as adapter_features
 from fsdp_conformance.device_handle import accelerator_available
 
 pytestmark = pytest.mark.skipif(accelerator_available(), reason="facts about CPU-only hosts")
@@ -240,7 +241,7 @@ def test_fsdp1_checkpoints_only_where_dcp_passes_its_group():
     assert _dcp.fsdp1_group_dropped("2.8.0") and _dcp.fsdp1_group_dropped("2.12.1")
     for version in ("2.13.0", "2.14.1", "2.15.0"):
         assert not _dcp.fsdp1_group_dropped(version)
-    reason = get_adapter("torch-fsdp1").unsupported_reason(Feature.CHECKPOINT_RESUME)
+    reason = adapter_features.why_unsupported(get_adapter("torch-fsdp1"), Feature.CHECKPOINT_RESUME)
     assert (reason == _dcp.FSDP1_SUBGROUP_REASON) is _dcp.fsdp1_group_dropped(), reason
 
 

@@ -1,4 +1,4 @@
-"""Declared support ranges (issue 18) and the one place per adapter for torch internals."""
+"""Declared support ranges and the one place per adapter for torch internals."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import torch
 
 from fsdp_conformance import _patching, vocab
 from fsdp_conformance.adapters import _fsdp1_internals, _fsdp2_internals, _support, get_adapter
+from fsdp_conformance.adapters import deviations as adapter_deviations
+from fsdp_conformance.adapters import features as adapter_features
 from fsdp_conformance.adapters._support import SupportRange
 
 BUILTINS = ("impl", "torch-fsdp1", "torch-fsdp2", "fairscale", "deepspeed")
@@ -58,13 +60,13 @@ def test_a_range_must_not_be_empty():
 
 @pytest.mark.parametrize("name", BUILTINS)
 def test_every_builtin_adapter_supports_this_ci_torch(name):
-    assert get_adapter(name).support_problem() is None, torch.__version__
+    assert adapter_features.support_problem(get_adapter(name)) is None, torch.__version__
 
 
 @pytest.mark.parametrize("name", BUILTINS)
 def test_every_builtin_adapter_refuses_an_old_torch_in_one_line(monkeypatch, name):
     monkeypatch.setattr(torch, "__version__", "2.6.0+cpu")
-    problem = get_adapter(name).support_problem()
+    problem = adapter_features.support_problem(get_adapter(name))
     supported = "torch>=2.8.0,<2.16, tested on 2.8.0, 2.13.0, 2.14.1, 2.15.0"
     if name == "torch-fsdp2":
         supported = "torch>=2.13.0,<2.16, tested on 2.13.0, 2.14.1, 2.15.0"
@@ -80,8 +82,8 @@ def test_every_builtin_adapter_refuses_an_old_torch_in_one_line(monkeypatch, nam
 def test_torch_fsdp2_starts_at_2_13(monkeypatch):
     # 2.8.0 was run: FSDP2 2.8 sums gradients on gloo (ReduceOp.AVG), so it is outside the range
     monkeypatch.setattr(torch, "__version__", "2.8.0+cu128")
-    assert "torch 2.8.0+cu128 is older" in get_adapter("torch-fsdp2").support_problem()
-    assert get_adapter("torch-fsdp1").support_problem() is None
+    assert "torch 2.8.0+cu128 is older" in adapter_features.support_problem(get_adapter("torch-fsdp2"))
+    assert adapter_features.support_problem(get_adapter("torch-fsdp1")) is None
 
 
 @pytest.mark.parametrize(
@@ -109,11 +111,11 @@ def test_an_extra_declares_its_own_release(monkeypatch, library, installed, prob
         "installed_version",
         lambda name: installed if name == library else real(name),
     )
-    said = get_adapter(library).support_problem()
+    said = adapter_features.support_problem(get_adapter(library))
     assert said.startswith(problem), said
     # the library not installed is not a range problem (every check skips with the install line)
     monkeypatch.setattr(_support, "installed_version", lambda name: None)
-    assert get_adapter(library).support_problem() is None
+    assert adapter_features.support_problem(get_adapter(library)) is None
 
 
 # ---------------------------------------------------------------- torch FSDP2 internals
@@ -182,7 +184,7 @@ def _builtin_deviations():
     return [
         (name, deviation)
         for name in ("torch-fsdp1", "torch-fsdp2", "fairscale")
-        for deviation in type(get_adapter(name)).known_deviations
+        for deviation in adapter_features.declared(get_adapter(name)).known_deviations
     ]
 
 
@@ -199,8 +201,8 @@ def test_every_builtin_deviation_states_its_failure_and_where_it_was_measured(na
 
 def test_the_fsdp2_mixed_devices_deviation_does_not_hide_a_moved_internal():
     # torch 2.8 with the old adapter: an AttributeError inside this cell was reported as the
-    # declared deviation (issue 18); now only the "accepts the misuse" failure is covered
-    deviation = get_adapter("torch-fsdp2").find_deviation("misuse.mixed_devices")
+    # declared deviation; only the "accepts the misuse" failure is covered
+    deviation = adapter_deviations.find_deviation(get_adapter("torch-fsdp2"), "misuse.mixed_devices")
     crash = AttributeError("'FSDPState' object has no attribute '_fsdp_param_groups'")
     assert not deviation.covers(crash)
     report = AssertionError(

@@ -362,3 +362,23 @@ def test_failure_message_is_the_first_assertion_line() -> None:
     plain = AssertionError("loss differs at step 3\nexpected 1.0, got 2.0")
     assert failure_line(plain) == "AssertionError: loss differs at step 3"
     assert failure_line(AssertionError()) == "AssertionError"
+
+
+def test_a_pytest_usage_error_is_a_record(tmp_path: Path) -> None:
+    # what `run` says when pytest refuses its arguments comes from this record, not pytest's text
+    from fsdp_conformance.cli import records
+
+    results = tmp_path / "results.jsonl"
+    subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "fsdp_conformance.cli.records",
+         "-p", "no:cacheprovider", "--fsdp-world-size=0", "--collect-only", "-q"],
+        cwd=tmp_path, env=records.suite_environment(str(results)), capture_output=True,
+        timeout=TIMEOUT, check=False,
+    )  # fmt: skip
+    lines = [json.loads(line) for line in results.read_text().splitlines()]
+    assert lines == [
+        {
+            "event": "usage_error",
+            "detail": "--fsdp-world-size='0': the world size must be a whole number >= 1",
+        }
+    ]

@@ -141,7 +141,10 @@ class LoadReplacesFlatParams(_Mutant):
 
     def unsupported(self) -> dict[str, str]:
         # no meta-device init: only the state-dict round trip between steps can find it
-        return {**super().unsupported(), Feature.META_INIT: "left out by this test"}
+        return {
+            **dict(super().declarations.unsupported),
+            Feature.META_INIT: "left out by this test",
+        }
 
 
 LOAD_SKIPS_NESTED = LoadSkipsNested()

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from fsdp_conformance.adapters import Feature, get_adapter
+from fsdp_conformance.adapters import features as adapter_features
 from fsdp_conformance.observe import LaggingDevice
 from fsdp_conformance.suite.memory_bound import ChainOfLinears
 
@@ -21,7 +22,7 @@ def wrapped_chain(adapter, group, **config):
 @pytest.mark.parametrize("limit", [True, False])
 def test_limiter_blocks_on_the_lagging_device_only_when_enabled(dist, adapter_name, limit):
     adapter = get_adapter(adapter_name)
-    adapter.require(Feature.DEVICE_HANDLE)
+    adapter_features.skip_unless(adapter, Feature.DEVICE_HANDLE)
     model, chain = wrapped_chain(
         adapter, dist.group, sharding_strategy="FULL_SHARD", limit_all_gathers=limit
     )

@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.nn.utils import parametrize
 
-from fsdp_conformance.adapters import Adapter, Deviation, Feature, _dcp
+from fsdp_conformance.adapters import Adapter, Declarations, Deviation, EngineHooks, Feature, _dcp
 from fsdp_conformance.adapters.base import scoped_observer
 from fsdp_conformance.adapters.features import ALL_FEATURES, auto_wrap_targets
 
@@ -173,36 +173,38 @@ _SUPPORTED = {
 }
 
 
-class SimpleFSDPAdapter(Adapter):
+_REASON = "simple_fsdp (tests/suite/simple_fsdp.py) has no such option"
+
+
+class SimpleFSDPAdapter(EngineHooks, Adapter):
     """Drives ``simple_fsdp``: an instance is the module a ``wrap`` call sharded (the module
     itself, parametrized in place); ``root_state`` / ``training_state`` do not exist."""
 
     name = "simple-fsdp"
-    grad_reduction = "sum"
-    instance_states = False
     cache_per_class = False  # PerClassCache
     reshards = True  # KeepsGathered: False although FULL_SHARD is asked for
-    known_deviations = (
-        Deviation(
-            "parity.ddp",
-            "a parameter shared by two modules (the transformer's tied embedding and output "
-            "weight) is sharded once per module: two shards, trained apart (losses off by 0.11 "
-            "from step 1); reproduction: tests/suite/test_shapes.py, "
-            "test_simple_fsdp_unties_tied_weights",
-            lambda case: case.model == "transformer",
-            match=r"(losses|parameter '.*') differs? from DDP's",
-            measured_on=MEASURED_ON,
-        ),
-    )
-
-    def unsupported(self) -> dict[str, str]:
-        reason = "simple_fsdp (tests/suite/simple_fsdp.py) has no such option"
-        return {
-            **{feature: reason for feature in ALL_FEATURES - _SUPPORTED},
+    declarations = Declarations(
+        unsupported={
+            **{feature: _REASON for feature in ALL_FEATURES - _SUPPORTED},
             Feature.TRAINING_STATES: "an instance is a parametrized module: no training state",
             Feature.SUMMON_FULL_PARAMS: "no summon_full_params: each access all-gathers",
             Feature.GRADIENT_ACCUMULATION: "gradients are reduce-scattered inside autograd",
-        }
+        },
+        known_deviations=(
+            Deviation(
+                "parity.ddp",
+                "a parameter shared by two modules (the transformer's tied embedding and output "
+                "weight) is sharded once per module: two shards, trained apart (losses off by "
+                "0.11 from step 1); reproduction: tests/suite/test_shapes.py, "
+                "test_simple_fsdp_unties_tied_weights",
+                lambda case: case.model == "transformer",
+                match=r"(losses|parameter '.*') differs? from DDP's",
+                measured_on=MEASURED_ON,
+            ),
+        ),
+        grad_reduction="sum",
+        instance_states=False,
+    )
 
     def _wrap(self, module: nn.Module, process_group: Any, config: dict[str, Any]) -> nn.Module:
         policy = config.get("auto_wrap_policy")

@@ -15,6 +15,8 @@ import pytest
 
 import fsdp_conformance.suite  # noqa: F401  (the suite declares the checks)
 from fsdp_conformance.adapters import CHECK_IDS, Adapter, Deviation, get_adapter
+from fsdp_conformance.adapters import deviations as adapter_deviations
+from fsdp_conformance.adapters import features as adapter_features
 from fsdp_conformance.adapters.deviations import find_deviation
 
 pytest_plugins = ["pytester"]
@@ -50,12 +52,12 @@ def test_deviation_lookup_inherits_and_filters_by_case() -> None:
     delegating = _Delegating()
     assert delegating.deviation("parity.bf16") == "casts to half"
     assert delegating.deviation("memory_bound", "prefetch") == "one buffer too many"
-    assert get_adapter("impl").deviation("memory_bound", None) is None
+    assert adapter_deviations.deviation_reason(get_adapter("impl"), "memory_bound", None) is None
 
 
 def test_builtin_deviations_use_known_check_ids() -> None:
     for name in ("torch-fsdp1", "torch-fsdp2"):
-        for deviation in get_adapter(name).known_deviations:
+        for deviation in adapter_features.declared(get_adapter(name)).known_deviations:
             assert deviation.check in CHECK_IDS, (name, deviation.check)
             assert "Reproduction" in deviation.reason, (name, deviation.check)
 
@@ -193,11 +195,18 @@ def test_several_deviations_of_one_check_each_cover_their_own_failure() -> None:
     adapter = _Two()
     state = ValueError("expected to be in states [IDLE]")
     mismatch = AssertionError("parameter 'w' differs from DDP's")
-    assert adapter.find_deviation("fuzz.generated", None, state).reason.startswith("state")
-    assert adapter.find_deviation("fuzz.generated", None, mismatch).reason.startswith("drops")
-    assert adapter.find_deviation("fuzz.generated", None, RuntimeError("boom")) is None
+    assert adapter_deviations.find_deviation(
+        adapter, "fuzz.generated", None, state
+    ).reason.startswith("state")
+    assert adapter_deviations.find_deviation(
+        adapter, "fuzz.generated", None, mismatch
+    ).reason.startswith("drops")
+    assert (
+        adapter_deviations.find_deviation(adapter, "fuzz.generated", None, RuntimeError("boom"))
+        is None
+    )
     # without an error: the first that applies (what a cell reports when nothing failed)
-    assert adapter.find_deviation("fuzz.generated").reason.startswith("state")
+    assert adapter_deviations.find_deviation(adapter, "fuzz.generated").reason.startswith("state")
 
 
 def test_every_builtin_deviation_names_its_failure() -> None:
@@ -206,6 +215,6 @@ def test_every_builtin_deviation_names_its_failure() -> None:
     from fsdp_conformance.vocab import BUILTIN_ADAPTERS
 
     for name in BUILTIN_ADAPTERS:
-        for deviation in get_adapter(name).known_deviations:
+        for deviation in adapter_features.declared(get_adapter(name)).known_deviations:
             assert deviation.match, (name, deviation.check, deviation.reason[:80])
             assert deviation.measured_on, (name, deviation.check)

@@ -2,8 +2,8 @@
 naming the adapter, the member to override and the feature to declare unsupported instead; the
 same adapter declaring the feature unsupported gets "not applicable".
 
-Both ways a base default says so are covered: a primitive raising ``FeatureNotImplementedError``
-(``_assert_state``) and an ``UnsupportedFeatureError`` "override Adapter.X" (the checkpoint
+Both ways a base default says so are covered: a missing primitive (``_assert_state``, raising
+``FeatureNotImplementedError``) and an ``UnsupportedFeatureError`` "override Adapter.X" (the checkpoint
 check's test for ``save_checkpoint``).
 """
 
@@ -29,7 +29,7 @@ ADAPTERS = textwrap.dedent(
         """impl with the base defaults of two members whose features it still claims."""
 
         name = "claims-but-lacks"
-        _assert_state = Adapter._assert_state
+        _assert_state = None  # a hook set to None is missing
         save_checkpoint = Adapter.save_checkpoint
         load_checkpoint = Adapter.load_checkpoint
 
@@ -39,7 +39,7 @@ ADAPTERS = textwrap.dedent(
 
         def unsupported(self):
             return {
-                **super().unsupported(),
+                **super().declarations.unsupported,
                 Feature.ASSERT_STATE: "no state assertion",
                 Feature.CHECKPOINT_RESUME: "no checkpoints",
             }

@@ -1,14 +1,13 @@
-"""Issue 19: the protocol fits an implementation not shaped like FSDP1 (no false failures).
+"""The protocol fits an implementation not shaped like FSDP1 (no false failures).
 
 An outside adapter (``engine_like:ADAPTER``, written by pytester) reproduces each gap the
 DeepSpeed adapter met: it owns its optimizer and backward (backward refuses to run unless the
 suite asked the adapter for the optimizer), needs to know the root at wrap time (``_wrap``
 refuses ``root=None``), sums gradients across ranks (``grad_reduction = "sum"``: its backward
 scales the loss by the world size) and keeps no per-instance training state
-(``instance_states = False``). The suite once failed every one of these cells
-(``torch.optim.SGD`` built by the suite, ``wrap`` never told the root, no loss scaling, "the
-adapter reported no instance state at all"); now they pass. The coverage test checks that the
-pairwise set is built over the values an adapter supports.
+(``instance_states = False``); written against the older, wider ``Adapter`` protocol, it must
+still pass every one of these cells. The coverage test checks that the pairwise set is built
+over the values an adapter supports.
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ import textwrap
 import pytest
 
 from fsdp_conformance.adapters import Adapter, Feature, get_adapter
+from fsdp_conformance.adapters import features as adapter_features
 from fsdp_conformance.suite import configs
 
 pytest_plugins = ["pytester"]
@@ -122,12 +122,14 @@ def test_coverage_pairs_the_values_the_adapter_has() -> None:
     adapter = _NoBackwardPre()
     for config in chosen:
         wrap_config = {k: v for k, v in config.items() if k != "device_init" and v is not None}
-        assert adapter.supports(*adapter.features_for(**wrap_config)), config
+        assert adapter_features.supports(
+            adapter, *adapter_features.wrap_features(adapter, **wrap_config)
+        ), config
 
 
 def test_fairscale_coverage_skips_nothing_for_a_missing_value() -> None:
     dimensions = configs.supported_dimensions(get_adapter("fairscale"))
-    if get_adapter("fairscale").unsupported_reason(Feature.FULL_SHARD) is not None:
+    if adapter_features.why_unsupported(get_adapter("fairscale"), Feature.FULL_SHARD) is not None:
         pytest.skip("fairscale is not installed")
     assert dimensions["backward_prefetch"] == (None,)
     assert "NO_SHARD" not in dimensions["sharding_strategy"]

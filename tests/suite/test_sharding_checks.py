@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from fsdp_conformance.adapters import Feature, get_adapter
+from fsdp_conformance.adapters import features as adapter_features
 from fsdp_conformance.suite import BaseHybridShardingTests, BaseUnevenShardingTests
 
 pytest_plugins = ["pytester"]
@@ -37,7 +38,7 @@ class TestHybridSharding(BaseHybridShardingTests):
 
 @pytest.mark.parametrize("name", ["impl", "fairscale", "deepspeed"])
 def test_hybrid_not_applicable_says_why(name: str) -> None:
-    reason = get_adapter(name).unsupported_reason(Feature.HYBRID_SHARD)
+    reason = adapter_features.why_unsupported(get_adapter(name), Feature.HYBRID_SHARD)
     assert reason, f"adapter {name!r} must declare hybrid_shard unsupported with a reason"
 
 

@@ -179,3 +179,22 @@ def test_a_result_travels_as_report_properties() -> None:
     back = checks.Result.from_properties([("other", 1), *result.properties()])
     assert back == checks.Result("parity.ddp", checks.DEVIATION, "why so", failure="E: x")
     assert back.outcome == "xfail" and checks.Result.from_properties([("other", 1)]) is None
+
+
+def test_a_cell_that_never_reached_its_check_gets_the_verdict_of_its_report() -> None:
+    from types import SimpleNamespace
+
+    from fsdp_conformance import checks
+
+    crash = SimpleNamespace(message="rank 1 of 2 hung: no result after 300 s\n  stacks ...")
+    hung = SimpleNamespace(outcome="failed", longrepr=SimpleNamespace(reprcrash=crash))
+    recorded = checks.Result("parity.ddp", checks.PASS)
+    assert checks.Result.of_report("parity.ddp", hung, recorded) == checks.Result(
+        "parity.ddp", checks.FAIL, "rank 1 of 2 hung: no result after 300 s"
+    )
+    gpu = SimpleNamespace(outcome="skipped", longrepr=("f.py", 1, "Skipped: needs 2 GPUs"))
+    assert checks.Result.of_report("overlap", gpu).reason == "needs 2 GPUs"
+    deviation = checks.Result("parity.ddp", checks.DEVIATION, "declared", failure="E: x")
+    xfailed = SimpleNamespace(outcome="skipped", wasxfail="reason: E: x -- known", longrepr=None)
+    assert checks.Result.of_report("parity.ddp", xfailed, deviation) is deviation
+    assert checks.Result.of_report("parity.ddp", xfailed).reason == "E: x -- known"

@@ -45,6 +45,9 @@ import torch
 from torch import nn
 
 from fsdp_conformance.adapters import UnsupportedFeatureError, clean_param_name
+from fsdp_conformance.adapters import deviations as adapter_deviations
+from fsdp_conformance.adapters import features as adapter_features
+from fsdp_conformance.adapters import loop as adapter_loop
 from fsdp_conformance.suite.training import (  # the suite's SGD, both runs
     LR,
     MOMENTUM,
@@ -189,27 +192,34 @@ def fsdp_train(adapter: Any, root: nn.Module, case: FuzzCase, dist: Any) -> Trac
     """Train the wrapped ``root`` through ``adapter`` (states recorded where it has them); a
     meta-device case is materialised and loaded with the CPU build's weights first."""
     if case.meta:
-        adapter.materialize(root, device=dist.device)
-        adapter.load_state_dict(root, build_model(case.model, dist.device).state_dict())
+        adapter_loop.materialize(adapter, root, device=dist.device)
+        adapter_loop.load_state_dict(
+            adapter, root, build_model(case.model, dist.device).state_dict()
+        )
     recorder = _recorder(adapter, root)
-    optimizer = adapter.optimizer(root, "sgd", lr=LR, momentum=MOMENTUM)
+    optimizer = adapter_loop.optimizer(adapter, root, "sgd", lr=LR, momentum=MOMENTUM)
     with recorder if recorder is not None else contextlib.nullcontext():
         values = _train(
             root,
             case,
             dist,
             optimizer,
-            lambda: adapter.no_sync(root),
-            lambda max_norm: adapter.clip_grad_norm_(root, max_norm),
+            lambda: adapter_loop.no_sync(adapter, root),
+            lambda max_norm: adapter_loop.clip_grad_norm_(adapter, root, max_norm),
             lambda loss: _backward(adapter, root, loss),
             None if recorder is None else recorder.after_step,
-            lambda last: adapter.accumulation_boundary(root, last),
-            lambda: adapter.load_state_dict(root, adapter.state_dict(root)),
+            lambda last: adapter_loop.accumulation_boundary(adapter, root, last),
+            lambda: adapter_loop.load_state_dict(
+                adapter, root, adapter_loop.state_dict(adapter, root)
+            ),
         )
     if recorder is not None:
         recorder.assert_legal()
-    params = adapter.full_params(root)
-    params = {clean_param_name(name, adapter.wrapper_segments): p for name, p in params.items()}
+    params = adapter_loop.full_params(adapter, root)
+    params = {
+        clean_param_name(name, adapter_features.declared(adapter).wrapper_segments): p
+        for name, p in params.items()
+    }
     return Trace(values, params)
 
 
@@ -223,7 +233,7 @@ def _backward(adapter: Any, root: nn.Module, loss: torch.Tensor) -> None:
 
 
 def _recorder(adapter: Any, root: nn.Module) -> Any:
-    if not getattr(adapter, "instance_states", True):
+    if not adapter_features.declared(adapter).instance_states:
         return None
     from fsdp_conformance.observe.states import TrainingStateRecorder
 
@@ -310,7 +320,7 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, atol: float, rtol: floa
 def declared(adapter: Any, case: FuzzCase, error: BaseException) -> str | None:
     """The reason of a deviation the adapter declares for ``CHECK_ID`` covering ``case`` and
     ``error`` (``Deviation.covers``: its ``raises`` and ``match``), or None."""
-    deviation = adapter.find_deviation(CHECK_ID, case, error)
+    deviation = adapter_deviations.find_deviation(adapter, CHECK_ID, case, error)
     return None if deviation is None else deviation.reason
 
 
@@ -368,8 +378,8 @@ def probe_capabilities(adapter: Any, dist: Any) -> Any:
     except Exception:  # noqa: BLE001  the cases themselves will show what fails
         return caps
     probes = (
-        (Feature.GRADIENT_ACCUMULATION, lambda: adapter.no_sync(root).__enter__()),
-        (Feature.CLIP_GRAD_NORM, lambda: adapter.clip_grad_norm_(root, 1.0)),
+        (Feature.GRADIENT_ACCUMULATION, lambda: adapter_loop.no_sync(adapter, root).__enter__()),
+        (Feature.CLIP_GRAD_NORM, lambda: adapter_loop.clip_grad_norm_(adapter, root, 1.0)),
     )
     for feature, probe in probes:
         if feature not in supported:

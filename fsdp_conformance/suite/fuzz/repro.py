@@ -19,6 +19,8 @@ import tempfile
 import textwrap
 from typing import Any
 
+from fsdp_conformance.adapters import features as adapter_features
+
 from .compare import DEVIATION, FAIL, OK, UNSUPPORTED, Outcome, combine, run_case
 from .spec import FuzzCase, describe
 
@@ -212,7 +214,7 @@ def cannot_run_reason(impl: str) -> str | None:
         adapter = get_adapter(impl)
     except Exception as error:  # noqa: BLE001  whatever stops the adapter from loading
         return " ".join(f"--impl {impl}: {type(error).__name__}: {error}".split())
-    support = adapter.support_problem()
+    support = adapter_features.support_problem(adapter)
     if support is not None:
         return f"adapter {adapter.name!r}: {support}"
     return None

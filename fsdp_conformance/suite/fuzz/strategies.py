@@ -24,6 +24,7 @@ import dataclasses
 from typing import Any
 
 from fsdp_conformance.adapters import Feature
+from fsdp_conformance.adapters import features as adapter_features
 
 from .spec import Block, FuzzCase, ModelSpec, Program, Seq, Step, node_paths
 
@@ -49,8 +50,8 @@ class Capabilities:
     @classmethod
     def of(cls, adapter: Any, world_size: int) -> Capabilities:
         return cls(
-            frozenset(adapter.capabilities),
-            tuple(adapter.unsupported_values()),
+            frozenset(adapter_features.capabilities(adapter)),
+            tuple(dict(adapter_features.declared(adapter).unsupported_values)),
             world_size,
         )
 
