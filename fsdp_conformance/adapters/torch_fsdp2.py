@@ -236,7 +236,13 @@ class TorchFSDP2Adapter(EngineHooks, Adapter):
         else:
             device_type = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
         api = _fsdp2_api()
-        kwargs: dict[str, Any] = {"mesh": DeviceMesh.from_group(group, device_type)}
+        # the dimension name carries the group's name: torch keeps DeviceMesh state per mesh
+        # value, so an equal mesh of a group destroyed since (a previous test in this rank
+        # process) would make DCP scatter over that group (see _hybrid_mesh)
+        names = (f"shard{group.group_name}",)
+        kwargs: dict[str, Any] = {
+            "mesh": DeviceMesh.from_group(group, device_type, mesh_dim_names=names)
+        }
         if config.get("sharding_strategy") == "NO_SHARD" and group.size() > 1:
             kwargs["mesh"] = _replicate_mesh(group, device_type)
         if hybrid:

@@ -25,17 +25,14 @@ from fsdp_conformance import vocab
 from fsdp_conformance.world import collectives, gpus, rank
 from fsdp_conformance.world.rankset import RankSet, RankSetError
 from fsdp_conformance.world.wire import (
-    ABORTED,
-    DIED,
     FAILED,
-    HUNG,
-    PASSED,
     SKIPPED,
-    XFAILED,
     RankMonkeyPatch,
-    RankOutcome,
     RankTask,
+    RunResult,
     TestTarget,
+    Verdict,
+    summarize,
 )
 
 MODES = vocab.MODES
@@ -153,87 +150,8 @@ class TestRequest:
     wants_dist: bool = True
 
 
-@dataclasses.dataclass
-class Verdict:
-    """The test's result as pytest / unittest should report it."""
-
-    # PASSED, FAILED, SKIPPED or XFAILED
-    status: str
-    # failure report, skip / xfail reason; "" when passed
-    message: str = ""
-    # report properties recorded in the ranks: the lowest rank's that recorded any
-    properties: list[tuple[str, Any]] = dataclasses.field(default_factory=list)
-
-
-@dataclasses.dataclass
-class RunResult:
-    """A verdict plus what the ranks printed."""
-
-    verdict: Verdict
-    # rank -> output printed during the test (rank processes only)
-    logs: dict[int, str] = dataclasses.field(default_factory=dict)
-    # what the harness did about state the test left behind (for the test's report section)
-    notes: list[str] = dataclasses.field(default_factory=list)
-
-    def output(self) -> str:
-        """The ranks' output, one section per rank that printed something."""
-        return "".join(
-            f"----- rank {rank} output -----\n{text}{'' if text.endswith(chr(10)) else chr(10)}"
-            for rank, text in sorted(self.logs.items())
-            if text
-        )
-
-
 def _result(status: str, message: str) -> RunResult:
     return RunResult(Verdict(status, message))
-
-
-# Order in which problems are reported: the cause first, its consequences after.
-_SEVERITY = {DIED: 0, FAILED: 1, HUNG: 2, ABORTED: 3}
-
-
-def summarize(outcomes: dict[int, RankOutcome], world_size: int, mismatch: str = "") -> Verdict:
-    """Combine per-rank outcomes: any failure fails, then xfail, then skip, else pass.
-
-    A failure names every rank's outcome (failed, died, hung, aborted, skipped with its
-    reason, passed) and shows each distinct traceback once; ``mismatch`` (ranks inside
-    different collectives entered as the same one) leads the report when given.
-    """
-    for rank_id in range(world_size):  # a rank that reported nothing is a harness bug
-        outcomes.setdefault(rank_id, RankOutcome(rank_id, HUNG, message="reported no result"))
-    ordered = sorted(outcomes.values(), key=lambda o: o.rank)
-    recorded = next((o.properties for o in ordered if o.properties), [])
-    problems = sorted(
-        (o for o in ordered if o.status in _SEVERITY), key=lambda o: _SEVERITY[o.status]
-    )
-    if not problems:
-        for status in (XFAILED, SKIPPED):
-            first = next((o for o in ordered if o.status == status), None)
-            if first is not None:
-                return Verdict(status, first.message, list(recorded))
-        return Verdict(PASSED, "", list(recorded))
-    lines = [mismatch] if mismatch else []
-    for o in problems:
-        what = o.message.removeprefix(f"rank {o.rank} ") if o.status == DIED else o.message
-        lines.append(f"rank {o.rank} of {world_size} {o.status}: {what}")
-    lines += [
-        f"rank {o.rank} of {world_size} {o.status}: {o.message}"
-        for o in ordered
-        if o.status in (SKIPPED, XFAILED)
-    ]
-    passed = [str(o.rank) for o in ordered if o.status == PASSED]
-    if passed:
-        lines.append(f"ranks that passed: {', '.join(passed)}")
-    shown: dict[str, int] = {}  # traceback text -> first rank that showed it
-    for o in problems:
-        details = o.traceback.rstrip()
-        if details in shown:
-            lines.append(f"\n===== rank {o.rank}: same traceback as rank {shown[details]} =====")
-        elif details:
-            shown[details] = o.rank
-            title = "stack dump" if o.status == HUNG else "traceback"
-            lines.append(f"\n===== rank {o.rank} {title} =====\n{details}")
-    return Verdict(FAILED, "\n".join(lines), list(recorded))
 
 
 def pickle_kwargs(kwargs: dict[str, Any]) -> bytes:

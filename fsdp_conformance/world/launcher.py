@@ -323,8 +323,8 @@ class TorchrunRanks:
 
     def run(self, request: Any, task: RankTask) -> Any:
         """Run ``task`` (of ``request``, a ``controller.TestRequest``) in place; every rank of
-        the job calls this for the same test. Returns the job's ``controller.RunResult``."""
-        from fsdp_conformance.world.controller import RunResult, Verdict, summarize
+        the job calls this for the same test. Returns the job's ``wire.RunResult``."""
+        from fsdp_conformance.world.wire import RunResult, Verdict, summarize
 
         self.start()
         size, jobs = request.world_size, self.env.world_size
@@ -431,7 +431,7 @@ class TorchrunRanks:
             f"{self.options.timeout:g} s after its timeout interrupted it; ending this process"
         )
         if self.env.rank == 0:
-            from fsdp_conformance.world.controller import summarize
+            from fsdp_conformance.world.wire import summarize
 
             outcomes = self._gather(key, size, time.monotonic() + OUTCOME_GRACE_S)
             head += "\n" + summarize(outcomes, size).message

@@ -178,12 +178,9 @@ def _no_highlighting(source: str, lexer: str = "python") -> str:
 def _reprcompare(op: str, left: Any, right: Any) -> str | None:
     """pytest's rich comparison explanation, or None (the plain assertion message).
 
-    ``_pytest.assertion.util.assertrepr_compare`` is private and has two shapes in the
-    supported pytest range: ``(config, op, left, right, use_ascii=False)`` returning a list
-    (pytest 8 to 9.1) and ``(op, left, right, *, verbose, highlighter,
-    assertion_text_diff_style, ...)`` returning an iterator (9.2+). Every parameter is passed by
-    name with a terminal-less run's values; an unknown required parameter drops the
-    explanation rather than replacing the test's AssertionError with a TypeError.
+    pytest's private ``assertrepr_compare`` takes ``(config, op, left, right, ...)`` up to 9.1
+    and ``(op, left, right, *, verbose, highlighter, ...)`` from 9.2: every parameter is passed
+    by name; an unknown required one drops the explanation (never a TypeError in the test).
     """
     from _pytest.assertion import util
 

@@ -246,12 +246,9 @@ class RankSet:
     def run(self, task_blob: bytes, timeout: float) -> RunReport:
         """Run one pickled :class:`RankTask` in every rank and collect the outcomes.
 
-        The test's ``timeout`` starts once every rank has imported the test (start-up gets
-        ``STARTUP_TIMEOUT_S``). Never waits longer (+ the stack-dump time): ranks still
-        running then are reported HUNG with their Python stacks and the set is not reusable.
-        Ranks that stay for ``PEER_GRACE_S`` inside different collectives entered as the same
-        one (rank 0 ``all_reduce``, rank 1 ``all_gather``), or inside a collective that the
-        ranks which already finished never entered, are reported then, naming the operations.
+        ``timeout`` starts once every rank imported the test; ranks still running then are
+        reported HUNG with their stacks. Ranks that stay ``PEER_GRACE_S`` inside mismatched
+        collectives, or in one the finished ranks never entered, are reported then.
         """
         run = _TestRun(self, timeout)
         try:

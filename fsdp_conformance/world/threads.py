@@ -111,7 +111,7 @@ class ThreadRanks:
     """The rank backend of ``thread`` mode (see ``world/controller.py``)."""
 
     def run(self, request: Any, task: RankTask) -> Any:
-        from fsdp_conformance.world.controller import RunResult, summarize
+        from fsdp_conformance.world.wire import RunResult, summarize
 
         call = request.function or rank_task.resolve_target(task.target)
         outcomes, mismatch = run_threaded(task, request.world_size, call, request.kwargs)
