@@ -14,7 +14,7 @@ One module per subcommand, each with its ``add_parser`` and handler:
   pytest-xdist when ``-n`` > 0) with the records plugin ``cli.records``, shows progress from
   its results file, and prints the matrix (``cli.report``);
 - ``cli.overlap`` and ``cli.timeline``: run the suite's measuring functions (``cli.ranks``) in a
-  rank set of ``fsdp_conformance.world``; ``timeline`` draws with matplotlib (``cli.draw``);
+  rank set of ``fsdp_conformance.harness``; ``timeline`` draws with matplotlib (``cli.draw``);
 - ``cli.conformance``: ``run``'s pytest once per implementation, tabulated by ``cli.table``
   into docs/conformance.md;
 - ``cli.fuzz``: the differential fuzzer of ``fsdp_conformance.suite.fuzz`` in one rank set, with a
@@ -37,10 +37,13 @@ from collections.abc import Callable, Sequence
 from fsdp_conformance.cli import conformance as _conformance
 from fsdp_conformance.cli import coverage as _coverage
 from fsdp_conformance.cli import fuzz as _fuzz
-from fsdp_conformance.cli import overlap as _overlap
+from fsdp_conformance.cli import overlap_table as _overlap
 from fsdp_conformance.cli import run as _run
 from fsdp_conformance.cli import timeline as _timeline
-from fsdp_conformance.cli.common import (
+from fsdp_conformance.cli.overlap_table import render_overlap
+from fsdp_conformance.cli.run import pytest_command
+from fsdp_conformance.cli.timeline import RATE_LIMITER_RANGE, render_timeline
+from fsdp_conformance.cli.usage import (
     BUILTIN_IMPLS,
     CLI_TIMEOUT_S,
     COVERAGES,
@@ -61,10 +64,7 @@ from fsdp_conformance.cli.common import (
     max_world_size,
     private_tempdir,
 )
-from fsdp_conformance.cli.overlap import render_overlap
-from fsdp_conformance.cli.run import pytest_command
-from fsdp_conformance.cli.timeline import RATE_LIMITER_RANGE, render_timeline
-from fsdp_conformance.world import signals
+from fsdp_conformance.harness import signals
 
 DEFAULT_TIMEOUT = CLI_TIMEOUT_S  # the old name of CLI_TIMEOUT_S
 

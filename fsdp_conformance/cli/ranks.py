@@ -1,6 +1,6 @@
 """What ``fsdp-conformance overlap`` and ``timeline`` run inside every rank.
 
-The CLI sends these functions to a rank set of ``fsdp_conformance.world`` (as the pytest plugin
+The CLI sends these functions to a rank set of ``fsdp_conformance.harness`` (as the pytest plugin
 sends a test body): each is called in every rank with its keyword arguments plus ``dist``, and
 rank 0 writes what it measured as JSON to ``out_file``. The measuring itself is the suite's:
 ``fsdp_conformance.suite.overlap.measure_overlap`` and

@@ -34,10 +34,10 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import fsdp_conformance.suite  # noqa: F401  (importing the suite declares its checks)
-from fsdp_conformance import checks, vocab
+from fsdp_conformance import checks, constants
 
-# The implementations of the table, in column order (one source: vocab.BUILTIN_ADAPTERS)
-IMPLEMENTATIONS = vocab.BUILTIN_ADAPTERS
+# The implementations of the table, in column order (one source: constants.BUILTIN_ADAPTERS)
+IMPLEMENTATIONS = constants.BUILTIN_ADAPTERS
 
 # impl -> (python package it needs, extra that installs it)
 _OPTIONAL_PACKAGES = {

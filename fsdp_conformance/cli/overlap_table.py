@@ -9,7 +9,7 @@ import shutil
 import tempfile
 from typing import Any
 
-from fsdp_conformance.cli.common import (
+from fsdp_conformance.cli.usage import (
     UsageError,
     _add_common,
     _bool,
@@ -20,7 +20,7 @@ from fsdp_conformance.cli.common import (
     check_output,
     check_world_size,
 )
-from fsdp_conformance.vocab import Op
+from fsdp_conformance.constants import Op
 
 
 def _overlap_command(args: argparse.Namespace) -> int:
@@ -30,7 +30,7 @@ def _overlap_command(args: argparse.Namespace) -> int:
         raise UsageError(f"--repeats {args.repeats}: must be >= 1")
     check_output(args.json, "--json")
     if args.device == "cuda":
-        from fsdp_conformance.world import gpus
+        from fsdp_conformance.harness import gpus
 
         available = gpus.gpu_count()
         if available < args.world_size:

@@ -1,5 +1,5 @@
 """What the subcommands of ``fsdp-conformance`` share: usage errors, argument types, the checks
-made before anything starts, and running a function in a rank set of ``fsdp_conformance.world``.
+made before anything starts, and running a function in a rank set of ``fsdp_conformance.harness``.
 """
 
 from __future__ import annotations
@@ -15,20 +15,20 @@ import textwrap
 from collections.abc import Iterator
 from typing import Any, NoReturn
 
-from fsdp_conformance import vocab
+from fsdp_conformance import constants
 from fsdp_conformance.cli import limits
-from fsdp_conformance.world.extras import missing_extra
+from fsdp_conformance.harness.extras import missing_extra
 
 PROG = "fsdp-conformance"
-BUILTIN_IMPLS = vocab.BUILTIN_ADAPTERS
-MODES = vocab.MODES
-COVERAGES = vocab.COVERAGES
+BUILTIN_IMPLS = constants.BUILTIN_ADAPTERS
+MODES = constants.MODES
+COVERAGES = constants.COVERAGES
 # `run` defaults, chosen so that the whole default run fits in 10 minutes on a 2-core CPU host
 # (measured in docs/cli.md): pairwise coverage of the parity configs, two xdist workers
 DEFAULT_COVERAGE = "pairwise"
 DEFAULT_WORKERS = 2
 # Per-test timeout in the ranks of `run` and `conformance` (seconds): longer than the suite's own
-# default (vocab.DEFAULT_TIMEOUT_S) because they run the whole suite with xdist workers
+# default (constants.DEFAULT_TIMEOUT_S) because they run the whole suite with xdist workers
 CLI_TIMEOUT_S = 300.0
 # Memory one CPU rank process needs (torch + gloo + a small model), for the world-size limit
 RANK_MEMORY_BYTES = limits.RANK_BYTES
@@ -54,16 +54,16 @@ def private_tempdir() -> Iterator[str]:
     in (``TMPDIR`` and ``tempfile.tempdir`` point into it), removed on the way out whatever
     ended the command. The GPU lock files stay in the shared temp directory (every process of
     the user must see them)."""
-    from fsdp_conformance import vocab
+    from fsdp_conformance import constants
 
-    saved = {name: os.environ.get(name) for name in ("TMPDIR", vocab.ENV_GPU_LOCK_DIR)}
+    saved = {name: os.environ.get(name) for name in ("TMPDIR", constants.ENV_GPU_LOCK_DIR)}
     saved_tempdir = tempfile.tempdir
-    from fsdp_conformance.world import gpus
+    from fsdp_conformance.harness import gpus
 
-    shared_locks = os.environ.get(vocab.ENV_GPU_LOCK_DIR) or gpus.lock_dir_path()
+    shared_locks = os.environ.get(constants.ENV_GPU_LOCK_DIR) or gpus.lock_dir_path()
     path = tempfile.mkdtemp(prefix="fsdp-cli-")
     os.environ["TMPDIR"] = path
-    os.environ[vocab.ENV_GPU_LOCK_DIR] = shared_locks
+    os.environ[constants.ENV_GPU_LOCK_DIR] = shared_locks
     tempfile.tempdir = path
     try:
         yield path
@@ -313,7 +313,7 @@ def _run_in_ranks(
         (status, message): the ranks' combined verdict ("passed", "failed", "skipped") and its
         message (failure report with tracebacks, or the skip reason).
     """
-    from fsdp_conformance.world.runtime import run_function
+    from fsdp_conformance.harness.controller import run_function
 
     result = run_function(
         "fsdp_conformance.cli.ranks",
