@@ -25,8 +25,8 @@ import sys
 import tempfile
 import time
 
-from fsdp_conformance.world.protocol import TestTarget
-from fsdp_conformance.world.runtime import Runtime, RuntimeOptions, TestRequest
+from fsdp_conformance.harness.wire import TestTarget
+from fsdp_conformance.harness.controller import Runtime, RuntimeOptions, TestRequest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

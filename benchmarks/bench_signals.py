@@ -38,7 +38,7 @@ COMMANDS = {
     "fuzz": ["fuzz", "--examples", "100000", "--max-seconds", "600"],
     "overlap": ["overlap", "--repeats", "1000"],
 }
-RANK_MARK = "fsdp_conformance.world.rank import main"  # in every rank process's command line
+RANK_MARK = "fsdp_conformance.harness.rank import main"  # in every rank process's command line
 
 
 @dataclasses.dataclass

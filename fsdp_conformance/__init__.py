@@ -14,14 +14,24 @@ _aliases.install(
     {
         # the fuzzer, now part of the suite (repro.py files written before import the old name)
         "fsdp_conformance.fuzz": "fsdp_conformance.suite.fuzz",
-        # the harness's modules before it was laid out by process role
-        "fsdp_conformance.world.runtime": "fsdp_conformance.world.controller",
-        "fsdp_conformance.world.report": "fsdp_conformance.world.controller",
-        "fsdp_conformance.world.protocol": "fsdp_conformance.world.wire",
-        "fsdp_conformance.world.execute": "fsdp_conformance.world.rank",
-        "fsdp_conformance.world.rank_main": "fsdp_conformance.world.rank",
-        "fsdp_conformance.world.hooks": "fsdp_conformance.world.rank",
-        "fsdp_conformance.world.procs": "fsdp_conformance.world.rankset",
+        # the harness, named `world` before, and its modules before the process-role layout
+        "fsdp_conformance.world": "fsdp_conformance.harness",
+        "fsdp_conformance.world.runtime": "fsdp_conformance.harness.controller",
+        "fsdp_conformance.world.report": "fsdp_conformance.harness.controller",
+        "fsdp_conformance.world.protocol": "fsdp_conformance.harness.wire",
+        "fsdp_conformance.world.execute": "fsdp_conformance.harness.rank",
+        "fsdp_conformance.world.rank_main": "fsdp_conformance.harness.rank",
+        "fsdp_conformance.world.hooks": "fsdp_conformance.harness.rank",
+        "fsdp_conformance.world.procs": "fsdp_conformance.harness.rankset",
+        # modules renamed so that no two share a file name
+        "fsdp_conformance.vocab": "fsdp_conformance.constants",
+        "fsdp_conformance.adapters.states": "fsdp_conformance.training_states",
+        "fsdp_conformance.cli.collect": "fsdp_conformance.cli.records",
+        "fsdp_conformance.cli.common": "fsdp_conformance.cli.usage",
+        "fsdp_conformance.cli.overlap": "fsdp_conformance.cli.overlap_table",
+        "fsdp_conformance.models.common": "fsdp_conformance.models.model_base",
+        "fsdp_conformance.models.overlap": "fsdp_conformance.models.layer",
+        "fsdp_conformance.models.delayed": "fsdp_conformance.models.with_delay",
     }
 )
 
@@ -32,8 +42,8 @@ _EXPORTS: dict[str, str] = {
     "FSDPInitMode": "fsdp_conformance.testing",
     "DummyProcessGroup": "fsdp_conformance.testing",
     "get_full_params": "fsdp_conformance.testing",
-    "InRank": "fsdp_conformance.world",
-    "RankContext": "fsdp_conformance.world",
+    "InRank": "fsdp_conformance.harness",
+    "RankContext": "fsdp_conformance.harness",
     # driving an FSDP implementation (docs/adapters.md)
     "Adapter": "fsdp_conformance.adapters",
     "ALL_FEATURES": "fsdp_conformance.adapters",

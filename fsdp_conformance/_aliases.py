@@ -1,7 +1,7 @@
 """Old import paths of moved public modules, served without a file of their own.
 
 ``import fsdp_conformance.world.protocol`` gives the very module object of
-``fsdp_conformance.harness.protocol`` (one module, two names: classes stay identical, so
+``fsdp_conformance.harness.wire`` (one module, two names: classes stay identical, so
 ``isinstance`` and pickling agree), and ``python -m`` runs the new file under an old name.
 Installed by ``fsdp_conformance/__init__.py``; torch-free.
 """

@@ -21,12 +21,12 @@ from typing import Any
 
 import pytest
 
-from fsdp_conformance import vocab
-from fsdp_conformance.world import signals as _signals
+from fsdp_conformance import constants
+from fsdp_conformance.harness import signals as _signals
 
-_MODES = vocab.MODES
+_MODES = constants.MODES
 # --fsdp-coverage choices (fsdp_conformance.suite.configs implements them)
-COVERAGES = vocab.COVERAGES
+COVERAGES = constants.COVERAGES
 
 
 @dataclasses.dataclass
@@ -46,7 +46,7 @@ class PluginState:
     # --fsdp-coverage: how much of a suite check's config product to run (None: the check's
     # own default, see fsdp_conformance.suite.configs)
     coverage: str | None = None
-    # fsdp_conformance.world.controller.Runtime (starts no process until a test needs ranks)
+    # fsdp_conformance.harness.controller.Runtime (starts no process until a test needs ranks)
     runtime: Any = None
     # the runtime that was active before this session (an outer session, for pytester runs)
     previous_runtime: Any = None
@@ -55,12 +55,12 @@ class PluginState:
     previous_accept: str | None = None
     # whether this session set the accept variable
     accepting_goldens: bool = False
-    # fsdp_conformance.world.launcher.LauncherEnv when pytest runs inside torchrun & co.
+    # fsdp_conformance.harness.launcher.LauncherEnv when pytest runs inside torchrun & co.
     launcher: Any = None
 
     def get_runtime(self) -> Any:
         if self.runtime is None:
-            from fsdp_conformance.world import controller
+            from fsdp_conformance.harness import controller
 
             options = controller.RuntimeOptions(
                 mode=self.mode,
@@ -98,7 +98,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=None,
         metavar="SECONDS",
         help="fail a test still running in its ranks after this many seconds (> 0), with "
-        f"every rank's Python stack (default {vocab.DEFAULT_TIMEOUT_S:g}). Env: "
+        f"every rank's Python stack (default {constants.DEFAULT_TIMEOUT_S:g}). Env: "
         "FSDP_CONFORMANCE_TIMEOUT.",
     )
     group.addoption(
@@ -135,11 +135,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=False,
         help="conformance suite: write the prefetch-order goldens of the adapter under test "
         "into the source checkout instead of comparing (run with -p no:xdist). Env: "
-        f"{vocab.ENV_ACCEPT_GOLDENS}=1 or EXPECTTEST_ACCEPT=1.",
+        f"{constants.ENV_ACCEPT_GOLDENS}=1 or EXPECTTEST_ACCEPT=1.",
     )
     group.addoption(
         "--fsdp-launcher",
-        default=os.environ.get(vocab.ENV_LAUNCHER, "auto"),
+        default=os.environ.get(constants.ENV_LAUNCHER, "auto"),
         metavar="{auto,torchrun,none}",
         help="'auto' (default): when pytest runs inside torchrun (RANK, WORLD_SIZE, LOCAL_RANK, "
         "MASTER_ADDR, MASTER_PORT set) or a default process group exists, run each test in "
@@ -163,7 +163,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "cuda: the test needs one GPU per rank (skipped on CPU-only hosts)"
     )
-    from fsdp_conformance.world import launcher
+    from fsdp_conformance.harness import launcher
 
     options = _validated_options(config)
     launcher_env = launcher.configure(config, config.getoption("fsdp_launcher"))
@@ -172,9 +172,9 @@ def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("fsdp_accept_goldens"):
         # the ranks get the test process's environment with every test
         state = config.stash[STATE_KEY]
-        state.previous_accept = os.environ.get(vocab.ENV_ACCEPT_GOLDENS)
+        state.previous_accept = os.environ.get(constants.ENV_ACCEPT_GOLDENS)
         state.accepting_goldens = True
-        os.environ[vocab.ENV_ACCEPT_GOLDENS] = "1"
+        os.environ[constants.ENV_ACCEPT_GOLDENS] = "1"
     # torch-free; starts no process until a test needs ranks. Created now so that
     # FSDPTest classes (which find it through runtime.get_runtime()) use the session options.
     runtime = config.stash[STATE_KEY].get_runtime()
@@ -188,7 +188,7 @@ def _validated_options(config: pytest.Config) -> dict[str, Any]:
     Raises:
         pytest.UsageError: one line naming the option or variable and what it accepts.
     """
-    from fsdp_conformance.world import controller as runtime
+    from fsdp_conformance.harness import controller as runtime
 
     def pick(option: str, env: str, default: Any) -> tuple[Any, str]:
         value = config.getoption(option)
@@ -200,7 +200,9 @@ def _validated_options(config: pytest.Config) -> dict[str, Any]:
 
     try:
         return {
-            "mode": runtime.parse_mode(*pick("fsdp_mode", runtime.ENV_MODE, vocab.DEFAULT_MODE)),
+            "mode": runtime.parse_mode(
+                *pick("fsdp_mode", runtime.ENV_MODE, constants.DEFAULT_MODE)
+            ),
             "timeout": runtime.parse_timeout(
                 *pick("fsdp_timeout", runtime.ENV_TIMEOUT, runtime.DEFAULT_TIMEOUT_S)
             ),
@@ -223,13 +225,13 @@ def _validated_impl(name: str) -> str:
         pytest.UsageError: an unknown name (listing the known ones), or a built-in adapter
             whose extra is not installed (naming the pip command).
     """
-    if name not in vocab.BUILTIN_ADAPTERS and ":" not in name:
+    if name not in constants.BUILTIN_ADAPTERS and ":" not in name:
         raise pytest.UsageError(
             f"--fsdp-impl {name!r}: unknown adapter; use one of "
-            f"{', '.join(vocab.BUILTIN_ADAPTERS)} or 'pkg.module:ATTR' naming an Adapter "
+            f"{', '.join(constants.BUILTIN_ADAPTERS)} or 'pkg.module:ATTR' naming an Adapter "
             "instance, subclass or factory"
         )
-    from fsdp_conformance.world.extras import missing_extra
+    from fsdp_conformance.harness.extras import missing_extra
 
     problem = missing_extra(name)
     if problem is not None:
@@ -242,12 +244,12 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     state = config.stash.get(STATE_KEY, None)
     if state is not None and state.accepting_goldens:
         if state.previous_accept is None:
-            os.environ.pop(vocab.ENV_ACCEPT_GOLDENS, None)
+            os.environ.pop(constants.ENV_ACCEPT_GOLDENS, None)
         else:
-            os.environ[vocab.ENV_ACCEPT_GOLDENS] = state.previous_accept
+            os.environ[constants.ENV_ACCEPT_GOLDENS] = state.previous_accept
         state.accepting_goldens = False
     if state is not None and state.runtime is not None:
-        from fsdp_conformance.world import controller
+        from fsdp_conformance.harness import controller
 
         state.runtime.close()
         if controller.active_runtime()[0] is state.runtime:
@@ -285,7 +287,7 @@ def _mode(item: pytest.Item, state: PluginState) -> str:
 
 
 def _timeout(item: pytest.Item, state: PluginState) -> float:
-    from fsdp_conformance.world import controller
+    from fsdp_conformance.harness import controller
 
     value = _marker_arg(item, "fsdp_timeout", state.timeout)
     try:
@@ -298,7 +300,7 @@ def _timeout(item: pytest.Item, state: PluginState) -> float:
 def dist(request: pytest.FixtureRequest) -> Any:
     """The rank context: ``rank``, ``world_size``, ``group``, ``device``, ``backend``,
     ``tmp_path``, ``impl``, ``barrier()``. The test body runs in every rank."""
-    from fsdp_conformance.world.context import DistPlaceholder
+    from fsdp_conformance.harness.context import DistPlaceholder
 
     state = request.config.stash[STATE_KEY]
     return DistPlaceholder(_world_size(request.node, state), _mode(request.node, state), state.impl)
@@ -334,7 +336,7 @@ def fsdp_adapter(fsdp_impl: str, dist: Any) -> Any:
     depending on it would get the ``InRank``). Override ``fsdp_impl`` (a fixture returning the
     adapter name, e.g. ``"mypkg.mod:ADAPTER"``) to point a test class at another adapter.
     """
-    from fsdp_conformance.world.wire import InRank
+    from fsdp_conformance.harness.wire import InRank
 
     return InRank(resolve_adapter, fsdp_impl)
 
@@ -350,7 +352,7 @@ def fsdp_coverage(request: pytest.FixtureRequest) -> str | None:
 
 
 def _target(item: pytest.Function) -> Any:
-    from fsdp_conformance.world.wire import TestTarget
+    from fsdp_conformance.harness.wire import TestTarget
 
     module = item.module
     class_path: list[str] = []
@@ -379,8 +381,8 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     # also tests that get `dist` only through another fixture run in the ranks
     if "dist" not in pyfuncitem.fixturenames:
         return None
-    from fsdp_conformance.world import controller
-    from fsdp_conformance.world.wire import FAILED, SKIPPED, XFAILED
+    from fsdp_conformance.harness import controller
+    from fsdp_conformance.harness.wire import FAILED, SKIPPED, XFAILED
 
     state = pyfuncitem.config.stash[STATE_KEY]
     runtime = state.get_runtime()
@@ -507,7 +509,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     its cell recorded (or collection decided), or, for a cell that never reached its check (a
     fixture error, a dead or hung rank), the one pytest's outcome implies."""
     from fsdp_conformance import checks
-    from fsdp_conformance.world import properties
+    from fsdp_conformance.harness import properties
 
     if call.when == "call":
         item.user_properties.extend(properties.take_pending())

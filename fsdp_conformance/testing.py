@@ -7,7 +7,7 @@
             dist.all_reduce(t)
             self.assertEqual(t.item(), sum(range(self.world_size)))
 
-``FSDPTest`` is the rank test case of ``fsdp_conformance.world`` (``RankTestCase``: every
+``FSDPTest`` is the rank test case of ``fsdp_conformance.harness`` (``RankTestCase``: every
 ``test_*`` body runs in every rank, under pytest or plain ``python -m unittest``); the rest are
 the seed's helpers: ``FSDPInitMode`` (the model zoo's ``DeviceInit``), ``DummyProcessGroup``,
 ``get_full_params``, and the CUDA sleep of the zoo's delay (``get_cycles_per_ms``,
@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
+from fsdp_conformance.harness.testcase import RankTestCase
 from fsdp_conformance.models import DeviceInit, delay
-from fsdp_conformance.world.testcase import RankTestCase
 
 # Hide this module's frames from unittest's and pytest's failure tracebacks.
 __unittest = True

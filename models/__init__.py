@@ -9,17 +9,24 @@ the unwrapped reference), is seeded without the global RNG, and has `get_input(d
 from __future__ import annotations
 
 from .buffered import Affine, BufferedBlock, BufferedModule, SeededLinear
-from .common import DelayHooks, DeviceInit, Wrap, move_after_wrap, move_before_wrap, seeded_init_
 from .ddp import DummyDDP
 from .delay import cycles_per_ms, sleep_cycles, sleep_ms
-from .delayed import ModuleWithDelay, NestedWrappedModuleWithDelay
+from .layer import Layer
 from .loops import CheckpointedModule, CheckpointingWrap, LoopModule
+from .model_base import (
+    DelayHooks,
+    DeviceInit,
+    Wrap,
+    move_after_wrap,
+    move_before_wrap,
+    seeded_init_,
+)
 from .moe import MixtureOfExperts
 from .nested import ALWAYS_WRAP, AlwaysWrapNestedWrappedModule, NestedWrappedModule
-from .overlap import Layer
 from .tied import TiedInstances
 from .transformer import TransformerWithSharedParams
 from .uneven import Gain, UnevenModule
+from .with_delay import ModuleWithDelay, NestedWrappedModuleWithDelay
 
 __all__ = [
     "ALWAYS_WRAP",

@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from .common import DeviceInit, Wrap, generator, maybe_wrap, move_before_wrap, run_loss_backward
+from .model_base import DeviceInit, Wrap, generator, maybe_wrap, move_before_wrap, run_loss_backward
 
 FEATURES = 15  # odd: uneven shards at world size 2
 

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .common import DeviceInit, Wrap, generator, maybe_wrap, move_before_wrap, run_loss_backward
+from .model_base import DeviceInit, Wrap, generator, maybe_wrap, move_before_wrap, run_loss_backward
 
 # attribute the checkpoint wrapper keeps its module under: the adapters' name cleaning removes it
 CHECKPOINTED = "_checkpoint_wrapped_module"

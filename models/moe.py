@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .common import (
+from .delay import sleep_ms
+from .model_base import (
     DelayHooks,
     DeviceInit,
     Wrap,
@@ -34,7 +35,6 @@ from .common import (
     run_loss_backward,
     seeded_init_,
 )
-from .delay import sleep_ms
 
 
 class MixtureOfExperts(nn.Module):

@@ -21,9 +21,9 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from fsdp_conformance import vocab
+from fsdp_conformance import constants
 
-from .common import (
+from .model_base import (
     DeviceInit,
     Wrap,
     generator,
@@ -33,7 +33,7 @@ from .common import (
     seeded_init_,
 )
 
-ALWAYS_WRAP = vocab.ALWAYS_WRAP
+ALWAYS_WRAP = constants.ALWAYS_WRAP
 
 
 class NestedWrappedModule(nn.Module):

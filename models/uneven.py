@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from .common import (
+from .model_base import (
     DeviceInit,
     Wrap,
     generator,

@@ -8,7 +8,7 @@ import inspect
 import pytest
 
 import fsdp_conformance.suite  # noqa: F401  (the suite declares the checks)
-from fsdp_conformance import checks, vocab
+from fsdp_conformance import checks, constants
 from fsdp_conformance.suite import check
 
 
@@ -127,7 +127,7 @@ def test_the_decorator_refuses_what_it_cannot_register(monkeypatch):
 def test_every_builtin_deviation_names_a_declared_check():
     from fsdp_conformance.adapters import features, get_adapter
 
-    for name in vocab.BUILTIN_ADAPTERS:  # the suite checks each when it matches deviations
+    for name in constants.BUILTIN_ADAPTERS:  # the suite checks each when it matches deviations
         for deviation in features.declared(get_adapter(name)).known_deviations:
             assert deviation.check in checks.CHECKS, (name, deviation.check)
 

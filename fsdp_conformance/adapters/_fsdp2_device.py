@@ -45,7 +45,7 @@ from typing import Any
 from torch import nn
 
 from fsdp_conformance._patching import patch_attribute
-from fsdp_conformance.vocab import Op
+from fsdp_conformance.constants import Op
 
 from . import _fsdp2_internals as internals
 from .base import require_before_first_forward

@@ -20,7 +20,7 @@ import importlib.metadata
 import os
 import re
 
-from fsdp_conformance import vocab
+from fsdp_conformance import constants
 
 # (major, minor, patch) of a version string ("2.15.0+cu132" -> (2, 15, 0))
 _RELEASE = re.compile(r"^(\d+)\.(\d+)(?:\.(\d+))?")
@@ -83,7 +83,7 @@ class SupportRange:
         if installed is None:
             return None
         if allow_newer is None:
-            allow_newer = os.environ.get(vocab.ENV_UNTESTED_VERSIONS, "") == "1"
+            allow_newer = os.environ.get(constants.ENV_UNTESTED_VERSIONS, "") == "1"
         version = release(installed)
         tested = ", ".join(self.tested)
         if version < release(self.minimum):
@@ -94,7 +94,7 @@ class SupportRange:
         if version >= release(self.below) and not allow_newer:
             return (
                 f"{self.library} {installed} is newer than this adapter was tested with "
-                f"({self.spec}, tested on {tested}); set {vocab.ENV_UNTESTED_VERSIONS}=1 to "
+                f"({self.spec}, tested on {tested}); set {constants.ENV_UNTESTED_VERSIONS}=1 to "
                 "run it anyway"
             )
         return None

@@ -31,9 +31,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_conformance import vocab
+from fsdp_conformance import constants
+from fsdp_conformance.constants import Op
 from fsdp_conformance.training_states import InstanceState, RootState
-from fsdp_conformance.vocab import Op
 
 from . import features
 from .features import (  # the errors and claimed_but_not_implemented: also imported from here
@@ -48,7 +48,7 @@ from .features import (  # the errors and claimed_but_not_implemented: also impo
 
 # callback(op, instance, info) -- see [Note: observation]
 Observer = Callable[[str, nn.Module, dict], None]
-REDUCE_OPS = vocab.REDUCE_OPS
+REDUCE_OPS = constants.REDUCE_OPS
 
 # Prefixes FSDP wrappers insert into parameter names (torch FSDP1, activation checkpointing)
 _WRAPPER_NAME_PARTS = re.compile(r"(_fsdp_wrapped_module|_checkpoint_wrapped_module)\.")

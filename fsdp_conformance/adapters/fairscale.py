@@ -47,7 +47,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_conformance.vocab import Op
+from fsdp_conformance.constants import Op
 
 from ._support import RANGES
 from .base import (

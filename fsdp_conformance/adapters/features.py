@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_conformance import vocab
+from fsdp_conformance import constants
 
 from ._support import SupportRange, support_problem_of
 
@@ -107,7 +107,7 @@ SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
 # shard within a group, replicate across groups: full shard / shard_grad_op per group
 HYBRID_STRATEGIES = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
 BACKWARD_PREFETCHES = ("BACKWARD_PRE", "BACKWARD_POST")
-ALWAYS_WRAP = vocab.ALWAYS_WRAP
+ALWAYS_WRAP = constants.ALWAYS_WRAP
 CONFIG_KEYS = (
     "sharding_strategy",
     "backward_prefetch",

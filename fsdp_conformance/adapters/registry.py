@@ -12,7 +12,7 @@ import inspect
 import threading
 from collections.abc import Callable
 
-from fsdp_conformance import vocab
+from fsdp_conformance import constants
 
 from .base import Adapter
 from .loop import on_test_end
@@ -25,7 +25,7 @@ _BUILTIN: dict[str, tuple[str, str]] = {
     "fairscale": ("fsdp_conformance.adapters.fairscale", "FairscaleAdapter"),
     "deepspeed": ("fsdp_conformance.adapters.deepspeed", "DeepSpeedAdapter"),
 }
-BUILTIN_ADAPTERS = vocab.BUILTIN_ADAPTERS
+BUILTIN_ADAPTERS = constants.BUILTIN_ADAPTERS
 
 _cache: dict[str, Adapter] = {}  # one adapter object per name and process
 # guards only the cache dict, never user code: resolving (importing the adapter's module,

@@ -27,8 +27,8 @@ from torch.distributed.fsdp import (
 )
 
 from fsdp_conformance._patching import patch_attribute
+from fsdp_conformance.constants import Op
 from fsdp_conformance.device_handle import accelerator_available
-from fsdp_conformance.vocab import Op
 
 from . import _fsdp1_internals as internals
 from ._support import RANGES

@@ -38,8 +38,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_conformance._patching import patch_attribute
+from fsdp_conformance.constants import Op
 from fsdp_conformance.device_handle import accelerator_available
-from fsdp_conformance.vocab import Op
 
 from . import _fsdp2_internals as internals
 from ._fsdp2_device import install_lagging_device, observe_buffers

@@ -12,7 +12,7 @@ One module per subcommand, each with its ``add_parser`` and handler: ``run`` (th
 pytest subprocess with the records plugin ``cli.records``; the matrix by ``cli.report``),
 ``overlap`` and ``timeline`` (the suite's measurements, ``cli.ranks``, in a rank set; drawn by
 ``cli.draw``), ``conformance`` (``run``'s pytest per implementation, tabulated by ``cli.table``),
-``fuzz`` and ``coverage``; ``cli.common`` holds what they share.
+``fuzz`` and ``coverage``; ``cli.usage`` holds what they share.
 
 Exit codes: 0 success (``run``: nothing failed); 1 a check failed or the experiment could not
 run; 2 a bad argument (one line on stderr, never a traceback); 130 SIGINT (Ctrl-C), 143
@@ -30,10 +30,13 @@ from collections.abc import Callable, Sequence
 from fsdp_conformance.cli import conformance as _conformance
 from fsdp_conformance.cli import coverage as _coverage
 from fsdp_conformance.cli import fuzz as _fuzz
-from fsdp_conformance.cli import overlap as _overlap
+from fsdp_conformance.cli import overlap_table as _overlap
 from fsdp_conformance.cli import run as _run
 from fsdp_conformance.cli import timeline as _timeline
-from fsdp_conformance.cli.common import (
+from fsdp_conformance.cli.overlap_table import render_overlap
+from fsdp_conformance.cli.run import pytest_command
+from fsdp_conformance.cli.timeline import RATE_LIMITER_RANGE, render_timeline
+from fsdp_conformance.cli.usage import (
     BUILTIN_IMPLS,
     CLI_TIMEOUT_S,
     COVERAGES,
@@ -54,10 +57,7 @@ from fsdp_conformance.cli.common import (
     max_world_size,
     private_tempdir,
 )
-from fsdp_conformance.cli.overlap import render_overlap
-from fsdp_conformance.cli.run import pytest_command
-from fsdp_conformance.cli.timeline import RATE_LIMITER_RANGE, render_timeline
-from fsdp_conformance.world import signals
+from fsdp_conformance.harness import signals
 
 DEFAULT_TIMEOUT = CLI_TIMEOUT_S  # the old name of CLI_TIMEOUT_S
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from fsdp_conformance.cli.common import (
+from fsdp_conformance.cli.usage import (
     BUILTIN_IMPLS,
     COVERAGES,
     DEFAULT_COVERAGE,

@@ -27,7 +27,8 @@ from typing import Any
 
 from fsdp_conformance import checks
 from fsdp_conformance.adapters import features as adapter_features
-from fsdp_conformance.cli.common import (
+from fsdp_conformance.cli.records import NO_LITTER
+from fsdp_conformance.cli.usage import (
     PROG,
     _add_impl,
     _subcommand,
@@ -36,8 +37,7 @@ from fsdp_conformance.cli.common import (
     check_output,
     write_json,
 )
-from fsdp_conformance.cli.records import NO_LITTER
-from fsdp_conformance.vocab import COVERAGES
+from fsdp_conformance.constants import COVERAGES
 
 DEFAULT_COVERAGE = "pairwise"  # what `run` collects by default
 JSON_SCHEMA_VERSION = 1
@@ -215,7 +215,7 @@ def _probe(item: Any, capabilities: _Granted, world_size: int) -> Cell:
     import torch
 
     from fsdp_conformance.adapters import UnsupportedFeatureError
-    from fsdp_conformance.world.context import RankContext
+    from fsdp_conformance.harness.context import RankContext
 
     names = [cls.__name__ for cls in inspect.getmro(item.cls)] if item.cls else []
     check = checks.check_for_test(names, item.originalname)

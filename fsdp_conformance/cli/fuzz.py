@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Any
 
-from fsdp_conformance.cli.common import (
+from fsdp_conformance.cli.usage import (
     PROG,
     UsageError,
     _add_impl,
@@ -117,8 +117,8 @@ def _run_with_progress(
     kwargs: dict[str, Any], impl: str, world_size: int, timeout: float, progress_file: str
 ) -> tuple[str, str]:
     """Run ``fuzz_in_rank`` in a rank set, echoing rank 0's progress line meanwhile."""
-    from fsdp_conformance.world.protocol import TestTarget
-    from fsdp_conformance.world.runtime import Runtime, RuntimeOptions, TestRequest
+    from fsdp_conformance.harness.controller import Runtime, RuntimeOptions, TestRequest
+    from fsdp_conformance.harness.wire import TestTarget
 
     runtime = Runtime(
         RuntimeOptions(

@@ -24,9 +24,9 @@ from typing import Any
 
 import pytest
 
-from fsdp_conformance import checks, vocab
+from fsdp_conformance import checks, constants
 
-ENV_RESULTS = vocab.ENV_CLI_RESULTS
+ENV_RESULTS = constants.ENV_CLI_RESULTS
 # Plugins blocked in the CLI's own pytest runs: they would leave files in the user's cwd
 NO_LITTER = ("-p", "no:cacheprovider", "-p", "no:benchmark")
 # Plugins the suite does not use that cost start-up time (hypothesis' plugin imports hypothesis

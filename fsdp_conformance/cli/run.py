@@ -17,7 +17,8 @@ import time
 from typing import Any
 
 from fsdp_conformance.cli import limits, records, report, torchrun
-from fsdp_conformance.cli.common import (
+from fsdp_conformance.cli.report import split_nodeid
+from fsdp_conformance.cli.usage import (
     COVERAGES,
     DEFAULT_COVERAGE,
     DEFAULT_WORKERS,
@@ -34,8 +35,7 @@ from fsdp_conformance.cli.common import (
     check_world_size,
     keep_log,
 )
-from fsdp_conformance.cli.report import split_nodeid
-from fsdp_conformance.world import signals
+from fsdp_conformance.harness import signals
 
 
 def _run_command(args: argparse.Namespace) -> int:

@@ -22,11 +22,11 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import fsdp_conformance.suite  # noqa: F401  (importing the suite declares its checks)
-from fsdp_conformance import checks, vocab
+from fsdp_conformance import checks, constants
 from fsdp_conformance.cli.report import _md, package_version
 
-# The implementations of the table, in column order (one source: vocab.BUILTIN_ADAPTERS)
-IMPLEMENTATIONS = vocab.BUILTIN_ADAPTERS
+# The implementations of the table, in column order (one source: constants.BUILTIN_ADAPTERS)
+IMPLEMENTATIONS = constants.BUILTIN_ADAPTERS
 
 # impls whose python package is an extra of the same name
 _OPTIONAL_PACKAGES = ("fairscale", "deepspeed")

@@ -11,9 +11,9 @@ import json
 import os
 from typing import Any
 
-from fsdp_conformance import vocab
+from fsdp_conformance import constants
 from fsdp_conformance.cli import draw
-from fsdp_conformance.cli.common import (
+from fsdp_conformance.cli.usage import (
     UsageError,
     _add_common,
     _subcommand,
@@ -66,7 +66,7 @@ def _timeline_command(args: argparse.Namespace) -> int:
 
 
 # torch FSDP1's (and the reference implementation's) profiler label of the rate limiter's wait
-RATE_LIMITER_RANGE = vocab.RATE_LIMITER_RANGE
+RATE_LIMITER_RANGE = constants.RATE_LIMITER_RANGE
 
 
 def _count_trace_ranges(path: str, name: str) -> int:

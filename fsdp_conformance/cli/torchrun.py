@@ -3,7 +3,7 @@
 The CLI turns its pytest command into
 ``python -m torch.distributed.run --nnodes N --nproc-per-node M (--standalone |
 --rdzv-backend c10d --rdzv-endpoint HOST:PORT) -m pytest ...``; every process of the job runs
-the same pytest session and the plugin's launcher mode (``fsdp_conformance.world.launcher``)
+the same pytest session and the plugin's launcher mode (``fsdp_conformance.harness.launcher``)
 runs each check in place. Only rank 0 writes the CLI's results and ``--junit``, so the matrix
 is printed by the command on the node that hosts rank 0; on the other nodes the command prints
 where to look and exits with torchrun's status.
@@ -16,7 +16,7 @@ import sys
 from typing import Any
 
 # `run --launcher` choices: spawn ranks, or one torchrun job (the plugin's --fsdp-launcher,
-# vocab.LAUNCHERS, also has "auto", which the CLI never passes)
+# constants.LAUNCHERS, also has "auto", which the CLI never passes)
 CLI_LAUNCHERS = ("none", "torchrun")
 
 

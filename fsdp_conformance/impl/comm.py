@@ -12,8 +12,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fsdp_conformance.constants import Op
 from fsdp_conformance.impl import trace
-from fsdp_conformance.vocab import Op
 
 
 # torch 2.13 renamed the tensor collectives; fall back to the old names on older torch (looked

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map_only
 
+from fsdp_conformance.constants import Op
 from fsdp_conformance.impl import runtime, trace
 from fsdp_conformance.impl.state import (
     FSDPState,
@@ -24,7 +25,6 @@ from fsdp_conformance.impl.state import (
     fsdp_states,
     transition,
 )
-from fsdp_conformance.vocab import Op
 
 
 class ForwardMixin:

@@ -27,11 +27,11 @@ import collections
 from collections.abc import Callable
 from typing import Any
 
-from fsdp_conformance import vocab
+from fsdp_conformance import constants
 
 # Two buffers: the instance computing now and the one whose all-gather is in flight
 # (the FSDP1 rate limiter's empirically chosen depth).
-MAX_INFLIGHT = vocab.MAX_INFLIGHT
+MAX_INFLIGHT = constants.MAX_INFLIGHT
 
 
 class FreeEventQueue:

@@ -24,8 +24,9 @@ import torch.distributed as dist
 from torch.autograd import Variable
 from torch.utils._pytree import tree_map_only
 
-from fsdp_conformance import vocab
+from fsdp_conformance import constants
 from fsdp_conformance._tensors import output_tensors
+from fsdp_conformance.constants import Op
 from fsdp_conformance.impl import trace
 from fsdp_conformance.impl.api import BackwardPrefetch, ShardingStrategy
 from fsdp_conformance.impl.device import device_handle_for
@@ -37,10 +38,9 @@ from fsdp_conformance.impl.state import (
     fsdp_states,
     transition,
 )
-from fsdp_conformance.vocab import Op
 
 # profiler range around the rate limiter's wait (same name as torch FSDP1)
-RATE_LIMITER_RANGE = vocab.RATE_LIMITER_RANGE
+RATE_LIMITER_RANGE = constants.RATE_LIMITER_RANGE
 
 
 # ---------------------------------------------------------------------------- lazy init

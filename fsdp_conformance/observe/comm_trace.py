@@ -42,17 +42,17 @@ from typing import Any, NamedTuple, Self
 import torch.distributed as torch_dist
 from torch import nn
 
-from fsdp_conformance import vocab
+from fsdp_conformance import constants
 from fsdp_conformance._patching import patch_attribute
 from fsdp_conformance.adapters import features as adapter_features
 from fsdp_conformance.adapters.base import clean_param_name, scoped_observer
 from fsdp_conformance.adapters.features import Feature
-from fsdp_conformance.vocab import Op
+from fsdp_conformance.constants import Op
 
 # The ops every adapter with `comm_trace` reports (others, e.g. impl's `Op.PREFETCH`, are dropped)
-COMM_OPS = vocab.COMM_OPS
+COMM_OPS = constants.COMM_OPS
 # The gradient reductions (NO_SHARD all-reduces, the sharded strategies reduce-scatter)
-REDUCE_OPS = vocab.REDUCE_OPS
+REDUCE_OPS = constants.REDUCE_OPS
 # Phase of events outside any `phase()` block (lazy init, optimizer step, ...)
 NO_PHASE = "outside"
 ROOT_LABEL = "<root>"

@@ -47,9 +47,9 @@ from typing import Any, NamedTuple
 
 from torch import nn
 
+from fsdp_conformance.constants import Op
 from fsdp_conformance.observe.lagging import LaggingDevice, LaggingEvent
 from fsdp_conformance.observe.stream_order import reusable_at_free
-from fsdp_conformance.vocab import Op
 
 PHASES = ("forward", "backward")
 

@@ -55,8 +55,8 @@ from torch import nn
 from fsdp_conformance.adapters import Feature
 from fsdp_conformance.adapters import features as adapter_features
 from fsdp_conformance.adapters import loop as adapter_loop
+from fsdp_conformance.constants import Op
 from fsdp_conformance.observe.comm_trace import REDUCE_OPS, CommEvent, CommTrace
-from fsdp_conformance.vocab import Op
 
 from . import training
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from fsdp_conformance import vocab
+from fsdp_conformance import constants
 from fsdp_conformance.adapters import features as adapter_features
 from fsdp_conformance.adapters.features import SHARDING_STRATEGIES
 
@@ -49,7 +49,7 @@ DIMENSIONS: dict[str, tuple[Any, ...]] = {
     "cpu_offload": CPU_OFFLOAD,
     "device_init": DEVICE_INITS,
 }
-COVERAGES = vocab.COVERAGES
+COVERAGES = constants.COVERAGES
 
 # Short labels for case ids
 _LABELS = {

@@ -42,7 +42,7 @@ import pytest
 import torch
 from torch import nn
 
-from fsdp_conformance import vocab
+from fsdp_conformance import constants
 from fsdp_conformance.adapters import Adapter, Feature
 from fsdp_conformance.adapters import deviations as adapter_deviations
 from fsdp_conformance.adapters import features as adapter_features
@@ -53,7 +53,7 @@ from fsdp_conformance.suite.stream_bound import FSDP2_BOUND, StreamOrderedBound
 
 # Buffers the limiter allows: the instance computing now and the one whose all-gather is in
 # flight (torch FSDP1's `_max_num_inflight_all_gathers`, "empirically chosen")
-MAX_INFLIGHT = vocab.MAX_INFLIGHT
+MAX_INFLIGHT = constants.MAX_INFLIGHT
 # Iterations per run: forward prefetch starts in iteration 2; 3 shows the steady state
 ITERATIONS = 3
 # Non-root FSDP instances in the model (the bound is only interesting with >= 4)

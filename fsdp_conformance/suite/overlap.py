@@ -49,8 +49,8 @@ from torch import nn
 from fsdp_conformance._patching import patch_attribute
 from fsdp_conformance.adapters import features as adapter_features
 from fsdp_conformance.adapters import loop as adapter_loop
+from fsdp_conformance.constants import Op
 from fsdp_conformance.models import Layer, delay
-from fsdp_conformance.vocab import Op
 
 # Layers (FSDP instances under the root), as in the seed
 LAYERS = 4

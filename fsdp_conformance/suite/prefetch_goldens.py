@@ -40,7 +40,7 @@ from typing import Any
 import pytest
 import torch
 
-from fsdp_conformance import vocab
+from fsdp_conformance import constants
 
 # The torch release (major.minor) the top-level goldens of the torch adapters were recorded on
 TORCH_FSDP1_GOLDEN_VERSION = "2.13"
@@ -55,7 +55,7 @@ VERSION_DIR_PREFIX = "torch-"
 # Folder of the golden files, inside this package
 GOLDENS_DIR = "goldens"
 # Environment variables that make the golden check write the rendered trace instead of comparing
-ACCEPT_ENV_VARS = (vocab.ENV_ACCEPT_GOLDENS, "EXPECTTEST_ACCEPT")
+ACCEPT_ENV_VARS = (constants.ENV_ACCEPT_GOLDENS, "EXPECTTEST_ACCEPT")
 # Path components of an installed (not editable) package
 _INSTALLED_PARTS = ("site-packages", "dist-packages")
 
@@ -72,10 +72,10 @@ def accepting() -> bool:
     Raises:
         ValueError: ``FSDP_CONFORMANCE_ACCEPT_GOLDENS`` is neither ``0`` nor ``1``.
     """
-    own = os.environ.get(vocab.ENV_ACCEPT_GOLDENS, "")
+    own = os.environ.get(constants.ENV_ACCEPT_GOLDENS, "")
     if own not in ("", "0", "1"):
         raise ValueError(
-            f"{vocab.ENV_ACCEPT_GOLDENS}={own!r}: set it to 1 (accept the prefetch-order goldens) "
+            f"{constants.ENV_ACCEPT_GOLDENS}={own!r}: set it to 1 (accept the prefetch-order goldens) "
             "or 0, or unset it"
         )
     return own == "1" or os.environ.get("EXPECTTEST_ACCEPT", "") not in ("", "0")

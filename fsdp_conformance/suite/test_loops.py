@@ -31,10 +31,10 @@ from torch import nn
 from fsdp_conformance.adapters import Adapter, Feature, UnsupportedFeatureError, clean_param_name
 from fsdp_conformance.adapters import features as adapter_features
 from fsdp_conformance.adapters import loop as adapter_loop
+from fsdp_conformance.constants import Op
 from fsdp_conformance.models import CheckpointedModule
 from fsdp_conformance.observe.comm_trace import CommTrace
 from fsdp_conformance.observe.states import IllegalTrainingState, TrainingStateRecorder
-from fsdp_conformance.vocab import Op
 
 from . import training, zoo
 from .declare import check

@@ -42,7 +42,7 @@ from fsdp_conformance._patching import patch_attribute
 from fsdp_conformance.adapters import Feature, clean_param_name
 from fsdp_conformance.adapters import features as adapter_features
 from fsdp_conformance.adapters import loop as adapter_loop
-from fsdp_conformance.vocab import Op
+from fsdp_conformance.constants import Op
 
 from . import loop_driver, training
 from .declare import check

@@ -25,8 +25,8 @@ from fsdp_conformance.adapters import Feature, clean_param_name
 from fsdp_conformance.adapters import features as adapter_features
 from fsdp_conformance.adapters import loop as adapter_loop
 from fsdp_conformance.adapters.features import HYBRID_STRATEGIES
+from fsdp_conformance.constants import Op
 from fsdp_conformance.observe.comm_trace import CommTrace
-from fsdp_conformance.vocab import Op
 
 from . import loop_driver, test_parity, training
 from .declare import check

@@ -108,7 +108,7 @@ class BaseTrainingStateTests:
             # root states only (Adapter.instance_states = False): check what exists; the
             # per-instance transitions cannot be checked (ROOT_ONLY_NOT_CHECKED)
             _assert_root_states_seen(label, recorder.root_states_seen, summon)
-            from fsdp_conformance.world import properties
+            from fsdp_conformance.harness import properties
 
             properties.record_property("fsdp_not_checked", ROOT_ONLY_NOT_CHECKED)
             return

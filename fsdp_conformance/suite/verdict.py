@@ -19,7 +19,7 @@ Every suite test runs its whole body inside ``cell(adapter, check_id, case)``::
   FAIL            any other failure; or a strict declared deviation that did not occur
   pass            the body passed and no strict deviation was declared
 
-and records it as one ``checks.Result`` (report properties, through ``world.properties``).
+and records it as one ``checks.Result`` (report properties, through ``harness.properties``).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from fsdp_conformance.adapters import Adapter, UnsupportedFeatureError
 from fsdp_conformance.adapters import deviations as adapter_deviations
 from fsdp_conformance.adapters import features as adapter_features
 from fsdp_conformance.adapters.base import claimed_but_not_implemented
-from fsdp_conformance.world import properties
+from fsdp_conformance.harness import properties
 
 
 def _record(result: checks.Result) -> None:

@@ -7,7 +7,7 @@ import types
 import pytest
 import torch
 
-from fsdp_conformance import _patching, vocab
+from fsdp_conformance import _patching, constants
 from fsdp_conformance.adapters import _fsdp1_internals, _fsdp2_internals, _support, get_adapter
 from fsdp_conformance.adapters import deviations as adapter_deviations
 from fsdp_conformance.adapters import features as adapter_features
@@ -19,7 +19,7 @@ RANGE = SupportRange("torch", "2.8.0", "2.16", ("2.8.0", "2.15.0"))
 
 @pytest.fixture(autouse=True)
 def _no_untested(monkeypatch):
-    monkeypatch.delenv(vocab.ENV_UNTESTED_VERSIONS, raising=False)
+    monkeypatch.delenv(constants.ENV_UNTESTED_VERSIONS, raising=False)
 
 
 def test_release_numbers():
@@ -46,9 +46,9 @@ def test_older_is_refused_naming_both_versions():
 def test_newer_is_refused_unless_untested_versions_are_allowed(monkeypatch):
     problem = RANGE.problem("2.16.0")
     assert problem.startswith("torch 2.16.0 is newer than this adapter was tested with")
-    assert f"set {vocab.ENV_UNTESTED_VERSIONS}=1 to run it anyway" in problem
+    assert f"set {constants.ENV_UNTESTED_VERSIONS}=1 to run it anyway" in problem
     assert RANGE.problem("2.16.0", allow_newer=True) is None
-    monkeypatch.setenv(vocab.ENV_UNTESTED_VERSIONS, "1")
+    monkeypatch.setenv(constants.ENV_UNTESTED_VERSIONS, "1")
     assert RANGE.problem("2.16.0") is None
     assert RANGE.problem("2.4.1") is not None  # never the lower end
 
@@ -73,8 +73,7 @@ def test_every_builtin_adapter_refuses_an_old_torch_in_one_line(monkeypatch, nam
     if name == "deepspeed":
         supported = "torch>=2.13.0,<2.15, tested on 2.13.0, 2.14.1"
     assert problem == (
-        f"torch 2.6.0+cpu is older than this adapter supports ({supported}); "
-        "docs/compatibility.md"
+        f"torch 2.6.0+cpu is older than this adapter supports ({supported}); docs/compatibility.md"
     )
     assert "\n" not in problem
 
@@ -82,7 +81,9 @@ def test_every_builtin_adapter_refuses_an_old_torch_in_one_line(monkeypatch, nam
 def test_torch_fsdp2_starts_at_2_13(monkeypatch):
     # 2.8.0 was run: FSDP2 2.8 sums gradients on gloo (ReduceOp.AVG), so it is outside the range
     monkeypatch.setattr(torch, "__version__", "2.8.0+cu128")
-    assert "torch 2.8.0+cu128 is older" in adapter_features.support_problem(get_adapter("torch-fsdp2"))
+    assert "torch 2.8.0+cu128 is older" in adapter_features.support_problem(
+        get_adapter("torch-fsdp2")
+    )
     assert adapter_features.support_problem(get_adapter("torch-fsdp1")) is None
 
 
@@ -202,7 +203,9 @@ def test_every_builtin_deviation_states_its_failure_and_where_it_was_measured(na
 def test_the_fsdp2_mixed_devices_deviation_does_not_hide_a_moved_internal():
     # torch 2.8 with the old adapter: an AttributeError inside this cell was reported as the
     # declared deviation; only the "accepts the misuse" failure is covered
-    deviation = adapter_deviations.find_deviation(get_adapter("torch-fsdp2"), "misuse.mixed_devices")
+    deviation = adapter_deviations.find_deviation(
+        get_adapter("torch-fsdp2"), "misuse.mixed_devices"
+    )
     crash = AttributeError("'FSDPState' object has no attribute '_fsdp_param_groups'")
     assert not deviation.covers(crash)
     report = AssertionError(

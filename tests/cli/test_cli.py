@@ -283,7 +283,7 @@ def test_run_selecting_nothing_is_a_bad_argument(tmp_path: Path) -> None:
 
 
 def test_overlap_on_cuda_without_gpus_is_a_bad_argument(tmp_path: Path) -> None:
-    from fsdp_conformance.world import gpus
+    from fsdp_conformance.harness import gpus
 
     if gpus.gpu_count() >= 2:
         pytest.skip("this host has GPUs for --device cuda")

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from fsdp_conformance.cli import build_parser
-from fsdp_conformance.cli.common import BUILTIN_IMPLS, EXIT_CODES
+from fsdp_conformance.cli.usage import BUILTIN_IMPLS, EXIT_CODES
 
 ROOT = Path(__file__).resolve().parents[2]
 CLI_DOC = (ROOT / "docs" / "cli.md").read_text()

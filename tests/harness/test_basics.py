@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as tdist
 
-from fsdp_conformance.world import InRank
+from fsdp_conformance.harness import InRank
 
 
 def gather_ranks(dist):
@@ -182,7 +182,7 @@ def test_options_and_markers_are_registered(pytester):
 def test_plugin_is_import_light():
     code = (
         "import sys, fsdp_conformance.plugin, fsdp_conformance.world.runtime, "
-        "fsdp_conformance.world; assert 'torch' not in sys.modules, 'torch imported'"
+        "fsdp_conformance.harness; assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -194,8 +194,8 @@ def test_former_module_paths_import_the_modules_by_role():
         "         'execute': 'rank', 'rank_main': 'rank', 'hooks': 'rank', 'procs': 'rankset'}\n"
         "for old, new in moved.items():\n"
         "    module = importlib.import_module('fsdp_conformance.world.' + old)\n"
-        "    assert module is importlib.import_module('fsdp_conformance.world.' + new), old\n"
-        "    assert module.__spec__.name == 'fsdp_conformance.world.' + new, old\n"
+        "    assert module is importlib.import_module('fsdp_conformance.harness.' + new), old\n"
+        "    assert module.__spec__.name == 'fsdp_conformance.harness.' + new, old\n"
         "from fsdp_conformance.world.protocol import RANK_SEED\n"
         "from fsdp_conformance.world.runtime import OptionError\n"
         "assert 'torch' not in sys.modules, 'torch imported'\n"

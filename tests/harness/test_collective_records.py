@@ -1,12 +1,12 @@
 """The collective records behind "mismatched collectives" and "never entered by the others"
-(world/collectives.py), without ranks."""
+(harness/collectives.py), without ranks."""
 
 from __future__ import annotations
 
 import pytest
 
-from fsdp_conformance.world import collectives
-from fsdp_conformance.world.collectives import CollectiveRecord, CollectiveSlot
+from fsdp_conformance.harness import collectives
+from fsdp_conformance.harness.collectives import CollectiveRecord, CollectiveSlot
 
 
 def test_slot_records_the_outermost_collective_and_how_it_ended(tmp_path) -> None:
@@ -46,8 +46,8 @@ def test_only_default_group_collectives_are_recorded() -> None:
     import torch
     import torch.distributed as dist
 
-    from fsdp_conformance.world import threads
-    from fsdp_conformance.world.wire import RankTask, TestTarget
+    from fsdp_conformance.harness import threads
+    from fsdp_conformance.harness.wire import RankTask, TestTarget
 
     slots = {}
 

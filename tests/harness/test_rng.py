@@ -9,9 +9,9 @@ import threading
 
 import pytest
 import torch
+from fsdp_conformance.harness.wire import RANK_SEED
 
 from conftest import write_test
-from fsdp_conformance.world.protocol import RANK_SEED
 
 try:  # numpy is optional: torch does not require it; its RNG is checked when present
     import numpy

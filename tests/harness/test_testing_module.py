@@ -10,7 +10,7 @@ from fsdp_conformance.models import DeviceInit, delay
 
 import fsdp_conformance
 from fsdp_conformance import testing
-from fsdp_conformance.world.testcase import RankTestCase
+from fsdp_conformance.harness.testcase import RankTestCase
 
 NAMES = (
     "DummyProcessGroup",
@@ -27,7 +27,7 @@ def test_the_helpers_live_in_testing_not_in_world(name):
     new = getattr(testing, name)
     if name in fsdp_conformance.__all__:
         assert getattr(fsdp_conformance, name) is new
-    world = importlib.import_module("fsdp_conformance.world")
+    world = importlib.import_module("fsdp_conformance.harness")
     assert name not in world.__all__ and not hasattr(world, name)  # world knows no FSDP
 
 

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from conftest import write_test
-from fsdp_conformance.world import gpus
+from fsdp_conformance.harness import gpus
 
 pytest_plugins = ["pytester"]
 

@@ -1,4 +1,4 @@
-"""Launcher mode of the plugin (``fsdp_conformance.world.launcher``) under real torchrun jobs:
+"""Launcher mode of the plugin (``fsdp_conformance.harness.launcher``) under real torchrun jobs:
 SPMD semantics, verdicts, the watchdog, a killed rank, collection checks; and detection."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import psutil
 import pytest
 from torchrun_jobs import junit_outcomes, leftovers, torchrun
 
-from fsdp_conformance.world import launcher
+from fsdp_conformance.harness import launcher
 
 SPMD = textwrap.dedent(
     """

@@ -212,7 +212,7 @@ def test_several_deviations_of_one_check_each_cover_their_own_failure() -> None:
 def test_every_builtin_deviation_names_its_failure() -> None:
     """A built-in deviation covers one failure message (`match`), never "any assertion of the
     check": an unrelated failure in a declared cell stays a FAIL."""
-    from fsdp_conformance.vocab import BUILTIN_ADAPTERS
+    from fsdp_conformance.constants import BUILTIN_ADAPTERS
 
     for name in BUILTIN_ADAPTERS:
         for deviation in adapter_features.declared(get_adapter(name)).known_deviations:

@@ -13,8 +13,7 @@ import pytest
 
 from fsdp_conformance.adapters import get_adapter
 from fsdp_conformance.impl import comm, fully_sharded, runtime
-from fsdp_conformance.suite import overlap
-from fsdp_conformance.suite import BaseBadInputTests, BaseExecOrderTests
+from fsdp_conformance.suite import BaseBadInputTests, BaseExecOrderTests, overlap
 
 # Process mode: the patches are process-global (impl's module functions, ProcessGroup methods).
 pytestmark = [pytest.mark.fsdp_mode("process"), pytest.mark.world_size(2)]

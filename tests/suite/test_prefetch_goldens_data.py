@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from fsdp_conformance import vocab
+from fsdp_conformance import constants
 from fsdp_conformance.suite import prefetch_goldens
 
 pytest_plugins = ["pytester"]
@@ -106,7 +106,7 @@ ACCEPT_IN_COPY = textwrap.dedent(
 
 def _accept_in_copy(location: pathlib.Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in prefetch_goldens.ACCEPT_ENV_VARS}
-    env[vocab.ENV_ACCEPT_GOLDENS] = "1"
+    env[constants.ENV_ACCEPT_GOLDENS] = "1"
     return subprocess.run(
         [sys.executable, "-c", ACCEPT_IN_COPY, str(location), CASE],
         capture_output=True,
@@ -138,17 +138,17 @@ def test_accepting_in_site_packages_is_refused_in_one_line(tmp_path):
 
 
 def test_the_option_sets_the_accept_variable_for_the_session_only(pytester, monkeypatch):
-    monkeypatch.delenv(vocab.ENV_ACCEPT_GOLDENS, raising=False)
+    monkeypatch.delenv(constants.ENV_ACCEPT_GOLDENS, raising=False)
     pytester.makepyfile(
         f"""
         import os
 
         def test_accepting():
-            assert os.environ.get({vocab.ENV_ACCEPT_GOLDENS!r}) == "1"
+            assert os.environ.get({constants.ENV_ACCEPT_GOLDENS!r}) == "1"
         """
     )
     assert pytester.runpytest("-p", "no:xdist", "--fsdp-accept-goldens").ret == 0
-    assert vocab.ENV_ACCEPT_GOLDENS not in os.environ
+    assert constants.ENV_ACCEPT_GOLDENS not in os.environ
     assert pytester.runpytest("-p", "no:xdist").ret == 1
 
 
@@ -156,8 +156,8 @@ def test_the_option_sets_the_accept_variable_for_the_session_only(pytester, monk
     ("env", "expected"),
     [
         ({}, False),
-        ({vocab.ENV_ACCEPT_GOLDENS: "0"}, False),
-        ({vocab.ENV_ACCEPT_GOLDENS: "1"}, True),
+        ({constants.ENV_ACCEPT_GOLDENS: "0"}, False),
+        ({constants.ENV_ACCEPT_GOLDENS: "1"}, True),
         ({"EXPECTTEST_ACCEPT": "1"}, True),
         ({"EXPECTTEST_ACCEPT": "0"}, False),
     ],
@@ -169,7 +169,7 @@ def test_accepting_reads_the_variables(not_accepting, monkeypatch, env, expected
 
 
 def test_a_bad_accept_value_names_the_variable(not_accepting, monkeypatch):
-    monkeypatch.setenv(vocab.ENV_ACCEPT_GOLDENS, "yes")
+    monkeypatch.setenv(constants.ENV_ACCEPT_GOLDENS, "yes")
     with pytest.raises(ValueError, match=r"FSDP_CONFORMANCE_ACCEPT_GOLDENS='yes': set it to 1"):
         prefetch_goldens.accepting()
 

@@ -163,7 +163,7 @@ def run_in_ranks(case: FuzzCase, impl: str, world_size: int, timeout: float = 60
     Raises:
         CannotRun: the ranks skipped the case (it needs what this host lacks).
     """
-    from fsdp_conformance.world.runtime import run_function
+    from fsdp_conformance.harness.controller import run_function
 
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # pkg.module:ATTR adapters next to the script
@@ -203,7 +203,7 @@ def cannot_run_reason(impl: str) -> str | None:
     import, its extra is missing, torch is outside its supported range), or None."""
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # pkg.module:ATTR adapters next to the script
-    from fsdp_conformance.world.extras import missing_extra
+    from fsdp_conformance.harness.extras import missing_extra
 
     problem = missing_extra(impl)
     if problem is not None:

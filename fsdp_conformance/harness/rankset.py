@@ -17,9 +17,9 @@ import tempfile
 import time
 from multiprocessing.connection import Connection, wait
 
-from fsdp_conformance.world import collectives
-from fsdp_conformance.world import rank as rank_process
-from fsdp_conformance.world.wire import (
+from fsdp_conformance.harness import collectives
+from fsdp_conformance.harness import rank as rank_process
+from fsdp_conformance.harness.wire import (
     ABORTED,
     DIED,
     FAILED,
@@ -52,7 +52,7 @@ STARTUP_TIMEOUT_S = 120.0
 # Seconds between looks at the ranks' collective records while a test runs.
 POLL_S = 0.5
 
-_RANK_COMMAND = "from fsdp_conformance.world.rank import main; main()"
+_RANK_COMMAND = "from fsdp_conformance.harness.rank import main; main()"
 
 
 class RankSetError(RuntimeError):

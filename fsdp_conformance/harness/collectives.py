@@ -20,11 +20,11 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from fsdp_conformance import vocab
+from fsdp_conformance import constants
 from fsdp_conformance._patching import patch_attribute
 
 # Collectives of torch.distributed that are recorded (vocab: send / recv are not)
-COLLECTIVES = vocab.TORCH_COLLECTIVES
+COLLECTIVES = constants.TORCH_COLLECTIVES
 # the patches wrapping them (install)
 _KEY = "fsdp-conformance collective records"
 

@@ -20,8 +20,8 @@ import unittest
 from collections.abc import Callable
 from typing import Any
 
-from fsdp_conformance.world import gpus
-from fsdp_conformance.world.wire import FAILED, SKIPPED, XFAILED, TestTarget
+from fsdp_conformance.harness import gpus
+from fsdp_conformance.harness.wire import FAILED, SKIPPED, XFAILED, TestTarget
 
 # Hide this module's frames from unittest's and pytest's failure tracebacks.
 __unittest = True
@@ -51,7 +51,7 @@ class RankTestCase(unittest.TestCase):
     @property
     def dist(self) -> Any:
         """The rank's context (``rank``, ``group``, ``device``, ``backend``, ``tmp_path``)."""
-        from fsdp_conformance.world.rank import current_context
+        from fsdp_conformance.harness.rank import current_context
 
         ctx = current_context()
         if ctx is None:
@@ -107,7 +107,7 @@ class RankTestCase(unittest.TestCase):
     # Dispatch: in the test process, a test method runs in the ranks instead.
 
     def run(self, result: Any = None) -> Any:
-        from fsdp_conformance.world.rank import current_context
+        from fsdp_conformance.harness.rank import current_context
 
         if current_context() is not None:
             return super().run(result)  # in a rank
@@ -132,7 +132,7 @@ def _nothing() -> None:
 
 
 def _run_in_ranks(case: RankTestCase, method_name: str) -> None:
-    from fsdp_conformance.world import controller
+    from fsdp_conformance.harness import controller
 
     runtime = controller.get_runtime()
     cls = type(case)

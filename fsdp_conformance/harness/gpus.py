@@ -15,10 +15,10 @@ import os
 import tempfile
 import time
 
-from fsdp_conformance import vocab
+from fsdp_conformance import constants
 
-ENV_FAKE_GPUS = vocab.ENV_FAKE_GPUS
-ENV_LOCK_DIR = vocab.ENV_GPU_LOCK_DIR
+ENV_FAKE_GPUS = constants.ENV_FAKE_GPUS
+ENV_LOCK_DIR = constants.ENV_GPU_LOCK_DIR
 # Seconds between attempts to take GPUs that other workers hold.
 POLL_S = 0.05
 

@@ -4,7 +4,7 @@ into one verdict.
 
 One rank backend per way of running ranks, all with one interface (``run(request, task)`` ->
 :class:`RunResult`, ``close()``): :class:`_ProcessRanks` (reused or fresh rank sets,
-``world/rankset.py``), ``world/threads.py`` and the torchrun job (``world/launcher.py``). One
+``harness/rankset.py``), ``harness/threads.py`` and the torchrun job (``harness/launcher.py``). One
 :class:`Runtime` per pytest process (the plugin keeps it; each pytest-xdist worker has its
 own); :func:`get_runtime` gives ``RankTestCase`` the active one, or a default one outside pytest.
 """
@@ -21,10 +21,10 @@ import tempfile
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from fsdp_conformance import vocab
-from fsdp_conformance.world import collectives, gpus, rank
-from fsdp_conformance.world.rankset import RankSet, RankSetError
-from fsdp_conformance.world.wire import (
+from fsdp_conformance import constants
+from fsdp_conformance.harness import collectives, gpus, rank
+from fsdp_conformance.harness.rankset import RankSet, RankSetError
+from fsdp_conformance.harness.wire import (
     FAILED,
     SKIPPED,
     RankMonkeyPatch,
@@ -35,15 +35,15 @@ from fsdp_conformance.world.wire import (
     summarize,
 )
 
-MODES = vocab.MODES
-ENV_BACKEND = vocab.ENV_BACKEND
-ENV_MODE = vocab.ENV_MODE
-ENV_TIMEOUT = vocab.ENV_TIMEOUT
+MODES = constants.MODES
+ENV_BACKEND = constants.ENV_BACKEND
+ENV_MODE = constants.ENV_MODE
+ENV_TIMEOUT = constants.ENV_TIMEOUT
 # At most this many pooled rank processes stay alive (least recently used sets go first).
 MAX_POOLED_RANKS = 8
 # Backends --fsdp-backend / FSDP_CONFORMANCE_BACKEND accept.
 BACKENDS = ("gloo", "nccl", "ucc", "mpi", "xccl")
-DEFAULT_TIMEOUT_S = vocab.DEFAULT_TIMEOUT_S
+DEFAULT_TIMEOUT_S = constants.DEFAULT_TIMEOUT_S
 
 
 class OptionError(ValueError):
@@ -104,7 +104,7 @@ class RuntimeOptions:
     """Session-wide settings (pytest options, or environment variables outside pytest)."""
 
     # default mode: "process", "process-fresh" or "thread"
-    mode: str = vocab.DEFAULT_MODE
+    mode: str = constants.DEFAULT_MODE
     # seconds a test may run in its ranks before it is failed with stack dumps
     timeout: float = DEFAULT_TIMEOUT_S
     # world size for tests that do not say
@@ -122,7 +122,7 @@ class RuntimeOptions:
         """Options from ``FSDP_CONFORMANCE_MODE`` / ``_TIMEOUT`` / ``_BACKEND``
         (:class:`OptionError` names a variable whose value cannot be used)."""
         return cls(
-            mode=parse_mode(os.environ.get(ENV_MODE) or vocab.DEFAULT_MODE, ENV_MODE),
+            mode=parse_mode(os.environ.get(ENV_MODE) or constants.DEFAULT_MODE, ENV_MODE),
             timeout=parse_timeout(os.environ.get(ENV_TIMEOUT) or DEFAULT_TIMEOUT_S, ENV_TIMEOUT),
             backend=parse_backend(os.environ.get(ENV_BACKEND), ENV_BACKEND),
         )
@@ -176,7 +176,7 @@ def pickle_kwargs(kwargs: dict[str, Any]) -> bytes:
                 f"cannot be sent to the rank processes: {type(exc).__name__}: {exc}. "
                 "Fixture values of tests that use `dist` must be picklable in process modes; "
                 "build the object in the test body, return "
-                "fsdp_conformance.world.InRank(factory, ...) from the fixture to build it in "
+                "fsdp_conformance.harness.InRank(factory, ...) from the fixture to build it in "
                 "each rank, or mark the test @pytest.mark.fsdp_mode('thread')."
             ) from None
     raise FixtureNotPicklable("the fixture values cannot be pickled together")  # pragma: no cover
@@ -306,7 +306,7 @@ class Runtime:
         # the torchrun job's backend (launcher.TorchrunRanks), None when ranks are spawned
         self.launcher: Any = None
         if launcher is not None:
-            from fsdp_conformance.world.launcher import TorchrunRanks
+            from fsdp_conformance.harness.launcher import TorchrunRanks
 
             self.launcher = TorchrunRanks(options, launcher)
         atexit.register(self.close)
@@ -361,7 +361,7 @@ class Runtime:
             if request.gpus:
                 return _result(SKIPPED, "thread mode runs ranks on CPU; this test needs GPUs")
             if self._threads is None:
-                from fsdp_conformance.world.threads import ThreadRanks
+                from fsdp_conformance.harness.threads import ThreadRanks
 
                 self._threads = ThreadRanks()
             backend = self._threads

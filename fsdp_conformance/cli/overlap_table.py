@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from fsdp_conformance.cli.common import (
+from fsdp_conformance.cli.usage import (
     UsageError,
     _add_common,
     _bool,
@@ -17,7 +17,7 @@ from fsdp_conformance.cli.common import (
     measure_in_ranks,
     write_json,
 )
-from fsdp_conformance.vocab import Op
+from fsdp_conformance.constants import Op
 
 
 def _overlap_command(args: argparse.Namespace) -> int:
@@ -26,7 +26,7 @@ def _overlap_command(args: argparse.Namespace) -> int:
     check_at_least(args.repeats, "--repeats")
     check_output(args.json, "--json")
     if args.device == "cuda":
-        from fsdp_conformance.world import gpus
+        from fsdp_conformance.harness import gpus
 
         available = gpus.gpu_count()
         if available < args.world_size:

@@ -80,7 +80,7 @@ class RankOutcome:
     traceback: str = ""
     # seconds the body ran
     duration: float = 0.0
-    # (name, value) report properties the body recorded (world/properties.py)
+    # (name, value) report properties the body recorded (harness/properties.py)
     properties: list[tuple[str, Any]] = dataclasses.field(default_factory=list)
 
 

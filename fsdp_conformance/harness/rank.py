@@ -3,8 +3,8 @@ rank process (``process`` and ``process-fresh`` modes).
 
 :func:`run_task` is the rank task of every mode: seed, build the fixture values, call the body,
 classify its end as a :class:`RankOutcome`; :func:`reset_after_test` undoes what the test left.
-A rank process (:func:`main`, started by ``world/rankset.py``) loops over :class:`RunTest`
-messages; thread ranks (``world/threads.py``) and torchrun ranks (``world/launcher.py``) call
+A rank process (:func:`main`, started by ``harness/rankset.py``) loops over :class:`RunTest`
+messages; thread ranks (``harness/threads.py``) and torchrun ranks (``harness/launcher.py``) call
 :func:`run_task` in place.
 
 [Note: leaving a rank]
@@ -35,9 +35,9 @@ from collections.abc import Callable, Iterable
 from multiprocessing.connection import Connection
 from typing import Any
 
-from fsdp_conformance import vocab
-from fsdp_conformance.world import properties
-from fsdp_conformance.world.wire import (
+from fsdp_conformance import constants
+from fsdp_conformance.harness import properties
+from fsdp_conformance.harness.wire import (
     FAILED,
     PASSED,
     SKIPPED,
@@ -359,7 +359,7 @@ def reset_after_test(snapshot: Any, monkeypatches: list[Any], rank: int) -> list
     """
     import torch.distributed as dist
 
-    from fsdp_conformance.world import isolation
+    from fsdp_conformance.harness import isolation
 
     run_after_test()
     while monkeypatches:
@@ -420,12 +420,12 @@ class _RankProcess:
         self.mode = os.environ.get(ENV_MODE, "process")
         # GPUs held by the rank set, one per rank, () on CPU
         self.gpu_ids = tuple(int(g) for g in os.environ.get(ENV_GPU_IDS, "").split(",") if g)
-        self.timeout = float(os.environ.get(ENV_TIMEOUT, str(vocab.DEFAULT_TIMEOUT_S)))
+        self.timeout = float(os.environ.get(ENV_TIMEOUT, str(constants.DEFAULT_TIMEOUT_S)))
         self.store_path = os.environ[ENV_STORE]
         self.conn = Connection(int(os.environ[ENV_FD]))
         self.base_environ: dict[str, str] = {}
         self.base_sys_path: list[str] = list(sys.path)
-        # saved after start-up, restored after every test (world/isolation.py)
+        # saved after start-up, restored after every test (harness/isolation.py)
         self.snapshot: Any = None
         # monkeypatch fixtures made for the running test (undone after it)
         self.monkeypatches: list[Any] = []
@@ -439,7 +439,7 @@ class _RankProcess:
         import torch
         import torch.distributed as dist
 
-        from fsdp_conformance.world import collectives, isolation
+        from fsdp_conformance.harness import collectives, isolation
 
         try:
             import numpy  # noqa: F401
@@ -480,7 +480,7 @@ class _RankProcess:
             dist.barrier()
 
     def run(self, task: RankTask) -> RankOutcome:
-        from fsdp_conformance.world.context import RankContext
+        from fsdp_conformance.harness.context import RankContext
 
         os.environ.clear()
         os.environ.update(task.environ)

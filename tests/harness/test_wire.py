@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from conftest import write_test
-from fsdp_conformance.world import rank, wire
+from fsdp_conformance.harness import rank, wire
 
 pytest_plugins = ["pytester"]
 
@@ -29,7 +29,7 @@ def test_parent_rejects_an_unknown_message_from_a_rank(pytester: pytest.Pytester
 import torch
 import torch.distributed as tdist
 
-from fsdp_conformance.world import rank
+from fsdp_conformance.harness import rank
 
 
 def test_a_garbles(dist):

@@ -1,4 +1,4 @@
-"""The shared vocabulary is defined once (fsdp_conformance.vocab) and re-used everywhere."""
+"""The shared vocabulary is defined once (fsdp_conformance.constants) and re-used everywhere."""
 
 from __future__ import annotations
 
@@ -9,16 +9,16 @@ import sys
 
 import pytest
 
-from fsdp_conformance import vocab
-from fsdp_conformance.vocab import Op
+from fsdp_conformance import constants
+from fsdp_conformance.constants import Op
 
-PACKAGE = pathlib.Path(vocab.__file__).resolve().parent
-# the op names that must never be spelled as bare strings outside vocab.py
+PACKAGE = pathlib.Path(constants.__file__).resolve().parent
+# the op names that must never be spelled as bare strings outside constants.py
 COLLECTIVES = (Op.ALL_GATHER.value, Op.REDUCE_SCATTER.value, Op.ALL_REDUCE.value)
 
 
 def test_vocab_imports_no_torch():
-    code = "import sys, fsdp_conformance.vocab\nassert 'torch' not in sys.modules\n"
+    code = "import sys, fsdp_conformance.constants\nassert 'torch' not in sys.modules\n"
     subprocess.run([sys.executable, "-c", code], check=True, cwd="/")
 
 
@@ -30,49 +30,48 @@ def test_op_reads_as_its_string():
 
 
 def test_modules_reuse_the_vocabulary():
-    from fsdp_conformance import plugin
-    from fsdp_conformance import models
+    from fsdp_conformance import models, plugin
     from fsdp_conformance.adapters import base, features, registry
     from fsdp_conformance.cli import collect, common
     from fsdp_conformance.cli import run as cli_run
     from fsdp_conformance.cli import timeline as cli_timeline
+    from fsdp_conformance.harness import controller as runtime
+    from fsdp_conformance.harness import gpus
     from fsdp_conformance.impl import limiter
     from fsdp_conformance.impl import runtime as impl_runtime
     from fsdp_conformance.observe import comm_trace
     from fsdp_conformance.suite import configs, memory_bound
-    from fsdp_conformance.world import controller as runtime
-    from fsdp_conformance.world import gpus
 
     pairs = [
-        (plugin.COVERAGES, vocab.COVERAGES),
-        (plugin._MODES, vocab.MODES),
-        (cli_run.MODES, vocab.MODES),
-        (cli_run.COVERAGES, vocab.COVERAGES),
-        (configs.COVERAGES, vocab.COVERAGES),
-        (runtime.MODES, vocab.MODES),
-        (runtime.ENV_MODE, vocab.ENV_MODE),
-        (runtime.ENV_TIMEOUT, vocab.ENV_TIMEOUT),
-        (runtime.ENV_BACKEND, vocab.ENV_BACKEND),
-        (gpus.ENV_FAKE_GPUS, vocab.ENV_FAKE_GPUS),
-        (gpus.ENV_LOCK_DIR, vocab.ENV_GPU_LOCK_DIR),
-        (collect.ENV_RESULTS, vocab.ENV_CLI_RESULTS),
-        (impl_runtime.RATE_LIMITER_RANGE, vocab.RATE_LIMITER_RANGE),
-        (cli_timeline.RATE_LIMITER_RANGE, vocab.RATE_LIMITER_RANGE),
-        (limiter.MAX_INFLIGHT, vocab.MAX_INFLIGHT),
-        (memory_bound.MAX_INFLIGHT, vocab.MAX_INFLIGHT),
-        (comm_trace.COMM_OPS, vocab.COMM_OPS),
-        (comm_trace.REDUCE_OPS, vocab.REDUCE_OPS),
-        (base.REDUCE_OPS, vocab.REDUCE_OPS),
-        (runtime.DEFAULT_TIMEOUT_S, vocab.DEFAULT_TIMEOUT_S),
-        (registry.BUILTIN_ADAPTERS, vocab.BUILTIN_ADAPTERS),
-        (common.BUILTIN_IMPLS, vocab.BUILTIN_ADAPTERS),
-        (features.ALWAYS_WRAP, vocab.ALWAYS_WRAP),
-        (models.ALWAYS_WRAP, vocab.ALWAYS_WRAP),
+        (plugin.COVERAGES, constants.COVERAGES),
+        (plugin._MODES, constants.MODES),
+        (cli_run.MODES, constants.MODES),
+        (cli_run.COVERAGES, constants.COVERAGES),
+        (configs.COVERAGES, constants.COVERAGES),
+        (runtime.MODES, constants.MODES),
+        (runtime.ENV_MODE, constants.ENV_MODE),
+        (runtime.ENV_TIMEOUT, constants.ENV_TIMEOUT),
+        (runtime.ENV_BACKEND, constants.ENV_BACKEND),
+        (gpus.ENV_FAKE_GPUS, constants.ENV_FAKE_GPUS),
+        (gpus.ENV_LOCK_DIR, constants.ENV_GPU_LOCK_DIR),
+        (collect.ENV_RESULTS, constants.ENV_CLI_RESULTS),
+        (impl_runtime.RATE_LIMITER_RANGE, constants.RATE_LIMITER_RANGE),
+        (cli_timeline.RATE_LIMITER_RANGE, constants.RATE_LIMITER_RANGE),
+        (limiter.MAX_INFLIGHT, constants.MAX_INFLIGHT),
+        (memory_bound.MAX_INFLIGHT, constants.MAX_INFLIGHT),
+        (comm_trace.COMM_OPS, constants.COMM_OPS),
+        (comm_trace.REDUCE_OPS, constants.REDUCE_OPS),
+        (base.REDUCE_OPS, constants.REDUCE_OPS),
+        (runtime.DEFAULT_TIMEOUT_S, constants.DEFAULT_TIMEOUT_S),
+        (registry.BUILTIN_ADAPTERS, constants.BUILTIN_ADAPTERS),
+        (common.BUILTIN_IMPLS, constants.BUILTIN_ADAPTERS),
+        (features.ALWAYS_WRAP, constants.ALWAYS_WRAP),
+        (models.ALWAYS_WRAP, constants.ALWAYS_WRAP),
     ]
     for index, (used, defined) in enumerate(pairs):
         assert used is defined, f"pair {index}: {used!r} is a copy, not vocab's object"
     # the registry resolves exactly the built-in names, in their order
-    assert tuple(registry._BUILTIN) == vocab.BUILTIN_ADAPTERS
+    assert tuple(registry._BUILTIN) == constants.BUILTIN_ADAPTERS
 
 
 def bare_op_strings(path: pathlib.Path) -> list[str]:
@@ -96,9 +95,9 @@ def bare_op_strings(path: pathlib.Path) -> list[str]:
 def test_collective_names_are_spelled_only_in_vocab():
     found = []
     for path in sorted(PACKAGE.rglob("*.py")):
-        if path.name != "vocab.py" and "goldens" not in path.parts:
+        if path.name != "constants.py" and "goldens" not in path.parts:
             found += bare_op_strings(path)
-    assert not found, "use fsdp_conformance.vocab.Op instead of:\n" + "\n".join(found)
+    assert not found, "use fsdp_conformance.constants.Op instead of:\n" + "\n".join(found)
 
 
 @pytest.mark.parametrize(
@@ -107,7 +106,7 @@ def test_collective_names_are_spelled_only_in_vocab():
         ('X = ("all_gather", "free")\n', 1),
         ('def f(op):\n    return op == "reduce_scatter"\n', 1),
         ('"""Docstring naming "all_reduce"."""\n', 0),
-        ("from fsdp_conformance.vocab import Op\nX = Op.ALL_GATHER\n", 0),
+        ("from fsdp_conformance.constants import Op\nX = Op.ALL_GATHER\n", 0),
     ],
 )
 def test_the_scan_sees_a_redefinition(tmp_path, source, expected):

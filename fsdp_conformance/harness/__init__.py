@@ -12,7 +12,7 @@ the processes of a torchrun job), laid out by process role:
 
 Importing this package does not import torch; names resolve on first access. It knows no
 FSDP (``FSDPTest`` lives in ``fsdp_conformance.testing``). The former module paths
-(``world.runtime``, ``world.protocol``, ...) import as aliases (``fsdp_conformance/__init__.py``).
+(``world.runtime``, ``world.protocol``, ...; the package was named ``world``) import as aliases (``fsdp_conformance/__init__.py``).
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ from fsdp_conformance._lazy import lazy_exports
 
 # public name -> module that defines it
 _EXPORTS: dict[str, str] = {
-    "InRank": "fsdp_conformance.world.wire",
-    "RankContext": "fsdp_conformance.world.context",
-    "current_context": "fsdp_conformance.world.rank",
-    "Runtime": "fsdp_conformance.world.controller",
-    "RuntimeOptions": "fsdp_conformance.world.controller",
-    "get_runtime": "fsdp_conformance.world.controller",
-    "RankTestCase": "fsdp_conformance.world.testcase",
+    "InRank": "fsdp_conformance.harness.wire",
+    "RankContext": "fsdp_conformance.harness.context",
+    "current_context": "fsdp_conformance.harness.rank",
+    "Runtime": "fsdp_conformance.harness.controller",
+    "RuntimeOptions": "fsdp_conformance.harness.controller",
+    "get_runtime": "fsdp_conformance.harness.controller",
+    "RankTestCase": "fsdp_conformance.harness.testcase",
 }
 
 __all__ = [

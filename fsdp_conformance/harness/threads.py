@@ -11,7 +11,7 @@ ends. Each rank thus sees the random numbers it would see alone; code that waits
 rank outside a collective (a busy loop on a shared flag) deadlocks and fails at the timeout.
 
 [Note: isolation in thread mode]
-The process-wide state is saved before a test and restored after it (``world/isolation.py``);
+The process-wide state is saved before a test and restored after it (``harness/isolation.py``);
 the collectives are wrapped only while the test runs. A thread-mode test must not change what
 a shared interpreter cannot restore: modules patched by hand (use ``monkeypatch``), imported
 modules, signal handlers, threads left running.
@@ -31,10 +31,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from fsdp_conformance._patching import patch_attribute
-from fsdp_conformance.world import collectives, isolation
-from fsdp_conformance.world import rank as rank_task
-from fsdp_conformance.world.context import RankContext
-from fsdp_conformance.world.wire import (
+from fsdp_conformance.harness import collectives, isolation
+from fsdp_conformance.harness import rank as rank_task
+from fsdp_conformance.harness.context import RankContext
+from fsdp_conformance.harness.wire import (
     ABORTED,
     FAILED,
     HUNG,
@@ -108,10 +108,10 @@ def _patched_wait_points(mtpg: Any) -> Iterator[None]:
 
 
 class ThreadRanks:
-    """The rank backend of ``thread`` mode (see ``world/controller.py``)."""
+    """The rank backend of ``thread`` mode (see ``harness/controller.py``)."""
 
     def run(self, request: Any, task: RankTask) -> Any:
-        from fsdp_conformance.world.wire import RunResult, summarize
+        from fsdp_conformance.harness.wire import RunResult, summarize
 
         call = request.function or rank_task.resolve_target(task.target)
         outcomes, mismatch = run_threaded(task, request.world_size, call, request.kwargs)

@@ -27,13 +27,13 @@ from typing import Any
 
 import pytest
 
-from fsdp_conformance import vocab
-from fsdp_conformance.world import rank as rank_task
-from fsdp_conformance.world.wire import DIED, FAILED, HUNG, SKIPPED, RankOutcome, RankTask
+from fsdp_conformance import constants
+from fsdp_conformance.harness import rank as rank_task
+from fsdp_conformance.harness.wire import DIED, FAILED, HUNG, SKIPPED, RankOutcome, RankTask
 
 # --fsdp-launcher choices and its env variable
-LAUNCHERS = vocab.LAUNCHERS
-ENV_LAUNCHER = vocab.ENV_LAUNCHER
+LAUNCHERS = constants.LAUNCHERS
+ENV_LAUNCHER = constants.ENV_LAUNCHER
 # What torchrun sets in every process it starts.
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 # Seconds a rank waits, beyond a test's timeout, for the others' outcomes / rank 0's status.
@@ -324,7 +324,7 @@ class TorchrunRanks:
     def run(self, request: Any, task: RankTask) -> Any:
         """Run ``task`` (of ``request``, a ``controller.TestRequest``) in place; every rank of
         the job calls this for the same test. Returns the job's ``wire.RunResult``."""
-        from fsdp_conformance.world.wire import RunResult, Verdict, summarize
+        from fsdp_conformance.harness.wire import RunResult, Verdict, summarize
 
         self.start()
         size, jobs = request.world_size, self.env.world_size
@@ -366,8 +366,8 @@ class TorchrunRanks:
     def _run_body(self, request: Any, task: RankTask, size: int, key: str) -> RankOutcome:
         import torch.distributed as tdist
 
-        from fsdp_conformance.world import isolation
-        from fsdp_conformance.world.context import RankContext
+        from fsdp_conformance.harness import isolation
+        from fsdp_conformance.harness.context import RankContext
 
         rank = self.env.rank
         try:
@@ -396,7 +396,7 @@ class TorchrunRanks:
         )
         watchdog = _Watchdog(self, key, size, request.timeout)
         job_group = tdist.group.WORLD
-        # what the test may change in this interpreter, restored after it (world/isolation.py)
+        # what the test may change in this interpreter, restored after it (harness/isolation.py)
         snapshot = isolation.StateSnapshot.take()
         try:
             with watchdog:
@@ -431,7 +431,7 @@ class TorchrunRanks:
             f"{self.options.timeout:g} s after its timeout interrupted it; ending this process"
         )
         if self.env.rank == 0:
-            from fsdp_conformance.world.wire import summarize
+            from fsdp_conformance.harness.wire import summarize
 
             outcomes = self._gather(key, size, time.monotonic() + OUTCOME_GRACE_S)
             head += "\n" + summarize(outcomes, size).message

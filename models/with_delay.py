@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .common import DelayHooks, DeviceInit, Wrap
 from .delay import sleep_ms
+from .model_base import DelayHooks, DeviceInit, Wrap
 from .nested import NestedWrappedModule
 
 

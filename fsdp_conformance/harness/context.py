@@ -59,7 +59,7 @@ class DistPlaceholder:
     def __getattr__(self, name: str) -> Any:
         raise AttributeError(
             f"dist.{name} is only available inside the test body, which runs in every rank; "
-            "in a fixture, return fsdp_conformance.world.InRank(factory, ...) to build a value "
+            "in a fixture, return fsdp_conformance.harness.InRank(factory, ...) to build a value "
             "inside each rank"
         )
 

@@ -1,5 +1,5 @@
 """What the subcommands share: usage errors, argument types, the checks made before anything
-starts, and running a measurement in a rank set of ``fsdp_conformance.world``."""
+starts, and running a measurement in a rank set of ``fsdp_conformance.harness``."""
 
 from __future__ import annotations
 
@@ -15,14 +15,14 @@ import textwrap
 from collections.abc import Iterator
 from typing import Any, NoReturn
 
-from fsdp_conformance import vocab
+from fsdp_conformance import constants
 from fsdp_conformance.cli import limits
-from fsdp_conformance.world.extras import missing_extra
+from fsdp_conformance.harness.extras import missing_extra
 
 PROG = "fsdp-conformance"
-BUILTIN_IMPLS = vocab.BUILTIN_ADAPTERS
-MODES = vocab.MODES
-COVERAGES = vocab.COVERAGES
+BUILTIN_IMPLS = constants.BUILTIN_ADAPTERS
+MODES = constants.MODES
+COVERAGES = constants.COVERAGES
 # `run` defaults: the whole default run fits in 10 minutes on a 2-core CPU host (docs/cli.md)
 DEFAULT_COVERAGE = "pairwise"
 DEFAULT_WORKERS = 2
@@ -50,14 +50,14 @@ def private_tempdir() -> Iterator[str]:
     in (``TMPDIR`` and ``tempfile.tempdir`` point into it), removed on the way out whatever
     ended the command. The GPU lock files stay in the shared temp directory (every process of
     the user must see them)."""
-    saved = {name: os.environ.get(name) for name in ("TMPDIR", vocab.ENV_GPU_LOCK_DIR)}
+    saved = {name: os.environ.get(name) for name in ("TMPDIR", constants.ENV_GPU_LOCK_DIR)}
     saved_tempdir = tempfile.tempdir
-    from fsdp_conformance.world import gpus
+    from fsdp_conformance.harness import gpus
 
-    shared_locks = os.environ.get(vocab.ENV_GPU_LOCK_DIR) or gpus.lock_dir_path()
+    shared_locks = os.environ.get(constants.ENV_GPU_LOCK_DIR) or gpus.lock_dir_path()
     path = tempfile.mkdtemp(prefix="fsdp-cli-")
     os.environ["TMPDIR"] = path
-    os.environ[vocab.ENV_GPU_LOCK_DIR] = shared_locks
+    os.environ[constants.ENV_GPU_LOCK_DIR] = shared_locks
     tempfile.tempdir = path
     try:
         yield path
@@ -282,7 +282,7 @@ def measure_in_ranks(
     """Call ``cli.ranks.<function>(dist=..., out_file=..., **kwargs)`` in every rank and return
     the JSON document rank 0 wrote; None (the reason on stderr) when the ranks skipped or failed.
     """
-    from fsdp_conformance.world.runtime import run_function
+    from fsdp_conformance.harness.controller import run_function
 
     with tempfile.TemporaryDirectory(prefix="fsdp-cli-") as workdir:
         out_file = os.path.join(workdir, f"{command}.json")
