@@ -17,7 +17,7 @@ from fsdp_conformance.training_states import (
     RootState,
 )
 
-from . import deviations, features, loop
+from . import _compat, deviations, features, loop  # noqa: F401  (_compat: older members)
 from .base import Adapter, AdapterWrap, ObserverRegistry, clean_param_name
 from .deviations import CHECK_IDS, Deviation
 from .features import (

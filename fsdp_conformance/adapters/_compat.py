@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from . import deviations, features, loop
+from . import base, deviations, features, loop
 
 # old method -> the module function taking the adapter first
 _FUNCTIONS = {
@@ -50,3 +50,6 @@ def old_member(adapter: Any, name: str) -> Any:
     if name == "wrapping_root":
         return None
     raise AttributeError(f"{type(adapter).__name__!r} object has no attribute {name!r}")
+
+
+base.OLD_MEMBERS = old_member

@@ -158,6 +158,11 @@ def group_by(
     return list(groups.values())
 
 
+# adapter, name -> what the older protocol's member meant (set by adapters/_compat.py, which
+# the package imports; the module functions it uses import this module)
+OLD_MEMBERS: Callable[[Any, str], Any] | None = None
+
+
 class Adapter:
     """How the suite drives one FSDP implementation: subclass, set `name`, implement `_wrap`,
     `instances`, `training_state`, `root_state` and `_summon_full_params` (docs/adapters.md).
@@ -285,11 +290,9 @@ class Adapter:
 
     def __getattr__(self, name: str) -> Any:
         # members of the older, wider protocol, answered by the module functions
-        if name.startswith("__"):
+        if name.startswith("__") or OLD_MEMBERS is None:
             raise AttributeError(name)
-        from ._compat import old_member
-
-        return old_member(self, name)
+        return OLD_MEMBERS(self, name)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"
