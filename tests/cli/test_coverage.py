@@ -51,7 +51,7 @@ class _NoRanks:
 
     @classmethod
     def install(cls, monkeypatch: pytest.MonkeyPatch) -> None:
-        from fsdp_conformance.harness import runtime
+        from fsdp_conformance.harness import controller as runtime
 
         def refuse(*args: Any, **kwargs: Any) -> Any:
             cls.started.append(repr(args)[:200])
