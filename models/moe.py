@@ -38,7 +38,7 @@ from .model_base import (
 
 
 class MixtureOfExperts(nn.Module):
-    """Seed 000's MixtureOfExperts.
+    """The MixtureOfExperts of torch's FSDP test models (common_fsdp.py).
 
     Args:
         group: the process group of the shared layers.

@@ -37,7 +37,7 @@ ALWAYS_WRAP = constants.ALWAYS_WRAP
 
 
 class NestedWrappedModule(nn.Module):
-    """Seed 000's NestedWrappedModule, seeded without the global RNG.
+    """The NestedWrappedModule of torch's FSDP test models, seeded without the global RNG.
 
     Args:
         group: the process group (its rank seeds the inputs).

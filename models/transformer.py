@@ -32,7 +32,8 @@ from .model_base import (
 
 
 class TransformerWithSharedParams(nn.Module):
-    """Seed 000's transformer; inputs differ per rank, dropout is 0 (see common.py's note).
+    """The transformer of torch's FSDP test models; inputs differ per rank, dropout is 0 (see
+    model_base.py's note).
 
     Args:
         group: the process group (its rank seeds the inputs).

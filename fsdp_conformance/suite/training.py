@@ -1,4 +1,4 @@
-"""Seed 002's `_test_identical_outputs`, adapter-driven: train FSDP and DDP, compare.
+"""torch's `_test_identical_outputs` (common_fsdp.py), adapter-driven: train FSDP and DDP, compare.
 
 `reference_run` trains the unwrapped zoo model under DistributedDataParallel (or DummyDDP) and
 caches the result per rank process (a rank set is reused across tests in the harness's
