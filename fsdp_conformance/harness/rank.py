@@ -349,31 +349,40 @@ def format_user_traceback(exc: BaseException) -> str:
     return "".join(report.format())
 
 
-def reset_after_test(snapshot: Any, monkeypatches: list[Any], rank: int) -> list[str]:
+def reset_after_test(
+    snapshot: Any, monkeypatches: list[Any], rank: int, destroy_groups: bool = True
+) -> list[str]:
     """Undo what a test left in this interpreter: the after-test functions run, its
-    monkeypatches are undone, process groups other than the default one destroyed, and
-    ``snapshot`` (an ``isolation.StateSnapshot``) restored.
+    monkeypatches are undone, process groups other than the default one destroyed (unless
+    ``destroy_groups`` is False: the caller does it with :func:`destroy_subgroups` once every
+    rank is done), and ``snapshot`` (an ``isolation.StateSnapshot``) restored.
 
     Returns:
         what could not be undone, one line each (the rank set is then replaced).
     """
-    import torch.distributed as dist
-
     from fsdp_conformance.harness import isolation
 
     run_after_test()
     while monkeypatches:
         monkeypatches.pop().undo()
-    if dist.is_initialized():
-        world = dist.distributed_c10d._world
-        for group in list(world.pg_map):
-            if group is not world.default_pg:
-                dist.destroy_process_group(group)
+    if destroy_groups:
+        destroy_subgroups()
     snapshot.restore()
     left = isolation.leftover_threads(snapshot)
     if left:
         return [f"the test left thread(s) running in rank {rank}: {', '.join(left)}"]
     return []
+
+
+def destroy_subgroups() -> None:
+    """Destroy the process groups other than the default one."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        world = dist.distributed_c10d._world
+        for group in list(world.pg_map):
+            if group is not world.default_pg:
+                dist.destroy_process_group(group)
 
 
 class _CurrentContext(threading.local):
@@ -546,6 +555,10 @@ def main() -> None:
         message = expect(message, "the controller", RunTest, ReinitGroup, Exit)
         if isinstance(message, Exit):
             _leave(0)
+        # the last test's groups go only now that every rank has finished it: a rank tearing
+        # a group down while another still connects to it fails that one (gloo: "Connection
+        # closed by peer"); new_group does not wait for the other ranks
+        destroy_subgroups()
         if isinstance(message, ReinitGroup):
             import torch.distributed as dist
 
@@ -560,7 +573,9 @@ def main() -> None:
             continue
         outcome = process.run(pickle.loads(message.task_blob))
         try:
-            notes = tuple(reset_after_test(process.snapshot, process.monkeypatches, process.rank))
+            notes = tuple(
+                reset_after_test(process.snapshot, process.monkeypatches, process.rank, False)
+            )
         except BaseException:  # noqa: BLE001  a broken reset would poison the next test
             traceback.print_exc()
             notes = (f"rank {process.rank} could not restore its state after the test",)
