@@ -245,8 +245,16 @@ def test_waits(dist):
 
 def test_ctrl_c_leaves_no_process_and_no_temp_file(pytester, private_tmpdir, pid_dir):
     path = write_test(pytester, "test_inner", CTRL_C)
+    # started as from a shell: SIGINT at Python's default and unblocked, whatever the xdist
+    # worker running this test inherited from earlier tests
+    start = (
+        "import runpy, signal, sys; "
+        "signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT}); "
+        "signal.signal(signal.SIGINT, signal.default_int_handler); "
+        "sys.argv[0] = 'pytest'; runpy.run_module('pytest', run_name='__main__')"
+    )
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", str(path), "--fsdp-timeout=60"],
+        [sys.executable, "-c", start, "-p", "no:cacheprovider", str(path), "--fsdp-timeout=60"],
         cwd=pytester.path,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
