@@ -1,33 +1,16 @@
 """Adapter for DeepSpeed ZeRO (``deepspeed.initialize``), written for DeepSpeed 0.19.8.
 
-DeepSpeed is an optional extra (``pip install 'fsdp-conformance[deepspeed]'``, pure Python with
-``DS_BUILD_OPS=0``); without it ``get_adapter("deepspeed")`` still resolves and every check
-skips with one line saying how to install it. docs/deepspeed.md has the mapping, the declared
-deviations and the measured run.
+An optional extra (``pip install 'fsdp-conformance[deepspeed]'``); without it every check skips
+with the install line. docs/deepspeed.md has the config mapping, the deviations and a run.
 
 [Note: DeepSpeed as an FSDP]
-DeepSpeed wraps a whole model in one engine; it has no nested wrapping unit. The suite's nested
-``wrap(module, root=False)`` calls mark ``module`` as an *instance* and return it unchanged; the
-root call (``root=True``, or ``None``: unknown) builds the engine over the root module, so
-misuse surfaces at wrap time. ``instances(engine)`` is the engine, then the marked modules in
-pre-order; a parameter belongs to the nearest marked module above it (else to the engine).
-DeepSpeed gathers and releases parameters per submodule (each module's own parameters); the
-comm trace folds those into instance events: an instance's ``all_gather`` when the first of its
-parameters is gathered while none is, its ``free`` right before the last of them is released,
-its reduction right before the last of its gradients is handed to the reducer.
-
-Config mapping (docs/deepspeed.md): FULL_SHARD -> ZeRO-3, SHARD_GRAD_OP -> ZeRO-2, NO_SHARD ->
-ZeRO-1; every parameter really sharded (``stage3_param_persistence_threshold=0``,
-``stage3_max_reuse_distance=0``); ``gradient_clipping=0`` (DeepSpeed 0.19's default is 1.0:
-silent clipping); prefetch (``stage3_prefetch_bucket_size``) on when ``backward_prefetch`` is
-BACKWARD_PRE or ``forward_prefetch`` is True (DeepSpeed prefetches from the recorded trace, in
-forward and backward together), off for ``backward_prefetch=None`` without forward prefetch;
-BACKWARD_POST has no counterpart; ``limit_all_gathers=True`` -> ``stage3_max_live_parameters``
-= ``LIVE_INSTANCES`` times the largest instance's parameters (its own bound, see
-``deepspeed_bound``), False -> DeepSpeed's default (1e9: no limit that matters);
-``mixed_precision`` bf16 -> ``bf16.enabled``; no ``cpu_offload`` on a CPU host,
-no ``sync_module_states`` (DeepSpeed broadcasts rank 0's parameters itself), no
-``auto_wrap_policy`` (no wrapping unit: nested instances are marked only by the caller).
+DeepSpeed wraps a whole model in one engine, with no nested wrapping unit: a nested
+``wrap(module, root=False)`` marks ``module`` as an instance and returns it; the root call builds
+the engine. ``instances(engine)`` is the engine, then the marked modules in pre-order; a
+parameter belongs to the nearest marked module above it. The comm trace folds DeepSpeed's
+per-parameter gathers and releases into instance events: ``all_gather`` when the first of its
+parameters is gathered, ``free`` before the last is released, the reduction before its last
+gradient reaches the reducer.
 """
 
 from __future__ import annotations
@@ -36,6 +19,7 @@ import contextlib
 import importlib.util
 import os
 import shutil
+import sys
 import threading
 import weakref
 from collections.abc import Iterator
@@ -45,37 +29,47 @@ import torch
 from torch import nn
 
 from fsdp_conformance.constants import Op
+from fsdp_conformance.training_states import InstanceState, RootState
 
 from ._support import RANGES
 from .base import Adapter, ObserverRegistry, UnsupportedFeatureError
 from .deviations import Deviation
 from .features import ALL_FEATURES, Declarations, Feature, auto_wrap_targets, require
-from .loop import EngineHooks
-from .states import InstanceState, RootState
+from .loop import EngineHooks, optimizer_class
 
-# The one line every deepspeed check skips with when DeepSpeed is not importable
 INSTALL_HINT = "install it with: pip install 'fsdp-conformance[deepspeed]'"
-# The DeepSpeed release this adapter (its patches and deviations) was written and measured for
 WRITTEN_FOR = "deepspeed 0.19.8"
 MEASURED_ON = "deepspeed 0.19.8, torch 2.13.0"
-# Where DeepSpeed's CPU accelerator JIT-builds its C++ op (deepspeed_shm_comm) when the user
-# has not chosen TORCH_EXTENSIONS_DIR: built once per machine, kept, visible
+# where the CPU accelerator JIT-builds its deepspeed_shm_comm op unless TORCH_EXTENSIONS_DIR is set
 EXTENSIONS_DIR_DEFAULT = os.path.join("~", ".cache", "fsdp-conformance", "torch_extensions")
 # limit_all_gathers=True: at most this many instances' parameters gathered at once by prefetch
 LIVE_INSTANCES = 2
-# stage3_prefetch_bucket_size when prefetch is on (elements; DeepSpeed's default, 5e7)
+# stage3_prefetch_bucket_size when prefetch is on (DeepSpeed's default)
 PREFETCH_BUCKET = 50_000_000
 STAGES = {"FULL_SHARD": 3, "SHARD_GRAD_OP": 2, "NO_SHARD": 1}
 
+# deepspeed.utils.groups' caches of process groups (dicts for the expert groups)
+_GROUP_CACHES = (
+    "_WORLD_GROUP",
+    "_ZERO_PARAM_INTRA_PARALLEL_GROUP",
+    "_DATA_PARALLEL_GROUP",
+    "_MODEL_PARALLEL_GROUP",
+    "_TENSOR_MODEL_PARALLEL_GROUP",
+    "mesh_device",
+    "mpu",
+    "_EXPERT_PARALLEL_GROUP",
+    "_EXPERT_PARALLEL_GROUP_RANKS",
+    "_EXPERT_DATA_PARALLEL_GROUP",
+    "_EXPERT_DATA_PARALLEL_GROUP_RANKS",
+    "_ALL_TO_ALL_GROUP",
+)
+
 _REGISTRY = ObserverRegistry()
 _lock = threading.Lock()
-# nested instances marked by wrap(root=False), and the root module of each engine built
-_NESTED: weakref.WeakSet = weakref.WeakSet()
-_WRAPPED_ROOTS: weakref.WeakSet = weakref.WeakSet()
+_NESTED: weakref.WeakSet = weakref.WeakSet()  # nested instances marked by wrap(root=False)
 
 
 def _import_error() -> str | None:
-    """Why DeepSpeed cannot be used here, or None (no import: find_spec only)."""
     if importlib.util.find_spec("deepspeed") is None:
         return f"deepspeed is not importable; {INSTALL_HINT}"
     return None
@@ -91,8 +85,8 @@ def _cpu_host() -> bool:
 
 
 def _shm_op_used() -> bool:
-    """Whether DeepSpeed's CPU backend would use its shared-memory op: only when ``LOCAL_SIZE``
-    (ranks on this machine) is set and equals the world size; the harness does not set it."""
+    """Whether DeepSpeed's CPU backend uses its shared-memory op: only when ``LOCAL_SIZE`` equals
+    the world size (the harness does not set it)."""
     import torch.distributed as dist
 
     if not _cpu_host() or not os.environ.get("LOCAL_SIZE"):
@@ -118,8 +112,7 @@ def _compiler_problem() -> str | None:
 
 
 def prepare_environment() -> None:
-    """Choose the CPU accelerator on a host without CUDA and the extension cache, before
-    DeepSpeed is imported (both are read once, at DeepSpeed's first use)."""
+    """Choose the CPU accelerator (no CUDA) and the extension cache before DeepSpeed reads them."""
     if _cpu_host():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir())
@@ -127,13 +120,8 @@ def prepare_environment() -> None:
 
 
 def build_ops() -> str | None:
-    """Build (or find built) DeepSpeed's CPU communication op in ``extensions_dir()``, once per
-    machine; returns its folder (None on a CUDA host: nothing to build). Run it before a suite
-    run so that no check waits for the compiler: ``python -m fsdp_conformance.adapters.deepspeed``.
-
-    Raises:
-        RuntimeError: DeepSpeed is missing or no compiler can build the op (one line each).
-    """
+    """Build (or find) DeepSpeed's CPU communication op in ``extensions_dir()``; its folder, or
+    None on a CUDA host. RuntimeError (one line) without DeepSpeed or a compiler."""
     problem = _import_error() or _compiler_problem()
     if problem is not None:
         raise RuntimeError(f"adapter 'deepspeed': {problem}")
@@ -150,8 +138,7 @@ def build_ops() -> str | None:
 
 
 def ensure_distributed() -> None:
-    """``deepspeed.init_distributed`` over the harness's existing default group (gloo on CPU):
-    DeepSpeed then wraps that group instead of creating its own."""
+    """``deepspeed.init_distributed`` over the existing default group (DeepSpeed wraps it)."""
     prepare_environment()
     import deepspeed
     import torch.distributed as dist
@@ -162,23 +149,20 @@ def ensure_distributed() -> None:
             "(the dist fixture) or call torch.distributed.init_process_group first"
         )
     if _cpu_host() and not _shm_op_used():
-        # DeepSpeed's CPU backend JIT-builds (or re-checks under a file lock) its shared-memory
-        # op at init_distributed, then never uses it unless LOCAL_SIZE says every rank is local:
-        # mark it not compatible here, DeepSpeed's own switch, so nothing is built or locked
+        # init_distributed would JIT-build (or re-check under a file lock) an op it never uses
+        # without LOCAL_SIZE: DeepSpeed's own switch marks it not compatible
         import deepspeed.ops
 
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
 
 
-# ---------------------------------------------------------------------------- deviations
 def _deviation(check: str, reason: str, applies: Any = None, **covers: Any) -> Deviation:
-    """A DeepSpeed deviation, measured on ``MEASURED_ON``."""
     return Deviation(check, reason, applies, measured_on=MEASURED_ON, **covers)
 
 
-# Reproductions use ds = get_adapter("deepspeed"), x = torch.ones(2, 8), 2 CPU ranks, gloo;
-# docs/deepspeed.md has each as a runnable snippet
+# Reproductions: ds = get_adapter("deepspeed"), x = torch.ones(2, 8), 2 CPU ranks
+# (docs/deepspeed.md)
 DEEPSPEED_DEVIATIONS: tuple[Deviation, ...] = (
     _deviation(
         "forward.other_method",
@@ -369,8 +353,7 @@ DEEPSPEED_DEVIATIONS: tuple[Deviation, ...] = (
 
 
 class DeepSpeedAdapter(EngineHooks, Adapter):
-    """DeepSpeed ZeRO stages 1-3 through ``deepspeed.initialize`` (see [Note: DeepSpeed as an
-    FSDP])."""
+    """DeepSpeed ZeRO stages 1-3 ([Note: DeepSpeed as an FSDP])."""
 
     name = "deepspeed"
 
@@ -380,10 +363,9 @@ class DeepSpeedAdapter(EngineHooks, Adapter):
             unsupported=self._unsupported(),
             known_deviations=DEEPSPEED_DEVIATIONS,
             support=RANGES["deepspeed"],
-            instance_states=False,  # per-parameter status only; no per-instance training state
+            instance_states=False,  # per-parameter status only
         )
 
-    # ------------------------------------------------------------------ capabilities
     def _unsupported(self) -> dict[str, str]:
         missing = _import_error() or _compiler_problem()
         if missing is not None:
@@ -458,7 +440,6 @@ class DeepSpeedAdapter(EngineHooks, Adapter):
             )
         return unsupported
 
-    # ------------------------------------------------------------------ wrapping
     def wrap(self, module: nn.Module, *, process_group: Any = None, **config: Any) -> nn.Module:
         missing = _import_error()
         if missing is not None:
@@ -483,9 +464,7 @@ class DeepSpeedAdapter(EngineHooks, Adapter):
         stage = STAGES[strategy]
         policy = config.get("auto_wrap_policy")
         if policy is not None:
-            # DeepSpeed has no wrapping unit (it gathers each module's own parameters): the
-            # policy marks the adapter's instances -- the units of the comm trace, of the
-            # memory accounting and of stage3_max_live_parameters -- as wrap(root=False) does
+            # no wrapping unit: the policy marks instances as wrap(root=False) does
             with _lock:
                 for _, submodule in auto_wrap_targets(module, policy):
                     _NESTED.add(submodule)
@@ -531,14 +510,12 @@ class DeepSpeedAdapter(EngineHooks, Adapter):
                     f"param_dtype={mixed.param_dtype}: the adapter maps bfloat16 only",
                 )
             ds_config["bf16"] = {"enabled": True}
-        # the engine's optimizer is replaced by Adapter.optimizer's (lr 0 until then)
+        # replaced by the optimizer of the `optimizer` hook (lr 0 until then)
         placeholder = torch.optim.SGD(module.parameters(), lr=0.0)
         engine, _, _, _ = deepspeed.initialize(
             model=module, optimizer=placeholder, config=ds_config
         )
         engine._fsdpc_stage = stage
-        with _lock:
-            _WRAPPED_ROOTS.add(module)
         _assign_owners(engine, self.instances(engine))
         return engine
 
@@ -550,7 +527,6 @@ class DeepSpeedAdapter(EngineHooks, Adapter):
             return [module for module in model.modules() if module in _NESTED]
         return [model, *_nested_in(model.module)]
 
-    # ------------------------------------------------------------------ states
     def training_state(self, instance: nn.Module) -> InstanceState:
         raise ValueError(
             "adapter 'deepspeed': DeepSpeed keeps no per-instance training state "
@@ -558,9 +534,8 @@ class DeepSpeedAdapter(EngineHooks, Adapter):
         )
 
     def root_state(self, instance: nn.Module) -> RootState:
-        """SUMMON_FULL_PARAMS inside the adapter's summon; FORWARD_BACKWARD while DeepSpeed has
-        parameters of the model gathered for compute (ZeRO-3: a module is active) or the
-        engine's micro step is between forward and step; else IDLE."""
+        """SUMMON_FULL_PARAMS inside the summon; FORWARD_BACKWARD while a ZeRO-3 module is
+        active or between backward and step; else IDLE."""
         engine = instance
         if getattr(engine, "_fsdpc_summoning", False):
             return RootState.SUMMON_FULL_PARAMS
@@ -571,7 +546,6 @@ class DeepSpeedAdapter(EngineHooks, Adapter):
             return RootState.FORWARD_BACKWARD
         return RootState.IDLE
 
-    # ------------------------------------------------------------------ full parameters
     @contextlib.contextmanager
     def _summon_full_params(self, model: nn.Module, writeback: bool) -> Iterator[None]:
         import deepspeed
@@ -606,7 +580,6 @@ class DeepSpeedAdapter(EngineHooks, Adapter):
                 for name, param in module.named_parameters(remove_duplicate=False)
             }
 
-    # ------------------------------------------------------------------ training loop
     def optimizer(
         self,
         model: nn.Module,
@@ -619,15 +592,10 @@ class DeepSpeedAdapter(EngineHooks, Adapter):
             require(self, Feature.PARAM_GROUPS)
         if not _is_engine(model):
             return super().optimizer(model, name, param_groups=param_groups, **hyperparameters)
-        classes = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
-        if name not in classes:
-            raise ValueError(
-                f"{self.name} optimizer: unknown optimizer {name!r}; use one of {sorted(classes)}"
-            )
+        optimizer_type = optimizer_class(self, name)
         zero_optimizer = model.optimizer
-        base = zero_optimizer.optimizer
-        groups = [{"params": group["params"]} for group in base.param_groups]
-        zero_optimizer.optimizer = classes[name](groups, **hyperparameters)
+        groups = [{"params": group["params"]} for group in zero_optimizer.optimizer.param_groups]
+        zero_optimizer.optimizer = optimizer_type(groups, **hyperparameters)
         return _EngineOptimizer(model)
 
     def backward(self, model: nn.Module, loss: torch.Tensor) -> None:
@@ -638,16 +606,14 @@ class DeepSpeedAdapter(EngineHooks, Adapter):
         model.backward(loss)
 
     def accumulation_boundary(self, model: nn.Module, boundary: bool) -> None:
-        """The engine's own boundary switch: with gradient_accumulation_steps=1 every backward
-        is a boundary, and ZeRO-1/2 then keep only the last backward's gradient when several
-        run before one step (measured: 0.035 off DDP after 2 steps of 3 micro-batches)."""
+        """The engine's boundary switch: otherwise every backward is one, and ZeRO-1/2 keep only
+        the last micro-batch's gradient (measured: 0.035 off DDP after 2 steps of 3)."""
         if _is_engine(model):
             model.set_gradient_accumulation_boundary(boundary)
 
     def state_dict(
         self, model: nn.Module, *, rank0_only: bool = False, offload_to_cpu: bool = False
     ) -> dict[str, Any]:
-        """The full state dict on every rank, gathered with ``GatheredParameters``."""
         import deepspeed
 
         if rank0_only or offload_to_cpu:
@@ -665,8 +631,7 @@ class DeepSpeedAdapter(EngineHooks, Adapter):
     def load_state_dict(
         self, model: nn.Module, state_dict: dict[str, Any], *, assign: bool = False
     ) -> None:
-        """Load a full state dict into the shards (rank 0's values) and DeepSpeed's master
-        weights."""
+        """Rank 0's full state dict into the shards and DeepSpeed's master weights."""
         import deepspeed
 
         if assign:
@@ -682,16 +647,13 @@ class DeepSpeedAdapter(EngineHooks, Adapter):
             module.load_state_dict(state_dict)
         _refresh_master(model)
 
-    # ------------------------------------------------------------------ observation
     def _observe(self, callback: Any, instances: list[nn.Module] | None) -> Any:
         _install_trace()
         return _REGISTRY.observing(callback, instances)
 
     def _install_device_handle(self, model: nn.Module, handle: Any) -> None:
-        """Route DeepSpeed's accelerator events, current stream and synchronize through
-        ``handle`` and switch on its memory back-pressure (what it does on a GPU: an event after
-        each parameter fetch and each gradient reduction, the CPU blocking on the oldest past
-        ``max_ongoing_fetch_events`` / ``max_param_reduce_events``), until the test ends."""
+        """Route the CPU accelerator's events, streams and synchronize through ``handle`` and
+        switch on its memory back-pressure (as on a GPU), until the test ends."""
         if not _cpu_host():
             raise UnsupportedFeatureError(
                 self.name,
@@ -705,29 +667,10 @@ class DeepSpeedAdapter(EngineHooks, Adapter):
     def on_test_end(self) -> None:
         """Forget DeepSpeed's per-process group caches (the harness destroys the groups)."""
         _DEVICE["handle"] = None
-        try:
-            import sys
-
-            groups = sys.modules.get("deepspeed.utils.groups")
-        except Exception:  # noqa: BLE001
-            return
-        if groups is None:
-            return
-        for attribute, empty in (
-            ("_WORLD_GROUP", None),
-            ("_ZERO_PARAM_INTRA_PARALLEL_GROUP", None),
-            ("_DATA_PARALLEL_GROUP", None),
-            ("_MODEL_PARALLEL_GROUP", None),
-            ("_TENSOR_MODEL_PARALLEL_GROUP", None),
-            ("mesh_device", None),
-            ("mpu", None),
-            ("_EXPERT_PARALLEL_GROUP", {}),
-            ("_EXPERT_PARALLEL_GROUP_RANKS", {}),
-            ("_EXPERT_DATA_PARALLEL_GROUP", {}),
-            ("_EXPERT_DATA_PARALLEL_GROUP_RANKS", {}),
-            ("_ALL_TO_ALL_GROUP", {}),
-        ):
+        groups = sys.modules.get("deepspeed.utils.groups")
+        for attribute in _GROUP_CACHES:
             if hasattr(groups, attribute):
+                empty = {} if attribute.startswith(("_EXPERT", "_ALL_TO_ALL")) else None
                 setattr(groups, attribute, empty)
 
 
@@ -742,8 +685,7 @@ class _EngineOptimizer:
         return self.engine.optimizer.param_groups
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        # DeepSpeed's engine.zero_grad() takes no set_to_none: ZeRO keeps the reduced
-        # gradients in its own partitions, and the module's .grad are always set to None
+        # takes no set_to_none: ZeRO keeps gradients in its partitions, .grad is always None
         self.engine.zero_grad()
 
     def step(self) -> None:
@@ -757,7 +699,6 @@ class _EngineOptimizer:
         self.engine.optimizer.load_state_dict(state)
 
 
-# ---------------------------------------------------------------------------- helpers
 def _is_engine(model: Any) -> bool:
     return hasattr(model, "_fsdpc_stage")
 
@@ -781,14 +722,13 @@ def _nested_in(module: nn.Module) -> list[nn.Module]:
 
 
 def _own_numel(module: nn.Module) -> int:
-    """Elements of the parameters `module` owns (not those of nested instances inside it)."""
+    """Elements of `module`'s parameters outside the nested instances in it."""
     inner = {id(p) for sub in _nested_in(module) for p in sub.parameters()}
     return sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters() if id(p) not in inner)
 
 
 def _assign_owners(engine: nn.Module, instances: list[nn.Module]) -> None:
-    """Each parameter's owning instance: the nearest marked module above it, else the engine
-    (``instances`` is pre-order, so an inner instance overwrites its ancestors' claim)."""
+    """Each parameter's owner: the nearest instance above it (pre-order: inner ones last)."""
     for instance in instances:
         module = engine.module if instance is engine else instance
         for param in module.parameters():
@@ -813,14 +753,12 @@ def _refresh_master(engine: nn.Module) -> None:
         refresh()
 
 
-# ---------------------------------------------------------------------------- device handle
-# the device handle installed by install_device_handle (None: DeepSpeed's own CPU accelerator)
+# the installed device handle (None: DeepSpeed's own CPU accelerator)
 _DEVICE: dict[str, Any] = {"handle": None}
 
 
 def _install_accelerator_routing() -> None:
-    """Patch the CPU accelerator's event, stream and back-pressure methods to consult
-    ``_DEVICE`` (one place; the original runs while no handle is installed)."""
+    """Patch the CPU accelerator's event, stream and back-pressure methods to use ``_DEVICE``."""
     from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
 
     from fsdp_conformance._patching import patch_attribute
@@ -851,10 +789,9 @@ def _install_accelerator_routing() -> None:
     routed("synchronize", lambda handle, device_index=None: handle.synchronize())
 
 
-# ---------------------------------------------------------------------------- comm trace
 def _install_trace() -> None:
-    """The comm trace's patches (one place): ZeRO-3's gather and release of parameters and
-    the ZeRO optimizers' hand-off of a gradient to the reducer, folded into instance events."""
+    """Patch ZeRO-3's gather and release of parameters and the ZeRO optimizers' hand-off of a
+    gradient to the reducer, folded into instance events."""
     from deepspeed.runtime.zero import partitioned_param_coordinator as coordinator
     from deepspeed.runtime.zero import stage3, stage_1_and_2
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
@@ -866,8 +803,7 @@ def _install_trace() -> None:
     def make_gather(original: Any) -> Any:
         def all_gather_params(self: Any, params: Any, forward: bool) -> None:
             if _REGISTRY.active:
-                # one coalesced all-gather: fold its parameters in ds_id order (DeepSpeed hands
-                # a set, whose order differs across ranks)
+                # ds_id order: DeepSpeed hands a set, whose order differs across ranks
                 for param in sorted(params, key=lambda param: param.ds_id):
                     instance = _owner(param)
                     if instance is None or param.ds_status != ZeroParamStatus.NOT_AVAILABLE:
@@ -909,38 +845,21 @@ def _install_trace() -> None:
 
         return reduce_param
 
-    patch_attribute(
-        cls,
-        "_PartitionedParameterCoordinator__all_gather_params",
-        make_gather,
-        key="fsdp-conformance deepspeed comm trace",
-        written_for=WRITTEN_FOR,
-        library="deepspeed",
-    )
-    patch_attribute(
-        cls,
-        "_PartitionedParameterCoordinator__release_param",
-        make_release,
-        key="fsdp-conformance deepspeed comm trace",
-        written_for=WRITTEN_FOR,
-        library="deepspeed",
-    )
-    patch_attribute(
-        stage3.DeepSpeedZeroOptimizer_Stage3,
-        "reduce_independent_p_g_buckets_and_remove_grads",
-        make_reduce,
-        key="fsdp-conformance deepspeed comm trace",
-        written_for=WRITTEN_FOR,
-        library="deepspeed",
-    )
-    patch_attribute(
-        stage_1_and_2.DeepSpeedZeroOptimizer,
-        "reduce_independent_p_g_buckets_and_remove_grads",
-        make_reduce,
-        key="fsdp-conformance deepspeed comm trace",
-        written_for=WRITTEN_FOR,
-        library="deepspeed",
-    )
+    reduce = "reduce_independent_p_g_buckets_and_remove_grads"
+    for owner, attribute, make in (
+        (cls, "_PartitionedParameterCoordinator__all_gather_params", make_gather),
+        (cls, "_PartitionedParameterCoordinator__release_param", make_release),
+        (stage3.DeepSpeedZeroOptimizer_Stage3, reduce, make_reduce),
+        (stage_1_and_2.DeepSpeedZeroOptimizer, reduce, make_reduce),
+    ):
+        patch_attribute(
+            owner,
+            attribute,
+            make,
+            key="fsdp-conformance deepspeed comm trace",
+            written_for=WRITTEN_FOR,
+            library="deepspeed",
+        )
 
 
 if __name__ == "__main__":  # python -m fsdp_conformance.adapters.deepspeed: build the CPU op

@@ -1,41 +1,17 @@
 """Adapter for fairscale's FSDP: `fairscale.nn.data_parallel.FullyShardedDataParallel` (0.4.13).
 
-fairscale is an optional extra (``pip install 'fsdp-conformance[fairscale]'``); without it
-``get_adapter("fairscale")`` still resolves, and every check skips with one line saying how to
-install it. Measured with fairscale 0.4.13, torch 2.13.0 (CPU build, gloo, world size 2):
+An optional extra (``pip install 'fsdp-conformance[fairscale]'``); without it every check skips
+with the install line. docs/fairscale.md has the mapping and the measured facts (fairscale
+0.4.13, torch 2.13.0, CPU, gloo). What the adapter works around:
 
-- fairscale's FSDP is CUDA-only code: on a host without CUDA it creates no streams and the first
-  forward fails with ``KeyError: 'all_gather'``. The adapter routes its stream and event calls
-  through a device handle (``_fairscale_device.py``: the synchronous CPU handle by default, the
-  lagging device under the memory-bound check); arithmetic and collectives are fairscale's own.
-- Its reduce-scatter bucketer flushes a ``(world_size, n)`` tensor through
-  ``_reduce_scatter_base``, which gloo rejects ("Check failed: outputShape[0] * worldSize ==
-  inputShape[0]"); on any backend but nccl the adapter passes ``bucket_cap_mb=0`` (fairscale's own switch: each
-  gradient is reduce-scattered at once, from a 1-D input; the sums are the same).
-- Without an explicit ``process_group`` it calls ``get_process_group_cached()``, and by default
-  creates a second group for reduce-scatters, both cached for the life of the process; groups
-  destroyed by their owner (the test harness destroys non-default groups after each test) stay
-  in that cache. The adapter passes the group itself (the default group when none is given) and
-  ``process_group_reduce_scatter=ProcessGroupName.default`` (reductions on the same group), so
-  fairscale's cache is never used.
-- ``move_params_to_cpu`` pins host memory: "Cannot access accelerator device when none is
-  available" on a CPU-only host.
+- fairscale's FSDP is CUDA-only code (on CPU: ``KeyError: 'all_gather'``): its stream and event
+  calls go through a device handle (``_fairscale_device.py``);
+- its bucketer flushes a 2-D tensor, which gloo rejects: ``bucket_cap_mb=0`` off nccl;
+- it caches process groups for the life of the process (groups the harness destroys stay
+  there): the adapter passes the group and ``process_group_reduce_scatter=default`` itself.
 
-Config mapping: FULL_SHARD -> ``reshard_after_forward=True``, SHARD_GRAD_OP -> ``False`` (the
-root is never resharded after forward: fairscale's ``disable_reshard_on_root``);
-``mixed_precision`` -> ``mixed_precision=True``, ``compute_dtype=param_dtype``,
-``fp32_reduce_scatter`` when ``reduce_dtype`` is float32, ``buffer_dtype`` (float32, i.e. kept,
-when not given: fairscale would cast buffers to ``compute_dtype``); ``cpu_offload`` ->
-``move_params_to_cpu``; ``auto_wrap_policy`` -> every matching submodule with parameters of its
-own is wrapped, inner first; ``limit_all_gathers`` -> nothing: fairscale 0.4.13 has no
-limiter, and the suite's ``limit_all_gathers=True`` asks for the implementation's own memory
-bound, so the memory-bound check runs against fairscale as released and fails there (a declared
-deviation). ``FairscaleAdapter(sync_after_free=True)`` -- not a built-in name -- maps
-``limit_all_gathers=True`` to a synchronize of the current stream right after each free of full
-parameters, the fix for fairscale's high reserved memory proposed in fairscale PR 972 (never
-merged), to show what that change would bound. fairscale has no
-backward or forward prefetch (``backward_prefetch=None`` is what it does), no NO_SHARD and no
-``sync_module_states``.
+``limit_all_gathers`` adds nothing (0.4.13 has no limiter: the memory bound fails, declared);
+``FairscaleAdapter(sync_after_free=True)`` adds the synchronize after free of fairscale PR 972.
 """
 
 from __future__ import annotations
@@ -48,6 +24,7 @@ import torch
 from torch import nn
 
 from fsdp_conformance.constants import Op
+from fsdp_conformance.training_states import InstanceState, RootState
 
 from ._support import RANGES
 from .base import (
@@ -59,18 +36,15 @@ from .base import (
 from .deviations import Deviation
 from .features import ALL_FEATURES, Declarations, Feature, auto_wrap_targets, require
 from .loop import EngineHooks
-from .states import InstanceState, RootState
 
-# The one line every fairscale check skips with when fairscale is not importable
 INSTALL_HINT = "install it with: pip install 'fsdp-conformance[fairscale]'"
 
-_REGISTRY = ObserverRegistry()  # observers of the routed fairscale methods, process-wide
+_REGISTRY = ObserverRegistry()
 # instances that synchronize after each free (sync_after_free=True and limit_all_gathers=True)
 _SYNC_AFTER_FREE: weakref.WeakSet = weakref.WeakSet()
 
 
 def _import_error() -> str | None:
-    """Why fairscale cannot be used here, or None."""
     try:
         import fairscale  # noqa: F401
         from fairscale.nn.data_parallel import FullyShardedDataParallel  # noqa: F401
@@ -79,16 +53,8 @@ def _import_error() -> str | None:
     return None
 
 
-def _cuda_hosted() -> bool:
-    return torch.cuda.is_available()
-
-
-# ---------------------------------------------------------------------------- deviations
-# Reproductions use fs = get_adapter("fairscale"), x = torch.ones(2, 8), 2 CPU ranks; all of them
-# run in examples/fairscale_deviations.py (docs/fairscale.md)
-# Measured with fairscale 0.4.13 on torch 2.13.0 (CPU, gloo, world size 2); each states the
-# failure it covers (raises / match): any other error in the cell is a FAIL
-# the same covered failures on the compatibility matrix's releases
+# Reproductions: fs = get_adapter("fairscale"), x = torch.ones(2, 8), 2 CPU ranks, gloo; they run
+# in examples/fairscale_deviations.py
 _MEASURED_ON = "fairscale 0.4.13, torch 2.13.0 (also 2.8.0, 2.15.0)"
 FAIRSCALE_DEVIATIONS: tuple[Deviation, ...] = (
     Deviation(
@@ -164,11 +130,9 @@ FAIRSCALE_DEVIATIONS: tuple[Deviation, ...] = (
         "in _rebuild_full_params (an AssertionError with an empty message, removed by python "
         "-O); reproduce: m = fs.wrap(nn.Sequential(fs.wrap(nn.Linear(8, 8)), nn.Linear(8, 8)));"
         " m(x).sum().backward(); with fs.summon_full_params(m): m(x) (docs/fairscale.md)",
-        # the bare assert: "the error does not name the problem ..., got AssertionError: "
         match=r"does not name the problem .*got AssertionError: $",
         measured_on=_MEASURED_ON,
     ),
-    # the training loops (suite/loops.py), measured with fairscale 0.4.13, torch 2.13.0, CPU
     Deviation(
         "loops.activation_checkpointing",
         "fairscale 0.4.13 FSDP fails when non-reentrant checkpoint runs around an FSDP instance "
@@ -193,7 +157,6 @@ FAIRSCALE_DEVIATIONS: tuple[Deviation, ...] = (
         match="expected to be in states",
         measured_on="fairscale 0.4.13, torch 2.13.0",
     ),
-    # the loops.activation_checkpointing deviation above, met by a generated case (docs/fuzz.md)
     Deviation(
         "fuzz.generated",
         "fairscale 0.4.13 FSDP fails when non-reentrant checkpoint runs around an FSDP instance: "
@@ -205,8 +168,7 @@ FAIRSCALE_DEVIATIONS: tuple[Deviation, ...] = (
         "fuzz --impl fairscale --seed 0)",
         applies=lambda case: case is not None and "checkpoint:wrapped" in case.uses(),
         raises=ValueError,
-        # the recompute's forward re-enters the instance during its backward: whichever hook
-        # runs next finds FORWARD ([BACKWARD_PRE, BACKWARD_POST], [BACKWARD_PRE, IDLE], ...)
+        # whichever hook runs next finds FORWARD
         match=r"expected to be in states \[[^\]]*\] but current state is TrainingState\.FORWARD",
         measured_on="fairscale 0.4.13, torch 2.13.0",
     ),
@@ -246,8 +208,7 @@ FAIRSCALE_DEVIATIONS: tuple[Deviation, ...] = (
         "(found by fsdp-conformance fuzz --impl fairscale --seed 0)",
         applies=lambda case: case is not None and "branch" in case.uses(),
         raises=ValueError,
-        # which hook finds the stale state depends on the nesting: [BACKWARD_POST] in
-        # _wait_for_post_backward, [BACKWARD_PRE] in an outer instance's hook, ...
+        # which hook finds the stale state depends on the nesting
         match=r"expected to be in states \[[^\]]*\] but current state is "
         r"TrainingState\.(BACKWARD_PRE|IDLE)",
         measured_on="fairscale 0.4.13, torch 2.13.0",
@@ -329,9 +290,7 @@ class FairscaleAdapter(EngineHooks, Adapter):
                 raise TypeError(f"FairscaleAdapter({option}={value!r}): give True or False")
         self.flatten_parameters = flatten_parameters
         self.sync_after_free = sync_after_free
-        if sync_after_free:
-            # fairscale PR 972's synchronize after free: not fairscale as released, so not
-            # named like it, and it meets the memory bound (no memory_bound deviation)
+        if sync_after_free:  # not fairscale as released: named apart
             self.name = "fairscale-sync-after-free"
 
     @property
@@ -350,28 +309,40 @@ class FairscaleAdapter(EngineHooks, Adapter):
         missing = _import_error()
         if missing is not None:
             return {feature: missing for feature in ALL_FEATURES}
+        no_prefetch = "fairscale 0.4.13 FSDP has no backward prefetch"
         unsupported = {
             Feature.NO_SHARD: "fairscale 0.4.13 FSDP always shards (no NO_SHARD strategy)",
-            Feature.BACKWARD_PREFETCH_PRE: "fairscale 0.4.13 FSDP has no backward prefetch",
-            Feature.BACKWARD_PREFETCH_POST: "fairscale 0.4.13 FSDP has no backward prefetch",
+            Feature.BACKWARD_PREFETCH_PRE: no_prefetch,
+            Feature.BACKWARD_PREFETCH_POST: no_prefetch,
             Feature.FORWARD_PREFETCH: "fairscale 0.4.13 FSDP has no forward prefetch",
             Feature.SYNC_MODULE_STATES: (
                 "fairscale 0.4.13 FSDP has no sync_module_states (broadcast the module first)"
             ),
+            Feature.USE_ORIG_PARAMS: "fairscale 0.4.13 has no use_orig_params flag",
+            Feature.IGNORED_PARAMS: (
+                "fairscale 0.4.13 FSDP has no ignored modules or parameters (its constructor "
+                "takes none): every parameter of the wrapped module is sharded"
+            ),
+            Feature.FORWARD_METHOD: (
+                "fairscale 0.4.13 FSDP has no way to run a method other than forward with the "
+                "instance's parameters gathered (its hooks run in forward only)"
+            ),
+            Feature.HYBRID_SHARD: (
+                "fairscale 0.4.13 FSDP shards over one process group and reduces over it; it "
+                "has no hybrid strategy (no replicate group to all-reduce across)"
+            ),
+            Feature.CHECKPOINT_RESUME: (
+                "not mapped: fairscale 0.4.13's own route (full state_dict, "
+                "gather_full_optim_state_dict on rank 0, get_shard_from_optim_state_dict at "
+                "load) did not resume Adam exactly (the 2nd step after the load diverged; at "
+                "1 -> 2 ranks AttributeError '_full_param_padded'); whether fairscale or the "
+                "mapping is at fault is not settled"
+            ),
+            Feature.META_INIT: (
+                "fairscale 0.4.13's FullyShardedDataParallel has no meta-device path (no "
+                "param_init_fn; it flattens and shards the parameters it is given)"
+            ),
         }
-        unsupported[Feature.USE_ORIG_PARAMS] = "fairscale 0.4.13 has no use_orig_params flag"
-        unsupported[Feature.IGNORED_PARAMS] = (
-            "fairscale 0.4.13 FSDP has no ignored modules or parameters (its constructor takes "
-            "none): every parameter of the wrapped module is sharded"
-        )
-        unsupported[Feature.FORWARD_METHOD] = (
-            "fairscale 0.4.13 FSDP has no way to run a method other than forward with the "
-            "instance's parameters gathered (its hooks run in forward only)"
-        )
-        unsupported[Feature.HYBRID_SHARD] = (
-            "fairscale 0.4.13 FSDP shards over one process group and reduces over it; it has no "
-            "hybrid strategy (no replicate group to all-reduce across)"
-        )
         if self.flatten_parameters:
             unsupported[Feature.PARAM_GROUPS] = (
                 "fairscale 0.4.13 flattens an instance's parameters into one, so an optimizer "
@@ -381,18 +352,7 @@ class FairscaleAdapter(EngineHooks, Adapter):
                 "fairscale 0.4.13 flattens an instance's parameters into one and asserts 'expects "
                 "all parameters to have same requires_grad' (measured)"
             )
-        unsupported[Feature.CHECKPOINT_RESUME] = (
-            "not mapped: fairscale 0.4.13's own route (full state_dict, "
-            "gather_full_optim_state_dict on rank 0, get_shard_from_optim_state_dict at load) was "
-            "tried in this session and did not resume Adam exactly (the 2nd step after the load "
-            "diverged; at 1 -> 2 ranks AttributeError '_full_param_padded'); whether fairscale or "
-            "the mapping is at fault is not settled"
-        )
-        unsupported[Feature.META_INIT] = (
-            "fairscale 0.4.13's FullyShardedDataParallel has no meta-device path (no "
-            "param_init_fn; it flattens and shards the parameters it is given; read in its source)"
-        )
-        if not _cuda_hosted():
+        if not torch.cuda.is_available():
             unsupported[Feature.CLIP_GRAD_NORM] = (
                 "fairscale 0.4.13 FSDP.clip_grad_norm_ is CUDA-only: on a CPU-only host it fails "
                 "with 'Torch not compiled with CUDA enabled' (measured)"
@@ -408,11 +368,9 @@ class FairscaleAdapter(EngineHooks, Adapter):
             )
         return unsupported
 
-    # ------------------------------------------------------------------ full state dict
     def state_dict(
         self, model: nn.Module, *, rank0_only: bool = False, offload_to_cpu: bool = False
     ) -> dict[str, Any]:
-        """fairscale's ``state_dict()``: full, on every rank, by default."""
         if rank0_only or offload_to_cpu:
             raise UnsupportedFeatureError(
                 self.name,
@@ -435,20 +393,23 @@ class FairscaleAdapter(EngineHooks, Adapter):
         model.load_state_dict(state_dict)
 
     def wrap(self, module: nn.Module, *, process_group: Any = None, **config: Any) -> nn.Module:
-        _skip_without_fairscale()
+        missing = _import_error()
+        if missing is not None:
+            import pytest
+
+            pytest.skip(f"adapter 'fairscale': {missing}")
         return super().wrap(module, process_group=process_group, **config)
 
-    # ------------------------------------------------------------------ wrapping
     def _wrap(self, module: nn.Module, process_group: Any, config: dict[str, Any]) -> nn.Module:
         from fairscale.internal.parallel import ProcessGroupName
         from fairscale.nn.data_parallel import FullyShardedDataParallel
 
+        from fsdp_conformance.impl.device import CPUDeviceHandle
+
         from . import _fairscale_device
 
         _fairscale_device.check_internals()
-        group = process_group
-        if group is None:
-            group = torch.distributed.group.WORLD  # the default group (public name)
+        group = process_group if process_group is not None else torch.distributed.group.WORLD
         kwargs: dict[str, Any] = {
             "process_group": group,
             "process_group_reduce_scatter": ProcessGroupName.default,
@@ -456,7 +417,6 @@ class FairscaleAdapter(EngineHooks, Adapter):
             "compute_device": _compute_device(config.get("device_id")),
         }
         if torch.distributed.get_backend(group) != "nccl":
-            # gloo (and the harness's threaded group) reject the bucketer's 2-D flush input
             kwargs["bucket_cap_mb"] = 0
         if "sharding_strategy" in config:
             kwargs["reshard_after_forward"] = config["sharding_strategy"] == "FULL_SHARD"
@@ -491,7 +451,7 @@ class FairscaleAdapter(EngineHooks, Adapter):
                 _replace(module, name, FullyShardedDataParallel(submodule, **kwargs))
         wrapped = FullyShardedDataParallel(module, **kwargs)
         # one handle for the whole tree: the root shares its streams with every inner instance
-        handle = _CudaHandle() if _cuda_hosted() else _cpu_handle()
+        handle = _CudaHandle() if torch.cuda.is_available() else CPUDeviceHandle()
         for instance in self.instances(wrapped):
             self._route(instance, handle)
             if self.sync_after_free and config.get("limit_all_gathers"):
@@ -518,7 +478,6 @@ class FairscaleAdapter(EngineHooks, Adapter):
             module for module in model.modules() if isinstance(module, FullyShardedDataParallel)
         ]
 
-    # ------------------------------------------------------------------ precision
     def grad_scaler(self, model: nn.Module, **options: Any) -> Any:
         """fairscale's own ``ShardedGradScaler`` over the root's process group (CUDA hosts)."""
         require(self, Feature.GRAD_SCALER)
@@ -526,7 +485,6 @@ class FairscaleAdapter(EngineHooks, Adapter):
 
         return ShardedGradScaler(process_group=model.process_group, **options)
 
-    # ------------------------------------------------------------------ states
     def training_state(self, instance: nn.Module) -> InstanceState:
         return InstanceState[instance.training_state.name]
 
@@ -560,12 +518,10 @@ class FairscaleAdapter(EngineHooks, Adapter):
                 allowed.append(TrainingState[state.value])
         instance.assert_state(allowed)
 
-    # ------------------------------------------------------------------ full parameters
     def _summon_full_params(self, model: nn.Module, writeback: bool):
         # volatile=True: changes inside need not persist (fairscale frees the gathered copy)
         return model.summon_full_params(recurse=True, volatile=not writeback)
 
-    # ------------------------------------------------------------------ observation
     def _observe(self, callback, instances):
         return _REGISTRY.observing(callback, instances)
 
@@ -576,21 +532,11 @@ class FairscaleAdapter(EngineHooks, Adapter):
             self._route(instance, handle)
 
 
-def _skip_without_fairscale() -> None:
-    missing = _import_error()
-    if missing is not None:
-        import pytest
-
-        pytest.skip(f"adapter 'fairscale': {missing}")
-
-
 def _compute_device(device_id: Any) -> torch.device:
+    if device_id is None and not torch.cuda.is_available():
+        return torch.device("cpu")
     if device_id is None:
-        return (
-            torch.device("cuda", torch.cuda.current_device())
-            if _cuda_hosted()
-            else (torch.device("cpu"))
-        )
+        return torch.device("cuda", torch.cuda.current_device())
     if isinstance(device_id, int):
         return torch.device("cuda", device_id)
     return device_id
@@ -602,14 +548,8 @@ def _replace(root: nn.Module, name: str, replacement: nn.Module) -> None:
     setattr(parent, child, replacement)
 
 
-def _cpu_handle() -> Any:
-    from fsdp_conformance.impl.device import CPUDeviceHandle
-
-    return CPUDeviceHandle()
-
-
 class _CudaHandle:
-    """The real CUDA API as a device handle (on a CUDA host, until another is installed)."""
+    """The real CUDA API as a device handle."""
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch.cuda, name)
@@ -618,15 +558,13 @@ class _CudaHandle:
         torch.Tensor.record_stream(tensor, stream)
 
 
-# ---------------------------------------------------------------------------- observation hooks
 def _observer_wrappers(instance: nn.Module) -> dict[str, Callable]:
     """Wrappers of the routed methods that report all-gathers, frees and reductions."""
     from . import _fairscale_device
 
     def rebuild(method: Callable) -> Callable:
         def _rebuild_full_params(force_full_precision: bool = False):
-            # forward and backward unshards (summon_full_params gathers a separate full-precision
-            # copy and frees it itself: neither is reported)
+            # summon_full_params gathers (and frees) a separate copy: not reported
             gathers = (
                 not force_full_precision
                 and not instance.has_full_params
@@ -640,8 +578,7 @@ def _observer_wrappers(instance: nn.Module) -> dict[str, Callable]:
 
     def free(method: Callable) -> Callable:
         def _free_full_params(params=None):
-            # once per reshard: the first free after an unshard (unflattened parameters are
-            # freed one call per parameter in backward)
+            # once per reshard (unflattened parameters are freed one call each in backward)
             frees = instance.has_full_params and any(
                 getattr(p, "_is_sharded", False)
                 and p._full_param_padded.untyped_storage().size() > 0

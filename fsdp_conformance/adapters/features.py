@@ -311,6 +311,16 @@ def module_predicate(policy: Any) -> Callable[[nn.Module], bool]:
     return policy
 
 
+def fsdp1_style_policy(policy: Any) -> Callable[[nn.Module, bool, int], bool]:
+    """`auto_wrap_policy` as torch FSDP1's ``(module, recurse, nonwrapped_numel)`` form."""
+    predicate = module_predicate(policy)
+
+    def fsdp1_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
+        return True if recurse else bool(predicate(module))
+
+    return fsdp1_policy
+
+
 def auto_wrap_targets(
     module: nn.Module, policy: Any, *, wrapped: tuple[type, ...] = ()
 ) -> list[tuple[str, nn.Module]]:
