@@ -70,7 +70,7 @@ class Deviation:
                 f"Deviation(check={self.check!r}): applies={self.applies!r} must be None or a "
                 "callable(case) -> bool"
             )
-        types = self.raises if isinstance(self.raises, tuple) else (self.raises,)
+        types = self._types
         if not types or not all(
             isinstance(t, type) and issubclass(t, BaseException) for t in types
         ):
@@ -87,6 +87,10 @@ class Deviation:
                     f"expression ({error})"
                 ) from None
 
+    @property
+    def _types(self) -> tuple[type[BaseException], ...]:
+        return self.raises if isinstance(self.raises, tuple) else (self.raises,)
+
     def matches(self, check: str, case: Any = None) -> bool:
         """Whether this deviation covers ``check`` for ``case``."""
         return self.check == check and (self.applies is None or bool(self.applies(case)))
@@ -95,7 +99,7 @@ class Deviation:
         """Whether ``error`` is the failure this deviation declares (type and message); an
         assertion raised *from* another error is that error's failure, so its cause must be
         covered too."""
-        types = self.raises if isinstance(self.raises, tuple) else (self.raises,)
+        types = self._types
         if not self._is_type(error, types):
             return False
         cause = error.__cause__
@@ -118,8 +122,7 @@ class Deviation:
 
     def covers_text(self) -> str:
         """What it covers, in words."""
-        types = self.raises if isinstance(self.raises, tuple) else (self.raises,)
-        names = " or ".join(t.__name__ for t in types)
+        names = " or ".join(t.__name__ for t in self._types)
         return names + (f" matching {self.match!r}" if self.match else "")
 
 

@@ -16,6 +16,7 @@ with the install line. docs/fairscale.md has the mapping and the measured facts 
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -55,9 +56,13 @@ def _import_error() -> str | None:
 
 # Reproductions: fs = get_adapter("fairscale"), x = torch.ones(2, 8), 2 CPU ranks, gloo; they run
 # in examples/fairscale_deviations.py
-_MEASURED_ON = "fairscale 0.4.13, torch 2.13.0 (also 2.8.0, 2.15.0)"
+# measured on torch 2.13.0, the first also on the compatibility matrix's other releases
+_on_matrix = functools.partial(
+    Deviation, measured_on="fairscale 0.4.13, torch 2.13.0 (also 2.8.0, 2.15.0)"
+)
+_on_2_13 = functools.partial(Deviation, measured_on="fairscale 0.4.13, torch 2.13.0")
 FAIRSCALE_DEVIATIONS: tuple[Deviation, ...] = (
-    Deviation(
+    _on_matrix(
         "memory_bound",
         "fairscale 0.4.13 has no all-gather rate limiter (limit_all_gathers=True adds nothing; "
         "the synchronize after free of fairscale PR 972 was never merged): the CPU never waits "
@@ -70,9 +75,8 @@ FAIRSCALE_DEVIATIONS: tuple[Deviation, ...] = (
         "{'limit_all_gathers': True}, 'strict').peak_table() (docs/fairscale.md)",
         applies=lambda case: case.limit_all_gathers,
         match=r"^memory bound exceeded: ",
-        measured_on=_MEASURED_ON,
     ),
-    Deviation(
+    _on_matrix(
         "parity.bf16",
         "fairscale 0.4.13 casts only the root's float32 inputs, and always with .half() "
         "(cast_floats_to_right_precision), whatever compute_dtype is: a bf16 run multiplies "
@@ -83,9 +87,8 @@ FAIRSCALE_DEVIATIONS: tuple[Deviation, ...] = (
         "(docs/fairscale.md)",
         raises=RuntimeError,
         match=r"mat1 and mat2 must have the same dtype",
-        measured_on=_MEASURED_ON,
     ),
-    Deviation(
+    _on_2_13(
         "precision.dtypes",
         "fairscale 0.4.13 casts the root's float32 inputs with .half() whatever compute_dtype "
         "is (the parity.bf16 deviation): a bfloat16 policy fails in the first Linear with "
@@ -94,9 +97,8 @@ FAIRSCALE_DEVIATIONS: tuple[Deviation, ...] = (
         lambda case: case is not None and "bf16" in case.variant,
         raises=RuntimeError,
         match=r"mat1 and mat2 must have the same dtype",
-        measured_on="fairscale 0.4.13, torch 2.13.0",
     ),
-    Deviation(
+    _on_matrix(
         "wrap.configs_isolated",
         "the parity.bf16 deviation met by the bf16 model of the two: fairscale 0.4.13 casts "
         "the root's inputs with .half() whatever compute_dtype is ('mat1 and mat2 must have "
@@ -104,9 +106,8 @@ FAIRSCALE_DEVIATIONS: tuple[Deviation, ...] = (
         applies=lambda case: case == "mixed_precision",
         raises=RuntimeError,
         match=r"mat1 and mat2 must have the same dtype",
-        measured_on=_MEASURED_ON,
     ),
-    Deviation(
+    _on_matrix(
         "exec_order.divergent",
         "fairscale 0.4.13 does not compare the execution order across ranks: same-shaped "
         "instances run in different orders silently all-gather each other's shards; "
@@ -114,26 +115,23 @@ FAIRSCALE_DEVIATIONS: tuple[Deviation, ...] = (
         "b(a(x)).sum().backward(), rank 1 a(b(x)).sum().backward(): no error "
         "(docs/fairscale.md)",
         match=r"no exception was raised",
-        measured_on=_MEASURED_ON,
     ),
-    Deviation(
+    _on_matrix(
         "misuse.wrap_twice",
         "fairscale 0.4.13 wraps a module that another instance already wraps without an "
         "error; reproduce: lin = nn.Linear(8, 8); fs.wrap(lin); fs.wrap(lin) "
         "(docs/fairscale.md)",
         match=r"no exception was raised",
-        measured_on=_MEASURED_ON,
     ),
-    Deviation(
+    _on_matrix(
         "misuse.forward_inside_summon",
         "fairscale 0.4.13 refuses a forward inside summon_full_params only with a bare assert "
         "in _rebuild_full_params (an AssertionError with an empty message, removed by python "
         "-O); reproduce: m = fs.wrap(nn.Sequential(fs.wrap(nn.Linear(8, 8)), nn.Linear(8, 8)));"
         " m(x).sum().backward(); with fs.summon_full_params(m): m(x) (docs/fairscale.md)",
         match=r"does not name the problem .*got AssertionError: $",
-        measured_on=_MEASURED_ON,
     ),
-    Deviation(
+    _on_2_13(
         "loops.activation_checkpointing",
         "fairscale 0.4.13 FSDP fails when non-reentrant checkpoint runs around an FSDP instance "
         "(the recompute re-enters its forward during its backward): ValueError 'expected to be "
@@ -144,9 +142,8 @@ FAIRSCALE_DEVIATIONS: tuple[Deviation, ...] = (
         applies=lambda case: case.variant == "outside",
         raises=ValueError,
         match="expected to be in states",
-        measured_on="fairscale 0.4.13, torch 2.13.0",
     ),
-    Deviation(
+    _on_2_13(
         "loops.forward_variants",
         "fairscale 0.4.13 FSDP fails at the end of a backward in which a wrapped instance "
         "took no part (a branch skipped on every rank): ValueError 'expected to be in states "
@@ -155,9 +152,8 @@ FAIRSCALE_DEVIATIONS: tuple[Deviation, ...] = (
         applies=lambda case: case.variant == "unused_branch",
         raises=ValueError,
         match="expected to be in states",
-        measured_on="fairscale 0.4.13, torch 2.13.0",
     ),
-    Deviation(
+    _on_2_13(
         "fuzz.generated",
         "fairscale 0.4.13 FSDP fails when non-reentrant checkpoint runs around an FSDP instance: "
         "ValueError 'expected to be in states [BACKWARD_PRE, BACKWARD_POST] but current state is "
@@ -170,9 +166,8 @@ FAIRSCALE_DEVIATIONS: tuple[Deviation, ...] = (
         raises=ValueError,
         # whichever hook runs next finds FORWARD
         match=r"expected to be in states \[[^\]]*\] but current state is TrainingState\.FORWARD",
-        measured_on="fairscale 0.4.13, torch 2.13.0",
     ),
-    Deviation(
+    _on_2_13(
         "fuzz.generated",
         "fairscale 0.4.13 FSDP registers its pre-backward hooks only on tensors inside "
         "tensors, lists, tuples, namedtuples, dicts and sets (fairscale.internal.containers."
@@ -194,9 +189,8 @@ FAIRSCALE_DEVIATIONS: tuple[Deviation, ...] = (
         r"|out of bounds for storage of size 0"
         r"|illegal training states? seen by TrainingStateRecorder.*instance state BACKWARD_POST; "
         r"allowed: IDLE",
-        measured_on="fairscale 0.4.13, torch 2.13.0",
     ),
-    Deviation(
+    _on_2_13(
         "fuzz.generated",
         "fairscale 0.4.13 FSDP fails at the end of a backward in which none of an instance's "
         "parameters got a gradient although its forward ran (the loops.forward_variants "
@@ -211,9 +205,8 @@ FAIRSCALE_DEVIATIONS: tuple[Deviation, ...] = (
         # which hook finds the stale state depends on the nesting
         match=r"expected to be in states \[[^\]]*\] but current state is "
         r"TrainingState\.(BACKWARD_PRE|IDLE)",
-        measured_on="fairscale 0.4.13, torch 2.13.0",
     ),
-    Deviation(
+    _on_2_13(
         "fuzz.generated",
         "fairscale 0.4.13 FSDP accumulates wrongly over several synchronised backwards when an "
         "instance's flat parameter has one element (fewer than the ranks): its gradient shard "
@@ -225,9 +218,8 @@ FAIRSCALE_DEVIATIONS: tuple[Deviation, ...] = (
         applies=lambda case: case is not None and "accumulate:synced" in case.uses(),
         raises=AssertionError,
         match=r"FSDP .* != DDP |differs from DDP's",
-        measured_on="fairscale 0.4.13, torch 2.13.0",
     ),
-    Deviation(
+    _on_2_13(
         "fuzz.generated",
         "the parity.bf16 deviation met by a generated bfloat16 policy: fairscale 0.4.13 casts "
         "the root's float32 inputs with .half() whatever compute_dtype is, so the first Linear "
@@ -239,9 +231,8 @@ FAIRSCALE_DEVIATIONS: tuple[Deviation, ...] = (
         applies=lambda case: case is not None and "precision:bf16" in case.uses(),
         raises=RuntimeError,
         match=r"(mat1 and mat2 must|m1 and m2 to) have the same dtype",
-        measured_on="fairscale 0.4.13, torch 2.13.0",
     ),
-    Deviation(
+    _on_2_13(
         "forward.other_method",
         "fairscale 0.4.13 FSDP leaves a nested instance in BACKWARD_POST when its forward is "
         "called alone (not through the root) after the root's first forward: the states are "
@@ -250,9 +241,8 @@ FAIRSCALE_DEVIATIONS: tuple[Deviation, ...] = (
         "BACKWARD_POST (tests/adapters/test_fairscale.py)",
         lambda case: case.variant == "nested_alone",
         match=r"instance 'head' at after optimizer.step: instance state BACKWARD_POST",
-        measured_on="fairscale 0.4.13, torch 2.13.0",
     ),
-    Deviation(
+    _on_2_13(
         "wrap.shared_across_instances",
         "fairscale 0.4.13 FSDP accepts a parameter tied across two instances wrapped apart and "
         "silently unties it: each instance flattens its own copy, trained with its own module's "
@@ -261,7 +251,6 @@ FAIRSCALE_DEVIATIONS: tuple[Deviation, ...] = (
         "step: full parameters embed.weight and head.weight differ "
         "(tests/adapters/test_fairscale.py)",
         match=r"the wrap was accepted, so training must match DDP: losses differ from DDP's",
-        measured_on="fairscale 0.4.13, torch 2.13.0",
     ),
 )
 

@@ -108,6 +108,9 @@ CONFIG_KEYS = (
 )
 
 
+_BOOL_KEYS = ("forward_prefetch", "limit_all_gathers", "sync_module_states", "use_orig_params")
+
+
 @dataclass(frozen=True)
 class MixedPrecisionConfig:
     """Mixed precision in the adapter vocabulary (None: keep the parameter dtype)."""
@@ -165,12 +168,7 @@ def normalize_config(config: dict[str, Any]) -> dict[str, Any]:
             out[key] = _enum_name(key, value, SHARDING_STRATEGIES + HYBRID_STRATEGIES)
         elif key == "backward_prefetch":
             out[key] = None if value is None else _enum_name(key, value, BACKWARD_PREFETCHES)
-        elif key in (
-            "forward_prefetch",
-            "limit_all_gathers",
-            "sync_module_states",
-            "use_orig_params",
-        ):
+        elif key in _BOOL_KEYS:
             out[key] = bool(value)
         elif key == "cpu_offload":
             out[key] = bool(getattr(value, "offload_params", value))

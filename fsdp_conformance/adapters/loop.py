@@ -196,62 +196,30 @@ def overrides(adapter: Any, name: str) -> bool:
     )
 
 
-def optimizer(adapter: Any, model: nn.Module, name: str = "sgd", **options: Any) -> Any:
-    return _hook(adapter, "optimizer")(model, name, **options)
+def _calling(name: str) -> Callable[..., Any]:
+    def call(adapter: Any, *args: Any, **kwargs: Any) -> Any:
+        return _hook(adapter, name)(*args, **kwargs)
+
+    call.__name__ = call.__qualname__ = name
+    call.__doc__ = f"`EngineHooks.{name}` of `adapter`: ``{name}(adapter, *args, **kwargs)``."
+    return call
 
 
-def backward(adapter: Any, model: nn.Module, loss: torch.Tensor) -> None:
-    _hook(adapter, "backward")(model, loss)
-
-
-def accumulation_boundary(adapter: Any, model: nn.Module, boundary: bool) -> None:
-    _hook(adapter, "accumulation_boundary")(model, boundary)
-
-
-def no_sync(adapter: Any, model: nn.Module) -> contextlib.AbstractContextManager[None]:
-    return _hook(adapter, "no_sync")(model)
-
-
-def clip_grad_norm_(
-    adapter: Any, model: nn.Module, max_norm: float, norm_type: float = 2.0
-) -> torch.Tensor:
-    return _hook(adapter, "clip_grad_norm_")(model, max_norm, norm_type)
-
-
-def grad_scaler(adapter: Any, model: nn.Module, **options: Any) -> Any:
-    return _hook(adapter, "grad_scaler")(model, **options)
-
-
-def state_dict(adapter: Any, model: nn.Module, **options: bool) -> dict[str, Any]:
-    return _hook(adapter, "state_dict")(model, **options)
-
-
-def load_state_dict(adapter: Any, model: nn.Module, state: dict[str, Any], **options: bool) -> None:
-    _hook(adapter, "load_state_dict")(model, state, **options)
-
-
-def materialize(adapter: Any, model: nn.Module, *, device: torch.device) -> None:
-    _hook(adapter, "materialize")(model, device=device)
-
-
-def grad_shards(adapter: Any, model: nn.Module) -> dict[str, tuple[int, torch.Tensor]] | None:
-    return _hook(adapter, "grad_shards")(model)
-
-
-def register_forward_method(adapter: Any, instance: nn.Module, name: str) -> None:
-    _hook(adapter, "register_forward_method")(instance, name)
-
-
-def full_params(adapter: Any, model: nn.Module) -> dict[str, torch.Tensor]:
-    return _hook(adapter, "full_params")(model)
-
-
-def is_unsharded(adapter: Any, instance: nn.Module) -> bool | None:
-    return _hook(adapter, "is_unsharded")(instance)
-
-
-def on_test_end(adapter: Any) -> None:
-    _hook(adapter, "on_test_end")()
+# each: the adapter's own hook of that name, else the plain behaviour
+optimizer = _calling("optimizer")
+backward = _calling("backward")
+accumulation_boundary = _calling("accumulation_boundary")
+no_sync = _calling("no_sync")
+clip_grad_norm_ = _calling("clip_grad_norm_")
+grad_scaler = _calling("grad_scaler")
+state_dict = _calling("state_dict")
+load_state_dict = _calling("load_state_dict")
+materialize = _calling("materialize")
+grad_shards = _calling("grad_shards")
+register_forward_method = _calling("register_forward_method")
+full_params = _calling("full_params")
+is_unsharded = _calling("is_unsharded")
+on_test_end = _calling("on_test_end")
 
 
 def group_size(adapter: Any, instance: nn.Module) -> int:

@@ -7,6 +7,7 @@ accelerator device"; added when not given), and `cpu_offload` / `sync_module_sta
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any
 
@@ -123,10 +124,11 @@ def _prefetches_with_limit(case: Any) -> bool:
 
 
 # measured on CPU, gloo, world size 2 (docs/checks.md, docs/memory_bound.md)
-_MEASURED_ON = "torch 2.13.0 (also 2.8.0, 2.14.1)"
-_FUZZ_MEASURED_ON = "torch 2.13.0 (also 2.8.0, 2.14.1, 2.15.0)"
+_on_matrix = functools.partial(Deviation, measured_on="torch 2.13.0 (also 2.8.0, 2.14.1)")
+_on_2_13 = functools.partial(Deviation, measured_on="torch 2.13.0")
+_fuzz = functools.partial(Deviation, measured_on="torch 2.13.0 (also 2.8.0, 2.14.1, 2.15.0)")
 FSDP1_DEVIATIONS = (
-    Deviation(
+    _on_matrix(
         "memory_bound",
         "torch FSDP1 2.13.0 exceeds the two-instance bound from iteration 2 when handles are "
         "prefetched: the unshard of an already-prefetched handle is skipped without dequeuing a "
@@ -136,41 +138,36 @@ FSDP1_DEVIATIONS = (
         "the lagging device: peak 3 resident inner buffers (docs/memory_bound.md, 'torch FSDP1')",
         _prefetches_with_limit,
         match=r"^memory bound exceeded: ",
-        measured_on=_MEASURED_ON,
     ),
-    Deviation(
+    _on_matrix(
         "exec_order.divergent",
         "torch FSDP1 compares the forward order across ranks only under "
         "TORCH_DISTRIBUTED_DEBUG=DETAIL (_ExecOrderData); by default same-shaped instances "
         "silently exchange each other's all-gathers. Reproduction: root Linear with two wrapped "
         "Linear(8, 8) branches, rank 1 runs them in the other order: no error",
         match=r"no exception was raised",
-        measured_on=_MEASURED_ON,
     ),
-    Deviation(
+    _on_matrix(
         "misuse.wrap_twice",
         "torch FSDP1 wraps a module that another instance already wraps, without an error. "
         "Reproduction: lin = nn.Linear(8, 8); FSDP(lin); FSDP(lin) -> no error",
         match=r"no exception was raised",
-        measured_on=_MEASURED_ON,
     ),
-    Deviation(
+    _on_matrix(
         "misuse.mixed_devices",
         "torch FSDP1 wraps a module with cpu and meta parameters without an error. "
         "Reproduction: FSDP(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8, device='meta')), "
         "device_id=cpu) -> no error",
         match=r"no exception was raised",
-        measured_on=_MEASURED_ON,
     ),
-    Deviation(
+    _on_matrix(
         "misuse.forward_inside_summon",
         "torch FSDP1 fails with an internal AssertionError ('Expects tensor to be unsharded with "
         "size ... but got ...') that does not name summon_full_params. Reproduction: "
         "with FSDP.summon_full_params(model): model(x)",
         match=r"does not name the problem .*got AssertionError: Expects tensor to be unsharded",
-        measured_on=_MEASURED_ON,
     ),
-    Deviation(
+    _on_2_13(
         "precision.dtypes",
         "torch FSDP1 accumulates gradients across no_sync() micro-batches in param_dtype, not "
         "float32 (nor reduce_dtype): inside no_sync the unsharded gradient stays in param_dtype "
@@ -183,9 +180,8 @@ FSDP1_DEVIATIONS = (
         "FSDP2: 1.0x)",
         lambda case: case is not None and case.variant.startswith("no_sync"),
         match=r"gradients accumulate in a low precision",
-        measured_on="torch 2.13.0",
     ),
-    Deviation(
+    _on_2_13(
         "wrap.shared_across_instances",
         "torch FSDP1 accepts a parameter tied across two instances wrapped apart and silently "
         "unties it: each instance flattens its own copy of the shared parameter, and each copy "
@@ -195,9 +191,8 @@ FSDP1_DEVIATIONS = (
         "weight twice); after one SGD step embed's and head's weights differ under "
         "summon_full_params (tests/adapters/test_measured_torch_facts.py)",
         match=r"the wrap was accepted, so training must match DDP: losses differ from DDP's",
-        measured_on="torch 2.13.0",
     ),
-    Deviation(
+    _on_2_13(
         "forward.other_method",
         "torch FSDP1 leaves a nested instance in BACKWARD_POST when its forward is called alone "
         "(not through the root) after the root's lazy init: the end-of-backward callback that "
@@ -208,7 +203,6 @@ FSDP1_DEVIATIONS = (
         lambda case: case.variant == "nested_alone",
         raises=AssertionError,
         match=r"instance 'head' at after optimizer.step: instance state BACKWARD_POST",
-        measured_on="torch 2.13.0",
     ),
     Deviation(
         "state_dict.full",
@@ -226,7 +220,7 @@ FSDP1_DEVIATIONS = (
         match=r"setStorage: .* out of bounds for storage of size 0",
         measured_on="torch 2.13.0 (CPU build)",
     ),
-    Deviation(
+    _on_2_13(
         "state_dict.full",
         "torch FSDP1's load_state_dict(state_dict, assign=True) under FULL_STATE_DICT returns "
         "without an error but loads nothing: the model trains on from its old values. "
@@ -235,9 +229,8 @@ FSDP1_DEVIATIONS = (
         "summon_full_params shows other values (assign=False loads them)",
         lambda case: case is not None and getattr(case, "option", "") == "assign",
         match=r"losses differ from DDP's",
-        measured_on="torch 2.13.0",
     ),
-    Deviation(
+    _on_2_13(
         "state_dict.full",
         "torch FSDP1's optimizer state dict (FSDP.optim_state_dict, which DCP's get_state_dict "
         "calls) fails on a process group without global rank 0: _map_param_key_to_optim_keys "
@@ -252,9 +245,8 @@ FSDP1_DEVIATIONS = (
         ),
         raises=ValueError,
         match=r"Global rank 0 is not part of group",
-        measured_on="torch 2.13.0",
     ),
-    Deviation(
+    _fuzz(
         "fuzz.generated",
         "torch FSDP1 sets the gradient of a flat parameter to None when its instance ran forward "
         "but none of its parameters was used in that backward, even after "
@@ -266,9 +258,8 @@ FSDP1_DEVIATIONS = (
         lambda case: case is not None and "branch" in case.uses(),
         raises=AssertionError,
         match=r"FSDP .* != DDP |differs from DDP's",
-        measured_on=_FUZZ_MEASURED_ON,
     ),
-    Deviation(
+    _fuzz(
         "fuzz.generated",
         "torch FSDP1 fails in backward with 'expected to be in states [IDLE] but current state "
         "is FORWARD_BACKWARD' when a frozen inner instance (requires_grad=False) ran backward "
@@ -279,7 +270,6 @@ FSDP1_DEVIATIONS = (
         lambda case: case is not None and {"branch", "frozen"} <= case.uses(),
         raises=ValueError,
         match="expected to be in states",
-        measured_on=_FUZZ_MEASURED_ON,
     ),
     Deviation(
         "fuzz.generated",

@@ -10,6 +10,7 @@ lists (`_fsdp2_prefetch.py`); the device handle per model (`_fsdp2_device.py`); 
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -110,39 +111,35 @@ def _patch_torch_fsdp2() -> None:
 
 
 # measured on CPU, gloo, world size 2 (docs/checks.md)
-_MEASURED_ON = "torch 2.13.0 (also 2.14.1, 2.15.0)"
+_on_matrix = functools.partial(Deviation, measured_on="torch 2.13.0 (also 2.14.1, 2.15.0)")
 FSDP2_DEVIATIONS = (
-    Deviation(
+    _on_matrix(
         "exec_order.divergent",
         "torch FSDP2 does not compare the execution order across ranks; same-shaped instances "
         "silently exchange each other's all-gathers. Reproduction: fully_shard two Linear(8, 8) "
         "branches and the root, rank 1 runs the branches in the other order: no error",
         match=r"no exception was raised",
-        measured_on=_MEASURED_ON,
     ),
-    Deviation(
+    _on_matrix(
         "misuse.mixed_devices",
         "torch FSDP2 fully_shard accepts a module with cpu and meta parameters without an error. "
         "Reproduction: fully_shard(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8, "
         "device='meta'))) -> no error",
         match=r"no exception was raised",
-        measured_on=_MEASURED_ON,
     ),
-    Deviation(
+    _on_matrix(
         "misuse.forward_inside_summon",
         "torch FSDP2 has no summon_full_params; the torch-fsdp2 adapter emulates it with "
         "unshard()/reshard(), which do not refuse a forward. Reproduction: model.unshard(); "
         "model(x) -> no error",
         match=r"no exception was raised",
-        measured_on=_MEASURED_ON,
     ),
-    Deviation(
+    _on_matrix(
         "misuse.summon_during_forward",
         "torch FSDP2 has no summon_full_params; the torch-fsdp2 adapter emulates it with "
         "unshard()/reshard(), which may be called inside forward. Reproduction: a forward hook "
         "calling root.unshard(); root.reshard() -> no error",
         match=r"no exception was raised",
-        measured_on=_MEASURED_ON,
     ),
     Deviation(
         "loops.clipping",
