@@ -166,41 +166,36 @@ def _deviation(check: str, reason: str, applies: Any = None, **covers: Any) -> D
 DEEPSPEED_DEVIATIONS: tuple[Deviation, ...] = (
     _deviation(
         "forward.other_method",
-        "a wrapped submodule called alone (not through the engine's forward) trains differently "
-        "from DDP: in loops, step 1 runs head(h) alone, and from step 2 on the losses differ "
-        "(by 0.075 at FULL_SHARD, 0.038 at SHARD_GRAD_OP); whether DeepSpeed or the adapter's "
-        "mapping (the engine's backward and step after a forward the engine did not run) is at "
-        "fault is not settled. Reproduction: fsdp-conformance run --impl deepspeed -k "
-        "nested_alone (the forward.other_method cells)",
+        "a wrapped submodule called alone (not through the engine's forward) trains unlike DDP: in "
+        "loops, step 1 runs head(h) alone and from step 2 the losses differ (0.075 at FULL_SHARD, "
+        "0.038 at SHARD_GRAD_OP); DeepSpeed or the adapter's mapping is at fault (not settled). "
+        "Reproduction: fsdp-conformance run --impl deepspeed -k nested_alone",
         applies=lambda case: case.variant == "nested_alone",
         match=r"nested_alone: losses differ from DDP's",
     ),
     _deviation(
         "parity.default_state_dict",
-        "DeepSpeed ZeRO-3 registers 0-element placeholders: engine.state_dict() holds empty "
-        "tensors and load_state_dict of it reports 'All keys matched' and restores nothing; "
-        "the full state dict is DeepSpeed's own path (GatheredParameters, or "
-        "engine.save_checkpoint / load_checkpoint). Reproduction: e = ds.wrap(nn.Linear(8, 8), "
+        "ZeRO-3 registers 0-element placeholders: engine.state_dict() holds empty tensors, and "
+        "loading it reports 'All keys matched' and restores nothing (DeepSpeed's own path: "
+        "GatheredParameters or engine.save_checkpoint). Reproduction: e = ds.wrap(nn.Linear(8, 8), "
         "root=True); e.state_dict()['weight'].shape -> torch.Size([0])",
         match=r"the load restored nothing",
     ),
     _deviation(
         "memory_bound",
-        "ZeRO-2 (SHARD_GRAD_OP) does not shard parameters at all: every parameter stays whole "
-        "on every rank and nothing is gathered in forward (the check expects each instance "
-        "gathered once and kept); reproduction: e = ds.wrap(nn.Linear(8, 8), root=True, "
-        "sharding_strategy='SHARD_GRAD_OP'); e.module.weight.shape -> torch.Size([8, 8]) and "
-        "no all-gather in the comm trace",
+        "ZeRO-2 (SHARD_GRAD_OP) never shards parameters, so nothing is gathered in forward (the "
+        "check expects each instance gathered once and kept); reproduction: e = "
+        "ds.wrap(nn.Linear(8, 8), root=True, sharding_strategy='SHARD_GRAD_OP'); "
+        "e.module.weight.shape -> torch.Size([8, 8]), no all-gather in the comm trace",
         applies=lambda case: case.sharding_strategy == "SHARD_GRAD_OP",
         match=r"SHARD_GRAD_OP forward keeps too few buffers: .*peak 0 <",
     ),
     _deviation(
         "parity.ddp",
         "ZeRO-3 sums the two gradient contributions of a tied parameter (the transformer's "
-        "embedding, also its output projection) in another order than autograd under DDP: "
-        "after 3 steps the tied weight differs by 1.5e-08 and the third loss by 9.5e-07 (DDP "
-        "is bit-exact with every other model; world size 1 differs too); reproduction: "
-        "fsdp_conformance.suite.training.fsdp_run(ds, 'transformer', dist, "
+        "embedding and output projection) in another order than DDP: after 3 steps 1.5e-08 on the "
+        "weight, 9.5e-07 on the third loss (every other model bit-exact; world size 1 too); "
+        "reproduction: fsdp_conformance.suite.training.fsdp_run(ds, 'transformer', dist, "
         "{'sharding_strategy': 'FULL_SHARD'}) vs reference_run('transformer', dist), 2 ranks",
         applies=lambda case: (
             case.model == "transformer"
@@ -212,8 +207,7 @@ DEEPSPEED_DEVIATIONS: tuple[Deviation, ...] = (
     ),
     _deviation(
         "comm.counts",
-        "ZeRO-2 (SHARD_GRAD_OP) never shards parameters, so its forward gathers nothing (no "
-        "all-gather for any instance, where every parameter is gathered before use); "
+        "ZeRO-2 (SHARD_GRAD_OP) never shards parameters, so its forward gathers nothing; "
         "reproduction: fsdp_conformance.suite.comm_checks.trace_training(ds, 'nested', dist, "
         "{'sharding_strategy': 'SHARD_GRAD_OP'})[0].render()",
         applies=lambda case: case == "SHARD_GRAD_OP",
@@ -221,122 +215,111 @@ DEEPSPEED_DEVIATIONS: tuple[Deviation, ...] = (
     ),
     _deviation(
         "comm.prefetch_happens",
-        "DeepSpeed prefetches from the module trace it records in the first iteration: "
-        "iteration 1 backward prefetches nothing (the all-gather of module.1 comes after the "
-        "gradient reduction of module.2 in NestedWrappedModule); iterations 2 and 3 prefetch "
-        "as BACKWARD_PRE asks; reproduction: fsdp_conformance.suite.comm_checks."
-        "prefetch_failures(trace_training(ds, 'nested', dist, {'sharding_strategy': "
-        "'FULL_SHARD', 'backward_prefetch': 'BACKWARD_PRE'})[0], ...) lists iteration 1 only",
+        "DeepSpeed prefetches from the trace it records in the first iteration, so iteration 1's "
+        "backward prefetches nothing (module.1's all-gather after module.2's reduction in "
+        "NestedWrappedModule), later ones as BACKWARD_PRE asks; reproduction: "
+        "fsdp_conformance.suite.comm_checks.prefetch_failures(trace_training(ds, 'nested', dist, "
+        "{'sharding_strategy': 'FULL_SHARD', 'backward_prefetch': 'BACKWARD_PRE'})[0], ...) lists "
+        "iteration 1 only",
         applies=lambda config: config.get("backward_prefetch") == "BACKWARD_PRE",
         match=r"prefetch does not happen",
     ),
     _deviation(
         "parity.bf16",
-        "DeepSpeed's bf16 mode casts the parameters, never the inputs: a float32 input meets "
-        "bfloat16 weights and fails 'mat1 and mat2 must have the same dtype, but got Float and "
-        "BFloat16' (the caller must cast inputs itself); reproduction: "
-        "ds.wrap(nn.Linear(8, 8), root=True, mixed_precision={'param_dtype': torch.bfloat16})"
-        "(x)",
+        "DeepSpeed's bf16 mode casts the parameters, never the inputs: a float32 input fails 'mat1 "
+        "and mat2 must have the same dtype, but got Float and BFloat16'; reproduction: "
+        "ds.wrap(nn.Linear(8, 8), root=True, mixed_precision={'param_dtype': torch.bfloat16})(x)",
         raises=RuntimeError,
         match=r"same dtype",
     ),
     _deviation(
         "misuse.summon_during_forward",
-        "GatheredParameters entered in a forward hook, while ZeRO-3 has the module's "
-        "parameters in use, fails a bare assert whose message is only the parameter's repr "
-        "('Parameter containing: ...'), naming neither the forward nor the misuse; "
-        "reproduction: register_forward_hook(lambda *a: GatheredParameters(params).__enter__())"
-        " on an inner module, then e(x)",
+        "GatheredParameters entered in a forward hook, while ZeRO-3 uses the parameters, fails a "
+        "bare assert whose message is the parameter's repr ('Parameter containing: ...'); "
+        "reproduction: register_forward_hook(lambda *a: GatheredParameters(params).__enter__()) on "
+        "an inner module, then e(x)",
         match=r"does not name the problem .*got AssertionError: +Parameter containing",
     ),
     _deviation(
         "overlap",
-        "with prefetch DeepSpeed gathers the whole recorded prefetch window in one coalesced "
-        "all-gather before the first module computes, so no all-gather overlaps a module's "
-        "compute: measured 1.01x the serialised time (1 all-gather x 30 ms + 121 ms compute), "
-        "the check expects <= 0.8x; reproduction: fsdp_conformance.suite.overlap."
-        "measure_overlap(ds, dist, 30.0, 30.0)",
+        "with prefetch DeepSpeed gathers the whole recorded window in one all-gather before the "
+        "first module computes, so nothing overlaps: 1.01x the serialised time (1 all-gather x 30 "
+        "ms + 121 ms compute), the check expects <= 0.8x; reproduction: "
+        "fsdp_conformance.suite.overlap.measure_overlap(ds, dist, 30.0, 30.0)",
         match=r"no overlap of communication and computation",
     ),
     _deviation(
         "misuse.wrap_twice",
-        "deepspeed.initialize accepts a module an engine already owns and builds a second "
-        "engine over the same (already partitioned) parameters without an error; reproduction: "
-        "lin = nn.Linear(8, 8); ds.wrap(lin, root=True); ds.wrap(lin, root=True)",
+        "deepspeed.initialize builds a second engine over a module an engine already owns, without "
+        "an error; reproduction: lin = nn.Linear(8, 8); ds.wrap(lin, root=True); ds.wrap(lin, "
+        "root=True)",
         match=r"no exception was raised",
     ),
     _deviation(
         "exec_order.divergent",
-        "DeepSpeed does not compare the execution order across ranks: ranks running two "
-        "same-shaped modules in different orders all-gather each other's shards silently; "
-        "reproduction: rank 0 runs b(a(x)), rank 1 a(b(x)) under one ZeRO-3 engine: no error",
+        "DeepSpeed does not compare the execution order across ranks: same-shaped modules run in "
+        "different orders silently all-gather each other's shards; reproduction: rank 0 runs "
+        "b(a(x)), rank 1 a(b(x)) under one ZeRO-3 engine: no error",
         match=r"no exception was raised",
     ),
     _deviation(
         "loops.activation_checkpointing",
-        "the tied-embedding order of the parity.ddp deviation, under activation checkpointing: "
-        "ZeRO-3 sums the transformer's two gradient contributions to its tied embedding in "
-        "another order than autograd under DDP (1.49e-08 on embed_tokens.weight and 9.54e-07 on "
-        "a loss after 3 steps, checkpoint inside or outside the instances; ZeRO-2 is "
-        "bit-exact); "
+        "the parity.ddp deviation under activation checkpointing: ZeRO-3 sums the tied embedding's "
+        "two gradient contributions in another order than DDP (1.49e-08 on embed_tokens.weight, "
+        "9.54e-07 on a loss after 3 steps, checkpoint inside or outside; ZeRO-2 bit-exact); "
         "reproduction: the loops.activation_checkpointing cell transformer-FULL_SHARD-inside",
         applies=lambda case: case.model == "transformer" and case.sharding_strategy == "FULL_SHARD",
-        # the third loss (9.54e-07) or, depending on the reduction order, the weight first
         match=r"(losses differ|parameter 'embed_tokens.weight' differs) from DDP's .*"
         r"max \|difference\| [0-9.]+e-0[6-9]",
     ),
     _deviation(
         "loops.forward_variants",
-        "a parameter unused in one step (a branch skipped on every rank) is updated unlike "
-        "DDP's (which gives it a zero gradient): ZeRO-3 moves it even with plain SGD "
-        "(momentum 0: the skipped Linear's weight is off by 0.0098 after 3 steps at lr 0.1), "
-        "ZeRO-1/2 with momentum 0.9 (off by 0.0079, and the used parameters by 3e-4); "
-        "reproduction: m = a(x) + b(a(x)) with b skipped in step 1 of 3, engine.backward + "
-        "engine.step vs DDP(find_unused_parameters=True)",
+        "a parameter unused in one step (a branch skipped on every rank) is updated unlike DDP's "
+        "zero-gradient update: ZeRO-3 even with plain SGD (off by 0.0098 after 3 steps at lr 0.1), "
+        "ZeRO-1/2 with momentum 0.9 (0.0079, the used parameters 3e-4); reproduction: m = a(x) + "
+        "b(a(x)) with b skipped in step 1 of 3, engine.backward + engine.step vs "
+        "DDP(find_unused_parameters=True)",
         applies=lambda case: case.variant == "unused_branch",
         match=r"differs? from DDP's",
     ),
     _deviation(
         "memory.reshard_after_forward",
-        "ZeRO-3 releases a module's gathered parameters after its forward only in the first "
-        "iteration: once its parameter trace is complete (every later iteration) every module "
-        "keeps its full parameters (ds_status AVAILABLE, full data) from forward into backward, "
-        "stage3_max_reuse_distance=0 notwithstanding; reproduction: wrap 'nested' FULL_SHARD, "
-        "train one step, forward again -> every zoo_model parameter has ds_status AVAILABLE "
-        "and p.data.numel() > 0 (after the first forward: NOT_AVAILABLE, 0)",
+        "ZeRO-3 releases a module's parameters after its forward in the first iteration only: "
+        "later every module keeps them from forward into backward, stage3_max_reuse_distance=0 "
+        "notwithstanding; reproduction: wrap 'nested' FULL_SHARD, train one step, forward again -> "
+        "every zoo_model parameter has ds_status AVAILABLE and p.data.numel() > 0 (after the first "
+        "forward: NOT_AVAILABLE, 0)",
         match=r"still hold unsharded parameters",
     ),
     _deviation(
         "wrap.configs_isolated",
-        "the memory.reshard_after_forward deviation seen from the FULL_SHARD model of the two "
-        "(ZeRO-3 keeps every module's full parameters after forward from the second iteration "
-        "on); reproduction: see memory.reshard_after_forward",
+        "the memory.reshard_after_forward deviation met by the FULL_SHARD model of the two (ZeRO-3 "
+        "keeps full parameters after forward from iteration 2); reproduction: see "
+        "memory.reshard_after_forward",
         applies=lambda case: case == "sharding",
         match=r"FULL_SHARD reshards after forward, but",
     ),
     _deviation(
         "wrap.configs_isolated",
-        "the parity.bf16 deviation met by the bf16 model of the two: DeepSpeed's bf16 mode "
-        "casts the parameters, never the inputs ('mat1 and mat2 must have the same dtype, but "
-        "got Float and BFloat16'); reproduction: see parity.bf16",
+        "the parity.bf16 deviation met by the bf16 model of the two (inputs never cast: 'mat1 and "
+        "mat2 must have the same dtype, but got Float and BFloat16'); reproduction: see "
+        "parity.bf16",
         applies=lambda case: case == "mixed_precision",
         raises=RuntimeError,
         match=r"same dtype",
     ),
     _deviation(
         "fuzz.generated",
-        "the loops.forward_variants deviation met by a generated case: a branch unused in some "
-        "steps is updated unlike DDP's zero-gradient update (ZeRO-3 even without momentum); "
-        "reproduction: see loops.forward_variants (found by fsdp-conformance fuzz --impl "
-        "deepspeed --seed 0)",
+        "the loops.forward_variants deviation met by a generated case (a branch unused in some "
+        "steps is updated unlike DDP's); reproduction: see loops.forward_variants (found by "
+        "fsdp-conformance fuzz --impl deepspeed --seed 0)",
         applies=lambda case: case is not None and "branch" in case.uses(),
         match=r"FSDP .* != DDP |differs from DDP's",
     ),
     _deviation(
         "fuzz.generated",
-        "the parity.bf16 deviation met by a generated bfloat16 policy: DeepSpeed's bf16 mode "
-        "casts the parameters, never the inputs ('expected m1 and m2 to have the same dtype, "
-        "but got: float != c10::BFloat16' in a Linear without bias); reproduction: see "
+        "the parity.bf16 deviation met by a generated bfloat16 policy ('expected m1 and m2 to have "
+        "the same dtype, but got: float != c10::BFloat16' without a bias); reproduction: see "
         "parity.bf16 (found by fsdp-conformance fuzz --impl deepspeed --seed 0)",
         applies=lambda case: case is not None and "precision:bf16" in case.uses(),
         raises=RuntimeError,
@@ -344,9 +327,8 @@ DEEPSPEED_DEVIATIONS: tuple[Deviation, ...] = (
     ),
     _deviation(
         "misuse.forward_inside_summon",
-        "a forward inside deepspeed.zero.GatheredParameters runs (the gathered parameters are "
-        "simply used) and no error is raised; reproduction: with "
-        "deepspeed.zero.GatheredParameters(list(e.parameters())): e(x)",
+        "a forward inside deepspeed.zero.GatheredParameters runs without an error; reproduction: "
+        "with deepspeed.zero.GatheredParameters(list(e.parameters())): e(x)",
         match=r"no exception was raised",
     ),
 )
@@ -372,71 +354,63 @@ class DeepSpeedAdapter(EngineHooks, Adapter):
             return {feature: missing for feature in ALL_FEATURES}
         unsupported = {
             Feature.BACKWARD_PREFETCH_POST: (
-                "DeepSpeed prefetches when it fetches a module (before its compute, in forward "
-                "and backward alike, from the recorded trace): no post-backward prefetch"
+                "DeepSpeed prefetches when it fetches a module (before its compute, from the "
+                "recorded trace): no post-backward prefetch"
             ),
             Feature.SYNC_MODULE_STATES: (
                 "deepspeed.initialize broadcasts rank 0's parameters itself; there is no switch"
             ),
             Feature.ASSERT_STATE: "DeepSpeed keeps no training state to assert",
             Feature.LIMIT_ALL_GATHERS_OFF: (
-                "DeepSpeed's fetch back-pressure (max_ongoing_fetch_events) is always on where "
-                "the device has events; limit_all_gathers maps to stage3_max_live_parameters, "
-                "which bounds prefetch only, so the bound cannot be switched off"
+                "DeepSpeed's fetch back-pressure is always on where the device has events "
+                "(limit_all_gathers maps to stage3_max_live_parameters, a prefetch bound)"
             ),
             Feature.MIXED_PRECISION_BUFFER_DTYPE: "DeepSpeed's bf16 mode does not cast buffers",
             Feature.META_INIT: (
-                "DeepSpeed's deferred init is deepspeed.zero.Init (parameters partitioned as "
-                "they are built), not a meta-device model materialised after initialize; the "
-                "adapter refuses a module on the meta device"
+                "DeepSpeed's deferred init is deepspeed.zero.Init (partitioned as built), not a "
+                "meta-device model materialised after initialize"
             ),
             Feature.USE_ORIG_PARAMS: "a torch FSDP1 flag",
             Feature.HYBRID_SHARD: (
-                "no hybrid sharding: MiCS (mics_shard_size) is removed from DeepSpeed 0.19.8 "
-                "(its config refuses the key: 'MiCS ZeRO-3 sharding has been removed'); ZeRO++ hpZ "
-                "(zero_hpz_partition_size) keeps a secondary parameter copy per group for the "
-                "all-gather only, gradients and optimizer states stay sharded over the whole "
-                "data-parallel group (by its design; not measured here)"
+                "no hybrid sharding: MiCS is removed from DeepSpeed 0.19.8 ('MiCS ZeRO-3 "
+                "sharding has been removed'); ZeRO++ hpZ only adds a secondary parameter copy "
+                "per group for the all-gather (by its design; not measured here)"
             ),
             Feature.CHECKPOINT_RESUME: "not mapped by this adapter (engine.save_checkpoint)",
             Feature.GRADIENT_ACCUMULATION: (
                 "no backward without a gradient reduction: ZeRO-2/3 reduce-scatter every "
-                "micro-batch's gradients into their partitions (accumulation with a reduction "
-                "per micro-batch is mapped: accumulation_boundary)"
+                "micro-batch's gradients (accumulation with a reduction each: "
+                "accumulation_boundary)"
             ),
             Feature.IGNORED_PARAMS: (
                 "not mapped: ZeRO-3 partitions every parameter of the engine's module (a "
                 "parameter kept whole would need DeepSpeed's own persistence settings)"
             ),
             Feature.FORWARD_METHOD: (
-                "not mapped: ZeRO-3 gathers parameters in every submodule's forward hooks, so a "
-                "method calling submodules may work, but this adapter has not measured it"
+                "not mapped: ZeRO-3 gathers in every submodule's forward hooks, so a method "
+                "calling submodules may work (not measured)"
             ),
             Feature.PARAM_GROUPS: (
-                "not mapped: DeepSpeed takes the optimizer's parameter groups at "
-                "deepspeed.initialize, which this adapter calls at wrap time, before the check "
-                "builds its optimizer"
+                "not mapped: deepspeed.initialize, at wrap time, takes the parameter groups "
+                "before the check builds its optimizer"
             ),
             Feature.CLIP_GRAD_NORM: (
                 "not mapped: DeepSpeed clips inside engine.step() by the gradient_clipping set "
                 "at initialize, not on request"
             ),
             Feature.MIXED_PRECISION_POLICY: (
-                "not mapped: DeepSpeed's bf16 mode casts the parameters but never the inputs "
-                "(the declared parity.bf16 deviation), so a policy's cells would fail before a "
-                "dtype is observed; its reduce dtype would be the engine's "
-                "communication_data_type"
+                "not mapped: bf16 mode never casts the inputs (the parity.bf16 deviation), so a "
+                "policy's cells would fail first; its reduce dtype: communication_data_type"
             ),
             Feature.GRAD_SCALER: (
-                "DeepSpeed scales the loss inside the engine (fp16.loss_scale / dynamic loss "
-                "scaling in engine.backward and engine.step), with no scaler object a user pairs "
-                "with the model; the adapter maps bf16 only, which needs no loss scaling"
+                "DeepSpeed scales the loss inside the engine (fp16 loss scaling), with no "
+                "scaler object; the adapter maps bf16 only, which needs none"
             ),
         }
         if _cpu_host():
             unsupported[Feature.CPU_OFFLOAD] = (
-                "DeepSpeed's offload_param moves parameters to host memory: on a CPU-only host "
-                "they are there already (nothing to offload)"
+                "DeepSpeed's offload_param moves parameters to host memory, where a CPU-only "
+                "host has them already"
             )
         return unsupported
 
@@ -658,8 +632,8 @@ class DeepSpeedAdapter(EngineHooks, Adapter):
             raise UnsupportedFeatureError(
                 self.name,
                 Feature.DEVICE_HANDLE,
-                "the adapter routes DeepSpeed's CPU accelerator only (a CUDA host has real "
-                "streams and events)",
+                "the adapter routes DeepSpeed's CPU accelerator only (a CUDA host has real streams "
+                "and events)",
             )
         _install_accelerator_routing()
         _DEVICE["handle"] = handle
@@ -712,8 +686,8 @@ def _check_group(process_group: Any) -> None:
         raise UnsupportedFeatureError(
             "deepspeed",
             "process_group",
-            "DeepSpeed's data-parallel group is the world (or an mpu's); the adapter does not "
-            "map a subgroup of it (e.g. MixtureOfExperts' expert groups)",
+            "DeepSpeed's data-parallel group is the world (or an mpu's); the adapter does not map "
+            "a subgroup of it (e.g. MixtureOfExperts' expert groups)",
         )
 
 

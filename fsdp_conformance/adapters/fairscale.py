@@ -64,25 +64,23 @@ _on_2_13 = functools.partial(Deviation, measured_on="fairscale 0.4.13, torch 2.1
 FAIRSCALE_DEVIATIONS: tuple[Deviation, ...] = (
     _on_matrix(
         "memory_bound",
-        "fairscale 0.4.13 has no all-gather rate limiter (limit_all_gathers=True adds nothing; "
-        "the synchronize after free of fairscale PR 972 was never merged): the CPU never waits "
-        "for the device to finish with freed full parameters, so under a device that lags they "
-        "stay resident -- the high reserved memory that started the rate-limiter story "
-        "(fairscale PR 972, pytorch PR 83917). Measured (6 wrapped Linears, world size 2, CPU): "
-        "peak resident non-root buffers forward/backward 6/12, 18/24, 30/36 in iterations 1-3 "
-        "(strict lagging device) and 6/12 every iteration (drained), bound 2/2; reproduce: "
-        "fsdp_conformance.suite.memory_bound.measure_residency(fs, group, "
-        "{'limit_all_gathers': True}, 'strict').peak_table() (docs/fairscale.md)",
+        "fairscale 0.4.13 has no all-gather rate limiter (the synchronize after free of fairscale "
+        "PR 972 was never merged): the CPU never waits for the device to finish with freed full "
+        "parameters, so under a lagging device they stay resident (the high reserved memory of "
+        "fairscale PR 972, pytorch PR 83917). Peak resident non-root buffers forward/backward (6 "
+        "wrapped Linears): 6/12, 18/24, 30/36 in iterations 1-3 (strict lagging device), 6/12 "
+        "(drained), bound 2/2; reproduce: "
+        "fsdp_conformance.suite.memory_bound.measure_residency(fs, group, {'limit_all_gathers': "
+        "True}, 'strict').peak_table() (docs/fairscale.md)",
         applies=lambda case: case.limit_all_gathers,
         match=r"^memory bound exceeded: ",
     ),
     _on_matrix(
         "parity.bf16",
-        "fairscale 0.4.13 casts only the root's float32 inputs, and always with .half() "
-        "(cast_floats_to_right_precision), whatever compute_dtype is: a bf16 run multiplies "
-        "float16 activations by bfloat16 weights and fails 'mat1 and mat2 must have the same "
-        "dtype, but got Half and BFloat16'; inner instances cast nothing, so float32 "
-        "activations reaching one fail too ('Float and Half', 'Float and BFloat16'); reproduce: "
+        "fairscale 0.4.13 casts only the root's float32 inputs, always with .half() "
+        "(cast_floats_to_right_precision): a bf16 run fails 'mat1 and mat2 must have the same "
+        "dtype, but got Half and BFloat16'; inner instances cast nothing, so float32 activations "
+        "reaching one fail too ('Float and Half', 'Float and BFloat16'); reproduce: "
         "fs.wrap(nn.Linear(8, 8), mixed_precision={'param_dtype': torch.bfloat16})(x) "
         "(docs/fairscale.md)",
         raises=RuntimeError,
@@ -90,8 +88,7 @@ FAIRSCALE_DEVIATIONS: tuple[Deviation, ...] = (
     ),
     _on_2_13(
         "precision.dtypes",
-        "fairscale 0.4.13 casts the root's float32 inputs with .half() whatever compute_dtype "
-        "is (the parity.bf16 deviation): a bfloat16 policy fails in the first Linear with "
+        "the parity.bf16 deviation (the root's inputs cast with .half()): a bfloat16 policy fails "
         "'mat1 and mat2 must have the same dtype, but got Half and BFloat16'; reproduce: "
         "fs.wrap(nn.Linear(8, 8), mixed_precision={'param_dtype': torch.bfloat16})(x)",
         lambda case: case is not None and "bf16" in case.variant,
@@ -100,53 +97,51 @@ FAIRSCALE_DEVIATIONS: tuple[Deviation, ...] = (
     ),
     _on_matrix(
         "wrap.configs_isolated",
-        "the parity.bf16 deviation met by the bf16 model of the two: fairscale 0.4.13 casts "
-        "the root's inputs with .half() whatever compute_dtype is ('mat1 and mat2 must have "
-        "the same dtype, but got Half and BFloat16'); reproduction: see parity.bf16",
+        "the parity.bf16 deviation met by the bf16 model of the two (the root's inputs cast with "
+        ".half(): 'mat1 and mat2 must have the same dtype, but got Half and BFloat16'); "
+        "reproduction: see parity.bf16",
         applies=lambda case: case == "mixed_precision",
         raises=RuntimeError,
         match=r"mat1 and mat2 must have the same dtype",
     ),
     _on_matrix(
         "exec_order.divergent",
-        "fairscale 0.4.13 does not compare the execution order across ranks: same-shaped "
-        "instances run in different orders silently all-gather each other's shards; "
-        "reproduce: a, b = fs.wrap(nn.Linear(8, 8)), fs.wrap(nn.Linear(8, 8)); rank 0 runs "
-        "b(a(x)).sum().backward(), rank 1 a(b(x)).sum().backward(): no error "
-        "(docs/fairscale.md)",
+        "fairscale 0.4.13 does not compare the execution order across ranks: same-shaped instances "
+        "in different orders silently all-gather each other's shards; reproduce: a, b = "
+        "fs.wrap(nn.Linear(8, 8)), fs.wrap(nn.Linear(8, 8)); rank 0 runs b(a(x)).sum().backward(), "
+        "rank 1 a(b(x)).sum().backward(): no error",
         match=r"no exception was raised",
     ),
     _on_matrix(
         "misuse.wrap_twice",
-        "fairscale 0.4.13 wraps a module that another instance already wraps without an "
-        "error; reproduce: lin = nn.Linear(8, 8); fs.wrap(lin); fs.wrap(lin) "
-        "(docs/fairscale.md)",
+        "fairscale 0.4.13 wraps a module that another instance already wraps without an error; "
+        "reproduce: lin = nn.Linear(8, 8); fs.wrap(lin); fs.wrap(lin)",
         match=r"no exception was raised",
     ),
     _on_matrix(
         "misuse.forward_inside_summon",
-        "fairscale 0.4.13 refuses a forward inside summon_full_params only with a bare assert "
-        "in _rebuild_full_params (an AssertionError with an empty message, removed by python "
-        "-O); reproduce: m = fs.wrap(nn.Sequential(fs.wrap(nn.Linear(8, 8)), nn.Linear(8, 8)));"
-        " m(x).sum().backward(); with fs.summon_full_params(m): m(x) (docs/fairscale.md)",
+        "fairscale 0.4.13 refuses a forward inside summon_full_params only with a bare assert in "
+        "_rebuild_full_params (an AssertionError with an empty message, removed by python -O); "
+        "reproduce: m = fs.wrap(nn.Sequential(fs.wrap(nn.Linear(8, 8)), nn.Linear(8, 8))); "
+        "m(x).sum().backward(); with fs.summon_full_params(m): m(x)",
         match=r"does not name the problem .*got AssertionError: $",
     ),
     _on_2_13(
         "loops.activation_checkpointing",
         "fairscale 0.4.13 FSDP fails when non-reentrant checkpoint runs around an FSDP instance "
-        "(the recompute re-enters its forward during its backward): ValueError 'expected to be "
-        "in states [BACKWARD_PRE, BACKWARD_POST] but current state is TrainingState.FORWARD' "
+        "(the recompute re-enters its forward during its backward): ValueError 'expected to be in "
+        "states [BACKWARD_PRE, BACKWARD_POST] but current state is TrainingState.FORWARD' "
         "(checkpoint inside the instance passes). Reproduction: "
-        "torch.utils.checkpoint.checkpoint(fs.wrap(nn.Linear(8, 8)), x, use_reentrant=False)"
-        ".sum().backward() under a wrapped root",
+        "torch.utils.checkpoint.checkpoint(fs.wrap(nn.Linear(8, 8)), x, "
+        "use_reentrant=False).sum().backward() under a wrapped root",
         applies=lambda case: case.variant == "outside",
         raises=ValueError,
         match="expected to be in states",
     ),
     _on_2_13(
         "loops.forward_variants",
-        "fairscale 0.4.13 FSDP fails at the end of a backward in which a wrapped instance "
-        "took no part (a branch skipped on every rank): ValueError 'expected to be in states "
+        "fairscale 0.4.13 FSDP fails at the end of a backward in which a wrapped instance took no "
+        "part (a branch skipped on every rank): ValueError 'expected to be in states "
         "[BACKWARD_POST] but current state is TrainingState.IDLE' from _wait_for_post_backward. "
         "Reproduction: a root with a wrapped branch that forward does not call; one training step",
         applies=lambda case: case.variant == "unused_branch",
@@ -155,13 +150,12 @@ FAIRSCALE_DEVIATIONS: tuple[Deviation, ...] = (
     ),
     _on_2_13(
         "fuzz.generated",
-        "fairscale 0.4.13 FSDP fails when non-reentrant checkpoint runs around an FSDP instance: "
-        "ValueError 'expected to be in states [BACKWARD_PRE, BACKWARD_POST] but current state is "
-        "TrainingState.FORWARD' in its post-backward hook (or [BACKWARD_PRE, IDLE] in the next "
-        "pre-backward hook, for a frozen instance; the loops.activation_checkpointing "
-        "deviation). Reproduction: torch.utils.checkpoint.checkpoint(fs.wrap(nn.Linear(4, 4)), "
-        "x, use_reentrant=False) inside a wrapped root, one backward (found by fsdp-conformance "
-        "fuzz --impl fairscale --seed 0)",
+        "the loops.activation_checkpointing deviation met by a generated case: ValueError "
+        "'expected to be in states [BACKWARD_PRE, BACKWARD_POST] but current state is "
+        "TrainingState.FORWARD' (or [BACKWARD_PRE, IDLE] in the next pre-backward hook, for a "
+        "frozen instance). Reproduction: torch.utils.checkpoint.checkpoint(fs.wrap(nn.Linear(4, "
+        "4)), x, use_reentrant=False) inside a wrapped root, one backward (found by "
+        "fsdp-conformance fuzz --impl fairscale --seed 0)",
         applies=lambda case: case is not None and "checkpoint:wrapped" in case.uses(),
         raises=ValueError,
         # whichever hook runs next finds FORWARD
@@ -169,20 +163,17 @@ FAIRSCALE_DEVIATIONS: tuple[Deviation, ...] = (
     ),
     _on_2_13(
         "fuzz.generated",
-        "fairscale 0.4.13 FSDP registers its pre-backward hooks only on tensors inside "
-        "tensors, lists, tuples, namedtuples, dicts and sets (fairscale.internal.containers."
-        "apply_to_type): an instance whose forward returns its activation inside a dataclass gets "
-        "no pre-backward hook, and its post-backward hook then fails with ValueError 'expected "
-        "to be in states [BACKWARD_PRE, BACKWARD_POST] (or [BACKWARD_PRE]) but current state is "
+        "fairscale 0.4.13 FSDP registers pre-backward hooks only on tensors in tensors, lists, "
+        "tuples, namedtuples, dicts and sets (apply_to_type): an instance returning its activation "
+        "in a dataclass gets none, and its post-backward hook fails with ValueError 'expected to "
+        "be in states [BACKWARD_PRE, BACKWARD_POST] (or [BACKWARD_PRE]) but current state is "
         "TrainingState.IDLE', or backward reads its freed full parameters (RuntimeError 'The "
-        "tensor has a non-zero number of elements, but its data is not allocated yet' or "
-        "'... out of bounds for storage of size 0'); when "
-        "the root returns one, the end-of-backward callback never runs and inner instances stay "
-        "BACKWARD_POST after optimizer.step(). "
-        "Reproduction: a wrapped root whose forward returns Out(y=lin(x)) for a @dataclass Out; "
-        "out.y.sum().backward() (found by fsdp-conformance fuzz --impl fairscale --seed 0)",
+        "tensor has a non-zero number of elements, but its data is not allocated yet' or '... out "
+        "of bounds for storage of size 0'); a root returning one never runs its end-of-backward "
+        "callback (inner instances stay BACKWARD_POST). Reproduction: a wrapped root whose forward "
+        "returns Out(y=lin(x)) for a @dataclass Out; out.y.sum().backward() (found by "
+        "fsdp-conformance fuzz --impl fairscale --seed 0)",
         applies=lambda case: case is not None and "instance-output:dataclass" in case.uses(),
-        # AssertionError: the IllegalTrainingState of the recorder
         raises=(ValueError, RuntimeError, AssertionError),
         match=r"expected to be in states \[[^\]]*\] but current state is TrainingState\.IDLE"
         r"|non-zero number of elements, but its data is not allocated yet"
@@ -192,14 +183,12 @@ FAIRSCALE_DEVIATIONS: tuple[Deviation, ...] = (
     ),
     _on_2_13(
         "fuzz.generated",
-        "fairscale 0.4.13 FSDP fails at the end of a backward in which none of an instance's "
-        "parameters got a gradient although its forward ran (the loops.forward_variants "
-        "deviation, with the instance called): ValueError 'expected to be in states "
-        "[BACKWARD_POST] but current state is TrainingState.BACKWARD_PRE' from "
-        "_wait_for_post_backward (or '[BACKWARD_PRE] but current state is IDLE' when the "
-        "branch is an instance inside another). Reproduction: a wrapped root holding only a branch "
-        "h + lin(h) in step 0, h in step 1 (its head wrapped apart); step 1's backward raises "
-        "(found by fsdp-conformance fuzz --impl fairscale --seed 0)",
+        "the loops.forward_variants deviation with the instance called: a backward in which none "
+        "of its parameters got a gradient fails with ValueError 'expected to be in states "
+        "[BACKWARD_POST] but current state is TrainingState.BACKWARD_PRE' (or '[BACKWARD_PRE] but "
+        "current state is IDLE' for a nested branch). Reproduction: a wrapped root holding only a "
+        "branch h + lin(h) in step 0, h in step 1 (its head wrapped apart); step 1's backward "
+        "raises (found by fsdp-conformance fuzz --impl fairscale --seed 0)",
         applies=lambda case: case is not None and "branch" in case.uses(),
         raises=ValueError,
         # which hook finds the stale state depends on the nesting
@@ -208,12 +197,11 @@ FAIRSCALE_DEVIATIONS: tuple[Deviation, ...] = (
     ),
     _on_2_13(
         "fuzz.generated",
-        "fairscale 0.4.13 FSDP accumulates wrongly over several synchronised backwards when an "
-        "instance's flat parameter has one element (fewer than the ranks): its gradient shard "
-        "then has the full parameter's size, _prep_grads_for_backward takes it for a no_sync "
-        "(unsharded) gradient, and the next backward reduces it a second time. Reproduction: "
-        "(2 ranks) root = FSDP(Seq(Linear(1, 1, bias=False), FSDP(head))); two backwards, "
-        "one optimizer step: the Linear's weight is off DDP's by 0.02 (lr 0.01) (found by "
+        "fairscale 0.4.13 FSDP accumulates wrongly over synchronised backwards when a flat "
+        "parameter has fewer elements than ranks: _prep_grads_for_backward takes its full-size "
+        "gradient shard for a no_sync one and the next backward reduces it again. Reproduction: (2 "
+        "ranks) root = FSDP(Seq(Linear(1, 1, bias=False), FSDP(head))); two backwards, one "
+        "optimizer step: the Linear's weight is off DDP's by 0.02 (lr 0.01) (found by "
         "fsdp-conformance fuzz --impl fairscale --seed 0)",
         applies=lambda case: case is not None and "accumulate:synced" in case.uses(),
         raises=AssertionError,
@@ -221,35 +209,31 @@ FAIRSCALE_DEVIATIONS: tuple[Deviation, ...] = (
     ),
     _on_2_13(
         "fuzz.generated",
-        "the parity.bf16 deviation met by a generated bfloat16 policy: fairscale 0.4.13 casts "
-        "the root's float32 inputs with .half() whatever compute_dtype is, so the first Linear "
-        "multiplies float16 activations by bfloat16 weights ('expected m1 and m2 to have the "
-        "same dtype, but got: c10::Half != c10::BFloat16' without a bias, 'mat1 and mat2 must "
-        "have the same dtype' with one). Reproduction: fs.wrap(nn.Linear(4, 1, bias=False), "
-        "mixed_precision={'param_dtype': torch.bfloat16})(x) (found by fsdp-conformance fuzz "
-        "--impl fairscale --seed 0)",
+        "the parity.bf16 deviation met by a generated bfloat16 policy (the root's inputs cast with "
+        ".half(): 'expected m1 and m2 to have the same dtype, but got: c10::Half != c10::BFloat16' "
+        "without a bias, 'mat1 and mat2 must have the same dtype' with one). Reproduction: "
+        "fs.wrap(nn.Linear(4, 1, bias=False), mixed_precision={'param_dtype': torch.bfloat16})(x) "
+        "(found by fsdp-conformance fuzz --impl fairscale --seed 0)",
         applies=lambda case: case is not None and "precision:bf16" in case.uses(),
         raises=RuntimeError,
         match=r"(mat1 and mat2 must|m1 and m2 to) have the same dtype",
     ),
     _on_2_13(
         "forward.other_method",
-        "fairscale 0.4.13 FSDP leaves a nested instance in BACKWARD_POST when its forward is "
-        "called alone (not through the root) after the root's first forward: the states are "
-        "reset by the root's end-of-backward callback only. Reproduction: (2 ranks) loops "
-        "wrapped, root(x) and backward once, then head(h).sum().backward(): head's state is "
-        "BACKWARD_POST (tests/adapters/test_fairscale.py)",
+        "fairscale 0.4.13 FSDP leaves a nested instance called alone (after the root's first "
+        "forward) in BACKWARD_POST: only the root's end-of-backward callback resets states. "
+        "Reproduction: (2 ranks) loops wrapped, root(x) and backward once, then "
+        "head(h).sum().backward(): head's state is BACKWARD_POST "
+        "(tests/adapters/test_fairscale.py)",
         lambda case: case.variant == "nested_alone",
         match=r"instance 'head' at after optimizer.step: instance state BACKWARD_POST",
     ),
     _on_2_13(
         "wrap.shared_across_instances",
-        "fairscale 0.4.13 FSDP accepts a parameter tied across two instances wrapped apart and "
-        "silently unties it: each instance flattens its own copy, trained with its own module's "
-        "part of the gradient, so training diverges from DDP. Reproduction: (2 ranks) "
-        "tied_instances (head.weight = embed.weight, embed and head wrapped apart), one SGD "
-        "step: full parameters embed.weight and head.weight differ "
-        "(tests/adapters/test_fairscale.py)",
+        "fairscale 0.4.13 FSDP silently unties a parameter tied across two instances wrapped apart "
+        "(each flattens its own copy), so training diverges from DDP. Reproduction: (2 ranks) "
+        "tied_instances (head.weight = embed.weight, embed and head wrapped apart), one SGD step: "
+        "full parameters embed.weight and head.weight differ (tests/adapters/test_fairscale.py)",
         match=r"the wrap was accepted, so training must match DDP: losses differ from DDP's",
     ),
 )
@@ -365,8 +349,8 @@ class FairscaleAdapter(EngineHooks, Adapter):
                 self.name,
                 Feature.FULL_STATE_DICT,
                 "fairscale 0.4.13 fixes rank-0-only and the state dict's device per instance at "
-                "construction (state_dict_on_rank_0_only, state_dict_device), not per "
-                "state_dict() call; not mapped",
+                "construction (state_dict_on_rank_0_only, state_dict_device), not per state_dict() "
+                "call; not mapped",
             )
         return model.state_dict()
 

@@ -123,8 +123,8 @@ FSDP2_DEVIATIONS = (
     _on_matrix(
         "misuse.mixed_devices",
         "torch FSDP2 fully_shard accepts a module with cpu and meta parameters without an error. "
-        "Reproduction: fully_shard(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8, "
-        "device='meta'))) -> no error",
+        "Reproduction: fully_shard(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8, device='meta'))) "
+        "-> no error",
         match=r"no exception was raised",
     ),
     _on_matrix(
@@ -362,8 +362,9 @@ class TorchFSDP2Adapter(EngineHooks, Adapter):
             raise UnsupportedFeatureError(
                 self.name,
                 Feature.FULL_STATE_DICT,
-                "offload_to_cpu without rank0_only: torch FSDP2's get_model_state_dict("
-                "full_state_dict=True, cpu_offload=True) gives the other ranks an empty dict",
+                "offload_to_cpu without rank0_only: torch FSDP2's "
+                "get_model_state_dict(full_state_dict=True, cpu_offload=True) gives the other "
+                "ranks an empty dict",
             )
         options = StateDictOptions(full_state_dict=True, cpu_offload=rank0_only)
         return get_model_state_dict(model, options=options)
