@@ -7,9 +7,8 @@
     def test_matches_ddp(self, fsdp_adapter, dist, parity_case):
         ...  # wrap, train, assert
 
-records the check in ``fsdp_conformance.checks.CHECKS`` (its test: ``BaseClass.test_method``)
-and runs the body inside ``verdict.cell(fsdp_adapter, "parity.ddp", parity_case)``, which
-decides the cell's verdict. A check with several tests names only its id on the others.
+registers the check in ``fsdp_conformance.checks.CHECKS`` and runs the body inside
+``verdict.cell(fsdp_adapter, "parity.ddp", parity_case)``. A check's other tests name its id only.
 """
 
 from __future__ import annotations
@@ -35,12 +34,10 @@ def check(
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Declare the decorated test as (a test of) check `check_id`; its body runs as one cell.
 
-    Args:
-        check_id, description, features, strict, case: the ``checks.Check`` fields (given on
-            the check's first test only).
-        case_of: the case handed to ``Deviation.applies``: the name of the test's argument
-            that is the case, or a function whose parameters name test arguments (``self``
-            included) and which returns it; None: no case.
+    ``description``, ``features``, ``strict``, ``case``: the ``checks.Check`` fields (on the
+    check's first test only). ``case_of``: the case handed to ``Deviation.applies``: the name
+    of the test argument holding it, or a function whose parameters name test arguments
+    (``self`` included) returning it; None: no case.
     """
 
     def decorate(function: Callable[..., Any]) -> Callable[..., Any]:

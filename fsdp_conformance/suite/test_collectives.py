@@ -24,17 +24,9 @@ from .declare import check
 
 
 class BaseCollectiveCountTests:
-    """Collectives per phase, counted through the adapter's ``observe`` labels.
-
-    Bounds, not one call per instance ([Note: counts as bounds]): every instance gathered in
-    forward, none reduced there; SHARD_GRAD_OP: no backward all-gather; FULL_SHARD: backward
-    all-gathers of an instance at most its forward ones;
-    every instance reduced, at most once per forward all-gather; inside ``no_sync`` no
-    reduction. Counting observer events (one per unshard / reduction the implementation
-    reports, whatever the backend issues underneath: torch FSDP1 on gloo calls ``all_gather``
-    with a tensor list where NCCL runs ``_allgather_base``) makes the counts
-    backend-independent; every zoo instance here owns parameters.
-    """
+    """Collectives per phase as bounds ([Note: counts as bounds]), counted as the adapter's
+    observer events (one per unshard / reduction, whatever the backend issues underneath), so
+    the counts are backend-independent."""
 
     @check(
         "comm.counts",
@@ -66,10 +58,9 @@ class BaseCollectiveCountTests:
     @pytest.mark.world_size(2)
     @pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
     def test_no_reduction_inside_no_sync(self, fsdp_adapter: Any, dist: Any, strategy: str):
-        # What no_sync promises, not how many all-gathers it costs (an implementation may keep
-        # parameters unsharded through a no_sync backward, e.g. fairscale's root): no gradient
-        # reduction inside; the next iteration outside reduces once per instance; the
-        # accumulated gradients train exactly as DDP's no_sync does.
+        # what no_sync promises, not how many all-gathers it costs (fairscale's root keeps its
+        # parameters unsharded through it): no reduction inside, the next iteration reduces
+        # every instance, and the accumulated gradients train as DDP's no_sync does
         config = {"sharding_strategy": strategy}
         adapter_features.skip_unless(
             fsdp_adapter, *adapter_features.wrap_features(fsdp_adapter, **config)
@@ -86,8 +77,7 @@ class BaseCollectiveCountTests:
             fsdp_adapter, "nested", dist, config, compute=False, inside_no_sync=lambda i: i == 1
         )
         label = f"adapter {fsdp_adapter.name!r}, nested, {strategy}"
-        instances = len(fsdp_adapter.instances(root))
-        failures = no_sync_failures(trace, instances, no_sync_iterations=(1,))
+        failures = no_sync_failures(trace, no_sync_iterations=(1,))
         assert not failures, (
             f"no_sync broken ({label}):\n  " + "\n  ".join(failures) + "\ntrace:\n" + trace.render()
         )
@@ -100,21 +90,17 @@ class BaseCollectiveCountTests:
         )
 
 
-def no_sync_failures(
-    trace: CommTrace, instances: int, no_sync_iterations: tuple[int, ...]
-) -> list[str]:
-    """Phases that break no_sync's promise: a reduction inside it, or an instance not reduced
-    (or reduced more often than gathered) in a backward outside it ([Note: counts as bounds]).
-    All-gathers are not counted (implementation-specific)."""
+def no_sync_failures(trace: CommTrace, no_sync_iterations: tuple[int, ...]) -> list[str]:
+    """The gradient-reduction failures of ``count_failures`` (all-gathers are not counted)."""
     return [
         failure
-        for failure in comm_checks.count_failures(trace, "", instances, no_sync_iterations)
+        for failure in comm_checks.count_failures(trace, "", no_sync_iterations)
         if "gradient reductions" in failure
     ]
 
 
 def _ddp_no_sync_params(dist: Any, no_sync_iterations: tuple[int, ...]) -> dict[str, torch.Tensor]:
-    """``nested`` trained as ``trace_training`` does, under DDP (its own ``no_sync``)."""
+    """``nested`` trained as ``trace_training`` does, under DDP's own ``no_sync``."""
     model = zoo.build("nested", dist.group, None, dist.device)
     model.to(dist.device)
     ddp = nn.parallel.DistributedDataParallel(model, process_group=dist.group)

@@ -21,7 +21,6 @@ from .declare import check
 class BaseOverlapTests:
     """Prefetch overlaps communication with computation ([Note: overlap timing])."""
 
-    # measurements before failing (1 + retries)
     retries: ClassVar[int] = 1
 
     @check("overlap", "communication overlaps computation")
