@@ -1,25 +1,19 @@
-"""Communication checks on a per-phase ``CommTrace`` ([Note: comm trace]) of ``ITERATIONS``
-training iterations: prefetch happening, collective counts. Phases: ``iteration i forward``
-(forward and loss), ``iteration i backward`` (the optimizer step is outside every phase).
+"""Communication checks on a ``CommTrace`` ([Note: comm trace]) of ``ITERATIONS`` training
+iterations, phases ``iteration i forward`` and ``iteration i backward``.
 
 [Note: prefetch happens]
-A prefetched all-gather is issued by another instance's hook, before the target's own hook
-runs (torch issue #106030: prefetching that silently did nothing). Pairwise, for consecutive
-instances I, J that all-gather in the phase:
-- ``forward_prefetch`` (iterations >= 2; the first records the order), along the forward
-  compute order: J's all-gather comes before I's compute starts;
-- ``BACKWARD_PRE``, along the reverse of the forward's frees: J's all-gather comes before I's
-  free and before I's gradient reduction; ``BACKWARD_POST``: before I's gradient reduction.
-Only the order is checked: torch FSDP1 sets the target's state while it prefetches.
+A prefetched all-gather is issued by another instance's hook before the target's own (torch
+issue #106030: prefetch that silently did nothing). For consecutive instances I, J gathering in
+the phase: ``forward_prefetch`` (iterations >= 2), in compute order: J's all-gather before I's
+compute; ``BACKWARD_PRE``, in reverse order of the forward's frees: J's all-gather before I's
+free and gradient reduction; ``BACKWARD_POST``: before I's gradient reduction.
 
 [Note: counts as bounds]
-The counts assert what the configuration promises, not one call per instance (a
-parametrization-style FSDP gathers once per parameter access). Per iteration, with an
-instance's forward all-gathers as its *uses*: forward: every instance all-gathers, nothing is
-reduced; backward: SHARD_GRAD_OP no all-gather, FULL_SHARD no instance gathers more often than
-its uses; outside no_sync every instance is reduced, at most once per use (at most once for an
-instance that never all-gathers); inside no_sync nothing is reduced.
-"""
+The counts bound what the configuration promises, not one call per instance. Per iteration,
+with an instance's forward all-gathers as its uses: in forward every instance all-gathers and
+nothing is reduced; in backward SHARD_GRAD_OP gathers nothing and FULL_SHARD no more than the
+uses; outside no_sync every instance is reduced at most once per use (once without uses),
+inside none."""
 
 from __future__ import annotations
 
@@ -45,10 +39,6 @@ from . import training
 ITERATIONS = 3
 
 
-def phase_name(iteration: int, kind: str) -> str:
-    return f"iteration {iteration} {kind}"
-
-
 def trace_training(
     adapter: Any,
     model_name: str,
@@ -59,11 +49,8 @@ def trace_training(
     inside_no_sync: Callable[[int], bool] | None = None,
 ) -> tuple[CommTrace, nn.Module]:
     """Train the zoo model ``model_name`` wrapped with ``config``, tracing every phase; returns
-    the trace and the wrapped root. Skips without ``comm_trace`` or the config's features.
-
-    The optimizer steps after each iteration outside ``no_sync``; iterations for which
-    ``inside_no_sync`` is true run inside the root's ``no_sync()`` and accumulate into the next.
-    """
+    the trace and the root. Iterations for which ``inside_no_sync`` is true run inside the root's
+    ``no_sync()`` and accumulate into the next (no optimizer step)."""
     adapter_features.skip_unless(adapter, Feature.COMM_TRACE)
     root, zoo_model = training.wrap_model(adapter, model_name, dist, config)
     optimizer = adapter_loop.optimizer(
@@ -76,9 +63,9 @@ def trace_training(
             no_sync = inside_no_sync is not None and inside_no_sync(iteration)
             with adapter_loop.no_sync(adapter, root) if no_sync else contextlib.nullcontext():
                 inputs = zoo_model.get_input(dist.device)
-                with trace.phase(phase_name(iteration, "forward")):
+                with trace.phase(f"iteration {iteration} forward"):
                     loss = zoo_model.get_loss(inputs, root(*inputs))
-                with trace.phase(phase_name(iteration, "backward")):
+                with trace.phase(f"iteration {iteration} backward"):
                     zoo_model.run_backward(loss, backward)
             if not no_sync:  # gradients of no_sync iterations accumulate into the next one
                 optimizer.step()
@@ -124,7 +111,7 @@ def prefetch_failures(trace: CommTrace, config: dict[str, Any]) -> list[str]:
                         "compute (expected before)"
                     )
         if kind == "backward" and backward_prefetch in ("BACKWARD_PRE", "BACKWARD_POST"):
-            forward = trace.select(phase_name(iteration, "forward"))
+            forward = trace.select(f"iteration {iteration} forward")
             post_forward_order = _order(forward, Op.FREE)
             order = [label for label in reversed(post_forward_order) if label in gathering]
             for current, following in itertools.pairwise(order):

@@ -1,15 +1,11 @@
-"""The config dimensions the suite's checks cover, and the cases they are parametrised with.
-
-A *case* is one model, one world size and one wrap config in the adapter vocabulary; its pytest
-id names every value (``nested-ws2-FULL_SHARD-bwd=None-fwd=0-limit=default-offload=0-init=after``).
+"""The config dimensions the suite's checks cover, and the cases they are parametrised with;
+a case's pytest id names every value (``nested-ws2-FULL_SHARD-bwd=None-fwd=0-...``).
 
 [Note: coverage]
-At world size 2 the parity check runs the product of every dimension (``"full"``) or a greedy
-set of configs in which every pair of values of any two dimensions occurs at least once
-(``"pairwise"``, starting from the default config and each single change of it). World sizes
-1 and 4 run the default config per sharding strategy, with ``backward_prefetch`` BACKWARD_PRE
-and with None. ``--fsdp-coverage`` overrides a check class's default.
-"""
+At world size 2 the parity check runs the product of the dimensions (``"full"``) or a greedy
+set in which every pair of values of any two dimensions occurs (``"pairwise"``); world sizes 1
+and 4 run the default config per sharding strategy, with backward prefetch BACKWARD_PRE and
+None."""
 
 from __future__ import annotations
 
@@ -108,10 +104,8 @@ def _defaults(dimensions: dict[str, tuple[Any, ...]]) -> dict[str, Any]:
 
 
 def pairwise(dimensions: dict[str, tuple[Any, ...]] = DIMENSIONS) -> list[dict[str, Any]]:
-    """Configs covering every pair of values of any two dimensions (greedy, deterministic):
-    the default config and each single change of it (so an implementation lacking some
-    features still runs every value it supports), then repeatedly the first config of the full
-    product that covers the most pairs not covered yet."""
+    """Configs covering every pair of values of any two dimensions: the default config and each
+    single change of it, then greedily the first config covering the most uncovered pairs."""
     keys = list(dimensions)
     candidates = _full_product(dimensions)
 
@@ -160,12 +154,8 @@ def _configs_for(coverage: str, dimensions: dict[str, tuple[Any, ...]]) -> list[
 def supported_dimensions(
     adapter: Any, dimensions: dict[str, tuple[Any, ...]] = DIMENSIONS
 ) -> dict[str, tuple[Any, ...]]:
-    """`dimensions` without the values `adapter` cannot run (no cell for a value it lacks).
-
-    A value is kept when the wrap config holding only it needs no feature the adapter lacks
-    and is not among its unsupported values; ``device_init`` values are kept. A dimension left
-    without values keeps its first one (its cases then skip, naming the feature).
-    """
+    """`dimensions` without the values `adapter` cannot run (by the features the value needs and
+    the adapter's unsupported values); a dimension left empty keeps its first value."""
     kept: dict[str, tuple[Any, ...]] = {}
     for key, values in dimensions.items():
         if key == "device_init":

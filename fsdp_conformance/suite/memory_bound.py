@@ -1,15 +1,13 @@
-"""Measuring the two-instance memory bound of ``limit_all_gathers`` (``measure_residency``,
-``check_residency``); the check is ``BaseMemoryBoundTests`` in test_memory_bound.py.
+"""Measuring the two-instance memory bound of ``limit_all_gathers``; the check is
+``BaseMemoryBoundTests`` (test_memory_bound.py).
 
 [Note: memory bound]
-Resident unsharded buffers are counted as ``observe/residency.py`` says. On CPU the device is
-the ``LaggingDevice``, so only the CPU blocking on a free event (the rate limiter) frees memory.
-Per phase (FULL_SHARD, ``limit_all_gathers=True``): bound = ``MAX_INFLIGHT`` (the instance
-computing + the one being gathered) + 1 if the phase has an early prefetch (forward_prefetch in
-forward, BACKWARD_PRE in backward). Without the limiter the peak grows with depth, so the check
-must fail there. SHARD_GRAD_OP keeps every buffer through forward: only backward is bounded.
-Long form and measured tables: docs/memory_bound.md.
-"""
+On CPU the device is a ``LaggingDevice``: only the CPU blocking on a free event (the rate
+limiter) frees memory. Resident non-root buffers per phase (FULL_SHARD, limit on) are bounded by
+``MAX_INFLIGHT`` (the instance computing + the one gathered) + 1 for an early prefetch
+(forward_prefetch in forward, BACKWARD_PRE in backward); without the limiter the check must
+fail. SHARD_GRAD_OP keeps every buffer through forward: only backward is bounded.
+docs/memory_bound.md has the long form and the measured tables."""
 
 from __future__ import annotations
 
@@ -74,9 +72,8 @@ class ChainOfLinears(nn.Module):
         return self.layers(torch.relu(self.root_linear(x)))
 
     def get_input(self, device: torch.device, rank: int = 0) -> torch.Tensor:
-        return torch.rand(4, self.width, generator=torch.Generator().manual_seed(1 + rank)).to(
-            device
-        )
+        generator = torch.Generator().manual_seed(1 + rank)
+        return torch.rand(4, self.width, generator=generator).to(device)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,12 +88,7 @@ class BoundCase:
 
     @property
     def wrap_config(self) -> dict[str, Any]:
-        return {
-            "sharding_strategy": self.sharding_strategy,
-            "backward_prefetch": self.backward_prefetch,
-            "forward_prefetch": self.forward_prefetch,
-            "limit_all_gathers": self.limit_all_gathers,
-        }
+        return {key: value for key, value in dataclasses.asdict(self).items() if key != "lag"}
 
     @property
     def id(self) -> str:
@@ -148,12 +140,9 @@ def measure_residency(
     iterations: int = ITERATIONS,
     layers: int = LAYERS,
 ) -> ResidencyTracker:
-    """Train a ``ChainOfLinears`` wrapped with ``config`` under a ``LaggingDevice(lag)``;
-    returns the residency tracker (phases "forward", "backward", "step" of each iteration).
-
-    Skips when the adapter cannot limit all-gathers, install a device handle, trace
-    communication, or run ``config``.
-    """
+    """Train a ``ChainOfLinears`` wrapped with ``config`` under a ``LaggingDevice(lag)``; returns
+    the residency tracker. Skips without limit_all_gathers, device_handle, comm_trace or the
+    config's features."""
     adapter_features.skip_unless(adapter, Feature.LIMIT_ALL_GATHERS)
     adapter_features.skip_unless(adapter, Feature.DEVICE_HANDLE, Feature.COMM_TRACE)
     chain, model = _chain_model(adapter, group, config, layers)
@@ -204,13 +193,9 @@ def measure_cuda_forward_peaks(
     layers: int = LAYERS,
     width: int = CUDA_WIDTH,
 ) -> CudaForwardPeaks:
-    """Train a ``ChainOfLinears`` on CUDA with device-side delays; peak active bytes per forward.
-
-    ``models.sleep_ms`` delays the device before each layer's forward compute, each free of
-    unsharded parameters and each gradient reduction, so the CPU runs ahead and only the rate
-    limiter holds it back. Active bytes count blocks a stream still uses after their free
-    (``record_stream``): residency as ``observe/residency.py`` defines it.
-    """
+    """Train a ``ChainOfLinears`` on CUDA with device-side delays (before each layer's compute,
+    free and gradient reduction, so only the rate limiter holds the CPU back); the peak active
+    bytes of each forward (active blocks include those a stream still uses after their free)."""
     from fsdp_conformance.models import cycles_per_ms, sleep_ms
 
     cycles_per_ms(device)  # calibrate now: calibration synchronizes, which would drain the device
@@ -221,13 +206,12 @@ def measure_cuda_forward_peaks(
     delay = functools.partial(sleep_ms, delay_ms, device)
     for linear in chain.inner_linears:  # after the unshard, before the compute
         linear.register_forward_pre_hook(lambda module, args: delay())
-    instances = adapter.instances(model)
     instance_bytes = (width * width + width) * chain.root_linear.weight.element_size()
     optimizer = adapter_loop.optimizer(adapter, model, "sgd", lr=0.01)
     x = chain.get_input(device, group.rank())
     peaks = []
     with contextlib.ExitStack() as hooks:
-        for instance in instances[1:]:
+        for instance in adapter.instances(model)[1:]:
             hooks.enter_context(adapter_loop.delay_before_free(adapter, instance, delay))
         hooks.enter_context(adapter_loop.delay_before_reduction(adapter, delay))
         for _ in range(iterations):
@@ -268,12 +252,8 @@ def check_residency(
     own_bound: StreamOrderedBound | None = None,
 ) -> None:
     """Assert every checked iteration and phase stays within ``case.bound`` (or ``own_bound``,
-    the implementation's own, ``OWN_BOUNDS``).
-
-    Raises:
-        AssertionError: naming the config, and per violation the iteration, phase, peak, bound
-            and the instance whose all-gather reached the peak.
-    """
+    the implementation's own); the AssertionError names each violation's peak, bound and the
+    instance whose all-gather reached it."""
     iterations = sorted({iteration for iteration, _ in tracker.peaks if iteration > 0})
     violations = []
     first_at = -1  # sample index of the first violation's peak
@@ -314,15 +294,9 @@ def check_shard_grad_op_forward(
     own_bound: StreamOrderedBound | None = None,
     layers: int = LAYERS,
 ) -> None:
-    """SHARD_GRAD_OP's first forward keeps every instance's unsharded parameters, and no more.
-
-    At least ``layers`` resident (no reshard after forward; it also proves the tracker sees the
-    kept buffers), at most ``layers`` + the all-gather outputs the implementation may hold in
-    flight (``own_bound.shard_grad_op_forward(layers)``).
-
-    Raises:
-        AssertionError: "SHARD_GRAD_OP forward keeps too few" / "holds more than".
-    """
+    """SHARD_GRAD_OP's first forward keeps every instance's unsharded parameters (at least
+    ``layers`` resident: this also proves the tracker sees them), and no more than ``layers`` +
+    the all-gather outputs the implementation may hold in flight."""
     peak = tracker.peak(1, "forward").resident
     most = layers if own_bound is None else own_bound.shard_grad_op_forward(layers)
     where = f"{label}, {case.describe()}"
@@ -342,10 +316,8 @@ def check_shard_grad_op_forward(
 
 @dataclasses.dataclass(frozen=True)
 class FetchBackpressureBound:
-    """DeepSpeed ZeRO-3's own bound under the lagging device (docs/deepspeed.md): past
-    ``max_ongoing_fetch_events`` (2) outstanding fetches the CPU blocks on the oldest, so the
-    frees of the last ``draining`` instances may still be in flight while one more is gathered.
-    ZeRO-3 gathers into the parameter itself: no all-gather outputs besides it."""
+    """DeepSpeed ZeRO-3's own bound (docs/deepspeed.md): past 2 outstanding fetches the CPU blocks
+    on the oldest, so the frees of ``draining`` instances may be in flight while one is gathered."""
 
     draining: int = 2
     gathering: int = 1

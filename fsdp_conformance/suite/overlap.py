@@ -1,20 +1,16 @@
-"""Measuring communication/computation overlap (``measure_overlap``, ``check_overlap``); the
-check is ``BaseOverlapTests`` in test_overlap.py.
+"""Measuring communication/computation overlap; the check is ``BaseOverlapTests``
+(test_overlap.py).
 
 [Note: overlap timing]
-``LAYERS`` wrapped ``models.Layer``s (``overlap_config``) "compute" ``compute`` ms each in forward
-and every all-gather is delayed by ``comm`` ms. Four cases -- nothing / all-gather only /
-compute only / both -- are timed (forward of iterations >= 2), round-robin ``REPEATS`` times;
-each statistic is the minimum over repeats and the maximum over ranks (every rank decides on
-the same numbers). A failing measurement is repeated once.
-CPU (gloo): ``delayed_all_gathers`` hands out a ``DelayedWork`` whose ``wait()`` returns no
-earlier than issue time + ``comm`` (the CPU thread is not blocked at issue); compute sleeps.
-The overlapped extra time over "nothing" must be at most ``MAX_OVERLAP_RATIO`` of
-communication + computation serialised (ratios of measured times, never a wall time). An
-adapter issuing its all-gathers synchronously (``async_op=False``) cannot overlap and skips.
-CUDA (nccl): both delays are ``torch.cuda._sleep``, times are device times; the short case is
-``SHORT_TO_LONG`` x faster than each long one and compute + all-gather > ``BOTH_MARGIN`` x both.
-"""
+``LAYERS`` wrapped ``models.Layer``s "compute" ``compute`` ms each in forward; every all-gather
+is delayed by ``comm`` ms. Four cases (nothing / all-gather only / compute only / both) are
+timed round-robin ``REPEATS`` times after iteration 1; each statistic is the minimum over
+repeats and the maximum over ranks (every rank decides alike); a failure is measured again.
+CPU (gloo): ``delayed_all_gathers`` returns a ``DelayedWork`` whose ``wait()`` returns no
+earlier than issue + ``comm``; the overlapped extra time over "nothing" must be at most
+``MAX_OVERLAP_RATIO`` of communication + computation serialised. Synchronous all-gathers
+(``async_op=False``) cannot overlap: the check skips. CUDA (nccl): both delays are
+``torch.cuda._sleep``, times are device times (``cuda_overlap_failure``)."""
 
 from __future__ import annotations
 
@@ -174,9 +170,8 @@ class _Chain(nn.Module):
 
 
 def overlap_config(device: torch.device, limit_all_gathers: bool = False) -> dict[str, Any]:
-    """The wrap config: CPU needs forward prefetch (the CPU thread blocks in compute); on CUDA
-    the CPU runs ahead and issues every all-gather early without it. The suite's check runs
-    without the limiter; ``fsdp-conformance overlap`` can turn it on."""
+    """The wrap config: on CPU with forward prefetch (the CPU thread blocks in compute); on CUDA
+    the CPU runs ahead without it."""
     config: dict[str, Any] = {
         "sharding_strategy": "FULL_SHARD",
         "limit_all_gathers": limit_all_gathers,
@@ -287,9 +282,8 @@ def cuda_overlap_failure(times: OverlapTimes, label: str) -> str | None:
 
 
 def check_overlap(adapter: Any, dist: Any, label: str, retries: int = 1) -> OverlapTimes:
-    """Measure and check overlap (CPU or CUDA by ``dist.device``), ``retries`` more times on a
-    failure; skips when the adapter lacks a feature of the config or (CPU) issues its
-    all-gathers synchronously."""
+    """Measure and check overlap on ``dist.device``, ``retries`` more times on a failure; skips
+    without the config's features or (CPU) for synchronous all-gathers."""
     adapter_features.skip_unless(
         adapter, *adapter_features.wrap_features(adapter, **overlap_config(dist.device))
     )

@@ -1,25 +1,19 @@
-"""Prefetch-order goldens per adapter (``BasePrefetchOrderTests.test_trace_matches_golden``).
-
-A golden is the rendered ``CommTrace`` of three FULL_SHARD iterations of one zoo model and
-prefetch setting (world size 2, CPU/gloo), pinning one implementation's exact order: ``impl``,
-``torch-fsdp1`` and ``torch-fsdp2``. Other adapters skip; ``test_prefetch_happens`` holds them.
+"""Prefetch-order goldens: the rendered ``CommTrace`` of each prefetch case, pinning the exact
+order of ``impl``, ``torch-fsdp1`` and ``torch-fsdp2`` (other adapters skip).
 
 [Note: goldens that travel]
-The torch adapters' goldens carry the torch release they were recorded on:
-``goldens/<adapter>/<case>.txt`` on ``BASE_TORCH_VERSIONS[adapter]``,
-``goldens/<adapter>/torch-<X.Y>/<case>.txt`` on torch X.Y. On any other torch the trace is
-compared with the nearest recorded release (the older on a tie): a match passes, saying
-"recorded on torch 2.13, matches on torch 2.15.0"; a mismatch fails with the diff, never skips.
-Accepting records a golden for the running release.
+The torch adapters' goldens carry their torch release: ``goldens/<adapter>/<case>.txt`` was
+recorded on ``BASE_TORCH_VERSIONS[adapter]``, ``goldens/<adapter>/torch-<X.Y>/`` on X.Y. On
+another torch the trace is compared with the nearest recorded release (the older on a tie): a
+match passes, a difference fails with the diff. Accepting records the running release.
 
-Regenerate after an intended change (one process, so that one writer edits each file)::
+Regenerate in one process (one writer per file), per adapter::
 
     pytest -p no:xdist --pyargs fsdp_conformance.suite.test_prefetch_order -k golden \\
-        --fsdp-impl impl --fsdp-accept-goldens    # and again with torch-fsdp1, torch-fsdp2
+        --fsdp-impl impl --fsdp-accept-goldens
 
-``EXPECTTEST_ACCEPT=1`` and ``FSDP_CONFORMANCE_ACCEPT_GOLDENS=1`` accept too. Accepting writes
-into the source checkout, never into an installed copy (``GoldenAcceptError``).
-"""
+(or ``EXPECTTEST_ACCEPT=1`` / ``FSDP_CONFORMANCE_ACCEPT_GOLDENS=1``); never into an installed
+copy."""
 
 from __future__ import annotations
 
@@ -47,12 +41,8 @@ class GoldenAcceptError(RuntimeError):
 
 
 def accepting() -> bool:
-    """Whether this process accepts goldens: ``FSDP_CONFORMANCE_ACCEPT_GOLDENS=1``, or
-    ``EXPECTTEST_ACCEPT`` set to anything but ``""`` or ``0`` (expecttest's own rule).
-
-    Raises:
-        ValueError: ``FSDP_CONFORMANCE_ACCEPT_GOLDENS`` is neither ``0`` nor ``1``.
-    """
+    """Whether to accept goldens (``FSDP_CONFORMANCE_ACCEPT_GOLDENS=1``, or expecttest's
+    ``EXPECTTEST_ACCEPT``); ValueError for a value of the first other than 0 and 1."""
     own = os.environ.get(constants.ENV_ACCEPT_GOLDENS, "")
     if own not in ("", "0", "1"):
         raise ValueError(
@@ -119,11 +109,8 @@ def _version_folder(folder: Any, adapter_name: str, version: str | None) -> Any:
 
 
 def read_golden(adapter_name: str, case: str, version: str | None = None) -> str | None:
-    """The golden text of ``adapter_name`` / ``case`` (a ``prefetch_case_id``), or None.
-
-    ``version``: for the torch adapters, the release (``"X.Y"``) it was recorded on (default:
-    the nearest recorded to the running torch).
-    """
+    """The golden of ``adapter_name`` / ``case``, or None; ``version``: the torch release it
+    was recorded on (default: the nearest to the running one)."""
     if version is None:
         version = _nearest(adapter_name, case)
     golden = _version_folder(_packaged(adapter_name), adapter_name, version) / f"{case}.txt"
@@ -136,23 +123,6 @@ def has_goldens(adapter_name: str) -> bool:
     return _packaged(adapter_name).is_dir()
 
 
-def source_goldens_dir(package_dir: pathlib.Path | None = None) -> pathlib.Path:
-    """The goldens folder of the source checkout whose ``fsdp_conformance/suite`` is
-    ``package_dir`` (default: this module's folder).
-
-    Raises:
-        GoldenAcceptError: the package is an installed copy (under site-packages).
-    """
-    directory = pathlib.Path(package_dir or pathlib.Path(__file__).parent).resolve()
-    if any(part in _INSTALLED_PARTS for part in directory.parts):
-        raise GoldenAcceptError(
-            f"cannot accept prefetch-order goldens: fsdp_conformance is installed in "
-            f"{directory} (not a source checkout); install it editable from the checkout "
-            "(pip install -e .) and run the accept command there"
-        )
-    return directory / GOLDENS_DIR
-
-
 def accept_golden(
     adapter_name: str,
     case: str,
@@ -161,23 +131,36 @@ def accept_golden(
     version: str | None = None,
 ) -> pathlib.Path:
     """Write ``rendered`` as the golden of ``adapter_name`` / ``case`` in the source checkout
-    (``source_goldens_dir(package_dir)``); returns the file written. For the torch adapters
-    ``version`` is the release it is recorded on (default: the running one)."""
-    if adapter_name not in BASE_TORCH_VERSIONS:
-        version = None
-    else:
-        version = version or _running_minor()
-    folder = source_goldens_dir(package_dir) / adapter_name
-    path = _version_folder(folder, adapter_name, version) / f"{case}.txt"
+    whose ``fsdp_conformance/suite`` is ``package_dir`` (default: this one), for torch release
+    ``version`` (default: the running one); GoldenAcceptError for an installed package."""
+    directory = pathlib.Path(package_dir or pathlib.Path(__file__).parent).resolve()
+    if any(part in _INSTALLED_PARTS for part in directory.parts):
+        raise GoldenAcceptError(
+            f"cannot accept prefetch-order goldens: fsdp_conformance is installed in "
+            f"{directory} (not a source checkout); install it editable from the checkout "
+            "(pip install -e .) and run the accept command there"
+        )
+    folder = directory / GOLDENS_DIR / adapter_name
+    if adapter_name in BASE_TORCH_VERSIONS:
+        folder = _version_folder(folder, adapter_name, version or _running_minor())
+    path = folder / f"{case}.txt"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(rendered, encoding="utf-8")
     return path
 
 
-def compare_golden(adapter_name: str, case: str, rendered: str) -> str | None:
-    """AssertionError with a unified diff unless ``rendered`` equals the golden (for the torch
-    adapters: of the running release, or the nearest recorded). Returns None, or "recorded on
-    torch X, matches on torch Y" when the golden was recorded on another release."""
+def check_golden(adapter_name: str, case: str, rendered: str) -> str | None:
+    """Compare ``rendered`` with the golden (AssertionError with a diff), write it while
+    accepting, or skip without goldens. Returns "recorded on torch X, matches on torch Y" for a
+    golden of another torch release, else None."""
+    if not has_goldens(adapter_name):
+        pytest.skip(
+            f"adapter {adapter_name!r} has no prefetch-order goldens (they are implementation-"
+            "specific); override BasePrefetchOrderTests.check_golden with your own"
+        )
+    if accepting():
+        accept_golden(adapter_name, case, rendered)
+        return None
     fix = (
         "if the change is intended, rerun with --fsdp-accept-goldens (or EXPECTTEST_ACCEPT=1) "
         "in one process (-p no:xdist)"
@@ -216,17 +199,3 @@ def compare_golden(adapter_name: str, case: str, rendered: str) -> str | None:
     if travelled:
         return f"recorded on torch {recorded}, matches on torch {torch.__version__}"
     return None
-
-
-def check_golden(adapter_name: str, case: str, rendered: str) -> str | None:
-    """Compare ``rendered`` with the golden (``compare_golden``), write it instead while
-    accepting, or skip for an adapter without goldens."""
-    if not has_goldens(adapter_name):
-        pytest.skip(
-            f"adapter {adapter_name!r} has no prefetch-order goldens (they are implementation-"
-            "specific); override BasePrefetchOrderTests.check_golden with your own"
-        )
-    if accepting():
-        accept_golden(adapter_name, case, rendered)
-        return None
-    return compare_golden(adapter_name, case, rendered)

@@ -1,16 +1,11 @@
 """The memory bound of a stream-ordered FSDP (torch FSDP2), derived from its algorithm.
 
 [Note: stream-ordered bound]
-torch FSDP2 never blocks the CPU to bound memory; stream order bounds it. Per unshard it holds
-the all-gather output and the unsharded parameters copied out of it ([Note: FSDP2 buffers] in
-``adapters/_fsdp2_device.py``); a freed block is resident until an allocator could reuse it.
-Non-root buffers: forward holds the current output, the previous one (kept for the copy-in
-overlap until ``wait_for_unshard`` returns) and the current unsharded parameters: 2 + 1 = 3;
-backward drops each output after its copy-out: 1 + 1 = 2. torch 2.15 drops the previous output
-earlier (forward 2, within the bound). SHARD_GRAD_OP's forward holds ``layers`` unsharded sets
-plus at most ``forward_outputs`` outputs (``memory_bound.check_shard_grad_op_forward``).
-Measured tables: docs/memory_bound.md.
-"""
+torch FSDP2 bounds memory by stream order, not by blocking the CPU. Per unshard it holds the
+all-gather output and the unsharded parameters copied out of it ([Note: FSDP2 buffers]).
+Forward holds the current output, the previous one (kept for the copy-in overlap until
+``wait_for_unshard`` returns) and the unsharded parameters: 3; backward drops each output after
+its copy-out: 2. Measured tables: docs/memory_bound.md."""
 
 from __future__ import annotations
 

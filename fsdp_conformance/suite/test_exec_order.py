@@ -1,17 +1,11 @@
 """Ranks running instances in different orders get a clear error (``exec_order.divergent``),
 and ``expect_error``, which the misuse checks (test_bad_inputs.py) share.
 
-    class TestMyExecOrder(BaseExecOrderTests):   # in your tests; pytest collects Test* classes
-        pass
-
 [Note: misuse]
-Each misuse must raise within ``DEADLINE_S`` (a hang is caught by the harness timeout) with a
-message naming the problem (an implementation-neutral regular expression per case). Every rank
-makes the same mistake, so an implementation raising before any collective leaves no rank
-waiting. An adapter accepting a misuse silently fails, unless it declares the deviation
-(check ids ``exec_order.divergent`` and ``misuse.<case>``); docs/checks.md says why each
-misuse does harm.
-"""
+Each misuse must raise within ``DEADLINE_S`` (the harness timeout catches a hang) with a message
+naming the problem (an implementation-neutral regular expression per case). Every rank makes
+the same mistake, so an implementation raising before any collective leaves no rank waiting.
+An adapter accepting a misuse silently fails, unless it declares the deviation."""
 
 from __future__ import annotations
 
@@ -34,12 +28,9 @@ WIDTH = 8
 
 
 def expect_error(action: Callable[[], Any], pattern: str, label: str) -> BaseException:
-    """Run ``action``; it must raise within ``DEADLINE_S`` with a message matching ``pattern``.
-
-    Raises:
-        AssertionError: it did not raise or raised too late, or raised an error not naming the
-            problem (raised *from* that error, so only a deviation covering its type covers it).
-    """
+    """Run ``action``: it must raise within ``DEADLINE_S`` with a message matching ``pattern``;
+    else AssertionError (raised *from* an error not naming the problem, which a deviation covers
+    only by that error's type)."""
     start = time.perf_counter()
     try:
         action()

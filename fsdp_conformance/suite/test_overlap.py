@@ -1,9 +1,5 @@
 """Prefetch overlaps communication with computation (``overlap``; [Note: overlap timing] in
-overlap.py).
-
-    class TestMyOverlap(BaseOverlapTests):   # pytest collects Test* classes
-        pass
-"""
+overlap.py)."""
 
 from __future__ import annotations
 

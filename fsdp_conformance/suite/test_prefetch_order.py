@@ -1,9 +1,5 @@
-"""The prefetch order and "prefetch actually happens" (``comm.prefetch_*``): traces of
-``comm_checks.trace_training`` ([Note: prefetch happens] in comm_checks.py).
-
-    class TestMyPrefetchOrder(BasePrefetchOrderTests):   # pytest collects Test* classes
-        pass
-"""
+"""The prefetch order and "prefetch actually happens" (``comm.prefetch_*``) on traces of
+``comm_checks.trace_training`` ([Note: prefetch happens] in comm_checks.py)."""
 
 from __future__ import annotations
 
@@ -35,12 +31,9 @@ def _traced(
 class BasePrefetchOrderTests:
     """Prefetch-order goldens and "prefetch actually happens" (FULL_SHARD, 3 iterations).
 
-    ``test_prefetch_happens`` holds every adapter to the prefetch settings it supports.
-    ``test_trace_matches_golden`` compares the rendered trace (labels: module paths in the
-    unwrapped model) with the adapter's golden; goldens are implementation-specific and shipped
-    for ``impl`` and the torch adapters (``prefetch_goldens.py``); other adapters skip, or
-    override ``check_golden`` with their own.
-    """
+    ``test_trace_matches_golden`` compares the rendered trace with the adapter's golden
+    (``prefetch_goldens.py``: ``impl`` and the torch adapters); other adapters skip, or override
+    ``check_golden`` with their own goldens."""
 
     def check_golden(self, adapter_name: str, case: str, rendered: str) -> str | None:
         """Compare ``rendered`` with the golden of ``adapter_name`` / ``case`` (or skip);

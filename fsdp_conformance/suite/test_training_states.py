@@ -1,11 +1,5 @@
-"""Legal training states (the table of ``fsdp_conformance/training_states.py``): the
-`TrainingStateRecorder` samples every instance's state at every hook while the model trains 3
-steps and goes through `summon_full_params`; a transition outside the table fails, and every
-instance must be IDLE after each `optimizer.step()`.
-
-    class TestMyStates(BaseTrainingStateTests):
-        pass
-"""
+"""Legal training states (the table of ``fsdp_conformance/training_states.py``) at every hook
+of 3 training steps and a `summon_full_params`; every instance IDLE after each step."""
 
 from __future__ import annotations
 

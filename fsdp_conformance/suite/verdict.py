@@ -1,16 +1,13 @@
-"""How a check becomes a verdict in the rank (docs/architecture.md): every suite test body runs
-inside ``cell(adapter, check_id, case)`` (the ``check`` decorator enters it), which decides:
+"""How a check becomes a verdict in the rank (docs/architecture.md). ``cell`` decides it:
 
-  not applicable  outside the adapter's support range, a feature the check needs is missing,
-                  or the body raises UnsupportedFeatureError -> a skip; but a feature the
-                  adapter claims whose member is the base default is a FAIL naming the member
-  deviation       the body failed with exactly the failure a declared ``Deviation`` covers
-                  -> an expected failure
-  FAIL            any other failure; or a strict declared deviation that did not occur
+  not applicable  the adapter's support range or the check's features rule it out, or the body
+                  raises UnsupportedFeatureError (a FAIL if the adapter claims the feature
+                  but left its member at the base default)
+  deviation       the failure is exactly what a declared ``Deviation`` covers
+  FAIL            any other failure; a strict declared deviation that did not occur
   pass            otherwise
 
-and records it as one ``checks.Result`` (report properties, through ``harness.properties``).
-"""
+and records one ``checks.Result`` (report properties, through ``harness.properties``)."""
 
 from __future__ import annotations
 
