@@ -44,7 +44,6 @@ def trace_training(
     model_name: str,
     dist: Any,
     config: dict[str, Any],
-    iterations: int = ITERATIONS,
     compute: bool = True,
     inside_no_sync: Callable[[int], bool] | None = None,
 ) -> tuple[CommTrace, nn.Module]:
@@ -59,7 +58,7 @@ def trace_training(
     backward = functools.partial(training.adapter_backward, adapter, root)
     trace = CommTrace(adapter, root, compute=compute)
     with trace:
-        for iteration in range(1, iterations + 1):
+        for iteration in range(1, ITERATIONS + 1):
             no_sync = inside_no_sync is not None and inside_no_sync(iteration)
             with adapter_loop.no_sync(adapter, root) if no_sync else contextlib.nullcontext():
                 inputs = zoo_model.get_input(dist.device)

@@ -22,11 +22,10 @@ from fsdp_conformance.adapters.features import SHARDING_STRATEGIES, normalize_co
 # The first value of each dimension is the default config
 BACKWARD_PREFETCH_CASES = ("BACKWARD_PRE", None, "BACKWARD_POST")
 FORWARD_PREFETCH = (False, True)
-# None: the key is not given (the implementation's default); an explicit value needs the
-# adapter's `limit_all_gathers` feature
+# None: the key is not given (the implementation's default)
 LIMIT_ALL_GATHERS = (None, False)
 CPU_OFFLOAD = (False, True)
-# models.DeviceInit values: when the model moves to the compute device (the same on CPU)
+# models.DeviceInit values (the same on CPU)
 DEVICE_INITS = ("after", "before", "never")
 
 DIMENSIONS: dict[str, tuple[Any, ...]] = {

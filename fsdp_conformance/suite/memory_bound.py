@@ -37,8 +37,7 @@ ITERATIONS = 3
 # non-root instances (the bound is only interesting with >= 4)
 LAYERS = 6
 WIDTH = 16
-# CUDA variant: 4 MiB of fp32 parameters per instance, a 2 ms device-side delay before each
-# layer's forward, free and reduction; slack (half an instance) for activations and rounding
+# CUDA variant: 4 MiB per instance; slack (half an instance) for activations and rounding
 CUDA_WIDTH = 1024
 CUDA_DELAY_MS = 2.0
 CUDA_SLACK_BYTES = (CUDA_WIDTH * CUDA_WIDTH + CUDA_WIDTH) * 4 // 2
@@ -115,8 +114,8 @@ class BoundCase:
     def checked_phases(self) -> tuple[str, ...]:
         return ("backward",) if self.sharding_strategy == "SHARD_GRAD_OP" else PHASES
 
-    def param(self, marks: Any = ()) -> Any:
-        return pytest.param(self, id=self.id, marks=[pytest.mark.world_size(2), *marks])
+    def param(self) -> Any:
+        return pytest.param(self, id=self.id, marks=pytest.mark.world_size(2))
 
 
 def _chain_model(
@@ -151,8 +150,7 @@ def measure_residency(
     tracker = ResidencyTracker(device, adapter.instances(model))
     optimizer = adapter_loop.optimizer(adapter, model, "sgd", lr=0.01, momentum=0.9)
     x = chain.get_input(torch.device("cpu"), group.rank())
-    # Buffers observed by their lifetime (torch FSDP2) must not die at a garbage collection
-    # halfway through a phase: collect now, none while measuring
+    # buffers observed by their lifetime (torch FSDP2) must not die at a collection mid-phase
     gc.collect()
     gc_was_enabled = gc.isenabled()
     gc.disable()
@@ -184,14 +182,7 @@ class CudaForwardPeaks:
 
 
 def measure_cuda_forward_peaks(
-    adapter: Adapter,
-    group: Any,
-    device: torch.device,
-    config: dict[str, Any],
-    delay_ms: float = CUDA_DELAY_MS,
-    iterations: int = ITERATIONS,
-    layers: int = LAYERS,
-    width: int = CUDA_WIDTH,
+    adapter: Adapter, group: Any, device: torch.device, config: dict[str, Any]
 ) -> CudaForwardPeaks:
     """Train a ``ChainOfLinears`` on CUDA with device-side delays (before each layer's compute,
     free and gradient reduction, so only the rate limiter holds the CPU back); the peak active
@@ -202,11 +193,13 @@ def measure_cuda_forward_peaks(
 
     adapter_features.skip_unless(adapter, Feature.LIMIT_ALL_GATHERS)
     adapter_features.skip_unless(adapter, Feature.COMM_TRACE)
-    chain, model = _chain_model(adapter, group, config, layers, width, device=device)
-    delay = functools.partial(sleep_ms, delay_ms, device)
+    chain, model = _chain_model(adapter, group, config, LAYERS, CUDA_WIDTH, device=device)
+    delay = functools.partial(sleep_ms, CUDA_DELAY_MS, device)
     for linear in chain.inner_linears:  # after the unshard, before the compute
         linear.register_forward_pre_hook(lambda module, args: delay())
-    instance_bytes = (width * width + width) * chain.root_linear.weight.element_size()
+    instance_bytes = (
+        CUDA_WIDTH * CUDA_WIDTH + CUDA_WIDTH
+    ) * chain.root_linear.weight.element_size()
     optimizer = adapter_loop.optimizer(adapter, model, "sgd", lr=0.01)
     x = chain.get_input(device, group.rank())
     peaks = []
@@ -214,7 +207,7 @@ def measure_cuda_forward_peaks(
         for instance in adapter.instances(model)[1:]:
             hooks.enter_context(adapter_loop.delay_before_free(adapter, instance, delay))
         hooks.enter_context(adapter_loop.delay_before_reduction(adapter, delay))
-        for _ in range(iterations):
+        for _ in range(ITERATIONS):
             torch.cuda.synchronize(device)
             before = torch.cuda.memory_stats(device)["active_bytes.all.current"]
             torch.cuda.reset_peak_memory_stats(device)
@@ -292,24 +285,23 @@ def check_shard_grad_op_forward(
     case: BoundCase,
     label: str,
     own_bound: StreamOrderedBound | None = None,
-    layers: int = LAYERS,
 ) -> None:
     """SHARD_GRAD_OP's first forward keeps every instance's unsharded parameters (at least
-    ``layers`` resident: this also proves the tracker sees them), and no more than ``layers`` +
+    ``LAYERS`` resident: this also proves the tracker sees them), and no more than ``LAYERS`` +
     the all-gather outputs the implementation may hold in flight."""
     peak = tracker.peak(1, "forward").resident
-    most = layers if own_bound is None else own_bound.shard_grad_op_forward(layers)
+    most = LAYERS if own_bound is None else own_bound.shard_grad_op_forward(LAYERS)
     where = f"{label}, {case.describe()}"
-    if peak < layers:
+    if peak < LAYERS:
         raise AssertionError(
             f"SHARD_GRAD_OP forward keeps too few buffers: iteration 1 forward should all-gather "
-            f"all {layers} instances and keep them (no reshard after forward), peak "
-            f"{peak} < {layers} resident non-root unsharded buffers\n  {where}"
+            f"all {LAYERS} instances and keep them (no reshard after forward), peak "
+            f"{peak} < {LAYERS} resident non-root unsharded buffers\n  {where}"
         )
     if peak > most:
         raise AssertionError(
             f"SHARD_GRAD_OP forward holds more than it keeps: iteration 1 forward peak {peak} "
-            f"resident non-root buffers > {most} ({layers} kept unsharded + {most - layers} "
+            f"resident non-root buffers > {most} ({LAYERS} kept unsharded + {most - LAYERS} "
             f"all-gather outputs in flight)\n  {where}"
         )
 
@@ -334,8 +326,7 @@ class FetchBackpressureBound:
         return layers
 
 
-# Adapter name -> the implementation's own bound, where it bounds memory by design rather than
-# with a rate limiter (limit_all_gathers=True then means "hold it to its own bound")
+# adapter name -> the implementation's own bound, where it bounds memory without a rate limiter
 OWN_BOUNDS: dict[str, StreamOrderedBound] = {
     "torch-fsdp2": FSDP2_BOUND,
     "deepspeed": FetchBackpressureBound(),  # type: ignore[dict-item]

@@ -51,9 +51,7 @@ class BaseCollectiveCountTests:
     @pytest.mark.world_size(2)
     @pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
     def test_no_reduction_inside_no_sync(self, fsdp_adapter: Any, dist: Any, strategy: str):
-        # what no_sync promises, not how many all-gathers it costs (fairscale's root keeps its
-        # parameters unsharded through it): no reduction inside, the next iteration reduces
-        # every instance, and the accumulated gradients train as DDP's no_sync does
+        # no reduction inside no_sync, every instance reduced after it, training as DDP's
         config = {"sharding_strategy": strategy}
         adapter_features.skip_unless(
             fsdp_adapter, *adapter_features.wrap_features(fsdp_adapter, **config)

@@ -26,7 +26,7 @@ from fsdp_conformance.models import (
     UnevenModule,
 )
 
-# Delays of the delay models (ms): long enough to reorder work, short enough for CI
+# delays of the delay models (ms): long enough to reorder work, short enough for CI
 DELAY_MS = 1.0
 
 Builder = Callable[..., nn.Module]  # (group, wrap, *, device_init, device) -> zoo model
@@ -44,9 +44,7 @@ class ModelSpec:
     features: tuple[str, ...] = ()
 
 
-# The training-loop checks' models (models/loops.py): per-instance gradient scales differing by
-# orders of magnitude ("loops_gains"), NO_SHARD next to sharded instances, a branch skipped in
-# some iterations, a whole frozen wrapped block, frozen and trainable parameters in one instance
+# per-instance gradient scales differing by orders of magnitude (models/loops.py)
 LOOP_GAINS = (1.0, 40.0, 0.025)
 
 
@@ -60,8 +58,7 @@ MODELS: dict[str, ModelSpec] = {
         ModelSpec("nested", NestedWrappedModule),
         ModelSpec("always_wrap", AlwaysWrapNestedWrappedModule),
         ModelSpec("transformer", TransformerWithSharedParams),
-        # for mixed precision: a BatchNorm's fp32 running stats next to bf16 parameters fail in
-        # F.batch_norm unless buffers are cast too (feature mixed_precision_buffer_dtype)
+        # for mixed precision: fp32 BatchNorm statistics next to bf16 parameters fail
         ModelSpec(
             "transformer_without_batchnorm",
             functools.partial(TransformerWithSharedParams, add_bn=False),
@@ -101,8 +98,7 @@ MODELS: dict[str, ModelSpec] = {
             _loops(freeze="mixed"),
             features=(Feature.FROZEN_PARAMETERS_MIXED,),
         ),
-        # the full-state-dict and meta-init checks' model (models/buffered.py): a
-        # non-persistent buffer, uneven shards; "buffered_meta" is built on the meta device
+        # the full-state-dict and meta-init checks' model (models/buffered.py)
         ModelSpec("buffered", functools.partial(BufferedModule, meta=False)),
         ModelSpec(
             "buffered_meta",
@@ -111,8 +107,7 @@ MODELS: dict[str, ModelSpec] = {
         ),
     )
 }
-# The models of the parity check (transformer_without_batchnorm is for mixed precision,
-# uneven for the sharding checks, tied_instances for wrap.shared_across_instances)
+# the models of the parity check
 MODEL_NAMES = tuple(
     name
     for name in MODELS
