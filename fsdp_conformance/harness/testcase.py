@@ -162,7 +162,7 @@ def _run_in_ranks(case: RankTestCase, method_name: str) -> None:
     if verdict.status in (SKIPPED, XFAILED):
         raise unittest.SkipTest(verdict.message)
     if verdict.status == FAILED:
-        if "_pytest" in sys.modules and controller.under_pytest():
+        if "_pytest" in sys.modules and controller.active_runtime()[1]:
             import pytest
 
             pytest.fail(verdict.message, pytrace=False)
