@@ -8,6 +8,7 @@ verdict combined from the ranks' outcomes. One :class:`Runtime` per pytest proce
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import os
 import pickle
@@ -143,10 +144,8 @@ def pickle_kwargs(kwargs: dict[str, Any]) -> bytes:
             name: wire.RankMonkeyPatch() if isinstance(value, monkeypatch.MonkeyPatch) else value
             for name, value in kwargs.items()
         }
-    try:
+    with contextlib.suppress(Exception):  # find out which value it was, below
         return pickle.dumps(kwargs)
-    except Exception:  # noqa: BLE001, S110  find out which value it was, below
-        pass
     for name, value in kwargs.items():
         try:
             pickle.dumps(value)

@@ -12,6 +12,7 @@ message: ranks sometimes abort during interpreter-exit garbage collection after
 from __future__ import annotations
 
 import ast
+import contextlib
 import datetime
 import faulthandler
 import importlib
@@ -86,10 +87,8 @@ def load_test_module(name: str, file: str | None) -> types.ModuleType:
         return importlib.import_module(name)
     parent = name.rpartition(".")[0]
     if parent:
-        try:
+        with contextlib.suppress(ImportError):  # pytest's importlib mode: synthetic package names
             importlib.import_module(parent)  # for relative imports in the test module
-        except ImportError:
-            pass  # pytest's importlib mode: synthetic package names
     spec = importlib.util.spec_from_file_location(name, file)
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot load test module {name!r} from {file}")
@@ -341,10 +340,8 @@ def current_context() -> Any:
 def _leave(code: int) -> None:
     """Flush and leave without interpreter teardown; see [Note: leaving a rank]."""
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(Exception):  # (a closed stream must not stop the exit)
             stream.flush()
-        except Exception:  # noqa: BLE001, S110  (a closed stream must not stop the exit)
-            pass
     os._exit(code)
 
 
@@ -382,10 +379,8 @@ class _RankProcess:
 
         from fsdp_conformance.harness import collectives, isolation
 
-        try:
+        with contextlib.suppress(ImportError):
             import numpy  # noqa: F401
-        except ImportError:
-            pass
         self.device = torch.device("cpu")
         if self.backend == "nccl":
             self.device = torch.device("cuda", self.gpu_ids[self.rank])
@@ -428,10 +423,8 @@ class _RankProcess:
         os.environ.update(RANK=str(self.rank), LOCAL_RANK=str(self.rank))
         os.environ["WORLD_SIZE"] = str(self.world_size)
         sys.path[:] = task.sys_path + [p for p in self.base_sys_path if p not in task.sys_path]
-        try:
+        with contextlib.suppress(OSError):
             os.chdir(task.cwd)
-        except OSError:
-            pass
         add_after_test(task.after_test)
         ctx = RankContext(
             rank=self.rank,

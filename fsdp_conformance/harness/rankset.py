@@ -5,6 +5,7 @@ and mismatch reports), tear down. ``process`` mode reuses a set, ``process-fresh
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -172,16 +173,12 @@ class RankSet:
         if self.closed:
             return
         for conn in self.conns:
-            try:
+            with contextlib.suppress(OSError):
                 conn.send(wire.Exit())
-            except OSError:
-                pass
         deadline = time.monotonic() + EXIT_WAIT_S
         for proc in self.procs:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
         self.kill()
 
     def kill(self) -> None:
@@ -191,15 +188,11 @@ class RankSet:
         self.closed = True
         for proc in self.procs:
             if proc.poll() is None:
-                try:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(proc.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
         for proc in self.procs:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):  # unkillable (D state)
                 proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:  # pragma: no cover - unkillable (D state)
-                pass
         for conn in self.conns:
             conn.close()
         shutil.rmtree(self.dir, ignore_errors=True)
@@ -220,10 +213,8 @@ class RankSet:
         run = _TestRun(self, timeout)
         try:
             for conn in self.conns:
-                try:
+                with contextlib.suppress(OSError):  # noticed below as EOF
                     conn.send(wire.RunTest(task_blob))
-                except OSError:
-                    pass  # noticed below as EOF
             run.collect()
             if run.reusable and self.mode == "process":
                 self._restore_group(run)
@@ -295,10 +286,8 @@ class RankSet:
             # output so far belongs to the rank's log, not to the dump
             self.unreported_output[rank] += self._read_log(rank)
             if self.procs[rank].poll() is None:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(self.procs[rank].pid, signal.SIGUSR1)
-                except ProcessLookupError:
-                    pass
         deadline = time.monotonic() + DUMP_WAIT_S
         sizes = {rank: -1 for rank in ranks}
         while time.monotonic() < deadline:

@@ -80,10 +80,8 @@ def stop_child(child: subprocess.Popen, interrupt: KeyboardInterrupt) -> int:
     if child.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             child.send_signal(signal.SIGTERM)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             child.wait(timeout=CHILD_EXIT_WAIT_S)
-        except subprocess.TimeoutExpired:
-            pass
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(child.pid, signal.SIGKILL)  # what is left of its group (xdist workers)
     with contextlib.suppress(subprocess.TimeoutExpired):
