@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fsdp_conformance import constants
-from fsdp_conformance.harness import collectives, gpus, rank, wire
+from fsdp_conformance.harness import gpus, rank, wire
 from fsdp_conformance.harness.rankset import RankSet, RankSetError
 from fsdp_conformance.harness.wire import FAILED, SKIPPED, RankTask, RunResult, TestTarget
 
@@ -243,16 +243,13 @@ class _ProcessRanks:
                 return _result(FAILED, f"could not start {size} ranks: {exc}")
         self.busy.add(rank_set)
         try:
-            report = rank_set.run(blob, request.timeout)
+            return rank_set.run(blob, request.timeout)
         finally:
             self.busy.discard(rank_set)
             if fresh or rank_set.closed:
                 rank_set.close()
             else:
                 self.pool[key] = rank_set  # most recently used last
-        mismatch = collectives.mismatch(report.collectives)
-        verdict = wire.summarize(report.outcomes, size, mismatch)
-        return RunResult(verdict, report.logs, report.notes)
 
 
 class Runtime:

@@ -54,17 +54,6 @@ def describe_exit(returncode: int | None) -> str:
     return f"exited with code {returncode}"
 
 
-@dataclasses.dataclass
-class RunReport:
-    """What the controller learnt from one test: outcomes, output (minus stack dumps), notes on
-    state the test left behind, and the last collective each rank entered."""
-
-    outcomes: dict[int, RankOutcome]
-    logs: dict[int, str]
-    notes: list[str] = dataclasses.field(default_factory=list)
-    collectives: dict[int, collectives.CollectiveRecord] = dataclasses.field(default_factory=dict)
-
-
 class RankSet:
     """``world_size`` rank processes sharing one default process group."""
 
@@ -207,8 +196,8 @@ class RankSet:
         """Every rank is still running (a rank may die between tests, e.g. killed by OOM)."""
         return not self.closed and all(proc.poll() is None for proc in self.procs)
 
-    def run(self, task_blob: bytes, timeout: float) -> RunReport:
-        """Run one pickled ``RankTask`` in every rank and collect the outcomes; ``timeout``
+    def run(self, task_blob: bytes, timeout: float) -> wire.RunResult:
+        """Run one pickled ``RankTask`` in every rank and combine the outcomes; ``timeout``
         starts once every rank imported the test."""
         run = _TestRun(self, timeout)
         try:
@@ -221,15 +210,14 @@ class RankSet:
         except BaseException:
             self.kill()  # KeyboardInterrupt or a harness bug: leave nothing behind
             raise
-        logs = {}
-        for rank in range(self.world_size):
-            logs[rank] = self.unreported_output[rank] + self._read_log(rank)
-            self.unreported_output[rank] = ""
+        logs = {r: self.unreported_output[r] + self._read_log(r) for r in range(self.world_size)}
+        self.unreported_output = [""] * self.world_size
         if not run.reusable:
             self.kill()
             if run.notes:
                 run.notes.append("the rank set was replaced for the next test")
-        return RunReport(run.outcomes, logs, run.notes, run.records())
+        verdict = wire.summarize(run.outcomes, self.world_size, collectives.mismatch(run.records()))
+        return wire.RunResult(verdict, logs, run.notes)
 
     def _restore_group(self, run: _TestRun) -> None:
         """Re-create the default group when the test destroyed it in every rank; replace
@@ -238,11 +226,8 @@ class RankSet:
         if not gone:
             return
         if len(gone) < self.world_size:
-            run.reusable = False
-            run.notes.append(
-                f"the test destroyed the default process group in rank(s) "
-                f"{', '.join(map(str, gone))} only"
-            )
+            ranks = ", ".join(map(str, gone))
+            run.replace(f"the test destroyed the default process group in rank(s) {ranks} only")
             return
         self.group_generation += 1
         for conn in self.conns:
@@ -258,14 +243,12 @@ class RankSet:
                 except (EOFError, OSError, wire.ProtocolError) as exc:
                     reply = wire.GroupReinitialized(f"{type(exc).__name__}: {exc}")
                 if reply.error:
-                    run.reusable = False
-                    run.notes.append(
+                    run.replace(
                         f"rank {rank} could not re-create the default process group the test "
                         f"destroyed: {reply.error.strip().splitlines()[-1]}"
                     )
         if pending:
-            run.reusable = False
-            run.notes.append(
+            run.replace(
                 "re-creating the default process group the test destroyed did not finish in "
                 f"rank(s) {', '.join(map(str, sorted(pending)))}"
             )
@@ -325,6 +308,11 @@ class _TestRun:
         self.mismatch_since: float | None = None
         self.stuck_records: dict[int, collectives.CollectiveRecord] | None = None
 
+    def replace(self, note: str) -> None:
+        """The rank set is replaced after this test, saying why."""
+        self.reusable = False
+        self.notes.append(note)
+
     def records(self) -> dict[int, collectives.CollectiveRecord]:
         found = {r: collectives.read_slot_file(p) for r, p in enumerate(self.rank_set.slot_paths)}
         return {rank: record for rank, record in found.items() if record is not None}
@@ -336,12 +324,6 @@ class _TestRun:
         if self.first_trouble is None:
             self.first_trouble = outcome
             self.trouble_since = time.monotonic()
-
-    def collect(self) -> None:
-        """Wait for every rank's outcome (or decide it hung), then tell causes from
-        consequences."""
-        self._wait_for_outcomes()
-        self._mark_consequences()
 
     def _mark_consequences(self) -> None:
         """A rank whose collective raised after another rank died, failed outside a collective
@@ -368,7 +350,9 @@ class _TestRun:
                     f"{cause.status}: {outcome.message}",
                 )
 
-    def _wait_for_outcomes(self) -> None:
+    def collect(self) -> None:
+        """Wait for every rank's outcome (or decide it hung), then tell causes from
+        consequences."""
         rank_set = self.rank_set
         timeout = self.timeout
         load_deadline = time.monotonic() + max(timeout, STARTUP_TIMEOUT_S)
@@ -385,17 +369,16 @@ class _TestRun:
                 limit = min(limit, self.mismatch_since + PEER_GRACE_S)
             if now >= limit:
                 self._hung(list(pending), now, deadline, body_deadline is None)
-                return
-            ready = wait(list(pending.values()), timeout=min(limit - now, POLL_S))
-            for conn in ready:
-                rank = rank_set.conns.index(conn)
-                self._receive(rank, conn, pending)
+                break
+            for conn in wait(list(pending.values()), timeout=min(limit - now, POLL_S)):
+                self._receive(rank_set.conns.index(conn), conn, pending)
             if body_deadline is None and self.started | set(self.outcomes) == set(
                 range(rank_set.world_size)
             ):
                 body_deadline = time.monotonic() + timeout
             if body_deadline is not None and pending:
                 self._look_for_mismatch(pending)
+        self._mark_consequences()
 
     def _receive(self, rank: int, conn: Connection, pending: dict[int, Connection]) -> None:
         try:
@@ -419,9 +402,7 @@ class _TestRun:
         self.outcomes[rank] = outcome
         self.group_alive[rank] = message.group_alive
         self.notes.extend(message.notes)
-        self.reusable = self.reusable and message.reusable
-        if outcome.status not in (PASSED, SKIPPED):
-            self.reusable = False
+        self.reusable &= message.reusable and outcome.status in (PASSED, SKIPPED)
         if outcome.status != PASSED:
             self._trouble(outcome)
 
@@ -456,10 +437,8 @@ class _TestRun:
                     f"{first.status}" + (f" (waiting {where})" if where.startswith("in ") else "")
                 )
             elif loading:
-                why = (
-                    "did not finish importing the test within "
-                    f"{max(self.timeout, STARTUP_TIMEOUT_S):g} s"
-                )
+                startup = max(self.timeout, STARTUP_TIMEOUT_S)
+                why = f"did not finish importing the test within {startup:g} s"
             else:
                 why = f"did not finish within the timeout of {self.timeout:g} s"
                 outside = [r for r in ranks if r not in records or not records[r].inside]

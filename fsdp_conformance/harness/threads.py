@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from fsdp_conformance._patching import patch_attribute
-from fsdp_conformance.harness import collectives, isolation
+from fsdp_conformance.harness import collectives, isolation, wire
 from fsdp_conformance.harness import rank as rank_task
 from fsdp_conformance.harness.context import RankContext
 from fsdp_conformance.harness.wire import ABORTED, FAILED, HUNG, PASSED, RankOutcome, RankTask
@@ -99,12 +99,10 @@ def _patched_wait_points(mtpg: Any) -> Iterator[None]:
 class ThreadRanks:
     """The rank backend of ``thread`` mode."""
 
-    def run(self, request: Any, task: RankTask) -> Any:
-        from fsdp_conformance.harness.wire import RunResult, summarize
-
+    def run(self, request: Any, task: RankTask) -> wire.RunResult:
         call = request.function or rank_task.resolve_target(task.target)
         outcomes, mismatch = run_threaded(task, request.world_size, call, request.kwargs)
-        return RunResult(summarize(outcomes, request.world_size, mismatch))
+        return wire.RunResult(wire.summarize(outcomes, request.world_size, mismatch))
 
     def close(self) -> None:
         pass
