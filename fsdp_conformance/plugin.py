@@ -62,14 +62,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(
         "--fsdp-mode",
         choices=_MODES,
-        default=None,
         help="how ranks run: 'process' (reused rank processes, default), 'process-fresh' "
         "(new processes per test) or 'thread' (threads of the pytest process). "
         "Env: FSDP_CONFORMANCE_MODE.",
     )
     group.addoption(
         "--fsdp-timeout",
-        default=None,
         metavar="SECONDS",
         help="fail a test still running in its ranks after this many seconds (> 0), with "
         f"every rank's Python stack (default {constants.DEFAULT_TIMEOUT_S:g}). Env: "
@@ -90,7 +88,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     group.addoption(
         "--fsdp-backend",
-        default=None,
         metavar="NAME",
         help="process group backend override ('gloo', 'nccl'); default: gloo on CPU, nccl "
         "when each rank gets its own GPU. Env: FSDP_CONFORMANCE_BACKEND.",
@@ -98,7 +95,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(
         "--fsdp-coverage",
         choices=COVERAGES,
-        default=None,
         help="conformance suite: run every combination of a check's config dimensions "
         "('full') or a smaller set covering every pair of values ('pairwise'); default: "
         "what each check class says (the classes in fsdp_conformance.suite: full).",
@@ -106,7 +102,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(
         "--fsdp-accept-goldens",
         action="store_true",
-        default=False,
         help="conformance suite: write the prefetch-order goldens of the adapter under test "
         "into the source checkout instead of comparing (run with -p no:xdist). Env: "
         f"{constants.ENV_ACCEPT_GOLDENS}=1 or EXPECTTEST_ACCEPT=1.",
