@@ -1,11 +1,7 @@
-"""The module wrapper ``FullyShardedDataParallel``: construction and validation.
-
-The class is assembled from one module per concern: construction (here: argument checks,
-auto-wrap recursion, parameter collection, the compute device, ``sync_module_states``),
-forward, ``no_sync`` and ``summon_full_params`` (``forward.py``, ``ForwardMixin``) and state
-dicts (``state_dict.py``, ``StateDictMixin``). What runs around the wrapped module's forward and
-backward is in ``runtime.py``. Everything an instance knows is in its ``FSDPState``
-(``state.py``); the module's public attributes read it.
+"""``FullyShardedDataParallel``: construction and validation (argument checks, auto-wrap,
+parameter collection, the compute device, ``sync_module_states``). Forward, ``no_sync`` and
+summon are in ``forward.py``, state dicts in ``state_dict.py``, the hooks in ``runtime.py``;
+everything an instance knows is in its ``FSDPState``.
 """
 
 from __future__ import annotations
@@ -34,8 +30,8 @@ AutoWrapPolicy = Callable[..., bool]
 
 
 def _state_attribute(name: str, doc: str) -> property:
-    """A read-only attribute of the instance that reads its ``FSDPState``."""
     return property(lambda self: getattr(self._fsdp_state, name), doc=doc)
+
 
 _WRAPPED = "_fsdp_wrapped_module"
 
@@ -43,35 +39,26 @@ _WRAPPED = "_fsdp_wrapped_module"
 class FullyShardedDataParallel(ForwardMixin, StateDictMixin, nn.Module):
     """Shard ``module``'s parameters over ``process_group`` (flat-parameter FSDP, FSDP1 family).
 
-    The parameters of ``module`` that are not inside a nested FSDP instance or an ignored
-    module are flattened into one flat parameter; each rank keeps one shard. They are
-    all-gathered before forward and backward and freed after (per ``sharding_strategy``);
-    gradients are reduce-scattered. Nested instances are built inner-first, by hand or
-    with ``auto_wrap_policy``; the outermost instance becomes the root at its first forward.
+    The parameters not inside a nested instance or an ignored module form one flat parameter;
+    each rank keeps a shard. The outermost instance becomes the root at its first forward.
 
     Args:
         module: the module to wrap.
-        process_group: group to shard over (default: the default group). A one-rank group
-            (e.g. an MoE expert) behaves like ``NO_SHARD``.
+        process_group: default: the default group; a one-rank group behaves like NO_SHARD.
         sharding_strategy: FULL_SHARD, SHARD_GRAD_OP or NO_SHARD.
         cpu_offload: ``CPUOffload(offload_params=True)`` keeps shards and gradients on CPU.
-        auto_wrap_policy: ``policy(module, recurse, nonwrapped_numel) -> bool`` (torch's
-            signature, called with keywords); matching submodules are wrapped inner-first
-            with the same arguments.
+        auto_wrap_policy: ``policy(module=, recurse=, nonwrapped_numel=) -> bool`` (torch's);
+            matching submodules are wrapped inner-first with the same arguments.
         backward_prefetch: BACKWARD_PRE, BACKWARD_POST or None.
         mixed_precision: dtypes for compute/communication; master shards stay fp32.
-        device_id: compute device (int = CUDA index, or ``torch.device``); default: the
-            parameters' device.
-        sync_module_states: broadcast parameters and buffers from rank 0 (shapes are
-            checked across ranks first).
+        device_id: compute device (int: CUDA index); default: the parameters' device.
+        sync_module_states: broadcast parameters and buffers from rank 0 (shapes checked).
         forward_prefetch: issue the next instance's all-gather in pre-forward (static graphs).
-        limit_all_gathers: rate-limit all-gathers (see ``limiter.py``).
+        limit_all_gathers: rate-limit all-gathers (``limiter.py``).
         ignored_modules: modules whose parameters and buffers FSDP leaves alone.
-        param_init_fn: for a module built on the meta device: ``param_init_fn(submodule)``
-            allocates and initialises that submodule's own parameters and buffers; default:
-            ``submodule.to_empty(device=..., recurse=False)`` then its ``reset_parameters()``.
-            Called once per submodule this instance manages (nested instances materialised
-            themselves when they were built), on the compute device.
+        param_init_fn: for a meta-device module, ``param_init_fn(submodule)`` allocates and
+            initialises each managed submodule's own tensors on the compute device; default:
+            ``to_empty(recurse=False)`` then ``reset_parameters()``.
     """
 
     def __init__(
@@ -133,7 +120,6 @@ class FullyShardedDataParallel(ForwardMixin, StateDictMixin, nn.Module):
             _move_to_compute_device(module, ignored, compute_device, cpu_offload)
         if sync_module_states:
             _sync_module_states(module, params, process_group)
-        # this instance's state: configuration, flat parameter, training states (see state.py)
         self._fsdp_state = state = FSDPState(
             owner=self,
             module=module,
@@ -163,14 +149,10 @@ class FullyShardedDataParallel(ForwardMixin, StateDictMixin, nn.Module):
                 param._fsdp_flattened = True
             self.register_parameter("_flat_param", state.handle.flat_param)
             if state.handle.requires_grad:
-                state.handle.unsharded.register_post_accumulate_grad_hook(
-                    _PostBackwardHook(state)
-                )
+                state.handle.unsharded.register_post_accumulate_grad_hook(_PostBackwardHook(state))
         module.__dict__["_fsdp_wrapped"] = True
-        # the wrapped module (public as ``module``)
         self._fsdp_wrapped_module = module
 
-    # ------------------------------------------------------------------ observable attributes
     module = _state_attribute("module", "The wrapped module.")
     process_group = _state_attribute("process_group", "The group this instance shards over.")
     sharding_strategy = _state_attribute("sharding_strategy", "The requested ShardingStrategy.")
@@ -188,7 +170,6 @@ class FullyShardedDataParallel(ForwardMixin, StateDictMixin, nn.Module):
 
     @property
     def is_unsharded(self) -> bool:
-        """True while the unsharded flat parameter storage is allocated."""
         handle = self._fsdp_state.handle
         return handle is not None and handle.is_unsharded
 
@@ -207,8 +188,7 @@ class FullyShardedDataParallel(ForwardMixin, StateDictMixin, nn.Module):
             return getattr(self._fsdp_wrapped_module, name)
 
     def _use_device_handle(self, handle: DeviceHandle) -> None:
-        """Route this instance's streams and events through ``handle`` (``UsesDeviceHandle``;
-        ``install_device_handle`` calls it on every instance)."""
+        """``UsesDeviceHandle``: route streams and events through ``handle``."""
         state = self._fsdp_state
         state.device_handle = handle
         if state.context is not None and state.is_root:
@@ -216,25 +196,13 @@ class FullyShardedDataParallel(ForwardMixin, StateDictMixin, nn.Module):
 
     @staticmethod
     def fsdp_modules(module: nn.Module, root_only: bool = False) -> list[FullyShardedDataParallel]:
-        """FSDP instances in ``module``'s tree, pre-order (outermost first).
-
-        Args:
-            module: any module.
-            root_only: only instances with no FSDP ancestor inside ``module``.
-        """
+        """FSDP instances in ``module``'s tree, pre-order; ``root_only``: only those with no FSDP
+        ancestor inside ``module``."""
+        found = [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
         if not root_only:
-            return [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
-        found: list[FullyShardedDataParallel] = []
-
-        def visit(m: nn.Module) -> None:
-            if isinstance(m, FullyShardedDataParallel):
-                found.append(m)
-                return
-            for child in m.children():
-                visit(child)
-
-        visit(module)
-        return found
+            return found
+        nested = {id(inner) for outer in found for inner in list(outer.modules())[1:]}
+        return [m for m in found if id(m) not in nested]
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip all gradients under this root by their global norm (``impl/clip.py``)."""
@@ -243,11 +211,8 @@ class FullyShardedDataParallel(ForwardMixin, StateDictMixin, nn.Module):
         return clip_grad_norm_(self, max_norm, norm_type)
 
     def _assert_state(self, state: Any) -> None:
-        """Raise AssertionError unless this instance is in ``state`` (or one of several).
-
-        Args:
-            state: a ``TrainingState``/``HandleTrainingState`` or a list of them.
-        """
+        """AssertionError unless this instance is in ``state`` (a ``TrainingState`` or
+        ``HandleTrainingState``, or a list of them)."""
         assert_state(self._fsdp_state, state)
 
 
@@ -255,14 +220,12 @@ class _PostBackwardHook:
     """Post-accumulate-grad hook of an instance's unsharded leaf."""
 
     def __init__(self, state: FSDPState) -> None:
-        # the instance whose gradient is ready when the hook runs
         self.state = state
 
     def __call__(self, unsharded: torch.Tensor) -> None:
         runtime.post_backward_hook(self.state, unsharded)
 
 
-# ---------------------------------------------------------------------------- construction helpers
 def _check_arguments(
     module: Any,
     sharding_strategy: Any,
@@ -370,11 +333,8 @@ def _materialize_meta(
     device_id: int | torch.device | None,
     param_init_fn: Callable[[nn.Module], None] | None,
 ) -> None:
-    """Materialise the submodules this instance manages when all their parameters (and
-    buffers) are on the meta device: each submodule holding tensors is allocated on the compute
-    device and initialised once (``param_init_fn`` or ``to_empty`` + ``reset_parameters``).
-    Parameters on meta and elsewhere are left to the mixed-devices error of ``_compute_device``.
-    """
+    """Materialise the managed submodules when all their tensors are on the meta device (meta
+    mixed with other devices is left to ``_compute_device``'s error)."""
     if param_init_fn is not None and not callable(param_init_fn):
         raise TypeError(f"param_init_fn must be callable (module) -> None, got {param_init_fn!r}")
     owned: list[nn.Module] = []
@@ -388,19 +348,16 @@ def _materialize_meta(
 
     visit(module)
     tensors = [
-        t
-        for m in owned
-        for t in (*m._parameters.values(), *m._buffers.values())
-        if t is not None
+        t for m in owned for t in (*m._parameters.values(), *m._buffers.values()) if t is not None
     ]
     if not tensors or not all(t.is_meta for t in tensors):
         return
     if device_id is not None:
-        device = torch.device("cuda", device_id) if isinstance(device_id, int) else device_id
+        device = _device_of(device_id)
+    elif accelerator_available():
+        device = torch.device("cuda", torch.cuda.current_device())
     else:
-        device = torch.device("cuda", torch.cuda.current_device()) if (
-            accelerator_available()
-        ) else torch.device("cpu")
+        device = torch.device("cpu")
     with torch.no_grad():
         for m in owned:
             if not any(t is not None for t in (*m._parameters.values(), *m._buffers.values())):
@@ -415,23 +372,17 @@ def _materialize_meta(
                     "reset_parameters(); give it one (initialising its own parameters and "
                     "buffers) or pass param_init_fn"
                 )
-            m.to_empty(device=torch.device(device), recurse=False)
+            m.to_empty(device=device, recurse=False)
             reset()
 
 
 def _frozen_apart(
     params: list[tuple[nn.Module, str, nn.Parameter]],
 ) -> list[tuple[nn.Module, str, nn.Parameter]]:
-    """Frozen and trainable parameters in one instance: only the trainable ones are flattened.
-
-    [Note: frozen parameters] The frozen ones stay registered on their modules, whole on every
-    rank (not sharded: they never get a gradient, so nothing is reduced for them and the
-    optimizer skips them, leaving them bit-identical). An instance whose parameters are all
-    frozen flattens them as usual (a flat parameter without gradient: no reduction).
-    """
-    if all(param.requires_grad for _, _, param in params):
-        return params
-    if not any(param.requires_grad for _, _, param in params):
+    """The parameters to flatten: frozen ones next to trainable ones stay registered whole on
+    every rank (no gradient, nothing to reduce); all frozen are flattened as usual."""
+    trainable = [param.requires_grad for _, _, param in params]
+    if all(trainable) or not any(trainable):
         return params
     return [(m, name, param) for m, name, param in params if param.requires_grad]
 
@@ -442,9 +393,7 @@ def _check_frozen_apart_precision(
     params: list[tuple[nn.Module, str, nn.Parameter]],
     mixed_precision: MixedPrecision | None,
 ) -> None:
-    """Refuse a ``param_dtype`` for an instance that keeps frozen parameters apart: they are
-    not in the flat parameter, so nothing casts them, and they would meet activations of
-    another dtype in forward."""
+    """Refuse a ``param_dtype`` when frozen parameters stay apart: nothing would cast them."""
     dtype = None if mixed_precision is None else mixed_precision.param_dtype
     kept_apart = [p for _, _, p in collected if not p.requires_grad] if params != collected else []
     if dtype is not None and any(param.dtype != dtype for param in kept_apart):
@@ -477,21 +426,23 @@ def _compute_device(
             "(module.to_empty(device=...) and initialize) before wrapping it with FSDP"
         )
     if device_id is not None:
-        device = (
-            torch.device("cuda", device_id)
-            if isinstance(device_id, int)
-            else torch.device(device_id)
-        )
+        device = _device_of(device_id)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", 0)
         return device
     return next(iter(devices)) if devices else torch.device("cpu")
 
 
+def _device_of(device_id: int | torch.device) -> torch.device:
+    if isinstance(device_id, int):
+        return torch.device("cuda", device_id)
+    return torch.device(device_id)
+
+
 def _move_to_compute_device(
     module: nn.Module, ignored: set[nn.Module], device: torch.device, offload: CPUOffload
 ) -> None:
-    """Parameters go to ``device`` unless offloaded (then they stay on CPU); buffers always."""
+    """Buffers go to ``device``; parameters too unless offloaded."""
     for submodule in module.modules():
         if submodule in ignored or isinstance(submodule, FullyShardedDataParallel):
             continue
