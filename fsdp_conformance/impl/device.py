@@ -13,24 +13,14 @@ from torch import nn
 from fsdp_conformance.device_handle import DeviceHandle, UsesDeviceHandle
 
 
-class CPUEvent:
-    """An event that is complete as soon as it is recorded."""
+class CPUWork:
+    """A CPU event or stream: complete at once, ordered by program order."""
 
     def record(self, stream: Any = None) -> None:
         pass
 
-    def synchronize(self) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
     def wait(self, stream: Any = None) -> None:
         pass
-
-
-class CPUStream:
-    """A stream on which all work is already complete (program order)."""
 
     def wait_stream(self, stream: Any) -> None:
         pass
@@ -39,7 +29,7 @@ class CPUStream:
         pass
 
     def record_event(self, event: Any = None) -> Any:
-        return event if event is not None else CPUEvent()
+        return event if event is not None else CPUWork()
 
     def synchronize(self) -> None:
         pass
@@ -56,10 +46,10 @@ class CPUDeviceHandle:
     is_accelerator = False
 
     def __init__(self) -> None:
-        self._stream = CPUStream()
+        self._stream = CPUWork()
 
     def Event(self, **kwargs: Any) -> Any:
-        return CPUEvent()
+        return CPUWork()
 
     def Stream(self, **kwargs: Any) -> Any:
         return self._stream

@@ -128,10 +128,6 @@ class FlatParamHandle:
     def is_unsharded(self) -> bool:
         return self.full_padded.untyped_storage().size() > 0
 
-    @property
-    def all_gather_pending(self) -> bool:
-        return self.all_gather_work is not None
-
     def _resize(self, numel: int) -> None:
         storage = self.full_padded.untyped_storage()
         nbytes = numel * self.full_padded.element_size()

@@ -27,6 +27,7 @@ from fsdp_conformance.impl.state import FSDPState, assert_state, fsdp_states
 from fsdp_conformance.impl.state_dict import StateDictMixin
 
 AutoWrapPolicy = Callable[..., bool]
+Params = list[tuple[nn.Module, str, nn.Parameter]]  # (module, attribute name, parameter)
 
 
 def _state_attribute(name: str, doc: str) -> property:
@@ -111,9 +112,7 @@ class FullyShardedDataParallel(ForwardMixin, StateDictMixin, nn.Module):
             _recursive_wrap(module, auto_wrap_policy, ignored, child_kwargs, only_children=True)
 
         _materialize_meta(module, ignored, device_id, param_init_fn)
-        collected = _collect_params(module, ignored)
-        params = _frozen_apart(collected)
-        _check_frozen_apart_precision(module, collected, params, mixed_precision)
+        params = _frozen_apart(module, _collect_params(module, ignored), mixed_precision)
         compute_device = _compute_device(module, params, device_id)
         cpu_offload = cpu_offload or CPUOffload()
         if compute_device.type != "cpu":
@@ -130,7 +129,6 @@ class FullyShardedDataParallel(ForwardMixin, StateDictMixin, nn.Module):
             mixed_precision=mixed_precision,
             forward_prefetch=forward_prefetch,
             limit_all_gathers=limit_all_gathers,
-            ignored_modules=ignored,
             compute_device=compute_device,
         )
         if params:
@@ -149,7 +147,9 @@ class FullyShardedDataParallel(ForwardMixin, StateDictMixin, nn.Module):
                 param._fsdp_flattened = True
             self.register_parameter("_flat_param", state.handle.flat_param)
             if state.handle.requires_grad:
-                state.handle.unsharded.register_post_accumulate_grad_hook(_PostBackwardHook(state))
+                state.handle.unsharded.register_post_accumulate_grad_hook(
+                    lambda unsharded: runtime.post_backward_hook(state, unsharded)
+                )
         module.__dict__["_fsdp_wrapped"] = True
         self._fsdp_wrapped_module = module
 
@@ -216,23 +216,7 @@ class FullyShardedDataParallel(ForwardMixin, StateDictMixin, nn.Module):
         assert_state(self._fsdp_state, state)
 
 
-class _PostBackwardHook:
-    """Post-accumulate-grad hook of an instance's unsharded leaf."""
-
-    def __init__(self, state: FSDPState) -> None:
-        self.state = state
-
-    def __call__(self, unsharded: torch.Tensor) -> None:
-        runtime.post_backward_hook(self.state, unsharded)
-
-
-def _check_arguments(
-    module: Any,
-    sharding_strategy: Any,
-    cpu_offload: Any,
-    backward_prefetch: Any,
-    mixed_precision: Any,
-) -> None:
+def _check_arguments(module, sharding_strategy, cpu_offload, backward_prefetch, mixed_precision):
     if isinstance(module, FullyShardedDataParallel):
         raise ValueError(  # noqa: TRY004  (the type is right, the module is wrapped twice)
             f"module is already a FullyShardedDataParallel instance (around "
@@ -249,14 +233,13 @@ def _check_arguments(
         )
     if not isinstance(sharding_strategy, ShardingStrategy):
         raise TypeError(f"sharding_strategy must be a ShardingStrategy, got {sharding_strategy!r}")
-    if cpu_offload is not None and not isinstance(cpu_offload, CPUOffload):
-        raise TypeError(f"cpu_offload must be CPUOffload or None, got {cpu_offload!r}")
-    if backward_prefetch is not None and not isinstance(backward_prefetch, BackwardPrefetch):
-        raise TypeError(
-            f"backward_prefetch must be BackwardPrefetch or None, got {backward_prefetch!r}"
-        )
-    if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
-        raise TypeError(f"mixed_precision must be MixedPrecision or None, got {mixed_precision!r}")
+    for name, value, kind in (
+        ("cpu_offload", cpu_offload, CPUOffload),
+        ("backward_prefetch", backward_prefetch, BackwardPrefetch),
+        ("mixed_precision", mixed_precision, MixedPrecision),
+    ):
+        if value is not None and not isinstance(value, kind):
+            raise TypeError(f"{name} must be {kind.__name__} or None, got {value!r}")
 
 
 def _expand_ignored(ignored_modules: Iterable[nn.Module] | None) -> set[nn.Module]:
@@ -298,11 +281,9 @@ def _recursive_wrap(
     return module, wrapped_numel
 
 
-def _collect_params(
-    module: nn.Module, ignored: set[nn.Module]
-) -> list[tuple[nn.Module, str, nn.Parameter]]:
-    """(module, name, parameter) for every parameter this instance manages, in order."""
-    found: list[tuple[nn.Module, str, nn.Parameter]] = []
+def _collect_params(module: nn.Module, ignored: set[nn.Module]) -> Params:
+    """Every parameter this instance manages, in order."""
+    found: Params = []
     seen: set[tuple[int, str]] = set()
 
     def visit(m: nn.Module, path: str) -> None:
@@ -376,39 +357,26 @@ def _materialize_meta(
             reset()
 
 
-def _frozen_apart(
-    params: list[tuple[nn.Module, str, nn.Parameter]],
-) -> list[tuple[nn.Module, str, nn.Parameter]]:
+def _frozen_apart(module: nn.Module, params: Params, mp: MixedPrecision | None) -> Params:
     """The parameters to flatten: frozen ones next to trainable ones stay registered whole on
-    every rank (no gradient, nothing to reduce); all frozen are flattened as usual."""
-    trainable = [param.requires_grad for _, _, param in params]
-    if all(trainable) or not any(trainable):
+    every rank (no gradient, nothing to reduce), so a ``param_dtype`` that nothing would cast
+    them to is refused; all frozen are flattened as usual."""
+    trainable = [(m, name, param) for m, name, param in params if param.requires_grad]
+    if not trainable or len(trainable) == len(params):
         return params
-    return [(m, name, param) for m, name, param in params if param.requires_grad]
-
-
-def _check_frozen_apart_precision(
-    module: nn.Module,
-    collected: list[tuple[nn.Module, str, nn.Parameter]],
-    params: list[tuple[nn.Module, str, nn.Parameter]],
-    mixed_precision: MixedPrecision | None,
-) -> None:
-    """Refuse a ``param_dtype`` when frozen parameters stay apart: nothing would cast them."""
-    dtype = None if mixed_precision is None else mixed_precision.param_dtype
-    kept_apart = [p for _, _, p in collected if not p.requires_grad] if params != collected else []
-    if dtype is not None and any(param.dtype != dtype for param in kept_apart):
+    dtype = None if mp is None else mp.param_dtype
+    if dtype is not None and any(p.dtype != dtype for _, _, p in params if not p.requires_grad):
         raise ValueError(
             f"cannot wrap {type(module).__name__} with mixed_precision param_dtype={dtype}: it "
             "mixes frozen and trainable parameters, and the frozen ones stay apart in their own "
             "dtype; wrap the frozen submodules in their own FSDP instance (or freeze all or none "
             "of this instance's parameters)"
         )
+    return trainable
 
 
 def _compute_device(
-    module: nn.Module,
-    params: list[tuple[nn.Module, str, nn.Parameter]],
-    device_id: int | torch.device | None,
+    module: nn.Module, params: Params, device_id: int | torch.device | None
 ) -> torch.device:
     devices: dict[torch.device, str] = {}
     names = {id(m): n for n, m in module.named_modules()}
@@ -455,7 +423,7 @@ def _move_to_compute_device(
                     param.data = param.data.to(device)
 
 
-def _check_uniform(module: nn.Module, params: list[tuple[nn.Module, str, nn.Parameter]]) -> None:
+def _check_uniform(module: nn.Module, params: Params) -> None:
     dtypes = {p.dtype for _, _, p in params}
     if len(dtypes) > 1:
         raise ValueError(
@@ -464,9 +432,7 @@ def _check_uniform(module: nn.Module, params: list[tuple[nn.Module, str, nn.Para
         )
 
 
-def _sync_module_states(
-    module: nn.Module, params: list[tuple[nn.Module, str, nn.Parameter]], group: Any
-) -> None:
+def _sync_module_states(module: nn.Module, params: Params, group: Any) -> None:
     """Check shapes across ranks (one object all-gather), then broadcast from rank 0."""
     if group.size() == 1:
         return

@@ -32,9 +32,6 @@ class FreeEventQueue:
         self._queue: collections.deque[Any] = collections.deque()
         self._live_buffers = live_buffers
 
-    def __len__(self) -> int:
-        return len(self._queue)
-
     def enqueue(self, free_event: Any) -> None:
         self._queue.append(free_event)
 

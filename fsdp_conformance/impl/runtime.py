@@ -98,7 +98,7 @@ def reshard(state: FSDPState) -> None:
     if handle is None or not handle.copies or not handle.is_unsharded:
         return
     device = state.device_handle
-    if handle.all_gather_pending:
+    if handle.all_gather_work is not None:
         wait_unshard(state)
     if not handle.sharded:
         handle.free(device)

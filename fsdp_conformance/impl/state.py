@@ -92,7 +92,6 @@ class FSDPState:
     mixed_precision: MixedPrecision | None
     forward_prefetch: bool
     limit_all_gathers: bool
-    ignored_modules: set[nn.Module]  # with their descendants
     compute_device: torch.device
     handle: FlatParamHandle | None = None  # None: no parameters to manage
     training_state: TrainingState = TrainingState.IDLE

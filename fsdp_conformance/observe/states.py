@@ -24,7 +24,7 @@ at the end-of-backward sample only.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import functools
 from typing import Any
 
 import torch
@@ -45,6 +45,10 @@ from fsdp_conformance.training_states import (
 MAX_VIOLATIONS = 20
 END_OF_BACKWARD = "end of backward"
 END_OF_BACKWARD_TRANSITIONS = training_states.END_OF_BACKWARD_TRANSITIONS
+_LEGAL_AT_END_OF_BACKWARD = {
+    source: targets | END_OF_BACKWARD_TRANSITIONS.get(source, frozenset())
+    for source, targets in LEGAL_INSTANCE_TRANSITIONS.items()
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,8 +106,10 @@ class TrainingStateRecorder:
         for instance in self.instances:
             name = self.names[id(instance)]
             inner = self.adapter.unwrap(instance)
-            self._handles.append(inner.register_forward_pre_hook(self._pre_forward_hook(name)))
-            self._handles.append(instance.register_forward_hook(self._post_forward_hook(name)))
+            pre_forward = functools.partial(self._pre_forward, name)
+            self._handles.append(inner.register_forward_pre_hook(pre_forward))
+            post_forward = functools.partial(self._post_forward, name)
+            self._handles.append(instance.register_forward_hook(post_forward))
         self.sample("start")
         return self
 
@@ -112,31 +118,22 @@ class TrainingStateRecorder:
             handle.remove()
         self._handles.clear()
 
-    def _pre_forward_hook(self, name: str) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any) -> None:
-            self.sample("pre_forward", name)
+    def _pre_forward(self, name: str, module: nn.Module, args: Any) -> None:
+        self.sample("pre_forward", name)
 
-        return hook
+    def _post_forward(self, name: str, module: nn.Module, args: Any, output: Any) -> None:
+        self.sample("post_forward", name)
+        if not torch.is_grad_enabled():
+            return
+        for tensor in output_tensors(output):
+            if tensor.requires_grad:
+                tensor.register_hook(functools.partial(self._pre_backward, name))
 
-    def _post_forward_hook(self, name: str) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            self.sample("post_forward", name)
-            if not torch.is_grad_enabled():
-                return
-            for tensor in output_tensors(output):
-                if tensor.requires_grad:
-                    tensor.register_hook(self._pre_backward_hook(name))
-
-        return hook
-
-    def _pre_backward_hook(self, name: str) -> Callable[[torch.Tensor], None]:
-        def hook(grad: torch.Tensor) -> None:
-            self.sample("pre_backward", name)
-            if not self._end_of_backward_queued:
-                self._end_of_backward_queued = True
-                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-
-        return hook
+    def _pre_backward(self, name: str, grad: torch.Tensor) -> None:
+        self.sample("pre_backward", name)
+        if not self._end_of_backward_queued:
+            self._end_of_backward_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _end_of_backward(self) -> None:
         # the engine runs a callback queued by a callback after the pending ones
@@ -154,29 +151,18 @@ class TrainingStateRecorder:
         if not self.enabled:
             return
         label = hook if of is None else f"{hook} of {of}"
+        legal = LEGAL_INSTANCE_TRANSITIONS
+        if hook == END_OF_BACKWARD:
+            legal = _LEGAL_AT_END_OF_BACKWARD
         for instance in self.instances:
-            name = self.names[id(instance)]
             state = self._instance_state(instance)
             if state is not None:
-                self.states_seen[name].add(str(state))
-                legal = LEGAL_INSTANCE_TRANSITIONS
-                if hook == END_OF_BACKWARD:
-                    legal = {
-                        source: targets | END_OF_BACKWARD_TRANSITIONS.get(source, frozenset())
-                        for source, targets in legal.items()
-                    }
-                self._check(instance, name, label, "instance", state, legal)
+                self.states_seen[self.names[id(instance)]].add(str(state))
+                self._check(instance, label, "instance", state, legal)
         if self.root is not None:
             root_state = RootState(self.adapter.root_state(self.root))
             self.root_states_seen.add(str(root_state))
-            self._check(
-                self.root,
-                self.names[id(self.root)],
-                label,
-                "root",
-                root_state,
-                LEGAL_ROOT_TRANSITIONS,
-            )
+            self._check(self.root, label, "root", root_state, LEGAL_ROOT_TRANSITIONS)
 
     def after_step(self) -> None:
         """Sample after optimizer.step(): every instance and the root must be IDLE.
@@ -192,11 +178,11 @@ class TrainingStateRecorder:
         for instance in self.instances:
             state = self._instance_state(instance)
             if state is not None and state != InstanceState.IDLE:
-                self._record(self.names[id(instance)], hook, "instance", None, state, ("IDLE",))
+                self._record(instance, hook, "instance", None, state, ("IDLE",))
         if self.root is not None:
             root_state = RootState(self.adapter.root_state(self.root))
             if root_state != RootState.IDLE:
-                self._record(self.names[id(self.root)], hook, "root", None, root_state, ("IDLE",))
+                self._record(self.root, hook, "root", None, root_state, ("IDLE",))
         self.assert_legal()
 
     def assert_legal(self) -> None:
@@ -218,15 +204,7 @@ class TrainingStateRecorder:
         except ValueError:
             return None  # an instance without parameters keeps no instance state (FSDP1)
 
-    def _check(
-        self,
-        instance: nn.Module,
-        name: str,
-        hook: str,
-        level: str,
-        state: Any,
-        legal: dict[Any, frozenset[Any]],
-    ) -> None:
+    def _check(self, instance: nn.Module, hook: str, level: str, state: Any, legal: dict) -> None:
         key = (id(instance), level)
         previous = self.last.get(key)
         self.last[key] = state
@@ -235,19 +213,12 @@ class TrainingStateRecorder:
         allowed = legal[type(state)(previous)]
         if state not in allowed:
             ordered = sorted({str(previous), *(str(s) for s in allowed)})
-            self._record(name, hook, level, previous, state, tuple(ordered))
+            self._record(instance, hook, level, previous, state, tuple(ordered))
 
     def _record(
-        self, name: str, hook: str, level: str, previous: Any, seen: Any, allowed: tuple
+        self, instance: nn.Module, hook: str, level: str, previous: Any, seen: Any, allowed: tuple
     ) -> None:
         if len(self.violations) < MAX_VIOLATIONS:
-            self.violations.append(
-                Violation(
-                    name,
-                    hook,
-                    level,
-                    None if previous is None else str(previous),
-                    str(seen),
-                    allowed,
-                )
-            )
+            previous = None if previous is None else str(previous)
+            name = self.names[id(instance)]
+            self.violations.append(Violation(name, hook, level, previous, str(seen), allowed))
