@@ -27,10 +27,9 @@ def save_checkpoint(root: nn.Module, optimizer: torch.optim.Optimizer, directory
     names = _param_names(root, optimizer)
     optimizer_state: dict[str, dict[str, Any]] = {}
     for index, param in enumerate(_optimizer_params(optimizer)):
-        state = optimizer.state.get(param, {})
         handle = handles.get(id(param))
         entry = {}
-        for key, value in state.items():
+        for key, value in optimizer.state.get(param, {}).items():
             if handle is not None and _is_per_element(value, handle.shard_numel):
                 value = _gather(value, handle)
             entry[key] = _cpu(value)
@@ -80,19 +79,16 @@ def load_checkpoint(root: nn.Module, optimizer: torch.optim.Optimizer, directory
             f"load_checkpoint: the checkpoint has no optimizer state for {missing}; was it saved "
             "from the same model?"
         )
-    params = _optimizer_params(optimizer)
     state: dict[int, dict[str, Any]] = {}
-    for index, param in enumerate(params):
+    for index, param in enumerate(_optimizer_params(optimizer)):
         handle = handles.get(id(param))
         entry = {}
         for key, value in payload["optimizer"][names[index]].items():
             if handle is not None and _is_per_element(value, handle.numel):
                 value = _shard(value, handle)
-            entry[key] = (
-                value.to(param.device)
-                if isinstance(value, torch.Tensor) and (value.dim() > 0)
-                else value
-            )
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                value = value.to(param.device)
+            entry[key] = value
         if entry:
             state[index] = entry
     groups = []

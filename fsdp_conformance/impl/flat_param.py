@@ -1,13 +1,9 @@
-"""One instance's flat parameter: flatten, pad, shard; the unsharded buffer and its views.
-
-The optimizer sees ``flat_param``: this rank's shard (original dtype). Compute uses
-``unsharded``, an autograd leaf whose storage is the padded buffer ``full_padded`` (in
-``param_dtype``); the original parameters become plain-tensor views of it, so autograd
-accumulates their gradients into ``unsharded.grad``.
+"""One instance's flat parameter (docs/impl.md): flatten, pad, shard; the unsharded buffer.
 
 [Note: storage swap]
-Freeing ``full_padded`` resizes its storage to zero; unsharding resizes it back and all-gathers
-into it. ``unsharded`` shares that storage through ``.data`` but has its own version counter,
+The original parameters are views of ``unsharded``, an autograd leaf sharing the storage of the
+padded buffer ``full_padded`` through ``.data``. Freeing resizes that storage to zero and
+unsharding resizes it back and all-gathers into it; ``unsharded`` has its own version counter,
 so autograd's saved views survive backward's re-all-gather.
 """
 

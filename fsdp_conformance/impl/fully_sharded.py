@@ -15,12 +15,7 @@ from torch import nn
 
 from fsdp_conformance.device_handle import DeviceHandle, accelerator_available
 from fsdp_conformance.impl import runtime
-from fsdp_conformance.impl.api import (
-    BackwardPrefetch,
-    CPUOffload,
-    MixedPrecision,
-    ShardingStrategy,
-)
+from fsdp_conformance.impl.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from fsdp_conformance.impl.flat_param import FlatParamHandle
 from fsdp_conformance.impl.forward import ForwardMixin
 from fsdp_conformance.impl.state import FSDPState, assert_state, fsdp_states

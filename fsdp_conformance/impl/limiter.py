@@ -1,12 +1,9 @@
 """The all-gather rate limiter: a queue of free events.
 
 [Note: residency bound]
-An unsharded buffer is *resident* from its all-gather issue until the event recorded right after
-its free has completed on the device. Before each all-gather issue, while (queued free events) +
-(non-root buffers unsharded now) + 1 exceeds MAX_INFLIGHT (+1 for an *early* prefetch, issued
-while the issuing non-root instance still holds its own buffer), the oldest free event is
-dequeued and synchronized. Events complete in order, so this never over-waits. torch FSDP1
-counts only frees, so an unshard skipped for an already-prefetched handle lets a third buffer in.
+Before each all-gather issue, while queued free events + non-root buffers unsharded now + 1
+exceeds MAX_INFLIGHT (+1 for an early prefetch), the oldest free event is synchronized; the rule
+and how it differs from torch FSDP1 (which counts only frees) are in docs/impl.md.
 """
 
 from __future__ import annotations

@@ -255,8 +255,7 @@ def pre_backward_hook(state: FSDPState, grad: torch.Tensor) -> None:
 
 
 def post_backward_hook(state: FSDPState, unsharded: torch.Tensor) -> None:
-    if state.handle_training_state != HandleTrainingState.BACKWARD_PRE:
-        transition(state, HandleTrainingState.BACKWARD_PRE, "post-backward hook")
+    transition(state, HandleTrainingState.BACKWARD_PRE, "post-backward hook")
     transition(state, HandleTrainingState.BACKWARD_POST, "post-backward hook")
     state.ran_post_backward = True
     handle = state.handle

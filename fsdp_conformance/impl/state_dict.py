@@ -157,16 +157,13 @@ class StateDictMixin:
             else:
                 with summon_full_params(self._fsdp_state, True, False, False, True):
                     for entry in present:
-                        if entry.kind == "param":
-                            entry.module._parameters[entry.attr].copy_(state_dict[entry.name])
-                        else:
-                            self._load_plain(entry, state_dict[entry.name])
+                        self._load_plain(entry, state_dict[entry.name])
         return _IncompatibleKeys(missing, unexpected)
 
     @staticmethod
     def _load_plain(entry: StateEntry, value: torch.Tensor) -> None:
         module, attr = entry.module, entry.attr
-        target = module._parameters[attr] if entry.kind == "plain" else module._buffers[attr]
+        target = module._buffers[attr] if entry.kind == "buffer" else module._parameters[attr]
         target.copy_(value)
 
 

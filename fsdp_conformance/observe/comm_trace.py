@@ -9,12 +9,7 @@ collective called in this rank's thread, with its group's global ranks, in ``col
 Labels are the instance's module path in the *unwrapped* model (``<root>`` for the root); the
 state is the canonical instance state at the event, so an all-gather in ``IDLE`` during
 forward/backward is a prefetch. Nothing nondeterministic reaches ``render()``, which the
-prefetch-order goldens compare.
-
-    with CommTrace(adapter, root) as trace:
-        with trace.phase("iteration 1 forward"):
-            loss = model(x).sum()
-    print(trace.render())
+prefetch-order goldens compare. The driver names the phases: ``with trace.phase(name):``.
 """
 
 from __future__ import annotations

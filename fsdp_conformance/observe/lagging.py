@@ -7,10 +7,7 @@ blocks on it or on a later one (events complete in recording order, as on one CU
 on the stream or device. ``"strict"`` never drains by itself; ``"drained"`` also catches up at
 ``end_iteration()`` (as ``loss.item()`` forces); ``max_lag=K`` also completes an event once K
 more have been recorded. It implements the ``DeviceHandle`` protocol on its own (all torch FSDP1
-uses on a CPU host); listeners hear of every advance of the device.
-
-    device = LaggingDevice("strict")
-    adapter.install_device_handle(model, device)
+uses on a CPU host; ``adapter.install_device_handle``); listeners hear of every advance.
 """
 
 from __future__ import annotations

@@ -1,25 +1,15 @@
 """Residency of unsharded buffers, observed through an adapter's comm trace and a lagging device.
 
 [Note: residency]
-An unsharded buffer is *resident* from its all-gather issue until the free recorded at its
-reshard has *completed on the device* (``observe/lagging.py``). The tracker is an adapter
-observer: ``"all_gather"`` (or ``"alloc"``: a buffer filled outside the all-gather) adds a live
-buffer; ``"free"`` ends it and records a marker event on the lagging device, resident until the
-marker completes. Our own marker makes the observation independent of whether the
-implementation records a free event (torch FSDP1 with ``limit_all_gathers=False`` records
-none); events complete in order, so the implementation's own free event completes it too. A
-free whose ``info`` names the allocating ``"stream"`` (and ``"used_after"``) is reusable at once
-when that stream is ordered after every other use ([Note: stream-ordered reuse]).
-
-``resident`` counts non-root buffers (the root's, ``root_resident``, stay unsharded between
-forward and backward under FULL_SHARD). A phase's *peak* is the largest ``resident`` right after
-an all-gather issued in it: residency only rises at an issue. Every event is also a ``Sample``.
-
-    tracker = ResidencyTracker(device, adapter.instances(model))
-    with adapter.observe(tracker):
-        tracker.start(1, "forward"); loss = loss_of(model(x))
-        tracker.start(1, "backward"); loss.backward()
-    tracker.peaks[(1, "backward")].resident
+A buffer is *resident* from its all-gather (or ``"alloc"``) until the free recorded at its
+reshard has *completed on the device* (``observe/lagging.py``): at ``"free"`` the tracker records
+its own marker event, so it does not depend on the implementation recording one (torch FSDP1
+without ``limit_all_gathers`` records none); events complete in order. A free whose ``info``
+names the allocating ``"stream"`` (and ``"used_after"``) is reusable at once when that stream is
+ordered after every other use ([Note: stream-ordered reuse]). ``resident`` counts non-root
+buffers (``root_resident`` the root's); a phase's *peak* is the largest ``resident`` right after
+an all-gather issued in it. Every event is also a ``Sample``. The driver calls
+``tracker.start(iteration, phase)`` before each phase, inside ``adapter.observe(tracker)``.
 """
 
 from __future__ import annotations

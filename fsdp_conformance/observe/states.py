@@ -1,11 +1,6 @@
 """Training-state recorder: every instance's canonical state at every hook, checked against the
 transitions of ``fsdp_conformance/training_states.py``.
 
-    with TrainingStateRecorder(adapter, root) as recorder:
-        loss.backward(); optimizer.step()
-        recorder.after_step()                        # every instance must be IDLE; raises
-    recorder.assert_legal()                          # raises naming instance, hook, states
-
 [Note: where the recorder samples]
 A *sample* reads every instance's state (and the root state) and checks each change. Plain
 module and autograd hooks, registered after the implementation's own, sample right after its

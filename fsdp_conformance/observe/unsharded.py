@@ -7,12 +7,8 @@ while forward runs, attributed to the innermost instance whose forward runs. A t
 equals it in the tensor's own dtype. Only a weak reference is kept; after the forward the
 tensor is *alive* while the reference resolves and its storage has bytes (FSDP1/2, fairscale
 and impl resize the storage to 0; DeepSpeed swaps ``param.data``; others drop the tensor).
-
-    probe = UnshardedParams(adapter, root, adapter.full_params(root))
-    with probe:
-        output = root(*inputs)
-    probe.seen   # instance label -> {full parameter name: dtype} used in its forward
-    probe.alive  # instance label -> names still alive when the forward returned
+``seen``: instance label -> {full parameter name: dtype} used in its forward; ``alive``:
+instance label -> names still alive when the forward returned.
 """
 
 from __future__ import annotations
