@@ -1,17 +1,13 @@
-"""Reproductions: ``write_repro`` writes a standalone ``repro.py`` for a failing case; running it
-calls ``main``, which runs the case once on local ranks against the implementation and ends
-with one line saying which of three it is: exit 1 (``STILL_FAILS``) while the failure persists,
-0 (``PASSES``) once it is gone, 2 (``CANNOT_RUN``) when the case cannot be run here at all
-(fsdp-conformance or torch not importable, the adapter missing or broken, torch outside the
-adapter's supported range) -- never 1 for a reproduction that did not run.
-
-    python repro.py                         # the --impl and world size it was found with
-    python repro.py --impl torch-fsdp2      # the same case on another implementation
+"""Reproductions: ``write_repro`` writes a standalone ``repro.py`` for a failing case, whose
+``main`` runs the case once on local ranks and ends with one line saying which it is: exit 1
+(``STILL_FAILS``) while the failure persists, 0 (``PASSES``) once it is gone, 2 (``CANNOT_RUN``)
+when the case cannot run here at all -- never 1 for a reproduction that did not run.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -90,50 +86,26 @@ def _short(message: str, lines: int = 12) -> str:
     return "\n".join(parts)
 
 
-def _pretty(value: Any, indent: int = 0, width: int = 96) -> str:
+def _pretty(value: Any, indent: int = 0, width: int | None = 96) -> str:
     """``value`` (a case, or a part of one) as Python source, one constructor per line where it
-    does not fit; fields at their defaults are left out."""
-    import dataclasses
-
-    flat = _flat(value)
-    if len(flat) + indent * 4 <= width:
+    does not fit in ``width`` (None: all on one line); fields at their defaults left out."""
+    if dataclasses.is_dataclass(value):
+        head = f"{type(value).__name__}("
+        fields = [
+            (f"{f.name}=", getattr(value, f.name), f.default) for f in dataclasses.fields(value)
+        ]
+        parts = [(name, item) for name, item, default in fields if item != default]
+    elif isinstance(value, tuple):
+        head, parts = "(", [("", item) for item in value]
+    else:
+        return repr(value)
+    single = "," if head == "(" and len(parts) == 1 else ""
+    flat = head + ", ".join(name + _pretty(item, 0, None) for name, item in parts) + single + ")"
+    if width is None or len(flat) + indent * 4 <= width:
         return flat
     pad = "    " * (indent + 1)
-    if dataclasses.is_dataclass(value):
-        items = [
-            f"{pad}{field.name}={_pretty(getattr(value, field.name), indent + 1, width)},"
-            for field in dataclasses.fields(value)
-            if not _is_default(value, field)
-        ]
-        return f"{type(value).__name__}(\n" + "\n".join(items) + "\n" + "    " * indent + ")"
-    if isinstance(value, tuple):
-        items = [f"{pad}{_pretty(item, indent + 1, width)}," for item in value]
-        return "(\n" + "\n".join(items) + "\n" + "    " * indent + ")"
-    return flat
-
-
-def _is_default(value: Any, field: Any) -> bool:
-    import dataclasses
-
-    if field.default is not dataclasses.MISSING:
-        return getattr(value, field.name) == field.default
-    return False
-
-
-def _flat(value: Any) -> str:
-    import dataclasses
-
-    if dataclasses.is_dataclass(value):
-        fields = [
-            f"{field.name}={_flat(getattr(value, field.name))}"
-            for field in dataclasses.fields(value)
-            if not _is_default(value, field)
-        ]
-        return f"{type(value).__name__}({', '.join(fields)})"
-    if isinstance(value, tuple):
-        inner = ", ".join(_flat(item) for item in value)
-        return f"({inner},)" if len(value) == 1 else f"({inner})"
-    return repr(value)
+    items = [f"{pad}{name}{_pretty(item, indent + 1, width)}," for name, item in parts]
+    return head + "\n" + "\n".join(items) + "\n" + "    " * indent + ")"
 
 
 def repro_in_rank(dist: Any, case: FuzzCase, out_file: str) -> None:
