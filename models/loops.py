@@ -94,8 +94,6 @@ class LoopModule(ZooModel):
     """The training-loop checks' model (see the module docstring).
 
     Args:
-        group: the process group (its rank seeds the inputs).
-        wrap: wraps the blocks, the branch and the head; None = unwrapped reference.
         gains: one per block, its output scale (instances' gradient magnitudes then differ by
             orders of magnitude, so the clipping norm depends on every shard).
         branch: add a wrapped Linear(16, 16) branch, used while `use_branch` is True (the

@@ -141,8 +141,8 @@ def run_loss_backward(
 
 
 class ZooModel(nn.Module):
-    """A zoo model's defaults: no special root wrap config, ``run_backward`` as plain backward,
-    ``rank`` / ``world_size`` from the process group."""
+    """A zoo model's defaults. Every model takes ``group`` (its rank seeds the inputs), ``wrap``
+    (None: the unwrapped reference), ``device_init`` and ``device`` (see ``DeviceInit``)."""
 
     ROOT_WRAP_CONFIG: ClassVar[dict[str, Any]] = {}
 

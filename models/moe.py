@@ -5,11 +5,6 @@
 The expert is wrapped on a one-rank process group, so its gradients are never averaged; its
 parameters carry `param.expert = True`. The unwrapped reference (usually inside `DummyDDP`)
 averages the non-expert gradients itself in `run_backward`.
-
-    model = MixtureOfExperts(group, wrap=adapter.wrapper(), delay_before_free_ms=10)
-    root = adapter.wrap(model)
-    (x,) = model.get_input(device)               # (4, 8)
-    model.run_backward(model.get_loss((x,), root(x)))
 """
 
 from __future__ import annotations
@@ -39,14 +34,11 @@ class MixtureOfExperts(ZooModel):
     """The MixtureOfExperts of torch's FSDP test models (common_fsdp.py).
 
     Args:
-        group: the process group of the shared layers.
-        wrap: wraps the shared layer (on `group`) and the expert (on `expert_group`);
-            None = unwrapped reference.
+        wrap: wraps the shared layer (on `group`) and the expert (on `expert_group`).
         delay_before_free_ms: delay before the expert frees its unsharded parameters
             (needs a wrap with `delay_before_free`, see `DelayHooks`).
-        expert_group: the expert's one-rank group; default: `dist.new_group([rank])`,
-            created only when wrapping (collective: every rank must build the model).
-        device_init, device: when to move to `device` (BEFORE: before wrapping).
+        expert_group: the expert's one-rank group; default: `dist.new_group([rank])` when
+            wrapping (collective: every rank must build the model).
     """
 
     def __init__(

@@ -2,11 +2,6 @@
 
 Linear(8, 4) -> [[Linear(4, 16)] -> Linear(16, 16)] -> [Linear(16, 4)] -> Linear(4, 8)
 (brackets = wrapped; the outer bracket is an instance containing an instance)
-
-model = NestedWrappedModule(group, wrap=adapter.wrapper())
-root = adapter.wrap(model)
-(x,) = model.get_input(device)               # (4, 8)
-model.run_backward(model.get_loss((x,), root(x)))
 """
 
 from __future__ import annotations
@@ -32,14 +27,8 @@ ALWAYS_WRAP = constants.ALWAYS_WRAP
 
 
 class NestedWrappedModule(ZooModel):
-    """The NestedWrappedModule of torch's FSDP test models, seeded without the global RNG.
-
-    Args:
-        group: the process group (its rank seeds the inputs).
-        wrap: wraps the bracketed submodules; None = unwrapped reference.
-        wrap_everything: wrap each of the four Linears instead (four instances, none nested).
-        device_init, device: when to move to `device` (BEFORE: before wrapping).
-    """
+    """The NestedWrappedModule of torch's FSDP test models, seeded without the global RNG;
+    `wrap_everything` wraps each of the four Linears instead (four instances, none nested)."""
 
     def __init__(
         self,

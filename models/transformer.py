@@ -2,12 +2,7 @@
 
 It exercises a parameter shared by two submodules of the root instance, buffers of two dtypes
 (`vocab_bias` float, `long_buffer` int64), an optional BatchNorm (running-stat buffers) and,
-when wrapped, one instance per encoder/decoder layer.
-
-    model = TransformerWithSharedParams(group, wrap=adapter.wrapper())
-    root = adapter.wrap(model)
-    src, tgt = model.get_input(device)           # (6, 2), (4, 2) token ids
-    model.run_backward(model.get_loss((src, tgt), root(src, tgt)))
+when wrapped, one instance per encoder/decoder layer. Inputs: (6, 2) and (4, 2) token ids.
 """
 
 from __future__ import annotations
@@ -25,13 +20,10 @@ class TransformerWithSharedParams(ZooModel):
     """The transformer of torch's FSDP test models; inputs differ per rank, dropout is 0.
 
     Args:
-        group: the process group (its rank seeds the inputs).
-        wrap: wraps each encoder and decoder layer; None = unwrapped reference.
         d_vocab: vocabulary size (>= 12).
         d_model: model width (divisible by the 8 attention heads).
         add_bn: put a BatchNorm1d on the target embedding (else Identity).
         wrap_layers: with a `wrap`, wrap each encoder/decoder layer (4 instances + the root).
-        device_init, device: when to move to `device` (BEFORE: before wrapping).
     """
 
     def __init__(

@@ -137,20 +137,17 @@ def run_in_ranks(case: FuzzCase, impl: str, world_size: int, timeout: float = 60
     """
     from fsdp_conformance.harness.controller import run_function
 
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())  # pkg.module:ATTR adapters next to the script
-    workdir = tempfile.mkdtemp(prefix="fsdp-fuzz-repro-")
-    out_file = os.path.join(workdir, "outcome.json")
-    result = run_function(
-        "fsdp_conformance.suite.fuzz.repro",
-        "repro_in_rank",
-        {"case": case, "out_file": out_file},
-        world_size=world_size,
-        timeout=timeout,
-        impl=impl,
-        test_id="fsdp-conformance fuzz repro",
-    )
-    try:
+    with tempfile.TemporaryDirectory(prefix="fsdp-fuzz-repro-", ignore_cleanup_errors=True) as tmp:
+        out_file = os.path.join(tmp, "outcome.json")
+        result = run_function(
+            "fsdp_conformance.suite.fuzz.repro",
+            "repro_in_rank",
+            {"case": case, "out_file": out_file},
+            world_size=world_size,
+            timeout=timeout,
+            impl=impl,
+            test_id="fsdp-conformance fuzz repro",
+        )
         if result.verdict.status == "skipped":  # e.g. the ranks lack the GPUs the case needs
             raise CannotRun(f"the ranks skipped: {result.verdict.message}")
         if result.verdict.status != "passed":
@@ -158,10 +155,6 @@ def run_in_ranks(case: FuzzCase, impl: str, world_size: int, timeout: float = 60
         with open(out_file, encoding="utf-8") as stream:
             data = json.load(stream)
         return Outcome(data["kind"], data["message"])
-    finally:
-        import shutil
-
-        shutil.rmtree(workdir, ignore_errors=True)
 
 
 # repro.py's exit codes
@@ -224,11 +217,12 @@ def main(case: FuzzCase, impl: str, world_size: int, argv: list[str] | None = No
         print(f"FAILS: {outcome.message}")
         print(f"still fails (exit {STILL_FAILS})")
         return STILL_FAILS
-    if outcome.kind == OK:
-        print("passes: the FSDP run matches DDP (the failure is gone)")
-    elif outcome.kind == UNSUPPORTED:
-        print(f"refused with a clear error (not a failure): {outcome.message}")
-    elif outcome.kind == DEVIATION:
-        print(f"fails as the adapter declares (a known deviation): {outcome.message}")
+    print(
+        {
+            OK: "passes: the FSDP run matches DDP (the failure is gone)",
+            UNSUPPORTED: f"refused with a clear error (not a failure): {outcome.message}",
+            DEVIATION: f"fails as the adapter declares (a known deviation): {outcome.message}",
+        }[outcome.kind]
+    )
     print(f"passes now (exit {PASSES})")
     return PASSES
