@@ -7,7 +7,7 @@ it, and the outcomes are gathered to rank 0, which decides for all; the other ra
 rank 0 sends ``None``. An example costs a broadcast and a gather, never a process start, and no
 two ranks can disagree about what to run next. hypothesis runs with a fixed seed, no database,
 no timing health checks, phases generate + shrink (reproducible from adapter, seed, examples and
-world size), and keeps its files under ``hypothesis_dir()``, never the working directory.
+world size), and keeps its files out of the working directory (``_hypothesis_storage``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from .compare import DEVIATION, FAIL, UNSUPPORTED, Outcome, combine, run_case
+from .compare import DEVIATION, FAIL, UNSUPPORTED, combine, run_case
 from .spec import FuzzCase, describe
 from .strategies import MAX_NODES, MAX_STEPS, cases
 
@@ -38,23 +38,18 @@ def require_hypothesis() -> None:
         raise ImportError(HYPOTHESIS_MISSING) from None
 
 
-def hypothesis_dir() -> str:
-    """``HYPOTHESIS_STORAGE_DIRECTORY`` when set, else ``fsdp-conformance/hypothesis`` under
-    ``XDG_CACHE_HOME`` (default ``~/.cache``)."""
-    chosen = os.environ.get("HYPOTHESIS_STORAGE_DIRECTORY")
-    if chosen:
-        return chosen
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(cache, "fsdp-conformance", "hypothesis")
-
-
 @contextlib.contextmanager
 def _hypothesis_storage() -> Iterator[None]:
-    """hypothesis stores under ``hypothesis_dir()`` within the block, as before after it."""
+    """Within the block hypothesis stores under ``HYPOTHESIS_STORAGE_DIRECTORY`` when set, else
+    ``fsdp-conformance/hypothesis`` under ``XDG_CACHE_HOME`` (default ``~/.cache``)."""
     from hypothesis import configuration
 
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    chosen = os.environ.get("HYPOTHESIS_STORAGE_DIRECTORY")
     previous = vars(configuration).get("__hypothesis_home_directory")
-    configuration.set_hypothesis_home_dir(hypothesis_dir())
+    configuration.set_hypothesis_home_dir(
+        chosen or os.path.join(cache, "fsdp-conformance", "hypothesis")
+    )
     try:
         yield
     finally:
@@ -166,17 +161,6 @@ def _follow(adapter: Any, dist: Any) -> None:
         tdist.all_gather_object([None] * dist.world_size, outcome)
 
 
-def run_everywhere(adapter: Any, case: FuzzCase, dist: Any) -> Outcome:
-    """Rank 0: run ``case`` in every rank (the others in ``_follow``); the combined outcome."""
-    import torch.distributed as tdist
-
-    tdist.broadcast_object_list([case], src=0)
-    local = run_case(adapter, case, dist)
-    gathered: list[Any] = [None] * dist.world_size
-    tdist.all_gather_object(gathered, local)
-    return combine(gathered)
-
-
 def _drive(
     adapter: Any,
     dist: Any,
@@ -186,6 +170,7 @@ def _drive(
     max_seconds: float | None,
     progress_file: str | None,
 ) -> FuzzResult:
+    import torch.distributed as tdist
     from hypothesis import HealthCheck, Phase, Verbosity, given, reject, settings
     from hypothesis import seed as fixed_seed
     from hypothesis.errors import Unsatisfiable
@@ -231,7 +216,10 @@ def _drive(
             if not failing:
                 raise _OutOfTime
             return None  # shrinking past the deadline: stop with the smallest failure so far
-        outcome = run_everywhere(adapter, case, dist)
+        tdist.broadcast_object_list([case], src=0)  # the other ranks run it in _follow
+        gathered: list[Any] = [None] * dist.world_size
+        tdist.all_gather_object(gathered, run_case(adapter, case, dist))
+        outcome = combine(gathered)
         if failing:
             result.shrinks += 1
         if outcome.kind == UNSUPPORTED:

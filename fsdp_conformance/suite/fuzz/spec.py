@@ -1,18 +1,13 @@
-"""The generated case (``FuzzCase``): a model, a wrap plan, a wrap config and a training program,
-all plain frozen values, so ``repr(case)`` is Python that rebuilds it and every rank builds the
-identical model from the case alone.
+"""The generated case (``FuzzCase``): plain frozen values, so ``repr(case)`` is Python that
+rebuilds it and every rank builds the identical model from the case alone.
 
 [Note: the generated model]
 A ``ModelSpec`` is a tree of nodes applied in order to an activation ``h`` of shape
-``(batch, width)``; a node's forward is ``node(h, tokens, it)`` (``tokens``: int64 per sample,
-``it``: the step index) and returns ``h`` in its ``output`` container, which the parent unpacks.
-Leaves (``Block``): linear (``tie`` > 0: the weight is shared with every block of that tie id),
-layernorm, act (Tanh), embed (``h + Embedding(vocab, width)(tokens % vocab)``), twice (one
-Linear called twice) and branch (``h + lin(h)`` only when ``it % period == 0``). A branch's use
-changes between steps, never within one: a parameter used inside ``no_sync`` but unused by the
-step's synchronising backward has no agreed outcome (DDP reduces the accumulated gradient; an
-FSDP whose post-backward hook runs per used flat parameter never does). ``Seq`` nodes nest; the
-model ends in a trainable ``Linear(width, 2)`` head.
+``(batch, width)``; each node's forward is ``node(h, tokens, it)`` (``it``: the step index) and
+returns ``h`` in its ``output`` container. Leaves (``Block``) are described by ``describe``; a
+branch's use changes between steps, never within one (a parameter used inside ``no_sync`` but
+unused by the synchronising backward has no agreed outcome). The model ends in a trainable
+``Linear(width, 2)`` head.
 """
 
 from __future__ import annotations
@@ -120,11 +115,10 @@ class FuzzCase:
     def uses(self) -> frozenset[str]:
         """What the case exercises, for ``Deviation(check="fuzz.generated", applies=...)``:
         block kinds, "frozen", "tie", "checkpoint", "output:KIND", "no_sync",
-        "accumulate:synced" (gradients reduced before the step's last micro-batch), "clip",
-        "eval", "nested", "checkpoint:wrapped" (a checkpointed node is or holds an instance),
-        "branch:wrapped", "instance-output:KIND" (what the root or a wrapped node returns),
-        "config:KEY=VALUE", "precision:bf16" (param_dtype), "precision:reduce=fp32",
-        "precision:buffer=bf16", "state_dict:round_trip" and "init:meta"."""
+        "accumulate:synced", "clip", "eval", "nested", "checkpoint:wrapped", "branch:wrapped",
+        "instance-output:KIND", "config:KEY=VALUE", "precision:bf16" (param_dtype),
+        "precision:reduce=fp32", "precision:buffer=bf16", "state_dict:round_trip", "init:meta".
+        """
         used: set[str] = {f"output:{self.model.output}", f"instance-output:{self.model.output}"}
         for node in iter_nodes(self.model.body):
             if isinstance(node, Block):
