@@ -18,13 +18,15 @@ LONG_TESTS = {
     "tests/fuzz/test_fuzz_mutants.py::test_fuzz_finds_shrinks_and_reproduces": 32,
     "tests/launcher/test_torchrun_harness.py::"
     "test_killed_rank_ends_both_agents_within_the_timeout": 27,
-    "tests/harness/test_failures.py::test_process_mode_failures_are_named_and_the_pool_recovers": 25,
+    "tests/harness/test_failures.py::"
+    "test_process_mode_failures_are_named_and_the_pool_recovers": 25,
     "tests/suite/test_precision_catch_broken.py::"
     "test_each_precision_check_fails_on_its_broken_variant": 25,
     "tests/suite/test_shapes.py::test_simple_fsdp_passes_and_its_broken_variants_fail": 22,
     "tests/fuzz/test_repro_exit_codes.py::test_still_fails_1_passes_now_0": 21,
     "tests/cli/test_cli.py::test_run_on_impl_passes_and_writes_matrix_json_junit": 20,
-    "tests/suite/test_wrap_optim_forward_checks.py::test_each_check_fails_on_its_broken_variant": 20,
+    "tests/suite/test_wrap_optim_forward_checks.py::"
+    "test_each_check_fails_on_its_broken_variant": 20,
     "tests/suite/test_sharding_checks.py::test_each_sharding_check_fails_on_its_broken_variant": 19,
     "tests/cli/test_cli.py::test_timeline_draws_two_panels_and_unlimited_exceeds_bound": 18,
     "tests/harness/test_isolation.py::test_next_test_sees_a_pristine_rank": 17,
@@ -42,7 +44,8 @@ LONG_TESTS = {
     "tests/harness/test_signals.py::"
     "test_signal_to_the_cli_pid_ends_it_within_the_bound_leaving_nothing": 11,
     "tests/harness/test_xdist_and_gpus.py::test_xdist_runs_eight_two_rank_tests_concurrently": 11,
-    "tests/launcher/test_torchrun_suite.py::test_broken_adapter_fails_and_rank_zero_names_rank_one": 11,
+    "tests/launcher/test_torchrun_suite.py::"
+    "test_broken_adapter_fails_and_rank_zero_names_rank_one": 11,
     "tests/harness/test_fsdp_test.py::test_fsdp_test_methods_run_in_every_rank": 10,
     "tests/suite/test_verdict_path.py::test_a_stale_strict_deviation_fails": 10,
     "tests/suite/test_protocol_outside_adapter.py::test_engine_like_outside_adapter_passes": 10,
