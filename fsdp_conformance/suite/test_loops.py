@@ -348,15 +348,11 @@ def _variant_case(variant: str, strategy: str) -> LoopCase:
 
 
 class BaseForwardVariantsTests:
-    """Forward variants, 4 steps each, matching the reference, training states legal:
-
-    - ``unused_branch``: ``loops_branch``'s wrapped branch runs in steps 0 and 2 only, against
-      DDP with ``find_unused_parameters=True``;
-    - ``two_forwards``: two forwards before one backward of the summed loss, against the
-      unwrapped model with its gradients averaged by hand (DDP refuses this), within
-      ``SYNC_EVERY_TOL``; an instance may run its backward hooks once per forward here;
-    - ``eval_forward``: after each step a forward under ``torch.no_grad()`` whose output equals
-      the reference's and after which (FULL_SHARD) no non-root instance stays unsharded."""
+    """4 steps matching the reference with legal training states: a wrapped branch used in
+    steps 0 and 2 only (``unused_branch``, vs DDP ``find_unused_parameters=True``); two forwards
+    before one backward (``two_forwards``, vs gradients averaged by hand, within
+    ``SYNC_EVERY_TOL``); a ``torch.no_grad()`` forward after each step (``eval_forward``: equal
+    outputs, no non-root instance left unsharded with FULL_SHARD)."""
 
     STEPS: ClassVar[int] = 4
     variants: ClassVar[tuple[str, ...]] = ("unused_branch", "two_forwards", "eval_forward")
