@@ -355,7 +355,8 @@ class DeepSpeedAdapter(EngineHooks, Adapter):
             Feature.ASSERT_STATE: "DeepSpeed keeps no training state to assert",
             Feature.LIMIT_ALL_GATHERS_OFF: (
                 "DeepSpeed's fetch back-pressure is always on where the device has events "
-                "(limit_all_gathers maps to stage3_max_live_parameters, a prefetch bound)"
+                "(limit_all_gathers maps to stage3_max_live_parameters, a prefetch bound), so "
+                "the bound cannot be switched off"
             ),
             Feature.MIXED_PRECISION_BUFFER_DTYPE: "DeepSpeed's bf16 mode does not cast buffers",
             Feature.META_INIT: (
