@@ -228,12 +228,11 @@ FSDP1_DEVIATIONS = (
     ),
     _on_2_13(
         "state_dict.full",
-        "torch FSDP1's optimizer state dict (FSDP.optim_state_dict, which DCP's get_state_dict "
-        "calls) fails on a process group without global rank 0: _map_param_key_to_optim_keys "
-        "broadcasts from src=0, a global rank, over the model's group ('Global rank 0 is not part "
-        "of group'). Reproduction (2 ranks): on rank 1, FSDP(nn.Linear(8, 5), "
-        "process_group=new_group([1]), device_id=cpu), one Adam step, FSDP.optim_state_dict(model, "
-        "optimizer, group=that group) raises",
+        "torch FSDP1's FSDP.optim_state_dict (called by DCP's get_state_dict) fails on a group "
+        "without global rank 0: _map_param_key_to_optim_keys broadcasts from src=0 over the "
+        "model's group ('Global rank 0 is not part of group'). Reproduction (2 ranks): on rank 1, "
+        "FSDP(nn.Linear(8, 5), process_group=new_group([1]), device_id=cpu), one Adam step, "
+        "FSDP.optim_state_dict(model, optimizer, group=that group) raises",
         lambda case: (
             case is not None
             and getattr(case, "test", "") == "subgroup"
@@ -269,16 +268,16 @@ FSDP1_DEVIATIONS = (
     Deviation(
         "fuzz.generated",
         "torch FSDP1 with NO_SHARD and use_orig_params=True drops an inner instance's original "
-        "parameters from named_parameters() (and so from summon_full_params, state_dict and any "
-        "optimizer built later) once that instance skips a forward, and they stay gone when it "
-        "runs again; training itself still matches DDP. Reproduction (2 ranks, device_id=cpu): m.b "
-        "= FSDP(Branch(), sharding_strategy=NO_SHARD, use_orig_params=True) inside root = FSDP(m, "
-        "same kwargs), Branch returning h + lin(h) in step 0 and h in step 1; after step 1 "
-        "root.named_parameters() lists no b.lin.* (SHARD_GRAD_OP and FULL_SHARD keep them). That "
-        "is 2.13.0 and 2.14.1; the same case fails loudly elsewhere: 2.15.0 in the next backward "
-        "that uses the instance (_use_sharded_grad_views: 'a view and its base ... has been "
-        "modified inplace'), 2.8.0 in its next forward (_writeback_orig_params: 'Cannot writeback "
-        "when the parameter shape changes') (tests/adapters/test_measured_torch_facts.py)",
+        "parameters from named_parameters() (so from summon_full_params, state_dict and later "
+        "optimizers) once it skips a forward, for good; training still matches DDP. "
+        "Reproduction (2 ranks, device_id=cpu): m.b = FSDP(Branch(), sharding_strategy=NO_SHARD, "
+        "use_orig_params=True) inside root = FSDP(m, same kwargs), Branch returning h + lin(h) "
+        "in step 0 and h in step 1: after step 1 root.named_parameters() lists no b.lin.* "
+        "(SHARD_GRAD_OP, FULL_SHARD keep them). So on 2.13.0 and 2.14.1; 2.15.0 fails in the "
+        "next backward using the instance (_use_sharded_grad_views: 'a view and its base ... "
+        "has been modified inplace'), 2.8.0 in its next forward (_writeback_orig_params: "
+        "'Cannot writeback when the parameter shape changes') "
+        "(tests/adapters/test_measured_torch_facts.py)",
         lambda case: (
             case is not None
             and {"branch", "config:sharding_strategy=NO_SHARD", "config:use_orig_params=True"}
