@@ -109,6 +109,8 @@ LINES = [
 def test_each_precision_check_fails_on_its_broken_variant(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_broken_precision=BROKEN)
     selected = [f"test_broken_precision.py::{test}" for test in TESTS]
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-rf", "-n", "0", *selected)
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "-rf", "-n", "0", "--fsdp-mode=thread", *selected
+    )
     result.assert_outcomes(failed=len(TESTS))
     result.stdout.fnmatch_lines(LINES, consecutive=False)

@@ -166,8 +166,22 @@ SELECTED = [
 
 def test_each_check_fails_on_its_broken_adapter(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_broken=BROKEN)
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-rf", *SELECTED)
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "-rf", "--fsdp-mode=thread", *SELECTED
+    )
     result.assert_outcomes(failed=len(SELECTED))
+    result.stdout.fnmatch_lines(
+        [
+            "*adapter 'sums-gradients'*differs from DDP's gradient there*",
+            "*IllegalTrainingState*(adapter 'leaves-backward-post')*",
+            "*adapter 'reports-only-idle'*was only ever seen in ?'IDLE'?*",
+            "*adapter 'assert-state-never-raises'*asserting IDLE in forward did not raise*",
+            "*adapter 'summon-always-writes-back'*changed the sharded parameters*",
+            "*adapter 'ignores-load-state-dict'*(the implementation's own)*restored nothing*",
+            "*adapter 'ignores-load-state-dict'*default state_dict()*restored nothing*",
+        ],
+        consecutive=False,
+    )
     # each failure names the adapter, the config or instance, and what is wrong
     result.stdout.fnmatch_lines(
         [
