@@ -1,9 +1,5 @@
-"""Old import paths of moved public modules, served without a file of their own.
-
-``import fsdp_conformance.world.protocol`` gives the very module object of
-``fsdp_conformance.harness.wire`` (one module, two names: classes stay identical, so
-``isinstance`` and pickling agree), and ``python -m`` runs the new file under an old name.
-Installed by ``fsdp_conformance/__init__.py``; torch-free.
+"""Old import paths of moved modules: an old name gives the very module object of the new one
+(so ``isinstance`` and pickling agree), and ``python -m`` runs the new file. Torch-free.
 """
 
 from __future__ import annotations
@@ -14,17 +10,14 @@ import importlib.util
 import sys
 from types import CodeType, ModuleType
 
-# old module (or package prefix) -> where it lives now
-MOVED: dict[str, str] = {}
+MOVED: dict[str, str] = {}  # old module (or package prefix) -> new
 
 
 def _target(name: str) -> str | None:
     """Where old module ``name`` lives now (the longest moved prefix decides), or None."""
     olds = [old for old in MOVED if name == old or name.startswith(old + ".")]
-    if not olds:
-        return None
-    old = max(olds, key=len)
-    return MOVED[old] + name[len(old) :]
+    old = max(olds, key=len, default=None)
+    return None if old is None else MOVED[old] + name[len(old) :]
 
 
 class _AliasLoader(importlib.abc.Loader):
@@ -48,9 +41,7 @@ class _AliasLoader(importlib.abc.Loader):
 class _AliasFinder(importlib.abc.MetaPathFinder):
     def find_spec(self, name: str, path: object = None, target: object = None):  # noqa: ANN201
         new = _target(name)
-        if new is None:
-            return None
-        return importlib.util.spec_from_loader(name, _AliasLoader(new))
+        return None if new is None else importlib.util.spec_from_loader(name, _AliasLoader(new))
 
 
 def install(moved: dict[str, str]) -> None:

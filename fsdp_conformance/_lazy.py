@@ -11,13 +11,8 @@ from typing import Any
 def lazy_exports(
     package: str, exports: dict[str, str]
 ) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
-    """Return ``(__getattr__, __dir__)`` for ``package`` resolving ``exports`` on first access.
-
-    Args:
-        package: the package's ``__name__``.
-        exports: public name -> the module that defines it. A resolved name is cached in the
-            package's namespace, so later lookups do not come back here.
-    """
+    """``(__getattr__, __dir__)`` for package ``package`` resolving ``exports`` (name -> its
+    module) on first access; a resolved name is cached in the package's namespace."""
 
     def __getattr__(name: str) -> Any:
         module = exports.get(name)

@@ -1,14 +1,6 @@
-"""One way to patch a function of another library: recorded, idempotent, reversible, thread-safe.
-
-Every place that replaces an attribute of torch (or fairscale, DeepSpeed, ...) goes through
-`patch_attribute`: the replacement is built from the original once, the record names the
-target and the library version it was written against and the one running, a second call with
-the same key returns the first record instead of wrapping twice, and `PatchRecord.undo()`
-restores the original (only when nobody replaced it again since). `active_patches()` lists
-what is patched in this process, so a failure report can say which library internals were
-touched.
-
-Shared layer: imports nothing of this project.
+"""The one way to patch an attribute of another library (torch, fairscale, DeepSpeed):
+recorded with the library versions, idempotent per key, reversible, thread-safe;
+``active_patches()`` lists what is patched in this process. Shared layer.
 """
 
 from __future__ import annotations
@@ -20,29 +12,22 @@ from collections.abc import Callable
 from typing import Any
 
 _lock = threading.RLock()
-# (id(owner), attribute, key) -> the live record
-_records: dict[tuple[int, str, str], PatchRecord] = {}
+_records: dict[tuple[int, str, str], PatchRecord] = {}  # by (id(owner), attribute, key)
 
 
 @dataclasses.dataclass
 class PatchRecord:
     """One attribute replaced by `patch_attribute`."""
 
-    # the object whose attribute was replaced (a module or a class)
-    owner: Any
-    # the attribute's name
+    owner: Any  # the module or class
     attribute: str
-    # who patched it and why (e.g. "fsdp-conformance comm trace")
-    key: str
-    # the attribute's value before the patch (a class's own attribute as stored in its
-    # ``__dict__``: a staticmethod, or a pybind11 method, which ``getattr`` would unwrap)
+    key: str  # who patched it and why (e.g. "fsdp-conformance comm trace")
+    # the value before; a class's own attribute as stored in its ``__dict__`` (a staticmethod
+    # or a pybind11 method, which ``getattr`` would unwrap)
     original: Any
-    # the value installed
     replacement: Any
-    # "<library> <version>" the patch was written against (e.g. "torch 2.13.0"), "" if unsaid
-    written_for: str
-    # "<library> <version>" running when the patch was installed
-    running: str
+    written_for: str  # "<library> <version>" the patch was written against, "" if unsaid
+    running: str  # "<library> <version>" running when it was installed
 
     @property
     def target(self) -> str:
@@ -95,19 +80,13 @@ def patch_attribute(
     written_for: str = "",
     library: str = "torch",
 ) -> PatchRecord:
-    """Replace ``owner.attribute`` with ``make(original)``, once per (owner, attribute, key).
-
-    Args:
-        owner: the module or class that holds the attribute.
-        attribute: the attribute's name; it must exist.
-        make: builds the replacement from the original (called once, under the lock).
-        key: who patches and why; a second call with the same key returns the first record.
-        written_for: the library version the patch was written and verified against.
-        library: the library whose running version is recorded (default torch).
+    """Replace ``owner.attribute`` with ``make(original)`` (called once, under the lock), once
+    per (owner, attribute, key): a second call with `key` returns the first record.
+    `written_for` is the version of `library` the patch was verified against.
 
     Raises:
-        AttributeError: ``owner`` has no ``attribute`` (the library's internals moved); the
-            message names the target, the version running and the one the patch was written for.
+        AttributeError: ``owner`` has no ``attribute`` (the library's internals moved), naming
+            the versions running and written for.
     """
     if not isinstance(key, str) or not key:
         raise ValueError(f"patch_attribute({attribute!r}): give a non-empty key naming the patcher")

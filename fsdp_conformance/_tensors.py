@@ -1,7 +1,4 @@
-"""The tensors of a forward's output (shared by impl's hooks and observe's state recorder).
-
-Shared layer: imports nothing of this project.
-"""
+"""The tensors of a forward's output (impl's hooks, observe's state recorder). Shared layer."""
 
 from __future__ import annotations
 
@@ -13,10 +10,8 @@ from torch.utils._pytree import tree_flatten
 
 
 def output_tensors(output: Any) -> list[torch.Tensor]:
-    """The tensors in a forward's output: pytree containers and, inside them, dataclass
-    instances (not pytree nodes unless registered; a module returning one must still get its
-    pre-backward hooks and its tensors still get gradients -- found by the fuzzer, docs/fuzz.md).
-    """
+    """The tensors in a forward's output: in pytree containers and in dataclass instances (not
+    pytree nodes unless registered, but their tensors still need pre-backward hooks)."""
     found = []
     for leaf in tree_flatten(output)[0]:
         if isinstance(leaf, torch.Tensor):

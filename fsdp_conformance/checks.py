@@ -1,19 +1,10 @@
-"""The check registry: every check of the conformance suite.
+"""The check registry: every check of the conformance suite, and the verdict record of a cell.
 
-A *check* is one promise an FSDP implementation makes (training matches DDP, the memory bound
-holds, a misuse is refused ...): its dotted id, its one-line description, the suite test(s)
-that implement it (``BaseClass.test_method``), the adapter features every cell of it needs, and
-whether a declared deviation of it must occur. The suite declares each check on the test that
-implements it (``fsdp_conformance.suite.check``, which calls ``declare``), so importing
-``fsdp_conformance.suite`` fills ``CHECKS``; ``check_of`` reads the check of a test function.
-Adapters declare deviations by id (``adapters.Deviation``), the suite's one verdict path
-(``suite/verdict.py``) looks the check up, and the CLI table and docs/checks.md list it.
-
-A *cell* is one run of a check (one test, one configuration). Its verdict is one of
-``VERDICTS``, recorded on the pytest report as user properties (``PROPERTY_*``), so JUnit and
-the CLI carry it as data.
-
-Shared layer: imports nothing of this project, and no torch.
+A *check* is one promise an FSDP implementation makes: its dotted id, description, the suite
+tests implementing it, the adapter features it needs and whether a declared deviation must
+occur. Importing ``fsdp_conformance.suite`` fills ``CHECKS`` (``fsdp_conformance.suite.check``
+calls ``declare``). A *cell* (one test, one configuration) gets one of ``VERDICTS``, recorded
+on its pytest report as the properties ``PROPERTY_*``. Shared layer: no torch, no project import.
 """
 
 from __future__ import annotations
@@ -22,7 +13,6 @@ import dataclasses
 from collections.abc import Callable, Iterable
 from typing import Any
 
-# Verdicts of a cell
 PASS = "pass"
 DEVIATION = "deviation"  # failed as the adapter declared (a known deviation)
 NOT_APPLICABLE = "not applicable"  # the adapter lacks a feature the check needs (a skip)
@@ -30,8 +20,8 @@ FAIL = "FAIL"
 VERDICTS = (FAIL, DEVIATION, PASS, NOT_APPLICABLE)  # the order a mixed cell lists them
 
 # pytest report properties (``report.user_properties``, JUnit ``<property>``) of a cell
-PROPERTY_CHECK = "fsdp_check"  # the check id
-PROPERTY_VERDICT = "fsdp_verdict"  # one of VERDICTS
+PROPERTY_CHECK = "fsdp_check"
+PROPERTY_VERDICT = "fsdp_verdict"
 PROPERTY_REASON = "fsdp_reason"  # deviation reason / missing feature / failure, one line
 PROPERTY_FEATURE = "fsdp_feature"  # the missing feature of a not-applicable cell
 PROPERTY_FAILURE = "fsdp_failure"  # what failed in a deviating cell (the declared failure)
@@ -41,28 +31,19 @@ PROPERTY_FAILURE = "fsdp_failure"  # what failed in a deviating cell (the declar
 class Check:
     """One check of the suite."""
 
-    # dotted id, e.g. "parity.ddp" (what Deviation.check names)
-    id: str
-    # one line: the promise checked
-    description: str
-    # the suite tests implementing it, "BaseClass.test_method"
-    tests: tuple[str, ...]
-    # adapter features (adapters.Feature values) every cell of it needs
-    features: tuple[str, ...] = ()
+    id: str  # dotted, e.g. "parity.ddp" (what Deviation.check names)
+    description: str  # one line: the promise checked
+    tests: tuple[str, ...]  # the suite tests implementing it, "BaseClass.test_method"
+    features: tuple[str, ...] = ()  # adapter features every cell of it needs
     # whether a declared deviation must occur (a passing cell then fails: remove the
     # declaration); False where conforming after all is fine (a misuse refused anyway)
     strict: bool = True
-    # what the `case` object handed to Deviation.applies is ("" where the check has none)
-    case: str = ""
+    case: str = ""  # what the `case` handed to Deviation.applies is ("" for none)
 
 
-# check id -> Check, in declaration order. The suite declares its checks where it writes them
-# (``fsdp_conformance.suite.check`` on each test): import ``fsdp_conformance.suite`` for the
-# complete registry.
+# check id -> Check, in declaration order (import fsdp_conformance.suite for all of them)
 CHECKS: dict[str, Check] = {}
-
-# the attribute a declared test function carries: the id of its check (``check_of``)
-_CHECK_ATTRIBUTE = "fsdp_check_id"
+_CHECK_ATTRIBUTE = "fsdp_check_id"  # set on a declared test function
 
 
 def declare(
@@ -74,10 +55,8 @@ def declare(
     strict: bool = True,
     case: str = "",
 ) -> Check:
-    """Record that `function` (a suite test, ``BaseClass.test_method``) implements `check_id`.
-
-    The first declaration of an id gives its description, features, strictness and case; a
-    check with several tests names only its id on the others (no description).
+    """Record that `function` (a suite test) implements `check_id`. The first declaration of an
+    id gives its description and options; the check's other tests name only its id.
 
     Raises:
         ValueError: a second declaration of an id differs from the first, or a declaration
@@ -114,17 +93,13 @@ def declare(
 
 
 def check_of(function: Any) -> Check | None:
-    """The check a suite test function was declared for (``declare``), or None."""
+    """The check a suite test function was declared for, or None."""
     check_id = getattr(function, _CHECK_ATTRIBUTE, None)
     return CHECKS.get(check_id) if isinstance(check_id, str) else None
 
 
 def get_check(check_id: str) -> Check:
-    """The registered check `check_id`.
-
-    Raises:
-        ValueError: no such check; the message lists the known ids.
-    """
+    """The registered check `check_id`; ValueError listing the known ids if there is none."""
     try:
         return CHECKS[check_id]
     except (KeyError, TypeError):
@@ -135,9 +110,7 @@ def get_check(check_id: str) -> Check:
 
 
 def check_for_test(class_names: Iterable[str], function_name: str) -> Check | None:
-    """The check implemented by test `function_name` of a class whose MRO holds one of
-    `class_names` (a suite base class or a subclass of it), or None; ``check_of`` reads it
-    from the test function itself."""
+    """The check of test `function_name` of a class whose MRO holds one of `class_names`."""
     names = set(class_names)
     for check in CHECKS.values():
         for test in check.tests:
@@ -150,17 +123,10 @@ def check_for_test(class_names: Iterable[str], function_name: str) -> Check | No
 def verdict_of_outcome(
     outcome: str, expected_failure: bool, recorded: dict[str, str], text: str
 ) -> tuple[str, str]:
-    """(verdict, reason) of a cell from pytest's final outcome, keeping what its check recorded.
-
-    When the outcome disagrees with the recorded verdict (a rank failed on its own, the test
-    hung, the body never reached its cell), the outcome decides, with `text` (one line of the
-    failure or skip) as the reason.
-
-    Args:
-        outcome: the report's outcome, "passed", "failed" or "skipped".
-        expected_failure: whether the report is an expected failure (``wasxfail``).
-        recorded: the ``PROPERTY_*`` values the check recorded (may be empty).
-        text: one line of the report's failure / skip / xfail text.
+    """(verdict, reason) of a cell from pytest's `outcome` ("passed", "failed", "skipped") and
+    `expected_failure` (``wasxfail``). The `recorded` ``PROPERTY_*`` reason is kept where its
+    verdict agrees; otherwise (a rank failed on its own, a hang) the outcome decides, with
+    `text` (one line of the failure or skip) as the reason.
     """
     if outcome == "failed":
         verdict = FAIL
@@ -181,20 +147,14 @@ def _one_line(text: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Result:
-    """The verdict of one cell, the one record every reader takes it from: decided by the
-    check's cell in a rank (suite/verdict.py) or, for a cell that never reached its check, by
-    the plugin from pytest's outcome. It travels as the report properties ``PROPERTY_*``."""
+    """The verdict of one cell, decided by its check in a rank (suite/verdict.py) or, for a
+    cell that never reached its check, from pytest's outcome; carried as ``PROPERTY_*``."""
 
-    # the check id ("" when the test is no registered check)
-    check: str
-    # one of VERDICTS
-    verdict: str
-    # one line: deviation reason, why not applicable, what failed ("" for a pass)
-    reason: str = ""
-    # PROPERTY_FAILURE: what failed in a deviating cell (None: not recorded)
-    failure: str | None = None
-    # PROPERTY_FEATURE: the missing feature of a not-applicable cell (None: not recorded)
-    feature: str | None = None
+    check: str  # "" when the test is no registered check
+    verdict: str  # one of VERDICTS
+    reason: str = ""  # deviation reason, why not applicable, what failed ("" for a pass)
+    failure: str | None = None  # PROPERTY_FAILURE (None: not recorded)
+    feature: str | None = None  # PROPERTY_FEATURE (None: not recorded)
 
     def properties(self) -> list[tuple[str, str]]:
         """The record as report properties, each value on one line."""
@@ -225,9 +185,8 @@ class Result:
 
     @classmethod
     def of_report(cls, check: str, report: object, recorded: Result | None = None) -> Result:
-        """The record of a pytest report (a ``TestReport`` or ``CollectReport``): ``recorded``
-        when the report's outcome agrees with it, else the verdict the outcome implies
-        (``verdict_of_outcome``) with the report's one-line failure, skip or xfail text."""
+        """The record of a pytest ``TestReport`` or ``CollectReport``: `recorded` when the
+        outcome agrees with it, else the verdict the outcome implies (``verdict_of_outcome``)."""
         outcome = str(getattr(report, "outcome", "failed"))
         expected_failure = hasattr(report, "wasxfail")
         kept = dict(recorded.properties()) if recorded is not None else {}
@@ -246,8 +205,7 @@ _OUTCOME_OF_VERDICT = {PASS: "pass", FAIL: "fail", DEVIATION: "xfail", NOT_APPLI
 
 
 def report_line(report: object) -> str:
-    """One line of a pytest report's failure, skip or xfail: the skip reason, the xfail reason,
-    or the first line of the crash's message (read from the report's objects)."""
+    """One line of a pytest report's skip reason, xfail reason or crash message."""
     longrepr = getattr(report, "longrepr", None)
     if isinstance(longrepr, tuple) and len(longrepr) == 3:  # a skip: (file, line, reason)
         return str(longrepr[2]).removeprefix("Skipped: ")
@@ -267,9 +225,9 @@ def registry_table() -> str:
     for check in CHECKS.values():
         tests = "<br>".join(f"`{test}`" for test in check.tests)
         needs = ", ".join(f"`{feature}`" for feature in check.features) or "—"
-        case = check.case or "None"
         strict = "yes" if check.strict else "no"
         lines.append(
-            f"| `{check.id}` | {check.description} | {tests} | {needs} | {strict} | {case} |"
+            f"| `{check.id}` | {check.description} | {tests} | {needs} | {strict} "
+            f"| {check.case or 'None'} |"
         )
     return "\n".join(lines)

@@ -1,15 +1,10 @@
 """The device-handle interface: what an FSDP implementation asks of a device.
 
 Every stream, event and synchronisation of the reference implementation goes through one
-object of this interface (``fsdp_conformance.impl.device`` has the CPU and CUDA handles), and
-test doubles implement it on their own (``fsdp_conformance.observe.lagging.LaggingDevice``, a
-device on which the CPU always runs ahead), so that a double does not depend on the
-implementation it is used to test. It is also all torch FSDP1 uses of its device handle on a CPU
-host (torch 2.13.0), so the same doubles drive torch FSDP1.
-
-Import-light: typing only (no torch at import time, no other module of the package), so that
-impl, observe and adapters can all import it. ``accelerator_available`` is the one test for an
-accelerator every layer uses.
+object of this interface (``impl.device`` has the CPU and CUDA handles), and test doubles
+implement it on their own (``observe.lagging.LaggingDevice``), so that a double does not depend
+on the implementation it tests. It is also all torch FSDP1 uses of its device handle on a CPU
+host (torch 2.13.0), so the same doubles drive torch FSDP1. Import-light: typing only.
 """
 
 from __future__ import annotations
@@ -25,73 +20,41 @@ if TYPE_CHECKING:
 class DeviceEvent(Protocol):
     """A point in a stream's work (``torch.cuda.Event``'s methods that FSDP uses)."""
 
-    def record(self, stream: Any = None) -> None:
-        """Mark the current end of ``stream``'s work (default: the current stream)."""
-
-    def query(self) -> bool:
-        """Whether the device has reached the event."""
-
-    def synchronize(self) -> None:
-        """Block the CPU until the device has reached the event."""
-
-    def wait(self, stream: Any = None) -> None:
-        """Make ``stream``'s later work wait for the event (ordering only)."""
+    def record(self, stream: Any = None) -> None: ...  # mark the stream's current end
+    def query(self) -> bool: ...  # whether the device has reached the event
+    def synchronize(self) -> None: ...  # block the CPU until the device reaches it
+    def wait(self, stream: Any = None) -> None: ...  # order the stream's later work after it
 
 
 @runtime_checkable
 class DeviceStream(Protocol):
     """An ordered queue of device work (``torch.cuda.Stream``'s methods that FSDP uses)."""
 
-    def wait_stream(self, stream: Any) -> None:
-        """Order this stream's later work after ``stream``'s current work."""
-
-    def wait_event(self, event: Any) -> None:
-        """Order this stream's later work after ``event``."""
-
-    def record_event(self, event: Any = None) -> Any:
-        """Record ``event`` (or a new one) at the stream's current end and return it."""
-
-    def synchronize(self) -> None:
-        """Block the CPU until the stream's work is done."""
-
-    def query(self) -> bool:
-        """Whether the stream's work is done."""
+    def wait_stream(self, stream: Any) -> None: ...  # order later work after `stream`'s
+    def wait_event(self, event: Any) -> None: ...  # order later work after `event`
+    def record_event(self, event: Any = None) -> Any: ...  # record (or make) one, return it
+    def synchronize(self) -> None: ...  # block the CPU until the stream's work is done
+    def query(self) -> bool: ...  # whether the stream's work is done
 
 
 @runtime_checkable
 class DeviceHandle(Protocol):
-    """Streams, events and synchronisation of one compute device.
-
-    Implemented by ``impl.device.CPUDeviceHandle`` and ``CUDADeviceHandle`` and by
+    """Streams, events and synchronisation of one compute device: implemented by
+    ``impl.device.CPUDeviceHandle`` and ``CUDADeviceHandle`` and by
     ``observe.lagging.LaggingDevice``; ``impl.device.install_device_handle`` and
-    ``Adapter.install_device_handle`` accept any object with these members.
-    """
+    ``Adapter.install_device_handle`` accept any object with these members."""
 
-    # the torch device type this handle drives ("cpu", "cuda")
-    device_type: str
-    # True if pinned host memory is meaningful (there is an accelerator)
-    is_accelerator: bool
+    device_type: str  # the torch device type this handle drives ("cpu", "cuda")
+    is_accelerator: bool  # True if pinned host memory is meaningful
 
-    def Event(self, **kwargs: Any) -> Any:
-        """A new, unrecorded event (a ``DeviceEvent``)."""
-
-    def Stream(self, **kwargs: Any) -> Any:
-        """A stream (a ``DeviceStream``) for side work such as all-gathers."""
-
-    def stream(self, stream: Any) -> contextlib.AbstractContextManager:
-        """Context manager making ``stream`` the current stream."""
-
-    def current_stream(self) -> Any:
-        """The current stream."""
-
-    def synchronize(self) -> None:
-        """Block the CPU until all work on the device is done."""
-
-    def is_available(self) -> bool:
-        """Whether the device can be used."""
-
-    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
-        """Keep ``tensor``'s memory from reuse until ``stream``'s current work is done."""
+    def Event(self, **kwargs: Any) -> Any: ...  # a new, unrecorded DeviceEvent
+    def Stream(self, **kwargs: Any) -> Any: ...  # a DeviceStream for side work (all-gathers)
+    def stream(self, stream: Any) -> contextlib.AbstractContextManager: ...  # make it current
+    def current_stream(self) -> Any: ...
+    def synchronize(self) -> None: ...  # block the CPU until all work on the device is done
+    def is_available(self) -> bool: ...
+    # keep `tensor`'s memory from reuse until `stream`'s current work is done
+    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None: ...
 
 
 @runtime_checkable
@@ -99,13 +62,12 @@ class UsesDeviceHandle(Protocol):
     """An object whose streams and events go through a replaceable device handle (an FSDP
     instance of the reference implementation)."""
 
-    def _use_device_handle(self, handle: DeviceHandle) -> None:
-        """Route this object's streams, events and synchronisation through ``handle``."""
+    def _use_device_handle(self, handle: DeviceHandle) -> None: ...
 
 
 def accelerator_available() -> bool:
-    """Whether this host has an accelerator torch can use (CUDA or another ``torch.accelerator``
-    device; pinned host memory is worth it only then). Imports torch when called."""
+    """Whether torch can use an accelerator here (CUDA or another ``torch.accelerator``
+    device). Imports torch when called."""
     import torch
 
     accelerator = getattr(torch, "accelerator", None)

@@ -1,15 +1,6 @@
-"""pytest plugin of fsdp-conformance (registered through the ``pytest11`` entry point).
-
-A test that asks for the ``dist`` fixture runs in every rank::
-
-    @pytest.mark.world_size(2)
-    def test_all_reduce(dist):
-        t = torch.ones(1) * dist.rank
-        torch.distributed.all_reduce(t)
-        assert t.item() == 1
-
-Import-light: torch is imported only inside hooks and fixtures (and, for the process modes,
-only in the rank processes).
+"""pytest plugin of fsdp-conformance (the ``pytest11`` entry point): options, markers, the
+``dist`` fixture (a test taking it runs in every rank), and the verdicts of suite checks.
+Import-light: torch is imported only in hooks, fixtures and rank processes.
 """
 
 from __future__ import annotations
@@ -25,38 +16,25 @@ from fsdp_conformance import constants
 from fsdp_conformance.harness import signals as _signals
 
 _MODES = constants.MODES
-# --fsdp-coverage choices (fsdp_conformance.suite.configs implements them)
 COVERAGES = constants.COVERAGES
 
 
 @dataclasses.dataclass
 class PluginState:
-    """Per-session plugin state (in ``config.stash``)."""
+    """Per-session plugin state (in ``config.stash``): the ``--fsdp-*`` options and more."""
 
-    # --fsdp-mode
     mode: str
-    # --fsdp-timeout
     timeout: float
-    # --fsdp-world-size
     world_size: int
-    # --fsdp-impl
     impl: str
-    # --fsdp-backend / FSDP_CONFORMANCE_BACKEND
     backend: str | None
-    # --fsdp-coverage: how much of a suite check's config product to run (None: the check's
-    # own default, see fsdp_conformance.suite.configs)
-    coverage: str | None = None
-    # fsdp_conformance.harness.controller.Runtime (starts no process until a test needs ranks)
-    runtime: Any = None
-    # the runtime that was active before this session (an outer session, for pytester runs)
-    previous_runtime: Any = None
+    coverage: str | None = None  # None: each check's own default (suite.configs)
+    runtime: Any = None  # harness.controller.Runtime (starts no process until needed)
+    previous_runtime: Any = None  # the one active before this session (pytester runs)
     # --fsdp-accept-goldens: the accept variable's value before this session set it
-    # (restored at unconfigure; None: it was unset)
     previous_accept: str | None = None
-    # whether this session set the accept variable
-    accepting_goldens: bool = False
-    # fsdp_conformance.harness.launcher.LauncherEnv when pytest runs inside torchrun & co.
-    launcher: Any = None
+    accepting_goldens: bool = False  # whether this session set the accept variable
+    launcher: Any = None  # harness.launcher.LauncherEnv when pytest runs inside torchrun & co.
 
     def get_runtime(self) -> Any:
         if self.runtime is None:
@@ -79,23 +57,17 @@ class PluginState:
 STATE_KEY = pytest.StashKey[PluginState]()
 
 
-# -----------------------------------------------------------------------------
-# Options and markers
-
-
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("fsdp-conformance", "fsdp-conformance: running tests in N ranks")
     group.addoption(
         "--fsdp-mode",
         choices=_MODES,
-        default=None,
         help="how ranks run: 'process' (reused rank processes, default), 'process-fresh' "
         "(new processes per test) or 'thread' (threads of the pytest process). "
         "Env: FSDP_CONFORMANCE_MODE.",
     )
     group.addoption(
         "--fsdp-timeout",
-        default=None,
         metavar="SECONDS",
         help="fail a test still running in its ranks after this many seconds (> 0), with "
         f"every rank's Python stack (default {constants.DEFAULT_TIMEOUT_S:g}). Env: "
@@ -116,7 +88,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     group.addoption(
         "--fsdp-backend",
-        default=None,
         metavar="NAME",
         help="process group backend override ('gloo', 'nccl'); default: gloo on CPU, nccl "
         "when each rank gets its own GPU. Env: FSDP_CONFORMANCE_BACKEND.",
@@ -124,7 +95,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(
         "--fsdp-coverage",
         choices=COVERAGES,
-        default=None,
         help="conformance suite: run every combination of a check's config dimensions "
         "('full') or a smaller set covering every pair of values ('pairwise'); default: "
         "what each check class says (the classes in fsdp_conformance.suite: full).",
@@ -132,7 +102,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(
         "--fsdp-accept-goldens",
         action="store_true",
-        default=False,
         help="conformance suite: write the prefetch-order goldens of the adapter under test "
         "into the source checkout instead of comparing (run with -p no:xdist). Env: "
         f"{constants.ENV_ACCEPT_GOLDENS}=1 or EXPECTTEST_ACCEPT=1.",
@@ -148,46 +117,38 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+_MARKERS = (
+    "world_size(n): run the test body in n ranks (needs the `dist` fixture)",
+    "fsdp_mode(name): run this test's ranks as 'process', 'process-fresh' or 'thread'",
+    "fsdp_timeout(seconds): per-test override of --fsdp-timeout",
+    "gpus(n): the test needs n GPUs (skipped with a reason when fewer exist)",
+    "cuda: the test needs one GPU per rank (skipped on CPU-only hosts)",
+)
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line(
-        "markers", "world_size(n): run the test body in n ranks (needs the `dist` fixture)"
-    )
-    config.addinivalue_line(
-        "markers",
-        "fsdp_mode(name): run this test's ranks as 'process', 'process-fresh' or 'thread'",
-    )
-    config.addinivalue_line("markers", "fsdp_timeout(seconds): per-test override of --fsdp-timeout")
-    config.addinivalue_line(
-        "markers", "gpus(n): the test needs n GPUs (skipped with a reason when fewer exist)"
-    )
-    config.addinivalue_line(
-        "markers", "cuda: the test needs one GPU per rank (skipped on CPU-only hosts)"
-    )
+    for marker in _MARKERS:
+        config.addinivalue_line("markers", marker)
     from fsdp_conformance.harness import launcher
 
     options = _validated_options(config)
     launcher_env = launcher.configure(config, config.getoption("fsdp_launcher"))
     config.stash[STATE_KEY] = PluginState(**options, launcher=launcher_env)
     _signals.install_pytest_handler(config)
-    if config.getoption("fsdp_accept_goldens"):
-        # the ranks get the test process's environment with every test
+    if config.getoption("fsdp_accept_goldens"):  # the ranks get this environment with each test
         state = config.stash[STATE_KEY]
         state.previous_accept = os.environ.get(constants.ENV_ACCEPT_GOLDENS)
         state.accepting_goldens = True
         os.environ[constants.ENV_ACCEPT_GOLDENS] = "1"
-    # torch-free; starts no process until a test needs ranks. Created now so that
-    # FSDPTest classes (which find it through runtime.get_runtime()) use the session options.
+    # created now (torch-free, no process yet) so that FSDPTest classes use the session options
     runtime = config.stash[STATE_KEY].get_runtime()
     if launcher_env is not None:
         config.pluginmanager.register(launcher.LauncherPlugin(runtime.launcher), "fsdp-launcher")
 
 
 def _validated_options(config: pytest.Config) -> dict[str, Any]:
-    """The session options, each checked where it enters (command line, else environment).
-
-    Raises:
-        pytest.UsageError: one line naming the option or variable and what it accepts.
-    """
+    """The session options, each checked where it enters (command line, else environment);
+    pytest.UsageError naming the option or variable and what it accepts."""
     from fsdp_conformance.harness import controller as runtime
 
     def pick(option: str, env: str, default: Any) -> tuple[Any, str]:
@@ -219,12 +180,7 @@ def _validated_options(config: pytest.Config) -> dict[str, Any]:
 
 def _validated_impl(name: str) -> str:
     """``--fsdp-impl``: a built-in adapter whose optional package imports, or ``pkg.mod:ATTR``
-    (resolved in the ranks, where its own errors name the module).
-
-    Raises:
-        pytest.UsageError: an unknown name (listing the known ones), or a built-in adapter
-            whose extra is not installed (naming the pip command).
-    """
+    (resolved in the ranks); else pytest.UsageError."""
     if name not in constants.BUILTIN_ADAPTERS and ":" not in name:
         raise pytest.UsageError(
             f"--fsdp-impl {name!r}: unknown adapter; use one of "
@@ -258,21 +214,13 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         state.runtime = None
 
 
-# -----------------------------------------------------------------------------
-# Fixtures
-
-
 def _marker_arg(item: pytest.Item, name: str, default: Any) -> Any:
     marker = item.get_closest_marker(name)
-    if marker is None:
-        return default
-    if marker.args:
-        return marker.args[0]
-    return default if name != "cuda" else None
+    return marker.args[0] if marker is not None and marker.args else default
 
 
 def _world_size(item: pytest.Item, state: PluginState) -> int:
-    # under a launcher, tests that do not fix their size use the whole job
+    # under a launcher, a test that does not fix its size uses the whole job
     default = state.world_size if state.launcher is None else state.launcher.world_size
     return int(_marker_arg(item, "world_size", default))
 
@@ -313,8 +261,7 @@ def fsdp_impl(request: pytest.FixtureRequest) -> str:
 
 
 def adapters_test_end() -> None:
-    """Every adapter resolved in this process drops what it caches per process group
-    (``Adapter.on_test_end``); the harness calls it in each rank after every test."""
+    """``Adapter.on_test_end`` of every adapter resolved here (in each rank after every test)."""
     from fsdp_conformance.adapters import registry
 
     registry.notify_test_end()
@@ -329,13 +276,9 @@ def resolve_adapter(name: str) -> Any:
 
 @pytest.fixture
 def fsdp_adapter(fsdp_impl: str, dist: Any) -> Any:
-    """The adapter of the FSDP under test (``--fsdp-impl``), resolved inside each rank.
-
-    Adapters are never pickled: the pytest process hands the ranks an ``InRank`` that calls
-    ``get_adapter(fsdp_impl)`` in every rank. Ask for it in the test function itself (a fixture
-    depending on it would get the ``InRank``). Override ``fsdp_impl`` (a fixture returning the
-    adapter name, e.g. ``"mypkg.mod:ADAPTER"``) to point a test class at another adapter.
-    """
+    """The adapter of the FSDP under test (``--fsdp-impl``), resolved inside each rank (an
+    ``InRank``: adapters are never pickled, so ask for it in the test function itself).
+    Override ``fsdp_impl`` to point a test class at another adapter."""
     from fsdp_conformance.harness.wire import InRank
 
     return InRank(resolve_adapter, fsdp_impl)
@@ -345,10 +288,6 @@ def fsdp_adapter(fsdp_impl: str, dist: Any) -> Any:
 def fsdp_coverage(request: pytest.FixtureRequest) -> str | None:
     """The --fsdp-coverage choice ('full' or 'pairwise'), or None when not given."""
     return request.config.stash[STATE_KEY].coverage
-
-
-# -----------------------------------------------------------------------------
-# Running test bodies in ranks
 
 
 def _target(item: pytest.Function) -> Any:
@@ -378,7 +317,7 @@ def _gpus_needed(item: pytest.Item, world_size: int) -> int:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
-    # also tests that get `dist` only through another fixture run in the ranks
+    # tests that get `dist` only through another fixture run in the ranks too
     if "dist" not in pyfuncitem.fixturenames:
         return None
     from fsdp_conformance.harness import controller
@@ -403,11 +342,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     try:
         result = runtime.run(request)
     except controller.FixtureNotPicklable as exc:
-        not_picklable = str(exc)
-    else:
-        not_picklable = None
-    if not_picklable is not None:
-        pytest.fail(not_picklable, pytrace=False)
+        pytest.fail(str(exc), pytrace=False)
     pyfuncitem.user_properties.extend(result.verdict.properties)
     output = result.output()
     if output:
@@ -424,9 +359,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     return True
 
 
-# -----------------------------------------------------------------------------
-# Verdicts of suite checks (fsdp_conformance/checks.py, suite/verdict.py)
-
+# Verdicts of suite checks (checks.py, suite/verdict.py)
 _RESULT_KEY = pytest.StashKey[Any]()  # the item's checks.Result decided at collection
 _CHECK_KEY = pytest.StashKey[Any]()  # the item's checks.Check (None: no registered check)
 _UNRESOLVED = object()
@@ -444,8 +377,7 @@ def _registered_check(item: pytest.Item) -> Any:
 
 
 def _uses_session_impl(item: pytest.Item) -> bool:
-    """Whether the item's adapter is the session's ``--fsdp-impl`` (its ``fsdp_impl`` and
-    ``fsdp_adapter`` fixtures are this plugin's, not a test's own)."""
+    """Whether the item's ``fsdp_impl`` and ``fsdp_adapter`` fixtures are this plugin's."""
     definitions = getattr(item, "_fixtureinfo", None)
     if definitions is None or "fsdp_impl" not in definitions.name2fixturedefs:
         return False
@@ -457,8 +389,7 @@ def _uses_session_impl(item: pytest.Item) -> bool:
 
 
 def _session_adapter(config: pytest.Config) -> Any:
-    """The session's adapter, or None when it cannot be resolved here (its cells then run, and
-    the ranks report the adapter's error)."""
+    """The session's adapter, or None when it does not resolve (the ranks report the error)."""
     from fsdp_conformance.adapters import get_adapter
 
     try:
@@ -468,8 +399,8 @@ def _session_adapter(config: pytest.Config) -> Any:
 
 
 def _not_applicable(adapter: Any, check: Any) -> Any:
-    """The not-applicable ``checks.Result`` of every cell of ``check`` on ``adapter`` (outside
-    its support range, or lacking a feature the check needs), or None."""
+    """The not-applicable ``checks.Result`` of ``check`` on ``adapter`` (outside its support
+    range, or lacking a feature the check needs), or None."""
     from fsdp_conformance import checks
     from fsdp_conformance.adapters import UnsupportedFeatureError
     from fsdp_conformance.adapters import features as adapter_features
@@ -486,8 +417,7 @@ def _not_applicable(adapter: Any, check: Any) -> Any:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """A cell that is not applicable to the adapter under test is skipped here, with its verdict
-    recorded: it never reaches a rank."""
+    """A cell not applicable to the adapter is skipped here, its verdict recorded."""
     adapter: Any = _UNRESOLVED  # resolved once, at the first registered check
     for item in items:
         check = _registered_check(item)
@@ -505,9 +435,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
-    """Every report of a registered check carries its ``checks.Result`` as properties: the one
-    its cell recorded (or collection decided), or, for a cell that never reached its check (a
-    fixture error, a dead or hung rank), the one pytest's outcome implies."""
+    """A registered check's report carries its ``checks.Result`` as properties: the one its cell
+    recorded (or collection decided), or the one pytest's outcome implies (a fixture error, a
+    dead or hung rank)."""
     from fsdp_conformance import checks
     from fsdp_conformance.harness import properties
 

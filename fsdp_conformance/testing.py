@@ -1,17 +1,6 @@
-"""The FSDP test helpers of torch's FSDP test utilities, in the shape of the seed (pytorch
-#70235, ``test/distributed/fsdp``), but CPU-capable.
-
-    class TestAllReduce(FSDPTest):
-        def test_sum(self):
-            t = torch.ones(1) * self.rank
-            dist.all_reduce(t)
-            self.assertEqual(t.item(), sum(range(self.world_size)))
-
-``FSDPTest`` is the rank test case of ``fsdp_conformance.harness`` (``RankTestCase``: every
-``test_*`` body runs in every rank, under pytest or plain ``python -m unittest``); the rest are
-the seed's helpers: ``FSDPInitMode`` (the model zoo's ``DeviceInit``), ``DummyProcessGroup``,
-``get_full_params``, and the CUDA sleep of the zoo's delay (``get_cycles_per_ms``,
-``device_sleep``). ``fsdp_conformance.FSDPTest`` names the same class.
+"""The FSDP test helpers of torch's FSDP test utilities (``test/distributed/fsdp``), CPU-capable:
+``FSDPTest`` (the harness's ``RankTestCase``: every ``test_*`` body runs in every rank) and the
+seed's helpers, built on the model zoo (docs/harness.md, "FSDPTest").
 """
 
 from __future__ import annotations
@@ -27,8 +16,8 @@ from fsdp_conformance.models import DeviceInit, delay
 # Hide this module's frames from unittest's and pytest's failure tracebacks.
 __unittest = True
 
-# When the model moves to the rank's device relative to wrapping it in FSDP: the zoo's
-# ``DeviceInit`` (members BEFORE, AFTER, NEVER; the seed's names DEVICE_* and CUDA_* are aliases)
+# When the model moves to the rank's device relative to wrapping it (BEFORE, AFTER, NEVER; the
+# seed's DEVICE_* and CUDA_* names are aliases)
 FSDPInitMode = DeviceInit
 
 __all__ = [
@@ -42,23 +31,12 @@ __all__ = [
 
 
 class FSDPTest(RankTestCase):
-    """Base class whose ``test_*`` methods run in ``world_size`` ranks (the seed's FSDPTest).
-
-    Each rank instantiates the class for the test method, runs ``setUp``, the method and
-    ``tearDown`` with the default process group initialised; ``self.rank``,
-    ``self.world_size``, ``self.dist`` (the :class:`RankContext`) describe the rank.
-    Class attributes ``fsdp_mode`` (None: the session's mode) and ``fsdp_timeout`` (None:
-    the session's timeout) override per class.
-    """
+    """Base class whose ``test_*`` methods (with ``setUp`` and ``tearDown``) run in every one of
+    ``world_size`` ranks (the seed's FSDPTest; see ``RankTestCase``)."""
 
 
 class DummyProcessGroup:
-    """A stand-in process group that only knows its rank and size.
-
-    Args:
-        rank: the rank it reports.
-        size: the size it reports.
-    """
+    """A stand-in process group that only knows its rank and size."""
 
     def __init__(self, rank: int, size: int) -> None:
         self._rank = rank
@@ -72,14 +50,9 @@ class DummyProcessGroup:
 
 
 def get_full_params(model: Any) -> list[Any]:
-    """Unsharded copies of ``model``'s parameters, in ``model.parameters()`` order.
-
-    Works for the reference implementation and torch FSDP1 (through
-    ``summon_full_params``), torch FSDP2 (DTensor ``full_tensor()``) and plain modules.
-
-    Args:
-        model: the (possibly FSDP-wrapped) root module.
-    """
+    """Unsharded copies of the (possibly FSDP-wrapped) root ``model``'s parameters, in
+    ``model.parameters()`` order: through ``summon_full_params`` (the reference implementation,
+    torch FSDP1), DTensor ``full_tensor()`` (FSDP2), or as they are (plain modules)."""
     try:
         from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
     except ImportError:  # pragma: no cover
@@ -99,24 +72,15 @@ def get_full_params(model: Any) -> list[Any]:
 
 def get_cycles_per_ms() -> float:
     """``torch.cuda._sleep`` cycles per millisecond on the current CUDA device, calibrated once
-    per process (the zoo's calibration, ``fsdp_conformance.models.delay.cycles_per_ms``).
-
-    Raises:
-        RuntimeError: CUDA is not available.
-    """
+    per process (``models.delay.cycles_per_ms``); RuntimeError without CUDA."""
     if not torch.cuda.is_available():
         raise RuntimeError("get_cycles_per_ms() needs CUDA; use device_sleep() on CPU")
     return delay.cycles_per_ms(torch.device("cuda", torch.cuda.current_device()))
 
 
 def device_sleep(ms: float, device: Any = None) -> None:
-    """Occupy ``device`` for ``ms`` milliseconds: a ``cuda._sleep`` kernel on the current
-    stream (asynchronous, like real work) on CUDA; ``time.sleep`` on CPU (the CPU is the device).
-    The zoo's delay (``fsdp_conformance.models.delay.sleep_ms``).
-
-    Args:
-        ms: milliseconds.
-        device: torch.device or string; default: CUDA when available, else CPU.
+    """Occupy ``device`` (default: CUDA when available, else CPU) for ``ms`` milliseconds: an
+    asynchronous ``cuda._sleep`` kernel on CUDA, ``time.sleep`` on CPU (``models.delay.sleep_ms``).
     """
     if device is None:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

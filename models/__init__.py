@@ -3,7 +3,7 @@
 Every model takes the process group and a `wrap` callable (`wrap(module, **overrides)`; None =
 the unwrapped reference), is seeded without the global RNG, and has `get_input(device)`,
 `get_loss(input, output)` and `run_backward(loss)`. The caller wraps the root, with the model's
-`ROOT_WRAP_CONFIG` merged into its config. No module here imports an FSDP implementation.
+`ROOT_WRAP_CONFIG` merged into its config.
 """
 
 from __future__ import annotations

@@ -5,32 +5,36 @@ meta-device-init checks.
     (brackets = wrapped; block = tanh(Linear(15, 15)(x)) * scale * gain + shift, where `scale`
     is a non-persistent buffer, `shift` and `gain` persistent ones)
 
-Sizes are odd, so every flat parameter or dim-0 shard is uneven at world size 2. Every module
-holding parameters or buffers has ``reset_parameters()``, the hook meta-device materialisation
-calls (torch FSDP1's default, FSDP2's ``to_empty`` + ``reset_parameters``). A ``SeededLinear``
-draws its values from its own generator, seeded at construction: its first initialisation gives
-the values of a model built on the CPU, and every further call gives others -- so a module
-initialised twice (a nested instance re-initialised by its root's materialisation) shows in
-its values. With ``meta=True`` every tensor is created on the meta device (nothing drawn).
+Odd sizes make every flat parameter or dim-0 shard uneven at world size 2. Every module holding
+tensors has ``reset_parameters()`` (what meta-device materialisation calls). A ``SeededLinear``
+draws from its own generator: the first initialisation gives the CPU build's values, every
+further call others, so a module initialised twice shows. ``meta=True`` creates every tensor on
+the meta device.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import nn
 
-from .model_base import DeviceInit, Wrap, generator, maybe_wrap, move_before_wrap, run_loss_backward
+from .model_base import (
+    DeviceInit,
+    Wrap,
+    ZooModel,
+    generator,
+    maybe_wrap,
+    move_before_wrap,
+    rand_input,
+)
 
 FEATURES = 15  # odd: uneven shards at world size 2
 
 
 def _fill(param: torch.Tensor, values: torch.Tensor) -> None:
-    """Write the full-shape `values` into `param`: a plain tensor, or this rank's part of a
-    sharded DTensor parameter (torch FSDP2, after ``to_empty``)."""
+    """Write full-shape `values` into `param`, or into this rank's part of a sharded DTensor."""
     if hasattr(param, "device_mesh"):
         from torch.distributed.tensor import distribute_tensor
 
@@ -41,9 +45,8 @@ def _fill(param: torch.Tensor, values: torch.Tensor) -> None:
 
 
 class SeededLinear(nn.Linear):
-    """``nn.Linear`` initialised from its own generator; each ``reset_parameters`` call draws
-    the generator's next values (uniform in +-1/sqrt(in_features)). Nothing is drawn while the
-    parameters are on the meta device."""
+    """``nn.Linear`` whose every ``reset_parameters`` draws its own generator's next values
+    (uniform in +-1/sqrt(in_features)); nothing is drawn while on the meta device."""
 
     def __init__(self, in_features: int, out_features: int, seed: int, device: Any = None):
         super().__init__(in_features, out_features, device=device)
@@ -61,9 +64,8 @@ class SeededLinear(nn.Linear):
 
 
 class Affine(nn.Module):
-    """``x * scale * gain + shift`` from buffers: ``scale`` non-persistent (not in the state
-    dict: only initialisation gives it its values), ``shift`` and ``gain`` persistent (two of one
-    shape in one instance: a state dict that mixes up an instance's buffers shows)."""
+    """``x * scale * gain + shift`` from buffers: ``scale`` non-persistent (only initialisation
+    sets it), ``shift`` and ``gain`` persistent and of one shape (a mix-up shows)."""
 
     def __init__(self, features: int, device: Any = None) -> None:
         super().__init__()
@@ -86,7 +88,7 @@ class Affine(nn.Module):
 
 
 class BufferedBlock(nn.Module):
-    """``Affine(tanh(SeededLinear(x)))`` (what the auto-wrap policy of the checks picks)."""
+    """``Affine(tanh(SeededLinear(x)))`` (what the checks' auto-wrap policy picks)."""
 
     def __init__(self, seed: int, device: Any = None) -> None:
         super().__init__()
@@ -97,16 +99,9 @@ class BufferedBlock(nn.Module):
         return self.affine(torch.tanh(self.lin(x)))
 
 
-class BufferedModule(nn.Module):
-    """The checks' model (see the module docstring).
-
-    Args:
-        group: the process group (its rank seeds the inputs).
-        wrap: wraps the two blocks and the head (inner first); None = unwrapped.
-        meta: create every parameter and buffer on the meta device.
-    """
-
-    ROOT_WRAP_CONFIG: ClassVar[dict[str, Any]] = {}
+class BufferedModule(ZooModel):
+    """See the module docstring (`wrap`: wraps the two blocks and the head, inner first;
+    `meta`: create every parameter and buffer on the meta device)."""
 
     def __init__(
         self,
@@ -117,31 +112,25 @@ class BufferedModule(nn.Module):
         device_init: DeviceInit = DeviceInit.AFTER,
         device: torch.device | None = None,
     ) -> None:
-        super().__init__()
-        self.rank = group.rank()
+        super().__init__(group)
         on = torch.device("meta") if meta else None
+        device = None if meta else device
         self.trunk = SeededLinear(8, FEATURES, 1, on)
-        blocks = []
-        for seed in (2, 3):
-            block = move_before_wrap(BufferedBlock(seed, on), device_init, None if meta else device)
-            blocks.append(maybe_wrap(wrap, block))
-        self.blocks = nn.Sequential(*blocks)
-        head = move_before_wrap(
-            SeededLinear(FEATURES, 8, 4, on), device_init, None if meta else device
+        self.blocks = nn.Sequential(
+            *(
+                maybe_wrap(wrap, move_before_wrap(BufferedBlock(seed, on), device_init, device))
+                for seed in (2, 3)
+            )
         )
+        head = move_before_wrap(SeededLinear(FEATURES, 8, 4, on), device_init, device)
         self.head = maybe_wrap(wrap, head)
-        move_before_wrap(self.trunk, device_init, None if meta else device)
+        move_before_wrap(self.trunk, device_init, device)
 
     def get_input(self, device: torch.device) -> tuple[torch.Tensor]:
-        return (torch.rand(4, 8, generator=generator(13 + self.rank)).to(device),)  # (B=4, 8)
+        return rand_input(13 + self.rank, device, 4, 8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.blocks(torch.relu(self.trunk(x))))  # (B, 8)
 
     def get_loss(self, input: tuple[torch.Tensor], output: torch.Tensor) -> torch.Tensor:
         return output.square().sum()
-
-    def run_backward(
-        self, loss: torch.Tensor, backward: Callable[[torch.Tensor], None] | None = None
-    ) -> None:
-        run_loss_backward(loss, backward)

@@ -1,8 +1,4 @@
-"""DummyDDP: the reference for models that reduce their own gradients (MixtureOfExperts).
-
-Real DDP would average the expert's per-rank gradients too; DummyDDP only forwards, and the
-model's `run_backward` averages the shared gradients.
-"""
+"""DummyDDP: the reference for models that reduce their own gradients (MixtureOfExperts)."""
 
 from __future__ import annotations
 

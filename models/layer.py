@@ -1,11 +1,7 @@
-"""Layer: the building block of the overlap check (a Linear that sleeps a set time in forward).
+"""Layer: the building block of the overlap check (a module that sleeps a set time in forward).
 
-A layer that "computes" for `compute_cycles` GPU sleep cycles (on CPU: the same time at the
-nominal 1 GHz clock of `delay.NOMINAL_CPU_CYCLES_PER_MS`, by sleeping) and optionally owns one
-parameter, so wrapping it makes an FSDP instance with something to all-gather.
-
-    layers = nn.Sequential(*[wrap(Layer(1_000_000, has_params=True)) for _ in range(4)])
-    y = layers(x); layers[0].module.get_time()   # ms of the last forward (device time on CUDA)
+layers = nn.Sequential(*[wrap(Layer(1_000_000, has_params=True)) for _ in range(4)])
+y = layers(x); layers[0].module.get_time()   # ms of the last forward (device time on CUDA)
 """
 
 from __future__ import annotations
@@ -19,12 +15,9 @@ from .delay import sleep_cycles
 
 
 class Layer(nn.Module):
-    """Sleeps `compute_cycles` in forward and adds its optional one-element parameter.
-
-    Args:
-        compute_cycles: GPU sleep cycles per forward (CPU: nominal 1e6 cycles = 1 ms).
-        has_params: own a parameter of shape (1,) that is added to the input.
-    """
+    """Sleeps `compute_cycles` GPU sleep cycles in forward (CPU: nominal 1e6 cycles = 1 ms) and,
+    with `has_params`, adds its own (1,)-shaped parameter, so wrapping it makes an instance with
+    something to all-gather."""
 
     def __init__(self, compute_cycles: int, has_params: bool) -> None:
         super().__init__()
@@ -33,21 +26,21 @@ class Layer(nn.Module):
         self._timing: tuple = ()  # (start, end) events on CUDA, perf_counter seconds on CPU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cuda":
+        cuda = x.device.type == "cuda"
+        if cuda:
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
             start.record()
-            sleep_cycles(self.compute_cycles, x.device)
-            if self.optional_param is not None:
-                x = x + self.optional_param  # the parameter takes part in the graph
-            end.record()
-            self._timing = (start, end)
-            return x
-        start_s = time.perf_counter()
+        else:
+            start = time.perf_counter()
         sleep_cycles(self.compute_cycles, x.device)
         if self.optional_param is not None:
             x = x + self.optional_param
-        self._timing = (start_s, time.perf_counter())
+        if cuda:
+            end.record()
+        else:
+            end = time.perf_counter()
+        self._timing = (start, end)
         return x
 
     def get_time(self) -> float:

@@ -2,40 +2,36 @@
 frozen parameters, and non-reentrant activation checkpointing inside wrapped blocks.
 
     LoopModule: Linear(8, 16) -> [block 0] -> [block 1] -> [block 2] -> ([branch]) -> [head]
-    (brackets = wrapped; block i = Sequential(Linear(16, 16), Tanh, Scale(gains[i])); with
-    ``norm=True`` Sequential(linear=Linear(16, 16), norm=LayerNorm(16), act=Tanh, scale=...))
+    (brackets = wrapped; block i = Sequential(Linear(16, 16), Tanh, Scale(gains[i])))
 
-`gains` makes the instances' gradient magnitudes differ by orders of magnitude (the clipping
-check's global norm then depends on every shard); `branch=True` adds a wrapped Linear(16, 16)
-used only while `use_branch` is True (set by the caller, the same on every rank); `freeze`
-makes block 0 frozen ("instance": the whole wrapped submodule) or its Linear weight only
-("mixed": frozen and trainable parameters in one instance); `no_shard_block` wraps that block
-with ``sharding_strategy="NO_SHARD"`` (NO_SHARD mixed with sharded instances).
-
-`CheckpointingWrap(wrap)` is a zoo `wrap` that puts each wrapped block's module inside a
-`CheckpointedModule` first: the FSDP instance runs ``torch.utils.checkpoint(use_reentrant=False)``
-around its module, so every FSDP instance nested inside it is recomputed during backward;
-`CheckpointingWrap(wrap, outside=True)` puts the checkpoint around the FSDP instance instead.
+`CheckpointingWrap(wrap)` is a zoo `wrap` that puts each wrapped module inside a
+`CheckpointedModule` first, so the FSDP instance runs ``torch.utils.checkpoint(use_reentrant=
+False)`` around its module; with ``outside=True`` the checkpoint runs around the instance.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .model_base import DeviceInit, Wrap, generator, maybe_wrap, move_before_wrap, run_loss_backward
-
-# attribute the checkpoint wrapper keeps its module under: the adapters' name cleaning removes it
-CHECKPOINTED = "_checkpoint_wrapped_module"
+from .model_base import (
+    DeviceInit,
+    Wrap,
+    ZooModel,
+    generator,
+    maybe_wrap,
+    move_before_wrap,
+    rand_input,
+)
 
 
 class CheckpointedModule(nn.Module):
-    """Runs `module` under non-reentrant activation checkpointing (recomputed in backward)."""
+    """Runs `module` under non-reentrant activation checkpointing (recomputed in backward).
+    The attribute name is the one the adapters' parameter-name cleaning removes."""
 
     def __init__(self, module: nn.Module) -> None:
         super().__init__()
@@ -48,21 +44,20 @@ class CheckpointedModule(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            if name == CHECKPOINTED:
+            if name == "_checkpoint_wrapped_module":
                 raise
             return getattr(self._checkpoint_wrapped_module, name)
 
 
 class CheckpointingWrap:
     """A zoo `wrap` that checkpoints each wrapped module's forward and wraps it with `wrap`
-    (None: checkpointing only, e.g. for a reference); the delay hooks forward to `wrap`.
+    (None: checkpointing only); other attributes (the delay hooks) forward to `wrap`.
 
     Args:
         wrap: the FSDP wrap.
-        outside: False (default): the FSDP instance runs checkpoint around its module (torch's
-            ``checkpoint_wrapper`` applied before wrapping); True: checkpoint runs around the
-            FSDP instance, so the recompute re-enters the instance's own forward during its
-            backward.
+        outside: False: the FSDP instance runs checkpoint around its module (torch's
+            ``checkpoint_wrapper`` before wrapping); True: checkpoint runs around the instance,
+            so the recompute re-enters the instance's forward during its backward.
     """
 
     def __init__(self, wrap: Wrap | None, outside: bool = False) -> None:
@@ -81,8 +76,7 @@ class CheckpointingWrap:
 
 
 class Scale(nn.Module):
-    """Multiplies by a constant (no parameters; with ``buffer``, a 0-dim floating-point buffer
-    ``gain_buffer`` holds it)."""
+    """Multiplies by a constant (with ``buffer``: held in a 0-dim float buffer ``gain_buffer``)."""
 
     def __init__(self, gain: float, buffer: bool = False) -> None:
         super().__init__()
@@ -96,24 +90,21 @@ class Scale(nn.Module):
         return x * (self.gain if self.gain_buffer is None else self.gain_buffer)
 
 
-class LoopModule(nn.Module):
+class LoopModule(ZooModel):
     """The training-loop checks' model (see the module docstring).
 
     Args:
-        group: the process group (its rank seeds the inputs).
-        wrap: wraps the blocks, the branch and the head; None = unwrapped reference.
-        gains: one per block, the block's output scale.
-        branch: add the wrapped branch (used while `use_branch` is True).
-        freeze: None, "instance" (block 0 entirely) or "mixed" (block 0's Linear weight).
-        no_shard_block: index of a block wrapped with NO_SHARD (None: none).
-        buffer: add floating-point buffers (what mixed precision's buffer_dtype casts): the
-            root's ``offset``, added to the trunk's output, and each block's
-            ``Scale.gain_buffer`` (inside the wrapped blocks).
+        gains: one per block, its output scale (instances' gradient magnitudes then differ by
+            orders of magnitude, so the clipping norm depends on every shard).
+        branch: add a wrapped Linear(16, 16) branch, used while `use_branch` is True (the
+            caller sets it, the same on every rank).
+        freeze: None, "instance" (block 0 entirely) or "mixed" (block 0's Linear weight only).
+        no_shard_block: index of a block wrapped with ``sharding_strategy="NO_SHARD"``.
+        buffer: add floating-point buffers (what buffer_dtype casts): the root's ``offset``,
+            added to the trunk's output, and each block's ``Scale.gain_buffer``.
         norm: blocks are ``Sequential(linear=Linear(16, 16), norm=LayerNorm(16), act=Tanh,
             scale=Scale)`` (named, for optimizer groups by name).
     """
-
-    ROOT_WRAP_CONFIG: ClassVar[dict[str, Any]] = {}
 
     def __init__(
         self,
@@ -129,12 +120,10 @@ class LoopModule(nn.Module):
         device_init: DeviceInit = DeviceInit.AFTER,
         device: torch.device | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__(group)
         if freeze not in (None, "instance", "mixed"):
             raise ValueError(f"LoopModule freeze={freeze!r}: use None, 'instance' or 'mixed'")
-        self.rank = group.rank()
-        self.world_size = group.size()
-        self.use_branch = branch  # the caller switches it (the same on every rank)
+        self.use_branch = branch
         gen = generator(7)
         self.trunk = _init(nn.Linear(8, 16), gen)
         blocks = []
@@ -160,11 +149,9 @@ class LoopModule(nn.Module):
             overrides = {"sharding_strategy": "NO_SHARD"} if index == no_shard_block else {}
             blocks.append(maybe_wrap(wrap, block, **overrides))
         self.blocks = nn.Sequential(*blocks)
-        branch_module = _init(nn.Linear(16, 16), gen)
-        move_before_wrap(branch_module, device_init, device)
+        branch_module = move_before_wrap(_init(nn.Linear(16, 16), gen), device_init, device)
         self.branch = maybe_wrap(wrap, branch_module) if branch else None
-        head = _init(nn.Linear(16, 8), gen)
-        move_before_wrap(head, device_init, device)
+        head = move_before_wrap(_init(nn.Linear(16, 8), gen), device_init, device)
         self.head = maybe_wrap(wrap, head)
         move_before_wrap(self.trunk, device_init, device)
         if buffer:
@@ -174,7 +161,7 @@ class LoopModule(nn.Module):
             self.offset = None
 
     def get_input(self, device: torch.device) -> tuple[torch.Tensor]:
-        return (torch.rand(4, 8, generator=generator(11 + self.rank)).to(device),)  # (B=4, 8)
+        return rand_input(11 + self.rank, device, 4, 8)
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """The trunk and the blocks, without the head: a method other than forward (B, 16)."""
@@ -184,18 +171,13 @@ class LoopModule(nn.Module):
         return self.blocks(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.encode(x)  # (B, 16)
+        x = self.encode(x)
         if self.branch is not None and self.use_branch:
             x = x + self.branch(x)
-        return self.head(x)  # (B, 8)
+        return self.head(x)
 
     def get_loss(self, input: tuple[torch.Tensor], output: torch.Tensor) -> torch.Tensor:
         return output.square().sum()
-
-    def run_backward(
-        self, loss: torch.Tensor, backward: Callable[[torch.Tensor], None] | None = None
-    ) -> None:
-        run_loss_backward(loss, backward)
 
 
 @torch.no_grad()

@@ -1,12 +1,9 @@
 """What every zoo model shares: the `wrap` protocol, device init modes, per-rank seeding.
 
 [Note: seeding without the global RNG]
-Ranks may be threads of one process (the harness's `thread` mode), where ``torch.manual_seed``
-races between ranks. So the zoo never draws from the global generator: parameters are
-(re)initialised and inputs drawn from a local ``torch.Generator`` seeded with a fixed value
-(shared parameters: identical on every rank) or ``seed + rank`` (inputs, MoE experts).
-Dropout is 0 everywhere for the same reason (a forward that draws random numbers cannot be
-compared with a reference run).
+Ranks may be threads of one process, where ``torch.manual_seed`` races between ranks. So the zoo
+draws only from local generators seeded with a fixed value (shared parameters) or ``seed +
+rank`` (inputs, MoE experts), and dropout is 0 everywhere.
 """
 
 from __future__ import annotations
@@ -14,18 +11,20 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Callable
-from contextlib import AbstractContextManager
-from typing import Any, Protocol, runtime_checkable
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 from torch import nn
+
+from .delay import sleep_ms
 
 
 class Wrap(Protocol):
     """Turns a submodule into an FSDP instance: ``wrap(module, **overrides) -> nn.Module``.
 
-    ``overrides`` are config keys of the adapter vocabulary (e.g. ``process_group=...``).
-    ``None`` instead of a ``Wrap`` means "do not wrap" (the DDP reference run).
+    ``overrides`` are adapter config keys (e.g. ``process_group=...``); ``None`` instead of a
+    ``Wrap`` means "do not wrap" (the DDP reference).
     """
 
     def __call__(self, module: nn.Module, **overrides: Any) -> nn.Module: ...
@@ -33,13 +32,9 @@ class Wrap(Protocol):
 
 @runtime_checkable
 class DelayHooks(Protocol):
-    """Optional extras of a ``Wrap`` (adapters provide them) that the delay models use.
-
-    ``delay_before_reduction(delay)``: while active, ``delay()`` runs just before each gradient
-    reduction the implementation issues.
-    ``delay_before_free(instance, delay)``: while active, ``delay()`` runs just before
-    ``instance`` frees its unsharded parameters.
-    """
+    """Optional extras of a ``Wrap`` that the delay models use: while active, ``delay()`` runs
+    just before each gradient reduction / just before ``instance`` frees its unsharded
+    parameters."""
 
     def delay_before_reduction(self, delay: Callable[[], None]) -> AbstractContextManager[None]: ...
 
@@ -49,15 +44,14 @@ class DelayHooks(Protocol):
 
 
 class DeviceInit(enum.Enum):
-    """When the model moves to the compute device, relative to wrapping (seed's FSDPInitMode)."""
+    """When the model moves to the compute device, relative to wrapping (seed's FSDPInitMode):
+    BEFORE each submodule is wrapped, AFTER (the caller moves the wrapped root, see
+    `move_after_wrap`), or NEVER (the implementation places parameters itself)."""
 
-    # Move every submodule to the device before it is wrapped
     BEFORE = "before"
-    # Build on CPU; the caller moves the wrapped root with `.to(device)` (see `move_after_wrap`)
     AFTER = "after"
-    # Never move: the implementation places parameters itself (e.g. from `device_id`)
     NEVER = "never"
-    # The seed's names (``FSDPInitMode``, which is this enum): aliases of the three above
+    # the seed's names: aliases of the three above
     DEVICE_BEFORE = "before"  # noqa: PIE796
     DEVICE_AFTER = "after"  # noqa: PIE796
     DEVICE_NEVER = "never"  # noqa: PIE796
@@ -80,24 +74,43 @@ def move_after_wrap(model: nn.Module, device_init: DeviceInit, device: torch.dev
     return model
 
 
+def require_delay_hooks(owner: str, arg: str, ms: float, wrap: Wrap | None, hook: str) -> None:
+    """TypeError unless a positive delay ``arg`` of ``owner`` comes with a ``DelayHooks`` wrap."""
+    if ms > 0 and wrap is not None and not isinstance(wrap, DelayHooks):
+        raise TypeError(
+            f"{owner}({arg}={ms}) needs a wrap with a `{hook}` hook; got {wrap!r}. Pass "
+            f"`adapter.wrapper(...)`, or {arg}=0."
+        )
+
+
+def delayed(wrap: Any, ms: float, device: torch.device, hook: str, *args: Any):
+    """``wrap.<hook>(*args, delay)`` with a delay of ``ms`` on ``device``; a no-op context when
+    ``ms`` is 0 or there is no wrap."""
+    if ms <= 0 or wrap is None:
+        return nullcontext()
+    return getattr(wrap, hook)(*args, lambda: sleep_ms(ms, device))
+
+
 def maybe_wrap(wrap: Wrap | None, module: nn.Module, **overrides: Any) -> nn.Module:
-    """``wrap(module, **overrides)``, or ``module`` itself when ``wrap`` is None."""
     return module if wrap is None else wrap(module, **overrides)
 
 
 def generator(seed: int) -> torch.Generator:
-    """A CPU generator seeded with ``seed`` (see [Note: seeding without the global RNG])."""
     return torch.Generator().manual_seed(seed)
+
+
+def rand_input(seed: int, device: torch.device, *shape: int) -> tuple[torch.Tensor]:
+    """``(uniform tensor of shape,)`` from ``generator(seed)``, on ``device``."""
+    return (torch.rand(*shape, generator=generator(seed)).to(device),)
 
 
 @torch.no_grad()
 def seeded_init_(module: nn.Module, seed: int) -> nn.Module:
     """Re-initialise every parameter of ``module`` from a local generator; returns ``module``.
 
-    Normalisation layers keep their deterministic defaults (weight 1, bias 0). Every other
-    parameter is drawn uniformly from ±1/sqrt(fan_in) (fan_in = last dim for matrices, 16
-    for vectors), close to torch's defaults, in ``named_parameters()`` order.
-    Shared (tied) parameters appear once in that order, so they stay tied.
+    Normalisation layers keep weight 1, bias 0; every other parameter is drawn uniformly from
+    ±1/sqrt(fan_in) (fan_in = last dim for matrices, 16 for vectors) in ``named_parameters()``
+    order, where tied parameters appear once (so they stay tied).
     """
     gen = generator(seed)
     norm_params = {
@@ -119,9 +132,26 @@ def seeded_init_(module: nn.Module, seed: int) -> nn.Module:
 def run_loss_backward(
     loss: torch.Tensor, backward: Callable[[torch.Tensor], None] | None = None
 ) -> None:
-    """`backward(loss)` when the caller gives its own backward (an adapter whose engine owns
-    backward: ``Adapter.backward``), else ``loss.backward()``."""
+    """`backward(loss)` when given (an adapter whose engine owns backward), else
+    ``loss.backward()``."""
     if backward is None:
         loss.backward()
     else:
         backward(loss)
+
+
+class ZooModel(nn.Module):
+    """A zoo model's defaults. Every model takes ``group`` (its rank seeds the inputs), ``wrap``
+    (None: the unwrapped reference), ``device_init`` and ``device`` (see ``DeviceInit``)."""
+
+    ROOT_WRAP_CONFIG: ClassVar[dict[str, Any]] = {}
+
+    def __init__(self, group: Any) -> None:
+        super().__init__()
+        self.rank = group.rank()
+        self.world_size = group.size()
+
+    def run_backward(
+        self, loss: torch.Tensor, backward: Callable[[torch.Tensor], None] | None = None
+    ) -> None:
+        run_loss_backward(loss, backward)

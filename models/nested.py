@@ -1,21 +1,11 @@
 """NestedWrappedModule and friends: four Linears, some wrapped, one instance nested in another.
 
-    Linear(8, 4) -> [[Linear(4, 16)] -> Linear(16, 16)] -> [Linear(16, 4)] -> Linear(4, 8)
-    (brackets = wrapped; the outer bracket is an instance containing an instance)
-
-With `wrap_everything=True` each of Linear(8,4), (4,16), (16,4), (4,8) is its own instance.
-`AlwaysWrapNestedWrappedModule` builds the same layers unwrapped and asks the caller's root wrap
-for `auto_wrap_policy="always"` (every submodule becomes an instance, inner first).
-
-    model = NestedWrappedModule(group, wrap=adapter.wrapper())
-    root = adapter.wrap(model)
-    (x,) = model.get_input(device)               # (4, 8)
-    model.run_backward(model.get_loss((x,), root(x)))
+Linear(8, 4) -> [[Linear(4, 16)] -> Linear(16, 16)] -> [Linear(16, 4)] -> Linear(4, 8)
+(brackets = wrapped; the outer bracket is an instance containing an instance)
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -26,28 +16,19 @@ from fsdp_conformance import constants
 from .model_base import (
     DeviceInit,
     Wrap,
-    generator,
+    ZooModel,
     maybe_wrap,
     move_before_wrap,
-    run_loss_backward,
+    rand_input,
     seeded_init_,
 )
 
 ALWAYS_WRAP = constants.ALWAYS_WRAP
 
 
-class NestedWrappedModule(nn.Module):
-    """The NestedWrappedModule of torch's FSDP test models, seeded without the global RNG.
-
-    Args:
-        group: the process group (its rank seeds the inputs).
-        wrap: wraps the bracketed submodules; None = unwrapped reference.
-        wrap_everything: wrap each of the four Linears instead (four instances, none nested).
-        device_init: when to move to `device` (DeviceInit.BEFORE moves before wrapping).
-        device: the compute device for DeviceInit.BEFORE.
-    """
-
-    ROOT_WRAP_CONFIG: ClassVar[dict[str, Any]] = {}  # nothing special for the caller's root wrap
+class NestedWrappedModule(ZooModel):
+    """The NestedWrappedModule of torch's FSDP test models, seeded without the global RNG;
+    `wrap_everything` wraps each of the four Linears instead (four instances, none nested)."""
 
     def __init__(
         self,
@@ -58,39 +39,26 @@ class NestedWrappedModule(nn.Module):
         device_init: DeviceInit = DeviceInit.AFTER,
         device: torch.device | None = None,
     ) -> None:
-        super().__init__()
-        self.rank = group.rank()
-        self.world_size = group.size()
-        layers = [
-            nn.Linear(8, 4),
-            nn.Linear(4, 16),
-            nn.Linear(16, 16),
-            nn.Linear(16, 4),
-            nn.Linear(4, 8),
-        ]
+        super().__init__(group)
+        sizes = ((8, 4), (4, 16), (16, 16), (16, 4), (4, 8))
+        layers = [nn.Linear(*size) for size in sizes]
         for index, layer in enumerate(layers):
             seeded_init_(layer, seed=index)  # the same init on every rank, whatever is wrapped
             move_before_wrap(layer, device_init, device)
         lin_8_4, lin_4_16, lin_16_16, lin_16_4, lin_4_8 = layers
-
         if wrap_everything:
-            self.module = nn.Sequential(
-                maybe_wrap(wrap, lin_8_4),
-                maybe_wrap(wrap, lin_4_16),
-                maybe_wrap(wrap, lin_16_4),
-                maybe_wrap(wrap, lin_4_8),
-            )  # (4, 8) -> (4, 4) -> (4, 16) -> (4, 4) -> (4, 8)
+            wrapped = [lin_8_4, lin_4_16, lin_16_4, lin_4_8]
+            self.module = nn.Sequential(*(maybe_wrap(wrap, layer) for layer in wrapped))
         else:
             self.module = nn.Sequential(
-                lin_8_4,  # (4, 8) -> (4, 4)
-                # -> (4, 16)
+                lin_8_4,
                 maybe_wrap(wrap, nn.Sequential(maybe_wrap(wrap, lin_4_16), lin_16_16)),
-                maybe_wrap(wrap, lin_16_4),  # -> (4, 4)
-                lin_4_8,  # -> (4, 8)
+                maybe_wrap(wrap, lin_16_4),
+                lin_4_8,
             )
 
     def get_input(self, device: torch.device) -> tuple[torch.Tensor]:
-        return (torch.rand(4, 8, generator=generator(1 + self.rank)).to(device),)  # (B=4, 8)
+        return rand_input(1 + self.rank, device, 4, 8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.module(x)
@@ -98,18 +66,11 @@ class NestedWrappedModule(nn.Module):
     def get_loss(self, input: tuple[torch.Tensor], output: torch.Tensor) -> torch.Tensor:
         return output.sum()
 
-    def run_backward(
-        self, loss: torch.Tensor, backward: Callable[[torch.Tensor], None] | None = None
-    ) -> None:
-        run_loss_backward(loss, backward)
-
 
 class AlwaysWrapNestedWrappedModule(NestedWrappedModule):
-    """NestedWrappedModule's layers, unwrapped; the root wrap auto-wraps every submodule.
-
-    The caller wraps the root with ``**model.ROOT_WRAP_CONFIG`` (``auto_wrap_policy="always"``);
-    with ``wrap=None`` the caller does not wrap at all (the DDP reference).
-    """
+    """NestedWrappedModule's layers, unwrapped; the caller's root wrap takes
+    ``**ROOT_WRAP_CONFIG`` (``auto_wrap_policy="always"``: every submodule an instance), or is
+    skipped with ``wrap=None`` (the DDP reference)."""
 
     ROOT_WRAP_CONFIG: ClassVar[dict[str, Any]] = {"auto_wrap_policy": ALWAYS_WRAP}
 

@@ -1,7 +1,7 @@
 """TiedInstances: one parameter used by two FSDP instances (a tied embedding and output head
 wrapped apart).
 
-    TiedInstances: [embed: Embedding(12, 8)] -> Linear(8, 8) -> Tanh -> [head: Linear(8, 12)]
+    [embed: Embedding(12, 8)] -> Linear(8, 8) -> Tanh -> [head: Linear(8, 12)]
     (brackets = wrapped, each on its own; head.weight IS embed.weight)
 
 An implementation either refuses the second wrap, naming the shared parameter, or trains the
@@ -10,8 +10,7 @@ one parameter as DDP does (both uses' gradients summed into it).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import nn
@@ -19,23 +18,17 @@ from torch import nn
 from .model_base import (
     DeviceInit,
     Wrap,
+    ZooModel,
     generator,
     maybe_wrap,
     move_before_wrap,
-    run_loss_backward,
     seeded_init_,
 )
 
 
-class TiedInstances(nn.Module):
-    """See the module docstring.
+class TiedInstances(ZooModel):
+    """See the module docstring (`wrap`: wraps the embedding and the head apart)."""
 
-    Args:
-        group: the process group (its rank seeds the inputs).
-        wrap: wraps the embedding and the head apart; None = unwrapped reference.
-    """
-
-    ROOT_WRAP_CONFIG: ClassVar[dict[str, Any]] = {}
     VOCAB = 12
 
     def __init__(
@@ -46,12 +39,11 @@ class TiedInstances(nn.Module):
         device_init: DeviceInit = DeviceInit.AFTER,
         device: torch.device | None = None,
     ) -> None:
-        super().__init__()
-        self.rank = group.rank()
+        super().__init__(group)
         self.embed = nn.Embedding(self.VOCAB, 8)
         self.body = nn.Linear(8, 8)
         self.head = nn.Linear(8, self.VOCAB)
-        self.head.weight = self.embed.weight  # tied: one parameter, two modules
+        self.head.weight = self.embed.weight
         seeded_init_(self, seed=3)
         move_before_wrap(self, device_init, device)
         self.embed = maybe_wrap(wrap, self.embed)
@@ -67,8 +59,3 @@ class TiedInstances(nn.Module):
     def get_loss(self, input: tuple[torch.Tensor], output: torch.Tensor) -> torch.Tensor:
         (ids,) = input
         return nn.functional.cross_entropy(output.flatten(0, 1), ids.flatten(), reduction="sum")
-
-    def run_backward(
-        self, loss: torch.Tensor, backward: Callable[[torch.Tensor], None] | None = None
-    ) -> None:
-        run_loss_backward(loss, backward)

@@ -1,52 +1,30 @@
 """TransformerWithSharedParams: a tiny seq2seq transformer with a tied embedding/output projection.
 
-What it exercises: a parameter shared between two submodules of the root instance (embedding and
-output projection), buffers of two dtypes (`vocab_bias` float, `long_buffer` int64), an optional
-BatchNorm (running-stat buffers), and — when wrapped — one instance per encoder/decoder layer.
-
-    model = TransformerWithSharedParams(group, wrap=adapter.wrapper())
-    root = adapter.wrap(model)
-    src, tgt = model.get_input(device)           # (6, 2), (4, 2) token ids
-    loss = model.get_loss((src, tgt), root(src, tgt))
-    model.run_backward(loss)
+It exercises a parameter shared by two submodules of the root instance, buffers of two dtypes
+(`vocab_bias` float, `long_buffer` int64), an optional BatchNorm (running-stat buffers) and,
+when wrapped, one instance per encoder/decoder layer. Inputs: (6, 2) and (4, 2) token ids.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import nn
 
-from .model_base import (
-    DeviceInit,
-    Wrap,
-    generator,
-    maybe_wrap,
-    move_before_wrap,
-    run_loss_backward,
-    seeded_init_,
-)
+from .model_base import DeviceInit, Wrap, ZooModel, generator, move_before_wrap, seeded_init_
 
 
-class TransformerWithSharedParams(nn.Module):
-    """The transformer of torch's FSDP test models; inputs differ per rank, dropout is 0 (see
-    model_base.py's note).
+class TransformerWithSharedParams(ZooModel):
+    """The transformer of torch's FSDP test models; inputs differ per rank, dropout is 0.
 
     Args:
-        group: the process group (its rank seeds the inputs).
-        wrap: wraps each encoder and decoder layer; None = unwrapped reference.
         d_vocab: vocabulary size (>= 12).
         d_model: model width (divisible by the 8 attention heads).
         add_bn: put a BatchNorm1d on the target embedding (else Identity).
         wrap_layers: with a `wrap`, wrap each encoder/decoder layer (4 instances + the root).
-        device_init: when to move to `device` (DeviceInit.BEFORE moves before wrapping).
-        device: the compute device for DeviceInit.BEFORE.
     """
-
-    ROOT_WRAP_CONFIG: ClassVar[dict[str, Any]] = {}  # nothing special for the caller's root wrap
 
     def __init__(
         self,
@@ -60,38 +38,34 @@ class TransformerWithSharedParams(nn.Module):
         device_init: DeviceInit = DeviceInit.AFTER,
         device: torch.device | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__(group)
         if d_vocab < 12:
             raise ValueError(f"TransformerWithSharedParams needs d_vocab >= 12, got {d_vocab}")
-        self.rank = group.rank()
-        self.world_size = group.size()
         self.d_vocab = d_vocab
         self.batch_size = 2
-
         self.embed_tokens = nn.Embedding(d_vocab, d_model)
         with warnings.catch_warnings():
-            # nn.Transformer's encoder warns that the nested-tensor fast path needs batch_first
+            # the encoder warns that the nested-tensor fast path needs batch_first
             warnings.filterwarnings("ignore", message="enable_nested_tensor is True")
             self.transformer = nn.Transformer(
                 d_model=d_model,
                 num_encoder_layers=2,
                 num_decoder_layers=2,
                 dim_feedforward=8,
-                dropout=0.0,  # no RNG in forward (threaded ranks share the global generator)
+                dropout=0.0,
             )
         self.output_proj = nn.Linear(d_model, d_vocab)
-        self.output_proj.weight = self.embed_tokens.weight  # tied: one parameter, two users
-        self.register_buffer("vocab_bias", torch.ones(d_model))  # (d_model,)
-        self.register_buffer("long_buffer", torch.zeros(d_model, dtype=torch.long))  # (d_model,)
+        self.output_proj.weight = self.embed_tokens.weight
+        self.register_buffer("vocab_bias", torch.ones(d_model))
+        self.register_buffer("long_buffer", torch.zeros(d_model, dtype=torch.long))
         # BatchNorm over the batch dimension of (T, B, d_model): B = 2 "channels"
         self.bn = nn.BatchNorm1d(self.batch_size) if add_bn else nn.Identity()
-        seeded_init_(self, seed=0)  # identical on every rank
-
+        seeded_init_(self, seed=0)
         move_before_wrap(self, device_init, device)
         if wrap is not None and wrap_layers:
             for layers in (self.transformer.encoder.layers, self.transformer.decoder.layers):
                 for index, layer in enumerate(layers):
-                    layers[index] = maybe_wrap(wrap, layer)
+                    layers[index] = wrap(layer)
 
     def get_input(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         gen = generator(1 + self.rank)
@@ -100,20 +74,13 @@ class TransformerWithSharedParams(nn.Module):
         return src.to(device), tgt.to(device)
 
     def forward(self, src_ids: torch.Tensor, tgt_ids: torch.Tensor) -> torch.Tensor:
-        src = self.embed_tokens(src_ids)  # (T_src, B, d_model)
+        src = self.embed_tokens(src_ids)
         src = src + self.vocab_bias + self.long_buffer.type_as(src)
-        tgt = self.embed_tokens(tgt_ids)  # (T_tgt, B, d_model)
-        tgt = self.bn(tgt)
-        x = self.transformer(src, tgt)  # (T_tgt, B, d_model)
-        return self.output_proj(x)  # (T_tgt, B, d_vocab)
+        tgt = self.bn(self.embed_tokens(tgt_ids))
+        return self.output_proj(self.transformer(src, tgt))  # (T_tgt, B, d_vocab)
 
     def get_loss(self, input: tuple[torch.Tensor, torch.Tensor], output: torch.Tensor):
         _, tgt = input
         return nn.functional.cross_entropy(
             output.view(-1, output.size(-1)), tgt.view(-1), reduction="sum"
         )
-
-    def run_backward(
-        self, loss: torch.Tensor, backward: Callable[[torch.Tensor], None] | None = None
-    ) -> None:
-        run_loss_backward(loss, backward)

@@ -1,19 +1,15 @@
 """A model whose parameters shard unevenly over 3 ranks, leaving some ranks empty shards.
 
-    Linear(4, 7) -> Tanh -> [Linear(7, 2)] -> [Gain(2)] -> [Gain(1)]
-    (brackets = wrapped)
+    Linear(4, 7) -> Tanh -> [Linear(7, 2)] -> [Gain(2)] -> [Gain(1)]     (brackets = wrapped)
 
-At world size 3: the root holds Linear(4, 7)'s 35 elements (not divisible by 3; FSDP2 shards
-its 7 rows 3 / 3 / 1); the wrapped Linear(7, 2) 16 elements (not divisible; its 2 rows leave
-rank 2 without a row); Gain(2) two elements, one fewer than the world size (a flat shard of one
-element per rank: rank 2 holds only padding); Gain(1) a 1-element parameter (only rank 0 holds
-it). Loss: the sum of squared outputs, so every gradient depends on every parameter.
+At world size 3: Linear(4, 7)'s 35 elements and Linear(7, 2)'s 16 do not divide by 3 (its 2
+rows leave rank 2 without a row); Gain(2) has fewer elements than ranks (rank 2 holds only
+padding); Gain(1) lives on rank 0 only. Loss: the sum of squared outputs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import nn
@@ -21,10 +17,10 @@ from torch import nn
 from .model_base import (
     DeviceInit,
     Wrap,
-    generator,
+    ZooModel,
     maybe_wrap,
     move_before_wrap,
-    run_loss_backward,
+    rand_input,
     seeded_init_,
 )
 
@@ -40,15 +36,8 @@ class Gain(nn.Module):
         return x * self.weight
 
 
-class UnevenModule(nn.Module):
-    """See the module docstring.
-
-    Args:
-        group: the process group (its rank seeds the inputs).
-        wrap: wraps the bracketed submodules; None = unwrapped reference.
-    """
-
-    ROOT_WRAP_CONFIG: ClassVar[dict[str, Any]] = {}
+class UnevenModule(ZooModel):
+    """See the module docstring (`wrap`: wraps the bracketed submodules; None = unwrapped)."""
 
     def __init__(
         self,
@@ -58,8 +47,7 @@ class UnevenModule(nn.Module):
         device_init: DeviceInit = DeviceInit.AFTER,
         device: torch.device | None = None,
     ) -> None:
-        super().__init__()
-        self.rank = group.rank()
+        super().__init__(group)
         layers = [nn.Linear(4, 7), nn.Linear(7, 2), Gain(2), Gain(1)]
         for index, layer in enumerate(layers):
             seeded_init_(layer, seed=index)
@@ -68,15 +56,10 @@ class UnevenModule(nn.Module):
         self.odd, self.pair, self.one = (maybe_wrap(wrap, layer) for layer in layers[1:])
 
     def get_input(self, device: torch.device) -> tuple[torch.Tensor]:
-        return (torch.rand(3, 4, generator=generator(1 + self.rank)).to(device),)
+        return rand_input(1 + self.rank, device, 3, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.one(self.pair(self.odd(torch.tanh(self.trunk(x)))))
 
     def get_loss(self, input: tuple[torch.Tensor], output: torch.Tensor) -> torch.Tensor:
         return output.pow(2).sum()
-
-    def run_backward(
-        self, loss: torch.Tensor, backward: Callable[[torch.Tensor], None] | None = None
-    ) -> None:
-        run_loss_backward(loss, backward)

@@ -1,24 +1,13 @@
 """Route fairscale FSDP's CUDA stream and event calls through a device handle (fairscale 0.4.13).
 
-Written against fairscale 0.4.13. Its ``FullyShardedDataParallel`` calls the CUDA API directly:
-``torch.cuda.is_available()`` / ``Stream()`` when the root sets up its streams (on a host
-without CUDA it creates none and the first forward fails with ``KeyError: 'all_gather'``),
-``torch.cuda.stream(...)`` / ``current_stream()`` around every all-gather, fp16 cast and
-gradient reduction, ``torch.cuda.synchronize()`` in ``summon_full_params``, and
-``Tensor.record_stream(stream)`` at every free. This module sends exactly those calls to a device
-handle (``fsdp_conformance.impl.device.CPUDeviceHandle`` on CPU, the lagging device of
-``fsdp_conformance.observe.lagging`` under the memory-bound check); tensors, collectives and
+fairscale's ``FullyShardedDataParallel`` calls the CUDA API directly (``torch.cuda.Stream``,
+``stream``, ``current_stream``, ``synchronize``, ``Tensor.record_stream``; on a host without
+CUDA the first forward fails with ``KeyError: 'all_gather'``). ``route(instance, handle)`` gives
+one instance its own versions of the methods making those calls (``ROUTED_METHODS``); while one
+runs, that thread's calls go to the handle through a ``torch`` proxy in fairscale's module and a
+routed ``Tensor.record_stream``, installed while any routed call is open and restored after the
+last, so other threads and other instances see the real CUDA API. Tensors, collectives and
 arithmetic are untouched.
-
-How, and for how long: ``route(instance, handle)`` gives one fairscale instance its own
-versions of the methods that make those calls (``ROUTED_METHODS``, instance attributes, so
-fairscale's own ``self.<method>(...)`` calls and the hooks it registers find them). While a
-routed method runs on a thread, that thread's calls go to the instance's handle: the
-``torch`` name of fairscale's FSDP module is a proxy and ``torch.Tensor.record_stream`` accepts
-the handle's streams. Both are installed when the first routed call starts and restored when
-the last one returns, so outside routed calls fairscale and torch are exactly as imported, and
-other threads (and fairscale instances this module did not route) see the real CUDA API.
-If fairscale's internals moved, ``check_internals`` raises naming what is missing.
 """
 
 from __future__ import annotations
@@ -34,11 +23,9 @@ from torch import nn
 
 from fsdp_conformance._patching import patch_attribute
 
-# the key of this module's patches (fsdp_conformance._patching), installed while routed calls run
 _PATCH_KEY = "fsdp-conformance fairscale device routing"
-# The fairscale release these hooks were written against
 FAIRSCALE_VERSION = "0.4.13"
-# Methods of fairscale's FullyShardedDataParallel that call the CUDA API (fairscale 0.4.13)
+# methods of fairscale's FullyShardedDataParallel that call the CUDA API
 ROUTED_METHODS = (
     "_setup_streams",
     "_wait_for_previous_optim_step",
@@ -50,13 +37,12 @@ ROUTED_METHODS = (
     "_post_reduction_hook",
     "_wait_for_post_backward",
 )
-# Context-manager methods routed for as long as their context is open
+# routed for as long as their context is open
 ROUTED_CONTEXTS = ("summon_full_params",)
-# The CUDA API names fairscale 0.4.13 calls; each is taken from the handle while routed
+# the CUDA API names taken from the handle while routed
 _HANDLE_NAMES = frozenset(
     {"is_available", "Stream", "Event", "stream", "current_stream", "synchronize"}
 )
-# Name of the instance attribute holding the instance's handle
 _HANDLE_ATTR = "_fsdp_conformance_device"
 
 _local = threading.local()  # .handles: the handles of the routed calls open on this thread
@@ -71,7 +57,7 @@ def _current_handle() -> Any:
 
 
 class _CudaRouter:
-    """``torch.cuda`` as fairscale sees it while routed: the thread's handle, else the real one."""
+    """``torch.cuda`` while routed: the thread's handle, else the real one."""
 
     def __getattr__(self, name: str) -> Any:
         handle = _current_handle()
@@ -81,7 +67,7 @@ class _CudaRouter:
 
 
 class _TorchProxy:
-    """The ``torch`` module with ``cuda`` replaced by ``_CudaRouter`` (everything else as is)."""
+    """The ``torch`` module with ``cuda`` replaced by ``_CudaRouter``."""
 
     cuda = _CudaRouter()
 
@@ -109,12 +95,8 @@ def _fsdp_module() -> Any:
 
 
 def check_internals() -> None:
-    """Raise RuntimeError unless fairscale has the internals this module routes.
-
-    Raises:
-        RuntimeError: naming the installed fairscale version, the missing names and the
-            version this module was written against.
-    """
+    """RuntimeError, naming the versions and what is missing, unless fairscale has the
+    internals this module routes."""
     import fairscale
 
     module = _fsdp_module()
@@ -192,15 +174,8 @@ def _routed_context(instance: nn.Module, method: Callable[..., Any]) -> Callable
 
 
 def route(instance: nn.Module, handle: Any, wrappers: dict[str, Callable] | None = None) -> None:
-    """Send `instance`'s CUDA calls to `handle` (and use `handle` from now on if re-routed).
-
-    Args:
-        instance: a fairscale FullyShardedDataParallel.
-        handle: the device handle (``Event``, ``Stream``, ``stream``, ``current_stream``,
-            ``synchronize``, ``is_available``, ``record_stream``).
-        wrappers: optional ``{method name: f(original) -> replacement}`` applied inside the
-            routing (the adapter's observation hooks).
-    """
+    """Send a fairscale instance's CUDA calls to `handle` (re-routing replaces the handle);
+    `wrappers`: ``{method name: f(original) -> replacement}`` applied inside the routing."""
     already = _HANDLE_ATTR in instance.__dict__
     instance.__dict__[_HANDLE_ATTR] = handle
     if already:
@@ -216,5 +191,4 @@ def route(instance: nn.Module, handle: Any, wrappers: dict[str, Callable] | None
 
 
 def handle_of(instance: nn.Module) -> Any:
-    """The handle `instance` was routed to (None if it was not)."""
     return instance.__dict__.get(_HANDLE_ATTR)

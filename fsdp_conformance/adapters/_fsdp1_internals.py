@@ -1,17 +1,8 @@
 """Every torch FSDP1 internal the torch-fsdp1 adapter touches, found by feature detection.
 
-``torch_fsdp1.py`` reads and patches private parts of ``torch.distributed.fsdp`` only through
-the functions here. Each checks that the internal it needs is present (not a version string)
-and raises ``FSDP1InternalsError`` -- one line naming what is missing, the torch running and
-the releases verified -- when it is not.
-
-Verified on torch 2.8.0, 2.13.0, 2.14.1 and 2.15.0 (``VERIFIED_ON``): the same shape on all:
-``FlatParamHandle._all_gather_flat_param`` / ``_free_unsharded_flat_param`` /
-``_get_padded_unsharded_flat_param`` / ``uses_sharded_strategy`` / ``_training_state`` /
-``_device_handle``; ``_runtime_utils._reduce_grad`` / ``_reduce_grad_no_shard`` (called by
-``_post_backward_hook`` through module globals); an instance's ``_handle``,
-``_device_handle``, ``training_state`` and ``_assert_state``; ``TrainingState`` in
-``fully_sharded_data_parallel``.
+Each accessor checks that the internal is present (not a version string) and raises
+``FSDP1InternalsError`` naming what is missing, the torch running and ``VERIFIED_ON`` (the same
+shape on all of them).
 """
 
 from __future__ import annotations
@@ -21,7 +12,7 @@ from typing import Any
 from ._internals import InternalsProbe
 from ._support import TESTED_TORCH
 
-VERIFIED_ON = TESTED_TORCH  # the compatibility matrix's releases (_support.py)
+VERIFIED_ON = TESTED_TORCH
 
 
 class FSDP1InternalsError(RuntimeError):
@@ -34,9 +25,9 @@ _probe = InternalsProbe(
     FSDP1InternalsError,
     VERIFIED_ON,
 )
-moved = _probe.moved  # the one error for a missing internal
-require = _probe.require  # that error unless an object has every attribute named
-_import = _probe.load  # a module or its attribute, or that error
+moved = _probe.moved
+require = _probe.require
+_import = _probe.load
 
 
 def flat_param_handle_class() -> type:
@@ -52,14 +43,12 @@ def flat_param_handle_class() -> type:
 
 
 def runtime_utils() -> Any:
-    """``torch.distributed.fsdp._runtime_utils`` (holds ``_reduce_grad`` / ``_no_shard``)."""
     module = _import("torch.distributed.fsdp._runtime_utils")
     require(module, "_reduce_grad", "_reduce_grad_no_shard")
     return module
 
 
 def training_state_enum() -> Any:
-    """``TrainingState`` of an FSDP1 instance (root state)."""
     return _import("torch.distributed.fsdp.fully_sharded_data_parallel", "TrainingState")
 
 
@@ -92,9 +81,8 @@ def assert_state(instance: Any, state_names: list[str]) -> None:
 
 
 def grad_shard_layout(handle: Any) -> list[tuple[str, int, int, int]]:
-    """(fqn relative to the instance, start in the flattened parameter, offset in the local
-    shard, element count) of each original parameter with elements in this rank's shard of the
-    FlatParameter (``_fqns``, ``_shard_param_infos``)."""
+    """(fqn in the instance, start in the flattened parameter, offset in the local shard,
+    count) of each original parameter with elements in this rank's shard."""
     flat = handle.flat_param
     require(flat, "_fqns", "_shard_param_infos")
     return [
@@ -105,7 +93,6 @@ def grad_shard_layout(handle: Any) -> list[tuple[str, int, int, int]]:
 
 
 def set_device_handle(instance: Any, handle: Any) -> None:
-    """Point an instance (and its ``FlatParamHandle``) at ``handle``."""
     require(instance, "_device_handle")
     instance._device_handle = handle
     flat = handle_of(instance)

@@ -1,37 +1,22 @@
-"""The lagging device inside torch FSDP2, and its buffers' lifetimes per stream.
-
-Every FSDP2 internal used here goes through `_fsdp2_internals` (verified on the releases it
-names); if a torch release moved one, `install_lagging_device` and `observe_buffers` raise its
-`FSDP2InternalsError` naming the missing attribute.
+"""The lagging device inside torch FSDP2, and its buffers' lifetimes per stream (every FSDP2
+internal through `_fsdp2_internals`, which names one that moved).
 
 [Note: FSDP2's device handle]
-FSDP2 takes its device handle from `torch.distributed.device_mesh._get_device_handle` in three
-places that keep it: `FSDPState._device_handle` (set in `FSDPState.init`, at `fully_shard`),
-`FSDPParamGroup.device_handle` (set in its constructor) and `FSDPCommContext.device_handle`
-(set, with the four streams -- all-gather copy-in, all-gather, reduce-scatter, all-reduce -- in
-`FSDPCommContext.lazy_init`, which the root calls at its lazy init, i.e. the first forward).
-`_fsdp_collectives` looks the handle up on each call but only to enter `stream(s)` on the
-streams FSDP2 passes in and to read the current stream; on CPU that is `torch.cpu.stream`,
-which accepts any stream object. So the device is installed per model, after wrapping and
-before the first forward, by replacing the first two attributes and by giving each state's comm
-context an instance-level `lazy_init` that runs FSDP2's own and then points the context's handle
-and streams at the lagging device. Nothing process-wide changes; the model is the only owner.
+FSDP2 keeps its device handle in `FSDPState._device_handle`, `FSDPParamGroup.device_handle`
+and `FSDPCommContext.device_handle` (set with its four streams at the root's lazy init, the
+first forward); `_fsdp_collectives` only enters the streams it is given. So the device is
+installed per model, before the first forward: the first two are replaced, and each comm
+context gets an instance-level `lazy_init` that runs FSDP2's own and then points its handle and
+streams at the device. Nothing process-wide changes.
 
 [Note: FSDP2 buffers]
-Per unshard FSDP2 holds two buffers of one instance's unsharded size each:
-- the all-gather output, allocated on the all-gather copy-in stream (the separate streams of
-  implicit prefetching) or on the current stream (`async_op` / explicit prefetch outside
-  forward and pre-backward), written by the all-gather stream and read by the copy-out on the
-  current stream; its lifetime is that of the tensor (observed with `weakref.finalize`, so a
-  reference kept anywhere keeps it resident);
-- the unsharded parameters, allocated by the copy-out on the current stream and freed there
-  (`FSDPParamGroup._to_unsharded` / `_to_sharded` / `_to_sharded_post_forward`: the state
-  transitions, not the config that asks for them).
-`observe_buffers` reports them to a residency observer as "all_gather" (the all-gather output,
-once allocated), "alloc" (the unsharded parameters) and "free", with `info` = {"buffer": kind,
+Per unshard FSDP2 holds two buffers of one instance's unsharded size: the all-gather output
+(allocated on the copy-in stream or, for `async_op` / explicit prefetch, the current one; alive
+as long as its tensor, observed with `weakref.finalize`) and the unsharded parameters (the
+copy-out on the current stream, `_to_unsharded` / `_to_sharded(_post_forward)`).
+`observe_buffers` reports them as "all_gather", "alloc" and "free" with `info` = {"buffer",
 "stream": the allocating stream, "used_after": the device's last recorded event when another
-stream last used the buffer, or None} -- the stream-ordered reuse rule of
-`fsdp_conformance.observe.residency` decides from these when the block is reusable.
+stream last used it, or None}, for the stream-ordered rule of `observe.residency`.
 """
 
 from __future__ import annotations
@@ -50,26 +35,16 @@ from fsdp_conformance.constants import Op
 from . import _fsdp2_internals as internals
 from .base import require_before_first_forward
 
-# the key of this module's patches (fsdp_conformance._patching)
 _PATCH_KEY = "fsdp-conformance torch-fsdp2 buffer lifetimes"
 _WRITTEN_FOR = "torch " + "/".join(internals.VERIFIED_ON)
 
-# Buffer observers: emit(op, group, info) -> every registered callback(op, group, info)
 _buffer_observers: list[Callable[[str, Any, dict], None]] = []
 _lock = threading.Lock()  # guards the observer list and the pending records
 
 
 def install_lagging_device(model: nn.Module, device: Any) -> None:
-    """Make every FSDP2 instance in ``model`` use ``device`` as its device handle.
-
-    Args:
-        model: an FSDP2-wrapped model (``fully_shard``), before its first forward.
-        device: a ``fsdp_conformance.observe.LaggingDevice``.
-
-    Raises:
-        RuntimeError: the model already ran forward (FSDP2 created its streams at lazy init).
-        FSDP2InternalsError: FSDP2's internals are none of the shapes ``_fsdp2_internals`` knows.
-    """
+    """Make every FSDP2 instance in ``model`` use ``device`` ([Note: FSDP2's device handle]);
+    RuntimeError when it already ran forward."""
     from torch.distributed.fsdp import FSDPModule
 
     states = [
@@ -91,8 +66,7 @@ def _install_comm_context(context: Any, device: Any) -> None:
         internals.require(context, "device_handle", *internals.COMM_STREAMS)
         context.device_handle = device
         for name in internals.COMM_STREAMS:
-            # a lagging device hands out streams that remember what they waited for (the
-            # stream-ordered residency rule reads them); any other handle, its own streams
+            # a lagging device's streams remember what they waited for (the residency rule)
             ordered = getattr(device, "ordered_stream", None)
             setattr(context, name, ordered(name) if callable(ordered) else device.Stream())
 
@@ -100,7 +74,6 @@ def _install_comm_context(context: Any, device: Any) -> None:
 
 
 def current_stream_of(group: Any) -> Any:
-    """The stream ``group`` runs on now (its device handle's current stream)."""
     internals.require(group, "device_handle")
     return group.device_handle.current_stream()
 
@@ -116,7 +89,7 @@ def _emit(op: str, group: Any, info: dict) -> None:
 
 
 def _patch_buffer_lifetimes() -> None:
-    """Report FSDP2's buffers (see [Note: FSDP2 buffers]); once per process, pass-through idle."""
+    """Report FSDP2's buffers ([Note: FSDP2 buffers]); once per process, pass-through idle."""
     group_class = internals.param_group_class()
     internals.require(
         group_class, "_to_unsharded", "_to_sharded", "_to_sharded_post_forward", "is_unsharded"
@@ -148,7 +121,7 @@ def _patch_buffer_lifetimes() -> None:
                 device = _device_of(self)
                 for record in _READERS.get(self, ()):
                     if record["used_after"] is None and device is not None:
-                        # the copy-out (on the current stream) was the buffer's last foreign use
+                        # the copy-out was the buffer's last use by another stream
                         record["used_after"] = device.recorded
                 _emit(Op.ALLOC, self, {"buffer": "unsharded", "stream": current_stream_of(self)})
             return result
@@ -175,21 +148,21 @@ def _patch_buffer_lifetimes() -> None:
         patch_attribute(group_class, attribute, make, key=_PATCH_KEY, written_for=_WRITTEN_FOR)
 
 
-# group -> records of its all-gather outputs not yet copied out (weak: groups die with models)
+# group -> records of its all-gather outputs not yet copied out
 _READERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # AllGatherResult class -> its tracked subclass
 _TRACKED_CLASSES: dict[type, type] = {}
 
 
 class _ReleaseToken:
-    """Lives exactly as long as the tracked ``AllGatherResult`` holding it (weakly referenced)."""
+    """Lives exactly as long as the tracked ``AllGatherResult`` holding it."""
 
     __slots__ = ("__weakref__",)
 
 
 def _tracked_class(result_class: type) -> type:
-    """A subclass of FSDP2's ``AllGatherResult`` (a NamedTuple) whose instances have a
-    ``__dict__`` to carry a ``_ReleaseToken``: equal, unpackable, ``isinstance`` the original."""
+    """A subclass of FSDP2's ``AllGatherResult`` (a NamedTuple) with a ``__dict__`` for the
+    token: equal, unpackable, ``isinstance`` the original."""
     tracked = _TRACKED_CLASSES.get(result_class)
     if tracked is None:
         tracked = type(f"Tracked{result_class.__name__}", (result_class,), {})
@@ -198,8 +171,8 @@ def _tracked_class(result_class: type) -> type:
 
 
 def _track_all_gather_output(group: Any, result: Any, stream: Any) -> Any:
-    """Report the all-gather output allocated; return the result to store in its place, whose
-    release (the last reference to it dropped, wherever held) reports the output free."""
+    """Report the all-gather output allocated; the result to store instead, whose release
+    reports it free."""
     record: dict[str, Any] = {"used_after": None, "stream": stream, "released": False}
     _READERS.setdefault(group, []).append(record)
     _emit(Op.ALL_GATHER, group, {"buffer": "all_gather_output", "stream": stream})
@@ -214,7 +187,6 @@ def _track_all_gather_output(group: Any, result: Any, stream: Any) -> Any:
 
 
 def _released(group_ref: Any, record: dict[str, Any]) -> None:
-    """The tracked result was released: report its all-gather output free."""
     owner = group_ref()
     if owner is None or record["released"]:
         return
@@ -228,11 +200,8 @@ def _released(group_ref: Any, record: dict[str, Any]) -> None:
 
 @contextlib.contextmanager
 def observe_buffers(callback: Callable[[str, Any, dict], None]) -> Iterator[None]:
-    """Context manager: ``callback(op, group, info)`` hears FSDP2's buffer events.
-
-    Args:
-        callback: called as [Note: FSDP2 buffers] says, with the ``FSDPParamGroup``.
-    """
+    """Context manager: ``callback(op, group, info)`` hears FSDP2's buffer events ([Note:
+    FSDP2 buffers]), with the ``FSDPParamGroup``."""
     _patch_buffer_lifetimes()
     with _lock:
         _buffer_observers.append(callback)

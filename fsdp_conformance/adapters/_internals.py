@@ -1,7 +1,6 @@
-"""Feature detection of another library's internals, shared by the adapters' internals modules
-(``_fsdp1_internals.py``, ``_fsdp2_internals.py``): one error shape for a moved internal --
-what is missing, the version running, the releases the module was verified on.
-"""
+"""Feature detection of another library's internals (``_fsdp1_internals.py``,
+``_fsdp2_internals.py``): one error naming what is missing, the version running and the
+releases verified."""
 
 from __future__ import annotations
 
@@ -14,9 +13,9 @@ class InternalsProbe:
 
     def __init__(self, label: str, path: str, error: type[Exception], verified_on: tuple[str, ...]):
         self.label = label  # e.g. "torch FSDP2"
-        self.path = path  # the internals module's file, named in the message
-        self.error = error  # the exception type raised for a moved internal
-        self.verified_on = verified_on  # the torch releases the module was run on
+        self.path = path
+        self.error = error
+        self.verified_on = verified_on
 
     def moved(self, what: str) -> Exception:
         """The one error for a missing internal."""

@@ -1,21 +1,10 @@
-"""The adapter protocol: how the suite drives one FSDP implementation.
-
-An `Adapter` wraps modules, finds FSDP instances, maps their training states to the canonical
-states (`fsdp_conformance/training_states.py`) and reads full parameters; what it declares is one
-record (`features.Declarations`). Subclasses implement the `_`-prefixed primitives; the public
-methods add validation. Observer hooks (`_observe`, `_install_device_handle`) are optional: an
-adapter that lacks them declares `comm_trace` / `device_handle` unsupported.
+"""The adapter protocol: `Adapter`, the zoo's `AdapterWrap`, and observation helpers.
 
 [Note: observation]
-`observe(callback, instances=None)` calls `callback(op, instance, info)` for each operation an
-instance performs, *before* the operation happens: "all_gather" (an unshard is issued),
-"free" (the unsharded parameters are about to be freed), "reduce_scatter" / "all_reduce"
-(gradient reduction about to be issued). `instances=None` observes every instance in this
-rank: events emitted on the thread that called `observe`, or on a thread that observes
-nothing itself (e.g. autograd's device threads on CUDA) -- so threaded ranks (the harness's
-`thread` mode) do not see each other's instances. The delay hooks of the model zoo
-(`loop.delay_before_reduction`, `loop.delay_before_free`) are built on it, so they need
-`comm_trace`.
+`observe(callback, instances=None)` calls `callback(op, instance, info)` *before* each operation
+of an instance: "all_gather", "free", "reduce_scatter" / "all_reduce". `instances=None` observes
+the events emitted on the calling thread, or on a thread that observes nothing itself
+(autograd's device threads), so the threaded ranks of `thread` mode do not see each other's.
 """
 
 from __future__ import annotations
@@ -46,13 +35,12 @@ from .features import (  # the errors and claimed_but_not_implemented: also impo
     normalize_config,
 )
 
-# callback(op, instance, info) -- see [Note: observation]
+# callback(op, instance, info): [Note: observation]
 Observer = Callable[[str, nn.Module, dict], None]
 REDUCE_OPS = constants.REDUCE_OPS
 
-# Prefixes FSDP wrappers insert into parameter names (torch FSDP1, activation checkpointing)
+# what torch FSDP1 and activation checkpointing insert into parameter names
 _WRAPPER_NAME_PARTS = re.compile(r"(_fsdp_wrapped_module|_checkpoint_wrapped_module)\.")
-
 
 # thread ident -> number of active observers registered on that thread
 _observing_threads: collections.Counter = collections.Counter()
@@ -83,15 +71,8 @@ def scoped_observer(callback: Observer, instances: list[nn.Module] | None) -> It
 def require_before_first_forward(
     adapter_name: str, model: nn.Module, states: Iterable[Any]
 ) -> None:
-    """RuntimeError unless no FSDP state in ``states`` has run forward yet (``_is_root`` is
-    still None: torch FSDP1, FSDP2 and fairscale all decide the root, and create their streams
-    from the device handle, at the lazy init of the first forward).
-
-    Args:
-        adapter_name: the adapter, for the message.
-        model: the wrapped model, for the message.
-        states: the implementation's per-instance state objects (each with ``_is_root``).
-    """
+    """RuntimeError once a state in ``states`` ran forward (``_is_root`` set: torch FSDP1, FSDP2
+    and fairscale create their streams from the handle at the first forward's lazy init)."""
     if any(state._is_root is not None for state in states):
         raise RuntimeError(
             f"{adapter_name} install_device_handle: {type(model).__name__} already ran forward "
@@ -101,14 +82,8 @@ def require_before_first_forward(
 
 
 def clean_param_name(name: str, segments: Iterable[str] = ()) -> str:
-    """`name` without the segments FSDP wrappers insert (names of the unwrapped model).
-
-    Args:
-        name: a dotted parameter or module name of the wrapped model.
-        segments: more wrapper attribute names to remove (an adapter's `wrapper_segments`,
-            e.g. fairscale's ``_fpw_module``), besides torch FSDP1's and activation
-            checkpointing's.
-    """
+    """`name` as in the unwrapped model: without torch FSDP1's and activation checkpointing's
+    segments, nor `segments` (an adapter's `wrapper_segments`, e.g. ``_fpw_module``)."""
     name = _WRAPPER_NAME_PARTS.sub("", name)
     for segment in segments:
         if not segment or "." in segment:
@@ -123,9 +98,8 @@ def clean_param_name(name: str, segments: Iterable[str] = ()) -> str:
 def flat_grad_pieces(
     names: list[str], numels: list[int], shard_grad: torch.Tensor, shard_start: int
 ) -> dict[str, tuple[int, torch.Tensor]]:
-    """`Adapter.grad_shards` of one flat parameter: parameters `names` (sizes `numels`) lie
-    back to back in the flat (padded) parameter, whose elements ``[shard_start, shard_start +
-    len(shard_grad))`` this rank's gradient shard `shard_grad` holds."""
+    """`Adapter.grad_shards` of one flat parameter holding `names` (sizes `numels`) back to
+    back, of which `shard_grad` holds the elements from `shard_start` on."""
     pieces = {}
     offset, shard_end = 0, shard_start + shard_grad.numel()
     for name, numel in zip(names, numels):
@@ -143,8 +117,7 @@ GroupOptions = Callable[[str, nn.Parameter], dict[str, Any]]
 def group_by(
     named: Iterable[tuple[str, nn.Parameter]], options: GroupOptions
 ) -> list[dict[str, Any]]:
-    """Optimizer parameter groups: the parameters of `named` with equal ``options(name,
-    param)`` in one group (in the order first seen), each group carrying its options."""
+    """Optimizer parameter groups: parameters with equal ``options(name, param)`` together."""
     groups: dict[tuple, dict[str, Any]] = {}
     for name, param in named:
         group = options(name, param)
@@ -158,8 +131,7 @@ def group_by(
     return list(groups.values())
 
 
-# adapter, name -> what the older protocol's member meant (set by adapters/_compat.py, which
-# the package imports; the module functions it uses import this module)
+# adapter, name -> what the older protocol's member meant (set by _compat.py)
 OLD_MEMBERS: Callable[[Any, str], Any] | None = None
 
 
@@ -167,17 +139,12 @@ class Adapter:
     """How the suite drives one FSDP implementation: subclass, set `name`, implement `_wrap`,
     `instances`, `training_state`, `root_state` and `_summon_full_params` (docs/adapters.md).
 
-    Optional hooks, each behind the feature that needs it: `_observe` (`comm_trace`),
-    `_install_device_handle` (`device_handle`), `_assert_state` (`assert_state`),
-    `save_checkpoint` / `load_checkpoint` (`checkpoint_resume`). What the adapter declares is
-    one record, `declarations` (`features.Declarations`); feature negotiation lives in
-    `features`, deviation matching in `deviations`, the training loop's hooks in `loop`
-    (`loop.EngineHooks` for an engine that owns them).
+    Optional hooks, behind their features: `_observe` (`comm_trace`), `_install_device_handle`
+    (`device_handle`), `_assert_state` (`assert_state`), `save_checkpoint` / `load_checkpoint`
+    (`checkpoint_resume`). What it declares is `declarations`; training-loop hooks: `loop`.
     """
 
-    # Name given to get_adapter (or the `pkg.module:ATTR` path)
-    name: str = "adapter"
-    # What the adapter declares: unsupported features, deviations, support ranges, ...
+    name: str = "adapter"  # as given to get_adapter
     declarations: Declarations = Declarations()
 
     def wrap(
@@ -194,9 +161,9 @@ class Adapter:
             module: the module to shard; already-wrapped submodules stay their own instances.
             process_group: the group to shard over (None = the default group); with a hybrid
                 `sharding_strategy`, the pair (shard_group, replicate_group).
-            root: True for the root (outermost) call, False for a nested one, None when not
-                known; `_wrap` reads it as `self.wrapping_root`.
-            **config: the seed's FSDP1 keywords, see [Note: config vocabulary] in features.py.
+            root: True for the root call, False for a nested one, None when not known (`_wrap`
+                reads it as `self.wrapping_root`).
+            **config: FSDP1's keywords, [Note: config vocabulary] in features.py.
 
         Raises:
             UnsupportedFeatureError: the config needs a feature this adapter lacks.
@@ -221,8 +188,7 @@ class Adapter:
         return instance
 
     def wrapper(self, *, process_group: Any = None, **config: Any) -> AdapterWrap:
-        """A `wrap` callable for the model zoo: `wrapper(**config)(module, **overrides)`; the
-        config is validated now, before any model is built."""
+        """A `wrap` callable for the model zoo, its config validated now."""
         normalized = normalize_config(config)
         features.require(self, *features.features_for(normalized))
         features.require_values(self, normalized)
@@ -231,7 +197,7 @@ class Adapter:
         return AdapterWrap(self, config)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
-        """The module that was passed to the root `wrap` (the zoo model)."""
+        """The module that was passed to the root `wrap`."""
         return model
 
     def instances(self, model: nn.Module) -> list[nn.Module]:
@@ -250,8 +216,7 @@ class Adapter:
         self, model: nn.Module, *, writeback: bool = False
     ) -> contextlib.AbstractContextManager[None]:
         """Context manager: inside, every instance in `model` holds its full parameters
-        (`writeback`: changes made inside reach the shards; needs
-        `summon_full_params_writeback`)."""
+        (`writeback`: changes reach the shards; needs `summon_full_params_writeback`)."""
         if writeback:
             features.require(self, Feature.SUMMON_FULL_PARAMS_WRITEBACK)
         return _primitive(self, "_summon_full_params")(model, writeback)
@@ -259,7 +224,7 @@ class Adapter:
     def observe(
         self, callback: Observer, instances: Iterable[nn.Module] | None = None
     ) -> contextlib.AbstractContextManager[None]:
-        """Context manager: report operations to `callback` (see [Note: observation])."""
+        """Context manager: report operations to `callback` ([Note: observation])."""
         features.require(self, Feature.COMM_TRACE)
         observe = _primitive(self, "_observe", Feature.COMM_TRACE)
         return observe(callback, None if instances is None else list(instances))
@@ -272,8 +237,7 @@ class Adapter:
     def save_checkpoint(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, directory: str
     ) -> None:
-        """Collective: save model and optimizer state into `directory` (shared by all ranks)
-        the implementation's way (e.g. torch.distributed.checkpoint)."""
+        """Collective: save model and optimizer state into `directory` (shared by all ranks)."""
         features.require(self, Feature.CHECKPOINT_RESUME)
         raise UnsupportedFeatureError(
             self.name, Feature.CHECKPOINT_RESUME, "override Adapter.save_checkpoint"
@@ -288,8 +252,7 @@ class Adapter:
             self.name, Feature.CHECKPOINT_RESUME, "override Adapter.load_checkpoint"
         )
 
-    def __getattr__(self, name: str) -> Any:
-        # members of the older, wider protocol, answered by the module functions
+    def __getattr__(self, name: str) -> Any:  # members of the older, wider protocol
         if name.startswith("__") or OLD_MEMBERS is None:
             raise AttributeError(name)
         return OLD_MEMBERS(self, name)
@@ -299,7 +262,7 @@ class Adapter:
 
 
 def _primitive(adapter: Adapter, name: str, feature: str | None = None) -> Callable[..., Any]:
-    """``adapter.<name>``, or FeatureNotImplementedError naming it (absent or set to None)."""
+    """``adapter.<name>``, or FeatureNotImplementedError naming it."""
     method = getattr(adapter, name, None)
     if method is None:
         raise FeatureNotImplementedError(adapter.name, f"Adapter.{name}", feature)
@@ -315,15 +278,12 @@ def _group_size(process_group: Any) -> int:
 
 
 class AdapterWrap:
-    """The zoo's `wrap` callable bound to an adapter and a config (see models.common.Wrap).
-
-    `wrap(module, **overrides)` wraps with the config updated by `overrides`; the delay hooks of
-    `models.common.DelayHooks` forward to the adapter.
-    """
+    """The zoo's `wrap` callable (models.common.Wrap): `wrap(module, **overrides)` wraps with
+    the config updated by `overrides`; the delay hooks forward to the adapter."""
 
     def __init__(self, adapter: Adapter, config: dict[str, Any]) -> None:
-        self.adapter = adapter  # the adapter that wraps
-        self.config = dict(config)  # config keys as given (process_group may be among them)
+        self.adapter = adapter
+        self.config = dict(config)  # as given, process_group included
 
     def __call__(self, module: nn.Module, **overrides: Any) -> nn.Module:
         config = {**self.config, **overrides}
@@ -346,18 +306,15 @@ class AdapterWrap:
 
 
 class ObserverRegistry:
-    """Process-wide observers for adapters whose hooks are installed once (torch patches).
-
-    A patched torch function calls `emit(op, instance, info)`; every registered observer gets
-    the event through its `scoped_observer` filter. Empty registry: `active` is False and the
-    patched functions skip `emit`.
-    """
+    """Process-wide observers for hooks installed once (patches): a patched function calls
+    `emit(op, instance, info)` (skipped while not `active`); each observer gets it filtered by
+    `scoped_observer`."""
 
     def __init__(self) -> None:
-        self._observers: list[Observer] = []  # filtered callbacks, in registration order
+        self._observers: list[Observer] = []
 
     def emit(self, op: str, instance: nn.Module | None, info: dict) -> None:
-        if instance is None:  # not created through an adapter: nobody asked about it
+        if instance is None:  # not created through an adapter
             return
         for observer in list(self._observers):
             observer(op, instance, info)

@@ -1,33 +1,16 @@
 """Adapter for DeepSpeed ZeRO (``deepspeed.initialize``), written for DeepSpeed 0.19.8.
 
-DeepSpeed is an optional extra (``pip install 'fsdp-conformance[deepspeed]'``, pure Python with
-``DS_BUILD_OPS=0``); without it ``get_adapter("deepspeed")`` still resolves and every check
-skips with one line saying how to install it. docs/deepspeed.md has the mapping, the declared
-deviations and the measured run.
+An optional extra (``pip install 'fsdp-conformance[deepspeed]'``); without it every check skips
+with the install line. docs/deepspeed.md has the config mapping, the deviations and a run.
 
 [Note: DeepSpeed as an FSDP]
-DeepSpeed wraps a whole model in one engine; it has no nested wrapping unit. The suite's nested
-``wrap(module, root=False)`` calls mark ``module`` as an *instance* and return it unchanged; the
-root call (``root=True``, or ``None``: unknown) builds the engine over the root module, so
-misuse surfaces at wrap time. ``instances(engine)`` is the engine, then the marked modules in
-pre-order; a parameter belongs to the nearest marked module above it (else to the engine).
-DeepSpeed gathers and releases parameters per submodule (each module's own parameters); the
-comm trace folds those into instance events: an instance's ``all_gather`` when the first of its
-parameters is gathered while none is, its ``free`` right before the last of them is released,
-its reduction right before the last of its gradients is handed to the reducer.
-
-Config mapping (docs/deepspeed.md): FULL_SHARD -> ZeRO-3, SHARD_GRAD_OP -> ZeRO-2, NO_SHARD ->
-ZeRO-1; every parameter really sharded (``stage3_param_persistence_threshold=0``,
-``stage3_max_reuse_distance=0``); ``gradient_clipping=0`` (DeepSpeed 0.19's default is 1.0:
-silent clipping); prefetch (``stage3_prefetch_bucket_size``) on when ``backward_prefetch`` is
-BACKWARD_PRE or ``forward_prefetch`` is True (DeepSpeed prefetches from the recorded trace, in
-forward and backward together), off for ``backward_prefetch=None`` without forward prefetch;
-BACKWARD_POST has no counterpart; ``limit_all_gathers=True`` -> ``stage3_max_live_parameters``
-= ``LIVE_INSTANCES`` times the largest instance's parameters (its own bound, see
-``deepspeed_bound``), False -> DeepSpeed's default (1e9: no limit that matters);
-``mixed_precision`` bf16 -> ``bf16.enabled``; no ``cpu_offload`` on a CPU host,
-no ``sync_module_states`` (DeepSpeed broadcasts rank 0's parameters itself), no
-``auto_wrap_policy`` (no wrapping unit: nested instances are marked only by the caller).
+DeepSpeed wraps a whole model in one engine, with no nested wrapping unit: a nested
+``wrap(module, root=False)`` marks ``module`` as an instance and returns it; the root call builds
+the engine. ``instances(engine)`` is the engine, then the marked modules in pre-order; a
+parameter belongs to the nearest marked module above it. The comm trace folds DeepSpeed's
+per-parameter gathers and releases into instance events: ``all_gather`` when the first of its
+parameters is gathered, ``free`` before the last is released, the reduction before its last
+gradient reaches the reducer.
 """
 
 from __future__ import annotations
@@ -36,6 +19,7 @@ import contextlib
 import importlib.util
 import os
 import shutil
+import sys
 import threading
 import weakref
 from collections.abc import Iterator
@@ -45,37 +29,47 @@ import torch
 from torch import nn
 
 from fsdp_conformance.constants import Op
+from fsdp_conformance.training_states import InstanceState, RootState
 
 from ._support import RANGES
 from .base import Adapter, ObserverRegistry, UnsupportedFeatureError
 from .deviations import Deviation
 from .features import ALL_FEATURES, Declarations, Feature, auto_wrap_targets, require
-from .loop import EngineHooks
-from .states import InstanceState, RootState
+from .loop import EngineHooks, optimizer_class
 
-# The one line every deepspeed check skips with when DeepSpeed is not importable
 INSTALL_HINT = "install it with: pip install 'fsdp-conformance[deepspeed]'"
-# The DeepSpeed release this adapter (its patches and deviations) was written and measured for
 WRITTEN_FOR = "deepspeed 0.19.8"
 MEASURED_ON = "deepspeed 0.19.8, torch 2.13.0"
-# Where DeepSpeed's CPU accelerator JIT-builds its C++ op (deepspeed_shm_comm) when the user
-# has not chosen TORCH_EXTENSIONS_DIR: built once per machine, kept, visible
+# where the CPU accelerator JIT-builds its deepspeed_shm_comm op unless TORCH_EXTENSIONS_DIR is set
 EXTENSIONS_DIR_DEFAULT = os.path.join("~", ".cache", "fsdp-conformance", "torch_extensions")
 # limit_all_gathers=True: at most this many instances' parameters gathered at once by prefetch
 LIVE_INSTANCES = 2
-# stage3_prefetch_bucket_size when prefetch is on (elements; DeepSpeed's default, 5e7)
+# stage3_prefetch_bucket_size when prefetch is on (DeepSpeed's default)
 PREFETCH_BUCKET = 50_000_000
 STAGES = {"FULL_SHARD": 3, "SHARD_GRAD_OP": 2, "NO_SHARD": 1}
 
+# deepspeed.utils.groups' caches of process groups (dicts for the expert groups)
+_GROUP_CACHES = (
+    "_WORLD_GROUP",
+    "_ZERO_PARAM_INTRA_PARALLEL_GROUP",
+    "_DATA_PARALLEL_GROUP",
+    "_MODEL_PARALLEL_GROUP",
+    "_TENSOR_MODEL_PARALLEL_GROUP",
+    "mesh_device",
+    "mpu",
+    "_EXPERT_PARALLEL_GROUP",
+    "_EXPERT_PARALLEL_GROUP_RANKS",
+    "_EXPERT_DATA_PARALLEL_GROUP",
+    "_EXPERT_DATA_PARALLEL_GROUP_RANKS",
+    "_ALL_TO_ALL_GROUP",
+)
+
 _REGISTRY = ObserverRegistry()
 _lock = threading.Lock()
-# nested instances marked by wrap(root=False), and the root module of each engine built
-_NESTED: weakref.WeakSet = weakref.WeakSet()
-_WRAPPED_ROOTS: weakref.WeakSet = weakref.WeakSet()
+_NESTED: weakref.WeakSet = weakref.WeakSet()  # nested instances marked by wrap(root=False)
 
 
 def _import_error() -> str | None:
-    """Why DeepSpeed cannot be used here, or None (no import: find_spec only)."""
     if importlib.util.find_spec("deepspeed") is None:
         return f"deepspeed is not importable; {INSTALL_HINT}"
     return None
@@ -91,8 +85,8 @@ def _cpu_host() -> bool:
 
 
 def _shm_op_used() -> bool:
-    """Whether DeepSpeed's CPU backend would use its shared-memory op: only when ``LOCAL_SIZE``
-    (ranks on this machine) is set and equals the world size; the harness does not set it."""
+    """Whether DeepSpeed's CPU backend uses its shared-memory op: only when ``LOCAL_SIZE`` equals
+    the world size (the harness does not set it)."""
     import torch.distributed as dist
 
     if not _cpu_host() or not os.environ.get("LOCAL_SIZE"):
@@ -118,8 +112,7 @@ def _compiler_problem() -> str | None:
 
 
 def prepare_environment() -> None:
-    """Choose the CPU accelerator on a host without CUDA and the extension cache, before
-    DeepSpeed is imported (both are read once, at DeepSpeed's first use)."""
+    """Choose the CPU accelerator (no CUDA) and the extension cache before DeepSpeed reads them."""
     if _cpu_host():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir())
@@ -127,13 +120,8 @@ def prepare_environment() -> None:
 
 
 def build_ops() -> str | None:
-    """Build (or find built) DeepSpeed's CPU communication op in ``extensions_dir()``, once per
-    machine; returns its folder (None on a CUDA host: nothing to build). Run it before a suite
-    run so that no check waits for the compiler: ``python -m fsdp_conformance.adapters.deepspeed``.
-
-    Raises:
-        RuntimeError: DeepSpeed is missing or no compiler can build the op (one line each).
-    """
+    """Build (or find) DeepSpeed's CPU communication op in ``extensions_dir()``; its folder, or
+    None on a CUDA host. RuntimeError (one line) without DeepSpeed or a compiler."""
     problem = _import_error() or _compiler_problem()
     if problem is not None:
         raise RuntimeError(f"adapter 'deepspeed': {problem}")
@@ -150,8 +138,7 @@ def build_ops() -> str | None:
 
 
 def ensure_distributed() -> None:
-    """``deepspeed.init_distributed`` over the harness's existing default group (gloo on CPU):
-    DeepSpeed then wraps that group instead of creating its own."""
+    """``deepspeed.init_distributed`` over the existing default group (DeepSpeed wraps it)."""
     prepare_environment()
     import deepspeed
     import torch.distributed as dist
@@ -162,61 +149,53 @@ def ensure_distributed() -> None:
             "(the dist fixture) or call torch.distributed.init_process_group first"
         )
     if _cpu_host() and not _shm_op_used():
-        # DeepSpeed's CPU backend JIT-builds (or re-checks under a file lock) its shared-memory
-        # op at init_distributed, then never uses it unless LOCAL_SIZE says every rank is local:
-        # mark it not compatible here, DeepSpeed's own switch, so nothing is built or locked
+        # init_distributed would JIT-build (or re-check under a file lock) an op it never uses
+        # without LOCAL_SIZE: DeepSpeed's own switch marks it not compatible
         import deepspeed.ops
 
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
 
 
-# ---------------------------------------------------------------------------- deviations
 def _deviation(check: str, reason: str, applies: Any = None, **covers: Any) -> Deviation:
-    """A DeepSpeed deviation, measured on ``MEASURED_ON``."""
     return Deviation(check, reason, applies, measured_on=MEASURED_ON, **covers)
 
 
-# Reproductions use ds = get_adapter("deepspeed"), x = torch.ones(2, 8), 2 CPU ranks, gloo;
-# docs/deepspeed.md has each as a runnable snippet
+# Reproductions: ds = get_adapter("deepspeed"), x = torch.ones(2, 8), 2 CPU ranks
+# (docs/deepspeed.md)
 DEEPSPEED_DEVIATIONS: tuple[Deviation, ...] = (
     _deviation(
         "forward.other_method",
-        "a wrapped submodule called alone (not through the engine's forward) trains differently "
-        "from DDP: in loops, step 1 runs head(h) alone, and from step 2 on the losses differ "
-        "(by 0.075 at FULL_SHARD, 0.038 at SHARD_GRAD_OP); whether DeepSpeed or the adapter's "
-        "mapping (the engine's backward and step after a forward the engine did not run) is at "
-        "fault is not settled. Reproduction: fsdp-conformance run --impl deepspeed -k "
-        "nested_alone (the forward.other_method cells)",
+        "a wrapped submodule called alone (not through the engine's forward) trains unlike DDP: in "
+        "loops, step 1 runs head(h) alone and from step 2 the losses differ (0.075 at FULL_SHARD, "
+        "0.038 at SHARD_GRAD_OP); DeepSpeed or the adapter's mapping is at fault (not settled). "
+        "Reproduction: fsdp-conformance run --impl deepspeed -k nested_alone",
         applies=lambda case: case.variant == "nested_alone",
         match=r"nested_alone: losses differ from DDP's",
     ),
     _deviation(
         "parity.default_state_dict",
-        "DeepSpeed ZeRO-3 registers 0-element placeholders: engine.state_dict() holds empty "
-        "tensors and load_state_dict of it reports 'All keys matched' and restores nothing; "
-        "the full state dict is DeepSpeed's own path (GatheredParameters, or "
-        "engine.save_checkpoint / load_checkpoint). Reproduction: e = ds.wrap(nn.Linear(8, 8), "
+        "ZeRO-3 registers 0-element placeholders: engine.state_dict() holds empty tensors, and "
+        "loading it reports 'All keys matched' and restores nothing (DeepSpeed's own path: "
+        "GatheredParameters or engine.save_checkpoint). Reproduction: e = ds.wrap(nn.Linear(8, 8), "
         "root=True); e.state_dict()['weight'].shape -> torch.Size([0])",
         match=r"the load restored nothing",
     ),
     _deviation(
         "memory_bound",
-        "ZeRO-2 (SHARD_GRAD_OP) does not shard parameters at all: every parameter stays whole "
-        "on every rank and nothing is gathered in forward (the check expects each instance "
-        "gathered once and kept); reproduction: e = ds.wrap(nn.Linear(8, 8), root=True, "
-        "sharding_strategy='SHARD_GRAD_OP'); e.module.weight.shape -> torch.Size([8, 8]) and "
-        "no all-gather in the comm trace",
+        "ZeRO-2 (SHARD_GRAD_OP) never shards parameters, so nothing is gathered in forward (the "
+        "check expects each instance gathered once and kept); reproduction: e = "
+        "ds.wrap(nn.Linear(8, 8), root=True, sharding_strategy='SHARD_GRAD_OP'); "
+        "e.module.weight.shape -> torch.Size([8, 8]), no all-gather in the comm trace",
         applies=lambda case: case.sharding_strategy == "SHARD_GRAD_OP",
         match=r"SHARD_GRAD_OP forward keeps too few buffers: .*peak 0 <",
     ),
     _deviation(
         "parity.ddp",
         "ZeRO-3 sums the two gradient contributions of a tied parameter (the transformer's "
-        "embedding, also its output projection) in another order than autograd under DDP: "
-        "after 3 steps the tied weight differs by 1.5e-08 and the third loss by 9.5e-07 (DDP "
-        "is bit-exact with every other model; world size 1 differs too); reproduction: "
-        "fsdp_conformance.suite.training.fsdp_run(ds, 'transformer', dist, "
+        "embedding and output projection) in another order than DDP: after 3 steps 1.5e-08 on the "
+        "weight, 9.5e-07 on the third loss (every other model bit-exact; world size 1 too); "
+        "reproduction: fsdp_conformance.suite.training.fsdp_run(ds, 'transformer', dist, "
         "{'sharding_strategy': 'FULL_SHARD'}) vs reference_run('transformer', dist), 2 ranks",
         applies=lambda case: (
             case.model == "transformer"
@@ -228,8 +207,7 @@ DEEPSPEED_DEVIATIONS: tuple[Deviation, ...] = (
     ),
     _deviation(
         "comm.counts",
-        "ZeRO-2 (SHARD_GRAD_OP) never shards parameters, so its forward gathers nothing (no "
-        "all-gather for any instance, where every parameter is gathered before use); "
+        "ZeRO-2 (SHARD_GRAD_OP) never shards parameters, so its forward gathers nothing; "
         "reproduction: fsdp_conformance.suite.comm_checks.trace_training(ds, 'nested', dist, "
         "{'sharding_strategy': 'SHARD_GRAD_OP'})[0].render()",
         applies=lambda case: case == "SHARD_GRAD_OP",
@@ -237,122 +215,111 @@ DEEPSPEED_DEVIATIONS: tuple[Deviation, ...] = (
     ),
     _deviation(
         "comm.prefetch_happens",
-        "DeepSpeed prefetches from the module trace it records in the first iteration: "
-        "iteration 1 backward prefetches nothing (the all-gather of module.1 comes after the "
-        "gradient reduction of module.2 in NestedWrappedModule); iterations 2 and 3 prefetch "
-        "as BACKWARD_PRE asks; reproduction: fsdp_conformance.suite.comm_checks."
-        "prefetch_failures(trace_training(ds, 'nested', dist, {'sharding_strategy': "
-        "'FULL_SHARD', 'backward_prefetch': 'BACKWARD_PRE'})[0], ...) lists iteration 1 only",
+        "DeepSpeed prefetches from the trace it records in the first iteration, so iteration 1's "
+        "backward prefetches nothing (module.1's all-gather after module.2's reduction in "
+        "NestedWrappedModule), later ones as BACKWARD_PRE asks; reproduction: "
+        "fsdp_conformance.suite.comm_checks.prefetch_failures(trace_training(ds, 'nested', dist, "
+        "{'sharding_strategy': 'FULL_SHARD', 'backward_prefetch': 'BACKWARD_PRE'})[0], ...) lists "
+        "iteration 1 only",
         applies=lambda config: config.get("backward_prefetch") == "BACKWARD_PRE",
         match=r"prefetch does not happen",
     ),
     _deviation(
         "parity.bf16",
-        "DeepSpeed's bf16 mode casts the parameters, never the inputs: a float32 input meets "
-        "bfloat16 weights and fails 'mat1 and mat2 must have the same dtype, but got Float and "
-        "BFloat16' (the caller must cast inputs itself); reproduction: "
-        "ds.wrap(nn.Linear(8, 8), root=True, mixed_precision={'param_dtype': torch.bfloat16})"
-        "(x)",
+        "DeepSpeed's bf16 mode casts the parameters, never the inputs: a float32 input fails 'mat1 "
+        "and mat2 must have the same dtype, but got Float and BFloat16'; reproduction: "
+        "ds.wrap(nn.Linear(8, 8), root=True, mixed_precision={'param_dtype': torch.bfloat16})(x)",
         raises=RuntimeError,
         match=r"same dtype",
     ),
     _deviation(
         "misuse.summon_during_forward",
-        "GatheredParameters entered in a forward hook, while ZeRO-3 has the module's "
-        "parameters in use, fails a bare assert whose message is only the parameter's repr "
-        "('Parameter containing: ...'), naming neither the forward nor the misuse; "
-        "reproduction: register_forward_hook(lambda *a: GatheredParameters(params).__enter__())"
-        " on an inner module, then e(x)",
+        "GatheredParameters entered in a forward hook, while ZeRO-3 uses the parameters, fails a "
+        "bare assert whose message is the parameter's repr ('Parameter containing: ...'); "
+        "reproduction: register_forward_hook(lambda *a: GatheredParameters(params).__enter__()) on "
+        "an inner module, then e(x)",
         match=r"does not name the problem .*got AssertionError: +Parameter containing",
     ),
     _deviation(
         "overlap",
-        "with prefetch DeepSpeed gathers the whole recorded prefetch window in one coalesced "
-        "all-gather before the first module computes, so no all-gather overlaps a module's "
-        "compute: measured 1.01x the serialised time (1 all-gather x 30 ms + 121 ms compute), "
-        "the check expects <= 0.8x; reproduction: fsdp_conformance.suite.overlap."
-        "measure_overlap(ds, dist, 30.0, 30.0)",
+        "with prefetch DeepSpeed gathers the whole recorded window in one all-gather before the "
+        "first module computes, so nothing overlaps: 1.01x the serialised time (1 all-gather x 30 "
+        "ms + 121 ms compute), the check expects <= 0.8x; reproduction: "
+        "fsdp_conformance.suite.overlap.measure_overlap(ds, dist, 30.0, 30.0)",
         match=r"no overlap of communication and computation",
     ),
     _deviation(
         "misuse.wrap_twice",
-        "deepspeed.initialize accepts a module an engine already owns and builds a second "
-        "engine over the same (already partitioned) parameters without an error; reproduction: "
-        "lin = nn.Linear(8, 8); ds.wrap(lin, root=True); ds.wrap(lin, root=True)",
+        "deepspeed.initialize builds a second engine over a module an engine already owns, without "
+        "an error; reproduction: lin = nn.Linear(8, 8); ds.wrap(lin, root=True); ds.wrap(lin, "
+        "root=True)",
         match=r"no exception was raised",
     ),
     _deviation(
         "exec_order.divergent",
-        "DeepSpeed does not compare the execution order across ranks: ranks running two "
-        "same-shaped modules in different orders all-gather each other's shards silently; "
-        "reproduction: rank 0 runs b(a(x)), rank 1 a(b(x)) under one ZeRO-3 engine: no error",
+        "DeepSpeed does not compare the execution order across ranks: same-shaped modules run in "
+        "different orders silently all-gather each other's shards; reproduction: rank 0 runs "
+        "b(a(x)), rank 1 a(b(x)) under one ZeRO-3 engine: no error",
         match=r"no exception was raised",
     ),
     _deviation(
         "loops.activation_checkpointing",
-        "the tied-embedding order of the parity.ddp deviation, under activation checkpointing: "
-        "ZeRO-3 sums the transformer's two gradient contributions to its tied embedding in "
-        "another order than autograd under DDP (1.49e-08 on embed_tokens.weight and 9.54e-07 on "
-        "a loss after 3 steps, checkpoint inside or outside the instances; ZeRO-2 is "
-        "bit-exact); "
+        "the parity.ddp deviation under activation checkpointing: ZeRO-3 sums the tied embedding's "
+        "two gradient contributions in another order than DDP (1.49e-08 on embed_tokens.weight, "
+        "9.54e-07 on a loss after 3 steps, checkpoint inside or outside; ZeRO-2 bit-exact); "
         "reproduction: the loops.activation_checkpointing cell transformer-FULL_SHARD-inside",
         applies=lambda case: case.model == "transformer" and case.sharding_strategy == "FULL_SHARD",
-        # the third loss (9.54e-07) or, depending on the reduction order, the weight first
         match=r"(losses differ|parameter 'embed_tokens.weight' differs) from DDP's .*"
         r"max \|difference\| [0-9.]+e-0[6-9]",
     ),
     _deviation(
         "loops.forward_variants",
-        "a parameter unused in one step (a branch skipped on every rank) is updated unlike "
-        "DDP's (which gives it a zero gradient): ZeRO-3 moves it even with plain SGD "
-        "(momentum 0: the skipped Linear's weight is off by 0.0098 after 3 steps at lr 0.1), "
-        "ZeRO-1/2 with momentum 0.9 (off by 0.0079, and the used parameters by 3e-4); "
-        "reproduction: m = a(x) + b(a(x)) with b skipped in step 1 of 3, engine.backward + "
-        "engine.step vs DDP(find_unused_parameters=True)",
+        "a parameter unused in one step (a branch skipped on every rank) is updated unlike DDP's "
+        "zero-gradient update: ZeRO-3 even with plain SGD (off by 0.0098 after 3 steps at lr 0.1), "
+        "ZeRO-1/2 with momentum 0.9 (0.0079, the used parameters 3e-4); reproduction: m = a(x) + "
+        "b(a(x)) with b skipped in step 1 of 3, engine.backward + engine.step vs "
+        "DDP(find_unused_parameters=True)",
         applies=lambda case: case.variant == "unused_branch",
         match=r"differs? from DDP's",
     ),
     _deviation(
         "memory.reshard_after_forward",
-        "ZeRO-3 releases a module's gathered parameters after its forward only in the first "
-        "iteration: once its parameter trace is complete (every later iteration) every module "
-        "keeps its full parameters (ds_status AVAILABLE, full data) from forward into backward, "
-        "stage3_max_reuse_distance=0 notwithstanding; reproduction: wrap 'nested' FULL_SHARD, "
-        "train one step, forward again -> every zoo_model parameter has ds_status AVAILABLE "
-        "and p.data.numel() > 0 (after the first forward: NOT_AVAILABLE, 0)",
+        "ZeRO-3 releases a module's parameters after its forward in the first iteration only: "
+        "later every module keeps them from forward into backward, stage3_max_reuse_distance=0 "
+        "notwithstanding; reproduction: wrap 'nested' FULL_SHARD, train one step, forward again -> "
+        "every zoo_model parameter has ds_status AVAILABLE and p.data.numel() > 0 (after the first "
+        "forward: NOT_AVAILABLE, 0)",
         match=r"still hold unsharded parameters",
     ),
     _deviation(
         "wrap.configs_isolated",
-        "the memory.reshard_after_forward deviation seen from the FULL_SHARD model of the two "
-        "(ZeRO-3 keeps every module's full parameters after forward from the second iteration "
-        "on); reproduction: see memory.reshard_after_forward",
+        "the memory.reshard_after_forward deviation met by the FULL_SHARD model of the two (ZeRO-3 "
+        "keeps full parameters after forward from iteration 2); reproduction: see "
+        "memory.reshard_after_forward",
         applies=lambda case: case == "sharding",
         match=r"FULL_SHARD reshards after forward, but",
     ),
     _deviation(
         "wrap.configs_isolated",
-        "the parity.bf16 deviation met by the bf16 model of the two: DeepSpeed's bf16 mode "
-        "casts the parameters, never the inputs ('mat1 and mat2 must have the same dtype, but "
-        "got Float and BFloat16'); reproduction: see parity.bf16",
+        "the parity.bf16 deviation met by the bf16 model of the two (inputs never cast: 'mat1 and "
+        "mat2 must have the same dtype, but got Float and BFloat16'); reproduction: see "
+        "parity.bf16",
         applies=lambda case: case == "mixed_precision",
         raises=RuntimeError,
         match=r"same dtype",
     ),
     _deviation(
         "fuzz.generated",
-        "the loops.forward_variants deviation met by a generated case: a branch unused in some "
-        "steps is updated unlike DDP's zero-gradient update (ZeRO-3 even without momentum); "
-        "reproduction: see loops.forward_variants (found by fsdp-conformance fuzz --impl "
-        "deepspeed --seed 0)",
+        "the loops.forward_variants deviation met by a generated case (a branch unused in some "
+        "steps is updated unlike DDP's); reproduction: see loops.forward_variants (found by "
+        "fsdp-conformance fuzz --impl deepspeed --seed 0)",
         applies=lambda case: case is not None and "branch" in case.uses(),
         match=r"FSDP .* != DDP |differs from DDP's",
     ),
     _deviation(
         "fuzz.generated",
-        "the parity.bf16 deviation met by a generated bfloat16 policy: DeepSpeed's bf16 mode "
-        "casts the parameters, never the inputs ('expected m1 and m2 to have the same dtype, "
-        "but got: float != c10::BFloat16' in a Linear without bias); reproduction: see "
+        "the parity.bf16 deviation met by a generated bfloat16 policy ('expected m1 and m2 to have "
+        "the same dtype, but got: float != c10::BFloat16' without a bias); reproduction: see "
         "parity.bf16 (found by fsdp-conformance fuzz --impl deepspeed --seed 0)",
         applies=lambda case: case is not None and "precision:bf16" in case.uses(),
         raises=RuntimeError,
@@ -360,17 +327,15 @@ DEEPSPEED_DEVIATIONS: tuple[Deviation, ...] = (
     ),
     _deviation(
         "misuse.forward_inside_summon",
-        "a forward inside deepspeed.zero.GatheredParameters runs (the gathered parameters are "
-        "simply used) and no error is raised; reproduction: with "
-        "deepspeed.zero.GatheredParameters(list(e.parameters())): e(x)",
+        "a forward inside deepspeed.zero.GatheredParameters runs without an error; reproduction: "
+        "with deepspeed.zero.GatheredParameters(list(e.parameters())): e(x)",
         match=r"no exception was raised",
     ),
 )
 
 
 class DeepSpeedAdapter(EngineHooks, Adapter):
-    """DeepSpeed ZeRO stages 1-3 through ``deepspeed.initialize`` (see [Note: DeepSpeed as an
-    FSDP])."""
+    """DeepSpeed ZeRO stages 1-3 ([Note: DeepSpeed as an FSDP])."""
 
     name = "deepspeed"
 
@@ -380,85 +345,75 @@ class DeepSpeedAdapter(EngineHooks, Adapter):
             unsupported=self._unsupported(),
             known_deviations=DEEPSPEED_DEVIATIONS,
             support=RANGES["deepspeed"],
-            instance_states=False,  # per-parameter status only; no per-instance training state
+            instance_states=False,  # per-parameter status only
         )
 
-    # ------------------------------------------------------------------ capabilities
     def _unsupported(self) -> dict[str, str]:
         missing = _import_error() or _compiler_problem()
         if missing is not None:
             return {feature: missing for feature in ALL_FEATURES}
         unsupported = {
             Feature.BACKWARD_PREFETCH_POST: (
-                "DeepSpeed prefetches when it fetches a module (before its compute, in forward "
-                "and backward alike, from the recorded trace): no post-backward prefetch"
+                "DeepSpeed prefetches when it fetches a module (before its compute, from the "
+                "recorded trace): no post-backward prefetch"
             ),
             Feature.SYNC_MODULE_STATES: (
                 "deepspeed.initialize broadcasts rank 0's parameters itself; there is no switch"
             ),
             Feature.ASSERT_STATE: "DeepSpeed keeps no training state to assert",
             Feature.LIMIT_ALL_GATHERS_OFF: (
-                "DeepSpeed's fetch back-pressure (max_ongoing_fetch_events) is always on where "
-                "the device has events; limit_all_gathers maps to stage3_max_live_parameters, "
-                "which bounds prefetch only, so the bound cannot be switched off"
+                "DeepSpeed's fetch back-pressure is always on where the device has events "
+                "(limit_all_gathers maps to stage3_max_live_parameters, a prefetch bound)"
             ),
             Feature.MIXED_PRECISION_BUFFER_DTYPE: "DeepSpeed's bf16 mode does not cast buffers",
             Feature.META_INIT: (
-                "DeepSpeed's deferred init is deepspeed.zero.Init (parameters partitioned as "
-                "they are built), not a meta-device model materialised after initialize; the "
-                "adapter refuses a module on the meta device"
+                "DeepSpeed's deferred init is deepspeed.zero.Init (partitioned as built), not a "
+                "meta-device model materialised after initialize"
             ),
             Feature.USE_ORIG_PARAMS: "a torch FSDP1 flag",
             Feature.HYBRID_SHARD: (
-                "no hybrid sharding: MiCS (mics_shard_size) is removed from DeepSpeed 0.19.8 "
-                "(its config refuses the key: 'MiCS ZeRO-3 sharding has been removed'); ZeRO++ hpZ "
-                "(zero_hpz_partition_size) keeps a secondary parameter copy per group for the "
-                "all-gather only, gradients and optimizer states stay sharded over the whole "
-                "data-parallel group (by its design; not measured here)"
+                "no hybrid sharding: MiCS is removed from DeepSpeed 0.19.8 ('MiCS ZeRO-3 "
+                "sharding has been removed'); ZeRO++ hpZ only adds a secondary parameter copy "
+                "per group for the all-gather (by its design; not measured here)"
             ),
             Feature.CHECKPOINT_RESUME: "not mapped by this adapter (engine.save_checkpoint)",
             Feature.GRADIENT_ACCUMULATION: (
                 "no backward without a gradient reduction: ZeRO-2/3 reduce-scatter every "
-                "micro-batch's gradients into their partitions (accumulation with a reduction "
-                "per micro-batch is mapped: accumulation_boundary)"
+                "micro-batch's gradients (accumulation with a reduction each: "
+                "accumulation_boundary)"
             ),
             Feature.IGNORED_PARAMS: (
                 "not mapped: ZeRO-3 partitions every parameter of the engine's module (a "
                 "parameter kept whole would need DeepSpeed's own persistence settings)"
             ),
             Feature.FORWARD_METHOD: (
-                "not mapped: ZeRO-3 gathers parameters in every submodule's forward hooks, so a "
-                "method calling submodules may work, but this adapter has not measured it"
+                "not mapped: ZeRO-3 gathers in every submodule's forward hooks, so a method "
+                "calling submodules may work (not measured)"
             ),
             Feature.PARAM_GROUPS: (
-                "not mapped: DeepSpeed takes the optimizer's parameter groups at "
-                "deepspeed.initialize, which this adapter calls at wrap time, before the check "
-                "builds its optimizer"
+                "not mapped: deepspeed.initialize, at wrap time, takes the parameter groups "
+                "before the check builds its optimizer"
             ),
             Feature.CLIP_GRAD_NORM: (
                 "not mapped: DeepSpeed clips inside engine.step() by the gradient_clipping set "
                 "at initialize, not on request"
             ),
             Feature.MIXED_PRECISION_POLICY: (
-                "not mapped: DeepSpeed's bf16 mode casts the parameters but never the inputs "
-                "(the declared parity.bf16 deviation), so a policy's cells would fail before a "
-                "dtype is observed; its reduce dtype would be the engine's "
-                "communication_data_type"
+                "not mapped: bf16 mode never casts the inputs (the parity.bf16 deviation), so a "
+                "policy's cells would fail first; its reduce dtype: communication_data_type"
             ),
             Feature.GRAD_SCALER: (
-                "DeepSpeed scales the loss inside the engine (fp16.loss_scale / dynamic loss "
-                "scaling in engine.backward and engine.step), with no scaler object a user pairs "
-                "with the model; the adapter maps bf16 only, which needs no loss scaling"
+                "DeepSpeed scales the loss inside the engine (fp16 loss scaling), with no "
+                "scaler object; the adapter maps bf16 only, which needs none"
             ),
         }
         if _cpu_host():
             unsupported[Feature.CPU_OFFLOAD] = (
-                "DeepSpeed's offload_param moves parameters to host memory: on a CPU-only host "
-                "they are there already (nothing to offload)"
+                "DeepSpeed's offload_param moves parameters to host memory, where a CPU-only "
+                "host has them already"
             )
         return unsupported
 
-    # ------------------------------------------------------------------ wrapping
     def wrap(self, module: nn.Module, *, process_group: Any = None, **config: Any) -> nn.Module:
         missing = _import_error()
         if missing is not None:
@@ -483,9 +438,7 @@ class DeepSpeedAdapter(EngineHooks, Adapter):
         stage = STAGES[strategy]
         policy = config.get("auto_wrap_policy")
         if policy is not None:
-            # DeepSpeed has no wrapping unit (it gathers each module's own parameters): the
-            # policy marks the adapter's instances -- the units of the comm trace, of the
-            # memory accounting and of stage3_max_live_parameters -- as wrap(root=False) does
+            # no wrapping unit: the policy marks instances as wrap(root=False) does
             with _lock:
                 for _, submodule in auto_wrap_targets(module, policy):
                     _NESTED.add(submodule)
@@ -531,14 +484,12 @@ class DeepSpeedAdapter(EngineHooks, Adapter):
                     f"param_dtype={mixed.param_dtype}: the adapter maps bfloat16 only",
                 )
             ds_config["bf16"] = {"enabled": True}
-        # the engine's optimizer is replaced by Adapter.optimizer's (lr 0 until then)
+        # replaced by the optimizer of the `optimizer` hook (lr 0 until then)
         placeholder = torch.optim.SGD(module.parameters(), lr=0.0)
         engine, _, _, _ = deepspeed.initialize(
             model=module, optimizer=placeholder, config=ds_config
         )
         engine._fsdpc_stage = stage
-        with _lock:
-            _WRAPPED_ROOTS.add(module)
         _assign_owners(engine, self.instances(engine))
         return engine
 
@@ -550,7 +501,6 @@ class DeepSpeedAdapter(EngineHooks, Adapter):
             return [module for module in model.modules() if module in _NESTED]
         return [model, *_nested_in(model.module)]
 
-    # ------------------------------------------------------------------ states
     def training_state(self, instance: nn.Module) -> InstanceState:
         raise ValueError(
             "adapter 'deepspeed': DeepSpeed keeps no per-instance training state "
@@ -558,9 +508,8 @@ class DeepSpeedAdapter(EngineHooks, Adapter):
         )
 
     def root_state(self, instance: nn.Module) -> RootState:
-        """SUMMON_FULL_PARAMS inside the adapter's summon; FORWARD_BACKWARD while DeepSpeed has
-        parameters of the model gathered for compute (ZeRO-3: a module is active) or the
-        engine's micro step is between forward and step; else IDLE."""
+        """SUMMON_FULL_PARAMS inside the summon; FORWARD_BACKWARD while a ZeRO-3 module is
+        active or between backward and step; else IDLE."""
         engine = instance
         if getattr(engine, "_fsdpc_summoning", False):
             return RootState.SUMMON_FULL_PARAMS
@@ -571,7 +520,6 @@ class DeepSpeedAdapter(EngineHooks, Adapter):
             return RootState.FORWARD_BACKWARD
         return RootState.IDLE
 
-    # ------------------------------------------------------------------ full parameters
     @contextlib.contextmanager
     def _summon_full_params(self, model: nn.Module, writeback: bool) -> Iterator[None]:
         import deepspeed
@@ -606,7 +554,6 @@ class DeepSpeedAdapter(EngineHooks, Adapter):
                 for name, param in module.named_parameters(remove_duplicate=False)
             }
 
-    # ------------------------------------------------------------------ training loop
     def optimizer(
         self,
         model: nn.Module,
@@ -619,15 +566,10 @@ class DeepSpeedAdapter(EngineHooks, Adapter):
             require(self, Feature.PARAM_GROUPS)
         if not _is_engine(model):
             return super().optimizer(model, name, param_groups=param_groups, **hyperparameters)
-        classes = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
-        if name not in classes:
-            raise ValueError(
-                f"{self.name} optimizer: unknown optimizer {name!r}; use one of {sorted(classes)}"
-            )
+        optimizer_type = optimizer_class(self, name)
         zero_optimizer = model.optimizer
-        base = zero_optimizer.optimizer
-        groups = [{"params": group["params"]} for group in base.param_groups]
-        zero_optimizer.optimizer = classes[name](groups, **hyperparameters)
+        groups = [{"params": group["params"]} for group in zero_optimizer.optimizer.param_groups]
+        zero_optimizer.optimizer = optimizer_type(groups, **hyperparameters)
         return _EngineOptimizer(model)
 
     def backward(self, model: nn.Module, loss: torch.Tensor) -> None:
@@ -638,16 +580,14 @@ class DeepSpeedAdapter(EngineHooks, Adapter):
         model.backward(loss)
 
     def accumulation_boundary(self, model: nn.Module, boundary: bool) -> None:
-        """The engine's own boundary switch: with gradient_accumulation_steps=1 every backward
-        is a boundary, and ZeRO-1/2 then keep only the last backward's gradient when several
-        run before one step (measured: 0.035 off DDP after 2 steps of 3 micro-batches)."""
+        """The engine's boundary switch: otherwise every backward is one, and ZeRO-1/2 keep only
+        the last micro-batch's gradient (measured: 0.035 off DDP after 2 steps of 3)."""
         if _is_engine(model):
             model.set_gradient_accumulation_boundary(boundary)
 
     def state_dict(
         self, model: nn.Module, *, rank0_only: bool = False, offload_to_cpu: bool = False
     ) -> dict[str, Any]:
-        """The full state dict on every rank, gathered with ``GatheredParameters``."""
         import deepspeed
 
         if rank0_only or offload_to_cpu:
@@ -665,8 +605,7 @@ class DeepSpeedAdapter(EngineHooks, Adapter):
     def load_state_dict(
         self, model: nn.Module, state_dict: dict[str, Any], *, assign: bool = False
     ) -> None:
-        """Load a full state dict into the shards (rank 0's values) and DeepSpeed's master
-        weights."""
+        """Rank 0's full state dict into the shards and DeepSpeed's master weights."""
         import deepspeed
 
         if assign:
@@ -682,22 +621,19 @@ class DeepSpeedAdapter(EngineHooks, Adapter):
             module.load_state_dict(state_dict)
         _refresh_master(model)
 
-    # ------------------------------------------------------------------ observation
     def _observe(self, callback: Any, instances: list[nn.Module] | None) -> Any:
         _install_trace()
         return _REGISTRY.observing(callback, instances)
 
     def _install_device_handle(self, model: nn.Module, handle: Any) -> None:
-        """Route DeepSpeed's accelerator events, current stream and synchronize through
-        ``handle`` and switch on its memory back-pressure (what it does on a GPU: an event after
-        each parameter fetch and each gradient reduction, the CPU blocking on the oldest past
-        ``max_ongoing_fetch_events`` / ``max_param_reduce_events``), until the test ends."""
+        """Route the CPU accelerator's events, streams and synchronize through ``handle`` and
+        switch on its memory back-pressure (as on a GPU), until the test ends."""
         if not _cpu_host():
             raise UnsupportedFeatureError(
                 self.name,
                 Feature.DEVICE_HANDLE,
-                "the adapter routes DeepSpeed's CPU accelerator only (a CUDA host has real "
-                "streams and events)",
+                "the adapter routes DeepSpeed's CPU accelerator only (a CUDA host has real streams "
+                "and events)",
             )
         _install_accelerator_routing()
         _DEVICE["handle"] = handle
@@ -705,29 +641,10 @@ class DeepSpeedAdapter(EngineHooks, Adapter):
     def on_test_end(self) -> None:
         """Forget DeepSpeed's per-process group caches (the harness destroys the groups)."""
         _DEVICE["handle"] = None
-        try:
-            import sys
-
-            groups = sys.modules.get("deepspeed.utils.groups")
-        except Exception:  # noqa: BLE001
-            return
-        if groups is None:
-            return
-        for attribute, empty in (
-            ("_WORLD_GROUP", None),
-            ("_ZERO_PARAM_INTRA_PARALLEL_GROUP", None),
-            ("_DATA_PARALLEL_GROUP", None),
-            ("_MODEL_PARALLEL_GROUP", None),
-            ("_TENSOR_MODEL_PARALLEL_GROUP", None),
-            ("mesh_device", None),
-            ("mpu", None),
-            ("_EXPERT_PARALLEL_GROUP", {}),
-            ("_EXPERT_PARALLEL_GROUP_RANKS", {}),
-            ("_EXPERT_DATA_PARALLEL_GROUP", {}),
-            ("_EXPERT_DATA_PARALLEL_GROUP_RANKS", {}),
-            ("_ALL_TO_ALL_GROUP", {}),
-        ):
+        groups = sys.modules.get("deepspeed.utils.groups")
+        for attribute in _GROUP_CACHES:
             if hasattr(groups, attribute):
+                empty = {} if attribute.startswith(("_EXPERT", "_ALL_TO_ALL")) else None
                 setattr(groups, attribute, empty)
 
 
@@ -742,8 +659,7 @@ class _EngineOptimizer:
         return self.engine.optimizer.param_groups
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        # DeepSpeed's engine.zero_grad() takes no set_to_none: ZeRO keeps the reduced
-        # gradients in its own partitions, and the module's .grad are always set to None
+        # takes no set_to_none: ZeRO keeps gradients in its partitions, .grad is always None
         self.engine.zero_grad()
 
     def step(self) -> None:
@@ -757,7 +673,6 @@ class _EngineOptimizer:
         self.engine.optimizer.load_state_dict(state)
 
 
-# ---------------------------------------------------------------------------- helpers
 def _is_engine(model: Any) -> bool:
     return hasattr(model, "_fsdpc_stage")
 
@@ -771,8 +686,8 @@ def _check_group(process_group: Any) -> None:
         raise UnsupportedFeatureError(
             "deepspeed",
             "process_group",
-            "DeepSpeed's data-parallel group is the world (or an mpu's); the adapter does not "
-            "map a subgroup of it (e.g. MixtureOfExperts' expert groups)",
+            "DeepSpeed's data-parallel group is the world (or an mpu's); the adapter does not map "
+            "a subgroup of it (e.g. MixtureOfExperts' expert groups)",
         )
 
 
@@ -781,14 +696,13 @@ def _nested_in(module: nn.Module) -> list[nn.Module]:
 
 
 def _own_numel(module: nn.Module) -> int:
-    """Elements of the parameters `module` owns (not those of nested instances inside it)."""
+    """Elements of `module`'s parameters outside the nested instances in it."""
     inner = {id(p) for sub in _nested_in(module) for p in sub.parameters()}
     return sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters() if id(p) not in inner)
 
 
 def _assign_owners(engine: nn.Module, instances: list[nn.Module]) -> None:
-    """Each parameter's owning instance: the nearest marked module above it, else the engine
-    (``instances`` is pre-order, so an inner instance overwrites its ancestors' claim)."""
+    """Each parameter's owner: the nearest instance above it (pre-order: inner ones last)."""
     for instance in instances:
         module = engine.module if instance is engine else instance
         for param in module.parameters():
@@ -813,14 +727,12 @@ def _refresh_master(engine: nn.Module) -> None:
         refresh()
 
 
-# ---------------------------------------------------------------------------- device handle
-# the device handle installed by install_device_handle (None: DeepSpeed's own CPU accelerator)
+# the installed device handle (None: DeepSpeed's own CPU accelerator)
 _DEVICE: dict[str, Any] = {"handle": None}
 
 
 def _install_accelerator_routing() -> None:
-    """Patch the CPU accelerator's event, stream and back-pressure methods to consult
-    ``_DEVICE`` (one place; the original runs while no handle is installed)."""
+    """Patch the CPU accelerator's event, stream and back-pressure methods to use ``_DEVICE``."""
     from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
 
     from fsdp_conformance._patching import patch_attribute
@@ -851,10 +763,9 @@ def _install_accelerator_routing() -> None:
     routed("synchronize", lambda handle, device_index=None: handle.synchronize())
 
 
-# ---------------------------------------------------------------------------- comm trace
 def _install_trace() -> None:
-    """The comm trace's patches (one place): ZeRO-3's gather and release of parameters and
-    the ZeRO optimizers' hand-off of a gradient to the reducer, folded into instance events."""
+    """Patch ZeRO-3's gather and release of parameters and the ZeRO optimizers' hand-off of a
+    gradient to the reducer, folded into instance events."""
     from deepspeed.runtime.zero import partitioned_param_coordinator as coordinator
     from deepspeed.runtime.zero import stage3, stage_1_and_2
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
@@ -866,8 +777,7 @@ def _install_trace() -> None:
     def make_gather(original: Any) -> Any:
         def all_gather_params(self: Any, params: Any, forward: bool) -> None:
             if _REGISTRY.active:
-                # one coalesced all-gather: fold its parameters in ds_id order (DeepSpeed hands
-                # a set, whose order differs across ranks)
+                # ds_id order: DeepSpeed hands a set, whose order differs across ranks
                 for param in sorted(params, key=lambda param: param.ds_id):
                     instance = _owner(param)
                     if instance is None or param.ds_status != ZeroParamStatus.NOT_AVAILABLE:
@@ -909,38 +819,21 @@ def _install_trace() -> None:
 
         return reduce_param
 
-    patch_attribute(
-        cls,
-        "_PartitionedParameterCoordinator__all_gather_params",
-        make_gather,
-        key="fsdp-conformance deepspeed comm trace",
-        written_for=WRITTEN_FOR,
-        library="deepspeed",
-    )
-    patch_attribute(
-        cls,
-        "_PartitionedParameterCoordinator__release_param",
-        make_release,
-        key="fsdp-conformance deepspeed comm trace",
-        written_for=WRITTEN_FOR,
-        library="deepspeed",
-    )
-    patch_attribute(
-        stage3.DeepSpeedZeroOptimizer_Stage3,
-        "reduce_independent_p_g_buckets_and_remove_grads",
-        make_reduce,
-        key="fsdp-conformance deepspeed comm trace",
-        written_for=WRITTEN_FOR,
-        library="deepspeed",
-    )
-    patch_attribute(
-        stage_1_and_2.DeepSpeedZeroOptimizer,
-        "reduce_independent_p_g_buckets_and_remove_grads",
-        make_reduce,
-        key="fsdp-conformance deepspeed comm trace",
-        written_for=WRITTEN_FOR,
-        library="deepspeed",
-    )
+    reduce = "reduce_independent_p_g_buckets_and_remove_grads"
+    for owner, attribute, make in (
+        (cls, "_PartitionedParameterCoordinator__all_gather_params", make_gather),
+        (cls, "_PartitionedParameterCoordinator__release_param", make_release),
+        (stage3.DeepSpeedZeroOptimizer_Stage3, reduce, make_reduce),
+        (stage_1_and_2.DeepSpeedZeroOptimizer, reduce, make_reduce),
+    ):
+        patch_attribute(
+            owner,
+            attribute,
+            make,
+            key="fsdp-conformance deepspeed comm trace",
+            written_for=WRITTEN_FOR,
+            library="deepspeed",
+        )
 
 
 if __name__ == "__main__":  # python -m fsdp_conformance.adapters.deepspeed: build the CPU op

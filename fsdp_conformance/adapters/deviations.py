@@ -1,20 +1,9 @@
-"""Known deviations: behaviour of an implementation that a check would fail, declared by its adapter.
+"""Known deviations: what an implementation does differently from a check, declared by its
+adapter (``Declarations.known_deviations``); the cell then reports a deviation, not a failure.
 
-An adapter lists what its implementation is known to do differently from what a check demands
-(``Declarations.known_deviations``, a tuple of ``Deviation``); the check's cell then reports a
-*deviation* (an expected failure carrying the reason) instead of a failure. Declaring it on the
-adapter (not on the command line name) means a subclass, or an adapter that delegates to
-another (``Declarations.delegates_to``), keeps the deviations of the adapter it builds on.
-
-A deviation names the check (an id of the registry, ``fsdp_conformance.checks.CHECKS``; the
-case object ``applies`` receives is the check's ``case``) and the failure it covers:
-``raises`` (the exception type; ``AssertionError`` also covers ``pytest.fail`` and a failed
-``pytest.raises``, i.e. the check's own assertion) and ``match`` (a regular expression searched
-in the message). Any other error in that cell is a failure, reported as such: a declared
-deviation never hides a crash. ``measured_on`` says where it was measured; the reason shown
-carries it and the versions running (``running_versions``).
-
-How the verdict is decided: ``fsdp_conformance/suite/verdict.py`` (the one place).
+A deviation covers one failure (``raises`` and ``match``): any other error in that cell is a
+failure. It stays with subclasses and with adapters that delegate (``delegates_to``). The
+verdict is decided in ``fsdp_conformance/suite/verdict.py``.
 """
 
 from __future__ import annotations
@@ -33,8 +22,7 @@ from .features import declared, stand_in
 
 
 class _CheckIds(Mapping[str, str]):
-    """Check id -> its description, read live from ``fsdp_conformance.checks.CHECKS`` (which
-    the suite fills when imported)."""
+    """Check id -> its description, read live from ``fsdp_conformance.checks.CHECKS``."""
 
     def __getitem__(self, check_id: str) -> str:
         return CHECKS[check_id].description
@@ -46,7 +34,6 @@ class _CheckIds(Mapping[str, str]):
         return len(CHECKS)
 
 
-# check id -> its description (kept because docs/adapters.md lists the ids under this name)
 CHECK_IDS: Mapping[str, str] = _CheckIds()
 
 
@@ -58,10 +45,9 @@ class Deviation:
         check: the check id, one of ``fsdp_conformance.checks.CHECKS`` (e.g.
             ``"misuse.wrap_twice"``).
         reason: why, with a minimal reproduction.
-        applies: ``applies(case) -> bool`` selects the check's cases it covers (the case object
-            of the registered check); None covers every case.
-        raises: the exception type(s) of the failure it covers (default ``AssertionError``: the
-            check's own assertion, ``pytest.fail`` and a failed ``pytest.raises`` included).
+        applies: ``applies(case) -> bool``, the check's cases it covers; None: every case.
+        raises: the exception type(s) it covers (``AssertionError``: the check's own assertion,
+            ``pytest.fail`` and a failed ``pytest.raises`` too).
         match: a regular expression searched in the failure's message; None: any message.
         measured_on: where it was measured, e.g. ``"torch 2.13.0"``.
     """
@@ -84,7 +70,7 @@ class Deviation:
                 f"Deviation(check={self.check!r}): applies={self.applies!r} must be None or a "
                 "callable(case) -> bool"
             )
-        types = self.raises if isinstance(self.raises, tuple) else (self.raises,)
+        types = self._types
         if not types or not all(
             isinstance(t, type) and issubclass(t, BaseException) for t in types
         ):
@@ -101,18 +87,19 @@ class Deviation:
                     f"expression ({error})"
                 ) from None
 
+    @property
+    def _types(self) -> tuple[type[BaseException], ...]:
+        return self.raises if isinstance(self.raises, tuple) else (self.raises,)
+
     def matches(self, check: str, case: Any = None) -> bool:
         """Whether this deviation covers ``check`` for ``case``."""
         return self.check == check and (self.applies is None or bool(self.applies(case)))
 
     def covers(self, error: BaseException) -> bool:
-        """Whether ``error`` is the failure this deviation declares (type and message).
-
-        An assertion raised *from* another error (``raise AssertionError(...) from crash``: a
-        check reporting an error it did not expect) is that error's failure: its cause must be
-        covered too.
-        """
-        types = self.raises if isinstance(self.raises, tuple) else (self.raises,)
+        """Whether ``error`` is the failure this deviation declares (type and message); an
+        assertion raised *from* another error is that error's failure, so its cause must be
+        covered too."""
+        types = self._types
         if not self._is_type(error, types):
             return False
         cause = error.__cause__
@@ -134,14 +121,13 @@ class Deviation:
         return isinstance(error, types) or (AssertionError in types and _is_pytest_failure(error))
 
     def covers_text(self) -> str:
-        """What it covers, in words (for the message of a failure it does not cover)."""
-        types = self.raises if isinstance(self.raises, tuple) else (self.raises,)
-        names = " or ".join(t.__name__ for t in types)
+        """What it covers, in words."""
+        names = " or ".join(t.__name__ for t in self._types)
         return names + (f" matching {self.match!r}" if self.match else "")
 
 
 def _is_pytest_failure(error: BaseException) -> bool:
-    """``pytest.fail`` / a failed ``pytest.raises`` (pytest's Failed outcome)."""
+    """``pytest.fail`` / a failed ``pytest.raises``."""
     failed = getattr(sys.modules.get("_pytest.outcomes"), "Failed", None)
     return failed is not None and isinstance(error, failed)
 
@@ -152,12 +138,8 @@ def first_covering(
     case: Any = None,
     error: BaseException | None = None,
 ) -> Deviation | None:
-    """The first of ``deviations`` covering ``check`` / ``case`` (and, given ``error``, covering
-    that failure: ``Deviation.covers``), or None.
-
-    Raises:
-        ValueError: ``check``, or the check a deviation names, is not a registered check id.
-    """
+    """The first of ``deviations`` covering ``check`` / ``case`` (and ``error``), or None;
+    ValueError when ``check`` or a deviation's check is not a registered id."""
     get_check(check)
     deviations = tuple(deviations)
     for deviation in deviations:
@@ -178,12 +160,8 @@ def first_covering(
 
 
 def delegation_chain(adapter: Any) -> list[Any]:
-    """``adapter``, then the adapter it delegates to (``delegates_to``), then that one's, ...
-    (each once).
-
-    Raises:
-        TypeError: a ``delegates_to`` is not an Adapter.
-    """
+    """``adapter``, then the adapters along ``delegates_to`` (each once); TypeError when one
+    is not an Adapter."""
     from .base import Adapter
 
     if method := stand_in(adapter, "delegation_chain"):
@@ -204,12 +182,8 @@ def delegation_chain(adapter: Any) -> list[Any]:
 def find_deviation(
     adapter: Any, check: str, case: Any = None, error: BaseException | None = None
 ) -> Deviation | None:
-    """The deviation ``adapter`` declares (itself first, then along ``delegation_chain``) that
-    covers ``check`` / ``case`` and, given ``error``, that failure; or None.
-
-    Raises:
-        ValueError: ``check`` is not a registered check id.
-    """
+    """The deviation ``adapter`` declares (along ``delegation_chain``) that covers ``check`` /
+    ``case`` and, given ``error``, that failure; or None. ValueError for an unknown check id."""
     if isinstance(adapter, (tuple, list)):  # the deviations themselves
         return first_covering(adapter, check, case, error)
     if method := stand_in(adapter, "find_deviation"):

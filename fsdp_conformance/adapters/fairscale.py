@@ -1,45 +1,22 @@
 """Adapter for fairscale's FSDP: `fairscale.nn.data_parallel.FullyShardedDataParallel` (0.4.13).
 
-fairscale is an optional extra (``pip install 'fsdp-conformance[fairscale]'``); without it
-``get_adapter("fairscale")`` still resolves, and every check skips with one line saying how to
-install it. Measured with fairscale 0.4.13, torch 2.13.0 (CPU build, gloo, world size 2):
+An optional extra (``pip install 'fsdp-conformance[fairscale]'``); without it every check skips
+with the install line. docs/fairscale.md has the mapping and the measured facts (fairscale
+0.4.13, torch 2.13.0, CPU, gloo). What the adapter works around:
 
-- fairscale's FSDP is CUDA-only code: on a host without CUDA it creates no streams and the first
-  forward fails with ``KeyError: 'all_gather'``. The adapter routes its stream and event calls
-  through a device handle (``_fairscale_device.py``: the synchronous CPU handle by default, the
-  lagging device under the memory-bound check); arithmetic and collectives are fairscale's own.
-- Its reduce-scatter bucketer flushes a ``(world_size, n)`` tensor through
-  ``_reduce_scatter_base``, which gloo rejects ("Check failed: outputShape[0] * worldSize ==
-  inputShape[0]"); on any backend but nccl the adapter passes ``bucket_cap_mb=0`` (fairscale's own switch: each
-  gradient is reduce-scattered at once, from a 1-D input; the sums are the same).
-- Without an explicit ``process_group`` it calls ``get_process_group_cached()``, and by default
-  creates a second group for reduce-scatters, both cached for the life of the process; groups
-  destroyed by their owner (the test harness destroys non-default groups after each test) stay
-  in that cache. The adapter passes the group itself (the default group when none is given) and
-  ``process_group_reduce_scatter=ProcessGroupName.default`` (reductions on the same group), so
-  fairscale's cache is never used.
-- ``move_params_to_cpu`` pins host memory: "Cannot access accelerator device when none is
-  available" on a CPU-only host.
+- fairscale's FSDP is CUDA-only code (on CPU: ``KeyError: 'all_gather'``): its stream and event
+  calls go through a device handle (``_fairscale_device.py``);
+- its bucketer flushes a 2-D tensor, which gloo rejects: ``bucket_cap_mb=0`` off nccl;
+- it caches process groups for the life of the process (groups the harness destroys stay
+  there): the adapter passes the group and ``process_group_reduce_scatter=default`` itself.
 
-Config mapping: FULL_SHARD -> ``reshard_after_forward=True``, SHARD_GRAD_OP -> ``False`` (the
-root is never resharded after forward: fairscale's ``disable_reshard_on_root``);
-``mixed_precision`` -> ``mixed_precision=True``, ``compute_dtype=param_dtype``,
-``fp32_reduce_scatter`` when ``reduce_dtype`` is float32, ``buffer_dtype`` (float32, i.e. kept,
-when not given: fairscale would cast buffers to ``compute_dtype``); ``cpu_offload`` ->
-``move_params_to_cpu``; ``auto_wrap_policy`` -> every matching submodule with parameters of its
-own is wrapped, inner first; ``limit_all_gathers`` -> nothing: fairscale 0.4.13 has no
-limiter, and the suite's ``limit_all_gathers=True`` asks for the implementation's own memory
-bound, so the memory-bound check runs against fairscale as released and fails there (a declared
-deviation). ``FairscaleAdapter(sync_after_free=True)`` -- not a built-in name -- maps
-``limit_all_gathers=True`` to a synchronize of the current stream right after each free of full
-parameters, the fix for fairscale's high reserved memory proposed in fairscale PR 972 (never
-merged), to show what that change would bound. fairscale has no
-backward or forward prefetch (``backward_prefetch=None`` is what it does), no NO_SHARD and no
-``sync_module_states``.
+``limit_all_gathers`` adds nothing (0.4.13 has no limiter: the memory bound fails, declared);
+``FairscaleAdapter(sync_after_free=True)`` adds the synchronize after free of fairscale PR 972.
 """
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -48,6 +25,7 @@ import torch
 from torch import nn
 
 from fsdp_conformance.constants import Op
+from fsdp_conformance.training_states import InstanceState, RootState
 
 from ._support import RANGES
 from .base import (
@@ -59,18 +37,15 @@ from .base import (
 from .deviations import Deviation
 from .features import ALL_FEATURES, Declarations, Feature, auto_wrap_targets, require
 from .loop import EngineHooks
-from .states import InstanceState, RootState
 
-# The one line every fairscale check skips with when fairscale is not importable
 INSTALL_HINT = "install it with: pip install 'fsdp-conformance[fairscale]'"
 
-_REGISTRY = ObserverRegistry()  # observers of the routed fairscale methods, process-wide
+_REGISTRY = ObserverRegistry()
 # instances that synchronize after each free (sync_after_free=True and limit_all_gathers=True)
 _SYNC_AFTER_FREE: weakref.WeakSet = weakref.WeakSet()
 
 
 def _import_error() -> str | None:
-    """Why fairscale cannot be used here, or None."""
     try:
         import fairscale  # noqa: F401
         from fairscale.nn.data_parallel import FullyShardedDataParallel  # noqa: F401
@@ -79,228 +54,187 @@ def _import_error() -> str | None:
     return None
 
 
-def _cuda_hosted() -> bool:
-    return torch.cuda.is_available()
-
-
-# ---------------------------------------------------------------------------- deviations
-# Reproductions use fs = get_adapter("fairscale"), x = torch.ones(2, 8), 2 CPU ranks; all of them
-# run in examples/fairscale_deviations.py (docs/fairscale.md)
-# Measured with fairscale 0.4.13 on torch 2.13.0 (CPU, gloo, world size 2); each states the
-# failure it covers (raises / match): any other error in the cell is a FAIL
-# the same covered failures on the compatibility matrix's releases
-_MEASURED_ON = "fairscale 0.4.13, torch 2.13.0 (also 2.8.0, 2.15.0)"
+# Reproductions: fs = get_adapter("fairscale"), x = torch.ones(2, 8), 2 CPU ranks, gloo; they run
+# in examples/fairscale_deviations.py
+# measured on torch 2.13.0, the first also on the compatibility matrix's other releases
+_on_matrix = functools.partial(
+    Deviation, measured_on="fairscale 0.4.13, torch 2.13.0 (also 2.8.0, 2.15.0)"
+)
+_on_2_13 = functools.partial(Deviation, measured_on="fairscale 0.4.13, torch 2.13.0")
 FAIRSCALE_DEVIATIONS: tuple[Deviation, ...] = (
-    Deviation(
+    _on_matrix(
         "memory_bound",
-        "fairscale 0.4.13 has no all-gather rate limiter (limit_all_gathers=True adds nothing; "
-        "the synchronize after free of fairscale PR 972 was never merged): the CPU never waits "
-        "for the device to finish with freed full parameters, so under a device that lags they "
-        "stay resident -- the high reserved memory that started the rate-limiter story "
-        "(fairscale PR 972, pytorch PR 83917). Measured (6 wrapped Linears, world size 2, CPU): "
-        "peak resident non-root buffers forward/backward 6/12, 18/24, 30/36 in iterations 1-3 "
-        "(strict lagging device) and 6/12 every iteration (drained), bound 2/2; reproduce: "
-        "fsdp_conformance.suite.memory_bound.measure_residency(fs, group, "
-        "{'limit_all_gathers': True}, 'strict').peak_table() (docs/fairscale.md)",
+        "fairscale 0.4.13 has no all-gather rate limiter (the synchronize after free of fairscale "
+        "PR 972 was never merged): the CPU never waits for the device to finish with freed full "
+        "parameters, so under a lagging device they stay resident (the high reserved memory of "
+        "fairscale PR 972, pytorch PR 83917). Peak resident non-root buffers forward/backward (6 "
+        "wrapped Linears): 6/12, 18/24, 30/36 in iterations 1-3 (strict lagging device), 6/12 "
+        "(drained), bound 2/2; reproduce: "
+        "fsdp_conformance.suite.memory_bound.measure_residency(fs, group, {'limit_all_gathers': "
+        "True}, 'strict').peak_table() (docs/fairscale.md)",
         applies=lambda case: case.limit_all_gathers,
         match=r"^memory bound exceeded: ",
-        measured_on=_MEASURED_ON,
     ),
-    Deviation(
+    _on_matrix(
         "parity.bf16",
-        "fairscale 0.4.13 casts only the root's float32 inputs, and always with .half() "
-        "(cast_floats_to_right_precision), whatever compute_dtype is: a bf16 run multiplies "
-        "float16 activations by bfloat16 weights and fails 'mat1 and mat2 must have the same "
-        "dtype, but got Half and BFloat16'; inner instances cast nothing, so float32 "
-        "activations reaching one fail too ('Float and Half', 'Float and BFloat16'); reproduce: "
+        "fairscale 0.4.13 casts only the root's float32 inputs, always with .half() "
+        "(cast_floats_to_right_precision): a bf16 run fails 'mat1 and mat2 must have the same "
+        "dtype, but got Half and BFloat16'; inner instances cast nothing, so float32 activations "
+        "reaching one fail too ('Float and Half', 'Float and BFloat16'); reproduce: "
         "fs.wrap(nn.Linear(8, 8), mixed_precision={'param_dtype': torch.bfloat16})(x) "
         "(docs/fairscale.md)",
         raises=RuntimeError,
         match=r"mat1 and mat2 must have the same dtype",
-        measured_on=_MEASURED_ON,
     ),
-    Deviation(
+    _on_2_13(
         "precision.dtypes",
-        "fairscale 0.4.13 casts the root's float32 inputs with .half() whatever compute_dtype "
-        "is (the parity.bf16 deviation): a bfloat16 policy fails in the first Linear with "
+        "the parity.bf16 deviation (the root's inputs cast with .half()): a bfloat16 policy fails "
         "'mat1 and mat2 must have the same dtype, but got Half and BFloat16'; reproduce: "
         "fs.wrap(nn.Linear(8, 8), mixed_precision={'param_dtype': torch.bfloat16})(x)",
         lambda case: case is not None and "bf16" in case.variant,
         raises=RuntimeError,
         match=r"mat1 and mat2 must have the same dtype",
-        measured_on="fairscale 0.4.13, torch 2.13.0",
     ),
-    Deviation(
+    _on_matrix(
         "wrap.configs_isolated",
-        "the parity.bf16 deviation met by the bf16 model of the two: fairscale 0.4.13 casts "
-        "the root's inputs with .half() whatever compute_dtype is ('mat1 and mat2 must have "
-        "the same dtype, but got Half and BFloat16'); reproduction: see parity.bf16",
+        "the parity.bf16 deviation met by the bf16 model of the two (the root's inputs cast with "
+        ".half(): 'mat1 and mat2 must have the same dtype, but got Half and BFloat16'); "
+        "reproduction: see parity.bf16",
         applies=lambda case: case == "mixed_precision",
         raises=RuntimeError,
         match=r"mat1 and mat2 must have the same dtype",
-        measured_on=_MEASURED_ON,
     ),
-    Deviation(
+    _on_matrix(
         "exec_order.divergent",
-        "fairscale 0.4.13 does not compare the execution order across ranks: same-shaped "
-        "instances run in different orders silently all-gather each other's shards; "
-        "reproduce: a, b = fs.wrap(nn.Linear(8, 8)), fs.wrap(nn.Linear(8, 8)); rank 0 runs "
-        "b(a(x)).sum().backward(), rank 1 a(b(x)).sum().backward(): no error "
-        "(docs/fairscale.md)",
+        "fairscale 0.4.13 does not compare the execution order across ranks: same-shaped instances "
+        "in different orders silently all-gather each other's shards; reproduce: a, b = "
+        "fs.wrap(nn.Linear(8, 8)), fs.wrap(nn.Linear(8, 8)); rank 0 runs b(a(x)).sum().backward(), "
+        "rank 1 a(b(x)).sum().backward(): no error",
         match=r"no exception was raised",
-        measured_on=_MEASURED_ON,
     ),
-    Deviation(
+    _on_matrix(
         "misuse.wrap_twice",
-        "fairscale 0.4.13 wraps a module that another instance already wraps without an "
-        "error; reproduce: lin = nn.Linear(8, 8); fs.wrap(lin); fs.wrap(lin) "
-        "(docs/fairscale.md)",
+        "fairscale 0.4.13 wraps a module that another instance already wraps without an error; "
+        "reproduce: lin = nn.Linear(8, 8); fs.wrap(lin); fs.wrap(lin)",
         match=r"no exception was raised",
-        measured_on=_MEASURED_ON,
     ),
-    Deviation(
+    _on_matrix(
         "misuse.forward_inside_summon",
-        "fairscale 0.4.13 refuses a forward inside summon_full_params only with a bare assert "
-        "in _rebuild_full_params (an AssertionError with an empty message, removed by python "
-        "-O); reproduce: m = fs.wrap(nn.Sequential(fs.wrap(nn.Linear(8, 8)), nn.Linear(8, 8)));"
-        " m(x).sum().backward(); with fs.summon_full_params(m): m(x) (docs/fairscale.md)",
-        # the bare assert: "the error does not name the problem ..., got AssertionError: "
+        "fairscale 0.4.13 refuses a forward inside summon_full_params only with a bare assert in "
+        "_rebuild_full_params (an AssertionError with an empty message, removed by python -O); "
+        "reproduce: m = fs.wrap(nn.Sequential(fs.wrap(nn.Linear(8, 8)), nn.Linear(8, 8))); "
+        "m(x).sum().backward(); with fs.summon_full_params(m): m(x)",
         match=r"does not name the problem .*got AssertionError: $",
-        measured_on=_MEASURED_ON,
     ),
-    # the training loops (suite/loops.py), measured with fairscale 0.4.13, torch 2.13.0, CPU
-    Deviation(
+    _on_2_13(
         "loops.activation_checkpointing",
         "fairscale 0.4.13 FSDP fails when non-reentrant checkpoint runs around an FSDP instance "
-        "(the recompute re-enters its forward during its backward): ValueError 'expected to be "
-        "in states [BACKWARD_PRE, BACKWARD_POST] but current state is TrainingState.FORWARD' "
+        "(the recompute re-enters its forward during its backward): ValueError 'expected to be in "
+        "states [BACKWARD_PRE, BACKWARD_POST] but current state is TrainingState.FORWARD' "
         "(checkpoint inside the instance passes). Reproduction: "
-        "torch.utils.checkpoint.checkpoint(fs.wrap(nn.Linear(8, 8)), x, use_reentrant=False)"
-        ".sum().backward() under a wrapped root",
+        "torch.utils.checkpoint.checkpoint(fs.wrap(nn.Linear(8, 8)), x, "
+        "use_reentrant=False).sum().backward() under a wrapped root",
         applies=lambda case: case.variant == "outside",
         raises=ValueError,
         match="expected to be in states",
-        measured_on="fairscale 0.4.13, torch 2.13.0",
     ),
-    Deviation(
+    _on_2_13(
         "loops.forward_variants",
-        "fairscale 0.4.13 FSDP fails at the end of a backward in which a wrapped instance "
-        "took no part (a branch skipped on every rank): ValueError 'expected to be in states "
+        "fairscale 0.4.13 FSDP fails at the end of a backward in which a wrapped instance took no "
+        "part (a branch skipped on every rank): ValueError 'expected to be in states "
         "[BACKWARD_POST] but current state is TrainingState.IDLE' from _wait_for_post_backward. "
         "Reproduction: a root with a wrapped branch that forward does not call; one training step",
         applies=lambda case: case.variant == "unused_branch",
         raises=ValueError,
         match="expected to be in states",
-        measured_on="fairscale 0.4.13, torch 2.13.0",
     ),
-    # the loops.activation_checkpointing deviation above, met by a generated case (docs/fuzz.md)
-    Deviation(
+    _on_2_13(
         "fuzz.generated",
-        "fairscale 0.4.13 FSDP fails when non-reentrant checkpoint runs around an FSDP instance: "
-        "ValueError 'expected to be in states [BACKWARD_PRE, BACKWARD_POST] but current state is "
-        "TrainingState.FORWARD' in its post-backward hook (or [BACKWARD_PRE, IDLE] in the next "
-        "pre-backward hook, for a frozen instance; the loops.activation_checkpointing "
-        "deviation). Reproduction: torch.utils.checkpoint.checkpoint(fs.wrap(nn.Linear(4, 4)), "
-        "x, use_reentrant=False) inside a wrapped root, one backward (found by fsdp-conformance "
-        "fuzz --impl fairscale --seed 0)",
+        "the loops.activation_checkpointing deviation met by a generated case: ValueError "
+        "'expected to be in states [BACKWARD_PRE, BACKWARD_POST] but current state is "
+        "TrainingState.FORWARD' (or [BACKWARD_PRE, IDLE] in the next pre-backward hook, for a "
+        "frozen instance). Reproduction: torch.utils.checkpoint.checkpoint(fs.wrap(nn.Linear(4, "
+        "4)), x, use_reentrant=False) inside a wrapped root, one backward (found by "
+        "fsdp-conformance fuzz --impl fairscale --seed 0)",
         applies=lambda case: case is not None and "checkpoint:wrapped" in case.uses(),
         raises=ValueError,
-        # the recompute's forward re-enters the instance during its backward: whichever hook
-        # runs next finds FORWARD ([BACKWARD_PRE, BACKWARD_POST], [BACKWARD_PRE, IDLE], ...)
+        # whichever hook runs next finds FORWARD
         match=r"expected to be in states \[[^\]]*\] but current state is TrainingState\.FORWARD",
-        measured_on="fairscale 0.4.13, torch 2.13.0",
     ),
-    Deviation(
+    _on_2_13(
         "fuzz.generated",
-        "fairscale 0.4.13 FSDP registers its pre-backward hooks only on tensors inside "
-        "tensors, lists, tuples, namedtuples, dicts and sets (fairscale.internal.containers."
-        "apply_to_type): an instance whose forward returns its activation inside a dataclass gets "
-        "no pre-backward hook, and its post-backward hook then fails with ValueError 'expected "
-        "to be in states [BACKWARD_PRE, BACKWARD_POST] (or [BACKWARD_PRE]) but current state is "
+        "fairscale 0.4.13 FSDP registers pre-backward hooks only on tensors in tensors, lists, "
+        "tuples, namedtuples, dicts and sets (apply_to_type): an instance returning its activation "
+        "in a dataclass gets none, and its post-backward hook fails with ValueError 'expected to "
+        "be in states [BACKWARD_PRE, BACKWARD_POST] (or [BACKWARD_PRE]) but current state is "
         "TrainingState.IDLE', or backward reads its freed full parameters (RuntimeError 'The "
-        "tensor has a non-zero number of elements, but its data is not allocated yet' or "
-        "'... out of bounds for storage of size 0'); when "
-        "the root returns one, the end-of-backward callback never runs and inner instances stay "
-        "BACKWARD_POST after optimizer.step(). "
-        "Reproduction: a wrapped root whose forward returns Out(y=lin(x)) for a @dataclass Out; "
-        "out.y.sum().backward() (found by fsdp-conformance fuzz --impl fairscale --seed 0)",
+        "tensor has a non-zero number of elements, but its data is not allocated yet' or '... out "
+        "of bounds for storage of size 0'); a root returning one never runs its end-of-backward "
+        "callback (inner instances stay BACKWARD_POST). Reproduction: a wrapped root whose forward "
+        "returns Out(y=lin(x)) for a @dataclass Out; out.y.sum().backward() (found by "
+        "fsdp-conformance fuzz --impl fairscale --seed 0)",
         applies=lambda case: case is not None and "instance-output:dataclass" in case.uses(),
-        # AssertionError: the IllegalTrainingState of the recorder
         raises=(ValueError, RuntimeError, AssertionError),
         match=r"expected to be in states \[[^\]]*\] but current state is TrainingState\.IDLE"
         r"|non-zero number of elements, but its data is not allocated yet"
         r"|out of bounds for storage of size 0"
         r"|illegal training states? seen by TrainingStateRecorder.*instance state BACKWARD_POST; "
         r"allowed: IDLE",
-        measured_on="fairscale 0.4.13, torch 2.13.0",
     ),
-    Deviation(
+    _on_2_13(
         "fuzz.generated",
-        "fairscale 0.4.13 FSDP fails at the end of a backward in which none of an instance's "
-        "parameters got a gradient although its forward ran (the loops.forward_variants "
-        "deviation, with the instance called): ValueError 'expected to be in states "
-        "[BACKWARD_POST] but current state is TrainingState.BACKWARD_PRE' from "
-        "_wait_for_post_backward (or '[BACKWARD_PRE] but current state is IDLE' when the "
-        "branch is an instance inside another). Reproduction: a wrapped root holding only a branch "
-        "h + lin(h) in step 0, h in step 1 (its head wrapped apart); step 1's backward raises "
-        "(found by fsdp-conformance fuzz --impl fairscale --seed 0)",
+        "the loops.forward_variants deviation with the instance called: a backward in which none "
+        "of its parameters got a gradient fails with ValueError 'expected to be in states "
+        "[BACKWARD_POST] but current state is TrainingState.BACKWARD_PRE' (or '[BACKWARD_PRE] but "
+        "current state is IDLE' for a nested branch). Reproduction: a wrapped root holding only a "
+        "branch h + lin(h) in step 0, h in step 1 (its head wrapped apart); step 1's backward "
+        "raises (found by fsdp-conformance fuzz --impl fairscale --seed 0)",
         applies=lambda case: case is not None and "branch" in case.uses(),
         raises=ValueError,
-        # which hook finds the stale state depends on the nesting: [BACKWARD_POST] in
-        # _wait_for_post_backward, [BACKWARD_PRE] in an outer instance's hook, ...
+        # which hook finds the stale state depends on the nesting
         match=r"expected to be in states \[[^\]]*\] but current state is "
         r"TrainingState\.(BACKWARD_PRE|IDLE)",
-        measured_on="fairscale 0.4.13, torch 2.13.0",
     ),
-    Deviation(
+    _on_2_13(
         "fuzz.generated",
-        "fairscale 0.4.13 FSDP accumulates wrongly over several synchronised backwards when an "
-        "instance's flat parameter has one element (fewer than the ranks): its gradient shard "
-        "then has the full parameter's size, _prep_grads_for_backward takes it for a no_sync "
-        "(unsharded) gradient, and the next backward reduces it a second time. Reproduction: "
-        "(2 ranks) root = FSDP(Seq(Linear(1, 1, bias=False), FSDP(head))); two backwards, "
-        "one optimizer step: the Linear's weight is off DDP's by 0.02 (lr 0.01) (found by "
+        "fairscale 0.4.13 FSDP accumulates wrongly over synchronised backwards when a flat "
+        "parameter has fewer elements than ranks: _prep_grads_for_backward takes its full-size "
+        "gradient shard for a no_sync one and the next backward reduces it again. Reproduction: (2 "
+        "ranks) root = FSDP(Seq(Linear(1, 1, bias=False), FSDP(head))); two backwards, one "
+        "optimizer step: the Linear's weight is off DDP's by 0.02 (lr 0.01) (found by "
         "fsdp-conformance fuzz --impl fairscale --seed 0)",
         applies=lambda case: case is not None and "accumulate:synced" in case.uses(),
         raises=AssertionError,
         match=r"FSDP .* != DDP |differs from DDP's",
-        measured_on="fairscale 0.4.13, torch 2.13.0",
     ),
-    Deviation(
+    _on_2_13(
         "fuzz.generated",
-        "the parity.bf16 deviation met by a generated bfloat16 policy: fairscale 0.4.13 casts "
-        "the root's float32 inputs with .half() whatever compute_dtype is, so the first Linear "
-        "multiplies float16 activations by bfloat16 weights ('expected m1 and m2 to have the "
-        "same dtype, but got: c10::Half != c10::BFloat16' without a bias, 'mat1 and mat2 must "
-        "have the same dtype' with one). Reproduction: fs.wrap(nn.Linear(4, 1, bias=False), "
-        "mixed_precision={'param_dtype': torch.bfloat16})(x) (found by fsdp-conformance fuzz "
-        "--impl fairscale --seed 0)",
+        "the parity.bf16 deviation met by a generated bfloat16 policy (the root's inputs cast with "
+        ".half(): 'expected m1 and m2 to have the same dtype, but got: c10::Half != c10::BFloat16' "
+        "without a bias, 'mat1 and mat2 must have the same dtype' with one). Reproduction: "
+        "fs.wrap(nn.Linear(4, 1, bias=False), mixed_precision={'param_dtype': torch.bfloat16})(x) "
+        "(found by fsdp-conformance fuzz --impl fairscale --seed 0)",
         applies=lambda case: case is not None and "precision:bf16" in case.uses(),
         raises=RuntimeError,
         match=r"(mat1 and mat2 must|m1 and m2 to) have the same dtype",
-        measured_on="fairscale 0.4.13, torch 2.13.0",
     ),
-    Deviation(
+    _on_2_13(
         "forward.other_method",
-        "fairscale 0.4.13 FSDP leaves a nested instance in BACKWARD_POST when its forward is "
-        "called alone (not through the root) after the root's first forward: the states are "
-        "reset by the root's end-of-backward callback only. Reproduction: (2 ranks) loops "
-        "wrapped, root(x) and backward once, then head(h).sum().backward(): head's state is "
-        "BACKWARD_POST (tests/adapters/test_fairscale.py)",
+        "fairscale 0.4.13 FSDP leaves a nested instance called alone (after the root's first "
+        "forward) in BACKWARD_POST: only the root's end-of-backward callback resets states. "
+        "Reproduction: (2 ranks) loops wrapped, root(x) and backward once, then "
+        "head(h).sum().backward(): head's state is BACKWARD_POST "
+        "(tests/adapters/test_fairscale.py)",
         lambda case: case.variant == "nested_alone",
         match=r"instance 'head' at after optimizer.step: instance state BACKWARD_POST",
-        measured_on="fairscale 0.4.13, torch 2.13.0",
     ),
-    Deviation(
+    _on_2_13(
         "wrap.shared_across_instances",
-        "fairscale 0.4.13 FSDP accepts a parameter tied across two instances wrapped apart and "
-        "silently unties it: each instance flattens its own copy, trained with its own module's "
-        "part of the gradient, so training diverges from DDP. Reproduction: (2 ranks) "
-        "tied_instances (head.weight = embed.weight, embed and head wrapped apart), one SGD "
-        "step: full parameters embed.weight and head.weight differ "
-        "(tests/adapters/test_fairscale.py)",
+        "fairscale 0.4.13 FSDP silently unties a parameter tied across two instances wrapped apart "
+        "(each flattens its own copy), so training diverges from DDP. Reproduction: (2 ranks) "
+        "tied_instances (head.weight = embed.weight, embed and head wrapped apart), one SGD step: "
+        "full parameters embed.weight and head.weight differ (tests/adapters/test_fairscale.py)",
         match=r"the wrap was accepted, so training must match DDP: losses differ from DDP's",
-        measured_on="fairscale 0.4.13, torch 2.13.0",
     ),
 )
 
@@ -329,9 +263,7 @@ class FairscaleAdapter(EngineHooks, Adapter):
                 raise TypeError(f"FairscaleAdapter({option}={value!r}): give True or False")
         self.flatten_parameters = flatten_parameters
         self.sync_after_free = sync_after_free
-        if sync_after_free:
-            # fairscale PR 972's synchronize after free: not fairscale as released, so not
-            # named like it, and it meets the memory bound (no memory_bound deviation)
+        if sync_after_free:  # not fairscale as released: named apart
             self.name = "fairscale-sync-after-free"
 
     @property
@@ -350,28 +282,40 @@ class FairscaleAdapter(EngineHooks, Adapter):
         missing = _import_error()
         if missing is not None:
             return {feature: missing for feature in ALL_FEATURES}
+        no_prefetch = "fairscale 0.4.13 FSDP has no backward prefetch"
         unsupported = {
             Feature.NO_SHARD: "fairscale 0.4.13 FSDP always shards (no NO_SHARD strategy)",
-            Feature.BACKWARD_PREFETCH_PRE: "fairscale 0.4.13 FSDP has no backward prefetch",
-            Feature.BACKWARD_PREFETCH_POST: "fairscale 0.4.13 FSDP has no backward prefetch",
+            Feature.BACKWARD_PREFETCH_PRE: no_prefetch,
+            Feature.BACKWARD_PREFETCH_POST: no_prefetch,
             Feature.FORWARD_PREFETCH: "fairscale 0.4.13 FSDP has no forward prefetch",
             Feature.SYNC_MODULE_STATES: (
                 "fairscale 0.4.13 FSDP has no sync_module_states (broadcast the module first)"
             ),
+            Feature.USE_ORIG_PARAMS: "fairscale 0.4.13 has no use_orig_params flag",
+            Feature.IGNORED_PARAMS: (
+                "fairscale 0.4.13 FSDP has no ignored modules or parameters (its constructor "
+                "takes none): every parameter of the wrapped module is sharded"
+            ),
+            Feature.FORWARD_METHOD: (
+                "fairscale 0.4.13 FSDP has no way to run a method other than forward with the "
+                "instance's parameters gathered (its hooks run in forward only)"
+            ),
+            Feature.HYBRID_SHARD: (
+                "fairscale 0.4.13 FSDP shards over one process group and reduces over it; it "
+                "has no hybrid strategy (no replicate group to all-reduce across)"
+            ),
+            Feature.CHECKPOINT_RESUME: (
+                "not mapped: fairscale 0.4.13's own route (full state_dict, "
+                "gather_full_optim_state_dict on rank 0, get_shard_from_optim_state_dict at "
+                "load) did not resume Adam exactly (the 2nd step after the load diverged; at "
+                "1 -> 2 ranks AttributeError '_full_param_padded'); whether fairscale or the "
+                "mapping is at fault is not settled"
+            ),
+            Feature.META_INIT: (
+                "fairscale 0.4.13's FullyShardedDataParallel has no meta-device path (no "
+                "param_init_fn; it flattens and shards the parameters it is given)"
+            ),
         }
-        unsupported[Feature.USE_ORIG_PARAMS] = "fairscale 0.4.13 has no use_orig_params flag"
-        unsupported[Feature.IGNORED_PARAMS] = (
-            "fairscale 0.4.13 FSDP has no ignored modules or parameters (its constructor takes "
-            "none): every parameter of the wrapped module is sharded"
-        )
-        unsupported[Feature.FORWARD_METHOD] = (
-            "fairscale 0.4.13 FSDP has no way to run a method other than forward with the "
-            "instance's parameters gathered (its hooks run in forward only)"
-        )
-        unsupported[Feature.HYBRID_SHARD] = (
-            "fairscale 0.4.13 FSDP shards over one process group and reduces over it; it has no "
-            "hybrid strategy (no replicate group to all-reduce across)"
-        )
         if self.flatten_parameters:
             unsupported[Feature.PARAM_GROUPS] = (
                 "fairscale 0.4.13 flattens an instance's parameters into one, so an optimizer "
@@ -381,18 +325,7 @@ class FairscaleAdapter(EngineHooks, Adapter):
                 "fairscale 0.4.13 flattens an instance's parameters into one and asserts 'expects "
                 "all parameters to have same requires_grad' (measured)"
             )
-        unsupported[Feature.CHECKPOINT_RESUME] = (
-            "not mapped: fairscale 0.4.13's own route (full state_dict, "
-            "gather_full_optim_state_dict on rank 0, get_shard_from_optim_state_dict at load) was "
-            "tried in this session and did not resume Adam exactly (the 2nd step after the load "
-            "diverged; at 1 -> 2 ranks AttributeError '_full_param_padded'); whether fairscale or "
-            "the mapping is at fault is not settled"
-        )
-        unsupported[Feature.META_INIT] = (
-            "fairscale 0.4.13's FullyShardedDataParallel has no meta-device path (no "
-            "param_init_fn; it flattens and shards the parameters it is given; read in its source)"
-        )
-        if not _cuda_hosted():
+        if not torch.cuda.is_available():
             unsupported[Feature.CLIP_GRAD_NORM] = (
                 "fairscale 0.4.13 FSDP.clip_grad_norm_ is CUDA-only: on a CPU-only host it fails "
                 "with 'Torch not compiled with CUDA enabled' (measured)"
@@ -408,18 +341,16 @@ class FairscaleAdapter(EngineHooks, Adapter):
             )
         return unsupported
 
-    # ------------------------------------------------------------------ full state dict
     def state_dict(
         self, model: nn.Module, *, rank0_only: bool = False, offload_to_cpu: bool = False
     ) -> dict[str, Any]:
-        """fairscale's ``state_dict()``: full, on every rank, by default."""
         if rank0_only or offload_to_cpu:
             raise UnsupportedFeatureError(
                 self.name,
                 Feature.FULL_STATE_DICT,
                 "fairscale 0.4.13 fixes rank-0-only and the state dict's device per instance at "
-                "construction (state_dict_on_rank_0_only, state_dict_device), not per "
-                "state_dict() call; not mapped",
+                "construction (state_dict_on_rank_0_only, state_dict_device), not per state_dict() "
+                "call; not mapped",
             )
         return model.state_dict()
 
@@ -435,20 +366,23 @@ class FairscaleAdapter(EngineHooks, Adapter):
         model.load_state_dict(state_dict)
 
     def wrap(self, module: nn.Module, *, process_group: Any = None, **config: Any) -> nn.Module:
-        _skip_without_fairscale()
+        missing = _import_error()
+        if missing is not None:
+            import pytest
+
+            pytest.skip(f"adapter 'fairscale': {missing}")
         return super().wrap(module, process_group=process_group, **config)
 
-    # ------------------------------------------------------------------ wrapping
     def _wrap(self, module: nn.Module, process_group: Any, config: dict[str, Any]) -> nn.Module:
         from fairscale.internal.parallel import ProcessGroupName
         from fairscale.nn.data_parallel import FullyShardedDataParallel
 
+        from fsdp_conformance.impl.device import CPUDeviceHandle
+
         from . import _fairscale_device
 
         _fairscale_device.check_internals()
-        group = process_group
-        if group is None:
-            group = torch.distributed.group.WORLD  # the default group (public name)
+        group = process_group if process_group is not None else torch.distributed.group.WORLD
         kwargs: dict[str, Any] = {
             "process_group": group,
             "process_group_reduce_scatter": ProcessGroupName.default,
@@ -456,7 +390,6 @@ class FairscaleAdapter(EngineHooks, Adapter):
             "compute_device": _compute_device(config.get("device_id")),
         }
         if torch.distributed.get_backend(group) != "nccl":
-            # gloo (and the harness's threaded group) reject the bucketer's 2-D flush input
             kwargs["bucket_cap_mb"] = 0
         if "sharding_strategy" in config:
             kwargs["reshard_after_forward"] = config["sharding_strategy"] == "FULL_SHARD"
@@ -491,7 +424,7 @@ class FairscaleAdapter(EngineHooks, Adapter):
                 _replace(module, name, FullyShardedDataParallel(submodule, **kwargs))
         wrapped = FullyShardedDataParallel(module, **kwargs)
         # one handle for the whole tree: the root shares its streams with every inner instance
-        handle = _CudaHandle() if _cuda_hosted() else _cpu_handle()
+        handle = _CudaHandle() if torch.cuda.is_available() else CPUDeviceHandle()
         for instance in self.instances(wrapped):
             self._route(instance, handle)
             if self.sync_after_free and config.get("limit_all_gathers"):
@@ -518,7 +451,6 @@ class FairscaleAdapter(EngineHooks, Adapter):
             module for module in model.modules() if isinstance(module, FullyShardedDataParallel)
         ]
 
-    # ------------------------------------------------------------------ precision
     def grad_scaler(self, model: nn.Module, **options: Any) -> Any:
         """fairscale's own ``ShardedGradScaler`` over the root's process group (CUDA hosts)."""
         require(self, Feature.GRAD_SCALER)
@@ -526,7 +458,6 @@ class FairscaleAdapter(EngineHooks, Adapter):
 
         return ShardedGradScaler(process_group=model.process_group, **options)
 
-    # ------------------------------------------------------------------ states
     def training_state(self, instance: nn.Module) -> InstanceState:
         return InstanceState[instance.training_state.name]
 
@@ -560,12 +491,10 @@ class FairscaleAdapter(EngineHooks, Adapter):
                 allowed.append(TrainingState[state.value])
         instance.assert_state(allowed)
 
-    # ------------------------------------------------------------------ full parameters
     def _summon_full_params(self, model: nn.Module, writeback: bool):
         # volatile=True: changes inside need not persist (fairscale frees the gathered copy)
         return model.summon_full_params(recurse=True, volatile=not writeback)
 
-    # ------------------------------------------------------------------ observation
     def _observe(self, callback, instances):
         return _REGISTRY.observing(callback, instances)
 
@@ -576,21 +505,11 @@ class FairscaleAdapter(EngineHooks, Adapter):
             self._route(instance, handle)
 
 
-def _skip_without_fairscale() -> None:
-    missing = _import_error()
-    if missing is not None:
-        import pytest
-
-        pytest.skip(f"adapter 'fairscale': {missing}")
-
-
 def _compute_device(device_id: Any) -> torch.device:
+    if device_id is None and not torch.cuda.is_available():
+        return torch.device("cpu")
     if device_id is None:
-        return (
-            torch.device("cuda", torch.cuda.current_device())
-            if _cuda_hosted()
-            else (torch.device("cpu"))
-        )
+        return torch.device("cuda", torch.cuda.current_device())
     if isinstance(device_id, int):
         return torch.device("cuda", device_id)
     return device_id
@@ -602,14 +521,8 @@ def _replace(root: nn.Module, name: str, replacement: nn.Module) -> None:
     setattr(parent, child, replacement)
 
 
-def _cpu_handle() -> Any:
-    from fsdp_conformance.impl.device import CPUDeviceHandle
-
-    return CPUDeviceHandle()
-
-
 class _CudaHandle:
-    """The real CUDA API as a device handle (on a CUDA host, until another is installed)."""
+    """The real CUDA API as a device handle."""
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch.cuda, name)
@@ -618,15 +531,13 @@ class _CudaHandle:
         torch.Tensor.record_stream(tensor, stream)
 
 
-# ---------------------------------------------------------------------------- observation hooks
 def _observer_wrappers(instance: nn.Module) -> dict[str, Callable]:
     """Wrappers of the routed methods that report all-gathers, frees and reductions."""
     from . import _fairscale_device
 
     def rebuild(method: Callable) -> Callable:
         def _rebuild_full_params(force_full_precision: bool = False):
-            # forward and backward unshards (summon_full_params gathers a separate full-precision
-            # copy and frees it itself: neither is reported)
+            # summon_full_params gathers (and frees) a separate copy: not reported
             gathers = (
                 not force_full_precision
                 and not instance.has_full_params
@@ -640,8 +551,7 @@ def _observer_wrappers(instance: nn.Module) -> dict[str, Callable]:
 
     def free(method: Callable) -> Callable:
         def _free_full_params(params=None):
-            # once per reshard: the first free after an unshard (unflattened parameters are
-            # freed one call per parameter in backward)
+            # once per reshard (unflattened parameters are freed one call each in backward)
             frees = instance.has_full_params and any(
                 getattr(p, "_is_sharded", False)
                 and p._full_param_padded.untyped_storage().size() > 0

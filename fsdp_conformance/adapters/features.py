@@ -1,32 +1,20 @@
-"""Feature names an adapter declares, and how a wrap config maps to the features it needs.
+"""Feature names an adapter declares, the wrap config's vocabulary, and negotiation.
 
 [Note: config vocabulary]
-`wrap(module, **config)` takes the seed's FSDP1 keywords. Enum-valued keys accept a string with
-the member name (case-insensitive) or any enum member whose `.name` is that name — so our impl's
-enums, torch's enums and plain strings all work. Keys not given keep the implementation's own
-default. Values are normalised by `normalize_config` into:
+`wrap(module, **config)` takes FSDP1's keywords; an enum key accepts a member name (any case) or
+any enum member of that name. Keys not given keep the implementation's default. Normalised:
 
   sharding_strategy   "FULL_SHARD" | "SHARD_GRAD_OP" | "NO_SHARD" | "HYBRID_SHARD" |
-                      "_HYBRID_SHARD_ZERO2"   (the hybrid two need `hybrid_shard` and
-                      process_group=(shard_group, replicate_group), FSDP1's own tuple)
+                      "_HYBRID_SHARD_ZERO2" (hybrid: process_group=(shard, replicate))
   backward_prefetch   None | "BACKWARD_PRE" | "BACKWARD_POST"
-  forward_prefetch    bool
-  limit_all_gathers   bool
-  cpu_offload         bool   (also accepts None or an object with `.offload_params`)
-  mixed_precision     None | MixedPrecisionConfig   (also accepts a dict or an object with
-                      param_dtype / reduce_dtype / buffer_dtype / output_dtype /
-                      cast_forward_inputs attributes: FSDP1's MixedPrecision, FSDP2's
-                      MixedPrecisionPolicy)
-  auto_wrap_policy    None | "always" | callable(module) -> bool  (which submodules to wrap;
-                      the root is always wrapped by the call itself)
-  sync_module_states  bool
+  forward_prefetch, limit_all_gathers, sync_module_states, use_orig_params   bool
+  cpu_offload         bool   (also None or an object with `.offload_params`)
+  mixed_precision     None | MixedPrecisionConfig   (also a dict, FSDP1's MixedPrecision or
+                      FSDP2's MixedPrecisionPolicy)
+  auto_wrap_policy    None | "always" | callable(module) -> bool   (the root is always wrapped)
   device_id           None | torch.device | int
-  use_orig_params     bool   (torch FSDP1's flag; needs `use_orig_params` when True)
-  ignored_params      tuple of nn.Parameter / nn.Module   (left unsharded and unreduced by the
-                      wrapper, a module standing for its parameters; needs `ignored_params`
-                      when not empty; any iterable accepted)
-  process_group       None | ProcessGroup | (shard_group, replicate_group)   (keyword of `wrap`
-                      itself; the pair only with a hybrid sharding_strategy)
+  ignored_params      tuple of nn.Parameter / nn.Module   (a module stands for its parameters)
+  process_group       None | ProcessGroup | (shard_group, replicate_group)   (`wrap`'s keyword)
 """
 
 from __future__ import annotations
@@ -50,7 +38,7 @@ from ._support import SupportRange, support_problem_of
 class Feature:
     """Feature names (plain strings) an adapter can declare."""
 
-    # - Wrap config (see [Note: config vocabulary])
+    # - Wrap config ([Note: config vocabulary])
     FULL_SHARD = "full_shard"
     SHARD_GRAD_OP = "shard_grad_op"
     NO_SHARD = "no_shard"
@@ -59,9 +47,8 @@ class Feature:
     BACKWARD_PREFETCH_POST = "backward_prefetch_post"
     FORWARD_PREFETCH = "forward_prefetch"  # forward_prefetch=True
     LIMIT_ALL_GATHERS = "limit_all_gathers"  # the flag given explicitly (either value)
-    # limit_all_gathers=False switches the memory bound off (the memory-bound check's "must fail"
-    # case needs it); an implementation whose bound is built in (torch FSDP2) accepts the flag
-    # as a no-op and does not declare this
+    # limit_all_gathers=False switches the memory bound off (the memory-bound check's "must
+    # fail" case); a built-in bound (torch FSDP2) takes the flag as a no-op without this
     LIMIT_ALL_GATHERS_OFF = "limit_all_gathers_off"
     CPU_OFFLOAD = "cpu_offload"  # parameters offloaded to CPU
     MIXED_PRECISION = "mixed_precision"  # param_dtype / reduce_dtype
@@ -93,8 +80,7 @@ class Feature:
     PARAM_GROUPS = "param_groups"  # optimizer parameter groups by the plain module's names
     IGNORED_PARAMS = "ignored_params"  # parameters left unsharded and unreduced by the wrapper
     FORWARD_METHOD = "forward_method"  # a method other than forward running wrapped parameters
-    # - Subjects an implementation of another shape may not have (docs/adapters.md, "FSDPs of
-    #   other shapes"): the checks about them are then not applicable, never run on a stand-in
+    # - What an FSDP of another shape may not have (docs/adapters.md, "FSDPs of other shapes")
     TRAINING_STATES = "training_states"  # `training_state` / `root_state` report real states
     SUMMON_FULL_PARAMS = "summon_full_params"  # `summon_full_params` is the implementation's own
 
@@ -104,7 +90,6 @@ ALL_FEATURES: frozenset[str] = frozenset(
 )
 
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
-# shard within a group, replicate across groups: full shard / shard_grad_op per group
 HYBRID_STRATEGIES = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
 BACKWARD_PREFETCHES = ("BACKWARD_PRE", "BACKWARD_POST")
 ALWAYS_WRAP = constants.ALWAYS_WRAP
@@ -123,20 +108,18 @@ CONFIG_KEYS = (
 )
 
 
+_BOOL_KEYS = ("forward_prefetch", "limit_all_gathers", "sync_module_states", "use_orig_params")
+
+
 @dataclass(frozen=True)
 class MixedPrecisionConfig:
-    """Mixed precision in the adapter vocabulary (None = keep the parameter dtype)."""
+    """Mixed precision in the adapter vocabulary (None: keep the parameter dtype)."""
 
-    # Dtype of unsharded parameters in forward/backward (and of the all-gather)
-    param_dtype: torch.dtype | None = None
-    # Dtype of gradient reduction
-    reduce_dtype: torch.dtype | None = None
-    # Dtype buffers are cast to
+    param_dtype: torch.dtype | None = None  # unsharded parameters (and the all-gather)
+    reduce_dtype: torch.dtype | None = None  # gradient reduction
     buffer_dtype: torch.dtype | None = None
-    # Dtype the root's floating-point outputs are cast to (FSDP2's output_dtype)
-    output_dtype: torch.dtype | None = None
-    # Whether each instance casts its floating-point forward inputs to param_dtype (None: the
-    # implementation's default)
+    output_dtype: torch.dtype | None = None  # the root's floating-point outputs (FSDP2's)
+    # each instance casts its floating-point inputs to param_dtype (None: the default)
     cast_forward_inputs: bool | None = None
 
     def __post_init__(self) -> None:
@@ -156,8 +139,7 @@ class MixedPrecisionConfig:
 
     @property
     def needs_policy(self) -> bool:
-        """Whether this config goes beyond one low-precision dtype (reduce_dtype other than
-        param_dtype, an output_dtype, cast_forward_inputs=False): `mixed_precision_policy`."""
+        """Whether it needs `mixed_precision_policy` (more than one low-precision dtype)."""
         return (
             (self.reduce_dtype is not None and self.reduce_dtype != self.param_dtype)
             or self.output_dtype is not None
@@ -186,12 +168,7 @@ def normalize_config(config: dict[str, Any]) -> dict[str, Any]:
             out[key] = _enum_name(key, value, SHARDING_STRATEGIES + HYBRID_STRATEGIES)
         elif key == "backward_prefetch":
             out[key] = None if value is None else _enum_name(key, value, BACKWARD_PREFETCHES)
-        elif key in (
-            "forward_prefetch",
-            "limit_all_gathers",
-            "sync_module_states",
-            "use_orig_params",
-        ):
+        elif key in _BOOL_KEYS:
             out[key] = bool(value)
         elif key == "cpu_offload":
             out[key] = bool(getattr(value, "offload_params", value))
@@ -212,8 +189,8 @@ def normalize_config(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def check_process_group(process_group: Any, config: dict[str, Any]) -> None:
-    """ValueError unless `process_group` fits the normalised config's sharding strategy: a
-    (shard_group, replicate_group) pair for a hybrid strategy, one group (or None) otherwise."""
+    """ValueError unless `process_group` is a (shard, replicate) pair exactly for a hybrid
+    strategy."""
     hybrid = config.get("sharding_strategy") in HYBRID_STRATEGIES
     pair = isinstance(process_group, tuple)
     if hybrid and not (pair and len(process_group) == 2 and None not in process_group):
@@ -239,7 +216,7 @@ def _mixed_precision(value: Any) -> MixedPrecisionConfig | None:
         return MixedPrecisionConfig(**value)
     values = {name: getattr(value, name, None) for name in fields}
     if hasattr(value, "cast_root_forward_inputs") and not values["cast_forward_inputs"]:
-        # FSDP1's MixedPrecision: its default False means "the root casts", not "none casts"
+        # FSDP1's MixedPrecision: its False means "the root casts", not "none casts"
         values["cast_forward_inputs"] = None
     return MixedPrecisionConfig(**values)
 
@@ -256,8 +233,7 @@ def _ignored(value: Any) -> tuple[nn.Parameter | nn.Module, ...]:
 
 
 def ignored_parameters(config: dict[str, Any]) -> list[nn.Parameter]:
-    """The parameters a normalised config's ``ignored_params`` names (modules expanded), each
-    once, in order."""
+    """The parameters ``ignored_params`` names (modules expanded), each once, in order."""
     found: dict[int, nn.Parameter] = {}
     for item in config.get("ignored_params", ()):
         params = item.parameters() if isinstance(item, nn.Module) else (item,)
@@ -311,12 +287,21 @@ def module_predicate(policy: Any) -> Callable[[nn.Module], bool]:
     return policy
 
 
+def fsdp1_style_policy(policy: Any) -> Callable[[nn.Module, bool, int], bool]:
+    """`auto_wrap_policy` as torch FSDP1's ``(module, recurse, nonwrapped_numel)`` form."""
+    predicate = module_predicate(policy)
+
+    def fsdp1_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
+        return True if recurse else bool(predicate(module))
+
+    return fsdp1_policy
+
+
 def auto_wrap_targets(
     module: nn.Module, policy: Any, *, wrapped: tuple[type, ...] = ()
 ) -> list[tuple[str, nn.Module]]:
-    """What an adapter emulating `auto_wrap_policy` wraps below `module`: (name, submodule) for
-    every submodule with parameters that the policy selects and that is not an instance already
-    (of a `wrapped` type), inner first (reversed pre-order: every child before its parent)."""
+    """(name, submodule) to wrap below `module` when emulating `auto_wrap_policy`: selected,
+    with parameters, not of a `wrapped` type; every child before its parent."""
     predicate = module_predicate(policy)
     return [
         (name, submodule)
@@ -327,33 +312,26 @@ def auto_wrap_targets(
     ]
 
 
-# ---------------------------------------------------------------------- what an adapter declares
 @dataclass(frozen=True)
 class Declarations:
     """What an adapter declares about its implementation (``Adapter.declarations``)."""
 
     # feature -> why this adapter does not support it (on this host)
     unsupported: Mapping[str, str] = field(default_factory=dict)
-    # (config key, canonical value) -> why that value is refused although the key's feature is
-    # supported, e.g. {("limit_all_gathers", False): "the limiter is always on"}
+    # (config key, canonical value) -> why that value is refused though its feature is supported
     unsupported_values: Mapping[tuple[str, Any], str] = field(default_factory=dict)
-    # what the implementation does differently from a check (deviations.Deviation)
-    known_deviations: tuple[Any, ...] = ()
-    # the library versions the adapter was tested with; outside them every cell is skipped
-    support: tuple[SupportRange, ...] = ()
-    # attribute names the implementation's wrappers insert into parameter names (removed by
-    # base.clean_param_name besides torch FSDP1's and activation checkpointing's)
+    known_deviations: tuple[Any, ...] = ()  # deviations.Deviation
+    support: tuple[SupportRange, ...] = ()  # outside them every cell is skipped
+    # attribute names the wrappers insert into parameter names (base.clean_param_name)
     wrapper_segments: tuple[str, ...] = ()
-    # "mean" (FSDP and DDP average gradients) or "sum": the suite then scales each instance's
-    # gradients by its group size (loop.group_size) to compare with DDP
+    # "mean" or "sum" (the suite scales each instance's gradients by its group size)
     grad_reduction: str = "mean"
-    # False: no per-instance training state, only root states
-    instance_states: bool = True
+    instance_states: bool = True  # False: root states only
     # the adapter this one drives the implementation through: its deviations apply here too
     delegates_to: Any = None
 
 
-# member of an adapter written before `Declarations` (a field of it) -> whether it is a method
+# member of an adapter written before `Declarations` -> whether it is a method
 _OLD_STYLE = {
     "unsupported": True,
     "unsupported_values": True,
@@ -366,8 +344,8 @@ _OLD_STYLE = {
 
 
 def own_member(adapter: Any, name: str) -> Any:
-    """``adapter.<name>`` when its class (or the instance) defines it, else None; never the
-    compatibility aliases of ``Adapter.__getattr__``."""
+    """``adapter.<name>`` when its class or the instance defines it (not ``__getattr__``'s
+    aliases), else None."""
     if name in getattr(adapter, "__dict__", {}) or any(
         name in vars(cls) for cls in type(adapter).__mro__
     ):
@@ -376,16 +354,15 @@ def own_member(adapter: Any, name: str) -> Any:
 
 
 def stand_in(adapter: Any, old_name: str) -> Any:
-    """For an object that plays an adapter without being one (the coverage probe of
-    cli/coverage.py), its own member `old_name` of the older protocol; None for an Adapter."""
+    """An object playing an adapter (cli/coverage.py's probe): its older-protocol member
+    `old_name`; None for an Adapter."""
     if hasattr(type(adapter), "declarations"):
         return None
     return getattr(adapter, old_name)
 
 
 class _StandInDeclarations:
-    """`declared` of a stand-in: each field read from the stand-in itself (the default where
-    it has none)."""
+    """`declared` of a stand-in: each field read from the stand-in, else the default."""
 
     def __init__(self, adapter: Any) -> None:
         self._adapter = adapter
@@ -395,8 +372,7 @@ class _StandInDeclarations:
 
 
 def declared(adapter: Any) -> Declarations:
-    """``adapter.declarations``, overlaid by the members of the older protocol it defines
-    (``unsupported()``, ``known_deviations``, ``grad_reduction`` ...)."""
+    """``adapter.declarations``, overlaid by the older-protocol members it defines."""
     if not hasattr(type(adapter), "declarations"):
         return _StandInDeclarations(adapter)  # type: ignore[return-value]
     overrides = {}
@@ -409,33 +385,28 @@ def declared(adapter: Any) -> Declarations:
 
 
 def support_problem(adapter: Any) -> str | None:
-    """None when the installed libraries are inside the adapter's declared support ranges, else
-    one line naming the installed and the supported versions."""
+    """One line when the installed libraries are outside the adapter's support ranges, else
+    None."""
     method = own_member(adapter, "support_problem") or stand_in(adapter, "support_problem")
     if method is not None:
         return method()
     return support_problem_of(declared(adapter).support)
 
 
-# ---------------------------------------------------------------------- negotiation
 class UnsupportedFeatureError(NotImplementedError, unittest.SkipTest):
-    """An adapter was asked for a feature (or config value) it does not support.
-
-    A ``unittest.SkipTest`` too, so any runner reports it as a skip without knowing adapters;
-    an adapter's ``_wrap`` may raise it for what only the implementation can tell at wrap time.
-    """
+    """An adapter was asked for a feature (or config value) it does not support; a
+    ``unittest.SkipTest``, so any runner skips on it (``_wrap`` may raise it too)."""
 
     def __init__(self, adapter: str, feature: str, reason: str) -> None:
         super().__init__(f"adapter {adapter!r} does not support {feature!r}: {reason}")
-        self.adapter = adapter  # the adapter's name
-        self.feature = feature  # the feature name (Feature)
-        self.reason = reason  # why, in words
+        self.adapter = adapter
+        self.feature = feature
+        self.reason = reason
 
 
 class FeatureNotImplementedError(NotImplementedError):
-    """An adapter lacks a member it needs: one every adapter must have, or one for a feature it
-    claims. A FAIL of the adapter, never a skip; the message names the adapter, the member to
-    implement and the feature to declare unsupported instead."""
+    """An adapter lacks a member every adapter needs, or one for a feature it claims: a FAIL,
+    never a skip."""
 
     def __init__(self, adapter: str, member: str, feature: str | None = None) -> None:
         if feature is None:
@@ -449,9 +420,9 @@ class FeatureNotImplementedError(NotImplementedError):
                 f"override {member}, or declare {feature!r} in unsupported() instead"
             )
         super().__init__(text)
-        self.adapter = adapter  # the adapter's name
-        self.member = member  # "Adapter.<member>" to implement
-        self.feature = feature  # the claimed feature (None: a member every adapter needs)
+        self.adapter = adapter
+        self.member = member  # "Adapter.<member>"
+        self.feature = feature  # None: a member every adapter needs
 
 
 def why_unsupported(adapter: Any, feature: str) -> str | None:
@@ -509,8 +480,7 @@ def require_values(adapter: Any, config: dict[str, Any]) -> None:
 
 
 def wrap_features(adapter: Any, **config: Any) -> frozenset[str]:
-    """The features a wrap config (``wrap``'s keywords) needs of ``adapter``; validates the
-    config."""
+    """The features a wrap config needs of ``adapter`` (validated)."""
     if method := stand_in(adapter, "features_for"):
         return method(**config)
     return features_for(normalize_config(config))
@@ -520,8 +490,7 @@ def claimed_but_not_implemented(
     adapter: Any, error: UnsupportedFeatureError
 ) -> FeatureNotImplementedError | None:
     """The failure ``error`` stands for when it is a default's "override Adapter.X" for a
-    feature ``adapter`` claims (a skip would hide that the member was never written), else None.
-    """
+    feature ``adapter`` claims (a skip would hide the missing member), else None."""
     member = re.search(r"override (Adapter\.\w+)", error.reason)
     if member is None or error.feature not in ALL_FEATURES:
         return None

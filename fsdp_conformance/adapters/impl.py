@@ -1,9 +1,5 @@
-"""Adapter for our reference FSDP (`fsdp_conformance.impl`), per the protocol of `base.py`.
-
-The reference implementation exposes everything the suite observes directly (instance and
-handle training states, `is_unsharded`, an injectable device handle, and `impl.trace`), so this
-adapter patches nothing.
-"""
+"""Adapter for our reference FSDP (`fsdp_conformance.impl`): it exposes everything the suite
+observes (states, `is_unsharded`, a device handle, `impl.trace`), so nothing is patched."""
 
 from __future__ import annotations
 
@@ -27,8 +23,8 @@ from .features import (
     Declarations,
     Feature,
     MixedPrecisionConfig,
+    fsdp1_style_policy,
     ignored_parameters,
-    module_predicate,
     require,
 )
 from .loop import EngineHooks, optimizer_class
@@ -55,7 +51,7 @@ class ImplAdapter(EngineHooks, Adapter):
     def __init__(self) -> None:
         from fsdp_conformance import impl
 
-        self._impl = impl  # the package: FullyShardedDataParallel, enums, device, trace
+        self._impl = impl
 
     def _wrap(self, module: nn.Module, process_group: Any, config: dict[str, Any]) -> nn.Module:
         impl = self._impl
@@ -82,14 +78,14 @@ class ImplAdapter(EngineHooks, Adapter):
                 cast_forward_inputs=mixed.cast_forward_inputs is not False,
             )
         if config.get("auto_wrap_policy") is not None:
-            kwargs["auto_wrap_policy"] = _fsdp1_style_policy(config["auto_wrap_policy"])
+            kwargs["auto_wrap_policy"] = fsdp1_style_policy(config["auto_wrap_policy"])
         if config.get("ignored_params"):
             kwargs["ignored_modules"] = self._ignored_modules(module, config)
         return impl.FullyShardedDataParallel(module, process_group=process_group, **kwargs)
 
     def _ignored_modules(self, module: nn.Module, config: dict[str, Any]) -> list[nn.Module]:
         """``ignored_params`` as impl's ``ignored_modules``: the largest submodules all of whose
-        parameters are ignored; impl ignores whole modules, so each parameter must be one."""
+        parameters are ignored (impl ignores whole modules only)."""
         ignored = {id(param) for param in ignored_parameters(config)}
         modules: list[nn.Module] = []
         covered: set[int] = set()
@@ -125,8 +121,7 @@ class ImplAdapter(EngineHooks, Adapter):
         return bool(instance.is_unsharded)
 
     def full_params(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        # The reference FSDP exposes original parameters as plain attributes (views of the
-        # gathered flat parameter), not as registered parameters: read its full state dict.
+        # impl's original parameters are plain attributes, not registered: read its state dict
         buffers = {clean_param_name(name) for name, _ in model.named_buffers()}
         return {
             name: value
@@ -151,18 +146,14 @@ class ImplAdapter(EngineHooks, Adapter):
     def _install_device_handle(self, model: nn.Module, handle: Any) -> None:
         self._impl.device.install_device_handle(model, handle)
 
-    # ------------------------------------------------------------------ precision
     def grad_scaler(self, model: nn.Module, **options: Any) -> Any:
-        """torch's ``ShardedGradScaler`` over the root's process group: impl's gradients are
-        plain sharded tensors, as FSDP1's, so a user pairs impl with the same scaler."""
+        """torch's ``ShardedGradScaler`` over the root's group (plain sharded gradients)."""
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
         device = next(model.parameters()).device.type
         return ShardedGradScaler(device, process_group=model.process_group, **options)
 
-    # ------------------------------------------------------------------ sharding
     def grad_shards(self, model: nn.Module) -> dict[str, tuple[int, torch.Tensor]]:
-        """Each instance's ``flat_param.grad`` cut along the flat parameter's layout."""
         paths = {id(module): name for name, module in model.named_modules()}
         pieces = {}
         for instance in self.instances(model):
@@ -184,11 +175,9 @@ class ImplAdapter(EngineHooks, Adapter):
             )
         return pieces
 
-    # ------------------------------------------------------------------ full state dict, meta init
     def state_dict(
         self, model: nn.Module, *, rank0_only: bool = False, offload_to_cpu: bool = False
     ) -> dict[str, Any]:
-        """impl's full state dict (its default form), with its own two options."""
         return model.state_dict(rank0_only=rank0_only, offload_to_cpu=offload_to_cpu)
 
     def load_state_dict(
@@ -197,8 +186,7 @@ class ImplAdapter(EngineHooks, Adapter):
         model.load_state_dict(state_dict, assign=assign)
 
     def materialize(self, model: nn.Module, *, device: torch.device) -> None:
-        """Nothing: each impl instance materialises the meta-device modules it manages when it
-        is built (``to_empty`` + ``reset_parameters``, or ``param_init_fn``)."""
+        """Nothing: impl materialises meta-device modules when it wraps them."""
 
     def optimizer(
         self,
@@ -208,8 +196,8 @@ class ImplAdapter(EngineHooks, Adapter):
         param_groups: Any = None,
         **hyperparameters: Any,
     ) -> torch.optim.Optimizer:
-        """torch's optimizer; with `param_groups`, over the pieces of the original parameters in
-        each rank's shard (``impl/optim.py``), grouped by their names."""
+        """With `param_groups`: over the pieces of the original parameters in this rank's shard,
+        grouped by name (``impl/optim.py``)."""
         if param_groups is None:
             return super().optimizer(model, name, **hyperparameters)
         require(self, Feature.PARAM_GROUPS)
@@ -218,7 +206,6 @@ class ImplAdapter(EngineHooks, Adapter):
         return optim.optimizer(model, optimizer_class(self, name), param_groups, **hyperparameters)
 
     def register_forward_method(self, instance: nn.Module, name: str) -> None:
-        """impl's ``FullyShardedDataParallel.register_forward_method``."""
         require(self, Feature.FORWARD_METHOD)
         instance.register_forward_method(name)
 
@@ -231,13 +218,3 @@ class ImplAdapter(EngineHooks, Adapter):
         from fsdp_conformance.impl import checkpoint
 
         checkpoint.load_checkpoint(model, optimizer, directory)
-
-
-def _fsdp1_style_policy(policy: Any):
-    """Our auto_wrap_policy as torch FSDP1's (module, recurse, nonwrapped_numel) form."""
-    predicate = module_predicate(policy)
-
-    def policy_fn(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
-        return True if recurse else bool(predicate(module))
-
-    return policy_fn

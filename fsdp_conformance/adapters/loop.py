@@ -1,11 +1,6 @@
-"""The training loop around a wrapped model, as every check drives it.
-
-Each function takes the adapter first and does what a torch user does (``loss.backward()``,
-``torch.optim.SGD(model.parameters())``, ``model.no_sync()`` ...), unless the adapter defines
-the hook of the same name itself: an engine that owns its optimizer, backward or state dict
-(DeepSpeed) overrides it. `EngineHooks` documents and types those hooks; an adapter that
-overrides one inherits it, so ``super().<hook>(...)`` is the plain behaviour.
-"""
+"""The training loop around a wrapped model: each function does what a torch user does
+(``loss.backward()``, ``torch.optim.SGD(model.parameters())`` ...) unless the adapter overrides
+the `EngineHooks` hook of that name (an engine such as DeepSpeed)."""
 
 from __future__ import annotations
 
@@ -34,7 +29,6 @@ _OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.
 
 
 def optimizer_class(adapter: Any, name: str) -> type[torch.optim.Optimizer]:
-    """The torch optimizer class called `name` ("sgd", "adam", "adamw")."""
     if name not in _OPTIMIZERS:
         raise ValueError(
             f"{adapter.name} optimizer: unknown optimizer {name!r}; use one of "
@@ -44,11 +38,8 @@ def optimizer_class(adapter: Any, name: str) -> type[torch.optim.Optimizer]:
 
 
 class EngineHooks:
-    """The training-loop hooks an adapter may override; each default is the plain behaviour.
-
-    Mix it in before `Adapter` (``class MyAdapter(EngineHooks, Adapter)``) to override hooks
-    and reach the plain behaviour through ``super()``.
-    """
+    """The training-loop hooks an adapter may override (``class A(EngineHooks, Adapter)``;
+    ``super()`` is the plain behaviour)."""
 
     name: str
 
@@ -60,9 +51,8 @@ class EngineHooks:
         param_groups: GroupOptions | None = None,
         **hyperparameters: Any,
     ) -> torch.optim.Optimizer:
-        """The optimizer of every check's loop: torch's over `model.parameters()` (an engine
-        returns its own). `param_groups(name, param) -> dict` gives group options per parameter
-        by the unwrapped model's names (needs `param_groups`)."""
+        """Torch's optimizer over `model.parameters()`; `param_groups(name, param) -> dict` gives
+        group options by the unwrapped model's names (needs `param_groups`)."""
         optimizer_type = optimizer_class(self, name)
         if param_groups is None:
             return optimizer_type(model.parameters(), **hyperparameters)
@@ -75,12 +65,10 @@ class EngineHooks:
         return optimizer_type(group_by(named, param_groups), **hyperparameters)
 
     def backward(self, model: nn.Module, loss: torch.Tensor) -> None:
-        """Run backward of `loss`."""
         loss.backward()
 
     def accumulation_boundary(self, model: nn.Module, boundary: bool) -> None:
-        """Called before each micro-batch's forward when a step accumulates several: `boundary`
-        is True for the last one. Nothing by default (DeepSpeed must know it before backward)."""
+        """Before each micro-batch's forward of an accumulating step; `boundary`: the last one."""
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
         """Context manager: a backward inside accumulates gradients without reducing them."""
@@ -97,8 +85,8 @@ class EngineHooks:
     def clip_grad_norm_(
         self, model: nn.Module, max_norm: float, norm_type: float = 2.0
     ) -> torch.Tensor:
-        """Clip the gradients of `model` by their global norm; returns the total norm before
-        clipping (as ``torch.nn.utils.clip_grad_norm_`` over the unsharded model would)."""
+        """Clip the gradients by their global norm; the norm before clipping (as torch's
+        ``clip_grad_norm_`` over the unsharded model)."""
         require(self, Feature.CLIP_GRAD_NORM)
         method = getattr(model, "clip_grad_norm_", None)
         if method is None:
@@ -111,9 +99,8 @@ class EngineHooks:
         return method(max_norm, norm_type)
 
     def grad_scaler(self, model: nn.Module, **options: Any) -> Any:
-        """The gradient scaler users pair with `model` (``torch.amp.GradScaler``'s protocol,
-        built with its keywords); it must skip the step on every rank when any rank's gradient
-        shard holds an inf or NaN."""
+        """The gradient scaler users pair with `model` (``torch.amp.GradScaler``'s protocol); it
+        skips the step on every rank when any rank's shard holds an inf or NaN."""
         require(self, Feature.GRAD_SCALER)
         raise UnsupportedFeatureError(
             self.name,
@@ -125,8 +112,8 @@ class EngineHooks:
     def state_dict(
         self, model: nn.Module, *, rank0_only: bool = False, offload_to_cpu: bool = False
     ) -> dict[str, Any]:
-        """The full model state dict keyed like the unwrapped module's, on every rank
-        (`rank0_only`: empty elsewhere; `offload_to_cpu`: on the CPU; both need an override)."""
+        """The full state dict, keyed like the unwrapped module's, on every rank (`rank0_only`:
+        empty elsewhere; `offload_to_cpu`: on the CPU)."""
         if rank0_only or offload_to_cpu:
             require(self, Feature.FULL_STATE_DICT)
             raise UnsupportedFeatureError(
@@ -140,8 +127,7 @@ class EngineHooks:
     def load_state_dict(
         self, model: nn.Module, state_dict: dict[str, Any], *, assign: bool = False
     ) -> None:
-        """Load a full state dict (the unwrapped module's keys); `assign` as
-        ``nn.Module.load_state_dict(assign=True)`` (needs an override)."""
+        """Load a full state dict; `assign` as ``nn.Module.load_state_dict``'s."""
         if assign:
             require(self, Feature.FULL_STATE_DICT)
             raise UnsupportedFeatureError(
@@ -152,8 +138,8 @@ class EngineHooks:
         model.load_state_dict(state_dict)
 
     def materialize(self, model: nn.Module, *, device: torch.device) -> None:
-        """Materialise on `device` a meta-device model after wrapping: no parameter or buffer
-        left on meta, each module's ``reset_parameters()`` run once."""
+        """Materialise a meta-device model on `device` after wrapping (each module's
+        ``reset_parameters()`` run once)."""
         require(self, Feature.META_INIT)
         raise UnsupportedFeatureError(
             self.name,
@@ -163,13 +149,12 @@ class EngineHooks:
         )
 
     def grad_shards(self, model: nn.Module) -> dict[str, tuple[int, torch.Tensor]] | None:
-        """This rank's gradient pieces after a backward by the unwrapped model's names, each
-        ``(start, values)`` of the flattened averaged full gradient; None: not said."""
+        """This rank's gradient pieces by unwrapped name, each ``(start, values)`` of the
+        flattened averaged full gradient; None: not said."""
         return None
 
     def register_forward_method(self, instance: nn.Module, name: str) -> None:
-        """Make ``instance.<name>(...)`` run as forward does (parameters unsharded while it runs,
-        gradients reduced). Needs `forward_method`."""
+        """Make ``instance.<name>(...)`` run as forward does (unsharded, gradients reduced)."""
         require(self, Feature.FORWARD_METHOD)
         raise UnsupportedFeatureError(
             self.name,
@@ -179,8 +164,7 @@ class EngineHooks:
         )
 
     def full_params(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """Detached copies of the full parameters by the unwrapped model's names (a tied
-        parameter under each of its names)."""
+        """Detached copies of the full parameters by unwrapped name (tied: under each name)."""
         segments = declared(self).wrapper_segments
         with self.summon_full_params(model):  # type: ignore[attr-defined]
             return {
@@ -193,15 +177,13 @@ class EngineHooks:
         return None
 
     def on_test_end(self) -> None:
-        """Called in each rank after every harness test, before non-default process groups are
-        destroyed: drop anything cached per process group."""
+        """After every harness test, before its process groups are destroyed: drop caches."""
 
 
 HOOKS = frozenset(name for name in vars(EngineHooks) if not name.startswith("_")) - {"name"}
 
 
 def _hook(adapter: Any, name: str) -> Callable[..., Any]:
-    """The adapter's own hook `name`, else the plain behaviour bound to it."""
     method = own_member(adapter, name) or stand_in(adapter, name)
     return method if method is not None else getattr(EngineHooks, name).__get__(adapter)
 
@@ -214,81 +196,35 @@ def overrides(adapter: Any, name: str) -> bool:
     )
 
 
-def optimizer(adapter: Any, model: nn.Module, name: str = "sgd", **options: Any) -> Any:
-    """`EngineHooks.optimizer` of `adapter`."""
-    return _hook(adapter, "optimizer")(model, name, **options)
+def _calling(name: str) -> Callable[..., Any]:
+    def call(adapter: Any, *args: Any, **kwargs: Any) -> Any:
+        return _hook(adapter, name)(*args, **kwargs)
+
+    call.__name__ = call.__qualname__ = name
+    call.__doc__ = f"`EngineHooks.{name}` of `adapter`: ``{name}(adapter, *args, **kwargs)``."
+    return call
 
 
-def backward(adapter: Any, model: nn.Module, loss: torch.Tensor) -> None:
-    """`EngineHooks.backward` of `adapter`."""
-    _hook(adapter, "backward")(model, loss)
-
-
-def accumulation_boundary(adapter: Any, model: nn.Module, boundary: bool) -> None:
-    """`EngineHooks.accumulation_boundary` of `adapter`."""
-    _hook(adapter, "accumulation_boundary")(model, boundary)
-
-
-def no_sync(adapter: Any, model: nn.Module) -> contextlib.AbstractContextManager[None]:
-    """`EngineHooks.no_sync` of `adapter`."""
-    return _hook(adapter, "no_sync")(model)
-
-
-def clip_grad_norm_(
-    adapter: Any, model: nn.Module, max_norm: float, norm_type: float = 2.0
-) -> torch.Tensor:
-    """`EngineHooks.clip_grad_norm_` of `adapter`."""
-    return _hook(adapter, "clip_grad_norm_")(model, max_norm, norm_type)
-
-
-def grad_scaler(adapter: Any, model: nn.Module, **options: Any) -> Any:
-    """`EngineHooks.grad_scaler` of `adapter`."""
-    return _hook(adapter, "grad_scaler")(model, **options)
-
-
-def state_dict(adapter: Any, model: nn.Module, **options: bool) -> dict[str, Any]:
-    """`EngineHooks.state_dict` of `adapter`."""
-    return _hook(adapter, "state_dict")(model, **options)
-
-
-def load_state_dict(adapter: Any, model: nn.Module, state: dict[str, Any], **options: bool) -> None:
-    """`EngineHooks.load_state_dict` of `adapter`."""
-    _hook(adapter, "load_state_dict")(model, state, **options)
-
-
-def materialize(adapter: Any, model: nn.Module, *, device: torch.device) -> None:
-    """`EngineHooks.materialize` of `adapter`."""
-    _hook(adapter, "materialize")(model, device=device)
-
-
-def grad_shards(adapter: Any, model: nn.Module) -> dict[str, tuple[int, torch.Tensor]] | None:
-    """`EngineHooks.grad_shards` of `adapter`."""
-    return _hook(adapter, "grad_shards")(model)
-
-
-def register_forward_method(adapter: Any, instance: nn.Module, name: str) -> None:
-    """`EngineHooks.register_forward_method` of `adapter`."""
-    _hook(adapter, "register_forward_method")(instance, name)
-
-
-def full_params(adapter: Any, model: nn.Module) -> dict[str, torch.Tensor]:
-    """`EngineHooks.full_params` of `adapter`."""
-    return _hook(adapter, "full_params")(model)
-
-
-def is_unsharded(adapter: Any, instance: nn.Module) -> bool | None:
-    """`EngineHooks.is_unsharded` of `adapter`."""
-    return _hook(adapter, "is_unsharded")(instance)
-
-
-def on_test_end(adapter: Any) -> None:
-    """`EngineHooks.on_test_end` of `adapter`."""
-    _hook(adapter, "on_test_end")()
+# each: the adapter's own hook of that name, else the plain behaviour
+optimizer = _calling("optimizer")
+backward = _calling("backward")
+accumulation_boundary = _calling("accumulation_boundary")
+no_sync = _calling("no_sync")
+clip_grad_norm_ = _calling("clip_grad_norm_")
+grad_scaler = _calling("grad_scaler")
+state_dict = _calling("state_dict")
+load_state_dict = _calling("load_state_dict")
+materialize = _calling("materialize")
+grad_shards = _calling("grad_shards")
+register_forward_method = _calling("register_forward_method")
+full_params = _calling("full_params")
+is_unsharded = _calling("is_unsharded")
+on_test_end = _calling("on_test_end")
 
 
 def group_size(adapter: Any, instance: nn.Module) -> int:
-    """How many ranks `instance`'s gradients are combined over: the size of the process group
-    it was wrapped on (recorded by `Adapter.wrap`; the default group's for another module)."""
+    """How many ranks `instance`'s gradients are combined over (its group, recorded by
+    `Adapter.wrap`; else the default group's)."""
     method = own_member(adapter, "group_size") or stand_in(adapter, "group_size")
     if method is not None:
         return method(instance)
@@ -297,8 +233,7 @@ def group_size(adapter: Any, instance: nn.Module) -> int:
 
 
 def assert_state(adapter: Any, instance: nn.Module, *states: RootState) -> None:
-    """Call the implementation's own state assertion, `_assert_state` (needs
-    `assert_state`)."""
+    """The implementation's own state assertion, `_assert_state`."""
     if method := stand_in(adapter, "assert_state"):
         return method(instance, *states)
     require(adapter, Feature.ASSERT_STATE)

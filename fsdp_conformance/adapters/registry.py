@@ -1,9 +1,6 @@
-"""`get_adapter(name)`: resolve an adapter by name, inside whichever process asks.
-
-Adapters are never pickled: every rank calls `get_adapter` with the same string.
-Names: "impl", "torch-fsdp1", "torch-fsdp2", "fairscale", "deepspeed", or "pkg.module:ATTR" where ATTR is an `Adapter`
-instance, an `Adapter` subclass, or a zero-argument factory returning one.
-"""
+"""`get_adapter(name)`: resolve an adapter by name in whichever process asks (adapters are
+never pickled): a built-in name, or "pkg.module:ATTR" naming an `Adapter` instance, subclass or
+zero-argument factory."""
 
 from __future__ import annotations
 
@@ -17,7 +14,7 @@ from fsdp_conformance import constants
 from .base import Adapter
 from .loop import on_test_end
 
-# built-in name -> (module, class name); imported lazily (torch FSDP modules are heavy)
+# built-in name -> (module, class name), imported lazily
 _BUILTIN: dict[str, tuple[str, str]] = {
     "impl": ("fsdp_conformance.adapters.impl", "ImplAdapter"),
     "torch-fsdp1": ("fsdp_conformance.adapters.torch_fsdp1", "TorchFSDP1Adapter"),
@@ -28,28 +25,25 @@ _BUILTIN: dict[str, tuple[str, str]] = {
 BUILTIN_ADAPTERS = constants.BUILTIN_ADAPTERS
 
 _cache: dict[str, Adapter] = {}  # one adapter object per name and process
-# guards only the cache dict, never user code: resolving (importing the adapter's module,
-# calling its factory) runs without it, so an adapter module may call get_adapter itself
+# guards the cache only, never user code, so an adapter module may call get_adapter itself
 _cache_lock = threading.Lock()
 _resolving = threading.local()  # names this thread is resolving (a cycle is an error)
 
 
 class AdapterImportError(ImportError):
-    """An adapter's module exists but raised while being imported (the adapter is broken,
-    as opposed to a misspelt name, which is a ValueError)."""
+    """An adapter's module exists but raised while being imported (a misspelt name is a
+    ValueError)."""
 
 
 def get_adapter(name: str) -> Adapter:
     """The adapter called `name` ("impl", "torch-fsdp1", "torch-fsdp2", "fairscale", "deepspeed"
     or "pkg.module:ATTR").
 
-    Re-entrant: an adapter module or factory may itself call ``get_adapter`` (to wrap a
-    built-in adapter). Threads resolving the same name at once may both build it; the first
-    one stored is returned to all.
+    Re-entrant (an adapter module may call it); threads resolving one name at once get the
+    first object stored.
 
     Raises:
-        ValueError: `name` is neither built in nor of the form "pkg.module:ATTR", the module
-            does not exist, ATTR does not resolve to an Adapter, or resolving it asks for
+        ValueError: an unknown name, module or attribute, not an Adapter, or a name asking for
             itself; the message names the import path and the fix.
         AdapterImportError: the adapter's module raised while being imported.
     """
@@ -73,8 +67,7 @@ def get_adapter(name: str) -> Adapter:
 
 
 def notify_test_end() -> None:
-    """Call `loop.on_test_end` of every adapter resolved in this process (the harness calls it in
-    each rank process after a test, before it destroys the non-default process groups)."""
+    """`loop.on_test_end` of every adapter resolved in this process (after each harness test)."""
     with _cache_lock:
         adapters = list(_cache.values())
     for adapter in adapters:
@@ -126,7 +119,6 @@ def _resolve(name: str) -> Adapter:
 
 
 def _is_prefix(missing: str, module_name: str) -> bool:
-    """Whether the missing module is ``module_name`` or one of its packages."""
     return module_name == missing or module_name.startswith(missing + ".")
 
 

@@ -1,18 +1,13 @@
 """Adapter for torch FSDP1: `torch.distributed.fsdp.FullyShardedDataParallel`.
 
-Measured on torch 2.13.0 (CPU build, gloo, world size 2; tests/adapters/test_torch_fsdp1.py):
-- every wrap needs `device_id=torch.device("cpu")` on a host without an accelerator, otherwise
-  "FSDP needs a non-CPU accelerator device" (this adapter adds it when not given);
-- `cpu_offload=CPUOffload(offload_params=True)` fails in forward: "Cannot access accelerator
-  device when none is available";
-- `sync_module_states=True` fails at wrap: "The module has CPU parameters or buffers when
-  `sync_module_states=True`, which requires them to be on GPU";
-- all-gathers go through `dist.all_gather` with a tensor list, reductions through
-  `dist.reduce_scatter_single` (NO_SHARD: `dist.all_reduce`), synchronously on CPU.
+On a host without an accelerator every wrap needs `device_id=cpu` ("FSDP needs a non-CPU
+accelerator device"; added when not given), and `cpu_offload` / `sync_module_states` fail
+(declared unsupported); measured on torch 2.13.0 (tests/adapters/test_torch_fsdp1.py).
 """
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any
 
@@ -29,6 +24,7 @@ from torch.distributed.fsdp import (
 from fsdp_conformance._patching import patch_attribute
 from fsdp_conformance.constants import Op
 from fsdp_conformance.device_handle import accelerator_available
+from fsdp_conformance.training_states import InstanceState, RootState
 
 from . import _fsdp1_internals as internals
 from ._support import RANGES
@@ -40,35 +36,20 @@ from .base import (
     require_before_first_forward,
 )
 from .deviations import Deviation
-from .features import (
-    ALWAYS_WRAP,
-    Declarations,
-    Feature,
-    ignored_parameters,
-    module_predicate,
-    require,
-)
+from .features import Declarations, Feature, fsdp1_style_policy, ignored_parameters, require
 from .loop import EngineHooks
-from .states import InstanceState, RootState
 
-# Process-wide: observers of the patched FSDP1 internals, and handle -> its FSDP instance
+# process-wide: observers of the patched FSDP1 internals, and handle -> its FSDP instance
 _REGISTRY = ObserverRegistry()
 _INSTANCE_OF_HANDLE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# the key of this module's patches (fsdp_conformance._patching)
 _PATCH_KEY = "fsdp-conformance torch-fsdp1 comm trace"
 _WRITTEN_FOR = "torch " + "/".join(internals.VERIFIED_ON)
 
 
 def _patch_torch_fsdp1() -> None:
-    """Label FSDP1's all-gathers, frees and reductions with their instance.
-
-    Through `_fsdp1_internals`: `FlatParamHandle._all_gather_flat_param` (every unshard
-    all-gather), `FlatParamHandle._free_unsharded_flat_param` (every free of the unsharded flat
-    parameter), and `torch.distributed.fsdp._runtime_utils._reduce_grad` /
-    `_reduce_grad_no_shard` (called by `_post_backward_hook` through module globals). Installed
-    once per process (`patch_attribute`, idempotent per key); pass-through while no observer is
-    registered.
-    """
+    """Label FSDP1's all-gathers and frees (`FlatParamHandle`) and reductions (`_runtime_utils.
+    _reduce_grad(_no_shard)`, called through module globals) with their instance; once per
+    process, pass-through while nobody observes."""
     handle_class = internals.flat_param_handle_class()
     runtime_utils = internals.runtime_utils()
 
@@ -109,10 +90,8 @@ def _patch_torch_fsdp1() -> None:
 
 
 def label_instances(model: nn.Module) -> None:
-    """Make every torch FSDP1 instance in ``model`` known to `observe_fsdp1` (its all-gathers
-    and frees happen on its ``FlatParamHandle``, which does not know its instance): call it on
-    each model your adapter wraps. Public: an adapter of its own that wraps with torch FSDP1
-    (examples/my_fsdp_adapter.py) reuses these hooks."""
+    """Make every torch FSDP1 instance in ``model`` known to `observe_fsdp1` (its
+    ``FlatParamHandle`` does not know it): call it on each model an adapter wraps."""
     for instance in FullyShardedDataParallel.fsdp_modules(model):
         handle = internals.handle_of(instance)
         if handle is not None:
@@ -120,22 +99,16 @@ def label_instances(model: nn.Module) -> None:
 
 
 def observe_fsdp1(callback: Any, instances: list[nn.Module] | None) -> Any:
-    """`Adapter._observe` for torch FSDP1: the context manager that reports each labelled
-    instance's all-gathers, frees and gradient reductions to ``callback`` ([Note:
-    observation] in adapters/base.py), through the patches of `_patch_torch_fsdp1`."""
+    """`Adapter._observe` for torch FSDP1: reports each labelled instance's all-gathers, frees
+    and reductions to ``callback`` ([Note: observation] in adapters/base.py)."""
     _patch_torch_fsdp1()
     return _REGISTRY.observing(callback, instances)
 
 
 def install_fsdp1_device_handle(adapter_name: str, model: nn.Module, handle: Any) -> None:
-    """`Adapter._install_device_handle` for torch FSDP1: every instance in ``model`` (and its
-    ``FlatParamHandle``) uses ``handle`` for streams, events and synchronize.
-
-    FSDP1's lazy init of the first forward creates the streams from the handle: RuntimeError
-    naming the adapter when ``model`` already ran forward. On a CPU host FSDP1 only calls
-    Event, Stream, stream, current_stream, synchronize and is_available on it (what the lagging
-    device of fsdp_conformance.observe provides; torch 2.13.0).
-    """
+    """`Adapter._install_device_handle` for torch FSDP1: every instance in ``model`` and its
+    ``FlatParamHandle`` use ``handle``; RuntimeError when ``model`` already ran forward (the
+    first forward creates the streams)."""
     instances = FullyShardedDataParallel.fsdp_modules(model)
     require_before_first_forward(adapter_name, model, instances)
     for instance in instances:
@@ -143,7 +116,6 @@ def install_fsdp1_device_handle(adapter_name: str, model: nn.Module, handle: Any
 
 
 def _prefetches_with_limit(case: Any) -> bool:
-    """A memory-bound case where FSDP1 prefetches a handle under the limiter (FULL_SHARD)."""
     return (
         case.limit_all_gathers
         and case.sharding_strategy == "FULL_SHARD"
@@ -151,98 +123,86 @@ def _prefetches_with_limit(case: Any) -> bool:
     )
 
 
-# Measured on torch 2.13.0 (CPU, gloo, world size 2); docs/checks.md and docs/memory_bound.md;
-# each states the failure it covers (raises / match): any other error in the cell is a FAIL
-# the same failure (raises / match) on every release of the compatibility matrix
-_MEASURED_ON = "torch 2.13.0 (also 2.8.0, 2.14.1)"
-# the fuzz.generated deviations (their reproductions: tests/adapters/test_measured_torch_facts.py)
-_FUZZ_MEASURED_ON = "torch 2.13.0 (also 2.8.0, 2.14.1, 2.15.0)"
+# measured on CPU, gloo, world size 2 (docs/checks.md, docs/memory_bound.md)
+_on_matrix = functools.partial(Deviation, measured_on="torch 2.13.0 (also 2.8.0, 2.14.1)")
+_on_2_13 = functools.partial(Deviation, measured_on="torch 2.13.0")
+_fuzz = functools.partial(Deviation, measured_on="torch 2.13.0 (also 2.8.0, 2.14.1, 2.15.0)")
 FSDP1_DEVIATIONS = (
-    Deviation(
+    _on_matrix(
         "memory_bound",
         "torch FSDP1 2.13.0 exceeds the two-instance bound from iteration 2 when handles are "
         "prefetched: the unshard of an already-prefetched handle is skipped without dequeuing a "
         "free event, so the free-event queue holds 3 events and one more buffer than 'two "
         "consecutive FSDP instances' stays resident. Reproduction: FSDP(ChainOfLinears, "
-        "limit_all_gathers=True, backward_prefetch=BACKWARD_PRE) with 6 inner instances under "
-        "the lagging device: peak 3 resident inner buffers (docs/memory_bound.md, 'torch FSDP1')",
+        "limit_all_gathers=True, backward_prefetch=BACKWARD_PRE) with 6 inner instances under the "
+        "lagging device: peak 3 resident inner buffers (docs/memory_bound.md, 'torch FSDP1')",
         _prefetches_with_limit,
         match=r"^memory bound exceeded: ",
-        measured_on=_MEASURED_ON,
     ),
-    Deviation(
+    _on_matrix(
         "exec_order.divergent",
         "torch FSDP1 compares the forward order across ranks only under "
         "TORCH_DISTRIBUTED_DEBUG=DETAIL (_ExecOrderData); by default same-shaped instances "
         "silently exchange each other's all-gathers. Reproduction: root Linear with two wrapped "
         "Linear(8, 8) branches, rank 1 runs them in the other order: no error",
         match=r"no exception was raised",
-        measured_on=_MEASURED_ON,
     ),
-    Deviation(
+    _on_matrix(
         "misuse.wrap_twice",
         "torch FSDP1 wraps a module that another instance already wraps, without an error. "
         "Reproduction: lin = nn.Linear(8, 8); FSDP(lin); FSDP(lin) -> no error",
         match=r"no exception was raised",
-        measured_on=_MEASURED_ON,
     ),
-    Deviation(
+    _on_matrix(
         "misuse.mixed_devices",
-        "torch FSDP1 wraps a module with cpu and meta parameters without an error. "
-        "Reproduction: FSDP(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8, device='meta')), "
-        "device_id=cpu) -> no error",
+        "torch FSDP1 wraps a module with cpu and meta parameters without an error. Reproduction: "
+        "FSDP(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8, device='meta')), device_id=cpu) -> no "
+        "error",
         match=r"no exception was raised",
-        measured_on=_MEASURED_ON,
     ),
-    Deviation(
+    _on_matrix(
         "misuse.forward_inside_summon",
         "torch FSDP1 fails with an internal AssertionError ('Expects tensor to be unsharded with "
-        "size ... but got ...') that does not name summon_full_params. Reproduction: "
-        "with FSDP.summon_full_params(model): model(x)",
+        "size ... but got ...') that does not name summon_full_params. Reproduction: with "
+        "FSDP.summon_full_params(model): model(x)",
         match=r"does not name the problem .*got AssertionError: Expects tensor to be unsharded",
-        measured_on=_MEASURED_ON,
     ),
-    Deviation(
+    _on_2_13(
         "precision.dtypes",
         "torch FSDP1 accumulates gradients across no_sync() micro-batches in param_dtype, not "
         "float32 (nor reduce_dtype): inside no_sync the unsharded gradient stays in param_dtype "
-        "and is cast to reduce_dtype only at the synchronising backward, so N micro-batches "
-        "round the running sum N times. Reproduction (2 ranks): FSDP(nn.Linear(8, 8), "
-        "device_id=cpu, mixed_precision=MixedPrecision(param_dtype=bfloat16, "
-        "reduce_dtype=float32)); two backwards inside no_sync() leave a bfloat16 gradient of "
-        "the unsharded size. loops (one instance), 32 identical micro-batches: the update is "
-        "0.0178 (relative) away from float32 DDP's, 4.5x one micro-batch's 0.0039 (impl, "
-        "FSDP2: 1.0x)",
+        "and is cast to reduce_dtype only at the synchronising backward, so N micro-batches round "
+        "the running sum N times. Reproduction (2 ranks): FSDP(nn.Linear(8, 8), device_id=cpu, "
+        "mixed_precision=MixedPrecision(param_dtype=bfloat16, reduce_dtype=float32)); two "
+        "backwards inside no_sync() leave a bfloat16 gradient of the unsharded size. loops (one "
+        "instance), 32 identical micro-batches: the update is 0.0178 (relative) away from float32 "
+        "DDP's, 4.5x one micro-batch's 0.0039 (impl, FSDP2: 1.0x)",
         lambda case: case is not None and case.variant.startswith("no_sync"),
         match=r"gradients accumulate in a low precision",
-        measured_on="torch 2.13.0",
     ),
-    Deviation(
+    _on_2_13(
         "wrap.shared_across_instances",
         "torch FSDP1 accepts a parameter tied across two instances wrapped apart and silently "
-        "unties it: each instance flattens its own copy of the shared parameter, and each copy "
-        "is trained with its own module's part of the gradient, so training diverges from DDP. "
+        "unties it: each instance flattens its own copy of the shared parameter, and each copy is "
+        "trained with its own module's part of the gradient, so training diverges from DDP. "
         "Reproduction (2 ranks, device_id=cpu): head.weight = embed.weight; FSDP(embed), "
         "FSDP(head), FSDP(root): the flat parameters hold 96 + 96 + 12 elements (the (12, 8) "
         "weight twice); after one SGD step embed's and head's weights differ under "
         "summon_full_params (tests/adapters/test_measured_torch_facts.py)",
         match=r"the wrap was accepted, so training must match DDP: losses differ from DDP's",
-        measured_on="torch 2.13.0",
     ),
-    Deviation(
+    _on_2_13(
         "forward.other_method",
         "torch FSDP1 leaves a nested instance in BACKWARD_POST when its forward is called alone "
         "(not through the root) after the root's lazy init: the end-of-backward callback that "
-        "resets the states is queued by the root's forward only. Reproduction (2 ranks): "
-        "loops wrapped FULL_SHARD, root(x) and backward once, then head(h).sum().backward(): "
-        "head's handle state is BACKWARD_POST after the step "
+        "resets the states is queued by the root's forward only. Reproduction (2 ranks): loops "
+        "wrapped FULL_SHARD, root(x) and backward once, then head(h).sum().backward(): head's "
+        "handle state is BACKWARD_POST after the step "
         "(tests/adapters/test_measured_torch_facts.py)",
         lambda case: case.variant == "nested_alone",
         raises=AssertionError,
         match=r"instance 'head' at after optimizer.step: instance state BACKWARD_POST",
-        measured_on="torch 2.13.0",
     ),
-    # state_dict.full (reproductions: tests/adapters/test_measured_torch_facts.py)
     Deviation(
         "state_dict.full",
         "torch FSDP1's FULL_STATE_DICT with offload_to_cpu=True fails on a CPU-only host "
@@ -259,25 +219,24 @@ FSDP1_DEVIATIONS = (
         match=r"setStorage: .* out of bounds for storage of size 0",
         measured_on="torch 2.13.0 (CPU build)",
     ),
-    Deviation(
+    _on_2_13(
         "state_dict.full",
         "torch FSDP1's load_state_dict(state_dict, assign=True) under FULL_STATE_DICT returns "
-        "without an error but loads nothing: the model trains on from its old values. "
-        "Reproduction (2 ranks): FSDP(nn.Linear(8, 5), device_id=cpu), load_state_dict("
-        "{'weight': 0.5, 'bias': -1.0 filled}, assign=True) under FULL_STATE_DICT, one step: "
-        "summon_full_params shows other values (assign=False loads them)",
+        "without an error but loads nothing: the model trains on from its old values. Reproduction "
+        "(2 ranks): FSDP(nn.Linear(8, 5), device_id=cpu), load_state_dict({'weight': 0.5, 'bias': "
+        "-1.0 filled}, assign=True) under FULL_STATE_DICT, one step: summon_full_params shows "
+        "other values (assign=False loads them)",
         lambda case: case is not None and getattr(case, "option", "") == "assign",
         match=r"losses differ from DDP's",
-        measured_on="torch 2.13.0",
     ),
-    Deviation(
+    _on_2_13(
         "state_dict.full",
         "torch FSDP1's optimizer state dict (FSDP.optim_state_dict, which DCP's get_state_dict "
         "calls) fails on a process group without global rank 0: _map_param_key_to_optim_keys "
-        "broadcasts from src=0, a global rank, over the model's group ('Global rank 0 is not "
-        "part of group'). Reproduction (2 ranks): on rank 1, FSDP(nn.Linear(8, 5), "
-        "process_group=new_group([1]), device_id=cpu), one Adam step, "
-        "FSDP.optim_state_dict(model, optimizer, group=that group) raises",
+        "broadcasts from src=0, a global rank, over the model's group ('Global rank 0 is not part "
+        "of group'). Reproduction (2 ranks): on rank 1, FSDP(nn.Linear(8, 5), "
+        "process_group=new_group([1]), device_id=cpu), one Adam step, FSDP.optim_state_dict(model, "
+        "optimizer, group=that group) raises",
         lambda case: (
             case is not None
             and getattr(case, "test", "") == "subgroup"
@@ -285,51 +244,45 @@ FSDP1_DEVIATIONS = (
         ),
         raises=ValueError,
         match=r"Global rank 0 is not part of group",
-        measured_on="torch 2.13.0",
     ),
-    # met by generated cases (fsdp-conformance fuzz, docs/fuzz.md)
-    Deviation(
+    _fuzz(
         "fuzz.generated",
         "torch FSDP1 sets the gradient of a flat parameter to None when its instance ran forward "
         "but none of its parameters was used in that backward, even after "
         "optimizer.zero_grad(set_to_none=False); SGD with momentum then skips those parameters "
-        "where DDP (a zero gradient) applies the momentum. Reproduction (2 ranks, FULL_SHARD): "
-        "an inner FSDP(Branch) whose forward returns lin(x) + x in step 0 and x in step 1; "
-        "after step 1's backward its flat parameter's grad is None on every rank, DDP's is "
-        "zeros (found by fsdp-conformance fuzz --impl torch-fsdp1 --seed 0)",
+        "where DDP (a zero gradient) applies the momentum. Reproduction (2 ranks, FULL_SHARD): an "
+        "inner FSDP(Branch) whose forward returns lin(x) + x in step 0 and x in step 1; after step "
+        "1's backward its flat parameter's grad is None on every rank, DDP's is zeros (found by "
+        "fsdp-conformance fuzz --impl torch-fsdp1 --seed 0)",
         lambda case: case is not None and "branch" in case.uses(),
         raises=AssertionError,
-        # a value or a parameter differing from DDP's (suite.fuzz.compare.first_difference), nothing else
         match=r"FSDP .* != DDP |differs from DDP's",
-        measured_on=_FUZZ_MEASURED_ON,
     ),
-    Deviation(
+    _fuzz(
         "fuzz.generated",
-        "torch FSDP1 fails in backward with 'expected to be in states [IDLE] but current state "
-        "is FORWARD_BACKWARD' when a frozen inner instance (requires_grad=False) ran backward "
-        "in one step and returns its input unchanged in the next. Reproduction (2 ranks): "
-        "Linear(4, 4) -> FSDP(Branch) with a frozen Linear(4, 4), Branch returning h + lin(h) in "
-        "step 0 and h in step 1; step 1's backward raises in FSDP1's pre-backward hook "
-        "(fsdp-conformance fuzz --impl torch-fsdp1 --seed 0)",
+        "torch FSDP1 fails in backward with 'expected to be in states [IDLE] but current state is "
+        "FORWARD_BACKWARD' when a frozen inner instance (requires_grad=False) ran backward in one "
+        "step and returns its input unchanged in the next. Reproduction (2 ranks): Linear(4, 4) -> "
+        "FSDP(Branch) with a frozen Linear(4, 4), Branch returning h + lin(h) in step 0 and h in "
+        "step 1; step 1's backward raises in FSDP1's pre-backward hook (fsdp-conformance fuzz "
+        "--impl torch-fsdp1 --seed 0)",
         lambda case: case is not None and {"branch", "frozen"} <= case.uses(),
         raises=ValueError,
         match="expected to be in states",
-        measured_on=_FUZZ_MEASURED_ON,
     ),
     Deviation(
         "fuzz.generated",
         "torch FSDP1 with NO_SHARD and use_orig_params=True drops an inner instance's original "
         "parameters from named_parameters() (and so from summon_full_params, state_dict and any "
         "optimizer built later) once that instance skips a forward, and they stay gone when it "
-        "runs again; training itself still matches DDP. Reproduction (2 ranks, device_id=cpu): "
-        "m.b = FSDP(Branch(), sharding_strategy=NO_SHARD, use_orig_params=True) inside "
-        "root = FSDP(m, same kwargs), Branch returning h + lin(h) in step 0 and h in step 1; "
-        "after step 1 root.named_parameters() lists no b.lin.* (SHARD_GRAD_OP and FULL_SHARD "
-        "keep them). That is 2.13.0 and 2.14.1; the same case fails loudly elsewhere: 2.15.0 "
-        "in the next backward that uses the instance (_use_sharded_grad_views: 'a view and its "
-        "base ... has been modified inplace'), 2.8.0 in its next forward "
-        "(_writeback_orig_params: 'Cannot writeback when the parameter shape changes') "
-        "(tests/adapters/test_measured_torch_facts.py)",
+        "runs again; training itself still matches DDP. Reproduction (2 ranks, device_id=cpu): m.b "
+        "= FSDP(Branch(), sharding_strategy=NO_SHARD, use_orig_params=True) inside root = FSDP(m, "
+        "same kwargs), Branch returning h + lin(h) in step 0 and h in step 1; after step 1 "
+        "root.named_parameters() lists no b.lin.* (SHARD_GRAD_OP and FULL_SHARD keep them). That "
+        "is 2.13.0 and 2.14.1; the same case fails loudly elsewhere: 2.15.0 in the next backward "
+        "that uses the instance (_use_sharded_grad_views: 'a view and its base ... has been "
+        "modified inplace'), 2.8.0 in its next forward (_writeback_orig_params: 'Cannot writeback "
+        "when the parameter shape changes') (tests/adapters/test_measured_torch_facts.py)",
         lambda case: (
             case is not None
             and {"branch", "config:sharding_strategy=NO_SHARD", "config:use_orig_params=True"}
@@ -375,7 +328,7 @@ def _fsdp1_unsupported() -> dict[str, str]:
 
 
 class TorchFSDP1Adapter(EngineHooks, Adapter):
-    """torch FSDP1 (`FullyShardedDataParallel`), driven through its public constructor."""
+    """torch FSDP1 (`FullyShardedDataParallel`) through its public constructor."""
 
     name = "torch-fsdp1"
 
@@ -416,13 +369,12 @@ class TorchFSDP1Adapter(EngineHooks, Adapter):
                 param_dtype=mixed.param_dtype,
                 reduce_dtype=mixed.reduce_dtype,
                 buffer_dtype=mixed.buffer_dtype,
-                # every instance casts its floating-point inputs to param_dtype, as impl and
-                # FSDP2 do (FSDP1's default casts the root's only: a nested instance then gets
-                # fp32 activations, e.g. after adding an fp32 buffer, and fails in its matmul)
+                # every instance casts its inputs, as impl and FSDP2 do (FSDP1's default: the
+                # root only, so a nested instance may get fp32 activations and fail its matmul)
                 cast_forward_inputs=mixed.cast_forward_inputs is not False,
             )
         if config.get("auto_wrap_policy") is not None:
-            kwargs["auto_wrap_policy"] = _fsdp1_policy(config["auto_wrap_policy"])
+            kwargs["auto_wrap_policy"] = fsdp1_style_policy(config["auto_wrap_policy"])
         device_id = config.get("device_id")
         if device_id is None and not accelerator_available():
             device_id = torch.device("cpu")  # FSDP1 refuses a CPU-only host without it
@@ -468,20 +420,16 @@ class TorchFSDP1Adapter(EngineHooks, Adapter):
     def _install_device_handle(self, model: nn.Module, handle: Any) -> None:
         install_fsdp1_device_handle(self.name, model, handle)
 
-    # ------------------------------------------------------------------ precision
     def grad_scaler(self, model: nn.Module, **options: Any) -> Any:
-        """``ShardedGradScaler`` (``torch.distributed.fsdp.sharded_grad_scaler``) over the
-        root's process group, as FSDP1's documentation pairs them."""
+        """``ShardedGradScaler`` over the root's process group, as FSDP1's docs pair them."""
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
         device = next(model.parameters()).device.type
         return ShardedGradScaler(device, process_group=model.process_group, **options)
 
-    # ------------------------------------------------------------------ sharding
     def grad_shards(self, model: nn.Module) -> dict[str, tuple[int, torch.Tensor]]:
-        """Each FlatParameter's local gradient shard, cut by its shard metadata (FSDP1 has no
-        public per-parameter view of it with flat parameters: ``summon_full_params(
-        with_grads=True)`` needs ``use_orig_params=True``)."""
+        """Each FlatParameter's local gradient shard, cut by its shard metadata (no public view
+        without ``use_orig_params``)."""
         paths = {id(module): name for name, module in model.named_modules()}
         pieces = {}
         for instance in FullyShardedDataParallel.fsdp_modules(model):
@@ -495,7 +443,6 @@ class TorchFSDP1Adapter(EngineHooks, Adapter):
                 pieces[prefix + fqn] = (start, grad[offset : offset + numel])
         return pieces
 
-    # ------------------------------------------------------------------ full state dict, meta init
     def state_dict(
         self, model: nn.Module, *, rank0_only: bool = False, offload_to_cpu: bool = False
     ) -> dict[str, Any]:
@@ -515,14 +462,10 @@ class TorchFSDP1Adapter(EngineHooks, Adapter):
             model.load_state_dict(state_dict, assign=assign)
 
     def materialize(self, model: nn.Module, *, device: torch.device) -> None:
-        """Nothing: FSDP1 materialises a meta-device module while wrapping it (no
-        ``param_init_fn``: ``to_empty`` + ``reset_parameters()`` of each module it manages)."""
+        """Nothing: FSDP1 materialises a meta-device module while wrapping it."""
 
-    # ------------------------------------------------------------------ training loops
-    # no_sync() and clip_grad_norm_() are FSDP1's own methods on the root (the Adapter defaults)
+    # no_sync() and clip_grad_norm_(): FSDP1's own methods on the root (the EngineHooks defaults)
     def save_checkpoint(self, model: nn.Module, optimizer: Any, directory: str) -> None:
-        """FSDP1's sharded state dict (``SHARDED_STATE_DICT``) and ``FSDP.optim_state_dict``,
-        written with torch.distributed.checkpoint (``_dcp.py``)."""
         from . import _dcp
 
         require(self, Feature.CHECKPOINT_RESUME)
@@ -533,17 +476,3 @@ class TorchFSDP1Adapter(EngineHooks, Adapter):
 
         require(self, Feature.CHECKPOINT_RESUME)
         _dcp.load(model, optimizer, directory, model.process_group)
-
-
-def _fsdp1_policy(policy: Any):
-    """Our auto_wrap_policy ("always" / predicate) as FSDP1's (module, recurse, numel) form."""
-    if policy == ALWAYS_WRAP:
-        from torch.distributed.fsdp.wrap import always_wrap_policy
-
-        return always_wrap_policy
-    predicate = module_predicate(policy)
-
-    def fsdp1_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
-        return True if recurse else bool(predicate(module))
-
-    return fsdp1_policy

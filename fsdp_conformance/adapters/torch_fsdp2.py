@@ -1,33 +1,16 @@
 """Adapter for torch FSDP2: `torch.distributed.fsdp.fully_shard` on a DeviceMesh.
 
-Mapping of the FSDP1 vocabulary (torch 2.13.0):
-- FULL_SHARD -> `reshard_after_forward=None` (FSDP2's auto: non-root instances reshard after
-  forward, the root does not -- what FSDP1's FULL_SHARD does; `True` would also reshard the
-  root and all-gather it again in backward), SHARD_GRAD_OP -> `reshard_after_forward=False`;
-  NO_SHARD -> HSDP with a one-rank shard dimension (`_replicate_mesh`): whole parameters on
-  every rank, gradients all-reduced.
-- backward_prefetch / forward_prefetch -> FSDP2's explicit prefetch lists
-  (`set_modules_to_backward_prefetch` / `set_modules_to_forward_prefetch`) derived from the
-  order recorded in the first iteration, or its implicit one-ahead backward prefetch for
-  BACKWARD_PRE ([Note: FSDP2 prefetch mapping] in `_fsdp2_prefetch.py`).
-- limit_all_gathers=True -> "hold FSDP2 to its own memory bound" (stream-ordered reuse,
-  `fsdp_conformance.suite.stream_bound`); False is accepted as a no-op (FSDP2 never blocks the
-  CPU), so the bound cannot be switched off (`limit_all_gathers_off` unsupported).
-- device handle -> the lagging device replaces FSDP2's handle and streams per model
-  ([Note: FSDP2's device handle] in `_fsdp2_device.py`).
-- cpu_offload -> `CPUOffloadPolicy(pin_memory=<host has an accelerator>)`: on a CPU-only host
-  the default `pin_memory=True` fails with "Cannot access accelerator device when none is
-  available"; `pin_memory=False` works (measured).
-- mixed_precision -> `MixedPrecisionPolicy(param_dtype, reduce_dtype, output_dtype,
-  cast_forward_inputs)`; FSDP2 does not cast buffers (buffer_dtype unsupported).
-- sync_module_states: no FSDP2 flag (unsupported).
-- auto_wrap_policy: emulated by this adapter (fully_shard each matching submodule, inner first).
-- summon_full_params: emulated with `FSDPModule.unshard()` / `reshard()`; no writeback.
+The FSDP1 vocabulary in FSDP2's terms (docs/adapters.md, "torch-fsdp2"): FULL_SHARD ->
+`reshard_after_forward=None` (the root keeps its parameters, as FSDP1's FULL_SHARD),
+SHARD_GRAD_OP -> False, NO_SHARD -> HSDP with a one-rank shard dimension; prefetch -> explicit
+lists (`_fsdp2_prefetch.py`); the device handle per model (`_fsdp2_device.py`); summon ->
+`unshard()` / `reshard()` (no writeback); auto_wrap_policy emulated, inner first.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -40,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from fsdp_conformance._patching import patch_attribute
 from fsdp_conformance.constants import Op
 from fsdp_conformance.device_handle import accelerator_available
+from fsdp_conformance.training_states import InstanceState, RootState
 
 from . import _fsdp2_internals as internals
 from ._fsdp2_device import install_lagging_device, observe_buffers
@@ -49,18 +33,15 @@ from .base import Adapter, ObserverRegistry, UnsupportedFeatureError, scoped_obs
 from .deviations import Deviation
 from .features import Declarations, Feature, auto_wrap_targets, ignored_parameters, require
 from .loop import EngineHooks
-from .states import InstanceState, RootState
 
-# Process-wide: observers of the patched FSDP2 internals, and param group -> its module
+# process-wide: observers of the patched FSDP2 internals, and param group -> its module
 _REGISTRY = ObserverRegistry()
 _INSTANCE_OF_GROUP: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# the key of this module's patches (fsdp_conformance._patching)
 _PATCH_KEY = "fsdp-conformance torch-fsdp2 comm trace"
 _WRITTEN_FOR = "torch " + "/".join(internals.VERIFIED_ON)
 
 
 def _fsdp2_api() -> Any:
-    """``torch.distributed.fsdp`` with FSDP2's public names (torch 2.6 on)."""
     import torch.distributed.fsdp as api
 
     internals.require(api, "fully_shard", "FSDPModule", "CPUOffloadPolicy", "MixedPrecisionPolicy")
@@ -68,7 +49,6 @@ def _fsdp2_api() -> Any:
 
 
 def _instance_state(training_state: Any) -> InstanceState:
-    """FSDP2's TrainingState (of FSDPState and FSDPParamGroup) -> canonical instance state."""
     names = {
         "IDLE": InstanceState.IDLE,
         "FORWARD": InstanceState.FORWARD,
@@ -79,14 +59,9 @@ def _instance_state(training_state: Any) -> InstanceState:
 
 
 def _patch_torch_fsdp2() -> None:
-    """Label FSDP2's all-gathers, frees and reductions with their module.
-
-    `FSDPParamGroup` (`_fsdp2_internals`): `unshard` issues the all-gather unless a result is
-    pending or the group is unsharded; `reshard` frees unless in forward with
-    `reshard_after_forward=False`; `post_backward` reshards and reduce-scatters while the group
-    is still unsharded. Installed once per process (`patch_attribute`, idempotent per key);
-    passes straight through while no observer is registered.
-    """
+    """Label `FSDPParamGroup`'s all-gathers (`unshard` without a pending result), frees
+    (`reshard`, unless kept after forward) and reductions (`post_backward`) with their module;
+    once per process, pass-through while nobody observes."""
     group_class = internals.param_group_class()
     forward = internals.training_state_enum().FORWARD
 
@@ -115,8 +90,7 @@ def _patch_torch_fsdp2() -> None:
 
     def post_backward(original):
         def patched_post_backward(self, *unused: Any):
-            # a reduction follows only with gradient sync on (set_requires_gradient_sync) and
-            # some gradient to reduce (a frozen group has none)
+            # only with gradient sync on and some gradient to reduce (not a frozen group)
             if (
                 _REGISTRY.active
                 and self.is_unsharded
@@ -136,43 +110,36 @@ def _patch_torch_fsdp2() -> None:
         patch_attribute(group_class, attribute, make, key=_PATCH_KEY, written_for=_WRITTEN_FOR)
 
 
-# Measured on torch 2.13.0 (CPU, gloo, world size 2); docs/checks.md; each states the failure it
-# covers (raises / match): any other error in the cell -- an AttributeError of a moved internal
-# included -- is a FAIL
-# the same covered failures on every release of the compatibility matrix in the range
-_MEASURED_ON = "torch 2.13.0 (also 2.14.1, 2.15.0)"
+# measured on CPU, gloo, world size 2 (docs/checks.md)
+_on_matrix = functools.partial(Deviation, measured_on="torch 2.13.0 (also 2.14.1, 2.15.0)")
 FSDP2_DEVIATIONS = (
-    Deviation(
+    _on_matrix(
         "exec_order.divergent",
         "torch FSDP2 does not compare the execution order across ranks; same-shaped instances "
         "silently exchange each other's all-gathers. Reproduction: fully_shard two Linear(8, 8) "
         "branches and the root, rank 1 runs the branches in the other order: no error",
         match=r"no exception was raised",
-        measured_on=_MEASURED_ON,
     ),
-    Deviation(
+    _on_matrix(
         "misuse.mixed_devices",
         "torch FSDP2 fully_shard accepts a module with cpu and meta parameters without an error. "
-        "Reproduction: fully_shard(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8, "
-        "device='meta'))) -> no error",
+        "Reproduction: fully_shard(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8, device='meta'))) "
+        "-> no error",
         match=r"no exception was raised",
-        measured_on=_MEASURED_ON,
     ),
-    Deviation(
+    _on_matrix(
         "misuse.forward_inside_summon",
         "torch FSDP2 has no summon_full_params; the torch-fsdp2 adapter emulates it with "
         "unshard()/reshard(), which do not refuse a forward. Reproduction: model.unshard(); "
         "model(x) -> no error",
         match=r"no exception was raised",
-        measured_on=_MEASURED_ON,
     ),
-    Deviation(
+    _on_matrix(
         "misuse.summon_during_forward",
         "torch FSDP2 has no summon_full_params; the torch-fsdp2 adapter emulates it with "
         "unshard()/reshard(), which may be called inside forward. Reproduction: a forward hook "
         "calling root.unshard(); root.reshard() -> no error",
         match=r"no exception was raised",
-        measured_on=_MEASURED_ON,
     ),
     Deviation(
         "loops.clipping",
@@ -192,7 +159,7 @@ FSDP2_DEVIATIONS = (
 
 
 class TorchFSDP2Adapter(EngineHooks, Adapter):
-    """torch FSDP2 (`fully_shard`), one-dimensional mesh built from the process group."""
+    """torch FSDP2 (`fully_shard`) on a mesh built from the process group."""
 
     name = "torch-fsdp2"
     declarations = Declarations(
@@ -223,7 +190,7 @@ class TorchFSDP2Adapter(EngineHooks, Adapter):
     )
 
     def __init__(self) -> None:
-        # Instances inside an emulated summon_full_params (their root state reads SUMMON)
+        # instances inside the emulated summon_full_params
         self._summoned: weakref.WeakSet = weakref.WeakSet()
 
     def _wrap(self, module: nn.Module, process_group: Any, config: dict[str, Any]) -> nn.Module:
@@ -236,20 +203,17 @@ class TorchFSDP2Adapter(EngineHooks, Adapter):
         else:
             device_type = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
         api = _fsdp2_api()
-        # the dimension name carries the group's name: torch keeps DeviceMesh state per mesh
-        # value, so an equal mesh of a group destroyed since (a previous test in this rank
-        # process) would make DCP scatter over that group (see _hybrid_mesh)
-        names = (f"shard{group.group_name}",)
-        kwargs: dict[str, Any] = {
-            "mesh": DeviceMesh.from_group(group, device_type, mesh_dim_names=names)
-        }
-        if config.get("sharding_strategy") == "NO_SHARD" and group.size() > 1:
-            kwargs["mesh"] = _replicate_mesh(group, device_type)
         if hybrid:
-            kwargs["mesh"] = _hybrid_mesh(*process_group, device_type)
+            mesh = _hybrid_mesh(*process_group, device_type)
+        elif config.get("sharding_strategy") == "NO_SHARD" and group.size() > 1:
+            mesh = _replicate_mesh(group, device_type)
+        else:
+            # named after the group: see _hybrid_mesh
+            names = (f"shard{group.group_name}",)
+            mesh = DeviceMesh.from_group(group, device_type, mesh_dim_names=names)
+        kwargs: dict[str, Any] = {"mesh": mesh}
         if "sharding_strategy" in config:
-            # None = FSDP2's auto: reshard non-root instances, keep the root (as FSDP1 FULL_SHARD)
-            # NO_SHARD: nothing to reshard on a one-rank shard group (HSDP, _replicate_mesh)
+            # None: FSDP2's auto (the root is kept unsharded); NO_SHARD has nothing to reshard
             full_shard = config["sharding_strategy"] in ("FULL_SHARD", "HYBRID_SHARD")
             kwargs["reshard_after_forward"] = None if full_shard else False
         if config.get("cpu_offload"):
@@ -327,8 +291,7 @@ class TorchFSDP2Adapter(EngineHooks, Adapter):
         }
 
     def _observe(self, callback, instances):
-        if getattr(callback, "buffer_events", False):
-            # a residency observer: FSDP2's buffers one by one ([Note: FSDP2 buffers])
+        if getattr(callback, "buffer_events", False):  # [Note: FSDP2 buffers]
             return _observing_buffers(callback, instances)
         _patch_torch_fsdp2()
         return _REGISTRY.observing(callback, instances)
@@ -336,22 +299,18 @@ class TorchFSDP2Adapter(EngineHooks, Adapter):
     def _install_device_handle(self, model: nn.Module, handle: Any) -> None:
         install_lagging_device(model, handle)
 
-    # ------------------------------------------------------------------ precision
     def grad_scaler(self, model: nn.Module, **options: Any) -> Any:
-        """``torch.amp.GradScaler``: FSDP2's gradients are DTensors, whose inf/NaN check
-        (``_amp_foreach_non_finite_check_and_unscale_``) combines found_inf across the mesh
-        (measured on CPU/gloo, torch 2.13.0: one rank's inf skips the step on both ranks)."""
+        """``torch.amp.GradScaler``: the inf/NaN check of DTensor gradients combines found_inf
+        across the mesh (measured: one rank's inf skips the step on both)."""
         device = next(model.parameters()).device.type
         return torch.amp.GradScaler(device, **options)
 
     def on_test_end(self) -> None:
-        _HYBRID_MESHES.clear()  # the groups of these meshes are destroyed after the test
+        _HYBRID_MESHES.clear()  # their groups are destroyed after the test
 
-    # ------------------------------------------------------------------ sharding
     def grad_shards(self, model: nn.Module) -> dict[str, tuple[int, torch.Tensor]]:
-        """Each DTensor gradient's local shard (``to_local()``) at its offset: FSDP2 shards dim
-        0 in ``torch.chunk``'s rows (ceil(rows / n) per mesh coordinate, the last ones short
-        or empty), replicated over an HSDP mesh's other dimension; no collective."""
+        """Each DTensor gradient's ``to_local()`` at its offset: dim 0 in ``torch.chunk``'s rows
+        (ceil(rows / n) per mesh coordinate), replicated over an HSDP mesh's other dimension."""
         from torch.distributed.tensor import DTensor, Replicate, Shard
 
         pieces = {}
@@ -372,10 +331,8 @@ class TorchFSDP2Adapter(EngineHooks, Adapter):
                 pieces[name] = (start_row * (grad.numel() // grad.shape[0]), local)
         return pieces
 
-    # ------------------------------------------------------------------ training loops
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:
-        """FSDP2's ``set_requires_gradient_sync(False)`` on every instance, restored after."""
         require(self, Feature.GRADIENT_ACCUMULATION)
         model.set_requires_gradient_sync(False)
         try:
@@ -386,30 +343,28 @@ class TorchFSDP2Adapter(EngineHooks, Adapter):
     def clip_grad_norm_(
         self, model: nn.Module, max_norm: float, norm_type: float = 2.0
     ) -> torch.Tensor:
-        """``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)``, what an FSDP2 user calls:
-        torch computes the global norm over the DTensor gradients and scales them; the norm it
-        returns is a DTensor, made a plain tensor with ``full_tensor()`` as users do."""
+        """``torch.nn.utils.clip_grad_norm_`` over the DTensor gradients, as FSDP2 users call it;
+        the DTensor norm made plain with ``full_tensor()``."""
         require(self, Feature.CLIP_GRAD_NORM)
         from torch.distributed.tensor import DTensor
 
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
-    # ------------------------------------------------------------------ full state dict, meta init
     def state_dict(
         self, model: nn.Module, *, rank0_only: bool = False, offload_to_cpu: bool = False
     ) -> dict[str, Any]:
-        """``get_model_state_dict(full_state_dict=True)``; its ``cpu_offload=True`` gives the
-        state dict, on the CPU, to rank 0 only: ``rank0_only`` is that (``offload_to_cpu``
-        alone has no FSDP2 form)."""
+        """``get_model_state_dict(full_state_dict=True)``; ``rank0_only`` is its ``cpu_offload``
+        (rank 0 only, on the CPU)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         if offload_to_cpu and not rank0_only:
             raise UnsupportedFeatureError(
                 self.name,
                 Feature.FULL_STATE_DICT,
-                "offload_to_cpu without rank0_only: torch FSDP2's get_model_state_dict("
-                "full_state_dict=True, cpu_offload=True) gives the other ranks an empty dict",
+                "offload_to_cpu without rank0_only: torch FSDP2's "
+                "get_model_state_dict(full_state_dict=True, cpu_offload=True) gives the other "
+                "ranks an empty dict",
             )
         options = StateDictOptions(full_state_dict=True, cpu_offload=rank0_only)
         return get_model_state_dict(model, options=options)
@@ -417,9 +372,8 @@ class TorchFSDP2Adapter(EngineHooks, Adapter):
     def load_state_dict(
         self, model: nn.Module, state_dict: dict[str, Any], *, assign: bool = False
     ) -> None:
-        """``set_model_state_dict(full_state_dict=True)``; with ``assign``, FSDP2's documented
-        form: each full tensor laid out as its parameter's DTensor (``distribute_tensor``), then
-        ``model.load_state_dict(..., assign=True)`` (the parameters re-assigned)."""
+        """``set_model_state_dict(full_state_dict=True)``; ``assign``: each tensor laid out as
+        its parameter's DTensor (``distribute_tensor``), then ``load_state_dict(assign=True)``."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
         from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -439,24 +393,20 @@ class TorchFSDP2Adapter(EngineHooks, Adapter):
         model.load_state_dict(sharded, assign=True)
 
     def materialize(self, model: nn.Module, *, device: torch.device) -> None:
-        """FSDP2's documented meta-device init: ``model.to_empty(device=...)``, then each
-        module's ``reset_parameters()``."""
+        """``model.to_empty(device=...)``, then each module's ``reset_parameters()``."""
         model.to_empty(device=device)
         for module in model.modules():
             reset = getattr(module, "reset_parameters", None)
             if callable(reset):
                 reset()
 
-    # ------------------------------------------------------------------ other forward methods
     def register_forward_method(self, instance: nn.Module, name: str) -> None:
-        """``torch.distributed.fsdp.register_fsdp_forward_method(instance, name)``."""
         require(self, Feature.FORWARD_METHOD)
         from torch.distributed.fsdp import register_fsdp_forward_method
 
         register_fsdp_forward_method(instance, name)
 
     def save_checkpoint(self, model: nn.Module, optimizer: Any, directory: str) -> None:
-        """``torch.distributed.checkpoint.state_dict`` (DTensor state dicts) + ``dcp.save``."""
         require(self, Feature.CHECKPOINT_RESUME)
         from . import _dcp
 
@@ -470,12 +420,9 @@ class TorchFSDP2Adapter(EngineHooks, Adapter):
 
 
 def _model_group(model: nn.Module) -> Any:
-    """The process group a FSDP2 model spans (its root mesh's; HSDP: the replicate group)."""
-    mesh = (
-        model._get_fsdp_state()._fsdp_param_groups[0].mesh_info.mesh
-        if (model._get_fsdp_state()._fsdp_param_groups)
-        else None
-    )
+    """The process group of the root's mesh (HSDP: the replicate group)."""
+    groups = internals.module_param_groups(model)
+    mesh = groups[0].mesh_info.mesh if groups else None
     if mesh is None:
         from torch.distributed.tensor import DTensor
 
@@ -483,18 +430,25 @@ def _model_group(model: nn.Module) -> Any:
     return mesh.get_group(0)
 
 
-# (process group, device type) -> its NO_SHARD mesh, rebuilt when its groups were destroyed
+# NO_SHARD meshes, rebuilt when their groups were destroyed; HYBRID_* ones, emptied after a test
 _REPLICATE_MESHES: dict[tuple[Any, str], DeviceMesh] = {}
+_HYBRID_MESHES: dict[tuple[Any, Any, str], DeviceMesh] = {}
+
+
+def _mesh_2d(replicate: Any, shard: Any, ranks: list[int], device_type: str, names: Any) -> Any:
+    """The (replicate, shard) mesh of two existing groups; `ranks` row by row."""
+    return DeviceMesh.from_group(
+        [replicate, shard],
+        device_type,
+        mesh=torch.tensor(ranks).view(replicate.size(), shard.size()),
+        mesh_dim_names=names,
+    )
 
 
 def _replicate_mesh(group: Any, device_type: str) -> DeviceMesh:
-    """NO_SHARD in FSDP2's terms: HSDP whose shard dimension has size 1.
-
-    A 2-D mesh (replicate = ``group``, shard = this rank alone): every rank keeps whole
-    parameters (a one-rank shard group all-gathers nothing) and gradients are all-reduced over
-    the replicate dimension -- FSDP1's NO_SHARD. The one-rank group is created by this rank
-    alone (``use_local_synchronization``), so no other rank has to take part.
-    """
+    """NO_SHARD as HSDP with a one-rank shard dimension: whole parameters on every rank,
+    gradients all-reduced over ``group``. This rank alone creates its one-rank group
+    (``use_local_synchronization``)."""
     key = (group, device_type)
     cached = _REPLICATE_MESHES.get(key)
     if cached is not None:
@@ -506,43 +460,28 @@ def _replicate_mesh(group: Any, device_type: str) -> DeviceMesh:
     if key not in _REPLICATE_MESHES:
         ranks = dist.get_process_group_ranks(group)
         alone = dist.new_group([dist.get_rank()], use_local_synchronization=True)
-        _REPLICATE_MESHES[key] = DeviceMesh.from_group(
-            [group, alone],
-            device_type,
-            mesh=torch.tensor(ranks).view(-1, 1),
-            mesh_dim_names=("replicate", "shard"),
-        )
+        _REPLICATE_MESHES[key] = _mesh_2d(group, alone, ranks, device_type, ("replicate", "shard"))
     return _REPLICATE_MESHES[key]
 
 
-# (shard group, replicate group, device type) -> their 2-D mesh; emptied after every test
-_HYBRID_MESHES: dict[tuple[Any, Any, str], DeviceMesh] = {}
-
-
 def _hybrid_mesh(shard: Any, replicate: Any, device_type: str) -> DeviceMesh:
-    """HYBRID_SHARD in FSDP2's terms: the 2-D mesh (replicate, shard) of two existing groups.
+    """HYBRID_SHARD's 2-D mesh: row i is the i-th shard group.
 
-    Row i of the mesh is the i-th shard group (its global ranks in group order), so this
-    rank sits at (its index in ``replicate``, its index in ``shard``). The dimension names
-    carry the shard group's name: torch keeps DeviceMesh state per mesh *value* (layout and
-    names), so an equal mesh of groups destroyed since (a previous test in the same rank
-    process) made DTensor's ``full_tensor()`` all-gather over those ("Could not resolve the
-    process group registered under the name 1", torch 2.13.0).
+    The dimension names carry the shard group's name: torch keeps DeviceMesh state per mesh
+    value, so an equal mesh of groups destroyed since (an earlier test in this process) made
+    ``full_tensor()`` gather over those ("Could not resolve the process group registered under
+    the name 1", torch 2.13.0).
     """
     key = (shard, replicate, device_type)
     if key not in _HYBRID_MESHES:
-        sizes = (replicate.size(), shard.size())
-        ranks = [None] * (sizes[0] * sizes[1])
+        columns = shard.size()
+        ranks = [0] * (replicate.size() * columns)
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, (dist.get_rank(), replicate.rank(), shard.rank()))
         for rank, row, column in gathered:
-            ranks[row * sizes[1] + column] = rank
-        _HYBRID_MESHES[key] = DeviceMesh.from_group(
-            [replicate, shard],
-            device_type,
-            mesh=torch.tensor(ranks).view(*sizes),
-            mesh_dim_names=(f"replicate{shard.group_name}", f"shard{shard.group_name}"),
-        )
+            ranks[row * columns + column] = rank
+        names = (f"replicate{shard.group_name}", f"shard{shard.group_name}")
+        _HYBRID_MESHES[key] = _mesh_2d(replicate, shard, ranks, device_type, names)
     return _HYBRID_MESHES[key]
 
 

@@ -1,23 +1,7 @@
-"""``fsdp-conformance``: the conformance matrix, the overlap experiment, the memory timeline.
-
-    fsdp-conformance run                                  # the suite on the reference FSDP
-    fsdp-conformance run --impl torch-fsdp1 --report matrix.md
-    fsdp-conformance run --impl mypkg.fsdp_adapter:ADAPTER -k parity
-    fsdp-conformance overlap --limit-all-gathers false
-    fsdp-conformance timeline --lag strict --out timeline.png --data timeline.json
-    fsdp-conformance conformance --out docs/conformance.md
-    fsdp-conformance fuzz --impl torch-fsdp2 --examples 200 --seed 0
-
-One module per subcommand, each with its ``add_parser`` and handler: ``run`` (the suite in a
-pytest subprocess with the records plugin ``cli.records``; the matrix by ``cli.report``),
-``overlap`` and ``timeline`` (the suite's measurements, ``cli.ranks``, in a rank set; drawn by
-``cli.draw``), ``conformance`` (``run``'s pytest per implementation, tabulated by ``cli.table``),
-``fuzz`` and ``coverage``; ``cli.usage`` holds what they share.
-
-Exit codes: 0 success (``run``: nothing failed); 1 a check failed or the experiment could not
-run; 2 a bad argument (one line on stderr, never a traceback); 130 SIGINT (Ctrl-C), 143
-SIGTERM. A signal to the CLI's pid alone ends any command within 10 s; every temp file of a
-command and of its processes is in one private directory, removed however the command ended.
+"""``fsdp-conformance``: one module per subcommand (``run``, ``overlap``, ``timeline``,
+``conformance``, ``fuzz``, ``coverage``), each with its ``add_parser`` and handler; ``cli.usage``
+holds what they share. Exit codes (docs/cli.md): 0 success, 1 a check failed or the command
+could not run, 2 a bad argument (one line, no traceback), 130 SIGINT, 143 SIGTERM.
 """
 
 from __future__ import annotations
@@ -59,7 +43,7 @@ from fsdp_conformance.cli.usage import (
 )
 from fsdp_conformance.harness import signals
 
-DEFAULT_TIMEOUT = CLI_TIMEOUT_S  # the old name of CLI_TIMEOUT_S
+DEFAULT_TIMEOUT = CLI_TIMEOUT_S  # its old name
 
 __all__ = [
     "BUILTIN_IMPLS", "CLI_TIMEOUT_S", "COVERAGES", "DEFAULT_COVERAGE", "DEFAULT_TIMEOUT",
@@ -71,7 +55,6 @@ __all__ = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``fsdp-conformance`` parser with its subcommands."""
     formatter = argparse.RawDescriptionHelpFormatter
     parser = _Parser(
         prog=PROG,
@@ -81,13 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=formatter,
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-
-    _run.add_parser(commands, formatter)
-    _overlap.add_parser(commands, formatter)
-    _timeline.add_parser(commands, formatter)
-    _conformance.add_parser(commands, formatter)
-    _fuzz.add_parser(commands, formatter)
-    _coverage.add_parser(commands, formatter)
+    for module in (_run, _overlap, _timeline, _conformance, _fuzz, _coverage):
+        module.add_parser(commands, formatter)
     for name, command in commands.choices.items():
         command.epilog = "\n\n".join(filter(None, (command.epilog, exit_codes_epilog(name))))
     return parser

@@ -1,6 +1,5 @@
-"""``fsdp-conformance conformance``: the suite once per implementation, written as the
-check x implementation table (docs/conformance.md); the table itself is built by ``cli.table``.
-"""
+"""``fsdp-conformance conformance``: the suite once per implementation, written as the check x
+implementation table (built by ``cli.table``)."""
 
 from __future__ import annotations
 
@@ -42,19 +41,15 @@ def _conformance_command(args: argparse.Namespace) -> int:
 
 
 def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
-    """Add the ``conformance`` subcommand to ``commands``."""
     conformance = _subcommand(
         commands,
         formatter,
         "conformance",
         "run the suite per implementation and write the check x implementation table",
-        "Run the conformance suite once per implementation (--impl, repeatable; default "
-        "every built-in adapter: impl, torch-fsdp1, torch-fsdp2, fairscale, deepspeed) and write "
-        "docs/conformance.md: each check "
-        "x implementation -> pass / deviation (the adapter's declared reason) / not "
-        "applicable (the missing feature) / FAIL, with the torch version and the date. An "
-        "implementation that is not installed gets that, with the install command, in its "
-        "cells. Exit code 0 when the table was written.",
+        "Run the conformance suite once per implementation (--impl, repeatable; default every "
+        "built-in adapter) and write the check x implementation table: pass / deviation (the "
+        "declared reason) / not applicable (the missing feature) / FAIL, with the versions "
+        "and the date. An implementation that is not installed says so in its cells.",
         "fsdp-conformance conformance --out docs/conformance.md",
         "fsdp-conformance conformance --impl impl --impl torch-fsdp1 -k MemoryBound",
     )

@@ -1,14 +1,12 @@
-"""``fsdp-conformance coverage``: which cells of the suite an adapter would run or skip, and
-which unsupported feature to implement next -- from a collection, not a run.
+"""``fsdp-conformance coverage``: which cells an adapter would run or skip, and which
+unsupported feature to implement next -- from a collection, not a run.
 
 [Note: coverage probe]
-The suite is collected here as ``run`` would collect it for the adapter. A cell needs its
-check's registered features plus what its body asks for before it first makes the adapter act:
-each body is called once with a *probe* in place of the adapter (it answers ``supports``
-truthfully, records what ``check``/``require``/``features_for``/``wrapper``/``wrap`` are asked,
-and stops the body at ``wrap`` or any other action) and a ``dist`` without ranks. A body that
-cannot be probed keeps its check's and its case's features. A feature *unlocks* the cells that
-would run if the adapter supported it too (collected again where it changes the configs).
+A cell needs its check's features plus what its body asks for before it first makes the
+adapter act: each body is called once with a *probe* for the adapter (it answers ``supports``
+truthfully, records what it is asked, and stops the body at ``wrap`` or any other action) and a
+``dist`` without ranks. A body that cannot be probed keeps its check's and case's features. A
+feature *unlocks* the cells that would run if the adapter supported it too.
 """
 
 from __future__ import annotations
@@ -21,6 +19,7 @@ import io
 import json
 import sys
 import tempfile
+import types
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ from fsdp_conformance import checks
 from fsdp_conformance.adapters import features as adapter_features
 from fsdp_conformance.cli.records import NO_LITTER
 from fsdp_conformance.cli.usage import (
+    DEFAULT_COVERAGE,
     PROG,
     _add_impl,
     _subcommand,
@@ -39,7 +39,6 @@ from fsdp_conformance.cli.usage import (
 )
 from fsdp_conformance.constants import COVERAGES
 
-DEFAULT_COVERAGE = "pairwise"  # what `run` collects by default
 JSON_SCHEMA_VERSION = 1
 
 
@@ -48,8 +47,8 @@ class Cell:
     """One collected cell and what it needs (see [Note: coverage probe])."""
 
     nodeid: str
-    check: str  # the registered check id ("" for no registered check)
-    needs: tuple[str, ...]  # features the cell needs, in the order asked
+    check: str  # "" for no registered check
+    needs: tuple[str, ...]  # in the order asked
     blocked: str = ""  # why it skips whatever the adapter supports (a GPU, a refused value)
     probed: bool = True  # False: only the registry's and the case's features
 
@@ -59,9 +58,8 @@ class Cell:
 
 
 class _Reached(BaseException):
-    """The probed body made the adapter act: everything it needs is recorded (a BaseException,
-    so that a body's own ``except Exception`` -- a misuse check expecting an error -- does not
-    take it for the implementation's answer)."""
+    """The probed body made the adapter act (a BaseException: a misuse check's own ``except
+    Exception`` must not take it for the implementation's answer)."""
 
 
 class _Granted:
@@ -79,7 +77,7 @@ class _Granted:
     def features_for(self, **config: Any) -> frozenset[str]:
         return adapter_features.wrap_features(self.adapter, **config)
 
-    def _check_values(self, config: dict[str, Any]) -> None:
+    def _check_values(self, config: dict[str, Any]) -> None:  # adapter_features.stand_in
         adapter_features.require_values(self.adapter, config)
 
 
@@ -88,7 +86,7 @@ class _ProbeAdapter:
 
     def __init__(self, capabilities: _Granted) -> None:
         self._capabilities = capabilities
-        self.needs: list[str] = []  # features asked for, in order
+        self.needs: list[str] = []
         self.blocked = ""  # a refused config value
 
     def __getattr__(self, name: str) -> Any:
@@ -110,11 +108,9 @@ class _ProbeAdapter:
         return self._capabilities.supports(*features)
 
     def unsupported_reason(self, feature: str) -> str | None:
-        return (
-            None
-            if self.supports(feature)
-            else adapter_features.why_unsupported(self._capabilities.adapter, feature)
-        )
+        if self.supports(feature):
+            return None
+        return adapter_features.why_unsupported(self._capabilities.adapter, feature)
 
     def features_for(self, **config: Any) -> frozenset[str]:
         from fsdp_conformance.adapters import UnsupportedFeatureError, normalize_config
@@ -135,23 +131,9 @@ class _ProbeAdapter:
         raise _Reached("wrap")
 
 
-class _ProbeGroup:
-    """The probed body's process group: what zoo models ask of one while they are built."""
-
-    def __init__(self, size: int) -> None:
-        self._size = size
-
-    def rank(self) -> int:
-        return 0
-
-    def size(self) -> int:
-        return self._size
-
-
 class _ProbeWrap:
-    """The probe's zoo `wrap` callable: records each nested config's needs and leaves the module
-    unwrapped, so a body builds its model and reaches the root wrap (whose config, e.g. a zoo
-    model's ``ROOT_WRAP_CONFIG``, counts too)."""
+    """The probe's zoo `wrap`: records each nested config's needs and leaves the module
+    unwrapped, so that a body builds its model and reaches the root wrap."""
 
     def __init__(self, adapter: _ProbeAdapter, config: dict[str, Any]) -> None:
         self.adapter = adapter
@@ -172,22 +154,20 @@ class _ProbeWrap:
 
 
 @contextlib.contextmanager
-def _probe_cell():
-    """Replaces ``suite.verdict.cell`` while probing: the check's registered features are
-    needs; nothing is recorded as a verdict."""
-
-    @contextlib.contextmanager
-    def cell(adapter: Any, check_id: str, case: Any = None):
-        adapter_features.require(adapter, *checks.get_check(check_id).features)
-        yield
-
-    from fsdp_conformance.suite import verdict
-
-    original, verdict.cell = verdict.cell, cell
+def _swapped(owner: Any, name: str, value: Any):
+    original = getattr(owner, name)
+    setattr(owner, name, value)
     try:
         yield
     finally:
-        verdict.cell = original
+        setattr(owner, name, original)
+
+
+@contextlib.contextmanager
+def _probe_cell(adapter: Any, check_id: str, case: Any = None):
+    """``suite.verdict.cell`` while probing: the check's features are needs, no verdict."""
+    adapter_features.require(adapter, *checks.get_check(check_id).features)
+    yield
 
 
 def _gpus_needed(item: Any, world_size: int) -> int:
@@ -210,7 +190,7 @@ def _static_needs(item: Any, check: checks.Check | None, adapter: Any) -> list[s
 
 
 def _probe(item: Any, capabilities: _Granted, world_size: int) -> Cell:
-    """The cell of pytest item `item` (see [Note: coverage probe])."""
+    """The cell of pytest item `item` ([Note: coverage probe])."""
     import pytest
     import torch
 
@@ -231,7 +211,7 @@ def _probe(item: Any, capabilities: _Granted, world_size: int) -> Cell:
     dist = RankContext(
         rank=0,
         world_size=ranks,
-        group=_ProbeGroup(ranks),
+        group=types.SimpleNamespace(rank=lambda: 0, size=lambda: ranks),  # what zoo models ask
         device=torch.device("cpu"),
         backend="gloo",
         tmp_path=Path(tempfile.gettempdir()) / "fsdp-conformance-coverage-probe-unused",
@@ -250,8 +230,10 @@ def _probe(item: Any, capabilities: _Granted, world_size: int) -> Cell:
         else:  # a fixture only pytest can make: the registry's and the case's needs stand
             cell.probed = False
             return cell
+    from fsdp_conformance.suite import verdict
+
     try:
-        with _probe_cell(), _quiet():
+        with _swapped(verdict, "cell", _probe_cell), _quiet():
             function(**kwargs)
     except _Reached:
         pass
@@ -278,7 +260,7 @@ class _Collector:
     def __init__(self, capabilities: _Granted, world_size: int) -> None:
         self.capabilities = capabilities
         self.world_size = world_size
-        self.cells: list[Cell] = []  # one per collected item
+        self.cells: list[Cell] = []
         self.errors: list[str] = []  # collection errors, one line each
 
     def pytest_collectreport(self, report: Any) -> None:
@@ -298,26 +280,25 @@ def collect(
     granted: frozenset[str] = frozenset(),
 ) -> list[Cell]:
     """The suite's cells for `impl`, as collected if `adapter` also supported `granted`;
-    RuntimeError naming the first error when the suite does not collect."""
+    RuntimeError when the suite does not collect."""
     import pytest
 
     from fsdp_conformance.suite import configs
 
     capabilities = _Granted(adapter, granted)
     collector = _Collector(capabilities, world_size)
-    original = configs.dimensions_for_impl
-    configs.dimensions_for_impl = lambda name: configs.supported_dimensions(capabilities)
-    try:
-        with _quiet():
-            arguments = [
-                "--collect-only", "-qq", *NO_LITTER, "-p", "no:xdist",
-                "-o", "addopts=", "--pyargs", "fsdp_conformance.suite",
-                f"--fsdp-impl={impl}", f"--fsdp-world-size={world_size}",
-                f"--fsdp-coverage={coverage}",
-            ]  # fmt: skip
-            code = pytest.main(arguments, plugins=[collector])
-    finally:
-        configs.dimensions_for_impl = original
+
+    def dimensions(name: str) -> Any:  # configs.dimensions_for_impl, for `capabilities`
+        return configs.supported_dimensions(capabilities)
+
+    arguments = [
+        "--collect-only", "-qq", *NO_LITTER, "-p", "no:xdist",
+        "-o", "addopts=", "--pyargs", "fsdp_conformance.suite",
+        f"--fsdp-impl={impl}", f"--fsdp-world-size={world_size}",
+        f"--fsdp-coverage={coverage}",
+    ]  # fmt: skip
+    with _swapped(configs, "dimensions_for_impl", dimensions), _quiet():
+        code = pytest.main(arguments, plugins=[collector])
     if collector.errors or code not in (0, 5):
         raise RuntimeError(
             f"the suite did not collect (pytest exit {int(code)}): "
@@ -329,16 +310,10 @@ def collect(
     return collector.cells
 
 
-def _changes_configs(adapter: Any, feature: str) -> bool:
-    from fsdp_conformance.suite import configs
-
-    granted = _Granted(adapter, frozenset({feature}))
-    return configs.supported_dimensions(granted) != configs.supported_dimensions(_Granted(adapter))
-
-
 def report(impl: str, *, coverage: str = DEFAULT_COVERAGE, world_size: int = 2) -> dict[str, Any]:
     """The coverage of adapter `impl` as the JSON-ready dict ``--json`` writes (docs/cli.md)."""
     from fsdp_conformance.adapters import get_adapter
+    from fsdp_conformance.suite import configs
 
     adapter = get_adapter(impl)
     problem = adapter_features.support_problem(adapter)
@@ -358,14 +333,14 @@ def report(impl: str, *, coverage: str = DEFAULT_COVERAGE, world_size: int = 2) 
             skipped_by[problem or cell.blocked or (missing[0] if missing else "?")] += 1
     running_now = Counter(cell.check for cell, running in zip(cells, now) if running)
     unlocks = []
+    dimensions = configs.supported_dimensions(_Granted(adapter))
     for feature, reason in sorted(dict(adapter_features.declared(adapter).unsupported).items()):
         granted = _Granted(adapter, frozenset({feature}))
-        if _changes_configs(adapter, feature):
+        then = cells  # collected again only where the feature changes the configs
+        if configs.supported_dimensions(granted) != dimensions:
             then = collect(
                 impl, adapter, coverage=coverage, world_size=world_size, granted=granted.granted
             )
-        else:
-            then = cells
         running_then = Counter(cell.check for cell in then if runs(cell, granted.supports))
         gains = {
             check: running_then[check] - running_now[check]
@@ -428,14 +403,12 @@ def render_text(data: dict[str, Any]) -> str:
         lines += ["", "skipped by (the first missing feature or the reason):"]
         lines += [f"  {count:4d}  {why}" for why, count in data["skipped_by"].items()]
     lines.append("")
-    if data["unlocks"]:
-        for entry in data["unlocks"]:
-            lines.append(
-                f"implement `{entry['feature']}` next: +{entry['cells']} "
-                f"cell{'s' if entry['cells'] != 1 else ''} "
-                f"({_family_counts(entry['checks'])})"
-            )
-    else:
+    for entry in data["unlocks"]:
+        lines.append(
+            f"implement `{entry['feature']}` next: +{entry['cells']} "
+            f"cell{'s' if entry['cells'] != 1 else ''} ({_family_counts(entry['checks'])})"
+        )
+    if not data["unlocks"]:
         lines.append("no single unsupported feature unlocks a cell")
     if data["unprobed"]:
         lines.append(
@@ -454,18 +427,16 @@ def _coverage_command(args: argparse.Namespace) -> int:
     except RuntimeError as error:
         print(f"{PROG} coverage: {error}", file=sys.stderr)
         return 1
-    if args.json is None:
-        print(render_text(data))
-    elif args.json == "-":
+    if args.json == "-":
         print(json.dumps(data, indent=1))
-    else:
+        return 0
+    if args.json is not None:
         write_json(args.json, data, indent=1)
-        print(render_text(data))
+    print(render_text(data))
     return 0
 
 
 def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
-    """Add the ``coverage`` subcommand to ``commands`` (the subparsers of the main parser)."""
     parser = _subcommand(
         commands,
         formatter,

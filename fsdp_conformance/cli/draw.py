@@ -1,10 +1,6 @@
-"""Drawing ``fsdp-conformance timeline``: resident unsharded buffers over the event sequence.
-
-One panel per ``limit_all_gathers`` setting (the JSON of ``cli.ranks.timeline_in_rank``): the
-number of resident non-root unsharded buffers after every event (all-gather, free, device
-progress, phase start) as a step curve, the root's resident buffers as a thin line, forward and
-backward phases shaded, and the per-phase bound of the limited configuration as a dashed line.
-matplotlib is imported here only (an optional dependency of the CLI).
+"""Drawing ``fsdp-conformance timeline``: one panel per ``limit_all_gathers`` setting, the
+resident unsharded buffers after every event as step curves, the phases shaded, the bound
+dashed. matplotlib (an optional dependency) is imported here only.
 """
 
 from __future__ import annotations
@@ -12,29 +8,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
-# phase -> shading colour
 PHASE_COLOURS = {"forward": "#cfe3f7", "backward": "#f9dcc4"}
 
 
-class MatplotlibMissing(RuntimeError):
-    """matplotlib is not installed."""
-
-
-def _pyplot() -> Any:
-    try:
-        import matplotlib
-    except ImportError as error:
-        raise MatplotlibMissing(
-            "the timeline picture needs matplotlib, which is not installed: pip install matplotlib"
-        ) from error
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def verdict(panel: dict[str, Any]) -> str:
-    """Whether the panel stays within its bound, phase by phase (the table's figures)."""
+    """Whether the panel stays within its bound, phase by phase."""
     over = panel["over"]
     if not over:
         return f"within {panel['bound_name']} in every phase"
@@ -60,9 +38,13 @@ def _phase_spans(samples: list[dict[str, Any]]) -> list[tuple[str, int, int, int
 
 
 def draw(document: dict[str, Any], out_file: str) -> int:
-    """Draw the panels of ``document`` into ``out_file`` (PNG, SVG, PDF by its suffix); returns
-    the number of panels (axes) drawn."""
-    plt = _pyplot()
+    """Draw the panels of ``document`` into ``out_file`` (PNG, SVG, PDF by its suffix); the
+    number of panels (axes) drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     panels = document["panels"]
     figure, axes = plt.subplots(len(panels), 1, figsize=(13, 3.4 * len(panels)), squeeze=False)
     for ax, panel in zip(axes[:, 0], panels):

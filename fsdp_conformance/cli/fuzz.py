@@ -1,16 +1,12 @@
 """``fsdp-conformance fuzz``: generated models and training programs, FSDP vs DDP (docs/fuzz.md).
-
-The whole hypothesis run happens in one rank set (``fsdp_conformance.suite.fuzz.driver``); this
-process shows rank 0's progress line while it runs, prints the minimal failing case and writes
-its ``repro.py``. Exit 0: nothing found; 1: a counterexample (or the ranks failed); 2: a bad
-option.
+The hypothesis run happens in one rank set (``suite.fuzz.driver``); this process echoes rank 0's
+progress line, prints the minimal failing case and writes its ``repro.py``.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
 import tempfile
 import threading
@@ -31,8 +27,7 @@ from fsdp_conformance.cli.usage import (
 
 DEFAULT_EXAMPLES = 100
 DEFAULT_OUT = "repro.py"
-# The ranks' bound when --timeout is not given: the whole run (generation and shrinking)
-DEFAULT_RUN_TIMEOUT = 3600.0
+DEFAULT_RUN_TIMEOUT = 3600.0  # the whole run's bound without --timeout
 PROGRESS_INTERVAL_S = 0.5  # how often the progress line is refreshed on a terminal
 PROGRESS_LINE_S = 10.0  # how often a progress line is printed when stderr is not a terminal
 
@@ -40,10 +35,9 @@ PROGRESS_LINE_S = 10.0  # how often a progress line is printed when stderr is no
 def _fuzz_command(args: argparse.Namespace) -> int:
     check_at_least(args.examples, "--examples")
     check_at_least(args.seed, "--seed", 0)
-    if args.max_seconds is not None and not args.max_seconds > 0:
-        raise UsageError(f"--max-seconds {args.max_seconds:g}: must be > 0")
-    if args.timeout is not None and not args.timeout > 0:
-        raise UsageError(f"--timeout {args.timeout:g}: must be > 0")
+    for option, value in (("--max-seconds", args.max_seconds), ("--timeout", args.timeout)):
+        if value is not None and not value > 0:
+            raise UsageError(f"{option} {value:g}: must be > 0")
     check_impl(args.impl)
     check_world_size(args.world_size)
     check_output(args.out, "--out")
@@ -56,30 +50,22 @@ def _fuzz_command(args: argparse.Namespace) -> int:
     timeout = args.timeout
     if timeout is None:
         timeout = DEFAULT_RUN_TIMEOUT if args.max_seconds is None else 2 * args.max_seconds + 300
-    workdir = tempfile.mkdtemp(prefix="fsdp-fuzz-")
-    out_file = os.path.join(workdir, "result.json")
-    progress_file = os.path.join(workdir, "progress.txt")
-    try:
-        status, message = _run_with_progress(
-            {
-                "out_file": out_file,
-                "examples": args.examples,
-                "seed": args.seed,
-                "max_seconds": args.max_seconds,
-                "progress_file": progress_file,
-            },
-            args.impl,
-            args.world_size,
-            timeout,
-            progress_file,
-        )
+    with tempfile.TemporaryDirectory(prefix="fsdp-fuzz-", ignore_cleanup_errors=True) as workdir:
+        out_file = os.path.join(workdir, "result.json")
+        progress_file = os.path.join(workdir, "progress.txt")
+        kwargs = {
+            "out_file": out_file,
+            "examples": args.examples,
+            "seed": args.seed,
+            "max_seconds": args.max_seconds,
+            "progress_file": progress_file,
+        }
+        status, message = _run_with_progress(kwargs, args, timeout, progress_file)
         if status != "passed":
             print(f"{PROG} fuzz: the ranks {status}:\n{message}", file=sys.stderr)
             return 1
         with open(out_file, encoding="utf-8") as stream:
             result = FuzzResult.from_json(stream.read())
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
     return _report(result, args)
 
 
@@ -114,15 +100,16 @@ def _report(result: Any, args: argparse.Namespace) -> int:
 
 
 def _run_with_progress(
-    kwargs: dict[str, Any], impl: str, world_size: int, timeout: float, progress_file: str
+    kwargs: dict[str, Any], args: argparse.Namespace, timeout: float, progress_file: str
 ) -> tuple[str, str]:
-    """Run ``fuzz_in_rank`` in a rank set, echoing rank 0's progress line meanwhile."""
+    """Run ``fuzz_in_rank`` in a rank set, echoing rank 0's progress line."""
     from fsdp_conformance.harness.controller import Runtime, RuntimeOptions, TestRequest
     from fsdp_conformance.harness.wire import TestTarget
 
+    world_size = args.world_size
     runtime = Runtime(
         RuntimeOptions(
-            mode="process", timeout=timeout, world_size=world_size, impl=impl, backend="gloo"
+            mode="process", timeout=timeout, world_size=world_size, impl=args.impl, backend="gloo"
         )
     )
     request = TestRequest(
@@ -177,23 +164,16 @@ def _read(path: str) -> str:
 
 
 def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
-    """Add the ``fuzz`` subcommand to ``commands`` (the subparsers of the main parser)."""
     fuzz = _subcommand(
         commands,
         formatter,
         "fuzz",
         "generated models and training programs, FSDP vs DDP, shrunk to a repro.py",
-        "Differential fuzzing (docs/fuzz.md): hypothesis draws small models (odd sizes, "
-        "sizes below the world size, embeddings, layer norms, parameter-free modules, a "
-        "module called twice, tied weights, frozen blocks, branches unused in some steps, "
-        "outputs in tuples / lists / dicts / dataclasses), a nested wrap plan, a wrap config "
-        "and a training program (steps, micro-batches with and without gradient sync, "
-        "clipping, evaluation forwards, activation checkpointing) from the features the "
-        "adapter declares, and checks that the FSDP run matches a DDP run (losses, norms, "
-        "full parameters), that every hook sees a legal training state and that no rank "
-        "hangs. A failure is shrunk to a minimal case, printed, and written as a standalone "
-        "reproduction (--out). Exit code 0: nothing found; 1: a counterexample; 2: a bad "
-        "option.",
+        "Differential fuzzing (docs/fuzz.md): hypothesis draws small models, a nested wrap "
+        "plan, a wrap config and a training program from the features the adapter declares, "
+        "and checks that the FSDP run matches a DDP run (losses, norms, full parameters), that "
+        "every hook sees a legal training state and that no rank hangs. A failure is shrunk "
+        "to a minimal case, printed, and written as a standalone reproduction (--out).",
         "fsdp-conformance fuzz --examples 200 --seed 0",
         "fsdp-conformance fuzz --impl torch-fsdp2 --max-seconds 120 --out fsdp2_repro.py",
     )

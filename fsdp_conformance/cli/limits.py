@@ -1,24 +1,19 @@
-"""What this machine can hold: the cap on ``fsdp-conformance run -n N``.
-
-Each pytest-xdist worker runs its own rank processes (``world_size`` of them, each with
-torch imported), so workers beyond the CPU count only queue, and workers beyond the memory
-start swapping or get killed. The cap is the smaller of the CPU count and the available
-memory divided by what one worker with its ranks takes.
+"""The cap on ``fsdp-conformance run -n N``: the smaller of the CPU count and the available
+memory over what one xdist worker with its ``world_size`` rank processes takes.
 """
 
 from __future__ import annotations
 
 import os
 
-# Memory budgeted for one pytest worker, and for one CPU rank process (torch and gloo
-# imported, small models); the CLI's world-size limit budgets the same 512 MiB per rank.
+# Memory budgeted for one pytest worker, and for one CPU rank process (torch and gloo, small
+# models; also the CLI's world-size limit)
 WORKER_BYTES = 300 * 2**20
 RANK_BYTES = 512 * 2**20
 
 
 def available_memory() -> int | None:
-    """Bytes of memory available to new processes (``MemAvailable``: free + reclaimable cache;
-    else the free pages), None if unknown."""
+    """Bytes available to new processes (``MemAvailable``, else the free pages), or None."""
     try:
         with open("/proc/meminfo", encoding="ascii") as meminfo:
             for line in meminfo:
@@ -28,12 +23,11 @@ def available_memory() -> int | None:
         pass
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):  # sysconf names missing on this platform
+    except (ValueError, OSError, AttributeError):
         return None
 
 
 def cpu_count() -> int:
-    """CPUs this process may run on."""
     try:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -56,7 +50,7 @@ def max_workers(world_size: int) -> tuple[int, str]:
 
 
 def check_workers(workers: int, world_size: int) -> None:
-    """Raise ValueError (one line, naming the cap) when ``-n workers`` exceeds it."""
+    """ValueError (one line, naming the cap) when ``-n workers`` exceeds it."""
     cap, reason = max_workers(world_size)
     if workers > cap:
         raise ValueError(

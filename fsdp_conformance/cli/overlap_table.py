@@ -97,20 +97,16 @@ def render_overlap(document: dict[str, Any]) -> str:
 
 
 def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
-    """Add the ``overlap`` subcommand to ``commands`` (the subparsers of the main parser)."""
     overlap = _subcommand(
         commands,
         formatter,
         "overlap",
         "time compute only / communication only / both and print the overlap ratio",
-        "Reproduce the overlap-timing experiment of the suite "
-        "(fsdp_conformance.suite.overlap): 4 FSDP layers under a "
-        "root; each layer computes for a fixed time, each all-gather is delayed; the forward "
-        "is timed with nothing / communication only / compute only / both, each the minimum "
-        "of --repeats runs and the maximum over ranks. On CPU the delay is injected into the "
-        "all-gather's work handle without blocking the CPU thread, and forward prefetch is on; "
-        "on CUDA both delays are torch.cuda._sleep on the device. Prints the table, the "
-        "overlap ratio and the suite's verdict; exit code 0 when the measurement ran.",
+        "Reproduce the suite's overlap-timing experiment (fsdp_conformance.suite.overlap): 4 "
+        "FSDP layers under a root, each computing for a fixed time, each all-gather delayed; "
+        "the forward is timed with nothing / communication only / compute only / both (the "
+        "minimum of --repeats runs, the maximum over ranks). Prints the table, the overlap "
+        "ratio and the suite's verdict.",
         "fsdp-conformance overlap --limit-all-gathers false",
         "fsdp-conformance overlap --impl torch-fsdp1 --limit-all-gathers true",
         "fsdp-conformance overlap --device cuda --json overlap.json",

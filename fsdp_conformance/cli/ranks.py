@@ -1,8 +1,5 @@
-"""What ``fsdp-conformance overlap`` and ``timeline`` run inside every rank.
-
-Each is called in every rank with ``dist`` and its keyword arguments; rank 0 writes what the
-suite's measuring (``suite.overlap``, ``suite.memory_bound``) found as JSON to ``out_file``.
-"""
+"""What ``fsdp-conformance overlap`` and ``timeline`` run in every rank: the suite's
+measurements (``suite.overlap``, ``suite.memory_bound``), written by rank 0 as JSON."""
 
 from __future__ import annotations
 
@@ -25,7 +22,6 @@ def _write(dist: Any, out_file: str, document: dict[str, Any]) -> None:
             json.dump(document, stream, indent=1)
 
 
-# ---------------------------------------------------------------------------- overlap
 def overlap_in_rank(
     dist: Any,
     out_file: str,
@@ -35,14 +31,13 @@ def overlap_in_rank(
     comm_ms: float | None = None,
 ) -> None:
     """Time the four cases of ``[Note: overlap timing]`` (each the minimum of ``repeats`` runs;
-    delays default to the suite's CPU or CUDA values); rank 0 writes them to ``out_file``."""
+    delays default to the suite's CPU or CUDA values)."""
     adapter = get_adapter(dist.impl)
     cuda = dist.device.type == "cuda"
     if compute_ms is None:
         compute_ms = overlap.CUDA_COMPUTE_MS if cuda else overlap.CPU_COMPUTE_MS
     if comm_ms is None:
         comm_ms = overlap.CUDA_COMM_MS if cuda else overlap.CPU_COMM_MS
-    # the suite's overlap config (forward prefetch on CPU, FULL_SHARD) with only the limiter set
     wrap_config = overlap.overlap_config(dist.device, limit_all_gathers)
     adapter_features.skip_unless(adapter, *adapter_features.wrap_features(adapter, **wrap_config))
     times = overlap.measure_overlap(
@@ -75,10 +70,9 @@ def overlap_in_rank(
     )
 
 
-# ---------------------------------------------------------------------------- timeline
 def _bound_of(adapter: Any, case: memory_bound.BoundCase) -> tuple[str, dict[str, int]]:
-    """The bound the timeline holds ``adapter`` to -- its own (``memory_bound.OWN_BOUNDS``,
-    as the memory-bound check does) or the limiter's -- as (name, bound per phase)."""
+    """(name, bound per phase) of the bound ``adapter`` is held to: its own
+    (``memory_bound.OWN_BOUNDS``, as the memory-bound check does) or the limiter's."""
     own = memory_bound.own_bound_of(adapter, memory_bound.OWN_BOUNDS)
     if own is not None:
         return own.name, {phase: own.bound(phase) for phase in PHASES}
@@ -123,11 +117,8 @@ def timeline_in_rank(
     forward_prefetch: bool,
     trace_file: str | None = None,
 ) -> None:
-    """Residency time series with ``limit_all_gathers`` True and False (rank 0 writes them).
-
-    With ``trace_file``, rank 0 profiles the limited run with ``torch.profiler`` and exports a
-    Chrome trace (the rate limiter's waits are ``FullyShardedDataParallel.rate_limiter``).
-    """
+    """Residency time series with ``limit_all_gathers`` True and False; with ``trace_file``,
+    rank 0 exports a Chrome trace of the limited run (``torch.profiler``)."""
     adapter = get_adapter(dist.impl)
     panels = []
     for limit in (True, False):

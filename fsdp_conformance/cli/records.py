@@ -1,18 +1,10 @@
 """pytest plugin the CLI loads with ``-p``: one JSON line per finished test, for the matrix.
 
-``fsdp-conformance run`` starts pytest with ``-p fsdp_conformance.cli.records`` and the
-environment variable ``FSDP_CONFORMANCE_CLI_RESULTS`` naming a file; this plugin appends to it
-
-    {"event": "collected", "count": 165}
-    {"event": "test", "nodeid": ..., "outcome": "pass", "detail": "", "duration": 1.2,
-     "check_id": "parity.ddp", "verdict": "pass", "reason": ""}
-    {"event": "collect_error", "nodeid": ..., "detail": "ImportError: ..."}
-    {"event": "usage_error", "detail": "..."}
-
-as results arrive (only the controlling pytest process writes; without the variable the plugin
-is inert). Every field comes from the cell's ``checks.Result`` (the report properties
-``PROPERTY_*``; a test that is no registered check gets the one its outcome implies, with
-``check_id`` ""). No message text is parsed.
+The controlling pytest process appends to the file ``FSDP_CONFORMANCE_CLI_RESULTS`` names
+(inert without it) records ``{"event": "collected", "count": N}``, ``{"event": "test",
+"nodeid", "outcome", "detail", "duration", "check_id", "verdict", "reason"}``,
+``{"event": "collect_error", "nodeid", "detail"}`` and ``{"event": "usage_error", "detail"}``.
+Every field comes from the cell's ``checks.Result``; no message text is parsed.
 """
 
 from __future__ import annotations
@@ -27,18 +19,16 @@ import pytest
 from fsdp_conformance import checks, constants
 
 ENV_RESULTS = constants.ENV_CLI_RESULTS
-# Plugins blocked in the CLI's own pytest runs: they would leave files in the user's cwd
+# Plugins that would leave files in the user's working directory
 NO_LITTER = ("-p", "no:cacheprovider", "-p", "no:benchmark")
-# Plugins the suite does not use that cost start-up time (hypothesis' plugin imports hypothesis
-# at the end of every session; the suite's fuzz check drives hypothesis itself, in its ranks)
+# hypothesis' plugin imports hypothesis at the end of every session (start-up time); the
+# suite's fuzz check drives hypothesis itself, in its ranks
 _UNUSED = ("-p", "no:hypothesispytest")
 
 
 def suite_command(impl: str, *pytest_args: str) -> list[str]:
-    """The command line of a pytest run of the installed suite on ``impl`` with this plugin
-    (no user ``addopts``, quiet, none of the plugins that write into the working directory:
-    pytest's cache, pytest-benchmark's ``.benchmarks``, nor hypothesis' plugin), followed by
-    ``pytest_args``."""
+    """The command line of a quiet pytest run of the installed suite on ``impl`` with this
+    plugin (no user ``addopts``, no littering plugins), followed by ``pytest_args``."""
     return [
         sys.executable, "-m", "pytest", "--pyargs", "fsdp_conformance.suite",
         "-p", "fsdp_conformance.cli.records", *NO_LITTER, *_UNUSED,
@@ -47,8 +37,8 @@ def suite_command(impl: str, *pytest_args: str) -> list[str]:
 
 
 def suite_environment(results: str) -> dict[str, str]:
-    """The environment of that run: this process's, as a fresh pytest session (not a worker of
-    an outer pytest-xdist run, e.g. the CLI's own tests), writing its records to ``results``."""
+    """This process's environment as for a fresh pytest session (not a worker of an outer
+    xdist run), writing its records to ``results``."""
     env = {
         key: value
         for key, value in os.environ.items()
@@ -74,21 +64,18 @@ def _append(path: str, record: dict[str, Any]) -> None:
 
 
 class _Recorder:
-    """Registered as a plugin object: writes each test's record when its teardown reports."""
+    """The plugin object: writes each test's record when its teardown reports."""
 
     def __init__(self, path: str) -> None:
-        self.path = path  # the JSON-lines file the CLI reads
+        self.path = path
         self.pending: dict[str, dict[str, Any]] = {}  # nodeid -> record so far (until teardown)
         self.collected_seen = False  # under xdist every worker announces its collection
         self.decided: set[str] = set()  # node ids whose record a phase has set
 
-    def write(self, record: dict[str, Any]) -> None:
-        _append(self.path, record)
-
     def _collected(self, count: int) -> None:
         if not self.collected_seen:
             self.collected_seen = True
-            self.write({"event": "collected", "count": count})
+            _append(self.path, {"event": "collected", "count": count})
 
     def pytest_collection_finish(self, session: pytest.Session) -> None:
         if not session.config.pluginmanager.has_plugin("dsession"):  # xdist reports below
@@ -101,7 +88,7 @@ class _Recorder:
     def pytest_collectreport(self, report: pytest.CollectReport) -> None:
         if report.failed:
             line = checks.report_line(report) or "failed (no message)"
-            self.write({"event": "collect_error", "nodeid": report.nodeid, "detail": line})
+            _append(self.path, {"event": "collect_error", "nodeid": report.nodeid, "detail": line})
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         record = self.pending.setdefault(
@@ -124,7 +111,7 @@ class _Recorder:
                 )  # fmt: skip
         if report.when == "teardown":
             self.decided.discard(report.nodeid)
-            self.write(self.pending.pop(report.nodeid))
+            _append(self.path, self.pending.pop(report.nodeid))
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -135,7 +122,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_cmdline_main(config: pytest.Config) -> Any:
-    """A usage error (raised while pytest configures or collects) as a record too."""
+    """A usage error (raised while pytest configures or collects) as a record."""
     try:
         return (yield)
     except pytest.UsageError as error:

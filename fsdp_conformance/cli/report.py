@@ -1,9 +1,5 @@
-"""The conformance matrix of ``fsdp-conformance run``: cells, summary, text / Markdown / JSON.
-
-A *cell* is one check (``TestDDPParity::test_matches_ddp``) in one configuration (its
-parametrisation id; ``(default)`` when not parametrised) with an outcome of ``OUTCOMES`` and a
-detail (failure message, skip or xfail reason), read from the records of ``cli.records``.
-"""
+"""The conformance matrix of ``fsdp-conformance run`` from the records of ``cli.records``:
+cells (one check in one configuration), the summary, text / Markdown / JSON."""
 
 from __future__ import annotations
 
@@ -15,8 +11,7 @@ from collections.abc import Iterable
 from typing import Any
 
 OUTCOMES = ("pass", "fail", "xfail", "xpass", "skip")
-# Configuration of a test that is not parametrised
-DEFAULT_CONFIGURATION = "(default)"
+DEFAULT_CONFIGURATION = "(default)"  # of a test that is not parametrised
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +24,7 @@ class Cell:
     detail: str  # failure message / skip or xfail reason ("" for a pass)
     nodeid: str
     duration: float = 0.0  # seconds over setup, call and teardown
-    # the recorded checks.Result's id, verdict and reason ("" for no registered check)
+    # the recorded checks.Result ("" for no registered check)
     check_id: str = ""
     verdict: str = ""
     reason: str = ""
@@ -71,7 +66,7 @@ def cells_from_records(records: Iterable[dict[str, Any]]) -> list[Cell]:
 
 
 def read_records(path: str) -> list[dict[str, Any]]:
-    """The collector's records so far (a partly written last line is left for later)."""
+    """The records so far (a partly written last line is left for later)."""
     records = []
     try:
         with open(path, encoding="utf-8") as stream:
@@ -125,18 +120,13 @@ def format_duration(seconds: float) -> str:
     return f"{minutes}m{rest:02d}s" if minutes else f"{seconds:.1f}s"
 
 
-# -----------------------------------------------------------------------------
-# Renderings
-
-
 def _label(outcome: str) -> str:
     return outcome.upper() if outcome == "fail" else outcome
 
 
 def render_text(cells: list[Cell], detail_width: int = 160) -> str:
-    """The matrix for a terminal: per check a header with its counts, then one line per cell;
-    a detail (failure message, skip reason) longer than ``detail_width`` is wrapped onto
-    lines indented under its start, never cut (it may carry the command that fixes it)."""
+    """The matrix for a terminal: per check a header with its counts, then one line per cell; a
+    detail longer than ``detail_width`` is wrapped, never cut (it may carry the fix)."""
     lines = []
     for check, group in by_check(cells).items():
         total = counts(group)
@@ -166,7 +156,7 @@ def _md(text: str) -> str:
 
 
 def render_markdown(cells: list[Cell], header: dict[str, str], summary: str) -> str:
-    """The same matrix as Markdown: run facts, a table of counts per check, a table per check."""
+    """The matrix as Markdown: run facts, a table of counts per check, a table per check."""
     lines = ["# fsdp-conformance: conformance matrix", ""]
     lines += [f"- **{key}**: {_md(value)}" for key, value in header.items()]
     lines += ["", f"**{_md(summary)}**", "", "| check | " + " | ".join(OUTCOMES) + " |"]
@@ -185,9 +175,11 @@ def render_markdown(cells: list[Cell], header: dict[str, str], summary: str) -> 
 
 def render_json(cells: list[Cell], header: dict[str, Any]) -> str:
     """``{**header, "summary": counts, "checks": {check: counts}, "cells": [...]}``."""
-    document = dict(header)
-    document["summary"] = counts(cells)
-    document["checks"] = {check: counts(group) for check, group in by_check(cells).items()}
-    groups = by_check(cells).values()
-    document["cells"] = [dataclasses.asdict(cell) for group in groups for cell in group]
+    groups = by_check(cells)
+    document = {
+        **header,
+        "summary": counts(cells),
+        "checks": {check: counts(group) for check, group in groups.items()},
+        "cells": [dataclasses.asdict(cell) for group in groups.values() for cell in group],
+    }
     return json.dumps(document, indent=2) + "\n"

@@ -157,32 +157,32 @@ def _write_outputs(
 
 class _Progress:
     """One status line while pytest runs (rewritten in place on a terminal), failures as they
-    arrive."""
+    arrive (their messages are in the matrix at the end)."""
 
     def __init__(self, stream: Any) -> None:
         self.stream = stream
-        self.tty = stream.isatty()  # rewrite one status line in place
+        self.tty = stream.isatty()
         self.seen = 0  # records already handled
         self.total: int | None = None  # cells collected (None: still collecting)
-        self.done = 0  # cells finished
+        self.done = 0
         self.tally: dict[str, int] = {}  # outcome -> cells so far
         self.last_line_at = 0.0  # elapsed seconds of the last line printed (not a tty)
-        self.width = shutil.get_terminal_size((100, 20)).columns  # status line width
+        self.width = shutil.get_terminal_size((100, 20)).columns
 
     def update(self, records: list[dict[str, Any]], elapsed: float) -> None:
         latest = ""
         for record in records[self.seen :]:
-            if record.get("event") == "collected":
+            event = record.get("event")
+            if event == "collected":
                 self.total = record["count"]
-                self._line(f"collected {self.total} cells (check x configuration)", elapsed, True)
-            elif record.get("event") in ("test", "collect_error"):
+                self._line(f"collected {self.total} cells (check x configuration)", elapsed)
+            elif event in ("test", "collect_error"):
                 outcome = record.get("outcome", "fail")
-                self.done += record.get("event") == "test"
+                self.done += event == "test"
                 self.tally[outcome] = self.tally.get(outcome, 0) + 1
-                check, configuration = split_nodeid(record["nodeid"])
-                latest = f"{check}[{configuration}]"
-                if outcome == "fail":  # the message is in the matrix printed at the end
-                    self._line(f"FAIL {latest}", elapsed, True)
+                latest = "{}[{}]".format(*split_nodeid(record["nodeid"]))
+                if outcome == "fail":
+                    self._line(f"FAIL {latest}", elapsed)
         self.seen = len(records)
         if self.total is None:
             status = "collecting the suite"
@@ -194,16 +194,15 @@ class _Progress:
             self.stream.write("\r" + line.ljust(self.width - 1))
             self.stream.flush()
         elif latest and elapsed - self.last_line_at >= 15:
-            self._line(status, elapsed, True)
+            self._line(status, elapsed)
 
-    def _line(self, text: str, elapsed: float, force: bool) -> None:
-        if self.tty:
-            self.stream.write("\r" + " " * (self.width - 1) + "\r")
+    def _line(self, text: str, elapsed: float) -> None:
+        self.finish()
         self.stream.write(f"{_clock(elapsed)} {text}\n")
         self.stream.flush()
         self.last_line_at = elapsed
 
-    def finish(self) -> None:
+    def finish(self) -> None:  # clears the status line
         if self.tty:
             self.stream.write("\r" + " " * (self.width - 1) + "\r")
             self.stream.flush()
@@ -237,18 +236,15 @@ def _report_header(args: argparse.Namespace, command: list[str], wall: float) ->
 
 
 def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
-    """Add the ``run`` subcommand to ``commands`` (the subparsers of the main parser)."""
     run = _subcommand(
         commands,
         formatter,
         "run",
         "run the conformance suite and print the check x configuration matrix",
-        "Run the conformance suite (pytest --pyargs fsdp_conformance.suite) against "
-        "one FSDP implementation and print the matrix: each check (test class and function) in "
-        "each configuration (its parametrisation) -> pass / FAIL (first assertion message) / "
-        "xfail / skip (reason). Exit code 0 only when nothing failed. Default: pairwise "
-        "coverage of the parity configurations and 2 xdist workers (fits in 10 minutes on a "
-        "2-core CPU host); --coverage full runs every combination.",
+        "Run the conformance suite (pytest --pyargs fsdp_conformance.suite) against one FSDP "
+        "implementation and print the matrix: each check in each configuration -> pass / FAIL "
+        "(first assertion message) / xfail / skip (reason). The default (pairwise coverage, 2 "
+        "xdist workers) fits in 10 minutes on a 2-core CPU host.",
         "fsdp-conformance run",
         "fsdp-conformance run --impl torch-fsdp1 --report matrix.md --json matrix.json",
         "fsdp-conformance run --impl mypkg.fsdp_adapter:ADAPTER -k 'MemoryBound or Parity'",

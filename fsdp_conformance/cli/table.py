@@ -1,11 +1,6 @@
-"""``fsdp-conformance conformance``: the suite run per implementation, as one check x impl table.
-
-Each implementation runs ``run``'s pytest (``cli.records``); its cells are folded per check into
-one *verdict* per table cell from the recorded ``checks.Result`` (no message text is parsed):
-pass, deviation (the declared reason), not applicable (the missing feature) or FAIL (the first
-message). A check mixing verdicts lists each with its count ("pass 10, deviation 4 [2]");
-reasons are numbered notes under the table. An implementation that cannot run gets one note
-saying why, in every cell of its column.
+"""The check x implementation table of ``fsdp-conformance conformance``: each implementation
+runs ``run``'s pytest; its cells fold per check into the recorded verdicts, a mixed one listing
+each with its count ("pass 10, deviation 4 [2]"), the reasons as numbered notes.
 """
 
 from __future__ import annotations
@@ -25,12 +20,8 @@ import fsdp_conformance.suite  # noqa: F401  (importing the suite declares its c
 from fsdp_conformance import checks, constants
 from fsdp_conformance.cli.report import _md, package_version
 
-# The implementations of the table, in column order (one source: constants.BUILTIN_ADAPTERS)
-IMPLEMENTATIONS = constants.BUILTIN_ADAPTERS
-
-# impls whose python package is an extra of the same name
-_OPTIONAL_PACKAGES = ("fairscale", "deepspeed")
-# Verdict labels, in the order a mixed cell lists them
+IMPLEMENTATIONS = constants.BUILTIN_ADAPTERS  # in column order
+_OPTIONAL_PACKAGES = ("fairscale", "deepspeed")  # impls whose package is an extra of that name
 VERDICTS = checks.VERDICTS
 
 
@@ -39,13 +30,12 @@ class TableCell:
     """One configuration of one check, as the table needs it."""
 
     check: str  # the registered check id, or "Class::test" for no registered check
-    verdict: str  # one of checks.VERDICTS
-    reason: str = ""  # the deviation's or missing feature's reason, or the failure
+    verdict: str
+    reason: str = ""
 
 
 def table_cell(cell: Any) -> TableCell:
-    """A ``cli.report.Cell`` as a TableCell: its recorded ``checks.Result`` (a collection error,
-    which has none, is a FAIL)."""
+    """A ``cli.report.Cell`` as a TableCell (a collection error is a FAIL)."""
     if cell.verdict:
         return TableCell(cell.check_id or cell.check, cell.verdict, cell.reason)
     return TableCell(cell.check, checks.FAIL, " ".join(cell.detail.split()))
@@ -57,7 +47,7 @@ class ImplResult:
 
     impl: str  # the name given to --impl (column header)
     adapter_name: str = ""  # the adapter's own name when it differs from `impl`
-    cells: list[TableCell] = dataclasses.field(default_factory=list)  # one per configuration
+    cells: list[TableCell] = dataclasses.field(default_factory=list)
     unavailable: str | None = None  # why the implementation could not run at all
 
 
@@ -78,8 +68,7 @@ def unavailable_reason(impl: str) -> str | None:
 def run_implementation(
     impl: str, pytest_args: Sequence[str], timeout: float | None = None
 ) -> ImplResult:
-    """The cells of ``run``'s pytest on ``impl`` with ``pytest_args`` (``timeout`` seconds at
-    most; None: no limit)."""
+    """The cells of ``run``'s pytest on ``impl`` with ``pytest_args`` (``timeout``: seconds)."""
     from fsdp_conformance.cli import records, report
 
     reason = unavailable_reason(impl)
@@ -89,19 +78,11 @@ def run_implementation(
         results = os.path.join(workdir, "results.jsonl")
         command = records.suite_command(impl, *pytest_args)
         env = records.suite_environment(results)
-        log_path = os.path.join(workdir, "pytest.log")
-        with open(log_path, "w", encoding="utf-8") as log:
-            try:
-                returncode = subprocess.run(
-                    command,
-                    check=False,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    env=env,
-                    timeout=timeout,
-                ).returncode
-            except subprocess.TimeoutExpired:
-                returncode = None
+        quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.STDOUT}
+        try:
+            returncode = subprocess.run(command, env=env, timeout=timeout, **quiet).returncode
+        except subprocess.TimeoutExpired:
+            returncode = None
         written = report.read_records(results)
         cells = report.cells_from_records(written)
         if not cells:
@@ -123,7 +104,7 @@ class _Notes:
     """Numbered reasons, each listed once."""
 
     def __init__(self) -> None:
-        self.numbers: dict[str, int] = {}  # reason -> its note number
+        self.numbers: dict[str, int] = {}
 
     def ref(self, reason: str) -> str:
         if not reason:
@@ -134,7 +115,7 @@ class _Notes:
 
 
 def _cell_text(verdicts: list[tuple[str, str]], notes: _Notes) -> str:
-    """One table cell from (verdict, reason) per configuration."""
+    """A table cell from (verdict, reason) per configuration."""
     by_verdict: dict[str, list[str]] = {}
     for verdict, reason in verdicts:
         by_verdict.setdefault(verdict, []).append(reason)
@@ -201,7 +182,7 @@ def render_table(results: Iterable[ImplResult], header: dict[str, str]) -> str:
 
 
 def default_header(pytest_args: Sequence[str]) -> dict[str, str]:
-    """torch version, date and the options of the run."""
+    """Versions, date and the options of the run."""
     packages = ("torch", "fairscale", "deepspeed", "fsdp-conformance")
     versions = [f"{package} {package_version(package)}" for package in packages]
     return {

@@ -1,8 +1,5 @@
-"""``fsdp-conformance timeline``: resident unsharded buffers with the limiter on and off.
-
-The measuring runs in a rank set (``fsdp_conformance.cli.ranks``); the picture is drawn with
-matplotlib (``fsdp_conformance.cli.draw``).
-"""
+"""``fsdp-conformance timeline``: resident unsharded buffers with the limiter on and off,
+measured in a rank set (``cli.ranks``), drawn by ``cli.draw``."""
 
 from __future__ import annotations
 
@@ -30,8 +27,9 @@ def _timeline_command(args: argparse.Namespace) -> int:
     check_impl(args.impl)
     check_world_size(args.world_size, minimum=2)
     check_at_least(args.iterations, "--iterations")
-    why = "the bound only shows with >= 4 instances (default 6)"
-    check_at_least(args.layers, "--layers", 4, why)
+    check_at_least(
+        args.layers, "--layers", 4, "the bound only shows with >= 4 instances (default 6)"
+    )
     for path, option in ((args.out, "--out"), (args.data, "--data"), (args.trace, "--trace")):
         check_output(path, option)
     try:
@@ -65,7 +63,6 @@ def _timeline_command(args: argparse.Namespace) -> int:
     return 0
 
 
-# torch FSDP1's (and the reference implementation's) profiler label of the rate limiter's wait
 RATE_LIMITER_RANGE = constants.RATE_LIMITER_RANGE
 
 
@@ -101,20 +98,16 @@ def render_timeline(document: dict[str, Any]) -> str:
 
 
 def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
-    """Add the ``timeline`` subcommand to ``commands`` (the subparsers of the main parser)."""
     timeline = _subcommand(
         commands,
         formatter,
         "timeline",
         "draw resident unsharded buffers over time with limit_all_gathers on and off",
-        "Train a chain of --layers FSDP instances under a root for a few "
-        "iterations under the lagging device (fsdp_conformance.observe: events complete only "
-        "when the CPU blocks on them), once with limit_all_gathers=True and once with False, "
-        "counting resident unsharded buffers after every event (fsdp_conformance.suite."
-        "memory_bound). Draws two panels (forward and backward shaded, the bound as a dashed "
-        "line), prints the peaks per phase, and optionally writes the data and a Chrome trace "
-        "of the limited run whose FullyShardedDataParallel.rate_limiter ranges show the "
-        "limiter's waits. Needs matplotlib.",
+        "Train a chain of --layers FSDP instances under a root on the lagging device "
+        "(fsdp_conformance.observe), with limit_all_gathers=True and False, counting resident "
+        "unsharded buffers after every event. Draws two panels (the bound dashed), prints the "
+        "peaks per phase, and optionally writes the data and a Chrome trace of the limited "
+        "run. Needs matplotlib.",
         "fsdp-conformance timeline --out timeline.png",
         "fsdp-conformance timeline --impl torch-fsdp1 --lag drained --data timeline.json",
         "fsdp-conformance timeline --trace trace.json   # open in chrome://tracing or Perfetto",

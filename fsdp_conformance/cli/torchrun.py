@@ -1,12 +1,6 @@
-"""``fsdp-conformance run --launcher torchrun``: the suite as one SPMD job under torchrun.
-
-The CLI turns its pytest command into
-``python -m torch.distributed.run --nnodes N --nproc-per-node M (--standalone |
---rdzv-backend c10d --rdzv-endpoint HOST:PORT) -m pytest ...``; every process of the job runs
-the same pytest session and the plugin's launcher mode (``fsdp_conformance.harness.launcher``)
-runs each check in place. Only rank 0 writes the CLI's results and ``--junit``, so the matrix
-is printed by the command on the node that hosts rank 0; on the other nodes the command prints
-where to look and exits with torchrun's status.
+"""``fsdp-conformance run --launcher torchrun``: the suite as one SPMD job under torchrun
+(every process runs the same pytest session, each check in place). Only rank 0 writes the
+results, so the matrix is printed on its node; the other nodes say where to look.
 """
 
 from __future__ import annotations
@@ -15,14 +9,11 @@ import argparse
 import sys
 from typing import Any
 
-# `run --launcher` choices: spawn ranks, or one torchrun job (the plugin's --fsdp-launcher,
-# constants.LAUNCHERS, also has "auto", which the CLI never passes)
+# spawn ranks, or one torchrun job (the plugin's --fsdp-launcher also has "auto")
 CLI_LAUNCHERS = ("none", "torchrun")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add ``--launcher``, ``--nnodes``, ``--nproc-per-node`` and ``--rdzv-endpoint`` to
-    ``run``'s parser."""
     parser.add_argument(
         "--launcher",
         choices=CLI_LAUNCHERS,
@@ -42,8 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def check(args: argparse.Namespace, default_workers: int, default_mode: str) -> str | None:
-    """The one-line problem with the launcher options, or None when they are usable (under
-    torchrun, ``-n`` and ``--mode`` must keep their defaults)."""
+    """The one-line problem with the launcher options, or None."""
     if args.launcher != "torchrun":
         for option, value in (
             ("--nnodes", args.nnodes),
@@ -74,8 +64,7 @@ def check(args: argparse.Namespace, default_workers: int, default_mode: str) -> 
 
 
 def torchrun_command(args: argparse.Namespace, pytest_command: list[str]) -> list[str]:
-    """``pytest_command`` (``[python, "-m", "pytest", ...]``, without ``-n``) as a torchrun job
-    (``args`` already passed :func:`check`)."""
+    """``pytest_command`` (``[python, "-m", "pytest", ...]``, no ``-n``) as a torchrun job."""
     assert pytest_command[1:3] == ["-m", "pytest"], pytest_command
     nproc = args.nproc_per_node or args.world_size
     command = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={args.nnodes or 1}",
@@ -88,7 +77,7 @@ def torchrun_command(args: argparse.Namespace, pytest_command: list[str]) -> lis
 
 
 def no_results_here(returncode: int, log_path: str) -> int:
-    """What ``run`` says on a node without rank 0 (no results came back here)."""
+    """What ``run`` says on a node without rank 0."""
     status = "ended" if returncode == 0 else f"failed (exit {returncode})"
     print(
         f"fsdp-conformance run: this node's torchrun processes {status}; the matrix is "
@@ -99,5 +88,4 @@ def no_results_here(returncode: int, log_path: str) -> int:
 
 
 def uses_torchrun(args: Any) -> bool:
-    """Whether ``run`` was asked for a torchrun job."""
     return getattr(args, "launcher", "none") == "torchrun"

@@ -1,5 +1,5 @@
 """What the subcommands share: usage errors, argument types, the checks made before anything
-starts, and running a measurement in a rank set of ``fsdp_conformance.harness``."""
+starts, and running a measurement in a rank set."""
 
 from __future__ import annotations
 
@@ -26,30 +26,24 @@ COVERAGES = constants.COVERAGES
 # `run` defaults: the whole default run fits in 10 minutes on a 2-core CPU host (docs/cli.md)
 DEFAULT_COVERAGE = "pairwise"
 DEFAULT_WORKERS = 2
-# Per-test timeout (seconds) of `run` and `conformance`: the whole suite under xdist workers
-CLI_TIMEOUT_S = 300.0
-# Memory one CPU rank process needs (torch + gloo + a small model), for the world-size limit
-RANK_MEMORY_BYTES = limits.RANK_BYTES
-# CPU ranks per core beyond which a world is not runnable in reasonable time
-RANKS_PER_CPU = 4
-# pytest logs of failed or interrupted `run`s kept in cache_dir("logs"): the newest this many
-KEPT_LOGS = 20
+CLI_TIMEOUT_S = 300.0  # per-test timeout of `run` and `conformance` (xdist workers share CPUs)
+RANK_MEMORY_BYTES = limits.RANK_BYTES  # for the world-size limit
+RANKS_PER_CPU = 4  # beyond this a world does not run in reasonable time
+KEPT_LOGS = 20  # pytest logs of failed or interrupted `run`s kept in cache_dir("logs")
 
 
 def cache_dir(*parts: str) -> str:
     """``fsdp-conformance/<parts>`` under ``XDG_CACHE_HOME`` (default ``~/.cache``): what the
-    commands keep between runs (hypothesis' files, logs of failed runs), never in the working
-    directory or /tmp."""
+    commands keep between runs, never in the working directory or /tmp."""
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(root, "fsdp-conformance", *parts)
 
 
 @contextlib.contextmanager
 def private_tempdir() -> Iterator[str]:
-    """A temp directory of this command that every temp file of it and of its children lands
-    in (``TMPDIR`` and ``tempfile.tempdir`` point into it), removed on the way out whatever
-    ended the command. The GPU lock files stay in the shared temp directory (every process of
-    the user must see them)."""
+    """A temp directory for every temp file of this command and its children (``TMPDIR`` and
+    ``tempfile.tempdir``), removed however the command ends. The GPU lock files stay in the
+    shared temp directory (every process of the user must see them)."""
     saved = {name: os.environ.get(name) for name in ("TMPDIR", constants.ENV_GPU_LOCK_DIR)}
     saved_tempdir = tempfile.tempdir
     from fsdp_conformance.harness import gpus
@@ -72,8 +66,8 @@ def private_tempdir() -> Iterator[str]:
 
 
 def keep_log(path: str, command: str) -> str:
-    """Move the log ``path`` into ``cache_dir("logs")`` (the newest ``KEPT_LOGS`` stay there);
-    returns its new path."""
+    """Move the log ``path`` into ``cache_dir("logs")`` (the newest ``KEPT_LOGS`` stay); its new
+    path."""
     directory = cache_dir("logs")
     os.makedirs(directory, exist_ok=True)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
@@ -129,8 +123,7 @@ def exit_codes_epilog(command: str) -> str:
 
 
 class BrokenAdapter(Exception):
-    """The adapter's module exists but raises when imported: exit code 1 (a broken adapter,
-    not a usage error), with its traceback."""
+    """The adapter's module raises when imported: exit code 1, with its traceback."""
 
 
 class UsageError(Exception):
@@ -138,7 +131,7 @@ class UsageError(Exception):
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse with one-line errors (no usage dump) and exit code 2."""
+    """argparse with one-line errors (no usage dump)."""
 
     def error(self, message: str) -> NoReturn:
         sys.stderr.write(f"{self.prog}: error: {message} (see {self.prog} --help)\n")
@@ -164,24 +157,14 @@ def _positive_float(text: str) -> float:
     return value
 
 
-# -----------------------------------------------------------------------------
-# Validation (before anything starts)
-
-
-def check_extra(impl: str) -> None:
-    """UsageError (exit 2) when the built-in adapter ``impl`` lacks its optional package: every
-    command calls it (through ``check_impl``) where it resolves ``--impl``."""
-    problem = missing_extra(impl)
-    if problem is not None:
-        raise UsageError(f"--impl {impl}: {problem}")
-
-
 def check_impl(name: str) -> None:
     """Resolve ``name`` as the ranks will (``pkg.mod:ATTR`` with the current directory on
-    ``sys.path``; a built-in is not imported, only its extra checked); UsageError with the reason
-    if it does not resolve, BrokenAdapter when its module raises."""
+    ``sys.path``; of a built-in only its extra is checked); UsageError with the reason if it
+    does not resolve, BrokenAdapter when its module raises."""
     if name in BUILTIN_IMPLS:
-        check_extra(name)
+        problem = missing_extra(name)
+        if problem is not None:
+            raise UsageError(f"--impl {name}: {problem}")
         return
     if ":" not in name:
         raise UsageError(
@@ -195,8 +178,7 @@ def check_impl(name: str) -> None:
 
     try:
         get_adapter(name)
-    except AdapterImportError as error:
-        # the module exists but fails: the adapter is broken (exit 1 with its traceback)
+    except AdapterImportError as error:  # the module exists but fails
         raise BrokenAdapter(error) from error
     except Exception as error:  # noqa: BLE001  any failure to load the user's module is a usage error
         message = " ".join(str(error).split())
@@ -206,7 +188,7 @@ def check_impl(name: str) -> None:
 
 
 def adapter_name(impl: str) -> str:
-    """The adapter's own name (``impl`` for a built-in; ``pkg.mod:ATTR`` resolved, as checked)."""
+    """The adapter's own name (``impl`` for a built-in)."""
     if impl in BUILTIN_IMPLS:
         return impl
     from fsdp_conformance.adapters import get_adapter
@@ -235,15 +217,8 @@ def max_world_size() -> tuple[int, str]:
     caps = [(cpus * RANKS_PER_CPU, f"{cpus} CPUs x {RANKS_PER_CPU} ranks each")]
     available = limits.available_memory()
     if available is not None:
-        caps.append(
-            (
-                max(1, available // RANK_MEMORY_BYTES),
-                (
-                    f"{available / 1024**3:.1f} GiB available memory / "
-                    f"{RANK_MEMORY_BYTES // 1024**2} MiB per rank"
-                ),
-            )
-        )
+        why = f"{available / 1024**3:.1f} GiB available memory / {RANK_MEMORY_BYTES // 1024**2} MiB"
+        caps.append((max(1, available // RANK_MEMORY_BYTES), why + " per rank"))
     return min(caps)
 
 
@@ -272,16 +247,11 @@ def check_output(path: str | None, option: str) -> None:
         os.remove(path)
 
 
-# -----------------------------------------------------------------------------
-# overlap and timeline: the suite's measurements in a rank set
-
-
 def measure_in_ranks(
     command: str, function: str, kwargs: dict[str, Any], args: argparse.Namespace, backend: str
 ) -> dict[str, Any] | None:
-    """Call ``cli.ranks.<function>(dist=..., out_file=..., **kwargs)`` in every rank and return
-    the JSON document rank 0 wrote; None (the reason on stderr) when the ranks skipped or failed.
-    """
+    """The JSON document rank 0 wrote from ``cli.ranks.<function>(dist, out_file, **kwargs)``
+    in every rank; None (the reason on stderr) when the ranks skipped or failed."""
     from fsdp_conformance.harness.controller import run_function
 
     with tempfile.TemporaryDirectory(prefix="fsdp-cli-") as workdir:
@@ -329,10 +299,6 @@ def check_worker_count(workers: int) -> None:
         raise UsageError(f"-n {workers}: give 0 (no xdist) or a number of workers")
 
 
-# -----------------------------------------------------------------------------
-# Parser pieces
-
-
 def _add_common(parser: argparse.ArgumentParser, world_size_help: str) -> None:
     _add_impl(
         parser,
@@ -361,16 +327,12 @@ def _add_timeout(parser: argparse.ArgumentParser) -> None:
 def _subcommand(
     commands: Any, formatter: type, name: str, summary: str, description: str, *examples: str
 ) -> argparse.ArgumentParser:
-    """Add subcommand ``name``: its description filled to 79 columns, ``examples`` under it."""
+    """Add subcommand ``name``: its description filled to 79 columns (the raw formatter keeps
+    the examples' layout), ``examples`` under it."""
     return commands.add_parser(
         name,
         help=summary,
-        description=_paragraph(description),
+        description=textwrap.fill(description, width=79),
         epilog="examples:\n" + "\n".join(f"  {example}" for example in examples),
         formatter_class=formatter,
     )
-
-
-def _paragraph(text: str) -> str:
-    """A help description filled to 79 columns (the raw formatter keeps the examples' layout)."""
-    return textwrap.fill(text, width=79)

@@ -1,18 +1,7 @@
 """The harness: runs one test body in N ranks (reused processes, fresh processes, threads, or
-the processes of a torchrun job), laid out by process role:
-
-- ``controller``: the pytest side; options, choice of backend and GPUs, the rank backends
-  behind one interface, the verdict combined from the ranks' outcomes;
-- ``rankset``: N rank processes, spawned, reused and torn down by the controller;
-- ``rank``: the rank task every mode runs, and a rank process's entry point;
-- ``wire``: the messages between controller and rank processes;
-- ``threads``: thread ranks; ``launcher``: the in-place ranks of a torchrun job;
-- shared by the roles: ``context`` (``dist``), ``collectives``, ``isolation``, ``gpus``,
-  ``properties``, ``signals``, ``testcase`` (``RankTestCase``), ``extras``.
-
-Importing this package does not import torch; names resolve on first access. It knows no
-FSDP (``FSDPTest`` lives in ``fsdp_conformance.testing``). The former module paths
-(``world.runtime``, ``world.protocol``, ...; the package was named ``world``) import as aliases (``fsdp_conformance/__init__.py``).
+the processes of a torchrun job), laid out by process role (docs/harness.md). Importing it does
+not import torch; names resolve on first access. It knows no FSDP (``FSDPTest`` lives in
+``fsdp_conformance.testing``).
 """
 
 from __future__ import annotations
@@ -30,14 +19,6 @@ _EXPORTS: dict[str, str] = {
     "RankTestCase": "fsdp_conformance.harness.testcase",
 }
 
-__all__ = [
-    "InRank",
-    "RankContext",
-    "RankTestCase",
-    "Runtime",
-    "RuntimeOptions",
-    "current_context",
-    "get_runtime",
-]
+__all__ = sorted(_EXPORTS)
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -1,11 +1,8 @@
-"""Which collective each rank entered last, so that mismatched or missing collectives are
-named in failure reports ("rank 0 is in all_reduce #1, rank 1 in all_gather #1") instead of
-surfacing as a torch-internal error or a hang.
-
-The ``torch.distributed`` collectives are wrapped (in rank processes at start-up, in thread
-mode during a test); nested calls record the outermost, other groups than the default one are
-not recorded. Each rank writes its own :class:`CollectiveSlot`: a memory-mapped file the
-controller reads while the test runs (processes), a ``bytearray`` (threads).
+"""Which collective each rank entered last, so that failure reports name mismatched or missing
+collectives instead of a torch-internal error or a hang. The ``torch.distributed`` collectives
+on the default group are wrapped (nested calls record the outermost); each rank writes its
+:class:`CollectiveSlot`: a memory-mapped file the controller reads (processes), or a
+``bytearray`` (threads).
 """
 
 from __future__ import annotations
@@ -23,31 +20,26 @@ from typing import Any
 from fsdp_conformance import constants
 from fsdp_conformance._patching import patch_attribute
 
-# Collectives of torch.distributed that are recorded (vocab: send / recv are not)
+# Collectives of torch.distributed that are recorded (send / recv are not)
 COLLECTIVES = constants.TORCH_COLLECTIVES
-# the patches wrapping them (install)
 _KEY = "fsdp-conformance collective records"
 
-# count (collectives entered this test), state (LEFT / INSIDE / RAISED), operation name
+# count (collectives entered this test), state, operation name
 _LAYOUT = struct.Struct("<IB31s")
 SLOT_SIZE = _LAYOUT.size
 
-
 # States of a record.
 LEFT = 0  # returned from the collective (or none entered yet)
-INSIDE = 1  # still inside it
-RAISED = 2  # it raised (typically: another rank died, or the collectives did not match)
+INSIDE = 1
+RAISED = 2  # typically: another rank died, or the collectives did not match
 
 
 @dataclasses.dataclass(frozen=True)
 class CollectiveRecord:
-    """The last collective a rank entered in the current test."""
+    """The last collective a rank entered in the current test (``count`` 0: none)."""
 
-    # how many collectives the rank entered in this test (0: none)
     count: int
-    # LEFT, INSIDE or RAISED
     state: int
-    # its name ("all_reduce"), "" when count is 0
     op: str
 
     @property
@@ -59,12 +51,10 @@ class CollectiveRecord:
         return self.state == RAISED
 
     def where(self) -> str:
-        """'all_reduce (collective #3)'."""
         return f"{self.op} (collective #{self.count})"
 
     def describe(self) -> str:
-        """'in all_reduce (collective #3)', 'failed in barrier (collective #2)', 'last left
-        barrier (collective #2)', 'entered no collective'."""
+        """'in ...', 'failed in ...', 'last left ...' or 'entered no collective'."""
         if self.count == 0:
             return "entered no collective"
         where = self.where()
@@ -87,7 +77,6 @@ class CollectiveSlot:
 
     @classmethod
     def mapped(cls, path: str) -> CollectiveSlot:
-        """A slot in the file ``path`` (created with :func:`create_slot_file`)."""
         with open(path, "r+b") as stream:
             return cls(mmap.mmap(stream.fileno(), SLOT_SIZE))
 
@@ -119,7 +108,6 @@ class CollectiveSlot:
 
 
 def create_slot_file(path: str) -> None:
-    """Create the zero-filled file a rank process maps its slot from."""
     with open(path, "wb") as stream:
         stream.write(bytes(SLOT_SIZE))
 
@@ -131,9 +119,7 @@ def read_slot_file(path: str) -> CollectiveRecord | None:
             data = stream.read(SLOT_SIZE)
     except OSError:
         return None
-    if len(data) < SLOT_SIZE:
-        return None
-    return _unpack(data)
+    return _unpack(data) if len(data) == SLOT_SIZE else None
 
 
 def _unpack(data: bytes) -> CollectiveRecord:
@@ -147,13 +133,11 @@ _process_slot: CollectiveSlot | None = None
 
 
 def set_process_slot(slot: CollectiveSlot | None) -> None:
-    """The slot every thread of this process records into (process ranks)."""
     global _process_slot
     _process_slot = slot
 
 
 def set_thread_slot(slot: CollectiveSlot | None) -> None:
-    """The slot the calling thread records into (thread-mode ranks)."""
     _local.slot = slot
 
 
@@ -213,8 +197,8 @@ def install() -> Callable[[], None]:
 
 def mismatch(records: dict[int, CollectiveRecord]) -> str:
     """'mismatched collectives: rank 0 entered all_reduce (collective #1), rank 1 entered
-    all_gather (collective #1)' when ranks entered different operations as the same collective, else ""
-    (a rank's last collective is compared with the others' last ones)."""
+    all_gather (collective #1)' when ranks' last collectives of the same number differ, else
+    ""."""
     by_count: dict[int, dict[int, CollectiveRecord]] = {}
     for rank, record in records.items():
         if record.count:
@@ -230,9 +214,8 @@ def mismatch(records: dict[int, CollectiveRecord]) -> str:
 
 
 def unmatched(records: dict[int, CollectiveRecord], finished: set[int], rank: int) -> str:
-    """Why ``rank`` waits in vain: 'rank 1 finished the test after 0 collective(s)' when
-    ranks in ``finished`` (ranks that passed) ended without entering the collective ``rank``
-    is in (or that raised in it), else ""."""
+    """Why ``rank`` waits in vain: 'rank 1 finished the test after 0 collective(s)' when ranks
+    in ``finished`` ended without entering the collective ``rank`` is in (or raised in)."""
     mine = records.get(rank)
     if mine is None or mine.state == LEFT:
         return ""

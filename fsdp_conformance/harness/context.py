@@ -1,4 +1,4 @@
-"""The ``dist`` object a test body receives in every rank."""
+"""The ``dist`` object a test body receives in every rank (attributes: docs/harness.md)."""
 
 from __future__ import annotations
 
@@ -11,27 +11,24 @@ from typing import Any
 class RankContext:
     """One rank's view of the test world (the value of the ``dist`` fixture inside a rank)."""
 
-    # this rank's index in the default process group
     rank: int
-    # number of ranks
     world_size: int
     # the default process group (``torch.distributed.group.WORLD``)
     group: Any
-    # the rank's device: cpu, or cuda:<its own GPU> under nccl
+    # cpu, or cuda:<its own GPU> under nccl
     device: Any
     # "gloo", "nccl" or "threaded" (thread mode)
     backend: str
-    # per-test directory shared by all ranks of this test; removed after the test
+    # shared by all ranks of this test; removed after the test
     tmp_path: pathlib.Path
-    # --fsdp-impl: name of the FSDP implementation under test
+    # --fsdp-impl
     impl: str = "impl"
-    # "process", "process-fresh" or "thread"
     mode: str = "process"
     # GPU indices this test holds (one per rank under nccl), () on CPU
     gpu_ids: tuple[int, ...] = ()
-    # pytest node id of the running test
+    # pytest node id
     test_id: str = ""
-    # rendezvous URL of the rank set ("file://<FileStore path>"; "threaded://" in thread mode)
+    # rendezvous URL ("file://<FileStore path>"; "threaded://" in thread mode)
     init_method: str = ""
 
     def barrier(self) -> None:
@@ -45,11 +42,8 @@ class RankContext:
 
 
 class DistPlaceholder:
-    """The ``dist`` fixture's value in the pytest process, where no rank exists.
-
-    The test body never sees it (it runs in the ranks); fixtures that depend on ``dist``
-    can read the world's shape, but not per-rank state.
-    """
+    """The ``dist`` fixture's value in the pytest process: fixtures that depend on ``dist`` can
+    read the world's shape, nothing that exists only in a rank."""
 
     def __init__(self, world_size: int, mode: str, impl: str) -> None:
         self.world_size = world_size

@@ -1,17 +1,14 @@
-"""The controller: the pytest side of the harness. It checks the options, chooses how a test's
-ranks run (backend, GPUs), hands the test to a rank backend and combines the ranks' outcomes
-into one verdict.
-
-One rank backend per way of running ranks, all with one interface (``run(request, task)`` ->
-:class:`RunResult`, ``close()``): :class:`_ProcessRanks` (reused or fresh rank sets,
-``harness/rankset.py``), ``harness/threads.py`` and the torchrun job (``harness/launcher.py``). One
-:class:`Runtime` per pytest process (the plugin keeps it; each pytest-xdist worker has its
-own); :func:`get_runtime` gives ``RankTestCase`` the active one, or a default one outside pytest.
+"""The controller, the pytest side of the harness: options, the choice of backend and GPUs, and
+:class:`Runtime`, which hands a test to a rank backend (``run(request, task)`` -> ``RunResult``,
+``close()``: rank sets, ``threads.ThreadRanks``, ``launcher.TorchrunRanks``) and returns the
+verdict combined from the ranks' outcomes. One :class:`Runtime` per pytest process;
+:func:`get_runtime` gives ``RankTestCase`` the active one, or one from the environment.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import os
 import pickle
@@ -19,21 +16,12 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 from fsdp_conformance import constants
-from fsdp_conformance.harness import collectives, gpus, rank
+from fsdp_conformance.harness import gpus, rank, wire
 from fsdp_conformance.harness.rankset import RankSet, RankSetError
-from fsdp_conformance.harness.wire import (
-    FAILED,
-    SKIPPED,
-    RankMonkeyPatch,
-    RankTask,
-    RunResult,
-    TestTarget,
-    Verdict,
-    summarize,
-)
+from fsdp_conformance.harness.wire import FAILED, SKIPPED, RankTask, RunResult, TestTarget
 
 MODES = constants.MODES
 ENV_BACKEND = constants.ENV_BACKEND
@@ -51,8 +39,8 @@ class OptionError(ValueError):
 
 
 def parse_timeout(value: object, source: str) -> float:
-    """``value`` as a timeout in seconds (a finite number > 0), else :class:`OptionError`
-    naming ``source`` (the option or variable), the value and what is accepted."""
+    """``value`` as a finite number of seconds > 0, else :class:`OptionError` naming ``source``
+    (the option or variable). The other ``parse_*`` work the same way."""
     try:
         seconds = float(value)  # type: ignore[arg-type]
     except (TypeError, ValueError):
@@ -65,15 +53,13 @@ def parse_timeout(value: object, source: str) -> float:
 
 
 def parse_mode(value: str, source: str) -> str:
-    """``value`` if it names a mode, else :class:`OptionError` naming ``source``."""
     if value not in MODES:
         raise OptionError(f"{source}={value!r}: use one of {', '.join(MODES)}")
     return value
 
 
 def parse_backend(value: str | None, source: str) -> str | None:
-    """``value`` if it names a backend (None / "": choose automatically), else
-    :class:`OptionError` naming ``source``."""
+    """None / "": chosen per test."""
     if not value:
         return None
     if value not in BACKENDS:
@@ -85,7 +71,6 @@ def parse_backend(value: str | None, source: str) -> str | None:
 
 
 def parse_world_size(value: object, source: str) -> int:
-    """``value`` as a world size >= 1, else :class:`OptionError` naming ``source``."""
     try:
         size = int(value)  # type: ignore[call-overload]
     except (TypeError, ValueError):
@@ -107,20 +92,18 @@ class RuntimeOptions:
     mode: str = constants.DEFAULT_MODE
     # seconds a test may run in its ranks before it is failed with stack dumps
     timeout: float = DEFAULT_TIMEOUT_S
-    # world size for tests that do not say
+    # for tests that do not say
     world_size: int = 2
-    # --fsdp-impl: FSDP implementation under test, passed to the ranks as dist.impl
+    # --fsdp-impl, passed to the ranks as dist.impl
     impl: str = "impl"
-    # backend override ("gloo", "nccl"); None: gloo on CPU, nccl when each rank gets a GPU
+    # None: gloo on CPU, nccl when each rank gets a GPU
     backend: str | None = None
-    # module-level functions every rank calls after each test (rank.add_after_test; the
-    # plugin passes the adapters' on_test_end)
+    # module-level functions every rank calls after each test (rank.add_after_test)
     after_test: tuple[Callable[[], None], ...] = ()
 
     @classmethod
     def from_env(cls) -> RuntimeOptions:
-        """Options from ``FSDP_CONFORMANCE_MODE`` / ``_TIMEOUT`` / ``_BACKEND``
-        (:class:`OptionError` names a variable whose value cannot be used)."""
+        """Options from ``FSDP_CONFORMANCE_MODE`` / ``_TIMEOUT`` / ``_BACKEND``."""
         return cls(
             mode=parse_mode(os.environ.get(ENV_MODE) or constants.DEFAULT_MODE, ENV_MODE),
             timeout=parse_timeout(os.environ.get(ENV_TIMEOUT) or DEFAULT_TIMEOUT_S, ENV_TIMEOUT),
@@ -132,26 +115,24 @@ class RuntimeOptions:
 class TestRequest:
     """One test to run in ranks."""
 
-    # where rank processes find the test callable
     target: TestTarget
-    # fixture values other than `dist` (pickled for rank processes)
+    # fixture values other than `dist`
     kwargs: dict[str, Any]
-    # pytest node id (or unittest id)
     test_id: str
     world_size: int
     mode: str
     timeout: float
     # GPUs the test needs (0: none required; it may still get nccl + GPUs when available)
     gpus: int = 0
-    # the test callable in this process (thread and torchrun ranks call it in place; a
-    # unittest body takes no arguments); None: resolved from `target`
+    # the test callable in this process, for thread and torchrun ranks (a unittest body takes
+    # no arguments); None: resolved from `target`
     function: Callable[..., Any] | None = None
     # whether the test function takes `dist` itself (else only through a fixture)
     wants_dist: bool = True
 
 
 def _result(status: str, message: str) -> RunResult:
-    return RunResult(Verdict(status, message))
+    return RunResult(wire.Verdict(status, message))
 
 
 def pickle_kwargs(kwargs: dict[str, Any]) -> bytes:
@@ -160,13 +141,11 @@ def pickle_kwargs(kwargs: dict[str, Any]) -> bytes:
     monkeypatch = sys.modules.get("_pytest.monkeypatch")
     if monkeypatch is not None:
         kwargs = {
-            name: RankMonkeyPatch() if isinstance(value, monkeypatch.MonkeyPatch) else value
+            name: wire.RankMonkeyPatch() if isinstance(value, monkeypatch.MonkeyPatch) else value
             for name, value in kwargs.items()
         }
-    try:
+    with contextlib.suppress(Exception):  # find out which value it was, below
         return pickle.dumps(kwargs)
-    except Exception:  # noqa: BLE001, S110  find out which value it was, below
-        pass
     for name, value in kwargs.items():
         try:
             pickle.dumps(value)
@@ -182,25 +161,15 @@ def pickle_kwargs(kwargs: dict[str, Any]) -> bytes:
     raise FixtureNotPicklable("the fixture values cannot be pickled together")  # pragma: no cover
 
 
-class RankBackend(Protocol):
-    """One way of running a test's ranks."""
-
-    def run(self, request: TestRequest, task: RankTask) -> RunResult:
-        """Run ``task`` (``request``'s test) in ``request.world_size`` ranks."""
-
-    def close(self) -> None:
-        """Stop everything the backend started."""
-
-
 class _ProcessRanks:
     """``process`` and ``process-fresh`` modes: rank sets chosen by shape, kept for reuse."""
 
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
-        # process mode: (world_size, backend, gpu_ids) -> live rank set, least recently used first
+        # (world_size, backend, gpu_ids) -> idle rank set, least recently used first
         self.pool: dict[tuple[int, str, tuple[int, ...]], RankSet] = {}
-        # rank sets starting or running a test (out of the pool): `close` from another thread
-        # (an interrupted CLI) kills them
+        # sets starting or running a test: `close` from another thread (an interrupted CLI)
+        # kills them
         self.busy: set[RankSet] = set()
 
     def close(self) -> None:
@@ -212,7 +181,7 @@ class _ProcessRanks:
 
     def run(self, request: TestRequest, task: RankTask) -> RunResult:
         options, size = self.runtime.options, request.world_size
-        total = self.runtime.gpu_total() if (request.gpus or options.backend != "gloo") else 0
+        total = self.runtime.gpu_total(request)
         # each rank gets its own GPU when the test needs GPUs, or (real GPUs only) when the
         # machine has one per rank and the backend is not forced to gloo
         fake = gpus.fake_gpu_count() is not None
@@ -274,36 +243,29 @@ class _ProcessRanks:
                 return _result(FAILED, f"could not start {size} ranks: {exc}")
         self.busy.add(rank_set)
         try:
-            report = rank_set.run(blob, request.timeout)
+            return rank_set.run(blob, request.timeout)
         finally:
             self.busy.discard(rank_set)
             if fresh or rank_set.closed:
                 rank_set.close()
             else:
                 self.pool[key] = rank_set  # most recently used last
-        mismatch = collectives.mismatch(report.collectives)
-        return RunResult(summarize(report.outcomes, size, mismatch), report.logs, report.notes)
 
 
 class Runtime:
     """Runs tests in ranks; owns the rank backends and the session's temp directory.
-
-    Args:
-        options: the session's settings.
-        launcher: this process's place in a torchrun job (``launcher.LauncherEnv``): every
-            test then runs in place in the job's processes.
-    """
+    ``launcher`` (a ``launcher.LauncherEnv``): every test runs in place in a torchrun job."""
 
     def __init__(self, options: RuntimeOptions, launcher: Any = None) -> None:
         self.options = options
         rank.add_after_test(options.after_test)  # ranks that run in this process
-        # private directory for rank sets, FileStores and per-test tmp dirs; removed by close()
+        # for rank sets, FileStores and per-test tmp dirs
         self._root: str | None = None
         self._gpu_total: int | None = None
         self._tests = 0
         self._processes = _ProcessRanks(self)
-        self._threads: RankBackend | None = None
-        # the torchrun job's backend (launcher.TorchrunRanks), None when ranks are spawned
+        self._threads: Any = None
+        # the torchrun job's backend (launcher.TorchrunRanks)
         self.launcher: Any = None
         if launcher is not None:
             from fsdp_conformance.harness.launcher import TorchrunRanks
@@ -317,7 +279,10 @@ class Runtime:
             self._root = tempfile.mkdtemp(prefix="fsdp-conformance-")
         return self._root
 
-    def gpu_total(self) -> int:
+    def gpu_total(self, request: TestRequest) -> int:
+        """The machine's GPUs; 0 without looking when gloo is forced and none are needed."""
+        if not request.gpus and self.options.backend == "gloo":
+            return 0
         if self._gpu_total is None:
             self._gpu_total = gpus.gpu_count()
         return self._gpu_total
@@ -352,11 +317,11 @@ class Runtime:
             return _result(FAILED, f"world_size must be >= 1, got {request.world_size}")
         if not request.timeout > 0:
             return _result(FAILED, f"the timeout must be > 0 seconds, got {request.timeout!r}")
-        total = self.gpu_total() if (request.gpus or self.options.backend != "gloo") else 0
+        total = self.gpu_total(request)
         if request.gpus > total:
             where = " (CPU-only host)" if total == 0 else ""
             return _result(SKIPPED, f"needs {request.gpus} GPUs, {total} available{where}")
-        backend: RankBackend = self._processes
+        backend: Any = self._processes
         if request.mode == "thread":
             if request.gpus:
                 return _result(SKIPPED, "thread mode runs ranks on CPU; this test needs GPUs")
@@ -373,14 +338,13 @@ class Runtime:
             shutil.rmtree(tmp_path, ignore_errors=True)
 
 
-# The runtime of the running pytest session (set by the plugin), else a default one.
+# The runtime of the running pytest session (set by the plugin), else a default one, and
+# whether it is a pytest session's.
 _active: Runtime | None = None
-# whether _active belongs to a pytest session
 _active_is_pytest = False
 
 
 def set_active_runtime(runtime: Runtime | None, *, pytest_session: bool = False) -> None:
-    """Make ``runtime`` the one :func:`get_runtime` returns (the plugin sets its own)."""
     global _active, _active_is_pytest
     _active = runtime
     _active_is_pytest = pytest_session and runtime is not None
@@ -392,14 +356,8 @@ def active_runtime() -> tuple[Runtime | None, bool]:
     return _active, _active_is_pytest
 
 
-def under_pytest() -> bool:
-    """Whether the active runtime is a pytest session's (failures then use pytest.fail)."""
-    return _active_is_pytest
-
-
 def get_runtime() -> Runtime:
-    """The pytest session's runtime, or one configured from the environment
-    (``FSDP_CONFORMANCE_MODE``, ``FSDP_CONFORMANCE_TIMEOUT``, ``FSDP_CONFORMANCE_BACKEND``)."""
+    """The pytest session's runtime, or one configured from the environment."""
     global _active
     if _active is None:
         _active = Runtime(RuntimeOptions.from_env())
@@ -418,7 +376,7 @@ def run_function(
     backend: str | None = "gloo",
 ) -> RunResult:
     """Call ``module.function(dist=..., **kwargs)`` once in ``world_size`` rank processes of a
-    runtime of its own (outside pytest: the CLI's commands), closed afterwards."""
+    runtime of its own (the CLI's commands), closed afterwards."""
     runtime = Runtime(
         RuntimeOptions(
             mode="process", timeout=timeout, world_size=world_size, impl=impl, backend=backend

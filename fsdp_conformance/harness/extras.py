@@ -1,22 +1,16 @@
-"""Optional packages the built-in adapters need, and whether they import here (torch-free until
-one of them is asked for): what the CLI, the pytest plugin and repro.py refuse an adapter by
-before anything starts."""
+"""The optional packages built-in adapters need, checked (torch-free) before anything starts."""
 
 from __future__ import annotations
 
 import importlib
 
-# Built-in adapters that need an optional package: adapter -> (package, extra that installs it)
+# adapter -> (package, the extra that installs it)
 EXTRAS = {"fairscale": ("fairscale", "fairscale"), "deepspeed": ("deepspeed", "deepspeed")}
 
 
 def missing_extra(impl: str) -> str | None:
-    """Why the built-in adapter ``impl`` cannot run here -- its optional package does not import
-    -- as one line naming the install command; None when it can (or needs no extra).
-
-    The package is imported for real (as the adapter will import it in every rank), so a
-    package that is present but broken is refused too.
-    """
+    """Why the built-in adapter ``impl`` cannot run here (its package does not import, for
+    real: a broken one is refused too), naming the install command; None when it can."""
     if impl not in EXTRAS:
         return None
     package, extra = EXTRAS[impl]

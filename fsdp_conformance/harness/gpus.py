@@ -1,10 +1,7 @@
-"""GPUs for rank sets: how many there are, and a cross-process pool so that no GPU serves
-two tests at once (pytest-xdist workers share the machine's GPUs).
-
-The pool is a directory of lock files, one per GPU, locked with ``fcntl.flock``: a lock
-disappears with the process that held it, so a crashed worker never strands a GPU.
-``FSDP_CONFORMANCE_FAKE_GPUS=N`` pretends N GPUs exist (the pool logic then runs on a CPU
-host; the ranks use gloo on CPU and ``dist.gpu_ids`` shows the GPUs they hold).
+"""GPUs for rank sets: how many there are, and a cross-process pool so that no GPU serves two
+tests at once: one ``flock``-ed lock file per GPU (a lock dies with its process, so a crashed
+worker never strands a GPU). ``FSDP_CONFORMANCE_FAKE_GPUS=N`` pretends N GPUs exist (the ranks
+then run gloo on CPU with ``dist.gpu_ids`` set).
 """
 
 from __future__ import annotations
@@ -24,14 +21,13 @@ POLL_S = 0.05
 
 
 def fake_gpu_count() -> int | None:
-    """The fake GPU count from the environment, or None when not faking."""
     text = os.environ.get(ENV_FAKE_GPUS, "").strip()
     return int(text) if text else None
 
 
 def gpu_count() -> int:
-    """GPUs visible to this process (the fake count when set); avoids importing torch on
-    hosts without GPU device files."""
+    """GPUs visible to this process (the fake count when set); imports torch only on hosts
+    with GPU device files."""
     fake = fake_gpu_count()
     if fake is not None:
         return fake
@@ -46,26 +42,17 @@ def gpu_count() -> int:
 
 def lock_dir_path() -> str:
     """Where the per-GPU lock files are (``FSDP_CONFORMANCE_GPU_LOCK_DIR``, else one folder in
-    the temp directory per user); created by ``lock_dir``."""
+    the temp directory per user)."""
     return os.environ.get(ENV_LOCK_DIR) or os.path.join(
         tempfile.gettempdir(), f"fsdp-conformance-gpu-locks-{os.getuid()}"
     )
 
 
-def lock_dir() -> str:
-    """Directory of the per-GPU lock files (shared by every pytest process of this user)."""
-    path = lock_dir_path()
-    os.makedirs(path, exist_ok=True)
-    return path
-
-
 class GpuLease:
-    """GPUs held by one test; give them back with :meth:`release`."""
+    """GPUs held by one test (``ids``, in rank order) through their open lock files."""
 
     def __init__(self, ids: tuple[int, ...], files: list) -> None:
-        # GPU indices held, in rank order
         self.ids = ids
-        # open, flock-ed lock files (closing one releases its GPU)
         self._files = files
 
     def release(self) -> None:
@@ -77,7 +64,8 @@ class GpuLease:
 def acquire_gpus(count: int, total: int, timeout: float, prefer: tuple[int, ...] = ()) -> GpuLease:
     """Take ``count`` of the ``total`` GPUs, all or none, ``prefer`` first (those a pooled
     rank set uses); :class:`TimeoutError` when they are not free within ``timeout`` seconds."""
-    directory = lock_dir()
+    directory = lock_dir_path()
+    os.makedirs(directory, exist_ok=True)
     order = list(prefer) + [g for g in range(total) if g not in prefer]
     deadline = time.monotonic() + timeout
     while True:

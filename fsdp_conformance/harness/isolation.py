@@ -1,8 +1,6 @@
 """Per-test isolation: a :class:`StateSnapshot` of what a test may change in an interpreter
-(environment, cwd, ``sys.path``, ``warnings`` filters, RNGs, torch's default dtype and device,
-grad mode, deterministic and anomaly modes, intra-op threads, print options, global module
-hooks), taken before tests and restored after each. Threads a test left running
-(:func:`leftover_threads`) make the controller replace a rank set.
+(environment, cwd, ``sys.path``, ``warnings`` filters, RNGs, torch's global settings and module
+hooks), restored after each test.
 """
 
 from __future__ import annotations
@@ -13,6 +11,7 @@ import random
 import sys
 import threading
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 
@@ -23,7 +22,7 @@ class StateSnapshot:
     environ: dict[str, str]
     cwd: str
     sys_path: list[str]
-    # entered by take(), exited by restore(): saves and restores the warnings filters
+    # entered by take(), exited by restore(): the warnings filters
     warnings_guard: Any
     torch_state: dict[str, Any]
     rng: tuple[Any, Any, Any]
@@ -31,7 +30,6 @@ class StateSnapshot:
 
     @classmethod
     def take(cls) -> StateSnapshot:
-        """Save the current state (imports torch)."""
         guard = warnings.catch_warnings()
         guard.__enter__()
         return cls(
@@ -45,8 +43,8 @@ class StateSnapshot:
         )
 
     def restore(self, *, keep_warnings_guard: bool = True) -> None:
-        """Put everything back as it was at :meth:`take`; ``keep_warnings_guard`` re-enters
-        a warnings guard so that the snapshot can be restored again (rank processes)."""
+        """Put everything back; ``keep_warnings_guard`` re-enters a warnings guard so that the
+        snapshot can be restored again."""
         if dict(os.environ) != self.environ:
             os.environ.clear()
             os.environ.update(self.environ)
@@ -65,7 +63,8 @@ class StateSnapshot:
 
 
 def leftover_threads(snapshot: StateSnapshot) -> list[str]:
-    """Names of non-daemon threads started after ``snapshot`` and still running."""
+    """Non-daemon threads started after ``snapshot`` and still running (the controller then
+    replaces the rank set)."""
     return sorted(
         t.name
         for t in threading.enumerate()
@@ -73,27 +72,40 @@ def leftover_threads(snapshot: StateSnapshot) -> list[str]:
     )
 
 
-def _module_hooks() -> Any:
-    from torch.nn.modules import module as nn_module
+def _settings() -> dict[str, tuple[Callable[[], Any], Callable[[Any], Any]]]:
+    """torch's global settings a test may change: name -> (get, set); set is called only when
+    the value changed (``use_deterministic_algorithms`` imports torch._inductor, seconds)."""
+    import torch
 
-    return nn_module
+    options = torch._tensor_str.PRINT_OPTS
+    return {
+        "dtype": (torch.get_default_dtype, torch.set_default_dtype),
+        "device": (
+            torch.get_default_device,
+            lambda d: torch.set_default_device(None if d == torch.device("cpu") else d),
+        ),
+        "grad": (torch.is_grad_enabled, torch.set_grad_enabled),
+        "deterministic": (
+            lambda: (
+                torch.are_deterministic_algorithms_enabled(),
+                torch.is_deterministic_algorithms_warn_only_enabled(),
+            ),
+            lambda v: torch.use_deterministic_algorithms(v[0], warn_only=v[1]),
+        ),
+        "anomaly": (
+            lambda: (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()),
+            lambda v: torch.autograd.set_detect_anomaly(*v),
+        ),
+        "threads": (torch.get_num_threads, torch.set_num_threads),
+        "print": (lambda: dict(vars(options)), lambda v: vars(options).update(v)),
+    }
 
 
 def _torch_state() -> dict[str, Any]:
-    import torch
+    from torch.nn.modules import module as hooks
 
-    hooks = _module_hooks()
-    state: dict[str, Any] = {
-        "dtype": torch.get_default_dtype(),
-        "device": torch.get_default_device(),
-        "grad": torch.is_grad_enabled(),
-        "deterministic": torch.are_deterministic_algorithms_enabled(),
-        "deterministic_warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
-        "anomaly": (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()),
-        "threads": torch.get_num_threads(),
-        "print": dict(vars(torch._tensor_str.PRINT_OPTS)),
-        "hooks": {},
-    }
+    state = {name: get() for name, (get, _) in _settings().items()}
+    state["hooks"] = {}
     for name in dir(hooks):
         if name.startswith("_global_") and name.endswith(("_hooks", "_hook", "_called")):
             value = getattr(hooks, name)
@@ -102,33 +114,11 @@ def _torch_state() -> dict[str, Any]:
 
 
 def _restore_torch_state(state: dict[str, Any]) -> None:
-    import torch
+    from torch.nn.modules import module as hooks
 
-    if torch.get_default_dtype() != state["dtype"]:
-        torch.set_default_dtype(state["dtype"])
-    if torch.get_default_device() != state["device"]:
-        default = state["device"]
-        torch.set_default_device(None if default == torch.device("cpu") else default)
-    torch.set_grad_enabled(state["grad"])
-    deterministic = (
-        torch.are_deterministic_algorithms_enabled(),
-        torch.is_deterministic_algorithms_warn_only_enabled(),
-    )
-    if deterministic != (state["deterministic"], state["deterministic_warn_only"]):
-        # (only when changed: the call imports torch._inductor, seconds on first use)
-        torch.use_deterministic_algorithms(
-            state["deterministic"], warn_only=state["deterministic_warn_only"]
-        )
-    anomaly = (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled())
-    if anomaly != state["anomaly"]:
-        torch.autograd.set_detect_anomaly(*state["anomaly"])
-    if torch.get_num_threads() != state["threads"]:
-        torch.set_num_threads(state["threads"])
-    options = torch._tensor_str.PRINT_OPTS
-    if dict(vars(options)) != state["print"]:
-        for key, value in state["print"].items():
-            setattr(options, key, value)
-    hooks = _module_hooks()
+    for name, (get, set_) in _settings().items():
+        if get() != state[name]:
+            set_(state[name])
     for name, saved in state["hooks"].items():
         current = getattr(hooks, name)
         if isinstance(saved, dict):

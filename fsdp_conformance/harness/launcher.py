@@ -1,15 +1,12 @@
-"""The torchrun launcher: the pytest session is one process of a ``torchrun`` job and every
-test that uses ``dist`` (or ``FSDPTest``) runs in place, SPMD, in every process of the job
-(:class:`TorchrunRanks`, the controller's rank backend there; :class:`LauncherPlugin`, its
-pytest hooks). What it promises is docs/torchrun.md: one default group for the session; the
-ranks talk outside test bodies only through the launcher's key-value store, every wait with a
-deadline; an N-rank test runs on ranks 0..N-1 with that group as the default group; every rank
-computes the same verdict; a watchdog dumps and interrupts a body past its timeout and ends a
-rank stuck in C code; after a hang or a gone rank the session stops.
+"""Launcher mode: the pytest session is one process of a ``torchrun`` job and every ``dist`` test
+runs in place, SPMD, in every process of the job (:class:`TorchrunRanks`, the rank backend;
+:class:`LauncherPlugin`, its pytest hooks). Outside test bodies the ranks talk only through the
+launcher's key-value store, every wait with a deadline (docs/torchrun.md).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import faulthandler
@@ -29,9 +26,9 @@ import pytest
 
 from fsdp_conformance import constants
 from fsdp_conformance.harness import rank as rank_task
+from fsdp_conformance.harness import wire
 from fsdp_conformance.harness.wire import DIED, FAILED, HUNG, SKIPPED, RankOutcome, RankTask
 
-# --fsdp-launcher choices and its env variable
 LAUNCHERS = constants.LAUNCHERS
 ENV_LAUNCHER = constants.ENV_LAUNCHER
 # What torchrun sets in every process it starts.
@@ -49,10 +46,7 @@ class LauncherEnv:
     rank: int
     world_size: int
     local_rank: int
-    # processes of the job on this node
     local_world_size: int
-    # whether the default process group existed before the session (not ours to destroy)
-    preinitialized: bool = False
 
 
 def _int_env(name: str, default: str | None = None) -> int:
@@ -67,9 +61,8 @@ def _int_env(name: str, default: str | None = None) -> int:
 
 
 def detect(choice: str) -> LauncherEnv | None:
-    """This process's :class:`LauncherEnv` when pytest runs inside a launcher, else None;
-    ``choice``: ``auto`` (launcher environment or an initialised default group), ``torchrun``
-    (required) or ``none``."""
+    """This process's :class:`LauncherEnv` when pytest runs inside a launcher, else None
+    (``choice``: ``auto``, ``torchrun``: required, or ``none``)."""
     if choice not in LAUNCHERS:
         raise pytest.UsageError(
             f"--fsdp-launcher {choice!r}: use one of {', '.join(LAUNCHERS)} (env {ENV_LAUNCHER})"
@@ -79,13 +72,9 @@ def detect(choice: str) -> LauncherEnv | None:
     # torch is imported only when it already is (the plugin stays import-light)
     tdist = sys.modules.get("torch.distributed")
     if tdist is not None and tdist.is_available() and tdist.is_initialized():
-        return LauncherEnv(
-            rank=tdist.get_rank(),
-            world_size=tdist.get_world_size(),
-            local_rank=_int_env("LOCAL_RANK", str(tdist.get_rank())),
-            local_world_size=_int_env("LOCAL_WORLD_SIZE", str(tdist.get_world_size())),
-            preinitialized=True,
-        )
+        rank, size = tdist.get_rank(), tdist.get_world_size()
+        local = _int_env("LOCAL_RANK", str(rank)), _int_env("LOCAL_WORLD_SIZE", str(size))
+        return LauncherEnv(rank, size, *local)
     missing = [name for name in LAUNCHER_ENV if name not in os.environ]
     if missing:
         if choice == "torchrun":
@@ -100,24 +89,17 @@ def detect(choice: str) -> LauncherEnv | None:
             f"launcher environment: RANK={rank} is not in [0, WORLD_SIZE={world_size}); fix the "
             "launcher's environment, or pass --fsdp-launcher none"
         )
-    return LauncherEnv(
-        rank=rank,
-        world_size=world_size,
-        local_rank=_int_env("LOCAL_RANK"),
-        local_world_size=_int_env("LOCAL_WORLD_SIZE", str(world_size)),
-    )
-
-
-# -----------------------------------------------------------------------------
-# The watchdog
+    local = _int_env("LOCAL_RANK"), _int_env("LOCAL_WORLD_SIZE", str(world_size))
+    return LauncherEnv(rank, world_size, *local)
 
 
 class _Timeout(BaseException):
-    """Raised in the test body by the watchdog's signal after the timeout."""
+    """Raised in the test body by the watchdog's signal."""
 
 
 class _Watchdog:
-    """Interrupts one test body after ``timeout`` seconds (docs/torchrun.md, "Nothing hangs")."""
+    """After ``timeout`` seconds: posts the body's stack dump as its outcome and interrupts it
+    (SIGUSR2); ends the process when the body still does not return (docs/torchrun.md)."""
 
     def __init__(self, runtime: TorchrunRanks, key: str, size: int, timeout: float) -> None:
         self.runtime = runtime
@@ -161,27 +143,36 @@ class _Watchdog:
             self.dump = dump
             self.fired = True
         rank = self.runtime.env.rank
-        self.runtime._post(self.key, self.runtime._hung(rank, self.timeout, dump))
+        self.runtime._post(self.key, _hung(rank, self.timeout, dump))
         if self._main:
             signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR2)
-        if self._done.wait(self.timeout + OUTCOME_GRACE_S):
-            return
-        self.runtime._give_up(self.key, self.size)
+        if not self._done.wait(self.timeout + OUTCOME_GRACE_S):
+            self.runtime._give_up(self.key, self.size)
 
 
-# -----------------------------------------------------------------------------
-# The runtime
+_NO_OUTCOME = (
+    f"sent no outcome within the timeout + {OUTCOME_GRACE_S:g} s (the process ended, or is "
+    "stuck where the watchdog cannot interrupt it)"
+)
+
+
+def _result(status: str, message: str) -> wire.RunResult:
+    return wire.RunResult(wire.Verdict(status, message))
+
+
+def _hung(rank: int, timeout: float, dump: str) -> RankOutcome:
+    message = f"did not finish within the timeout of {timeout:g} s"
+    return RankOutcome(rank, HUNG, message=message, traceback=dump)
 
 
 class TorchrunRanks:
     """The rank backend of launcher mode: runs each test in place in this process, in step
-    with the job's other processes (``options``: the session's ``RuntimeOptions``; ``env``:
-    this process's place in the job, :func:`detect`)."""
+    with the job's other processes (``options``: the session's ``RuntimeOptions``)."""
 
     def __init__(self, options: Any, env: LauncherEnv) -> None:
         self.options = options
         self.env = env
-        rank_task.add_after_test(options.after_test)  # run by reset_after_test after each test
+        rank_task.add_after_test(options.after_test)
         # why the session must stop (a hang or a gone rank), None while healthy
         self.broken: str | None = None
         self._started = False
@@ -189,16 +180,13 @@ class TorchrunRanks:
         self._root = ""
         self._backend = ""
         self._device: Any = None
-        # GPUs on this node
-        self._gpu_count = 0
+        self._gpu_count = 0  # on this node
         self._owns_group = False
         self._occurrences: dict[str, int] = {}
         # ranks that sent no outcome in time (not waited for again)
         self._gone: set[int] = set()
         self._watchdog: _Watchdog | None = None
         self._previous_handler: Any = None
-
-    # -- session
 
     def start(self) -> None:
         """Join (or create) the default process group and the session's shared directory."""
@@ -208,21 +196,18 @@ class TorchrunRanks:
         import torch.distributed as tdist
 
         self._started = True
-        timeout = datetime.timedelta(seconds=self.options.timeout)
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        self._gpu_count = gpus
+        gpus = self._gpu_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         default = "nccl" if gpus >= self.env.local_world_size and gpus > 0 else "gloo"
         self._backend = self.options.backend or default
+        self._device = torch.device("cpu")
         if self._backend == "nccl":
-            torch.cuda.set_device(self.env.local_rank)
             self._device = torch.device("cuda", self.env.local_rank)
-        else:
-            self._device = torch.device("cpu")
+            torch.cuda.set_device(self._device)
         if not tdist.is_initialized():
             tdist.init_process_group(
                 backend=self._backend,
                 init_method="env://",
-                timeout=timeout,
+                timeout=datetime.timedelta(seconds=self.options.timeout),
                 **({"device_id": self._device} if self._backend == "nccl" else {}),
             )
             self._owns_group = True
@@ -255,18 +240,14 @@ class TorchrunRanks:
             self._previous_handler = None
         if self.broken is None and self._owns_group and tdist.is_initialized():
             tdist.destroy_process_group()  # (the store object stays usable)
-        try:
+        with contextlib.suppress(Exception):  # the store's host ended: nobody waits for this
             self._post("closed", self.env.rank)
-        except Exception:  # noqa: BLE001, S110  the store's host ended: nobody waits for this
-            pass
         if self.env.rank == 0:
             # leave last: the launcher stops the others when rank 0 exits non-zero
             alive = [r for r in range(self.env.world_size) if r not in self._gone]
             self._missing([f"closed/{r}" for r in alive], OUTCOME_GRACE_S)
         if self.env.local_rank == 0:
             shutil.rmtree(self._root, ignore_errors=True)
-
-    # -- store helpers
 
     def _post(self, key: str, value: Any) -> None:
         self._store.set(f"{key}/{self.env.rank}", pickle.dumps(value))
@@ -287,7 +268,7 @@ class TorchrunRanks:
         return []
 
     def _read(self, key: str) -> Any:
-        """The value rank ``key``'s owner posted, or None when the store cannot give it."""
+        """The value posted under ``key``, or None when the store cannot give it."""
         try:
             return pickle.loads(self._store.get(key))
         except Exception:  # noqa: BLE001  the store's host ended
@@ -301,48 +282,28 @@ class TorchrunRanks:
             outcome = None if name in missing else self._read(name)
             if outcome is None:
                 self._gone.add(rank)
-                outcome = RankOutcome(
-                    rank,
-                    DIED,
-                    message=f"sent no outcome within the timeout + {OUTCOME_GRACE_S:g} s (the "
-                    "process ended, or is stuck where the watchdog cannot interrupt it)",
-                )
+                outcome = RankOutcome(rank, DIED, message=_NO_OUTCOME)
             outcomes[rank] = outcome
         return outcomes
 
-    @staticmethod
-    def _hung(rank: int, timeout: float, dump: str) -> RankOutcome:
-        return RankOutcome(
-            rank,
-            HUNG,
-            message=f"did not finish within the timeout of {timeout:g} s",
-            traceback=dump,
-        )
-
-    # -- one test
-
-    def run(self, request: Any, task: RankTask) -> Any:
+    def run(self, request: Any, task: RankTask) -> wire.RunResult:
         """Run ``task`` (of ``request``, a ``controller.TestRequest``) in place; every rank of
-        the job calls this for the same test. Returns the job's ``wire.RunResult``."""
-        from fsdp_conformance.harness.wire import RunResult, Verdict, summarize
-
+        the job calls this for the same test."""
         self.start()
         size, jobs = request.world_size, self.env.world_size
         if size < 1:
-            return RunResult(Verdict(FAILED, f"world_size must be >= 1, got {size}"))
-        if size > self.env.world_size:
-            return RunResult(
-                Verdict(SKIPPED, f"needs {size} ranks, the launcher's job has {jobs} (WORLD_SIZE)")
+            return _result(FAILED, f"world_size must be >= 1, got {size}")
+        if size > jobs:
+            return _result(
+                SKIPPED, f"needs {size} ranks, the launcher's job has {jobs} (WORLD_SIZE)"
             )
-        if request.gpus and (self._backend != "nccl" or request.gpus > self.env.world_size):
+        if request.gpus and (self._backend != "nccl" or request.gpus > jobs):
             # the spawning modes' reason; here every rank of an nccl job holds one GPU
-            held = self.env.world_size if self._backend == "nccl" else 0
+            held = jobs if self._backend == "nccl" else 0
             where = " (CPU-only host)" if self._gpu_count == 0 else " (gloo job)"
-            return RunResult(
-                Verdict(SKIPPED, f"needs {request.gpus} GPUs, {held} available{where}")
-            )
+            return _result(SKIPPED, f"needs {request.gpus} GPUs, {held} available{where}")
         if self.broken is not None:
-            return RunResult(Verdict(FAILED, f"not run: {self.broken}"))
+            return _result(FAILED, f"not run: {self.broken}")
         occurrence = self._occurrences.get(request.test_id, 0)
         self._occurrences[request.test_id] = occurrence + 1
         key = f"test/{request.test_id}#{occurrence}"
@@ -361,7 +322,7 @@ class TorchrunRanks:
                 f"rank(s) {', '.join(map(str, gone))} hung or ended in {request.test_id}; the "
                 "process group cannot be trusted after that, so the session stopped"
             )
-        return RunResult(summarize(outcomes, size))
+        return wire.RunResult(wire.summarize(outcomes, size))
 
     def _run_body(self, request: Any, task: RankTask, size: int, key: str) -> RankOutcome:
         import torch.distributed as tdist
@@ -381,6 +342,7 @@ class TorchrunRanks:
                 )
         except Exception as exc:  # noqa: BLE001  reported like a failure of the body
             return rank_task.classify_exception(rank, exc)
+        gpu_ids = (self._device.index,) if self._backend == "nccl" else ()
         ctx = RankContext(
             rank=rank,
             world_size=size,
@@ -390,13 +352,12 @@ class TorchrunRanks:
             tmp_path=pathlib.Path(task.tmp_path),
             impl=self.options.impl,
             mode=MODE,
-            gpu_ids=(self._device.index,) if self._backend == "nccl" else (),
+            gpu_ids=gpu_ids,
             test_id=request.test_id,
             init_method="env://",
         )
         watchdog = _Watchdog(self, key, size, request.timeout)
         job_group = tdist.group.WORLD
-        # what the test may change in this interpreter, restored after it (harness/isolation.py)
         snapshot = isolation.StateSnapshot.take()
         try:
             with watchdog:
@@ -409,9 +370,8 @@ class TorchrunRanks:
         finally:
             tdist.GroupMember.WORLD = job_group
         if watchdog.fired:
-            outcome = self._hung(rank, request.timeout, watchdog.dump)
+            outcome = _hung(rank, request.timeout, watchdog.dump)
         try:
-            # the pooled rank process's reset, on this process
             for problem in rank_task.reset_after_test(snapshot, [], rank):
                 sys.stderr.write(f"fsdp-conformance: {request.test_id}: {problem}\n")
         except BaseException as exc:  # noqa: BLE001  a broken reset poisons later tests
@@ -431,17 +391,11 @@ class TorchrunRanks:
             f"{self.options.timeout:g} s after its timeout interrupted it; ending this process"
         )
         if self.env.rank == 0:
-            from fsdp_conformance.harness.wire import summarize
-
             outcomes = self._gather(key, size, time.monotonic() + OUTCOME_GRACE_S)
-            head += "\n" + summarize(outcomes, size).message
+            head += "\n" + wire.summarize(outcomes, size).message
         sys.stderr.write(head + "\n")
         sys.stderr.flush()
         os._exit(1)
-
-
-# -----------------------------------------------------------------------------
-# The pytest side
 
 
 class LauncherPlugin:
@@ -516,9 +470,7 @@ class LauncherPlugin:
         if self.env.rank == 0:
             runtime._post("exit", int(exitstatus))
             return
-        wait = OUTCOME_GRACE_S
-        if runtime.broken is None:
-            wait += runtime.options.timeout
+        wait = OUTCOME_GRACE_S + (runtime.options.timeout if runtime.broken is None else 0)
         status = None
         if 0 not in runtime._gone and not runtime._missing(["exit/0"], wait):
             status = runtime._read("exit/0")
@@ -527,14 +479,13 @@ class LauncherPlugin:
                 f"fsdp-conformance: rank {self.env.rank}: rank 0 reported no exit status "
                 f"within {wait:g} s; exiting with 1\n"
             )
-            session.exitstatus = max(int(exitstatus), 1)
-            return
+            status = max(int(exitstatus), 1)
         session.exitstatus = status
 
 
 def configure(config: pytest.Config, choice: str) -> LauncherEnv | None:
-    """Detect the launcher (``--fsdp-launcher``); on ranks other than 0 turn off
-    ``--junitxml`` and the CLI's result file before their plugins start. Returns the env."""
+    """:func:`detect` the launcher; on ranks other than 0 turn off ``--junitxml`` and the CLI's
+    result file before their plugins start."""
     env = detect(choice)
     if env is not None and env.rank != 0:
         config.option.xmlpath = None

@@ -1,8 +1,8 @@
 """``record_property(name, value)``: pytest's ``record_property`` for code running in ranks.
 
-What a body records (``collecting()``, around every body in every mode) travels back with the
-rank's outcome; the plugin adds it to ``item.user_properties`` (report, ``--junitxml``). Values
-must be picklable. Outside a collected body the values wait for ``take_pending()``.
+What a body records travels back with the rank's outcome (``collecting()`` runs around every
+body) and ends in ``item.user_properties``; values must be picklable. What is recorded outside
+a body waits for ``take_pending()``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ _pending_lock = threading.Lock()
 
 
 def record_property(name: str, value: Any) -> None:
-    """Record ``name = value`` for the running test (see the module docstring)."""
+    """Record ``name = value`` for the running test."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"record_property: name {name!r} must be a non-empty string")
     stack: list[list[tuple[str, Any]]] | None = getattr(_local, "stack", None)
@@ -31,7 +31,7 @@ def record_property(name: str, value: Any) -> None:
 
 @contextlib.contextmanager
 def collecting() -> Iterator[list[tuple[str, Any]]]:
-    """Collect what this thread records while the block runs (the harness, around a body)."""
+    """Collect what this thread records while the block runs."""
     stack = _local.__dict__.setdefault("stack", [])
     recorded: list[tuple[str, Any]] = []
     stack.append(recorded)
@@ -42,7 +42,7 @@ def collecting() -> Iterator[list[tuple[str, Any]]]:
 
 
 def take_pending() -> list[tuple[str, Any]]:
-    """What was recorded outside any collected body since the last call (and forget it)."""
+    """What was recorded outside any body since the last call (and forget it)."""
     with _pending_lock:
         taken = list(_pending)
         _pending.clear()

@@ -1,11 +1,7 @@
-"""The rank: one test body run in one rank, the same in every mode, and the entry point of a
-rank process (``process`` and ``process-fresh`` modes).
-
-:func:`run_task` is the rank task of every mode: seed, build the fixture values, call the body,
-classify its end as a :class:`RankOutcome`; :func:`reset_after_test` undoes what the test left.
-A rank process (:func:`main`, started by ``harness/rankset.py``) loops over :class:`RunTest`
-messages; thread ranks (``harness/threads.py``) and torchrun ranks (``harness/launcher.py``) call
-:func:`run_task` in place.
+"""The rank: :func:`run_task`, one test body in one rank the same in every mode (seed, build the
+fixture values, call, classify the end as a :class:`RankOutcome`); :func:`reset_after_test`;
+and :func:`main`, the loop of a rank process (started by ``harness/rankset.py``). Thread and
+torchrun ranks call :func:`run_task` in place.
 
 [Note: leaving a rank]
 A rank process leaves with ``os._exit`` after flushing its output and sending its last
@@ -16,6 +12,7 @@ message: ranks sometimes abort during interpreter-exit garbage collection after
 from __future__ import annotations
 
 import ast
+import contextlib
 import datetime
 import faulthandler
 import importlib
@@ -36,27 +33,8 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from fsdp_conformance import constants
-from fsdp_conformance.harness import properties
-from fsdp_conformance.harness.wire import (
-    FAILED,
-    PASSED,
-    SKIPPED,
-    XFAILED,
-    Exit,
-    Finished,
-    GroupReinitialized,
-    InRank,
-    RankMonkeyPatch,
-    RankOutcome,
-    RankTask,
-    Ready,
-    ReinitGroup,
-    RunTest,
-    Started,
-    StartupFailed,
-    TestTarget,
-    expect,
-)
+from fsdp_conformance.harness import properties, wire
+from fsdp_conformance.harness.wire import RankOutcome, RankTask
 
 # Environment variables the controller sets for a rank process.
 ENV_FD = "FSDP_CONFORMANCE_CONN_FD"
@@ -73,18 +51,15 @@ _KEPT_ENV = (ENV_RANK, ENV_WORLD_SIZE, ENV_BACKEND, ENV_GPU_IDS, ENV_MODE)
 # Seconds between checks that the controller is still alive (an orphaned rank exits).
 PARENT_POLL_S = 0.5
 
-
-# -----------------------------------------------------------------------------
-# Functions called after every test (the plugin passes the adapters' on_test_end)
-
+# Functions called after every test (the plugin passes the adapters' on_test_end).
 _after_test: list[Callable[[], None]] = []
 _after_test_lock = threading.Lock()
 
 
 def add_after_test(functions: Iterable[Callable[[], None]]) -> None:
-    """Register ``functions`` (each once) to run in this process after every test, before
-    the test's non-default process groups are destroyed. They must be importable (module
-    level): they travel to rank processes by reference."""
+    """Register ``functions`` (each once) to run in this process after every test, before its
+    non-default process groups are destroyed. They travel to rank processes by reference, so
+    they must be importable (module level)."""
     with _after_test_lock:
         for function in functions:
             if not callable(function):
@@ -94,21 +69,15 @@ def add_after_test(functions: Iterable[Callable[[], None]]) -> None:
 
 
 def run_after_test() -> None:
-    """Call every registered function, in registration order."""
     with _after_test_lock:
         functions = list(_after_test)
     for function in functions:
         function()
 
 
-# -----------------------------------------------------------------------------
-# Importing the test (rank processes)
-
-
 def load_test_module(name: str, file: str | None) -> types.ModuleType:
     """Import the test module ``name`` from ``file`` with pytest's assertion rewriting; reuse
-    it when already loaded from the same file (a module of that name from another file is
-    replaced)."""
+    it when already loaded from the same file."""
     if name == "__main__":  # a unittest script run as `python test_x.py`
         name = "__mp_main__"
     module = sys.modules.get(name)
@@ -118,20 +87,25 @@ def load_test_module(name: str, file: str | None) -> types.ModuleType:
         return importlib.import_module(name)
     parent = name.rpartition(".")[0]
     if parent:
-        try:
+        with contextlib.suppress(ImportError):  # pytest's importlib mode: synthetic package names
             importlib.import_module(parent)  # for relative imports in the test module
-        except ImportError:
-            pass  # pytest's importlib mode: synthetic package names
     spec = importlib.util.spec_from_file_location(name, file)
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot load test module {name!r} from {file}")
     module = importlib.util.module_from_spec(spec)
     with open(file, "rb") as source_file:
         source = source_file.read()
-    code = _compile_with_assert_rewriting(source, file)
+    tree = ast.parse(source, filename=file)
+    try:
+        from _pytest.assertion import rewrite, util
+
+        rewrite.rewrite_asserts(tree, source, file, None)
+        util._reprcompare = _reprcompare  # rich `==` explanations, as pytest shows them
+    except Exception:  # noqa: BLE001  pytest internals moved: plain asserts still work
+        tree = ast.parse(source, filename=file)
     sys.modules[name] = module
     try:
-        exec(code, module.__dict__)  # noqa: S102  (what importing the module does)
+        exec(compile(tree, file, "exec", dont_inherit=True), module.__dict__)  # noqa: S102
     except BaseException:
         sys.modules.pop(name, None)
         raise
@@ -147,18 +121,6 @@ def _same_file(a: str | None, b: str | None) -> bool:
         return False
 
 
-def _compile_with_assert_rewriting(source: bytes, file: str) -> types.CodeType:
-    tree = ast.parse(source, filename=file)
-    try:
-        from _pytest.assertion import rewrite, util
-
-        rewrite.rewrite_asserts(tree, source, file, None)
-        util._reprcompare = _reprcompare  # rich `==` explanations, as pytest shows them
-    except Exception:  # noqa: BLE001  pytest internals moved: plain asserts still work
-        tree = ast.parse(source, filename=file)
-    return compile(tree, file, "exec", dont_inherit=True)
-
-
 class _AssertConfig:
     """The two things pytest's assertion explanations need from a Config."""
 
@@ -169,10 +131,6 @@ class _AssertConfig:
         from _pytest._io import TerminalWriter
 
         return TerminalWriter(file=open(os.devnull, "w"))
-
-
-def _no_highlighting(source: str, lexer: str = "python") -> str:
-    return source
 
 
 def _reprcompare(op: str, left: Any, right: Any) -> str | None:
@@ -192,7 +150,7 @@ def _reprcompare(op: str, left: Any, right: Any) -> str | None:
             "left": left,
             "right": right,
             "verbose": 0,
-            "highlighter": _no_highlighting,
+            "highlighter": lambda source, lexer="python": source,
             "assertion_text_diff_style": "ndiff",
         }
         kwargs = {}
@@ -207,11 +165,10 @@ def _reprcompare(op: str, left: Any, right: Any) -> str | None:
     return "\n~".join(lines) if lines else None
 
 
-def resolve_target(target: TestTarget) -> Callable[..., Any]:
+def resolve_target(target: wire.TestTarget) -> Callable[..., Any]:
     """The callable that runs the test body (a function, a bound method, a TestCase's
     ``debug``)."""
-    module = load_test_module(target.module_name, target.module_file)
-    owner: Any = module
+    owner: Any = load_test_module(target.module_name, target.module_file)
     for attribute in target.class_path:
         owner = getattr(owner, attribute)
     if target.kind == "unittest":
@@ -221,12 +178,7 @@ def resolve_target(target: TestTarget) -> Callable[..., Any]:
     return getattr(owner, target.function_name)
 
 
-# -----------------------------------------------------------------------------
-# The rank task
-
-
 def seed_all(seed: int) -> None:
-    """Seed torch (all devices), ``random`` and numpy (when importable)."""
     import torch
 
     torch.manual_seed(seed)
@@ -239,18 +191,18 @@ def seed_all(seed: int) -> None:
 def build_kwargs(
     values: dict[str, Any], ctx: Any, wants_dist: bool = True, monkeypatches: list | None = None
 ) -> dict[str, Any]:
-    """Resolve :class:`InRank` fixture values in this rank; add ``dist`` if the test takes it.
-    A :class:`RankMonkeyPatch` becomes a fresh ``pytest.MonkeyPatch``, appended to
-    ``monkeypatches`` for the caller to undo after the test."""
+    """Build ``InRank`` values in this rank and add ``dist`` if the test takes it; a
+    ``RankMonkeyPatch`` becomes a ``pytest.MonkeyPatch`` appended to ``monkeypatches`` (the
+    caller undoes it after the test)."""
     kwargs = {}
     for name, value in values.items():
-        if isinstance(value, RankMonkeyPatch):
+        if isinstance(value, wire.RankMonkeyPatch):
             import pytest
 
             value = pytest.MonkeyPatch()
             if monkeypatches is not None:
                 monkeypatches.append(value)
-        elif isinstance(value, InRank):
+        elif isinstance(value, wire.InRank):
             try:
                 wants_ctx = "dist" in inspect.signature(value.factory).parameters
             except (TypeError, ValueError):
@@ -272,65 +224,57 @@ def run_task(
 ) -> RankOutcome:
     """Run one test body in this rank (every mode): make ``ctx`` the current context, seed,
     call ``call`` (a pytest function with its fixture ``values``, or a unittest body) and
-    classify how it ended."""
+    classify how it ended, with the report properties it recorded."""
     _current_context.ctx = ctx
     try:
         seed_all(task.seed)
-        if task.target.kind == "unittest":
-            return call_and_classify(ctx.rank, call)
-        return call_and_classify(
-            ctx.rank, lambda: call(**build_kwargs(values, ctx, task.wants_dist, monkeypatches))
-        )
+        start = time.perf_counter()
+        with properties.collecting() as recorded:
+            try:
+                if task.target.kind == "unittest":
+                    call()
+                else:
+                    call(**build_kwargs(values, ctx, task.wants_dist, monkeypatches))
+            except BaseException as exc:  # noqa: BLE001  (everything is reported)
+                outcome = classify_exception(ctx.rank, exc)
+            else:
+                outcome = RankOutcome(ctx.rank, wire.PASSED)
+        outcome.duration = time.perf_counter() - start
+        outcome.properties = list(recorded)
+        return outcome
     finally:
         _current_context.ctx = None
 
 
-def call_and_classify(rank: int, body: Callable[[], Any]) -> RankOutcome:
-    """Call ``body`` and turn its return or exception into a :class:`RankOutcome`, with the
-    report properties it recorded."""
-    start = time.perf_counter()
-    with properties.collecting() as recorded:
-        try:
-            body()
-        except BaseException as exc:  # noqa: BLE001  (everything is reported)
-            outcome = classify_exception(rank, exc)
-        else:
-            outcome = RankOutcome(rank, PASSED)
-    outcome.duration = time.perf_counter() - start
-    outcome.properties = list(recorded)
-    return outcome
-
-
 def classify_exception(rank: int, exc: BaseException) -> RankOutcome:
-    """The outcome an exception of a body means: pytest's skip / xfail / fail, unittest's
-    skip, else a failure with the user's traceback."""
+    """pytest's skip / xfail / fail, unittest's skip, else a failure with the user's
+    traceback."""
     import unittest
 
     from _pytest.outcomes import Failed, Skipped, XFailed
 
     if isinstance(exc, Skipped):
-        return RankOutcome(rank, SKIPPED, message=str(exc.msg))
+        return RankOutcome(rank, wire.SKIPPED, message=str(exc.msg))
     if isinstance(exc, unittest.SkipTest):
-        return RankOutcome(rank, SKIPPED, message=str(exc))
+        return RankOutcome(rank, wire.SKIPPED, message=str(exc))
     if isinstance(exc, XFailed):
-        return RankOutcome(rank, XFAILED, message=str(exc.msg))
+        return RankOutcome(rank, wire.XFAILED, message=str(exc.msg))
     if isinstance(exc, Failed) and not exc.pytrace:
-        return RankOutcome(rank, FAILED, message=str(exc.msg))
+        return RankOutcome(rank, wire.FAILED, message=str(exc.msg))
     text = str(exc).strip()
     first = text.splitlines()[0] if text else ""
     message = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
-    return RankOutcome(rank, FAILED, message=message, traceback=format_user_traceback(exc))
+    return RankOutcome(rank, wire.FAILED, message=message, traceback=format_user_traceback(exc))
 
 
 _HARNESS_DIR = os.path.dirname(os.path.abspath(__file__))
 _PLUGIN_FILE = os.path.join(os.path.dirname(_HARNESS_DIR), "plugin.py")
-# the wrapper that records collectives: noise inside user tracebacks
 _COLLECTIVES_FILE = os.path.join(_HARNESS_DIR, "collectives.py")
 
 
 def format_user_traceback(exc: BaseException) -> str:
-    """Format ``exc`` without the harness's leading frames, the collective wrapper's frames
-    and unittest's frames (modules that set ``__unittest``)."""
+    """``exc`` without the harness's leading frames, the collective wrapper's frames and
+    unittest's frames (modules that set ``__unittest``)."""
     frames = []
     tb = exc.__traceback__
     leading = True
@@ -352,14 +296,10 @@ def format_user_traceback(exc: BaseException) -> str:
 def reset_after_test(
     snapshot: Any, monkeypatches: list[Any], rank: int, destroy_groups: bool = True
 ) -> list[str]:
-    """Undo what a test left in this interpreter: the after-test functions run, its
-    monkeypatches are undone, process groups other than the default one destroyed (unless
-    ``destroy_groups`` is False: the caller does it with :func:`destroy_subgroups` once every
-    rank is done), and ``snapshot`` (an ``isolation.StateSnapshot``) restored.
-
-    Returns:
-        what could not be undone, one line each (the rank set is then replaced).
-    """
+    """Undo what a test left in this interpreter: run the after-test functions, undo its
+    monkeypatches, destroy its subgroups (unless ``destroy_groups`` is False: the caller does
+    it once every rank is done), restore ``snapshot`` (``isolation.StateSnapshot``). Returns
+    what could not be undone, one line each (the rank set is then replaced)."""
     from fsdp_conformance.harness import isolation
 
     run_after_test()
@@ -375,7 +315,6 @@ def reset_after_test(
 
 
 def destroy_subgroups() -> None:
-    """Destroy the process groups other than the default one."""
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -398,17 +337,11 @@ def current_context() -> Any:
     return _current_context.ctx
 
 
-# -----------------------------------------------------------------------------
-# A rank process
-
-
 def _leave(code: int) -> None:
     """Flush and leave without interpreter teardown; see [Note: leaving a rank]."""
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(Exception):  # (a closed stream must not stop the exit)
             stream.flush()
-        except Exception:  # noqa: BLE001, S110  (a closed stream must not stop the exit)
-            pass
     os._exit(code)
 
 
@@ -427,15 +360,11 @@ class _RankProcess:
         self.world_size = int(os.environ[ENV_WORLD_SIZE])
         self.backend = os.environ[ENV_BACKEND]
         self.mode = os.environ.get(ENV_MODE, "process")
-        # GPUs held by the rank set, one per rank, () on CPU
         self.gpu_ids = tuple(int(g) for g in os.environ.get(ENV_GPU_IDS, "").split(",") if g)
         self.timeout = float(os.environ.get(ENV_TIMEOUT, str(constants.DEFAULT_TIMEOUT_S)))
         self.store_path = os.environ[ENV_STORE]
         self.conn = Connection(int(os.environ[ENV_FD]))
-        self.base_environ: dict[str, str] = {}
         self.base_sys_path: list[str] = list(sys.path)
-        # saved after start-up, restored after every test (harness/isolation.py)
-        self.snapshot: Any = None
         # monkeypatch fixtures made for the running test (undone after it)
         self.monkeypatches: list[Any] = []
 
@@ -450,15 +379,12 @@ class _RankProcess:
 
         from fsdp_conformance.harness import collectives, isolation
 
-        try:
+        with contextlib.suppress(ImportError):
             import numpy  # noqa: F401
-        except ImportError:
-            pass
+        self.device = torch.device("cpu")
         if self.backend == "nccl":
-            torch.cuda.set_device(self.gpu_ids[self.rank])
             self.device = torch.device("cuda", self.gpu_ids[self.rank])
-        else:
-            self.device = torch.device("cpu")
+            torch.cuda.set_device(self.device)
         # kept for re-creating the default group after a test destroyed it
         self.store = dist.FileStore(self.store_path, self.world_size)
         self.init_group(self.store)
@@ -469,24 +395,23 @@ class _RankProcess:
             collectives.set_process_slot(self.slot)
             collectives.install()
         self.base_environ = dict(os.environ)
+        # restored after every test (harness/isolation.py)
         self.snapshot = isolation.StateSnapshot.take()
 
     def init_group(self, store: Any) -> None:
         import torch.distributed as dist
 
+        nccl = self.backend == "nccl"
         dist.init_process_group(
             backend=self.backend,
             store=store,
             rank=self.rank,
             world_size=self.world_size,
             timeout=datetime.timedelta(seconds=self.timeout),
-            **({"device_id": self.device} if self.backend == "nccl" else {}),
+            **({"device_id": self.device} if nccl else {}),
         )
         self.group = dist.group.WORLD
-        if self.backend == "nccl":
-            dist.barrier(device_ids=[self.device.index])
-        else:
-            dist.barrier()
+        dist.barrier(**({"device_ids": [self.device.index]} if nccl else {}))
 
     def run(self, task: RankTask) -> RankOutcome:
         from fsdp_conformance.harness.context import RankContext
@@ -498,10 +423,8 @@ class _RankProcess:
         os.environ.update(RANK=str(self.rank), LOCAL_RANK=str(self.rank))
         os.environ["WORLD_SIZE"] = str(self.world_size)
         sys.path[:] = task.sys_path + [p for p in self.base_sys_path if p not in task.sys_path]
-        try:
+        with contextlib.suppress(OSError):
             os.chdir(task.cwd)
-        except OSError:
-            pass
         add_after_test(task.after_test)
         ctx = RankContext(
             rank=self.rank,
@@ -516,14 +439,13 @@ class _RankProcess:
             test_id=task.test_id,
             init_method=f"file://{self.store_path}",
         )
-        # importing the test is start-up, not test time: the controller starts the test's
-        # timeout once every rank sent Started
+        # importing the test is not test time: the timeout starts once every rank sent Started
         try:
             call = resolve_target(task.target)
             values = pickle.loads(task.kwargs_blob)
         except BaseException as exc:  # noqa: BLE001  reported like a failure of the body
             return classify_exception(self.rank, exc)
-        self.conn.send(Started())
+        self.conn.send(wire.Started())
         if self.slot is not None:
             self.slot.reset()
         return run_task(task, ctx, call, values, self.monkeypatches)
@@ -544,30 +466,30 @@ def main() -> None:
     try:
         process.start()
     except BaseException:  # noqa: BLE001
-        process.conn.send(StartupFailed(traceback.format_exc()))
+        process.conn.send(wire.StartupFailed(traceback.format_exc()))
         _leave(1)
-    process.conn.send(Ready(os.getpid()))
+    process.conn.send(wire.Ready(os.getpid()))
+    import torch.distributed as dist
+
     while True:
         try:
             message = process.conn.recv()
         except (EOFError, OSError):
             _leave(0)
-        message = expect(message, "the controller", RunTest, ReinitGroup, Exit)
-        if isinstance(message, Exit):
+        message = wire.expect(message, "the controller", wire.RunTest, wire.ReinitGroup, wire.Exit)
+        if isinstance(message, wire.Exit):
             _leave(0)
         # the last test's groups go only now that every rank has finished it: a rank tearing
         # a group down while another still connects to it fails that one (gloo: "Connection
         # closed by peer"); new_group does not wait for the other ranks
         destroy_subgroups()
-        if isinstance(message, ReinitGroup):
-            import torch.distributed as dist
-
+        if isinstance(message, wire.ReinitGroup):
             try:
                 process.init_group(dist.PrefixStore(f"reinit{message.generation}/", process.store))
                 error = ""
             except BaseException:  # noqa: BLE001  reported; the controller replaces the set
                 error = traceback.format_exc()
-            process.conn.send(GroupReinitialized(error))
+            process.conn.send(wire.GroupReinitialized(error))
             if error:
                 _leave(72)
             continue
@@ -581,8 +503,6 @@ def main() -> None:
             notes = (f"rank {process.rank} could not restore its state after the test",)
         sys.stdout.flush()
         sys.stderr.flush()
-        import torch.distributed as dist
-
-        process.conn.send(Finished(outcome, not notes, dist.is_initialized(), notes))
+        process.conn.send(wire.Finished(outcome, not notes, dist.is_initialized(), notes))
         if notes:
             _leave(71)

@@ -1,11 +1,11 @@
-"""The rank set: ``world_size`` rank processes that joined one default process group
-(FileStore rendezvous in the set's private directory), seen from the controller: spawn them,
-run a test in them (outcomes, output, hang and mismatch reports), tear them down.
-``process`` mode reuses a set across tests; ``process-fresh`` makes one per test.
+"""The rank set: ``world_size`` rank processes in one default process group (FileStore in the
+set's private directory), seen from the controller: spawn, run a test (outcomes, output, hang
+and mismatch reports), tear down. ``process`` mode reuses a set, ``process-fresh`` does not.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -17,27 +17,9 @@ import tempfile
 import time
 from multiprocessing.connection import Connection, wait
 
-from fsdp_conformance.harness import collectives
+from fsdp_conformance.harness import collectives, wire
 from fsdp_conformance.harness import rank as rank_process
-from fsdp_conformance.harness.wire import (
-    ABORTED,
-    DIED,
-    FAILED,
-    HUNG,
-    PASSED,
-    SKIPPED,
-    Exit,
-    Finished,
-    GroupReinitialized,
-    ProtocolError,
-    RankOutcome,
-    Ready,
-    ReinitGroup,
-    RunTest,
-    Started,
-    StartupFailed,
-    expect,
-)
+from fsdp_conformance.harness.wire import ABORTED, DIED, FAILED, HUNG, PASSED, SKIPPED, RankOutcome
 
 # Seconds the other ranks get to finish after one rank failed, died or skipped before they are
 # reported as stuck (typically blocked in a collective with the failed rank) and killed.
@@ -72,20 +54,6 @@ def describe_exit(returncode: int | None) -> str:
     return f"exited with code {returncode}"
 
 
-@dataclasses.dataclass
-class RunReport:
-    """Everything the controller learnt from one test in a rank set."""
-
-    # one outcome per rank
-    outcomes: dict[int, RankOutcome]
-    # what each rank printed during the test (stdout and stderr), minus stack dumps
-    logs: dict[int, str]
-    # what the harness did about state the test left behind, one line each
-    notes: list[str] = dataclasses.field(default_factory=list)
-    # the last collective each rank entered during the test
-    collectives: dict[int, collectives.CollectiveRecord] = dataclasses.field(default_factory=dict)
-
-
 class RankSet:
     """``world_size`` rank processes sharing one default process group."""
 
@@ -103,13 +71,13 @@ class RankSet:
         self.gpu_ids = gpu_ids
         self.mode = mode
         self.timeout = timeout
-        # the FileStore, one output log and one collective slot per rank; removed by kill()
+        # the FileStore, one output log and one collective slot per rank
         self.dir = tempfile.mkdtemp(prefix=f"ranks-ws{world_size}-", dir=parent_dir)
         self.log_paths = [os.path.join(self.dir, f"rank{r}.log") for r in range(world_size)]
         self.slot_paths = [os.path.join(self.dir, f"rank{r}.coll") for r in range(world_size)]
         # default process groups created after a test destroyed the previous one
         self.group_generation = 0
-        # read position in each log: output before it was already reported
+        # read position in each log
         self.log_offsets = [0] * world_size
         self.procs: list[subprocess.Popen] = []
         self.conns: list[Connection] = []
@@ -117,12 +85,8 @@ class RankSet:
         self.unreported_output = [""] * world_size
         self.closed = False
 
-    # -------------------------------------------------------------------------
-    # Lifecycle
-
     def start(self) -> None:
-        """Spawn the ranks and wait until all joined the process group (else
-        :class:`RankSetError`; the set is killed)."""
+        """Spawn the ranks and wait until all joined the group (else :class:`RankSetError`)."""
         try:
             self._spawn()
             self._await_ready(time.monotonic() + max(self.timeout, STARTUP_TIMEOUT_S))
@@ -150,6 +114,10 @@ class RankSet:
                     "PYTHONUNBUFFERED": "1",
                 }
             )
+            # one intra-op thread per rank unless the user chose (torchrun's default too):
+            # ranks share the host's cores, and an oversubscribed OpenMP region costs
+            # milliseconds per small op (layer_norm on a (6, 2, 16) tensor: 7 ms, not 6 us)
+            env.setdefault("OMP_NUM_THREADS", "1")
             with open(self.log_paths[rank], "wb") as log:
                 proc = subprocess.Popen(
                     [sys.executable, "-c", _RANK_COMMAND],
@@ -186,28 +154,24 @@ class RankSet:
                         + self._read_log(rank)
                     ) from None
                 try:
-                    message = expect(message, f"rank {rank}", Ready, StartupFailed)
-                except ProtocolError as exc:
+                    message = wire.expect(message, f"rank {rank}", wire.Ready, wire.StartupFailed)
+                except wire.ProtocolError as exc:
                     raise RankSetError(str(exc)) from None
-                if isinstance(message, StartupFailed):
+                if isinstance(message, wire.StartupFailed):
                     raise RankSetError(f"rank {rank} failed to start:\n{message.traceback}")
                 del pending[rank]
 
     def close(self) -> None:
-        """Ask the ranks to exit, then make sure they are gone; remove the set's files."""
+        """Ask the ranks to exit, then :meth:`kill` what is left."""
         if self.closed:
             return
         for conn in self.conns:
-            try:
-                conn.send(Exit())
-            except OSError:
-                pass
+            with contextlib.suppress(OSError):
+                conn.send(wire.Exit())
         deadline = time.monotonic() + EXIT_WAIT_S
         for proc in self.procs:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
         self.kill()
 
     def kill(self) -> None:
@@ -217,15 +181,11 @@ class RankSet:
         self.closed = True
         for proc in self.procs:
             if proc.poll() is None:
-                try:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(proc.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
         for proc in self.procs:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):  # unkillable (D state)
                 proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:  # pragma: no cover - unkillable (D state)
-                pass
         for conn in self.conns:
             conn.close()
         shutil.rmtree(self.dir, ignore_errors=True)
@@ -240,43 +200,28 @@ class RankSet:
         """Every rank is still running (a rank may die between tests, e.g. killed by OOM)."""
         return not self.closed and all(proc.poll() is None for proc in self.procs)
 
-    # -------------------------------------------------------------------------
-    # Running a test
-
-    def run(self, task_blob: bytes, timeout: float) -> RunReport:
-        """Run one pickled :class:`RankTask` in every rank and collect the outcomes.
-
-        ``timeout`` starts once every rank imported the test; ranks still running then are
-        reported HUNG with their stacks. Ranks that stay ``PEER_GRACE_S`` inside mismatched
-        collectives, or in one the finished ranks never entered, are reported then.
-        """
+    def run(self, task_blob: bytes, timeout: float) -> wire.RunResult:
+        """Run one pickled ``RankTask`` in every rank and combine the outcomes; ``timeout``
+        starts once every rank imported the test."""
         run = _TestRun(self, timeout)
         try:
             for conn in self.conns:
-                try:
-                    conn.send(RunTest(task_blob))
-                except OSError:
-                    pass  # noticed below as EOF
+                with contextlib.suppress(OSError):  # noticed below as EOF
+                    conn.send(wire.RunTest(task_blob))
             run.collect()
             if run.reusable and self.mode == "process":
                 self._restore_group(run)
         except BaseException:
             self.kill()  # KeyboardInterrupt or a harness bug: leave nothing behind
             raise
-        logs = {}
-        for rank in range(self.world_size):
-            logs[rank] = self.unreported_output[rank] + self._read_log(rank)
-            self.unreported_output[rank] = ""
+        logs = {r: self.unreported_output[r] + self._read_log(r) for r in range(self.world_size)}
+        self.unreported_output = [""] * self.world_size
         if not run.reusable:
             self.kill()
             if run.notes:
                 run.notes.append("the rank set was replaced for the next test")
-        return RunReport(
-            outcomes=run.outcomes,
-            logs=logs,
-            notes=run.notes,
-            collectives=run.records(),
-        )
+        verdict = wire.summarize(run.outcomes, self.world_size, collectives.mismatch(run.records()))
+        return wire.RunResult(verdict, logs, run.notes)
 
     def _restore_group(self, run: _TestRun) -> None:
         """Re-create the default group when the test destroyed it in every rank; replace
@@ -285,15 +230,12 @@ class RankSet:
         if not gone:
             return
         if len(gone) < self.world_size:
-            run.reusable = False
-            run.notes.append(
-                f"the test destroyed the default process group in rank(s) "
-                f"{', '.join(map(str, gone))} only"
-            )
+            ranks = ", ".join(map(str, gone))
+            run.replace(f"the test destroyed the default process group in rank(s) {ranks} only")
             return
         self.group_generation += 1
         for conn in self.conns:
-            conn.send(ReinitGroup(self.group_generation))
+            conn.send(wire.ReinitGroup(self.group_generation))
         deadline = time.monotonic() + max(self.timeout, STARTUP_TIMEOUT_S)
         pending = dict(enumerate(self.conns))
         while pending and time.monotonic() < deadline:
@@ -301,24 +243,19 @@ class RankSet:
                 rank = self.conns.index(conn)
                 del pending[rank]
                 try:
-                    reply = expect(conn.recv(), f"rank {rank}", GroupReinitialized)
-                except (EOFError, OSError, ProtocolError) as exc:
-                    reply = GroupReinitialized(f"{type(exc).__name__}: {exc}")
+                    reply = wire.expect(conn.recv(), f"rank {rank}", wire.GroupReinitialized)
+                except (EOFError, OSError, wire.ProtocolError) as exc:
+                    reply = wire.GroupReinitialized(f"{type(exc).__name__}: {exc}")
                 if reply.error:
-                    run.reusable = False
-                    run.notes.append(
+                    run.replace(
                         f"rank {rank} could not re-create the default process group the test "
                         f"destroyed: {reply.error.strip().splitlines()[-1]}"
                     )
         if pending:
-            run.reusable = False
-            run.notes.append(
+            run.replace(
                 "re-creating the default process group the test destroyed did not finish in "
                 f"rank(s) {', '.join(map(str, sorted(pending)))}"
             )
-
-    # -------------------------------------------------------------------------
-    # Output and stack dumps
 
     def _read_log(self, rank: int) -> str:
         try:
@@ -336,10 +273,8 @@ class RankSet:
             # output so far belongs to the rank's log, not to the dump
             self.unreported_output[rank] += self._read_log(rank)
             if self.procs[rank].poll() is None:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(self.procs[rank].pid, signal.SIGUSR1)
-                except ProcessLookupError:
-                    pass
         deadline = time.monotonic() + DUMP_WAIT_S
         sizes = {rank: -1 for rank in ranks}
         while time.monotonic() < deadline:
@@ -373,18 +308,18 @@ class _TestRun:
         # the first rank that failed / died / skipped; the others then get PEER_GRACE_S
         self.first_trouble: RankOutcome | None = None
         self.trouble_since: float | None = None
-        # when ranks were first seen stuck in mismatched or unmatched collectives
+        # since when, and with which records, ranks seem stuck in mismatched collectives
         self.mismatch_since: float | None = None
-        # the collective records of the last look, while ranks seemed stuck
         self.stuck_records: dict[int, collectives.CollectiveRecord] | None = None
 
+    def replace(self, note: str) -> None:
+        """The rank set is replaced after this test, saying why."""
+        self.reusable = False
+        self.notes.append(note)
+
     def records(self) -> dict[int, collectives.CollectiveRecord]:
-        found = {}
-        for rank, path in enumerate(self.rank_set.slot_paths):
-            record = collectives.read_slot_file(path)
-            if record is not None:
-                found[rank] = record
-        return found
+        found = {r: collectives.read_slot_file(p) for r, p in enumerate(self.rank_set.slot_paths)}
+        return {rank: record for rank, record in found.items() if record is not None}
 
     def _passed(self) -> set[int]:
         return {rank for rank, outcome in self.outcomes.items() if outcome.status == PASSED}
@@ -394,16 +329,9 @@ class _TestRun:
             self.first_trouble = outcome
             self.trouble_since = time.monotonic()
 
-    def collect(self) -> None:
-        """Wait for every rank's outcome (or decide it hung), then tell causes from
-        consequences."""
-        self._wait_for_outcomes()
-        self._mark_consequences()
-
     def _mark_consequences(self) -> None:
-        """A rank whose collective raised because another rank died, failed outside a
-        collective or skipped (gloo: "Connection closed by peer") is a consequence: reported
-        ABORTED, naming the cause, never as a failure of its own."""
+        """A rank whose collective raised after another rank died, failed outside a collective
+        or skipped (gloo: "Connection closed by peer") is reported ABORTED, naming the cause."""
         records = self.records()
 
         def in_collective(outcome: RankOutcome) -> bool:
@@ -426,7 +354,9 @@ class _TestRun:
                     f"{cause.status}: {outcome.message}",
                 )
 
-    def _wait_for_outcomes(self) -> None:
+    def collect(self) -> None:
+        """Wait for every rank's outcome (or decide it hung), then tell causes from
+        consequences."""
         rank_set = self.rank_set
         timeout = self.timeout
         load_deadline = time.monotonic() + max(timeout, STARTUP_TIMEOUT_S)
@@ -443,37 +373,32 @@ class _TestRun:
                 limit = min(limit, self.mismatch_since + PEER_GRACE_S)
             if now >= limit:
                 self._hung(list(pending), now, deadline, body_deadline is None)
-                return
-            ready = wait(list(pending.values()), timeout=min(limit - now, POLL_S))
-            for conn in ready:
-                rank = rank_set.conns.index(conn)
-                self._receive(rank, conn, pending)
+                break
+            for conn in wait(list(pending.values()), timeout=min(limit - now, POLL_S)):
+                self._receive(rank_set.conns.index(conn), conn, pending)
             if body_deadline is None and self.started | set(self.outcomes) == set(
                 range(rank_set.world_size)
             ):
                 body_deadline = time.monotonic() + timeout
             if body_deadline is not None and pending:
                 self._look_for_mismatch(pending)
+        self._mark_consequences()
 
     def _receive(self, rank: int, conn: Connection, pending: dict[int, Connection]) -> None:
         try:
-            message = expect(conn.recv(), f"rank {rank}", Started, Finished)
-        except (EOFError, OSError):
+            message = wire.expect(conn.recv(), f"rank {rank}", wire.Started, wire.Finished)
+        except (EOFError, OSError, wire.ProtocolError) as exc:
             del pending[rank]
-            returncode = self.rank_set._reap(rank)
-            self.outcomes[rank] = RankOutcome(
-                rank, DIED, message=f"rank {rank} {describe_exit(returncode)}"
-            )
+            if isinstance(exc, wire.ProtocolError):
+                outcome = RankOutcome(rank, FAILED, message=f"ProtocolError: {exc}")
+            else:
+                died = describe_exit(self.rank_set._reap(rank))
+                outcome = RankOutcome(rank, DIED, message=f"rank {rank} {died}")
+            self.outcomes[rank] = outcome
             self.reusable = False
-            self._trouble(self.outcomes[rank])
+            self._trouble(outcome)
             return
-        except ProtocolError as exc:
-            del pending[rank]
-            self.outcomes[rank] = RankOutcome(rank, FAILED, message=f"ProtocolError: {exc}")
-            self.reusable = False
-            self._trouble(self.outcomes[rank])
-            return
-        if isinstance(message, Started):
+        if isinstance(message, wire.Started):
             self.started.add(rank)
             return
         del pending[rank]
@@ -481,9 +406,7 @@ class _TestRun:
         self.outcomes[rank] = outcome
         self.group_alive[rank] = message.group_alive
         self.notes.extend(message.notes)
-        self.reusable = self.reusable and message.reusable
-        if outcome.status not in (PASSED, SKIPPED):
-            self.reusable = False
+        self.reusable &= message.reusable and outcome.status in (PASSED, SKIPPED)
         if outcome.status != PASSED:
             self._trouble(outcome)
 
@@ -518,10 +441,8 @@ class _TestRun:
                     f"{first.status}" + (f" (waiting {where})" if where.startswith("in ") else "")
                 )
             elif loading:
-                why = (
-                    "did not finish importing the test within "
-                    f"{max(self.timeout, STARTUP_TIMEOUT_S):g} s"
-                )
+                startup = max(self.timeout, STARTUP_TIMEOUT_S)
+                why = f"did not finish importing the test within {startup:g} s"
             else:
                 why = f"did not finish within the timeout of {self.timeout:g} s"
                 outside = [r for r in ranks if r not in records or not records[r].inside]
@@ -536,6 +457,4 @@ class _TestRun:
 
 def _drop_watchdog_thread(dump: str) -> str:
     """Remove the rank's parent-watchdog thread from a faulthandler dump (noise)."""
-    blocks = dump.split("\n\n")
-    kept = [b for b in blocks if "in _watch_parent" not in b]
-    return "\n\n".join(kept)
+    return "\n\n".join(b for b in dump.split("\n\n") if "in _watch_parent" not in b)

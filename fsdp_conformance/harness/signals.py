@@ -1,12 +1,7 @@
-"""Signal-safe cleanup.
-
-pytest side: SIGTERM ends the session like Ctrl-C, so that the normal teardown kills every rank
-and removes every ``fsdp-conformance-*`` temp directory.
-
-CLI side: SIGINT and SIGTERM interrupt the CLI (``cli_signals``, also when SIGINT was ignored
-at start); it forwards one SIGTERM to its pytest child (its own session), waits a bounded time,
-then kills the child's process group; ranks exit within 0.5 s of their parent's end. The CLI
-ends within ``CLI_EXIT_BOUND_S``.
+"""Signal-safe cleanup. In pytest SIGTERM ends the session like Ctrl-C, so that the teardown
+kills every rank and removes the temp directories. The CLI turns SIGINT and SIGTERM into
+interrupts (``cli_signals``), forwards one SIGTERM to its pytest child, waits a bounded time,
+then kills the child's process group; it ends within ``CLI_EXIT_BOUND_S``.
 """
 
 from __future__ import annotations
@@ -21,9 +16,8 @@ from typing import Any
 
 # The promise: SIGINT / SIGTERM to the CLI ends it within this many seconds, leaving nothing
 CLI_EXIT_BOUND_S = 10.0
-# Seconds the pytest child gets to end its ranks and remove its files after the forwarded
-# SIGTERM before its group is killed: the bound minus the kill, the ranks' own exit on their
-# parent's end (0.5 s) and removing the temp directory, with room for a loaded host
+# Seconds the pytest child gets after the forwarded SIGTERM before its group is killed: the
+# bound minus the kill, the ranks' exit on their parent's end (0.5 s) and room for a loaded host
 CHILD_EXIT_WAIT_S = 6.0
 
 
@@ -63,31 +57,19 @@ def uninstall_pytest_handler(config: Any) -> None:
 
 
 @contextlib.contextmanager
-def sigterm_interrupts() -> Iterator[None]:
-    """Within the block SIGTERM raises :class:`Terminated` (a ``KeyboardInterrupt``)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-@contextlib.contextmanager
 def cli_signals() -> Iterator[None]:
     """Within the block SIGINT raises ``KeyboardInterrupt`` (even if the process was started
     with it ignored) and SIGTERM raises :class:`Terminated`; both handlers are put back after."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
+    previous_term = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
-        with sigterm_interrupts():
-            yield
+        yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        signal.signal(signal.SIGTERM, previous_term)
+        signal.signal(signal.SIGINT, previous_int)
 
 
 def stop_child(child: subprocess.Popen, interrupt: KeyboardInterrupt) -> int:
@@ -98,10 +80,8 @@ def stop_child(child: subprocess.Popen, interrupt: KeyboardInterrupt) -> int:
     if child.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             child.send_signal(signal.SIGTERM)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             child.wait(timeout=CHILD_EXIT_WAIT_S)
-        except subprocess.TimeoutExpired:
-            pass
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(child.pid, signal.SIGKILL)  # what is left of its group (xdist workers)
     with contextlib.suppress(subprocess.TimeoutExpired):

@@ -1,14 +1,5 @@
-"""``RankTestCase``: a ``unittest.TestCase`` whose ``test_*`` bodies run in every rank.
-
-    class TestAllReduce(RankTestCase):
-        def test_sum(self):
-            t = torch.ones(1) * self.rank
-            dist.all_reduce(t)
-            self.assertEqual(t.item(), sum(range(self.world_size)))
-
-Runs under pytest (with the plugin's ``--fsdp-mode`` / ``--fsdp-timeout``) and under plain
-``python -m unittest`` (``FSDP_CONFORMANCE_MODE`` / ``FSDP_CONFORMANCE_TIMEOUT``). The FSDP test
-base of the seed's shape, ``fsdp_conformance.testing.FSDPTest``, is this class.
+"""``RankTestCase``: a ``unittest.TestCase`` whose ``test_*`` bodies run in every rank, under
+pytest or plain ``python -m unittest`` (``fsdp_conformance.testing.FSDPTest`` is this class).
 """
 
 from __future__ import annotations
@@ -33,13 +24,10 @@ class RankTestCase(unittest.TestCase):
     Each rank instantiates the class for the test method, runs ``setUp``, the method and
     ``tearDown`` with the default process group initialised; ``self.rank``,
     ``self.world_size``, ``self.dist`` (the :class:`RankContext`) describe the rank.
-    Class attributes ``fsdp_mode`` (None: the session's mode) and ``fsdp_timeout`` (None:
-    the session's timeout) override per class.
+    Class attributes ``fsdp_mode`` and ``fsdp_timeout`` (None: the session's) override per class.
     """
 
-    # "process", "process-fresh", "thread" or None for the session default
     fsdp_mode: str | None = None
-    # seconds, or None for the session default
     fsdp_timeout: float | None = None
 
     @property
@@ -74,7 +62,6 @@ class RankTestCase(unittest.TestCase):
 
     @property
     def init_method(self) -> str:
-        """The rendezvous URL of this rank set (``file://...`` FileStore; threads: ``threaded://``)."""
         return self.dist.init_method
 
     def run_subtests(
@@ -84,16 +71,12 @@ class RankTestCase(unittest.TestCase):
         *test_args: Any,
         **test_kwargs: Any,
     ) -> None:
-        """Run ``test_fn`` for every combination of ``subtest_config``'s values, with a
-        barrier between combinations. A failing combination is named in the failure.
-
-        Args:
-            subtest_config: keyword name -> list of values to try.
-            test_fn: called as ``test_fn(*test_args, **test_kwargs, **combination)``.
-        """
+        """Call ``test_fn(*test_args, **test_kwargs, **combination)`` for every combination of
+        ``subtest_config``'s values (name -> values), with a barrier between combinations; a
+        failing combination is named in the failure."""
         keys = list(subtest_config)
         for values in itertools.product(*(subtest_config[k] for k in keys)):
-            combination = dict(zip(keys, values))
+            combination = dict(zip(keys, values, strict=True))
             try:
                 with self.subTest(**combination):
                     test_fn(*test_args, **test_kwargs, **combination)
@@ -103,10 +86,8 @@ class RankTestCase(unittest.TestCase):
                 raise
             self.dist.barrier()
 
-    # -------------------------------------------------------------------------
-    # Dispatch: in the test process, a test method runs in the ranks instead.
-
     def run(self, result: Any = None) -> Any:
+        """In the test process, the test method runs in the ranks instead."""
         from fsdp_conformance.harness.rank import current_context
 
         if current_context() is not None:
@@ -136,15 +117,13 @@ def _run_in_ranks(case: RankTestCase, method_name: str) -> None:
 
     runtime = controller.get_runtime()
     cls = type(case)
-    module = sys.modules[cls.__module__]
     target = TestTarget(
         module_name=cls.__module__,
-        module_file=getattr(module, "__file__", None),
+        module_file=getattr(sys.modules[cls.__module__], "__file__", None),
         class_path=tuple(cls.__qualname__.split(".")),
         function_name=method_name,
         kind="unittest",
     )
-
     request = controller.TestRequest(
         target=target,
         kwargs={},
@@ -162,7 +141,7 @@ def _run_in_ranks(case: RankTestCase, method_name: str) -> None:
     if verdict.status in (SKIPPED, XFAILED):
         raise unittest.SkipTest(verdict.message)
     if verdict.status == FAILED:
-        if "_pytest" in sys.modules and controller.under_pytest():
+        if "_pytest" in sys.modules and controller.active_runtime()[1]:
             import pytest
 
             pytest.fail(verdict.message, pytrace=False)

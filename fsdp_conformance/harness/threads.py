@@ -7,14 +7,12 @@ reseed the others. So each rank owns an RNG state (torch, ``random``, numpy) and
 take turns: a rank runs Python only while it holds the *baton*; taking it installs the rank's
 RNG state, giving it back saves it. A rank gives the baton back while it waits for the others
 (in a collective of the threaded group, in ``new_group``'s store barrier) and when its body
-ends. Each rank thus sees the random numbers it would see alone; code that waits for another
-rank outside a collective (a busy loop on a shared flag) deadlocks and fails at the timeout.
+ends. Code that waits for another rank outside a collective deadlocks and fails at the timeout.
 
 [Note: isolation in thread mode]
-The process-wide state is saved before a test and restored after it (``harness/isolation.py``);
-the collectives are wrapped only while the test runs. A thread-mode test must not change what
-a shared interpreter cannot restore: modules patched by hand (use ``monkeypatch``), imported
-modules, signal handlers, threads left running.
+Process-wide state is saved before a test and restored after it (``harness/isolation.py``);
+the collectives are wrapped only while the test runs. What a shared interpreter cannot restore
+(modules patched by hand, signal handlers, threads left running) a test must not change.
 """
 
 from __future__ import annotations
@@ -31,28 +29,19 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from fsdp_conformance._patching import patch_attribute
-from fsdp_conformance.harness import collectives, isolation
+from fsdp_conformance.harness import collectives, isolation, wire
 from fsdp_conformance.harness import rank as rank_task
 from fsdp_conformance.harness.context import RankContext
-from fsdp_conformance.harness.wire import (
-    ABORTED,
-    FAILED,
-    HUNG,
-    PASSED,
-    RankOutcome,
-    RankTask,
-)
+from fsdp_conformance.harness.wire import ABORTED, FAILED, HUNG, PASSED, RankOutcome, RankTask
 
-# The rank thread's (baton, rank), or None outside rank threads.
+# .held: the rank thread's (baton, rank), None outside rank threads
 _local = threading.local()
-# the patches giving the baton back at torch's wait points (_patched_wait_points)
 _BATON_KEY = "fsdp-conformance thread ranks: baton released while waiting"
 
 
 class RngBaton:
     """Mutual exclusion between rank threads that swaps per-rank RNG state on hand-over
-    (see [Note: per-rank RNG in threads]); a rank's first turn keeps the state it finds
-    (``rank.run_task`` seeds it)."""
+    (see [Note: per-rank RNG in threads]); a rank's first turn keeps the state it finds."""
 
     def __init__(self, world_size: int) -> None:
         self._lock = threading.Lock()
@@ -108,14 +97,12 @@ def _patched_wait_points(mtpg: Any) -> Iterator[None]:
 
 
 class ThreadRanks:
-    """The rank backend of ``thread`` mode (see ``harness/controller.py``)."""
+    """The rank backend of ``thread`` mode."""
 
-    def run(self, request: Any, task: RankTask) -> Any:
-        from fsdp_conformance.harness.wire import RunResult, summarize
-
+    def run(self, request: Any, task: RankTask) -> wire.RunResult:
         call = request.function or rank_task.resolve_target(task.target)
         outcomes, mismatch = run_threaded(task, request.world_size, call, request.kwargs)
-        return RunResult(summarize(outcomes, request.world_size, mismatch))
+        return wire.RunResult(wire.summarize(outcomes, request.world_size, mismatch))
 
     def close(self) -> None:
         pass
@@ -124,15 +111,12 @@ class ThreadRanks:
 def run_threaded(
     task: RankTask, world_size: int, call: Callable[..., Any], values: dict[str, Any]
 ) -> tuple[dict[int, RankOutcome], str]:
-    """Run ``task`` (``call`` with the fixture ``values``) in ``world_size`` rank threads.
+    """Run ``task`` (``call`` with the fixture ``values``) in ``world_size`` rank threads;
+    return one outcome per rank and the mismatched-collectives line ("" when none).
 
-    A rank still running at the timeout is reported HUNG with its stack; its thread is
-    left behind (a daemon: Python threads cannot be killed) after the threaded process
-    group was told to terminate. A rank that never got its turn (another rank held it until
-    the timeout) is reported ABORTED, not blamed. See [Note: isolation in thread mode].
-
-    Returns:
-        one outcome per rank, and the mismatched-collectives line ("" when none).
+    A rank still running at the timeout is reported HUNG with its stack and left behind (a
+    daemon) after the threaded group was told to terminate; a rank that never got its turn
+    is reported ABORTED, not blamed.
     """
     import torch
     import torch.distributed as dist
@@ -153,6 +137,13 @@ def run_threaded(
     began: set[int] = set()
     # the first rank that stopped without passing
     first_stop: list[RankOutcome] = []
+
+    def records() -> dict[int, collectives.CollectiveRecord]:
+        return {r: slot.read() for r, slot in slots.items()}
+
+    def unmatched(rank: int) -> str:
+        passed = {r for r, o in outcomes.items() if o.status == PASSED}
+        return collectives.unmatched(records(), passed, rank)
 
     def rank_thread(rank: int) -> None:
         collectives.set_thread_slot(slots[rank])
@@ -189,16 +180,11 @@ def run_threaded(
         if outcome.status == FAILED and "Test termination event occurs" in outcome.message:
             first = first_stop[0] if first_stop else None
             where = slots[rank].read()
-            records = {r: slot.read() for r, slot in slots.items()}
-            passed = {r for r, o in outcomes.items() if o.status == PASSED}
-            unmatched = collectives.unmatched(records, passed, rank)
-            if first is None and unmatched:
+            missing = unmatched(rank)
+            if first is None and missing:
                 # the ranks that finished ended the threaded group under this one
-                outcome = RankOutcome(
-                    rank,
-                    HUNG,
-                    message=f"waiting in {where.where()}; never entered by the others: {unmatched}",
-                )
+                why = f"waiting in {where.where()}; never entered by the others: {missing}"
+                outcome = RankOutcome(rank, HUNG, message=why)
             else:
                 why = (
                     f"stopped because rank {first.rank} {first.status}"
@@ -249,12 +235,11 @@ def run_threaded(
                             "[Note: per-rank RNG in threads])",
                         )
                         continue
-                    records = {r: slot.read() for r, slot in slots.items()}
-                    where = records[rank]
-                    passed = {r for r, o in outcomes.items() if o.status == PASSED}
-                    unmatched = collectives.unmatched(records, passed, rank)
+                    now = records()
+                    where = now[rank]
+                    missing = unmatched(rank)
                     message = f"did not finish within the timeout of {timeout:g} s"
-                    outside = [r for r in running if not records[r].inside]
+                    outside = [r for r in running if not now[r].inside]
                     if where.inside and outside:
                         message = (
                             f"waiting {where.describe()} for rank(s) "
@@ -262,8 +247,8 @@ def run_threaded(
                         )
                     elif where.inside:
                         message += f" ({where.describe()})"
-                    if unmatched:
-                        message += f"; never entered by the others: {unmatched}"
+                    if missing:
+                        message += f"; never entered by the others: {missing}"
                     outcomes[rank] = RankOutcome(rank, HUNG, message=message, traceback=dump)
                 mtpg.ProcessLocalGroup.exception_handle(None)  # release collective waiters
     finally:
@@ -274,5 +259,4 @@ def run_threaded(
             mtpg.ProcessLocalGroup.reset()
             torch._C._distributed_c10d._set_thread_isolation_mode(False)
         snapshot.restore(keep_warnings_guard=False)
-    records = {rank: slot.read() for rank, slot in slots.items()}
-    return dict(outcomes), collectives.mismatch(records)
+    return dict(outcomes), collectives.mismatch(records())

@@ -1,11 +1,6 @@
-"""The wire protocol between the controller (pytest) and its rank processes; torch-free.
-
-Every message is a small frozen dataclass pickled over the controller <-> rank connection; a
-side that receives anything else raises :class:`ProtocolError` (:func:`expect`).
-
-Controller -> rank: :class:`RunTest`, :class:`ReinitGroup`, :class:`Exit`.
-Rank -> controller: :class:`Ready` or :class:`StartupFailed` once; per test :class:`Started`
-then :class:`Finished`; :class:`GroupReinitialized` after a :class:`ReinitGroup`.
+"""The messages between the controller (pytest) and its rank processes, and the verdict
+combined from the ranks' outcomes; torch-free. A side that receives a message of a type it
+does not expect raises :class:`ProtocolError` (:func:`expect`).
 """
 
 from __future__ import annotations
@@ -32,13 +27,13 @@ ABORTED = "aborted"  # the rank stopped because another rank failed
 class TestTarget:
     """Where a test callable lives, so that a rank process can import it by file path."""
 
-    # pytest's name of the test module, and its file (loaded with assertion rewriting)
     module_name: str
+    # loaded with pytest's assertion rewriting
     module_file: str | None
-    # attributes leading from the module to the test class (nested classes); () for functions
+    # attributes leading from the module to the (nested) test class; () for functions
     class_path: tuple[str, ...]
     function_name: str
-    # "pytest": the function gets fixture values + ``dist``; "unittest": TestCase ``debug()``
+    # "pytest": fixture values + ``dist``; "unittest": TestCase ``debug()``
     kind: str = "pytest"
 
 
@@ -48,9 +43,8 @@ class RankTask:
 
     target: TestTarget
     test_id: str
-    # per-test directory shared by all ranks (removed by the controller after the test)
+    # shared by all ranks, removed by the controller after the test
     tmp_path: str
-    # --fsdp-impl: the implementation name adapters resolve in the rank
     impl: str
     # seconds; also the deadline of collectives the rank starts
     timeout: float
@@ -59,10 +53,9 @@ class RankTask:
     seed: int = RANK_SEED
     # module-level functions to call after the test (rank.add_after_test)
     after_test: tuple[Callable[[], None], ...] = ()
-    # rank processes: pickle of the fixture values other than ``dist``, unpickled after the
-    # test module was imported (so values whose classes live in the test module work)
+    # rank processes only: the pickled fixture values (unpickled after the test module is
+    # imported, so classes defined there work), and the controller's sys.path, cwd, environment
     kwargs_blob: bytes = b""
-    # rank processes: the controller's sys.path, cwd and environment
     sys_path: list[str] = dataclasses.field(default_factory=list)
     cwd: str = ""
     environ: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -78,7 +71,6 @@ class RankOutcome:
     message: str = ""
     # formatted traceback or stack dump
     traceback: str = ""
-    # seconds the body ran
     duration: float = 0.0
     # (name, value) report properties the body recorded (harness/properties.py)
     properties: list[tuple[str, Any]] = dataclasses.field(default_factory=list)
@@ -106,62 +98,59 @@ class InRank:
 
 @dataclasses.dataclass(frozen=True)
 class RankMonkeyPatch:
-    """Stands for a ``monkeypatch`` fixture sent to rank processes: each rank gets a fresh
-    ``pytest.MonkeyPatch``, undone after the test."""
+    """A ``monkeypatch`` fixture sent to rank processes: a fresh one in each rank."""
 
 
 class ProtocolError(RuntimeError):
     """A message of a type the receiving side does not expect at this point."""
 
 
+# Controller -> rank.
 @dataclasses.dataclass(frozen=True)
 class RunTest:
-    """Controller -> rank: run one test (a pickled :class:`RankTask`)."""
+    """Run one test (a pickled :class:`RankTask`)."""
 
     task_blob: bytes
 
 
 @dataclasses.dataclass(frozen=True)
 class ReinitGroup:
-    """Controller -> rank: the test destroyed every rank's default process group; initialise
-    a new one (rendezvous keys prefixed with ``generation``)."""
+    """The test destroyed every rank's default group: make a new one (keys prefixed with
+    ``generation``)."""
 
     generation: int
 
 
 @dataclasses.dataclass(frozen=True)
 class Exit:
-    """Controller -> rank: leave now."""
+    """Leave now."""
 
 
+# Rank -> controller: Ready or StartupFailed once; per test Started, then Finished.
 @dataclasses.dataclass(frozen=True)
 class Ready:
-    """Rank -> controller: joined the default process group; waiting for tests."""
-
     pid: int
 
 
 @dataclasses.dataclass(frozen=True)
 class StartupFailed:
-    """Rank -> controller: start-up (import, rendezvous) failed with this traceback."""
-
     traceback: str
 
 
 @dataclasses.dataclass(frozen=True)
 class Started:
-    """Rank -> controller: the test is imported and its fixture values unpickled; the test's
-    timeout starts when every rank sent this."""
+    """The test is imported and its fixture values unpickled: its timeout starts when every
+    rank sent this."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Finished:
-    """Rank -> controller: the test's outcome, after the rank restored its per-test state."""
+    """The test's outcome, after the rank restored its per-test state."""
 
     outcome: RankOutcome
     # False: the rank could not restore its state (it leaves after sending this)
     reusable: bool
-    # whether the default process group still exists (a test may destroy it)
+    # whether the default process group still exists
     group_alive: bool = True
     # what the rank could not undo, one line each
     notes: tuple[str, ...] = ()
@@ -169,14 +158,13 @@ class Finished:
 
 @dataclasses.dataclass(frozen=True)
 class GroupReinitialized:
-    """Rank -> controller: answer to :class:`ReinitGroup`; ``error`` is "" on success."""
+    """The answer to :class:`ReinitGroup`; ``error`` is "" on success."""
 
     error: str = ""
 
 
 def expect(message: object, sender: str, *types: type) -> Any:
-    """``message`` if it is one of ``types``, else :class:`ProtocolError` naming the sender,
-    what arrived and what was expected."""
+    """``message`` if it is one of ``types``, else :class:`ProtocolError` saying so."""
     if isinstance(message, types):
         return message
     raise ProtocolError(
@@ -192,20 +180,19 @@ class Verdict:
 
     # PASSED, FAILED, SKIPPED or XFAILED
     status: str
-    # failure report, skip / xfail reason; "" when passed
+    # failure report, skip / xfail reason
     message: str = ""
-    # report properties recorded in the ranks: the lowest rank's that recorded any
+    # report properties of the lowest rank that recorded any
     properties: list[tuple[str, Any]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
 class RunResult:
-    """A verdict plus what the ranks printed."""
+    """A verdict, what the ranks printed (rank -> text), and what the harness did about state
+    the test left behind."""
 
     verdict: Verdict
-    # rank -> output printed during the test (rank processes only)
     logs: dict[int, str] = dataclasses.field(default_factory=dict)
-    # what the harness did about state the test left behind (for the test's report section)
     notes: list[str] = dataclasses.field(default_factory=list)
 
     def output(self) -> str:
@@ -224,9 +211,8 @@ _SEVERITY = {DIED: 0, FAILED: 1, HUNG: 2, ABORTED: 3}
 def summarize(outcomes: dict[int, RankOutcome], world_size: int, mismatch: str = "") -> Verdict:
     """Combine per-rank outcomes: any failure fails, then xfail, then skip, else pass.
 
-    A failure names every rank's outcome (failed, died, hung, aborted, skipped with its
-    reason, passed) and shows each distinct traceback once; ``mismatch`` (ranks inside
-    different collectives entered as the same one) leads the report when given.
+    A failure names every rank's outcome and shows each distinct traceback once; ``mismatch``
+    (ranks in different collectives entered as the same one) leads the report.
     """
     for rank_id in range(world_size):  # a rank that reported nothing is a harness bug
         outcomes.setdefault(rank_id, RankOutcome(rank_id, HUNG, message="reported no result"))

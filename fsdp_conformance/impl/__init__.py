@@ -11,11 +11,7 @@ from fsdp_conformance.impl.api import (
     ShardingStrategy,
     StateDictType,
 )
-from fsdp_conformance.impl.device import (
-    CPUDeviceHandle,
-    CUDADeviceHandle,
-    install_device_handle,
-)
+from fsdp_conformance.impl.device import CPUDeviceHandle, CUDADeviceHandle, install_device_handle
 from fsdp_conformance.impl.fully_sharded import FullyShardedDataParallel
 from fsdp_conformance.impl.limiter import MAX_INFLIGHT
 from fsdp_conformance.impl.state import HandleTrainingState, TrainingState

@@ -1,13 +1,9 @@
 """Checkpoints of the reference FSDP: model and optimizer state, loadable at any world size.
 
-``save_checkpoint(root, optimizer, directory)`` writes one file, ``directory/impl_checkpoint.pt``,
-holding the full (unsharded, original names) model state dict and, per flat parameter (by its
-name in ``root.named_parameters()``), the optimizer's state with every per-element tensor
-gathered into the unpadded full flat tensor; scalars (e.g. Adam's ``step``) and the param
-groups' hyperparameters are kept as they are. ``load_checkpoint`` reads it on every rank, loads
-the model state dict and cuts each full optimizer tensor into this rank's shard of the *current*
-sharding (padding to the current world size), so a checkpoint saved at one world size resumes
-at another (resharding). Both are collectives over ``root.process_group``.
+One file, ``directory/impl_checkpoint.pt``: the full model state dict and, per flat parameter
+(by its name in ``root.named_parameters()``), the optimizer state with per-element tensors
+gathered into the unpadded full flat tensor. Loading cuts them into this rank's shard of the
+*current* sharding. Both are collectives over ``root.process_group``.
 """
 
 from __future__ import annotations
@@ -25,17 +21,16 @@ FORMAT = "fsdp_conformance.impl checkpoint v1"
 
 
 def save_checkpoint(root: nn.Module, optimizer: torch.optim.Optimizer, directory: str) -> None:
-    """Write model and optimizer state of ``root`` into ``directory`` (shared by all ranks)."""
+    """Write ``root``'s model and optimizer state into ``directory`` (shared by all ranks)."""
     handles = _flat_handles(root)
     model_state = {key: _cpu(value) for key, value in root.state_dict().items()}
     names = _param_names(root, optimizer)
     optimizer_state: dict[str, dict[str, Any]] = {}
     for index, param in enumerate(_optimizer_params(optimizer)):
-        state = optimizer.state.get(param, {})
         handle = handles.get(id(param))
         entry = {}
-        for key, value in state.items():
-            if handle is not None and _is_per_element(value, handle):
+        for key, value in optimizer.state.get(param, {}).items():
+            if handle is not None and _is_per_element(value, handle.shard_numel):
                 value = _gather(value, handle)
             entry[key] = _cpu(value)
         optimizer_state[names[index]] = entry
@@ -84,24 +79,16 @@ def load_checkpoint(root: nn.Module, optimizer: torch.optim.Optimizer, directory
             f"load_checkpoint: the checkpoint has no optimizer state for {missing}; was it saved "
             "from the same model?"
         )
-    params = _optimizer_params(optimizer)
     state: dict[int, dict[str, Any]] = {}
-    for index, param in enumerate(params):
+    for index, param in enumerate(_optimizer_params(optimizer)):
         handle = handles.get(id(param))
         entry = {}
         for key, value in payload["optimizer"][names[index]].items():
-            if (
-                handle is not None
-                and isinstance(value, torch.Tensor)
-                and value.dim() == 1
-                and (value.numel() == handle.numel and value.numel() != 1)
-            ):
+            if handle is not None and _is_per_element(value, handle.numel):
                 value = _shard(value, handle)
-            entry[key] = (
-                value.to(param.device)
-                if isinstance(value, torch.Tensor) and (value.dim() > 0)
-                else value
-            )
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                value = value.to(param.device)
+            entry[key] = value
         if entry:
             state[index] = entry
     groups = []
@@ -111,7 +98,6 @@ def load_checkpoint(root: nn.Module, optimizer: torch.optim.Optimizer, directory
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
-# ---------------------------------------------------------------------------- helpers
 def _flat_handles(root: nn.Module) -> dict[int, Any]:
     return {
         id(instance.flat_param): instance._fsdp_state.handle
@@ -145,13 +131,8 @@ def _param_names(root: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]
     return names
 
 
-def _is_per_element(value: Any, handle: Any) -> bool:
-    return (
-        isinstance(value, torch.Tensor)
-        and value.dim() == 1
-        and value.numel() == handle.shard_numel
-        and handle.shard_numel != 1
-    )
+def _is_per_element(value: Any, numel: int) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == numel != 1
 
 
 def _gather(shard: torch.Tensor, handle: Any) -> torch.Tensor:

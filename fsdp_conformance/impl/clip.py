@@ -1,13 +1,8 @@
 """Gradient clipping by the global norm over every shard (``clip_grad_norm_``).
 
-Each rank holds one shard of each sharded instance's flat gradient; the global norm is the norm
-of the whole unsharded gradient, so per-shard contributions are combined across the root's
-process group: for a finite norm type p, the sum of ``|g|^p`` over the local shards is
-all-reduced (SUM) and the p-th root taken; for ``inf`` the local maxima are all-reduced (MAX).
-A NO_SHARD instance (or one on a one-rank group) holds the whole gradient on every rank of its
-group: only the group's first rank contributes it to the sum, so it is counted once. Padding is
-zero and adds nothing. Then every gradient is multiplied by ``max_norm / (total + 1e-6)`` when
-that is below 1 -- what ``torch.nn.utils.clip_grad_norm_`` does on the unsharded model.
+Per-shard ``sum |g|^p`` (or the max, for ``inf``) is all-reduced over the root's group. A
+NO_SHARD instance's gradient, whole on every rank, is counted by its group's first rank only;
+padding is zero. Then gradients are scaled as ``torch.nn.utils.clip_grad_norm_`` does.
 """
 
 from __future__ import annotations
@@ -23,15 +18,8 @@ EPSILON = 1e-6
 
 
 def clip_grad_norm_(root: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """Clip every gradient under ``root`` by the global norm; returns the norm before clipping.
-
-    A collective over ``root.process_group``: call it on every rank, after backward.
-
-    Args:
-        root: the root instance (its process group spans every instance's ranks).
-        max_norm: the largest global norm allowed (> 0).
-        norm_type: the norm's order (> 0, or ``inf``).
-    """
+    """Clip every gradient under the root ``root`` by the global norm (> 0) of order
+    ``norm_type`` (> 0 or ``inf``); returns the norm before clipping. A collective."""
     max_norm = float(max_norm)
     norm_type = float(norm_type)
     if not max_norm > 0:
@@ -40,8 +28,8 @@ def clip_grad_norm_(root: nn.Module, max_norm: float, norm_type: float = 2.0) ->
         raise ValueError(f"clip_grad_norm_: norm_type={norm_type!r} must be > 0 or inf")
     if root.is_root is False:
         raise RuntimeError(
-            f"clip_grad_norm_ called on the non-root FSDP instance {root._fsdp_state.name()}; call it "
-            "on the root (outermost) instance"
+            f"clip_grad_norm_ called on the non-root FSDP instance {root._fsdp_state.name()}; "
+            "call it on the root (outermost) instance"
         )
     grads: list[torch.Tensor] = []
     local = torch.zeros((), dtype=torch.float64)
@@ -51,21 +39,13 @@ def clip_grad_norm_(root: nn.Module, max_norm: float, norm_type: float = 2.0) ->
             continue
         grad = handle.flat_param.grad
         grads.append(grad)
-        counted = handle.sharded or dist.get_rank(handle.process_group) == 0
-        if not counted:
-            continue
-        if math.isinf(norm_type):
-            local = torch.maximum(local, grad.detach().abs().max().double().cpu())
-        else:
-            local += grad.detach().double().abs().pow(norm_type).sum().cpu()
+        if handle.sharded or dist.get_rank(handle.process_group) == 0:
+            local = _accumulate(local, grad, norm_type)
     unmanaged = _unmanaged_grads(root)
     grads.extend(unmanaged)
     if dist.get_rank(root.process_group) == 0:  # replicated: count them once
         for grad in unmanaged:
-            if math.isinf(norm_type):
-                local = torch.maximum(local, grad.detach().abs().max().double().cpu())
-            else:
-                local += grad.detach().double().abs().pow(norm_type).sum().cpu()
+            local = _accumulate(local, grad, norm_type)
     total = local.to(root.compute_device)
     if root.process_group.size() > 1:
         op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
@@ -78,6 +58,12 @@ def clip_grad_norm_(root: nn.Module, max_norm: float, norm_type: float = 2.0) ->
         for grad in grads:
             grad.mul_(coefficient.to(grad.device, grad.dtype))
     return total
+
+
+def _accumulate(local: torch.Tensor, grad: torch.Tensor, norm_type: float) -> torch.Tensor:
+    if math.isinf(norm_type):
+        return torch.maximum(local, grad.detach().abs().max().double().cpu())
+    return local + grad.detach().double().abs().pow(norm_type).sum().cpu()
 
 
 def _unmanaged_grads(root: nn.Module) -> list[torch.Tensor]:

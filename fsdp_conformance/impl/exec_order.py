@@ -1,9 +1,6 @@
-"""Execution order of the instances under one root, and the prefetch targets it implies.
-
-Forward prefetch follows the pre-forward order recorded on the first iteration (static
-graph); backward prefetch follows the reverse of this iteration's post-forward order,
-which is the order the pre-backward hooks fire in.
-"""
+"""Execution order of the instances under one root, and the prefetch targets it implies:
+forward prefetch follows the first iteration's pre-forward order (static graph), backward
+prefetch the reverse of this iteration's post-forward order."""
 
 from __future__ import annotations
 
@@ -11,22 +8,15 @@ from typing import Any
 
 
 class ExecOrder:
-    """Recorded orders of one root's FSDP instances."""
-
     def __init__(self) -> None:
-        # instances in the order their pre-forward ran on the first iteration
         self.pre_forward_order: list[Any] = []
-        # instances in the order their post-forward ran on the current iteration
         self.post_forward_order: list[Any] = []
-        # True until the first iteration's backward has finished
-        self.is_first_iter = True
+        self.is_first_iter = True  # until the first iteration's backward has finished
 
     def next_iter(self) -> None:
-        """Start a new iteration (called in the root's pre-forward)."""
         self.post_forward_order = []
 
     def end_first_iter(self) -> None:
-        """Freeze the pre-forward order (called at the end of backward)."""
         self.is_first_iter = False
 
     def record_pre_forward(self, instance: Any) -> None:

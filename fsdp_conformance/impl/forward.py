@@ -1,10 +1,5 @@
-"""Forward, ``no_sync`` and ``summon_full_params`` of the reference FSDP: the wrapped module
-runs with its parameters unsharded.
-
-``ForwardMixin`` is one base class of ``FullyShardedDataParallel`` (``fully_sharded.py``, which
-holds construction); it reads only the instance's ``FSDPState`` (``state.py``). The hooks around
-the wrapped module's forward are in ``runtime.py``.
-"""
+"""``ForwardMixin`` (a base of ``FullyShardedDataParallel``, reading only its ``FSDPState``):
+forward, ``no_sync`` and ``summon_full_params``."""
 
 from __future__ import annotations
 
@@ -28,9 +23,6 @@ from fsdp_conformance.impl.state import (
 
 
 class ForwardMixin:
-    """``forward``, ``no_sync`` and ``summon_full_params`` of an FSDP module."""
-
-    # the instance's state (set by the constructor)
     _fsdp_state: FSDPState
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -38,7 +30,7 @@ class ForwardMixin:
 
     def register_forward_method(self, name: str) -> None:
         """Make ``self.<name>(...)`` run the wrapped module's method ``name`` as ``forward``
-        runs (parameters unsharded, resharded after, gradients reduced), e.g. ``generate``.
+        runs (e.g. ``generate``).
 
         Raises:
             TypeError: the wrapped module has no method ``name``.
@@ -57,10 +49,8 @@ class ForwardMixin:
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally (unsharded, no communication) inside the block.
-
-        The first backward after the block reduces the accumulated gradients.
-        """
+        """Accumulate gradients locally inside the block; the next synced backward reduces the
+        sum."""
         state = self._fsdp_state
         if state.is_root is False:
             raise RuntimeError(
@@ -84,16 +74,13 @@ class ForwardMixin:
         offload_to_cpu: bool = False,
         recurse: bool = True,
     ) -> contextlib.AbstractContextManager[None]:
-        """Expose the full (unsharded, original-dtype) parameters inside the block.
-
-        The original parameter attributes of the wrapped modules become views of the
-        gathered flat parameter. A collective: call on all ranks.
+        """Expose the full original-dtype parameters inside the block (a collective).
 
         Args:
             writeback: copy modifications back into the shards on exit.
             rank0_only: only global rank 0 gets the full parameters (needs writeback=False).
             offload_to_cpu: gather into CPU memory.
-            recurse: also unshard every nested instance (default True).
+            recurse: also unshard every nested instance.
         """
         return summon_full_params(self._fsdp_state, writeback, rank0_only, offload_to_cpu, recurse)
 
@@ -102,7 +89,6 @@ class ForwardMixin:
 def summon_full_params(
     state: FSDPState, writeback: bool, rank0_only: bool, offload_to_cpu: bool, recurse: bool
 ) -> Iterator[None]:
-    """``ForwardMixin.summon_full_params`` of the instance of ``state``."""
     if rank0_only and writeback:
         raise ValueError(
             "summon_full_params(rank0_only=True, writeback=True) is not supported: other "
@@ -131,9 +117,8 @@ def summon_full_params(
             saved = [(s.module, s.name, s.module.__dict__.get(s.name)) for s in handle.slots]
             other.summon = (full, saved)
             if gets_params:
-                # [Note: summoned parameters] the flat parameter steps aside and the
-                # original parameters are registered as views of the full tensor, so
-                # parameters()/named_parameters() show original names and shapes.
+                # [Note: summoned parameters] the original parameters are registered as views
+                # of the full tensor in place of the flat parameter
                 del other.owner._parameters["_flat_param"]
                 handle.register_views_as_params(full)
         yield
@@ -156,8 +141,8 @@ def summon_full_params(
 
 
 def run_as_forward(state: FSDPState, function: Any, args: tuple, kwargs: dict) -> Any:
-    """``function(*args, **kwargs)`` (the wrapped module or one of its methods) inside the
-    instance's forward hooks."""
+    """``function(*args, **kwargs)`` (the wrapped module or a method of it) inside the forward
+    hooks."""
     if state.training_state == TrainingState.SUMMON_FULL_PARAMS:
         raise RuntimeError(
             f"forward of FSDP instance {state.name()} called inside "

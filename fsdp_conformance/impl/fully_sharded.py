@@ -1,11 +1,7 @@
-"""The module wrapper ``FullyShardedDataParallel``: construction and validation.
-
-The class is assembled from one module per concern: construction (here: argument checks,
-auto-wrap recursion, parameter collection, the compute device, ``sync_module_states``),
-forward, ``no_sync`` and ``summon_full_params`` (``forward.py``, ``ForwardMixin``) and state
-dicts (``state_dict.py``, ``StateDictMixin``). What runs around the wrapped module's forward and
-backward is in ``runtime.py``. Everything an instance knows is in its ``FSDPState``
-(``state.py``); the module's public attributes read it.
+"""``FullyShardedDataParallel``: construction and validation (argument checks, auto-wrap,
+parameter collection, the compute device, ``sync_module_states``). Forward, ``no_sync`` and
+summon are in ``forward.py``, state dicts in ``state_dict.py``, the hooks in ``runtime.py``;
+everything an instance knows is in its ``FSDPState``.
 """
 
 from __future__ import annotations
@@ -19,23 +15,19 @@ from torch import nn
 
 from fsdp_conformance.device_handle import DeviceHandle, accelerator_available
 from fsdp_conformance.impl import runtime
-from fsdp_conformance.impl.api import (
-    BackwardPrefetch,
-    CPUOffload,
-    MixedPrecision,
-    ShardingStrategy,
-)
+from fsdp_conformance.impl.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from fsdp_conformance.impl.flat_param import FlatParamHandle
 from fsdp_conformance.impl.forward import ForwardMixin
 from fsdp_conformance.impl.state import FSDPState, assert_state, fsdp_states
 from fsdp_conformance.impl.state_dict import StateDictMixin
 
 AutoWrapPolicy = Callable[..., bool]
+Params = list[tuple[nn.Module, str, nn.Parameter]]  # (module, attribute name, parameter)
 
 
 def _state_attribute(name: str, doc: str) -> property:
-    """A read-only attribute of the instance that reads its ``FSDPState``."""
     return property(lambda self: getattr(self._fsdp_state, name), doc=doc)
+
 
 _WRAPPED = "_fsdp_wrapped_module"
 
@@ -43,35 +35,26 @@ _WRAPPED = "_fsdp_wrapped_module"
 class FullyShardedDataParallel(ForwardMixin, StateDictMixin, nn.Module):
     """Shard ``module``'s parameters over ``process_group`` (flat-parameter FSDP, FSDP1 family).
 
-    The parameters of ``module`` that are not inside a nested FSDP instance or an ignored
-    module are flattened into one flat parameter; each rank keeps one shard. They are
-    all-gathered before forward and backward and freed after (per ``sharding_strategy``);
-    gradients are reduce-scattered. Nested instances are built inner-first, by hand or
-    with ``auto_wrap_policy``; the outermost instance becomes the root at its first forward.
+    The parameters not inside a nested instance or an ignored module form one flat parameter;
+    each rank keeps a shard. The outermost instance becomes the root at its first forward.
 
     Args:
         module: the module to wrap.
-        process_group: group to shard over (default: the default group). A one-rank group
-            (e.g. an MoE expert) behaves like ``NO_SHARD``.
+        process_group: default: the default group; a one-rank group behaves like NO_SHARD.
         sharding_strategy: FULL_SHARD, SHARD_GRAD_OP or NO_SHARD.
         cpu_offload: ``CPUOffload(offload_params=True)`` keeps shards and gradients on CPU.
-        auto_wrap_policy: ``policy(module, recurse, nonwrapped_numel) -> bool`` (torch's
-            signature, called with keywords); matching submodules are wrapped inner-first
-            with the same arguments.
+        auto_wrap_policy: ``policy(module=, recurse=, nonwrapped_numel=) -> bool`` (torch's);
+            matching submodules are wrapped inner-first with the same arguments.
         backward_prefetch: BACKWARD_PRE, BACKWARD_POST or None.
         mixed_precision: dtypes for compute/communication; master shards stay fp32.
-        device_id: compute device (int = CUDA index, or ``torch.device``); default: the
-            parameters' device.
-        sync_module_states: broadcast parameters and buffers from rank 0 (shapes are
-            checked across ranks first).
+        device_id: compute device (int: CUDA index); default: the parameters' device.
+        sync_module_states: broadcast parameters and buffers from rank 0 (shapes checked).
         forward_prefetch: issue the next instance's all-gather in pre-forward (static graphs).
-        limit_all_gathers: rate-limit all-gathers (see ``limiter.py``).
+        limit_all_gathers: rate-limit all-gathers (``limiter.py``).
         ignored_modules: modules whose parameters and buffers FSDP leaves alone.
-        param_init_fn: for a module built on the meta device: ``param_init_fn(submodule)``
-            allocates and initialises that submodule's own parameters and buffers; default:
-            ``submodule.to_empty(device=..., recurse=False)`` then its ``reset_parameters()``.
-            Called once per submodule this instance manages (nested instances materialised
-            themselves when they were built), on the compute device.
+        param_init_fn: for a meta-device module, ``param_init_fn(submodule)`` allocates and
+            initialises each managed submodule's own tensors on the compute device; default:
+            ``to_empty(recurse=False)`` then ``reset_parameters()``.
     """
 
     def __init__(
@@ -124,16 +107,13 @@ class FullyShardedDataParallel(ForwardMixin, StateDictMixin, nn.Module):
             _recursive_wrap(module, auto_wrap_policy, ignored, child_kwargs, only_children=True)
 
         _materialize_meta(module, ignored, device_id, param_init_fn)
-        collected = _collect_params(module, ignored)
-        params = _frozen_apart(collected)
-        _check_frozen_apart_precision(module, collected, params, mixed_precision)
+        params = _frozen_apart(module, _collect_params(module, ignored), mixed_precision)
         compute_device = _compute_device(module, params, device_id)
         cpu_offload = cpu_offload or CPUOffload()
         if compute_device.type != "cpu":
             _move_to_compute_device(module, ignored, compute_device, cpu_offload)
         if sync_module_states:
             _sync_module_states(module, params, process_group)
-        # this instance's state: configuration, flat parameter, training states (see state.py)
         self._fsdp_state = state = FSDPState(
             owner=self,
             module=module,
@@ -144,7 +124,6 @@ class FullyShardedDataParallel(ForwardMixin, StateDictMixin, nn.Module):
             mixed_precision=mixed_precision,
             forward_prefetch=forward_prefetch,
             limit_all_gathers=limit_all_gathers,
-            ignored_modules=ignored,
             compute_device=compute_device,
         )
         if params:
@@ -164,13 +143,11 @@ class FullyShardedDataParallel(ForwardMixin, StateDictMixin, nn.Module):
             self.register_parameter("_flat_param", state.handle.flat_param)
             if state.handle.requires_grad:
                 state.handle.unsharded.register_post_accumulate_grad_hook(
-                    _PostBackwardHook(state)
+                    lambda unsharded: runtime.post_backward_hook(state, unsharded)
                 )
         module.__dict__["_fsdp_wrapped"] = True
-        # the wrapped module (public as ``module``)
         self._fsdp_wrapped_module = module
 
-    # ------------------------------------------------------------------ observable attributes
     module = _state_attribute("module", "The wrapped module.")
     process_group = _state_attribute("process_group", "The group this instance shards over.")
     sharding_strategy = _state_attribute("sharding_strategy", "The requested ShardingStrategy.")
@@ -188,7 +165,6 @@ class FullyShardedDataParallel(ForwardMixin, StateDictMixin, nn.Module):
 
     @property
     def is_unsharded(self) -> bool:
-        """True while the unsharded flat parameter storage is allocated."""
         handle = self._fsdp_state.handle
         return handle is not None and handle.is_unsharded
 
@@ -207,8 +183,7 @@ class FullyShardedDataParallel(ForwardMixin, StateDictMixin, nn.Module):
             return getattr(self._fsdp_wrapped_module, name)
 
     def _use_device_handle(self, handle: DeviceHandle) -> None:
-        """Route this instance's streams and events through ``handle`` (``UsesDeviceHandle``;
-        ``install_device_handle`` calls it on every instance)."""
+        """``UsesDeviceHandle``: route streams and events through ``handle``."""
         state = self._fsdp_state
         state.device_handle = handle
         if state.context is not None and state.is_root:
@@ -216,25 +191,13 @@ class FullyShardedDataParallel(ForwardMixin, StateDictMixin, nn.Module):
 
     @staticmethod
     def fsdp_modules(module: nn.Module, root_only: bool = False) -> list[FullyShardedDataParallel]:
-        """FSDP instances in ``module``'s tree, pre-order (outermost first).
-
-        Args:
-            module: any module.
-            root_only: only instances with no FSDP ancestor inside ``module``.
-        """
+        """FSDP instances in ``module``'s tree, pre-order; ``root_only``: only those with no FSDP
+        ancestor inside ``module``."""
+        found = [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
         if not root_only:
-            return [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
-        found: list[FullyShardedDataParallel] = []
-
-        def visit(m: nn.Module) -> None:
-            if isinstance(m, FullyShardedDataParallel):
-                found.append(m)
-                return
-            for child in m.children():
-                visit(child)
-
-        visit(module)
-        return found
+            return found
+        nested = {id(inner) for outer in found for inner in list(outer.modules())[1:]}
+        return [m for m in found if id(m) not in nested]
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip all gradients under this root by their global norm (``impl/clip.py``)."""
@@ -243,33 +206,12 @@ class FullyShardedDataParallel(ForwardMixin, StateDictMixin, nn.Module):
         return clip_grad_norm_(self, max_norm, norm_type)
 
     def _assert_state(self, state: Any) -> None:
-        """Raise AssertionError unless this instance is in ``state`` (or one of several).
-
-        Args:
-            state: a ``TrainingState``/``HandleTrainingState`` or a list of them.
-        """
+        """AssertionError unless this instance is in ``state`` (a ``TrainingState`` or
+        ``HandleTrainingState``, or a list of them)."""
         assert_state(self._fsdp_state, state)
 
 
-class _PostBackwardHook:
-    """Post-accumulate-grad hook of an instance's unsharded leaf."""
-
-    def __init__(self, state: FSDPState) -> None:
-        # the instance whose gradient is ready when the hook runs
-        self.state = state
-
-    def __call__(self, unsharded: torch.Tensor) -> None:
-        runtime.post_backward_hook(self.state, unsharded)
-
-
-# ---------------------------------------------------------------------------- construction helpers
-def _check_arguments(
-    module: Any,
-    sharding_strategy: Any,
-    cpu_offload: Any,
-    backward_prefetch: Any,
-    mixed_precision: Any,
-) -> None:
+def _check_arguments(module, sharding_strategy, cpu_offload, backward_prefetch, mixed_precision):
     if isinstance(module, FullyShardedDataParallel):
         raise ValueError(  # noqa: TRY004  (the type is right, the module is wrapped twice)
             f"module is already a FullyShardedDataParallel instance (around "
@@ -286,14 +228,13 @@ def _check_arguments(
         )
     if not isinstance(sharding_strategy, ShardingStrategy):
         raise TypeError(f"sharding_strategy must be a ShardingStrategy, got {sharding_strategy!r}")
-    if cpu_offload is not None and not isinstance(cpu_offload, CPUOffload):
-        raise TypeError(f"cpu_offload must be CPUOffload or None, got {cpu_offload!r}")
-    if backward_prefetch is not None and not isinstance(backward_prefetch, BackwardPrefetch):
-        raise TypeError(
-            f"backward_prefetch must be BackwardPrefetch or None, got {backward_prefetch!r}"
-        )
-    if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
-        raise TypeError(f"mixed_precision must be MixedPrecision or None, got {mixed_precision!r}")
+    for name, value, kind in (
+        ("cpu_offload", cpu_offload, CPUOffload),
+        ("backward_prefetch", backward_prefetch, BackwardPrefetch),
+        ("mixed_precision", mixed_precision, MixedPrecision),
+    ):
+        if value is not None and not isinstance(value, kind):
+            raise TypeError(f"{name} must be {kind.__name__} or None, got {value!r}")
 
 
 def _expand_ignored(ignored_modules: Iterable[nn.Module] | None) -> set[nn.Module]:
@@ -335,11 +276,9 @@ def _recursive_wrap(
     return module, wrapped_numel
 
 
-def _collect_params(
-    module: nn.Module, ignored: set[nn.Module]
-) -> list[tuple[nn.Module, str, nn.Parameter]]:
-    """(module, name, parameter) for every parameter this instance manages, in order."""
-    found: list[tuple[nn.Module, str, nn.Parameter]] = []
+def _collect_params(module: nn.Module, ignored: set[nn.Module]) -> Params:
+    """Every parameter this instance manages, in order."""
+    found: Params = []
     seen: set[tuple[int, str]] = set()
 
     def visit(m: nn.Module, path: str) -> None:
@@ -370,11 +309,8 @@ def _materialize_meta(
     device_id: int | torch.device | None,
     param_init_fn: Callable[[nn.Module], None] | None,
 ) -> None:
-    """Materialise the submodules this instance manages when all their parameters (and
-    buffers) are on the meta device: each submodule holding tensors is allocated on the compute
-    device and initialised once (``param_init_fn`` or ``to_empty`` + ``reset_parameters``).
-    Parameters on meta and elsewhere are left to the mixed-devices error of ``_compute_device``.
-    """
+    """Materialise the managed submodules when all their tensors are on the meta device (meta
+    mixed with other devices is left to ``_compute_device``'s error)."""
     if param_init_fn is not None and not callable(param_init_fn):
         raise TypeError(f"param_init_fn must be callable (module) -> None, got {param_init_fn!r}")
     owned: list[nn.Module] = []
@@ -388,19 +324,16 @@ def _materialize_meta(
 
     visit(module)
     tensors = [
-        t
-        for m in owned
-        for t in (*m._parameters.values(), *m._buffers.values())
-        if t is not None
+        t for m in owned for t in (*m._parameters.values(), *m._buffers.values()) if t is not None
     ]
     if not tensors or not all(t.is_meta for t in tensors):
         return
     if device_id is not None:
-        device = torch.device("cuda", device_id) if isinstance(device_id, int) else device_id
+        device = _device_of(device_id)
+    elif accelerator_available():
+        device = torch.device("cuda", torch.cuda.current_device())
     else:
-        device = torch.device("cuda", torch.cuda.current_device()) if (
-            accelerator_available()
-        ) else torch.device("cpu")
+        device = torch.device("cpu")
     with torch.no_grad():
         for m in owned:
             if not any(t is not None for t in (*m._parameters.values(), *m._buffers.values())):
@@ -415,51 +348,30 @@ def _materialize_meta(
                     "reset_parameters(); give it one (initialising its own parameters and "
                     "buffers) or pass param_init_fn"
                 )
-            m.to_empty(device=torch.device(device), recurse=False)
+            m.to_empty(device=device, recurse=False)
             reset()
 
 
-def _frozen_apart(
-    params: list[tuple[nn.Module, str, nn.Parameter]],
-) -> list[tuple[nn.Module, str, nn.Parameter]]:
-    """Frozen and trainable parameters in one instance: only the trainable ones are flattened.
-
-    [Note: frozen parameters] The frozen ones stay registered on their modules, whole on every
-    rank (not sharded: they never get a gradient, so nothing is reduced for them and the
-    optimizer skips them, leaving them bit-identical). An instance whose parameters are all
-    frozen flattens them as usual (a flat parameter without gradient: no reduction).
-    """
-    if all(param.requires_grad for _, _, param in params):
+def _frozen_apart(module: nn.Module, params: Params, mp: MixedPrecision | None) -> Params:
+    """The parameters to flatten: frozen ones next to trainable ones stay registered whole on
+    every rank (no gradient, nothing to reduce), so a ``param_dtype`` that nothing would cast
+    them to is refused; all frozen are flattened as usual."""
+    trainable = [(m, name, param) for m, name, param in params if param.requires_grad]
+    if not trainable or len(trainable) == len(params):
         return params
-    if not any(param.requires_grad for _, _, param in params):
-        return params
-    return [(m, name, param) for m, name, param in params if param.requires_grad]
-
-
-def _check_frozen_apart_precision(
-    module: nn.Module,
-    collected: list[tuple[nn.Module, str, nn.Parameter]],
-    params: list[tuple[nn.Module, str, nn.Parameter]],
-    mixed_precision: MixedPrecision | None,
-) -> None:
-    """Refuse a ``param_dtype`` for an instance that keeps frozen parameters apart: they are
-    not in the flat parameter, so nothing casts them, and they would meet activations of
-    another dtype in forward."""
-    dtype = None if mixed_precision is None else mixed_precision.param_dtype
-    kept_apart = [p for _, _, p in collected if not p.requires_grad] if params != collected else []
-    if dtype is not None and any(param.dtype != dtype for param in kept_apart):
+    dtype = None if mp is None else mp.param_dtype
+    if dtype is not None and any(p.dtype != dtype for _, _, p in params if not p.requires_grad):
         raise ValueError(
             f"cannot wrap {type(module).__name__} with mixed_precision param_dtype={dtype}: it "
             "mixes frozen and trainable parameters, and the frozen ones stay apart in their own "
             "dtype; wrap the frozen submodules in their own FSDP instance (or freeze all or none "
             "of this instance's parameters)"
         )
+    return trainable
 
 
 def _compute_device(
-    module: nn.Module,
-    params: list[tuple[nn.Module, str, nn.Parameter]],
-    device_id: int | torch.device | None,
+    module: nn.Module, params: Params, device_id: int | torch.device | None
 ) -> torch.device:
     devices: dict[torch.device, str] = {}
     names = {id(m): n for n, m in module.named_modules()}
@@ -477,21 +389,23 @@ def _compute_device(
             "(module.to_empty(device=...) and initialize) before wrapping it with FSDP"
         )
     if device_id is not None:
-        device = (
-            torch.device("cuda", device_id)
-            if isinstance(device_id, int)
-            else torch.device(device_id)
-        )
+        device = _device_of(device_id)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", 0)
         return device
     return next(iter(devices)) if devices else torch.device("cpu")
 
 
+def _device_of(device_id: int | torch.device) -> torch.device:
+    if isinstance(device_id, int):
+        return torch.device("cuda", device_id)
+    return torch.device(device_id)
+
+
 def _move_to_compute_device(
     module: nn.Module, ignored: set[nn.Module], device: torch.device, offload: CPUOffload
 ) -> None:
-    """Parameters go to ``device`` unless offloaded (then they stay on CPU); buffers always."""
+    """Buffers go to ``device``; parameters too unless offloaded."""
     for submodule in module.modules():
         if submodule in ignored or isinstance(submodule, FullyShardedDataParallel):
             continue
@@ -504,7 +418,7 @@ def _move_to_compute_device(
                     param.data = param.data.to(device)
 
 
-def _check_uniform(module: nn.Module, params: list[tuple[nn.Module, str, nn.Parameter]]) -> None:
+def _check_uniform(module: nn.Module, params: Params) -> None:
     dtypes = {p.dtype for _, _, p in params}
     if len(dtypes) > 1:
         raise ValueError(
@@ -513,9 +427,7 @@ def _check_uniform(module: nn.Module, params: list[tuple[nn.Module, str, nn.Para
         )
 
 
-def _sync_module_states(
-    module: nn.Module, params: list[tuple[nn.Module, str, nn.Parameter]], group: Any
-) -> None:
+def _sync_module_states(module: nn.Module, params: Params, group: Any) -> None:
     """Check shapes across ranks (one object all-gather), then broadcast from rank 0."""
     if group.size() == 1:
         return

@@ -1,12 +1,9 @@
-"""Optimizer parameter groups by the original parameters' names (no weight decay on biases, a
-learning rate per block) over flat parameters.
+"""Optimizer parameter groups by the original parameters' names, over flat parameters.
 
-Each rank's shard of a flat parameter holds consecutive pieces of the original parameters. The
-optimizer built here holds one ``nn.Parameter`` per piece, sharing the shard's storage, so a
-step updates the shard in place; before each step every piece's gradient is pointed at its
-slice of the flat parameter's gradient, and ``zero_grad`` clears the flat gradients too.
-Parameters an instance leaves unflattened (frozen next to trainable ones) are handed over as
-they are.
+The optimizer holds one ``nn.Parameter`` per piece of an original parameter in this rank's shard,
+sharing the shard's storage; before each step every piece's gradient is pointed at its slice of
+the flat gradient, and ``zero_grad`` clears the flat gradients too. Parameters left unflattened
+(frozen next to trainable ones) are handed over as they are.
 """
 
 from __future__ import annotations
@@ -29,16 +26,10 @@ def optimizer(
     group_options: GroupOptions,
     **defaults: Any,
 ) -> torch.optim.Optimizer:
-    """``optimizer_class`` over `root`'s parameters, grouped by ``group_options(name, param)``.
-
-    Args:
-        root: the outermost FSDP instance.
-        optimizer_class: a torch optimizer that updates its parameters in place (SGD, Adam,
-            AdamW, ...).
-        group_options: called with each original parameter's name in the unwrapped module
-            (``blocks.1.0.weight``) and the parameter the optimizer gets (a piece of a shard:
-            one-dimensional, so decide by the name); returns that parameter's group options.
-        **defaults: the optimizer's keyword arguments (what a group does not override).
+    """``optimizer_class`` (updating in place: SGD, Adam, ...) over the root ``root``'s
+    parameters, grouped by ``group_options(name, param)``: the name in the unwrapped module
+    (``blocks.1.0.weight``; the parameter is a one-dimensional piece, so decide by the name) ->
+    that group's options. ``defaults``: the optimizer's keyword arguments.
     """
     pieces = _pieces(root)
     groups: dict[tuple, dict[str, Any]] = {}
@@ -73,8 +64,8 @@ def optimizer(
 
 
 def _pieces(root: nn.Module) -> list[tuple[str, nn.Parameter, tuple | None]]:
-    """(name, parameter for the optimizer, (flat parameter, start, end) or None) for each
-    original parameter with elements on this rank, in the model's order."""
+    """(name, optimizer parameter, (flat parameter, start, end) or None) per original parameter
+    with elements on this rank, in the model's order."""
     names = {
         id(module): name.replace("_fsdp_wrapped_module.", "").replace("_fsdp_wrapped_module", "")
         for name, module in root.named_modules()

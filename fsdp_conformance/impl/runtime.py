@@ -1,17 +1,9 @@
-"""Forward/backward hooks: unshard, reshard, prefetch, gradient reduction.
+"""The hooks around the wrapped module's forward and backward (the lifecycle of docs/impl.md):
+unshard, reshard, prefetch, gradient reduction; free functions of an ``FSDPState``.
 
-Per iteration, for each instance (FSDP1 order):
-pre-forward: unshard (rate-limited all-gather), forward prefetch, wait, install views;
-post-forward: reshard (FULL_SHARD, non-root), register pre-backward hooks on outputs;
-pre-backward (first output gradient): unshard, ``BACKWARD_PRE`` prefetch, wait;
-post-backward (flat gradient accumulated): reshard, ``BACKWARD_POST`` prefetch, issue
-the reduce-scatter; at most one reduction stays in flight, the rest are finished;
-end of backward (root's queued callback): finish reductions, reshard leftovers, IDLE.
-
-Streams (CUDA; no-ops on CPU): all-gathers and their casts/copies run on the unshard
-stream, reductions on the post-backward stream. The root's pre-forward makes both wait
-for the compute stream (optimizer step). Memory allocated on one stream and released
-while another still reads it is protected with ``record_stream``.
+On CUDA all-gathers and their casts/copies run on the unshard stream, reductions on the
+post-backward stream; memory released while another stream may still read it is protected
+with ``record_stream``.
 """
 
 from __future__ import annotations
@@ -39,11 +31,9 @@ from fsdp_conformance.impl.state import (
     transition,
 )
 
-# profiler range around the rate limiter's wait (same name as torch FSDP1)
 RATE_LIMITER_RANGE = constants.RATE_LIMITER_RANGE
 
 
-# ---------------------------------------------------------------------------- lazy init
 def lazy_init(root: FSDPState) -> None:
     """Make ``root`` the root of every instance under it (first forward)."""
     states = fsdp_states(root.owner)
@@ -75,15 +65,12 @@ def _clean_name(name: str) -> str:
     return name.replace("_fsdp_wrapped_module.", "").replace("._fsdp_wrapped_module", "")
 
 
-# ---------------------------------------------------------------------------- unshard / reshard
 def unshard(state: FSDPState, prefetch: str | None = None, early: bool = False) -> None:
-    """Start unsharding ``state``'s flat parameter (no-op if already unsharded or nothing to
-    gather).
+    """Start unsharding ``state``'s flat parameter (rate-limited; no-op if unsharded already).
 
     Args:
-        state: the instance to unshard.
-        prefetch: the prefetch direction if this is a prefetch, else None.
-        early: the issuing instance still holds its own buffer (limiter's extra slot).
+        prefetch: the prefetch direction, None if this is no prefetch.
+        early: the issuing instance still holds its own buffer (the limiter's extra slot).
     """
     handle = state.handle
     if handle is None or not handle.copies or handle.is_unsharded:
@@ -100,7 +87,6 @@ def unshard(state: FSDPState, prefetch: str | None = None, early: bool = False) 
 
 
 def wait_unshard(state: FSDPState) -> None:
-    """Make the unsharded parameters usable by the compute stream."""
     device = state.device_handle
     state.handle.wait_unshard(device)
     device.current_stream().wait_stream(state.context.unshard_stream)
@@ -112,12 +98,11 @@ def reshard(state: FSDPState) -> None:
     if handle is None or not handle.copies or not handle.is_unsharded:
         return
     device = state.device_handle
-    if handle.all_gather_pending:
+    if handle.all_gather_work is not None:
         wait_unshard(state)
     if not handle.sharded:
         handle.free(device)
         return
-    # observers hear of the free before it happens; the event they get is recorded right after
     free_event = device.Event()
     trace.emit(Op.FREE, state.owner, event=free_event)
     handle.free(device)
@@ -153,9 +138,8 @@ def prefetch(state: FSDPState, direction: str) -> None:
     unshard(target, prefetch=direction, early=early)
 
 
-# ---------------------------------------------------------------------------- forward
 def root_pre_forward(state: FSDPState) -> None:
-    """Lazy init; at the start of an iteration, order the side streams after the step."""
+    """Lazy init; at an iteration's start, order the side streams after the optimizer step."""
     if state.is_root is None:
         lazy_init(state)
     if not state.is_root:
@@ -178,11 +162,8 @@ def root_pre_forward(state: FSDPState) -> None:
 
 
 def check_same_instance_on_all_ranks(state: FSDPState) -> None:
-    """First iteration only: every rank must be in the same instance's pre-forward.
-
-    One small all-gather over the root's group per instance; a mismatch raises on every
-    rank instead of letting mismatched all-gathers hang.
-    """
+    """First iteration: one tiny all-gather checks every rank is in the same instance's
+    pre-forward, so a mismatch raises on every rank instead of hanging."""
     context = state.context
     group = context.root.process_group
     if group.size() == 1:
@@ -206,9 +187,8 @@ def pre_forward(state: FSDPState, args: tuple, kwargs: dict) -> tuple[tuple, dic
     state.recomputing = state.handle_training_state == HandleTrainingState.BACKWARD_PRE
     transition(state, TrainingState.FORWARD_BACKWARD, "pre-forward")
     if not state.recomputing:
-        # a recompute stays in BACKWARD_PRE: non-reentrant checkpointing stops the recompute
-        # early (once the saved tensors it needs exist), so its post-forward may never run
-        # (found by the fuzzer: a checkpointed block holding wrapped instances, docs/fuzz.md)
+        # a recompute stays in BACKWARD_PRE: non-reentrant checkpointing may stop it early,
+        # before its post-forward runs
         transition(state, HandleTrainingState.FORWARD, "pre-forward")
     exec_order = state.context.exec_order
     if exec_order.is_first_iter and not state.recomputing:
@@ -233,8 +213,7 @@ def pre_forward(state: FSDPState, args: tuple, kwargs: dict) -> tuple[tuple, dic
 def post_forward(state: FSDPState, output: Any) -> Any:
     """Reshard (FULL_SHARD, non-root) and hook the outputs for pre-backward."""
     if state.recomputing:
-        # activation-checkpoint recompute inside backward: the parameters are needed
-        # for the gradient computation that follows, so keep them and stay in backward
+        # a recompute inside backward: the gradient computation that follows needs them
         transition(state, HandleTrainingState.BACKWARD_PRE, "post-forward (recompute)")
         return output
     state.context.exec_order.record_post_forward(state)
@@ -258,9 +237,7 @@ def post_forward(state: FSDPState, output: Any) -> Any:
     return output
 
 
-# ---------------------------------------------------------------------------- backward
 def pre_backward_hook(state: FSDPState, grad: torch.Tensor) -> None:
-    """Runs when the gradient of one of the instance's outputs is ready."""
     context = state.context
     if not context.callback_queued:
         context.callback_queued = True
@@ -278,9 +255,7 @@ def pre_backward_hook(state: FSDPState, grad: torch.Tensor) -> None:
 
 
 def post_backward_hook(state: FSDPState, unsharded: torch.Tensor) -> None:
-    """Runs once the instance's whole unsharded gradient has been accumulated."""
-    if state.handle_training_state != HandleTrainingState.BACKWARD_PRE:
-        transition(state, HandleTrainingState.BACKWARD_PRE, "post-backward hook")
+    transition(state, HandleTrainingState.BACKWARD_PRE, "post-backward hook")
     transition(state, HandleTrainingState.BACKWARD_POST, "post-backward hook")
     state.ran_post_backward = True
     handle = state.handle

@@ -1,11 +1,5 @@
-"""State dicts of the reference FSDP: full (original names, unsharded) and sharded.
-
-``StateDictMixin`` is one base class of ``FullyShardedDataParallel`` (``fully_sharded.py``); it
-reads only the instances' ``FSDPState`` (``state.py``).
-Both forms walk the same entries (``StateEntry``): the flat parameter of each instance (sharded
-form), the original parameters it flattened (full form), and the parameters and persistent
-buffers FSDP does not manage (both forms).
-"""
+"""``StateDictMixin`` (a base of ``FullyShardedDataParallel``): full and sharded state dicts,
+both walking the same ``StateEntry``s."""
 
 from __future__ import annotations
 
@@ -23,33 +17,29 @@ from fsdp_conformance.impl.state import FSDPState, fsdp_states, state_of
 
 
 class StateEntry(NamedTuple):
-    """One state-dict entry under an FSDP instance (``StateDictMixin._state_entries``)."""
+    """One state-dict entry under an FSDP instance.
 
-    # "flat": an FSDP instance's flat parameter (sharded form only);
-    # "param": an original parameter the flat parameter holds (full form only);
-    # "plain": a parameter FSDP does not manage; "buffer": a persistent buffer
+    ``kind``: "flat" (an instance's flat parameter, sharded form only; ``module`` is the
+    instance, ``attr`` None), "param" (an original parameter it holds, full form only), "plain"
+    (a parameter FSDP does not manage) or "buffer" (persistent). ``name``: the key without the
+    caller's prefix, wrapper segments removed.
+    """
+
     kind: str
-    # the key without the caller's prefix: dotted path with the wrapper segments removed
     name: str
-    # the module holding the tensor ("flat": the FSDP instance itself)
     module: nn.Module
-    # the tensor's attribute name on ``module`` (None for "flat")
     attr: str | None
 
 
 class ShardTypeError(TypeError, ValueError):
-    """A sharded state-dict entry is not a ``ShardedFlatParameter`` (a ``TypeError``; also a
-    ``ValueError``, the type this error had before, so that existing handlers still catch it)."""
+    """A sharded state-dict entry is not a ``ShardedFlatParameter`` (also a ``ValueError``, so
+    that existing handlers still catch it)."""
 
 
 class StateDictMixin:
-    """``state_dict`` and ``load_state_dict`` of an FSDP module."""
-
-    # the instance's state (set by the constructor)
     _fsdp_state: FSDPState
 
     def _state_entries(self) -> Iterator[StateEntry]:
-        """Every state entry under this instance, in module order (see ``StateEntry``)."""
         owned: dict[int, list[str]] = {}
         for state in fsdp_states(self._fsdp_state.owner):
             if state.handle is not None:
@@ -88,14 +78,9 @@ class StateDictMixin:
         rank0_only: bool = False,
         offload_to_cpu: bool = False,
     ) -> dict[str, Any]:
-        """Full (original names, unsharded) or sharded state dict. Full is a collective.
-
-        Args:
-            destination, prefix, keep_vars: as ``nn.Module.state_dict`` (positional too).
-            state_dict_type: FULL_STATE_DICT or SHARDED_STATE_DICT.
-            rank0_only: full form only; other ranks return an empty dict.
-            offload_to_cpu: full form only; tensors are returned on CPU.
-        """
+        """Full (a collective) or sharded state dict; ``destination``, ``prefix`` and
+        ``keep_vars`` as ``nn.Module.state_dict``. Full form only: ``rank0_only`` (other ranks
+        return an empty dict), ``offload_to_cpu``."""
         if args:
             destination, prefix, keep_vars = (
                 list(args) + [destination, prefix, keep_vars][len(args) :]
@@ -121,7 +106,6 @@ class StateDictMixin:
                 if entry.kind == "flat":
                     continue
                 value = (
-                    # see [Note: summoned parameters]
                     entry.module._parameters[entry.attr].detach().clone()
                     if entry.kind == "param"
                     else self._plain_value(entry)
@@ -140,15 +124,10 @@ class StateDictMixin:
     def load_state_dict(  # type: ignore[override]
         self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False
     ) -> _IncompatibleKeys:
-        """Load a full or sharded state dict (the form is detected). Full is a collective.
+        """Load a full (a collective; also an unwrapped module's) or sharded state dict.
 
-        Args:
-            state_dict: from ``state_dict()`` (any form), or an unwrapped module's state dict.
-            strict: raise if keys are missing or unexpected.
-            assign: accepted as ``nn.Module.load_state_dict`` takes it (e.g. before the first
-                forward of a meta-device model): the values are loaded into the flat parameter,
-                since the original parameters are views of it and cannot adopt the given
-                tensors; dtypes and ``requires_grad`` stay the module's.
+        ``assign`` is accepted, but values are copied into the flat parameter (the original
+        parameters are views of it and cannot adopt the given tensors).
         """
         entries = list(self._state_entries())
         sharded = any(isinstance(v, ShardedFlatParameter) for v in state_dict.values())
@@ -178,17 +157,13 @@ class StateDictMixin:
             else:
                 with summon_full_params(self._fsdp_state, True, False, False, True):
                     for entry in present:
-                        if entry.kind == "param":
-                            entry.module._parameters[entry.attr].copy_(state_dict[entry.name])
-                        else:
-                            self._load_plain(entry, state_dict[entry.name])
+                        self._load_plain(entry, state_dict[entry.name])
         return _IncompatibleKeys(missing, unexpected)
 
     @staticmethod
     def _load_plain(entry: StateEntry, value: torch.Tensor) -> None:
-        """Copy ``value`` into a "plain" or "buffer" entry's tensor."""
         module, attr = entry.module, entry.attr
-        target = module._parameters[attr] if entry.kind == "plain" else module._buffers[attr]
+        target = module._buffers[attr] if entry.kind == "buffer" else module._parameters[attr]
         target.copy_(value)
 
 

@@ -1,34 +1,15 @@
 """A per-phase trace of an FSDP implementation's communication, rendered one event per line.
 
 [Note: comm trace]
-``CommTrace`` is an adapter observer (``adapter.observe``, feature ``comm_trace``): every
-``all_gather``, ``free``, ``reduce_scatter`` / ``all_reduce`` the adapter reports becomes a
-``CommEvent(phase, op, label, state)``; with ``compute=True`` a forward pre-hook on the module
-each instance wraps adds a ``compute`` event when that module's own forward starts (after the
-implementation's pre-forward: unshard, forward prefetch). The driver names the phases
-(``with trace.phase("iteration 2 backward"): ...``).
-
-With ``collectives=True`` the trace also records every collective of ``torch.distributed``
-called while it is active (in this rank's thread, as [Note: observation] filters), with the
-global ranks of the group it ran on, as a ``Collective(phase, op, ranks)`` in
-``trace.collectives``: what really went over which group, whatever the adapter reports (an
-implementation calling ``torch.distributed``'s functions; impl binds its own at import).
-
-Labels are stable across ranks and runs: the instance's module path in the *unwrapped* model
-(``module.1`` for ``NestedWrappedModule``'s wrapped ``Sequential``; ``<root>`` for the root),
-with wrapper segments removed. The state is the canonical instance state (docs/adapters.md) at
-the moment of the event, so an all-gather issued in ``IDLE`` during forward/backward was issued
-for the instance *before its own hook ran*: a prefetch. Nothing nondeterministic (ranks, ids,
-addresses, timings) reaches ``render()``, which is what the prefetch-order goldens compare.
-
-    trace = CommTrace(adapter, root)
-    with trace:
-        for iteration in (1, 2, 3):
-            with trace.phase(f"iteration {iteration} forward"):
-                loss = model(x).sum()
-            with trace.phase(f"iteration {iteration} backward"):
-                loss.backward()
-    print(trace.render())
+``CommTrace`` is an adapter observer (feature ``comm_trace``): each reported ``all_gather``,
+``free``, ``reduce_scatter`` / ``all_reduce`` becomes a ``CommEvent(phase, op, label, state)``;
+``compute=True`` adds ``compute`` when an instance's wrapped module starts forward (after the
+implementation's pre-forward). ``collectives=True`` also records every ``torch.distributed``
+collective called in this rank's thread, with its group's global ranks, in ``collectives``.
+Labels are the instance's module path in the *unwrapped* model (``<root>`` for the root); the
+state is the canonical instance state at the event, so an all-gather in ``IDLE`` during
+forward/backward is a prefetch. Nothing nondeterministic reaches ``render()``, which the
+prefetch-order goldens compare. The driver names the phases: ``with trace.phase(name):``.
 """
 
 from __future__ import annotations
@@ -49,25 +30,20 @@ from fsdp_conformance.adapters.base import clean_param_name, scoped_observer
 from fsdp_conformance.adapters.features import Feature
 from fsdp_conformance.constants import Op
 
-# The ops every adapter with `comm_trace` reports (others, e.g. impl's `Op.PREFETCH`, are dropped)
+# what every adapter with `comm_trace` reports (others, e.g. impl's `Op.PREFETCH`, are dropped)
 COMM_OPS = constants.COMM_OPS
-# The gradient reductions (NO_SHARD all-reduces, the sharded strategies reduce-scatter)
 REDUCE_OPS = constants.REDUCE_OPS
-# Phase of events outside any `phase()` block (lazy init, optimizer step, ...)
+# the phase of events outside any `phase()` block
 NO_PHASE = "outside"
 ROOT_LABEL = "<root>"
 
 
 class CommEvent(NamedTuple):
-    """One observed operation."""
+    """One observed operation (``state``: "-" when the adapter keeps none for the instance)."""
 
-    # the driver's phase name ("iteration 1 forward"), NO_PHASE outside any
     phase: str
-    # "all_gather", "free", "reduce_scatter", "all_reduce" or "compute"
     op: str
-    # the instance's module path in the unwrapped model (ROOT_LABEL for the root)
     label: str
-    # canonical instance state at the event ("-" when the adapter keeps none for it)
     state: str
 
     def render(self) -> str:
@@ -75,31 +51,27 @@ class CommEvent(NamedTuple):
 
 
 class Collective(NamedTuple):
-    """One ``torch.distributed`` collective recorded by ``CommTrace(collectives=True)``."""
+    """One ``torch.distributed`` collective and the global ranks of its group."""
 
-    # the driver's phase name, NO_PHASE outside any
     phase: str
-    # Op.ALL_GATHER, Op.REDUCE_SCATTER or Op.ALL_REDUCE
     op: str
-    # global ranks of the process group it ran on
     ranks: tuple[int, ...]
 
 
-# torch.distributed's collectives (named after the op: all_gather, all_gather_single, ...) and
-# what each does; a name a release lacks is skipped
+# torch.distributed's collectives and what each does; a name a release lacks is skipped
 DIST_COLLECTIVES = {
     **{f"{Op.ALL_GATHER}{end}": Op.ALL_GATHER for end in ("", "_single", "_into_tensor")},
     **{f"{Op.REDUCE_SCATTER}{end}": Op.REDUCE_SCATTER for end in ("", "_single", "_tensor")},
     str(Op.ALL_REDUCE): Op.ALL_REDUCE,
 }
 _COLLECTIVES_KEY = "fsdp-conformance comm trace: torch.distributed collectives"
-# the callbacks of the active collective recorders, filtered by thread ([Note: observation])
+# the active collective recorders' callbacks, filtered by thread ([Note: observation])
 _collective_observers: list[Callable[[str, Any, dict], None]] = []
 
 
 def _patch_collectives() -> None:
     """Make each of ``DIST_COLLECTIVES`` report (op, its group's ranks) to the active recorders
-    before it runs; installed once per process, a pass-through while none is active."""
+    (installed once per process)."""
 
     def make(op: str):
         def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -136,11 +108,8 @@ def _observing_collectives(callback: Callable[[str, Any, dict], None]) -> Iterat
 
 
 def instance_labels(adapter: Any, root: nn.Module) -> dict[int, str]:
-    """id(instance) -> its module path in the unwrapped model (ROOT_LABEL for the root).
-
-    The path is that of the module the instance wraps (``adapter.unwrap(instance)``), with the
-    segments FSDP wrappers insert removed, so it is the same for every adapter and rank.
-    """
+    """id(instance) -> the path of the module it wraps in the unwrapped model, wrapper segments
+    removed (ROOT_LABEL for the root): the same for every adapter and rank."""
     paths = {id(module): name for name, module in root.named_modules()}
     labels = {}
     for instance in adapter.instances(root):
@@ -154,32 +123,23 @@ def instance_labels(adapter: Any, root: nn.Module) -> dict[int, str]:
 
 
 class CommTrace:
-    """Records ``CommEvent``s of ``root``'s instances while active (see [Note: comm trace]).
-
-    Args:
-        adapter: the adapter that wrapped ``root`` (needs feature ``comm_trace``).
-        root: the wrapped model.
-        compute: also record ``compute`` when each instance's wrapped module starts forward.
-        collectives: also record ``torch.distributed``'s collectives with their groups
-            (``collectives``).
-    """
+    """Records ``CommEvent``s of ``root``'s instances while active (see [Note: comm trace])."""
 
     def __init__(
         self, adapter: Any, root: nn.Module, compute: bool = False, collectives: bool = False
     ) -> None:
-        self.adapter = adapter  # the adapter observed through
-        self.root = root  # the wrapped model
-        self.compute = compute  # record compute events too
-        self.record_collectives = collectives  # record torch.distributed's collectives too
-        self.collectives: list[Collective] = []  # those recorded, in order
-        self.labels = instance_labels(adapter, root)  # id(instance) -> label
-        self.instances = {id(i): i for i in adapter.instances(root)}  # id -> instance
-        self.events: list[CommEvent] = []  # everything recorded, in order
-        self._phase = NO_PHASE  # the phase events are recorded under now
-        self._entered: list[str] = []  # phase names in the order first entered
-        self._stack = contextlib.ExitStack()  # observer and hooks while active
+        self.adapter = adapter
+        self.root = root
+        self.compute = compute
+        self.record_collectives = collectives
+        self.collectives: list[Collective] = []
+        self.labels = instance_labels(adapter, root)
+        self.instances = {id(i): i for i in adapter.instances(root)}
+        self.events: list[CommEvent] = []
+        self._phase = NO_PHASE
+        self._entered: list[str] = []  # in the order first entered
+        self._stack = contextlib.ExitStack()
 
-    # ------------------------------------------------------------------ recording
     def __enter__(self) -> Self:
         self._stack.enter_context(self.adapter.observe(self._on_op, self.instances.values()))
         if self.record_collectives:
@@ -229,11 +189,10 @@ class CommTrace:
 
         return record_compute
 
-    # ------------------------------------------------------------------ reading
     @property
     def phases(self) -> list[str]:
-        """Every phase entered, in the order first entered (also those that recorded no event),
-        then ``NO_PHASE`` if events were recorded outside every phase."""
+        """Every phase entered, in order (also those without events), then ``NO_PHASE`` if events
+        were recorded outside every phase."""
         return list(dict.fromkeys([*self._entered, *(event.phase for event in self.events)]))
 
     def select(self, phase: str | None = None, ops: Iterable[str] | None = None) -> list[CommEvent]:
@@ -253,14 +212,9 @@ class CommTrace:
     def render(
         self, phases: Iterable[str] | None = None, ops: Iterable[str] | None = COMM_OPS
     ) -> str:
-        """One line per phase header (``phase:``) and per event (``  op label state``).
-
-        A phase whose events equal the previous phase with the same suffix (``forward`` /
-        ``backward``) renders as ``phase: same as <that phase>``: steady-state iterations stay
-        one line each.
-        """
+        """A ``phase:`` line, then ``  op label state`` per event; a phase equal to the last one
+        with the same suffix (``forward`` / ``backward``) renders as ``phase: same as <it>``."""
         lines = []
-        # "forward" / "backward" -> (phase, rendered events) of the last phase written out
         last_of_kind: dict[str, tuple[str, list[str]]] = {}
         for phase in self.phases if phases is None else phases:
             events = [event.render() for event in self.select(phase, ops)]

@@ -1,50 +1,25 @@
 """Training-state recorder: every instance's canonical state at every hook, checked against the
-transition table of ``fsdp_conformance/training_states.py``.
-
-    recorder = TrainingStateRecorder(adapter, root)
-    with recorder:                                   # installs the hooks
-        for step in range(3):
-            loss = ...; loss.backward()
-            optimizer.step()
-            recorder.after_step()                    # every instance must be IDLE; raises
-    recorder.assert_legal()                          # raises naming instance, hook, states
+transitions of ``fsdp_conformance/training_states.py``.
 
 [Note: where the recorder samples]
-A *sample* reads `adapter.training_state(i)` for every instance `i` (and `adapter.root_state`
-of the root) and checks each change against `LEGAL_INSTANCE_TRANSITIONS` /
-`LEGAL_ROOT_TRANSITIONS`. Samples are taken with plain module and autograd hooks, registered
-after the implementation's own, so they run right after the implementation's hook of the
-same kind:
-- pre-forward of instance X: a forward pre-hook on the module X wraps (`adapter.unwrap(X)`;
-  for FSDP2-style in-place instances, X itself, after FSDP2's prepended pre-hook);
-- post-forward of X: a forward hook on X (FSDP1-style wrappers run their post-forward inside
-  `forward`; FSDP2 registers its post-forward hook at `fully_shard`, before ours);
-- pre-backward of X: a gradient hook on each output of X that requires grad (registered after
-  the implementation's own pre-backward hook on the same tensor);
-- post-backward of X: seen at the next sample (the next instance's pre-backward, or the end
-  of backward): implementations keep BACKWARD_POST until the end of backward. The recorder does
-  not sample inside an implementation's hook (e.g. at its all-gathers): mid-hook states are
-  transient (measured: torch FSDP2 2.13.0 sets the instance it prefetches for backward to
-  PRE_BACKWARD for the duration of the prefetch all-gather and restores IDLE afterwards);
-- end of backward: an autograd engine callback queued from the first pre-backward sample,
-  which queues the sample itself once more when it runs, so the sample follows every callback
-  queued during backward -- the implementation's own end-of-backward callback included, even
-  when that one was queued after ours (the root's output is also an inner instance's output
-  under `auto_wrap_policy="always"`: the recorder's gradient hook on it, registered at the
-  inner instance's post-forward, runs before the root's pre-backward hook);
-- after `optimizer.step()`: `after_step()`, which also requires every instance to be IDLE;
-- inside and after `summon_full_params`: `sample(hook)` called by the check.
-Staying in a state is always legal. The transitions are the canonical table of
-`fsdp_conformance/training_states.py`; its `END_OF_BACKWARD_TRANSITIONS` (BACKWARD_PRE -> IDLE,
-for an instance whose post-backward never runs because none of its parameters received a
-gradient in this backward) are legal at the end-of-backward sample only. The recorder only
-reads states.
+A *sample* reads every instance's state (and the root state) and checks each change. Plain
+module and autograd hooks, registered after the implementation's own, sample right after its
+hook of the same kind: pre-forward (a pre-hook on the wrapped module, ``adapter.unwrap(X)``),
+post-forward (a forward hook on X), pre-backward (a gradient hook on each output of X).
+Post-backward is seen at the next sample (implementations keep BACKWARD_POST until the end of
+backward); mid-hook states are transient and not sampled (torch FSDP2 2.13.0 sets a
+prefetched instance to PRE_BACKWARD during the all-gather). The end of backward is an engine
+callback queued from the first pre-backward sample that queues the sample once more, so it
+follows every callback queued in backward, the implementation's own included. ``after_step()``
+samples after ``optimizer.step()``; checks call ``sample(hook)`` around summon. Staying in a
+state is legal; ``END_OF_BACKWARD_TRANSITIONS`` (BACKWARD_PRE -> IDLE, no gradient) are legal
+at the end-of-backward sample only.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import functools
 from typing import Any
 
 import torch
@@ -61,29 +36,26 @@ from fsdp_conformance.training_states import (
     RootState,
 )
 
-# Violations kept (the first ones explain the rest)
+# violations kept (the first ones explain the rest)
 MAX_VIOLATIONS = 20
-# The kind of sample at which END_OF_BACKWARD_TRANSITIONS are also legal
 END_OF_BACKWARD = "end of backward"
-# Legal at the end of backward only (see the module docstring)
 END_OF_BACKWARD_TRANSITIONS = training_states.END_OF_BACKWARD_TRANSITIONS
+_LEGAL_AT_END_OF_BACKWARD = {
+    source: targets | END_OF_BACKWARD_TRANSITIONS.get(source, frozenset())
+    for source, targets in LEGAL_INSTANCE_TRANSITIONS.items()
+}
 
 
 @dataclasses.dataclass(frozen=True)
 class Violation:
-    """One illegal state seen by the recorder."""
+    """One illegal state: where (``hook``: "pre_forward of module.1", ...), at which ``level``
+    ("instance" or "root"), the state before (None at the first sample), seen and allowed."""
 
-    # The instance's name in the model ("<root>" for the root)
     instance: str
-    # Where the sample was taken ("pre_forward of module.1", "after optimizer.step", ...)
     hook: str
-    # "instance" or "root" (which state machine)
     level: str
-    # The state before (None at the first sample)
     previous: str | None
-    # The state seen
     seen: str
-    # The states allowed here
     allowed: tuple[str, ...]
 
     def __str__(self) -> str:
@@ -99,19 +71,13 @@ class IllegalTrainingState(AssertionError):
 
 
 class TrainingStateRecorder:
-    """Samples and checks the canonical states of every instance of `model` (see the Note).
-
-    Args:
-        adapter: the adapter that wrapped `model`.
-        model: the wrapped root.
-    """
+    """Samples and checks the canonical states of every instance of the wrapped `model` (see
+    the Note)."""
 
     def __init__(self, adapter: Adapter, model: nn.Module) -> None:
-        self.adapter = adapter  # reads the states
-        self.model = model  # the wrapped root
-        # the instances, pre-order, and their names in `model`
+        self.adapter = adapter
+        self.model = model
         self.instances: list[nn.Module] = list(adapter.instances(model))
-        # names without the segments wrappers insert (`_fsdp_wrapped_module.`)
         segments = adapter_features.declared(adapter).wrapper_segments
         names = {
             id(module): clean_param_name(name, segments) for name, module in model.named_modules()
@@ -119,29 +85,26 @@ class TrainingStateRecorder:
         self.names: dict[int, str] = {
             id(instance): names.get(id(instance)) or "<root>" for instance in self.instances
         }
-        self.root = self.instances[0] if self.instances else None  # outermost instance
-        # False: the implementation has no training states (feature training_states): nothing
-        # is read, so a loop check that records states along the way checks the rest only
+        self.root = self.instances[0] if self.instances else None
+        # False: the implementation has no training states; nothing is read
         self.enabled = adapter_features.supports(adapter, Feature.TRAINING_STATES)
-        # - Recorded state
         self.last: dict[tuple[int, str], str] = {}  # (instance id, level) -> last state seen
-        self.violations: list[Violation] = []  # first MAX_VIOLATIONS illegal states
-        self.samples = 0  # number of samples taken
-        self.hooks_seen: set[str] = set()  # kinds of hook sampled ("pre_forward", ...)
-        # instance name -> every instance state it was seen in
+        self.violations: list[Violation] = []
+        self.samples = 0
+        self.hooks_seen: set[str] = set()
         self.states_seen: dict[str, set[str]] = {name: set() for name in self.names.values()}
-        self.root_states_seen: set[str] = set()  # every root state seen
-        # - Hook bookkeeping
-        self._handles: list[Any] = []  # module hook handles
-        self._end_of_backward_queued = False  # one engine callback per backward
+        self.root_states_seen: set[str] = set()
+        self._handles: list[Any] = []
+        self._end_of_backward_queued = False
 
-    # ------------------------------------------------------------------ installing
     def __enter__(self) -> TrainingStateRecorder:  # noqa: PYI034
         for instance in self.instances:
             name = self.names[id(instance)]
             inner = self.adapter.unwrap(instance)
-            self._handles.append(inner.register_forward_pre_hook(self._pre_forward_hook(name)))
-            self._handles.append(instance.register_forward_hook(self._post_forward_hook(name)))
+            pre_forward = functools.partial(self._pre_forward, name)
+            self._handles.append(inner.register_forward_pre_hook(pre_forward))
+            post_forward = functools.partial(self._post_forward, name)
+            self._handles.append(instance.register_forward_hook(post_forward))
         self.sample("start")
         return self
 
@@ -150,83 +113,58 @@ class TrainingStateRecorder:
             handle.remove()
         self._handles.clear()
 
-    def _pre_forward_hook(self, name: str) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any) -> None:
-            self.sample("pre_forward", name)
+    def _pre_forward(self, name: str, module: nn.Module, args: Any) -> None:
+        self.sample("pre_forward", name)
 
-        return hook
+    def _post_forward(self, name: str, module: nn.Module, args: Any, output: Any) -> None:
+        self.sample("post_forward", name)
+        if not torch.is_grad_enabled():
+            return
+        for tensor in output_tensors(output):
+            if tensor.requires_grad:
+                tensor.register_hook(functools.partial(self._pre_backward, name))
 
-    def _post_forward_hook(self, name: str) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            self.sample("post_forward", name)
-            if not torch.is_grad_enabled():
-                return
-            for tensor in output_tensors(output):
-                if tensor.requires_grad:
-                    tensor.register_hook(self._pre_backward_hook(name))
-
-        return hook
-
-    def _pre_backward_hook(self, name: str) -> Callable[[torch.Tensor], None]:
-        def hook(grad: torch.Tensor) -> None:
-            self.sample("pre_backward", name)
-            if not self._end_of_backward_queued:
-                self._end_of_backward_queued = True
-                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-
-        return hook
+    def _pre_backward(self, name: str, grad: torch.Tensor) -> None:
+        self.sample("pre_backward", name)
+        if not self._end_of_backward_queued:
+            self._end_of_backward_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _end_of_backward(self) -> None:
-        # the engine runs callbacks queued while it runs callbacks after the pending ones
+        # the engine runs a callback queued by a callback after the pending ones
         torch.autograd.Variable._execution_engine.queue_callback(self._sample_end_of_backward)
 
     def _sample_end_of_backward(self) -> None:
         self._end_of_backward_queued = False
         self.sample(END_OF_BACKWARD)
 
-    # ------------------------------------------------------------------ sampling
     def sample(self, hook: str, of: str | None = None) -> None:
-        """Read every instance's state now and check each change (see the Note).
-
-        Args:
-            hook: the kind of sample ("pre_forward", "end of backward", ...).
-            of: the name of the instance whose hook it is, if any.
-        """
+        """Read every instance's state now and check each change; ``hook``: the kind of sample
+        ("pre_forward", ...), ``of``: the name of the instance whose hook it is."""
         self.samples += 1
         self.hooks_seen.add(hook)
         if not self.enabled:
             return
         label = hook if of is None else f"{hook} of {of}"
+        legal = LEGAL_INSTANCE_TRANSITIONS
+        if hook == END_OF_BACKWARD:
+            legal = _LEGAL_AT_END_OF_BACKWARD
         for instance in self.instances:
-            name = self.names[id(instance)]
             state = self._instance_state(instance)
             if state is not None:
-                self.states_seen[name].add(str(state))
-                legal = LEGAL_INSTANCE_TRANSITIONS
-                if hook == END_OF_BACKWARD:
-                    legal = {
-                        source: targets | END_OF_BACKWARD_TRANSITIONS.get(source, frozenset())
-                        for source, targets in legal.items()
-                    }
-                self._check(instance, name, label, "instance", state, legal)
+                self.states_seen[self.names[id(instance)]].add(str(state))
+                self._check(instance, label, "instance", state, legal)
         if self.root is not None:
             root_state = RootState(self.adapter.root_state(self.root))
             self.root_states_seen.add(str(root_state))
-            self._check(
-                self.root,
-                self.names[id(self.root)],
-                label,
-                "root",
-                root_state,
-                LEGAL_ROOT_TRANSITIONS,
-            )
+            self._check(self.root, label, "root", root_state, LEGAL_ROOT_TRANSITIONS)
 
     def after_step(self) -> None:
-        """Sample after optimizer.step(): every instance (and the root state) must be IDLE.
+        """Sample after optimizer.step(): every instance and the root must be IDLE.
 
         Raises:
-            IllegalTrainingState: any violation so far (checked at every step, before the
-                implementation's own checks in the next forward can hide it).
+            IllegalTrainingState: any violation so far (before the implementation's own checks
+                in the next forward can hide it).
         """
         hook = "after optimizer.step"
         self.sample(hook)
@@ -235,15 +173,15 @@ class TrainingStateRecorder:
         for instance in self.instances:
             state = self._instance_state(instance)
             if state is not None and state != InstanceState.IDLE:
-                self._record(self.names[id(instance)], hook, "instance", None, state, ("IDLE",))
+                self._record(instance, hook, "instance", None, state, ("IDLE",))
         if self.root is not None:
             root_state = RootState(self.adapter.root_state(self.root))
             if root_state != RootState.IDLE:
-                self._record(self.names[id(self.root)], hook, "root", None, root_state, ("IDLE",))
+                self._record(self.root, hook, "root", None, root_state, ("IDLE",))
         self.assert_legal()
 
     def assert_legal(self) -> None:
-        """Raise IllegalTrainingState listing the violations (the first ones), if any."""
+        """Raise IllegalTrainingState listing the (first) violations, if any."""
         if not self.violations:
             return
         shown = "\n".join(f"  {violation}" for violation in self.violations)
@@ -255,21 +193,13 @@ class TrainingStateRecorder:
 
     def _instance_state(self, instance: nn.Module) -> InstanceState | None:
         if not adapter_features.declared(self.adapter).instance_states:
-            return None  # the implementation keeps root states only (Adapter.instance_states)
+            return None  # the implementation keeps root states only
         try:
             return InstanceState(self.adapter.training_state(instance))
         except ValueError:
             return None  # an instance without parameters keeps no instance state (FSDP1)
 
-    def _check(
-        self,
-        instance: nn.Module,
-        name: str,
-        hook: str,
-        level: str,
-        state: Any,
-        legal: dict[Any, frozenset[Any]],
-    ) -> None:
+    def _check(self, instance: nn.Module, hook: str, level: str, state: Any, legal: dict) -> None:
         key = (id(instance), level)
         previous = self.last.get(key)
         self.last[key] = state
@@ -278,19 +208,12 @@ class TrainingStateRecorder:
         allowed = legal[type(state)(previous)]
         if state not in allowed:
             ordered = sorted({str(previous), *(str(s) for s in allowed)})
-            self._record(name, hook, level, previous, state, tuple(ordered))
+            self._record(instance, hook, level, previous, state, tuple(ordered))
 
     def _record(
-        self, name: str, hook: str, level: str, previous: Any, seen: Any, allowed: tuple
+        self, instance: nn.Module, hook: str, level: str, previous: Any, seen: Any, allowed: tuple
     ) -> None:
         if len(self.violations) < MAX_VIOLATIONS:
-            self.violations.append(
-                Violation(
-                    name,
-                    hook,
-                    level,
-                    None if previous is None else str(previous),
-                    str(seen),
-                    allowed,
-                )
-            )
+            previous = None if previous is None else str(previous)
+            name = self.names[id(instance)]
+            self.violations.append(Violation(name, hook, level, previous, str(seen), allowed))

@@ -1,22 +1,14 @@
 """Which unsharded parameters an FSDP instance used in its forward, and which are still alive.
 
 [Note: unsharded parameters by value]
-No device handle, no rate limiter, no implementation internals: while the model runs forward,
-a ``TorchFunctionMode`` sees every tensor each torch function gets, attributed to the innermost
-FSDP instance whose forward is running (forward pre-/post-hooks on ``adapter.instances``). A
-tensor is an *unsharded parameter* when it has the shape of one of the model's full parameters
-(``adapter.full_params``, read before the forward) and equals it, in the tensor's own dtype (a
-mixed-precision copy equals the cast full parameter). Only a weak reference is kept. After the
-forward such a tensor is *alive* when the reference still resolves and its storage still has
-bytes: torch FSDP1, FSDP2, fairscale and impl free an unsharded buffer by resizing its storage
-to 0 (the views stay, empty), DeepSpeed ZeRO-3 by swapping ``param.data`` for an empty tensor, a
-parametrization-based implementation by dropping the gathered tensor (the reference dies).
-
-    probe = UnshardedParams(adapter, root, adapter.full_params(root))
-    with probe:
-        output = root(*inputs)
-    probe.seen   # instance label -> {full parameter name: dtype} used in its forward
-    probe.alive  # instance label -> names still alive when the forward returned
+No implementation internals: a ``TorchFunctionMode`` sees every tensor each torch function gets
+while forward runs, attributed to the innermost instance whose forward runs. A tensor is an
+*unsharded parameter* when it has the shape of a full parameter (``adapter.full_params``) and
+equals it in the tensor's own dtype. Only a weak reference is kept; after the forward the
+tensor is *alive* while the reference resolves and its storage has bytes (FSDP1/2, fairscale
+and impl resize the storage to 0; DeepSpeed swaps ``param.data``; others drop the tensor).
+``seen``: instance label -> {full parameter name: dtype} used in its forward; ``alive``:
+instance label -> names still alive when the forward returned.
 """
 
 from __future__ import annotations
@@ -33,19 +25,13 @@ from fsdp_conformance.observe.comm_trace import instance_labels
 
 
 class UnshardedParams(TorchFunctionMode):
-    """The unsharded parameters each instance of `root` uses in forward (see the Note).
-
-    Args:
-        adapter: the adapter that wrapped `root`.
-        root: the wrapped root.
-        full_params: name -> full parameter value (``adapter.full_params(root)``), read after
-            the last optimizer step.
-    """
+    """The unsharded parameters each instance of `root` uses in forward (see the Note);
+    ``full``: ``adapter.full_params(root)``, read after the last optimizer step."""
 
     def __init__(self, adapter: Adapter, root: nn.Module, full: dict[str, torch.Tensor]) -> None:
         super().__init__()
         self.instances = adapter.instances(root)
-        self.labels = instance_labels(adapter, root)  # id(instance) -> label
+        self.labels = instance_labels(adapter, root)
         self.root_label = self.labels[id(self.instances[0])] if self.instances else ""
         self._by_shape: dict[tuple[int, ...], list[tuple[str, torch.Tensor]]] = {}
         for name, value in full.items():
@@ -53,7 +39,6 @@ class UnshardedParams(TorchFunctionMode):
         self._active: list[str] = []  # labels of the instances whose forward runs, innermost last
         self._refs: dict[str, dict[str, list[weakref.ref]]] = {}
         self._handles: list[Any] = []
-        # instance label -> {full parameter name: dtype used} / names alive after the forward
         self.seen: dict[str, dict[str, torch.dtype]] = {}
         self.alive: dict[str, list[str]] = {}
 

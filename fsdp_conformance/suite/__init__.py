@@ -1,24 +1,13 @@
-"""The conformance suite: pytest test classes any FSDP implementation can run.
-
-Run it against an adapter::
-
-    pytest --pyargs fsdp_conformance.suite --fsdp-impl mypkg.fsdp_adapter:ADAPTER
-
-or subclass the base classes in your own tests (the pandas ``tests/extension/base`` pattern)::
-
-    from fsdp_conformance.suite import BaseDDPParityTests
-
-    class TestParity(BaseDDPParityTests):
-        pass
-
-See docs/suite.md. The base classes are not named ``Test*``, so importing them does not
-collect them twice.
+"""The conformance suite: pytest base classes any FSDP implementation can run, with
+``pytest --pyargs fsdp_conformance.suite --fsdp-impl mypkg.fsdp_adapter:ADAPTER`` or by
+subclassing them in your own tests (``class TestParity(BaseDDPParityTests): pass``;
+docs/suite.md). The base classes are not named ``Test*``, so importing them does not collect
+them twice.
 """
 
 from __future__ import annotations
 
-# importing the families declares their checks (fsdp_conformance.checks.CHECKS) in this order,
-# the registry's (the CLI table and docs/checks.md list them so)
+# importing the families declares their checks in this order, the registry's (docs/checks.md)
 # isort: off
 from .declare import check as check  # the decorator declaring a check (docs/checks.md)
 from .test_parity import BaseDDPParityTests, BaseStateDictTests, BaseSummonFullParamsTests

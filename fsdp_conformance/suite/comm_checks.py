@@ -1,52 +1,27 @@
-"""Communication checks on a per-phase trace: prefetch order, prefetch happening, counts.
-
-The trace is ``fsdp_conformance.observe.comm_trace.CommTrace`` (see [Note: comm trace]) of
-``ITERATIONS`` training iterations of a zoo model, phases ``iteration i forward`` (forward and
-loss) and ``iteration i backward`` (backward; the optimizer step is outside every phase).
+"""Communication checks on a ``CommTrace`` ([Note: comm trace]) of ``ITERATIONS`` training
+iterations, phases ``iteration i forward`` and ``iteration i backward``.
 
 [Note: prefetch happens]
-A prefetched all-gather is issued by *another* instance's hook, before the target's own hook
-runs. torch issue #106030 was prefetching that silently did nothing; the check holds each
-adapter that claims a prefetch setting to it, pairwise along the order the phase ran:
-
-- ``forward_prefetch`` (iterations >= 2; the first records the order): for consecutive
-  instances I, J of the forward compute order (``compute`` events, instances that all-gather in
-  the phase), J's all-gather comes before I's compute starts.
-- ``BACKWARD_PRE``: for consecutive instances I, J of the expected backward order (the reverse
-  of the phase's forward post-forward order, i.e. of the forward frees; instances that
-  all-gather in backward), J's all-gather comes before I's free and before I's gradient
-  reduction: it is issued from I's pre-backward, while I still computes.
-- ``BACKWARD_POST``: the same pairs, J's all-gather before I's gradient reduction (issued from
-  I's post-backward, right after I's free).
-
-The state in an event does not tell a prefetch apart: torch FSDP1 sets the target's state to
-``FORWARD`` / ``BACKWARD_PRE`` while it prefetches (``_prefetch_handle``, torch 2.13.0), so
-only the order is checked. Without prefetch (SHARD_GRAD_OP keeps every instance unsharded, or
-the phase all-gathers one instance) there are no pairs and nothing to check.
+A prefetched all-gather is issued by another instance's hook before the target's own (torch
+issue #106030: prefetch that silently did nothing). For consecutive instances I, J gathering in
+the phase: ``forward_prefetch`` (iterations >= 2), in compute order: J's all-gather before I's
+compute; ``BACKWARD_PRE``, in reverse order of the forward's frees: J's all-gather before I's
+free and gradient reduction; ``BACKWARD_POST``: before I's gradient reduction.
 
 [Note: counts as bounds]
-The counts assert what the configuration promises, not one call per instance: an FSDP1-style
-implementation all-gathers and reduces once per instance, a parametrization-style one (torchtitan's
-SimpleFSDP) once per parameter access. Per iteration, with the forward's all-gathers of an
-instance as its *uses*:
-
-- forward: every instance all-gathers at least once (every parameter is gathered before use);
-  no gradient reduction;
-- backward, SHARD_GRAD_OP: no all-gather (parameters stay unsharded from forward to backward);
-- backward, FULL_SHARD: no instance all-gathers more often than it has uses (that the
-  parameters were resharded after forward, so that backward must gather again, is
-  ``memory.reshard_after_forward``'s promise);
-- backward outside no_sync: every instance's gradients are reduced, at most once per use (at
-  most once for an instance that never all-gathers, e.g. on a one-rank group); inside no_sync:
-  no reduction.
-"""
+The counts bound what the configuration promises, not one call per instance. Per iteration,
+with an instance's forward all-gathers as its uses: in forward every instance all-gathers and
+nothing is reduced; in backward SHARD_GRAD_OP gathers nothing and FULL_SHARD no more than the
+uses; outside no_sync every instance is reduced at most once per use (once without uses),
+inside none."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -60,13 +35,8 @@ from fsdp_conformance.observe.comm_trace import REDUCE_OPS, CommEvent, CommTrace
 
 from . import training
 
-# Iterations traced: forward prefetch starts in iteration 2 (it uses iteration 1's order);
-# iteration 3 shows the steady state
+# forward prefetch starts in iteration 2 (it uses iteration 1's order); 3 is the steady state
 ITERATIONS = 3
-
-
-def phase_name(iteration: int, kind: str) -> str:
-    return f"iteration {iteration} {kind}"
 
 
 def trace_training(
@@ -74,21 +44,12 @@ def trace_training(
     model_name: str,
     dist: Any,
     config: dict[str, Any],
-    iterations: int = ITERATIONS,
     compute: bool = True,
     inside_no_sync: Callable[[int], bool] | None = None,
 ) -> tuple[CommTrace, nn.Module]:
-    """Train the zoo model ``model_name`` wrapped with ``config`` and trace every phase.
-
-    Skips (``adapter.require``) unless the adapter supports ``comm_trace`` and the config.
-    Returns the trace and the wrapped root. SGD with momentum steps after each iteration outside
-    ``no_sync`` (then zeroes the gradients), so no_sync iterations accumulate into the next.
-
-    Args:
-        inside_no_sync: iteration -> run that iteration's forward and backward inside the
-            root's ``no_sync()`` (the caller checks the root has one).
-    """
-
+    """Train the zoo model ``model_name`` wrapped with ``config``, tracing every phase; returns
+    the trace and the root. Iterations for which ``inside_no_sync`` is true run inside the root's
+    ``no_sync()`` and accumulate into the next (no optimizer step)."""
     adapter_features.skip_unless(adapter, Feature.COMM_TRACE)
     root, zoo_model = training.wrap_model(adapter, model_name, dist, config)
     optimizer = adapter_loop.optimizer(
@@ -97,13 +58,13 @@ def trace_training(
     backward = functools.partial(training.adapter_backward, adapter, root)
     trace = CommTrace(adapter, root, compute=compute)
     with trace:
-        for iteration in range(1, iterations + 1):
+        for iteration in range(1, ITERATIONS + 1):
             no_sync = inside_no_sync is not None and inside_no_sync(iteration)
             with adapter_loop.no_sync(adapter, root) if no_sync else contextlib.nullcontext():
                 inputs = zoo_model.get_input(dist.device)
-                with trace.phase(phase_name(iteration, "forward")):
+                with trace.phase(f"iteration {iteration} forward"):
                     loss = zoo_model.get_loss(inputs, root(*inputs))
-                with trace.phase(phase_name(iteration, "backward")):
+                with trace.phase(f"iteration {iteration} backward"):
                     zoo_model.run_backward(loss, backward)
             if not no_sync:  # gradients of no_sync iterations accumulate into the next one
                 optimizer.step()
@@ -111,7 +72,6 @@ def trace_training(
     return trace, root
 
 
-# ---------------------------------------------------------------------------- prefetch happens
 def _first(events: list[CommEvent], op: str | tuple[str, ...], label: str) -> int | None:
     ops = (op,) if isinstance(op, str) else op
     for index, event in enumerate(events):
@@ -124,18 +84,23 @@ def _order(events: list[CommEvent], op: str) -> list[str]:
     return list(dict.fromkeys(event.label for event in events if event.op == op))
 
 
+def _iteration_phases(trace: CommTrace) -> Iterator[tuple[str, int, str]]:
+    """(phase, iteration, "forward" / "backward") of each iteration phase of ``trace``."""
+    for phase in trace.phases:
+        if phase.startswith("iteration "):
+            _, iteration, kind = phase.split(" ")
+            yield phase, int(iteration), kind
+
+
 def prefetch_failures(trace: CommTrace, config: dict[str, Any]) -> list[str]:
     """Each way the trace shows a configured prefetch not happening ([Note: prefetch happens])."""
     failures = []
     forward_prefetch = bool(config.get("forward_prefetch"))
     backward_prefetch = config.get("backward_prefetch")
-    for phase in trace.phases:
-        if not phase.startswith("iteration "):
-            continue
-        _, iteration, kind = phase.split(" ")
+    for phase, iteration, kind in _iteration_phases(trace):
         events = trace.select(phase)
         gathering = set(_order(events, Op.ALL_GATHER))
-        if kind == "forward" and forward_prefetch and int(iteration) >= 2:
+        if kind == "forward" and forward_prefetch and iteration >= 2:
             order = [label for label in _order(events, Op.COMPUTE) if label in gathering]
             for current, following in itertools.pairwise(order):
                 if _first(events, Op.ALL_GATHER, following) > _first(events, Op.COMPUTE, current):
@@ -145,7 +110,7 @@ def prefetch_failures(trace: CommTrace, config: dict[str, Any]) -> list[str]:
                         "compute (expected before)"
                     )
         if kind == "backward" and backward_prefetch in ("BACKWARD_PRE", "BACKWARD_POST"):
-            forward = trace.select(phase_name(int(iteration), "forward"))
+            forward = trace.select(f"iteration {iteration} forward")
             post_forward_order = _order(forward, Op.FREE)
             order = [label for label in reversed(post_forward_order) if label in gathering]
             for current, following in itertools.pairwise(order):
@@ -179,12 +144,8 @@ def assert_prefetch_happens(trace: CommTrace, config: dict[str, Any], label: str
         )
 
 
-# ---------------------------------------------------------------------------- counts
 def _per_label(trace: CommTrace, phase: str, ops: tuple[str, ...]) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for event in trace.select(phase, ops):
-        counts[event.label] = counts.get(event.label, 0) + 1
-    return counts
+    return dict(collections.Counter(event.label for event in trace.select(phase, ops)))
 
 
 def _total(counts: dict[str, int]) -> int:
@@ -192,18 +153,14 @@ def _total(counts: dict[str, int]) -> int:
 
 
 def count_failures(
-    trace: CommTrace, strategy: str, instances: int, no_sync_iterations: tuple[int, ...] = ()
+    trace: CommTrace, strategy: str, no_sync_iterations: tuple[int, ...] = ()
 ) -> list[str]:
     """Phases whose collectives break what the configuration promises ([Note: counts as
-    bounds]); `instances` (how many the model has) names the model in messages only, the
-    instances themselves are the trace's labels (every one owns parameters)."""
+    bounds]); the instances are the trace's labels (every one owns parameters)."""
     labels = list(trace.labels.values())
     failures: list[str] = []
     uses: dict[int, dict[str, int]] = {}  # iteration -> forward all-gathers per instance
-    for phase in trace.phases:
-        if not phase.startswith("iteration "):
-            continue
-        iteration, kind = int(phase.split(" ")[1]), phase.split(" ")[2]
+    for phase, iteration, kind in _iteration_phases(trace):
         gathers = _per_label(trace, phase, (Op.ALL_GATHER,))
         reductions = _per_label(trace, phase, tuple(REDUCE_OPS))
         if kind == "forward":
@@ -256,7 +213,7 @@ def assert_counts(
     no_sync_iterations: tuple[int, ...] = (),
 ) -> None:
     """Raise AssertionError naming each phase whose collective counts break a bound."""
-    failures = count_failures(trace, strategy, instances, no_sync_iterations)
+    failures = count_failures(trace, strategy, no_sync_iterations)
     if failures:
         raise AssertionError(
             f"collective counts differ ({label}, {strategy}, {instances} instances):\n  "
@@ -266,13 +223,6 @@ def assert_counts(
         )
 
 
-# ---------------------------------------------------------------------------- suite classes
-# (backward_prefetch, forward_prefetch) settings of the prefetch checks
-PREFETCH_SETTINGS = tuple(
-    (backward, forward)
-    for backward in (None, "BACKWARD_PRE", "BACKWARD_POST")
-    for forward in (False, True)
-)
 TRACE_MODELS = ("nested", "transformer")
 
 
@@ -284,15 +234,13 @@ def prefetch_params() -> list[Any]:
     return [
         pytest.param(model, backward, forward, id=prefetch_case_id(model, backward, forward))
         for model in TRACE_MODELS
-        for backward, forward in PREFETCH_SETTINGS
+        for backward in (None, "BACKWARD_PRE", "BACKWARD_POST")
+        for forward in (False, True)
     ]
 
 
 def prefetch_config(backward_prefetch: Any, forward_prefetch: bool) -> dict[str, Any]:
-    config: dict[str, Any] = {
-        "sharding_strategy": "FULL_SHARD",
-        "backward_prefetch": backward_prefetch,
-    }
+    config = {"sharding_strategy": "FULL_SHARD", "backward_prefetch": backward_prefetch}
     if forward_prefetch:
         config["forward_prefetch"] = True
     return config

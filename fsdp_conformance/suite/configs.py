@@ -1,20 +1,11 @@
-"""The config dimensions the suite's checks cover, and the cases they are parametrised with.
-
-A *case* is one model, one world size and one wrap config in the adapter vocabulary
-(docs/adapters.md). Its pytest id names every value, so a failing test names its exact config:
-``nested-ws2-FULL_SHARD-bwd=BACKWARD_PRE-fwd=0-limit=default-offload=0-init=after``.
+"""The config dimensions the suite's checks cover, and the cases they are parametrised with;
+a case's pytest id names every value (``nested-ws2-FULL_SHARD-bwd=None-fwd=0-...``).
 
 [Note: coverage]
-At world size 2 the parity check runs the product of every dimension below (``"full"``, 216
-configs per model) or a greedy set of configs in which every pair of values of any two
-dimensions occurs at least once (``"pairwise"``, 15 configs per model, starting from the
-default config and each single change of it): a bug that needs two settings together to show
-up is still caught, a bug needing three may not be. World sizes 1 and 4 run the default config
-per sharding strategy, once with ``backward_prefetch="BACKWARD_PRE"`` and once with None, so an
-adapter without backward prefetch is covered there too (world size 4 on a subset of the models:
-it only adds reduction order).
-``--fsdp-coverage`` overrides a check class's default (``BaseDDPParityTests.coverage``).
-"""
+At world size 2 the parity check runs the product of the dimensions (``"full"``) or a greedy
+set in which every pair of values of any two dimensions occurs (``"pairwise"``); world sizes 1
+and 4 run the default config per sharding strategy, with backward prefetch BACKWARD_PRE and
+None."""
 
 from __future__ import annotations
 
@@ -26,19 +17,15 @@ import pytest
 
 from fsdp_conformance import constants
 from fsdp_conformance.adapters import features as adapter_features
-from fsdp_conformance.adapters.features import SHARDING_STRATEGIES
+from fsdp_conformance.adapters.features import SHARDING_STRATEGIES, normalize_config
 
-# - Dimensions (adapter vocabulary); the first value of each is the default config
-# (SHARDING_STRATEGIES: every strategy of the vocabulary, FULL_SHARD first)
-# every backward prefetch of the vocabulary (features.BACKWARD_PREFETCHES) and None (no prefetch)
+# The first value of each dimension is the default config
 BACKWARD_PREFETCH_CASES = ("BACKWARD_PRE", None, "BACKWARD_POST")
 FORWARD_PREFETCH = (False, True)
-# None: the key is not given (the implementation's default: True in the FSDP1 vocabulary). An
-# explicit value needs the adapter's `limit_all_gathers` feature, which torch FSDP2 lacks.
+# None: the key is not given (the implementation's default)
 LIMIT_ALL_GATHERS = (None, False)
 CPU_OFFLOAD = (False, True)
-# When the model moves to the compute device (fsdp_conformance.models.DeviceInit values); all
-# three are the same on CPU and differ on accelerators.
+# models.DeviceInit values (the same on CPU)
 DEVICE_INITS = ("after", "before", "never")
 
 DIMENSIONS: dict[str, tuple[Any, ...]] = {
@@ -51,7 +38,7 @@ DIMENSIONS: dict[str, tuple[Any, ...]] = {
 }
 COVERAGES = constants.COVERAGES
 
-# Short labels for case ids
+# case id labels (None: the value alone)
 _LABELS = {
     "sharding_strategy": None,
     "backward_prefetch": "bwd",
@@ -66,12 +53,9 @@ _LABELS = {
 class ParityCase:
     """One model, world size and config of a suite check (picklable: it travels to the ranks)."""
 
-    # Zoo model name (fsdp_conformance.suite.zoo.MODELS)
-    model: str
-    # Ranks
+    model: str  # a zoo.MODELS name
     world_size: int
-    # (dimension, value) pairs in DIMENSIONS order
-    settings: tuple[tuple[str, Any], ...]
+    settings: tuple[tuple[str, Any], ...]  # (dimension, value) pairs in DIMENSIONS order
 
     @property
     def wrap_config(self) -> dict[str, Any]:
@@ -99,7 +83,6 @@ class ParityCase:
         return "-".join(parts)
 
     def describe(self) -> str:
-        """`model` at world size N with `config` (for failure messages)."""
         config = ", ".join(f"{key}={value!r}" for key, value in self.settings)
         return f"{self.model} at world size {self.world_size} with {config}"
 
@@ -108,32 +91,22 @@ class ParityCase:
         return pytest.param(self, id=self.id, marks=pytest.mark.world_size(self.world_size))
 
 
-def full_product(dimensions: dict[str, tuple[Any, ...]] = DIMENSIONS) -> list[dict[str, Any]]:
-    """Every combination of the dimensions' values."""
+def _full_product(dimensions: dict[str, tuple[Any, ...]]) -> list[dict[str, Any]]:
     keys = list(dimensions)
-    return [dict(zip(keys, values)) for values in itertools.product(*dimensions.values())]
-
-
-def one_factor_at_a_time(
-    dimensions: dict[str, tuple[Any, ...]] = DIMENSIONS,
-) -> list[dict[str, Any]]:
-    """The default config, then each other value of each dimension with the rest default."""
-    defaults = {key: values[0] for key, values in dimensions.items()}
-    return [defaults] + [
-        {**defaults, key: value} for key, values in dimensions.items() for value in values[1:]
+    return [
+        dict(zip(keys, values, strict=True)) for values in itertools.product(*dimensions.values())
     ]
 
 
-def pairwise(dimensions: dict[str, tuple[Any, ...]] = DIMENSIONS) -> list[dict[str, Any]]:
-    """Configs covering every pair of values of any two dimensions (greedy, deterministic).
+def _defaults(dimensions: dict[str, tuple[Any, ...]]) -> dict[str, Any]:
+    return {key: values[0] for key, values in dimensions.items()}
 
-    Starts from `one_factor_at_a_time` (so an implementation lacking some features, e.g. torch
-    FSDP2 without NO_SHARD, BACKWARD_POST, forward prefetch and the limiter flag, still runs
-    every value of the dimensions it supports), then repeatedly adds the config of the full
-    product that covers the most pairs not covered yet (the first such in product order).
-    """
+
+def pairwise(dimensions: dict[str, tuple[Any, ...]] = DIMENSIONS) -> list[dict[str, Any]]:
+    """Configs covering every pair of values of any two dimensions: the default config and each
+    single change of it, then greedily the first config covering the most uncovered pairs."""
     keys = list(dimensions)
-    candidates = full_product(dimensions)
+    candidates = _full_product(dimensions)
 
     def pairs(config: dict[str, Any]) -> set[tuple]:
         return {
@@ -141,7 +114,10 @@ def pairwise(dimensions: dict[str, tuple[Any, ...]] = DIMENSIONS) -> list[dict[s
         }
 
     uncovered = set().union(*(pairs(config) for config in candidates))
-    chosen = one_factor_at_a_time(dimensions)
+    defaults = _defaults(dimensions)
+    chosen = [defaults] + [
+        {**defaults, key: value} for key, values in dimensions.items() for value in values[1:]
+    ]
     for config in chosen:
         uncovered -= pairs(config)
     while uncovered:
@@ -151,32 +127,24 @@ def pairwise(dimensions: dict[str, tuple[Any, ...]] = DIMENSIONS) -> list[dict[s
     return chosen
 
 
-# backward_prefetch values each sharding strategy runs with at world sizes other than 2: the
-# default and "off", so an adapter without backward prefetch is covered there too
-PER_STRATEGY_PREFETCHES = ("BACKWARD_PRE", None)
-
-
-def per_strategy(dimensions: dict[str, tuple[Any, ...]] = DIMENSIONS) -> list[dict[str, Any]]:
-    """The default config per sharding strategy, with each of ``PER_STRATEGY_PREFETCHES``."""
-    defaults = {key: values[0] for key, values in dimensions.items()}
+def _per_strategy(dimensions: dict[str, tuple[Any, ...]]) -> list[dict[str, Any]]:
+    """The default config per sharding strategy, with backward prefetch BACKWARD_PRE and None
+    (those of them the dimensions have), so an adapter without backward prefetch is covered."""
     prefetches = [
         prefetch
-        for prefetch in PER_STRATEGY_PREFETCHES
+        for prefetch in ("BACKWARD_PRE", None)
         if prefetch in dimensions["backward_prefetch"]
     ] or [dimensions["backward_prefetch"][0]]
     return [
-        {**defaults, "sharding_strategy": strategy, "backward_prefetch": prefetch}
+        {**_defaults(dimensions), "sharding_strategy": strategy, "backward_prefetch": prefetch}
         for strategy in dimensions["sharding_strategy"]
         for prefetch in prefetches
     ]
 
 
-def configs_for(
-    coverage: str, dimensions: dict[str, tuple[Any, ...]] = DIMENSIONS
-) -> list[dict[str, Any]]:
-    """The configs of a coverage level (see [Note: coverage])."""
+def _configs_for(coverage: str, dimensions: dict[str, tuple[Any, ...]]) -> list[dict[str, Any]]:
     if coverage == "full":
-        return full_product(dimensions)
+        return _full_product(dimensions)
     if coverage == "pairwise":
         return pairwise(dimensions)
     raise ValueError(f"unknown coverage {coverage!r}; use one of {', '.join(COVERAGES)}")
@@ -185,14 +153,8 @@ def configs_for(
 def supported_dimensions(
     adapter: Any, dimensions: dict[str, tuple[Any, ...]] = DIMENSIONS
 ) -> dict[str, tuple[Any, ...]]:
-    """`dimensions` without the values `adapter` cannot run (no cell for a value it lacks).
-
-    A value is kept when the wrap config holding only it needs no feature the adapter lacks
-    and is not among its ``unsupported_values()``; ``device_init`` values are kept. Pairs are
-    then built over the values the implementation has: fairscale, which lacks FSDP1's default
-    ``BACKWARD_PRE``, still gets every pair of the values it has. A dimension left without
-    values keeps its first one (its cases then skip, naming the feature).
-    """
+    """`dimensions` without the values `adapter` cannot run (by the features the value needs and
+    the adapter's unsupported values); a dimension left empty keeps its first value."""
     kept: dict[str, tuple[Any, ...]] = {}
     for key, values in dimensions.items():
         if key == "device_init":
@@ -212,22 +174,15 @@ def _runs(adapter: Any, key: str, value: Any) -> bool:
             adapter, *adapter_features.wrap_features(adapter, **config)
         ):
             return False
-        adapter_features.require_values(adapter, _normalized(config))
+        adapter_features.require_values(adapter, normalize_config(config))
     except Exception:  # noqa: BLE001 -- a refused value (UnsupportedFeatureError) or a bad one
         return False
     return True
 
 
-def _normalized(config: dict[str, Any]) -> dict[str, Any]:
-    from fsdp_conformance.adapters.features import normalize_config
-
-    return normalize_config(config)
-
-
 def dimensions_for_impl(impl: str | None) -> dict[str, tuple[Any, ...]]:
-    """``supported_dimensions`` of the adapter named ``impl`` (``--fsdp-impl``), resolved in
-    the collecting process; every dimension when it cannot be resolved there (the ranks then
-    report the adapter's error)."""
+    """``supported_dimensions`` of the adapter named ``impl`` (``--fsdp-impl``); every
+    dimension when it cannot be resolved here (the ranks then report the adapter's error)."""
     if not impl:
         return DIMENSIONS
     try:
@@ -245,18 +200,14 @@ def parity_cases(
     large_world_models: tuple[str, ...] = (),
     dimensions: dict[str, tuple[Any, ...]] = DIMENSIONS,
 ) -> list[ParityCase]:
-    """The cases of the parity check (see [Note: coverage]).
-
-    Args:
-        models: zoo model names.
-        coverage: "full" or "pairwise", for world size 2.
-        world_sizes: which of 1, 2, 4 (others get one config per strategy, like 1 and 4).
-        large_world_models: the models run at world sizes above 2.
-        dimensions: the values to cover (``supported_dimensions`` of the adapter under test).
-    """
+    """The cases of the parity check ([Note: coverage]): ``coverage`` ("full" or "pairwise")
+    at world size 2, one config per strategy at the others (``large_world_models`` only above
+    2), over ``dimensions`` (``supported_dimensions`` of the adapter under test)."""
     cases = []
     for world_size in world_sizes:
-        configs = configs_for(coverage, dimensions) if world_size == 2 else per_strategy(dimensions)
+        configs = (
+            _configs_for(coverage, dimensions) if world_size == 2 else _per_strategy(dimensions)
+        )
         for model in models:
             if world_size > 2 and model not in large_world_models:
                 continue

@@ -1,16 +1,9 @@
-"""``check``: declare a suite test as a check where it is written, and run it as one cell.
+"""``check``: declare a suite test as a check where it is written, and run it as one cell::
 
-::
+    @check("parity.ddp", "training matches DDP", case="configs.ParityCase", case_of="parity_case")
+    def test_matches_ddp(self, fsdp_adapter, dist, parity_case): ...
 
-    @check("parity.ddp", "training matches DDP (losses and full parameters)",
-           case="configs.ParityCase", case_of="parity_case")
-    def test_matches_ddp(self, fsdp_adapter, dist, parity_case):
-        ...  # wrap, train, assert
-
-records the check in ``fsdp_conformance.checks.CHECKS`` (its test: ``BaseClass.test_method``)
-and runs the body inside ``verdict.cell(fsdp_adapter, "parity.ddp", parity_case)``, which
-decides the cell's verdict. A check with several tests names only its id on the others.
-"""
+registers the check in ``checks.CHECKS`` and runs the body in ``verdict.cell``."""
 
 from __future__ import annotations
 
@@ -33,15 +26,10 @@ def check(
     case: str = "",
     case_of: str | Callable[..., Any] | None = None,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Declare the decorated test as (a test of) check `check_id`; its body runs as one cell.
-
-    Args:
-        check_id, description, features, strict, case: the ``checks.Check`` fields (given on
-            the check's first test only).
-        case_of: the case handed to ``Deviation.applies``: the name of the test's argument
-            that is the case, or a function whose parameters name test arguments (``self``
-            included) and which returns it; None: no case.
-    """
+    """Declare the decorated test as (a test of) check `check_id`, run as one cell; the other
+    arguments are the ``checks.Check`` fields (on a check's first test only). ``case_of``: the
+    test argument naming the case for ``Deviation.applies``, or a function of test arguments
+    returning it."""
 
     def decorate(function: Callable[..., Any]) -> Callable[..., Any]:
         signature = inspect.signature(function)

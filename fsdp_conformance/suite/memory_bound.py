@@ -1,33 +1,13 @@
-"""Measuring the two-instance memory bound of ``limit_all_gathers`` (``measure_residency``,
-``check_residency``); the check is ``BaseMemoryBoundTests`` in test_memory_bound.py.
+"""Measuring the two-instance memory bound of ``limit_all_gathers``; the check is
+``BaseMemoryBoundTests`` (test_memory_bound.py).
 
 [Note: memory bound]
-*Resident* unsharded buffers are counted as ``fsdp_conformance.observe.residency`` says (from
-all-gather issue until the free has completed on the device). On CPU the device is the
-``LaggingDevice`` (``strict``: never catches up by itself; ``drained``: catches up at the end of
-every iteration), so the only thing that frees memory is the CPU blocking on a free event -- what
-the rate limiter does. Bound per phase, from the config (FULL_SHARD, ``limit_all_gathers=True``):
-
-    bound(phase) = MAX_INFLIGHT (2: the instance computing + the one being gathered)
-                   + 1 if the phase has an *early* prefetch, i.e. one issued before the current
-                       instance's reshard: forward_prefetch in forward, BACKWARD_PRE in backward
-
-A phase's peak is the most non-root buffers resident right after one of its all-gathers; every
-iteration and phase of ``ITERATIONS`` is checked (forward prefetch uses the order recorded in the
-previous iteration, so iteration 1 never prefetches in forward). With ``limit_all_gathers=False``
-the CPU never waits and the peak grows with depth: the check must fail there, which proves it can.
-
-SHARD_GRAD_OP keeps every buffer from forward to backward by design (no reshard after forward),
-so the limiter has nothing to bound in forward: the check exempts the forward phase and holds the
-backward phase to its bound (an implementation that frees after forward and re-gathers in
-backward is held to the bound there). See docs/memory_bound.md for the measured tables and the
-torch FSDP1 deviation.
-
-An adapter declares the cases its implementation exceeds the bound on as a known deviation
-(``Deviation("memory_bound", reason, applies=lambda case: ...)``, the case a ``BoundCase``):
-such cases are strict expected failures (suite/verdict.py); a suite subclass setting
-``known_deviations`` gets a TypeError naming the fix.
-"""
+On CPU the device is a ``LaggingDevice``: only the CPU blocking on a free event (the rate
+limiter) frees memory. Resident non-root buffers per phase (FULL_SHARD, limit on) are bounded by
+``MAX_INFLIGHT`` (the instance computing + the one gathered) + 1 for an early prefetch
+(forward_prefetch in forward, BACKWARD_PRE in backward); without the limiter the check must
+fail. SHARD_GRAD_OP keeps every buffer through forward: only backward is bounded.
+docs/memory_bound.md has the long form and the measured tables."""
 
 from __future__ import annotations
 
@@ -51,32 +31,20 @@ from fsdp_conformance.observe.lagging import LAG_VARIANTS, LaggingDevice
 from fsdp_conformance.observe.residency import PHASES, ResidencyTracker
 from fsdp_conformance.suite.stream_bound import FSDP2_BOUND, StreamOrderedBound
 
-# Buffers the limiter allows: the instance computing now and the one whose all-gather is in
-# flight (torch FSDP1's `_max_num_inflight_all_gathers`, "empirically chosen")
 MAX_INFLIGHT = constants.MAX_INFLIGHT
-# Iterations per run: forward prefetch starts in iteration 2; 3 shows the steady state
+# forward prefetch starts in iteration 2; 3 shows the steady state
 ITERATIONS = 3
-# Non-root FSDP instances in the model (the bound is only interesting with >= 4)
+# non-root instances (the bound is only interesting with >= 4)
 LAYERS = 6
-# Width of each instance's Linear (its unsharded buffer holds WIDTH * WIDTH + WIDTH elements)
 WIDTH = 16
-# CUDA variant: 1024-wide Linears (4 MiB of fp32 parameters per instance), a 2 ms device-side
-# delay before each layer's forward, each free and each reduction; slack for activations,
-# shards and allocator rounding (half an instance)
+# CUDA variant: 4 MiB per instance; slack (half an instance) for activations and rounding
 CUDA_WIDTH = 1024
 CUDA_DELAY_MS = 2.0
 CUDA_SLACK_BYTES = (CUDA_WIDTH * CUDA_WIDTH + CUDA_WIDTH) * 4 // 2
 
 
 class ChainOfLinears(nn.Module):
-    """A root Linear followed by ``layers`` wrapped Linear instances, each (B, width) -> (B, width).
-
-    Args:
-        wrap: wraps each of the ``layers`` Linears (None: unwrapped).
-        layers: number of wrapped instances.
-        width: feature width.
-        device: where the parameters live before wrapping (None: CPU).
-    """
+    """A root Linear followed by ``layers`` Linears, each wrapped by ``wrap`` (None: not)."""
 
     def __init__(
         self,
@@ -92,43 +60,34 @@ class ChainOfLinears(nn.Module):
             for linear in linears:  # the same init on every rank, without the global RNG
                 linear.weight.copy_(torch.randn(linear.weight.shape, generator=generator) / width)
                 linear.bias.zero_()
-                linear.to(device)  # before wrapping (None: stay on CPU)
+                linear.to(device)
         self.width = width
-        self.root_linear = linears[0]  # (B, width) -> (B, width), owned by the root instance
+        self.root_linear = linears[0]
         self.layers = nn.Sequential(*(wrap(linear) if wrap else linear for linear in linears[1:]))
-        # the wrapped Linears themselves (a tuple: not registered twice as submodules)
+        # a tuple: not registered twice as submodules
         self.inner_linears = tuple(linears[1:])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.layers(torch.relu(self.root_linear(x)))
 
     def get_input(self, device: torch.device, rank: int = 0) -> torch.Tensor:
-        return torch.rand(4, self.width, generator=torch.Generator().manual_seed(1 + rank)).to(
-            device
-        )
+        generator = torch.Generator().manual_seed(1 + rank)
+        return torch.rand(4, self.width, generator=generator).to(device)
 
 
 @dataclasses.dataclass(frozen=True)
 class BoundCase:
     """One configuration of the memory-bound check (picklable: it travels to the ranks)."""
 
-    # "strict" or "drained" (see fsdp_conformance.observe.lagging); "cuda" for the CUDA variant
-    lag: str
-    # "FULL_SHARD" or "SHARD_GRAD_OP"
+    lag: str  # a LAG_VARIANTS entry, or "cuda" for the CUDA variant
     sharding_strategy: str = "FULL_SHARD"
-    # None, "BACKWARD_PRE" or "BACKWARD_POST"
     backward_prefetch: str | None = None
     forward_prefetch: bool = False
     limit_all_gathers: bool = True
 
     @property
     def wrap_config(self) -> dict[str, Any]:
-        return {
-            "sharding_strategy": self.sharding_strategy,
-            "backward_prefetch": self.backward_prefetch,
-            "forward_prefetch": self.forward_prefetch,
-            "limit_all_gathers": self.limit_all_gathers,
-        }
+        return {key: value for key, value in dataclasses.asdict(self).items() if key != "lag"}
 
     @property
     def id(self) -> str:
@@ -150,18 +109,28 @@ class BoundCase:
         return self.backward_prefetch == "BACKWARD_PRE"
 
     def bound(self, phase: str) -> int:
-        """The most non-root buffers allowed resident in ``phase`` (see [Note: memory bound])."""
         return MAX_INFLIGHT + (1 if self.early_prefetch(phase) else 0)
 
     def checked_phases(self) -> tuple[str, ...]:
-        """The phases the bound applies to (SHARD_GRAD_OP keeps buffers through forward)."""
         return ("backward",) if self.sharding_strategy == "SHARD_GRAD_OP" else PHASES
 
-    def param(self, marks: Any = ()) -> Any:
-        return pytest.param(self, id=self.id, marks=[pytest.mark.world_size(2), *marks])
+    def param(self) -> Any:
+        return pytest.param(self, id=self.id, marks=pytest.mark.world_size(2))
 
 
-# ---------------------------------------------------------------------------- measuring
+def _chain_model(
+    adapter: Adapter, group: Any, config: dict[str, Any], *chain_args: Any, **chain_kwargs: Any
+) -> tuple[ChainOfLinears, nn.Module]:
+    """A ``ChainOfLinears`` with every Linear wrapped by ``adapter`` with ``config``, and its
+    wrapped root; skips unless the adapter supports the config."""
+    adapter_features.skip_unless(adapter, *adapter_features.wrap_features(adapter, **config))
+    wrap = adapter.wrapper(**config)
+    chain = ChainOfLinears(
+        lambda module: wrap(module, process_group=group), *chain_args, **chain_kwargs
+    )
+    return chain, adapter.wrap(chain, process_group=group, root=True, **config)
+
+
 def measure_residency(
     adapter: Adapter,
     group: Any,
@@ -170,34 +139,18 @@ def measure_residency(
     iterations: int = ITERATIONS,
     layers: int = LAYERS,
 ) -> ResidencyTracker:
-    """Train a ``ChainOfLinears`` under a lagging device and return the residency tracker.
-
-    Skips (``adapter.require``) when the adapter cannot limit all-gathers, install a device
-    handle, trace communication, or run ``config``.
-
-    Args:
-        adapter: the FSDP under test.
-        group: the process group to shard over.
-        config: the wrap config (adapter vocabulary).
-        lag: the lagging-device variant.
-        iterations: training iterations; each is split into the tracker's "forward",
-            "backward" and "step" phases.
-        layers: non-root instances.
-    """
+    """Train a ``ChainOfLinears`` wrapped with ``config`` under a ``LaggingDevice(lag)``; returns
+    the residency tracker. Skips without limit_all_gathers, device_handle, comm_trace or the
+    config's features."""
     adapter_features.skip_unless(adapter, Feature.LIMIT_ALL_GATHERS)
     adapter_features.skip_unless(adapter, Feature.DEVICE_HANDLE, Feature.COMM_TRACE)
-    adapter_features.skip_unless(adapter, *adapter_features.wrap_features(adapter, **config))
-    wrap = adapter.wrapper(**config)
-    chain = ChainOfLinears(lambda module: wrap(module, process_group=group), layers)
-    model = adapter.wrap(chain, process_group=group, root=True, **config)
+    chain, model = _chain_model(adapter, group, config, layers)
     device = LaggingDevice(lag)
     adapter.install_device_handle(model, device)
     tracker = ResidencyTracker(device, adapter.instances(model))
     optimizer = adapter_loop.optimizer(adapter, model, "sgd", lr=0.01, momentum=0.9)
     x = chain.get_input(torch.device("cpu"), group.rank())
-    # Buffers observed by their lifetime (torch FSDP2) must not die at a garbage collection of
-    # an earlier model's cycles halfway through a phase: collect now, none while measuring
-    # (a buffer held by a reference cycle then stays resident, the conservative reading)
+    # buffers observed by their lifetime (torch FSDP2) must not die at a collection mid-phase
     gc.collect()
     gc_was_enabled = gc.isenabled()
     gc.disable()
@@ -221,62 +174,40 @@ def measure_residency(
 
 @dataclasses.dataclass
 class CudaForwardPeaks:
-    """Allocator statistics of ``measure_cuda_forward_peaks``."""
+    """Allocator statistics of ``measure_cuda_forward_peaks`` (bytes)."""
 
-    # bytes of one non-root instance's unsharded parameters (all are the same size)
-    instance_bytes: int
-    # bytes of the root's unsharded parameters
+    instance_bytes: int  # one non-root instance's unsharded parameters
     root_bytes: int
-    # per iteration: peak active bytes during forward, above what was active before it
-    forward_peaks: list[int]
+    forward_peaks: list[int]  # per iteration: peak active bytes above those active before
 
 
 def measure_cuda_forward_peaks(
-    adapter: Adapter,
-    group: Any,
-    device: torch.device,
-    config: dict[str, Any],
-    delay_ms: float = CUDA_DELAY_MS,
-    iterations: int = ITERATIONS,
-    layers: int = LAYERS,
-    width: int = CUDA_WIDTH,
+    adapter: Adapter, group: Any, device: torch.device, config: dict[str, Any]
 ) -> CudaForwardPeaks:
-    """Train a ``ChainOfLinears`` on CUDA with device-side delays; peak active bytes per forward.
-
-    The device is slowed with ``torch.cuda._sleep`` (``fsdp_conformance.models.sleep_ms``) before
-    each layer's forward compute, before each free of unsharded parameters (the MoE model's
-    ``delay_before_free``) and before each gradient reduction (ModuleWithDelay's delayed
-    reduce-scatter), so the CPU runs ahead and only the rate limiter holds it back. "Active"
-    bytes (``active_bytes.all.peak``) count blocks still in use by a stream after their free
-    (``record_stream``), i.e. residency as ``[Note: residency]`` in ``observe/residency.py``
-    defines it.
-    """
+    """Train a ``ChainOfLinears`` on CUDA with device-side delays (before each layer's compute,
+    free and gradient reduction, so only the rate limiter holds the CPU back); the peak active
+    bytes of each forward (active blocks include those a stream still uses after their free)."""
     from fsdp_conformance.models import cycles_per_ms, sleep_ms
 
     cycles_per_ms(device)  # calibrate now: calibration synchronizes, which would drain the device
 
     adapter_features.skip_unless(adapter, Feature.LIMIT_ALL_GATHERS)
     adapter_features.skip_unless(adapter, Feature.COMM_TRACE)
-    adapter_features.skip_unless(adapter, *adapter_features.wrap_features(adapter, **config))
-    wrap = adapter.wrapper(**config)
-    chain = ChainOfLinears(
-        lambda module: wrap(module, process_group=group), layers, width, device=device
-    )
-    model = adapter.wrap(chain, process_group=group, root=True, **config)
-    delay = functools.partial(sleep_ms, delay_ms, device)
+    chain, model = _chain_model(adapter, group, config, LAYERS, CUDA_WIDTH, device=device)
+    delay = functools.partial(sleep_ms, CUDA_DELAY_MS, device)
     for linear in chain.inner_linears:  # after the unshard, before the compute
         linear.register_forward_pre_hook(lambda module, args: delay())
-    instances = adapter.instances(model)
-    element_bytes = chain.root_linear.weight.element_size()
-    instance_bytes = (width * width + width) * element_bytes
+    instance_bytes = (
+        CUDA_WIDTH * CUDA_WIDTH + CUDA_WIDTH
+    ) * chain.root_linear.weight.element_size()
     optimizer = adapter_loop.optimizer(adapter, model, "sgd", lr=0.01)
     x = chain.get_input(device, group.rank())
     peaks = []
     with contextlib.ExitStack() as hooks:
-        for instance in instances[1:]:
+        for instance in adapter.instances(model)[1:]:
             hooks.enter_context(adapter_loop.delay_before_free(adapter, instance, delay))
         hooks.enter_context(adapter_loop.delay_before_reduction(adapter, delay))
-        for _ in range(iterations):
+        for _ in range(ITERATIONS):
             torch.cuda.synchronize(device)
             before = torch.cuda.memory_stats(device)["active_bytes.all.current"]
             torch.cuda.reset_peak_memory_stats(device)
@@ -313,19 +244,9 @@ def check_residency(
     label: str,
     own_bound: StreamOrderedBound | None = None,
 ) -> None:
-    """Assert every checked iteration and phase stays within the case's bound.
-
-    Args:
-        tracker: the measured residency.
-        case: the configuration (gives the limiter's bound).
-        label: names the adapter in the message.
-        own_bound: the implementation's own bound (``OWN_BOUNDS``), used instead of the
-            limiter's ``case.bound`` when given.
-
-    Raises:
-        AssertionError: naming the config, and for each violation the iteration, phase, peak,
-            bound and the instance whose all-gather reached the peak.
-    """
+    """Assert every checked iteration and phase stays within ``case.bound`` (or ``own_bound``,
+    the implementation's own); the AssertionError names each violation's peak, bound and the
+    instance whose all-gather reached it."""
     iterations = sorted({iteration for iteration, _ in tracker.peaks if iteration > 0})
     violations = []
     first_at = -1  # sample index of the first violation's peak
@@ -364,68 +285,34 @@ def check_shard_grad_op_forward(
     case: BoundCase,
     label: str,
     own_bound: StreamOrderedBound | None = None,
-    layers: int = LAYERS,
 ) -> None:
-    """SHARD_GRAD_OP's first forward keeps every instance's unsharded parameters, and no more.
-
-    A promise with two sides, checked as two bounds (never as one exact count of a release):
-
-    - at least ``layers`` resident: each instance is all-gathered once and kept until backward
-      (no reshard after forward). This lower bound is also what makes the backward bound worth
-      something: it proves the tracker sees the buffers the strategy keeps;
-    - at most ``layers`` + the all-gather outputs an implementation may hold in flight
-      (``own_bound.shard_grad_op_forward(layers)``: + 2 for torch FSDP2, whose releases differ in how long the
-      previous output is kept -- 2 up to 2.14, 1 from 2.15; 0 for a limiter that gathers into
-      the unsharded buffer itself).
-
-    Raises:
-        AssertionError: "SHARD_GRAD_OP forward keeps too few" / "holds more than" messages,
-            naming the config, the peak and the bound.
-    """
+    """SHARD_GRAD_OP's first forward keeps every instance's unsharded parameters (at least
+    ``LAYERS`` resident: this also proves the tracker sees them), and no more than ``LAYERS`` +
+    the all-gather outputs the implementation may hold in flight."""
     peak = tracker.peak(1, "forward").resident
-    # the own bound's SHARD_GRAD_OP forward figure is its upper end (layers + outputs in flight)
-    most = layers if own_bound is None else own_bound.shard_grad_op_forward(layers)
-    in_flight = most - layers
+    most = LAYERS if own_bound is None else own_bound.shard_grad_op_forward(LAYERS)
     where = f"{label}, {case.describe()}"
-    if peak < layers:
+    if peak < LAYERS:
         raise AssertionError(
             f"SHARD_GRAD_OP forward keeps too few buffers: iteration 1 forward should all-gather "
-            f"all {layers} instances and keep them (no reshard after forward), peak "
-            f"{peak} < {layers} resident non-root unsharded buffers\n  {where}"
+            f"all {LAYERS} instances and keep them (no reshard after forward), peak "
+            f"{peak} < {LAYERS} resident non-root unsharded buffers\n  {where}"
         )
     if peak > most:
         raise AssertionError(
             f"SHARD_GRAD_OP forward holds more than it keeps: iteration 1 forward peak {peak} "
-            f"resident non-root buffers > {most} ({layers} kept unsharded + {in_flight} "
+            f"resident non-root buffers > {most} ({LAYERS} kept unsharded + {most - LAYERS} "
             f"all-gather outputs in flight)\n  {where}"
         )
 
 
-# Adapter name -> the implementation's own bound, where it bounds memory by design rather than
-# with a rate limiter (limit_all_gathers=True then means "hold it to its own bound"). Looked up
-# by the adapter's name, then by the names of the adapter classes it derives from and of the
-# adapters it delegates to, so a wrapper of torch-fsdp2 keeps FSDP2's bound.
-OWN_BOUNDS: dict[str, StreamOrderedBound] = {"torch-fsdp2": FSDP2_BOUND}
-
-
-# - DeepSpeed ZeRO-3 (0.19.8) bounds memory with fetch back-pressure, not a limiter
 @dataclasses.dataclass(frozen=True)
 class FetchBackpressureBound:
-    """DeepSpeed ZeRO-3's own bound under the lagging device (docs/deepspeed.md).
+    """DeepSpeed ZeRO-3's own bound (docs/deepspeed.md): past 2 outstanding fetches the CPU blocks
+    on the oldest, so the frees of ``draining`` instances may be in flight while one is gathered."""
 
-    On a device with events DeepSpeed records one after each parameter fetch and, past
-    ``max_ongoing_fetch_events`` (2) outstanding, blocks the CPU on the oldest: the CPU waits for
-    the fetch ``max_ongoing_fetch_events + 1`` parameter fetches back, so the frees of the last
-    ``draining`` two-parameter instances may still be in flight when the next is gathered
-    (ceil(3 / 2) = 2); gradient reductions do the same in backward (``max_param_reduce_events``).
-    Prefetch is limited by ``stage3_max_live_parameters`` (what ``limit_all_gathers=True`` maps
-    to: ``LIVE_INSTANCES`` instances' elements), so a prefetched instance is one of those.
-    """
-
-    draining: int = 2  # instances whose free may not have completed
-    gathering: int = 1  # the instance being gathered
-    # all-gather outputs held besides the unsharded parameters: none (ZeRO-3 gathers into the
-    # parameter itself)
+    draining: int = 2
+    gathering: int = 1
     forward_outputs: int = 0
     name: str = "DeepSpeed's fetch back-pressure bound"
 
@@ -439,13 +326,18 @@ class FetchBackpressureBound:
         return layers
 
 
-OWN_BOUNDS["deepspeed"] = FetchBackpressureBound()  # type: ignore[assignment]
+# adapter name -> the implementation's own bound, where it bounds memory without a rate limiter
+OWN_BOUNDS: dict[str, StreamOrderedBound] = {
+    "torch-fsdp2": FSDP2_BOUND,
+    "deepspeed": FetchBackpressureBound(),  # type: ignore[dict-item]
+}
 
 
 def own_bound_of(
     adapter: Adapter, bounds: dict[str, StreamOrderedBound]
 ) -> StreamOrderedBound | None:
-    """The implementation's own bound for ``adapter`` from ``bounds`` (None: the limiter's)."""
+    """The own bound of ``adapter`` in ``bounds`` (None: the limiter's), looked up by its name,
+    the names of its adapter classes and of the adapters it delegates to."""
     for member in adapter_deviations.delegation_chain(adapter):
         names = [member.name] + [cls.__dict__.get("name") for cls in type(member).__mro__]
         for name in names:

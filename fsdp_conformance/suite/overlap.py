@@ -1,36 +1,16 @@
-"""Measuring communication/computation overlap (``measure_overlap``, ``check_overlap``); the
-check is ``BaseOverlapTests`` in test_overlap.py.
+"""Measuring communication/computation overlap; the check is ``BaseOverlapTests``
+(test_overlap.py).
 
 [Note: overlap timing]
-Four ``models.Layer`` instances under a root (``limit_all_gathers=False``; on CPU also
-``forward_prefetch``, see ``overlap_config``); each layer "computes" for ``compute`` ms in
-forward, each all-gather is delayed by ``comm`` ms. Four cases -- nothing / all-gather only /
-compute only / both -- are timed (forward of iterations >= 2, after the order was recorded), interleaved round-robin
-``REPEATS`` times; each case's statistic is the minimum over repeats (Min-k: the least
-disturbed run) and the maximum over ranks (every rank decides on the same numbers, so a retry
-never leaves one rank behind). A failing measurement is repeated once before the check fails.
-
-CPU (gloo): the delay is injected on the communication side without blocking the CPU thread.
-``delayed_all_gathers`` patches the process group's all-gather methods (``ProcessGroup.
-all_gather_single`` / ``_allgather_base`` / ``allgather``, what every ``torch.distributed``
-all-gather calls, whichever implementation calls it) to return a ``DelayedWork``: the real work
-handle, whose ``wait()`` returns no earlier than issue time + ``comm``. A synchronous caller
-(``async_op=False``: torch.distributed waits right away) blocks for the delay, an asynchronous
-one only when it waits. Compute is ``time.sleep`` in the layer (does not need a free core).
-The check: the overlapped step's extra time over "nothing" is at most ``MAX_OVERLAP_RATIO``
-(0.8) of communication + computation serialised, where serialised communication is the
-injected delay times the number of all-gathers of the forward, and computation is the measured
-compute-only time over "nothing" -- ratios of measured times, never an absolute wall time.
-An adapter issuing all-gathers with ``async_op=False`` (torch FSDP1 and FSDP2 on CPU) cannot
-overlap on CPU and skips with that reason.
-
-CUDA (nccl): the all-gather is delayed on the device (``torch.cuda._sleep``
-enqueued on the issuing stream before the collective), compute is ``torch.cuda._sleep`` in
-the layer; times are device times between CUDA events on the compute stream. Assertions: the
-short case is at least 10x faster than each long case (``nothing * 10 < compute``, ``nothing *
-10 < all-gather``), and ``compute + all-gather > 1.1 * both``. On a retry the sleep cycles per
-ms are recalibrated.
-"""
+``LAYERS`` wrapped ``models.Layer``s "compute" ``compute`` ms each in forward; every all-gather
+is delayed by ``comm`` ms. Four cases (nothing / all-gather only / compute only / both) are
+timed round-robin ``REPEATS`` times after iteration 1; each statistic is the minimum over
+repeats and the maximum over ranks (every rank decides alike); a failure is measured again.
+CPU (gloo): ``delayed_all_gathers`` returns a ``DelayedWork`` whose ``wait()`` returns no
+earlier than issue + ``comm``; the overlapped extra time over "nothing" must be at most
+``MAX_OVERLAP_RATIO`` of communication + computation serialised. Synchronous all-gathers
+(``async_op=False``) cannot overlap: the check skips. CUDA (nccl): both delays are
+``torch.cuda._sleep``, times are device times (``cuda_overlap_failure``)."""
 
 from __future__ import annotations
 
@@ -52,25 +32,20 @@ from fsdp_conformance.adapters import loop as adapter_loop
 from fsdp_conformance.constants import Op
 from fsdp_conformance.models import Layer, delay
 
-# Layers (FSDP instances under the root), as in the seed
 LAYERS = 4
-# Runs of each case per measurement (Min-k over them)
 REPEATS = 4
 # CPU delays (ms): generous, so that scheduling noise on a loaded 2-core machine stays small
 CPU_COMPUTE_MS = 30.0
 CPU_COMM_MS = 30.0
-# CPU: overlapped extra time <= this x (communication + computation serialised)
 MAX_OVERLAP_RATIO = 0.8
-# CUDA: compute and all-gather sleep lengths (ms), and the two ratios
 CUDA_COMPUTE_MS = 20.0
 CUDA_COMM_MS = 20.0
 SHORT_TO_LONG = 10.0
 BOTH_MARGIN = 1.1
-# the overlap cases: no delay, only the all-gather delayed, only compute delayed, both
 CASES = ("nothing", Op.ALL_GATHER.value, "compute", "both")
-# ProcessGroup methods the torch.distributed all-gathers call (torch 2.13.0)
+# ProcessGroup methods every torch.distributed all-gather calls (torch 2.13.0)
 ALL_GATHER_METHODS = ("all_gather_single", "_allgather_base", "allgather")
-# the patches delaying them (delayed_all_gathers): installed while any thread is in a block
+# the patches stay installed while any thread is inside delayed_all_gathers
 _DELAY_KEY = "fsdp-conformance overlap: delayed all-gathers"
 _delay_lock = threading.Lock()
 _delaying_threads = 0
@@ -82,8 +57,8 @@ class DelayedWork:
     """A collective's work handle whose ``wait()`` returns no earlier than ``deadline``."""
 
     def __init__(self, work: Any, deadline: float) -> None:
-        self._work = work  # the real work handle
-        self.deadline = deadline  # time.perf_counter() before which wait() does not return
+        self._work = work
+        self.deadline = deadline  # a time.perf_counter() value
 
     def wait(self, *args: Any, **kwargs: Any) -> bool:
         result = self._work.wait(*args, **kwargs)
@@ -103,22 +78,16 @@ class DelayedWork:
 class AllGatherLog:
     """What ``delayed_all_gathers`` saw while active."""
 
-    # all-gathers issued
     issued: int = 0
-    # of which with async_op=False (torch.distributed waits at once: no overlap possible)
-    synchronous: int = 0
+    synchronous: int = 0  # async_op=False: torch.distributed waits at once, no overlap possible
 
 
 @contextlib.contextmanager
 def delayed_all_gathers(
     delay_ms: float, device: torch.device | None = None
 ) -> Iterator[AllGatherLog]:
-    """While active, every all-gather of this process completes ``delay_ms`` late.
-
-    CPU: the work handle is a ``DelayedWork`` (the CPU thread is not blocked at issue). CUDA
-    (``device.type == "cuda"``): ``torch.cuda._sleep`` is enqueued on the issuing stream first.
-    Yields an ``AllGatherLog``.
-    """
+    """While active, every all-gather of this thread completes ``delay_ms`` late: a
+    ``DelayedWork`` on CPU, ``torch.cuda._sleep`` on the issuing stream first on CUDA."""
     global _delaying_threads
     log = AllGatherLog()
     cls = tdist.ProcessGroup
@@ -142,8 +111,7 @@ def delayed_all_gathers(
 
 
 def _delayed(original: Any) -> Any:
-    """``ProcessGroup`` all-gather method ``original``, delayed inside ``delayed_all_gathers``
-    (in the thread that entered it; unchanged elsewhere)."""
+    """``original`` delayed in a thread inside ``delayed_all_gathers``, unchanged elsewhere."""
 
     def method(self: Any, *args: Any) -> Any:
         settings = getattr(_delay, "settings", None)
@@ -163,18 +131,16 @@ def _delayed(original: Any) -> Any:
     return method
 
 
-# ---------------------------------------------------------------------------- measuring
 @dataclasses.dataclass
 class OverlapTimes:
-    """Min-k forward times (ms) of the four cases, max over ranks."""
+    """Min-k forward times (ms) of the four cases, max over ranks; the all-gathers one forward
+    of the "both" case issued, and how many of them were synchronous."""
 
     nothing: float
     all_gather: float
     compute: float
     both: float
-    # all-gathers one forward issued (both case)
     all_gathers: int
-    # of which synchronous (async_op=False)
     synchronous: int
 
     def cpu_ratio(self, comm_ms: float) -> float:
@@ -191,7 +157,7 @@ class OverlapTimes:
 
 
 class _Chain(nn.Module):
-    """``LAYERS`` wrapped ``Layer``s in a row (the root owns no parameters, as in the seed)."""
+    """``LAYERS`` wrapped ``Layer``s in a row (the root owns no parameters)."""
 
     def __init__(self, wrap: Any, compute_cycles: int) -> None:
         super().__init__()
@@ -204,14 +170,8 @@ class _Chain(nn.Module):
 
 
 def overlap_config(device: torch.device, limit_all_gathers: bool = False) -> dict[str, Any]:
-    """The wrap config: CPU needs forward prefetch (the CPU thread blocks in compute); on CUDA
-    the CPU runs ahead and issues every all-gather early without it, as in the seed.
-
-    Args:
-        device: the ranks' device.
-        limit_all_gathers: the rate limiter setting (the suite's check runs without it; the
-            ``fsdp-conformance overlap`` experiment can turn it on).
-    """
+    """The wrap config: on CPU with forward prefetch (the CPU thread blocks in compute); on CUDA
+    the CPU runs ahead without it."""
     config: dict[str, Any] = {
         "sharding_strategy": "FULL_SHARD",
         "limit_all_gathers": limit_all_gathers,
@@ -231,10 +191,7 @@ def measure_overlap(
     repeats: int = REPEATS,
     limit_all_gathers: bool = False,
 ) -> OverlapTimes:
-    """Time the four cases of [Note: overlap timing] (every rank calls it; collectives).
-
-    ``limit_all_gathers`` is the rate limiter setting of the wrap config (``overlap_config``).
-    """
+    """Time the four cases of [Note: overlap timing] (every rank calls it; collectives)."""
     device = dist.device
     config = overlap_config(device, limit_all_gathers)
     cycles = int(compute_ms * delay.cycles_per_ms(device))
@@ -245,7 +202,7 @@ def measure_overlap(
         model = adapter.wrap(_Chain(wrap, compute_cycles), root=True, **config)
         optimizer = adapter_loop.optimizer(adapter, model, "sgd", lr=0.01)
         models[case] = (model, optimizer)
-        _iteration(model, optimizer, device, adapter)  # iteration 1: records the forward order
+        _timed_forward(model, optimizer, device, 0.0, adapter)  # records the forward order
     times: dict[str, list[float]] = {case: [] for case in CASES}
     logs = {}
     for repeat in range(repeats):
@@ -260,12 +217,6 @@ def measure_overlap(
     tdist.all_reduce(local, op=tdist.ReduceOp.MAX, group=dist.group)
     log = logs["both"]
     return OverlapTimes(*local.tolist(), all_gathers=log.issued, synchronous=log.synchronous)
-
-
-def _iteration(model: nn.Module, optimizer: Any, device: torch.device, adapter: Any) -> None:
-    optimizer.zero_grad()
-    adapter_loop.backward(adapter, model, model(torch.ones(2, 1, device=device)).sum())
-    optimizer.step()
 
 
 def _timed_forward(
@@ -293,7 +244,6 @@ def _timed_forward(
     return elapsed, log
 
 
-# ---------------------------------------------------------------------------- checking
 def cpu_overlap_failure(times: OverlapTimes, comm_ms: float, label: str) -> str | None:
     """Why the CPU overlap check fails on ``times``, or None when it passes."""
     if times.all_gathers == 0:
@@ -332,11 +282,8 @@ def cuda_overlap_failure(times: OverlapTimes, label: str) -> str | None:
 
 
 def check_overlap(adapter: Any, dist: Any, label: str, retries: int = 1) -> OverlapTimes:
-    """Measure and check overlap (CPU or CUDA by ``dist.device``); retry once; skip or raise.
-
-    Skips when the adapter lacks a feature of the config, or (CPU) issues its all-gathers
-    synchronously.
-    """
+    """Measure and check overlap on ``dist.device``, ``retries`` more times on a failure; skips
+    without the config's features or (CPU) for synchronous all-gathers."""
     adapter_features.skip_unless(
         adapter, *adapter_features.wrap_features(adapter, **overlap_config(dist.device))
     )

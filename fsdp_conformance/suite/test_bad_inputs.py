@@ -1,9 +1,5 @@
 """Misuses that do harm are refused with a clear error (``misuse.*``; [Note: misuse] in
-test_exec_order.py).
-
-    class TestMyMisuse(BaseBadInputTests):   # in your tests; pytest collects Test* classes
-        pass
-"""
+test_exec_order.py)."""
 
 from __future__ import annotations
 
@@ -13,8 +9,6 @@ import pytest
 import torch
 from torch import nn
 
-from fsdp_conformance.adapters import Feature
-from fsdp_conformance.adapters import features as adapter_features
 from fsdp_conformance.adapters import loop as adapter_loop
 
 from .declare import check
@@ -25,24 +19,21 @@ def _linear() -> nn.Linear:
     return nn.Linear(WIDTH, WIDTH)
 
 
+def _trained(adapter: Any, dist: Any) -> tuple[nn.Module, torch.Tensor]:
+    """A root around a nested instance after one backward, and its input."""
+    model = adapter.wrap(nn.Sequential(adapter.wrap(_linear(), root=False), _linear()), root=True)
+    x = torch.ones(2, WIDTH, device=dist.device)
+    adapter_loop.backward(adapter, model, model(x).sum())
+    return model, x
+
+
 class BaseBadInputTests:
-    """Misuses that do harm, each refused with a clear error ([Note: misuse]).
-
-    Only a misuse whose acceptance hurts is here (nesting an instance inside another, e.g.
-    ``FSDP(FSDP(lin))``, is ordinary nesting for torch FSDP1 and fairscale, so it is not):
-
-    - wrapping a module twice: two instances claim the same parameters; the first one's flat
-      parameter is orphaned (its views replaced) and which instance reduces the gradients is
-      undefined, so training silently diverges;
-    - parameters on mixed devices (cpu and meta): a meta parameter has no data; flattening it
-      with real ones fails (or trains garbage) far from the cause, at the first forward;
-    - a forward inside ``summon_full_params``: the forward unshards and frees the buffers the
-      context is still exposing (and a writeback would copy back what the forward freed);
-    - ``summon_full_params`` inside forward: leaving the context reshards the parameters the
-      running forward and backward still use;
-    - ``sync_module_states`` with shapes differing across ranks: the broadcast of differing
-      sizes hangs or corrupts the parameters.
-    """
+    """Misuses whose acceptance hurts, each refused with a clear error ([Note: misuse]): a
+    module wrapped twice (training silently diverges), parameters on cpu and meta (fails far
+    from the cause), a forward inside ``summon_full_params`` (frees what the context exposes),
+    ``summon_full_params`` inside forward (reshards what forward still uses),
+    ``sync_module_states`` with shapes differing across ranks (hangs or corrupts). Nesting
+    (``FSDP(FSDP(lin))``) is ordinary for torch FSDP1 and fairscale, so it is not here."""
 
     @check(
         "misuse.wrap_twice",
@@ -80,11 +71,7 @@ class BaseBadInputTests:
     @pytest.mark.world_size(2)
     def test_forward_inside_summon_full_params(self, fsdp_adapter: Any, dist: Any):
         adapter = fsdp_adapter
-        model = adapter.wrap(
-            nn.Sequential(adapter.wrap(_linear(), root=False), _linear()), root=True
-        )
-        x = torch.ones(2, WIDTH, device=dist.device)
-        adapter_loop.backward(adapter, model, model(x).sum())
+        model, x = _trained(adapter, dist)
 
         def forward_inside() -> None:
             with adapter.summon_full_params(model):
@@ -105,11 +92,7 @@ class BaseBadInputTests:
     @pytest.mark.world_size(2)
     def test_summon_full_params_during_forward(self, fsdp_adapter: Any, dist: Any):
         adapter = fsdp_adapter
-        model = adapter.wrap(
-            nn.Sequential(adapter.wrap(_linear(), root=False), _linear()), root=True
-        )
-        x = torch.ones(2, WIDTH, device=dist.device)
-        adapter_loop.backward(adapter, model, model(x).sum())
+        model, x = _trained(adapter, dist)
         inner = adapter.unwrap(model)[1]
 
         def summon(*_: Any) -> None:
@@ -135,7 +118,6 @@ class BaseBadInputTests:
     @pytest.mark.world_size(2)
     def test_sync_module_states_with_different_shapes(self, fsdp_adapter: Any, dist: Any):
         adapter = fsdp_adapter
-        adapter_features.skip_unless(adapter, Feature.SYNC_MODULE_STATES)
         module = nn.Sequential(_linear(), nn.Linear(WIDTH, WIDTH + dist.rank))
         expect_error(
             lambda: adapter.wrap(module, root=True, sync_module_states=True),

@@ -1,9 +1,5 @@
 """Collectives per phase, and no gradient reduction inside ``no_sync`` (``comm.counts``,
-``comm.no_sync``; [Note: counts as bounds] in comm_checks.py).
-
-    class TestMyCollectiveCounts(BaseCollectiveCountTests):   # pytest collects Test* classes
-        pass
-"""
+``comm.no_sync``; [Note: counts as bounds] in comm_checks.py)."""
 
 from __future__ import annotations
 
@@ -12,29 +8,18 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
 
 from fsdp_conformance.adapters import Feature
 from fsdp_conformance.adapters import features as adapter_features
 from fsdp_conformance.adapters import loop as adapter_loop
-from fsdp_conformance.observe.comm_trace import CommTrace
 
-from . import comm_checks, training, zoo
+from . import comm_checks, loop_driver, training
 from .declare import check
 
 
 class BaseCollectiveCountTests:
-    """Collectives per phase, counted through the adapter's ``observe`` labels.
-
-    Bounds, not one call per instance ([Note: counts as bounds]): every instance gathered in
-    forward, none reduced there; SHARD_GRAD_OP: no backward all-gather; FULL_SHARD: backward
-    all-gathers of an instance at most its forward ones;
-    every instance reduced, at most once per forward all-gather; inside ``no_sync`` no
-    reduction. Counting observer events (one per unshard / reduction the implementation
-    reports, whatever the backend issues underneath: torch FSDP1 on gloo calls ``all_gather``
-    with a tensor list where NCCL runs ``_allgather_base``) makes the counts
-    backend-independent; every zoo instance here owns parameters.
-    """
+    """Collectives per phase as bounds, counted as the adapter's observer events (one per unshard
+    / reduction, whatever the backend issues underneath)."""
 
     @check(
         "comm.counts",
@@ -66,18 +51,16 @@ class BaseCollectiveCountTests:
     @pytest.mark.world_size(2)
     @pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
     def test_no_reduction_inside_no_sync(self, fsdp_adapter: Any, dist: Any, strategy: str):
-        # What no_sync promises, not how many all-gathers it costs (an implementation may keep
-        # parameters unsharded through a no_sync backward, e.g. fairscale's root): no gradient
-        # reduction inside; the next iteration outside reduces once per instance; the
-        # accumulated gradients train exactly as DDP's no_sync does.
+        # no reduction inside no_sync, every instance reduced after it, training as DDP's
         config = {"sharding_strategy": strategy}
         adapter_features.skip_unless(
             fsdp_adapter, *adapter_features.wrap_features(fsdp_adapter, **config)
         )
         adapter_features.skip_unless(fsdp_adapter, Feature.GRADIENT_ACCUMULATION)
         root, _ = training.wrap_model(fsdp_adapter, "nested", dist, config)
-        overrides_no_sync = adapter_loop.overrides(fsdp_adapter, "no_sync")
-        if not overrides_no_sync and not callable(getattr(root, "no_sync", None)):
+        if not adapter_loop.overrides(fsdp_adapter, "no_sync") and not callable(
+            getattr(root, "no_sync", None)
+        ):
             pytest.skip(
                 f"adapter {fsdp_adapter.name!r} does not support 'no_sync': its root module has "
                 "no no_sync() context manager"
@@ -86,8 +69,9 @@ class BaseCollectiveCountTests:
             fsdp_adapter, "nested", dist, config, compute=False, inside_no_sync=lambda i: i == 1
         )
         label = f"adapter {fsdp_adapter.name!r}, nested, {strategy}"
-        instances = len(fsdp_adapter.instances(root))
-        failures = no_sync_failures(trace, instances, no_sync_iterations=(1,))
+        failures = comm_checks.count_failures(trace, "", no_sync_iterations=(1,))
+        # all-gathers are not counted (implementation-specific)
+        failures = [failure for failure in failures if "gradient reductions" in failure]
         assert not failures, (
             f"no_sync broken ({label}):\n  " + "\n  ".join(failures) + "\ntrace:\n" + trace.render()
         )
@@ -100,24 +84,9 @@ class BaseCollectiveCountTests:
         )
 
 
-def no_sync_failures(
-    trace: CommTrace, instances: int, no_sync_iterations: tuple[int, ...]
-) -> list[str]:
-    """Phases that break no_sync's promise: a reduction inside it, or an instance not reduced
-    (or reduced more often than gathered) in a backward outside it ([Note: counts as bounds]).
-    All-gathers are not counted (implementation-specific)."""
-    return [
-        failure
-        for failure in comm_checks.count_failures(trace, "", instances, no_sync_iterations)
-        if "gradient reductions" in failure
-    ]
-
-
 def _ddp_no_sync_params(dist: Any, no_sync_iterations: tuple[int, ...]) -> dict[str, torch.Tensor]:
-    """``nested`` trained as ``trace_training`` does, under DDP (its own ``no_sync``)."""
-    model = zoo.build("nested", dist.group, None, dist.device)
-    model.to(dist.device)
-    ddp = nn.parallel.DistributedDataParallel(model, process_group=dist.group)
+    """``nested`` trained as ``trace_training`` does, under DDP's own ``no_sync``."""
+    ddp, model = loop_driver.build_reference("nested", dist)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=training.LR, momentum=training.MOMENTUM)
     for iteration in range(1, comm_checks.ITERATIONS + 1):
         no_sync = iteration in no_sync_iterations

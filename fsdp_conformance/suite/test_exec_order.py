@@ -1,22 +1,11 @@
 """Ranks running instances in different orders get a clear error (``exec_order.divergent``),
 and ``expect_error``, which the misuse checks (test_bad_inputs.py) share.
 
-    class TestMyExecOrder(BaseExecOrderTests):   # in your tests; pytest collects Test* classes
-        pass
-
 [Note: misuse]
-Each misuse must raise an exception *within seconds* (``DEADLINE_S``, generous for a loaded
-machine; a hang is caught by the harness timeout as the backstop) whose message names the
-problem (a per-case regular expression, implementation-neutral: the words any sensible message
-would use). Every rank makes the same mistake, so an implementation that raises before any
-collective raises on every rank and none is left waiting.
-
-An adapter that accepts a misuse silently (no exception) fails the check, unless the adapter
-declares it (``Adapter.known_deviations``, check ids ``exec_order.divergent`` and
-``misuse.<case>``, see adapters/deviations.py): then the case is a deviation with that reason
-(suite/verdict.py); an adapter that raises anyway passes. docs/checks.md records what each
-adapter does and why each misuse does harm.
-"""
+Each misuse must raise within ``DEADLINE_S`` (the harness timeout catches a hang) with a message
+naming the problem (an implementation-neutral regular expression per case). Every rank makes
+the same mistake, so an implementation raising before any collective leaves no rank waiting.
+An adapter accepting a misuse silently fails, unless it declares the deviation."""
 
 from __future__ import annotations
 
@@ -33,19 +22,15 @@ from fsdp_conformance.adapters import loop as adapter_loop
 
 from .declare import check
 
-# Seconds a misuse may take to raise (the harness timeout, default 120 s, is the backstop)
+# generous for a loaded machine; the harness timeout (default 120 s) is the backstop
 DEADLINE_S = 30.0
 WIDTH = 8
 
 
 def expect_error(action: Callable[[], Any], pattern: str, label: str) -> BaseException:
-    """Run ``action``; it must raise within ``DEADLINE_S`` with a message matching ``pattern``.
-
-    Raises:
-        AssertionError: it did not raise or raised too late (what a misuse deviation covers),
-            or raised an error not naming the problem (raised *from* that error, so only a
-            deviation whose ``raises`` covers that error's type covers it).
-    """
+    """Run ``action``: it must raise within ``DEADLINE_S`` with a message matching ``pattern``;
+    else AssertionError (raised *from* an error not naming the problem, which a deviation covers
+    only by that error's type)."""
     start = time.perf_counter()
     try:
         action()
@@ -58,8 +43,7 @@ def expect_error(action: Callable[[], Any], pattern: str, label: str) -> BaseExc
                 f"{DEADLINE_S:g} s): {message}"
             )
         elif not re.search(pattern, message, re.IGNORECASE | re.DOTALL):
-            # not a refusal but some other error: the assertion reports it as its cause, so a
-            # deviation declaring "accepts the misuse" does not cover it (Deviation.covers)
+            # some other error: reported as the cause, so "accepts the misuse" does not cover it
             raise AssertionError(
                 f"{label}: the error does not name the problem (expected a message matching "
                 f"{pattern!r}), got {message}"
@@ -72,11 +56,8 @@ def expect_error(action: Callable[[], Any], pattern: str, label: str) -> BaseExc
 
 
 class TwoBranches(nn.Module):
-    """A root Linear and two wrapped Linears of the same shape, run in either order.
-
-    Same shapes on purpose: an implementation that does not check the order exchanges
-    matching all-gathers (wrong data, no hang), so the check fails quickly instead of hanging.
-    """
+    """A root Linear and two wrapped Linears, run in either order; of the same shape, so an
+    implementation not checking the order exchanges matching all-gathers instead of hanging."""
 
     def __init__(self, wrap: Callable[[nn.Module], nn.Module]) -> None:
         super().__init__()
@@ -99,12 +80,8 @@ class TwoBranches(nn.Module):
 
 
 class BaseExecOrderTests:
-    """Ranks running FSDP instances in different orders get a clear error, never a hang.
-
-    Rank 1 runs ``branch_b`` before ``branch_a`` in the first iteration; every rank must raise
-    within ``DEADLINE_S`` with a message about the execution order naming a divergent instance
-    (``branch_a`` or ``branch_b``).
-    """
+    """Rank 1 runs ``branch_b`` before ``branch_a``: every rank must raise within
+    ``DEADLINE_S`` with a message about the order naming a divergent instance, never hang."""
 
     @check(
         "exec_order.divergent",

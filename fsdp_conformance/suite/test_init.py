@@ -1,10 +1,7 @@
-"""Meta-device initialisation (``init.meta``): the zoo's ``buffered_meta`` model (every
-parameter and buffer on the meta device), wrapped by hand (``nested``) or by an
-``auto_wrap_policy``, materialised the implementation's documented way
-(``Adapter.materialize``): nothing is left on meta, every parameter and buffer equals the model
-built on the CPU bit for bit (each module initialised exactly once), and loaded from those
-weights it trains ``STEPS`` SGD steps bit-exactly as DDP. docs/suite.md, "Full state dict and
-meta-device init".
+"""Meta-device initialisation (``init.meta``): ``buffered_meta`` wrapped by hand or by an
+``auto_wrap_policy``, materialised by ``Adapter.materialize``: nothing left on meta, every
+parameter and buffer equal to the CPU-built model (each module initialised once), then trains
+as DDP (docs/suite.md, "Full state dict and meta-device init").
 """
 
 from __future__ import annotations
@@ -31,8 +28,7 @@ def _is_block(module: torch.nn.Module) -> bool:
 
 
 class BaseMetaInitTests:
-    """A meta-device model materialised after wrapping (``init.meta``): see the module
-    docstring."""
+    """A meta-device model materialised after wrapping (see the module docstring)."""
 
     wrappings: ClassVar[tuple[str, ...]] = ("nested", "auto_wrap")
 
@@ -94,17 +90,11 @@ class BaseMetaInitTests:
         )
 
         adapter_loop.load_state_dict(adapter, root, plain.state_dict())
-        driver = loop_driver.Driver(root, zoo_model, adapter)
-        losses = loop_driver.steps_from(
-            driver, loop_driver.fsdp_optimizer(adapter, root), dist.device, 0, STEPS
-        )
+        driver = loop_driver.Driver(root, zoo_model, dist.device, adapter)
+        losses = driver.run(STEPS)
         ddp = torch.nn.parallel.DistributedDataParallel(plain, process_group=dist.group)
-        reference = loop_driver.Driver(ddp, plain)
-        reference_losses = loop_driver.steps_from(
-            reference, loop_driver.ddp_optimizer(plain), dist.device, 0, STEPS
-        )
-        loop_driver.assert_losses(label, losses, reference_losses)
-        loop_driver.assert_params(label, driver.params(), reference.params(), STEPS)
+        reference = loop_driver.Driver(ddp, plain, dist.device)
+        loop_driver.compare(label, driver, losses, reference, reference.run(STEPS), STEPS)
 
 
 class TestMetaInit(BaseMetaInitTests):

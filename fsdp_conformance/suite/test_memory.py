@@ -1,8 +1,6 @@
-"""Resharding after forward (``memory.reshard_after_forward``): with FULL_SHARD, no unsharded
-parameter of a non-root instance stays alive once the model's forward has returned (held by the
-implementation or saved for backward); the root is exempt. Seen by value and weak reference
-([Note: unsharded parameters by value] in ``observe/unsharded.py``). SHARD_GRAD_OP keeps them
-by design: no cell runs for it. docs/suite.md, "Checks any FSDP can run".
+"""Resharding after forward (``memory.reshard_after_forward``): with FULL_SHARD no unsharded
+parameter of a non-root instance stays alive once the model's forward has returned; seen by
+value and weak reference (``observe/unsharded.py``). SHARD_GRAD_OP keeps them by design.
 """
 
 from __future__ import annotations
@@ -23,15 +21,15 @@ from . import training
 from .declare import check
 from .loop_driver import LoopCase, parametrize
 
-# steps trained; the forward of the last one is observed (the first runs any lazy init)
+# the last step's forward is observed (the first runs any lazy init)
 STEPS = 2
 
 
 def observed_training(
     adapter: Adapter, root: nn.Module, zoo_model: nn.Module, dist: Any
 ) -> tuple[UnshardedParams, torch.Tensor]:
-    """Train `root` ``STEPS`` steps through `adapter`, observing the last forward's unsharded
-    parameters; returns the probe (``seen``, ``alive``) and the losses."""
+    """Train `root` ``STEPS`` steps, observing the last forward's unsharded parameters;
+    returns the probe (``seen``, ``alive``) and the losses."""
     probes: list[UnshardedParams] = []
 
     @contextlib.contextmanager
@@ -50,8 +48,8 @@ def observed_training(
 
 
 def unseen_instances(probe: UnshardedParams) -> list[str]:
-    """Non-root instances in whose forward no unsharded parameter was recognised (the check
-    could not see them: a check that sees nothing must not pass)."""
+    """Non-root instances in whose forward no unsharded parameter was recognised (a check
+    that sees nothing must not pass)."""
     return [
         label
         for label in probe.labels.values()

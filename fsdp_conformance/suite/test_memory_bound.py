@@ -1,9 +1,5 @@
 """The two-instance memory bound of limit_all_gathers (``memory_bound*``; [Note: memory bound]
-in memory_bound.py, which measures).
-
-    class TestMyMemoryBound(BaseMemoryBoundTests):   # in your tests; pytest collects Test*
-        lag_variants = ("strict",)                   # optional: fewer lagging-device variants
-"""
+in memory_bound.py). A subclass may run fewer lagging-device variants (``lag_variants``)."""
 
 from __future__ import annotations
 
@@ -21,17 +17,10 @@ from .stream_bound import StreamOrderedBound
 
 
 class BaseMemoryBoundTests:
-    """Resident unsharded buffers stay within the two-instance bound (see [Note: memory bound]).
+    """Resident unsharded buffers stay within the bound, at world size 2 on a ``ChainOfLinears``."""
 
-    Every test runs at world size 2 on a ``ChainOfLinears`` with ``memory_bound.LAYERS``
-    non-root instances.
-    Adapters without ``limit_all_gathers``, ``device_handle`` or ``comm_trace`` skip, naming the
-    adapter and the feature.
-    """
-
-    # Lagging-device variants to run every CPU case under
     lag_variants: ClassVar[tuple[str, ...]] = LAG_VARIANTS
-    # Adapter name -> its own bound (stream-ordered implementations), see OWN_BOUNDS
+    # adapter name -> its own bound (stream-ordered implementations)
     own_bounds: ClassVar[dict[str, StreamOrderedBound]] = OWN_BOUNDS
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -44,20 +33,19 @@ class BaseMemoryBoundTests:
             )
 
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
-        if "bound_case" in metafunc.fixturenames:
-            cases = memory_bound.limited_cases(self.lag_variants)
-            metafunc.parametrize("bound_case", [case.param() for case in cases])
-        if "unlimited_case" in metafunc.fixturenames:
-            cases = [BoundCase(lag, limit_all_gathers=False) for lag in self.lag_variants]
-            metafunc.parametrize("unlimited_case", [case.param() for case in cases])
-        if "cuda_case" in metafunc.fixturenames:
-            cases = [BoundCase("cuda"), BoundCase("cuda", limit_all_gathers=False)]
-            metafunc.parametrize("cuda_case", [case.param() for case in cases])
-        if "shard_grad_op_case" in metafunc.fixturenames:
-            cases = [
-                BoundCase(lag, "SHARD_GRAD_OP", "BACKWARD_PRE", False) for lag in self.lag_variants
-            ]
-            metafunc.parametrize("shard_grad_op_case", [case.param() for case in cases])
+        lags = self.lag_variants
+        cases = {
+            "bound_case": memory_bound.limited_cases(lags),
+            "unlimited_case": [BoundCase(lag, limit_all_gathers=False) for lag in lags],
+            "cuda_case": [BoundCase("cuda"), BoundCase("cuda", limit_all_gathers=False)],
+            "shard_grad_op_case": [BoundCase(lag, "SHARD_GRAD_OP", "BACKWARD_PRE") for lag in lags],
+        }
+        for name, values in cases.items():
+            if name in metafunc.fixturenames:
+                metafunc.parametrize(name, [case.param() for case in values])
+
+    def _measure(self, adapter: Adapter, dist: Any, case: BoundCase) -> Any:
+        return memory_bound.measure_residency(adapter, dist.group, case.wrap_config, case.lag)
 
     @check(
         "memory_bound",
@@ -68,9 +56,7 @@ class BaseMemoryBoundTests:
     def test_limited_all_gathers_stay_within_bound(
         self, fsdp_adapter: Adapter, dist: Any, bound_case: BoundCase
     ) -> None:
-        tracker = memory_bound.measure_residency(
-            fsdp_adapter, dist.group, bound_case.wrap_config, bound_case.lag
-        )
+        tracker = self._measure(fsdp_adapter, dist, bound_case)
         own_bound = memory_bound.own_bound_of(fsdp_adapter, self.own_bounds)
         memory_bound.check_residency(
             tracker, bound_case, f"adapter {fsdp_adapter.name!r}", own_bound
@@ -87,11 +73,8 @@ class BaseMemoryBoundTests:
     def test_unlimited_all_gathers_exceed_bound(
         self, fsdp_adapter: Adapter, dist: Any, unlimited_case: BoundCase
     ) -> None:
-        # The check is only worth something if it can fail: without the limiter the CPU never
-        # waits, so every all-gather of an iteration stays resident (LAYERS > MAX_INFLIGHT).
-        tracker = memory_bound.measure_residency(
-            fsdp_adapter, dist.group, unlimited_case.wrap_config, unlimited_case.lag
-        )
+        # the check can fail: without the limiter every all-gather stays resident
+        tracker = self._measure(fsdp_adapter, dist, unlimited_case)
         with pytest.raises(AssertionError, match="memory bound exceeded") as failure:
             memory_bound.check_residency(tracker, unlimited_case, f"adapter {fsdp_adapter.name!r}")
         assert f"iteration 1 forward: peak {memory_bound.LAYERS} " in str(failure.value), str(
@@ -102,15 +85,12 @@ class BaseMemoryBoundTests:
     def test_shard_grad_op_keeps_backward_within_bound(
         self, fsdp_adapter: Adapter, dist: Any, shard_grad_op_case: BoundCase
     ) -> None:
-        case = shard_grad_op_case
-        tracker = memory_bound.measure_residency(
-            fsdp_adapter, dist.group, case.wrap_config, case.lag
-        )
+        tracker = self._measure(fsdp_adapter, dist, shard_grad_op_case)
         own_bound = memory_bound.own_bound_of(fsdp_adapter, self.own_bounds)
         label = f"adapter {fsdp_adapter.name!r}"
         # forward is exempt from the bound: SHARD_GRAD_OP keeps every buffer until backward
-        memory_bound.check_shard_grad_op_forward(tracker, case, label, own_bound)
-        memory_bound.check_residency(tracker, case, label, own_bound)
+        memory_bound.check_shard_grad_op_forward(tracker, shard_grad_op_case, label, own_bound)
+        memory_bound.check_residency(tracker, shard_grad_op_case, label, own_bound)
 
     @check(
         "memory_bound.cuda",

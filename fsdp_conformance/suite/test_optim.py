@@ -1,9 +1,6 @@
-"""Optimizer parameter groups as users write them (``optim.param_groups``): AdamW with no
-weight decay on biases and norms and one wrapped block at a tenth of the learning rate, the
-groups chosen by the unwrapped model's parameter names (``adapter.optimizer(root, "adamw",
-param_groups=...)``), trains bit for bit as DDP with the same groups (AdamW is elementwise; a
-group lost or merged moves parameters far from bit-exact). docs/suite.md, "Optimizer groups,
-shared and ignored parameters, other forward methods".
+"""Optimizer parameter groups as users write them (``optim.param_groups``): AdamW without
+weight decay on biases and norms and one block at a tenth of the learning rate, chosen by the
+unwrapped model's names, trains bit for bit as DDP with the same groups (docs/suite.md).
 """
 
 from __future__ import annotations
@@ -19,17 +16,8 @@ from fsdp_conformance.adapters import features as adapter_features
 from fsdp_conformance.adapters import loop as adapter_loop
 from fsdp_conformance.adapters.base import group_by
 
+from . import loop_driver
 from .declare import check
-from .loop_driver import (
-    Driver,
-    LoopCase,
-    assert_losses,
-    assert_params,
-    build,
-    build_reference,
-    parametrize,
-    steps_from,
-)
 
 ADAMW_LR = 1e-2
 WEIGHT_DECAY = 0.1
@@ -61,7 +49,7 @@ class BaseParamGroupTests:
     strategies: ClassVar[tuple[str, ...]] = ("FULL_SHARD", "SHARD_GRAD_OP")
 
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
-        parametrize(metafunc, model_name=self.models, strategy=self.strategies)
+        loop_driver.parametrize(metafunc, model_name=self.models, strategy=self.strategies)
 
     @check(
         "optim.param_groups",
@@ -69,7 +57,9 @@ class BaseParamGroupTests:
         "another learning rate): AdamW matches DDP",
         features=("param_groups",),
         case="suite.loop_driver.LoopCase",
-        case_of=lambda model_name, strategy: LoopCase(model_name, strategy, "adamw_groups"),
+        case_of=lambda model_name, strategy: loop_driver.LoopCase(
+            model_name, strategy, "adamw_groups"
+        ),
     )
     @pytest.mark.world_size(2)
     def test_param_groups_match_ddp(
@@ -77,30 +67,28 @@ class BaseParamGroupTests:
     ):
         adapter = fsdp_adapter
         config: dict[str, Any] = {"sharding_strategy": strategy}
-        if adapter_features.supports(
-            adapter, Feature.USE_ORIG_PARAMS
-        ):  # FSDP1: groups need the flag
+        if adapter_features.supports(adapter, Feature.USE_ORIG_PARAMS):  # FSDP1 needs it
             config["use_orig_params"] = True
-        root, zoo_model = build(adapter, model_name, dist, config)
-        optimizer = adapter_loop.optimizer(adapter, 
-            root, "adamw", param_groups=group_options, lr=ADAMW_LR, weight_decay=WEIGHT_DECAY
+        driver = loop_driver.fsdp_driver(adapter, model_name, dist, config)
+        driver.optimizer = adapter_loop.optimizer(
+            adapter,
+            driver.model,
+            "adamw",
+            param_groups=group_options,
+            lr=ADAMW_LR,
+            weight_decay=WEIGHT_DECAY,
         )
-        driver = Driver(root, zoo_model, adapter)
-        losses = steps_from(driver, optimizer, dist.device, 0, self.STEPS)
-        params = driver.params()
-        ddp, model = build_reference(model_name, dist)
-        reference_optimizer = torch.optim.AdamW(
-            reference_groups(model), lr=ADAMW_LR, weight_decay=WEIGHT_DECAY
+        losses = driver.run(self.STEPS)
+        reference = loop_driver.ddp_driver(model_name, dist)
+        reference.optimizer = torch.optim.AdamW(
+            reference_groups(reference.zoo_model), lr=ADAMW_LR, weight_decay=WEIGHT_DECAY
         )
-        reference = Driver(ddp, model)
-        ref_losses = steps_from(reference, reference_optimizer, dist.device, 0, self.STEPS)
-        ref_params = reference.params()
         label = (
             f"adapter {adapter.name!r}, {model_name}, {strategy}, AdamW with groups (no "
             f"weight decay on biases and norms, lr/10 for {SLOW_BLOCK}*)"
         )
-        assert_losses(label, losses, ref_losses)
-        assert_params(label, params, ref_params, self.STEPS)
+        loop_driver.assert_losses(label, losses, reference.run(self.STEPS))
+        loop_driver.assert_params(label, driver.params(), reference.params(), self.STEPS)
 
 
 class TestParamGroups(BaseParamGroupTests):

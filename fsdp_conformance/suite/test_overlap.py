@@ -1,9 +1,5 @@
 """Prefetch overlaps communication with computation (``overlap``; [Note: overlap timing] in
-overlap.py).
-
-    class TestMyOverlap(BaseOverlapTests):   # pytest collects Test* classes
-        pass
-"""
+overlap.py)."""
 
 from __future__ import annotations
 
@@ -21,7 +17,6 @@ from .declare import check
 class BaseOverlapTests:
     """Prefetch overlaps communication with computation ([Note: overlap timing])."""
 
-    # measurements before failing (1 + retries)
     retries: ClassVar[int] = 1
 
     @check("overlap", "communication overlaps computation")

@@ -1,16 +1,12 @@
 """DDP parity checks (training, summon_full_params, state dict round trips), as base classes
-to subclass.
-
-    class TestMyParity(BaseDDPParityTests):        # in your tests; pytest collects Test*
-        coverage = "pairwise"                      # optional: see configs.py [Note: coverage]
-
-The FSDP under test is the `fsdp_adapter` fixture (``--fsdp-impl``; override the `fsdp_impl`
-fixture to pick another adapter for one class). Every test body runs in every rank.
+to subclass (``class TestMyParity(BaseDDPParityTests): coverage = "pairwise"``). Every test body
+runs in every rank.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, ClassVar
 
 import pytest
@@ -23,14 +19,12 @@ from fsdp_conformance.adapters import loop as adapter_loop
 from . import configs, training, zoo
 from .declare import check
 
-# Tolerances (measured with torch FSDP1/FSDP2 and impl on CPU, torch 2.13.0):
-# world sizes 1 and 2 are bit-exact in fp32 (dividing by 2 is exact, one summation order);
-# at 4 the reduction order differs from DDP's.
+# fp32 is bit-exact at world sizes 1 and 2 (dividing by 2 is exact, one summation order); at 4
+# the reduction order differs from DDP's (measured with impl, torch FSDP1 and FSDP2, CPU)
 ATOL_WORLD_SIZE_4 = 1e-6
 RTOL_WORLD_SIZE_4 = 1e-6
-# bf16 compute and reduction against an fp32 DDP reference (parameters stay fp32); measured
-# max |difference| after 3 steps: 9.2e-5 (nested), 9.7e-4 (the tied embedding of the
-# transformer), the same for impl, torch FSDP1 and torch FSDP2
+# bf16 against fp32 DDP (fp32 parameters); measured after 3 steps: 9.2e-5 (nested), 9.7e-4
+# (the transformer's tied embedding), alike for impl, torch FSDP1 and FSDP2
 ATOL_BF16_PARAMS = 2e-3
 RTOL_BF16_LOSSES = 2e-2
 
@@ -41,22 +35,16 @@ def tolerance(world_size: int) -> tuple[float, float]:
 
 
 class BaseDDPParityTests:
-    """Losses and full parameters after 3 SGD+momentum steps equal DDP's.
+    """Losses and full parameters after 3 SGD+momentum steps equal DDP's, over the configs of
+    configs.py (a config the adapter does not support skips with its reason)."""
 
-    Parametrised over zoo model x sharding strategy x backward_prefetch x forward_prefetch x
-    limit_all_gathers x cpu_offload x device init x world size (see configs.py). A config the
-    adapter does not support skips with the adapter's reason.
-    """
-
-    # Zoo models to train (fsdp_conformance.suite.zoo.MODELS)
     models: ClassVar[tuple[str, ...]] = zoo.MODEL_NAMES
-    # Models also run at world size 4
-    large_world_models: ClassVar[tuple[str, ...]] = ("nested", "transformer")
-    # World sizes (2 gets `coverage`; 1 and 4 one config per sharding strategy)
+    large_world_models: ClassVar[tuple[str, ...]] = ("nested", "transformer")  # also at 4
+    # 2 gets `coverage` ("full" or "pairwise"; --fsdp-coverage overrides), 1 and 4 one config
+    # per sharding strategy
     world_sizes: ClassVar[tuple[int, ...]] = (1, 2, 4)
-    # "full" or "pairwise" at world size 2; --fsdp-coverage overrides
     coverage: ClassVar[str] = "full"
-    # Models of the mixed precision check (bf16 params and reduction vs fp32 DDP)
+    # the bf16 check's models (bf16 params and reduction vs fp32 DDP)
     mixed_precision_models: ClassVar[tuple[str, ...]] = (
         "nested",
         "transformer_without_batchnorm",
@@ -89,11 +77,9 @@ class BaseDDPParityTests:
         result = training.fsdp_run(
             fsdp_adapter, case.model, dist, case.wrap_config, case.device_init
         )
+        label = f"adapter {fsdp_adapter.name!r}, {case.describe()}"
         reference = training.reference_run(case.model, dist)
-        atol, rtol = tolerance(dist.world_size)
-        training.assert_same_training(
-            f"adapter {fsdp_adapter.name!r}, {case.describe()}", result, reference, atol, rtol
-        )
+        training.assert_same_training(label, result, reference, *tolerance(dist.world_size))
 
     @check(
         "parity.bf16",
@@ -117,23 +103,13 @@ class BaseDDPParityTests:
         label = f"adapter {fsdp_adapter.name!r}, {case.describe()}, bf16 params and reduction"
         # losses: bf16 forward vs fp32, relative; parameters: fp32 master weights, absolute
         training.assert_same_training(
-            label,
-            result,
-            reference,
-            atol=ATOL_BF16_PARAMS,
-            rtol=0.0,
-            loss_atol=0.0,
-            loss_rtol=RTOL_BF16_LOSSES,
+            label, result, reference, atol=ATOL_BF16_PARAMS, loss_rtol=RTOL_BF16_LOSSES
         )
 
 
 class BaseSummonFullParamsTests:
-    """`summon_full_params` with writeback changes the sharded parameters; without, it does not.
-
-    The sharded parameters are what the implementation registers on the wrapped model (flat
-    shards for FSDP1-style implementations, DTensor shards for FSDP2), read before and after;
-    the full parameters are read back through the adapter.
-    """
+    """`summon_full_params` with writeback changes the sharded parameters (those registered on
+    the wrapped model: flat or DTensor shards); without, it does not."""
 
     @pytest.fixture(params=["nested", "transformer"])
     def summon_model(self, request: pytest.FixtureRequest) -> str:
@@ -159,13 +135,10 @@ class BaseSummonFullParamsTests:
         full_before = adapter_loop.full_params(adapter, root)
         shards_before = _local_shards(root)
         with adapter.summon_full_params(root, writeback=writeback), torch.no_grad():
-            increased = set()  # a tied parameter is listed under each name: increase it once
             by_name = _params_by_clean_name(adapter, root)
-            for name in full_before:
-                param = by_name[name]
-                if id(param) not in increased:
-                    increased.add(id(param))
-                    param.add_(1.0)
+            # a tied parameter is listed under each name: increase it once
+            for param in {id(by_name[name]): by_name[name] for name in full_before}.values():
+                param.add_(1.0)
         full_after = adapter_loop.full_params(adapter, root)
         shards_after = _local_shards(root)
         label = f"adapter {adapter.name!r}, {summon_model}"
@@ -204,16 +177,10 @@ class BaseSummonFullParamsTests:
 
 
 class BaseStateDictTests:
-    """State dict round trips: the implementation's own (``Adapter.state_dict`` /
-    ``Adapter.load_state_dict``) and, separately, the wrapped module's default
-    ``module.state_dict()`` / ``load_state_dict()``.
-
-    Each saves after one step, trains two more (the parameters move), loads the saved state dict
-    and checks that the full parameters are the saved ones. The implementation's own path is
-    what it promises; the default path is what a user calling ``model.state_dict()`` gets (full
-    for FSDP1-style implementations, sharded DTensors for FSDP2, 0-element placeholders for
-    DeepSpeed ZeRO-3), checked on its own so that "load restores nothing" is reported as that.
-    """
+    """State dict round trips, the implementation's own (``Adapter.state_dict``) and the
+    wrapped module's default ``state_dict()`` (what users get: full, DTensor shards or ZeRO-3
+    placeholders): save after one step, train two more, load; the full parameters are the
+    saved ones."""
 
     @check(
         "parity.state_dict",
@@ -224,15 +191,7 @@ class BaseStateDictTests:
     @pytest.mark.world_size(2)
     @pytest.mark.parametrize("model_name", ["nested", "transformer"])
     def test_state_dict_round_trip(self, fsdp_adapter: Any, dist: Any, model_name: str):
-        adapter = fsdp_adapter
-        _state_dict_round_trip(
-            adapter,
-            dist,
-            model_name,
-            adapter.state_dict,
-            adapter.load_state_dict,
-            "the adapter's state_dict / load_state_dict (the implementation's own)",
-        )
+        _state_dict_round_trip(fsdp_adapter, dist, model_name, default=False)
 
     @check(
         "parity.default_state_dict",
@@ -243,36 +202,27 @@ class BaseStateDictTests:
     @pytest.mark.world_size(2)
     @pytest.mark.parametrize("model_name", ["nested", "transformer"])
     def test_default_state_dict_round_trip(self, fsdp_adapter: Any, dist: Any, model_name: str):
-        adapter = fsdp_adapter
-        _state_dict_round_trip(
-            adapter,
-            dist,
-            model_name,
-            lambda root: root.state_dict(),
-            lambda root, state: root.load_state_dict(state),
-            "the wrapped module's default state_dict() / load_state_dict()",
-        )
+        _state_dict_round_trip(fsdp_adapter, dist, model_name, default=True)
 
 
-def _state_dict_round_trip(
-    adapter: Any,
-    dist: Any,
-    model_name: str,
-    save: Any,
-    load: Any,
-    path: str,
-) -> None:
+def _state_dict_round_trip(adapter: Any, dist: Any, model_name: str, default: bool) -> None:
     """Save after one step, train two more, load: the full parameters are the saved ones."""
     root, zoo_model = training.wrap_model(adapter, model_name, dist, {})
     training.train(root, zoo_model, dist.device, steps=1, adapter=adapter)
     saved_full = adapter_loop.full_params(adapter, root)
-    state = {key: _clone(value) for key, value in save(root).items()}
+    if default:
+        path = "the wrapped module's default state_dict() / load_state_dict()"
+        state, load = root.state_dict(), root.load_state_dict
+    else:
+        path = "the adapter's state_dict / load_state_dict (the implementation's own)"
+        state, load = adapter.state_dict(root), functools.partial(adapter.load_state_dict, root)
+    state = {key: _clone(value) for key, value in state.items()}
     training.train(root, zoo_model, dist.device, steps=2, adapter=adapter)
     moved = adapter_loop.full_params(adapter, root)
     assert any(not torch.equal(moved[name], saved_full[name]) for name in saved_full), (
         "training did not change any parameter; the round trip would prove nothing"
     )
-    load(root, state)
+    load(state)
     loaded = adapter_loop.full_params(adapter, root)
     label = f"adapter {adapter.name!r}, {model_name}, {path}"
     unchanged = [name for name in saved_full if torch.equal(loaded[name], moved[name])]
@@ -293,8 +243,7 @@ def _clone(value: Any) -> Any:
 
 
 def _params_by_clean_name(adapter: Any, root: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The registered parameters of `root` under the unwrapped model's names (wrapper segments
-    removed, tied parameters under each name): no attribute lookup through wrappers."""
+    """The registered parameters of `root` under the unwrapped model's names."""
     from fsdp_conformance.adapters.base import clean_param_name
 
     params = {}
@@ -307,7 +256,7 @@ def _params_by_clean_name(adapter: Any, root: torch.nn.Module) -> dict[str, torc
 
 
 def _local_shards(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Copies of this rank's registered parameters (flat shards / DTensor local shards)."""
+    """Copies of this rank's registered parameters (DTensors' local shards)."""
     from torch.distributed.tensor import DTensor
 
     shards = {}

@@ -1,30 +1,19 @@
 """Mixed precision as users configure it, and the sharded gradient scaler (docs/suite.md,
-"Precision"): ``test_dtypes`` observes the dtypes (forward in param_dtype, reductions in
-reduce_dtype, float32 shards and gradients, buffers and their state dict, the output dtype)
-and trains within tolerance of float32 DDP; ``test_accumulation``: accumulating many
-micro-batches is no further from float32 DDP than one (float32 accumulation); both
-``precision.dtypes``. ``test_grad_scaler`` (``precision.grad_scaler``): an inf gradient on one
-rank makes every rank skip the step, the scale shrinks identically, parameters equal DDP +
-GradScaler's.
+"Precision"): the dtypes observed in forward, reductions, shards, gradients, buffers and the
+state dict, training within tolerance of float32 DDP, float32 accumulation over many
+micro-batches (``precision.dtypes``); an inf gradient on one rank skips the step on every rank
+(``precision.grad_scaler``).
 
 [Note: precision tolerances]
-Parity with float32 DDP after ``STEPS`` SGD+momentum steps (lr 0.01) on ``loops_buffer``
-(forward in param_dtype; the gradient of each step has a relative error of a few units of
-param_dtype's rounding, eps = 2**-8 (bf16) or 2**-11 (fp16), summed over the few layers it
-passes). A parameter moves by lr * |g| <= ~0.05 per step, momentum adding up to 1.9x over 3
-steps: its error is below ``STEPS * 2 * lr * |g| * k * eps`` with |g| <= 3 and k ~ 4 layers, i.e.
-~0.01 (bf16) / ~1.5e-3 (fp16); we take ``PARAM_ATOL`` = 8 eps * 0.3 (2**-8 * 2.4 ~ 9e-3 and
-1.2e-3). Losses: relative 16 eps (the forward rounds in every layer). Measured max differences
-(torch 2.13.0, CPU; impl, torch FSDP1 and torch FSDP2 alike): parameters 3.8e-4 (bf16), 1.2e-5
-(fp16); losses 1.8e-3 (bf16), 4.4e-4 (fp16) relative.
-Accumulation: every micro-batch of the step gets the same input, with the loss divided by N
-(a power of two); each micro-batch's gradient in param_dtype is then exactly g / N, and a
-float32 sum of N of them is exact, so the accumulated update equals the one-micro-batch update
-bit for bit, and its error against float32 DDP's (one micro-batch: the same gradient) stays
-the same: the error at N may exceed the error at 1 by at most ``GROWTH`` = 1.25x. Measured
-(torch 2.13.0, CPU, bf16): 1.00000x for impl, torch FSDP1 (sync on every micro-batch) and
-torch FSDP2; a bfloat16 running sum rounds N times: 4.5x (no_sync: torch FSDP1 as released,
-FSDP2 made to accumulate in bf16), 7.1x (impl adding reduced gradients in bf16), on ``loops``.
+With eps = 2**-8 (bf16) or 2**-11 (fp16), a gradient computed in param_dtype is off by a few
+eps per layer; over ``STEPS`` SGD+momentum steps (lr 0.01, |g| <= 3, ~4 layers) a parameter
+drifts below ~0.01 (bf16) / ~1.5e-3 (fp16): ``PARAM_ATOL`` = 2.4 eps; losses relative 16 eps.
+Measured (torch 2.13.0, CPU; impl, FSDP1, FSDP2): parameters 3.8e-4 / 1.2e-5, losses 1.8e-3
+/ 4.4e-4. Accumulation: N identical micro-batches with the loss divided by N (a power of two)
+give exactly g / N each, and a float32 sum of them is exact, so the error against float32 DDP
+may grow by at most ``GROWTH`` = 1.25x from 1 to N micro-batches; measured 1.00000x, while a
+bfloat16 running sum rounds N times: 4.5x (FSDP1 no_sync as released), 7.1x (impl adding
+reduced gradients in bf16).
 """
 
 from __future__ import annotations
@@ -57,7 +46,6 @@ PARAM_ATOL_PER_EPS = 8 * 0.3
 LOSS_RTOL_PER_EPS = 16
 GROWTH = 1.25
 ACCUMULATION_LR = 1.0  # one plain SGD step: the parameter change is the gradient
-# torch.distributed's reduction collectives an FSDP reduces gradients with
 _REDUCTIONS = (
     Op.ALL_REDUCE.value,
     Op.REDUCE_SCATTER.value,
@@ -69,9 +57,8 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def _policy(name: str) -> tuple[torch.dtype, torch.dtype, torch.dtype | None]:
-    """(param_dtype, reduce_dtype, output_dtype) of a policy name such as
-    ``"bf16-reduce-fp32"`` or ``"bf16-output-fp32"`` (reduce_dtype defaults to param_dtype,
-    output_dtype to None)."""
+    """(param_dtype, reduce_dtype, output_dtype) of a name such as ``"bf16-reduce-fp32"`` or
+    ``"bf16-output-fp32"`` (reduce_dtype defaults to param_dtype, output_dtype to None)."""
     param, *pairs = name.split("-")
     fields = dict(zip(pairs[::2], pairs[1::2], strict=True))
     output = fields.get("output")
@@ -85,7 +72,7 @@ def _policy(name: str) -> tuple[torch.dtype, torch.dtype, torch.dtype | None]:
 @contextlib.contextmanager
 def recording_reductions() -> Iterator[list[tuple[str, torch.dtype]]]:
     """(collective, dtype) of every tensor handed to torch.distributed's reduction collectives
-    while active (a test double around ``torch.distributed.<collective>``, undone after)."""
+    while active."""
     seen: list[tuple[str, torch.dtype]] = []
 
     def make(name: str):
@@ -140,7 +127,6 @@ def recording_forward_dtypes(model: nn.Module) -> Iterator[dict[str, set[torch.d
 
 
 def _float_buffers(module: nn.Module) -> list[torch.Tensor]:
-    """The module's own floating-point buffers."""
     return [b for b in module._buffers.values() if b is not None and b.is_floating_point()]
 
 
@@ -168,8 +154,8 @@ def _accumulation_case(accumulation: str) -> LoopCase:
 
 
 class BasePrecisionTests:
-    """Mixed precision dtypes, accumulation precision and the sharded gradient scaler (see the
-    module docstring and [Note: precision tolerances])."""
+    """Mixed precision dtypes and accumulation, the sharded gradient scaler (see the module
+    docstring)."""
 
     # the mixed precision policies of test_dtypes: "<param>[-reduce-<dtype>][-output-<dtype>]"
     policies: ClassVar[tuple[str, ...]] = (
@@ -184,9 +170,7 @@ class BasePrecisionTests:
     MICRO_BATCHES: ClassVar[int] = 32
 
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
-        for name, values in (("policy", self.policies), ("accumulation", self.accumulations)):
-            if name in metafunc.fixturenames:
-                metafunc.parametrize(name, values)
+        loop_driver.parametrize(metafunc, policy=self.policies, accumulation=self.accumulations)
 
     @check(
         "precision.dtypes",
@@ -209,9 +193,8 @@ class BasePrecisionTests:
             "output_dtype": output_dtype,
         }
         config = {"sharding_strategy": "FULL_SHARD", "mixed_precision": mixed}
-        root, zoo_model = loop_driver.build(adapter, MODEL, dist, config)
-        driver = loop_driver.Driver(root, zoo_model, adapter)
-        optimizer = loop_driver.fsdp_optimizer(adapter, root)
+        driver = loop_driver.fsdp_driver(adapter, MODEL, dist, config)
+        root, zoo_model, optimizer = driver.model, driver.zoo_model, driver.optimizer
         label = f"adapter {adapter.name!r}, {MODEL}, mixed_precision {policy}"
         failures: list[str] = []
         losses = []
@@ -229,11 +212,10 @@ class BasePrecisionTests:
                 )
             with recording_reductions() as reduced:
                 driver.backward(loss)
-            expected_buffer = param_dtype if casts_buffers else torch.float32
             for key, what, expected in (
                 ("input", "inputs of the nn.Linear layers", param_dtype),
                 ("weight", "weights of the nn.Linear layers", param_dtype),
-                ("buffer", "floating-point buffers", expected_buffer),
+                ("buffer", "floating-point buffers", mixed["buffer_dtype"] or torch.float32),
             ):
                 if seen[key] != {expected}:
                     failures.append(
@@ -251,16 +233,15 @@ class BasePrecisionTests:
             optimizer.step()
             losses.append(loss.detach().float())
             if step == 0:
-                state = adapter_loop.state_dict(adapter, root)
+                segments = adapter_features.declared(adapter).wrapper_segments
+                state = adapter_loop.state_dict(adapter, root).items()
                 state_dtypes = {
-                    clean_param_name(
-                        k, adapter_features.declared(adapter).wrapper_segments
-                    ): v.dtype
-                    for k, v in state.items()
+                    clean_param_name(k, segments): v.dtype
+                    for k, v in state
                     if isinstance(v, torch.Tensor)
                 }
-        ddp, reference_model = loop_driver.build_reference(MODEL, dist)
-        buffers = {name: b.dtype for name, b in reference_model.named_buffers()}
+        reference = loop_driver.ddp_driver(MODEL, dist)
+        buffers = {name: b.dtype for name, b in reference.zoo_model.named_buffers()}
         wrong_state = {
             name: state_dtypes.get(name, "missing")
             for name, dtype in buffers.items()
@@ -272,24 +253,13 @@ class BasePrecisionTests:
                 f"them in {sorted(set(map(str, buffers.values())))}"
             )
         assert not failures, f"{label}:\n  " + "\n  ".join(failures)
-        reference = loop_driver.Driver(ddp, reference_model)
-        reference_optimizer = loop_driver.ddp_optimizer(ddp)
-        reference_losses = []
-        for step in range(STEPS):
-            reference_optimizer.zero_grad()
-            inputs = loop_driver.micro_input(reference_model, dist.device, step)
-            loss = reference_model.get_loss(inputs, ddp(*inputs))
-            reference.backward(loss)
-            reference_optimizer.step()
-            reference_losses.append(loss.detach().float())
+        reference_losses = reference.run(STEPS)
         eps = EPS[param_dtype]
         training.assert_same_training(
             f"{label}, against float32 DDP",
             training.TrainingResult(torch.stack(losses), driver.params()),
-            training.TrainingResult(torch.stack(reference_losses), reference.params()),
+            training.TrainingResult(reference_losses, reference.params()),
             atol=PARAM_ATOL_PER_EPS * eps,
-            rtol=0.0,
-            loss_atol=0.0,
             loss_rtol=LOSS_RTOL_PER_EPS * eps,
         )
 
@@ -305,29 +275,21 @@ class BasePrecisionTests:
         config = {"sharding_strategy": "FULL_SHARD", "mixed_precision": mixed}
         # the reference: float32 DDP, one micro-batch (N identical micro-batches with the
         # loss divided by N have the same gradient; see [Note: precision tolerances])
-        ddp, reference_model = loop_driver.build_reference(ACCUMULATION_MODEL, dist)
-        reference = loop_driver.Driver(ddp, reference_model)
-        optimizer = torch.optim.SGD(ddp.parameters(), lr=ACCUMULATION_LR)
-        loop_driver.accumulate_steps(reference, optimizer, dist.device, 1, 1, sync_every=True)
+        reference = loop_driver.ddp_driver(ACCUMULATION_MODEL, dist)
+        reference.optimizer = torch.optim.SGD(reference.model.parameters(), lr=ACCUMULATION_LR)
+        reference.run(1)
         expected = reference.params()
         errors = {}
         for micro_batches in (1, self.MICRO_BATCHES):
             # one instance around the whole model: 32 micro-batches cost 32 all-gathers
             zoo_model, _ = loop_driver.build_reference(ACCUMULATION_MODEL, dist, ddp=False)
             root = adapter.wrap(zoo_model, process_group=dist.group, root=True, **config)
-            before = adapter_loop.full_params(adapter, root)
-            loop_driver.accumulate_steps(
-                loop_driver.Driver(root, zoo_model, adapter),
-                adapter_loop.optimizer(adapter, root, "sgd", lr=ACCUMULATION_LR),
-                dist.device,
-                1,
-                micro_batches,
-                sync_every=sync == "sync_every",
-                same_input=True,
-            )
-            errors[micro_batches] = _relative_error(
-                adapter_loop.full_params(adapter, root), expected, before
-            )
+            driver = loop_driver.Driver(root, zoo_model, dist.device, adapter)
+            before = driver.params()
+            driver.optimizer = adapter_loop.optimizer(adapter, root, "sgd", lr=ACCUMULATION_LR)
+            sync_every = sync == "sync_every"
+            driver.run(1, micro_batches=micro_batches, sync_every=sync_every, same_input=True)
+            errors[micro_batches] = _relative_error(driver.params(), expected, before)
         one, many = errors[1], errors[self.MICRO_BATCHES]
         assert many <= GROWTH * one, (
             f"adapter {adapter.name!r}, {ACCUMULATION_MODEL}, mixed_precision {policy}, "
@@ -350,24 +312,13 @@ class BasePrecisionTests:
     def test_grad_scaler(self, fsdp_adapter: Any, dist: Any):
         adapter = fsdp_adapter
         adapter_features.skip_unless(adapter, Feature.GRAD_SCALER)
-        root, zoo_model = loop_driver.build(
-            adapter, MODEL, dist, {"sharding_strategy": "FULL_SHARD"}
-        )
-        fsdp = _scaled_run(
-            loop_driver.Driver(root, zoo_model, adapter),
-            loop_driver.fsdp_optimizer(adapter, root),
-            adapter_loop.grad_scaler(adapter, root, **SCALER_OPTIONS),
-            adapter.unwrap(root),
-            dist,
-        )
-        ddp, reference_model = loop_driver.build_reference(MODEL, dist)
-        ddp_run = _scaled_run(
-            loop_driver.Driver(ddp, reference_model),
-            loop_driver.ddp_optimizer(ddp),
-            torch.amp.GradScaler(dist.device.type, **SCALER_OPTIONS),
-            reference_model,
-            dist,
-        )
+        driver = loop_driver.fsdp_driver(adapter, MODEL, dist, {"sharding_strategy": "FULL_SHARD"})
+        optimizer = driver.optimizer  # before the scaler, as users make them
+        scaler = adapter_loop.grad_scaler(adapter, driver.model, **SCALER_OPTIONS)
+        fsdp = _scaled_run(driver, optimizer, scaler, adapter.unwrap(driver.model), dist)
+        reference = loop_driver.ddp_driver(MODEL, dist)
+        scaler = torch.amp.GradScaler(dist.device.type, **SCALER_OPTIONS)
+        ddp_run = _scaled_run(reference, reference.optimizer, scaler, reference.zoo_model, dist)
         label = f"adapter {adapter.name!r}, {MODEL}, an inf gradient on rank 1 in step 1"
         scales = [None] * dist.world_size
         torch_dist.all_gather_object(scales, fsdp["scales"], group=dist.group)

@@ -1,15 +1,7 @@
-"""Sharding layouts users rely on, each against DDP (docs/suite.md, "Sharding"):
-
-- ``BaseUnevenShardingTests`` (``sharding.uneven``): at world size 3, the zoo's ``uneven``
-  model (sizes not divisible by 3, an empty shard, a 1-element parameter) trains as DDP:
-  losses, gradient shards where the adapter reads them, full parameters, full state dict.
-- ``BaseHybridShardingTests`` (``sharding.hybrid``): at world size 4 on a 2 x 2 mesh,
-  ``HYBRID_SHARD`` and ``_HYBRID_SHARD_ZERO2`` train as DDP, gathering and reduce-scattering
-  within the shard group, all-reducing across the replicate group, nothing over another group.
-
-Tolerances: ``test_parity.tolerance`` (bit-exact up to world size 2; at 3 and 4 ``atol = rtol
-= 1e-6``: the average of 3 or 4 float32 gradients depends on the order and the splitting of
-the division; measured on torch 2.13.0: gradients within 6e-8, parameters within 1.5e-8).
+"""Sharding layouts users rely on, each against DDP (docs/suite.md, "Sharding"): uneven and
+empty shards at world size 3 (``sharding.uneven``), hybrid sharding on a 2 x 2 mesh
+(``sharding.hybrid``). Tolerances: ``test_parity.tolerance`` (at 3 and 4 ranks the average of
+float32 gradients depends on the order; measured within 6e-8, parameters 1.5e-8).
 """
 
 from __future__ import annotations
@@ -21,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from fsdp_conformance.adapters import Feature, clean_param_name
+from fsdp_conformance.adapters import clean_param_name
 from fsdp_conformance.adapters import features as adapter_features
 from fsdp_conformance.adapters import loop as adapter_loop
 from fsdp_conformance.adapters.features import HYBRID_STRATEGIES
@@ -39,10 +31,8 @@ HYBRID_MODEL = "nested"
 class ShardingCase:
     """The case a sharding check's cell hands to ``Deviation.applies``."""
 
-    # zoo model name (suite/zoo.py)
-    model: str
-    # the sharding strategy of every instance
-    sharding_strategy: str
+    model: str  # zoo model name
+    sharding_strategy: str  # of every instance
 
 
 def full_state_dict(adapter: Any, root: nn.Module) -> dict[str, torch.Tensor]:
@@ -59,14 +49,14 @@ def full_state_dict(adapter: Any, root: nn.Module) -> dict[str, torch.Tensor]:
 
 
 class BaseUnevenShardingTests:
-    """Uneven and empty shards at world size 3 train as DDP (see the module docstring)."""
+    """The ``uneven`` model (sizes not divisible by 3, an empty shard, a 1-element parameter)
+    trains as DDP at world size 3: losses, gradient shards, full parameters, state dict."""
 
     STEPS: ClassVar[int] = 3
     strategies: ClassVar[tuple[str, ...]] = ("FULL_SHARD", "SHARD_GRAD_OP")
 
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
-        if "uneven_strategy" in metafunc.fixturenames:
-            metafunc.parametrize("uneven_strategy", self.strategies)
+        loop_driver.parametrize(metafunc, uneven_strategy=self.strategies)
 
     @check(
         "sharding.uneven",
@@ -89,20 +79,15 @@ class BaseUnevenShardingTests:
         )
         training.assert_same_training(label, result, reference, atol, rtol)
         state = full_state_dict(adapter, root)
-        loop_driver.assert_params(
-            f"{label}, full state dict",
-            {name: value for name, value in state.items() if name in reference.params},
-            reference.params,
-            self.STEPS,
-            atol,
-            rtol,
-        )
+        params = {name: value for name, value in state.items() if name in reference.params}
+        label += ", full state dict"
+        loop_driver.assert_params(label, params, reference.params, self.STEPS, atol, rtol)
 
 
 def hybrid_groups(dist: Any, shard_size: int = 2) -> tuple[Any, Any]:
-    """(shard group, replicate group) of this rank on the mesh of the test's ranks with rows of
-    `shard_size` consecutive ranks (world size 4: shard {0, 1} / {2, 3}, replicate {0, 2} /
-    {1, 3}); every rank creates every group, as ``new_group`` needs."""
+    """(shard group, replicate group) of this rank, rows of `shard_size` consecutive ranks
+    sharding (4 ranks: shard {0, 1} / {2, 3}, replicate {0, 2} / {1, 3}); every rank creates
+    every group, as ``new_group`` needs."""
     import torch.distributed as tdist
 
     ranks = tdist.get_process_group_ranks(dist.group)
@@ -119,15 +104,14 @@ def hybrid_groups(dist: Any, shard_size: int = 2) -> tuple[Any, Any]:
 
 
 class BaseHybridShardingTests:
-    """Hybrid sharding on a 2 x 2 mesh trains as DDP and communicates within the right groups
-    (see the module docstring)."""
+    """``HYBRID_SHARD`` and ``_HYBRID_SHARD_ZERO2`` on a 2 x 2 mesh train as DDP, gathering and
+    reduce-scattering within the shard group, all-reducing across replicas, nothing else."""
 
     STEPS: ClassVar[int] = 2
     strategies: ClassVar[tuple[str, ...]] = HYBRID_STRATEGIES
 
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
-        if "hybrid_strategy" in metafunc.fixturenames:
-            metafunc.parametrize("hybrid_strategy", self.strategies)
+        loop_driver.parametrize(metafunc, hybrid_strategy=self.strategies)
 
     @check(
         "sharding.hybrid",
@@ -139,10 +123,9 @@ class BaseHybridShardingTests:
     )
     @pytest.mark.world_size(4)
     def test_hybrid_matches_ddp(self, fsdp_adapter: Any, dist: Any, hybrid_strategy: str):
-        adapter = fsdp_adapter
-        adapter_features.skip_unless(adapter, Feature.HYBRID_SHARD, Feature.COMM_TRACE)
         import torch.distributed as tdist
 
+        adapter = fsdp_adapter
         shard, replicate = hybrid_groups(dist)
         root, zoo_model = loop_driver.build(
             adapter,
@@ -165,11 +148,9 @@ class BaseHybridShardingTests:
         groups = {shard_ranks: "shard", replicate_ranks: "replicate"}
         labels = loop_driver.trainable_labels(adapter, root, trace)
         trainable = sorted(name for name, trains in labels.items() if trains)
-        failures = [
-            failure
-            for step in range(self.STEPS)
-            for failure in _hybrid_step_failures(trace, f"step {step}", groups, trainable)
-        ]
+        failures = []
+        for step in range(self.STEPS):
+            failures += _hybrid_step_failures(trace, f"step {step}", groups, trainable)
         assert not failures, (
             f"{label}: collectives break the hybrid promise (shard group "
             f"{list(shard_ranks)}, replicate group {list(replicate_ranks)}):\n  "
@@ -178,12 +159,12 @@ class BaseHybridShardingTests:
             + "; ".join(f"{c.phase}: {c.op} over {list(c.ranks)}" for c in trace.collectives)
         )
         reference = training.reference_run(HYBRID_MODEL, dist, self.STEPS)
-        atol, rtol = test_parity.tolerance(dist.world_size)
-        training.assert_same_training(label, result, reference, atol, rtol)
+        training.assert_same_training(
+            label, result, reference, *test_parity.tolerance(dist.world_size)
+        )
 
 
-# (op, group) pairs the hybrid promise allows: gather and reduce-scatter within the shard group,
-# all-reduce across replicas
+# the (op, group) pairs the hybrid promise allows
 _PROMISED = ((Op.ALL_GATHER, "shard"), (Op.REDUCE_SCATTER, "shard"), (Op.ALL_REDUCE, "replicate"))
 
 
@@ -193,9 +174,7 @@ def _hybrid_step_failures(
     """What one step's forward and backward did against the hybrid promise."""
     failures = []
     counts: dict[tuple[str, str], int] = {}
-    for collective in trace.collectives:
-        if collective.phase != phase:
-            continue
+    for collective in (c for c in trace.collectives if c.phase == phase):
         group = groups.get(collective.ranks)
         if group is None:
             failures.append(

@@ -1,16 +1,14 @@
-"""The full state dict (``state_dict.full``): what users save and load, on the zoo's
-``buffered`` model at world size 2 against DDP -- the plain module's keys and DDP's values
-(also ``rank0_only`` / ``offload_to_cpu``), buffers under mixed precision, a plain state dict
-loaded before the first forward (copied or assigned), and all of it on a one-rank subgroup (a
-collective on the world group hangs: ``SUBGROUP_TIMEOUT_S`` makes that a FAIL). Every
-comparison is bit-exact ([Note: loop tolerances] in loop_driver.py). The cells:
-docs/suite.md, "Full state dict and meta-device init".
+"""The full state dict (``state_dict.full``) on the zoo's ``buffered`` model against DDP, bit
+for bit: the plain module's keys and DDP's values (also ``rank0_only`` / ``offload_to_cpu``),
+buffers under mixed precision, a plain state dict loaded before the first forward, and all on a
+one-rank subgroup (docs/suite.md, "Full state dict and meta-device init").
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
+import tempfile
 from typing import Any, ClassVar
 
 import pytest
@@ -34,10 +32,9 @@ SUBGROUP_TIMEOUT_S = 30
 class StateDictCase:
     """The case a ``state_dict.full`` cell hands to ``Deviation.applies``."""
 
-    # "full", "mixed_precision_buffers", "load_plain" or "subgroup"
-    test: str
-    # "default" / "rank0_only" / "offload_to_cpu" (full), "copy" / "assign" (load_plain),
-    # "first" / "last" (subgroup: the rank alone in it; "outside" on the other rank)
+    test: str  # "full", "mixed_precision_buffers", "load_plain" or "subgroup"
+    # full: "default" / "rank0_only" / "offload_to_cpu"; load_plain: "copy" / "assign";
+    # subgroup: "first" / "last" (the rank alone in it), "outside" on the other rank
     option: str = ""
 
 
@@ -83,23 +80,6 @@ def assert_state_dict(label: str, actual: dict[str, Any], expected: dict[str, An
         )
 
 
-def _same(actual: Any, expected: torch.Tensor) -> bool:
-    """`actual` is a tensor of `expected`'s dtype with its values."""
-    return (
-        isinstance(actual, torch.Tensor)
-        and actual.dtype == expected.dtype
-        and torch.equal(actual.cpu(), expected.cpu())
-    )
-
-
-def _perturbed(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Other values for every floating-point entry (parameters and the persistent buffer)."""
-    return {
-        key: value * 0.5 + 0.125 if value.is_floating_point() else value.clone()
-        for key, value in state.items()
-    }
-
-
 def _plain(dist: Any, state: dict[str, torch.Tensor] | None = None, group: Any = None):
     """The unwrapped model on the test's device, loaded (strict) from `state` if given."""
     model = zoo.build(MODEL, dist.group if group is None else group, None, dist.device)
@@ -112,20 +92,23 @@ def _plain(dist: Any, state: dict[str, torch.Tensor] | None = None, group: Any =
 def _ddp_run(dist: Any, model: nn.Module, start: int = 0):
     """STEPS SGD steps of `model` under DDP from step `start`: (losses, full parameters)."""
     ddp = nn.parallel.DistributedDataParallel(model, process_group=dist.group)
-    driver = loop_driver.Driver(ddp, model)
-    losses = loop_driver.steps_from(
-        driver, loop_driver.ddp_optimizer(model), dist.device, start, STEPS
-    )
-    return losses, driver.params()
+    driver = loop_driver.Driver(ddp, model, dist.device)
+    return driver.run(STEPS, start=start), driver.params()
+
+
+def _member_rank(dist: Any, member: str) -> int:
+    """The global rank alone in the subgroup: "first" rank 0, "last" rank 1 (whose group rank
+    0 is not its global rank)."""
+    import torch.distributed as tdist
+
+    return tdist.get_process_group_ranks(dist.group)[0 if member == "first" else -1]
 
 
 def _subgroup_case(dist: Any, member: str) -> StateDictCase:
-    """The subgroup's case on this rank: member "first" is rank 0 alone, "last" rank 1 alone
-    (its group rank 0 is not its global rank); "outside" on the rank not in the subgroup."""
     import torch.distributed as tdist
 
-    member_rank = tdist.get_process_group_ranks(dist.group)[0 if member == "first" else -1]
-    return StateDictCase("subgroup", member if tdist.get_rank() == member_rank else "outside")
+    inside = tdist.get_rank() == _member_rank(dist, member)
+    return StateDictCase("subgroup", member if inside else "outside")
 
 
 class BaseFullStateDictTests:
@@ -154,18 +137,14 @@ class BaseFullStateDictTests:
             "offload_to_cpu": option == "offload_to_cpu",
         }
         label = f"adapter {adapter.name!r}, {MODEL}, full state dict ({option})"
-        root, zoo_model = loop_driver.build(adapter, MODEL, dist, {})
+        driver = loop_driver.fsdp_driver(adapter, MODEL, dist)
+        root = driver.model
         early = root.state_dict()  # the default form, taken before training
-        driver = loop_driver.Driver(root, zoo_model, adapter)
-        optimizer = loop_driver.fsdp_optimizer(adapter, root)
-        losses = loop_driver.steps_from(driver, optimizer, dist.device, 0, STEPS)
-        ddp, reference = loop_driver.build_reference(MODEL, dist)
-        reference_driver = loop_driver.Driver(ddp, reference)
-        reference_losses = loop_driver.steps_from(
-            reference_driver, loop_driver.ddp_optimizer(ddp), dist.device, 0, STEPS
-        )
-        loop_driver.assert_losses(label, losses, reference_losses)
-        expected = {key: value.detach().clone() for key, value in reference.state_dict().items()}
+        losses = driver.run(STEPS)
+        reference = loop_driver.ddp_driver(MODEL, dist)
+        loop_driver.assert_losses(label, losses, reference.run(STEPS))
+        state = reference.zoo_model.state_dict()
+        expected = {key: value.detach().clone() for key, value in state.items()}
         _assert_views(label, early, expected)
         full = call_with_options(adapter, "state_dict", root, **options)
         if option == "rank0_only" and dist.rank != 0:
@@ -191,9 +170,8 @@ class BaseFullStateDictTests:
         config = {"mixed_precision": {"param_dtype": low, "reduce_dtype": low, "buffer_dtype": low}}
         root, zoo_model = loop_driver.build(adapter, MODEL, dist, config)
         inputs = zoo_model.get_input(dist.device)
-        loop_driver.Driver(root, zoo_model, adapter).backward(
-            zoo_model.get_loss(inputs, root(*inputs)).float()
-        )
+        loss = zoo_model.get_loss(inputs, root(*inputs)).float()
+        loop_driver.Driver(root, zoo_model, dist.device, adapter).backward(loss)
         full = adapter_loop.state_dict(adapter, root)
         plain = _plain(dist)
         expected = plain.state_dict()
@@ -203,8 +181,9 @@ class BaseFullStateDictTests:
         for key, value in list(expected.items()):
             rounded = value.to(low).to(value.dtype)
             got = full.get(key)
-            if key in buffers and _same(got, rounded):
-                expected[key] = rounded
+            if key in buffers and isinstance(got, torch.Tensor) and got.dtype == value.dtype:
+                if torch.equal(got.cpu(), rounded.cpu()):
+                    expected[key] = rounded
         assert_state_dict(label, full, expected)
 
     @check("state_dict.full", case_of=lambda load: StateDictCase("load_plain", load))
@@ -212,14 +191,15 @@ class BaseFullStateDictTests:
     def test_load_plain_state_dict(self, fsdp_adapter: Any, dist: Any, load: str):
         adapter = fsdp_adapter
         label = f"adapter {adapter.name!r}, {MODEL}, a plain state dict loaded ({load})"
-        source = _perturbed(_plain(dist).state_dict())
-        root, zoo_model = loop_driver.build(adapter, MODEL, dist, {})
+        source = {  # other values for every floating-point entry
+            key: value * 0.5 + 0.125 if value.is_floating_point() else value.clone()
+            for key, value in _plain(dist).state_dict().items()
+        }
+        driver = loop_driver.fsdp_driver(adapter, MODEL, dist)
         # a copy: DCP's set_model_state_dict replaces the given dict's values by its shards
-        call_with_options(adapter, "load_state_dict", root, dict(source), assign=load == "assign")
-        driver = loop_driver.Driver(root, zoo_model, adapter)
-        losses = loop_driver.steps_from(
-            driver, loop_driver.fsdp_optimizer(adapter, root), dist.device, 0, STEPS
-        )
+        assign = load == "assign"
+        call_with_options(adapter, "load_state_dict", driver.model, dict(source), assign=assign)
+        losses = driver.run(STEPS)
         reference_losses, reference_params = _ddp_run(dist, _plain(dist, source))
         loop_driver.assert_losses(label, losses, reference_losses)
         loop_driver.assert_params(label, driver.params(), reference_params, STEPS)
@@ -231,56 +211,34 @@ class BaseFullStateDictTests:
         import torch.distributed as tdist
 
         adapter = fsdp_adapter
-        # "first": rank 0 alone; "last": rank 1 alone (its group rank 0 is not its global rank)
-        member_rank = tdist.get_process_group_ranks(dist.group)[0 if member == "first" else -1]
-        inside = tdist.get_rank() == member_rank
+        member_rank = _member_rank(dist, member)
         solo = tdist.new_group([member_rank])
-        if not inside:  # outside the group: nothing of it may wait for this rank
+        if tdist.get_rank() != member_rank:  # outside the group: nothing may wait for this rank
             return
         label = f"adapter {adapter.name!r}, {MODEL}, on a one-rank subgroup"
-        root, zoo_model = loop_driver.build(adapter, MODEL, dist, {}, group=solo)
-        driver = loop_driver.Driver(root, zoo_model, adapter)
-        optimizer = loop_driver.fsdp_optimizer(adapter, root, "adam")
-        loop_driver.steps_from(driver, optimizer, dist.device, 0, STEPS)
+        driver = loop_driver.fsdp_driver(adapter, MODEL, dist, group=solo, optimizer_name="adam")
+        driver.run(STEPS)
         reference = _plain(dist, group=solo)
-        loop_driver.steps_from(
-            loop_driver.Driver(reference, reference),
-            loop_driver.ddp_optimizer(reference, "adam"),
-            dist.device,
-            0,
-            STEPS,
-        )
-        assert_state_dict(label, adapter_loop.state_dict(adapter, root), reference.state_dict())
-        fresh, fresh_zoo = loop_driver.build(adapter, MODEL, dist, {}, group=solo)
-        adapter_loop.load_state_dict(adapter, fresh, reference.state_dict())
+        loop_driver.Driver(reference, reference, dist.device, optimizer_name="adam").run(STEPS)
+        state = adapter_loop.state_dict(adapter, driver.model)
+        assert_state_dict(label, state, reference.state_dict())
+        fresh = loop_driver.fsdp_driver(adapter, MODEL, dist, group=solo, optimizer_name="adam")
+        adapter_loop.load_state_dict(adapter, fresh.model, reference.state_dict())
         loop_driver.assert_params(
             f"{label}, loaded into a fresh model",
-            adapter_loop.full_params(adapter, fresh),
+            fresh.params(),
             dict(reference.named_parameters()),
             STEPS,
         )
         if not adapter_features.supports(adapter, Feature.CHECKPOINT_RESUME):
             return
-        with _directory() as directory:
-            adapter.save_checkpoint(root, optimizer, directory)
-            fresh_optimizer = loop_driver.fsdp_optimizer(adapter, fresh, "adam")
-            adapter.load_checkpoint(fresh, fresh_optimizer, directory)
-        after = [
-            loop_driver.steps_from(
-                loop_driver.Driver(model, zoo, adapter), opt, dist.device, STEPS, 1
-            )
-            for model, zoo, opt in (
-                (root, zoo_model, optimizer),
-                (fresh, fresh_zoo, fresh_optimizer),
-            )
-        ]
-        loop_driver.assert_losses(f"{label}, a step after save/load_checkpoint", after[1], after[0])
-        loop_driver.assert_params(
-            f"{label}, a step after save/load_checkpoint",
-            adapter_loop.full_params(adapter, fresh),
-            adapter_loop.full_params(adapter, root),
-            STEPS + 1,
-        )
+        with tempfile.TemporaryDirectory(prefix="fsdp_state_dict_") as directory:
+            adapter.save_checkpoint(driver.model, driver.optimizer, directory)
+            adapter.load_checkpoint(fresh.model, fresh.optimizer, directory)
+        after = [d.run(1, start=STEPS) for d in (driver, fresh)]
+        label += ", a step after save/load_checkpoint"
+        loop_driver.assert_losses(label, after[1], after[0])
+        loop_driver.assert_params(label, fresh.params(), driver.params(), STEPS + 1)
 
 
 def _assert_views(label: str, early: dict[str, Any], expected: dict[str, torch.Tensor]) -> None:
@@ -296,12 +254,6 @@ def _assert_views(label: str, early: dict[str, Any], expected: dict[str, torch.T
                 f"as a view of the shards) differs from the trained value by "
                 f"{(now.cpu() - expected[key].cpu()).abs().max().item():.3g}: a copy, or stale"
             )
-
-
-def _directory():
-    import tempfile
-
-    return tempfile.TemporaryDirectory(prefix="fsdp_state_dict_")
 
 
 class TestFullStateDict(BaseFullStateDictTests):

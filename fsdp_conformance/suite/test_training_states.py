@@ -1,14 +1,5 @@
-"""Legal training states (the canonical table of ``fsdp_conformance/training_states.py``), as a
-base class to subclass.
-
-    class TestMyStates(BaseTrainingStateTests):
-        pass
-
-`TrainingStateRecorder` (fsdp_conformance.observe.states) samples every instance's canonical
-state at every hook while the model trains 3 steps and goes through `summon_full_params`; any
-transition outside that table fails naming the instance, the hook, the state seen and the states
-allowed. After each `optimizer.step()` every instance must be IDLE.
-"""
+"""Legal training states (the table of ``fsdp_conformance/training_states.py``) at every hook
+of 3 training steps and a `summon_full_params`; every instance IDLE after each step."""
 
 from __future__ import annotations
 
@@ -20,12 +11,13 @@ import torch
 from fsdp_conformance.adapters import Feature, RootState
 from fsdp_conformance.adapters import features as adapter_features
 from fsdp_conformance.adapters import loop as adapter_loop
+from fsdp_conformance.harness import properties
 from fsdp_conformance.observe.states import TrainingStateRecorder
 
 from . import configs, training
 from .declare import check
 
-# Every kind of sample the recorder must have taken in a training run (proof it observed)
+# every kind of sample the recorder must have taken (proof it observed)
 REQUIRED_HOOKS = (
     "start",
     "pre_forward",
@@ -41,14 +33,13 @@ REQUIRED_HOOKS = (
 class BaseTrainingStateTests:
     """Every instance's state at every hook is legal; IDLE after each step; `_assert_state`."""
 
-    # Zoo models (fsdp_conformance.suite.zoo.MODELS)
     models: ClassVar[tuple[str, ...]] = (
         "nested",
         "always_wrap",
         "transformer",
         "mixture_of_experts",
     )
-    # Backward prefetch values combined with every sharding strategy
+    # backward prefetch values combined with every sharding strategy
     backward_prefetches: ClassVar[tuple[Any, ...]] = configs.BACKWARD_PREFETCH_CASES
 
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
@@ -84,8 +75,7 @@ class BaseTrainingStateTests:
         root, zoo_model = training.wrap_model(
             adapter, state_case.model, dist, state_case.wrap_config
         )
-        # an implementation without its own summon_full_params: the summon hooks are not
-        # sampled (feature summon_full_params; never a stand-in of the adapter's)
+        # without the implementation's own summon_full_params the summon hooks are not sampled
         summon = adapter_features.supports(adapter, Feature.SUMMON_FULL_PARAMS)
         with TrainingStateRecorder(adapter, root) as recorder:
             training.train(
@@ -105,11 +95,8 @@ class BaseTrainingStateTests:
         missing = [hook for hook in required if hook not in recorder.hooks_seen]
         assert not missing, f"{label}: the recorder never sampled at {missing}"
         if not adapter_features.declared(adapter).instance_states:
-            # root states only (Adapter.instance_states = False): check what exists; the
-            # per-instance transitions cannot be checked (ROOT_ONLY_NOT_CHECKED)
+            # root states only (Adapter.instance_states = False): check what exists
             _assert_root_states_seen(label, recorder.root_states_seen, summon)
-            from fsdp_conformance.harness import properties
-
             properties.record_property("fsdp_not_checked", ROOT_ONLY_NOT_CHECKED)
             return
         # instances whose state the adapter cannot read (FSDP1: no parameters) are not listed
@@ -138,21 +125,16 @@ class BaseTrainingStateTests:
         inner = adapter.instances(root)[1]
         outcomes: dict[str, BaseException | None] = {}
 
-        def during_forward(module: torch.nn.Module, args: Any) -> None:
-            outcomes["FORWARD_BACKWARD in forward"] = _outcome(
-                adapter, root, RootState.FORWARD_BACKWARD
-            )
-            outcomes["IDLE in forward"] = _outcome(adapter, root, RootState.IDLE)
+        def assert_both(where: str) -> None:
+            for state in (RootState.FORWARD_BACKWARD, RootState.IDLE):
+                outcomes[f"{state.value} {where}"] = _outcome(adapter, root, state)
 
-        handle = adapter.unwrap(inner).register_forward_pre_hook(during_forward)
+        hook = adapter.unwrap(inner).register_forward_pre_hook(lambda *_: assert_both("in forward"))
         try:
             training.train(root, zoo_model, dist.device, steps=1, adapter=adapter)
         finally:
-            handle.remove()
-        outcomes["IDLE after step"] = _outcome(adapter, root, RootState.IDLE)
-        outcomes["FORWARD_BACKWARD after step"] = _outcome(
-            adapter, root, RootState.FORWARD_BACKWARD
-        )
+            hook.remove()
+        assert_both("after step")
         label = f"adapter {adapter.name!r}: _assert_state on the root"
         for case in ("FORWARD_BACKWARD in forward", "IDLE after step"):
             assert outcomes[case] is None, (
@@ -164,7 +146,6 @@ class BaseTrainingStateTests:
             )
 
 
-# What the state check cannot check for an implementation without per-instance states
 ROOT_ONLY_NOT_CHECKED = (
     "per-instance transitions (FORWARD, BACKWARD_PRE, BACKWARD_POST, SUMMON_FULL_PARAMS per "
     "instance): the adapter declares instance_states = False (root states only)"
@@ -172,8 +153,7 @@ ROOT_ONLY_NOT_CHECKED = (
 
 
 def _assert_root_states_seen(label: str, seen: set[str], summon: bool = True) -> None:
-    """The root went through forward/backward and summon_full_params (where the
-    implementation has one), and back to IDLE."""
+    """The root went through forward/backward, summon_full_params (if any) and IDLE."""
     for state, where in (
         ("FORWARD_BACKWARD", "in forward and backward"),
         ("SUMMON_FULL_PARAMS", "inside summon_full_params"),

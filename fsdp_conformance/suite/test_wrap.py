@@ -1,12 +1,6 @@
-"""What wrapping promises about parameters outside the usual one-owner case
-(docs/suite.md, "Optimizer groups, shared and ignored parameters, other forward methods"):
-
-- ``BaseSharedParamsTests`` (``wrap.shared_across_instances``): an embedding's weight tied to
-  an output head's, the two wrapped apart: a clear error naming the shared parameter (at wrap
-  or the first forward), or training bit-exact with DDP; trained untied, it diverges and fails.
-- ``BaseIgnoredParamsTests`` (``wrap.ignored``): ignored parameters, alone or inside an
-  auto-wrapped block, stay whole plain parameters on every rank, are not reduced, keep their
-  keys in the full state dict, and the rest trains bit-exact with DDP.
+"""What wrapping promises about parameters outside the one-owner case: a parameter shared by
+two instances (``wrap.shared_across_instances``) and ignored parameters (``wrap.ignored``);
+docs/suite.md, "Optimizer groups, shared and ignored parameters, other forward methods".
 """
 
 from __future__ import annotations
@@ -23,42 +17,29 @@ from fsdp_conformance.adapters import features as adapter_features
 from fsdp_conformance.adapters import loop as adapter_loop
 from fsdp_conformance.models import DeviceInit, move_after_wrap
 
-from . import training, zoo
+from . import loop_driver, training, zoo
 from .declare import check
-from .loop_driver import (
-    Driver,
-    LoopCase,
-    assert_losses,
-    assert_params,
-    average_gradients,
-    build,
-    build_reference,
-    ddp_optimizer,
-    fsdp_optimizer,
-    micro_input,
-    parametrize,
-)
 
 # an error that names the shared parameter: its attribute name and one of its modules
 _NAMES_SHARED = re.compile(r"\bweight\b.*\b(embed|head|Embedding|Linear)|(embed|head)\.weight")
 
 
 class BaseSharedParamsTests:
-    """One parameter used by two instances: a clear error at wrap (or at the first forward,
-    before any training), or training as DDP."""
+    """An embedding's weight tied to a head's, the two wrapped apart: a clear error naming it
+    (at wrap or the first forward), or training as DDP (trained untied, it diverges)."""
 
     model: ClassVar[str] = "tied_instances"
     strategies: ClassVar[tuple[str, ...]] = ("FULL_SHARD", "SHARD_GRAD_OP")
 
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
-        parametrize(metafunc, strategy=self.strategies)
+        loop_driver.parametrize(metafunc, strategy=self.strategies)
 
     @check(
         "wrap.shared_across_instances",
         "one parameter used by two instances (tied embedding and head wrapped apart): a clear "
         "error at wrap naming the parameter, or training that matches DDP",
         case="suite.loop_driver.LoopCase",
-        case_of=lambda self, strategy: LoopCase(self.model, strategy, "tied_apart"),
+        case_of=lambda self, strategy: loop_driver.LoopCase(self.model, strategy, "tied_apart"),
     )
     @pytest.mark.world_size(2)
     def test_shared_parameter_across_instances(self, fsdp_adapter: Any, dist: Any, strategy: str):
@@ -68,7 +49,9 @@ class BaseSharedParamsTests:
             f"wrapped apart), {strategy}"
         )
         try:
-            root, zoo_model = build(adapter, self.model, dist, {"sharding_strategy": strategy})
+            root, zoo_model = loop_driver.build(
+                adapter, self.model, dist, {"sharding_strategy": strategy}
+            )
             with torch.no_grad():  # the root's lazy init (FSDP2 checks parameters there)
                 root(*zoo_model.get_input(dist.device))
         except UnsupportedFeatureError:
@@ -97,41 +80,40 @@ class TestSharedParams(BaseSharedParamsTests):
 IGNORED = "blocks.1.0."
 
 
-def _ignored_run(driver: Driver, optimizer: Any, dist: Any, steps: int, ignored: dict):
-    """`steps` SGD steps; returns losses, the ignored parameters' gradients after the first
-    backward, and the full parameters. The reference (``driver.adapter`` None) averages every
-    gradient but the ignored ones."""
+def _ignored(model: nn.Module) -> dict[str, nn.Parameter]:
+    return {name: p for name, p in model.named_parameters() if name.startswith(IGNORED)}
 
-    losses, first_grads = [], {}
-    for step in range(steps):
-        optimizer.zero_grad()
-        inputs = micro_input(driver.zoo_model, dist.device, step)
-        loss = driver.zoo_model.get_loss(inputs, driver.model(*inputs))
-        driver.backward(loss)
+
+def _ignored_run(driver: loop_driver.Driver, dist: Any, steps: int, ignored: dict):
+    """(losses, the ignored parameters' gradients after the first backward, full parameters);
+    the reference (no adapter) averages every gradient but the ignored ones."""
+    first_grads = {}
+
+    def after_backward(step: int) -> None:
         if step == 0:
-            first_grads = {name: p.grad.clone() for name, p in ignored.items()}
+            first_grads.update({name: p.grad.clone() for name, p in ignored.items()})
         if driver.adapter is None:
             saved = {name: p.grad for name, p in ignored.items()}
             for p in ignored.values():
                 p.grad = None
-            average_gradients(driver.zoo_model, dist.group)
+            loop_driver.average_gradients(driver.zoo_model, dist.group)
             for name, p in ignored.items():
                 p.grad = saved[name]
-        optimizer.step()
-        losses.append(loss.detach().float())
-    return torch.stack(losses), first_grads, driver.params()
+
+    losses = driver.run(steps, after_backward=after_backward)
+    return losses, first_grads, driver.params()
 
 
 class BaseIgnoredParamsTests:
-    """Ignored parameters (feature ``ignored_params``): registered, whole, unreduced, in the
-    state dict under their names; the rest trains as DDP."""
+    """Ignored parameters, alone or inside an auto-wrapped block: registered whole on every
+    rank, unreduced, in the state dict under their names; the rest trains as DDP."""
 
     STEPS: ClassVar[int] = 3
     variants: ClassVar[tuple[str, ...]] = ("alone", "auto_wrap")
     strategies: ClassVar[tuple[str, ...]] = ("FULL_SHARD", "SHARD_GRAD_OP")
 
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
-        parametrize(metafunc, variant=self.variants, strategy=self.strategies)
+        loop_driver.parametrize(metafunc, variant=self.variants, strategy=self.strategies)
 
     @check(
         "wrap.ignored",
@@ -139,13 +121,13 @@ class BaseIgnoredParamsTests:
         "not reduced, in the state dict under their keys; the rest trains as DDP",
         features=("ignored_params",),
         case="suite.loop_driver.LoopCase",
-        case_of=lambda variant, strategy: LoopCase("loops", strategy, variant),
+        case_of=lambda variant, strategy: loop_driver.LoopCase("loops", strategy, variant),
     )
     @pytest.mark.world_size(2)
     def test_ignored_params(self, fsdp_adapter: Any, dist: Any, variant: str, strategy: str):
         adapter = fsdp_adapter
         zoo_model = zoo.build("loops", dist.group, None, dist.device)
-        ignored = {name: p for name, p in zoo_model.named_parameters() if name.startswith(IGNORED)}
+        ignored = _ignored(zoo_model)
         config: dict[str, Any] = {
             "sharding_strategy": strategy,
             "ignored_params": tuple(ignored.values()),
@@ -167,19 +149,11 @@ class BaseIgnoredParamsTests:
                 f"the same nn.Parameter (found {type(seen).__name__}"
                 f"{'' if seen is None else tuple(seen.shape)})"
             )
-        losses, grads, params = _ignored_run(
-            Driver(root, zoo_model, adapter),
-            fsdp_optimizer(adapter, root),
-            dist,
-            self.STEPS,
-            ignored,
-        )
-        model, _ = build_reference("loops", dist, ddp=False)
-        reference_ignored = {
-            name: p for name, p in model.named_parameters() if name.startswith(IGNORED)
-        }
+        driver = loop_driver.Driver(root, zoo_model, dist.device, adapter)
+        losses, grads, params = _ignored_run(driver, dist, self.STEPS, ignored)
+        reference = loop_driver.ddp_driver("loops", dist, ddp=False)
         ref_losses, ref_grads, ref_params = _ignored_run(
-            Driver(model, model), ddp_optimizer(model), dist, self.STEPS, reference_ignored
+            reference, dist, self.STEPS, _ignored(reference.model)
         )
         for name, grad in grads.items():
             assert torch.equal(grad, ref_grads[name]), (
@@ -193,8 +167,8 @@ class BaseIgnoredParamsTests:
                 f"{label}: the full state dict does not hold ignored parameter {name!r} "
                 f"under its own key with its value (keys: {sorted(state)})"
             )
-        assert_losses(label, losses, ref_losses)
-        assert_params(label, params, ref_params, self.STEPS)
+        loop_driver.assert_losses(label, losses, ref_losses)
+        loop_driver.assert_params(label, params, ref_params, self.STEPS)
 
 
 class TestIgnoredParams(BaseIgnoredParamsTests):

@@ -1,14 +1,9 @@
-"""torch's `_test_identical_outputs` (common_fsdp.py), adapter-driven: train FSDP and DDP, compare.
+"""Train FSDP and DDP, compare (torch's `_test_identical_outputs`, adapter-driven).
 
-`reference_run` trains the unwrapped zoo model under DistributedDataParallel (or DummyDDP) and
-caches the result per rank process (a rank set is reused across tests in the harness's
-`process` mode, so the reference is computed once per model, world size and step count).
-`fsdp_run` builds, wraps and trains the same model through an adapter. `assert_same_training`
-compares, step by step, the losses and -- where the adapter reads its local gradient shards
-(`Adapter.grad_shards`) -- each rank's gradient shards with the matching slice of DDP's full
-gradients after every backward, then the full parameters, naming the config, the step and the
-first parameter that differs. Both runs call ``optimizer.zero_grad(set_to_none=...)`` with True
-and False alternating (True in step 0), so accumulating into a zeroed gradient is exercised.
+`reference_run` trains the unwrapped zoo model under DDP (or DummyDDP), cached per rank process;
+`fsdp_run` wraps and trains it through an adapter; `assert_same_training` compares losses, the
+gradient shards after every backward (where `Adapter.grad_shards` reads them) and the full
+parameters. Both runs alternate ``zero_grad(set_to_none=...)`` (True in step 0).
 """
 
 from __future__ import annotations
@@ -29,7 +24,6 @@ from fsdp_conformance.models import DeviceInit, DummyDDP, move_after_wrap
 
 from . import zoo
 
-# Training: SGD with momentum
 STEPS = 3
 LR = 0.01
 MOMENTUM = 0.9
@@ -39,13 +33,11 @@ MOMENTUM = 0.9
 class TrainingResult:
     """What one training run produced."""
 
-    # (steps,) fp32 losses
-    losses: torch.Tensor
-    # Full parameters after the last step, by the unwrapped model's names (tied ones under
-    # each name)
+    losses: torch.Tensor  # (steps,) fp32
+    # full parameters after the last step by the unwrapped model's names (tied: under each)
     params: dict[str, torch.Tensor]
-    # Per step, the gradients right after backward by the unwrapped model's names: DDP's full
-    # gradients, or an FSDP run's `Adapter.grad_shards`; None: the adapter does not read them
+    # per step, the gradients after backward: DDP's full ones or `Adapter.grad_shards`; None:
+    # the adapter does not read them
     grads: list[dict[str, Any]] | None = None
 
 
@@ -60,18 +52,10 @@ def train(
     around_forward: Callable[[int], contextlib.AbstractContextManager[Any]] | None = None,
     phase: Callable[[int], contextlib.AbstractContextManager[None]] | None = None,
 ) -> torch.Tensor:
-    """`steps` SGD+momentum steps of `model` (a wrapped `zoo_model`); returns the fp32 losses.
-
-    Args:
-        after_backward: called with the step index after backward, before optimizer.step().
-        after_step: called with the step index after optimizer.step().
-        adapter: the adapter that wrapped `model`: the optimizer and backward are its own
-            (`Adapter.optimizer`, `Adapter.backward`); None (the DDP reference) uses torch's.
-        around_forward: step index -> a context manager the forward of that step runs in
-            (after zero_grad; the loss is computed outside it).
-        phase: each step's forward and backward run inside ``phase(step)`` (e.g. a comm
-            trace's phase).
-    """
+    """`steps` SGD+momentum steps of `model` (a wrapped `zoo_model`); the fp32 losses.
+    `adapter`: the one that wrapped `model` (its optimizer and backward; None: torch's); the
+    hooks get the step; `around_forward(step)` / `phase(step)`: context managers the step's
+    forward / forward and backward run in."""
     if adapter is None:
         optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     else:
@@ -98,14 +82,12 @@ def train(
 
 
 def adapter_backward(adapter: Adapter, model: nn.Module, loss: torch.Tensor) -> None:
-    """Backward of `loss` through `adapter` (`Adapter.backward`).
+    """Backward of `loss` through `adapter`.
 
-    Under ``grad_reduction == "sum"`` each instance's gradients are divided by its own group
-    size (`Adapter.group_size`), so summed gradients equal DDP's averaged ones also for an
-    instance on another group (the MoE expert on one rank, a model wrapped on a subgroup): the
-    loss is divided by the root's group size, and a gradient hook on the parameters of each
-    instance on a group of another size multiplies what reaches them by root size / own size
-    (linear, so it holds whether the implementation reduces before or after the hook).
+    Under ``grad_reduction == "sum"`` the loss is divided by the root's group size, and the
+    gradients of an instance on a group of another size (the MoE expert on one rank) are scaled
+    by root size / own size with a hook (linear, so before or after the reduction alike):
+    summed gradients then equal DDP's averaged ones.
     """
     if adapter_features.declared(adapter).grad_reduction != "sum":
         adapter_loop.backward(adapter, model, loss)
@@ -114,11 +96,11 @@ def adapter_backward(adapter: Adapter, model: nn.Module, loss: torch.Tensor) -> 
     root_size = adapter_loop.group_size(adapter, instances[0] if instances else model)
     handles = []
     for instance in instances[1:]:
-        size = adapter_loop.group_size(adapter, instance)
-        if size != root_size:
+        factor = root_size / adapter_loop.group_size(adapter, instance)
+        if factor != 1:
             for param in own_parameters(instances, instance):
                 if param.requires_grad:
-                    handles.append(param.register_hook(_scaled(root_size / size)))
+                    handles.append(param.register_hook(lambda grad, f=factor: grad * f))
     try:
         adapter_loop.backward(adapter, model, loss / root_size)
     finally:
@@ -126,14 +108,9 @@ def adapter_backward(adapter: Adapter, model: nn.Module, loss: torch.Tensor) -> 
             handle.remove()
 
 
-def _scaled(factor: float) -> Callable[[torch.Tensor], torch.Tensor]:
-    return lambda grad: grad * factor
-
-
 def own_parameters(instances: list[nn.Module], instance: nn.Module) -> list[torch.Tensor]:
-    """The parameters `instance` registers itself: in its module tree, outside the trees of the
-    other `instances` nested in it (flat parameters, DTensor shards, parametrization
-    originals)."""
+    """The parameters `instance` registers itself: in its tree, outside the other `instances`
+    nested in it (flat parameters, DTensor shards, parametrization originals)."""
     nested = {id(other) for other in instances if other is not instance}
     params, stack = [], [instance]
     while stack:
@@ -160,19 +137,11 @@ def reference_run(model_name: str, dist: Any, steps: int = STEPS) -> TrainingRes
         grads: list[dict[str, Any]] = []
 
         def record_grads(step: int) -> None:
-            grads.append(
-                {
-                    name: param.grad.detach().clone()
-                    for name, param in model.named_parameters(remove_duplicate=False)
-                    if param.grad is not None
-                }
-            )
+            named = model.named_parameters(remove_duplicate=False)
+            grads.append({n: p.grad.detach().clone() for n, p in named if p.grad is not None})
 
         losses = train(wrapped, model, dist.device, steps, after_backward=record_grads)
-        params = {
-            name: param.detach().clone()
-            for name, param in model.named_parameters(remove_duplicate=False)
-        }
+        params = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
         _reference_cache[key] = TrainingResult(losses, params, grads)
     return _reference_cache[key]
 
@@ -184,23 +153,19 @@ def wrap_model(
     config: dict[str, Any],
     device_init: str = "after",
 ) -> tuple[nn.Module, nn.Module]:
-    """Build the zoo model with `adapter`'s wrap and `config`; returns (root, zoo model).
-
-    Skips (through `adapter.require`) when the adapter lacks a feature the config or the model
-    needs, naming the adapter, the feature and the reason.
-    """
-    spec = zoo.MODELS[model_name]
-    adapter_features.skip_unless(adapter, *spec.features)
+    """The zoo model wrapped by `adapter` with `config`: (root, zoo model). Skips when the
+    adapter lacks a feature the config or the model needs."""
+    adapter_features.skip_unless(adapter, *zoo.MODELS[model_name].features)
     adapter_features.skip_unless(adapter, *adapter_features.wrap_features(adapter, **config))
-    wrap = adapter.wrapper(**config)
-    zoo_model = zoo.build(model_name, dist.group, wrap, dist.device, device_init)
+    zoo_model = zoo.build(
+        model_name, dist.group, adapter.wrapper(**config), dist.device, device_init
+    )
     root_config = {**config, **zoo_model.ROOT_WRAP_CONFIG}
     adapter_features.skip_unless(adapter, *adapter_features.wrap_features(adapter, **root_config))
     if DeviceInit(device_init) is DeviceInit.NEVER and dist.device.type != "cpu":
         root_config.setdefault("device_id", dist.device)  # the implementation moves it
     root = adapter.wrap(zoo_model, root=True, **root_config)
-    root = move_after_wrap(root, DeviceInit(device_init), dist.device)
-    return root, zoo_model
+    return move_after_wrap(root, DeviceInit(device_init), dist.device), zoo_model
 
 
 def fsdp_run(
@@ -224,23 +189,19 @@ def fsdp_train(
     steps: int = STEPS,
     phase: Callable[[int], contextlib.AbstractContextManager[None]] | None = None,
 ) -> TrainingResult:
-    """Train a wrapped root `steps` steps (`phase` as `train` takes it); with the gradient
-    shards after every backward where the adapter reads them (`Adapter.grad_shards`)."""
+    """Train a wrapped root `steps` steps, with its gradient shards after every backward."""
     grads: list[Any] = []
 
     def record_grads(step: int) -> None:
         shards = adapter_loop.grad_shards(adapter, root)
-        grads.append(
-            None
-            if shards is None
-            else {name: (start, values.clone()) for name, (start, values) in shards.items()}
-        )
+        if shards is not None:
+            shards = {name: (start, values.clone()) for name, (start, values) in shards.items()}
+        grads.append(shards)
 
     losses = train(root, zoo_model, dist.device, steps, record_grads, adapter=adapter, phase=phase)
     readable = all(shards is not None for shards in grads)
-    return TrainingResult(
-        losses, adapter_loop.full_params(adapter, root), grads if readable else None
-    )
+    params = adapter_loop.full_params(adapter, root)
+    return TrainingResult(losses, params, grads if readable else None)
 
 
 def assert_same_training(
@@ -249,18 +210,11 @@ def assert_same_training(
     expected: TrainingResult,
     atol: float = 0.0,
     rtol: float = 0.0,
-    loss_atol: float | None = None,
     loss_rtol: float | None = None,
 ) -> None:
-    """Assert equal losses and full parameters; bit-exact when the tolerances are 0.
-
-    Args:
-        label: names the run in the message (adapter, model, world size, config).
-        atol, rtol: tolerance of the parameters (and of the losses unless given below).
-        loss_atol, loss_rtol: tolerance of the losses.
-    """
-    loss_atol = atol if loss_atol is None else loss_atol
-    loss_rtol = rtol if loss_rtol is None else loss_rtol
+    """Equal losses, gradient shards and full parameters (bit-exact at tolerances 0); `label`
+    names the run; `atol`, `rtol` hold for the losses too unless `loss_rtol` (absolute 0)."""
+    loss_atol, loss_rtol = (atol, rtol) if loss_rtol is None else (0.0, loss_rtol)
     missing = set(expected.params) - set(actual.params)
     extra = set(actual.params) - set(expected.params)
     if missing or extra:
@@ -272,9 +226,9 @@ def assert_same_training(
     if actual.losses.shape != expected.losses.shape:
         raise AssertionError(f"{label}: {len(actual.losses)} losses, DDP {len(expected.losses)}")
     for step in range(len(expected.losses)):
-        _assert_close(
+        assert_close(
             f"{label}: losses differ from DDP's at step {step} "
-            f"({_tolerance(loss_atol, loss_rtol)})",
+            f"({tolerance_text(loss_atol, loss_rtol)})",
             actual.losses[step],
             expected.losses[step],
             loss_atol,
@@ -282,11 +236,26 @@ def assert_same_training(
             detail=detail,
         )
         if actual.grads is not None and expected.grads is not None:
-            assert_grad_shards(label, step, actual.grads[step], expected.grads[step], atol, rtol)
+            full = expected.grads[step]
+            for name, (start, values) in actual.grads[step].items():
+                if name not in full:
+                    raise AssertionError(
+                        f"{label}: after step {step}'s backward the FSDP run holds a gradient "
+                        f"of {name!r}, DDP has none (DDP's: {sorted(full)})"
+                    )
+                assert_close(
+                    f"{label}: after step {step}'s backward, this rank's gradient shard of "
+                    f"{name!r} (elements {start}..{start + values.numel()} of the flattened "
+                    f"parameter) differs from DDP's gradient there ({tolerance_text(atol, rtol)})",
+                    values,
+                    full[name].reshape(-1)[start : start + values.numel()],
+                    atol,
+                    rtol,
+                )
     for name, reference in expected.params.items():
-        _assert_close(
+        assert_close(
             f"{label}: parameter {name!r} differs from DDP's after {len(expected.losses)} "
-            f"steps ({_tolerance(atol, rtol)})",
+            f"steps ({tolerance_text(atol, rtol)})",
             actual.params[name],
             reference,
             atol,
@@ -294,39 +263,11 @@ def assert_same_training(
         )
 
 
-def assert_grad_shards(
-    label: str,
-    step: int,
-    shards: dict[str, tuple[int, torch.Tensor]],
-    full: dict[str, torch.Tensor],
-    atol: float = 0.0,
-    rtol: float = 0.0,
-) -> None:
-    """Each of this rank's gradient pieces (`Adapter.grad_shards`) equals the matching slice of
-    DDP's full gradient after the same backward."""
-    for name, (start, values) in shards.items():
-        if name not in full:
-            raise AssertionError(
-                f"{label}: after step {step}'s backward the FSDP run holds a gradient of "
-                f"{name!r}, DDP has none (DDP's: {sorted(full)})"
-            )
-        expected = full[name].reshape(-1)[start : start + values.numel()]
-        _assert_close(
-            f"{label}: after step {step}'s backward, this rank's gradient shard of {name!r} "
-            f"(elements {start}..{start + values.numel()} of the flattened parameter) differs "
-            f"from DDP's gradient there ({_tolerance(atol, rtol)})",
-            values,
-            expected,
-            atol,
-            rtol,
-        )
-
-
-def _tolerance(atol: float, rtol: float) -> str:
+def tolerance_text(atol: float, rtol: float) -> str:
     return "bit-exact" if atol == rtol == 0 else f"atol={atol:g}, rtol={rtol:g}"
 
 
-def _assert_close(
+def assert_close(
     message: str,
     actual: torch.Tensor,
     expected: torch.Tensor,
@@ -334,6 +275,7 @@ def _assert_close(
     rtol: float,
     detail: str = "",
 ) -> None:
+    """AssertionError ``message: max |difference| ...`` unless close (equal when both are 0)."""
     actual = actual.detach().float().cpu()
     expected = expected.detach().float().cpu()
     if actual.shape != expected.shape:

@@ -1,26 +1,13 @@
-"""How a check becomes a verdict in the rank (see docs/architecture.md).
+"""How a check becomes a verdict in the rank (docs/architecture.md). ``cell`` decides it:
 
-Every suite test runs its whole body inside ``cell(adapter, check_id, case)``::
+  not applicable  the adapter's support range or the check's features rule it out, or the body
+                  raises UnsupportedFeatureError (a FAIL if the adapter claims the feature
+                  but left its member at the base default)
+  deviation       the failure is exactly what a declared ``Deviation`` covers
+  FAIL            any other failure; a strict declared deviation that did not occur
+  pass            otherwise
 
-    def test_matches_ddp(self, fsdp_adapter, dist, parity_case):
-        with verdict.cell(fsdp_adapter, "parity.ddp", parity_case):
-            ...  # wrap, train, assert
-
-``cell`` decides the cell's verdict (``fsdp_conformance.checks.VERDICTS``):
-
-  not applicable  the adapter is outside its support range, lacks a feature the registered
-                  check needs (the plugin decides both at collection for the session's
-                  adapter; ``cell`` for any other), or raises UnsupportedFeatureError inside
-                  the body -> a skip; but a feature the adapter claims whose member is the
-                  base default ("override Adapter.X") is a FAIL naming the adapter, the
-                  member and the feature to declare unsupported instead
-  deviation       the body failed with exactly the failure a declared ``Deviation`` covers
-                  (its ``raises`` type and ``match`` pattern) -> an expected failure
-  FAIL            any other failure; or a strict declared deviation that did not occur
-  pass            the body passed and no strict deviation was declared
-
-and records it as one ``checks.Result`` (report properties, through ``harness.properties``).
-"""
+and records one ``checks.Result`` (report properties, through ``harness.properties``)."""
 
 from __future__ import annotations
 
@@ -44,8 +31,8 @@ def _record(result: checks.Result) -> None:
 
 
 def failure_line(error: BaseException) -> str:
-    """``Type: first line`` of an error's message; a first line ending in ":" (a headline such
-    as "2 problems:") goes on with the next line."""
+    """``Type: first line`` of an error's message (a headline ending in ":" takes the next
+    line too)."""
     message = getattr(error, "msg", None) or str(error)
     lines = [line.strip() for line in str(message).strip().splitlines() if line.strip()]
     if not lines:
@@ -61,16 +48,8 @@ def _not_applicable(check_id: str, reason: str, feature: str = "") -> None:
 
 @contextlib.contextmanager
 def cell(adapter: Adapter, check_id: str, case: Any = None) -> Iterator[None]:
-    """Run one cell of check ``check_id`` for ``case``; decide and record its verdict.
-
-    Args:
-        adapter: the adapter under test.
-        check_id: a registered check id (``fsdp_conformance.checks.CHECKS``).
-        case: the check's case object, handed to ``Deviation.applies``.
-
-    Raises:
-        ValueError: ``check_id`` is not registered.
-    """
+    """Run one cell of the registered check ``check_id`` for ``case`` (handed to
+    ``Deviation.applies``); decide and record its verdict. ValueError for an unknown id."""
     check = checks.get_check(check_id)
     problem = adapter_features.support_problem(adapter)
     if problem is not None:

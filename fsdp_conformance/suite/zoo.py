@@ -1,14 +1,11 @@
-"""The zoo models the suite trains, by name, with what each needs from an adapter.
-
-Each entry builds a `fsdp_conformance.models` model with a `wrap` (None = the unwrapped
-reference) and says which reference it is compared against: DistributedDataParallel, or
-DummyDDP for MixtureOfExperts (its expert gradients are per rank; `run_backward` all-reduces
-the others by hand).
-"""
+"""The zoo models the suite trains, by name, with what each needs from an adapter and the
+reference it is compared against: DistributedDataParallel, or DummyDDP for MixtureOfExperts
+(its expert gradients are per rank; `run_backward` all-reduces the others by hand)."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -29,7 +26,7 @@ from fsdp_conformance.models import (
     UnevenModule,
 )
 
-# Delays of the delay models (ms): long enough to reorder work, short enough for CI
+# delays of the delay models (ms): long enough to reorder work, short enough for CI
 DELAY_MS = 1.0
 
 Builder = Callable[..., nn.Module]  # (group, wrap, *, device_init, device) -> zoo model
@@ -39,93 +36,51 @@ Builder = Callable[..., nn.Module]  # (group, wrap, *, device_init, device) -> z
 class ModelSpec:
     """How the suite builds one zoo model."""
 
-    # Name used in case ids
     name: str
-    # (group, wrap, *, device_init, device) -> the zoo model
     build: Builder
     # "ddp" (DistributedDataParallel) or "dummy_ddp" (the model reduces its own gradients)
     reference: str = "ddp"
-    # Adapter features needed beyond the wrap config (e.g. comm_trace for the delay hooks)
+    # adapter features needed beyond the wrap config (e.g. comm_trace for the delay hooks)
     features: tuple[str, ...] = ()
 
 
-def _nested(group: Any, wrap: Any, **kwargs: Any) -> nn.Module:
-    return NestedWrappedModule(group, wrap, **kwargs)
-
-
-def _always_wrap(group: Any, wrap: Any, **kwargs: Any) -> nn.Module:
-    return AlwaysWrapNestedWrappedModule(group, wrap, **kwargs)
-
-
-def _transformer(group: Any, wrap: Any, **kwargs: Any) -> nn.Module:
-    return TransformerWithSharedParams(group, wrap, **kwargs)
-
-
-def _transformer_without_batchnorm(group: Any, wrap: Any, **kwargs: Any) -> nn.Module:
-    # for mixed precision: a BatchNorm's fp32 running stats next to bf16 parameters fail in
-    # F.batch_norm unless buffers are cast too (feature mixed_precision_buffer_dtype)
-    return TransformerWithSharedParams(group, wrap, add_bn=False, **kwargs)
-
-
-def _tied_instances(group: Any, wrap: Any, **kwargs: Any) -> nn.Module:
-    return TiedInstances(group, wrap, **kwargs)
-
-
-def _uneven(group: Any, wrap: Any, **kwargs: Any) -> nn.Module:
-    return UnevenModule(group, wrap, **kwargs)
-
-
-def _mixture_of_experts(group: Any, wrap: Any, **kwargs: Any) -> nn.Module:
-    return MixtureOfExperts(group, wrap, **kwargs)
-
-
-def _nested_with_delay(group: Any, wrap: Any, **kwargs: Any) -> nn.Module:
-    return NestedWrappedModuleWithDelay(
-        group, wrap, delay_after_loss_ms=DELAY_MS, delay_before_reduction_ms=DELAY_MS, **kwargs
-    )
-
-
-def _mixture_of_experts_with_delay(group: Any, wrap: Any, **kwargs: Any) -> nn.Module:
-    return MixtureOfExperts(group, wrap, delay_before_free_ms=DELAY_MS, **kwargs)
-
-
-# The training-loop checks' models (models/loops.py): per-instance gradient scales differing by
-# orders of magnitude ("loops_gains"), NO_SHARD next to sharded instances, a branch skipped in
-# some iterations, a whole frozen wrapped block, frozen and trainable parameters in one instance
+# per-instance gradient scales differing by orders of magnitude (models/loops.py)
 LOOP_GAINS = (1.0, 40.0, 0.025)
 
 
 def _loops(**options: Any) -> Builder:
-    def build(group: Any, wrap: Any, **kwargs: Any) -> nn.Module:
-        return LoopModule(group, wrap, **options, **kwargs)
-
-    return build
-
-
-def _buffered(meta: bool) -> Builder:
-    def build(group: Any, wrap: Any, **kwargs: Any) -> nn.Module:
-        return BufferedModule(group, wrap, meta=meta, **kwargs)
-
-    return build
+    return functools.partial(LoopModule, **options)
 
 
 MODELS: dict[str, ModelSpec] = {
     spec.name: spec
     for spec in (
-        ModelSpec("nested", _nested),
-        ModelSpec("always_wrap", _always_wrap),
-        ModelSpec("transformer", _transformer),
-        ModelSpec("transformer_without_batchnorm", _transformer_without_batchnorm),
-        ModelSpec("mixture_of_experts", _mixture_of_experts, reference="dummy_ddp"),
-        ModelSpec("nested_with_delay", _nested_with_delay, features=(Feature.COMM_TRACE,)),
+        ModelSpec("nested", NestedWrappedModule),
+        ModelSpec("always_wrap", AlwaysWrapNestedWrappedModule),
+        ModelSpec("transformer", TransformerWithSharedParams),
+        # for mixed precision: fp32 BatchNorm statistics next to bf16 parameters fail
+        ModelSpec(
+            "transformer_without_batchnorm",
+            functools.partial(TransformerWithSharedParams, add_bn=False),
+        ),
+        ModelSpec("mixture_of_experts", MixtureOfExperts, reference="dummy_ddp"),
+        ModelSpec(
+            "nested_with_delay",
+            functools.partial(
+                NestedWrappedModuleWithDelay,
+                delay_after_loss_ms=DELAY_MS,
+                delay_before_reduction_ms=DELAY_MS,
+            ),
+            features=(Feature.COMM_TRACE,),
+        ),
         ModelSpec(
             "mixture_of_experts_with_delay",
-            _mixture_of_experts_with_delay,
+            functools.partial(MixtureOfExperts, delay_before_free_ms=DELAY_MS),
             reference="dummy_ddp",
             features=(Feature.COMM_TRACE,),
         ),
         # the sharding checks' model: uneven and empty shards at world size 3
-        ModelSpec("uneven", _uneven),
+        ModelSpec("uneven", UnevenModule),
         ModelSpec("loops", _loops()),
         ModelSpec("loops_gains", _loops(gains=LOOP_GAINS)),
         ModelSpec(
@@ -136,21 +91,23 @@ MODELS: dict[str, ModelSpec] = {
         ModelSpec("loops_branch", _loops(branch=True)),
         ModelSpec("loops_buffer", _loops(buffer=True)),
         ModelSpec("loops_norm", _loops(norm=True)),
-        ModelSpec("tied_instances", _tied_instances),
+        ModelSpec("tied_instances", TiedInstances),
         ModelSpec("loops_frozen", _loops(freeze="instance"), features=(Feature.FROZEN_PARAMETERS,)),
         ModelSpec(
             "loops_frozen_mixed",
             _loops(freeze="mixed"),
             features=(Feature.FROZEN_PARAMETERS_MIXED,),
         ),
-        # the full-state-dict and meta-init checks' model (models/buffered.py): a
-        # non-persistent buffer, uneven shards; "buffered_meta" is built on the meta device
-        ModelSpec("buffered", _buffered(meta=False)),
-        ModelSpec("buffered_meta", _buffered(meta=True), features=(Feature.META_INIT,)),
+        # the full-state-dict and meta-init checks' model (models/buffered.py)
+        ModelSpec("buffered", functools.partial(BufferedModule, meta=False)),
+        ModelSpec(
+            "buffered_meta",
+            functools.partial(BufferedModule, meta=True),
+            features=(Feature.META_INIT,),
+        ),
     )
 }
-# The models of the parity check (transformer_without_batchnorm is for mixed precision,
-# uneven for the sharding checks, tied_instances for wrap.shared_across_instances)
+# the models of the parity check
 MODEL_NAMES = tuple(
     name
     for name in MODELS

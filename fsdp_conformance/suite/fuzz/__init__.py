@@ -1,16 +1,8 @@
-"""A generative differential fuzzer and its suite check (``test_generated.py``): generated
-models, wrap plans, configs and training programs, FSDP vs DDP, shrunk to a runnable
-reproduction (docs/fuzz.md).
+"""A generative differential fuzzer (FSDP vs DDP on generated models, wrap plans, configs and
+training programs, shrunk to a runnable reproduction; docs/fuzz.md) and its suite check.
 
     fsdp-conformance fuzz --impl torch-fsdp2 --examples 200 --seed 0 --out repro.py
-
-Inside your own multi-rank test (``dist`` fixture)::
-
-    from fsdp_conformance.suite.fuzz import fuzz
-    result = fuzz(adapter, dist, examples=50, seed=0)      # the FuzzResult, on every rank
-
-The case types (``FuzzCase`` ...) are plain frozen dataclasses (``spec.py``);
-the strategies need hypothesis (the ``test`` extra) and are imported only when used.
+    result = fuzz(adapter, dist, examples=50, seed=0)   # in your own multi-rank test
 """
 
 from __future__ import annotations

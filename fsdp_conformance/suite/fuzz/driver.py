@@ -2,15 +2,12 @@
 
 [Note: one rank set for every example]
 The whole hypothesis run happens inside one multi-rank call (a ``dist`` test body, or the CLI's
-rank function ``fuzz_in_rank``): rank 0 runs hypothesis; for each example it broadcasts the
-drawn ``FuzzCase`` (``broadcast_object_list``), every rank runs it (``run.run_case``), and the
-outcomes are gathered to rank 0 (``all_gather_object``), which decides for all. The other ranks
-loop on the broadcast until rank 0 sends ``None``. An example therefore costs a broadcast and a
-gather, never a process start; generation and shrinking decisions happen in one process only,
-so no two ranks can disagree about what to run next. hypothesis runs with a fixed seed, no
-example database, no timing health checks and the phases generate + shrink, so a run is
-reproducible from (adapter, seed, examples, world size). What hypothesis stores on disk (its
-constants and charmap caches) goes under ``hypothesis_dir()``, never the working directory.
+``fuzz_in_rank``): rank 0 runs hypothesis, broadcasts each drawn ``FuzzCase``, every rank runs
+it, and the outcomes are gathered to rank 0, which decides for all; the other ranks loop until
+rank 0 sends ``None``. An example costs a broadcast and a gather, never a process start, and no
+two ranks can disagree about what to run next. hypothesis runs with a fixed seed, no database,
+no timing health checks, phases generate + shrink (reproducible from adapter, seed, examples and
+world size), and keeps its files out of the working directory (``_hypothesis_storage``).
 """
 
 from __future__ import annotations
@@ -23,9 +20,9 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from .compare import DEVIATION, FAIL, UNSUPPORTED, Outcome, combine, run_case
+from .compare import DEVIATION, FAIL, UNSUPPORTED, combine, run_case
 from .spec import FuzzCase, describe
-from .strategies import MAX_NODES, MAX_STEPS, Capabilities, cases
+from .strategies import MAX_NODES, MAX_STEPS, cases
 
 HYPOTHESIS_MISSING = (
     "the fuzzer needs hypothesis, which is not installed: pip install 'fsdp-conformance[test]' "
@@ -41,26 +38,18 @@ def require_hypothesis() -> None:
         raise ImportError(HYPOTHESIS_MISSING) from None
 
 
-def hypothesis_dir() -> str:
-    """Where hypothesis keeps its files during a fuzz run: ``HYPOTHESIS_STORAGE_DIRECTORY``
-    when the user set it, else ``fsdp-conformance/hypothesis`` under ``XDG_CACHE_HOME``
-    (default ``~/.cache``)."""
-    chosen = os.environ.get("HYPOTHESIS_STORAGE_DIRECTORY")
-    if chosen:
-        return chosen
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(cache, "fsdp-conformance", "hypothesis")
-
-
 @contextlib.contextmanager
 def _hypothesis_storage() -> Iterator[None]:
-    """Within the block hypothesis stores under ``hypothesis_dir()``; the process's previous
-    choice is put back after."""
+    """Within the block hypothesis stores under ``HYPOTHESIS_STORAGE_DIRECTORY`` when set, else
+    ``fsdp-conformance/hypothesis`` under ``XDG_CACHE_HOME`` (default ``~/.cache``)."""
     from hypothesis import configuration
 
-    key = "__hypothesis_home_directory"  # the module global set_hypothesis_home_dir sets
-    previous = vars(configuration).get(key)
-    configuration.set_hypothesis_home_dir(hypothesis_dir())
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    chosen = os.environ.get("HYPOTHESIS_STORAGE_DIRECTORY")
+    previous = vars(configuration).get("__hypothesis_home_directory")
+    configuration.set_hypothesis_home_dir(
+        chosen or os.path.join(cache, "fsdp-conformance", "hypothesis")
+    )
     try:
         yield
     finally:
@@ -84,7 +73,7 @@ class FuzzResult:
     seed: int
     world_size: int
     examples: int = 0  # cases run and judged (pass or declared deviation)
-    unsupported: int = 0  # cases the adapter refused (UnsupportedFeatureError)
+    unsupported: int = 0  # cases the adapter refused
     deviations: int = 0  # cases covered by a declared deviation
     deviation_reasons: list[str] = dataclasses.field(default_factory=list)
     # the most frequent refusals: [first line of the refusal, count], most frequent first
@@ -117,9 +106,7 @@ class FuzzResult:
             f"{self.examples} examples in {self.elapsed:.1f} s ({self.rate:.2f} examples/s), "
             f"{self.unsupported} refused as unsupported, {self.deviations} declared deviations"
         )
-        if self.time_limited:
-            line += " (stopped by --max-seconds)"
-        return line
+        return line + (" (stopped by --max-seconds)" if self.time_limited else "")
 
 
 def fuzz(
@@ -135,47 +122,31 @@ def fuzz(
     """Collective: fuzz ``adapter`` in this rank set ([Note: one rank set for every example]);
     every rank returns rank 0's result."""
     import torch
+    import torch.distributed as tdist
+
+    from .compare import probe_capabilities
 
     threads = torch.get_num_threads()
     # tiny tensors: one intra-op thread per rank (with ranks >= cores, OpenMP workers spin
     # against each other; measured 6.5x faster per case on the 2-CPU VM under load)
     torch.set_num_threads(1)
     try:
-        return _fuzz(
-            adapter, dist, examples, seed, max_seconds, progress_file, max_steps, max_nodes
-        )
+        caps = probe_capabilities(adapter, dist)
+        if dist.rank != 0:
+            _follow(adapter, dist)
+            result: list[Any] = [None]
+            tdist.broadcast_object_list(result, src=0)
+            return result[0]
+        try:
+            require_hypothesis()
+            strategy = cases(caps, max_steps, max_nodes)
+            found = _drive(adapter, dist, strategy, examples, seed, max_seconds, progress_file)
+        finally:
+            tdist.broadcast_object_list([None], src=0)
+        tdist.broadcast_object_list([found], src=0)
+        return found
     finally:
         torch.set_num_threads(threads)
-
-
-def _fuzz(
-    adapter: Any,
-    dist: Any,
-    examples: int,
-    seed: int,
-    max_seconds: float | None,
-    progress_file: str | None,
-    max_steps: int,
-    max_nodes: int,
-) -> FuzzResult:
-    import torch.distributed as tdist
-
-    from .compare import probe_capabilities
-
-    caps = probe_capabilities(adapter, dist)
-    if dist.rank != 0:
-        _follow(adapter, dist)
-        result: list[Any] = [None]
-        tdist.broadcast_object_list(result, src=0)
-        return result[0]
-    try:
-        found = _drive(
-            adapter, dist, caps, examples, seed, max_seconds, progress_file, max_steps, max_nodes
-        )
-    finally:
-        tdist.broadcast_object_list([None], src=0)
-    tdist.broadcast_object_list([found], src=0)
-    return found
 
 
 def _follow(adapter: Any, dist: Any) -> None:
@@ -190,34 +161,20 @@ def _follow(adapter: Any, dist: Any) -> None:
         tdist.all_gather_object([None] * dist.world_size, outcome)
 
 
-def run_everywhere(adapter: Any, case: FuzzCase, dist: Any) -> Outcome:
-    """Rank 0: run ``case`` in every rank (the others in ``_follow``); the combined outcome."""
-    import torch.distributed as tdist
-
-    tdist.broadcast_object_list([case], src=0)
-    local = run_case(adapter, case, dist)
-    gathered: list[Any] = [None] * dist.world_size
-    tdist.all_gather_object(gathered, local)
-    return combine(gathered)
-
-
 def _drive(
     adapter: Any,
     dist: Any,
-    caps: Capabilities,
+    strategy: Any,
     examples: int,
     seed: int,
     max_seconds: float | None,
     progress_file: str | None,
-    max_steps: int,
-    max_nodes: int,
 ) -> FuzzResult:
-    require_hypothesis()
+    import torch.distributed as tdist
     from hypothesis import HealthCheck, Phase, Verbosity, given, reject, settings
     from hypothesis import seed as fixed_seed
     from hypothesis.errors import Unsatisfiable
 
-    strategy = cases(caps, max_steps, max_nodes)
     result = FuzzResult("pass", adapter.name, seed, dist.world_size)
     start = time.monotonic()
     cpu_start = time.process_time()
@@ -226,9 +183,6 @@ def _drive(
     minimal: list[Any] = [None]  # the last case that raised (hypothesis replays the minimum last)
     refusals: list[str] = []
     counts: dict[str, int] = {}  # refusal headline -> how often
-
-    def out_of_time() -> bool:
-        return max_seconds is not None and time.monotonic() - start > max_seconds
 
     def report() -> None:
         result.elapsed = time.monotonic() - start
@@ -257,12 +211,15 @@ def _drive(
             raise FuzzFailure(message)  # one raising line: hypothesis sees one bug
 
     def judge(case: FuzzCase, key: str) -> str | None:
-        if out_of_time():
+        if max_seconds is not None and time.monotonic() - start > max_seconds:
             result.time_limited = True
             if not failing:
                 raise _OutOfTime
             return None  # shrinking past the deadline: stop with the smallest failure so far
-        outcome = run_everywhere(adapter, case, dist)
+        tdist.broadcast_object_list([case], src=0)  # the other ranks run it in _follow
+        gathered: list[Any] = [None] * dist.world_size
+        tdist.all_gather_object(gathered, run_case(adapter, case, dist))
+        outcome = combine(gathered)
         if failing:
             result.shrinks += 1
         if outcome.kind == UNSUPPORTED:
@@ -270,18 +227,17 @@ def _drive(
             refusals.append(outcome.message)
             headline = outcome.message.strip().splitlines()[0][:200] if outcome.message else ""
             counts[headline] = counts.get(headline, 0) + 1
-            result.refusal_reasons = [
-                [text, count] for text, count in sorted(counts.items(), key=lambda kv: -kv[1])[:3]
-            ]
+            ranked = sorted(counts.items(), key=lambda kv: -kv[1])[:3]
+            result.refusal_reasons = [[text, count] for text, count in ranked]
             report()
             reject()
         if not failing:
             result.examples += 1
             if outcome.kind == DEVIATION:
                 result.deviations += 1
-                reason = outcome.message
-                if reason not in result.deviation_reasons and len(result.deviation_reasons) < 5:
-                    result.deviation_reasons.append(reason)
+                reasons = result.deviation_reasons
+                if outcome.message not in reasons and len(reasons) < 5:
+                    reasons.append(outcome.message)
         report()
         if outcome.kind != FAIL:
             return None
@@ -315,16 +271,13 @@ def _drive(
         pass
     except Unsatisfiable:
         result.status = "unsatisfiable"
-        result.message = "every drawn case was refused; the last refusal: " + (
-            refusals[-1] if refusals else "none"
-        )
-    result.elapsed = time.monotonic() - start
+        last = refusals[-1] if refusals else "none"
+        result.message = f"every drawn case was refused; the last refusal: {last}"
     result.cpu_seconds = time.process_time() - cpu_start
     report()
     return result
 
 
-# ---------------------------------------------------------------------------- CLI rank function
 def fuzz_in_rank(
     dist: Any,
     out_file: str,
@@ -336,8 +289,7 @@ def fuzz_in_rank(
     """``fsdp-conformance fuzz``'s body in every rank; rank 0 writes the FuzzResult as JSON."""
     from fsdp_conformance.adapters import get_adapter
 
-    adapter = get_adapter(dist.impl)
-    result = fuzz(adapter, dist, examples, seed, max_seconds, progress_file)
+    result = fuzz(get_adapter(dist.impl), dist, examples, seed, max_seconds, progress_file)
     if dist.rank == 0:
         with open(out_file, "w", encoding="utf-8") as stream:
             stream.write(result.to_json())

@@ -1,8 +1,8 @@
 """Build the ``nn.Module`` a ``ModelSpec`` describes ([Note: the generated model] in spec.py).
 
 Parameters are created with ``torch.nn.utils.skip_init`` (no draw from the global RNG) and
-filled from a ``torch.Generator`` seeded with the spec's seed, so every rank (and the DDP
-reference) builds bit-identical weights from the spec alone.
+filled from a generator seeded with the spec's seed, so every rank (and the DDP reference)
+builds bit-identical weights from the spec alone.
 """
 
 from __future__ import annotations
@@ -28,19 +28,20 @@ class Packed:
     note: str = "packed"
 
 
+# output kind -> ``h`` in that container (with a non-tensor companion where there is room)
+_PACK = {
+    "tensor": lambda h: h,
+    "tuple": lambda h: (h, 1),
+    "list": lambda h: [h],
+    "dict": lambda h: {"h": h, "n": 3},
+    "dataclass": Packed,
+}
+
+
 def pack(h: torch.Tensor, kind: str) -> Any:
-    """``h`` in the container ``kind`` (with a non-tensor companion where there is room)."""
-    if kind == "tensor":
-        return h
-    if kind == "tuple":
-        return (h, 1)
-    if kind == "list":
-        return [h]
-    if kind == "dict":
-        return {"h": h, "n": 3}
-    if kind == "dataclass":
-        return Packed(h)
-    raise ValueError(f"unknown output kind {kind!r}")
+    if kind not in _PACK:
+        raise ValueError(f"unknown output kind {kind!r}")
+    return _PACK[kind](h)
 
 
 def unpack(output: Any) -> torch.Tensor:
@@ -54,17 +55,6 @@ def unpack(output: Any) -> torch.Tensor:
     if isinstance(output, Packed):
         return output.h
     raise TypeError(f"unexpected node output {type(output).__name__}")
-
-
-def call(
-    node: nn.Module, spec: Any, h: torch.Tensor, tokens: torch.Tensor, it: int
-) -> torch.Tensor:
-    """Call a child node (through activation checkpointing when its spec says so)."""
-    if spec.checkpoint and torch.is_grad_enabled():
-        output = checkpoint(node, h, tokens, it, use_reentrant=False)
-    else:
-        output = node(h, tokens, it)
-    return unpack(output)
 
 
 class FuzzBlock(nn.Module):
@@ -95,14 +85,13 @@ class FuzzBlock(nn.Module):
             h = h + self.emb(tokens % self.spec.vocab)
         elif kind == "twice":
             h = h + self.lin(torch.tanh(self.lin(h)))
-        elif kind == "branch":
-            if it % self.spec.period == 0:
-                h = h + self.lin(h)
+        elif kind == "branch" and it % self.spec.period == 0:
+            h = h + self.lin(h)
         return pack(h, self.spec.output)
 
 
 class FuzzSeq(nn.Module):
-    """A container node."""
+    """A container node; a child whose spec says so runs under activation checkpointing."""
 
     def __init__(self, spec: Seq) -> None:
         super().__init__()
@@ -113,7 +102,10 @@ class FuzzSeq(nn.Module):
 
     def forward(self, h: torch.Tensor, tokens: torch.Tensor, it: int) -> Any:
         for spec, node in zip(self.spec.nodes, self.nodes):
-            h = call(node, spec, h, tokens, it)
+            if spec.checkpoint and torch.is_grad_enabled():
+                h = unpack(checkpoint(node, h, tokens, it, use_reentrant=False))
+            else:
+                h = unpack(node(h, tokens, it))
         return pack(h, self.spec.output)
 
 
@@ -150,8 +142,7 @@ def build_model(spec: ModelSpec, device: torch.device | str = "cpu") -> FuzzMode
     for module in model.modules():
         if isinstance(module, FuzzBlock):
             if module.spec.tie:
-                first = ties.setdefault(module.spec.tie, module.lin.weight)
-                module.lin.weight = first
+                module.lin.weight = ties.setdefault(module.spec.tie, module.lin.weight)
             if module.spec.frozen:
                 module.requires_grad_(False)
     return model.to(device)

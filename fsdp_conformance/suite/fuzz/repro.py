@@ -1,17 +1,13 @@
-"""Reproductions: ``write_repro`` writes a standalone ``repro.py`` for a failing case; running it
-calls ``main``, which runs the case once on local ranks against the implementation and ends
-with one line saying which of three it is: exit 1 (``STILL_FAILS``) while the failure persists,
-0 (``PASSES``) once it is gone, 2 (``CANNOT_RUN``) when the case cannot be run here at all
-(fsdp-conformance or torch not importable, the adapter missing or broken, torch outside the
-adapter's supported range) -- never 1 for a reproduction that did not run.
-
-    python repro.py                         # the --impl and world size it was found with
-    python repro.py --impl torch-fsdp2      # the same case on another implementation
+"""Reproductions: ``write_repro`` writes a standalone ``repro.py`` for a failing case, whose
+``main`` runs the case once on local ranks and ends with one line saying which it is: exit 1
+(``STILL_FAILS``) while the failure persists, 0 (``PASSES``) once it is gone, 2 (``CANNOT_RUN``)
+when the case cannot run here at all -- never 1 for a reproduction that did not run.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -90,50 +86,26 @@ def _short(message: str, lines: int = 12) -> str:
     return "\n".join(parts)
 
 
-def _pretty(value: Any, indent: int = 0, width: int = 96) -> str:
+def _pretty(value: Any, indent: int = 0, width: int | None = 96) -> str:
     """``value`` (a case, or a part of one) as Python source, one constructor per line where it
-    does not fit; fields at their defaults are left out."""
-    import dataclasses
-
-    flat = _flat(value)
-    if len(flat) + indent * 4 <= width:
+    does not fit in ``width`` (None: all on one line); fields at their defaults left out."""
+    if dataclasses.is_dataclass(value):
+        head = f"{type(value).__name__}("
+        fields = [
+            (f"{f.name}=", getattr(value, f.name), f.default) for f in dataclasses.fields(value)
+        ]
+        parts = [(name, item) for name, item, default in fields if item != default]
+    elif isinstance(value, tuple):
+        head, parts = "(", [("", item) for item in value]
+    else:
+        return repr(value)
+    single = "," if head == "(" and len(parts) == 1 else ""
+    flat = head + ", ".join(name + _pretty(item, 0, None) for name, item in parts) + single + ")"
+    if width is None or len(flat) + indent * 4 <= width:
         return flat
     pad = "    " * (indent + 1)
-    if dataclasses.is_dataclass(value):
-        items = [
-            f"{pad}{field.name}={_pretty(getattr(value, field.name), indent + 1, width)},"
-            for field in dataclasses.fields(value)
-            if not _is_default(value, field)
-        ]
-        return f"{type(value).__name__}(\n" + "\n".join(items) + "\n" + "    " * indent + ")"
-    if isinstance(value, tuple):
-        items = [f"{pad}{_pretty(item, indent + 1, width)}," for item in value]
-        return "(\n" + "\n".join(items) + "\n" + "    " * indent + ")"
-    return flat
-
-
-def _is_default(value: Any, field: Any) -> bool:
-    import dataclasses
-
-    if field.default is not dataclasses.MISSING:
-        return getattr(value, field.name) == field.default
-    return False
-
-
-def _flat(value: Any) -> str:
-    import dataclasses
-
-    if dataclasses.is_dataclass(value):
-        fields = [
-            f"{field.name}={_flat(getattr(value, field.name))}"
-            for field in dataclasses.fields(value)
-            if not _is_default(value, field)
-        ]
-        return f"{type(value).__name__}({', '.join(fields)})"
-    if isinstance(value, tuple):
-        inner = ", ".join(_flat(item) for item in value)
-        return f"({inner},)" if len(value) == 1 else f"({inner})"
-    return repr(value)
+    items = [f"{pad}{name}{_pretty(item, indent + 1, width)}," for name, item in parts]
+    return head + "\n" + "\n".join(items) + "\n" + "    " * indent + ")"
 
 
 def repro_in_rank(dist: Any, case: FuzzCase, out_file: str) -> None:
@@ -165,20 +137,17 @@ def run_in_ranks(case: FuzzCase, impl: str, world_size: int, timeout: float = 60
     """
     from fsdp_conformance.harness.controller import run_function
 
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())  # pkg.module:ATTR adapters next to the script
-    workdir = tempfile.mkdtemp(prefix="fsdp-fuzz-repro-")
-    out_file = os.path.join(workdir, "outcome.json")
-    result = run_function(
-        "fsdp_conformance.suite.fuzz.repro",
-        "repro_in_rank",
-        {"case": case, "out_file": out_file},
-        world_size=world_size,
-        timeout=timeout,
-        impl=impl,
-        test_id="fsdp-conformance fuzz repro",
-    )
-    try:
+    with tempfile.TemporaryDirectory(prefix="fsdp-fuzz-repro-", ignore_cleanup_errors=True) as tmp:
+        out_file = os.path.join(tmp, "outcome.json")
+        result = run_function(
+            "fsdp_conformance.suite.fuzz.repro",
+            "repro_in_rank",
+            {"case": case, "out_file": out_file},
+            world_size=world_size,
+            timeout=timeout,
+            impl=impl,
+            test_id="fsdp-conformance fuzz repro",
+        )
         if result.verdict.status == "skipped":  # e.g. the ranks lack the GPUs the case needs
             raise CannotRun(f"the ranks skipped: {result.verdict.message}")
         if result.verdict.status != "passed":
@@ -186,10 +155,6 @@ def run_in_ranks(case: FuzzCase, impl: str, world_size: int, timeout: float = 60
         with open(out_file, encoding="utf-8") as stream:
             data = json.load(stream)
         return Outcome(data["kind"], data["message"])
-    finally:
-        import shutil
-
-        shutil.rmtree(workdir, ignore_errors=True)
 
 
 # repro.py's exit codes
@@ -252,11 +217,12 @@ def main(case: FuzzCase, impl: str, world_size: int, argv: list[str] | None = No
         print(f"FAILS: {outcome.message}")
         print(f"still fails (exit {STILL_FAILS})")
         return STILL_FAILS
-    if outcome.kind == OK:
-        print("passes: the FSDP run matches DDP (the failure is gone)")
-    elif outcome.kind == UNSUPPORTED:
-        print(f"refused with a clear error (not a failure): {outcome.message}")
-    elif outcome.kind == DEVIATION:
-        print(f"fails as the adapter declares (a known deviation): {outcome.message}")
+    print(
+        {
+            OK: "passes: the FSDP run matches DDP (the failure is gone)",
+            UNSUPPORTED: f"refused with a clear error (not a failure): {outcome.message}",
+            DEVIATION: f"fails as the adapter declares (a known deviation): {outcome.message}",
+        }[outcome.kind]
+    )
     print(f"passes now (exit {PASSES})")
     return PASSES

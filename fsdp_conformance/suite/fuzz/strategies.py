@@ -1,21 +1,15 @@
 """hypothesis strategies for ``FuzzCase`` (imported only where hypothesis is needed).
 
-``cases(capabilities)`` draws a model spec, a wrap plan, a wrap config and a training program
-using only what the adapter declares (``Capabilities.of(adapter, world_size)``): a feature the
-adapter does not support is never drawn. Draws are ordered simplest first, so hypothesis shrinks
-towards small, plain cases (one block, tensor outputs, root-only wrapping, one synced step).
+``cases(capabilities)`` draws only what the adapter declares (``Capabilities.of(adapter,
+world_size)``), simplest first, so hypothesis shrinks towards small, plain cases.
 
 [Note: what is not generated, and why]
-- A weight tied across two *different* instances: FSDP1-style flat parameters require shared
-  parameters to live in one instance (their lowest common ancestor); the plan never separates
-  tied blocks (a tie is always inside one instance, the root or a nested one).
-- Mixed precision: drawn in one case in four (param_dtype and reduce_dtype among bf16 / fp16 /
-  fp32, buffer_dtype where the adapter casts buffers), as far as the adapter's features allow;
-  the comparison then uses the suite's precision tolerance (``run.tolerance``).
-- ``sync_module_states`` / ``device_id``: every rank builds identical weights already; they
-  are the config-matrix checks' business.
-- A step whose last micro-batch runs inside ``no_sync``: the optimizer would step on
-  unreduced gradients, which no FSDP promises to match DDP.
+- A weight tied across two instances: FSDP1-style flat parameters need shared parameters in one
+  instance, so the plan never separates tied blocks.
+- ``sync_module_states`` / ``device_id``: every rank builds identical weights already.
+- A step whose last micro-batch runs inside ``no_sync``: the optimizer would step on unreduced
+  gradients, which no FSDP promises to match DDP.
+Mixed precision is drawn in one case in four, compared with the suite's precision tolerance.
 """
 
 from __future__ import annotations
@@ -28,8 +22,7 @@ from fsdp_conformance.adapters import features as adapter_features
 
 from .spec import Block, FuzzCase, ModelSpec, Program, Seq, Step, node_paths
 
-# Sizes drawn for widths (first = what shrinking goes towards); 1 and 3 are below / not a
-# multiple of the world size
+# widths drawn (the first is what shrinking goes towards; 1 and 3: below / not a multiple of 2)
 WIDTHS = (4, 1, 3, 2, 5, 8, 7)
 MAX_DEPTH = 2  # Seq nesting levels below the body
 MAX_NODES = 4  # children per Seq
@@ -41,7 +34,7 @@ PRECISIONS = ("bf16", "fp16", "fp32")
 
 @dataclasses.dataclass(frozen=True)
 class Capabilities:
-    """What an adapter lets the generator draw (picklable; built in a rank from the adapter)."""
+    """What an adapter lets the generator draw (picklable)."""
 
     supported: frozenset[str]
     unsupported_values: tuple[tuple[str, Any], ...]
@@ -59,10 +52,14 @@ class Capabilities:
         return all(feature in self.supported for feature in features)
 
 
-def _config_options(caps: Capabilities) -> list[tuple[str, tuple[Any, ...]]]:
-    """(key, allowed values) of the wrap config keys the generator varies."""
+def _allowed(caps: Capabilities, config: dict[str, Any]) -> bool:
     from fsdp_conformance.adapters.features import features_for, normalize_config
 
+    return all(feature in caps.supported for feature in features_for(normalize_config(config)))
+
+
+def _config_options(caps: Capabilities) -> list[tuple[str, tuple[Any, ...]]]:
+    """(key, allowed values) of the wrap config keys the generator varies."""
     candidates = [
         ("sharding_strategy", ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")),
         ("backward_prefetch", ("BACKWARD_PRE", "BACKWARD_POST", None)),
@@ -77,11 +74,7 @@ def _config_options(caps: Capabilities) -> list[tuple[str, tuple[Any, ...]]]:
         allowed = tuple(
             value
             for value in values
-            if all(
-                feature in caps.supported
-                for feature in features_for(normalize_config({key: value}))
-            )
-            and (key, value) not in refused
+            if _allowed(caps, {key: value}) and (key, value) not in refused
         )
         if allowed:
             options.append((key, allowed))
@@ -90,9 +83,7 @@ def _config_options(caps: Capabilities) -> list[tuple[str, tuple[Any, ...]]]:
 
 def _precision_policies(caps: Capabilities) -> list[tuple[tuple[str, str], ...]]:
     """The mixed-precision policies (``FuzzCase.precision``) the adapter's features allow, at
-    least one dtype of each below float32 (all-float32 is the plain case)."""
-    from fsdp_conformance.adapters.features import features_for, normalize_config
-
+    least one dtype below float32."""
     if not caps.has(Feature.MIXED_PRECISION):
         return []
     policies = []
@@ -104,10 +95,9 @@ def _precision_policies(caps: Capabilities) -> list[tuple[tuple[str, str], ...]]
                 policy = (("param_dtype", param), ("reduce_dtype", reduce))
                 if buffer is not None:
                     policy += (("buffer_dtype", buffer),)
-                case = FuzzCase(ModelSpec(1, Seq(())), precision=tuple(sorted(policy)))
-                needed = features_for(normalize_config(case.wrap_config))
-                if all(feature in caps.supported for feature in needed):
-                    policies.append(tuple(sorted(policy)))
+                policy = tuple(sorted(policy))
+                if _allowed(caps, FuzzCase(ModelSpec(1, Seq(())), precision=policy).wrap_config):
+                    policies.append(policy)
     return policies
 
 
@@ -127,18 +117,19 @@ def cases(caps: Capabilities, max_steps: int = MAX_STEPS, max_nodes: int = MAX_N
     round_trip_ok = caps.has(Feature.FULL_STATE_DICT)
     meta_ok = caps.has(Feature.META_INIT)
 
+    def one_in(draw: Any, n: int) -> bool:
+        return draw(st.integers(0, n - 1)) == n - 1
+
     @st.composite
     def block(draw: Any, width: int) -> Block:
         kind = draw(st.sampled_from(kinds))
-        width_out = width
-        bias = True
-        tie = 0
+        width_out, bias, tie = width, True, 0
         if kind == "linear":
             width_out = draw(st.sampled_from(WIDTHS))
             bias = draw(st.booleans())
             if width_out == width and draw(st.booleans()):
                 tie = width  # every tied square Linear of this width shares one weight
-        frozen = frozen_ok and kind not in ("act",) and not tie and draw(st.integers(0, 4)) == 4
+        frozen = frozen_ok and kind != "act" and not tie and one_in(draw, 5)
         return Block(
             kind=kind,
             width_in=width,
@@ -146,7 +137,7 @@ def cases(caps: Capabilities, max_steps: int = MAX_STEPS, max_nodes: int = MAX_N
             bias=bias,
             tie=tie,
             frozen=frozen,
-            checkpoint=checkpoint_ok and draw(st.integers(0, 3)) == 3,
+            checkpoint=checkpoint_ok and one_in(draw, 4),
             output=draw(outputs),
             period=draw(st.integers(2, 3)) if kind == "branch" else 2,
             vocab=draw(st.integers(1, 5)) if kind == "embed" else 0,
@@ -154,16 +145,12 @@ def cases(caps: Capabilities, max_steps: int = MAX_STEPS, max_nodes: int = MAX_N
 
     @st.composite
     def seq(draw: Any, width: int, depth: int) -> tuple[Seq, int]:
-        count = draw(st.integers(1, max_nodes))
         nodes = []
-        for _ in range(count):
-            if depth < MAX_DEPTH and draw(st.integers(0, 3)) == 3:
+        for _ in range(draw(st.integers(1, max_nodes))):
+            if depth < MAX_DEPTH and one_in(draw, 4):
                 node, width = draw(seq(width, depth + 1))
-                node = dataclasses.replace(
-                    node,
-                    checkpoint=checkpoint_ok and draw(st.integers(0, 3)) == 3,
-                    output=draw(outputs),
-                )
+                checkpoint = checkpoint_ok and one_in(draw, 4)
+                node = dataclasses.replace(node, checkpoint=checkpoint, output=draw(outputs))
             else:
                 node = draw(block(width))
                 width = node.width_out
@@ -185,7 +172,7 @@ def cases(caps: Capabilities, max_steps: int = MAX_STEPS, max_nodes: int = MAX_N
             if isinstance(node, Block) and node.kind == "twice"
         ]
         candidates.append("head")
-        plan = {path for path in candidates if draw(st.integers(0, 2)) == 2}
+        plan = {path for path in candidates if one_in(draw, 3)}
         plan = _legal_plan(plan, paths, frozen_needs_instance=not mixed_ok)
         config = []
         for key, values in config_options:
@@ -201,15 +188,15 @@ def cases(caps: Capabilities, max_steps: int = MAX_STEPS, max_nodes: int = MAX_N
             if caps.has(Feature.CLIP_GRAD_NORM) and draw(st.booleans()):
                 clip = draw(st.sampled_from(CLIP_NORMS))
             evaluate = caps.has(Feature.FORWARD_VARIANTS) and draw(st.booleans())
-            round_trip = round_trip_ok and draw(st.integers(0, 3)) == 3
+            round_trip = round_trip_ok and one_in(draw, 4)
             steps.append(Step(tuple(micro), clip, evaluate, round_trip))
         program = Program(
             tuple(steps), batch=draw(st.integers(1, 3)), data_seed=draw(st.integers(0, 3))
         )
         precision = ()
-        if policies and draw(st.integers(0, 3)) == 3:
+        if policies and one_in(draw, 4):
             precision = draw(st.sampled_from(policies))
-        meta = meta_ok and draw(st.integers(0, 3)) == 3
+        meta = meta_ok and one_in(draw, 4)
         return FuzzCase(model, tuple(sorted(plan)), tuple(sorted(config)), program, precision, meta)
 
     return case()
@@ -241,9 +228,5 @@ def _legal_plan(
 
 def _innermost(plan: set[str], path: str) -> str | None:
     """The deepest wrapped module containing ``path`` (itself included), None for the root."""
-    best = None
-    for wrapped in plan:
-        if path == wrapped or path.startswith(wrapped + "."):
-            if best is None or wrapped.count(".") > best.count("."):
-                best = wrapped
-    return best
+    owners = [wrapped for wrapped in plan if path == wrapped or path.startswith(wrapped + ".")]
+    return max(owners, key=lambda wrapped: wrapped.count("."), default=None)

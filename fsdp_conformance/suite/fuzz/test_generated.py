@@ -1,15 +1,11 @@
-"""Generated models and training programs vs DDP (``fuzz.generated``, this package's fuzzer),
-as a base class to subclass.
+"""Generated models and training programs vs DDP (``fuzz.generated``), as a base class:
 
     class TestMyGeneratedModels(BaseGeneratedModelTests):
         fuzz_examples = 50          # more cases (default 12: the suite's run stays in budget)
         fuzz_seed = 1
 
-One test runs the whole hypothesis loop inside one rank set (rank 0 draws, every rank runs each
-case; docs/fuzz.md): derandomised by ``fuzz_seed``, bounded by ``fuzz_examples``. A failure
-names the minimal case (model as code, wrap plan, config, program) and the first difference;
-``fsdp-conformance fuzz --impl NAME --seed S --examples N`` reproduces it and writes its
-``repro.py``. Needs hypothesis (the ``test`` extra).
+One test runs the whole hypothesis loop in one rank set (docs/fuzz.md); a failure names the
+minimal case, the first difference and the ``fsdp-conformance fuzz`` command that reproduces it.
 """
 
 from __future__ import annotations
@@ -27,10 +23,8 @@ from . import driver
 class BaseGeneratedModelTests:
     """Every generated case matches DDP, sees legal states and finishes (docs/fuzz.md)."""
 
-    # Cases run (cases the adapter refuses are not counted)
-    fuzz_examples: ClassVar[int] = 12
-    # hypothesis seed (the run is reproducible from adapter, seed, examples and world size)
-    fuzz_seed: ClassVar[int] = 0
+    fuzz_examples: ClassVar[int] = 12  # cases run (refused ones are not counted)
+    fuzz_seed: ClassVar[int] = 0  # hypothesis seed
 
     @check(
         "fuzz.generated",
