@@ -133,15 +133,14 @@ def pytest_configure(config: pytest.Config) -> None:
 
     options = _validated_options(config)
     launcher_env = launcher.configure(config, config.getoption("fsdp_launcher"))
-    config.stash[STATE_KEY] = PluginState(**options, launcher=launcher_env)
+    state = config.stash[STATE_KEY] = PluginState(**options, launcher=launcher_env)
     _signals.install_pytest_handler(config)
     if config.getoption("fsdp_accept_goldens"):  # the ranks get this environment with each test
-        state = config.stash[STATE_KEY]
         state.previous_accept = os.environ.get(constants.ENV_ACCEPT_GOLDENS)
         state.accepting_goldens = True
         os.environ[constants.ENV_ACCEPT_GOLDENS] = "1"
     # created now (torch-free, no process yet) so that FSDPTest classes use the session options
-    runtime = config.stash[STATE_KEY].get_runtime()
+    runtime = state.get_runtime()
     if launcher_env is not None:
         config.pluginmanager.register(launcher.LauncherPlugin(runtime.launcher), "fsdp-launcher")
 
@@ -153,11 +152,9 @@ def _validated_options(config: pytest.Config) -> dict[str, Any]:
 
     def pick(option: str, env: str, default: Any) -> tuple[Any, str]:
         value = config.getoption(option)
-        if value is not None:
-            return value, "--" + option.replace("_", "-")
-        if os.environ.get(env):
+        if value is None and os.environ.get(env):
             return os.environ[env], env
-        return default, "--" + option.replace("_", "-")
+        return default if value is None else value, "--" + option.replace("_", "-")
 
     try:
         return {

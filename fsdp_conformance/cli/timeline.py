@@ -27,9 +27,8 @@ def _timeline_command(args: argparse.Namespace) -> int:
     check_impl(args.impl)
     check_world_size(args.world_size, minimum=2)
     check_at_least(args.iterations, "--iterations")
-    check_at_least(
-        args.layers, "--layers", 4, "the bound only shows with >= 4 instances (default 6)"
-    )
+    why = "the bound only shows with >= 4 instances (default 6)"
+    check_at_least(args.layers, "--layers", 4, why)
     for path, option in ((args.out, "--out"), (args.data, "--data"), (args.trace, "--trace")):
         check_output(path, option)
     try:
@@ -39,14 +38,9 @@ def _timeline_command(args: argparse.Namespace) -> int:
             "the timeline picture needs matplotlib, which cannot be imported "
             f"({error}): pip install matplotlib"
         ) from None
-    kwargs = {
-        "lag": args.lag,
-        "iterations": args.iterations,
-        "layers": args.layers,
-        "backward_prefetch": args.backward_prefetch,
-        "forward_prefetch": args.forward_prefetch,
-        "trace_file": os.path.abspath(args.trace) if args.trace else None,
-    }
+    names = ("lag", "iterations", "layers", "backward_prefetch", "forward_prefetch")
+    kwargs = {name: getattr(args, name) for name in names}
+    kwargs["trace_file"] = os.path.abspath(args.trace) if args.trace else None
     document = measure_in_ranks("timeline", "timeline_in_rank", kwargs, args, "gloo")
     if document is None:
         return 1

@@ -92,7 +92,6 @@ class RuntimeOptions:
     mode: str = constants.DEFAULT_MODE
     # seconds a test may run in its ranks before it is failed with stack dumps
     timeout: float = DEFAULT_TIMEOUT_S
-    # for tests that do not say
     world_size: int = 2
     # --fsdp-impl, passed to the ranks as dist.impl
     impl: str = "impl"

@@ -134,12 +134,10 @@ class _AssertConfig:
 
 
 def _reprcompare(op: str, left: Any, right: Any) -> str | None:
-    """pytest's rich comparison explanation, or None (the plain assertion message).
-
-    pytest's private ``assertrepr_compare`` takes ``(config, op, left, right, ...)`` up to 9.1
-    and ``(op, left, right, *, verbose, highlighter, ...)`` from 9.2: every parameter is passed
-    by name; an unknown required one drops the explanation (never a TypeError in the test).
-    """
+    """pytest's rich comparison explanation, or None. pytest's private ``assertrepr_compare``
+    takes ``(config, op, left, right, ...)`` up to 9.1 and ``(op, left, right, *, verbose,
+    highlighter, ...)`` from 9.2: every parameter is passed by name; an unknown required one
+    drops the explanation (never a TypeError in the test)."""
     from _pytest.assertion import util
 
     try:

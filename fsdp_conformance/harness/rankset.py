@@ -21,15 +21,14 @@ from fsdp_conformance.harness import collectives, wire
 from fsdp_conformance.harness import rank as rank_process
 from fsdp_conformance.harness.wire import ABORTED, DIED, FAILED, HUNG, PASSED, SKIPPED, RankOutcome
 
-# Seconds the other ranks get to finish after one rank failed, died or skipped before they are
-# reported as stuck (typically blocked in a collective with the failed rank) and killed.
+# Seconds the other ranks get after one rank failed, died or skipped before they are reported
+# stuck (typically in a collective with that rank) and killed.
 PEER_GRACE_S = 3.0
 # Seconds to wait for a rank's faulthandler dump to be written after SIGUSR1.
 DUMP_WAIT_S = 3.0
 # Seconds a rank gets to exit on request before it is killed.
 EXIT_WAIT_S = 2.0
-# Least seconds a rank set gets to start (import torch, rendezvous): start-up is not part of a
-# test's --fsdp-timeout and takes far longer than usual on a loaded machine.
+# Least seconds a rank set gets to start (import torch, rendezvous; slow on a loaded machine).
 STARTUP_TIMEOUT_S = 120.0
 # Seconds between looks at the ranks' collective records while a test runs.
 POLL_S = 0.5
@@ -81,7 +80,7 @@ class RankSet:
         self.log_offsets = [0] * world_size
         self.procs: list[subprocess.Popen] = []
         self.conns: list[Connection] = []
-        # output read while taking stack dumps, not yet handed to a RunReport
+        # output read while taking stack dumps, not yet reported
         self.unreported_output = [""] * world_size
         self.closed = False
 

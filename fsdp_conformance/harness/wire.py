@@ -176,13 +176,11 @@ def expect(message: object, sender: str, *types: type) -> Any:
 
 @dataclasses.dataclass
 class Verdict:
-    """The test's result as pytest / unittest should report it."""
+    """The test's result as pytest / unittest should report it: PASSED, FAILED, SKIPPED or
+    XFAILED, the failure report or reason, the properties of the lowest rank that recorded any."""
 
-    # PASSED, FAILED, SKIPPED or XFAILED
     status: str
-    # failure report, skip / xfail reason
     message: str = ""
-    # report properties of the lowest rank that recorded any
     properties: list[tuple[str, Any]] = dataclasses.field(default_factory=list)
 
 

@@ -203,26 +203,24 @@ def pre_forward(state: FSDPState, args: tuple, kwargs: dict) -> tuple[tuple, dic
     wait_unshard(state)
     handle.use_views(handle.unsharded)
     if handle.compute_dtype != handle.orig_dtype and handle.cast_forward_inputs:
-        dtype = handle.compute_dtype
-        args, kwargs = tree_map_only(
-            torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, (args, kwargs)
-        )
+        args, kwargs = _cast_floats((args, kwargs), handle.compute_dtype)
     return args, kwargs
+
+
+def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
+    return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
 
 
 def post_forward(state: FSDPState, output: Any) -> Any:
     """Reshard (FULL_SHARD, non-root) and hook the outputs for pre-backward."""
     if state.recomputing:
-        # a recompute inside backward: the gradient computation that follows needs them
+        # a recompute inside backward keeps the parameters for the gradients that follow
         transition(state, HandleTrainingState.BACKWARD_PRE, "post-forward (recompute)")
         return output
     state.context.exec_order.record_post_forward(state)
     mp = state.mixed_precision
     if state.is_root and mp is not None and mp.output_dtype is not None:
-        dtype = mp.output_dtype
-        output = tree_map_only(
-            torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, output
-        )
+        output = _cast_floats(output, mp.output_dtype)
     handle = state.handle
     if handle is not None and handle.strategy == ShardingStrategy.FULL_SHARD and not state.is_root:
         reshard(state)

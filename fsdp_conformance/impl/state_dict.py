@@ -90,11 +90,9 @@ class StateDictMixin:
             for entry in self._state_entries():
                 if entry.kind == "flat":
                     handle = state_of(entry.module).handle
+                    shard = handle.flat_param.detach().clone()
                     result[prefix + entry.name] = ShardedFlatParameter(
-                        handle.flat_param.detach().clone(),
-                        handle.rank,
-                        handle.world_size,
-                        handle.numel,
+                        shard, handle.rank, handle.world_size, handle.numel
                     )
                 elif entry.kind != "param":
                     result[prefix + entry.name] = self._plain_value(entry)

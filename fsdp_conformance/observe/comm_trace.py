@@ -147,7 +147,8 @@ class CommTrace:
         if self.compute:
             for instance in self.instances.values():
                 module = self.adapter.unwrap(instance)
-                hook = module.register_forward_pre_hook(self._compute_hook(instance))
+                on_compute = functools.partial(self._on_compute, instance)
+                hook = module.register_forward_pre_hook(on_compute)
                 self._stack.callback(hook.remove)
         return self
 
@@ -182,12 +183,9 @@ class CommTrace:
     def _on_collective(self, op: str, instance: Any, info: dict) -> None:
         self.collectives.append(Collective(self._phase, op, info["ranks"]))
 
-    def _compute_hook(self, instance: nn.Module):
-        def record_compute(module: nn.Module, args: Any) -> None:
-            label = self.labels[id(instance)]
-            self.events.append(CommEvent(self._phase, Op.COMPUTE, label, self._state(instance)))
-
-        return record_compute
+    def _on_compute(self, instance: nn.Module, module: nn.Module, args: Any) -> None:
+        label = self.labels[id(instance)]
+        self.events.append(CommEvent(self._phase, Op.COMPUTE, label, self._state(instance)))
 
     @property
     def phases(self) -> list[str]:

@@ -23,13 +23,14 @@ import contextlib
 import dataclasses
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
+from fsdp_conformance.adapters import clean_param_name
 from fsdp_conformance.adapters import features as adapter_features
 from fsdp_conformance.adapters import loop as adapter_loop
 from fsdp_conformance.models import CheckpointingWrap, DeviceInit, move_after_wrap
@@ -207,6 +208,12 @@ def ddp_driver(model_name: str, dist: Any, **options: Any) -> Driver:
     name = options.pop("optimizer_name", "sgd")
     model, zoo_model = build_reference(model_name, dist, **options)
     return Driver(model, zoo_model, dist.device, optimizer_name=name)
+
+
+def by_clean_name(adapter: Any, named: Iterable[tuple[str, Any]]) -> dict[str, Any]:
+    """`named`'s (name, value) pairs by the unwrapped model's names (wrapper segments cut)."""
+    segments = adapter_features.declared(adapter).wrapper_segments
+    return {clean_param_name(name, segments): value for name, value in named}
 
 
 def unsharded(adapter: Any, root: nn.Module, step: int, skip_root: bool = False) -> list[str]:

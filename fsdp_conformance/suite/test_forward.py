@@ -20,7 +20,9 @@ from . import loop_driver
 from .declare import check
 
 
-def _loss(zoo_model: Any, model: Any, variant: str, step: int, inputs: tuple) -> torch.Tensor:
+def _loss(driver: loop_driver.Driver, variant: str, step: int, index: int) -> torch.Tensor:
+    zoo_model, model = driver.zoo_model, driver.model
+    inputs = loop_driver.micro_input(zoo_model, driver.device, index)
     if variant == "method":
         return model.encode(*inputs).square().sum()
     if step % 2 == 1:  # the head alone, on a (B, 16) input
@@ -67,8 +69,7 @@ class BaseForwardMethodTests:
 
         def loss(step: int, index: int) -> torch.Tensor:
             step_of[0] = step
-            inputs = loop_driver.micro_input(zoo_model, dist.device, index)
-            return _loss(zoo_model, root, variant, step, inputs)
+            return _loss(driver, variant, step, index)
 
         def after_step(step: int) -> None:
             recorder.after_step()
@@ -82,16 +83,10 @@ class BaseForwardMethodTests:
         recorder.assert_legal()
         assert not resident, f"{label}: unsharded parameters left after the step: {resident}"
         reference = loop_driver.ddp_driver("loops", dist, ddp=False)
-        model = reference.model
-
-        def reference_loss(step: int, index: int) -> torch.Tensor:
-            inputs = loop_driver.micro_input(model, dist.device, index)
-            return _loss(model, model, variant, step, inputs)
-
         reference_losses = reference.run(
             self.STEPS,
-            loss=reference_loss,
-            after_backward=lambda step: loop_driver.average_gradients(model, dist.group),
+            loss=lambda step, index: _loss(reference, variant, step, index),
+            after_backward=lambda step: loop_driver.average_gradients(reference.model, dist.group),
         )
         loop_driver.assert_losses(label, losses, reference_losses)
         loop_driver.assert_params(label, driver.params(), reference.params(), self.STEPS)

@@ -12,7 +12,6 @@ from typing import Any, ClassVar
 import pytest
 import torch
 
-from fsdp_conformance.adapters import Feature, clean_param_name
 from fsdp_conformance.adapters import features as adapter_features
 from fsdp_conformance.adapters import loop as adapter_loop
 from fsdp_conformance.models import BufferedBlock
@@ -46,9 +45,7 @@ class BaseMetaInitTests:
     @pytest.mark.world_size(2)
     def test_meta_init(self, fsdp_adapter: Any, dist: Any, wrapping: str):
         adapter = fsdp_adapter
-        adapter_features.skip_unless(
-            adapter, Feature.META_INIT, *zoo.MODELS["buffered_meta"].features
-        )
+        adapter_features.skip_unless(adapter, *zoo.MODELS["buffered_meta"].features)
         config = {"auto_wrap_policy": _is_block} if wrapping == "auto_wrap" else {}
         adapter_features.skip_unless(adapter, *adapter_features.wrap_features(adapter, **config))
         nested = adapter.wrapper(process_group=dist.group) if wrapping == "nested" else None
@@ -56,7 +53,6 @@ class BaseMetaInitTests:
         root = adapter.wrap(zoo_model, process_group=dist.group, root=True, **config)
         adapter_loop.materialize(adapter, root, device=dist.device)
         label = f"adapter {adapter.name!r}, buffered_meta ({wrapping})"
-
         on_meta = [
             name
             for name, tensor in itertools.chain(root.named_parameters(), root.named_buffers())
@@ -69,10 +65,7 @@ class BaseMetaInitTests:
         assert sorted(full) == sorted(expected), (
             f"{label}: full parameter names {sorted(full)}, the plain model's {sorted(expected)}"
         )
-        buffers = {
-            clean_param_name(name, adapter_features.declared(adapter).wrapper_segments): buffer
-            for name, buffer in adapter.unwrap(root).named_buffers()
-        }
+        buffers = loop_driver.by_clean_name(adapter, adapter.unwrap(root).named_buffers())
         for name, value in plain.named_buffers():  # persistent and not
             assert name in buffers, f"{label}: buffer {name!r} is gone ({sorted(buffers)})"
             expected[name] = value
@@ -88,7 +81,6 @@ class BaseMetaInitTests:
             "its own reset_parameters() (initialised twice -- e.g. a nested instance "
             "re-initialised by its root's materialisation -- or left uninitialised)"
         )
-
         adapter_loop.load_state_dict(adapter, root, plain.state_dict())
         driver = loop_driver.Driver(root, zoo_model, dist.device, adapter)
         losses = driver.run(STEPS)

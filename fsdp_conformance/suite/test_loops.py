@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from fsdp_conformance.adapters import Adapter, Feature, UnsupportedFeatureError, clean_param_name
+from fsdp_conformance.adapters import Adapter, Feature, UnsupportedFeatureError
 from fsdp_conformance.adapters import features as adapter_features
 from fsdp_conformance.adapters import loop as adapter_loop
 from fsdp_conformance.constants import Op
@@ -37,6 +37,7 @@ from .loop_driver import (
     assert_params,
     average_gradients,
     build,
+    by_clean_name,
     compare,
     ddp_driver,
     fsdp_driver,
@@ -335,11 +336,8 @@ class BaseActivationCheckpointingTests:
             f"{label}: checkpointed blocks {lacking} ran fewer than {2 * steps} times in {steps} "
             "steps: the recompute did not happen"
         )
-        segments = adapter_features.declared(adapter).wrapper_segments
-        params = {  # by the names of the model without checkpointing (what DDP trained)
-            clean_param_name(name, segments): value
-            for name, value in adapter_loop.full_params(adapter, root).items()
-        }
+        # by the names of the model without checkpointing (what DDP trained)
+        params = by_clean_name(adapter, adapter_loop.full_params(adapter, root).items())
         training.assert_same_training(
             label, training.TrainingResult(losses, params), training.reference_run(model_name, dist)
         )
@@ -350,15 +348,11 @@ def _variant_case(variant: str, strategy: str) -> LoopCase:
 
 
 class BaseForwardVariantsTests:
-    """Forward variants, 4 steps each, matching the reference, training states legal:
-
-    - ``unused_branch``: ``loops_branch``'s wrapped branch runs in steps 0 and 2 only, against
-      DDP with ``find_unused_parameters=True``;
-    - ``two_forwards``: two forwards before one backward of the summed loss, against the
-      unwrapped model with its gradients averaged by hand (DDP refuses this), within
-      ``SYNC_EVERY_TOL``; an instance may run its backward hooks once per forward here;
-    - ``eval_forward``: after each step a forward under ``torch.no_grad()`` whose output equals
-      the reference's and after which (FULL_SHARD) no non-root instance stays unsharded."""
+    """4 steps matching the reference with legal training states: a wrapped branch used in
+    steps 0 and 2 only (``unused_branch``, vs DDP ``find_unused_parameters=True``); two forwards
+    before one backward (``two_forwards``, vs gradients averaged by hand, within
+    ``SYNC_EVERY_TOL``); a ``torch.no_grad()`` forward after each step (``eval_forward``: equal
+    outputs, no non-root instance left unsharded with FULL_SHARD)."""
 
     STEPS: ClassVar[int] = 4
     variants: ClassVar[tuple[str, ...]] = ("unused_branch", "two_forwards", "eval_forward")
@@ -542,16 +536,23 @@ def _shared_directory(dist: Any) -> Iterator[str]:
     import shutil
     import tempfile
 
-    import torch.distributed as tdist
-
-    source = tdist.get_process_group_ranks(dist.group)[0]
-    path = [tempfile.mkdtemp(prefix="fsdp_resume_") if dist.rank == 0 else None]
-    tdist.broadcast_object_list(path, src=source, group=dist.group)
+    path = _from_rank_0(tempfile.mkdtemp(prefix="fsdp_resume_") if dist.rank == 0 else None, dist)
     try:
-        yield path[0]
+        yield path
     finally:
         if dist.rank == 0:
-            shutil.rmtree(path[0], ignore_errors=True)
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _from_rank_0(value: Any, dist: Any) -> Any:
+    """`value` of the test's rank 0, on every rank."""
+    import torch.distributed as tdist
+
+    box = [value]
+    tdist.broadcast_object_list(
+        box, src=tdist.get_process_group_ranks(dist.group)[0], group=dist.group
+    )
+    return box[0]
 
 
 def _worlds(dist: Any) -> dict[int, Any]:
@@ -567,7 +568,6 @@ def _resume(
     """n Adam steps at the save world, saved (the adapter's checkpoint, or the DDP reference's
     state dicts) and loaded at the load world, m more steps: (loaded, saved, losses, full
     parameters); None outside the load world."""
-    import torch.distributed as tdist
 
     def driver(world: int) -> Driver:
         if adapter is None:
@@ -586,21 +586,18 @@ def _resume(
             state = saving.params()
             adapter.save_checkpoint(saving.model, saving.optimizer, directory)
         del saving
-    box = [state]
-    tdist.broadcast_object_list(
-        box, src=tdist.get_process_group_ranks(dist.group)[0], group=dist.group
-    )
+    state = _from_rank_0(state, dist)
     if case.load_world == 1 and dist.rank != 0:
         return None
     loading = driver(case.load_world)
     if adapter is None:
-        loading.zoo_model.load_state_dict(box[0][0])
-        loading.optimizer.load_state_dict(box[0][1])
+        loading.zoo_model.load_state_dict(state[0])
+        loading.optimizer.load_state_dict(state[1])
     else:
         adapter.load_checkpoint(loading.model, loading.optimizer, directory)
     loaded = loading.params()
     losses = loading.run(case.m, start=case.n)
-    return loaded, box[0], losses, loading.params()
+    return loaded, state, losses, loading.params()
 
 
 class TestGradientAccumulation(BaseGradientAccumulationTests):

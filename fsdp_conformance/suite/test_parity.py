@@ -19,8 +19,7 @@ from fsdp_conformance.adapters import loop as adapter_loop
 from . import configs, training, zoo
 from .declare import check
 
-# fp32 is bit-exact at world sizes 1 and 2 (dividing by 2 is exact, one summation order); at 4
-# the reduction order differs from DDP's (measured with impl, torch FSDP1 and FSDP2, CPU)
+# fp32 is bit-exact at world sizes 1 and 2 (dividing by 2 is exact); at 4 the order differs
 ATOL_WORLD_SIZE_4 = 1e-6
 RTOL_WORLD_SIZE_4 = 1e-6
 # bf16 against fp32 DDP (fp32 parameters); measured after 3 steps: 9.2e-5 (nested), 9.7e-4

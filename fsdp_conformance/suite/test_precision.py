@@ -28,7 +28,7 @@ import torch.distributed as torch_dist
 from torch import nn
 
 from fsdp_conformance._patching import patch_attribute
-from fsdp_conformance.adapters import Feature, clean_param_name
+from fsdp_conformance.adapters import Feature
 from fsdp_conformance.adapters import features as adapter_features
 from fsdp_conformance.adapters import loop as adapter_loop
 from fsdp_conformance.constants import Op
@@ -233,13 +233,9 @@ class BasePrecisionTests:
             optimizer.step()
             losses.append(loss.detach().float())
             if step == 0:
-                segments = adapter_features.declared(adapter).wrapper_segments
                 state = adapter_loop.state_dict(adapter, root).items()
-                state_dtypes = {
-                    clean_param_name(k, segments): v.dtype
-                    for k, v in state
-                    if isinstance(v, torch.Tensor)
-                }
+                state = loop_driver.by_clean_name(adapter, state)
+                state_dtypes = {k: v.dtype for k, v in state.items() if isinstance(v, torch.Tensor)}
         reference = loop_driver.ddp_driver(MODEL, dist)
         buffers = {name: b.dtype for name, b in reference.zoo_model.named_buffers()}
         wrong_state = {
@@ -311,7 +307,6 @@ class BasePrecisionTests:
     @pytest.mark.world_size(2)
     def test_grad_scaler(self, fsdp_adapter: Any, dist: Any):
         adapter = fsdp_adapter
-        adapter_features.skip_unless(adapter, Feature.GRAD_SCALER)
         driver = loop_driver.fsdp_driver(adapter, MODEL, dist, {"sharding_strategy": "FULL_SHARD"})
         optimizer = driver.optimizer  # before the scaler, as users make them
         scaler = adapter_loop.grad_scaler(adapter, driver.model, **SCALER_OPTIONS)
@@ -320,8 +315,7 @@ class BasePrecisionTests:
         scaler = torch.amp.GradScaler(dist.device.type, **SCALER_OPTIONS)
         ddp_run = _scaled_run(reference, reference.optimizer, scaler, reference.zoo_model, dist)
         label = f"adapter {adapter.name!r}, {MODEL}, an inf gradient on rank 1 in step 1"
-        scales = [None] * dist.world_size
-        torch_dist.all_gather_object(scales, fsdp["scales"], group=dist.group)
+        scales = _per_rank(fsdp["scales"], dist)
         assert all(s == scales[0] for s in scales), (
             f"{label}: the scale differs across ranks after each step: {scales}"
         )
@@ -329,8 +323,7 @@ class BasePrecisionTests:
             f"{label}: scales after each step {fsdp['scales']}, DDP + GradScaler's "
             f"{ddp_run['scales']} (the inf step must halve the scale)"
         )
-        skipped = [None] * dist.world_size
-        torch_dist.all_gather_object(skipped, fsdp["skipped"], group=dist.group)
+        skipped = _per_rank(fsdp["skipped"], dist)
         assert all(s == [INF_STEP] for s in skipped), (
             f"{label}: steps that left the parameters unchanged, per rank: {skipped}; "
             f"expected only step {INF_STEP} on every rank"
@@ -363,19 +356,22 @@ def _scaled_run(driver: Any, optimizer: Any, scaler: Any, module: nn.Module, dis
                 handles.append(mod.weight.register_hook(inject))
 
             handles.append(linear.register_forward_pre_hook(pre_hook))
-        inputs = loop_driver.micro_input(driver.zoo_model, dist.device, step)
-        loss = driver.zoo_model.get_loss(inputs, driver.model(*inputs))
-        driver.backward(scaler.scale(loss))
+        driver.backward(scaler.scale(driver.loss(step)))
         for handle in handles:
             handle.remove()
         before = [_local(p).clone() for p in driver.model.parameters()]
         scaler.step(optimizer)
         scaler.update()
-        after = list(driver.model.parameters())
-        if all(torch.equal(b, _local(a)) for b, a in zip(before, after)):
+        if all(torch.equal(b, _local(a)) for b, a in zip(before, driver.model.parameters())):
             skipped.append(step)
         scales.append(float(scaler.get_scale()))
     return {"scales": scales, "skipped": skipped, "params": driver.params()}
+
+
+def _per_rank(value: Any, dist: Any) -> list[Any]:
+    values = [None] * dist.world_size
+    torch_dist.all_gather_object(values, value, group=dist.group)
+    return values
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -13,8 +13,6 @@ import pytest
 import torch
 from torch import nn
 
-from fsdp_conformance.adapters import clean_param_name
-from fsdp_conformance.adapters import features as adapter_features
 from fsdp_conformance.adapters import loop as adapter_loop
 from fsdp_conformance.adapters.features import HYBRID_STRATEGIES
 from fsdp_conformance.constants import Op
@@ -40,12 +38,9 @@ def full_state_dict(adapter: Any, root: nn.Module) -> dict[str, torch.Tensor]:
     ``full_tensor()`` (torch FSDP2's default state dict is sharded)."""
     from torch.distributed.tensor import DTensor
 
-    return {
-        clean_param_name(name, adapter_features.declared(adapter).wrapper_segments): (
-            value.full_tensor() if isinstance(value, DTensor) else value
-        )
-        for name, value in adapter_loop.state_dict(adapter, root).items()
-    }
+    state = adapter_loop.state_dict(adapter, root).items()
+    full = ((k, v.full_tensor() if isinstance(v, DTensor) else v) for k, v in state)
+    return loop_driver.by_clean_name(adapter, full)
 
 
 class BaseUnevenShardingTests:

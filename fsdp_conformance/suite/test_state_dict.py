@@ -132,10 +132,7 @@ class BaseFullStateDictTests:
     @pytest.mark.world_size(2)
     def test_full_state_dict(self, fsdp_adapter: Any, dist: Any, option: str):
         adapter = fsdp_adapter
-        options = {
-            "rank0_only": option == "rank0_only",
-            "offload_to_cpu": option == "offload_to_cpu",
-        }
+        options = {name: option == name for name in ("rank0_only", "offload_to_cpu")}
         label = f"adapter {adapter.name!r}, {MODEL}, full state dict ({option})"
         driver = loop_driver.fsdp_driver(adapter, MODEL, dist)
         root = driver.model

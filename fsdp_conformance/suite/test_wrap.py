@@ -12,8 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from fsdp_conformance.adapters import UnsupportedFeatureError, clean_param_name
-from fsdp_conformance.adapters import features as adapter_features
+from fsdp_conformance.adapters import UnsupportedFeatureError
 from fsdp_conformance.adapters import loop as adapter_loop
 from fsdp_conformance.models import DeviceInit, move_after_wrap
 
@@ -138,10 +137,7 @@ class BaseIgnoredParamsTests:
         root = adapter.wrap(zoo_model, process_group=dist.group, root=True, **config)
         root = move_after_wrap(root, DeviceInit.AFTER, dist.device)
         label = f"adapter {adapter.name!r}, loops, {strategy}, {IGNORED}* ignored, {variant}"
-        registered = {
-            clean_param_name(name, adapter_features.declared(adapter).wrapper_segments): p
-            for name, p in root.named_parameters()
-        }
+        registered = loop_driver.by_clean_name(adapter, root.named_parameters())
         for name, param in ignored.items():
             seen = registered.get(name)
             assert seen is param and type(seen) is nn.Parameter, (

@@ -1,9 +1,6 @@
-"""Train FSDP and DDP, compare (torch's `_test_identical_outputs`, adapter-driven).
-
-`reference_run` trains the unwrapped zoo model under DDP (or DummyDDP), cached per rank process;
-`fsdp_run` wraps and trains it through an adapter; `assert_same_training` compares losses, the
-gradient shards after every backward (where `Adapter.grad_shards` reads them) and the full
-parameters. Both runs alternate ``zero_grad(set_to_none=...)`` (True in step 0).
+"""Train FSDP (`fsdp_run`) and DDP (`reference_run`, cached per rank process), compare
+(`assert_same_training`): torch's `_test_identical_outputs`, adapter-driven. Both alternate
+``zero_grad(set_to_none=...)`` (True in step 0).
 """
 
 from __future__ import annotations
@@ -82,13 +79,10 @@ def train(
 
 
 def adapter_backward(adapter: Adapter, model: nn.Module, loss: torch.Tensor) -> None:
-    """Backward of `loss` through `adapter`.
-
-    Under ``grad_reduction == "sum"`` the loss is divided by the root's group size, and the
-    gradients of an instance on a group of another size (the MoE expert on one rank) are scaled
-    by root size / own size with a hook (linear, so before or after the reduction alike):
-    summed gradients then equal DDP's averaged ones.
-    """
+    """Backward of `loss` through `adapter`. Under ``grad_reduction == "sum"`` the loss is
+    divided by the root's group size and an instance on a group of another size (the MoE
+    expert) has its gradients scaled by root size / own size (a hook: linear, so before or after
+    the reduction alike): summed gradients then equal DDP's averaged ones."""
     if adapter_features.declared(adapter).grad_reduction != "sum":
         adapter_loop.backward(adapter, model, loss)
         return
