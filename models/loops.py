@@ -3,10 +3,6 @@ frozen parameters, and non-reentrant activation checkpointing inside wrapped blo
 
     LoopModule: Linear(8, 16) -> [block 0] -> [block 1] -> [block 2] -> ([branch]) -> [head]
     (brackets = wrapped; block i = Sequential(Linear(16, 16), Tanh, Scale(gains[i])))
-
-`CheckpointingWrap(wrap)` is a zoo `wrap` that puts each wrapped module inside a
-`CheckpointedModule` first, so the FSDP instance runs ``torch.utils.checkpoint(use_reentrant=
-False)`` around its module; with ``outside=True`` the checkpoint runs around the instance.
 """
 
 from __future__ import annotations
@@ -54,7 +50,6 @@ class CheckpointingWrap:
     (None: checkpointing only); other attributes (the delay hooks) forward to `wrap`.
 
     Args:
-        wrap: the FSDP wrap.
         outside: False: the FSDP instance runs checkpoint around its module (torch's
             ``checkpoint_wrapper`` before wrapping); True: checkpoint runs around the instance,
             so the recompute re-enters the instance's forward during its backward.

@@ -1,11 +1,6 @@
-"""Adapters: how the conformance suite drives one FSDP implementation (docs/adapters.md).
-
-`get_adapter(name)` with "impl", "torch-fsdp1", "torch-fsdp2" or "pkg.module:ATTR"; the
-protocol is `Adapter` (base.py) and what it declares `Declarations`; feature names and
-negotiation are in features.py, deviation matching in deviations.py, the training loop's hooks
-in loop.py; canonical states are
-`InstanceState` / `RootState` (fsdp_conformance/training_states.py). See docs/adapters.md.
-"""
+"""Adapters: how the suite drives one FSDP implementation (docs/adapters.md): `get_adapter`,
+the protocol `Adapter` and what it declares, `Declarations`; negotiation in `features`,
+deviation matching in `deviations`, training-loop hooks in `loop`."""
 
 from __future__ import annotations
 

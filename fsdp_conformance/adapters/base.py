@@ -29,7 +29,7 @@ from .features import (  # the errors and claimed_but_not_implemented: also impo
     Declarations,
     Feature,
     FeatureNotImplementedError,
-    UnsupportedFeatureError,
+    UnsupportedFeatureError,  # noqa: F401
     check_process_group,
     claimed_but_not_implemented,  # noqa: F401
     normalize_config,
@@ -170,9 +170,7 @@ class Adapter:
         """
         if root is not None and not isinstance(root, bool):
             raise TypeError(f"{self.name} wrap: root={root!r} must be True, False or None")
-        normalized = normalize_config(config)
-        features.require(self, *features.features_for(normalized))
-        features.require_values(self, normalized)
+        normalized = _negotiated(self, config)
         check_process_group(process_group, normalized)
         wrap_one = _primitive(self, "_wrap")
         previous = self.__dict__.get("wrapping_root")
@@ -189,9 +187,7 @@ class Adapter:
 
     def wrapper(self, *, process_group: Any = None, **config: Any) -> AdapterWrap:
         """A `wrap` callable for the model zoo, its config validated now."""
-        normalized = normalize_config(config)
-        features.require(self, *features.features_for(normalized))
-        features.require_values(self, normalized)
+        _negotiated(self, config)
         if process_group is not None:
             config["process_group"] = process_group
         return AdapterWrap(self, config)
@@ -238,19 +234,13 @@ class Adapter:
         self, model: nn.Module, optimizer: torch.optim.Optimizer, directory: str
     ) -> None:
         """Collective: save model and optimizer state into `directory` (shared by all ranks)."""
-        features.require(self, Feature.CHECKPOINT_RESUME)
-        raise UnsupportedFeatureError(
-            self.name, Feature.CHECKPOINT_RESUME, "override Adapter.save_checkpoint"
-        )
+        features.unmapped(self, Feature.CHECKPOINT_RESUME, "override Adapter.save_checkpoint")
 
     def load_checkpoint(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, directory: str
     ) -> None:
         """Collective: load what `save_checkpoint` wrote, also at another world size."""
-        features.require(self, Feature.CHECKPOINT_RESUME)
-        raise UnsupportedFeatureError(
-            self.name, Feature.CHECKPOINT_RESUME, "override Adapter.load_checkpoint"
-        )
+        features.unmapped(self, Feature.CHECKPOINT_RESUME, "override Adapter.load_checkpoint")
 
     def __getattr__(self, name: str) -> Any:  # members of the older, wider protocol
         if name.startswith("__") or OLD_MEMBERS is None:
@@ -259,6 +249,14 @@ class Adapter:
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"
+
+
+def _negotiated(adapter: Adapter, config: dict[str, Any]) -> dict[str, Any]:
+    """The normalised config, or UnsupportedFeatureError for what `adapter` lacks."""
+    normalized = normalize_config(config)
+    features.require(adapter, *features.features_for(normalized))
+    features.require_values(adapter, normalized)
+    return normalized
 
 
 def _primitive(adapter: Adapter, name: str, feature: str | None = None) -> Callable[..., Any]:

@@ -50,19 +50,11 @@ STAGES = {"FULL_SHARD": 3, "SHARD_GRAD_OP": 2, "NO_SHARD": 1}
 
 # deepspeed.utils.groups' caches of process groups (dicts for the expert groups)
 _GROUP_CACHES = (
-    "_WORLD_GROUP",
-    "_ZERO_PARAM_INTRA_PARALLEL_GROUP",
-    "_DATA_PARALLEL_GROUP",
-    "_MODEL_PARALLEL_GROUP",
-    "_TENSOR_MODEL_PARALLEL_GROUP",
-    "mesh_device",
-    "mpu",
-    "_EXPERT_PARALLEL_GROUP",
-    "_EXPERT_PARALLEL_GROUP_RANKS",
-    "_EXPERT_DATA_PARALLEL_GROUP",
-    "_EXPERT_DATA_PARALLEL_GROUP_RANKS",
-    "_ALL_TO_ALL_GROUP",
-)
+    "_WORLD_GROUP _ZERO_PARAM_INTRA_PARALLEL_GROUP _DATA_PARALLEL_GROUP _MODEL_PARALLEL_GROUP "
+    "_TENSOR_MODEL_PARALLEL_GROUP mesh_device mpu _EXPERT_PARALLEL_GROUP "
+    "_EXPERT_PARALLEL_GROUP_RANKS _EXPERT_DATA_PARALLEL_GROUP _EXPERT_DATA_PARALLEL_GROUP_RANKS "
+    "_ALL_TO_ALL_GROUP"
+).split()
 
 _REGISTRY = ObserverRegistry()
 _lock = threading.Lock()
@@ -363,7 +355,8 @@ class DeepSpeedAdapter(EngineHooks, Adapter):
             Feature.ASSERT_STATE: "DeepSpeed keeps no training state to assert",
             Feature.LIMIT_ALL_GATHERS_OFF: (
                 "DeepSpeed's fetch back-pressure is always on where the device has events "
-                "(limit_all_gathers maps to stage3_max_live_parameters, a prefetch bound)"
+                "(limit_all_gathers maps to stage3_max_live_parameters, a prefetch bound), so "
+                "the bound cannot be switched off"
             ),
             Feature.MIXED_PRECISION_BUFFER_DTYPE: "DeepSpeed's bf16 mode does not cast buffers",
             Feature.META_INIT: (
@@ -434,8 +427,7 @@ class DeepSpeedAdapter(EngineHooks, Adapter):
         ensure_distributed()
         import deepspeed
 
-        strategy = config.get("sharding_strategy", "FULL_SHARD")
-        stage = STAGES[strategy]
+        stage = STAGES[config.get("sharding_strategy", "FULL_SHARD")]
         policy = config.get("auto_wrap_policy")
         if policy is not None:
             # no wrapping unit: the policy marks instances as wrap(root=False) does
@@ -513,10 +505,8 @@ class DeepSpeedAdapter(EngineHooks, Adapter):
         engine = instance
         if getattr(engine, "_fsdpc_summoning", False):
             return RootState.SUMMON_FULL_PARAMS
-        for param in engine.module.parameters():
-            if getattr(param, "ds_active_sub_modules", None):
-                return RootState.FORWARD_BACKWARD
-        if getattr(engine, "_fsdpc_in_step", False):
+        active = any(getattr(p, "ds_active_sub_modules", None) for p in engine.module.parameters())
+        if active or getattr(engine, "_fsdpc_in_step", False):
             return RootState.FORWARD_BACKWARD
         return RootState.IDLE
 

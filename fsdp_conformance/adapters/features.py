@@ -25,7 +25,7 @@ import re
 import unittest
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
@@ -456,6 +456,12 @@ def require(adapter: Any, *features: str) -> None:
         reason = why_unsupported(adapter, feature)
         if reason is not None:
             raise UnsupportedFeatureError(adapter.name, feature, reason)
+
+
+def unmapped(adapter: Any, feature: str, reason: str) -> NoReturn:
+    """UnsupportedFeatureError for `feature` (its declared reason if not claimed, else `reason`)."""
+    require(adapter, feature)
+    raise UnsupportedFeatureError(adapter.name, feature, reason)
 
 
 def skip_unless(adapter: Any, *features: str) -> None:

@@ -23,7 +23,7 @@ from .base import (
     delay_before_reduction,  # noqa: F401
     group_by,
 )
-from .features import Feature, declared, own_member, require, stand_in
+from .features import Feature, declared, own_member, require, stand_in, unmapped
 
 _OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
 
@@ -101,9 +101,8 @@ class EngineHooks:
     def grad_scaler(self, model: nn.Module, **options: Any) -> Any:
         """The gradient scaler users pair with `model` (``torch.amp.GradScaler``'s protocol); it
         skips the step on every rank when any rank's shard holds an inf or NaN."""
-        require(self, Feature.GRAD_SCALER)
-        raise UnsupportedFeatureError(
-            self.name,
+        unmapped(
+            self,
             Feature.GRAD_SCALER,
             "override Adapter.grad_scaler (return the scaler users pair with this "
             "implementation, e.g. torch's ShardedGradScaler over the model's process group)",
@@ -115,9 +114,8 @@ class EngineHooks:
         """The full state dict, keyed like the unwrapped module's, on every rank (`rank0_only`:
         empty elsewhere; `offload_to_cpu`: on the CPU)."""
         if rank0_only or offload_to_cpu:
-            require(self, Feature.FULL_STATE_DICT)
-            raise UnsupportedFeatureError(
-                self.name,
+            unmapped(
+                self,
                 Feature.FULL_STATE_DICT,
                 "override Adapter.state_dict (rank0_only: the full state dict on rank 0, empty "
                 "elsewhere; offload_to_cpu: its tensors on the CPU)",
@@ -129,9 +127,8 @@ class EngineHooks:
     ) -> None:
         """Load a full state dict; `assign` as ``nn.Module.load_state_dict``'s."""
         if assign:
-            require(self, Feature.FULL_STATE_DICT)
-            raise UnsupportedFeatureError(
-                self.name,
+            unmapped(
+                self,
                 Feature.FULL_STATE_DICT,
                 "override Adapter.load_state_dict (assign=True: load_state_dict's assign)",
             )
@@ -140,9 +137,8 @@ class EngineHooks:
     def materialize(self, model: nn.Module, *, device: torch.device) -> None:
         """Materialise a meta-device model on `device` after wrapping (each module's
         ``reset_parameters()`` run once)."""
-        require(self, Feature.META_INIT)
-        raise UnsupportedFeatureError(
-            self.name,
+        unmapped(
+            self,
             Feature.META_INIT,
             "override Adapter.materialize (after wrapping a meta-device model: every parameter "
             "and buffer on `device`, each module's reset_parameters() run once)",
@@ -155,9 +151,8 @@ class EngineHooks:
 
     def register_forward_method(self, instance: nn.Module, name: str) -> None:
         """Make ``instance.<name>(...)`` run as forward does (unsharded, gradients reduced)."""
-        require(self, Feature.FORWARD_METHOD)
-        raise UnsupportedFeatureError(
-            self.name,
+        unmapped(
+            self,
             Feature.FORWARD_METHOD,
             "override Adapter.register_forward_method (make instance.<name>() run the wrapped "
             "module's method with the instance's parameters unsharded, as forward does)",

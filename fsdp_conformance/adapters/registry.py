@@ -7,7 +7,6 @@ from __future__ import annotations
 import importlib
 import inspect
 import threading
-from collections.abc import Callable
 
 from fsdp_conformance import constants
 
@@ -87,18 +86,15 @@ def _resolve(name: str) -> Adapter:
     module_name, _, attr_path = name.partition(":")
     try:
         module = importlib.import_module(module_name)
-    except ModuleNotFoundError as error:
-        if error.name is None or not _is_prefix(error.name, module_name):
-            raise AdapterImportError(
-                f"FSDP adapter {name!r}: importing module {module_name!r} failed: "
-                f"{type(error).__name__}: {error}"
-            ) from error
-        raise ValueError(
-            f"FSDP adapter {name!r}: cannot import module {module_name!r} ({error}). "
-            "Make it importable in every rank (install the package, or add its folder to "
-            "PYTHONPATH) and check the spelling before the ':'"
-        ) from error
     except Exception as error:
+        # the module itself (or a package of it) missing is a misspelt name, not a broken adapter
+        missing = error.name if isinstance(error, ModuleNotFoundError) else None
+        if missing and (module_name == missing or module_name.startswith(missing + ".")):
+            raise ValueError(
+                f"FSDP adapter {name!r}: cannot import module {module_name!r} ({error}). "
+                "Make it importable in every rank (install the package, or add its folder to "
+                "PYTHONPATH) and check the spelling before the ':'"
+            ) from error
         raise AdapterImportError(
             f"FSDP adapter {name!r}: importing module {module_name!r} failed: "
             f"{type(error).__name__}: {error}"
@@ -118,17 +114,19 @@ def _resolve(name: str) -> Adapter:
     return adapter
 
 
-def _is_prefix(missing: str, module_name: str) -> bool:
-    return module_name == missing or module_name.startswith(missing + ".")
-
-
 def _instantiate(target: object, name: str) -> Adapter:
     if isinstance(target, Adapter):
         return target
     if inspect.isclass(target) and issubclass(target, Adapter):
         return target()
     if callable(target) and not inspect.isclass(target):
-        produced = _call_factory(target, name)
+        try:
+            produced = target()
+        except TypeError as error:
+            raise ValueError(
+                f"FSDP adapter {name!r}: calling the factory failed ({error}); it must take no "
+                "arguments"
+            ) from error
         if isinstance(produced, Adapter):
             return produced
         raise ValueError(
@@ -139,13 +137,3 @@ def _instantiate(target: object, name: str) -> Adapter:
         f"FSDP adapter {name!r} resolves to {target!r}, which is not an "
         "fsdp_conformance.adapters.Adapter instance, subclass or factory; subclass Adapter"
     )
-
-
-def _call_factory(factory: Callable[[], object], name: str) -> object:
-    try:
-        return factory()
-    except TypeError as error:
-        raise ValueError(
-            f"FSDP adapter {name!r}: calling the factory failed ({error}); it must take no "
-            "arguments"
-        ) from error

@@ -131,11 +131,11 @@ FSDP1_DEVIATIONS = (
     _on_matrix(
         "memory_bound",
         "torch FSDP1 2.13.0 exceeds the two-instance bound from iteration 2 when handles are "
-        "prefetched: the unshard of an already-prefetched handle is skipped without dequeuing a "
-        "free event, so the free-event queue holds 3 events and one more buffer than 'two "
-        "consecutive FSDP instances' stays resident. Reproduction: FSDP(ChainOfLinears, "
-        "limit_all_gathers=True, backward_prefetch=BACKWARD_PRE) with 6 inner instances under the "
-        "lagging device: peak 3 resident inner buffers (docs/memory_bound.md, 'torch FSDP1')",
+        "prefetched: the skipped unshard of a prefetched handle dequeues no free event, so 3 "
+        "events are queued and one buffer more than 'two consecutive FSDP instances' stays. "
+        "Reproduction: FSDP(ChainOfLinears, limit_all_gathers=True, "
+        "backward_prefetch=BACKWARD_PRE) with 6 inner instances under the lagging device: peak 3 "
+        "resident inner buffers (docs/memory_bound.md, 'torch FSDP1')",
         _prefetches_with_limit,
         match=r"^memory bound exceeded: ",
     ),
@@ -169,10 +169,9 @@ FSDP1_DEVIATIONS = (
     ),
     _on_2_13(
         "precision.dtypes",
-        "torch FSDP1 accumulates gradients across no_sync() micro-batches in param_dtype, not "
-        "float32 (nor reduce_dtype): inside no_sync the unsharded gradient stays in param_dtype "
-        "and is cast to reduce_dtype only at the synchronising backward, so N micro-batches round "
-        "the running sum N times. Reproduction (2 ranks): FSDP(nn.Linear(8, 8), device_id=cpu, "
+        "torch FSDP1 accumulates gradients across no_sync() micro-batches in param_dtype (cast "
+        "to reduce_dtype only at the synchronising backward), so N micro-batches round the "
+        "running sum N times. Reproduction (2 ranks): FSDP(nn.Linear(8, 8), device_id=cpu, "
         "mixed_precision=MixedPrecision(param_dtype=bfloat16, reduce_dtype=float32)); two "
         "backwards inside no_sync() leave a bfloat16 gradient of the unsharded size. loops (one "
         "instance), 32 identical micro-batches: the update is 0.0178 (relative) away from float32 "
@@ -182,9 +181,8 @@ FSDP1_DEVIATIONS = (
     ),
     _on_2_13(
         "wrap.shared_across_instances",
-        "torch FSDP1 accepts a parameter tied across two instances wrapped apart and silently "
-        "unties it: each instance flattens its own copy of the shared parameter, and each copy is "
-        "trained with its own module's part of the gradient, so training diverges from DDP. "
+        "torch FSDP1 silently unties a parameter tied across two instances wrapped apart (each "
+        "flattens and trains its own copy), so training diverges from DDP. "
         "Reproduction (2 ranks, device_id=cpu): head.weight = embed.weight; FSDP(embed), "
         "FSDP(head), FSDP(root): the flat parameters hold 96 + 96 + 12 elements (the (12, 8) "
         "weight twice); after one SGD step embed's and head's weights differ under "
@@ -193,11 +191,10 @@ FSDP1_DEVIATIONS = (
     ),
     _on_2_13(
         "forward.other_method",
-        "torch FSDP1 leaves a nested instance in BACKWARD_POST when its forward is called alone "
-        "(not through the root) after the root's lazy init: the end-of-backward callback that "
-        "resets the states is queued by the root's forward only. Reproduction (2 ranks): loops "
-        "wrapped FULL_SHARD, root(x) and backward once, then head(h).sum().backward(): head's "
-        "handle state is BACKWARD_POST after the step "
+        "torch FSDP1 leaves a nested instance called alone (after the root's lazy init) in "
+        "BACKWARD_POST: only the root's forward queues the callback that resets states. "
+        "Reproduction (2 ranks): loops wrapped FULL_SHARD, root(x) and backward once, then "
+        "head(h).sum().backward(): head's handle state is BACKWARD_POST after the step "
         "(tests/adapters/test_measured_torch_facts.py)",
         lambda case: case.variant == "nested_alone",
         raises=AssertionError,
@@ -231,12 +228,11 @@ FSDP1_DEVIATIONS = (
     ),
     _on_2_13(
         "state_dict.full",
-        "torch FSDP1's optimizer state dict (FSDP.optim_state_dict, which DCP's get_state_dict "
-        "calls) fails on a process group without global rank 0: _map_param_key_to_optim_keys "
-        "broadcasts from src=0, a global rank, over the model's group ('Global rank 0 is not part "
-        "of group'). Reproduction (2 ranks): on rank 1, FSDP(nn.Linear(8, 5), "
-        "process_group=new_group([1]), device_id=cpu), one Adam step, FSDP.optim_state_dict(model, "
-        "optimizer, group=that group) raises",
+        "torch FSDP1's FSDP.optim_state_dict (called by DCP's get_state_dict) fails on a group "
+        "without global rank 0: _map_param_key_to_optim_keys broadcasts from src=0 over the "
+        "model's group ('Global rank 0 is not part of group'). Reproduction (2 ranks): on rank 1, "
+        "FSDP(nn.Linear(8, 5), process_group=new_group([1]), device_id=cpu), one Adam step, "
+        "FSDP.optim_state_dict(model, optimizer, group=that group) raises",
         lambda case: (
             case is not None
             and getattr(case, "test", "") == "subgroup"
@@ -247,13 +243,12 @@ FSDP1_DEVIATIONS = (
     ),
     _fuzz(
         "fuzz.generated",
-        "torch FSDP1 sets the gradient of a flat parameter to None when its instance ran forward "
-        "but none of its parameters was used in that backward, even after "
-        "optimizer.zero_grad(set_to_none=False); SGD with momentum then skips those parameters "
-        "where DDP (a zero gradient) applies the momentum. Reproduction (2 ranks, FULL_SHARD): an "
-        "inner FSDP(Branch) whose forward returns lin(x) + x in step 0 and x in step 1; after step "
-        "1's backward its flat parameter's grad is None on every rank, DDP's is zeros (found by "
-        "fsdp-conformance fuzz --impl torch-fsdp1 --seed 0)",
+        "torch FSDP1 sets a flat parameter's gradient to None when its instance ran forward but "
+        "none of its parameters was used in backward (even after zero_grad(set_to_none=False)): "
+        "SGD with momentum skips them where DDP (a zero gradient) applies the momentum. "
+        "Reproduction (2 ranks, FULL_SHARD): an inner FSDP(Branch) whose forward returns lin(x) + "
+        "x in step 0 and x in step 1; after step 1's backward its flat parameter's grad is None on "
+        "every rank, DDP's is zeros (found by fsdp-conformance fuzz --impl torch-fsdp1 --seed 0)",
         lambda case: case is not None and "branch" in case.uses(),
         raises=AssertionError,
         match=r"FSDP .* != DDP |differs from DDP's",
@@ -273,16 +268,16 @@ FSDP1_DEVIATIONS = (
     Deviation(
         "fuzz.generated",
         "torch FSDP1 with NO_SHARD and use_orig_params=True drops an inner instance's original "
-        "parameters from named_parameters() (and so from summon_full_params, state_dict and any "
-        "optimizer built later) once that instance skips a forward, and they stay gone when it "
-        "runs again; training itself still matches DDP. Reproduction (2 ranks, device_id=cpu): m.b "
-        "= FSDP(Branch(), sharding_strategy=NO_SHARD, use_orig_params=True) inside root = FSDP(m, "
-        "same kwargs), Branch returning h + lin(h) in step 0 and h in step 1; after step 1 "
-        "root.named_parameters() lists no b.lin.* (SHARD_GRAD_OP and FULL_SHARD keep them). That "
-        "is 2.13.0 and 2.14.1; the same case fails loudly elsewhere: 2.15.0 in the next backward "
-        "that uses the instance (_use_sharded_grad_views: 'a view and its base ... has been "
-        "modified inplace'), 2.8.0 in its next forward (_writeback_orig_params: 'Cannot writeback "
-        "when the parameter shape changes') (tests/adapters/test_measured_torch_facts.py)",
+        "parameters from named_parameters() (so from summon_full_params, state_dict and later "
+        "optimizers) once it skips a forward, for good; training still matches DDP. "
+        "Reproduction (2 ranks, device_id=cpu): m.b = FSDP(Branch(), sharding_strategy=NO_SHARD, "
+        "use_orig_params=True) inside root = FSDP(m, same kwargs), Branch returning h + lin(h) "
+        "in step 0 and h in step 1: after step 1 root.named_parameters() lists no b.lin.* "
+        "(SHARD_GRAD_OP, FULL_SHARD keep them). So on 2.13.0 and 2.14.1; 2.15.0 fails in the "
+        "next backward using the instance (_use_sharded_grad_views: 'a view and its base ... "
+        "has been modified inplace'), 2.8.0 in its next forward (_writeback_orig_params: "
+        "'Cannot writeback when the parameter shape changes') "
+        "(tests/adapters/test_measured_torch_facts.py)",
         lambda case: (
             case is not None
             and {"branch", "config:sharding_strategy=NO_SHARD", "config:use_orig_params=True"}

@@ -165,9 +165,8 @@ class TorchFSDP2Adapter(EngineHooks, Adapter):
     declarations = Declarations(
         unsupported={
             Feature.LIMIT_ALL_GATHERS_OFF: (
-                "torch FSDP2's memory bound is built in (stream-ordered reuse of all-gather "
-                "outputs, reshard after forward) and never blocks the CPU; limit_all_gathers=False "
-                "is accepted as a no-op, so the bound cannot be switched off"
+                "torch FSDP2's memory bound is built in (stream-ordered reuse, reshard after "
+                "forward): limit_all_gathers=False is a no-op, the bound cannot be switched off"
             ),
             Feature.MIXED_PRECISION_BUFFER_DTYPE: (
                 "torch FSDP2 MixedPrecisionPolicy does not cast buffers"
@@ -181,8 +180,7 @@ class TorchFSDP2Adapter(EngineHooks, Adapter):
             ),
             Feature.ASSERT_STATE: "torch FSDP2 exposes no state assertion",
             Feature.USE_ORIG_PARAMS: (
-                "torch FSDP2 always registers the original parameters (as DTensors); FSDP1's "
-                "use_orig_params flag has nothing to switch"
+                "torch FSDP2 always registers the original parameters (as DTensors)"
             ),
         },
         known_deviations=FSDP2_DEVIATIONS,

@@ -135,13 +135,14 @@ def prefetch_failures(trace: CommTrace, config: dict[str, Any]) -> list[str]:
 def assert_prefetch_happens(trace: CommTrace, config: dict[str, Any], label: str) -> None:
     """Raise AssertionError listing every configured prefetch the trace does not show."""
     failures = prefetch_failures(trace, config)
+    raise_failures(f"prefetch does not happen ({label})", failures, trace.render(ops=None))
+
+
+def raise_failures(headline: str, failures: list[str], rendered_trace: str) -> None:
+    """AssertionError listing ``failures`` under ``headline``, then the trace; none: nothing."""
     if failures:
-        raise AssertionError(
-            f"prefetch does not happen ({label}):\n  "
-            + "\n  ".join(failures)
-            + "\ntrace:\n"
-            + trace.render(ops=None)
-        )
+        lines = "".join(f"\n  {failure}" for failure in failures)
+        raise AssertionError(f"{headline}:{lines}\ntrace:\n{rendered_trace}")
 
 
 def _per_label(trace: CommTrace, phase: str, ops: tuple[str, ...]) -> dict[str, int]:
@@ -214,13 +215,8 @@ def assert_counts(
 ) -> None:
     """Raise AssertionError naming each phase whose collective counts break a bound."""
     failures = count_failures(trace, strategy, no_sync_iterations)
-    if failures:
-        raise AssertionError(
-            f"collective counts differ ({label}, {strategy}, {instances} instances):\n  "
-            + "\n  ".join(failures)
-            + "\ntrace:\n"
-            + trace.render()
-        )
+    headline = f"collective counts differ ({label}, {strategy}, {instances} instances)"
+    raise_failures(headline, failures, trace.render())
 
 
 TRACE_MODELS = ("nested", "transformer")

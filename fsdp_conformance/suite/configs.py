@@ -19,22 +19,15 @@ from fsdp_conformance import constants
 from fsdp_conformance.adapters import features as adapter_features
 from fsdp_conformance.adapters.features import SHARDING_STRATEGIES, normalize_config
 
-# The first value of each dimension is the default config
 BACKWARD_PREFETCH_CASES = ("BACKWARD_PRE", None, "BACKWARD_POST")
-FORWARD_PREFETCH = (False, True)
-# None: the key is not given (the implementation's default)
-LIMIT_ALL_GATHERS = (None, False)
-CPU_OFFLOAD = (False, True)
-# models.DeviceInit values (the same on CPU)
-DEVICE_INITS = ("after", "before", "never")
-
+# the first value of each dimension is the default config
 DIMENSIONS: dict[str, tuple[Any, ...]] = {
     "sharding_strategy": SHARDING_STRATEGIES,
     "backward_prefetch": BACKWARD_PREFETCH_CASES,
-    "forward_prefetch": FORWARD_PREFETCH,
-    "limit_all_gathers": LIMIT_ALL_GATHERS,
-    "cpu_offload": CPU_OFFLOAD,
-    "device_init": DEVICE_INITS,
+    "forward_prefetch": (False, True),
+    "limit_all_gathers": (None, False),  # None: the key is not given (the implementation's)
+    "cpu_offload": (False, True),
+    "device_init": ("after", "before", "never"),  # models.DeviceInit (the same on CPU)
 }
 COVERAGES = constants.COVERAGES
 

@@ -307,14 +307,15 @@ def check_shard_grad_op_forward(
 
 
 @dataclasses.dataclass(frozen=True)
-class FetchBackpressureBound:
+class FetchBackpressureBound(StreamOrderedBound):
     """DeepSpeed ZeRO-3's own bound (docs/deepspeed.md): past 2 outstanding fetches the CPU blocks
-    on the oldest, so the frees of ``draining`` instances may be in flight while one is gathered."""
+    on the oldest, so the frees of ``draining`` instances may be in flight while one is gathered;
+    it gathers into the parameters themselves (no all-gather outputs)."""
 
-    draining: int = 2
-    gathering: int = 1
     forward_outputs: int = 0
     name: str = "DeepSpeed's fetch back-pressure bound"
+    draining: int = 2
+    gathering: int = 1
 
     def bound(self, phase: str) -> int:
         return self.draining + self.gathering
@@ -322,14 +323,11 @@ class FetchBackpressureBound:
     def explain(self, phase: str) -> str:
         return f"{self.name}: {self.draining} draining + {self.gathering} gathering"
 
-    def shard_grad_op_forward(self, layers: int) -> int:
-        return layers
-
 
 # adapter name -> the implementation's own bound, where it bounds memory without a rate limiter
 OWN_BOUNDS: dict[str, StreamOrderedBound] = {
     "torch-fsdp2": FSDP2_BOUND,
-    "deepspeed": FetchBackpressureBound(),  # type: ignore[dict-item]
+    "deepspeed": FetchBackpressureBound(),
 }
 
 

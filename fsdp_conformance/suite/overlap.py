@@ -289,7 +289,6 @@ def check_overlap(adapter: Any, dist: Any, label: str, retries: int = 1) -> Over
     )
     cuda = dist.device.type == "cuda"
     compute_ms, comm_ms = (CUDA_COMPUTE_MS, CUDA_COMM_MS) if cuda else (CPU_COMPUTE_MS, CPU_COMM_MS)
-    failure = None
     for attempt in range(retries + 1):
         if cuda and attempt > 0:
             delay._cuda_cycles_per_ms = None  # recalibrate the sleep cycles on a retry
@@ -301,11 +300,10 @@ def check_overlap(adapter: Any, dist: Any, label: str, retries: int = 1) -> Over
                 f"{times.all_gathers} per forward), so the CPU thread blocks in every "
                 "collective and communication cannot overlap computation"
             )
-        failure = (
-            cuda_overlap_failure(times, label)
-            if cuda
-            else cpu_overlap_failure(times, comm_ms, label)
-        )
+        if cuda:
+            failure = cuda_overlap_failure(times, label)
+        else:
+            failure = cpu_overlap_failure(times, comm_ms, label)
         if failure is None:
             return times
     raise AssertionError(f"{failure} (failed {retries + 1} measurements)")

@@ -72,9 +72,7 @@ class BaseCollectiveCountTests:
         failures = comm_checks.count_failures(trace, "", no_sync_iterations=(1,))
         # all-gathers are not counted (implementation-specific)
         failures = [failure for failure in failures if "gradient reductions" in failure]
-        assert not failures, (
-            f"no_sync broken ({label}):\n  " + "\n  ".join(failures) + "\ntrace:\n" + trace.render()
-        )
+        comm_checks.raise_failures(f"no_sync broken ({label})", failures, trace.render())
         reference = _ddp_no_sync_params(dist, no_sync_iterations=(1,))
         actual = adapter_loop.full_params(fsdp_adapter, root)
         training.assert_same_training(

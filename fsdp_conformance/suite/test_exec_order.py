@@ -73,10 +73,9 @@ class TwoBranches(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.stem(x)
-        first, second = (
-            (self.branch_b, self.branch_a) if self.swapped else (self.branch_a, self.branch_b)
-        )
-        return second(first(x))
+        if self.swapped:
+            return self.branch_a(self.branch_b(x))
+        return self.branch_b(self.branch_a(x))
 
 
 class BaseExecOrderTests:
@@ -95,12 +94,8 @@ class BaseExecOrderTests:
         model = adapter.wrap(TwoBranches(wrap), root=True)
         adapter.unwrap(model).swapped = dist.rank == 1
         x = torch.ones(2, WIDTH, device=dist.device)
-
-        def iteration() -> None:
-            adapter_loop.backward(adapter, model, model(x).sum())
-
         expect_error(
-            iteration,
+            lambda: adapter_loop.backward(adapter, model, model(x).sum()),
             r"order.*branch_[ab]|branch_[ab].*order",
             f"adapter {adapter.name!r}, rank {dist.rank} running "
             f"{'branch_b, branch_a' if dist.rank == 1 else 'branch_a, branch_b'}",

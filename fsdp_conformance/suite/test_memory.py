@@ -34,11 +34,9 @@ def observed_training(
 
     @contextlib.contextmanager
     def around_forward(step: int) -> Iterator[None]:
-        if step < STEPS - 1:
-            yield
-            return
-        probes.append(UnshardedParams(adapter, root, adapter_loop.full_params(adapter, root)))
-        with probes[0]:
+        if step == STEPS - 1:
+            probes.append(UnshardedParams(adapter, root, adapter_loop.full_params(adapter, root)))
+        with probes[0] if probes else contextlib.nullcontext():
             yield
 
     losses = training.train(

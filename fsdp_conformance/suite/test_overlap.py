@@ -37,9 +37,8 @@ class BaseOverlapTests:
     def test_prefetch_overlaps_communication_cuda(self, fsdp_adapter: Any, dist: Any):
         if dist.device.type != "cuda":
             pytest.skip("needs one GPU per rank (the CUDA overlap check)")
-        adapter = fsdp_adapter
-        adapter_features.skip_unless(adapter, Feature.LIMIT_ALL_GATHERS)
-        overlap.check_overlap(adapter, dist, f"adapter {adapter.name!r}", self.retries)
+        adapter_features.skip_unless(fsdp_adapter, Feature.LIMIT_ALL_GATHERS)
+        overlap.check_overlap(fsdp_adapter, dist, f"adapter {fsdp_adapter.name!r}", self.retries)
 
 
 class TestOverlap(BaseOverlapTests):

@@ -178,8 +178,7 @@ def _drive(
     result = FuzzResult("pass", adapter.name, seed, dist.world_size)
     start = time.monotonic()
     cpu_start = time.process_time()
-    failing: dict[str, str] = {}  # repr(case) -> message, of every failing case seen
-    sizes: dict[str, int] = {}  # repr(case) -> FuzzCase.size(), of the failing cases
+    failing: dict[str, tuple[str, int]] = {}  # repr(case) -> (message, size), when it failed
     minimal: list[Any] = [None]  # the last case that raised (hypothesis replays the minimum last)
     refusals: list[str] = []
     counts: dict[str, int] = {}  # refusal headline -> how often
@@ -195,7 +194,7 @@ def _drive(
         if failing:
             line += (
                 f", shrinking: {result.shrinks} cases tried, smallest failing case size "
-                f"{min(sizes.values())}"
+                f"{min(size for _, size in failing.values())}"
             )
         with open(progress_file + ".tmp", "w", encoding="utf-8") as stream:
             stream.write(line)
@@ -203,9 +202,8 @@ def _drive(
 
     def prop(case: FuzzCase) -> None:
         key = repr(case)
-        message = failing.get(key)  # hypothesis replays the minimal case: do not run it again
-        if message is None:
-            message = judge(case, key)
+        # hypothesis replays the minimal case: do not run it again
+        message = failing[key][0] if key in failing else judge(case, key)
         if message is not None:
             minimal[0] = case
             raise FuzzFailure(message)  # one raising line: hypothesis sees one bug
@@ -243,8 +241,7 @@ def _drive(
             return None
         if not failing:
             result.found_at = result.examples
-        failing[key] = outcome.message
-        sizes[key] = case.size()
+        failing[key] = (outcome.message, case.size())
         return outcome.message
 
     test = settings(
@@ -266,7 +263,7 @@ def _drive(
         result.status = "fail"
         result.case = repr(case)
         result.description = describe(case, dist.world_size)
-        result.message = failing[repr(case)]
+        result.message = failing[repr(case)][0]
     except _OutOfTime:
         pass
     except Unsatisfiable:

@@ -120,16 +120,19 @@ class FuzzCase:
         "precision:reduce=fp32", "precision:buffer=bf16", "state_dict:round_trip", "init:meta".
         """
         used: set[str] = {f"output:{self.model.output}", f"instance-output:{self.model.output}"}
-        for node in iter_nodes(self.model.body):
+        for path, node in node_paths(self.model.body):
+            wrapped = path in self.plan
+            flags = {
+                f"output:{node.output}": True,
+                "checkpoint": node.checkpoint,
+                "checkpoint:wrapped": node.checkpoint
+                and any(p == path or p.startswith(path + ".") for p in self.plan),
+                f"instance-output:{node.output}": wrapped,
+            }
             if isinstance(node, Block):
-                used.add(node.kind)
-                if node.frozen:
-                    used.add("frozen")
-                if node.tie:
-                    used.add("tie")
-            if node.checkpoint:
-                used.add("checkpoint")
-            used.add(f"output:{node.output}")
+                flags.update({node.kind: True, "frozen": node.frozen, "tie": node.tie})
+                flags["branch:wrapped"] = wrapped and node.kind == "branch"
+            used.update(name for name, on in flags.items() if on)
         for step in self.program.steps:
             flags = {
                 "no_sync": not all(step.micro),
@@ -141,13 +144,6 @@ class FuzzCase:
             used.update(name for name, on in flags.items() if on)
         if any(a != b and b.startswith(a + ".") for a in self.plan for b in self.plan):
             used.add("nested")
-        for path, node in node_paths(self.model.body):
-            if node.checkpoint and any(p == path or p.startswith(path + ".") for p in self.plan):
-                used.add("checkpoint:wrapped")
-            if path in self.plan:
-                used.add(f"instance-output:{node.output}")
-                if isinstance(node, Block) and node.kind == "branch":
-                    used.add("branch:wrapped")
         used.update(f"config:{key}={value}" for key, value in self.config)
         for key, name in self.precision:
             short = key.removesuffix("_dtype")
