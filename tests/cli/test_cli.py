@@ -109,8 +109,11 @@ def test_run_on_impl_passes_and_writes_matrix_json_junit(tmp_path: Path) -> None
 
 def test_run_on_broken_adapter_fails_and_names_the_failing_checks(tmp_path: Path) -> None:
     (tmp_path / "broken_fsdp.py").write_text(BROKEN_ADAPTER)
+    # thread mode: a failing cell does not restart the rank processes (the mode is not the
+    # subject; the run above uses the default one)
     result = cli(
-        "run", "-n", "0", "--impl", "broken_fsdp:NoLimitAdapter", "--json", "matrix.json",
+        "run", "-n", "0", "--mode", "thread", "--impl", "broken_fsdp:NoLimitAdapter",
+        "--json", "matrix.json",
         "-k", "stay_within_bound and strict and None or counts_per_phase and nested and FULL",
         cwd=tmp_path,
         env={"PYTHONPATH": str(tmp_path)},

@@ -235,8 +235,6 @@ def test_each_loop_check_fails_on_its_broken_variant(pytester: pytest.Pytester, 
     tests, lines = GROUPS[group]
     pytester.makepyfile(test_broken_loops=BROKEN)
     selected = [f"test_broken_loops.py::{test}" for test in tests]
-    result = pytester.runpytest_subprocess(
-        "-p", "no:cacheprovider", "-rf", "-n", "0", "--fsdp-mode=thread", *selected
-    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-rf", "-n", "0", *selected)
     result.assert_outcomes(failed=len(tests))
     result.stdout.fnmatch_lines(lines, consecutive=False)

@@ -154,9 +154,7 @@ SELECTED = [
 def test_each_sharding_check_fails_on_its_broken_variant(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_broken_sharding=BROKEN)
     selected = [f"test_broken_sharding.py::{test}" for test in SELECTED]
-    result = pytester.runpytest_subprocess(
-        "-p", "no:cacheprovider", "-rf", "-n", "0", "--fsdp-mode=thread", *selected
-    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-rf", "-n", "0", *selected)
     result.assert_outcomes(failed=len(SELECTED))
     result.stdout.fnmatch_lines(
         [

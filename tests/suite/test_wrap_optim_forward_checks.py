@@ -308,8 +308,6 @@ def test_each_check_fails_on_its_broken_variant(pytester: pytest.Pytester, group
     tests, lines = GROUPS[group]
     pytester.makepyfile(test_broken_wrap_optim=BROKEN)
     selected = [f"test_broken_wrap_optim.py::{test}" for test in tests]
-    result = pytester.runpytest_subprocess(
-        "-p", "no:cacheprovider", "-rf", "-n", "0", "--fsdp-mode=thread", *selected
-    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-rf", "-n", "0", *selected)
     result.assert_outcomes(failed=len(tests))
     result.stdout.fnmatch_lines(lines, consecutive=False)
