@@ -5,6 +5,7 @@ the `EngineHooks` hook of that name (an engine such as DeepSpeed)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -195,8 +196,9 @@ def _calling(name: str) -> Callable[..., Any]:
     def call(adapter: Any, *args: Any, **kwargs: Any) -> Any:
         return _hook(adapter, name)(*args, **kwargs)
 
-    call.__name__ = call.__qualname__ = name
-    call.__doc__ = f"`EngineHooks.{name}` of `adapter`: ``{name}(adapter, *args, **kwargs)``."
+    # the hook's docstring and signature (its `self` is the adapter)
+    functools.update_wrapper(call, getattr(EngineHooks, name))
+    call.__qualname__ = name
     return call
 
 
