@@ -190,11 +190,14 @@ def _fsdp1_linear():
 
 @pytest.mark.world_size(2)
 def test_torch_fsdp1_full_state_dict_offload_to_cpu_fails_on_a_cpu_only_host(dist):
-    """FULL_STATE_DICT with offload_to_cpu=True fails on a CPU-only host (FSDP1_DEVIATIONS,
-    state_dict.full; with rank0_only=True too, measured: rank 0 fails the same way);
-    offload_to_cpu=False works, rank0_only=True included."""
+    """Before torch 2.14, FULL_STATE_DICT with offload_to_cpu=True fails on a CPU-only host
+    (FSDP1_DEVIATIONS, state_dict.full; with rank0_only=True too, measured: rank 0 fails the same
+    way); from 2.14 it works (`OFFLOAD_FAILS`); offload_to_cpu=False works, rank0_only=True
+    included."""
     from torch.distributed.fsdp import FullStateDictConfig, StateDictType
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    from fsdp_conformance.adapters.torch_fsdp1 import OFFLOAD_FAILS
 
     model = _fsdp1_linear()
     _step(model)
@@ -204,8 +207,13 @@ def test_torch_fsdp1_full_state_dict_offload_to_cpu_fails_on_a_cpu_only_host(dis
             assert len(model.state_dict()) == (0 if rank0_only and dist.rank else 2)
     config = FullStateDictConfig(offload_to_cpu=True, rank0_only=False)
     with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, config):
-        with pytest.raises(RuntimeError, match=FSDP1_OFFLOAD_FAILURE):
-            model.state_dict()
+        if OFFLOAD_FAILS:
+            with pytest.raises(RuntimeError, match=FSDP1_OFFLOAD_FAILURE):
+                model.state_dict()
+        else:
+            state = model.state_dict()
+            assert sorted(state) == ["bias", "weight"]
+            assert all(value.device.type == "cpu" for value in state.values())
 
 
 FSDP1_OFFLOAD_FAILURE = r"setStorage: .* out of bounds for storage of size 0"
