@@ -418,6 +418,8 @@ class _RankProcess:
         os.environ.update(task.environ)
         for key in _KEPT_ENV:
             os.environ[key] = self.base_environ.get(key, "")
+        if "CUDA_VISIBLE_DEVICES" in self.base_environ:  # the GPUs this process can use
+            os.environ["CUDA_VISIBLE_DEVICES"] = self.base_environ["CUDA_VISIBLE_DEVICES"]
         os.environ.update(RANK=str(self.rank), LOCAL_RANK=str(self.rank))
         os.environ["WORLD_SIZE"] = str(self.world_size)
         sys.path[:] = task.sys_path + [p for p in self.base_sys_path if p not in task.sys_path]

@@ -117,6 +117,10 @@ class RankSet:
             # ranks share the host's cores, and an oversubscribed OpenMP region costs
             # milliseconds per small op (layer_norm on a (6, 2, 16) tensor: 7 ms, not 6 us)
             env.setdefault("OMP_NUM_THREADS", "1")
+            if self.backend != "nccl":
+                # ranks that run on CPU see no GPU, as on a CPU-only host: an implementation
+                # that defaults to the current CUDA device would otherwise compute there
+                env["CUDA_VISIBLE_DEVICES"] = ""
             with open(self.log_paths[rank], "wb") as log:
                 proc = subprocess.Popen(
                     [sys.executable, "-c", _RANK_COMMAND],

@@ -10,6 +10,7 @@ so autograd's saved views survive backward's re-all-gather.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -51,6 +52,7 @@ class FlatParamHandle:
         offload_params: bool,
         compute_device: torch.device,
         pin_memory: bool,
+        grad_hook: Callable[[torch.Tensor], None],
     ) -> None:
         self.owner = owner  # the FSDP instance (reported in traces)
         self.process_group = process_group
@@ -80,6 +82,7 @@ class FlatParamHandle:
         self.padded_numel = padded
         self.shard_numel = padded // self.world_size if self.sharded else self.numel
         self.compute_device = compute_device
+        self.offload_params = offload_params
         mp = mixed_precision or MixedPrecision()
         self.compute_dtype = mp.param_dtype or self.orig_dtype
         self.reduce_dtype = mp.reduce_dtype or self.compute_dtype
@@ -102,23 +105,46 @@ class FlatParamHandle:
         self.copies = (
             self.sharded or self.compute_dtype != self.orig_dtype or shard.device != compute_device
         )
-        if self.copies:
-            full = torch.empty(padded, dtype=self.compute_dtype, device=compute_device)
-            full[: self.numel].copy_(flat[: self.numel])
-        else:
-            full = self.flat_param.data
-        self.full_padded = full
-        self.unsharded = torch.empty(0, dtype=self.compute_dtype, device=compute_device)
-        self.unsharded.data = full
-        self.unsharded.requires_grad_(self.requires_grad)
         for slot in self.slots:
             slot.module._parameters.pop(slot.name, None)
+        self.grad_hook = grad_hook
+        self._init_unsharded(flat)
+        self.all_gather_work: Any = None
+        self.all_gather_input: torch.Tensor | None = None  # kept alive until the wait
+
+    def _init_unsharded(self, flat: torch.Tensor | None) -> None:
+        """The unsharded buffer on the compute device (``unsharded`` holds it), filled from
+        ``flat`` (if given) long enough to point the original parameters at views of it."""
+        full = self.flat_param.data
+        if self.copies:
+            full = torch.empty(
+                self.padded_numel, dtype=self.compute_dtype, device=self.compute_device
+            )
+            if flat is not None:
+                full[: self.numel].copy_(flat[: self.numel])
+        self.full_padded = full
+        self.unsharded = torch.empty(0, dtype=self.compute_dtype, device=self.compute_device)
+        self.unsharded.data = full
+        if self.requires_grad:
+            self.unsharded.requires_grad_(True)
+            self.unsharded.register_post_accumulate_grad_hook(self.grad_hook)
         with torch.no_grad():
             self.use_views(self.unsharded)
         if self.copies:
             self._resize(0)
-        self.all_gather_work: Any = None
-        self.all_gather_input: torch.Tensor | None = None  # kept alive until the wait
+
+    def follow_flat_param(self) -> None:
+        """Compute where the flat parameter is: the module was moved after wrapping
+        (``model.to(device)`` before the first forward, as with torch FSDP); a new
+        ``unsharded`` tensor (with ``grad_hook``) replaces the old one. Offloaded parameters
+        stay on CPU and keep their compute device."""
+        # a move to another tensor type (meta, or any move under torch.__future__'s
+        # overwrite_module_params_on_conversion) registers a new Parameter object
+        self.flat_param = self.owner._parameters.get("_flat_param", self.flat_param)
+        device = self.flat_param.device
+        if device != self.compute_device and not self.offload_params:
+            self.compute_device = device
+            self._init_unsharded(None)
 
     @property
     def is_unsharded(self) -> bool:

@@ -137,14 +137,11 @@ class FullyShardedDataParallel(ForwardMixin, StateDictMixin, nn.Module):
                 cpu_offload.offload_params,
                 compute_device,
                 pin_memory=accelerator_available(),
+                grad_hook=lambda unsharded: runtime.post_backward_hook(state, unsharded),
             )
             for _, _, param in params:
                 param._fsdp_flattened = True
             self.register_parameter("_flat_param", state.handle.flat_param)
-            if state.handle.requires_grad:
-                state.handle.unsharded.register_post_accumulate_grad_hook(
-                    lambda unsharded: runtime.post_backward_hook(state, unsharded)
-                )
         module.__dict__["_fsdp_wrapped"] = True
         self._fsdp_wrapped_module = module
 

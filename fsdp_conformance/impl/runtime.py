@@ -44,6 +44,10 @@ def lazy_init(root: FSDPState) -> None:
                 f"now nested in {root.name()}; construct all FSDP instances before the "
                 "first forward"
             )
+    for state in states:
+        if state.handle is not None:
+            state.handle.follow_flat_param()
+            state.compute_device = state.handle.compute_device
     handle = root.device_handle or device_handle_for(root.compute_device)
     context = RootContext(root, states, handle)
     names = {id(module): name for name, module in root.owner.named_modules()}

@@ -213,7 +213,7 @@ def measure_overlap(
             elapsed, log = _timed_forward(model, optimizer, device, comm, adapter)
             times[case].append(elapsed)
             logs[case] = log
-    local = torch.tensor([min(times[case]) for case in CASES], dtype=torch.float64)
+    local = torch.tensor([min(times[case]) for case in CASES], dtype=torch.float64, device=device)
     tdist.all_reduce(local, op=tdist.ReduceOp.MAX, group=dist.group)
     log = logs["both"]
     return OverlapTimes(*local.tolist(), all_gathers=log.issued, synchronous=log.synchronous)

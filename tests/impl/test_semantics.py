@@ -21,6 +21,7 @@ from fsdp_conformance.impl import (
     CPUOffload,
     FullyShardedDataParallel,
     HandleTrainingState,
+    MixedPrecision,
     ShardingStrategy,
     StateDictType,
     TrainingState,
@@ -446,3 +447,17 @@ def test_overlap_check_catches_synchronous_all_gather(dist):
     with mock.patch.object(comm, "all_gather", synchronous):
         with pytest.raises(AssertionError, match="waited before any other work"):
             prefetch_overlaps(dist)
+
+
+@pytest.mark.world_size(1)
+@pytest.mark.parametrize("param_dtype", [None, torch.float64], ids=["views", "copies"])
+def test_module_moved_after_wrapping_computes_where_it_moved(dist, param_dtype):
+    # model.to(device) after wrapping, before the first forward (the suite's device_init
+    # 'after' on GPU ranks); the meta device stands in for the GPU on a CPU host
+    mp = MixedPrecision(param_dtype=param_dtype) if param_dtype else None
+    inner = FSDP(nn.Linear(4, 4), mixed_precision=mp)
+    model = FSDP(nn.Sequential(inner, nn.Linear(4, 2)), mixed_precision=mp).to("meta")
+    model(torch.ones(3, 4, device="meta")).sum().backward()
+    assert {i.compute_device.type for i in FSDP.fsdp_modules(model)} == {"meta"}
+    for param in model.parameters():  # the gradient reached the moved flat parameters
+        assert param.device.type == "meta" and param.grad is not None
