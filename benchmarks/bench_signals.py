@@ -38,7 +38,8 @@ COMMANDS = {
     "fuzz": ["fuzz", "--examples", "100000", "--max-seconds", "600"],
     "overlap": ["overlap", "--repeats", "1000"],
 }
-RANK_MARK = "fsdp_conformance.harness.rank import main"  # in every rank process's command line
+RANK_MARK = "fsdp_conformance.harness.rank import main"  # a rank started as an interpreter
+ZYGOTE_MARK = "fsdp_conformance.harness.zygote import"  # a zygote, and the ranks it forked
 
 
 @dataclasses.dataclass
@@ -66,7 +67,10 @@ def _descendants(pid: int) -> list[psutil.Process]:
 
 def _is_rank(process: psutil.Process) -> bool:
     try:
-        return RANK_MARK in " ".join(process.cmdline())
+        command = " ".join(process.cmdline())
+        parent = process.parent()
+        forked = parent is not None and ZYGOTE_MARK in " ".join(parent.cmdline())
+        return RANK_MARK in command or (forked and ZYGOTE_MARK in command)
     except psutil.Error:
         return False
 

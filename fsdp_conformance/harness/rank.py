@@ -367,18 +367,12 @@ class _RankProcess:
         self.monkeypatches: list[Any] = []
 
     def start(self) -> None:
-        # unittest, pytest's and numpy are imported now, not in the first test's timeout
-        import unittest  # noqa: F401
-
-        import _pytest.assertion.rewrite
-        import _pytest.outcomes  # noqa: F401
+        preimport()
         import torch
         import torch.distributed as dist
 
         from fsdp_conformance.harness import collectives, isolation
 
-        with contextlib.suppress(ImportError):
-            import numpy  # noqa: F401
         self.device = torch.device("cpu")
         if self.backend == "nccl":
             self.device = torch.device("cuda", self.gpu_ids[self.rank])
@@ -453,6 +447,21 @@ class _RankProcess:
 
 # This process's rank state (None outside rank processes).
 _process: _RankProcess | None = None
+
+
+def preimport() -> None:
+    """What a rank imports before its first test (not in that test's timeout); the zygote
+    imports it once for every rank it forks."""
+    import unittest  # noqa: F401
+
+    import _pytest.assertion.rewrite
+    import _pytest.outcomes  # noqa: F401
+    import torch.distributed  # noqa: F401
+
+    from fsdp_conformance.harness import collectives, isolation  # noqa: F401
+
+    with contextlib.suppress(ImportError):
+        import numpy  # noqa: F401
 
 
 def main() -> None:

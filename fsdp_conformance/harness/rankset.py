@@ -16,8 +16,9 @@ import sys
 import tempfile
 import time
 from multiprocessing.connection import Connection, wait
+from typing import Any
 
-from fsdp_conformance.harness import collectives, wire
+from fsdp_conformance.harness import collectives, wire, zygote
 from fsdp_conformance.harness import rank as rank_process
 from fsdp_conformance.harness.wire import ABORTED, DIED, FAILED, HUNG, PASSED, SKIPPED, RankOutcome
 
@@ -78,7 +79,7 @@ class RankSet:
         self.group_generation = 0
         # read position in each log
         self.log_offsets = [0] * world_size
-        self.procs: list[subprocess.Popen] = []
+        self.procs: list[Any] = []  # subprocess.Popen or zygote.ForkedProcess
         self.conns: list[Connection] = []
         # output read while taking stack dumps, not yet reported
         self.unreported_output = [""] * world_size
@@ -121,16 +122,21 @@ class RankSet:
                 # ranks that run on CPU see no GPU, as on a CPU-only host: an implementation
                 # that defaults to the current CUDA device would otherwise compute there
                 env["CUDA_VISIBLE_DEVICES"] = ""
-            with open(self.log_paths[rank], "wb") as log:
-                proc = subprocess.Popen(
-                    [sys.executable, "-c", _RANK_COMMAND],
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    pass_fds=[child_sock.fileno()],
-                    env=env,
-                    start_new_session=True,  # Ctrl-C goes to pytest, which kills the set
-                )
+            proc: Any = None
+            if zygote.available():
+                with contextlib.suppress(OSError):  # else a fresh interpreter, as without one
+                    proc = zygote.spawn(env, self.log_paths[rank], child_sock.fileno())
+            if proc is None:
+                with open(self.log_paths[rank], "wb") as log:
+                    proc = subprocess.Popen(
+                        [sys.executable, "-c", _RANK_COMMAND],
+                        stdin=subprocess.DEVNULL,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        pass_fds=[child_sock.fileno()],
+                        env=env,
+                        start_new_session=True,  # Ctrl-C goes to pytest, which kills the set
+                    )
             child_sock.close()
             self.procs.append(proc)
             self.conns.append(Connection(parent_sock.detach()))

@@ -9,6 +9,10 @@ import tempfile
 import psutil
 import pytest
 
+# torch is imported here, before any pytester run: an in-process run drops the modules first
+# imported inside it, and torch imported a second time in one process crashes it
+import torch  # noqa: F401
+
 # Inner test files call record_pid() (from this snippet) in their ranks.
 RECORD_PID = """
 import os
@@ -73,8 +77,12 @@ def rank_children(under: pathlib.Path) -> list[int]:
     found = []
     for child in psutil.Process().children(recursive=True):
         try:
+            # a rank forked by the zygote shows the zygote's initial environment; its log
+            # (standard output) lies in its rank set's folder
             store = child.environ().get("FSDP_CONFORMANCE_STORE", "")
-            if store.startswith(str(under)) and child.status() != psutil.STATUS_ZOMBIE:
+            paths = [store] + [f.path for f in child.open_files()]
+            mine = any(path.startswith(str(under)) for path in paths)
+            if mine and child.status() != psutil.STATUS_ZOMBIE:
                 found.append(child.pid)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass

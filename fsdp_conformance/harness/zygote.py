@@ -1,0 +1,246 @@
+"""The zygote: one process per controller that imports torch once and forks the rank processes,
+so that a rank starts in a fork (milliseconds) instead of a fresh interpreter importing torch
+(~1.2 CPU-seconds each; a conformance run starts about twenty).
+
+The controller sends ``(environment, cwd, log path)`` and the rank's end of its socket over a
+``SOCK_SEQPACKET`` pair; the zygote forks, the child becomes a rank process exactly as
+``python -c "...rank import main; main()"`` would (own session, stdin from /dev/null, output
+into the log, the given environment and cwd), and the zygote answers with its pid. The zygote
+reaps its children and reports each exit code, which :class:`ForkedProcess` reads with the
+``poll``/``wait``/``pid`` surface of :class:`subprocess.Popen` that the rank set uses.
+
+One zygote serves every spawn whose import-time environment (``PYTHON*``, ``OMP_*``, ``MKL_*``,
+``KMP_*``, ``TORCH*``, ``LD_*``) matches its own; any other environment gets a zygote of its
+own. It exits when the controller's end of the socket closes (the controller exited), and its
+ranks then see their parent change and exit too.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import pickle
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+ENV_FD = "FSDP_CONFORMANCE_ZYGOTE_FD"
+# environment variables read when the interpreter or torch starts: a zygote is reused only
+# for spawns that agree with it on these
+_IMPORT_TIME = ("PYTHON", "OMP_", "MKL_", "KMP_", "TORCH", "LD_")
+_MAX_MESSAGE = 1 << 22
+_REAP_S = 0.02
+_COMMAND = "from fsdp_conformance.harness.zygote import serve; serve()"
+
+_zygotes: dict[tuple, Zygote] = {}
+_lock = threading.Lock()
+
+
+def available() -> bool:
+    return sys.platform.startswith("linux") and hasattr(socket, "send_fds")
+
+
+def spawn(env: dict[str, str], log_path: str, fd: int) -> ForkedProcess:
+    """Fork a rank process with environment ``env``, output into ``log_path``, holding ``fd``
+    (its end of the controller's socket; the rank finds its number in ``rank.ENV_FD``).
+    OSError when no zygote can serve it."""
+    key = tuple(sorted((k, v) for k, v in env.items() if k.startswith(_IMPORT_TIME)))
+    key += (sys.executable,)
+    with _lock:
+        zygote = _zygotes.get(key)
+        if zygote is None or not zygote.alive():
+            zygote = _zygotes[key] = Zygote(env)
+    return zygote.spawn(env, log_path, fd)
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def close_all() -> None:
+    with _lock:
+        for zygote in _zygotes.values():
+            zygote.close()
+        _zygotes.clear()
+
+
+atexit.register(close_all)
+
+
+class ForkedProcess:
+    """A rank forked by a zygote, seen through ``subprocess.Popen``'s ``pid``/``poll``/``wait``."""
+
+    def __init__(self, zygote: Zygote, pid: int) -> None:
+        self.zygote = zygote
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self.zygote.exit_code(self.pid, 0.0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self.returncode = self.zygote.exit_code(self.pid, timeout)
+        if self.returncode is None:
+            raise subprocess.TimeoutExpired(f"rank pid {self.pid}", timeout or 0.0)
+        return self.returncode
+
+
+class Zygote:
+    """The controller's handle on one zygote process."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        env = {k: v for k, v in env.items() if not k.startswith("FSDP_CONFORMANCE_")}
+        env.update({ENV_FD: str(theirs.fileno()), "PYTHONUNBUFFERED": "1"})
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _COMMAND],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            pass_fds=[theirs.fileno()],
+            env=env,
+            start_new_session=True,  # Ctrl-C goes to the controller
+        )
+        theirs.close()
+        self.exited: dict[int, int] = {}
+        self.eof = False
+        self.lock = threading.Lock()
+
+    def alive(self) -> bool:
+        return not self.eof and self.proc.poll() is None
+
+    def spawn(self, env: dict[str, str], log_path: str, fd: int) -> ForkedProcess:
+        request = pickle.dumps((env, os.getcwd(), log_path))
+        with self.lock:
+            socket.send_fds(self.sock, [request], [fd])
+            while True:
+                message = self._receive(None)
+                if message is None:  # EOF
+                    raise OSError(f"the zygote (pid {self.proc.pid}) exited")
+                if message[0] == "spawned":
+                    return ForkedProcess(self, message[1])
+                if message[0] == "failed":
+                    raise OSError(f"the zygote could not fork a rank: {message[1]}")
+
+    def exit_code(self, pid: int, timeout: float | None) -> int | None:
+        """``pid``'s exit code (negative: the signal), None if it still runs after ``timeout``
+        seconds (None: no limit)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self.lock:
+            while pid not in self.exited:
+                if self.eof:  # the zygote died: init reaps its orphaned ranks
+                    if not _exists(pid):
+                        self.exited[pid] = -signal.SIGKILL
+                        break
+                    if deadline is not None and time.monotonic() >= deadline:
+                        return None
+                    time.sleep(_REAP_S)
+                    continue
+                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+                if self._receive(remaining) is None and remaining == 0.0:
+                    return None
+            return self.exited[pid]
+
+    def _receive(self, timeout: float | None) -> tuple | None:
+        """One message (exit reports are recorded on the way); None on timeout or EOF."""
+        if self.eof or not select.select([self.sock], [], [], timeout)[0]:
+            return None
+        data = self.sock.recv(_MAX_MESSAGE)
+        if not data:
+            self.eof = True
+            return None
+        message = pickle.loads(data)
+        if message[0] == "exit":
+            self.exited[message[1]] = message[2]
+        return message
+
+    def close(self) -> None:
+        self.sock.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=5)
+
+
+def serve() -> None:
+    """The zygote process: import what every rank imports, then fork ranks on request."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sock = socket.socket(fileno=int(os.environ.pop(ENV_FD)))
+    from fsdp_conformance.harness import rank
+
+    rank.preimport()
+    children: set[int] = set()
+    while True:
+        readable = select.select([sock], [], [], _REAP_S if children else None)[0]
+        while children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if not pid:
+                break
+            children.discard(pid)
+            sock.send(pickle.dumps(("exit", pid, os.waitstatus_to_exitcode(status))))
+        if not readable:
+            continue
+        data, fds, _, _ = socket.recv_fds(sock, _MAX_MESSAGE, 1)
+        if not data:
+            os._exit(0)  # the controller is gone; our ranks notice their parent change
+        env, cwd, log_path = pickle.loads(data)
+        try:
+            pid = os.fork()
+        except OSError as exc:
+            sock.send(pickle.dumps(("failed", str(exc))))
+            continue
+        if pid == 0:
+            _become_rank(sock, fds[0], env, cwd, log_path)
+        for fd in fds:
+            os.close(fd)
+        children.add(pid)
+        sock.send(pickle.dumps(("spawned", pid)))
+
+
+def _become_rank(sock: socket.socket, fd: int, env: dict[str, Any], cwd: str, log: str) -> None:
+    code = 1
+    try:
+        sock.close()
+        os.setsid()
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(out, 1)
+        os.dup2(out, 2)
+        os.close(null)
+        os.close(out)
+        os.chdir(cwd)
+        os.environ.clear()
+        os.environ.update(env)
+        from fsdp_conformance.harness import rank
+
+        os.environ[rank.ENV_FD] = str(fd)
+        rank.main()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:  # noqa: BLE001 (reported in the rank's log, like an interpreter would)
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
