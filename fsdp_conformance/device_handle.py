@@ -10,6 +10,7 @@ host (torch 2.13.0), so the same doubles drive torch FSDP1. Import-light: typing
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
@@ -65,9 +66,21 @@ class UsesDeviceHandle(Protocol):
     def _use_device_handle(self, handle: DeviceHandle) -> None: ...
 
 
+# the device of the test rank running on this thread (set by the harness around each test)
+_rank = threading.local()
+
+
+def set_rank_device(device: torch.device | None) -> None:
+    _rank.device = device
+
+
 def accelerator_available() -> bool:
-    """Whether torch can use an accelerator here (CUDA or another ``torch.accelerator``
-    device). Imports torch when called."""
+    """Whether this code computes on an accelerator (CUDA or another ``torch.accelerator``
+    device): in a test rank, whether the rank's device is one (a rank on CPU on a GPU host,
+    a thread-mode rank too, says no); elsewhere whether torch can use one. Imports torch."""
+    device = getattr(_rank, "device", None)
+    if device is not None:
+        return device.type != "cpu"
     import torch
 
     accelerator = getattr(torch, "accelerator", None)

@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable
 from multiprocessing.connection import Connection
 from typing import Any
 
-from fsdp_conformance import constants
+from fsdp_conformance import constants, device_handle
 from fsdp_conformance.harness import properties, wire
 from fsdp_conformance.harness.wire import RankOutcome, RankTask
 
@@ -224,6 +224,7 @@ def run_task(
     call ``call`` (a pytest function with its fixture ``values``, or a unittest body) and
     classify how it ended, with the report properties it recorded."""
     _current_context.ctx = ctx
+    device_handle.set_rank_device(ctx.device)
     try:
         seed_all(task.seed)
         start = time.perf_counter()
@@ -242,6 +243,7 @@ def run_task(
         return outcome
     finally:
         _current_context.ctx = None
+        device_handle.set_rank_device(None)
 
 
 def classify_exception(rank: int, exc: BaseException) -> RankOutcome:

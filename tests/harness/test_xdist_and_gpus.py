@@ -157,3 +157,23 @@ def test_a_test_that_needs_no_gpu_runs_on_cpu_while_the_gpus_are_held(tmp_path, 
         held.release()
     assert result.verdict.status == "passed", result.verdict.message
     assert out.read_text() == "cpu gloo ''"
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.fsdp_mode("thread")
+def test_a_rank_on_cpu_has_no_accelerator_even_where_torch_sees_one(dist, monkeypatch):
+    # thread-mode ranks share the pytest process (and its GPUs, on a GPU host): code that asks
+    # accelerator_available() (torch FSDP1's adapter, impl) follows the rank's device
+    import torch
+
+    from fsdp_conformance import device_handle
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    if hasattr(torch, "accelerator"):
+        monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    assert dist.device.type == "cpu" and not device_handle.accelerator_available()
+    device_handle.set_rank_device(None)  # outside a rank: what torch says
+    try:
+        assert device_handle.accelerator_available()
+    finally:
+        device_handle.set_rank_device(dist.device)
