@@ -87,3 +87,51 @@ def rank_children(under: pathlib.Path) -> list[int]:
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
     return found
+
+
+# A function that reports, from inside a 1-rank test, how its rank process was started.
+PROBE = """
+import json, os
+
+def probe(dist, out):
+    with open(out, "w") as stream:
+        json.dump({
+            "session_leader": os.getsid(0) == os.getpid(),
+            "stdin": os.path.realpath("/proc/self/fd/0"),
+            "cwd": os.getcwd(),
+            "env": dict(os.environ),
+            "parent": os.getppid(),
+            "device": dist.device.type,
+            "backend": dist.backend,
+        }, stream)
+"""
+
+
+@pytest.fixture
+def rank_probe(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch):
+    """``probe(name, backend="gloo")``: run :data:`PROBE` in one rank (cwd ``tmp_path``) and
+    return what it saw."""
+    import json
+
+    from fsdp_conformance.harness.controller import run_function
+
+    (tmp_path / "rank_probe.py").write_text(PROBE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+
+    def probe(name: str, backend: str | None = "gloo") -> dict:
+        out = tmp_path / f"{name}.json"
+        result = run_function(
+            "rank_probe",
+            "probe",
+            {"out": str(out)},
+            world_size=1,
+            timeout=120,
+            impl="impl",
+            test_id=name,
+            backend=backend,
+        )
+        assert result.verdict.status == "passed", result.verdict.message
+        return json.loads(out.read_text())
+
+    return probe

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 
 import pytest
 
@@ -38,6 +39,7 @@ def test_xdist_runs_eight_two_rank_tests_concurrently(pytester):
 
 GPU_TESTS = """
 import json
+import os
 import os
 import time
 
@@ -124,39 +126,20 @@ def test_acquire_is_all_or_none_and_times_out(tmp_path, monkeypatch):
     both.release()
 
 
-def test_a_test_that_needs_no_gpu_runs_on_cpu_while_the_gpus_are_held(tmp_path, monkeypatch):
+def test_a_test_that_needs_no_gpu_runs_on_cpu_while_the_gpus_are_held(monkeypatch, rank_probe):
     # one "real" GPU, held by another worker: a 1-rank test that does not need it runs on
     # CPU at once instead of waiting for it (and failing at the timeout), its ranks seeing
     # no GPU (CUDA_VISIBLE_DEVICES="")
-    from fsdp_conformance.harness.controller import run_function
-
     monkeypatch.delenv(gpus.ENV_FAKE_GPUS, raising=False)
-    monkeypatch.setenv(gpus.ENV_LOCK_DIR, str(tmp_path / "locks"))
+    monkeypatch.setenv(gpus.ENV_LOCK_DIR, os.path.join(os.getcwd(), "locks"))
     monkeypatch.setattr(gpus, "gpu_count", lambda: 1)
-    (tmp_path / "gpu_probe.py").write_text(
-        "import os\n"
-        "def probe(dist, out):\n"
-        "    hidden = os.environ.get('CUDA_VISIBLE_DEVICES')\n"
-        "    open(out, 'w').write(f'{dist.device.type} {dist.backend} {hidden!r}')\n"
-    )
-    monkeypatch.syspath_prepend(str(tmp_path))
     held = gpus.acquire_gpus(1, total=1, timeout=1)
     try:
-        out = tmp_path / "probe.txt"
-        result = run_function(
-            "gpu_probe",
-            "probe",
-            {"out": str(out)},
-            world_size=1,
-            timeout=60,
-            impl="impl",
-            test_id="probe",
-            backend=None,
-        )
+        seen = rank_probe("held", backend=None)
     finally:
         held.release()
-    assert result.verdict.status == "passed", result.verdict.message
-    assert out.read_text() == "cpu gloo ''"
+    assert (seen["device"], seen["backend"]) == ("cpu", "gloo")
+    assert seen["env"]["CUDA_VISIBLE_DEVICES"] == ""
 
 
 @pytest.mark.world_size(2)
