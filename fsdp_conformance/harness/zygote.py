@@ -36,6 +36,8 @@ ENV_FD = "FSDP_CONFORMANCE_ZYGOTE_FD"
 _IMPORT_TIME = ("PYTHON", "OMP_", "MKL_", "KMP_", "TORCH", "LD_")
 _MAX_MESSAGE = 1 << 22
 _REAP_S = 0.02
+# the longest a spawn waits for the zygote (its first one includes importing torch)
+SPAWN_TIMEOUT_S = 120.0
 _COMMAND = "from fsdp_conformance.harness.zygote import serve; serve()"
 
 _zygotes: dict[tuple, Zygote] = {}
@@ -126,12 +128,17 @@ class Zygote:
 
     def spawn(self, env: dict[str, str], log_path: str, fd: int) -> ForkedProcess:
         request = pickle.dumps((env, os.getcwd(), log_path))
+        deadline = time.monotonic() + SPAWN_TIMEOUT_S
         with self.lock:
             socket.send_fds(self.sock, [request], [fd])
             while True:
-                message = self._receive(None)
-                if message is None:  # EOF
-                    raise OSError(f"the zygote (pid {self.proc.pid}) exited")
+                message = self._receive(max(0.0, deadline - time.monotonic()))
+                if message is None and not self.eof and time.monotonic() < deadline:
+                    continue
+                if message is None:  # it exited, or hangs: the caller starts an interpreter
+                    self.proc.kill()
+                    self.eof = True
+                    raise OSError(f"the zygote (pid {self.proc.pid}) exited or hangs")
                 if message[0] == "spawned":
                     return ForkedProcess(self, message[1])
                 if message[0] == "failed":

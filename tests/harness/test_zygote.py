@@ -37,3 +37,11 @@ def test_without_a_zygote_a_rank_is_a_fresh_interpreter(tmp_path, monkeypatch, r
     fresh = rank_probe("fresh")
     assert fresh["parent"] == os.getpid() and fresh["env"].get("ZYGOTE_TEST_MARKER") == "fresh"
     assert fresh["session_leader"] and fresh["stdin"] == os.devnull
+
+
+def test_a_zygote_that_does_not_answer_is_replaced_by_an_interpreter(monkeypatch, rank_probe):
+    monkeypatch.setattr(zygote, "SPAWN_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(zygote, "_COMMAND", "import time; time.sleep(600)")
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # an import-time environment of its own
+    seen = rank_probe("hung")
+    assert seen["parent"] == os.getpid() and seen["env"]["OMP_NUM_THREADS"] == "3"
