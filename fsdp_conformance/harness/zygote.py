@@ -84,19 +84,20 @@ atexit.register(close_all)
 class ForkedProcess:
     """A rank forked by a zygote, seen through ``subprocess.Popen``'s ``pid``/``poll``/``wait``."""
 
-    def __init__(self, zygote: Zygote, pid: int) -> None:
+    def __init__(self, zygote: Zygote, pid: int, serial: int) -> None:
         self.zygote = zygote
         self.pid = pid
+        self.serial = serial  # the zygote's number for this child (a pid can be reused)
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
         if self.returncode is None:
-            self.returncode = self.zygote.exit_code(self.pid, 0.0)
+            self.returncode = self.zygote.exit_code(self, 0.0)
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
         if self.returncode is None:
-            self.returncode = self.zygote.exit_code(self.pid, timeout)
+            self.returncode = self.zygote.exit_code(self, timeout)
         if self.returncode is None:
             raise subprocess.TimeoutExpired(f"rank pid {self.pid}", timeout or 0.0)
         return self.returncode
@@ -140,19 +141,20 @@ class Zygote:
                     self.eof = True
                     raise OSError(f"the zygote (pid {self.proc.pid}) exited or hangs")
                 if message[0] == "spawned":
-                    return ForkedProcess(self, message[1])
+                    return ForkedProcess(self, message[1], message[2])
                 if message[0] == "failed":
                     raise OSError(f"the zygote could not fork a rank: {message[1]}")
 
-    def exit_code(self, pid: int, timeout: float | None) -> int | None:
-        """``pid``'s exit code (negative: the signal), None if it still runs after ``timeout``
-        seconds (None: no limit)."""
+    def exit_code(self, child: ForkedProcess, timeout: float | None) -> int | None:
+        """``child``'s exit code (negative: the signal), None if it still runs after
+        ``timeout`` seconds (None: no limit)."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        serial = child.serial
         with self.lock:
-            while pid not in self.exited:
+            while serial not in self.exited:
                 if self.eof:  # the zygote died: init reaps its orphaned ranks
-                    if not _exists(pid):
-                        self.exited[pid] = -signal.SIGKILL
+                    if not _exists(child.pid):
+                        self.exited[serial] = -signal.SIGKILL
                         break
                     if deadline is not None and time.monotonic() >= deadline:
                         return None
@@ -161,7 +163,7 @@ class Zygote:
                 remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
                 if self._receive(remaining) is None and remaining == 0.0:
                     return None
-            return self.exited[pid]
+            return self.exited[serial]  # kept: another thread may be waiting for it too
 
     def _receive(self, timeout: float | None) -> tuple | None:
         """One message (exit reports are recorded on the way); None on timeout or EOF."""
@@ -189,7 +191,8 @@ def serve() -> None:
     from fsdp_conformance.harness import rank
 
     rank.preimport()
-    children: set[int] = set()
+    children: dict[int, int] = {}  # pid -> serial
+    serial = 0
     while True:
         readable = select.select([sock], [], [], _REAP_S if children else None)[0]
         while children:
@@ -199,8 +202,8 @@ def serve() -> None:
                 break
             if not pid:
                 break
-            children.discard(pid)
-            sock.send(pickle.dumps(("exit", pid, os.waitstatus_to_exitcode(status))))
+            code = os.waitstatus_to_exitcode(status)
+            sock.send(pickle.dumps(("exit", children.pop(pid, 0), code)))
         if not readable:
             continue
         data, fds, _, _ = socket.recv_fds(sock, _MAX_MESSAGE, 1)
@@ -210,14 +213,17 @@ def serve() -> None:
         try:
             pid = os.fork()
         except OSError as exc:
+            pid = -1
             sock.send(pickle.dumps(("failed", str(exc))))
-            continue
         if pid == 0:
             _become_rank(sock, fds[0], env, cwd, log_path)
         for fd in fds:
             os.close(fd)
-        children.add(pid)
-        sock.send(pickle.dumps(("spawned", pid)))
+        if pid < 0:
+            continue
+        serial += 1
+        children[pid] = serial
+        sock.send(pickle.dumps(("spawned", pid, serial)))
 
 
 def _become_rank(sock: socket.socket, fd: int, env: dict[str, Any], cwd: str, log: str) -> None:
