@@ -28,6 +28,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from typing import Any
 
 ENV_FD = "FSDP_CONFORMANCE_ZYGOTE_FD"
@@ -211,7 +212,9 @@ def serve() -> None:
             os._exit(0)  # the controller is gone; our ranks notice their parent change
         env, cwd, log_path = pickle.loads(data)
         try:
-            pid = os.fork()
+            with warnings.catch_warnings():  # 3.12+: torch's one native thread (not ours)
+                warnings.simplefilter("ignore", DeprecationWarning)
+                pid = os.fork()
         except OSError as exc:
             pid = -1
             sock.send(pickle.dumps(("failed", str(exc))))
