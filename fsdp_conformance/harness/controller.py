@@ -212,7 +212,7 @@ class _ProcessRanks:
             except TimeoutError as exc:
                 if wait:
                     return _result(FAILED, str(exc))
-                backend = options.backend or "gloo"
+                backend = "gloo"  # no backend was forced (nccl waits above)
         try:
             return self._run(request, pickle.dumps(task), backend, lease.ids if lease else ())
         finally:
