@@ -296,8 +296,6 @@ def test_this_torch_dcp_gives_fsdp1_its_subgroup(dist):
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
 
 
-
-
 @pytest.mark.world_size(2)
 def test_torch_fsdp2_clip_grad_norm_over_two_meshes_fails(dist):
     """torch-fsdp2's loops.clipping deviation: torch's clip_grad_norm_ (what FSDP2 users call)
@@ -366,3 +364,22 @@ def test_torch_fsdp1_nested_instance_called_alone_stays_in_backward_post(dist):
     root(x).sum().backward()
     zoo_model.head(torch.rand(4, 16)).sum().backward()
     assert adapter.training_state(zoo_model.head) == InstanceState.BACKWARD_POST
+
+
+def test_fsdp1_subgroup_deviation_applies_only_where_the_cell_checkpoints(monkeypatch):
+    """The subgroup cell of state_dict.full reaches FSDP.optim_state_dict only through
+    save_checkpoint, which runs only where torch-fsdp1 declares checkpoint_resume (DCP passes the
+    group): on torch 2.8.0 the cell passes, and a deviation declared there turned that pass into
+    a FAIL (found by benchmarks/compat_matrix.py)."""
+    from fsdp_conformance.adapters import _dcp, deviations, get_adapter
+    from fsdp_conformance.suite.test_state_dict import StateDictCase
+
+    adapter = get_adapter("torch-fsdp1")
+    for dropped in (False, True):
+        monkeypatch.setattr(_dcp, "fsdp1_group_dropped", lambda dropped=dropped: dropped)
+        last, first = (
+            deviations.deviation_reason(adapter, "state_dict.full", StateDictCase("subgroup", m))
+            for m in ("last", "first")
+        )
+        assert first is None
+        assert (last is not None and "Global rank 0" in last) is not dropped, (dropped, last)
