@@ -6,7 +6,8 @@ variant at the adapter it breaks:
 
 - impl reducing gradients in param_dtype, ignoring reduce_dtype;
 - impl adding each reduced gradient to the previous ones in reduce_dtype (bfloat16), not fp32;
-- torch FSDP2 accumulating no-sync gradients in param_dtype, not reduce_dtype;
+- torch FSDP2 accumulating no-sync gradients in param_dtype, not reduce_dtype (patched where
+  each torch release decides the accumulation dtype);
 - torch FSDP1 returning mixed-precision buffers in buffer_dtype from its state dict;
 - torch's ShardedGradScaler checking infs on this rank only (no all-reduce of found_inf).
 """
@@ -50,7 +51,10 @@ BROKEN = textwrap.dedent(
 
     FlatParamHandle.__init__ = _reduces_in_param_dtype
     FlatParamHandle.finish_grad_reduction = _adds_in_reduce_dtype
-    FSDPParam.to_accumulated_grad_if_needed = lambda self: None
+    if hasattr(FSDPParam, "to_accumulated_grad_if_needed"):  # up to torch 2.14
+        FSDPParam.to_accumulated_grad_if_needed = lambda self: None
+    else:  # torch 2.15: the unsharded parameter's grad_dtype is where autograd accumulates
+        FSDPParam.unsharded_grad_dtype = property(lambda self: self.param_dtype or self.orig_dtype)
     _state_dict_utils._get_orig_buffer_dtypes = lambda state, names: [
         state.mixed_precision.buffer_dtype for _ in names
     ]
