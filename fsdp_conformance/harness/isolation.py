@@ -80,10 +80,7 @@ def _settings() -> dict[str, tuple[Callable[[], Any], Callable[[Any], Any]]]:
     options = torch._tensor_str.PRINT_OPTS
     return {
         "dtype": (torch.get_default_dtype, torch.set_default_dtype),
-        "device": (
-            torch.get_default_device,
-            lambda d: torch.set_default_device(None if d == torch.device("cpu") else d),
-        ),
+        "device": (torch.get_default_device, _set_default_device),
         "grad": (torch.is_grad_enabled, torch.set_grad_enabled),
         "deterministic": (
             lambda: (
@@ -99,6 +96,17 @@ def _settings() -> dict[str, tuple[Callable[[], Any], Callable[[Any], Any]]]:
         "threads": (torch.get_num_threads, torch.set_num_threads),
         "print": (lambda: dict(vars(options)), lambda v: vars(options).update(v)),
     }
+
+
+def _set_default_device(device: Any) -> None:
+    """``torch.set_default_device``; the CPU as a fresh process has it: no device context at all
+    (torch 2.8 keeps a None context, which its get_default_device then fails to read)."""
+    import torch
+
+    torch.set_default_device(None if device == torch.device("cpu") else device)
+    local = getattr(torch, "_GLOBAL_DEVICE_CONTEXT", None)
+    if getattr(local, "device_context", False) is None:
+        del local.device_context
 
 
 def _torch_state() -> dict[str, Any]:

@@ -170,3 +170,23 @@ def test_next(dist):
     )
     result = pytester.runpytest_subprocess("--fsdp-timeout=60", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=2)
+
+
+def test_the_cpu_default_device_is_restored_as_a_fresh_process_has_it() -> None:
+    """After a test set another default device, the reset leaves no device context, as a fresh
+    process has: torch 2.8 keeps a None context there that its get_default_device cannot read, so
+    every later test of the rank failed (found on 2.8.0 by test_next_test_sees_a_pristine_rank)."""
+    import torch
+
+    from fsdp_conformance.harness import isolation
+
+    state = isolation._torch_state()
+    assert state["device"] == torch.device("cpu")
+    try:
+        torch.set_default_device("meta")
+        isolation._restore_torch_state(state)
+        assert getattr(torch._GLOBAL_DEVICE_CONTEXT, "device_context", "none") is not None
+        assert torch.get_default_device() == torch.device("cpu")
+        assert torch.empty(1).device.type == "cpu"
+    finally:
+        isolation._set_default_device(torch.device("cpu"))
