@@ -103,6 +103,11 @@ def get_check(check_id: str) -> Check:
     try:
         return CHECKS[check_id]
     except (KeyError, TypeError):
+        if not CHECKS:
+            raise ValueError(
+                f"unknown check id {check_id!r}: no check is registered yet; import "
+                "fsdp_conformance.suite first (it registers every check)"
+            ) from None
         raise ValueError(
             f"unknown check id {check_id!r}; use one of {', '.join(sorted(CHECKS))} "
             "(fsdp_conformance.checks.CHECKS)"

@@ -168,3 +168,13 @@ def test_docs_checks_md_holds_the_registry_table():
         "docs/checks.md's registry table is stale; regenerate it with "
         "checks.registry_table() (see the section 'The check registry')"
     )
+
+
+def test_an_empty_registry_says_which_import_fills_it(monkeypatch):
+    """Before fsdp_conformance.suite is imported no check is registered: the error says so and
+    names the import, not an empty list of ids."""
+    monkeypatch.setattr(checks, "CHECKS", {})
+    with pytest.raises(
+        ValueError, match=r"no check is registered yet; import fsdp_conformance\.suite"
+    ):
+        checks.get_check("parity.ddp")

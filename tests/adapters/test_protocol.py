@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+import fsdp_conformance.suite  # noqa: F401  (registers the checks the deviations name)
 from fsdp_conformance.adapters import (
     ALL_FEATURES,
     Adapter,

@@ -7,6 +7,7 @@ import types
 import pytest
 import torch
 
+import fsdp_conformance.suite  # noqa: F401  (registers the checks the deviations name)
 from fsdp_conformance import _patching, constants
 from fsdp_conformance.adapters import _fsdp1_internals, _fsdp2_internals, _support, get_adapter
 from fsdp_conformance.adapters import deviations as adapter_deviations
