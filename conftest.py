@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 # Tests that take 5 s or more (the longest case's seconds in a full `pytest -n auto` run on 2
-# cores, 2026-11-26), by node id without parameters. They run first so that `-n auto`'s load scheduling hands them out at the
-# start instead of leaving one to extend the end of the run.
+# cores, 2026-11-26), by node id without parameters. They run first so that `-n auto`'s load
+# scheduling hands them out at the start instead of leaving one to extend the end of the run.
 LONG_TESTS = {
     "tests/fuzz/test_fuzz_mutants.py::test_fuzz_finds_shrinks_and_reproduces": 33,
     "tests/harness/test_faults.py::test_fault_matrix": 24,

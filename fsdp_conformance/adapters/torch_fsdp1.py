@@ -468,11 +468,9 @@ class TorchFSDP1Adapter(EngineHooks, Adapter):
 
     # no_sync() and clip_grad_norm_(): FSDP1's own methods on the root (the EngineHooks defaults)
     def save_checkpoint(self, model: nn.Module, optimizer: Any, directory: str) -> None:
-
         require(self, Feature.CHECKPOINT_RESUME)
         _dcp.save(model, optimizer, directory, model.process_group)
 
     def load_checkpoint(self, model: nn.Module, optimizer: Any, directory: str) -> None:
-
         require(self, Feature.CHECKPOINT_RESUME)
         _dcp.load(model, optimizer, directory, model.process_group)

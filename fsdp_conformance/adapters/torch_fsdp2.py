@@ -25,6 +25,7 @@ from fsdp_conformance.constants import Op
 from fsdp_conformance.device_handle import accelerator_available
 from fsdp_conformance.training_states import InstanceState, RootState
 
+from . import _dcp
 from . import _fsdp2_internals as internals
 from ._fsdp2_device import install_lagging_device, observe_buffers
 from ._fsdp2_prefetch import configure_prefetch
@@ -406,14 +407,10 @@ class TorchFSDP2Adapter(EngineHooks, Adapter):
 
     def save_checkpoint(self, model: nn.Module, optimizer: Any, directory: str) -> None:
         require(self, Feature.CHECKPOINT_RESUME)
-        from . import _dcp
-
         _dcp.save(model, optimizer, directory, _model_group(model))
 
     def load_checkpoint(self, model: nn.Module, optimizer: Any, directory: str) -> None:
         require(self, Feature.CHECKPOINT_RESUME)
-        from . import _dcp
-
         _dcp.load(model, optimizer, directory, _model_group(model))
 
 
