@@ -458,7 +458,9 @@ def preimport() -> None:
 
     import _pytest.assertion.rewrite
     import _pytest.outcomes  # noqa: F401
+    import torch._dynamo  # noqa: F401  (every optimizer's first construction imports it)
     import torch.distributed  # noqa: F401
+    import torch.distributed.fsdp  # noqa: F401
 
     from fsdp_conformance.harness import collectives, isolation  # noqa: F401
 
