@@ -53,13 +53,15 @@ def _fit_titles(figure: Any) -> None:
     titles = [ax.title for ax in figure.axes] + list(figure.texts)
     for _ in range(8):
         figure.tight_layout()
-        renderer = figure.canvas.get_renderer()
-        box = figure.bbox
-        for title in titles:
-            extent = title.get_window_extent(renderer)
-            if extent.x0 < box.x0 or extent.x1 > box.x1:
-                width = max(len(line) for line in title.get_text().splitlines())
-                title.set_text(textwrap.fill(" ".join(title.get_text().split()), width * 4 // 5))
+        figure.canvas.draw()  # the titles' places are decided while drawing
+        renderer, box = figure.canvas.get_renderer(), figure.bbox
+        extents = [title.get_window_extent(renderer) for title in titles]
+        wide = [t for t, e in zip(titles, extents) if e.x0 < box.x0 or e.x1 > box.x1]
+        if not wide:
+            return
+        for title in wide:
+            width = max(len(line) for line in title.get_text().splitlines())
+            title.set_text(textwrap.fill(" ".join(title.get_text().split()), width * 4 // 5))
 
 
 def draw(document: dict[str, Any], out_file: str) -> int:

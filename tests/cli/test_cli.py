@@ -210,6 +210,19 @@ def test_timeline_draws_two_panels_and_unlimited_exceeds_bound(tmp_path: Path) -
         assert max(gathers(limited, phase)) <= bound[phase], (phase, gathers(limited, phase))
     assert "True                       1  forward      2      2" in result.stdout
 
+    # docs/timeline.png is this picture: the same words drawn (kept in the PNG), the same size
+    from PIL import Image
+
+    shipped = Image.open(Path(__file__).resolve().parents[2] / "docs" / "timeline.png")
+    drawn = Image.open(tmp_path / "timeline.png")
+    assert (
+        drawn.size == shipped.size and "limit_all_gathers=False: peak" in drawn.text["Description"]
+    )
+    assert drawn.text["Description"] == shipped.text.get("Description"), (
+        "docs/timeline.png is not what `fsdp-conformance timeline` draws now: redraw it with "
+        "`fsdp-conformance timeline --out docs/timeline.png`"
+    )
+
     trace = json.loads((tmp_path / "trace.json").read_text())
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     assert any(e.get("name") == "FullyShardedDataParallel.rate_limiter" for e in events)
