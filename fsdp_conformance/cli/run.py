@@ -189,14 +189,13 @@ def _selected_targets(args: argparse.Namespace) -> list[str] | None:
         return None
     cells = list(args.cell or [])
     if args.failed:
-        path = _failures_path(args)
-        if not os.path.exists(path):
+        path = _failures_file(args)
+        if not path.exists():
             raise UsageError(
                 f"--failed: no earlier run of --impl {args.impl} (coverage {args.coverage}, world "
                 f"size {args.world_size}) is recorded; run it once without --failed"
             )
-        with open(path, encoding="utf-8") as stream:
-            cells += json.load(stream)["cells"]
+        cells += json.loads(path.read_text(encoding="utf-8"))["cells"]
     classes = _suite_classes()
     targets = []
     for cell in dict.fromkeys(cells):
@@ -210,30 +209,25 @@ def _selected_targets(args: argparse.Namespace) -> list[str] | None:
     return targets
 
 
-def _failures_path(args: argparse.Namespace) -> str:
+def _failures_file(args: argparse.Namespace) -> pathlib.Path:
     """Where ``run`` keeps the failing and deviating cells of its last run for ``--failed``: per
     adapter, coverage and world size (and directory, for a ``pkg.mod:ATTR`` adapter)."""
-    key = [args.impl, args.coverage, str(args.world_size)]
-    key += [os.getcwd()] if ":" in args.impl else []
-    digest = hashlib.sha256("\0".join(key).encode()).hexdigest()[:16]
-    return cache_dir("failed", f"{digest}.json")
+    here = os.getcwd() if ":" in args.impl else ""
+    key = "\0".join([args.impl, args.coverage, str(args.world_size), here]).encode()
+    return pathlib.Path(cache_dir("failed", f"{hashlib.sha256(key).hexdigest()[:16]}.json"))
 
 
 def _remember_failures(args: argparse.Namespace, cells: list[Any]) -> bool:
     """Record the failing and deviating cells for ``--failed`` (a cell this run ran is forgotten
     unless it failed or deviated again); whether any is recorded."""
-    path = _failures_path(args)
-    kept: set[str] = set()
-    if os.path.exists(path):
-        with open(path, encoding="utf-8") as stream:
-            kept = set(json.load(stream)["cells"])
+    path = _failures_file(args)
+    earlier = json.loads(path.read_text(encoding="utf-8"))["cells"] if path.exists() else []
     ran = {cell.nodeid.partition("::")[2]: cell.outcome for cell in cells if "::" in cell.nodeid}
-    kept = {cell for cell in kept if cell not in ran}
+    kept = {cell for cell in earlier if cell not in ran}
     kept |= {cell for cell, outcome in ran.items() if outcome in ("fail", "xfail")}
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
     document = {"impl": args.impl, "directory": os.getcwd(), "cells": sorted(kept)}
-    with open(path, "w", encoding="utf-8") as stream:
-        json.dump(document, stream, indent=1)
+    path.write_text(json.dumps(document, indent=1), encoding="utf-8")
     return bool(kept)
 
 
