@@ -152,7 +152,9 @@ def _documented_run(impl: str) -> list:
     """(argv, *output lines) of the ``$ fsdp-conformance run ... --impl <impl>`` block of
     docs/cli.md."""
     doc = (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text()
-    (block,) = re.findall(rf"```\n\$ (fsdp-conformance run [^\n]*--impl {impl}.*?)```", doc, re.DOTALL)
+    (block,) = re.findall(
+        rf"```\n\$ (fsdp-conformance run [^\n]*--impl {impl}.*?)```", doc, re.DOTALL
+    )
     command, *output = block.rstrip("\n").splitlines()
     return [shlex.split(command)[1:], *output]
 
