@@ -43,8 +43,13 @@ def cli(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.
         [sys.executable, "-m", "fsdp_conformance.cli", *args],
         check=False,
         cwd=cwd,
-        # temp files (a failing run keeps pytest's log) stay under the test's own tmp_path
-        env={**os.environ, "TMPDIR": str(cwd), **(env or {})},
+        # temp files, a failing run's kept log and --failed's record stay in the test's tmp_path
+        env={
+            **os.environ,
+            "TMPDIR": str(cwd),
+            "XDG_CACHE_HOME": str(cwd / ".cache"),
+            **(env or {}),
+        },
         capture_output=True,
         text=True,
         timeout=TIMEOUT,
