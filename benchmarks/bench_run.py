@@ -13,6 +13,9 @@ compare runs made in the same conditions.
 
     python benchmarks/bench_run.py              # 3 rounds
     python benchmarks/bench_run.py --rounds 1 -k parity
+    python benchmarks/bench_run.py --update-docs   # the medians into docs/figures.json and the docs
+
+CPU time is user + sys of every process the run waited for (as ``/usr/bin/time`` counts it).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import datetime
 import json
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -29,12 +33,16 @@ import tempfile
 import time
 
 
-def _timed(command: list[str], cwd: str) -> float:
+def _timed(command: list[str], cwd: str) -> tuple[float, float]:
+    """Wall and CPU seconds (user + sys of the processes waited for) of ``command``."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.monotonic()
     done = subprocess.run(command, cwd=cwd, capture_output=True, text=True, check=False)
     if done.returncode not in (0, 1):
         raise SystemExit(f"{' '.join(command)} exited {done.returncode}:\n{done.stderr[-2000:]}")
-    return time.monotonic() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    return time.monotonic() - started, cpu
 
 
 def main() -> None:
@@ -43,7 +51,14 @@ def main() -> None:
     parser.add_argument("--impl", default="impl", help="the --impl to run (default impl)")
     parser.add_argument("-k", default=None, help="only checks matching this -k expression")
     parser.add_argument("--slowest", type=int, default=10, help="slowest cells to list")
+    parser.add_argument(
+        "--update-docs", action="store_true",
+        help="record the medians as the figure run-impl (docs/figures.json) and rewrite the docs",
+    )  # fmt: skip
     args = parser.parse_args()
+    if args.update_docs and (args.impl != "impl" or args.k):
+        parser.error("--update-docs records the default run: drop --impl and -k")
+    load_before = os.getloadavg()[0]
 
     from fsdp_conformance.cli import records
 
@@ -58,12 +73,12 @@ def main() -> None:
         run = [sys.executable, "-m", "fsdp_conformance.cli", "run", "--impl", args.impl]
         run += ["--json", matrix, *selection]
         for round_number in range(1, args.rounds + 1):
-            collect_s = _timed(collect, directory)
-            run_s = _timed(run, directory)
+            collect_s = _timed(collect, directory)[0]
+            run_s, cpu_s = _timed(run, directory)
             with open(matrix, encoding="utf-8") as stream:
                 cells = json.load(stream)["cells"]
-            rows.append((collect_s, run_s, len(cells), sum(c["duration"] for c in cells)))
-            print(f"round {round_number}: run {run_s:.1f} s", file=sys.stderr)
+            rows.append((collect_s, run_s, len(cells), sum(c["duration"] for c in cells), cpu_s))
+            print(f"round {round_number}: run {run_s:.1f} s, {cpu_s:.1f} CPU-s", file=sys.stderr)
 
     import torch
 
@@ -72,17 +87,34 @@ def main() -> None:
         f"{os.cpu_count()} CPUs, Python {platform.python_version()}, torch {torch.__version__}, "
         f"--impl {args.impl}" + (f", -k {args.k!r}" if args.k else "")
     )
-    print("| round | collection s | run s | cells | sum of cell s |")
-    print("|---:|---:|---:|---:|---:|")
-    for number, (collect_s, run_s, count, cell_s) in enumerate(rows, 1):
-        print(f"| {number} | {collect_s:.1f} | {run_s:.1f} | {count} | {cell_s:.1f} |")
-    median = [statistics.median(row[i] for row in rows) for i in range(4)]
-    print(f"| median | {median[0]:.1f} | {median[1]:.1f} | {median[2]:.0f} | {median[3]:.1f} |")
+    print("| round | collection s | run s | cells | sum of cell s | run CPU s |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for number, (collect_s, run_s, count, cell_s, cpu_s) in enumerate(rows, 1):
+        print(
+            f"| {number} | {collect_s:.1f} | {run_s:.1f} | {count} | {cell_s:.1f} | {cpu_s:.1f} |"
+        )
+    median = [statistics.median(row[i] for row in rows) for i in range(5)]
+    print(
+        f"| median | {median[0]:.1f} | {median[1]:.1f} | {median[2]:.0f} | {median[3]:.1f} "
+        f"| {median[4]:.1f} |"
+    )
     print("\nslowest cells of the last round (setup + call + teardown, s):")
     for cell in sorted(cells, key=lambda c: -c["duration"])[: args.slowest]:
         print(f"  {cell['duration']:6.1f}  {cell['check']}[{cell['configuration']}]")
     load = os.getloadavg()
     print(f"load average after the run: {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
+    if args.update_docs:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import figures
+
+        recorded = figures.load()
+        recorded["run-impl"] = {
+            "command": "fsdp-conformance run --impl impl", "wall_s": round(median[1], 1),
+            "cpu_s": round(median[4], 1), "cells": round(median[2]), "load": round(load_before, 1),
+            "date": f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d}",
+            "machine": f"{os.cpu_count()} CPUs, torch {torch.__version__}",
+        }  # fmt: skip
+        figures.rewrite(recorded)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,9 @@ on its pytest report as the properties ``PROPERTY_*``. Shared layer: no torch, n
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
+import os
+import shlex
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 PASS = "pass"
@@ -25,6 +27,7 @@ PROPERTY_VERDICT = "fsdp_verdict"
 PROPERTY_REASON = "fsdp_reason"  # deviation reason / missing feature / failure, one line
 PROPERTY_FEATURE = "fsdp_feature"  # the missing feature of a not-applicable cell
 PROPERTY_FAILURE = "fsdp_failure"  # what failed in a deviating cell (the declared failure)
+PROPERTY_RERUN = "fsdp_rerun"  # the shell line re-running a failing or deviating cell alone
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,6 +163,7 @@ class Result:
     reason: str = ""  # deviation reason, why not applicable, what failed ("" for a pass)
     failure: str | None = None  # PROPERTY_FAILURE (None: not recorded)
     feature: str | None = None  # PROPERTY_FEATURE (None: not recorded)
+    rerun: str | None = None  # PROPERTY_RERUN (None: not recorded)
 
     def properties(self) -> list[tuple[str, str]]:
         """The record as report properties, each value on one line."""
@@ -172,6 +176,8 @@ class Result:
             pairs.append((PROPERTY_FEATURE, _one_line(self.feature)))
         if self.failure is not None:
             pairs.append((PROPERTY_FAILURE, _one_line(self.failure)))
+        if self.rerun is not None:
+            pairs.append((PROPERTY_RERUN, self.rerun))
         return pairs
 
     @classmethod
@@ -186,6 +192,7 @@ class Result:
             values.get(PROPERTY_REASON, ""),
             values.get(PROPERTY_FAILURE),
             values.get(PROPERTY_FEATURE),
+            values.get(PROPERTY_RERUN),
         )
 
     @classmethod
@@ -207,6 +214,13 @@ class Result:
 
 
 _OUTCOME_OF_VERDICT = {PASS: "pass", FAIL: "fail", DEVIATION: "xfail", NOT_APPLICABLE: "skip"}
+
+
+def shell_line(impl: str, words: Sequence[str]) -> str:
+    """``words`` as one shell line that works pasted in any directory: for a ``pkg.mod:ATTR``
+    adapter (imported from the current directory) it starts with ``cd <this directory> &&``."""
+    line = shlex.join(words)
+    return f"cd {shlex.quote(os.getcwd())} && {line}" if ":" in impl else line
 
 
 def report_line(report: object) -> str:

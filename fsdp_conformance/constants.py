@@ -24,6 +24,7 @@ ENV_BACKEND = "FSDP_CONFORMANCE_BACKEND"
 ENV_FAKE_GPUS = "FSDP_CONFORMANCE_FAKE_GPUS"  # pretend this many GPUs exist
 ENV_GPU_LOCK_DIR = "FSDP_CONFORMANCE_GPU_LOCK_DIR"  # folder of the GPU lock files
 ENV_CLI_RESULTS = "FSDP_CONFORMANCE_CLI_RESULTS"  # the CLI's records file
+ENV_CLI_RERUN = "FSDP_CONFORMANCE_CLI_RERUN"  # `fsdp-conformance run` line a cell's re-run extends
 # "1": the prefetch-order golden check writes the goldens instead of comparing
 ENV_ACCEPT_GOLDENS = "FSDP_CONFORMANCE_ACCEPT_GOLDENS"
 ENV_LAUNCHER = "FSDP_CONFORMANCE_LAUNCHER"  # ``--fsdp-launcher``

@@ -77,6 +77,9 @@ def main() -> int:
     import torch.multiprocessing as mp
 
     tmp = tempfile.mkdtemp(prefix="fsdp-demo-")
+    # the ranks' optimizer imports torch._dynamo, which makes inductor's cache folder at import
+    # (default: TMPDIR/torchinductor_<user>); the ranks inherit this, so it goes with `tmp`
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tmp, "inductor"))
     try:
         mp.spawn(_rank_main, args=(os.path.join(tmp, "store"),), nprocs=WORLD_SIZE)
     except Exception as error:  # noqa: BLE001  a rank failed: its traceback is already printed

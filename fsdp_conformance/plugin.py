@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shlex
 import sys
 from typing import Any
 
@@ -450,7 +451,33 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     result = dataclasses.replace(
         checks.Result.of_report(check.id, report, recorded), check=check.id
     )
+    if result.verdict in (checks.FAIL, checks.DEVIATION):
+        result = dataclasses.replace(result, rerun=_rerun_line(item))
     kept = [(n, v) for n, v in item.user_properties if not n.startswith("fsdp_")]
     item.user_properties[:] = kept + result.properties()
     report.user_properties = list(item.user_properties)
     return report
+
+
+_SUITE = "fsdp_conformance.suite."
+
+
+def _rerun_line(item: pytest.Item) -> str:
+    """The shell line running ``item`` alone from any directory: a suite cell under the CLI as
+    ``<the CLI's prefix, constants.ENV_CLI_RERUN> --cell <Class>::<test>[<id>]``, else pytest."""
+    from fsdp_conformance import checks
+
+    state = item.config.stash[STATE_KEY]
+    module = getattr(getattr(item, "module", None), "__name__", "")
+    test = item.nodeid.partition("::")[2]
+    prefix = os.environ.get(constants.ENV_CLI_RERUN)
+    if prefix and module.startswith(_SUITE):
+        return f"{prefix} --cell {shlex.quote(test)}"
+    installed = module.startswith("fsdp_conformance.")
+    target = ["--pyargs", f"{module}::{test}"] if installed else [f"{item.path}::{test}"]
+    options = [f"--fsdp-impl={state.impl}"]
+    if state.world_size != 2:
+        options.append(f"--fsdp-world-size={state.world_size}")
+    if state.coverage:
+        options.append(f"--fsdp-coverage={state.coverage}")
+    return checks.shell_line(state.impl, ["python", "-m", "pytest", *target, *options])

@@ -17,44 +17,22 @@ from fsdp_conformance.cli import fuzz as _fuzz
 from fsdp_conformance.cli import overlap_table as _overlap
 from fsdp_conformance.cli import run as _run
 from fsdp_conformance.cli import timeline as _timeline
-from fsdp_conformance.cli.overlap_table import render_overlap
-from fsdp_conformance.cli.run import pytest_command
-from fsdp_conformance.cli.timeline import RATE_LIMITER_RANGE, render_timeline
 from fsdp_conformance.cli.usage import (
-    BUILTIN_IMPLS,
-    CLI_TIMEOUT_S,
-    COVERAGES,
-    DEFAULT_COVERAGE,
-    DEFAULT_WORKERS,
-    MODES,
     PROG,
-    RANK_MEMORY_BYTES,
-    RANKS_PER_CPU,
     BrokenAdapter,
     UsageError,
     _Parser,
-    check_impl,
-    check_keyword_expression,
-    check_output,
-    check_world_size,
     exit_codes_epilog,
-    max_world_size,
     private_tempdir,
 )
 from fsdp_conformance.harness import signals
 
-DEFAULT_TIMEOUT = CLI_TIMEOUT_S  # its old name
-
-__all__ = [
-    "BUILTIN_IMPLS", "CLI_TIMEOUT_S", "COVERAGES", "DEFAULT_COVERAGE", "DEFAULT_TIMEOUT",
-    "DEFAULT_WORKERS", "MODES", "PROG", "RANKS_PER_CPU", "RANK_MEMORY_BYTES",
-    "RATE_LIMITER_RANGE", "UsageError", "build_parser", "check_impl", "check_keyword_expression",
-    "check_output", "check_world_size", "main", "max_world_size", "pytest_command",
-    "render_overlap", "render_timeline",
-]  # fmt: skip
+# the package exports these two; each command's names live in its module (cli.run, cli.usage, ...)
+__all__ = ["build_parser", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The parser of ``fsdp-conformance`` and its subcommands."""
     formatter = argparse.RawDescriptionHelpFormatter
     parser = _Parser(
         prog=PROG,

@@ -21,8 +21,6 @@ from fsdp_conformance.cli.usage import (
 
 
 def _conformance_command(args: argparse.Namespace) -> int:
-    from fsdp_conformance.cli import table
-
     impls = args.impl or list(BUILTIN_IMPLS)
     for impl in impls:
         if impl not in BUILTIN_IMPLS:  # a built-in without its extra gets a column saying so
@@ -35,6 +33,8 @@ def _conformance_command(args: argparse.Namespace) -> int:
         pytest_args += ["-n", str(args.workers)]
     if args.k:
         pytest_args += ["-k", args.k]
+    from fsdp_conformance.cli import table  # imports the suite (and torch)
+
     table.generate(impls, args.out, pytest_args)
     print(f"{PROG} conformance: wrote {args.out}")
     return 0

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_conformance import checks
-from fsdp_conformance.adapters import features as adapter_features
+from fsdp_conformance._lazy import LazyModule
 from fsdp_conformance.cli.records import NO_LITTER
 from fsdp_conformance.cli.usage import (
     DEFAULT_COVERAGE,
@@ -40,6 +40,7 @@ from fsdp_conformance.cli.usage import (
 from fsdp_conformance.constants import COVERAGES
 
 JSON_SCHEMA_VERSION = 1
+adapter_features: Any = LazyModule("fsdp_conformance.adapters.features")  # imports torch
 
 
 @dataclasses.dataclass

@@ -6,6 +6,7 @@ dashed. matplotlib (an optional dependency) is imported here only.
 from __future__ import annotations
 
 import math
+import textwrap
 from typing import Any
 
 PHASE_COLOURS = {"forward": "#cfe3f7", "backward": "#f9dcc4"}
@@ -37,6 +38,32 @@ def _phase_spans(samples: list[dict[str, Any]]) -> list[tuple[str, int, int, int
     return spans
 
 
+def drawn_texts(figure: Any) -> list[Any]:
+    """The figure's texts other than tick labels: titles, axis labels, phase labels, legend."""
+    texts = list(figure.texts)
+    for ax in figure.axes:
+        legend = ax.get_legend()
+        texts += [ax.title, ax.xaxis.label, ax.yaxis.label, *ax.texts]
+        texts += legend.get_texts() if legend is not None else []
+    return [text for text in texts if text.get_text().strip()]
+
+
+def _fit_titles(figure: Any) -> None:
+    """Lay the figure out, wrapping each title until its drawn extent lies inside the figure."""
+    titles = [ax.title for ax in figure.axes] + list(figure.texts)
+    for _ in range(8):
+        figure.tight_layout()
+        figure.canvas.draw()  # the titles' places are decided while drawing
+        renderer, box = figure.canvas.get_renderer(), figure.bbox
+        extents = [title.get_window_extent(renderer) for title in titles]
+        wide = [t for t, e in zip(titles, extents) if e.x0 < box.x0 or e.x1 > box.x1]
+        if not wide:
+            return
+        for title in wide:
+            width = max(len(line) for line in title.get_text().splitlines())
+            title.set_text(textwrap.fill(" ".join(title.get_text().split()), width * 4 // 5))
+
+
 def draw(document: dict[str, Any], out_file: str) -> int:
     """Draw the panels of ``document`` into ``out_file`` (PNG, SVG, PDF by its suffix); the
     number of panels (axes) drawn."""
@@ -59,8 +86,7 @@ def draw(document: dict[str, Any], out_file: str) -> int:
                 ax.text((first + last) / 2, top * 0.98, label, ha="center", va="top", fontsize=8)
         bound = [panel["bound"].get(sample["phase"]) for sample in samples]
         curves = (
-            ([math.nan if v is None else v for v in bound], "#c0392b", "--", 1.5,
-             f"bound: {panel['bound_name']}"),
+            ([math.nan if v is None else v for v in bound], "#c0392b", "--", 1.5, "bound"),
             ([s["resident"] for s in samples], "#1f4e79", "-", 2, "resident non-root buffers"),
             ([s["root_resident"] for s in samples], "#7f7f7f", "-", 1, "resident root buffers"),
         )  # fmt: skip
@@ -83,8 +109,10 @@ def draw(document: dict[str, Any], out_file: str) -> int:
         f"world size {document['world_size']}",
         fontsize=11,
     )
-    figure.tight_layout()
-    figure.savefig(out_file, dpi=110)
+    _fit_titles(figure)
+    # the words drawn, in the file (a test compares docs/timeline.png with a fresh drawing)
+    description = "\n".join(text.get_text() for text in drawn_texts(figure))
+    figure.savefig(out_file, dpi=110, metadata={"Description": description})
     drawn = len(figure.axes)
     plt.close(figure)
     return drawn

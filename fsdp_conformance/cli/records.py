@@ -2,7 +2,7 @@
 
 The controlling pytest process appends to the file ``FSDP_CONFORMANCE_CLI_RESULTS`` names
 (inert without it) records ``{"event": "collected", "count": N}``, ``{"event": "test",
-"nodeid", "outcome", "detail", "duration", "check_id", "verdict", "reason"}``,
+"nodeid", "outcome", "detail", "duration", "check_id", "verdict", "reason", "rerun"}``,
 ``{"event": "collect_error", "nodeid", "detail"}`` and ``{"event": "usage_error", "detail"}``.
 Every field comes from the cell's ``checks.Result``; no message text is parsed.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -26,11 +27,15 @@ NO_LITTER = ("-p", "no:cacheprovider", "-p", "no:benchmark")
 _UNUSED = ("-p", "no:hypothesispytest")
 
 
-def suite_command(impl: str, *pytest_args: str) -> list[str]:
-    """The command line of a quiet pytest run of the installed suite on ``impl`` with this
-    plugin (no user ``addopts``, no littering plugins), followed by ``pytest_args``."""
+SUITE = "fsdp_conformance.suite"
+
+
+def suite_command(impl: str, *pytest_args: str, targets: Sequence[str] = (SUITE,)) -> list[str]:
+    """The command line of a quiet pytest run of the installed suite (or its ``targets``,
+    ``--pyargs`` node ids) on ``impl`` with this plugin (no user ``addopts``, no littering
+    plugins), followed by ``pytest_args``."""
     return [
-        sys.executable, "-m", "pytest", "--pyargs", "fsdp_conformance.suite",
+        sys.executable, "-m", "pytest", "--pyargs", *targets,
         "-p", "fsdp_conformance.cli.records", *NO_LITTER, *_UNUSED,
         "-o", "addopts=", "-q", f"--fsdp-impl={impl}", *pytest_args,
     ]  # fmt: skip
@@ -108,6 +113,7 @@ class _Recorder:
                 record.update(
                     outcome=result.outcome, detail=detail(result, report.when),
                     check_id=result.check, verdict=result.verdict, reason=result.reason,
+                    rerun=result.rerun or "",
                 )  # fmt: skip
         if report.when == "teardown":
             self.decided.discard(report.nodeid)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import json
+import re
 import textwrap
 from collections.abc import Iterable
 from typing import Any
@@ -28,6 +29,7 @@ class Cell:
     check_id: str = ""
     verdict: str = ""
     reason: str = ""
+    rerun: str = ""  # the shell line re-running a failing or deviating cell alone
 
 
 def split_nodeid(nodeid: str) -> tuple[str, str]:
@@ -48,7 +50,7 @@ def cells_from_records(records: Iterable[dict[str, Any]]) -> list[Cell]:
     cells = []
     for record in records:
         if record.get("event") == "test":
-            names = ("check_id", "verdict", "reason")
+            names = ("check_id", "verdict", "reason", "rerun")
             cells.append(
                 Cell(
                     *split_nodeid(record["nodeid"]), record["outcome"], record.get("detail", ""),
@@ -126,7 +128,8 @@ def _label(outcome: str) -> str:
 
 def render_text(cells: list[Cell], detail_width: int = 160) -> str:
     """The matrix for a terminal: per check a header with its counts, then one line per cell; a
-    detail longer than ``detail_width`` is wrapped, never cut (it may carry the fix)."""
+    detail longer than ``detail_width`` is wrapped, never cut (it may carry the fix), and a
+    failing or deviating cell's re-run line under it."""
     lines = []
     for check, group in by_check(cells).items():
         total = counts(group)
@@ -136,11 +139,16 @@ def render_text(cells: list[Cell], detail_width: int = 160) -> str:
         width = max(len(cell.configuration) for cell in group)
         for cell in group:
             line = f"  {_label(cell.outcome):<5}  {cell.configuration:<{width}}  "
+            # a command in backticks stays on one line (pasted, it must run)
+            kept = re.sub(r"`[^`]*`", lambda code: code.group(0).replace(" ", "\0"), cell.detail)
             parts = textwrap.wrap(
-                cell.detail, detail_width, break_long_words=False, break_on_hyphens=False
+                kept, detail_width, break_long_words=False, break_on_hyphens=False
             )
+            parts = [part.replace("\0", " ") for part in parts]
             lines.append((line + (parts[0] if parts else "")).rstrip())
             lines.extend(" " * len(line) + part for part in parts[1:])
+            if cell.rerun:
+                lines.append(f"{' ' * len(line)}re-run: {cell.rerun}")
     return "\n".join(lines)
 
 
@@ -169,7 +177,8 @@ def render_markdown(cells: list[Cell], header: dict[str, str], summary: str) -> 
         lines += ["", f"## `{check}`", "", "| configuration | result | detail |", "|---|---|---|"]
         for cell in group:
             result = f"**{_label(cell.outcome)}**" if cell.outcome == "fail" else cell.outcome
-            lines.append(f"| `{_md(cell.configuration)}` | {result} | {_md(cell.detail)} |")
+            rerun = f"<br>re-run: `{_md(cell.rerun)}`" if cell.rerun else ""
+            lines.append(f"| `{_md(cell.configuration)}` | {result} | {_md(cell.detail)}{rerun} |")
     return "\n".join(lines) + "\n"
 
 

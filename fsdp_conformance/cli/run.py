@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import importlib.util
+import json
 import os
+import pathlib
 import platform
+import re
 import shlex
 import shutil
 import subprocess
@@ -16,6 +20,7 @@ import tempfile
 import time
 from typing import Any
 
+from fsdp_conformance import checks, constants
 from fsdp_conformance.cli import limits, records, report, torchrun
 from fsdp_conformance.cli.report import split_nodeid
 from fsdp_conformance.cli.usage import (
@@ -28,6 +33,7 @@ from fsdp_conformance.cli.usage import (
     _add_common,
     _subcommand,
     adapter_name,
+    cache_dir,
     check_impl,
     check_keyword_expression,
     check_output,
@@ -39,6 +45,12 @@ from fsdp_conformance.harness import signals
 
 
 def _run_command(args: argparse.Namespace) -> int:
+    targets = _selected_targets(args)
+    if targets == []:
+        print(f"{PROG} run: nothing failed or deviated in the last run; nothing to re-run")
+        return 0
+    if args.workers is None:  # a few cells: xdist workers would each collect them again
+        args.workers = DEFAULT_WORKERS if targets is None else 0
     launcher_problem = torchrun.check(args, DEFAULT_WORKERS, "process")
     if launcher_problem is not None:
         raise UsageError(launcher_problem)
@@ -62,11 +74,12 @@ def _run_command(args: argparse.Namespace) -> int:
     workdir = tempfile.mkdtemp(prefix="run-")  # in the command's private temp directory
     results = os.path.join(workdir, "results.jsonl")
     log_path = os.path.join(workdir, "pytest.log")
-    command = pytest_command(args)
+    command = pytest_command(args, targets)
     if uses_torchrun:
         command = torchrun.torchrun_command(args, command)
         print(f"{PROG} run: {shlex.join(command)}", file=sys.stderr)
     env = records.suite_environment(results)
+    env[constants.ENV_CLI_RERUN] = checks.shell_line(args.impl, _rerun_words(args))
     print(
         f"{PROG} run: suite on {args.impl!r} (coverage {args.coverage}, mode {args.mode}, "
         f"{args.workers or 'no'} xdist workers{', -k ' + repr(args.k) if args.k else ''})",
@@ -114,6 +127,10 @@ def _run_command(args: argparse.Namespace) -> int:
     print(report.render_text(cells))
     print()
     print(summary)
+    if _remember_failures(args, cells):
+        words = [*_rerun_words(args), "--failed"]
+        line = checks.shell_line(args.impl, words)
+        print(f"re-run the failing and deviating cells: {line}", file=sys.stderr)
     _write_outputs(args, cells, _report_header(args, command, wall), summary, returncode)
     failed = any(cell.outcome == "fail" for cell in cells) or returncode != 0 or not_run > 0
     if failed:
@@ -124,14 +141,16 @@ def _run_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def pytest_command(args: argparse.Namespace) -> list[str]:
-    """The pytest command line ``run`` starts (in the user's directory)."""
+def pytest_command(args: argparse.Namespace, targets: list[str] | None = None) -> list[str]:
+    """The pytest command line ``run`` starts (in the user's directory) on the whole suite or
+    on ``targets`` (``--pyargs`` node ids)."""
     command = records.suite_command(
         args.impl,
         f"--fsdp-world-size={args.world_size}",
         f"--fsdp-mode={args.mode}",
         f"--fsdp-coverage={args.coverage}",
         f"--fsdp-timeout={args.timeout:g}",
+        targets=targets or (records.SUITE,),
     )
     if args.workers > 0:
         command += ["-n", str(args.workers)]
@@ -140,6 +159,76 @@ def pytest_command(args: argparse.Namespace) -> list[str]:
     if args.junit:
         command += [f"--junitxml={os.path.abspath(args.junit)}"]
     return command
+
+
+def _rerun_words(args: argparse.Namespace) -> list[str]:
+    """``fsdp-conformance run`` with the options that decide which cells exist and how they run."""
+    words = [PROG, "run", "--impl", args.impl]
+    if args.coverage != DEFAULT_COVERAGE:
+        words += ["--coverage", args.coverage]
+    if args.world_size != 2:
+        words += ["--world-size", str(args.world_size)]
+    return words + (["--mode", args.mode] if args.mode != "process" else [])
+
+
+def _suite_classes() -> dict[str, str]:
+    """Each test class of the suite -> the module defining it (read from the source files:
+    importing them would import torch)."""
+    root = pathlib.Path(importlib.util.find_spec(records.SUITE).origin or "").parent
+    classes = {}
+    for path in root.rglob("test_*.py"):
+        module = ".".join((records.SUITE, *path.relative_to(root).with_suffix("").parts))
+        source = path.read_text(encoding="utf-8")
+        classes.update(dict.fromkeys(re.findall(r"^class (Test\w+)", source, re.MULTILINE), module))
+    return classes
+
+
+def _selected_targets(args: argparse.Namespace) -> list[str] | None:
+    """The ``--pyargs`` node ids of ``--cell`` and ``--failed`` (None: the whole suite)."""
+    if not args.cell and not args.failed:
+        return None
+    cells = list(args.cell or [])
+    if args.failed:
+        path = _failures_file(args)
+        if not path.exists():
+            raise UsageError(
+                f"--failed: no earlier run of --impl {args.impl} (coverage {args.coverage}, world "
+                f"size {args.world_size}) is recorded; run it once without --failed"
+            )
+        cells += json.loads(path.read_text(encoding="utf-8"))["cells"]
+    classes = _suite_classes()
+    targets = []
+    for cell in dict.fromkeys(cells):
+        test_class, _, test = cell.partition("::")
+        if test_class not in classes or not test:
+            raise UsageError(
+                f"--cell {cell!r}: not a cell of the suite; give the id its re-run line names, "
+                "CLASS::TEST[CONFIGURATION], e.g. 'TestDDPParity::test_matches_ddp[nested-ws1]'"
+            )
+        targets.append(f"{classes[test_class]}::{cell}")
+    return targets
+
+
+def _failures_file(args: argparse.Namespace) -> pathlib.Path:
+    """Where ``run`` keeps the failing and deviating cells of its last run for ``--failed``: per
+    adapter, coverage and world size (and directory, for a ``pkg.mod:ATTR`` adapter)."""
+    here = os.getcwd() if ":" in args.impl else ""
+    key = "\0".join([args.impl, args.coverage, str(args.world_size), here]).encode()
+    return pathlib.Path(cache_dir("failed", f"{hashlib.sha256(key).hexdigest()[:16]}.json"))
+
+
+def _remember_failures(args: argparse.Namespace, cells: list[Any]) -> bool:
+    """Record the failing and deviating cells for ``--failed`` (a cell this run ran is forgotten
+    unless it failed or deviated again); whether any is recorded."""
+    path = _failures_file(args)
+    earlier = json.loads(path.read_text(encoding="utf-8"))["cells"] if path.exists() else []
+    ran = {cell.nodeid.partition("::")[2]: cell.outcome for cell in cells if "::" in cell.nodeid}
+    kept = {cell for cell in earlier if cell not in ran}
+    kept |= {cell for cell, outcome in ran.items() if outcome in ("fail", "xfail")}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    document = {"impl": args.impl, "directory": os.getcwd(), "cells": sorted(kept)}
+    path.write_text(json.dumps(document, indent=1), encoding="utf-8")
+    return bool(kept)
 
 
 def _write_outputs(
@@ -249,6 +338,7 @@ def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
         "fsdp-conformance run --impl torch-fsdp1 --report matrix.md --json matrix.json",
         "fsdp-conformance run --impl mypkg.fsdp_adapter:ADAPTER -k 'MemoryBound or Parity'",
         "fsdp-conformance run -n 0 -k test_counts_per_phase --junit junit.xml",
+        "fsdp-conformance run --impl torch-fsdp1 --failed",
     )
     _add_common(
         run,
@@ -265,9 +355,9 @@ def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
         "-n",
         dest="workers",
         type=int,
-        default=DEFAULT_WORKERS,
         metavar="WORKERS",
-        help=f"pytest-xdist workers (default {DEFAULT_WORKERS}; 0: run in one process)",
+        help=f"pytest-xdist workers (default {DEFAULT_WORKERS}, 0 with --cell or --failed; 0: "
+        "run in one process)",
     )
     run.add_argument(
         "--coverage",
@@ -276,6 +366,16 @@ def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
         help="parity configurations: every pair of settings (default) or the full product",
     )
     run.add_argument("-k", metavar="EXPR", help="only checks matching this pytest -k expression")
+    run.add_argument(
+        "--cell", action="append", metavar="ID",
+        help="only this cell (repeatable): the id a failing cell's re-run line names, "
+        "CLASS::TEST[CONFIGURATION] as the matrix shows it",
+    )  # fmt: skip
+    run.add_argument(
+        "--failed", action="store_true",
+        help="only the cells that failed or deviated in the last run of this --impl (with the "
+        "same --coverage and --world-size)",
+    )  # fmt: skip
     run.add_argument("--report", metavar="FILE.md", help="write the matrix as Markdown")
     run.add_argument("--json", metavar="FILE", help="write the matrix as JSON")
     run.add_argument("--junit", metavar="FILE", help="write pytest's JUnit XML")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import importlib.util
 import json
 import os
 import shutil
@@ -173,6 +174,13 @@ def check_impl(name: str) -> None:
         )
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
+    module = name.partition(":")[0]
+    missing = _missing_module(module) if module else "nothing before the ':'"
+    if missing is not None:  # said before get_adapter imports torch
+        raise UsageError(
+            f"--impl {name}: cannot import module {module!r} ({missing}); install its package, "
+            "or run from its folder (or add that to PYTHONPATH)"
+        )
     from fsdp_conformance.adapters import get_adapter
     from fsdp_conformance.adapters.registry import AdapterImportError
 
@@ -185,6 +193,18 @@ def check_impl(name: str) -> None:
         if not isinstance(error, ValueError):
             message = f"cannot load adapter {name!r}: {type(error).__name__}: {message}"
         raise UsageError(f"--impl {message}") from None
+
+
+def _missing_module(module: str) -> str | None:
+    """Why ``module`` cannot be found (``find_spec``: imports only its parent packages), or
+    None when it is there or the question is for ``get_adapter`` (a broken parent package)."""
+    try:
+        return None if importlib.util.find_spec(module) else f"No module named {module!r}"
+    except ModuleNotFoundError as error:
+        name = error.name or ""
+        return str(error) if name and f"{module}.".startswith(f"{name}.") else None
+    except Exception:  # noqa: BLE001  get_adapter reports it, with its traceback
+        return None
 
 
 def adapter_name(impl: str) -> str:

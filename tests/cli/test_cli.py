@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import struct
 import subprocess
@@ -42,8 +43,13 @@ def cli(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.
         [sys.executable, "-m", "fsdp_conformance.cli", *args],
         check=False,
         cwd=cwd,
-        # temp files (a failing run keeps pytest's log) stay under the test's own tmp_path
-        env={**os.environ, "TMPDIR": str(cwd), **(env or {})},
+        # temp files, a failing run's kept log and --failed's record stay in the test's tmp_path
+        env={
+            **os.environ,
+            "TMPDIR": str(cwd),
+            "XDG_CACHE_HOME": str(cwd / ".cache"),
+            **(env or {}),
+        },
         capture_output=True,
         text=True,
         timeout=TIMEOUT,
@@ -109,17 +115,13 @@ def test_run_on_impl_passes_and_writes_matrix_json_junit(tmp_path: Path) -> None
 
 def test_run_on_broken_adapter_fails_and_names_the_failing_checks(tmp_path: Path) -> None:
     (tmp_path / "broken_fsdp.py").write_text(BROKEN_ADAPTER)
-    # thread mode: a failing cell does not restart the rank processes (the mode is not the
-    # subject; the run above uses the default one)
-    result = cli(
-        "run", "-n", "0", "--mode", "thread", "--impl", "broken_fsdp:NoLimitAdapter",
-        "--json", "matrix.json",
-        "-k", "stay_within_bound and strict and None or counts_per_phase and nested and FULL",
-        cwd=tmp_path,
-        env={"PYTHONPATH": str(tmp_path)},
-    )  # fmt: skip
+    # docs/cli.md shows this run, its command and what it prints (thread mode: a failing cell
+    # does not restart the rank processes; the run above uses the default mode)
+    command, *shown = _documented_run("broken_fsdp:NoLimitAdapter")
+    result = cli(*command, "--json", "matrix.json", cwd=tmp_path, env={"PYTHONPATH": str(tmp_path)})
     assert result.returncode == 1, result.stdout + result.stderr
     out = result.stdout
+    assert _unplaced(out.splitlines()) == _unplaced(shown), "docs/cli.md shows another output"
     bound = matrix_cells(out, "TestMemoryBound::test_limited_all_gathers_stay_within_bound")
     assert [cell[:2] for cell in bound] == [
         ("FAIL", "strict-FULL_SHARD-bwd=None-fwd=0-limit=1"),
@@ -149,6 +151,23 @@ def test_run_on_broken_adapter_fails_and_names_the_failing_checks(tmp_path: Path
     ]
     assert "exceeds the bound 2" in failed[0]["detail"]
     assert "exceeds the bound 3 incl. +1 for the early prefetch" in failed[1]["detail"]
+
+
+def _documented_run(impl: str) -> list:
+    """(argv, *output lines) of the ``$ fsdp-conformance run ... --impl <impl>`` block of
+    docs/cli.md."""
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text()
+    (block,) = re.findall(
+        rf"```\n\$ (fsdp-conformance run [^\n]*--impl {impl}.*?)```", doc, re.DOTALL
+    )
+    command, *output = block.rstrip("\n").splitlines()
+    return [shlex.split(command)[1:], *output]
+
+
+def _unplaced(lines: list[str]) -> list[str]:
+    """``lines`` without what differs from run to run: the wall time and the directory."""
+    lines = [re.sub(r" in [\d.ms]+ -- ", " in ... -- ", line) for line in lines]
+    return [re.sub(r"re-run: cd \S+ &&", "re-run: cd ... &&", line) for line in lines]
 
 
 # -----------------------------------------------------------------------------
@@ -209,6 +228,19 @@ def test_timeline_draws_two_panels_and_unlimited_exceeds_bound(tmp_path: Path) -
     for phase in ("forward", "backward"):
         assert max(gathers(limited, phase)) <= bound[phase], (phase, gathers(limited, phase))
     assert "True                       1  forward      2      2" in result.stdout
+
+    # docs/timeline.png is this picture: the same words drawn (kept in the PNG), the same size
+    from PIL import Image
+
+    shipped = Image.open(Path(__file__).resolve().parents[2] / "docs" / "timeline.png")
+    drawn = Image.open(tmp_path / "timeline.png")
+    assert (
+        drawn.size == shipped.size and "limit_all_gathers=False: peak" in drawn.text["Description"]
+    )
+    assert drawn.text["Description"] == shipped.text.get("Description"), (
+        "docs/timeline.png is not what `fsdp-conformance timeline` draws now: redraw it with "
+        "`fsdp-conformance timeline --out docs/timeline.png`"
+    )
 
     trace = json.loads((tmp_path / "trace.json").read_text())
     events = trace["traceEvents"] if isinstance(trace, dict) else trace

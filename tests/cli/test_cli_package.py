@@ -90,3 +90,40 @@ def test_overlap_config_takes_the_limiter_setting():
     assert {k: v for k, v in limited.items() if k != "limit_all_gathers"} == {
         k: v for k, v in overlap.overlap_config(cpu).items() if k != "limit_all_gathers"
     }
+
+
+# What answers without running a cell; each must answer before torch (seconds) is imported
+_ANSWERED_WITHOUT_TORCH = [
+    ["--help"], ["run", "--help"], ["coverage", "--help"], ["frobnicate"], [],
+    ["run", "--world-size", "0"], ["run", "--impl", "nope"], ["run", "--impl", "no_such_mod:X"],
+    ["run", "-k", "a and"], ["run", "--cell", "TestNoSuch::test_x"], ["run", "--failed"],
+    ["run", "-n", "100000"], ["conformance", "-k", "a and"], ["coverage", "--impl", "nope"],
+    ["fuzz", "--examples", "0"], ["overlap", "--limit-all-gathers", "maybe"],
+    ["timeline", "--layers", "2"],
+]  # fmt: skip
+
+
+def test_parsing_help_usage_errors_and_refusals_import_no_torch(tmp_path: pathlib.Path) -> None:
+    """Every command pays for torch only when it runs cells: `--help` and a bad argument answer
+    in well under a second (before, importing the CLI imported torch: 8-10 s on a busy host)."""
+    script = (
+        "import contextlib, io, sys\n"
+        "from fsdp_conformance.cli import main\n"
+        f"for argv in {_ANSWERED_WITHOUT_TORCH!r}:\n"
+        "    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
+        "        try:\n"
+        "            code = main(argv)\n"
+        "        except SystemExit as exit:\n"
+        "            code = exit.code\n"
+        "    print(argv, code, 'torch' in sys.modules)\n"
+    )
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "PATH": "/usr/bin:/bin"}
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=False,
+        cwd=tmp_path, env=env, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert len(lines) == len(_ANSWERED_WITHOUT_TORCH), done.stdout
+    for argv, line in zip(_ANSWERED_WITHOUT_TORCH, lines):
+        assert line == f"{argv} {0 if '--help' in argv else 2} False", line

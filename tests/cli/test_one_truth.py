@@ -55,11 +55,41 @@ def test_table_and_picture_agree_phase_by_phase(
     draw.draw(document, str(tmp_path / "t.png"))
     table = timeline.render_timeline(document)
     expected = "over the test's bound in 1 of 2 phases (first: iteration 1 forward, peak 3 > 2)"
-    assert titles == [f"limit_all_gathers=True: peak 3 resident non-root buffers; {expected}"]
+    assert [" ".join(title.split()) for title in titles] == [
+        f"limit_all_gathers=True: peak 3 resident non-root buffers; {expected}"
+    ]
     assert f"limit_all_gathers=True: {expected}" in table
     assert "bound: the test's bound" in table
     over_rows = [line for line in table.splitlines() if line.endswith("over the bound")]
     assert len(over_rows) == 1 and "forward" in over_rows[0]
+
+
+def test_timeline_texts_lie_inside_the_figure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Measured by the drawn extents: a long verdict is wrapped, not clipped at the edges."""
+    panel = _panel([(1, "forward", 3), (1, "backward", 3)], {"forward": 2, "backward": 3})
+    panel["bound_name"] = ("the rate limiter's bound (2 instances, +1 for a prefetch) " * 3).strip()
+    unlimited = {**panel, "limit_all_gathers": False}
+    document = {"impl": "x", "layers": 6, "lag": "strict", "iterations": 1, "world_size": 2,
+                "panels": [panel, unlimited]}  # fmt: skip
+    drawn: list[tuple[str, Any, Any]] = []  # (text, its extent, the figure's) as saved
+    titles: list[str] = []
+    save = matplotlib.figure.Figure.savefig
+
+    def savefig(figure: Any, *args: Any, **kwargs: Any) -> None:
+        save(figure, *args, **kwargs)
+        figure.canvas.draw()  # where each text lies as drawn
+        renderer = figure.canvas.get_renderer()
+        for text in draw.drawn_texts(figure):
+            drawn.append((text.get_text(), text.get_window_extent(renderer), figure.bbox))
+        titles.extend(" ".join(ax.get_title().split()) for ax in figure.axes)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig)
+    draw.draw(document, str(tmp_path / "t.png"))
+    assert len(drawn) >= 10  # titles, suptitle, axis labels, phase labels, legend
+    for text, extent, box in drawn:
+        inside = box.x0 <= extent.x0 <= extent.x1 <= box.x1
+        assert inside and box.y0 <= extent.y0 <= extent.y1 <= box.y1, (text, extent, box)
+    assert all(draw.verdict(p) in title for p, title in zip((panel, unlimited), titles))
 
 
 def test_fsdp2_timeline_is_held_to_its_own_bound(tmp_path: Path) -> None:

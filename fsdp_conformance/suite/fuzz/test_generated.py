@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 
 import pytest
 
+from fsdp_conformance import checks
 from fsdp_conformance.adapters import UnsupportedFeatureError
 
 from ..declare import check
@@ -40,10 +41,10 @@ class BaseGeneratedModelTests:
         except ImportError as error:
             pytest.skip(str(error))
         result = driver.fuzz(fsdp_adapter, dist, self.fuzz_examples, self.fuzz_seed)
-        command = (
-            f"fsdp-conformance fuzz --impl {dist.impl} --seed {self.fuzz_seed} --examples "
-            f"{self.fuzz_examples} --world-size {dist.world_size}"
-        )
+        command = checks.shell_line(dist.impl, [
+            "fsdp-conformance", "fuzz", "--impl", dist.impl, "--seed", str(self.fuzz_seed),
+            "--examples", str(self.fuzz_examples), "--world-size", str(dist.world_size),
+        ])  # fmt: skip
         if result.status == "unsatisfiable":
             # every drawn case was refused with a clear error: the check does not apply
             raise UnsupportedFeatureError(
@@ -51,11 +52,12 @@ class BaseGeneratedModelTests:
                 "generated models",
                 f"no generated case could run: {result.message}",
             )
-        assert result.status == "pass", (
+        first_line = (result.message or "").strip().partition("\n")[0]
+        assert result.status == "pass", (  # the first line is the matrix's: all a user needs
             f"adapter {fsdp_adapter.name!r}: a generated case differs from DDP after "
-            f"{result.found_at} examples (shrunk in {result.shrinks} runs):\n"
-            f"{result.description}\nfirst difference: {result.message}\n"
-            f"reproduce and write its repro.py: {command}"
+            f"{result.found_at} examples (shrunk in {result.shrinks} runs); first difference: "
+            f"{first_line}; write its repro.py: `{command}`\n{result.description}\n"
+            f"first difference: {result.message}"
         )
 
 
