@@ -111,7 +111,7 @@ def test_cuda_tests_skip_with_a_reason_on_cpu(pytester, monkeypatch):
 
 
 def test_acquire_is_all_or_none_and_times_out(tmp_path, monkeypatch):
-    monkeypatch.setenv(gpus.ENV_LOCK_DIR, str(tmp_path))
+    monkeypatch.setenv(gpus.ENV_LOCK_DIR, str(tmp_path / "locks"))
     first = gpus.acquire_gpus(1, total=2, timeout=1, prefer=(1,))
     assert first.ids == (1,)
     with pytest.raises(TimeoutError, match="could not get 2 of 2 GPUs within 0.2 s"):
@@ -123,7 +123,22 @@ def test_acquire_is_all_or_none_and_times_out(tmp_path, monkeypatch):
     second.release()
     both = gpus.acquire_gpus(2, total=2, timeout=0.2)
     assert sorted(both.ids) == [0, 1]
+    assert sorted(os.listdir(tmp_path / "locks")) == ["gpu0.lock", "gpu1.lock"]
     both.release()
+    assert not (tmp_path / "locks").exists()  # the pool leaves nothing in the temp directory
+
+
+def test_a_lock_file_unlinked_by_its_releasing_holder_is_not_taken(tmp_path, monkeypatch):
+    # a waiter that opened gpu0.lock before its holder unlinked it must not count that stale
+    # file as a lock: another worker may already lock the new file at the same path
+    monkeypatch.setenv(gpus.ENV_LOCK_DIR, str(tmp_path))
+    holder = gpus.acquire_gpus(1, total=1, timeout=1)
+    with open(tmp_path / "gpu0.lock") as stale:
+        holder.release()
+        reopen = lambda path, mode: os.fdopen(os.dup(stale.fileno()))  # noqa: E731
+        monkeypatch.setattr(gpus, "open", reopen, raising=False)
+        with pytest.raises(TimeoutError, match="could not get 1 of 1 GPUs"):
+            gpus.acquire_gpus(1, total=1, timeout=0.1)
 
 
 def test_a_test_that_needs_no_gpu_runs_on_cpu_while_the_gpus_are_held(monkeypatch, rank_probe):
