@@ -25,6 +25,7 @@ PROPERTY_VERDICT = "fsdp_verdict"
 PROPERTY_REASON = "fsdp_reason"  # deviation reason / missing feature / failure, one line
 PROPERTY_FEATURE = "fsdp_feature"  # the missing feature of a not-applicable cell
 PROPERTY_FAILURE = "fsdp_failure"  # what failed in a deviating cell (the declared failure)
+PROPERTY_DEVICE = "fsdp_device"  # where the cell's ranks ran: "cuda:0 shared by 2 ranks (gloo)"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -43,6 +43,14 @@ def gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def gpus_needed(item: Any) -> int:
+    """The GPUs a pytest item needs: ``gpus(n)`` markers n, ``cuda`` at least 1 (its ranks share
+    one GPU where there are fewer GPUs than ranks)."""
+    marker = item.get_closest_marker("gpus")
+    needed = int(marker.args[0]) if marker is not None and marker.args else 0
+    return max(needed, 1) if item.get_closest_marker("cuda") is not None else needed
+
+
 def lock_dir_path() -> str:
     """Where the per-GPU lock files are (``FSDP_CONFORMANCE_GPU_LOCK_DIR``, else one folder in
     the temp directory per user)."""
@@ -90,7 +98,7 @@ def acquire_gpus(count: int, total: int, timeout: float, prefer: tuple[int, ...]
     """Take ``count`` of the ``total`` GPUs, all or none, ``prefer`` first (those a pooled
     rank set uses); :class:`TimeoutError` when they are not free within ``timeout`` seconds."""
     directory = lock_dir_path()
-    order = list(prefer) + [g for g in range(total) if g not in prefer]
+    order = list(dict.fromkeys([*prefer, *range(total)]))
     deadline = time.monotonic() + timeout
     while True:
         os.makedirs(directory, exist_ok=True)

@@ -15,6 +15,7 @@ import ast
 import contextlib
 import datetime
 import faulthandler
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -32,7 +33,8 @@ from collections.abc import Callable, Iterable
 from multiprocessing.connection import Connection
 from typing import Any
 
-from fsdp_conformance import constants, device_handle
+from fsdp_conformance import checks, constants, device_handle
+from fsdp_conformance._patching import patch_attribute
 from fsdp_conformance.harness import properties, wire
 from fsdp_conformance.harness.wire import RankOutcome, RankTask
 
@@ -239,7 +241,7 @@ def run_task(
             else:
                 outcome = RankOutcome(ctx.rank, wire.PASSED)
         outcome.duration = time.perf_counter() - start
-        outcome.properties = list(recorded)
+        outcome.properties = [*recorded, (checks.PROPERTY_DEVICE, ctx.placement)]
         return outcome
     finally:
         _current_context.ctx = None
@@ -324,6 +326,52 @@ def destroy_subgroups() -> None:
                 dist.destroy_process_group(group)
 
 
+# ProcessGroup methods gloo runs on host memory only (torch 2.8-2.15): its coalesced all-reduce
+# refuses CUDA tensors, its coalesced all-gathers would hand device pointers to the host
+# transport. Every other collective stages CUDA tensors through pinned host memory.
+_GLOO_HOST_ONLY = (
+    "allreduce_coalesced",
+    "allgather_coalesced",
+    "allgather_into_tensor_coalesced",
+    "all_gather_single_coalesced",
+)
+
+
+def skip_host_only_collectives() -> None:
+    """In a rank on gloo with CUDA tensors (ranks sharing a GPU), a collective gloo cannot carry
+    for CUDA tensors skips the test, naming it, instead of failing or crashing the rank."""
+    import pytest
+    import torch
+    import torch.distributed as dist
+
+    def on_cuda(value: Any) -> bool:
+        if isinstance(value, (list, tuple)):
+            return any(map(on_cuda, value))
+        return isinstance(value, torch.Tensor) and value.is_cuda
+
+    def guarded(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if on_cuda(args):
+                pytest.skip(
+                    f"gloo does not carry CUDA tensors in ProcessGroup.{name} (torch "
+                    f"{torch.__version__}); the ranks share a GPU here: give each rank its own "
+                    "GPU (nccl) to run this"
+                )
+            return original(self, *args, **kwargs)
+
+        return method
+
+    for name in _GLOO_HOST_ONLY:
+        if name in vars(dist.ProcessGroup):
+            patch_attribute(
+                dist.ProcessGroup,
+                name,
+                functools.partial(guarded, name),
+                key="fsdp-conformance: gloo collectives on host memory only",
+                written_for="torch 2.13.0",
+            )
+
+
 class _CurrentContext(threading.local):
     ctx: Any = None
 
@@ -373,12 +421,14 @@ class _RankProcess:
         import torch
         import torch.distributed as dist
 
-        from fsdp_conformance.harness import collectives, isolation
+        from fsdp_conformance.harness import collectives, gpus, isolation
 
         self.device = torch.device("cpu")
-        if self.backend == "nccl":
+        if self.gpu_ids and gpus.fake_gpu_count() is None:  # its own GPU, or one it shares
             self.device = torch.device("cuda", self.gpu_ids[self.rank])
             torch.cuda.set_device(self.device)
+        if self.backend == "gloo" and self.device.type == "cuda":
+            skip_host_only_collectives()
         # kept for re-creating the default group after a test destroyed it
         self.store = dist.FileStore(self.store_path, self.world_size)
         self.init_group(self.store)
