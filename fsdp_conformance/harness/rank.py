@@ -16,6 +16,7 @@ import contextlib
 import datetime
 import faulthandler
 import functools
+import gc
 import importlib
 import importlib.util
 import inspect
@@ -307,13 +308,15 @@ def reset_after_test(
     run_after_test()
     while monkeypatches:
         monkeypatches.pop().undo()
+    notes = []
     if destroy_groups:
         destroy_subgroups()
+        notes = isolation.leftover_native_threads(snapshot, rank)
     snapshot.restore()
     left = isolation.leftover_threads(snapshot)
     if left:
-        return [f"the test left thread(s) running in rank {rank}: {', '.join(left)}"]
-    return []
+        notes.append(f"the test left thread(s) running in rank {rank}: {', '.join(left)}")
+    return notes
 
 
 def destroy_subgroups() -> None:
@@ -415,6 +418,8 @@ class _RankProcess:
         self.base_sys_path: list[str] = list(sys.path)
         # monkeypatch fixtures made for the running test (undone after it)
         self.monkeypatches: list[Any] = []
+        # the node id of the test run last (named when its groups outlive it)
+        self.last_test = "the test before"
 
     def start(self) -> None:
         preimport()
@@ -441,6 +446,7 @@ class _RankProcess:
         self.base_environ = dict(os.environ)
         # restored after every test (harness/isolation.py)
         self.snapshot = isolation.StateSnapshot.take()
+        gc.freeze()  # start-up's objects live on: collections after a test need not scan them
 
     def init_group(self, store: Any) -> None:
         import torch.distributed as dist
@@ -532,6 +538,8 @@ def main() -> None:
     process.conn.send(wire.Ready(os.getpid()))
     import torch.distributed as dist
 
+    from fsdp_conformance.harness import isolation
+
     while True:
         try:
             message = process.conn.recv()
@@ -554,11 +562,13 @@ def main() -> None:
             if error:
                 _leave(72)
             continue
-        outcome = process.run(pickle.loads(message.task_blob))
+        left = isolation.leftover_native_threads(process.snapshot, process.rank, process.last_test)
+        task = pickle.loads(message.task_blob)
+        process.last_test = task.test_id
+        outcome = process.run(task)
         try:
-            notes = tuple(
-                reset_after_test(process.snapshot, process.monkeypatches, process.rank, False)
-            )
+            reset = reset_after_test(process.snapshot, process.monkeypatches, process.rank, False)
+            notes = tuple(left + reset)
         except BaseException:  # noqa: BLE001  a broken reset would poison the next test
             traceback.print_exc()
             notes = (f"rank {process.rank} could not restore its state after the test",)
