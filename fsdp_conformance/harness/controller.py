@@ -324,8 +324,7 @@ class Runtime:
         total = self.gpu_total(request)
         if request.gpus > total:
             where = " (CPU-only host)" if total == 0 else ""
-            needs = f"{request.gpus} GPU{'s' * (request.gpus > 1)}"
-            return _result(SKIPPED, f"needs {needs}, {total} available{where}")
+            return _result(SKIPPED, gpus.shortage(request.gpus, total, where))
         backend: Any = self._processes
         if request.mode == "thread":
             if request.gpus:

@@ -51,6 +51,11 @@ def gpus_needed(item: Any) -> int:
     return max(needed, 1) if item.get_closest_marker("cuda") is not None else needed
 
 
+def shortage(needed: int, available: int, where: str = "") -> str:
+    """The skip reason of a test that needs more GPUs than are ``available``."""
+    return f"needs {needed} GPU{'s' * (needed > 1)}, {available} available{where}"
+
+
 def lock_dir_path() -> str:
     """Where the per-GPU lock files are (``FSDP_CONFORMANCE_GPU_LOCK_DIR``, else one folder in
     the temp directory per user)."""

@@ -64,7 +64,7 @@ def test_suite_subset_matches_the_spawning_mode(tmp_path: Path) -> None:
     # skips agree, with the spawning mode's reason
     for name, (outcome, message) in got.items():
         if outcome == "skipped":
-            assert "needs 2 GPUs, 0 available (CPU-only host)" in message, (name, message)
+            assert "needs 1 GPU, 0 available (CPU-only host)" in message, (name, message)
     # only rank 0 reports
     assert len(summary_lines(agent.output)) == 1, agent.output[-3000:]
     assert not leftovers([agent])
