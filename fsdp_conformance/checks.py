@@ -28,6 +28,7 @@ PROPERTY_REASON = "fsdp_reason"  # deviation reason / missing feature / failure,
 PROPERTY_FEATURE = "fsdp_feature"  # the missing feature of a not-applicable cell
 PROPERTY_FAILURE = "fsdp_failure"  # what failed in a deviating cell (the declared failure)
 PROPERTY_RERUN = "fsdp_rerun"  # the shell line re-running a failing or deviating cell alone
+PROPERTY_DEVICE = "fsdp_device"  # where the cell's ranks ran: "cuda:0 shared by 2 ranks (gloo)"
 
 
 @dataclasses.dataclass(frozen=True)

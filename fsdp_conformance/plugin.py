@@ -123,7 +123,8 @@ _MARKERS = (
     "fsdp_mode(name): run this test's ranks as 'process', 'process-fresh' or 'thread'",
     "fsdp_timeout(seconds): per-test override of --fsdp-timeout",
     "gpus(n): the test needs n GPUs (skipped with a reason when fewer exist)",
-    "cuda: the test needs one GPU per rank (skipped on CPU-only hosts)",
+    "cuda: the test computes on CUDA, on one GPU per rank (nccl) or one GPU its ranks share "
+    + "(gloo; skipped on CPU-only hosts)",
 )
 
 
@@ -305,20 +306,12 @@ def _target(item: pytest.Function) -> Any:
     )
 
 
-def _gpus_needed(item: pytest.Item, world_size: int) -> int:
-    gpus = item.get_closest_marker("gpus")
-    needed = int(gpus.args[0]) if gpus is not None and gpus.args else 0
-    if item.get_closest_marker("cuda") is not None:
-        needed = max(needed, world_size)
-    return needed
-
-
 @pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     # tests that get `dist` only through another fixture run in the ranks too
     if "dist" not in pyfuncitem.fixturenames:
         return None
-    from fsdp_conformance.harness import controller
+    from fsdp_conformance.harness import controller, gpus
     from fsdp_conformance.harness.wire import FAILED, SKIPPED, XFAILED
 
     state = pyfuncitem.config.stash[STATE_KEY]
@@ -333,7 +326,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         world_size=world_size,
         mode=_mode(pyfuncitem, state),
         timeout=_timeout(pyfuncitem, state),
-        gpus=_gpus_needed(pyfuncitem, world_size),
+        gpus=gpus.gpus_needed(pyfuncitem),
         function=pyfuncitem.obj,
         wants_dist="dist" in argnames,
     )

@@ -200,7 +200,7 @@ class TorchFSDP2Adapter(EngineHooks, Adapter):
         if device_id is not None:
             device_type = torch.device(device_id).type if not isinstance(device_id, int) else "cuda"
         else:
-            device_type = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+            device_type = "cuda" if accelerator_available() else "cpu"  # (gloo on a GPU too)
         api = _fsdp2_api()
         if hybrid:
             mesh = _hybrid_mesh(*process_group, device_type)

@@ -38,6 +38,7 @@ from fsdp_conformance.cli.usage import (
     write_json,
 )
 from fsdp_conformance.constants import COVERAGES
+from fsdp_conformance.harness.gpus import gpus_needed
 
 JSON_SCHEMA_VERSION = 1
 adapter_features: Any = LazyModule("fsdp_conformance.adapters.features")  # imports torch
@@ -171,14 +172,6 @@ def _probe_cell(adapter: Any, check_id: str, case: Any = None):
     yield
 
 
-def _gpus_needed(item: Any, world_size: int) -> int:
-    gpus = item.get_closest_marker("gpus")
-    needed = int(gpus.args[0]) if gpus is not None and gpus.args else 0
-    if item.get_closest_marker("cuda") is not None:
-        needed = max(needed, world_size)
-    return needed
-
-
 def _static_needs(item: Any, check: checks.Check | None, adapter: Any) -> list[str]:
     """The registry's features and those of each parameter's ``wrap_config``."""
     needs = list(check.features) if check else []
@@ -204,7 +197,7 @@ def _probe(item: Any, capabilities: _Granted, world_size: int) -> Cell:
     ranks = int(marker.args[0]) if marker is not None and marker.args else world_size
     static = _static_needs(item, check, capabilities.adapter)
     cell = Cell(item.nodeid, check.id if check else "", tuple(dict.fromkeys(static)))
-    gpus = _gpus_needed(item, ranks)
+    gpus = gpus_needed(item)
     if gpus > torch.cuda.device_count():
         cell.blocked = f"needs {gpus} GPU(s), this host has {torch.cuda.device_count()}"
         return cell

@@ -56,6 +56,7 @@ def overlap_in_rank(
         {
             "impl": adapter.name,
             "device": dist.device.type,
+            "placement": dist.placement,
             "world_size": dist.world_size,
             "config": {key: str(value) for key, value in wrap_config.items()},
             "compute_ms": compute_ms,

@@ -110,8 +110,12 @@ class _Recorder:
             decided = record["nodeid"] in self.decided
             if not decided or (result.verdict == checks.FAIL and record["outcome"] != "fail"):
                 self.decided.add(record["nodeid"])
+                text = detail(result, report.when)
+                device = dict(report.user_properties).get(checks.PROPERTY_DEVICE, "cpu")
+                if not device.startswith("cpu"):  # the default goes unsaid; a GPU is named
+                    text = f"{text} [ranks on {device}]".lstrip()
                 record.update(
-                    outcome=result.outcome, detail=detail(result, report.when),
+                    outcome=result.outcome, detail=text,
                     check_id=result.check, verdict=result.verdict, reason=result.reason,
                     rerun=result.rerun or "",
                 )  # fmt: skip

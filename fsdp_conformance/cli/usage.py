@@ -268,10 +268,16 @@ def check_output(path: str | None, option: str) -> None:
 
 
 def measure_in_ranks(
-    command: str, function: str, kwargs: dict[str, Any], args: argparse.Namespace, backend: str
+    command: str,
+    function: str,
+    kwargs: dict[str, Any],
+    args: argparse.Namespace,
+    backend: str | None,
+    gpus: int = 0,
 ) -> dict[str, Any] | None:
     """The JSON document rank 0 wrote from ``cli.ranks.<function>(dist, out_file, **kwargs)``
-    in every rank; None (the reason on stderr) when the ranks skipped or failed."""
+    in every rank (on ``backend``, None: chosen; needing ``gpus``); None (the reason on stderr)
+    when the ranks skipped or failed."""
     from fsdp_conformance.harness.controller import run_function
 
     with tempfile.TemporaryDirectory(prefix="fsdp-cli-") as workdir:
@@ -285,6 +291,7 @@ def measure_in_ranks(
             impl=args.impl,
             test_id=f"{PROG} {function}",
             backend=backend,
+            gpus=gpus,
         )
         status, message = ranks_verdict(result)
         if status == "passed":

@@ -15,7 +15,7 @@ class RankContext:
     world_size: int
     # the default process group (``torch.distributed.group.WORLD``)
     group: Any
-    # cpu, or cuda:<its own GPU> under nccl
+    # cpu, or cuda:<its GPU> (its own under nccl, one it shares with other ranks under gloo)
     device: Any
     # "gloo", "nccl" or "threaded" (thread mode)
     backend: str
@@ -24,12 +24,23 @@ class RankContext:
     # --fsdp-impl
     impl: str = "impl"
     mode: str = "process"
-    # GPU indices this test holds (one per rank under nccl), () on CPU
+    # the GPU of each rank (one per rank under nccl; repeated where ranks share one), () on CPU
     gpu_ids: tuple[int, ...] = ()
     # pytest node id
     test_id: str = ""
     # rendezvous URL ("file://<FileStore path>"; "threaded://" in thread mode)
     init_method: str = ""
+
+    @property
+    def placement(self) -> str:
+        """Where the ranks run, for the report: ``cpu (gloo)``, ``cuda:0 shared by 2 ranks
+        (gloo)``, ``cuda, one GPU per rank (nccl)``."""
+        if self.device.type == "cpu":
+            return f"cpu ({self.backend})"
+        if len(set(self.gpu_ids)) < len(self.gpu_ids):
+            shared = ", ".join(f"cuda:{index}" for index in sorted(set(self.gpu_ids)))
+            return f"{shared} shared by {self.world_size} ranks ({self.backend})"
+        return f"{self.device.type}, one GPU per rank ({self.backend})"
 
     def barrier(self) -> None:
         """Block until every rank reached this barrier (on the default group)."""

@@ -182,19 +182,19 @@ class _ProcessRanks:
         options, size = self.runtime.options, request.world_size
         total = self.runtime.gpu_total(request)
         # each rank gets its own GPU when the test needs GPUs, or (real GPUs only) when the
-        # machine has one per rank and the backend is not forced to gloo
+        # machine has one per rank and the backend is not forced to gloo; the ranks of a test
+        # that needs GPUs, with fewer GPUs than ranks, share the GPUs it needs over gloo
         fake = gpus.fake_gpu_count() is not None
         want_gpus = request.gpus > 0 or (
             not fake and options.backend in (None, "nccl") and total >= size
         )
-        if want_gpus and size > total:
-            return _result(SKIPPED, f"needs {size} GPUs (one per rank), {total} available")
-        if options.backend == "nccl" and not want_gpus:
+        share = want_gpus and size > total
+        if options.backend == "nccl" and (share or not want_gpus):
             return _result(
                 SKIPPED,
                 f"backend nccl needs one GPU per rank: {size} needed, {total} available",
             )
-        backend = options.backend or ("nccl" if want_gpus and not fake else "gloo")
+        backend = options.backend or ("nccl" if want_gpus and not fake and not share else "gloo")
         task = dataclasses.replace(
             task,
             kwargs_blob=pickle_kwargs(request.kwargs),
@@ -208,13 +208,14 @@ class _ProcessRanks:
             # a test that does not need GPUs runs on CPU while other workers hold them
             wait = request.timeout if request.gpus or options.backend == "nccl" else 0.0
             try:
-                lease = gpus.acquire_gpus(size, total, wait, prefer)
+                lease = gpus.acquire_gpus(request.gpus if share else size, total, wait, prefer)
             except TimeoutError as exc:
                 if wait:
                     return _result(FAILED, str(exc))
                 backend = "gloo"  # no backend was forced (nccl waits above)
+        gpu_ids = tuple(lease.ids[r % len(lease.ids)] for r in range(size)) if lease else ()
         try:
-            return self._run(request, pickle.dumps(task), backend, lease.ids if lease else ())
+            return self._run(request, pickle.dumps(task), backend, gpu_ids)
         finally:
             if lease is not None:
                 lease.release()
@@ -323,7 +324,7 @@ class Runtime:
         total = self.gpu_total(request)
         if request.gpus > total:
             where = " (CPU-only host)" if total == 0 else ""
-            return _result(SKIPPED, f"needs {request.gpus} GPUs, {total} available{where}")
+            return _result(SKIPPED, gpus.shortage(request.gpus, total, where))
         backend: Any = self._processes
         if request.mode == "thread":
             if request.gpus:
@@ -377,9 +378,10 @@ def run_function(
     impl: str,
     test_id: str,
     backend: str | None = "gloo",
+    gpus: int = 0,
 ) -> RunResult:
     """Call ``module.function(dist=..., **kwargs)`` once in ``world_size`` rank processes of a
-    runtime of its own (the CLI's commands), closed afterwards."""
+    runtime of its own (the CLI's commands), closed afterwards; ``gpus``: as ``TestRequest``'s."""
     runtime = Runtime(
         RuntimeOptions(
             mode="process", timeout=timeout, world_size=world_size, impl=impl, backend=backend
@@ -392,6 +394,7 @@ def run_function(
         world_size=world_size,
         mode="process",
         timeout=timeout,
+        gpus=gpus,
     )
     try:
         return runtime.run(request)

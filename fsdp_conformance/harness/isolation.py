@@ -1,11 +1,13 @@
 """Per-test isolation: a :class:`StateSnapshot` of what a test may change in an interpreter
 (environment, cwd, ``sys.path``, ``warnings`` filters, RNGs, torch's global settings and module
-hooks), restored after each test.
+hooks), restored after each test; the threads a test leaves, Python's and native ones (the gloo
+and nccl contexts of process groups that outlive their destruction).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import random
 import sys
@@ -27,6 +29,8 @@ class StateSnapshot:
     torch_state: dict[str, Any]
     rng: tuple[Any, Any, Any]
     threads: frozenset[int]
+    # threads of this process, native ones included (native_threads())
+    native_threads: int
 
     @classmethod
     def take(cls) -> StateSnapshot:
@@ -40,6 +44,7 @@ class StateSnapshot:
             torch_state=_torch_state(),
             rng=rng_state(),
             threads=frozenset(t.ident for t in threading.enumerate() if t.ident is not None),
+            native_threads=native_threads(),
         )
 
     def restore(self, *, keep_warnings_guard: bool = True) -> None:
@@ -70,6 +75,37 @@ def leftover_threads(snapshot: StateSnapshot) -> list[str]:
         for t in threading.enumerate()
         if t.ident not in snapshot.threads and t.is_alive() and not t.daemon
     )
+
+
+# Threads a process may gain over ``StateSnapshot.native_threads`` without a report: pools torch
+# starts on first use; a gloo process group's context runs 3 (2 workers and its TCP loop)
+NATIVE_THREAD_SLACK = 24
+
+
+def native_threads() -> int:
+    """The threads of this process, Python's and native ones (0 where /proc is missing)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 0
+
+
+def leftover_native_threads(
+    snapshot: StateSnapshot, rank: int, test: str = "the test"
+) -> list[str]:
+    """Once ``test``'s process groups were destroyed: one line when this process still runs more
+    than ``NATIVE_THREAD_SLACK`` threads over ``snapshot`` after a garbage collection (which
+    ends the groups an object cycle held), i.e. something still references the groups."""
+    if native_threads() <= snapshot.native_threads + NATIVE_THREAD_SLACK:
+        return []
+    gc.collect()
+    extra = native_threads() - snapshot.native_threads
+    if extra <= NATIVE_THREAD_SLACK:
+        return []
+    why = "native: the gloo or nccl contexts of groups still referenced, e.g. by a global"
+    return [
+        f"{test} left {extra} more threads in rank {rank} after its groups were destroyed ({why})"
+    ]
 
 
 def _settings() -> dict[str, tuple[Callable[[], Any], Callable[[Any], Any]]]:

@@ -25,8 +25,8 @@ from typing import Any
 import pytest
 
 from fsdp_conformance import constants
+from fsdp_conformance.harness import gpus, wire
 from fsdp_conformance.harness import rank as rank_task
-from fsdp_conformance.harness import wire
 from fsdp_conformance.harness.wire import DIED, FAILED, HUNG, SKIPPED, RankOutcome, RankTask
 
 LAUNCHERS = constants.LAUNCHERS
@@ -196,8 +196,8 @@ class TorchrunRanks:
         import torch.distributed as tdist
 
         self._started = True
-        gpus = self._gpu_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        default = "nccl" if gpus >= self.env.local_world_size and gpus > 0 else "gloo"
+        count = self._gpu_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        default = "nccl" if count >= self.env.local_world_size and count > 0 else "gloo"
         self._backend = self.options.backend or default
         self._device = torch.device("cpu")
         if self._backend == "nccl":
@@ -301,7 +301,7 @@ class TorchrunRanks:
             # the spawning modes' reason; here every rank of an nccl job holds one GPU
             held = jobs if self._backend == "nccl" else 0
             where = " (CPU-only host)" if self._gpu_count == 0 else " (gloo job)"
-            return _result(SKIPPED, f"needs {request.gpus} GPUs, {held} available{where}")
+            return _result(SKIPPED, gpus.shortage(request.gpus, held, where))
         if self.broken is not None:
             return _result(FAILED, f"not run: {self.broken}")
         occurrence = self._occurrences.get(request.test_id, 0)

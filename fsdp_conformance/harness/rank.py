@@ -15,6 +15,8 @@ import ast
 import contextlib
 import datetime
 import faulthandler
+import functools
+import gc
 import importlib
 import importlib.util
 import inspect
@@ -32,7 +34,8 @@ from collections.abc import Callable, Iterable
 from multiprocessing.connection import Connection
 from typing import Any
 
-from fsdp_conformance import constants, device_handle
+from fsdp_conformance import checks, constants, device_handle
+from fsdp_conformance._patching import patch_attribute
 from fsdp_conformance.harness import properties, wire
 from fsdp_conformance.harness.wire import RankOutcome, RankTask
 
@@ -239,7 +242,7 @@ def run_task(
             else:
                 outcome = RankOutcome(ctx.rank, wire.PASSED)
         outcome.duration = time.perf_counter() - start
-        outcome.properties = list(recorded)
+        outcome.properties = [*recorded, (checks.PROPERTY_DEVICE, ctx.placement)]
         return outcome
     finally:
         _current_context.ctx = None
@@ -305,13 +308,15 @@ def reset_after_test(
     run_after_test()
     while monkeypatches:
         monkeypatches.pop().undo()
+    notes = []
     if destroy_groups:
         destroy_subgroups()
+        notes = isolation.leftover_native_threads(snapshot, rank)
     snapshot.restore()
     left = isolation.leftover_threads(snapshot)
     if left:
-        return [f"the test left thread(s) running in rank {rank}: {', '.join(left)}"]
-    return []
+        notes.append(f"the test left thread(s) running in rank {rank}: {', '.join(left)}")
+    return notes
 
 
 def destroy_subgroups() -> None:
@@ -322,6 +327,52 @@ def destroy_subgroups() -> None:
         for group in list(world.pg_map):
             if group is not world.default_pg:
                 dist.destroy_process_group(group)
+
+
+# ProcessGroup methods gloo runs on host memory only (torch 2.8-2.15): its coalesced all-reduce
+# refuses CUDA tensors, its coalesced all-gathers would hand device pointers to the host
+# transport. Every other collective stages CUDA tensors through pinned host memory.
+_GLOO_HOST_ONLY = (
+    "allreduce_coalesced",
+    "allgather_coalesced",
+    "allgather_into_tensor_coalesced",
+    "all_gather_single_coalesced",
+)
+
+
+def skip_host_only_collectives() -> None:
+    """In a rank on gloo with CUDA tensors (ranks sharing a GPU), a collective gloo cannot carry
+    for CUDA tensors skips the test, naming it, instead of failing or crashing the rank."""
+    import pytest
+    import torch
+    import torch.distributed as dist
+
+    def on_cuda(value: Any) -> bool:
+        if isinstance(value, (list, tuple)):
+            return any(map(on_cuda, value))
+        return isinstance(value, torch.Tensor) and value.is_cuda
+
+    def guarded(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if on_cuda(args):
+                pytest.skip(
+                    f"gloo does not carry CUDA tensors in ProcessGroup.{name} (torch "
+                    f"{torch.__version__}); the ranks share a GPU here: give each rank its own "
+                    "GPU (nccl) to run this"
+                )
+            return original(self, *args, **kwargs)
+
+        return method
+
+    for name in _GLOO_HOST_ONLY:
+        if name in vars(dist.ProcessGroup):
+            patch_attribute(
+                dist.ProcessGroup,
+                name,
+                functools.partial(guarded, name),
+                key="fsdp-conformance: gloo collectives on host memory only",
+                written_for="torch 2.13.0",
+            )
 
 
 class _CurrentContext(threading.local):
@@ -367,18 +418,22 @@ class _RankProcess:
         self.base_sys_path: list[str] = list(sys.path)
         # monkeypatch fixtures made for the running test (undone after it)
         self.monkeypatches: list[Any] = []
+        # the node id of the test run last (named when its groups outlive it)
+        self.last_test = "the test before"
 
     def start(self) -> None:
         preimport()
         import torch
         import torch.distributed as dist
 
-        from fsdp_conformance.harness import collectives, isolation
+        from fsdp_conformance.harness import collectives, gpus, isolation
 
         self.device = torch.device("cpu")
-        if self.backend == "nccl":
+        if self.gpu_ids and gpus.fake_gpu_count() is None:  # its own GPU, or one it shares
             self.device = torch.device("cuda", self.gpu_ids[self.rank])
             torch.cuda.set_device(self.device)
+        if self.backend == "gloo" and self.device.type == "cuda":
+            skip_host_only_collectives()
         # kept for re-creating the default group after a test destroyed it
         self.store = dist.FileStore(self.store_path, self.world_size)
         self.init_group(self.store)
@@ -391,6 +446,7 @@ class _RankProcess:
         self.base_environ = dict(os.environ)
         # restored after every test (harness/isolation.py)
         self.snapshot = isolation.StateSnapshot.take()
+        gc.freeze()  # start-up's objects live on: collections after a test need not scan them
 
     def init_group(self, store: Any) -> None:
         import torch.distributed as dist
@@ -484,6 +540,8 @@ def main() -> None:
     process.conn.send(wire.Ready(os.getpid()))
     import torch.distributed as dist
 
+    from fsdp_conformance.harness import isolation
+
     while True:
         try:
             message = process.conn.recv()
@@ -506,11 +564,13 @@ def main() -> None:
             if error:
                 _leave(72)
             continue
-        outcome = process.run(pickle.loads(message.task_blob))
+        left = isolation.leftover_native_threads(process.snapshot, process.rank, process.last_test)
+        task = pickle.loads(message.task_blob)
+        process.last_test = task.test_id
+        outcome = process.run(task)
         try:
-            notes = tuple(
-                reset_after_test(process.snapshot, process.monkeypatches, process.rank, False)
-            )
+            reset = reset_after_test(process.snapshot, process.monkeypatches, process.rank, False)
+            notes = tuple(left + reset)
         except BaseException:  # noqa: BLE001  a broken reset would poison the next test
             traceback.print_exc()
             notes = (f"rank {process.rank} could not restore its state after the test",)

@@ -18,7 +18,7 @@ import time
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from fsdp_conformance.harness import collectives, wire, zygote
+from fsdp_conformance.harness import collectives, gpus, wire, zygote
 from fsdp_conformance.harness import rank as rank_process
 from fsdp_conformance.harness.wire import ABORTED, DIED, FAILED, HUNG, PASSED, SKIPPED, RankOutcome
 
@@ -118,7 +118,7 @@ class RankSet:
             # ranks share the host's cores, and an oversubscribed OpenMP region costs
             # milliseconds per small op (layer_norm on a (6, 2, 16) tensor: 7 ms, not 6 us)
             env.setdefault("OMP_NUM_THREADS", "1")
-            if self.backend != "nccl":
+            if not self.gpu_ids or gpus.fake_gpu_count() is not None:
                 # ranks that run on CPU see no GPU, as on a CPU-only host: an implementation
                 # that defaults to the current CUDA device would otherwise compute there
                 env["CUDA_VISIBLE_DEVICES"] = ""

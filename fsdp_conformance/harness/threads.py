@@ -96,6 +96,19 @@ def _patched_wait_points(mtpg: Any) -> Iterator[None]:
             record.undo()
 
 
+def _install_threaded_world(mtpg: Any) -> None:
+    """torch's thread-local process group world (still installed when an earlier test left a
+    hung rank thread behind)."""
+    import torch.distributed as dist
+
+    if not isinstance(dist.distributed_c10d._world, mtpg.ThreadLocalWorld):
+        mtpg._install_threaded_pg()
+    if not hasattr(mtpg.ThreadLocalWorld, "comms"):
+        # torch 2.11: destroy_process_group reads _world.comms, which its threaded world
+        # lacks; threaded groups never have communicator objects
+        mtpg.ThreadLocalWorld.comms = property(lambda self: [])
+
+
 class ThreadRanks:
     """The rank backend of ``thread`` mode."""
 
@@ -126,9 +139,7 @@ def run_threaded(
     mtpg.ProcessLocalGroup.reset()
     # per-thread registry of process group names (each rank thread has group "0")
     torch._C._distributed_c10d._set_thread_isolation_mode(True)
-    if not isinstance(dist.distributed_c10d._world, mtpg.ThreadLocalWorld):
-        # (still installed when an earlier test left a hung rank thread behind)
-        mtpg._install_threaded_pg()
+    _install_threaded_world(mtpg)
     store = dist.HashStore()
     baton = RngBaton(world_size)
     outcomes: dict[int, RankOutcome] = {}

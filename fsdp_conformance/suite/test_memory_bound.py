@@ -104,9 +104,9 @@ class BaseMemoryBoundTests:
     ) -> None:
         if dist.device.type != "cuda":
             pytest.skip(
-                "CUDA variant of the memory-bound check: needs one GPU per rank (the ranks "
-                f"run on {dist.device}); the CPU variant with the lagging device covers the "
-                "bound"
+                "CUDA variant of the memory-bound check: needs a GPU (one per rank, or one the "
+                f"ranks share; they run on {dist.device}); the CPU variant with the lagging "
+                "device covers the bound"
             )
         measured = memory_bound.measure_cuda_forward_peaks(
             fsdp_adapter, dist.group, dist.device, cuda_case.wrap_config

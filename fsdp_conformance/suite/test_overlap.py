@@ -36,7 +36,7 @@ class BaseOverlapTests:
     @pytest.mark.fsdp_mode("process")
     def test_prefetch_overlaps_communication_cuda(self, fsdp_adapter: Any, dist: Any):
         if dist.device.type != "cuda":
-            pytest.skip("needs one GPU per rank (the CUDA overlap check)")
+            pytest.skip(f"the CUDA overlap check needs a GPU; the ranks run on {dist.device}")
         adapter_features.skip_unless(fsdp_adapter, Feature.LIMIT_ALL_GATHERS)
         overlap.check_overlap(fsdp_adapter, dist, f"adapter {fsdp_adapter.name!r}", self.retries)
 

@@ -286,6 +286,16 @@ def _bad_argument_cases() -> list:
         pytest.param(["overlap", "--impl", "nope"], "unknown --impl", id="overlap-impl"),
         pytest.param(["overlap", "--json", "missing/o.json"], "cannot write", id="overlap-out"),
         pytest.param(
+            ["overlap", "--world-size", "1"],
+            "a one-rank group all-gathers nothing",
+            id="overlap-ws1",
+        ),
+        pytest.param(
+            ["overlap", "--device", "cuda", "--world-size", "1"],
+            "--world-size 1: a one-rank group all-gathers nothing",
+            id="overlap-cuda-ws1",
+        ),
+        pytest.param(
             ["timeline", "--out", "missing/t.png"],
             "--out missing/t.png: cannot write",
             id="timeline-out",
@@ -320,10 +330,10 @@ def test_run_selecting_nothing_is_a_bad_argument(tmp_path: Path) -> None:
 def test_overlap_on_cuda_without_gpus_is_a_bad_argument(tmp_path: Path) -> None:
     from fsdp_conformance.harness import gpus
 
-    if gpus.gpu_count() >= 2:
-        pytest.skip("this host has GPUs for --device cuda")
+    if gpus.gpu_count() >= 1:
+        pytest.skip("this host has a GPU for --device cuda")
     result = cli("overlap", "--device", "cuda", cwd=tmp_path)
-    assert result.returncode == 2 and "--device cuda: needs one GPU per rank" in result.stderr
+    assert result.returncode == 2 and "--device cuda: needs a GPU, none" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
@@ -417,3 +427,28 @@ def test_a_pytest_usage_error_is_a_record(tmp_path: Path) -> None:
             "detail": "--fsdp-world-size='0': the world size must be a whole number >= 1",
         }
     ]
+
+
+def test_a_cell_on_a_gpu_names_where_its_ranks_ran(tmp_path: Path) -> None:
+    # the fsdp_device report property: a GPU cell's matrix detail names it, a CPU cell's not
+    from fsdp_conformance.cli import records
+
+    (tmp_path / "test_where.py").write_text(
+        "def test_gpu(record_property):\n"
+        "    record_property('fsdp_device', 'cuda:0 shared by 2 ranks (gloo)')\n"
+        "def test_cpu(record_property):\n"
+        "    record_property('fsdp_device', 'cpu (gloo)')\n"
+    )
+    results = tmp_path / "results.jsonl"
+    subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "fsdp_conformance.cli.records",
+         "-p", "no:cacheprovider", "-q", "test_where.py"],
+        cwd=tmp_path, env=records.suite_environment(str(results)), capture_output=True,
+        timeout=TIMEOUT, check=False,
+    )  # fmt: skip
+    lines = [json.loads(line) for line in results.read_text().splitlines()]
+    details = {line["nodeid"]: line["detail"] for line in lines if line["event"] == "test"}
+    assert details == {
+        "test_where.py::test_gpu": "[ranks on cuda:0 shared by 2 ranks (gloo)]",
+        "test_where.py::test_cpu": "",
+    }

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import RECORD_PID, assert_no_leftovers, write_test
+from fsdp_conformance.harness import isolation
 
 pytest_plugins = ["pytester"]
 
@@ -190,3 +191,63 @@ def test_the_cpu_default_device_is_restored_as_a_fresh_process_has_it() -> None:
         assert torch.empty(1).device.type == "cpu"
     finally:
         isolation._set_default_device(torch.device("cpu"))
+
+
+GROUPS = """
+import os
+
+import pytest
+import torch.distributed as tdist
+
+from fsdp_conformance.harness import isolation
+
+KEPT = []
+
+
+class Cycle:
+    def __init__(self):
+        self.me = self  # freed only by a garbage collection, with the groups it holds
+        self.groups = [tdist.new_group([0, 1]) for _ in range(3)]
+        for group in self.groups:
+            tdist.barrier(group=group)
+
+
+@pytest.mark.parametrize("index", range(12))
+def test_leaves_groups_in_a_cycle(dist, index):
+    Cycle()
+    if dist.rank == 0:
+        with open(os.environ["THREADS_OUT"], "a") as out:
+            out.write(f"{isolation.native_threads()}\\n")
+
+
+def test_keeps_a_group_in_a_global(dist):
+    KEPT.extend(tdist.new_group([0, 1]) for _ in range(10))
+    for group in KEPT:
+        tdist.barrier(group=group)
+
+
+def test_after(dist):
+    pass
+"""
+
+
+def test_groups_a_test_leaves_do_not_accumulate_in_a_reused_rank(pytester, tmp_path, monkeypatch):
+    # each test leaves 3 gloo groups (9 native threads) in an object cycle: destroying them
+    # does not end their threads until a garbage collection, which the harness makes when the
+    # rank's threads grow; groups kept in a global survive it: the rank set is replaced, saying
+    # which test left them
+    out = tmp_path / "threads.txt"
+    monkeypatch.setenv("THREADS_OUT", str(out))
+    write_test(pytester, "test_groups", GROUPS)
+    result = pytester.runpytest("-p", "no:cacheprovider", "-rA", "--fsdp-mode=process")
+    result.assert_outcomes(passed=14)
+    counts = [int(line) for line in out.read_text().split()]
+    slack = isolation.NATIVE_THREAD_SLACK
+    assert max(counts) <= counts[0] + slack + 9, counts  # (the old harness: +9 per test)
+    result.stdout.fnmatch_lines(
+        [
+            "*test_after*",
+            "*test_groups.py::test_keeps_a_group_in_a_global left * more threads in rank ? *",
+            "*the rank set was replaced for the next test*",
+        ]
+    )

@@ -8,6 +8,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from conftest import write_test
 from fsdp_conformance.harness import gpus
@@ -105,13 +106,63 @@ def test_cuda_tests_skip_with_a_reason_on_cpu(pytester, monkeypatch):
     write_test(pytester, "test_cuda", CUDA_ON_CPU)
     result = pytester.runpytest("-p", "no:cacheprovider", "-rs")
     result.assert_outcomes(skipped=2)
+    result.stdout.fnmatch_lines(["*SKIPPED ?2? *needs 1 GPU, 0 available (CPU-only host)*"])
+
+
+SHARED = """
+import pytest
+import torch
+
+from fsdp_conformance.harness import rank
+
+
+@pytest.mark.cuda
+def test_ranks_share_the_gpu(dist):
+    assert (dist.backend, dist.gpu_ids) == ("gloo", (0, 0))
+
+
+@pytest.mark.cuda
+@pytest.mark.fsdp_mode("process-fresh")  # the guard stays on ProcessGroup in this process
+def test_a_collective_gloo_cannot_carry_for_cuda_skips(dist):
+    class OnCuda(torch.Tensor):
+        is_cuda = True
+
+    rank.skip_host_only_collectives()  # (installed in ranks that share a real GPU)
+    dist.group.allreduce_coalesced([torch.ones(2).as_subclass(OnCuda)])
+    raise AssertionError("gloo's coalesced all-reduce refuses CUDA tensors: must have skipped")
+"""
+
+
+def test_ranks_of_a_cuda_test_share_one_gpu_over_gloo(pytester, tmp_path, monkeypatch):
+    # one (fake) GPU, two ranks: the test runs, its ranks on GPU 0 over gloo; a collective gloo
+    # cannot carry for CUDA tensors skips, naming it
+    monkeypatch.setenv(gpus.ENV_FAKE_GPUS, "1")
+    monkeypatch.setenv(gpus.ENV_LOCK_DIR, str(tmp_path / "locks"))
+    write_test(pytester, "test_shared", SHARED)
+    junit = tmp_path / "junit.xml"
+    result = pytester.runpytest("-p", "no:cacheprovider", "-rs", f"--junitxml={junit}")
+    result.assert_outcomes(passed=1, skipped=1)
     result.stdout.fnmatch_lines(
-        ["*needs 2 GPUs, 0 available (CPU-only host)*", "*needs 1 GPUs, 0 available*"]
+        ["*gloo does not carry CUDA tensors in ProcessGroup.allreduce_coalesced*own GPU (nccl)*"]
     )
+    assert '<property name="fsdp_device" value="cpu (gloo)" />' in junit.read_text()
+
+
+def test_the_report_names_the_device_and_backend_of_the_ranks():
+    from fsdp_conformance.harness.context import RankContext
+
+    def placement(device, backend, gpu_ids):
+        return RankContext(
+            0, 2, None, torch.device(device), backend, None, gpu_ids=gpu_ids
+        ).placement
+
+    assert placement("cuda:0", "gloo", (0, 0)) == "cuda:0 shared by 2 ranks (gloo)"
+    assert placement("cuda:0", "nccl", (0, 1)) == "cuda, one GPU per rank (nccl)"
+    assert placement("cpu", "gloo", ()) == "cpu (gloo)"
 
 
 def test_acquire_is_all_or_none_and_times_out(tmp_path, monkeypatch):
-    monkeypatch.setenv(gpus.ENV_LOCK_DIR, str(tmp_path))
+    monkeypatch.setenv(gpus.ENV_LOCK_DIR, str(tmp_path / "locks"))
     first = gpus.acquire_gpus(1, total=2, timeout=1, prefer=(1,))
     assert first.ids == (1,)
     with pytest.raises(TimeoutError, match="could not get 2 of 2 GPUs within 0.2 s"):
@@ -123,7 +174,23 @@ def test_acquire_is_all_or_none_and_times_out(tmp_path, monkeypatch):
     second.release()
     both = gpus.acquire_gpus(2, total=2, timeout=0.2)
     assert sorted(both.ids) == [0, 1]
+    assert sorted(os.listdir(tmp_path / "locks")) == ["gpu0.lock", "gpu1.lock"]
     both.release()
+    assert not (tmp_path / "locks").exists()  # the pool leaves nothing in the temp directory
+
+
+def test_a_lock_file_unlinked_by_its_releasing_holder_is_not_taken(tmp_path, monkeypatch):
+    # a waiter that opened gpu0.lock before its holder unlinked it must not count that stale
+    # file as a lock: another worker may already lock the new file at the same path
+    monkeypatch.setenv(gpus.ENV_LOCK_DIR, str(tmp_path))
+    holder = gpus.acquire_gpus(1, total=1, timeout=1)
+    with open(tmp_path / "gpu0.lock") as stale:
+        holder.release()
+        monkeypatch.setattr(
+            gpus, "open", lambda path, mode: os.fdopen(os.dup(stale.fileno())), raising=False
+        )
+        with pytest.raises(TimeoutError, match="could not get 1 of 1 GPUs"):
+            gpus.acquire_gpus(1, total=1, timeout=0.1)
 
 
 def test_a_test_that_needs_no_gpu_runs_on_cpu_while_the_gpus_are_held(monkeypatch, rank_probe):

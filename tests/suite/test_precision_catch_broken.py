@@ -18,6 +18,8 @@ import textwrap
 
 import pytest
 
+from fsdp_conformance.adapters import features, get_adapter
+
 pytest_plugins = ["pytester"]
 
 BROKEN = textwrap.dedent(
@@ -91,7 +93,7 @@ TESTS = [
 ]
 LINES = [
     (
-        "*step 0 backward: gradient reductions ?'reduce_scatter_single in torch.bfloat16'?, "
+        "*step 0 backward: gradient reductions ?'reduce_scatter_* in torch.bfloat16'?, "
         "expected every one in torch.float32*"
     ),
     (
@@ -116,5 +118,8 @@ def test_each_precision_check_fails_on_its_broken_variant(pytester: pytest.Pytes
     result = pytester.runpytest_subprocess(
         "-p", "no:cacheprovider", "-rf", "-n", "0", "--fsdp-mode=thread", *selected
     )
-    result.assert_outcomes(failed=len(TESTS))
-    result.stdout.fnmatch_lines(LINES, consecutive=False)
+    # a torch outside torch FSDP2's tested range (a GPU host's own) makes its cell not applicable
+    fsdp2_out = features.support_problem(get_adapter("torch-fsdp2")) is not None
+    result.assert_outcomes(failed=len(TESTS) - fsdp2_out, skipped=int(fsdp2_out))
+    lines = [line for line in LINES if not (fsdp2_out and "'torch-fsdp2'" in line)]
+    result.stdout.fnmatch_lines(lines, consecutive=False)
