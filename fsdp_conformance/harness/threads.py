@@ -11,7 +11,7 @@ ends. Code that waits for another rank outside a collective deadlocks and fails 
 
 [Note: isolation in thread mode]
 Process-wide state is saved before a test and restored after it (``harness/isolation.py``);
-the collectives are wrapped only while the test runs. What a shared interpreter cannot restore
+the harness's collective listener is added only while the test runs. What a shared interpreter cannot restore
 (modules patched by hand, signal handlers, threads left running) a test must not change.
 """
 
@@ -209,7 +209,7 @@ def run_threaded(
         for r in range(world_size)
     ]
     snapshot = isolation.StateSnapshot.take()
-    uninstall = collectives.install()
+    uninstall = collectives.install(mtpg.ProcessLocalGroup)
     try:
         with _patched_wait_points(mtpg):
             for thread in threads:

@@ -1,0 +1,263 @@
+"""The one observer of collectives: each collective this process issues, handed to listeners.
+
+[Note: collective observer]
+Every collective an FSDP issues passes torch's dispatcher as an op of ``c10d`` (what
+``torch.distributed.all_reduce`` and the other functions call) or of ``_c10d_functional`` (the
+functional collectives of DTensor's ``redistribute`` and ``_functional_collectives``).
+``install()`` registers one Python kernel per such op (every op of those namespaces whose name
+starts with a collective's name: a release's missing or added names need no list) at the
+``BackendSelect`` key. That key is in every dispatch (torch's default TLS set), below
+autograd: the op's own autograd kernel runs first, so a functional collective's gradient is
+torch's, and inference-mode tensors are seen too; no other op pays anything. The kernel tells
+the listeners, then re-dispatches below ``BackendSelect``.
+
+- What each listener gets: a :class:`CollectiveCall` (the collective, torch's op name, the
+  process group, the tensors handed to it). It may return a function that is called once the
+  collective ends (with the error if it failed): when the ``Work`` the op returns completes --
+  ``dist.all_reduce`` returns after the op and blocks in ``Work.wait`` -- or, for an op with no
+  ``Work`` of its own (a functional collective), when the ``Work`` of the op it runs inside
+  completes, else when it returns.
+- Nesting: only the outermost collective of a thread is reported (a functional collective runs
+  c10d's op; ThreadedProcessGroup's ``barrier`` is its ``allreduce``).
+- Not seen: a process group written in Python (torch's ThreadedProcessGroup, the harness's
+  thread mode) gets ``torch.distributed``'s calls as Python method calls, not through the
+  dispatcher: ``observe_python_group(cls)`` routes its methods through the same listeners.
+  Point-to-point ops (send, recv) are not collectives. Collectives a compiled graph issues pass
+  the dispatcher too; tracing them (fake tensors) may be reported as calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+from fsdp_conformance._patching import patch_attribute
+from fsdp_conformance.constants import Op
+
+# what a torch op or method name starts with (underscores stripped) -> the collective; longer
+# names first ("reduce_scatter" before "reduce")
+COLLECTIVE_NAMES = {
+    "all_reduce": Op.ALL_REDUCE,
+    "allreduce": Op.ALL_REDUCE,
+    "all_gather": Op.ALL_GATHER,
+    "allgather": Op.ALL_GATHER,
+    "reduce_scatter": Op.REDUCE_SCATTER,
+    "all_to_all": "all_to_all",
+    "alltoall": "all_to_all",
+    "monitored_barrier": "barrier",
+    "barrier": "barrier",
+    "broadcast": "broadcast",
+    "gather": "gather",
+    "scatter": "scatter",
+    "reduce": "reduce",
+}
+NAMESPACES = ("c10d", "_c10d_functional")
+_GROUP_ARGUMENTS = ("process_group", "group_name")  # how the ops' schemas name their group
+_PATCH_KEY = "fsdp-conformance collective observer"
+
+Done = Callable[[BaseException | None], None]
+
+
+class CollectiveCall(NamedTuple):
+    """One collective as it passes the dispatcher (or a Python process group's method)."""
+
+    op: str  # the collective: an `Op` ("all_reduce", ...), "broadcast", "barrier", ...
+    name: str  # torch's: "c10d.allreduce_", "_c10d_functional.reduce_scatter_tensor", ...
+    group: Any  # the torch.distributed ProcessGroup (None where it could not be resolved)
+    tensors: tuple[Any, ...]  # every tensor handed to it, in argument order
+
+    @property
+    def dtypes(self) -> tuple[Any, ...]:
+        return tuple(tensor.dtype for tensor in self.tensors)
+
+
+Listener = Callable[[CollectiveCall], Done | None]
+
+_lock = threading.Lock()
+_listeners: tuple[Listener, ...] = ()
+_libraries: list[Any] = []  # the torch.library registrations, kept alive
+_local = threading.local()  # .outer: the outermost observed call of this thread, if any
+
+
+def collective_of(name: str) -> str | None:
+    """The collective a torch op or method name performs (None: not a collective)."""
+    stripped = name.strip("_")
+    return next((op for start, op in COLLECTIVE_NAMES.items() if stripped.startswith(start)), None)
+
+
+def install() -> None:
+    """Register the observing kernels (once per process; a second call does nothing)."""
+    import torch
+
+    with _lock:
+        if _libraries:
+            return
+        after = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.BackendSelect)
+        for namespace in NAMESPACES:
+            library = torch.library.Library(namespace, "IMPL")
+            _libraries.append(library)
+            for qualified in torch._C._dispatch_get_all_op_names():
+                owner, _, name = qualified.partition("::")
+                op = collective_of(name.partition(".")[0])
+                if owner == namespace and op is not None:
+                    packet = getattr(getattr(torch.ops, namespace), name.partition(".")[0])
+                    overload = getattr(packet, name.partition(".")[2] or "default")
+                    kernel = _kernel(overload, op, after)
+                    library.impl(name, kernel, "BackendSelect", with_keyset=True)
+
+
+def observe_python_group(group_class: type) -> None:
+    """Route the collective methods ``group_class`` (a ``ProcessGroup`` written in Python)
+    defines through the listeners (once per class and method)."""
+    for name, method in list(vars(group_class).items()):
+        op = collective_of(name)
+        if op is not None and callable(method) and not name.startswith("__"):
+
+            def make(original: Callable[..., Any], op: str = op, name: str = name) -> Any:
+                @functools.wraps(original)
+                def observed(group: Any, *args: Any, **kwargs: Any) -> Any:
+                    tensors = _tensors((args, kwargs))
+                    call = CollectiveCall(op, f"{group_class.__name__}.{name}", group, tensors)
+                    return _observed(call, lambda: original(group, *args, **kwargs))
+
+                return observed
+
+            patch_attribute(group_class, name, make, key=_PATCH_KEY, written_for="torch 2.13.0")
+
+
+@contextlib.contextmanager
+def listening(listener: Listener) -> Iterator[None]:
+    """``listener`` gets every collective call of this process while the block runs."""
+    remove = add_listener(listener)
+    try:
+        yield
+    finally:
+        remove()
+
+
+def add_listener(listener: Listener) -> Callable[[], None]:
+    """Add ``listener`` (``install()`` first); return the function that removes it."""
+    global _listeners
+    install()
+    with _lock:
+        _listeners = (*_listeners, listener)
+
+    def remove() -> None:
+        global _listeners
+        with _lock:
+            _listeners = tuple(other for other in _listeners if other is not listener)
+
+    return remove
+
+
+def _kernel(overload: Any, op: str, after: Any) -> Callable[..., Any]:
+    arguments = [argument.name for argument in overload._schema.arguments]
+    index = next((arguments.index(a) for a in _GROUP_ARGUMENTS if a in arguments), None)
+    name = str(overload).rsplit(".", 1)[0]
+
+    def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
+        redispatch = functools.partial(overload.redispatch, keyset & after, *args, **kwargs)
+        if not _listeners and getattr(_local, "outer", None) is None:
+            return redispatch()
+        group = args[index] if index is not None and index < len(args) else None
+        call = CollectiveCall(op, name, _process_group(group), _tensors((args, kwargs)))
+        return _observed(call, redispatch)
+
+    return kernel
+
+
+class _Outer:
+    """The outermost observed call of a thread: its listeners' ``done``s and the futures of
+    the ``Work``s it (or a collective nested in it) returned."""
+
+    def __init__(self, dones: list[Done]) -> None:
+        self.dones = dones
+        self.futures: list[Any] = []
+
+    def finish(self, error: BaseException | None) -> None:
+        for done in self.dones:
+            done(error)
+
+
+def _observed(call: CollectiveCall, run: Callable[[], Any]) -> Any:
+    """``run()`` the collective ``call``, telling the listeners (only the outermost of a
+    thread's nested collectives)."""
+    outer = getattr(_local, "outer", None)
+    if outer is not None:  # nested: its Work tells when the outer one ends
+        result = run()
+        outer.futures += _futures(result)
+        return result
+    outer = _Outer([done for listener in _listeners if (done := listener(call)) is not None])
+    _local.outer = outer
+    try:
+        result = run()
+    except BaseException as error:
+        outer.finish(error)
+        raise
+    finally:
+        _local.outer = None
+    futures = _futures(result) or outer.futures
+    if not outer.dones:
+        return result
+    if not futures:
+        outer.finish(None)
+        return result
+    import torch
+
+    torch.futures.collect_all(futures).add_done_callback(lambda _: outer.finish(_error(futures)))
+    return result
+
+
+def _futures(result: Any) -> list[Any]:
+    """The future of the ``Work`` a collective op or method returned, if it has one."""
+    import torch
+    import torch.distributed as dist
+
+    work = result[-1] if isinstance(result, (tuple, list)) and result else result
+    if isinstance(work, torch.ScriptObject):
+        work = dist.distributed_c10d.Work.unbox(work)
+    if not isinstance(work, dist.distributed_c10d.Work):
+        return []
+    try:
+        return [work.get_future()]
+    except RuntimeError:  # a backend without futures: ended when the op returned
+        return []
+
+
+def _error(futures: list[Any]) -> BaseException | None:
+    for future in futures:
+        try:
+            future.wait()
+        except Exception as error:  # noqa: BLE001  the collective failed: told, not raised here
+            return error
+    return None
+
+
+def _process_group(group: Any) -> Any:
+    """The ProcessGroup an op's group argument names (a boxed group or a group name)."""
+    import torch
+    import torch.distributed as dist
+
+    try:
+        if isinstance(group, torch.ScriptObject):
+            return dist.ProcessGroup.unbox(group)
+        if isinstance(group, str):
+            return dist.distributed_c10d._resolve_process_group(group)
+    except (RuntimeError, ValueError):
+        return None
+    return group
+
+
+def _tensors(value: Any) -> tuple[Any, ...]:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return (value,)
+    if isinstance(value, dict):
+        value = tuple(value.values())
+    if isinstance(value, (tuple, list)):
+        return tuple(tensor for item in value for tensor in _tensors(item))
+    return ()
