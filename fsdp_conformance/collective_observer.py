@@ -12,7 +12,8 @@ torch's, and inference-mode tensors are seen too; no other op pays anything. The
 the listeners, then re-dispatches below ``BackendSelect``.
 
 - What each listener gets: a :class:`CollectiveCall` (the collective, torch's op name, the
-  process group, the tensors handed to it). It may return a function that is called once the
+  process group, the dtypes of the tensors handed to it, taken at the call: an FSDP may recast a
+  tensor's ``.data`` after). It may return a function that is called once the
   collective ends (with the error if it failed): when the ``Work`` the op returns completes --
   ``dist.all_reduce`` returns after the op and blocks in ``Work.wait`` -- or, for an op with no
   ``Work`` of its own (a functional collective), when the ``Work`` of the op it runs inside
@@ -67,11 +68,7 @@ class CollectiveCall(NamedTuple):
     op: str  # the collective: an `Op` ("all_reduce", ...), "broadcast", "barrier", ...
     name: str  # torch's: "c10d.allreduce_", "_c10d_functional.reduce_scatter_tensor", ...
     group: Any  # the torch.distributed ProcessGroup (None where it could not be resolved)
-    tensors: tuple[Any, ...]  # every tensor handed to it, in argument order
-
-    @property
-    def dtypes(self) -> tuple[Any, ...]:
-        return tuple(tensor.dtype for tensor in self.tensors)
+    dtypes: tuple[Any, ...]  # of every tensor handed to it, in argument order
 
 
 Listener = Callable[[CollectiveCall], Done | None]
@@ -119,8 +116,8 @@ def observe_python_group(group_class: type) -> None:
             def make(original: Callable[..., Any], op: str = op, name: str = name) -> Any:
                 @functools.wraps(original)
                 def observed(group: Any, *args: Any, **kwargs: Any) -> Any:
-                    tensors = _tensors((args, kwargs))
-                    call = CollectiveCall(op, f"{group_class.__name__}.{name}", group, tensors)
+                    dtypes = _dtypes((args, kwargs))
+                    call = CollectiveCall(op, f"{group_class.__name__}.{name}", group, dtypes)
                     return _observed(call, lambda: original(group, *args, **kwargs))
 
                 return observed
@@ -163,7 +160,7 @@ def _kernel(overload: Any, op: str, after: Any) -> Callable[..., Any]:
         if not _listeners and getattr(_local, "outer", None) is None:
             return redispatch()
         group = args[index] if index is not None and index < len(args) else None
-        call = CollectiveCall(op, name, _process_group(group), _tensors((args, kwargs)))
+        call = CollectiveCall(op, name, _process_group(group), _dtypes((args, kwargs)))
         return _observed(call, redispatch)
 
     return kernel
@@ -251,13 +248,14 @@ def _process_group(group: Any) -> Any:
     return group
 
 
-def _tensors(value: Any) -> tuple[Any, ...]:
+def _dtypes(value: Any) -> tuple[Any, ...]:
+    """The dtypes of the tensors in ``value`` (nested lists, tuples and dicts)."""
     import torch
 
     if isinstance(value, torch.Tensor):
-        return (value,)
+        return (value.dtype,)
     if isinstance(value, dict):
         value = tuple(value.values())
     if isinstance(value, (tuple, list)):
-        return tuple(tensor for item in value for tensor in _tensors(item))
+        return tuple(dtype for item in value for dtype in _dtypes(item))
     return ()

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import pytest
-
 from fsdp_conformance.harness import collectives
 from fsdp_conformance.harness.collectives import CollectiveRecord, CollectiveSlot
 
