@@ -41,11 +41,9 @@ from fsdp_conformance.constants import Op
 # what a torch op or method name starts with (underscores stripped) -> the collective; longer
 # names first ("reduce_scatter" before "reduce")
 COLLECTIVE_NAMES = {
-    "all_reduce": Op.ALL_REDUCE,
+    **{op.value: op for op in (Op.ALL_REDUCE, Op.ALL_GATHER, Op.REDUCE_SCATTER)},
     "allreduce": Op.ALL_REDUCE,
-    "all_gather": Op.ALL_GATHER,
     "allgather": Op.ALL_GATHER,
-    "reduce_scatter": Op.REDUCE_SCATTER,
     "all_to_all": "all_to_all",
     "alltoall": "all_to_all",
     "monitored_barrier": "barrier",
