@@ -66,48 +66,28 @@ def _patch_torch_fsdp2() -> None:
     group_class = internals.param_group_class()
     forward = internals.training_state_enum().FORWARD
 
-    def unshard(original):
-        def patched_unshard(self, async_op: bool = False):
-            if (
-                _REGISTRY.active
-                and internals.all_gather_result(self) is None
-                and not self.is_unsharded
-            ):
-                _REGISTRY.emit(Op.ALL_GATHER, _INSTANCE_OF_GROUP.get(self), {})
-            return original(self, async_op)
+    def unshard(group: Any, *_: Any, **__: Any) -> Iterator[tuple[str, Any]]:
+        if internals.all_gather_result(group) is None and not group.is_unsharded:
+            yield Op.ALL_GATHER, _INSTANCE_OF_GROUP.get(group)
 
-        return patched_unshard
+    def reshard(group: Any) -> Iterator[tuple[str, Any]]:
+        after_forward = internals.training_state(group) == forward
+        kept = after_forward and not internals.reshards_after_forward(group)  # not freed
+        if group.is_unsharded and not kept:
+            yield Op.FREE, _INSTANCE_OF_GROUP.get(group)
 
-    def reshard(original):
-        def patched_reshard(self):
-            keeps_unsharded = internals.training_state(
-                self
-            ) == forward and not internals.reshards_after_forward(self)
-            if _REGISTRY.active and self.is_unsharded and not keeps_unsharded:
-                _REGISTRY.emit(Op.FREE, _INSTANCE_OF_GROUP.get(self), {})
-            return original(self)
+    def post_backward(group: Any, *_: Any, **__: Any) -> Iterator[tuple[str, Any]]:
+        # only with gradient sync on and some gradient to reduce (not a frozen group)
+        reduces = getattr(group, "reduce_grads", True) and internals.has_grads_to_reduce(group)
+        if group.is_unsharded and reduces:
+            yield Op.REDUCE_SCATTER, _INSTANCE_OF_GROUP.get(group)
 
-        return patched_reshard
-
-    def post_backward(original):
-        def patched_post_backward(self, *unused: Any):
-            # only with gradient sync on and some gradient to reduce (not a frozen group)
-            if (
-                _REGISTRY.active
-                and self.is_unsharded
-                and getattr(self, "reduce_grads", True)
-                and internals.has_grads_to_reduce(self)
-            ):
-                _REGISTRY.emit(Op.REDUCE_SCATTER, _INSTANCE_OF_GROUP.get(self), {})
-            return original(self, *unused)
-
-        return patched_post_backward
-
-    for attribute, make in (
+    for attribute, event in (
         ("unshard", unshard),
         ("reshard", reshard),
         ("post_backward", post_backward),
     ):
+        make = _REGISTRY.before(event)
         patch_attribute(group_class, attribute, make, key=_PATCH_KEY, written_for=_WRITTEN_FOR)
 
 
