@@ -29,29 +29,23 @@ the listeners, then re-dispatches below ``BackendSelect``.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from fsdp_conformance._patching import patch_attribute
 from fsdp_conformance.constants import Op
 
-# what a torch op or method name starts with (underscores stripped) -> the collective; longer
-# names first ("reduce_scatter" before "reduce")
+# what a torch op or method name starts with (underscores stripped) -> the collective; a name
+# before any that starts it ("reduce_scatter" before "reduce")
 COLLECTIVE_NAMES = {
     **{op.value: op for op in (Op.ALL_REDUCE, Op.ALL_GATHER, Op.REDUCE_SCATTER)},
     "allreduce": Op.ALL_REDUCE,
     "allgather": Op.ALL_GATHER,
-    "all_to_all": "all_to_all",
     "alltoall": "all_to_all",
+    **{name: name for name in "all_to_all barrier broadcast gather scatter reduce".split()},
     "monitored_barrier": "barrier",
-    "barrier": "barrier",
-    "broadcast": "broadcast",
-    "gather": "gather",
-    "scatter": "scatter",
-    "reduce": "reduce",
 }
 NAMESPACES = ("c10d", "_c10d_functional")
 _GROUP_ARGUMENTS = ("process_group", "group_name")  # how the ops' schemas name their group
@@ -74,7 +68,8 @@ Listener = Callable[[CollectiveCall], Done | None]
 _lock = threading.Lock()
 _listeners: tuple[Listener, ...] = ()
 _libraries: list[Any] = []  # the torch.library registrations, kept alive
-_local = threading.local()  # .outer: the outermost observed call of this thread, if any
+# .futures: while this thread runs an observed collective, the futures of the Works inside it
+_local = threading.local()
 
 
 def collective_of(name: str) -> str | None:
@@ -86,22 +81,22 @@ def collective_of(name: str) -> str | None:
 def install() -> None:
     """Register the observing kernels (once per process; a second call does nothing)."""
     import torch
+    from torch._library.utils import lookup_op
 
     with _lock:
         if _libraries:
             return
         after = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.BackendSelect)
-        for namespace in NAMESPACES:
-            library = torch.library.Library(namespace, "IMPL")
-            _libraries.append(library)
-            for qualified in torch._C._dispatch_get_all_op_names():
-                owner, _, name = qualified.partition("::")
-                op = collective_of(name.partition(".")[0])
-                if owner == namespace and op is not None:
-                    packet = getattr(getattr(torch.ops, namespace), name.partition(".")[0])
-                    overload = getattr(packet, name.partition(".")[2] or "default")
-                    kernel = _kernel(overload, op, after)
-                    library.impl(name, kernel, "BackendSelect", with_keyset=True)
+        libraries = {
+            namespace: torch.library.Library(namespace, "IMPL") for namespace in NAMESPACES
+        }
+        _libraries.extend(libraries.values())
+        for qualified in torch._C._dispatch_get_all_op_names():
+            namespace, _, name = qualified.partition("::")
+            op = collective_of(name.partition(".")[0])
+            if namespace in libraries and op is not None:
+                kernel = _kernel(lookup_op(qualified), op, after)
+                libraries[namespace].impl(name, kernel, "BackendSelect", with_keyset=True)
 
 
 def observe_python_group(group_class: type) -> None:
@@ -123,18 +118,9 @@ def observe_python_group(group_class: type) -> None:
             patch_attribute(group_class, name, make, key=_PATCH_KEY, written_for="torch 2.13.0")
 
 
-@contextlib.contextmanager
-def listening(listener: Listener) -> Iterator[None]:
-    """``listener`` gets every collective call of this process while the block runs."""
-    remove = add_listener(listener)
-    try:
-        yield
-    finally:
-        remove()
-
-
 def add_listener(listener: Listener) -> Callable[[], None]:
-    """Add ``listener`` (``install()`` first); return the function that removes it."""
+    """``listener`` gets every collective call of this process (``install()`` first) until the
+    returned function removes it."""
     global _listeners
     install()
     with _lock:
@@ -155,69 +141,57 @@ def _kernel(overload: Any, op: str, after: Any) -> Callable[..., Any]:
 
     def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
         redispatch = functools.partial(overload.redispatch, keyset & after, *args, **kwargs)
-        if not _listeners and getattr(_local, "outer", None) is None:
+        if not _listeners and getattr(_local, "futures", None) is None:
             return redispatch()
-        group = args[index] if index is not None and index < len(args) else None
-        call = CollectiveCall(op, name, _process_group(group), _dtypes((args, kwargs)))
-        return _observed(call, redispatch)
+        group = _process_group(args[index] if index is not None and index < len(args) else None)
+        return _observed(CollectiveCall(op, name, group, _dtypes((args, kwargs))), redispatch)
 
     return kernel
 
 
-class _Outer:
-    """The outermost observed call of a thread: its listeners' ``done``s and the futures of
-    the ``Work``s it (or a collective nested in it) returned."""
-
-    def __init__(self, dones: list[Done]) -> None:
-        self.dones = dones
-        self.futures: list[Any] = []
-
-    def finish(self, error: BaseException | None) -> None:
-        for done in self.dones:
-            done(error)
-
-
 def _observed(call: CollectiveCall, run: Callable[[], Any]) -> Any:
     """``run()`` the collective ``call``, telling the listeners (only the outermost of a
-    thread's nested collectives)."""
-    outer = getattr(_local, "outer", None)
-    if outer is not None:  # nested: its Work tells when the outer one ends
+    thread's nested collectives; a nested one's Work tells when the outer one ends)."""
+    import torch
+
+    nested = getattr(_local, "futures", None)
+    if nested is not None:
         result = run()
-        outer.futures += _futures(result)
+        nested += _futures(result)
         return result
-    outer = _Outer([done for listener in _listeners if (done := listener(call)) is not None])
-    _local.outer = outer
+    dones = [done for listener in _listeners if (done := listener(call)) is not None]
+    _local.futures = nested = []
     try:
         result = run()
     except BaseException as error:
-        outer.finish(error)
+        _finish(dones, error)
         raise
     finally:
-        _local.outer = None
-    futures = _futures(result) or outer.futures
-    if not outer.dones:
-        return result
+        _local.futures = None
+    futures = _futures(result) or nested
     if not futures:
-        outer.finish(None)
-        return result
-    import torch
-
-    torch.futures.collect_all(futures).add_done_callback(lambda _: outer.finish(_error(futures)))
+        _finish(dones, None)
+    elif dones:
+        ended = torch.futures.collect_all(futures)
+        ended.add_done_callback(lambda _: _finish(dones, _error(futures)))
     return result
+
+
+def _finish(dones: list[Done], error: BaseException | None) -> None:
+    for done in dones:
+        done(error)
 
 
 def _futures(result: Any) -> list[Any]:
     """The future of the ``Work`` a collective op or method returned, if it has one."""
     import torch
-    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import Work
 
     work = result[-1] if isinstance(result, (tuple, list)) and result else result
     if isinstance(work, torch.ScriptObject):
-        work = dist.distributed_c10d.Work.unbox(work)
-    if not isinstance(work, dist.distributed_c10d.Work):
-        return []
+        work = Work.unbox(work)
     try:
-        return [work.get_future()]
+        return [work.get_future()] if isinstance(work, Work) else []
     except RuntimeError:  # a backend without futures: ended when the op returned
         return []
 
@@ -239,21 +213,16 @@ def _process_group(group: Any) -> Any:
     try:
         if isinstance(group, torch.ScriptObject):
             return dist.ProcessGroup.unbox(group)
-        if isinstance(group, str):
-            return dist.distributed_c10d._resolve_process_group(group)
+        return (
+            dist.distributed_c10d._resolve_process_group(group) if isinstance(group, str) else group
+        )
     except (RuntimeError, ValueError):
         return None
-    return group
 
 
 def _dtypes(value: Any) -> tuple[Any, ...]:
     """The dtypes of the tensors in ``value`` (nested lists, tuples and dicts)."""
     import torch
+    from torch.utils._pytree import tree_leaves
 
-    if isinstance(value, torch.Tensor):
-        return (value.dtype,)
-    if isinstance(value, dict):
-        value = tuple(value.values())
-    if isinstance(value, (tuple, list)):
-        return tuple(dtype for item in value for dtype in _dtypes(item))
-    return ()
+    return tuple(leaf.dtype for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor))

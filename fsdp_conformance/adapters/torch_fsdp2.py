@@ -27,17 +27,16 @@ from fsdp_conformance.training_states import InstanceState, RootState
 
 from . import _dcp
 from . import _fsdp2_internals as internals
-from ._fsdp2_device import install_lagging_device, observe_buffers
+from ._fsdp2_device import INSTANCE_OF_GROUP, install_lagging_device, observe_buffers
 from ._fsdp2_prefetch import configure_prefetch
 from ._support import RANGES
-from .base import Adapter, ObserverRegistry, UnsupportedFeatureError, scoped_observer
+from .base import Adapter, ObserverRegistry, UnsupportedFeatureError
 from .deviations import Deviation
 from .features import Declarations, Feature, auto_wrap_targets, ignored_parameters, require
 from .loop import EngineHooks
 
-# process-wide: observers of the patched FSDP2 internals, and param group -> its module
+# process-wide: observers of the patched FSDP2 internals
 _REGISTRY = ObserverRegistry()
-_INSTANCE_OF_GROUP: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _PATCH_KEY = "fsdp-conformance torch-fsdp2 comm trace"
 _WRITTEN_FOR = "torch " + "/".join(internals.VERIFIED_ON)
 
@@ -68,19 +67,19 @@ def _patch_torch_fsdp2() -> None:
 
     def unshard(group: Any, *_: Any, **__: Any) -> Iterator[tuple[str, Any]]:
         if internals.all_gather_result(group) is None and not group.is_unsharded:
-            yield Op.ALL_GATHER, _INSTANCE_OF_GROUP.get(group)
+            yield Op.ALL_GATHER, INSTANCE_OF_GROUP.get(group)
 
     def reshard(group: Any) -> Iterator[tuple[str, Any]]:
         after_forward = internals.training_state(group) == forward
         kept = after_forward and not internals.reshards_after_forward(group)  # not freed
         if group.is_unsharded and not kept:
-            yield Op.FREE, _INSTANCE_OF_GROUP.get(group)
+            yield Op.FREE, INSTANCE_OF_GROUP.get(group)
 
     def post_backward(group: Any, *_: Any, **__: Any) -> Iterator[tuple[str, Any]]:
         # only with gradient sync on and some gradient to reduce (not a frozen group)
         reduces = getattr(group, "reduce_grads", True) and internals.has_grads_to_reduce(group)
         if group.is_unsharded and reduces:
-            yield Op.REDUCE_SCATTER, _INSTANCE_OF_GROUP.get(group)
+            yield Op.REDUCE_SCATTER, INSTANCE_OF_GROUP.get(group)
 
     for attribute, event in (
         ("unshard", unshard),
@@ -221,7 +220,7 @@ class TorchFSDP2Adapter(EngineHooks, Adapter):
     @staticmethod
     def _register(module: nn.Module, prefetch: tuple[bool, Any, bool]) -> nn.Module:
         for param_group in internals.module_param_groups(module):
-            _INSTANCE_OF_GROUP[param_group] = module
+            INSTANCE_OF_GROUP[param_group] = module
         configure_prefetch(module, *prefetch)
         return module
 
@@ -271,7 +270,7 @@ class TorchFSDP2Adapter(EngineHooks, Adapter):
 
     def _observe(self, callback, instances):
         if getattr(callback, "buffer_events", False):  # [Note: FSDP2 buffers]
-            return _observing_buffers(callback, instances)
+            return observe_buffers(callback, instances)
         _patch_torch_fsdp2()
         return _REGISTRY.observing(callback, instances)
 
@@ -458,16 +457,3 @@ def _hybrid_mesh(shard: Any, replicate: Any, device_type: str) -> DeviceMesh:
         names = (f"replicate{shard.group_name}", f"shard{shard.group_name}")
         _HYBRID_MESHES[key] = _mesh_2d(replicate, shard, ranks, device_type, names)
     return _HYBRID_MESHES[key]
-
-
-@contextlib.contextmanager
-def _observing_buffers(callback: Any, instances: Any) -> Iterator[None]:
-    with scoped_observer(callback, instances) as observer:
-
-        def on_buffer(op: str, group: Any, info: dict) -> None:
-            instance = _INSTANCE_OF_GROUP.get(group)
-            if instance is not None:
-                observer(op, instance, info)
-
-        with observe_buffers(on_buffer):
-            yield

@@ -72,8 +72,11 @@ def observing_collectives(
             if call.op in (Op.ALL_GATHER, *REDUCE_OPS):
                 observer(call.op, None, {"call": call})
 
-        with collective_observer.listening(listener):
+        remove = collective_observer.add_listener(listener)
+        try:
             yield
+        finally:
+            remove()
 
 
 def instance_labels(adapter: Any, root: nn.Module) -> dict[int, str]:
