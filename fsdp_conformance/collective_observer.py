@@ -8,15 +8,18 @@ functional collectives of DTensor's ``redistribute`` and ``_functional_collectiv
 starts with a collective's name: a release's missing or added names need no list) at the
 ``BackendSelect`` key. That key is in every dispatch (torch's default TLS set), below
 autograd: the op's own autograd kernel runs first, so a functional collective's gradient is
-torch's, and inference-mode tensors are seen too; no other op pays anything. The kernel tells
-the listeners, then re-dispatches below ``BackendSelect``.
+torch's (a kernel at ``Autograd`` replaces it: measured on torch 2.13, ``funcol.all_reduce`` of
+a tensor that requires grad then lost its ``grad_fn``), and inference-mode tensors, which skip
+the autograd keys, are seen too. The kernel tells the listeners, then re-dispatches below
+``BackendSelect``. No other op pays anything (a ``TorchDispatchMode`` sees every op: about 3x
+a small model's training step); a collective about 28 us with a listener (torch 2.13, CPU).
 
 - What each listener gets: a :class:`CollectiveCall` (the collective, torch's op name, the
   process group, the dtypes of the tensors handed to it, taken at the call: an FSDP may recast a
   tensor's ``.data`` after). It may return a function that is called once the
   collective ends (with the error if it failed): when the ``Work`` the op returns completes --
   ``dist.all_reduce`` returns after the op and blocks in ``Work.wait`` -- or, for an op with no
-  ``Work`` of its own (a functional collective), when the ``Work`` of the op it runs inside
+  ``Work`` of its own (a functional collective), when the ``Work`` of the c10d op it runs
   completes, else when it returns.
 - Nesting: only the outermost collective of a thread is reported (a functional collective runs
   c10d's op; ThreadedProcessGroup's ``barrier`` is its ``allreduce``).
