@@ -70,13 +70,3 @@ class Op(str, enum.Enum):
 
 REDUCE_OPS = (Op.REDUCE_SCATTER, Op.ALL_REDUCE)
 COMM_OPS = (Op.ALL_GATHER, Op.FREE, Op.REDUCE_SCATTER, Op.ALL_REDUCE)  # what a comm trace records
-
-
-# The collective functions of torch.distributed (point-to-point send / recv are not: ranks
-# need not make the same number of them)
-TORCH_COLLECTIVES = tuple(
-    """all_gather all_gather_into_tensor all_gather_object all_reduce all_to_all
-    all_to_all_single barrier broadcast broadcast_object_list gather gather_object
-    monitored_barrier reduce reduce_scatter reduce_scatter_tensor scatter scatter_object_list
-    """.split()
-)

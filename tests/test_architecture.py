@@ -25,6 +25,7 @@ LAYER_OF: dict[str, str] = {
     "fsdp_conformance.training_states": "shared",
     "fsdp_conformance.device_handle": "shared",
     "fsdp_conformance._patching": "shared",
+    "fsdp_conformance.collective_observer": "shared",
     "fsdp_conformance._tensors": "shared",
     "fsdp_conformance.checks": "shared",
     "fsdp_conformance.models": "models",

@@ -21,10 +21,7 @@ stream last used it, or None}, for the stream-ordered rule of `observe.residency
 
 from __future__ import annotations
 
-import contextlib
-import threading
 import weakref
-from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch import nn
@@ -33,13 +30,14 @@ from fsdp_conformance._patching import patch_attribute
 from fsdp_conformance.constants import Op
 
 from . import _fsdp2_internals as internals
-from .base import require_before_first_forward
+from .base import ObserverRegistry, require_before_first_forward
 
 _PATCH_KEY = "fsdp-conformance torch-fsdp2 buffer lifetimes"
 _WRITTEN_FOR = "torch " + "/".join(internals.VERIFIED_ON)
 
-_buffer_observers: list[Callable[[str, Any, dict], None]] = []
-_lock = threading.Lock()  # guards the observer list and the pending records
+# process-wide: observers of the buffer events, and param group -> its module (the instance)
+_BUFFERS = ObserverRegistry()
+INSTANCE_OF_GROUP: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def install_lagging_device(model: nn.Module, device: Any) -> None:
@@ -84,8 +82,7 @@ def _device_of(group: Any) -> Any:
 
 
 def _emit(op: str, group: Any, info: dict) -> None:
-    for observer in _buffer_observers.copy():
-        observer(op, group, info)
+    _BUFFERS.emit(op, INSTANCE_OF_GROUP.get(group), info)
 
 
 def _patch_buffer_lifetimes() -> None:
@@ -97,7 +94,7 @@ def _patch_buffer_lifetimes() -> None:
 
     def unshard(original):
         def patched_unshard(self, async_op: bool = False):
-            if not _buffer_observers:
+            if not _BUFFERS.active:
                 return original(self, async_op)
             before = internals.all_gather_result(self)
             result = original(self, async_op)
@@ -117,7 +114,7 @@ def _patch_buffer_lifetimes() -> None:
         def patched_to_unsharded(self):
             was_unsharded = self.is_unsharded
             result = original(self)
-            if _buffer_observers and not was_unsharded and self.is_unsharded:
+            if _BUFFERS.active and not was_unsharded and self.is_unsharded:
                 device = _device_of(self)
                 for record in _READERS.get(self, ()):
                     if record["used_after"] is None and device is not None:
@@ -132,7 +129,7 @@ def _patch_buffer_lifetimes() -> None:
         def patched(self):
             was_unsharded = self.is_unsharded
             result = original(self)
-            if _buffer_observers and was_unsharded and not self.is_unsharded:
+            if _BUFFERS.active and was_unsharded and not self.is_unsharded:
                 stream = current_stream_of(self)
                 _emit(Op.FREE, self, {"buffer": "unsharded", "stream": stream, "used_after": None})
             return result
@@ -198,15 +195,8 @@ def _released(group_ref: Any, record: dict[str, Any]) -> None:
     _emit(Op.FREE, owner, {**info, "used_after": record["used_after"]})
 
 
-@contextlib.contextmanager
-def observe_buffers(callback: Callable[[str, Any, dict], None]) -> Iterator[None]:
-    """Context manager: ``callback(op, group, info)`` hears FSDP2's buffer events ([Note:
-    FSDP2 buffers]), with the ``FSDPParamGroup``."""
+def observe_buffers(callback: Any, instances: list[nn.Module] | None) -> Any:
+    """`Adapter._observe` of FSDP2's buffer events ([Note: FSDP2 buffers]; [Note: observation]
+    in adapters/base.py)."""
     _patch_buffer_lifetimes()
-    with _lock:
-        _buffer_observers.append(callback)
-    try:
-        yield
-    finally:
-        with _lock:
-            _buffer_observers.remove(callback)
+    return _BUFFERS.observing(callback, instances)

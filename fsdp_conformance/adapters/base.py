@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import re
 import threading
 import weakref
@@ -320,6 +321,26 @@ class ObserverRegistry:
     @property
     def active(self) -> bool:
         return bool(self._observers)
+
+    def before(
+        self, event: Callable[..., Iterable[tuple[str, nn.Module | None]]], always: bool = False
+    ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        """``original -> replacement`` (for `patch_attribute` or a per-instance method) that
+        first emits each ``(op, instance)`` that ``event`` (called with the same arguments)
+        yields -- asked only while someone observes, unless ``always`` (an event that keeps
+        state) -- then returns ``original(...)``."""
+
+        def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
+            @functools.wraps(original)
+            def observed(*args: Any, **kwargs: Any) -> Any:
+                if always or self._observers:
+                    for op, instance in event(*args, **kwargs):
+                        self.emit(op, instance, {})
+                return original(*args, **kwargs)
+
+            return observed
+
+        return wrap
 
     @contextlib.contextmanager
     def observing(self, callback: Observer, instances: list[nn.Module] | None) -> Iterator[None]:

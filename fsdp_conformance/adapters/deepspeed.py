@@ -764,57 +764,45 @@ def _install_trace() -> None:
 
     cls = coordinator.PartitionedParameterCoordinator
 
-    def make_gather(original: Any) -> Any:
-        def all_gather_params(self: Any, params: Any, forward: bool) -> None:
-            if _REGISTRY.active:
-                # ds_id order: DeepSpeed hands a set, whose order differs across ranks
-                for param in sorted(params, key=lambda param: param.ds_id):
-                    instance = _owner(param)
-                    if instance is None or param.ds_status != ZeroParamStatus.NOT_AVAILABLE:
-                        continue
-                    if not instance._fsdpc_live:
-                        _REGISTRY.emit(Op.ALL_GATHER, instance, {"forward": forward})
-                    instance._fsdpc_live.add(id(param))
-            return original(self, params, forward)
-
-        return all_gather_params
-
-    def make_release(original: Any) -> Any:
-        def release_param(self: Any, param: Any, free_data: bool = True) -> None:
+    def gather(coordinator: Any, params: Any, forward: bool) -> Iterator[tuple[str, nn.Module]]:
+        # ds_id order: DeepSpeed hands a set, whose order differs across ranks
+        for param in sorted(params, key=lambda param: param.ds_id):
             instance = _owner(param)
-            releasing = (
-                param.ds_status == ZeroParamStatus.AVAILABLE and not param.ds_active_sub_modules
-            )
-            if releasing and instance is not None and id(param) in instance._fsdpc_live:
-                instance._fsdpc_live.discard(id(param))
-                if not instance._fsdpc_live and _REGISTRY.active:
-                    _REGISTRY.emit(Op.FREE, instance, {})
-            return original(self, param, free_data)
+            if instance is None or param.ds_status != ZeroParamStatus.NOT_AVAILABLE:
+                continue
+            if not instance._fsdpc_live:
+                yield Op.ALL_GATHER, instance
+            instance._fsdpc_live.add(id(param))
 
-        return release_param
+    def release(
+        coordinator: Any, param: Any, *_: Any, **__: Any
+    ) -> Iterator[tuple[str, nn.Module]]:
+        instance = _owner(param)
+        releasing = param.ds_status == ZeroParamStatus.AVAILABLE and not param.ds_active_sub_modules
+        if releasing and instance is not None and id(param) in instance._fsdpc_live:
+            instance._fsdpc_live.discard(id(param))
+            if not instance._fsdpc_live:
+                yield Op.FREE, instance
 
-    def make_reduce(original: Any) -> Any:
-        def reduce_param(self: Any, param: Any, *args: Any) -> Any:
-            instance = _owner(param)
-            if instance is not None and param.requires_grad:
-                instance._fsdpc_reduced.add(id(param))
-                if len(instance._fsdpc_reduced) >= instance._fsdpc_trainable:
-                    instance._fsdpc_reduced.clear()
-                    # ZeRO-2/3 reduce-scatter gradients; ZeRO-1 reduces them whole
-                    sharded = getattr(self, "partition_gradients", True)
-                    op = Op.REDUCE_SCATTER if sharded else Op.ALL_REDUCE
-                    if _REGISTRY.active:
-                        _REGISTRY.emit(op, instance, {})
-            return original(self, param, *args)
-
-        return reduce_param
+    def reduce_param(
+        optimizer: Any, param: Any, *_: Any, **__: Any
+    ) -> Iterator[tuple[str, nn.Module]]:
+        instance = _owner(param)
+        if instance is not None and param.requires_grad:
+            instance._fsdpc_reduced.add(id(param))
+            if len(instance._fsdpc_reduced) >= instance._fsdpc_trainable:
+                instance._fsdpc_reduced.clear()
+                # ZeRO-2/3 reduce-scatter gradients; ZeRO-1 reduces them whole
+                sharded = getattr(optimizer, "partition_gradients", True)
+                yield (Op.REDUCE_SCATTER if sharded else Op.ALL_REDUCE), instance
 
     reduce = "reduce_independent_p_g_buckets_and_remove_grads"
+    # releases and reductions keep per-instance state: their events run at every call
     for owner, attribute, make in (
-        (cls, "_PartitionedParameterCoordinator__all_gather_params", make_gather),
-        (cls, "_PartitionedParameterCoordinator__release_param", make_release),
-        (stage3.DeepSpeedZeroOptimizer_Stage3, reduce, make_reduce),
-        (stage_1_and_2.DeepSpeedZeroOptimizer, reduce, make_reduce),
+        (cls, "_PartitionedParameterCoordinator__all_gather_params", _REGISTRY.before(gather)),
+        (cls, "_PartitionedParameterCoordinator__release_param", _REGISTRY.before(release, True)),
+        (stage3.DeepSpeedZeroOptimizer_Stage3, reduce, _REGISTRY.before(reduce_param, True)),
+        (stage_1_and_2.DeepSpeedZeroOptimizer, reduce, _REGISTRY.before(reduce_param, True)),
     ):
         patch_attribute(
             owner,

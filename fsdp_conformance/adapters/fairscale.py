@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -535,53 +535,41 @@ def _observer_wrappers(instance: nn.Module) -> dict[str, Callable]:
     """Wrappers of the routed methods that report all-gathers, frees and reductions."""
     from . import _fairscale_device
 
-    def rebuild(method: Callable) -> Callable:
-        def _rebuild_full_params(force_full_precision: bool = False):
-            # summon_full_params gathers (and frees) a separate copy: not reported
-            gathers = (
-                not force_full_precision
-                and not instance.has_full_params
-                and any(getattr(p, "_is_sharded", False) for p in instance.params)
-            )
-            if gathers and _REGISTRY.active:
-                _REGISTRY.emit(Op.ALL_GATHER, instance, {})
-            return method(force_full_precision)
+    def rebuild(force_full_precision: bool = False) -> Iterator[tuple[str, nn.Module]]:
+        # summon_full_params gathers (and frees) a separate copy: not reported
+        sharded = any(getattr(p, "_is_sharded", False) for p in instance.params)
+        if not force_full_precision and not instance.has_full_params and sharded:
+            yield Op.ALL_GATHER, instance
 
-        return _rebuild_full_params
+    def frees(params: Any = None) -> bool:
+        # once per reshard (unflattened parameters are freed one call each in backward)
+        return instance.has_full_params and any(
+            getattr(p, "_is_sharded", False) and p._full_param_padded.untyped_storage().size() > 0
+            for p in (instance.params if params is None else params)
+        )
 
-    def free(method: Callable) -> Callable:
-        def _free_full_params(params=None):
-            # once per reshard (unflattened parameters are freed one call each in backward)
-            frees = instance.has_full_params and any(
-                getattr(p, "_is_sharded", False)
-                and p._full_param_padded.untyped_storage().size() > 0
-                for p in (instance.params if params is None else params)
-            )
-            if frees and _REGISTRY.active:
-                _REGISTRY.emit(Op.FREE, instance, {})
+    def free(params: Any = None) -> Iterator[tuple[str, nn.Module]]:
+        if frees(params):
+            yield Op.FREE, instance
+
+    def synchronized(method: Callable) -> Callable:
+        def _free_full_params(params: Any = None) -> Any:
+            freeing = frees(params)
             result = method(params)
-            if frees and instance in _SYNC_AFTER_FREE:
+            if freeing and instance in _SYNC_AFTER_FREE:
                 # fairscale PR 972: block until the device has finished with the freed memory
                 _fairscale_device.handle_of(instance).current_stream().synchronize()
             return result
 
         return _free_full_params
 
-    def post_backward(method: Callable) -> Callable:
-        def _post_backward_hook(param, *unused):
-            if (
-                _REGISTRY.active
-                and instance._require_backward_grad_sync
-                and param.grad is not None
-                and getattr(param, "_is_sharded", False)
-            ):
-                _REGISTRY.emit(Op.REDUCE_SCATTER, instance, {})
-            return method(param, *unused)
-
-        return _post_backward_hook
+    def post_backward(param: Any, *unused: Any) -> Iterator[tuple[str, nn.Module]]:
+        sharded = param.grad is not None and getattr(param, "_is_sharded", False)
+        if instance._require_backward_grad_sync and sharded:
+            yield Op.REDUCE_SCATTER, instance
 
     return {
-        "_rebuild_full_params": rebuild,
-        "_free_full_params": free,
-        "_post_backward_hook": post_backward,
+        "_rebuild_full_params": _REGISTRY.before(rebuild),
+        "_free_full_params": lambda method: _REGISTRY.before(free)(synchronized(method)),
+        "_post_backward_hook": _REGISTRY.before(post_backward),
     }

@@ -53,40 +53,13 @@ def _patch_torch_fsdp1() -> None:
     process, pass-through while nobody observes."""
     handle_class = internals.flat_param_handle_class()
     runtime_utils = internals.runtime_utils()
-
-    def all_gather(original):
-        def _all_gather_flat_param(self, padded_unsharded_flat_param):
-            if _REGISTRY.active:
-                _REGISTRY.emit(Op.ALL_GATHER, _INSTANCE_OF_HANDLE.get(self), {})
-            return original(self, padded_unsharded_flat_param)
-
-        return _all_gather_flat_param
-
-    def free(original):
-        def _free_unsharded_flat_param(self):
-            if _REGISTRY.active:
-                _REGISTRY.emit(Op.FREE, _INSTANCE_OF_HANDLE.get(self), {})
-            return original(self)
-
-        return _free_unsharded_flat_param
-
-    def reduce(op):
-        def make(original):
-            def reduce_grad(state, handle):
-                if _REGISTRY.active:
-                    _REGISTRY.emit(op, state, {})
-                return original(state, handle)
-
-            return reduce_grad
-
-        return make
-
-    for owner, attribute, make in (
-        (handle_class, "_all_gather_flat_param", all_gather),
-        (handle_class, "_free_unsharded_flat_param", free),
-        (runtime_utils, "_reduce_grad", reduce(Op.REDUCE_SCATTER)),
-        (runtime_utils, "_reduce_grad_no_shard", reduce(Op.ALL_REDUCE)),
+    for owner, attribute, op, instance_of in (
+        (handle_class, "_all_gather_flat_param", Op.ALL_GATHER, _INSTANCE_OF_HANDLE.get),
+        (handle_class, "_free_unsharded_flat_param", Op.FREE, _INSTANCE_OF_HANDLE.get),
+        (runtime_utils, "_reduce_grad", Op.REDUCE_SCATTER, lambda state: state),
+        (runtime_utils, "_reduce_grad_no_shard", Op.ALL_REDUCE, lambda state: state),
     ):
+        make = _REGISTRY.before(lambda first, *_, op=op, of=instance_of, **__: [(op, of(first))])
         patch_attribute(owner, attribute, make, key=_PATCH_KEY, written_for=_WRITTEN_FOR)
 
 

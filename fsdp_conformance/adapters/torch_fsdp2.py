@@ -27,17 +27,16 @@ from fsdp_conformance.training_states import InstanceState, RootState
 
 from . import _dcp
 from . import _fsdp2_internals as internals
-from ._fsdp2_device import install_lagging_device, observe_buffers
+from ._fsdp2_device import INSTANCE_OF_GROUP, install_lagging_device, observe_buffers
 from ._fsdp2_prefetch import configure_prefetch
 from ._support import RANGES
-from .base import Adapter, ObserverRegistry, UnsupportedFeatureError, scoped_observer
+from .base import Adapter, ObserverRegistry, UnsupportedFeatureError
 from .deviations import Deviation
 from .features import Declarations, Feature, auto_wrap_targets, ignored_parameters, require
 from .loop import EngineHooks
 
-# process-wide: observers of the patched FSDP2 internals, and param group -> its module
+# process-wide: observers of the patched FSDP2 internals
 _REGISTRY = ObserverRegistry()
-_INSTANCE_OF_GROUP: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _PATCH_KEY = "fsdp-conformance torch-fsdp2 comm trace"
 _WRITTEN_FOR = "torch " + "/".join(internals.VERIFIED_ON)
 
@@ -66,48 +65,28 @@ def _patch_torch_fsdp2() -> None:
     group_class = internals.param_group_class()
     forward = internals.training_state_enum().FORWARD
 
-    def unshard(original):
-        def patched_unshard(self, async_op: bool = False):
-            if (
-                _REGISTRY.active
-                and internals.all_gather_result(self) is None
-                and not self.is_unsharded
-            ):
-                _REGISTRY.emit(Op.ALL_GATHER, _INSTANCE_OF_GROUP.get(self), {})
-            return original(self, async_op)
+    def unshard(group: Any, *_: Any, **__: Any) -> Iterator[tuple[str, Any]]:
+        if internals.all_gather_result(group) is None and not group.is_unsharded:
+            yield Op.ALL_GATHER, INSTANCE_OF_GROUP.get(group)
 
-        return patched_unshard
+    def reshard(group: Any) -> Iterator[tuple[str, Any]]:
+        after_forward = internals.training_state(group) == forward
+        kept = after_forward and not internals.reshards_after_forward(group)  # not freed
+        if group.is_unsharded and not kept:
+            yield Op.FREE, INSTANCE_OF_GROUP.get(group)
 
-    def reshard(original):
-        def patched_reshard(self):
-            keeps_unsharded = internals.training_state(
-                self
-            ) == forward and not internals.reshards_after_forward(self)
-            if _REGISTRY.active and self.is_unsharded and not keeps_unsharded:
-                _REGISTRY.emit(Op.FREE, _INSTANCE_OF_GROUP.get(self), {})
-            return original(self)
+    def post_backward(group: Any, *_: Any, **__: Any) -> Iterator[tuple[str, Any]]:
+        # only with gradient sync on and some gradient to reduce (not a frozen group)
+        reduces = getattr(group, "reduce_grads", True) and internals.has_grads_to_reduce(group)
+        if group.is_unsharded and reduces:
+            yield Op.REDUCE_SCATTER, INSTANCE_OF_GROUP.get(group)
 
-        return patched_reshard
-
-    def post_backward(original):
-        def patched_post_backward(self, *unused: Any):
-            # only with gradient sync on and some gradient to reduce (not a frozen group)
-            if (
-                _REGISTRY.active
-                and self.is_unsharded
-                and getattr(self, "reduce_grads", True)
-                and internals.has_grads_to_reduce(self)
-            ):
-                _REGISTRY.emit(Op.REDUCE_SCATTER, _INSTANCE_OF_GROUP.get(self), {})
-            return original(self, *unused)
-
-        return patched_post_backward
-
-    for attribute, make in (
+    for attribute, event in (
         ("unshard", unshard),
         ("reshard", reshard),
         ("post_backward", post_backward),
     ):
+        make = _REGISTRY.before(event)
         patch_attribute(group_class, attribute, make, key=_PATCH_KEY, written_for=_WRITTEN_FOR)
 
 
@@ -241,7 +220,7 @@ class TorchFSDP2Adapter(EngineHooks, Adapter):
     @staticmethod
     def _register(module: nn.Module, prefetch: tuple[bool, Any, bool]) -> nn.Module:
         for param_group in internals.module_param_groups(module):
-            _INSTANCE_OF_GROUP[param_group] = module
+            INSTANCE_OF_GROUP[param_group] = module
         configure_prefetch(module, *prefetch)
         return module
 
@@ -291,7 +270,7 @@ class TorchFSDP2Adapter(EngineHooks, Adapter):
 
     def _observe(self, callback, instances):
         if getattr(callback, "buffer_events", False):  # [Note: FSDP2 buffers]
-            return _observing_buffers(callback, instances)
+            return observe_buffers(callback, instances)
         _patch_torch_fsdp2()
         return _REGISTRY.observing(callback, instances)
 
@@ -478,16 +457,3 @@ def _hybrid_mesh(shard: Any, replicate: Any, device_type: str) -> DeviceMesh:
         names = (f"replicate{shard.group_name}", f"shard{shard.group_name}")
         _HYBRID_MESHES[key] = _mesh_2d(replicate, shard, ranks, device_type, names)
     return _HYBRID_MESHES[key]
-
-
-@contextlib.contextmanager
-def _observing_buffers(callback: Any, instances: Any) -> Iterator[None]:
-    with scoped_observer(callback, instances) as observer:
-
-        def on_buffer(op: str, group: Any, info: dict) -> None:
-            instance = _INSTANCE_OF_GROUP.get(group)
-            if instance is not None:
-                observer(op, instance, info)
-
-        with observe_buffers(on_buffer):
-            yield

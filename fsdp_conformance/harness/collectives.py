@@ -1,28 +1,22 @@
 """Which collective each rank entered last, so that failure reports name mismatched or missing
-collectives instead of a torch-internal error or a hang. The ``torch.distributed`` collectives
-on the default group are wrapped (nested calls record the outermost); each rank writes its
-:class:`CollectiveSlot`: a memory-mapped file the controller reads (processes), or a
-``bytearray`` (threads).
+collectives instead of a torch-internal error or a hang. A listener of the collective observer
+(``collective_observer.py``) records each collective on the default group (only those are
+comparable across all ranks) into the rank's :class:`CollectiveSlot`, a memory-mapped file the
+controller reads (processes) or a ``bytearray`` (threads): INSIDE from the call until the
+collective ends (its ``Work`` completes: ``dist.all_reduce`` blocks in ``Work.wait``, after the
+op returned), then LEFT, or RAISED when it failed.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import inspect
 import mmap
 import struct
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
-from fsdp_conformance import constants
-from fsdp_conformance._patching import patch_attribute
-
-# Collectives of torch.distributed that are recorded (send / recv are not)
-COLLECTIVES = constants.TORCH_COLLECTIVES
-_KEY = "fsdp-conformance collective records"
+from fsdp_conformance import collective_observer
 
 # count (collectives entered this test), state, operation name
 _LAYOUT = struct.Struct("<IB31s")
@@ -68,8 +62,9 @@ class CollectiveSlot:
 
     def __init__(self, buffer: Any) -> None:
         self._buffer = buffer
-        self._depth = 0
         self._count = 0
+        self._current: object | None = None  # the token of the collective last entered
+        self._lock = threading.Lock()  # a collective may end on a backend's thread
 
     @classmethod
     def in_memory(cls) -> CollectiveSlot:
@@ -81,9 +76,10 @@ class CollectiveSlot:
             return cls(mmap.mmap(stream.fileno(), SLOT_SIZE))
 
     def reset(self) -> None:
-        self._depth = 0
-        self._count = 0
-        self._write(LEFT, "")
+        with self._lock:
+            self._count = 0
+            self._current = None
+            self._write(LEFT, "")
 
     def read(self) -> CollectiveRecord:
         return _unpack(bytes(self._buffer[:SLOT_SIZE]))
@@ -91,20 +87,20 @@ class CollectiveSlot:
     def _write(self, state: int, op: str) -> None:
         self._buffer[:SLOT_SIZE] = _LAYOUT.pack(self._count, state, op.encode("ascii")[:31])
 
-    @contextmanager
-    def entered(self, op: str) -> Iterator[None]:
-        self._depth += 1
-        if self._depth == 1:
+    def enter(self, op: str) -> Callable[[BaseException | None], None]:
+        """Record collective ``op`` entered; return the function that records it ended."""
+        token = object()
+        with self._lock:
             self._count += 1
+            self._current = token
             self._write(INSIDE, op)
-        state = RAISED
-        try:
-            yield
-            state = LEFT
-        finally:
-            self._depth -= 1
-            if self._depth == 0:
-                self._write(state, op)
+
+        def ended(error: BaseException | None) -> None:
+            with self._lock:
+                if self._current is token:  # else a later collective (or test) took the slot
+                    self._write(LEFT if error is None else RAISED, op)
+
+        return ended
 
 
 def create_slot_file(path: str) -> None:
@@ -145,54 +141,23 @@ def _current_slot() -> CollectiveSlot | None:
     return getattr(_local, "slot", None) or _process_slot
 
 
-def _wrap(name: str, function: Callable[..., Any], c10d: Any) -> Callable[..., Any]:
-    """``function`` (the collective ``name``) recording into the calling rank's slot."""
-    try:
-        parameters = list(inspect.signature(function).parameters)
-    except (TypeError, ValueError):
-        parameters = []
-    group_index = parameters.index("group") if "group" in parameters else None
-
-    @functools.wraps(function)
-    def recorded(*args: Any, **kwargs: Any) -> Any:
-        slot = _current_slot()
-        if slot is None:
-            return function(*args, **kwargs)
-        group = kwargs.get("group")
-        if group is None and group_index is not None and group_index < len(args):
-            group = args[group_index]
-        if group is not None and group is not c10d._world.default_pg:
-            return function(*args, **kwargs)  # subgroups: not comparable across all ranks
-        with slot.entered(name):
-            return function(*args, **kwargs)
-
-    return recorded
-
-
-def install() -> Callable[[], None]:
-    """Wrap the collectives of ``torch.distributed`` (once: a second call wraps nothing more);
-    return a function that unwraps them."""
-    import torch.distributed as dist
+def _record(call: collective_observer.CollectiveCall) -> Callable[..., None] | None:
+    """The harness's listener: records ``call`` into the calling rank's slot."""
     import torch.distributed.distributed_c10d as c10d
 
-    records = [
-        patch_attribute(
-            module,
-            name,
-            functools.partial(_wrap, name, c10d=c10d),
-            key=_KEY,
-            written_for="torch 2.13.0",
-        )
-        for name in COLLECTIVES
-        for module in (dist, c10d)
-        if hasattr(module, name)
-    ]
+    slot = _current_slot()
+    if slot is None or call.group is None or call.group is not c10d._world.default_pg:
+        return None  # subgroups: not comparable across all ranks
+    return slot.enter(call.op)
 
-    def uninstall() -> None:
-        for record in records:
-            record.undo()
 
-    return uninstall
+def install(python_group: type | None = None) -> Callable[[], None]:
+    """Record the collectives of this process's ranks (``python_group``: a process group class
+    written in Python whose methods are observed too, thread mode's); return the function that
+    stops recording."""
+    if python_group is not None:
+        collective_observer.observe_python_group(python_group)
+    return collective_observer.add_listener(_record)
 
 
 def mismatch(records: dict[int, CollectiveRecord]) -> str:

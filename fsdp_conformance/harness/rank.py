@@ -272,11 +272,11 @@ def classify_exception(rank: int, exc: BaseException) -> RankOutcome:
 
 _HARNESS_DIR = os.path.dirname(os.path.abspath(__file__))
 _PLUGIN_FILE = os.path.join(os.path.dirname(_HARNESS_DIR), "plugin.py")
-_COLLECTIVES_FILE = os.path.join(_HARNESS_DIR, "collectives.py")
+_COLLECTIVES_FILE = os.path.join(os.path.dirname(_HARNESS_DIR), "collective_observer.py")
 
 
 def format_user_traceback(exc: BaseException) -> str:
-    """``exc`` without the harness's leading frames, the collective wrapper's frames and
+    """``exc`` without the harness's leading frames, the collective observer's frames and
     unittest's frames (modules that set ``__unittest``)."""
     frames = []
     tb = exc.__traceback__

@@ -11,8 +11,9 @@ ends. Code that waits for another rank outside a collective deadlocks and fails 
 
 [Note: isolation in thread mode]
 Process-wide state is saved before a test and restored after it (``harness/isolation.py``);
-the collectives are wrapped only while the test runs. What a shared interpreter cannot restore
-(modules patched by hand, signal handlers, threads left running) a test must not change.
+the harness's collective listener is added only while the test runs. What a shared interpreter
+cannot restore (modules patched by hand, signal handlers, threads left running) a test must not
+change.
 """
 
 from __future__ import annotations
@@ -220,7 +221,7 @@ def run_threaded(
         for r in range(world_size)
     ]
     snapshot = isolation.StateSnapshot.take()
-    uninstall = collectives.install()
+    uninstall = collectives.install(mtpg.ProcessLocalGroup)
     try:
         with _patched_wait_points(mtpg):
             for thread in threads:

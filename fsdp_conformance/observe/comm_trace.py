@@ -4,8 +4,10 @@
 ``CommTrace`` is an adapter observer (feature ``comm_trace``): each reported ``all_gather``,
 ``free``, ``reduce_scatter`` / ``all_reduce`` becomes a ``CommEvent(phase, op, label, state)``;
 ``compute=True`` adds ``compute`` when an instance's wrapped module starts forward (after the
-implementation's pre-forward). ``collectives=True`` also records every ``torch.distributed``
-collective called in this rank's thread, with its group's global ranks, in ``collectives``.
+implementation's pre-forward). ``collectives=True`` also records every all-gather,
+reduce-scatter and all-reduce this rank's thread issues -- through ``torch.distributed`` or as a
+functional collective (DTensor) -- with its group's global ranks and its tensors' dtypes, in
+``collectives`` (``observing_collectives``: [Note: collective observer]).
 Labels are the instance's module path in the *unwrapped* model (``<root>`` for the root); the
 state is the canonical instance state at the event, so an all-gather in ``IDLE`` during
 forward/backward is a prefetch. Nothing nondeterministic reaches ``render()``, which the
@@ -16,15 +18,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple, Self
 
+import torch
 import torch.distributed as torch_dist
 from torch import nn
 
-from fsdp_conformance import constants
-from fsdp_conformance._patching import patch_attribute
+from fsdp_conformance import collective_observer, constants
 from fsdp_conformance.adapters import features as adapter_features
 from fsdp_conformance.adapters.base import clean_param_name, scoped_observer
 from fsdp_conformance.adapters.features import Feature
@@ -51,60 +52,31 @@ class CommEvent(NamedTuple):
 
 
 class Collective(NamedTuple):
-    """One ``torch.distributed`` collective and the global ranks of its group."""
+    """One collective: its phase, what it does, its group's global ranks, its tensors' dtypes."""
 
     phase: str
     op: str
     ranks: tuple[int, ...]
-
-
-# torch.distributed's collectives and what each does; a name a release lacks is skipped
-DIST_COLLECTIVES = {
-    **{f"{Op.ALL_GATHER}{end}": Op.ALL_GATHER for end in ("", "_single", "_into_tensor")},
-    **{f"{Op.REDUCE_SCATTER}{end}": Op.REDUCE_SCATTER for end in ("", "_single", "_tensor")},
-    str(Op.ALL_REDUCE): Op.ALL_REDUCE,
-}
-_COLLECTIVES_KEY = "fsdp-conformance comm trace: torch.distributed collectives"
-# the active collective recorders' callbacks, filtered by thread ([Note: observation])
-_collective_observers: list[Callable[[str, Any, dict], None]] = []
-
-
-def _patch_collectives() -> None:
-    """Make each of ``DIST_COLLECTIVES`` report (op, its group's ranks) to the active recorders
-    (installed once per process)."""
-
-    def make(op: str):
-        def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
-            signature = inspect.signature(original)
-
-            @functools.wraps(original)
-            def collective(*args: Any, **kwargs: Any) -> Any:
-                if _collective_observers:
-                    group = signature.bind_partial(*args, **kwargs).arguments.get("group")
-                    group = torch_dist.group.WORLD if group is None else group
-                    ranks = tuple(torch_dist.get_process_group_ranks(group))
-                    for observer in list(_collective_observers):
-                        observer(op, None, {"ranks": ranks})
-                return original(*args, **kwargs)
-
-            return collective
-
-        return wrap
-
-    for name, op in DIST_COLLECTIVES.items():
-        if hasattr(torch_dist, name):
-            patch_attribute(torch_dist, name, make(op), key=_COLLECTIVES_KEY)
+    dtypes: tuple[torch.dtype, ...]
 
 
 @contextlib.contextmanager
-def _observing_collectives(callback: Callable[[str, Any, dict], None]) -> Iterator[None]:
-    _patch_collectives()
-    with scoped_observer(callback, None) as observer:
-        _collective_observers.append(observer)
+def observing_collectives(
+    callback: Callable[[collective_observer.CollectiveCall], None],
+) -> Iterator[None]:
+    """``callback(call)`` for each all-gather, reduce-scatter and all-reduce this rank issues
+    while active (filtered by thread as [Note: observation] says)."""
+    with scoped_observer(lambda op, instance, info: callback(info["call"]), None) as observer:
+
+        def listener(call: collective_observer.CollectiveCall) -> None:
+            if call.op in (Op.ALL_GATHER, *REDUCE_OPS):
+                observer(call.op, None, {"call": call})
+
+        remove = collective_observer.add_listener(listener)
         try:
             yield
         finally:
-            _collective_observers.remove(observer)
+            remove()
 
 
 def instance_labels(adapter: Any, root: nn.Module) -> dict[int, str]:
@@ -143,7 +115,7 @@ class CommTrace:
     def __enter__(self) -> Self:
         self._stack.enter_context(self.adapter.observe(self._on_op, self.instances.values()))
         if self.record_collectives:
-            self._stack.enter_context(_observing_collectives(self._on_collective))
+            self._stack.enter_context(observing_collectives(self._on_collective))
         if self.compute:
             for instance in self.instances.values():
                 module = self.adapter.unwrap(instance)
@@ -180,8 +152,9 @@ class CommTrace:
         label = self.labels[id(instance)]
         self.events.append(CommEvent(self._phase, op, label, self._state(instance)))
 
-    def _on_collective(self, op: str, instance: Any, info: dict) -> None:
-        self.collectives.append(Collective(self._phase, op, info["ranks"]))
+    def _on_collective(self, call: collective_observer.CollectiveCall) -> None:
+        ranks = () if call.group is None else torch_dist.get_process_group_ranks(call.group)
+        self.collectives.append(Collective(self._phase, call.op, tuple(ranks), call.dtypes))
 
     def _on_compute(self, instance: nn.Module, module: nn.Module, args: Any) -> None:
         label = self.labels[id(instance)]

@@ -27,11 +27,11 @@ import torch
 import torch.distributed as torch_dist
 from torch import nn
 
-from fsdp_conformance._patching import patch_attribute
 from fsdp_conformance.adapters import Feature
 from fsdp_conformance.adapters import features as adapter_features
 from fsdp_conformance.adapters import loop as adapter_loop
-from fsdp_conformance.constants import Op
+from fsdp_conformance.constants import REDUCE_OPS
+from fsdp_conformance.observe.comm_trace import observing_collectives
 
 from . import loop_driver, training
 from .declare import check
@@ -46,13 +46,6 @@ PARAM_ATOL_PER_EPS = 8 * 0.3
 LOSS_RTOL_PER_EPS = 16
 GROWTH = 1.25
 ACCUMULATION_LR = 1.0  # one plain SGD step: the parameter change is the gradient
-_REDUCTIONS = (
-    Op.ALL_REDUCE.value,
-    Op.REDUCE_SCATTER.value,
-    "reduce_scatter_tensor",
-    "reduce_scatter_single",
-    "_reduce_scatter_base",
-)
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -67,37 +60,6 @@ def _policy(name: str) -> tuple[torch.dtype, torch.dtype, torch.dtype | None]:
         _DTYPES[fields.get("reduce", param)],
         None if output is None else _DTYPES[output],
     )
-
-
-@contextlib.contextmanager
-def recording_reductions() -> Iterator[list[tuple[str, torch.dtype]]]:
-    """(collective, dtype) of every tensor handed to torch.distributed's reduction collectives
-    while active."""
-    seen: list[tuple[str, torch.dtype]] = []
-
-    def make(name: str):
-        def wrap(original):
-            def recorded(*args: Any, **kwargs: Any) -> Any:
-                for value in (*args, *kwargs.values()):
-                    for tensor in value if isinstance(value, (list, tuple)) else (value,):
-                        if isinstance(tensor, torch.Tensor):
-                            seen.append((name, tensor.dtype))
-                return original(*args, **kwargs)
-
-            return recorded
-
-        return wrap
-
-    records = [
-        patch_attribute(torch_dist, name, make(name), key=f"fsdp-conformance reductions {id(seen)}")
-        for name in _REDUCTIONS
-        if hasattr(torch_dist, name)
-    ]
-    try:
-        yield seen
-    finally:
-        for record in reversed(records):
-            record.undo()
 
 
 @contextlib.contextmanager
@@ -210,7 +172,8 @@ class BasePrecisionTests:
                     f"step {step} forward: the root's output in {output.dtype}, "
                     f"output_dtype is {output_dtype}"
                 )
-            with recording_reductions() as reduced:
+            collectives: list[Any] = []  # what backward issues, DTensor's collectives too
+            with observing_collectives(collectives.append):
                 driver.backward(loss)
             for key, what, expected in (
                 ("input", "inputs of the nn.Linear layers", param_dtype),
@@ -221,6 +184,9 @@ class BasePrecisionTests:
                     failures.append(
                         f"step {step} forward: {what} in {_names(seen[key])}, expected {expected}"
                     )
+            reduced = [
+                (c.op, dtype) for c in collectives if c.op in REDUCE_OPS for dtype in c.dtypes
+            ]
             wrong = sorted({f"{op} in {dtype}" for op, dtype in reduced if dtype != reduce_dtype})
             if not reduced or wrong:
                 failures.append(

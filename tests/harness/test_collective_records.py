@@ -3,25 +3,26 @@
 
 from __future__ import annotations
 
-import pytest
-
 from fsdp_conformance.harness import collectives
 from fsdp_conformance.harness.collectives import CollectiveRecord, CollectiveSlot
 
 
-def test_slot_records_the_outermost_collective_and_how_it_ended(tmp_path) -> None:
+def test_slot_records_the_last_collective_and_how_it_ended(tmp_path) -> None:
     path = str(tmp_path / "slot")
     collectives.create_slot_file(path)
     slot = CollectiveSlot.mapped(path)
-    with slot.entered("all_gather_object"), slot.entered("all_gather"):
-        assert collectives.read_slot_file(path) == CollectiveRecord(
-            1, collectives.INSIDE, "all_gather_object"
-        )
-    with pytest.raises(RuntimeError), slot.entered("all_reduce"):
-        raise RuntimeError("peer closed")
+    ended = slot.enter("all_gather")
+    assert collectives.read_slot_file(path) == CollectiveRecord(1, collectives.INSIDE, "all_gather")
+    ended(None)
+    assert slot.read().describe() == "last left all_gather (collective #1)"
+    first = slot.enter("all_reduce")
+    slot.enter("barrier")
+    first(None)  # the end of an earlier collective does not overwrite the later one
+    assert slot.read() == CollectiveRecord(3, collectives.INSIDE, "barrier")
+    slot.enter("all_reduce")(RuntimeError("peer closed"))
     record = collectives.read_slot_file(path)
-    assert record == CollectiveRecord(2, collectives.RAISED, "all_reduce")
-    assert record.describe() == "failed in all_reduce (collective #2)"
+    assert record == CollectiveRecord(4, collectives.RAISED, "all_reduce")
+    assert record.describe() == "failed in all_reduce (collective #4)"
     slot.reset()
     assert slot.read().describe() == "entered no collective"
 
@@ -42,10 +43,12 @@ def test_mismatch_and_unmatched() -> None:
     assert collectives.unmatched(same, set(), 0) == ""  # rank 1 is still running
 
 
-def test_only_default_group_collectives_are_recorded() -> None:
+def test_only_default_group_collectives_are_recorded_in_thread_mode() -> None:
     import torch
     import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
 
+    from fsdp_conformance import collective_observer
     from fsdp_conformance.harness import threads
     from fsdp_conformance.harness.wire import RankTask, TestTarget
 
@@ -57,12 +60,13 @@ def test_only_default_group_collectives_are_recorded() -> None:
         sub = dist.new_group([0, 1])
         dist.all_reduce(torch.ones(1), group=sub)  # a subgroup: not recorded
         dist.all_reduce(torch.ones(1))
+        funcol.all_reduce(torch.ones(1), "sum", dist.group.WORLD).wait()  # a DTensor's kind
         dist.barrier(group=dist.group.WORLD)
 
     task = RankTask(TestTarget(__name__, None, (), "body"), "t", ".", "impl", timeout=60)
     outcomes, mismatch = threads.run_threaded(task, 2, lambda dist: body(dist), {})
     assert {o.status for o in outcomes.values()} == {"passed"}, outcomes
     assert mismatch == ""
-    assert [slots[r].read() for r in (0, 1)] == [CollectiveRecord(2, 0, "barrier")] * 2
-    # unwrapped again after the test
-    assert not hasattr(dist.all_reduce, "__fsdp_conformance_original__")
+    assert [slots[r].read() for r in (0, 1)] == [CollectiveRecord(3, 0, "barrier")] * 2
+    # the harness's listener is removed after the test
+    assert collectives._record not in collective_observer._listeners

@@ -6,14 +6,19 @@ DTensor shard (``Shard(0)`` over the group's mesh) and registers a ``torch.nn.ut
 parametrization that all-gathers the shard on *every access* (``redistribute`` to
 ``Replicate``, in ``param_dtype``) and hands the local full tensor on with ``Partial`` gradient
 placements, so backward reduce-scatters each parameter's gradient -- **summed** over the group
-(``reduce_dtype``). Resharding after forward (FULL_SHARD): a ``saved_tensors_hooks`` pair
-around each instance's forward swaps every gathered tensor autograd saves for a recipe, and
-backward all-gathers it again. Instances have no training state and no ``summon_full_params``.
+(``reduce_dtype``). Hybrid sharding: a (shard, replicate) pair of groups makes a 2-D mesh,
+parameters ``(Replicate(), Shard(0))``: gathered within the shard group, gradients
+reduce-scattered there and all-reduced across the replicas. All its collectives are functional
+collectives (DTensor's), which the suite sees at torch's dispatcher. Resharding after forward
+(FULL_SHARD): a ``saved_tensors_hooks`` pair around each instance's forward swaps every gathered
+tensor autograd saves for a recipe, and backward all-gathers it again. Instances have no
+training state and no ``summon_full_params``.
 
-The adapter is written from docs/adapters.md ("FSDPs of other shapes"). ``PerClassCache`` and
-``KeepsGathered`` are broken variants: the first caches its mixed-precision policy per module
-class (a second model wrapped with another policy silently gets the first one's); the second
-keeps every gathered parameter alive until backward.
+The adapter is written from docs/adapters.md ("FSDPs of other shapes"). ``PerClassCache``,
+``KeepsGathered`` and ``ReducesInParamDtype`` are broken variants: the first caches its
+mixed-precision policy per module class (a second model wrapped with another policy silently
+gets the first one's); the second keeps every gathered parameter alive until backward; the third
+reduces gradients in ``param_dtype``, ignoring ``reduce_dtype``.
 """
 
 from __future__ import annotations
@@ -31,7 +36,11 @@ from torch.nn.utils import parametrize
 
 from fsdp_conformance.adapters import Adapter, Declarations, Deviation, EngineHooks, Feature, _dcp
 from fsdp_conformance.adapters.base import scoped_observer
-from fsdp_conformance.adapters.features import ALL_FEATURES, auto_wrap_targets
+from fsdp_conformance.adapters.features import (
+    ALL_FEATURES,
+    MixedPrecisionConfig,
+    auto_wrap_targets,
+)
 
 _observers: list[Any] = []  # callback(op, instance, info), see [Note: observation]
 # storage pointer -> (gathered tensor, (parametrization, shard)), held while its instance's
@@ -69,13 +78,14 @@ class ReplicateOnAccess(nn.Module):
 
     def gather(self, shard: DTensor, grad: bool) -> torch.Tensor:
         _emit("all_gather", self.instance())
+        dims = shard.device_mesh.ndim
         full = shard.redistribute(
             shard.device_mesh,
-            [Replicate()],
+            [Replicate()] * dims,
             forward_dtype=self.param_dtype,
             backward_dtype=self.reduce_dtype,
         )
-        return full.to_local(grad_placements=[Partial("sum")] if grad else None)
+        return full.to_local(grad_placements=[Partial("sum")] * dims if grad else None)
 
     def forward(self, shard: DTensor) -> torch.Tensor:
         full = self.gather(shard, grad=True)
@@ -108,9 +118,12 @@ def simple_fsdp(
     reshard_after_forward: bool = True,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
+    output_dtype: torch.dtype | None = None,
+    cast_forward_inputs: bool = True,
     cache_per_class: bool = False,
 ) -> nn.Module:
-    """Shard `module`'s parameters (those outside instances wrapped before) in place."""
+    """Shard `module`'s parameters (those outside instances wrapped before) in place over
+    `group`, or a (shard, replicate) pair of groups (hybrid)."""
     if getattr(module, "_reshard_after_forward", None) is not None:
         raise ValueError(f"simple_fsdp: {type(module).__name__} is already wrapped")
     if cache_per_class:
@@ -118,7 +131,9 @@ def simple_fsdp(
     group = group if group is not None else dist.group.WORLD
     module._reshard_after_forward = reshard_after_forward
     module._process_group = group
-    module._param_dtype = param_dtype
+    module._param_dtype = param_dtype if cast_forward_inputs else None
+    module._output_dtype = output_dtype
+    mesh = None
     stack = [module]
     while stack:
         owner = stack.pop()
@@ -126,8 +141,9 @@ def simple_fsdp(
         for name, param in list(owner._parameters.items()):
             if param is None or parametrize.is_parametrized(owner, name):
                 continue
-            mesh = DeviceMesh.from_group(group, param.device.type)
-            shard = distribute_tensor(param.detach(), mesh, [Shard(0)])
+            mesh = mesh or _mesh(group, param.device.type)
+            placements = [Replicate()] * (mesh.ndim - 1) + [Shard(0)]
+            shard = distribute_tensor(param.detach(), mesh, placements)
             del owner._parameters[name]
             owner.register_parameter(name, nn.Parameter(shard, param.requires_grad))
             gather = ReplicateOnAccess(module, param_dtype, reduce_dtype)
@@ -135,6 +151,29 @@ def simple_fsdp(
     module.register_forward_pre_hook(_pre_forward, with_kwargs=True)
     module.register_forward_hook(_post_forward)
     return module
+
+
+def _mesh(group: Any, device_type: str) -> DeviceMesh:
+    """`group`'s mesh; for a (shard, replicate) pair the 2-D (replicate, shard) mesh, row i the
+    i-th replica's shard group (dimension names carry the shard group's name: torch keeps mesh
+    state per mesh value, and an equal mesh of an earlier test named groups destroyed since)."""
+    if not isinstance(group, tuple):
+        return DeviceMesh.from_group(group, device_type)
+    shard, replicate = group
+    rows: list[Any] = [None] * replicate.size()
+    dist.all_gather_object(rows, dist.get_process_group_ranks(shard), group=replicate)
+    names = (f"replicate{shard.group_name}", f"shard{shard.group_name}")
+    return DeviceMesh.from_group(
+        [replicate, shard], device_type, mesh=torch.tensor(rows), mesh_dim_names=names
+    )
+
+
+def _cast(value: Any, dtype: torch.dtype) -> Any:
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value.to(dtype)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_cast(item, dtype) for item in value)
+    return value
 
 
 def _pre_forward(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -145,16 +184,16 @@ def _pre_forward(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, d
     dtype = module._param_dtype
     if dtype is None:
         return args, kwargs
-    cast = lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
-    return tuple(map(cast, args)), {k: cast(v) for k, v in kwargs.items()}
+    return _cast(args, dtype), {k: _cast(v, dtype) for k, v in kwargs.items()}
 
 
-def _post_forward(module: nn.Module, args: Any, output: Any) -> None:
+def _post_forward(module: nn.Module, args: Any, output: Any) -> Any:
     if module._reshard_after_forward:
         module._saved_hooks.pop().__exit__(None, None, None)
         for pointer, (_, (gather, _)) in list(_gathered.items()):
             if gather.instance() is module:
                 del _gathered[pointer]
+    return output if module._output_dtype is None else _cast(output, module._output_dtype)
 
 
 # ---------------------------------------------------------------------------- the adapter
@@ -164,6 +203,8 @@ _SUPPORTED = {
     Feature.SHARD_GRAD_OP,
     Feature.BACKWARD_PREFETCH_NONE,
     Feature.MIXED_PRECISION,
+    Feature.MIXED_PRECISION_POLICY,
+    Feature.HYBRID_SHARD,
     Feature.AUTO_WRAP_POLICY,
     Feature.COMM_TRACE,
     Feature.FROZEN_PARAMETERS,
@@ -183,6 +224,7 @@ class SimpleFSDPAdapter(EngineHooks, Adapter):
     name = "simple-fsdp"
     cache_per_class = False  # PerClassCache
     reshards = True  # KeepsGathered: False although FULL_SHARD is asked for
+    reduces_in_reduce_dtype = True  # ReducesInParamDtype: False
     declarations = Declarations(
         unsupported={
             **{feature: _REASON for feature in ALL_FEATURES - _SUPPORTED},
@@ -212,14 +254,16 @@ class SimpleFSDPAdapter(EngineHooks, Adapter):
         if policy is not None:
             for _, child in auto_wrap_targets(module, policy):
                 self.wrap(child, process_group=process_group, root=False, **child_config)
-        mixed = config.get("mixed_precision")
+        mixed = config.get("mixed_precision") or MixedPrecisionConfig()
+        keeps = config.get("sharding_strategy") in ("SHARD_GRAD_OP", "_HYBRID_SHARD_ZERO2")
         return simple_fsdp(
             module,
             process_group,
-            reshard_after_forward=config.get("sharding_strategy") != "SHARD_GRAD_OP"
-            and self.reshards,
-            param_dtype=mixed.param_dtype if mixed else None,
-            reduce_dtype=mixed.reduce_dtype if mixed else None,
+            reshard_after_forward=not keeps and self.reshards,
+            param_dtype=mixed.param_dtype,
+            reduce_dtype=mixed.reduce_dtype if self.reduces_in_reduce_dtype else mixed.param_dtype,
+            output_dtype=mixed.output_dtype,
+            cast_forward_inputs=mixed.cast_forward_inputs is not False,
             cache_per_class=self.cache_per_class,
         )
 
@@ -269,6 +313,13 @@ class KeepsGathered(SimpleFSDPAdapter):
 
     name = "simple-fsdp-keeps-gathered"
     reshards = False
+
+
+class ReducesInParamDtype(SimpleFSDPAdapter):
+    """Broken: gradients are reduced in param_dtype, whatever reduce_dtype says."""
+
+    name = "simple-fsdp-reduces-in-param-dtype"
+    reduces_in_reduce_dtype = False
 
 
 ADAPTER = SimpleFSDPAdapter()

@@ -7,11 +7,14 @@ parametrization/DTensor implementation (tests/suite/simple_fsdp.py).
 - ``simple_fsdp`` -- one all-gather per parameter access, gradients summed -- passes the cells
   the suite used to fail on such an implementation (its loss divided by the *global* world
   size on the MoE expert's one-rank group and on a model saved at world size 1; two forwards per
-  backward required bit-exact; one all-gather and one reduction per instance), its checks
-  about training states and summon_full_params are not applicable with that reason, and its
-  broken variants fail the new checks: a mixed-precision policy cached per module class
-  (``wrap.configs_isolated``), gathered parameters kept alive until backward
-  (``memory.reshard_after_forward``).
+  backward required bit-exact; one all-gather and one reduction per instance; its reductions,
+  DTensor's functional collectives, unseen by ``sharding.hybrid`` -- "0 reduce_scatter" -- and
+  ``precision.dtypes`` -- "gradient reductions none observed" -- before the collective observer
+  sat at torch's dispatcher), its checks about training states and summon_full_params are not
+  applicable with that reason, and its broken variants fail the new checks: a mixed-precision
+  policy cached per module class (``wrap.configs_isolated``), gathered parameters kept alive
+  until backward (``memory.reshard_after_forward``), gradients reduced in param_dtype
+  (``precision.dtypes``).
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ from fsdp_conformance.suite import (
     BaseConfigIsolationTests,
     BaseDDPParityTests,
     BaseForwardVariantsTests,
+    BaseHybridShardingTests,
+    BasePrecisionTests,
     BaseReshardAfterForwardTests,
     BaseSummonFullParamsTests,
     BaseTrainingStateTests,
@@ -93,6 +98,23 @@ class TestSummon(BaseSummonFullParamsTests):
     pass
 
 
+class TestHybrid(BaseHybridShardingTests):
+    pass
+
+
+class TestPrecision(BasePrecisionTests):
+    policies = ("bf16-reduce-fp32", "bf16-output-fp32")
+
+
+class TestReducesInParamDtype(BasePrecisionTests):
+    policies = ("bf16-reduce-fp32",)
+    accumulations = ()
+
+    @pytest.fixture
+    def fsdp_impl(self):
+        return "simple_fsdp:ReducesInParamDtype"
+
+
 class TestKeepsGathered(BaseReshardAfterForwardTests):
     models = ("nested",)
 
@@ -123,13 +145,15 @@ def test_simple_fsdp_passes_and_its_broken_variants_fail(pytester: pytest.Pytest
         if line.startswith("FAILED ")
     )
     # the broken variants fail their check, and nothing else fails
-    assert failed == ["TestKeepsGathered", "TestPerClassCache"], output
+    assert failed == ["TestKeepsGathered", "TestPerClassCache", "TestReducesInParamDtype"], output
     assert "still hold unsharded parameters" in output, output
     assert "used unsharded parameters in another dtype" in output, output
+    reduced = "gradient reductions ['reduce_scatter in torch.bfloat16'], expected every one in"
+    assert reduced in output, output
     outcomes = result.parseoutcomes()
     # parity on the MoE (pairwise configs), resume 2 -> 1 and 1 -> 2, two forwards (2),
-    # counts (4), reshard after forward (2), isolation (2)
-    assert outcomes.get("passed", 0) >= 15, outcomes
+    # counts (4), reshard after forward (2), isolation (2), hybrid (2), precision (3)
+    assert outcomes.get("passed", 0) >= 20, outcomes
     for subject in ("'training_states'", "'summon_full_params'"):
         assert f"does not support {subject}" in output, output
 
@@ -157,6 +181,30 @@ def test_deepspeed_zero3_keeps_parameters_after_forward_from_the_second_step(dis
         optimizer.step()
     assert not any(gathered[0].values()), gathered[0]
     assert all(gathered[1].values()), gathered[1]
+
+
+@pytest.mark.world_size(2)
+def test_simple_fsdp_reductions_are_observed_with_their_dtypes(dist, monkeypatch) -> None:
+    """simple_fsdp communicates only through DTensor's functional collectives: the collective
+    observer sees its all-gathers in param_dtype and its reduce-scatters in reduce_dtype."""
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parent))
+    import torch
+    from simple_fsdp import ADAPTER
+
+    from fsdp_conformance.observe.comm_trace import observing_collectives
+    from fsdp_conformance.suite import training
+
+    mixed = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
+    root, zoo_model = training.wrap_model(ADAPTER, "nested", dist, {"mixed_precision": mixed})
+    calls = []
+    with observing_collectives(calls.append):
+        inputs = zoo_model.get_input(dist.device)
+        training.adapter_backward(ADAPTER, root, zoo_model.get_loss(inputs, root(*inputs)))
+    seen = {(call.op, call.name, call.dtypes, call.group is dist.group) for call in calls}
+    assert seen == {
+        ("all_gather", "_c10d_functional.all_gather_into_tensor", (torch.bfloat16,), True),
+        ("reduce_scatter", "_c10d_functional.reduce_scatter_tensor", (torch.float32,), True),
+    }, seen
 
 
 @pytest.mark.world_size(2)
