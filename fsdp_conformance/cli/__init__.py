@@ -43,10 +43,8 @@ from fsdp_conformance.cli.usage import (
 )
 from fsdp_conformance.harness import signals
 
-DEFAULT_TIMEOUT = CLI_TIMEOUT_S  # its old name
-
 __all__ = [
-    "BUILTIN_IMPLS", "CLI_TIMEOUT_S", "COVERAGES", "DEFAULT_COVERAGE", "DEFAULT_TIMEOUT",
+    "BUILTIN_IMPLS", "CLI_TIMEOUT_S", "COVERAGES", "DEFAULT_COVERAGE",
     "DEFAULT_WORKERS", "MODES", "PROG", "RANKS_PER_CPU", "RANK_MEMORY_BYTES",
     "RATE_LIMITER_RANGE", "UsageError", "build_parser", "check_impl", "check_keyword_expression",
     "check_output", "check_world_size", "main", "max_world_size", "pytest_command",

@@ -3,10 +3,11 @@ unsupported feature to implement next -- from a collection, not a run.
 
 [Note: coverage probe]
 A cell needs its check's features plus what its body asks for before it first makes the
-adapter act: each body is called once with a *probe* for the adapter (it answers ``supports``
-truthfully, records what it is asked, and stops the body at ``wrap`` or any other action) and a
-``dist`` without ranks. A body that cannot be probed keeps its check's and case's features. A
-feature *unlocks* the cells that would run if the adapter supported it too.
+adapter act: each body is called once with a *probe* for the adapter (an ``Adapter`` whose
+declarations are the adapter's; it records what the body requires and stops the body at
+``wrap`` or any other operation) and a ``dist`` without ranks. A body that cannot be probed
+keeps its check's and case's features. A feature *unlocks* the cells that would run if the
+adapter supported it too.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_conformance import checks
+from fsdp_conformance.adapters import Adapter, UnsupportedFeatureError, normalize_config
 from fsdp_conformance.adapters import features as adapter_features
 from fsdp_conformance.cli.records import NO_LITTER
 from fsdp_conformance.cli.usage import (
@@ -62,72 +64,66 @@ class _Reached(BaseException):
     Exception`` must not take it for the implementation's answer)."""
 
 
-class _Granted:
-    """An adapter's capabilities as if it also supported the features `granted`."""
+class _Granted(Adapter):
+    """`adapter` as if it also supported the features `granted` (its declarations, no more)."""
 
-    def __init__(self, adapter: Any, granted: frozenset[str] = frozenset()) -> None:
+    def __init__(self, adapter: Adapter, granted: frozenset[str] = frozenset()) -> None:
         self.adapter = adapter
         self.granted = granted
+        self.name = adapter.name
+        declared = adapter.declarations
+        unsupported = {f: why for f, why in declared.unsupported.items() if f not in granted}
+        self.declarations = dataclasses.replace(declared, unsupported=unsupported)
 
-    def supports(self, *features: str) -> bool:
-        return all(
-            f in self.granted or adapter_features.supports(self.adapter, f) for f in features
-        )
-
-    def features_for(self, **config: Any) -> frozenset[str]:
-        return adapter_features.wrap_features(self.adapter, **config)
-
-    def _check_values(self, config: dict[str, Any]) -> None:  # adapter_features.stand_in
-        adapter_features.require_values(self.adapter, config)
+    def has(self, feature: str) -> bool:
+        return adapter_features.supports(self, feature)
 
 
-class _ProbeAdapter:
-    """Stands in for the adapter in a probed body: records needs, stops at the first action."""
+# the protocol's operations: calling one stops a probed body (wrap and wrapper record first)
+_ACTIONS = frozenset(
+    name
+    for name in dir(Adapter)
+    if not name.startswith("_") and callable(getattr(Adapter, name))
+) - {"wrap", "wrapper"}
+
+
+class _ProbeAdapter(_Granted):
+    """The adapter in a probed body: answers what it supports, records the features the body
+    requires (`features.require`, swapped while probing) and stops the body at its first
+    action."""
 
     def __init__(self, capabilities: _Granted) -> None:
-        self._capabilities = capabilities
+        super().__init__(capabilities.adapter, capabilities.granted)
         self.needs: list[str] = []
         self.blocked = ""  # a refused config value
 
-    def __getattr__(self, name: str) -> Any:
-        value = getattr(self._capabilities.adapter, name)
-        if not callable(value):
-            return value
+    def __getattribute__(self, name: str) -> Any:
+        if name not in _ACTIONS:
+            return super().__getattribute__(name)
 
         def act(*args: Any, **kwargs: Any) -> Any:
             raise _Reached(name)
 
         return act
 
-    def check(self, *features: str) -> None:
+    def need(self, *features: str) -> None:
         self.needs.extend(f for f in features if f not in self.needs)
 
-    require = check
-
-    def supports(self, *features: str) -> bool:
-        return self._capabilities.supports(*features)
-
-    def unsupported_reason(self, feature: str) -> str | None:
-        if self.supports(feature):
-            return None
-        return adapter_features.why_unsupported(self._capabilities.adapter, feature)
-
-    def features_for(self, **config: Any) -> frozenset[str]:
-        from fsdp_conformance.adapters import UnsupportedFeatureError, normalize_config
-
-        features = self._capabilities.features_for(**config)
+    def config_needs(self, config: dict[str, Any]) -> frozenset[str]:
+        """The features `config` needs; a refused value blocks the cell."""
+        features = adapter_features.wrap_features(**config)
         try:
-            self._capabilities._check_values(normalize_config(config))
+            adapter_features.require_values(self, normalize_config(config))
         except UnsupportedFeatureError as error:
             self.blocked = self.blocked or str(error)
         return features
 
-    def wrapper(self, *, process_group: Any = None, **config: Any) -> _ProbeWrap:
-        self.check(*self.features_for(**config))
+    def wrapper(self, *, process_group: Any = None, **config: Any) -> Any:
+        self.need(*self.config_needs(config))
         return _ProbeWrap(self, config)
 
     def wrap(self, module: Any, *, process_group: Any = None, root: Any = None, **config: Any):
-        self.check(*self.features_for(**config))
+        self.need(*self.config_needs(config))
         raise _Reached("wrap")
 
 
@@ -140,10 +136,7 @@ class _ProbeWrap:
         self.config = config
 
     def __call__(self, module: Any, *, process_group: Any = None, root: Any = None, **overrides):
-        adapter_features.require(
-            self.adapter,
-            *adapter_features.wrap_features(self.adapter, **{**self.config, **overrides}),
-        )
+        self.adapter.need(*adapter_features.wrap_features(**{**self.config, **overrides}))
         return module
 
     def delay_before_reduction(self, delay: Any) -> Any:
@@ -170,6 +163,17 @@ def _probe_cell(adapter: Any, check_id: str, case: Any = None):
     yield
 
 
+def _probe_require(adapter: Any, *features: str) -> None:
+    """``features.require`` while probing: records a probe's needs, never raises for it."""
+    if isinstance(adapter, _ProbeAdapter):
+        adapter.need(*features)
+    else:
+        _REQUIRE(adapter, *features)
+
+
+_REQUIRE = adapter_features.require
+
+
 def _gpus_needed(item: Any, world_size: int) -> int:
     gpus = item.get_closest_marker("gpus")
     needed = int(gpus.args[0]) if gpus is not None and gpus.args else 0
@@ -185,7 +189,7 @@ def _static_needs(item: Any, check: checks.Check | None, adapter: Any) -> list[s
         config = getattr(value, "wrap_config", None)
         if isinstance(config, dict):
             with contextlib.suppress(Exception):
-                needs += sorted(adapter_features.wrap_features(adapter, **config))
+                needs += sorted(adapter_features.wrap_features(**config))
     return needs
 
 
@@ -194,7 +198,6 @@ def _probe(item: Any, capabilities: _Granted, world_size: int) -> Cell:
     import pytest
     import torch
 
-    from fsdp_conformance.adapters import UnsupportedFeatureError
     from fsdp_conformance.harness.context import RankContext
 
     names = [cls.__name__ for cls in inspect.getmro(item.cls)] if item.cls else []
@@ -233,12 +236,16 @@ def _probe(item: Any, capabilities: _Granted, world_size: int) -> Cell:
     from fsdp_conformance.suite import verdict
 
     try:
-        with _swapped(verdict, "cell", _probe_cell), _quiet():
+        with (
+            _swapped(verdict, "cell", _probe_cell),
+            _swapped(adapter_features, "require", _probe_require),
+            _quiet(),
+        ):
             function(**kwargs)
     except _Reached:
         pass
     except UnsupportedFeatureError as error:
-        adapter_features.require(adapter, error.feature)
+        adapter.need(error.feature)
     except pytest.skip.Exception as error:
         cell.blocked = " ".join(str(error.msg).split())
     except Exception:  # noqa: BLE001 -- the body needs ranks before it acts: static needs
@@ -322,26 +329,27 @@ def report(impl: str, *, coverage: str = DEFAULT_COVERAGE, world_size: int = 2) 
     def runs(cell: Cell, supports: Any) -> bool:
         return problem is None and not cell.blocked and not cell.missing(supports)
 
-    now = [runs(cell, adapter.supports) for cell in cells]
+    supports = _Granted(adapter).has
+    now = [runs(cell, supports) for cell in cells]
     per_check: dict[str, dict[str, int]] = {}
     skipped_by: Counter = Counter()
     for cell, running in zip(cells, now):
         entry = per_check.setdefault(cell.check or "(unregistered)", {"run": 0, "skip": 0})
         entry["run" if running else "skip"] += 1
         if not running:
-            missing = cell.missing(adapter.supports)
+            missing = cell.missing(supports)
             skipped_by[problem or cell.blocked or (missing[0] if missing else "?")] += 1
     running_now = Counter(cell.check for cell, running in zip(cells, now) if running)
     unlocks = []
     dimensions = configs.supported_dimensions(_Granted(adapter))
-    for feature, reason in sorted(dict(adapter_features.declared(adapter).unsupported).items()):
+    for feature, reason in sorted(dict(adapter.declarations.unsupported).items()):
         granted = _Granted(adapter, frozenset({feature}))
         then = cells  # collected again only where the feature changes the configs
         if configs.supported_dimensions(granted) != dimensions:
             then = collect(
                 impl, adapter, coverage=coverage, world_size=world_size, granted=granted.granted
             )
-        running_then = Counter(cell.check for cell in then if runs(cell, granted.supports))
+        running_then = Counter(cell.check for cell in then if runs(cell, granted.has))
         gains = {
             check: running_then[check] - running_now[check]
             for check in sorted(set(running_then) | set(running_now))
@@ -370,7 +378,7 @@ def report(impl: str, *, coverage: str = DEFAULT_COVERAGE, world_size: int = 2) 
                 "nodeid": cell.nodeid,
                 "check": cell.check,
                 "runs": running,
-                "missing": cell.missing(adapter.supports),
+                "missing": cell.missing(supports),
                 "blocked": cell.blocked,
             }
             for cell, running in zip(cells, now)

@@ -113,7 +113,7 @@ def test_without_deepspeed_every_feature_says_how_to_install(monkeypatch) -> Non
     adapter = ds_adapter.DeepSpeedAdapter()
     reason = adapter_features.why_unsupported(adapter, Feature.FULL_SHARD)
     assert reason is not None and "pip install 'fsdp-conformance[deepspeed]'" in reason
-    assert set(dict(adapter_features.declared(adapter).unsupported)) == set(ds_adapter.ALL_FEATURES)
+    assert set(dict(adapter.declarations.unsupported)) == set(ds_adapter.ALL_FEATURES)
 
 
 def test_missing_compiler_is_one_line(monkeypatch, tmp_path) -> None:
@@ -136,7 +136,7 @@ def test_registered_builtin() -> None:
 
     assert "deepspeed" in BUILTIN_ADAPTERS and "deepspeed" in table.IMPLEMENTATIONS
     assert get_adapter("deepspeed").name == "deepspeed"
-    assert adapter_features.declared(get_adapter("deepspeed")).instance_states is False
+    assert get_adapter("deepspeed").declarations.instance_states is False
 
 
 _ACCUMULATION = """
