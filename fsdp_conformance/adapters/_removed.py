@@ -102,40 +102,31 @@ def _codes(value: Any) -> Iterator[CodeType]:
 
 
 _SELF_LOADS = frozenset({"LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_DEREF", "LOAD_CLOSURE"})
+_ATTRIBUTE_OPS = frozenset({"LOAD_ATTR", "LOAD_METHOD", "STORE_ATTR"})
 _CALLS = frozenset({"CALL", "CALL_FUNCTION", "PRECALL"})
 
 
 def _self_attributes(code: CodeType, self_name: str | None = None) -> Iterator[str]:
     """Removed members `code` (and the functions nested in it) reads or sets on its first
-    argument or on ``super()`` (Python 3.10 to 3.12 bytecode)."""
+    argument or on ``super()`` (Python 3.10 to 3.12 bytecode: ``super().x`` is ``LOAD_GLOBAL
+    super``, a call without arguments and ``LOAD_ATTR x`` before 3.12, ``LOAD_SUPER_ATTR x``)."""
     if self_name is None and code.co_argcount:
         self_name = code.co_varnames[0]
-    seen: list[dis.Instruction] = []
+    receiver = None  # "self" or "super" when the previous instruction left it on the stack
     for instruction in dis.get_instructions(code):
-        name = instruction.argval
-        if instruction.opname == "LOAD_SUPER_ATTR" and name in REMOVED_MEMBERS:
-            yield name
-        elif (
-            instruction.opname in ("LOAD_ATTR", "LOAD_METHOD", "STORE_ATTR")
-            and name in REMOVED_MEMBERS
-            and seen
-            and (_is_self(seen[-1], self_name) or _is_super_call(seen))
+        op, name = instruction.opname, instruction.argval
+        if name in REMOVED_MEMBERS and (
+            op == "LOAD_SUPER_ATTR" or (op in _ATTRIBUTE_OPS and receiver is not None)
         ):
             yield name
-        seen.append(instruction)
+        if op in _SELF_LOADS and name == self_name:
+            receiver = "self"
+        elif (op == "LOAD_GLOBAL" and name == "super") or (
+            op in _CALLS and instruction.arg == 0 and receiver == "super"
+        ):
+            receiver = "super"
+        else:
+            receiver = None
     for constant in code.co_consts:
         if isinstance(constant, CodeType):
             yield from _self_attributes(constant, self_name)
-
-
-def _is_self(instruction: dis.Instruction, self_name: str | None) -> bool:
-    return instruction.opname in _SELF_LOADS and instruction.argval == self_name
-
-
-def _is_super_call(seen: list[dis.Instruction]) -> bool:
-    """Whether `seen` ends with a call of ``super()`` without arguments (3.10, 3.11)."""
-    index = len(seen) - 1
-    while index >= 0 and seen[index].opname in _CALLS and seen[index].arg == 0:
-        index -= 1
-    called = index < len(seen) - 1
-    return called and seen[index].opname == "LOAD_GLOBAL" and seen[index].argval == "super"

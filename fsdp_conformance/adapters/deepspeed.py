@@ -150,19 +150,10 @@ def _build_shm_op_only_where_used() -> None:
     the world size: its ``build_shm_op`` builds it there and returns None (no op) elsewhere."""
     from fsdp_conformance._patching import patch_attribute
 
-    # the module itself: the package's attribute `torch` is torch
-    backend = importlib.import_module("deepspeed.comm.torch")
-
-    def make(original: Any) -> Any:
-        def build_shm_op() -> Any:
-            return original() if _shm_op_used() else None
-
-        return build_shm_op
-
     patch_attribute(
-        backend,
+        importlib.import_module("deepspeed.comm.torch"),  # by name: its package attribute is torch
         "build_shm_op",
-        make,
+        lambda original: lambda: original() if _shm_op_used() else None,
         key="fsdp-conformance deepspeed shm op where used",
         written_for=WRITTEN_FOR,
         library="deepspeed",
