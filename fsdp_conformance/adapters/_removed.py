@@ -1,6 +1,6 @@
 """Names removed from the adapter protocol before 1.0, each with what replaced it
 (docs/adapters.md, "Removed names"), and the check that refuses an adapter still using one: a
-class defining one, or a method reading one from ``self`` or ``super()``."""
+class defining one, or a method reading or setting one on ``self`` or ``super()``."""
 
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def refuse_removed_names(adapter: Any) -> None:
     classes = [adapter] if isinstance(adapter, type) else type(adapter).__mro__
     uses: dict[str, list[str]] = {}
     if not isinstance(adapter, type):
-        for name in set(vars(adapter)) & set(REMOVED_MEMBERS):
+        for name in set(getattr(adapter, "__dict__", ())) & set(REMOVED_MEMBERS):
             uses.setdefault(name, []).append("set on the instance")
     for cls in classes:
         if cls.__module__ == __package__ + ".base":  # Adapter itself
