@@ -432,7 +432,7 @@ def _group_size(process_group: Any) -> int:
 
 
 class AdapterWrap:
-    """The zoo's `wrap` callable (models.common.Wrap): `wrap(module, **overrides)` wraps with
+    """The zoo's `wrap` callable (models.model_base.Wrap): `wrap(module, **overrides)` wraps with
     the config updated by `overrides`; the delay hooks forward to the adapter."""
 
     def __init__(self, adapter: Adapter, config: dict[str, Any]) -> None:
