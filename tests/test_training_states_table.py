@@ -30,7 +30,12 @@ def undocumented_moves(table: dict, canonical: dict, documented: dict) -> set[tu
 
 
 def test_the_other_modules_reuse_the_canonical_table():
-    for name in ("InstanceState", "RootState", "LEGAL_INSTANCE_TRANSITIONS", "LEGAL_ROOT_TRANSITIONS"):
+    for name in (
+        "InstanceState",
+        "RootState",
+        "LEGAL_INSTANCE_TRANSITIONS",
+        "LEGAL_ROOT_TRANSITIONS",
+    ):
         assert getattr(adapters, name) is getattr(training_states, name), name
     assert observe_states.LEGAL_INSTANCE_TRANSITIONS is training_states.LEGAL_INSTANCE_TRANSITIONS
     assert observe_states.LEGAL_ROOT_TRANSITIONS is training_states.LEGAL_ROOT_TRANSITIONS

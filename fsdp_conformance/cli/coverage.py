@@ -81,9 +81,7 @@ class _Granted(Adapter):
 
 # the protocol's operations: calling one stops a probed body (wrap and wrapper record first)
 _ACTIONS = frozenset(
-    name
-    for name in dir(Adapter)
-    if not name.startswith("_") and callable(getattr(Adapter, name))
+    name for name in dir(Adapter) if not name.startswith("_") and callable(getattr(Adapter, name))
 ) - {"wrap", "wrapper"}
 
 
