@@ -31,7 +31,7 @@ PREFETCH_CONFIGS = [
 
 
 def rows(impl: str, lag: str) -> list[str]:
-    from fsdp_conformance.adapters import Feature, get_adapter
+    from fsdp_conformance.adapters import Feature, features, get_adapter
     from fsdp_conformance.suite.memory_bound import (
         ITERATIONS,
         OWN_BOUNDS,
@@ -41,7 +41,7 @@ def rows(impl: str, lag: str) -> list[str]:
 
     adapter = get_adapter(impl)
     own_bound = OWN_BOUNDS.get(impl)  # torch-fsdp2: its stream-ordered bound, not the limiter's
-    limits = (True, False) if adapter.supports(Feature.LIMIT_ALL_GATHERS_OFF) else (True,)
+    limits = (True, False) if features.supports(adapter, Feature.LIMIT_ALL_GATHERS_OFF) else (True,)
     out = []
     for limit in limits:
         for backward, forward in PREFETCH_CONFIGS:

@@ -191,7 +191,23 @@ def _validated_impl(name: str) -> str:
     problem = missing_extra(name)
     if problem is not None:
         raise pytest.UsageError(f"--fsdp-impl {name}: {problem}")
+    if ":" in name:
+        _refuse_removed_names(name)
     return name
+
+
+def _refuse_removed_names(name: str) -> None:
+    """pytest.UsageError (one line, before any worker or rank starts) when adapter `name` uses
+    a name removed from the adapter protocol; its other errors are the ranks' to report."""
+    from fsdp_conformance.adapters import get_adapter
+    from fsdp_conformance.adapters.registry import RemovedNameError
+
+    try:
+        get_adapter(name)
+    except RemovedNameError as error:
+        raise pytest.UsageError(f"--fsdp-impl {name}: {error}") from None
+    except Exception:  # noqa: BLE001 -- reported by the ranks, as at collection
+        pass
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

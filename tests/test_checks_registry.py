@@ -125,17 +125,11 @@ def test_the_decorator_refuses_what_it_cannot_register(monkeypatch):
 
 
 def test_every_builtin_deviation_names_a_declared_check():
-    from fsdp_conformance.adapters import features, get_adapter
+    from fsdp_conformance.adapters import get_adapter
 
     for name in constants.BUILTIN_ADAPTERS:  # the suite checks each when it matches deviations
-        for deviation in features.declared(get_adapter(name)).known_deviations:
+        for deviation in get_adapter(name).declarations.known_deviations:
             assert deviation.check in checks.CHECKS, (name, deviation.check)
-
-
-def test_the_old_check_ids_name_is_the_registry():
-    from fsdp_conformance.adapters import CHECK_IDS
-
-    assert CHECK_IDS == {check.id: check.description for check in checks.CHECKS.values()}
 
 
 @pytest.mark.parametrize(

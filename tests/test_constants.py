@@ -32,7 +32,7 @@ def test_op_reads_as_its_string():
 def test_modules_reuse_the_vocabulary():
     from fsdp_conformance import models, plugin
     from fsdp_conformance.adapters import base, features, registry
-    from fsdp_conformance.cli import collect, common
+    from fsdp_conformance.cli import records, usage
     from fsdp_conformance.cli import run as cli_run
     from fsdp_conformance.cli import timeline as cli_timeline
     from fsdp_conformance.harness import controller as runtime
@@ -54,7 +54,7 @@ def test_modules_reuse_the_vocabulary():
         (runtime.ENV_BACKEND, constants.ENV_BACKEND),
         (gpus.ENV_FAKE_GPUS, constants.ENV_FAKE_GPUS),
         (gpus.ENV_LOCK_DIR, constants.ENV_GPU_LOCK_DIR),
-        (collect.ENV_RESULTS, constants.ENV_CLI_RESULTS),
+        (records.ENV_RESULTS, constants.ENV_CLI_RESULTS),
         (impl_runtime.RATE_LIMITER_RANGE, constants.RATE_LIMITER_RANGE),
         (cli_timeline.RATE_LIMITER_RANGE, constants.RATE_LIMITER_RANGE),
         (limiter.MAX_INFLIGHT, constants.MAX_INFLIGHT),
@@ -64,7 +64,7 @@ def test_modules_reuse_the_vocabulary():
         (base.REDUCE_OPS, constants.REDUCE_OPS),
         (runtime.DEFAULT_TIMEOUT_S, constants.DEFAULT_TIMEOUT_S),
         (registry.BUILTIN_ADAPTERS, constants.BUILTIN_ADAPTERS),
-        (common.BUILTIN_IMPLS, constants.BUILTIN_ADAPTERS),
+        (usage.BUILTIN_IMPLS, constants.BUILTIN_ADAPTERS),
         (features.ALWAYS_WRAP, constants.ALWAYS_WRAP),
         (models.ALWAYS_WRAP, constants.ALWAYS_WRAP),
     ]

@@ -1,6 +1,6 @@
 """Adapters: how the suite drives one FSDP implementation (docs/adapters.md): `get_adapter`,
-the protocol `Adapter` and what it declares, `Declarations`; negotiation in `features`,
-deviation matching in `deviations`, training-loop hooks in `loop`."""
+the protocol `Adapter` (its training-loop hooks included) and what it declares,
+`Declarations`; negotiation in `features`, deviation matching in `deviations`."""
 
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ from fsdp_conformance.training_states import (
     RootState,
 )
 
-from . import _compat, deviations, features, loop  # noqa: F401  (_compat: older members)
+from . import deviations, features
+from ._removed import REMOVED_EXPORTS, removed_export
 from .base import Adapter, AdapterWrap, ObserverRegistry, clean_param_name
-from .deviations import CHECK_IDS, Deviation
+from .deviations import Deviation
 from .features import (
     ALL_FEATURES,
     ALWAYS_WRAP,
@@ -26,14 +27,12 @@ from .features import (
     module_predicate,
     normalize_config,
 )
-from .loop import EngineHooks
 from .registry import BUILTIN_ADAPTERS, get_adapter
 
 __all__ = [
     "ALL_FEATURES",
     "ALWAYS_WRAP",
     "BUILTIN_ADAPTERS",
-    "CHECK_IDS",
     "LEGAL_INSTANCE_TRANSITIONS",
     "LEGAL_ROOT_TRANSITIONS",
     "Adapter",
@@ -41,7 +40,6 @@ __all__ = [
     "Declarations",
     "Deviation",
     "DeviceHandle",
-    "EngineHooks",
     "Feature",
     "FeatureNotImplementedError",
     "InstanceState",
@@ -53,7 +51,12 @@ __all__ = [
     "deviations",
     "features",
     "get_adapter",
-    "loop",
     "module_predicate",
     "normalize_config",
 ]
+
+
+def __getattr__(name: str) -> object:
+    if name in REMOVED_EXPORTS:  # one line naming the replacement (docs/adapters.md)
+        raise removed_export(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

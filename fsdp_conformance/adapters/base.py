@@ -26,11 +26,12 @@ from fsdp_conformance.constants import Op
 from fsdp_conformance.training_states import InstanceState, RootState
 
 from . import features
+from ._removed import refuse_removed_names
 from .features import (  # the errors and claimed_but_not_implemented: also imported from here
     Declarations,
     Feature,
     FeatureNotImplementedError,
-    UnsupportedFeatureError,  # noqa: F401
+    UnsupportedFeatureError,
     check_process_group,
     claimed_but_not_implemented,  # noqa: F401
     normalize_config,
@@ -132,21 +133,37 @@ def group_by(
     return list(groups.values())
 
 
-# adapter, name -> what the older protocol's member meant (set by _compat.py)
-OLD_MEMBERS: Callable[[Any, str], Any] | None = None
+_OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
+
+
+def optimizer_class(adapter: Adapter, name: str) -> type[torch.optim.Optimizer]:
+    """Torch's optimizer class called `name` ("sgd", "adam", "adamw"); ValueError otherwise."""
+    if name not in _OPTIMIZERS:
+        raise ValueError(
+            f"{adapter.name} optimizer: unknown optimizer {name!r}; use one of "
+            f"{sorted(_OPTIMIZERS)}"
+        )
+    return _OPTIMIZERS[name]
 
 
 class Adapter:
-    """How the suite drives one FSDP implementation: subclass, set `name`, implement `_wrap`,
-    `instances`, `training_state`, `root_state` and `_summon_full_params` (docs/adapters.md).
+    """How the suite drives one FSDP implementation: subclass, set `name` and `declarations`,
+    implement `_wrap`, `instances`, `training_state`, `root_state` and `_summon_full_params`
+    (docs/adapters.md, one table of every protocol name).
 
-    Optional hooks, behind their features: `_observe` (`comm_trace`), `_install_device_handle`
-    (`device_handle`), `_assert_state` (`assert_state`), `save_checkpoint` / `load_checkpoint`
-    (`checkpoint_resume`). What it declares is `declarations`; training-loop hooks: `loop`.
+    Optional primitives, behind their features: `_observe` (`comm_trace`),
+    `_install_device_handle` (`device_handle`), `_assert_state` (`assert_state`). The
+    training-loop hooks (`optimizer` ... `on_test_end`) do what a torch user does; an engine
+    overrides the ones its implementation names differently (``super()`` is the plain one).
     """
 
     name: str = "adapter"  # as given to get_adapter
     declarations: Declarations = Declarations()
+    wrapping_root: bool | None = None  # while `wrap` runs `_wrap`: its `root` argument
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        refuse_removed_names(cls)
 
     def wrap(
         self,
@@ -174,8 +191,7 @@ class Adapter:
         normalized = _negotiated(self, config)
         check_process_group(process_group, normalized)
         wrap_one = _primitive(self, "_wrap")
-        previous = self.__dict__.get("wrapping_root")
-        self.wrapping_root = root
+        previous, self.wrapping_root = self.wrapping_root, root
         try:
             instance = wrap_one(module, process_group, normalized)
         finally:
@@ -231,6 +247,18 @@ class Adapter:
         features.require(self, Feature.DEVICE_HANDLE)
         _primitive(self, "_install_device_handle", Feature.DEVICE_HANDLE)(model, handle)
 
+    def assert_state(self, instance: nn.Module, *states: RootState) -> None:
+        """The implementation's own assertion that `instance` is in one of `states`
+        (`_assert_state`; feature `assert_state`)."""
+        features.require(self, Feature.ASSERT_STATE)
+        _primitive(self, "_assert_state", Feature.ASSERT_STATE)(instance, states)
+
+    def group_size(self, instance: nn.Module) -> int:
+        """How many ranks `instance`'s gradients are combined over (its group, recorded by
+        `wrap`; else the default group's)."""
+        sizes = self.__dict__.get("_group_sizes", {})
+        return sizes[instance] if instance in sizes else _group_size(None)
+
     def save_checkpoint(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, directory: str
     ) -> None:
@@ -243,10 +271,126 @@ class Adapter:
         """Collective: load what `save_checkpoint` wrote, also at another world size."""
         features.unmapped(self, Feature.CHECKPOINT_RESUME, "override Adapter.load_checkpoint")
 
-    def __getattr__(self, name: str) -> Any:  # members of the older, wider protocol
-        if name.startswith("__") or OLD_MEMBERS is None:
-            raise AttributeError(name)
-        return OLD_MEMBERS(self, name)
+    # The training-loop hooks: what a torch user calls, unless the adapter overrides them.
+
+    def optimizer(
+        self,
+        model: nn.Module,
+        name: str = "sgd",
+        *,
+        param_groups: GroupOptions | None = None,
+        **hyperparameters: Any,
+    ) -> torch.optim.Optimizer:
+        """Torch's optimizer over `model.parameters()`; `param_groups(name, param) -> dict` gives
+        group options by the unwrapped model's names (needs `param_groups`)."""
+        optimizer_type = optimizer_class(self, name)
+        if param_groups is None:
+            return optimizer_type(model.parameters(), **hyperparameters)
+        features.require(self, Feature.PARAM_GROUPS)
+        segments = self.declarations.wrapper_segments
+        named = (
+            (clean_param_name(param_name, segments), param)
+            for param_name, param in model.named_parameters()
+        )
+        return optimizer_type(group_by(named, param_groups), **hyperparameters)
+
+    def backward(self, model: nn.Module, loss: torch.Tensor) -> None:
+        """``loss.backward()``."""
+        loss.backward()
+
+    def accumulation_boundary(self, model: nn.Module, boundary: bool) -> None:
+        """Before each micro-batch's forward of an accumulating step; `boundary`: the last one."""
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
+        """Context manager: a backward inside accumulates gradients without reducing them."""
+        features.require(self, Feature.GRADIENT_ACCUMULATION)
+        return _root_method(self, model, "no_sync", Feature.GRADIENT_ACCUMULATION)()
+
+    def clip_grad_norm_(
+        self, model: nn.Module, max_norm: float, norm_type: float = 2.0
+    ) -> torch.Tensor:
+        """Clip the gradients by their global norm; the norm before clipping (as torch's
+        ``clip_grad_norm_`` over the unsharded model)."""
+        features.require(self, Feature.CLIP_GRAD_NORM)
+        clip = _root_method(self, model, "clip_grad_norm_", Feature.CLIP_GRAD_NORM)
+        return clip(max_norm, norm_type)
+
+    def grad_scaler(self, model: nn.Module, **options: Any) -> Any:
+        """The gradient scaler users pair with `model` (``torch.amp.GradScaler``'s protocol); it
+        skips the step on every rank when any rank's shard holds an inf or NaN."""
+        features.unmapped(
+            self,
+            Feature.GRAD_SCALER,
+            "override Adapter.grad_scaler (return the scaler users pair with this "
+            "implementation, e.g. torch's ShardedGradScaler over the model's process group)",
+        )
+
+    def state_dict(
+        self, model: nn.Module, *, rank0_only: bool = False, offload_to_cpu: bool = False
+    ) -> dict[str, Any]:
+        """The full state dict, keyed like the unwrapped module's, on every rank (`rank0_only`:
+        empty elsewhere; `offload_to_cpu`: on the CPU)."""
+        if rank0_only or offload_to_cpu:
+            features.unmapped(
+                self,
+                Feature.FULL_STATE_DICT,
+                "override Adapter.state_dict (rank0_only: the full state dict on rank 0, empty "
+                "elsewhere; offload_to_cpu: its tensors on the CPU)",
+            )
+        return model.state_dict()
+
+    def load_state_dict(
+        self, model: nn.Module, state_dict: dict[str, Any], *, assign: bool = False
+    ) -> None:
+        """Load a full state dict; `assign` as ``nn.Module.load_state_dict``'s."""
+        if assign:
+            features.unmapped(
+                self,
+                Feature.FULL_STATE_DICT,
+                "override Adapter.load_state_dict (assign=True: load_state_dict's assign)",
+            )
+        model.load_state_dict(state_dict)
+
+    def materialize(self, model: nn.Module, *, device: torch.device) -> None:
+        """Materialise a meta-device model on `device` after wrapping (each module's
+        ``reset_parameters()`` run once)."""
+        features.unmapped(
+            self,
+            Feature.META_INIT,
+            "override Adapter.materialize (after wrapping a meta-device model: every parameter "
+            "and buffer on `device`, each module's reset_parameters() run once)",
+        )
+
+    def grad_shards(self, model: nn.Module) -> dict[str, tuple[int, torch.Tensor]] | None:
+        """This rank's gradient pieces by unwrapped name, each ``(start, values)`` of the
+        flattened averaged full gradient; None: not said."""
+        return None
+
+    def register_forward_method(self, instance: nn.Module, name: str) -> None:
+        """Make ``instance.<name>(...)`` run as forward does (unsharded, gradients reduced)."""
+        features.unmapped(
+            self,
+            Feature.FORWARD_METHOD,
+            "override Adapter.register_forward_method (make instance.<name>() run the wrapped "
+            "module's method with the instance's parameters unsharded, as forward does)",
+        )
+
+    def full_params(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Detached copies of the full parameters by unwrapped name (tied: under each name)."""
+        segments = self.declarations.wrapper_segments
+        with self.summon_full_params(model):
+            return {
+                clean_param_name(name, segments): param.detach().clone()
+                for name, param in model.named_parameters(remove_duplicate=False)
+            }
+
+    def is_unsharded(self, instance: nn.Module) -> bool | None:
+        """Whether `instance`'s unsharded parameters are allocated; None: not said."""
+        return None
+
+    def on_test_end(self) -> None:
+        """After every harness test, before its process groups are destroyed: drop what holds
+        them (docs/adapters.md, "Process groups between tests")."""
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"
@@ -268,6 +412,18 @@ def _primitive(adapter: Adapter, name: str, feature: str | None = None) -> Calla
     return method
 
 
+def _root_method(adapter: Adapter, model: nn.Module, name: str, feature: str) -> Any:
+    """``model.<name>``, or UnsupportedFeatureError naming the hook to override."""
+    method = getattr(model, name, None)
+    if method is None:
+        raise UnsupportedFeatureError(
+            adapter.name,
+            feature,
+            f"the root {type(model).__name__} has no {name}(); override Adapter.{name}",
+        )
+    return method
+
+
 def _group_size(process_group: Any) -> int:
     import torch.distributed as dist
 
@@ -277,7 +433,7 @@ def _group_size(process_group: Any) -> int:
 
 
 class AdapterWrap:
-    """The zoo's `wrap` callable (models.common.Wrap): `wrap(module, **overrides)` wraps with
+    """The zoo's `wrap` callable (models.model_base.Wrap): `wrap(module, **overrides)` wraps with
     the config updated by `overrides`; the delay hooks forward to the adapter."""
 
     def __init__(self, adapter: Adapter, config: dict[str, Any]) -> None:

@@ -32,10 +32,9 @@ from fsdp_conformance.constants import Op
 from fsdp_conformance.training_states import InstanceState, RootState
 
 from ._support import RANGES
-from .base import Adapter, ObserverRegistry, UnsupportedFeatureError
+from .base import Adapter, ObserverRegistry, UnsupportedFeatureError, optimizer_class
 from .deviations import Deviation
 from .features import ALL_FEATURES, Declarations, Feature, auto_wrap_targets, require
-from .loop import EngineHooks, optimizer_class
 
 INSTALL_HINT = "install it with: pip install 'fsdp-conformance[deepspeed]'"
 WRITTEN_FOR = "deepspeed 0.19.8"
@@ -140,13 +139,25 @@ def ensure_distributed() -> None:
             "adapter 'deepspeed': torch.distributed is not initialized; run inside the harness "
             "(the dist fixture) or call torch.distributed.init_process_group first"
         )
-    if _cpu_host() and not _shm_op_used():
-        # init_distributed would JIT-build (or re-check under a file lock) an op it never uses
-        # without LOCAL_SIZE: DeepSpeed's own switch marks it not compatible
-        import deepspeed.ops
-
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    if _cpu_host():
+        _build_shm_op_only_where_used()
     deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
+
+
+def _build_shm_op_only_where_used() -> None:
+    """DeepSpeed's CPU backend builds its shared-memory op when it starts (a JIT build of
+    minutes, or a wait on torch's extension lock) and uses it only where ``LOCAL_SIZE`` equals
+    the world size: its ``build_shm_op`` builds it there and returns None (no op) elsewhere."""
+    from fsdp_conformance._patching import patch_attribute
+
+    patch_attribute(
+        importlib.import_module("deepspeed.comm.torch"),  # by name: its package attribute is torch
+        "build_shm_op",
+        lambda original: lambda: original() if _shm_op_used() else None,
+        key="fsdp-conformance deepspeed shm op where used",
+        written_for=WRITTEN_FOR,
+        library="deepspeed",
+    )
 
 
 def _deviation(check: str, reason: str, applies: Any = None, **covers: Any) -> Deviation:
@@ -326,7 +337,7 @@ DEEPSPEED_DEVIATIONS: tuple[Deviation, ...] = (
 )
 
 
-class DeepSpeedAdapter(EngineHooks, Adapter):
+class DeepSpeedAdapter(Adapter):
     """DeepSpeed ZeRO stages 1-3 ([Note: DeepSpeed as an FSDP])."""
 
     name = "deepspeed"

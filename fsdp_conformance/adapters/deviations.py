@@ -11,30 +11,14 @@ from __future__ import annotations
 import dataclasses
 import re
 import sys
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
 from fsdp_conformance.checks import CHECKS, get_check
 
-from .features import declared, stand_in
-
-
-class _CheckIds(Mapping[str, str]):
-    """Check id -> its description, read live from ``fsdp_conformance.checks.CHECKS``."""
-
-    def __getitem__(self, check_id: str) -> str:
-        return CHECKS[check_id].description
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(CHECKS)
-
-    def __len__(self) -> int:
-        return len(CHECKS)
-
-
-CHECK_IDS: Mapping[str, str] = _CheckIds()
+from .base import Adapter
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,12 +146,8 @@ def first_covering(
 def delegation_chain(adapter: Any) -> list[Any]:
     """``adapter``, then the adapters along ``delegates_to`` (each once); TypeError when one
     is not an Adapter."""
-    from .base import Adapter
-
-    if method := stand_in(adapter, "delegation_chain"):
-        return method()
     chain = [adapter]
-    delegate = declared(adapter).delegates_to
+    delegate = adapter.declarations.delegates_to
     while delegate is not None and all(delegate is not seen for seen in chain):
         if not isinstance(delegate, Adapter):
             raise TypeError(
@@ -175,7 +155,7 @@ def delegation_chain(adapter: Any) -> list[Any]:
                 "to the adapter instance this one wraps (or None)"
             )
         chain.append(delegate)
-        delegate = declared(delegate).delegates_to
+        delegate = delegate.declarations.delegates_to
     return chain
 
 
@@ -186,10 +166,8 @@ def find_deviation(
     ``case`` and, given ``error``, that failure; or None. ValueError for an unknown check id."""
     if isinstance(adapter, (tuple, list)):  # the deviations themselves
         return first_covering(adapter, check, case, error)
-    if method := stand_in(adapter, "find_deviation"):
-        return method(check, case, error)
     for link in delegation_chain(adapter):
-        deviation = first_covering(declared(link).known_deviations, check, case, error)
+        deviation = first_covering(link.declarations.known_deviations, check, case, error)
         if deviation is not None:
             return deviation
     return None
@@ -197,23 +175,16 @@ def find_deviation(
 
 def deviation_reason(adapter: Any, check: str, case: Any = None) -> str | None:
     """The reason of the deviation ``adapter`` declares for ``check`` / ``case``, or None."""
-    if method := stand_in(adapter, "deviation"):
-        return method(check, case)
     deviation = find_deviation(adapter, check, case)
     return None if deviation is None else deviation.reason
 
 
 def running_versions(adapter: Any) -> str:
     """The versions of what ``adapter`` drives, e.g. ``"torch 2.13.0"``."""
-    if method := stand_in(adapter, "running_versions"):
-        return method()
-    method = getattr(type(adapter), "running_versions", None)
-    return method(adapter) if method is not None else f"torch {torch.__version__}"
+    return f"torch {torch.__version__}"
 
 
 def deviation_text(adapter: Any, deviation: Deviation) -> str:
     """``deviation``'s reason with where it was measured and what runs now."""
-    if method := stand_in(adapter, "deviation_text"):
-        return method(deviation)
     measured = f"measured on {deviation.measured_on}; " if deviation.measured_on else ""
     return f"{deviation.reason} ({measured}running {running_versions(adapter)})"

@@ -36,7 +36,6 @@ from .base import (
 )
 from .deviations import Deviation
 from .features import ALL_FEATURES, Declarations, Feature, auto_wrap_targets, require
-from .loop import EngineHooks
 
 INSTALL_HINT = "install it with: pip install 'fsdp-conformance[fairscale]'"
 
@@ -239,7 +238,7 @@ FAIRSCALE_DEVIATIONS: tuple[Deviation, ...] = (
 )
 
 
-class FairscaleAdapter(EngineHooks, Adapter):
+class FairscaleAdapter(Adapter):
     """fairscale's `FullyShardedDataParallel` (0.4.13), driven through its constructor.
 
     Args:

@@ -331,66 +331,10 @@ class Declarations:
     delegates_to: Any = None
 
 
-# member of an adapter written before `Declarations` -> whether it is a method
-_OLD_STYLE = {
-    "unsupported": True,
-    "unsupported_values": True,
-    "known_deviations": False,
-    "wrapper_segments": False,
-    "grad_reduction": False,
-    "instance_states": False,
-    "delegates_to": False,
-}
-
-
-def own_member(adapter: Any, name: str) -> Any:
-    """``adapter.<name>`` when its class or the instance defines it (not ``__getattr__``'s
-    aliases), else None."""
-    if name in getattr(adapter, "__dict__", {}) or any(
-        name in vars(cls) for cls in type(adapter).__mro__
-    ):
-        return getattr(adapter, name)
-    return None
-
-
-def stand_in(adapter: Any, old_name: str) -> Any:
-    """An object playing an adapter (cli/coverage.py's probe): its older-protocol member
-    `old_name`; None for an Adapter."""
-    if hasattr(type(adapter), "declarations"):
-        return None
-    return getattr(adapter, old_name)
-
-
-class _StandInDeclarations:
-    """`declared` of a stand-in: each field read from the stand-in, else the default."""
-
-    def __init__(self, adapter: Any) -> None:
-        self._adapter = adapter
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._adapter, name, getattr(Declarations(), name))
-
-
-def declared(adapter: Any) -> Declarations:
-    """``adapter.declarations``, overlaid by the older-protocol members it defines."""
-    if not hasattr(type(adapter), "declarations"):
-        return _StandInDeclarations(adapter)  # type: ignore[return-value]
-    overrides = {}
-    for name, is_method in _OLD_STYLE.items():
-        value = own_member(adapter, name)
-        if value is not None:
-            overrides[name] = value() if is_method else value
-    record = adapter.declarations
-    return dataclasses.replace(record, **overrides) if overrides else record
-
-
 def support_problem(adapter: Any) -> str | None:
     """One line when the installed libraries are outside the adapter's support ranges, else
     None."""
-    method = own_member(adapter, "support_problem") or stand_in(adapter, "support_problem")
-    if method is not None:
-        return method()
-    return support_problem_of(declared(adapter).support)
+    return support_problem_of(adapter.declarations.support)
 
 
 class UnsupportedFeatureError(NotImplementedError, unittest.SkipTest):
@@ -417,7 +361,7 @@ class FeatureNotImplementedError(NotImplementedError):
         else:
             text = (
                 f"adapter {adapter!r} claims feature {feature!r} but does not implement it: "
-                f"override {member}, or declare {feature!r} in unsupported() instead"
+                f"override {member}, or declare {feature!r} in Declarations.unsupported instead"
             )
         super().__init__(text)
         self.adapter = adapter
@@ -427,31 +371,23 @@ class FeatureNotImplementedError(NotImplementedError):
 
 def why_unsupported(adapter: Any, feature: str) -> str | None:
     """Why ``adapter`` does not support ``feature``, or None when it does."""
-    if method := stand_in(adapter, "unsupported_reason"):
-        return method(feature)
     if feature not in ALL_FEATURES:
         raise ValueError(f"unknown feature {feature!r}; known: {sorted(ALL_FEATURES)}")
-    return declared(adapter).unsupported.get(feature)
+    return adapter.declarations.unsupported.get(feature)
 
 
 def capabilities(adapter: Any) -> frozenset[str]:
     """The features ``adapter`` supports on this host."""
-    if not hasattr(type(adapter), "declarations"):
-        return adapter.capabilities
-    return ALL_FEATURES - set(declared(adapter).unsupported)
+    return ALL_FEATURES - set(adapter.declarations.unsupported)
 
 
 def supports(adapter: Any, *features: str) -> bool:
     """Whether ``adapter`` supports every one of ``features``."""
-    if method := stand_in(adapter, "supports"):
-        return method(*features)
     return all(why_unsupported(adapter, feature) is None for feature in features)
 
 
 def require(adapter: Any, *features: str) -> None:
     """UnsupportedFeatureError for the first of ``features`` (sorted) ``adapter`` lacks."""
-    if method := stand_in(adapter, "check"):
-        return method(*features)
     for feature in sorted(features):
         reason = why_unsupported(adapter, feature)
         if reason is not None:
@@ -466,8 +402,6 @@ def unmapped(adapter: Any, feature: str, reason: str) -> NoReturn:
 
 def skip_unless(adapter: Any, *features: str) -> None:
     """pytest.skip naming the adapter, feature and reason unless all are supported."""
-    if method := stand_in(adapter, "require"):
-        return method(*features)
     try:
         require(adapter, *features)
     except UnsupportedFeatureError as error:
@@ -478,17 +412,13 @@ def skip_unless(adapter: Any, *features: str) -> None:
 
 def require_values(adapter: Any, config: dict[str, Any]) -> None:
     """UnsupportedFeatureError for a normalised config value ``adapter`` refuses."""
-    if method := stand_in(adapter, "_check_values"):
-        return method(config)
-    for (key, value), reason in declared(adapter).unsupported_values.items():
+    for (key, value), reason in adapter.declarations.unsupported_values.items():
         if key in config and config[key] == value:
             raise UnsupportedFeatureError(adapter.name, f"{key}={value!r}", reason)
 
 
-def wrap_features(adapter: Any, **config: Any) -> frozenset[str]:
-    """The features a wrap config needs of ``adapter`` (validated)."""
-    if method := stand_in(adapter, "features_for"):
-        return method(**config)
+def wrap_features(**config: Any) -> frozenset[str]:
+    """The features a wrap config needs (validated)."""
     return features_for(normalize_config(config))
 
 

@@ -17,6 +17,7 @@ from .base import (
     UnsupportedFeatureError,
     clean_param_name,
     flat_grad_pieces,
+    optimizer_class,
     scoped_observer,
 )
 from .features import (
@@ -27,10 +28,9 @@ from .features import (
     ignored_parameters,
     require,
 )
-from .loop import EngineHooks, optimizer_class
 
 
-class ImplAdapter(EngineHooks, Adapter):
+class ImplAdapter(Adapter):
     """The reference FSDP of this project."""
 
     name = "impl"

@@ -10,8 +10,8 @@ import threading
 
 from fsdp_conformance import constants
 
+from ._removed import RemovedNameError, refuse_removed_names
 from .base import Adapter
-from .loop import on_test_end
 
 # built-in name -> (module, class name), imported lazily
 _BUILTIN: dict[str, tuple[str, str]] = {
@@ -43,7 +43,8 @@ def get_adapter(name: str) -> Adapter:
 
     Raises:
         ValueError: an unknown name, module or attribute, not an Adapter, or a name asking for
-            itself; the message names the import path and the fix.
+            itself; the message names the import path and the fix. Its subclass
+            RemovedNameError: the adapter uses a name removed from the protocol.
         AdapterImportError: the adapter's module raised while being imported.
     """
     with _cache_lock:
@@ -66,11 +67,12 @@ def get_adapter(name: str) -> Adapter:
 
 
 def notify_test_end() -> None:
-    """`loop.on_test_end` of every adapter resolved in this process (after each harness test)."""
+    """`Adapter.on_test_end` of every adapter resolved in this process (after each harness
+    test)."""
     with _cache_lock:
         adapters = list(_cache.values())
     for adapter in adapters:
-        on_test_end(adapter)
+        adapter.on_test_end()
 
 
 def _resolve(name: str) -> Adapter:
@@ -86,6 +88,8 @@ def _resolve(name: str) -> Adapter:
     module_name, _, attr_path = name.partition(":")
     try:
         module = importlib.import_module(module_name)
+    except RemovedNameError:
+        raise
     except Exception as error:
         # the module itself (or a package of it) missing is a misspelt name, not a broken adapter
         missing = error.name if isinstance(error, ModuleNotFoundError) else None
@@ -109,6 +113,7 @@ def _resolve(name: str) -> Adapter:
             )
         target = getattr(target, part)
     adapter = _instantiate(target, name)
+    refuse_removed_names(adapter)
     if not adapter.name or adapter.name == Adapter.name:
         adapter.name = name
     return adapter

@@ -38,7 +38,6 @@ from .base import (
 )
 from .deviations import Deviation
 from .features import Declarations, Feature, fsdp1_style_policy, ignored_parameters, require
-from .loop import EngineHooks
 
 # process-wide: observers of the patched FSDP1 internals, and handle -> its FSDP instance
 _REGISTRY = ObserverRegistry()
@@ -302,7 +301,7 @@ def _fsdp1_unsupported() -> dict[str, str]:
     }
 
 
-class TorchFSDP1Adapter(EngineHooks, Adapter):
+class TorchFSDP1Adapter(Adapter):
     """torch FSDP1 (`FullyShardedDataParallel`) through its public constructor."""
 
     name = "torch-fsdp1"

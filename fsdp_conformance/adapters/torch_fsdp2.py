@@ -33,7 +33,6 @@ from ._support import RANGES
 from .base import Adapter, ObserverRegistry, UnsupportedFeatureError
 from .deviations import Deviation
 from .features import Declarations, Feature, auto_wrap_targets, ignored_parameters, require
-from .loop import EngineHooks
 
 # process-wide: observers of the patched FSDP2 internals
 _REGISTRY = ObserverRegistry()
@@ -138,7 +137,7 @@ FSDP2_DEVIATIONS = (
 )
 
 
-class TorchFSDP2Adapter(EngineHooks, Adapter):
+class TorchFSDP2Adapter(Adapter):
     """torch FSDP2 (`fully_shard`) on a mesh built from the process group."""
 
     name = "torch-fsdp2"
@@ -284,7 +283,8 @@ class TorchFSDP2Adapter(EngineHooks, Adapter):
         return torch.amp.GradScaler(device, **options)
 
     def on_test_end(self) -> None:
-        _HYBRID_MESHES.clear()  # their groups are destroyed after the test
+        _REPLICATE_MESHES.clear()  # their groups are destroyed after the test
+        _HYBRID_MESHES.clear()
 
     def grad_shards(self, model: nn.Module) -> dict[str, tuple[int, torch.Tensor]]:
         """Each DTensor gradient's ``to_local()`` at its offset: dim 0 in ``torch.chunk``'s rows
@@ -404,7 +404,7 @@ def _model_group(model: nn.Module) -> Any:
     return mesh.get_group(0)
 
 
-# NO_SHARD meshes, rebuilt when their groups were destroyed; HYBRID_* ones, emptied after a test
+# NO_SHARD and HYBRID_* meshes of this test (on_test_end empties them)
 _REPLICATE_MESHES: dict[tuple[Any, str], DeviceMesh] = {}
 _HYBRID_MESHES: dict[tuple[Any, Any, str], DeviceMesh] = {}
 
@@ -424,13 +424,6 @@ def _replicate_mesh(group: Any, device_type: str) -> DeviceMesh:
     gradients all-reduced over ``group``. This rank alone creates its one-rank group
     (``use_local_synchronization``)."""
     key = (group, device_type)
-    cached = _REPLICATE_MESHES.get(key)
-    if cached is not None:
-        try:  # its groups may have been destroyed since (a new world, same group object)
-            cached.get_group("shard")
-            cached.get_group("replicate")
-        except RuntimeError:
-            del _REPLICATE_MESHES[key]
     if key not in _REPLICATE_MESHES:
         ranks = dist.get_process_group_ranks(group)
         alone = dist.new_group([dist.get_rank()], use_local_synchronization=True)

@@ -3,30 +3,20 @@ unsupported feature to implement next -- from a collection, not a run.
 
 [Note: coverage probe]
 A cell needs its check's features plus what its body asks for before it first makes the
-adapter act: each body is called once with a *probe* for the adapter (it answers ``supports``
-truthfully, records what it is asked, and stops the body at ``wrap`` or any other action) and a
-``dist`` without ranks. A body that cannot be probed keeps its check's and case's features. A
-feature *unlocks* the cells that would run if the adapter supported it too.
+adapter act: each body is called once with a *probe* for the adapter (an ``Adapter`` whose
+declarations are the adapter's; it records what the body requires and stops the body at
+``wrap`` or any other operation) and a ``dist`` without ranks. A body that cannot be probed
+keeps its check's and case's features. A feature *unlocks* the cells that would run if the
+adapter supported it too.
 """
-
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
-import inspect
-import io
 import json
 import sys
-import tempfile
-import types
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
-from fsdp_conformance import checks
-from fsdp_conformance._lazy import LazyModule
-from fsdp_conformance.cli.records import NO_LITTER
 from fsdp_conformance.cli.usage import (
     DEFAULT_COVERAGE,
     PROG,
@@ -38,275 +28,15 @@ from fsdp_conformance.cli.usage import (
     write_json,
 )
 from fsdp_conformance.constants import COVERAGES
-from fsdp_conformance.harness.gpus import gpus_needed
 
 JSON_SCHEMA_VERSION = 1
-adapter_features: Any = LazyModule("fsdp_conformance.adapters.features")  # imports torch
-
-
-@dataclasses.dataclass
-class Cell:
-    """One collected cell and what it needs (see [Note: coverage probe])."""
-
-    nodeid: str
-    check: str  # "" for no registered check
-    needs: tuple[str, ...]  # in the order asked
-    blocked: str = ""  # why it skips whatever the adapter supports (a GPU, a refused value)
-    probed: bool = True  # False: only the registry's and the case's features
-
-    def missing(self, supports: Any) -> list[str]:
-        """The features of `needs` that `supports(feature)` denies, sorted."""
-        return sorted({feature for feature in self.needs if not supports(feature)})
-
-
-class _Reached(BaseException):
-    """The probed body made the adapter act (a BaseException: a misuse check's own ``except
-    Exception`` must not take it for the implementation's answer)."""
-
-
-class _Granted:
-    """An adapter's capabilities as if it also supported the features `granted`."""
-
-    def __init__(self, adapter: Any, granted: frozenset[str] = frozenset()) -> None:
-        self.adapter = adapter
-        self.granted = granted
-
-    def supports(self, *features: str) -> bool:
-        return all(
-            f in self.granted or adapter_features.supports(self.adapter, f) for f in features
-        )
-
-    def features_for(self, **config: Any) -> frozenset[str]:
-        return adapter_features.wrap_features(self.adapter, **config)
-
-    def _check_values(self, config: dict[str, Any]) -> None:  # adapter_features.stand_in
-        adapter_features.require_values(self.adapter, config)
-
-
-class _ProbeAdapter:
-    """Stands in for the adapter in a probed body: records needs, stops at the first action."""
-
-    def __init__(self, capabilities: _Granted) -> None:
-        self._capabilities = capabilities
-        self.needs: list[str] = []
-        self.blocked = ""  # a refused config value
-
-    def __getattr__(self, name: str) -> Any:
-        value = getattr(self._capabilities.adapter, name)
-        if not callable(value):
-            return value
-
-        def act(*args: Any, **kwargs: Any) -> Any:
-            raise _Reached(name)
-
-        return act
-
-    def check(self, *features: str) -> None:
-        self.needs.extend(f for f in features if f not in self.needs)
-
-    require = check
-
-    def supports(self, *features: str) -> bool:
-        return self._capabilities.supports(*features)
-
-    def unsupported_reason(self, feature: str) -> str | None:
-        if self.supports(feature):
-            return None
-        return adapter_features.why_unsupported(self._capabilities.adapter, feature)
-
-    def features_for(self, **config: Any) -> frozenset[str]:
-        from fsdp_conformance.adapters import UnsupportedFeatureError, normalize_config
-
-        features = self._capabilities.features_for(**config)
-        try:
-            self._capabilities._check_values(normalize_config(config))
-        except UnsupportedFeatureError as error:
-            self.blocked = self.blocked or str(error)
-        return features
-
-    def wrapper(self, *, process_group: Any = None, **config: Any) -> _ProbeWrap:
-        self.check(*self.features_for(**config))
-        return _ProbeWrap(self, config)
-
-    def wrap(self, module: Any, *, process_group: Any = None, root: Any = None, **config: Any):
-        self.check(*self.features_for(**config))
-        raise _Reached("wrap")
-
-
-class _ProbeWrap:
-    """The probe's zoo `wrap`: records each nested config's needs and leaves the module
-    unwrapped, so that a body builds its model and reaches the root wrap."""
-
-    def __init__(self, adapter: _ProbeAdapter, config: dict[str, Any]) -> None:
-        self.adapter = adapter
-        self.config = config
-
-    def __call__(self, module: Any, *, process_group: Any = None, root: Any = None, **overrides):
-        adapter_features.require(
-            self.adapter,
-            *adapter_features.wrap_features(self.adapter, **{**self.config, **overrides}),
-        )
-        return module
-
-    def delay_before_reduction(self, delay: Any) -> Any:
-        return contextlib.nullcontext()
-
-    def delay_before_free(self, instance: Any, delay: Any) -> Any:
-        return contextlib.nullcontext()
-
-
-@contextlib.contextmanager
-def _swapped(owner: Any, name: str, value: Any):
-    original = getattr(owner, name)
-    setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        setattr(owner, name, original)
-
-
-@contextlib.contextmanager
-def _probe_cell(adapter: Any, check_id: str, case: Any = None):
-    """``suite.verdict.cell`` while probing: the check's features are needs, no verdict."""
-    adapter_features.require(adapter, *checks.get_check(check_id).features)
-    yield
-
-
-def _static_needs(item: Any, check: checks.Check | None, adapter: Any) -> list[str]:
-    """The registry's features and those of each parameter's ``wrap_config``."""
-    needs = list(check.features) if check else []
-    for value in getattr(getattr(item, "callspec", None), "params", {}).values():
-        config = getattr(value, "wrap_config", None)
-        if isinstance(config, dict):
-            with contextlib.suppress(Exception):
-                needs += sorted(adapter_features.wrap_features(adapter, **config))
-    return needs
-
-
-def _probe(item: Any, capabilities: _Granted, world_size: int) -> Cell:
-    """The cell of pytest item `item` ([Note: coverage probe])."""
-    import pytest
-    import torch
-
-    from fsdp_conformance.adapters import UnsupportedFeatureError
-    from fsdp_conformance.harness.context import RankContext
-
-    names = [cls.__name__ for cls in inspect.getmro(item.cls)] if item.cls else []
-    check = checks.check_for_test(names, item.originalname)
-    marker = item.get_closest_marker("world_size")
-    ranks = int(marker.args[0]) if marker is not None and marker.args else world_size
-    static = _static_needs(item, check, capabilities.adapter)
-    cell = Cell(item.nodeid, check.id if check else "", tuple(dict.fromkeys(static)))
-    gpus = gpus_needed(item)
-    if gpus > torch.cuda.device_count():
-        cell.blocked = f"needs {gpus} GPU(s), this host has {torch.cuda.device_count()}"
-        return cell
-    adapter = _ProbeAdapter(capabilities)
-    dist = RankContext(
-        rank=0,
-        world_size=ranks,
-        group=types.SimpleNamespace(rank=lambda: 0, size=lambda: ranks),  # what zoo models ask
-        device=torch.device("cpu"),
-        backend="gloo",
-        tmp_path=Path(tempfile.gettempdir()) / "fsdp-conformance-coverage-probe-unused",
-        test_id=item.nodeid,
-    )
-    params = dict(getattr(getattr(item, "callspec", None), "params", {}))
-    function = getattr(item.cls(), item.originalname) if item.cls else item.function
-    kwargs: dict[str, Any] = {}
-    for name in inspect.signature(function).parameters:
-        if name == "fsdp_adapter":
-            kwargs[name] = adapter
-        elif name == "dist":
-            kwargs[name] = dist
-        elif name in params:
-            kwargs[name] = params[name]
-        else:  # a fixture only pytest can make: the registry's and the case's needs stand
-            cell.probed = False
-            return cell
-    from fsdp_conformance.suite import verdict
-
-    try:
-        with _swapped(verdict, "cell", _probe_cell), _quiet():
-            function(**kwargs)
-    except _Reached:
-        pass
-    except UnsupportedFeatureError as error:
-        adapter_features.require(adapter, error.feature)
-    except pytest.skip.Exception as error:
-        cell.blocked = " ".join(str(error.msg).split())
-    except Exception:  # noqa: BLE001 -- the body needs ranks before it acts: static needs
-        cell.probed = False
-    cell.needs = tuple(dict.fromkeys([*cell.needs, *adapter.needs]))
-    cell.blocked = cell.blocked or adapter.blocked
-    return cell
-
-
-@contextlib.contextmanager
-def _quiet():
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        yield
-
-
-class _Collector:
-    """pytest plugin: probes every collected item at the end of the collection."""
-
-    def __init__(self, capabilities: _Granted, world_size: int) -> None:
-        self.capabilities = capabilities
-        self.world_size = world_size
-        self.cells: list[Cell] = []
-        self.errors: list[str] = []  # collection errors, one line each
-
-    def pytest_collectreport(self, report: Any) -> None:
-        if report.failed:
-            self.errors.append(f"{report.nodeid}: {checks.report_line(report) or 'error'}")
-
-    def pytest_collection_finish(self, session: Any) -> None:
-        self.cells = [_probe(item, self.capabilities, self.world_size) for item in session.items]
-
-
-def collect(
-    impl: str,
-    adapter: Any,
-    *,
-    coverage: str = DEFAULT_COVERAGE,
-    world_size: int = 2,
-    granted: frozenset[str] = frozenset(),
-) -> list[Cell]:
-    """The suite's cells for `impl`, as collected if `adapter` also supported `granted`;
-    RuntimeError when the suite does not collect."""
-    import pytest
-
-    from fsdp_conformance.suite import configs
-
-    capabilities = _Granted(adapter, granted)
-    collector = _Collector(capabilities, world_size)
-
-    def dimensions(name: str) -> Any:  # configs.dimensions_for_impl, for `capabilities`
-        return configs.supported_dimensions(capabilities)
-
-    arguments = [
-        "--collect-only", "-qq", *NO_LITTER, "-p", "no:xdist",
-        "-o", "addopts=", "--pyargs", "fsdp_conformance.suite",
-        f"--fsdp-impl={impl}", f"--fsdp-world-size={world_size}",
-        f"--fsdp-coverage={coverage}",
-    ]  # fmt: skip
-    with _swapped(configs, "dimensions_for_impl", dimensions), _quiet():
-        code = pytest.main(arguments, plugins=[collector])
-    if collector.errors or code not in (0, 5):
-        raise RuntimeError(
-            f"the suite did not collect (pytest exit {int(code)}): "
-            + (
-                "; ".join(collector.errors)
-                or "see pytest --collect-only --pyargs fsdp_conformance.suite"
-            )
-        )
-    return collector.cells
 
 
 def report(impl: str, *, coverage: str = DEFAULT_COVERAGE, world_size: int = 2) -> dict[str, Any]:
     """The coverage of adapter `impl` as the JSON-ready dict ``--json`` writes (docs/cli.md)."""
+    from fsdp_conformance.adapters import features as adapter_features
     from fsdp_conformance.adapters import get_adapter
+    from fsdp_conformance.cli.probe import Cell, Granted, collect
     from fsdp_conformance.suite import configs
 
     adapter = get_adapter(impl)
@@ -316,26 +46,27 @@ def report(impl: str, *, coverage: str = DEFAULT_COVERAGE, world_size: int = 2) 
     def runs(cell: Cell, supports: Any) -> bool:
         return problem is None and not cell.blocked and not cell.missing(supports)
 
-    now = [runs(cell, adapter.supports) for cell in cells]
+    supports = Granted(adapter).has
+    now = [runs(cell, supports) for cell in cells]
     per_check: dict[str, dict[str, int]] = {}
     skipped_by: Counter = Counter()
     for cell, running in zip(cells, now):
         entry = per_check.setdefault(cell.check or "(unregistered)", {"run": 0, "skip": 0})
         entry["run" if running else "skip"] += 1
         if not running:
-            missing = cell.missing(adapter.supports)
+            missing = cell.missing(supports)
             skipped_by[problem or cell.blocked or (missing[0] if missing else "?")] += 1
     running_now = Counter(cell.check for cell, running in zip(cells, now) if running)
     unlocks = []
-    dimensions = configs.supported_dimensions(_Granted(adapter))
-    for feature, reason in sorted(dict(adapter_features.declared(adapter).unsupported).items()):
-        granted = _Granted(adapter, frozenset({feature}))
+    dimensions = configs.supported_dimensions(Granted(adapter))
+    for feature, reason in sorted(dict(adapter.declarations.unsupported).items()):
+        granted = Granted(adapter, frozenset({feature}))
         then = cells  # collected again only where the feature changes the configs
         if configs.supported_dimensions(granted) != dimensions:
             then = collect(
                 impl, adapter, coverage=coverage, world_size=world_size, granted=granted.granted
             )
-        running_then = Counter(cell.check for cell in then if runs(cell, granted.supports))
+        running_then = Counter(cell.check for cell in then if runs(cell, granted.has))
         gains = {
             check: running_then[check] - running_now[check]
             for check in sorted(set(running_then) | set(running_now))
@@ -364,7 +95,7 @@ def report(impl: str, *, coverage: str = DEFAULT_COVERAGE, world_size: int = 2) 
                 "nodeid": cell.nodeid,
                 "check": cell.check,
                 "runs": running,
-                "missing": cell.missing(adapter.supports),
+                "missing": cell.missing(supports),
                 "blocked": cell.blocked,
             }
             for cell, running in zip(cells, now)
@@ -470,4 +201,4 @@ def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
     parser.set_defaults(handler=_coverage_command)
 
 
-__all__ = ["Cell", "add_parser", "collect", "render_text", "report"]
+__all__ = ["add_parser", "render_text", "report"]

@@ -39,7 +39,7 @@ def overlap_in_rank(
     if comm_ms is None:
         comm_ms = overlap.CUDA_COMM_MS if cuda else overlap.CPU_COMM_MS
     wrap_config = overlap.overlap_config(dist.device, limit_all_gathers)
-    adapter_features.skip_unless(adapter, *adapter_features.wrap_features(adapter, **wrap_config))
+    adapter_features.skip_unless(adapter, *adapter_features.wrap_features(**wrap_config))
     times = overlap.measure_overlap(
         adapter, dist, compute_ms, comm_ms, repeats, limit_all_gathers=limit_all_gathers
     )

@@ -87,9 +87,7 @@ def instance_labels(adapter: Any, root: nn.Module) -> dict[int, str]:
     for instance in adapter.instances(root):
         wrapped = adapter.unwrap(instance)
         path = paths.get(id(wrapped), paths.get(id(instance), ""))
-        path = clean_param_name(
-            path + ".", adapter_features.declared(adapter).wrapper_segments
-        ).rstrip(".")
+        path = clean_param_name(path + ".", adapter.declarations.wrapper_segments).rstrip(".")
         labels[id(instance)] = path if path and instance is not root else ROOT_LABEL
     return labels
 

@@ -78,7 +78,7 @@ class TrainingStateRecorder:
         self.adapter = adapter
         self.model = model
         self.instances: list[nn.Module] = list(adapter.instances(model))
-        segments = adapter_features.declared(adapter).wrapper_segments
+        segments = adapter.declarations.wrapper_segments
         names = {
             id(module): clean_param_name(name, segments) for name, module in model.named_modules()
         }
@@ -192,7 +192,7 @@ class TrainingStateRecorder:
         )
 
     def _instance_state(self, instance: nn.Module) -> InstanceState | None:
-        if not adapter_features.declared(self.adapter).instance_states:
+        if not self.adapter.declarations.instance_states:
             return None  # the implementation keeps root states only
         try:
             return InstanceState(self.adapter.training_state(instance))

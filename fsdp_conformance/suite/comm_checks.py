@@ -29,7 +29,6 @@ from torch import nn
 
 from fsdp_conformance.adapters import Feature
 from fsdp_conformance.adapters import features as adapter_features
-from fsdp_conformance.adapters import loop as adapter_loop
 from fsdp_conformance.constants import Op
 from fsdp_conformance.observe.comm_trace import REDUCE_OPS, CommEvent, CommTrace
 
@@ -52,15 +51,13 @@ def trace_training(
     ``no_sync()`` and accumulate into the next (no optimizer step)."""
     adapter_features.skip_unless(adapter, Feature.COMM_TRACE)
     root, zoo_model = training.wrap_model(adapter, model_name, dist, config)
-    optimizer = adapter_loop.optimizer(
-        adapter, root, "sgd", lr=training.LR, momentum=training.MOMENTUM
-    )
+    optimizer = adapter.optimizer(root, "sgd", lr=training.LR, momentum=training.MOMENTUM)
     backward = functools.partial(training.adapter_backward, adapter, root)
     trace = CommTrace(adapter, root, compute=compute)
     with trace:
         for iteration in range(1, ITERATIONS + 1):
             no_sync = inside_no_sync is not None and inside_no_sync(iteration)
-            with adapter_loop.no_sync(adapter, root) if no_sync else contextlib.nullcontext():
+            with adapter.no_sync(root) if no_sync else contextlib.nullcontext():
                 inputs = zoo_model.get_input(dist.device)
                 with trace.phase(f"iteration {iteration} forward"):
                     loss = zoo_model.get_loss(inputs, root(*inputs))

@@ -163,9 +163,7 @@ def _runs(adapter: Any, key: str, value: Any) -> bool:
         return True  # the key is not given
     config = {key: value}
     try:
-        if not adapter_features.supports(
-            adapter, *adapter_features.wrap_features(adapter, **config)
-        ):
+        if not adapter_features.supports(adapter, *adapter_features.wrap_features(**config)):
             return False
         adapter_features.require_values(adapter, normalize_config(config))
     except Exception:  # noqa: BLE001 -- a refused value (UnsupportedFeatureError) or a bad one

@@ -32,7 +32,6 @@ from torch import nn
 
 from fsdp_conformance.adapters import clean_param_name
 from fsdp_conformance.adapters import features as adapter_features
-from fsdp_conformance.adapters import loop as adapter_loop
 from fsdp_conformance.models import CheckpointingWrap, DeviceInit, move_after_wrap
 from fsdp_conformance.observe.comm_trace import REDUCE_OPS, CommTrace
 
@@ -72,7 +71,7 @@ def build(
     "outside" its instance; `group`: None for the test's; `process_group`: what the instances
     shard over if not `group` (a hybrid pair)."""
     adapter_features.skip_unless(adapter, *zoo.MODELS[model_name].features)
-    adapter_features.skip_unless(adapter, *adapter_features.wrap_features(adapter, **config))
+    adapter_features.skip_unless(adapter, *adapter_features.wrap_features(**config))
     group = dist.group if group is None else group
     process_group = group if process_group is None else process_group
     wrap: Any = adapter.wrapper(process_group=process_group, **config)
@@ -121,7 +120,7 @@ class Driver:
         adam = self.optimizer_name == "adam"
         options = {"lr": ADAM_LR} if adam else {"lr": training.LR, "momentum": training.MOMENTUM}
         if self.adapter is not None:
-            return adapter_loop.optimizer(self.adapter, self.model, self.optimizer_name, **options)
+            return self.adapter.optimizer(self.model, self.optimizer_name, **options)
         return (torch.optim.Adam if adam else torch.optim.SGD)(self.model.parameters(), **options)
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -135,16 +134,16 @@ class Driver:
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         if self.adapter is None:
             return self.model.no_sync()
-        return adapter_loop.no_sync(self.adapter, self.model)
+        return self.adapter.no_sync(self.model)
 
     def clip(self, max_norm: float, norm_type: float) -> torch.Tensor:
         if self.adapter is None:
             return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, norm_type)
-        return adapter_loop.clip_grad_norm_(self.adapter, self.model, max_norm, norm_type)
+        return self.adapter.clip_grad_norm_(self.model, max_norm, norm_type)
 
     def params(self) -> dict[str, torch.Tensor]:
         if self.adapter is not None:
-            return adapter_loop.full_params(self.adapter, self.model)
+            return self.adapter.full_params(self.model)
         return {
             name: param.detach().clone()
             for name, param in self.zoo_model.named_parameters(remove_duplicate=False)
@@ -177,7 +176,7 @@ class Driver:
             for micro in range(micro_batches):
                 last = micro == micro_batches - 1
                 if micro_batches > 1 and self.adapter is not None:
-                    adapter_loop.accumulation_boundary(self.adapter, self.model, last)
+                    self.adapter.accumulation_boundary(self.model, last)
                 context = contextlib.nullcontext() if sync_every or last else self.no_sync()
                 phase = trace.phase(f"step {step} micro {micro}") if trace else None
                 with context, phase or contextlib.nullcontext():
@@ -212,7 +211,7 @@ def ddp_driver(model_name: str, dist: Any, **options: Any) -> Driver:
 
 def by_clean_name(adapter: Any, named: Iterable[tuple[str, Any]]) -> dict[str, Any]:
     """`named`'s (name, value) pairs by the unwrapped model's names (wrapper segments cut)."""
-    segments = adapter_features.declared(adapter).wrapper_segments
+    segments = adapter.declarations.wrapper_segments
     return {clean_param_name(name, segments): value for name, value in named}
 
 
@@ -222,7 +221,7 @@ def unsharded(adapter: Any, root: nn.Module, step: int, skip_root: bool = False)
     return [
         f"step {step}: {type(adapter.unwrap(instance)).__name__}"
         for instance in instances
-        if adapter_loop.is_unsharded(adapter, instance)
+        if adapter.is_unsharded(instance)
     ]
 
 

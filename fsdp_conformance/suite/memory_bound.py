@@ -26,7 +26,7 @@ from fsdp_conformance import constants
 from fsdp_conformance.adapters import Adapter, Feature
 from fsdp_conformance.adapters import deviations as adapter_deviations
 from fsdp_conformance.adapters import features as adapter_features
-from fsdp_conformance.adapters import loop as adapter_loop
+from fsdp_conformance.adapters.base import delay_before_free, delay_before_reduction
 from fsdp_conformance.observe.lagging import LAG_VARIANTS, LaggingDevice
 from fsdp_conformance.observe.residency import PHASES, ResidencyTracker
 from fsdp_conformance.suite.stream_bound import FSDP2_BOUND, StreamOrderedBound
@@ -123,7 +123,7 @@ def _chain_model(
 ) -> tuple[ChainOfLinears, nn.Module]:
     """A ``ChainOfLinears`` with every Linear wrapped by ``adapter`` with ``config``, and its
     wrapped root; skips unless the adapter supports the config."""
-    adapter_features.skip_unless(adapter, *adapter_features.wrap_features(adapter, **config))
+    adapter_features.skip_unless(adapter, *adapter_features.wrap_features(**config))
     wrap = adapter.wrapper(**config)
     chain = ChainOfLinears(
         lambda module: wrap(module, process_group=group), *chain_args, **chain_kwargs
@@ -148,7 +148,7 @@ def measure_residency(
     device = LaggingDevice(lag)
     adapter.install_device_handle(model, device)
     tracker = ResidencyTracker(device, adapter.instances(model))
-    optimizer = adapter_loop.optimizer(adapter, model, "sgd", lr=0.01, momentum=0.9)
+    optimizer = adapter.optimizer(model, "sgd", lr=0.01, momentum=0.9)
     x = chain.get_input(torch.device("cpu"), group.rank())
     # buffers observed by their lifetime (torch FSDP2) must not die at a collection mid-phase
     gc.collect()
@@ -160,7 +160,7 @@ def measure_residency(
                 tracker.start(iteration, "forward")
                 loss = model(x).sum()
                 tracker.start(iteration, "backward")
-                adapter_loop.backward(adapter, model, loss)
+                adapter.backward(model, loss)
                 tracker.start(iteration, "step")
                 optimizer.step()
                 optimizer.zero_grad()
@@ -200,13 +200,13 @@ def measure_cuda_forward_peaks(
     instance_bytes = (
         CUDA_WIDTH * CUDA_WIDTH + CUDA_WIDTH
     ) * chain.root_linear.weight.element_size()
-    optimizer = adapter_loop.optimizer(adapter, model, "sgd", lr=0.01)
+    optimizer = adapter.optimizer(model, "sgd", lr=0.01)
     x = chain.get_input(device, group.rank())
     peaks = []
     with contextlib.ExitStack() as hooks:
         for instance in adapter.instances(model)[1:]:
-            hooks.enter_context(adapter_loop.delay_before_free(adapter, instance, delay))
-        hooks.enter_context(adapter_loop.delay_before_reduction(adapter, delay))
+            hooks.enter_context(delay_before_free(adapter, instance, delay))
+        hooks.enter_context(delay_before_reduction(adapter, delay))
         for _ in range(ITERATIONS):
             torch.cuda.synchronize(device)
             before = torch.cuda.memory_stats(device)["active_bytes.all.current"]
@@ -214,7 +214,7 @@ def measure_cuda_forward_peaks(
             loss = model(x).sum()
             torch.cuda.synchronize(device)
             peaks.append(torch.cuda.memory_stats(device)["active_bytes.all.peak"] - before)
-            adapter_loop.backward(adapter, model, loss)
+            adapter.backward(model, loss)
             optimizer.step()
             optimizer.zero_grad()
     return CudaForwardPeaks(instance_bytes, instance_bytes, peaks)

@@ -28,7 +28,6 @@ from torch import nn
 
 from fsdp_conformance._patching import patch_attribute
 from fsdp_conformance.adapters import features as adapter_features
-from fsdp_conformance.adapters import loop as adapter_loop
 from fsdp_conformance.constants import Op
 from fsdp_conformance.models import Layer, delay
 
@@ -200,7 +199,7 @@ def measure_overlap(
         wrap = adapter.wrapper(**config)
         compute_cycles = cycles if case in ("compute", "both") else 0
         model = adapter.wrap(_Chain(wrap, compute_cycles), root=True, **config)
-        optimizer = adapter_loop.optimizer(adapter, model, "sgd", lr=0.01)
+        optimizer = adapter.optimizer(model, "sgd", lr=0.01)
         models[case] = (model, optimizer)
         _timed_forward(model, optimizer, device, 0.0, adapter)  # records the forward order
     times: dict[str, list[float]] = {case: [] for case in CASES}
@@ -239,7 +238,7 @@ def _timed_forward(
             elapsed = start.elapsed_time(end)
         else:
             elapsed = (time.perf_counter() - begin) * 1000.0
-    adapter_loop.backward(adapter, model, output.sum())
+    adapter.backward(model, output.sum())
     optimizer.step()
     return elapsed, log
 
@@ -285,7 +284,7 @@ def check_overlap(adapter: Any, dist: Any, label: str, retries: int = 1) -> Over
     """Measure and check overlap on ``dist.device``, ``retries`` more times on a failure; skips
     without the config's features or (CPU) for synchronous all-gathers."""
     adapter_features.skip_unless(
-        adapter, *adapter_features.wrap_features(adapter, **overlap_config(dist.device))
+        adapter, *adapter_features.wrap_features(**overlap_config(dist.device))
     )
     cuda = dist.device.type == "cuda"
     compute_ms, comm_ms = (CUDA_COMPUTE_MS, CUDA_COMM_MS) if cuda else (CPU_COMPUTE_MS, CPU_COMM_MS)

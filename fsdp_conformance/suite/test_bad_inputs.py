@@ -9,8 +9,6 @@ import pytest
 import torch
 from torch import nn
 
-from fsdp_conformance.adapters import loop as adapter_loop
-
 from .declare import check
 from .test_exec_order import WIDTH, expect_error
 
@@ -23,7 +21,7 @@ def _trained(adapter: Any, dist: Any) -> tuple[nn.Module, torch.Tensor]:
     """A root around a nested instance after one backward, and its input."""
     model = adapter.wrap(nn.Sequential(adapter.wrap(_linear(), root=False), _linear()), root=True)
     x = torch.ones(2, WIDTH, device=dist.device)
-    adapter_loop.backward(adapter, model, model(x).sum())
+    adapter.backward(model, model(x).sum())
     return model, x
 
 

@@ -9,9 +9,8 @@ from typing import Any
 import pytest
 import torch
 
-from fsdp_conformance.adapters import Feature
+from fsdp_conformance.adapters import Adapter, Feature
 from fsdp_conformance.adapters import features as adapter_features
-from fsdp_conformance.adapters import loop as adapter_loop
 
 from . import comm_checks, loop_driver, training
 from .declare import check
@@ -53,14 +52,11 @@ class BaseCollectiveCountTests:
     def test_no_reduction_inside_no_sync(self, fsdp_adapter: Any, dist: Any, strategy: str):
         # no reduction inside no_sync, every instance reduced after it, training as DDP's
         config = {"sharding_strategy": strategy}
-        adapter_features.skip_unless(
-            fsdp_adapter, *adapter_features.wrap_features(fsdp_adapter, **config)
-        )
+        adapter_features.skip_unless(fsdp_adapter, *adapter_features.wrap_features(**config))
         adapter_features.skip_unless(fsdp_adapter, Feature.GRADIENT_ACCUMULATION)
         root, _ = training.wrap_model(fsdp_adapter, "nested", dist, config)
-        if not adapter_loop.overrides(fsdp_adapter, "no_sync") and not callable(
-            getattr(root, "no_sync", None)
-        ):
+        plain = getattr(fsdp_adapter.no_sync, "__func__", None) is Adapter.no_sync
+        if plain and not callable(getattr(root, "no_sync", None)):
             pytest.skip(
                 f"adapter {fsdp_adapter.name!r} does not support 'no_sync': its root module has "
                 "no no_sync() context manager"
@@ -74,7 +70,7 @@ class BaseCollectiveCountTests:
         failures = [failure for failure in failures if "gradient reductions" in failure]
         comm_checks.raise_failures(f"no_sync broken ({label})", failures, trace.render())
         reference = _ddp_no_sync_params(dist, no_sync_iterations=(1,))
-        actual = adapter_loop.full_params(fsdp_adapter, root)
+        actual = fsdp_adapter.full_params(root)
         training.assert_same_training(
             f"{label}, iteration 1 inside no_sync (accumulated gradients)",
             training.TrainingResult(torch.zeros(0), actual),

@@ -13,7 +13,6 @@ import torch
 
 from fsdp_conformance.adapters import Feature
 from fsdp_conformance.adapters import features as adapter_features
-from fsdp_conformance.adapters import loop as adapter_loop
 from fsdp_conformance.observe.states import TrainingStateRecorder
 
 from . import loop_driver
@@ -54,13 +53,13 @@ class BaseForwardMethodTests:
         root, zoo_model = driver.model, driver.zoo_model
         if variant == "method":  # the nested instance alone needs no registration
             adapter_features.require(adapter, Feature.FORWARD_METHOD)
-            adapter_loop.register_forward_method(adapter, root, "encode")
+            adapter.register_forward_method(root, "encode")
         label = f"adapter {adapter.name!r}, loops, {strategy}, {variant}"
         resident: list[str] = []
         step_of = [0]
 
         def root_params_in_use(module: Any, args: Any) -> None:
-            if adapter_loop.is_unsharded(adapter, adapter.instances(root)[0]) is False:
+            if adapter.is_unsharded(adapter.instances(root)[0]) is False:
                 raise AssertionError(
                     f"{label}: the root's own parameters (the trunk's) are sharded while "
                     f"{'encode' if variant == 'method' else 'forward'} uses them (step "

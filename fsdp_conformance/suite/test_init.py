@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from fsdp_conformance.adapters import features as adapter_features
-from fsdp_conformance.adapters import loop as adapter_loop
 from fsdp_conformance.models import BufferedBlock
 
 from . import loop_driver, zoo
@@ -47,11 +46,11 @@ class BaseMetaInitTests:
         adapter = fsdp_adapter
         adapter_features.skip_unless(adapter, *zoo.MODELS["buffered_meta"].features)
         config = {"auto_wrap_policy": _is_block} if wrapping == "auto_wrap" else {}
-        adapter_features.skip_unless(adapter, *adapter_features.wrap_features(adapter, **config))
+        adapter_features.skip_unless(adapter, *adapter_features.wrap_features(**config))
         nested = adapter.wrapper(process_group=dist.group) if wrapping == "nested" else None
         zoo_model = zoo.build("buffered_meta", dist.group, nested, dist.device)
         root = adapter.wrap(zoo_model, process_group=dist.group, root=True, **config)
-        adapter_loop.materialize(adapter, root, device=dist.device)
+        adapter.materialize(root, device=dist.device)
         label = f"adapter {adapter.name!r}, buffered_meta ({wrapping})"
         on_meta = [
             name
@@ -60,7 +59,7 @@ class BaseMetaInitTests:
         ]
         assert not on_meta, f"{label}: still on the meta device after materialize: {on_meta}"
         plain = zoo.build("buffered", dist.group, None, dist.device).to(dist.device)
-        full = adapter_loop.full_params(adapter, root)
+        full = adapter.full_params(root)
         expected = {name: p.detach() for name, p in plain.named_parameters()}
         assert sorted(full) == sorted(expected), (
             f"{label}: full parameter names {sorted(full)}, the plain model's {sorted(expected)}"
@@ -81,7 +80,7 @@ class BaseMetaInitTests:
             "its own reset_parameters() (initialised twice -- e.g. a nested instance "
             "re-initialised by its root's materialisation -- or left uninitialised)"
         )
-        adapter_loop.load_state_dict(adapter, root, plain.state_dict())
+        adapter.load_state_dict(root, plain.state_dict())
         driver = loop_driver.Driver(root, zoo_model, dist.device, adapter)
         losses = driver.run(STEPS)
         ddp = torch.nn.parallel.DistributedDataParallel(plain, process_group=dist.group)

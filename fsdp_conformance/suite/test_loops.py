@@ -17,7 +17,6 @@ from torch import nn
 
 from fsdp_conformance.adapters import Adapter, Feature, UnsupportedFeatureError
 from fsdp_conformance.adapters import features as adapter_features
-from fsdp_conformance.adapters import loop as adapter_loop
 from fsdp_conformance.constants import Op
 from fsdp_conformance.models import CheckpointedModule
 from fsdp_conformance.observe.comm_trace import CommTrace
@@ -337,7 +336,7 @@ class BaseActivationCheckpointingTests:
             "steps: the recompute did not happen"
         )
         # by the names of the model without checkpointing (what DDP trained)
-        params = by_clean_name(adapter, adapter_loop.full_params(adapter, root).items())
+        params = by_clean_name(adapter, adapter.full_params(root).items())
         training.assert_same_training(
             label, training.TrainingResult(losses, params), training.reference_run(model_name, dist)
         )

@@ -14,7 +14,6 @@ import torch
 from torch import nn
 
 from fsdp_conformance.adapters import Adapter
-from fsdp_conformance.adapters import loop as adapter_loop
 from fsdp_conformance.observe.unsharded import UnshardedParams
 
 from . import training
@@ -35,7 +34,7 @@ def observed_training(
     @contextlib.contextmanager
     def around_forward(step: int) -> Iterator[None]:
         if step == STEPS - 1:
-            probes.append(UnshardedParams(adapter, root, adapter_loop.full_params(adapter, root)))
+            probes.append(UnshardedParams(adapter, root, adapter.full_params(root)))
         with probes[0] if probes else contextlib.nullcontext():
             yield
 

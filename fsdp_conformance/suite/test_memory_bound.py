@@ -28,8 +28,8 @@ class BaseMemoryBoundTests:
         if "known_deviations" in cls.__dict__:
             raise TypeError(
                 f"{cls.__name__}.known_deviations: the suite class no longer takes deviations; "
-                "declare them on the adapter instead (Adapter.known_deviations = "
-                "(Deviation('memory_bound', reason, applies=lambda case: ...),), docs/adapters.md)"
+                "declare them on the adapter instead (Declarations(known_deviations=(Deviation("
+                "'memory_bound', reason, applies=lambda case: ...),)), docs/adapters.md)"
             )
 
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:

@@ -13,7 +13,6 @@ from torch import nn
 
 from fsdp_conformance.adapters import Feature
 from fsdp_conformance.adapters import features as adapter_features
-from fsdp_conformance.adapters import loop as adapter_loop
 from fsdp_conformance.adapters.base import group_by
 
 from . import loop_driver
@@ -70,8 +69,7 @@ class BaseParamGroupTests:
         if adapter_features.supports(adapter, Feature.USE_ORIG_PARAMS):  # FSDP1 needs it
             config["use_orig_params"] = True
         driver = loop_driver.fsdp_driver(adapter, model_name, dist, config)
-        driver.optimizer = adapter_loop.optimizer(
-            adapter,
+        driver.optimizer = adapter.optimizer(
             driver.model,
             "adamw",
             param_groups=group_options,

@@ -14,7 +14,6 @@ import torch
 
 from fsdp_conformance.adapters import Feature
 from fsdp_conformance.adapters import features as adapter_features
-from fsdp_conformance.adapters import loop as adapter_loop
 
 from . import configs, training, zoo
 from .declare import check
@@ -131,14 +130,14 @@ class BaseSummonFullParamsTests:
             adapter_features.skip_unless(adapter, Feature.SUMMON_FULL_PARAMS_WRITEBACK)
         root, zoo_model = training.wrap_model(adapter, summon_model, dist, {})
         training.train(root, zoo_model, dist.device, steps=1, adapter=adapter)
-        full_before = adapter_loop.full_params(adapter, root)
+        full_before = adapter.full_params(root)
         shards_before = _local_shards(root)
         with adapter.summon_full_params(root, writeback=writeback), torch.no_grad():
             by_name = _params_by_clean_name(adapter, root)
             # a tied parameter is listed under each name: increase it once
             for param in {id(by_name[name]): by_name[name] for name in full_before}.values():
                 param.add_(1.0)
-        full_after = adapter_loop.full_params(adapter, root)
+        full_after = adapter.full_params(root)
         shards_after = _local_shards(root)
         label = f"adapter {adapter.name!r}, {summon_model}"
         changed = sorted(
@@ -208,7 +207,7 @@ def _state_dict_round_trip(adapter: Any, dist: Any, model_name: str, default: bo
     """Save after one step, train two more, load: the full parameters are the saved ones."""
     root, zoo_model = training.wrap_model(adapter, model_name, dist, {})
     training.train(root, zoo_model, dist.device, steps=1, adapter=adapter)
-    saved_full = adapter_loop.full_params(adapter, root)
+    saved_full = adapter.full_params(root)
     if default:
         path = "the wrapped module's default state_dict() / load_state_dict()"
         state, load = root.state_dict(), root.load_state_dict
@@ -217,12 +216,12 @@ def _state_dict_round_trip(adapter: Any, dist: Any, model_name: str, default: bo
         state, load = adapter.state_dict(root), functools.partial(adapter.load_state_dict, root)
     state = {key: _clone(value) for key, value in state.items()}
     training.train(root, zoo_model, dist.device, steps=2, adapter=adapter)
-    moved = adapter_loop.full_params(adapter, root)
+    moved = adapter.full_params(root)
     assert any(not torch.equal(moved[name], saved_full[name]) for name in saved_full), (
         "training did not change any parameter; the round trip would prove nothing"
     )
     load(state)
-    loaded = adapter_loop.full_params(adapter, root)
+    loaded = adapter.full_params(root)
     label = f"adapter {adapter.name!r}, {model_name}, {path}"
     unchanged = [name for name in saved_full if torch.equal(loaded[name], moved[name])]
     for name, expected in saved_full.items():
@@ -248,9 +247,7 @@ def _params_by_clean_name(adapter: Any, root: torch.nn.Module) -> dict[str, torc
     params = {}
     for module in (adapter.unwrap(root), root):
         for name, param in module.named_parameters(remove_duplicate=False):
-            params.setdefault(
-                clean_param_name(name, adapter_features.declared(adapter).wrapper_segments), param
-            )
+            params.setdefault(clean_param_name(name, adapter.declarations.wrapper_segments), param)
     return params
 
 

@@ -29,7 +29,6 @@ from torch import nn
 
 from fsdp_conformance.adapters import Feature
 from fsdp_conformance.adapters import features as adapter_features
-from fsdp_conformance.adapters import loop as adapter_loop
 from fsdp_conformance.constants import REDUCE_OPS
 from fsdp_conformance.observe.comm_trace import observing_collectives
 
@@ -199,7 +198,7 @@ class BasePrecisionTests:
             optimizer.step()
             losses.append(loss.detach().float())
             if step == 0:
-                state = adapter_loop.state_dict(adapter, root).items()
+                state = adapter.state_dict(root).items()
                 state = loop_driver.by_clean_name(adapter, state)
                 state_dtypes = {k: v.dtype for k, v in state.items() if isinstance(v, torch.Tensor)}
         reference = loop_driver.ddp_driver(MODEL, dist)
@@ -248,7 +247,7 @@ class BasePrecisionTests:
             root = adapter.wrap(zoo_model, process_group=dist.group, root=True, **config)
             driver = loop_driver.Driver(root, zoo_model, dist.device, adapter)
             before = driver.params()
-            driver.optimizer = adapter_loop.optimizer(adapter, root, "sgd", lr=ACCUMULATION_LR)
+            driver.optimizer = adapter.optimizer(root, "sgd", lr=ACCUMULATION_LR)
             sync_every = sync == "sync_every"
             driver.run(1, micro_batches=micro_batches, sync_every=sync_every, same_input=True)
             errors[micro_batches] = _relative_error(driver.params(), expected, before)
@@ -275,7 +274,7 @@ class BasePrecisionTests:
         adapter = fsdp_adapter
         driver = loop_driver.fsdp_driver(adapter, MODEL, dist, {"sharding_strategy": "FULL_SHARD"})
         optimizer = driver.optimizer  # before the scaler, as users make them
-        scaler = adapter_loop.grad_scaler(adapter, driver.model, **SCALER_OPTIONS)
+        scaler = adapter.grad_scaler(driver.model, **SCALER_OPTIONS)
         fsdp = _scaled_run(driver, optimizer, scaler, adapter.unwrap(driver.model), dist)
         reference = loop_driver.ddp_driver(MODEL, dist)
         scaler = torch.amp.GradScaler(dist.device.type, **SCALER_OPTIONS)

@@ -13,7 +13,6 @@ import pytest
 import torch
 from torch import nn
 
-from fsdp_conformance.adapters import loop as adapter_loop
 from fsdp_conformance.adapters.features import HYBRID_STRATEGIES
 from fsdp_conformance.constants import Op
 from fsdp_conformance.observe.comm_trace import CommTrace
@@ -38,7 +37,7 @@ def full_state_dict(adapter: Any, root: nn.Module) -> dict[str, torch.Tensor]:
     ``full_tensor()`` (torch FSDP2's default state dict is sharded)."""
     from torch.distributed.tensor import DTensor
 
-    state = adapter_loop.state_dict(adapter, root).items()
+    state = adapter.state_dict(root).items()
     full = ((k, v.full_tensor() if isinstance(v, DTensor) else v) for k, v in state)
     return loop_driver.by_clean_name(adapter, full)
 

@@ -17,7 +17,6 @@ from torch import nn
 
 from fsdp_conformance.adapters import Feature, UnsupportedFeatureError
 from fsdp_conformance.adapters import features as adapter_features
-from fsdp_conformance.adapters import loop as adapter_loop
 
 from . import loop_driver, zoo
 from .declare import check
@@ -169,7 +168,7 @@ class BaseFullStateDictTests:
         inputs = zoo_model.get_input(dist.device)
         loss = zoo_model.get_loss(inputs, root(*inputs)).float()
         loop_driver.Driver(root, zoo_model, dist.device, adapter).backward(loss)
-        full = adapter_loop.state_dict(adapter, root)
+        full = adapter.state_dict(root)
         plain = _plain(dist)
         expected = plain.state_dict()
         label = f"adapter {adapter.name!r}, {MODEL}, full state dict under fp16 buffers"
@@ -217,10 +216,10 @@ class BaseFullStateDictTests:
         driver.run(STEPS)
         reference = _plain(dist, group=solo)
         loop_driver.Driver(reference, reference, dist.device, optimizer_name="adam").run(STEPS)
-        state = adapter_loop.state_dict(adapter, driver.model)
+        state = adapter.state_dict(driver.model)
         assert_state_dict(label, state, reference.state_dict())
         fresh = loop_driver.fsdp_driver(adapter, MODEL, dist, group=solo, optimizer_name="adam")
-        adapter_loop.load_state_dict(adapter, fresh.model, reference.state_dict())
+        adapter.load_state_dict(fresh.model, reference.state_dict())
         loop_driver.assert_params(
             f"{label}, loaded into a fresh model",
             fresh.params(),

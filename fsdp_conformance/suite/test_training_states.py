@@ -10,7 +10,6 @@ import torch
 
 from fsdp_conformance.adapters import Feature, RootState
 from fsdp_conformance.adapters import features as adapter_features
-from fsdp_conformance.adapters import loop as adapter_loop
 from fsdp_conformance.harness import properties
 from fsdp_conformance.observe.states import TrainingStateRecorder
 
@@ -94,7 +93,7 @@ class BaseTrainingStateTests:
         required = REQUIRED_HOOKS if summon else REQUIRED_HOOKS[:-2]
         missing = [hook for hook in required if hook not in recorder.hooks_seen]
         assert not missing, f"{label}: the recorder never sampled at {missing}"
-        if not adapter_features.declared(adapter).instance_states:
+        if not adapter.declarations.instance_states:
             # root states only (Adapter.instance_states = False): check what exists
             _assert_root_states_seen(label, recorder.root_states_seen, summon)
             properties.record_property("fsdp_not_checked", ROOT_ONLY_NOT_CHECKED)
@@ -170,7 +169,7 @@ def _assert_root_states_seen(label: str, seen: set[str], summon: bool = True) ->
 def _outcome(adapter: Any, instance: torch.nn.Module, state: RootState) -> BaseException | None:
     """None if `adapter.assert_state(instance, state)` passes, else what it raised."""
     try:
-        adapter_loop.assert_state(adapter, instance, state)
+        adapter.assert_state(instance, state)
     except (AssertionError, ValueError, RuntimeError) as error:
         return error
     return None

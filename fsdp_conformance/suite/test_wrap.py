@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 from fsdp_conformance.adapters import UnsupportedFeatureError
-from fsdp_conformance.adapters import loop as adapter_loop
 from fsdp_conformance.models import DeviceInit, move_after_wrap
 
 from . import loop_driver, training, zoo
@@ -63,7 +62,7 @@ class BaseSharedParamsTests:
             )
             return
         losses = training.train(root, zoo_model, dist.device, adapter=adapter)
-        result = training.TrainingResult(losses, adapter_loop.full_params(adapter, root))
+        result = training.TrainingResult(losses, adapter.full_params(root))
         training.assert_same_training(
             f"{label}: the wrap was accepted, so training must match DDP",
             result,
@@ -157,7 +156,7 @@ class BaseIgnoredParamsTests:
                 "backward is not this rank's own (the implementation reduced it?): max "
                 f"|difference| {(grad - ref_grads[name]).abs().max().item():.3g}"
             )
-        state = adapter_loop.state_dict(adapter, root)
+        state = adapter.state_dict(root)
         for name, param in ignored.items():
             assert name in state and torch.equal(state[name], param.detach()), (
                 f"{label}: the full state dict does not hold ignored parameter {name!r} "

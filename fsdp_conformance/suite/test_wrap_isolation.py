@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from fsdp_conformance.adapters import features as adapter_features
-from fsdp_conformance.adapters import loop as adapter_loop
 from fsdp_conformance.observe.unsharded import UnshardedParams
 
 from . import test_parity, training
@@ -55,15 +54,13 @@ class BaseConfigIsolationTests:
         adapter = fsdp_adapter
         first, second = CONFIGS[axis]
         for config in (first, second):  # skip before wrapping either
-            adapter_features.skip_unless(
-                adapter, *adapter_features.wrap_features(adapter, **config)
-            )
+            adapter_features.skip_unless(adapter, *adapter_features.wrap_features(**config))
         models = [training.wrap_model(adapter, self.model, dist, c) for c in (first, second)]
         probes, results = [], []
         for root, zoo_model in models:
             probe, losses = observed_training(adapter, root, zoo_model, dist)
             probes.append(probe)
-            results.append(training.TrainingResult(losses, adapter_loop.full_params(adapter, root)))
+            results.append(training.TrainingResult(losses, adapter.full_params(root)))
         reference = training.reference_run(self.model, dist, STEPS)
         labels = [
             f"adapter {adapter.name!r}, {self.model} wrapped with {c or 'the defaults'} "

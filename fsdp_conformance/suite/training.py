@@ -16,7 +16,6 @@ from torch import nn
 
 from fsdp_conformance.adapters import Adapter
 from fsdp_conformance.adapters import features as adapter_features
-from fsdp_conformance.adapters import loop as adapter_loop
 from fsdp_conformance.models import DeviceInit, DummyDDP, move_after_wrap
 
 from . import zoo
@@ -56,7 +55,7 @@ def train(
     if adapter is None:
         optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     else:
-        optimizer = adapter_loop.optimizer(adapter, model, "sgd", lr=LR, momentum=MOMENTUM)
+        optimizer = adapter.optimizer(model, "sgd", lr=LR, momentum=MOMENTUM)
     losses = []
     for step in range(steps):
         optimizer.zero_grad(set_to_none=step % 2 == 0)
@@ -83,20 +82,20 @@ def adapter_backward(adapter: Adapter, model: nn.Module, loss: torch.Tensor) -> 
     divided by the root's group size and an instance on a group of another size (the MoE
     expert) has its gradients scaled by root size / own size (a hook: linear, so before or after
     the reduction alike): summed gradients then equal DDP's averaged ones."""
-    if adapter_features.declared(adapter).grad_reduction != "sum":
-        adapter_loop.backward(adapter, model, loss)
+    if adapter.declarations.grad_reduction != "sum":
+        adapter.backward(model, loss)
         return
     instances = adapter.instances(model)
-    root_size = adapter_loop.group_size(adapter, instances[0] if instances else model)
+    root_size = adapter.group_size(instances[0] if instances else model)
     handles = []
     for instance in instances[1:]:
-        factor = root_size / adapter_loop.group_size(adapter, instance)
+        factor = root_size / adapter.group_size(instance)
         if factor != 1:
             for param in own_parameters(instances, instance):
                 if param.requires_grad:
                     handles.append(param.register_hook(lambda grad, f=factor: grad * f))
     try:
-        adapter_loop.backward(adapter, model, loss / root_size)
+        adapter.backward(model, loss / root_size)
     finally:
         for handle in handles:
             handle.remove()
@@ -150,12 +149,12 @@ def wrap_model(
     """The zoo model wrapped by `adapter` with `config`: (root, zoo model). Skips when the
     adapter lacks a feature the config or the model needs."""
     adapter_features.skip_unless(adapter, *zoo.MODELS[model_name].features)
-    adapter_features.skip_unless(adapter, *adapter_features.wrap_features(adapter, **config))
+    adapter_features.skip_unless(adapter, *adapter_features.wrap_features(**config))
     zoo_model = zoo.build(
         model_name, dist.group, adapter.wrapper(**config), dist.device, device_init
     )
     root_config = {**config, **zoo_model.ROOT_WRAP_CONFIG}
-    adapter_features.skip_unless(adapter, *adapter_features.wrap_features(adapter, **root_config))
+    adapter_features.skip_unless(adapter, *adapter_features.wrap_features(**root_config))
     if DeviceInit(device_init) is DeviceInit.NEVER and dist.device.type != "cpu":
         root_config.setdefault("device_id", dist.device)  # the implementation moves it
     root = adapter.wrap(zoo_model, root=True, **root_config)
@@ -187,14 +186,14 @@ def fsdp_train(
     grads: list[Any] = []
 
     def record_grads(step: int) -> None:
-        shards = adapter_loop.grad_shards(adapter, root)
+        shards = adapter.grad_shards(root)
         if shards is not None:
             shards = {name: (start, values.clone()) for name, (start, values) in shards.items()}
         grads.append(shards)
 
     losses = train(root, zoo_model, dist.device, steps, record_grads, adapter=adapter, phase=phase)
     readable = all(shards is not None for shards in grads)
-    params = adapter_loop.full_params(adapter, root)
+    params = adapter.full_params(root)
     return TrainingResult(losses, params, grads if readable else None)
 
 

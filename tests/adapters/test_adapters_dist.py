@@ -24,7 +24,7 @@ from fsdp_conformance.adapters import (
     get_adapter,
 )
 from fsdp_conformance.adapters import features as adapter_features
-from fsdp_conformance.adapters import loop as adapter_loop
+from fsdp_conformance.adapters.base import delay_before_free
 from fsdp_conformance.suite.training import train
 
 S, R = InstanceState, RootState  # short names for the state tables below
@@ -57,7 +57,7 @@ def test_wraps_nested_module_and_matches_ddp(dist, adapter_name):
     losses = train(root, model, dist.device, steps=2)
 
     assert torch.equal(losses, reference_losses)
-    full = adapter_loop.full_params(adapter, root)
+    full = adapter.full_params(root)
     expected = {
         name: param.detach() for name, param in reference.named_parameters(remove_duplicate=False)
     }
@@ -104,7 +104,7 @@ def test_training_states_at_hooks(dist, adapter_name):
         inputs = model.get_input(dist.device)
         loss = model.get_loss(inputs, root(*inputs))
         after_forward = _states(adapter, instances), adapter.root_state(instances[0])
-        unsharded_after_forward = [adapter_loop.is_unsharded(adapter, instance) for instance in instances]
+        unsharded_after_forward = [adapter.is_unsharded(instance) for instance in instances]
         model.run_backward(loss)
 
         assert seen["forward"] == ([S.FORWARD, S.FORWARD, S.IDLE, S.IDLE], R.FORWARD_BACKWARD)
@@ -121,9 +121,9 @@ def test_training_states_at_hooks(dist, adapter_name):
         assert backward_states[3] == S.BACKWARD_POST  # module.2: its backward is over
         assert _states(adapter, instances) == [S.IDLE] * 4
         assert adapter.root_state(instances[0]) == R.IDLE
-        assert not any(adapter_loop.is_unsharded(adapter, instance) for instance in instances)
+        assert not any(adapter.is_unsharded(instance) for instance in instances)
         if adapter_features.supports(adapter, Feature.ASSERT_STATE):
-            adapter_loop.assert_state(adapter, instances[0], R.IDLE)
+            adapter.assert_state(instances[0], R.IDLE)
 
 
 @pytest.mark.world_size(2)
@@ -139,16 +139,16 @@ def test_summon_full_params_states_and_values(dist, adapter_name):
     with adapter.summon_full_params(root):
         assert _states(adapter, instances) == [S.SUMMON_FULL_PARAMS] * 4
         assert adapter.root_state(instances[0]) == R.SUMMON_FULL_PARAMS
-    full = adapter_loop.full_params(adapter, root)
+    full = adapter.full_params(root)
     reference = NestedWrappedModule(dist.group)
     assert {name: value.shape for name, value in full.items()} == {
         name: param.shape for name, param in reference.named_parameters()
     }
     assert _states(adapter, instances) == [S.IDLE] * 4
-    assert not any(adapter_loop.is_unsharded(adapter, instance) for instance in instances)
+    assert not any(adapter.is_unsharded(instance) for instance in instances)
     if adapter_features.supports(adapter, Feature.ASSERT_STATE):
         with pytest.raises(Exception, match=r"(?i)state"):
-            adapter_loop.assert_state(adapter, instances[0], R.FORWARD_BACKWARD)
+            adapter.assert_state(instances[0], R.FORWARD_BACKWARD)
 
 
 @pytest.mark.world_size(2)
@@ -205,8 +205,8 @@ def test_delay_before_free_runs_while_still_unsharded(dist, adapter_name):
     root = adapter.wrap(model, sharding_strategy="FULL_SHARD")
     target = adapter.instances(root)[3]  # module.2
     unsharded_at_delay: list[bool] = []
-    with adapter_loop.delay_before_free(adapter, 
-        target, lambda: unsharded_at_delay.append(adapter_loop.is_unsharded(adapter, target))
+    with delay_before_free(adapter, 
+        target, lambda: unsharded_at_delay.append(adapter.is_unsharded(target))
     ):
         train(root, model, dist.device, steps=1)
     # one free after forward, one after backward; the delay runs while still unsharded
@@ -226,7 +226,7 @@ def test_moe_expert_on_one_rank_group(dist, adapter_name):
     expert = model.module[2]
     assert expert in adapter.instances(root)
     train(root, model, dist.device, steps=2)
-    expert_params = adapter_loop.full_params(adapter, expert)
+    expert_params = adapter.full_params(expert)
     gathered = [torch.zeros_like(expert_params["weight"]) for _ in range(dist.world_size)]
     torch.distributed.all_gather(gathered, expert_params["weight"].contiguous())
     assert not torch.equal(gathered[0], gathered[1])  # per-rank experts were never averaged
@@ -289,13 +289,13 @@ def test_summon_full_params_writeback(dist, adapter_name, writeback):
     model = NestedWrappedModule(dist.group, adapter.wrapper())
     root = adapter.wrap(model)
     train(root, model, dist.device, steps=1)
-    before = adapter_loop.full_params(adapter, root)
+    before = adapter.full_params(root)
     target = "module.2.weight"  # the parameter of the instance module.2 (16 -> 4)
     with adapter.summon_full_params(root, writeback=writeback), torch.no_grad():
         full = _resolve(adapter.unwrap(root), target)
         assert full.shape == before[target].shape  # the whole parameter, not a shard
         full.fill_(7.0)
-    after = adapter_loop.full_params(adapter, root)
+    after = adapter.full_params(root)
     if writeback:
         assert torch.equal(after[target], torch.full_like(before[target], 7.0))
     else:

@@ -14,7 +14,6 @@ from torch import nn
 
 from fsdp_conformance.adapters import ALWAYS_WRAP, BUILTIN_ADAPTERS, get_adapter
 from fsdp_conformance.adapters import features as adapter_features
-from fsdp_conformance.adapters import loop as adapter_loop
 from fsdp_conformance.suite.training import train
 
 CONFIGS = {
@@ -37,7 +36,7 @@ CONFIGS = {
 def test_config_key_trains_like_ddp_or_skips(dist, adapter_name, config_id):
     adapter = get_adapter(adapter_name)
     config = CONFIGS[config_id]
-    adapter_features.skip_unless(adapter, *adapter_features.wrap_features(adapter, **config))
+    adapter_features.skip_unless(adapter, *adapter_features.wrap_features(**config))
     deviation = _declared_deviation(adapter, config)
     if deviation is None:
         _trains_like_ddp(dist, adapter, config)
@@ -52,7 +51,7 @@ def _declared_deviation(adapter, config: dict):
     """The adapter's declared bf16 parity deviation covering every case, for `config`, or None."""
     if "mixed_precision" not in config:
         return None
-    for deviation in adapter_features.declared(adapter).known_deviations:
+    for deviation in adapter.declarations.known_deviations:
         if deviation.check == "parity.bf16" and deviation.applies is None:
             return deviation
     return None
@@ -74,7 +73,7 @@ def _trains_like_ddp(dist, adapter, config: dict) -> None:
 
     tolerance = 5e-2 if "mixed_precision" in config else 1e-6
     torch.testing.assert_close(losses, reference_losses, atol=tolerance, rtol=tolerance)
-    full = adapter_loop.full_params(adapter, root)
+    full = adapter.full_params(root)
     for name, param in reference.named_parameters():
         torch.testing.assert_close(
             full[name].float(),

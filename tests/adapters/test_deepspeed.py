@@ -6,6 +6,7 @@ The whole suite against it: ``fsdp-conformance run --impl deepspeed`` (docs/deep
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 
 import pytest
@@ -113,7 +114,7 @@ def test_without_deepspeed_every_feature_says_how_to_install(monkeypatch) -> Non
     adapter = ds_adapter.DeepSpeedAdapter()
     reason = adapter_features.why_unsupported(adapter, Feature.FULL_SHARD)
     assert reason is not None and "pip install 'fsdp-conformance[deepspeed]'" in reason
-    assert set(dict(adapter_features.declared(adapter).unsupported)) == set(ds_adapter.ALL_FEATURES)
+    assert set(dict(adapter.declarations.unsupported)) == set(ds_adapter.ALL_FEATURES)
 
 
 def test_missing_compiler_is_one_line(monkeypatch, tmp_path) -> None:
@@ -130,13 +131,33 @@ def test_missing_compiler_is_one_line(monkeypatch, tmp_path) -> None:
     assert str(tmp_path) in problem
 
 
+@needs_deepspeed
+def test_the_shm_op_is_built_only_where_deepspeed_uses_it(monkeypatch, tmp_path) -> None:
+    """DeepSpeed's CPU backend builds its shm op at init_distributed (a JIT build of minutes)
+    though it uses it only where LOCAL_SIZE equals the world size: elsewhere no op, no build."""
+    from fsdp_conformance import _patching
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.delenv("LOCAL_SIZE", raising=False)
+    ds_adapter.prepare_environment()
+    ds_adapter._build_shm_op_only_where_used()
+    backend = importlib.import_module("deepspeed.comm.torch")
+    record = next(r for r in _patching.active_patches() if r.owner is backend)
+    try:
+        assert backend.build_shm_op is record.replacement
+        assert backend.build_shm_op() is None
+        assert list(tmp_path.iterdir()) == [], "the op was built"
+    finally:
+        record.undo()
+
+
 def test_registered_builtin() -> None:
     from fsdp_conformance.adapters import BUILTIN_ADAPTERS
     from fsdp_conformance.cli import table
 
     assert "deepspeed" in BUILTIN_ADAPTERS and "deepspeed" in table.IMPLEMENTATIONS
     assert get_adapter("deepspeed").name == "deepspeed"
-    assert adapter_features.declared(get_adapter("deepspeed")).instance_states is False
+    assert get_adapter("deepspeed").declarations.instance_states is False
 
 
 _ACCUMULATION = """

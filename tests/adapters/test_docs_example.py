@@ -12,7 +12,6 @@ from torch import nn
 
 from fsdp_conformance.adapters import Feature, InstanceState, get_adapter
 from fsdp_conformance.adapters import features as adapter_features
-from fsdp_conformance.adapters import loop as adapter_loop
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "adapters.md"
 
@@ -47,7 +46,7 @@ def test_docs_example_adapter_runs_through_module_attr(dist):
         assert [adapter.training_state(i) for i in adapter.instances(root)] == [
             InstanceState.IDLE
         ] * 4
-        full = adapter_loop.full_params(adapter, root)
+        full = adapter.full_params(root)
         for name, param in reference.named_parameters():
             assert torch.equal(full[name], param.detach()), name
     finally:

@@ -9,6 +9,7 @@ Without fairscale every test here skips with the install hint.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import subprocess
 import sys
@@ -18,9 +19,9 @@ import pytest
 import torch
 from torch import nn
 
-from fsdp_conformance.adapters import features as adapter_features
-from fsdp_conformance.adapters import get_adapter
-from fsdp_conformance.adapters import loop as adapter_loop
+from fsdp_conformance.adapters import Declarations, get_adapter
+from fsdp_conformance.adapters.deviations import deviation_reason
+from fsdp_conformance.adapters.fairscale import FAIRSCALE_DEVIATIONS, FairscaleAdapter
 from fsdp_conformance.suite import training
 from fsdp_conformance.suite.memory_bound import (
     LAYERS,
@@ -61,14 +62,23 @@ def test_nested_model_matches_ddp(dist, strategy):
 
 @pytest.mark.world_size(2)
 def test_unflattened_parameters_match_ddp(dist):
-    from fsdp_conformance.adapters.fairscale import FairscaleAdapter
-
     adapter = FairscaleAdapter(flatten_parameters=False)
     result = training.fsdp_run(adapter, "nested", dist, {})
     reference = training.reference_run("nested", dist)
     training.assert_same_training("fairscale, flatten_parameters=False", result, reference, 0, 0)
     with pytest.raises(TypeError, match="flatten_parameters='no'"):
         FairscaleAdapter(flatten_parameters="no")
+
+
+class _StaleDeclaration(FairscaleAdapter):
+    """PR 972's variant (meets the bound) still declaring the released memory_bound deviation."""
+
+    def __init__(self) -> None:
+        super().__init__(sync_after_free=True)
+
+    @property
+    def declarations(self) -> Declarations:
+        return dataclasses.replace(super().declarations, known_deviations=FAIRSCALE_DEVIATIONS)
 
 
 def _peaks(tracker) -> list[tuple[int, int]]:
@@ -85,7 +95,6 @@ RELEASED_PEAKS = {"strict": [(6, 12), (18, 24), (30, 36)], "drained": [(6, 12)] 
 @pytest.mark.world_size(2)
 @pytest.mark.parametrize("lag", ["strict", "drained"])
 def test_released_fairscale_exceeds_the_bound_and_sync_after_free_meets_it(dist, lag):
-    from fsdp_conformance.adapters.fairscale import FairscaleAdapter
     from fsdp_conformance.suite.verdict import cell
 
     case = BoundCase(lag, "FULL_SHARD", None, False, True)
@@ -102,14 +111,13 @@ def test_released_fairscale_exceeds_the_bound_and_sync_after_free_meets_it(dist,
     # fairscale PR 972's synchronize after free: within the bound, and no deviation declared
     variant = FairscaleAdapter(sync_after_free=True)
     assert variant.name == "fairscale-sync-after-free"
-    assert variant.deviation("memory_bound", case) is None
+    assert deviation_reason(variant, "memory_bound", case) is None
     tracker = measure_residency(variant, dist.group, case.wrap_config, lag)
     assert _peaks(tracker) == [(1, 1)] * 3, tracker.peak_table()
     with cell(variant, "memory_bound", case):
         check_residency(tracker, case, "fairscale-sync-after-free")
     # a declared deviation that does not happen fails the (strict) check
-    stale = FairscaleAdapter(sync_after_free=True)
-    stale.known_deviations = released.known_deviations
+    stale = _StaleDeclaration()
     fails = pytest.raises(AssertionError, match="declares a known deviation for 'memory_bound'")
     with fails, cell(stale, "memory_bound", case):
         check_residency(tracker, case, "stale")
@@ -121,7 +129,6 @@ def test_released_fairscale_exceeds_the_bound_and_sync_after_free_meets_it(dist,
 
 def test_sync_after_free_is_validated_and_not_a_builtin_name():
     from fsdp_conformance.adapters import BUILTIN_ADAPTERS
-    from fsdp_conformance.adapters.fairscale import FairscaleAdapter
 
     with pytest.raises(TypeError, match=r"FairscaleAdapter\(sync_after_free=1\)"):
         FairscaleAdapter(sync_after_free=1)
@@ -166,7 +173,7 @@ def test_bf16_policy_meets_half_cast_inputs(dist):
     adapter = get_adapter("fairscale")
     (deviation,) = [
         d
-        for d in adapter_features.declared(adapter).known_deviations
+        for d in adapter.declarations.known_deviations
         if d.check == "fuzz.generated" and "bfloat16 policy" in d.reason
     ]
     for bias in (False, True):
@@ -237,7 +244,7 @@ def test_deviation_reproductions_reproduce(tmp_path):
     # every check the script reproduces is declared, and every declared check is reproduced --
     # the training-loop deviations by the reproduction in their reason, which the
     # suite's loop checks run (fsdp_conformance.suite.test_loops, their declared match)
-    deviations = adapter_features.declared(get_adapter("fairscale")).known_deviations
+    deviations = get_adapter("fairscale").declarations.known_deviations
     # (and the generated-model deviations: test_generated_model_deviations_reproduce below; the
     # tied parameter's and the nested instance's: the two tests at the end)
     loops = [
@@ -256,6 +263,8 @@ def test_deviation_reproductions_reproduce(tmp_path):
 
 
 OUTSIDE_ADAPTERS = '''
+import dataclasses
+
 from fsdp_conformance.adapters.fairscale import FAIRSCALE_DEVIATIONS, FairscaleAdapter
 
 
@@ -270,7 +279,10 @@ class StaleDeclaration(FairscaleAdapter):
 
     def __init__(self):
         super().__init__(sync_after_free=True)
-        self.known_deviations = FAIRSCALE_DEVIATIONS
+
+    @property
+    def declarations(self):
+        return dataclasses.replace(super().declarations, known_deviations=FAIRSCALE_DEVIATIONS)
 '''
 
 
@@ -342,7 +354,7 @@ def test_generated_model_deviations_reproduce(dist):
     model[1] = adapter.wrap(model[1], root=False)
     root = adapter.wrap(model, root=True)
     two_backwards_one_step(root)
-    actual, expected = adapter_loop.full_params(adapter, root)["0.weight"], reference_model[0].weight.detach()
+    actual, expected = adapter.full_params(root)["0.weight"], reference_model[0].weight.detach()
     assert not torch.allclose(actual, expected, atol=1e-6), (actual, expected)
 
 
@@ -357,7 +369,7 @@ def test_shared_parameter_across_instances_is_untied(dist):
     inputs = zoo_model.get_input(dist.device)
     zoo_model.get_loss(inputs, root(*inputs)).backward()
     optimizer.step()
-    params = adapter_loop.full_params(adapter, root)
+    params = adapter.full_params(root)
     assert not torch.equal(params["embed.weight"], params["head.weight"])
 
 

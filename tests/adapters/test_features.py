@@ -12,6 +12,7 @@ from fsdp_conformance.adapters import (
     LEGAL_INSTANCE_TRANSITIONS,
     LEGAL_ROOT_TRANSITIONS,
     Adapter,
+    Declarations,
     Feature,
     InstanceState,
     MixedPrecisionConfig,
@@ -22,7 +23,7 @@ from fsdp_conformance.adapters import (
     normalize_config,
 )
 from fsdp_conformance.adapters import features as adapter_features
-from fsdp_conformance.adapters import loop as adapter_loop
+from fsdp_conformance.adapters.base import delay_before_reduction
 from fsdp_conformance.device_handle import accelerator_available
 
 cpu_only = pytest.mark.skipif(accelerator_available(), reason="facts about CPU-only hosts")
@@ -69,10 +70,8 @@ def test_bad_config_names_the_key(config, error, match):
 
 
 def test_features_for_maps_each_config_key():
-    adapter = Adapter()
-    assert adapter_features.wrap_features(adapter) == frozenset()
+    assert adapter_features.wrap_features() == frozenset()
     assert adapter_features.wrap_features(
-        adapter,
         sharding_strategy="NO_SHARD",
         backward_prefetch=None,
         forward_prefetch=True,
@@ -94,7 +93,7 @@ def test_features_for_maps_each_config_key():
         Feature.SYNC_MODULE_STATES,
     }
     assert adapter_features.wrap_features(
-        adapter, backward_prefetch="BACKWARD_PRE", forward_prefetch=False, cpu_offload=False
+        backward_prefetch="BACKWARD_PRE", forward_prefetch=False, cpu_offload=False
     ) == {Feature.BACKWARD_PREFETCH_PRE}
 
 
@@ -104,7 +103,7 @@ def test_torch_fsdp1_declares_cpu_host_limits_with_reasons():
     lacking = {Feature.CPU_OFFLOAD, Feature.SYNC_MODULE_STATES, Feature.FORWARD_METHOD}
     if _dcp.fsdp1_group_dropped():  # before torch 2.13 ([Note: DCP on a subgroup with FSDP1])
         lacking.add(Feature.CHECKPOINT_RESUME)
-    assert set(dict(adapter_features.declared(adapter).unsupported)) == lacking
+    assert set(dict(adapter.declarations.unsupported)) == lacking
     assert "accelerator" in adapter_features.why_unsupported(adapter, Feature.CPU_OFFLOAD)
     assert "sync_module_states" in adapter_features.why_unsupported(
         adapter, Feature.SYNC_MODULE_STATES
@@ -119,7 +118,7 @@ def test_torch_fsdp2_declares_what_fully_shard_cannot_express():
         Feature.LIMIT_ALL_GATHERS_OFF,
         Feature.SYNC_MODULE_STATES,
         Feature.ASSERT_STATE,
-    } <= set(dict(adapter_features.declared(adapter).unsupported))
+    } <= set(dict(adapter.declarations.unsupported))
     # expressed in FSDP2's own terms (explicit prefetch lists, its own memory bound)
     assert adapter_features.supports(
         adapter,
@@ -135,7 +134,7 @@ def test_torch_fsdp2_declares_what_fully_shard_cannot_express():
         Feature.BACKWARD_PREFETCH_NONE,
         Feature.BACKWARD_PREFETCH_POST,
     )
-    for feature, reason in dict(adapter_features.declared(adapter).unsupported).items():
+    for feature, reason in dict(adapter.declarations.unsupported).items():
         assert feature in ALL_FEATURES and reason.strip(), feature
 
 
@@ -170,16 +169,19 @@ def test_unknown_feature_name_is_an_error_not_a_skip():
 def test_base_adapter_optional_hooks_are_undeclared_features():
     class Minimal(Adapter):
         name = "minimal"
-
-        def unsupported(self):
-            return {Feature.COMM_TRACE: "no observer hooks", Feature.DEVICE_HANDLE: "no handle"}
+        declarations = Declarations(
+            unsupported={
+                Feature.COMM_TRACE: "no observer hooks",
+                Feature.DEVICE_HANDLE: "no handle",
+            }
+        )
 
     adapter = Minimal()
     with pytest.raises(UnsupportedFeatureError, match="'minimal' does not support 'comm_trace'"):
         adapter.observe(lambda *args: None)
     with pytest.raises(UnsupportedFeatureError, match="device_handle"):
         adapter.install_device_handle(nn.Linear(1, 1), object())
-    delayed = adapter_loop.delay_before_reduction(adapter, lambda: None)
+    delayed = delay_before_reduction(adapter, lambda: None)
     with pytest.raises(UnsupportedFeatureError, match="comm_trace"), delayed:
         pass
 
@@ -230,9 +232,7 @@ def test_wrapper_validates_early_and_merges_overrides():
 
     class Recording(Adapter):
         name = "recording"
-
-        def unsupported(self):
-            return {Feature.CPU_OFFLOAD: "no offload here"}
+        declarations = Declarations(unsupported={Feature.CPU_OFFLOAD: "no offload here"})
 
         def _wrap(self, module, process_group, config):
             calls.append((process_group, config))

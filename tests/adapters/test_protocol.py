@@ -1,9 +1,13 @@
-"""The small adapter protocol: `Adapter` holds the primitives, `Declarations` what it declares,
-the modules' functions the rest -- and an adapter of the older, wider protocol still answers."""
+"""The adapter protocol: `Adapter` holds the primitives and the training-loop hooks (ordinary
+methods, so ``super()`` reaches them), `Declarations` what it declares; a name removed from the
+protocol fails where the adapter is defined or resolved, with one line naming its replacement
+(docs/adapters.md, "Removed names"; the tables themselves: test_docs_adapters.py)."""
 
 from __future__ import annotations
 
 import dataclasses
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,20 +19,17 @@ from fsdp_conformance.adapters import (
     Adapter,
     Declarations,
     Deviation,
-    EngineHooks,
     Feature,
     FeatureNotImplementedError,
     UnsupportedFeatureError,
+    _removed,
+    base,
     deviations,
     features,
     get_adapter,
-    loop,
+    registry,
 )
-
-
-def test_adapter_has_at_most_16_members() -> None:
-    members = [name for name in dir(Adapter) if not name.startswith("__")]
-    assert len(members) <= 16, members
+from fsdp_conformance.adapters.impl import ImplAdapter
 
 
 def test_declarations_are_one_frozen_record() -> None:
@@ -36,11 +37,11 @@ def test_declarations_are_one_frozen_record() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         record.grad_reduction = "sum"  # type: ignore[misc]
     for name in ("impl", "torch-fsdp1", "torch-fsdp2", "fairscale", "deepspeed"):
-        assert isinstance(features.declared(get_adapter(name)), Declarations), name
+        assert isinstance(get_adapter(name).declarations, Declarations), name
 
 
-class _New(Adapter):
-    name = "new-style"
+class _Declaring(Adapter):
+    name = "declaring"
     declarations = Declarations(
         unsupported={Feature.NO_SHARD: "always shards"},
         known_deviations=(Deviation("misuse.wrap_twice", "accepts it"),),
@@ -48,53 +49,118 @@ class _New(Adapter):
     )
 
 
-class _Old(Adapter):
-    name = "old-style"
-    known_deviations = (Deviation("misuse.wrap_twice", "accepts it"),)
-    grad_reduction = "sum"
-
-    def unsupported(self) -> dict[str, str]:
-        return {Feature.NO_SHARD: "always shards"}
-
-    def optimizer(self, model: nn.Module, name: str = "sgd", **options: object) -> str:
-        return "own optimizer"
-
-
-@pytest.mark.parametrize("adapter", [_New(), _Old()], ids=["new", "old"])
-def test_new_and_old_declarations_read_alike(adapter: Adapter) -> None:
+def test_the_module_functions_read_the_declarations() -> None:
+    adapter = _Declaring()
     assert not features.supports(adapter, Feature.NO_SHARD)
     assert features.supports(adapter, Feature.FULL_SHARD)
     assert features.why_unsupported(adapter, Feature.NO_SHARD) == "always shards"
     assert features.capabilities(adapter) == ALL_FEATURES - {Feature.NO_SHARD}
     with pytest.raises(UnsupportedFeatureError, match="does not support 'no_shard'"):
         features.require(adapter, Feature.NO_SHARD)
-    assert features.declared(adapter).grad_reduction == "sum"
     assert deviations.deviation_reason(adapter, "misuse.wrap_twice") == "accepts it"
-    # the older protocol's methods still answer, through the module functions
-    assert adapter.supports(Feature.FULL_SHARD) and adapter.known_deviations
-    assert adapter.unsupported_reason(Feature.NO_SHARD) == "always shards"
 
 
-def test_hooks_use_the_adapters_own_else_the_plain_behaviour() -> None:
+def test_hooks_are_methods_whose_plain_behaviour_super_reaches() -> None:
     model = nn.Linear(2, 2)
-    assert loop.optimizer(_Old(), model) == "own optimizer"
-    assert isinstance(loop.optimizer(_New(), model), torch.optim.SGD)
-    assert loop.overrides(_Old(), "optimizer") and not loop.overrides(_New(), "optimizer")
 
-    class Engine(EngineHooks, Adapter):
+    class OwnOptimizer(Adapter):  # as written from the docs before the hooks moved
+        def optimizer(self, model: nn.Module, name: str = "sgd", **options: object) -> object:
+            optimizer = super().optimizer(model, name, **options)
+            optimizer.made_by = "own"  # type: ignore[attr-defined]
+            return optimizer
+
+    optimizer = OwnOptimizer().optimizer(model, lr=0.1)
+    assert isinstance(optimizer, torch.optim.SGD) and optimizer.made_by == "own"
+
+    class Engine(Adapter):
         def backward(self, model: nn.Module, loss: torch.Tensor) -> None:
             super().backward(model, loss * 2)
 
-    engine = Engine()
-    assert loop.overrides(engine, "backward") and not loop.overrides(engine, "optimizer")
-    loop.backward(engine, model, model(torch.ones(1, 2)).sum())
+    Engine().backward(model, model(torch.ones(1, 2)).sum())
     assert torch.equal(model.bias.grad, torch.full((2,), 2.0))
+    with pytest.raises(UnsupportedFeatureError, match="override Adapter.no_sync"):
+        Engine().no_sync(model)  # the root has no no_sync()
 
 
 def test_a_missing_primitive_fails_naming_adapter_member_and_feature() -> None:
-    with pytest.raises(FeatureNotImplementedError, match=r"'new-style'.*Adapter\._wrap"):
-        _New().wrap(nn.Linear(2, 2))
+    with pytest.raises(FeatureNotImplementedError, match=r"'declaring'.*Adapter\._wrap"):
+        _Declaring().wrap(nn.Linear(2, 2))
     with pytest.raises(FeatureNotImplementedError, match=r"Adapter\._observe.*'comm_trace'"):
-        _New().observe(lambda *args: None)
-    with pytest.raises(AttributeError, match="'_New' object has no attribute 'no_such'"):
-        _New().no_such  # noqa: B018
+        _Declaring().observe(lambda *args: None)
+    with pytest.raises(FeatureNotImplementedError, match=r"Adapter\._assert_state"):
+        _Declaring().assert_state(nn.Linear(2, 2))
+    with pytest.raises(AttributeError, match="'_Declaring' object has no attribute 'no_such'"):
+        _Declaring().no_such  # noqa: B018
+
+
+def _line_of(error: pytest.ExceptionInfo[BaseException]) -> str:
+    text = str(error.value)
+    assert "\n" not in text, text
+    return text
+
+
+@pytest.mark.parametrize("name", sorted(_removed.REMOVED_MEMBERS))
+def test_defining_a_removed_member_fails_where_the_class_is_defined(name: str) -> None:
+    with pytest.raises(registry.RemovedNameError) as error:
+        type("Old", (ImplAdapter,), {"__module__": "old_adapter", name: lambda self: None})
+    line = _line_of(error)
+    assert line.startswith("adapter old_adapter.Old uses a member removed from the Adapter"), line
+    assert f"{name!r} (defined by Old)" in line, line
+    assert f"use {_removed.REMOVED_MEMBERS[name]}" in line, line
+    assert line.endswith('(docs/adapters.md, "Removed names")'), line
+
+
+@pytest.mark.parametrize(
+    "use",
+    [
+        "self.{name}()",
+        "super().{name}",
+        "(lambda: self.{name})",
+        "self.{name} = 1",
+    ],
+    ids=["self", "super", "nested", "set"],
+)
+@pytest.mark.parametrize("name", sorted(_removed.REMOVED_MEMBERS))
+def test_using_a_removed_member_fails_where_the_class_is_defined(name: str, use: str) -> None:
+    statement = use.format(name=name)
+    source = f"class Old(ImplAdapter):\n    def grad_shards(self, model):\n        {statement}\n"
+    with pytest.raises(registry.RemovedNameError) as error:
+        exec(source, {"ImplAdapter": ImplAdapter, "__name__": "old_adapter"})  # noqa: S102
+    line = _line_of(error)
+    assert f"{name!r} (used in Old.grad_shards): use {_removed.REMOVED_MEMBERS[name]}" in line
+
+
+def test_module_functions_and_other_objects_are_not_removed_members() -> None:
+    class Fine(ImplAdapter):
+        def grad_shards(self, model: nn.Module) -> None:
+            features.require(self, Feature.FULL_SHARD)  # module functions of the same names
+            base.features.supports(self, Feature.FULL_SHARD)
+            unsupported = self.declarations.unsupported  # a Declarations field
+            return {check.check: unsupported for check in model.known_deviations}
+
+    assert Fine().name == "impl"
+
+
+def test_get_adapter_refuses_a_removed_member_set_on_the_instance(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "instance_attr_adapter.py").write_text(
+        "from fsdp_conformance.adapters.impl import ImplAdapter\n"
+        "ADAPTER = ImplAdapter()\n"
+        "ADAPTER.grad_reduction = 'sum'\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        with pytest.raises(registry.RemovedNameError, match=r"'grad_reduction' \(set on the inst"):
+            get_adapter("instance_attr_adapter:ADAPTER")
+    finally:
+        sys.modules.pop("instance_attr_adapter", None)
+
+
+@pytest.mark.parametrize("name", sorted(_removed.REMOVED_EXPORTS))
+def test_importing_a_removed_package_name_says_its_replacement(name: str) -> None:
+    with pytest.raises(ImportError) as error:
+        exec(f"from fsdp_conformance.adapters import {name}", {})  # noqa: S102
+    line = _line_of(error)
+    assert line.startswith(f"fsdp_conformance.adapters.{name} was removed: use "), line
+    assert _removed.REMOVED_EXPORTS[name] in line and "Removed names" in line, line

@@ -198,7 +198,7 @@ def _builtin_deviations():
     return [
         (name, deviation)
         for name in ("torch-fsdp1", "torch-fsdp2", "fairscale")
-        for deviation in adapter_features.declared(get_adapter(name)).known_deviations
+        for deviation in get_adapter(name).declarations.known_deviations
     ]
 
 

@@ -30,7 +30,7 @@ def test_python_dash_m_runs_main():
 
 
 def test_each_command_is_its_own_module():
-    from fsdp_conformance.cli import overlap, run, timeline
+    from fsdp_conformance.cli import overlap_table, run, timeline
 
     parser = cli.build_parser()
     handlers = {}
@@ -39,7 +39,7 @@ def test_each_command_is_its_own_module():
         handlers[command] = args.handler.__module__
     assert handlers == {
         "run": run.__name__,
-        "overlap": overlap.__name__,
+        "overlap": overlap_table.__name__,
         "timeline": timeline.__name__,
     }
 

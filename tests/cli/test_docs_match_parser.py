@@ -1,6 +1,6 @@
 """The docs match the code: each command's section of docs/cli.md documents every option of its
 parser with the parser's default and exactly the exit codes the command declares
-(``cli.common.EXIT_CODES``, also in its --help); the README's commands parse, run where the
+(``cli.usage.EXIT_CODES``, also in its --help); the README's commands parse, run where the
 adapter they name is importable, and quote the benchmarks' defaults right."""
 
 from __future__ import annotations

@@ -7,6 +7,8 @@ their own: the CLI and the repro start fresh ranks), so a real code path is brok
 
 from __future__ import annotations
 
+import dataclasses
+
 from fsdp_conformance.adapters import Feature
 from fsdp_conformance.adapters.impl import ImplAdapter
 
@@ -139,12 +141,14 @@ class LoadReplacesFlatParams(_Mutant):
     name = "impl-load-replaces-flat-params"
     patch = staticmethod(_load_replaces_flat_params)
 
-    def unsupported(self) -> dict[str, str]:
-        # no meta-device init: only the state-dict round trip between steps can find it
-        return {
-            **dict(super().declarations.unsupported),
+    # no meta-device init: only the state-dict round trip between steps can find it
+    declarations = dataclasses.replace(
+        ImplAdapter.declarations,
+        unsupported={
+            **ImplAdapter.declarations.unsupported,
             Feature.META_INIT: "left out by this test",
-        }
+        },
+    )
 
 
 LOAD_SKIPS_NESTED = LoadSkipsNested()

@@ -197,18 +197,3 @@ def test_precision_tolerance_is_the_suites_and_grows_with_layers():
     assert tolerance(case(deep, ()), 2) == tolerance(case(1, ()), 2)  # float32: unchanged
     fp16 = tolerance(case(1, (("param_dtype", "fp32"), ("reduce_dtype", "fp16"))), 2)
     assert fp16 == (PARAM_ATOL_PER_EPS * 2.0**-11, LOSS_RTOL_PER_EPS * 2.0**-11)
-
-
-def test_the_fuzzers_old_paths_still_import():
-    """``repro.py`` files written before the fuzzer moved into the suite import these."""
-    import subprocess
-    import sys
-
-    import fsdp_conformance.fuzz as old
-    from fsdp_conformance.fuzz.repro import main
-    from fsdp_conformance.fuzz.spec import FuzzCase as OldFuzzCase
-
-    from fsdp_conformance.suite import fuzz
-
-    assert old is fuzz and main is fuzz.repro.main and OldFuzzCase is fuzz.FuzzCase
-    subprocess.run([sys.executable, "-m", "fsdp_conformance.fuzz.repro"], check=True, timeout=300)

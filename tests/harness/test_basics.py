@@ -181,23 +181,7 @@ def test_options_and_markers_are_registered(pytester):
 
 def test_plugin_is_import_light():
     code = (
-        "import sys, fsdp_conformance.plugin, fsdp_conformance.world.runtime, "
+        "import sys, fsdp_conformance.plugin, fsdp_conformance.harness.controller, "
         "fsdp_conformance.harness; assert 'torch' not in sys.modules, 'torch imported'"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True)
-
-
-def test_former_module_paths_import_the_modules_by_role():
-    code = (
-        "import importlib, sys\n"
-        "moved = {'runtime': 'controller', 'report': 'controller', 'protocol': 'wire',\n"
-        "         'execute': 'rank', 'rank_main': 'rank', 'hooks': 'rank', 'procs': 'rankset'}\n"
-        "for old, new in moved.items():\n"
-        "    module = importlib.import_module('fsdp_conformance.world.' + old)\n"
-        "    assert module is importlib.import_module('fsdp_conformance.harness.' + new), old\n"
-        "    assert module.__spec__.name == 'fsdp_conformance.harness.' + new, old\n"
-        "from fsdp_conformance.world.protocol import RANK_SEED\n"
-        "from fsdp_conformance.world.runtime import OptionError\n"
-        "assert 'torch' not in sys.modules, 'torch imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

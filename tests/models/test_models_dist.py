@@ -7,7 +7,6 @@ from fsdp_conformance.models import DummyDDP, MixtureOfExperts, TransformerWithS
 from torch import nn
 
 from fsdp_conformance.adapters import BUILTIN_ADAPTERS, get_adapter
-from fsdp_conformance.adapters import loop as adapter_loop
 from fsdp_conformance.suite.training import train
 
 
@@ -49,7 +48,7 @@ def test_transformer_with_shared_params_matches_ddp_exactly(dist, adapter_name):
     assert len(adapter.instances(root)) == 5  # root + 2 encoder + 2 decoder layers
     losses = train(root, model, dist.device, steps=2)
     assert torch.equal(losses, reference_losses)
-    full = adapter_loop.full_params(adapter, root)
+    full = adapter.full_params(root)
     tied = full["output_proj.weight"]
     assert torch.equal(tied, full["embed_tokens.weight"])  # still tied after two steps
     for name, param in reference.named_parameters(remove_duplicate=False):

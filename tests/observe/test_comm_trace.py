@@ -7,7 +7,7 @@ import contextlib
 import torch
 from torch import nn
 
-from fsdp_conformance.adapters import InstanceState
+from fsdp_conformance.adapters import Adapter, InstanceState
 from fsdp_conformance.observe.comm_trace import CommTrace, instance_labels
 
 
@@ -24,7 +24,7 @@ class Wrapper(nn.Module):
         return self._fsdp_wrapped_module(*args)
 
 
-class FakeAdapter:
+class FakeAdapter(Adapter):
     """The adapter members CommTrace uses; `emit` plays the implementation."""
 
     name = "fake"
@@ -40,9 +40,6 @@ class FakeAdapter:
 
     def training_state(self, instance):
         return instance.state
-
-    def supports(self, *features):
-        return True
 
     @contextlib.contextmanager
     def observe(self, callback, instances=None):

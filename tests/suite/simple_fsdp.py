@@ -34,7 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.nn.utils import parametrize
 
-from fsdp_conformance.adapters import Adapter, Declarations, Deviation, EngineHooks, Feature, _dcp
+from fsdp_conformance.adapters import Adapter, Declarations, Deviation, Feature, _dcp
 from fsdp_conformance.adapters.base import scoped_observer
 from fsdp_conformance.adapters.features import (
     ALL_FEATURES,
@@ -217,7 +217,7 @@ _SUPPORTED = {
 _REASON = "simple_fsdp (tests/suite/simple_fsdp.py) has no such option"
 
 
-class SimpleFSDPAdapter(EngineHooks, Adapter):
+class SimpleFSDPAdapter(Adapter):
     """Drives ``simple_fsdp``: an instance is the module a ``wrap`` call sharded (the module
     itself, parametrized in place); ``root_state`` / ``training_state`` do not exist."""
 
@@ -299,6 +299,9 @@ class SimpleFSDPAdapter(EngineHooks, Adapter):
 
     def _group(self, model: nn.Module) -> Any:
         return model._process_group
+
+    def on_test_end(self) -> None:
+        _policy_by_class.clear()  # what a wrap reads outlives no test (docs/adapters.md)
 
 
 class PerClassCache(SimpleFSDPAdapter):

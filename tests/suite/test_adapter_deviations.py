@@ -8,57 +8,66 @@ bad inputs).
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import textwrap
 
 import pytest
 
 import fsdp_conformance.suite  # noqa: F401  (the suite declares the checks)
-from fsdp_conformance.adapters import CHECK_IDS, Adapter, Deviation, get_adapter
+from fsdp_conformance import checks
+from fsdp_conformance.adapters import Adapter, Declarations, Deviation, get_adapter
 from fsdp_conformance.adapters import deviations as adapter_deviations
-from fsdp_conformance.adapters import features as adapter_features
-from fsdp_conformance.adapters.deviations import find_deviation
+from fsdp_conformance.adapters.deviations import deviation_reason, find_deviation
 
 pytest_plugins = ["pytester"]
 
 
 class _Base(Adapter):
     name = "base"
-    known_deviations = (
-        Deviation("misuse.wrap_twice", "accepts it: FSDP(lin); FSDP(lin)"),
-        Deviation("memory_bound", "one buffer too many", lambda case: case == "prefetch"),
+    declarations = Declarations(
+        known_deviations=(
+            Deviation("misuse.wrap_twice", "accepts it: FSDP(lin); FSDP(lin)"),
+            Deviation("memory_bound", "one buffer too many", lambda case: case == "prefetch"),
+        )
     )
 
 
 class _Child(_Base):
     name = "child"
-    known_deviations = _Base.known_deviations + (Deviation("parity.bf16", "casts to half"),)
+    declarations = dataclasses.replace(
+        _Base.declarations,
+        known_deviations=(
+            *_Base.declarations.known_deviations,
+            Deviation("parity.bf16", "casts to half"),
+        ),
+    )
 
 
 class _Delegating(Adapter):
     name = "delegating"
 
     def __init__(self) -> None:
-        self.delegates_to = _Child()
+        self.declarations = Declarations(delegates_to=_Child())
 
 
 def test_deviation_lookup_inherits_and_filters_by_case() -> None:
     child = _Child()
-    assert child.deviation("misuse.wrap_twice") == "accepts it: FSDP(lin); FSDP(lin)"
-    assert child.deviation("memory_bound", "prefetch") == "one buffer too many"
-    assert child.deviation("memory_bound", "no prefetch") is None
-    assert child.deviation("parity.bf16") == "casts to half"
-    assert _Base().deviation("parity.bf16") is None
+    assert deviation_reason(child, "misuse.wrap_twice") == "accepts it: FSDP(lin); FSDP(lin)"
+    assert deviation_reason(child, "memory_bound", "prefetch") == "one buffer too many"
+    assert deviation_reason(child, "memory_bound", "no prefetch") is None
+    assert deviation_reason(child, "parity.bf16") == "casts to half"
+    assert deviation_reason(_Base(), "parity.bf16") is None
     delegating = _Delegating()
-    assert delegating.deviation("parity.bf16") == "casts to half"
-    assert delegating.deviation("memory_bound", "prefetch") == "one buffer too many"
-    assert adapter_deviations.deviation_reason(get_adapter("impl"), "memory_bound", None) is None
+    assert deviation_reason(delegating, "parity.bf16") == "casts to half"
+    assert deviation_reason(delegating, "memory_bound", "prefetch") == "one buffer too many"
+    assert deviation_reason(get_adapter("impl"), "memory_bound", None) is None
 
 
 def test_builtin_deviations_use_known_check_ids() -> None:
     for name in ("torch-fsdp1", "torch-fsdp2"):
-        for deviation in adapter_features.declared(get_adapter(name)).known_deviations:
-            assert deviation.check in CHECK_IDS, (name, deviation.check)
+        for deviation in get_adapter(name).declarations.known_deviations:
+            assert deviation.check in checks.CHECKS, (name, deviation.check)
             assert "Reproduction" in deviation.reason, (name, deviation.check)
 
 
@@ -68,17 +77,17 @@ def test_bad_declarations_raise_naming_the_fix() -> None:
     with pytest.raises(ValueError, match="non-empty reason"):
         Deviation("misuse.wrap_twice", " ")
     with pytest.raises(ValueError, match="unknown check id"):
-        _Child().deviation("no.such.check")
+        deviation_reason(_Child(), "no.such.check")
 
     class NotADelegate(Adapter):
-        delegates_to = "torch-fsdp1"  # type: ignore[assignment]
+        declarations = Declarations(delegates_to="torch-fsdp1")
 
     with pytest.raises(TypeError, match="delegates_to.*not an Adapter"):
-        NotADelegate().deviation("misuse.wrap_twice")
+        deviation_reason(NotADelegate(), "misuse.wrap_twice")
 
 
 _OUTSIDE = '''
-from fsdp_conformance.adapters import Adapter
+from fsdp_conformance.adapters import Adapter, Declarations
 from fsdp_conformance.adapters.torch_fsdp1 import TorchFSDP1Adapter
 
 
@@ -92,34 +101,34 @@ class Delegating(Adapter):
     name = "delegating-fsdp1"
 
     def __init__(self):
-        self.delegates_to = TorchFSDP1Adapter()
-
-    def unsupported(self):
-        return self.delegates_to.unsupported()
+        self.fsdp1 = TorchFSDP1Adapter()
+        self.declarations = Declarations(
+            unsupported=self.fsdp1.declarations.unsupported, delegates_to=self.fsdp1
+        )
 
     def _wrap(self, module, process_group, config):
-        return self.delegates_to._wrap(module, process_group, config)
+        return self.fsdp1._wrap(module, process_group, config)
 
     def unwrap(self, model):
-        return self.delegates_to.unwrap(model)
+        return self.fsdp1.unwrap(model)
 
     def instances(self, model):
-        return self.delegates_to.instances(model)
+        return self.fsdp1.instances(model)
 
     def training_state(self, instance):
-        return self.delegates_to.training_state(instance)
+        return self.fsdp1.training_state(instance)
 
     def root_state(self, instance):
-        return self.delegates_to.root_state(instance)
+        return self.fsdp1.root_state(instance)
 
     def _summon_full_params(self, model, writeback):
-        return self.delegates_to._summon_full_params(model, writeback)
+        return self.fsdp1._summon_full_params(model, writeback)
 
     def _observe(self, callback, instances):
-        return self.delegates_to._observe(callback, instances)
+        return self.fsdp1._observe(callback, instances)
 
     def _install_device_handle(self, model, handle):
-        self.delegates_to._install_device_handle(model, handle)
+        self.fsdp1._install_device_handle(model, handle)
 
 
 ADAPTER = MyFSDP1()
@@ -185,11 +194,13 @@ def test_several_deviations_of_one_check_each_cover_their_own_failure() -> None:
 
     class _Two(Adapter):
         name = "two"
-        known_deviations = (
-            Deviation("fuzz.generated", "state bug. Reproduction: ...", raises=ValueError,
-                      match="expected to be in states"),
-            Deviation("fuzz.generated", "drops a grad. Reproduction: ...",
-                      match="differs from DDP's"),
+        declarations = Declarations(
+            known_deviations=(
+                Deviation("fuzz.generated", "state bug. Reproduction: ...", raises=ValueError,
+                          match="expected to be in states"),
+                Deviation("fuzz.generated", "drops a grad. Reproduction: ...",
+                          match="differs from DDP's"),
+            )
         )  # fmt: skip
 
     adapter = _Two()
@@ -215,6 +226,6 @@ def test_every_builtin_deviation_names_its_failure() -> None:
     from fsdp_conformance.constants import BUILTIN_ADAPTERS
 
     for name in BUILTIN_ADAPTERS:
-        for deviation in adapter_features.declared(get_adapter(name)).known_deviations:
+        for deviation in get_adapter(name).declarations.known_deviations:
             assert deviation.match, (name, deviation.check, deviation.reason[:80])
             assert deviation.measured_on, (name, deviation.check)

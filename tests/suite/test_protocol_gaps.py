@@ -126,6 +126,8 @@ def test_wrapper_segments_are_removed() -> None:
 
 
 _REFUSING = """
+import dataclasses
+
 import pytest
 
 from fsdp_conformance.adapters import UnsupportedFeatureError
@@ -134,9 +136,10 @@ from fsdp_conformance.adapters.impl import ImplAdapter
 
 class Refusing(ImplAdapter):
     name = "refusing"
-
-    def unsupported_values(self):
-        return {("limit_all_gathers", False): "the limiter cannot be turned off"}
+    declarations = dataclasses.replace(
+        ImplAdapter.declarations,
+        unsupported_values={("limit_all_gathers", False): "the limiter cannot be turned off"},
+    )
 
     def _wrap(self, module, process_group, config):
         if config.get("sharding_strategy") == "NO_SHARD":

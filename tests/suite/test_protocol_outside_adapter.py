@@ -3,11 +3,10 @@
 An outside adapter (``engine_like:ADAPTER``, written by pytester) reproduces each gap the
 DeepSpeed adapter met: it owns its optimizer and backward (backward refuses to run unless the
 suite asked the adapter for the optimizer), needs to know the root at wrap time (``_wrap``
-refuses ``root=None``), sums gradients across ranks (``grad_reduction = "sum"``: its backward
+refuses ``root=None``), sums gradients across ranks (``grad_reduction="sum"``: its backward
 scales the loss by the world size) and keeps no per-instance training state
-(``instance_states = False``); written against the older, wider ``Adapter`` protocol, it must
-still pass every one of these cells. The coverage test checks that the pairwise set is built
-over the values an adapter supports.
+(``instance_states=False``); it must pass every one of these cells. The coverage test checks
+that the pairwise set is built over the values an adapter supports.
 """
 
 from __future__ import annotations
@@ -17,13 +16,15 @@ import textwrap
 
 import pytest
 
-from fsdp_conformance.adapters import Adapter, Feature, get_adapter
+from fsdp_conformance.adapters import Adapter, Declarations, Feature, get_adapter
 from fsdp_conformance.adapters import features as adapter_features
 from fsdp_conformance.suite import configs
 
 pytest_plugins = ["pytester"]
 
 _ADAPTER = """
+import dataclasses
+
 import torch
 
 from fsdp_conformance.adapters.impl import ImplAdapter
@@ -31,8 +32,9 @@ from fsdp_conformance.adapters.impl import ImplAdapter
 
 class EngineLike(ImplAdapter):
     name = "engine-like"
-    instance_states = False
-    grad_reduction = "sum"
+    declarations = dataclasses.replace(
+        ImplAdapter.declarations, instance_states=False, grad_reduction="sum"
+    )
 
     def _wrap(self, module, process_group, config):
         if self.wrapping_root is None:
@@ -95,13 +97,13 @@ def test_engine_like_outside_adapter_passes(pytester: pytest.Pytester) -> None:
 
 class _NoBackwardPre(Adapter):
     name = "no-backward-pre"
-
-    def unsupported(self) -> dict[str, str]:
-        return {
+    declarations = Declarations(
+        unsupported={
             Feature.BACKWARD_PREFETCH_PRE: "none",
             Feature.NO_SHARD: "none",
             Feature.CPU_OFFLOAD: "none",
         }
+    )
 
 
 def test_coverage_pairs_the_values_the_adapter_has() -> None:
@@ -122,9 +124,9 @@ def test_coverage_pairs_the_values_the_adapter_has() -> None:
     adapter = _NoBackwardPre()
     for config in chosen:
         wrap_config = {k: v for k, v in config.items() if k != "device_init" and v is not None}
-        assert adapter_features.supports(
-            adapter, *adapter_features.wrap_features(adapter, **wrap_config)
-        ), config
+        assert adapter_features.supports(adapter, *adapter_features.wrap_features(**wrap_config)), (
+            config
+        )
 
 
 def test_fairscale_coverage_skips_nothing_for_a_missing_value() -> None:

@@ -25,7 +25,6 @@ import textwrap
 import pytest
 
 from fsdp_conformance.adapters import features as adapter_features
-from fsdp_conformance.adapters import loop as adapter_loop
 from fsdp_conformance.suite import BaseConfigIsolationTests, BaseReshardAfterForwardTests
 
 pytest_plugins = ["pytester"]
@@ -170,7 +169,7 @@ def test_deepspeed_zero3_keeps_parameters_after_forward_from_the_second_step(dis
         pytest.skip(adapter_features.why_unsupported(adapter, Feature.FULL_SHARD))
     config = {"sharding_strategy": "FULL_SHARD"}
     root, zoo_model = training.wrap_model(adapter, "nested", dist, config)
-    optimizer = adapter_loop.optimizer(adapter, root, "sgd", lr=training.LR)
+    optimizer = adapter.optimizer(root, "sgd", lr=training.LR)
     gathered = []  # per step: parameter name -> whether it holds its full data after forward
     for _ in range(2):
         optimizer.zero_grad()

@@ -12,6 +12,8 @@ import pytest
 pytest_plugins = ["pytester"]
 
 _ADAPTERS = '''
+import dataclasses
+
 from fsdp_conformance.adapters import Deviation
 from fsdp_conformance.adapters.impl import ImplAdapter
 
@@ -21,11 +23,14 @@ class Crashing(ImplAdapter):
     with an unrelated AttributeError there: the crash must be a failure."""
 
     name = "crashing"
-    known_deviations = (
-        Deviation(
-            "misuse.mixed_devices",
-            "accepts cpu and meta parameters; reproduction: wrap(Sequential(cpu, meta))",
-            measured_on="torch 2.13.0",
+    declarations = dataclasses.replace(
+        ImplAdapter.declarations,
+        known_deviations=(
+            Deviation(
+                "misuse.mixed_devices",
+                "accepts cpu and meta parameters; reproduction: wrap(Sequential(cpu, meta))",
+                measured_on="torch 2.13.0",
+            ),
         ),
     )
 
@@ -50,7 +55,10 @@ class Stale(ImplAdapter):
     """Declares a strict deviation of a check impl passes."""
 
     name = "stale"
-    known_deviations = (Deviation("states.assert_state", "says it fails; it does not"),)
+    declarations = dataclasses.replace(
+        ImplAdapter.declarations,
+        known_deviations=(Deviation("states.assert_state", "says it fails; it does not"),),
+    )
 '''
 
 

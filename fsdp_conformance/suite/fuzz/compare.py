@@ -27,8 +27,6 @@ from torch import nn
 
 from fsdp_conformance.adapters import UnsupportedFeatureError, clean_param_name
 from fsdp_conformance.adapters import deviations as adapter_deviations
-from fsdp_conformance.adapters import features as adapter_features
-from fsdp_conformance.adapters import loop as adapter_loop
 from fsdp_conformance.suite.training import LR, MOMENTUM, adapter_backward
 
 from .model import build_model, make_batch, unpack
@@ -85,13 +83,13 @@ def _train(
             x, tokens = batch()
             if adapter is not None and len(step.micro) > 1:
                 last = micro_index == len(step.micro) - 1
-                adapter_loop.accumulation_boundary(adapter, model, last)
+                adapter.accumulation_boundary(model, last)
             if sync:
                 context = contextlib.nullcontext()
             elif adapter is None:
                 context = model.no_sync()
             else:
-                context = adapter_loop.no_sync(adapter, model)
+                context = adapter.no_sync(model)
             with context:
                 output = unpack(model(x, tokens, step_index))
                 loss = output.float().pow(2).mean() / len(step.micro)
@@ -105,14 +103,14 @@ def _train(
                 trainable = [param for param in model.parameters() if param.requires_grad]
                 norm = torch.nn.utils.clip_grad_norm_(trainable, step.clip)
             else:
-                norm = adapter_loop.clip_grad_norm_(adapter, model, step.clip)
+                norm = adapter.clip_grad_norm_(model, step.clip)
             values.append((f"step {step_index} total grad norm", float(norm)))
         optimizer.step()
         if after_step is not None:
             after_step()
         if adapter is not None and step.round_trip:
-            state = adapter_loop.state_dict(adapter, model)
-            adapter_loop.load_state_dict(adapter, model, state)
+            state = adapter.state_dict(model)
+            adapter.load_state_dict(model, state)
         if step.eval:
             x, tokens = batch()
             with torch.no_grad():
@@ -163,24 +161,24 @@ def fsdp_train(adapter: Any, root: nn.Module, case: FuzzCase, dist: Any) -> Trac
     """Train the wrapped ``root`` through ``adapter`` (states recorded where it has them); a
     meta-device case is materialised and loaded with the CPU build's weights first."""
     if case.meta:
-        adapter_loop.materialize(adapter, root, device=dist.device)
+        adapter.materialize(root, device=dist.device)
         weights = build_model(case.model, dist.device).state_dict()
-        adapter_loop.load_state_dict(adapter, root, weights)
+        adapter.load_state_dict(root, weights)
     recorder = _recorder(adapter, root)
-    optimizer = adapter_loop.optimizer(adapter, root, "sgd", lr=LR, momentum=MOMENTUM)
+    optimizer = adapter.optimizer(root, "sgd", lr=LR, momentum=MOMENTUM)
     if recorder is None:
         values = _train(root, case, dist, optimizer, adapter)
     else:
         with recorder:
             values = _train(root, case, dist, optimizer, adapter, recorder.after_step)
         recorder.assert_legal()
-    segments = adapter_features.declared(adapter).wrapper_segments
-    params = adapter_loop.full_params(adapter, root).items()
+    segments = adapter.declarations.wrapper_segments
+    params = adapter.full_params(root).items()
     return Trace(values, {clean_param_name(name, segments): p for name, p in params})
 
 
 def _recorder(adapter: Any, root: nn.Module) -> Any:
-    if not adapter_features.declared(adapter).instance_states:
+    if not adapter.declarations.instance_states:
         return None
     from fsdp_conformance.observe.states import TrainingStateRecorder
 
@@ -306,8 +304,8 @@ def probe_capabilities(adapter: Any, dist: Any) -> Any:
     except Exception:  # noqa: BLE001  the cases themselves will show what fails
         return caps
     probes = (
-        (Feature.GRADIENT_ACCUMULATION, lambda: adapter_loop.no_sync(adapter, root).__enter__()),
-        (Feature.CLIP_GRAD_NORM, lambda: adapter_loop.clip_grad_norm_(adapter, root, 1.0)),
+        (Feature.GRADIENT_ACCUMULATION, lambda: adapter.no_sync(root).__enter__()),
+        (Feature.CLIP_GRAD_NORM, lambda: adapter.clip_grad_norm_(root, 1.0)),
     )
     for feature, probe in probes:
         if feature not in supported:

@@ -44,7 +44,7 @@ class Capabilities:
     def of(cls, adapter: Any, world_size: int) -> Capabilities:
         return cls(
             frozenset(adapter_features.capabilities(adapter)),
-            tuple(dict(adapter_features.declared(adapter).unsupported_values)),
+            tuple(dict(adapter.declarations.unsupported_values)),
             world_size,
         )
 
