@@ -147,7 +147,7 @@ def verdict_of_outcome(
         verdict = PASS
     if recorded.get(PROPERTY_VERDICT) == verdict:
         return verdict, recorded.get(PROPERTY_REASON, "")
-    return verdict, "" if verdict == PASS else " ".join(text.split())
+    return verdict, "" if verdict == PASS else _one_line(text)
 
 
 def _one_line(text: str) -> str:
@@ -168,18 +168,15 @@ class Result:
 
     def properties(self) -> list[tuple[str, str]]:
         """The record as report properties, each value on one line."""
-        pairs = [
+        recorded = [
             (PROPERTY_CHECK, self.check),
             (PROPERTY_VERDICT, self.verdict),
             (PROPERTY_REASON, _one_line(self.reason)),
+            (PROPERTY_FEATURE, self.feature and _one_line(self.feature)),
+            (PROPERTY_FAILURE, self.failure and _one_line(self.failure)),
+            (PROPERTY_RERUN, self.rerun),
         ]
-        if self.feature is not None:
-            pairs.append((PROPERTY_FEATURE, _one_line(self.feature)))
-        if self.failure is not None:
-            pairs.append((PROPERTY_FAILURE, _one_line(self.failure)))
-        if self.rerun is not None:
-            pairs.append((PROPERTY_RERUN, self.rerun))
-        return pairs
+        return [(name, value) for name, value in recorded if value is not None]
 
     @classmethod
     def from_properties(cls, properties: Iterable[tuple[str, object]]) -> Result | None:
@@ -187,14 +184,9 @@ class Result:
         values = {name: str(value) for name, value in properties}
         if PROPERTY_VERDICT not in values:
             return None
-        return cls(
-            values.get(PROPERTY_CHECK, ""),
-            values[PROPERTY_VERDICT],
-            values.get(PROPERTY_REASON, ""),
-            values.get(PROPERTY_FAILURE),
-            values.get(PROPERTY_FEATURE),
-            values.get(PROPERTY_RERUN),
-        )
+        check, reason = values.get(PROPERTY_CHECK, ""), values.get(PROPERTY_REASON, "")
+        optional = (PROPERTY_FAILURE, PROPERTY_FEATURE, PROPERTY_RERUN)  # None: not recorded
+        return cls(check, values[PROPERTY_VERDICT], reason, *map(values.get, optional))
 
     @classmethod
     def of_report(cls, check: str, report: object, recorded: Result | None = None) -> Result:

@@ -9,6 +9,7 @@ declarations are the adapter's; it records what the body requires and stops the 
 keeps its check's and case's features. A feature *unlocks* the cells that would run if the
 adapter supported it too.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -112,12 +113,8 @@ def _family_counts(gains: dict[str, int]) -> str:
 
 def render_text(data: dict[str, Any]) -> str:
     """The report as the terminal shows it."""
-    lines = [
-        (
-            f"adapter {data['adapter']!r} ({data['impl']}), coverage {data['coverage']}: "
-            f"{data['cells']} cells collected, {data['run']} would run, {data['skip']} would skip"
-        )
-    ]
+    counts = f"{data['cells']} cells collected, {data['run']} would run, {data['skip']} would skip"
+    lines = [f"adapter {data['adapter']!r} ({data['impl']}), coverage {data['coverage']}: {counts}"]
     if data["support_problem"]:
         lines.append(f"every cell skips: {data['support_problem']}")
     lines.append("")

@@ -53,13 +53,8 @@ def _fuzz_command(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="fsdp-fuzz-", ignore_cleanup_errors=True) as workdir:
         out_file = os.path.join(workdir, "result.json")
         progress_file = os.path.join(workdir, "progress.txt")
-        kwargs = {
-            "out_file": out_file,
-            "examples": args.examples,
-            "seed": args.seed,
-            "max_seconds": args.max_seconds,
-            "progress_file": progress_file,
-        }
+        kwargs = {name: getattr(args, name) for name in ("examples", "seed", "max_seconds")}
+        kwargs.update(out_file=out_file, progress_file=progress_file)
         status, message = _run_with_progress(kwargs, args, timeout, progress_file)
         if status != "passed":
             print(f"{PROG} fuzz: the ranks {status}:\n{message}", file=sys.stderr)
@@ -103,22 +98,16 @@ def _run_with_progress(
     kwargs: dict[str, Any], args: argparse.Namespace, timeout: float, progress_file: str
 ) -> tuple[str, str]:
     """Run ``fuzz_in_rank`` in a rank set, echoing rank 0's progress line."""
-    from fsdp_conformance.harness.controller import Runtime, RuntimeOptions, TestRequest
-    from fsdp_conformance.harness.wire import TestTarget
+    from fsdp_conformance.harness.controller import function_request
 
-    world_size = args.world_size
-    runtime = Runtime(
-        RuntimeOptions(
-            mode="process", timeout=timeout, world_size=world_size, impl=args.impl, backend="gloo"
-        )
-    )
-    request = TestRequest(
-        target=TestTarget("fsdp_conformance.suite.fuzz.driver", None, (), "fuzz_in_rank"),
-        kwargs=kwargs,
-        test_id=f"{PROG} fuzz",
-        world_size=world_size,
-        mode="process",
+    runtime, request = function_request(
+        "fsdp_conformance.suite.fuzz.driver",
+        "fuzz_in_rank",
+        kwargs,
+        world_size=args.world_size,
         timeout=timeout,
+        impl=args.impl,
+        test_id=f"{PROG} fuzz",
     )
     outcome: dict[str, Any] = {}
 

@@ -22,12 +22,8 @@ from fsdp_conformance.constants import Op
 
 def _overlap_command(args: argparse.Namespace) -> int:
     check_impl(args.impl)
-    check_at_least(
-        args.world_size,
-        "--world-size",
-        2,
-        "a one-rank group all-gathers nothing, so there is no communication to overlap; use 2",
-    )
+    why = "a one-rank group all-gathers nothing, so there is no communication to overlap; use 2"
+    check_at_least(args.world_size, "--world-size", 2, why)
     check_world_size(args.world_size)
     check_at_least(args.repeats, "--repeats")
     check_output(args.json, "--json")
@@ -63,16 +59,12 @@ def render_overlap(document: dict[str, Any]) -> str:
     ]
     width = max(len(name) for name, _ in rows)
     lines = [
-        (
-            f"overlap of {document['impl']!r} on {document['placement']} (world size "
-            f"{document['world_size']}, {document['layers']} layers, {config})"
-        ),
+        f"overlap of {document['impl']!r} on {document['placement']} (world size "
+        + f"{document['world_size']}, {document['layers']} layers, {config})",
         f"forward time, minimum of {document['repeats']} runs, maximum over ranks:",
         "",
         f"  {'case':<{width}}  {unit:>10}",
-    ]
-    lines += [f"  {name:<{width}}  {value:10.1f}" for name, value in rows]
-    lines += [
+        *(f"  {name:<{width}}  {value:10.1f}" for name, value in rows),
         "",
         f"all-gathers per forward: {times['all_gathers']} ({times['synchronous']} synchronous)",
     ]
@@ -82,9 +74,8 @@ def render_overlap(document: dict[str, Any]) -> str:
             "(> 1.1: overlapped)"
         )
     else:
-        serialised = (
-            times["all_gathers"] * document["comm_ms"] + times["compute"] - times["nothing"]
-        )
+        communication = times["all_gathers"] * document["comm_ms"]
+        serialised = communication + times["compute"] - times["nothing"]
         lines.append(
             f"overlap ratio (both - nothing) / (communication + compute serialised) = "
             f"{times['both'] - times['nothing']:.1f} / {serialised:.1f} = {document['ratio']:.2f} "

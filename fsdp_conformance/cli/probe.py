@@ -149,7 +149,7 @@ def _probe_require(adapter: Any, *features: str) -> None:
 _REQUIRE = adapter_features.require
 
 
-def _static_needs(item: Any, check: checks.Check | None, adapter: Any) -> list[str]:
+def _static_needs(item: Any, check: checks.Check | None) -> list[str]:
     """The registry's features and those of each parameter's ``wrap_config``."""
     needs = list(check.features) if check else []
     for value in getattr(getattr(item, "callspec", None), "params", {}).values():
@@ -171,7 +171,7 @@ def _probe(item: Any, capabilities: Granted, world_size: int) -> Cell:
     check = checks.check_for_test(names, item.originalname)
     marker = item.get_closest_marker("world_size")
     ranks = int(marker.args[0]) if marker is not None and marker.args else world_size
-    static = _static_needs(item, check, capabilities.adapter)
+    static = _static_needs(item, check)
     cell = Cell(item.nodeid, check.id if check else "", tuple(dict.fromkeys(static)))
     gpus = gpus_needed(item)
     if gpus > torch.cuda.device_count():
@@ -274,11 +274,7 @@ def collect(
     with _swapped(configs, "dimensions_for_impl", dimensions), _quiet():
         code = pytest.main(arguments, plugins=[collector])
     if collector.errors or code not in (0, 5):
-        raise RuntimeError(
-            f"the suite did not collect (pytest exit {int(code)}): "
-            + (
-                "; ".join(collector.errors)
-                or "see pytest --collect-only --pyargs fsdp_conformance.suite"
-            )
-        )
+        errors = "; ".join(collector.errors)
+        why = errors or "see pytest --collect-only --pyargs fsdp_conformance.suite"
+        raise RuntimeError(f"the suite did not collect (pytest exit {int(code)}): {why}")
     return collector.cells

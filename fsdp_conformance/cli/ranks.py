@@ -22,22 +22,13 @@ def _write(dist: Any, out_file: str, document: dict[str, Any]) -> None:
             json.dump(document, stream, indent=1)
 
 
-def overlap_in_rank(
-    dist: Any,
-    out_file: str,
-    limit_all_gathers: bool,
-    repeats: int,
-    compute_ms: float | None = None,
-    comm_ms: float | None = None,
-) -> None:
-    """Time the four cases of ``[Note: overlap timing]`` (each the minimum of ``repeats`` runs;
-    delays default to the suite's CPU or CUDA values)."""
+def overlap_in_rank(dist: Any, out_file: str, limit_all_gathers: bool, repeats: int) -> None:
+    """Time the four cases of ``[Note: overlap timing]`` (each the minimum of ``repeats`` runs,
+    with the suite's CPU or CUDA delays)."""
     adapter = get_adapter(dist.impl)
     cuda = dist.device.type == "cuda"
-    if compute_ms is None:
-        compute_ms = overlap.CUDA_COMPUTE_MS if cuda else overlap.CPU_COMPUTE_MS
-    if comm_ms is None:
-        comm_ms = overlap.CUDA_COMM_MS if cuda else overlap.CPU_COMM_MS
+    compute_ms = overlap.CUDA_COMPUTE_MS if cuda else overlap.CPU_COMPUTE_MS
+    comm_ms = overlap.CUDA_COMM_MS if cuda else overlap.CPU_COMM_MS
     wrap_config = overlap.overlap_config(dist.device, limit_all_gathers)
     adapter_features.skip_unless(adapter, *adapter_features.wrap_features(**wrap_config))
     times = overlap.measure_overlap(
@@ -50,25 +41,22 @@ def overlap_in_rank(
     else:
         failure = overlap.cpu_overlap_failure(times, comm_ms, label)
         ratio = times.cpu_ratio(comm_ms)
-    _write(
-        dist,
-        out_file,
-        {
-            "impl": adapter.name,
-            "device": dist.device.type,
-            "placement": dist.placement,
-            "world_size": dist.world_size,
-            "config": {key: str(value) for key, value in wrap_config.items()},
-            "compute_ms": compute_ms,
-            "comm_ms": comm_ms,
-            "repeats": repeats,
-            "layers": overlap.LAYERS,
-            "times": dataclasses.asdict(times),
-            "ratio": ratio,
-            "max_ratio": overlap.MAX_OVERLAP_RATIO,
-            "failure": failure,
-        },
-    )
+    document = {
+        "impl": adapter.name,
+        "device": dist.device.type,
+        "placement": dist.placement,
+        "world_size": dist.world_size,
+        "config": {key: str(value) for key, value in wrap_config.items()},
+        "compute_ms": compute_ms,
+        "comm_ms": comm_ms,
+        "repeats": repeats,
+        "layers": overlap.LAYERS,
+        "times": dataclasses.asdict(times),
+        "ratio": ratio,
+        "max_ratio": overlap.MAX_OVERLAP_RATIO,
+        "failure": failure,
+    }
+    _write(dist, out_file, document)
 
 
 def _bound_of(adapter: Any, case: memory_bound.BoundCase) -> tuple[str, dict[str, int]]:
@@ -125,11 +113,8 @@ def timeline_in_rank(
     for limit in (True, False):
         case = memory_bound.BoundCase(lag, "FULL_SHARD", backward_prefetch, forward_prefetch, limit)
         profile = limit and trace_file is not None and dist.rank == 0
-        profiler = (
-            torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
-            if profile
-            else contextlib.nullcontext()
-        )
+        cpu = [torch.profiler.ProfilerActivity.CPU]
+        profiler = torch.profiler.profile(activities=cpu) if profile else contextlib.nullcontext()
         with profiler:
             tracker = memory_bound.measure_residency(
                 adapter, dist.group, case.wrap_config, lag, iterations, layers
@@ -137,15 +122,12 @@ def timeline_in_rank(
         if profile:
             profiler.export_chrome_trace(trace_file)
         panels.append(_panel(tracker, case, adapter))
-    _write(
-        dist,
-        out_file,
-        {
-            "impl": adapter.name,
-            "lag": lag,
-            "layers": layers,
-            "iterations": iterations,
-            "world_size": dist.world_size,
-            "panels": panels,
-        },
-    )
+    document = {
+        "impl": adapter.name,
+        "lag": lag,
+        "layers": layers,
+        "iterations": iterations,
+        "world_size": dist.world_size,
+        "panels": panels,
+    }
+    _write(dist, out_file, document)

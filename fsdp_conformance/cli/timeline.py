@@ -51,29 +51,21 @@ def _timeline_command(args: argparse.Namespace) -> int:
         write_json(args.data, document, indent=1)
         written.append(args.data)
     if args.trace:
-        ranges = _count_trace_ranges(args.trace, RATE_LIMITER_RANGE)
-        written.append(f"{args.trace} (Chrome trace: {ranges} {RATE_LIMITER_RANGE} ranges)")
+        with open(args.trace, encoding="utf-8") as stream:
+            trace = json.load(stream)
+        events = trace.get("traceEvents", []) if isinstance(trace, dict) else trace
+        name = constants.RATE_LIMITER_RANGE
+        ranges = sum(1 for event in events if event.get("name") == name and event.get("ph") == "X")
+        written.append(f"{args.trace} (Chrome trace: {ranges} {name} ranges)")
     print("wrote " + ", ".join(written))
     return 0
-
-
-RATE_LIMITER_RANGE = constants.RATE_LIMITER_RANGE
-
-
-def _count_trace_ranges(path: str, name: str) -> int:
-    with open(path, encoding="utf-8") as stream:
-        trace = json.load(stream)
-    events = trace.get("traceEvents", []) if isinstance(trace, dict) else trace
-    return sum(1 for event in events if event.get("name") == name and event.get("ph") == "X")
 
 
 def render_timeline(document: dict[str, Any]) -> str:
     """Peak resident non-root buffers per iteration and phase, next to the bound."""
     lines = [
-        (
-            f"resident unsharded buffers of {document['impl']!r}: {document['layers']} instances "
-            f"under a root, {document['lag']} lagging device, world size {document['world_size']}"
-        ),
+        f"resident unsharded buffers of {document['impl']!r}: {document['layers']} instances "
+        + f"under a root, {document['lag']} lagging device, world size {document['world_size']}",
         f"bound: {document['panels'][0]['bound_name']}" if document["panels"] else "",
         "",
         "  limit_all_gathers  iteration  phase     peak  bound",

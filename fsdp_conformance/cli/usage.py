@@ -28,7 +28,6 @@ COVERAGES = constants.COVERAGES
 DEFAULT_COVERAGE = "pairwise"
 DEFAULT_WORKERS = 2
 CLI_TIMEOUT_S = 300.0  # per-test timeout of `run` and `conformance` (xdist workers share CPUs)
-RANK_MEMORY_BYTES = limits.RANK_BYTES  # for the world-size limit
 RANKS_PER_CPU = 4  # beyond this a world does not run in reasonable time
 KEPT_LOGS = 20  # pytest logs of failed or interrupted `run`s kept in cache_dir("logs")
 
@@ -231,20 +230,17 @@ def check_keyword_expression(expression: str | None) -> None:
         raise UsageError(f"-k {expression!r}: not a pytest -k expression ({reason})") from None
 
 
-def max_world_size() -> tuple[int, str]:
-    """The most CPU ranks this machine runs, and why (cores x RANKS_PER_CPU, memory)."""
+def check_world_size(world_size: int, minimum: int = 1) -> None:
+    """UsageError unless ``minimum`` <= ``world_size`` <= the most CPU ranks this machine runs
+    (cores x RANKS_PER_CPU, memory)."""
+    check_at_least(world_size, "--world-size", minimum)
     cpus = os.cpu_count() or 1
     caps = [(cpus * RANKS_PER_CPU, f"{cpus} CPUs x {RANKS_PER_CPU} ranks each")]
     available = limits.available_memory()
     if available is not None:
-        why = f"{available / 1024**3:.1f} GiB available memory / {RANK_MEMORY_BYTES // 1024**2} MiB"
-        caps.append((max(1, available // RANK_MEMORY_BYTES), why + " per rank"))
-    return min(caps)
-
-
-def check_world_size(world_size: int, minimum: int = 1) -> None:
-    check_at_least(world_size, "--world-size", minimum)
-    limit, why = max_world_size()
+        why = f"{available / 1024**3:.1f} GiB available memory / {limits.RANK_BYTES // 1024**2} MiB"
+        caps.append((max(1, available // limits.RANK_BYTES), why + " per rank"))
+    limit, why = min(caps)
     if world_size > limit:
         raise UsageError(
             f"--world-size {world_size}: this machine can run at most {limit} ranks ({why})"

@@ -156,10 +156,6 @@ _NO_OUTCOME = (
 )
 
 
-def _result(status: str, message: str) -> wire.RunResult:
-    return wire.RunResult(wire.Verdict(status, message))
-
-
 def _hung(rank: int, timeout: float, dump: str) -> RankOutcome:
     message = f"did not finish within the timeout of {timeout:g} s"
     return RankOutcome(rank, HUNG, message=message, traceback=dump)
@@ -292,18 +288,18 @@ class TorchrunRanks:
         self.start()
         size, jobs = request.world_size, self.env.world_size
         if size < 1:
-            return _result(FAILED, f"world_size must be >= 1, got {size}")
+            return wire.not_run(FAILED, f"world_size must be >= 1, got {size}")
         if size > jobs:
-            return _result(
+            return wire.not_run(
                 SKIPPED, f"needs {size} ranks, the launcher's job has {jobs} (WORLD_SIZE)"
             )
         if request.gpus and (self._backend != "nccl" or request.gpus > jobs):
             # the spawning modes' reason; here every rank of an nccl job holds one GPU
             held = jobs if self._backend == "nccl" else 0
             where = " (CPU-only host)" if self._gpu_count == 0 else " (gloo job)"
-            return _result(SKIPPED, gpus.shortage(request.gpus, held, where))
+            return wire.not_run(SKIPPED, gpus.shortage(request.gpus, held, where))
         if self.broken is not None:
-            return _result(FAILED, f"not run: {self.broken}")
+            return wire.not_run(FAILED, f"not run: {self.broken}")
         occurrence = self._occurrences.get(request.test_id, 0)
         self._occurrences[request.test_id] = occurrence + 1
         key = f"test/{request.test_id}#{occurrence}"

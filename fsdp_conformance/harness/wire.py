@@ -202,6 +202,11 @@ class RunResult:
         )
 
 
+def not_run(status: str, message: str) -> RunResult:
+    """The result of a test decided without running it in ranks."""
+    return RunResult(Verdict(status, message))
+
+
 # Order in which problems are reported: the cause first, its consequences after.
 _SEVERITY = {DIED: 0, FAILED: 1, HUNG: 2, ABORTED: 3}
 

@@ -25,15 +25,12 @@ import torch
 import torch.distributed as torch_dist
 from torch import nn
 
-from fsdp_conformance import collective_observer, constants
+from fsdp_conformance import collective_observer
 from fsdp_conformance.adapters import features as adapter_features
 from fsdp_conformance.adapters.base import clean_param_name, scoped_observer
 from fsdp_conformance.adapters.features import Feature
-from fsdp_conformance.constants import Op
+from fsdp_conformance.constants import COMM_OPS, REDUCE_OPS, Op
 
-# what every adapter with `comm_trace` reports (others, e.g. impl's `Op.PREFETCH`, are dropped)
-COMM_OPS = constants.COMM_OPS
-REDUCE_OPS = constants.REDUCE_OPS
 # the phase of events outside any `phase()` block
 NO_PHASE = "outside"
 ROOT_LABEL = "<root>"
@@ -145,6 +142,7 @@ class CommTrace:
             return "-"
 
     def _on_op(self, op: str, instance: nn.Module, info: dict) -> None:
+        # what every adapter with `comm_trace` reports (others, e.g. impl's `Op.PREFETCH`, dropped)
         if op not in COMM_OPS or id(instance) not in self.labels:
             return
         label = self.labels[id(instance)]

@@ -29,8 +29,8 @@ from torch import nn
 
 from fsdp_conformance.adapters import Feature
 from fsdp_conformance.adapters import features as adapter_features
-from fsdp_conformance.constants import Op
-from fsdp_conformance.observe.comm_trace import REDUCE_OPS, CommEvent, CommTrace
+from fsdp_conformance.constants import REDUCE_OPS, Op
+from fsdp_conformance.observe.comm_trace import CommEvent, CommTrace
 
 from . import training
 

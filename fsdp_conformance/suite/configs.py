@@ -29,17 +29,9 @@ DIMENSIONS: dict[str, tuple[Any, ...]] = {
     "cpu_offload": (False, True),
     "device_init": ("after", "before", "never"),  # models.DeviceInit (the same on CPU)
 }
-COVERAGES = constants.COVERAGES
 
-# case id labels (None: the value alone)
-_LABELS = {
-    "sharding_strategy": None,
-    "backward_prefetch": "bwd",
-    "forward_prefetch": "fwd",
-    "limit_all_gathers": "limit",
-    "cpu_offload": "offload",
-    "device_init": "init",
-}
+# each dimension's label in case ids (None: the value alone)
+_LABELS = dict(zip(DIMENSIONS, (None, "bwd", "fwd", "limit", "offload", "init"), strict=True))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,7 +132,7 @@ def _configs_for(coverage: str, dimensions: dict[str, tuple[Any, ...]]) -> list[
         return _full_product(dimensions)
     if coverage == "pairwise":
         return pairwise(dimensions)
-    raise ValueError(f"unknown coverage {coverage!r}; use one of {', '.join(COVERAGES)}")
+    raise ValueError(f"unknown coverage {coverage!r}; use one of {', '.join(constants.COVERAGES)}")
 
 
 def supported_dimensions(

@@ -184,14 +184,8 @@ def check_golden(adapter_name: str, case: str, rendered: str) -> str | None:
                 f"difference to review on torch {torch.__version__}; if torch {running}'s "
                 f"order is right, accepting records a golden for torch {running}"
             )
-        diff = "".join(
-            difflib.unified_diff(
-                golden.splitlines(keepends=True),
-                rendered.splitlines(keepends=True),
-                fromfile=source,
-                tofile="this run",
-            )
-        )
+        texts = golden.splitlines(keepends=True), rendered.splitlines(keepends=True)
+        diff = "".join(difflib.unified_diff(*texts, fromfile=source, tofile="this run"))
         raise AssertionError(
             f"adapter {adapter_name!r}, case {case!r}: the prefetch order differs from the "
             f"golden{where} ({fix}):\n{diff}"
