@@ -68,15 +68,13 @@ def declare(
     """
     test = function.__qualname__
     known = CHECKS.get(check_id)
+    first = Check(check_id, description, (test,), tuple(features), strict, case)
     if description:
-        declared = Check(check_id, description, (test,), tuple(features), strict, case)
-        if known is not None:
-            if dataclasses.replace(known, tests=(test,)) != declared:
-                raise ValueError(
-                    f"check {check_id!r} is declared twice, differently ({known.tests[0]} and "
-                    f"{test}); give the description and options on its first test only"
-                )
-            declared = known
+        if known is not None and dataclasses.replace(known, tests=(test,)) != first:
+            raise ValueError(
+                f"check {check_id!r} is declared twice, differently ({known.tests[0]} and "
+                f"{test}); give the description and options on its first test only"
+            )
     elif known is None:
         raise ValueError(
             f"check {check_id!r} (on {test}) is not declared yet; give its description (and "
@@ -87,8 +85,7 @@ def declare(
             f"check {check_id!r} (on {test}): options belong to its first declaration "
             f"({known.tests[0]}); name only the id here"
         )
-    else:
-        declared = known
+    declared = first if known is None else known
     if test not in declared.tests:
         declared = dataclasses.replace(declared, tests=(*declared.tests, test))
     CHECKS[check_id] = declared

@@ -18,22 +18,15 @@ import sys
 from collections import Counter
 from typing import Any
 
-from fsdp_conformance.cli.usage import (
-    DEFAULT_COVERAGE,
-    PROG,
-    _add_impl,
-    _subcommand,
-    check_at_least,
-    check_impl,
-    check_output,
-    write_json,
-)
+from fsdp_conformance.cli import usage
 from fsdp_conformance.constants import COVERAGES
 
 JSON_SCHEMA_VERSION = 1
 
 
-def report(impl: str, *, coverage: str = DEFAULT_COVERAGE, world_size: int = 2) -> dict[str, Any]:
+def report(
+    impl: str, *, coverage: str = usage.DEFAULT_COVERAGE, world_size: int = 2
+) -> dict[str, Any]:
     """The coverage of adapter `impl` as the JSON-ready dict ``--json`` writes (docs/cli.md)."""
     from fsdp_conformance.adapters import features as adapter_features
     from fsdp_conformance.adapters import get_adapter
@@ -140,26 +133,26 @@ def render_text(data: dict[str, Any]) -> str:
 
 
 def _coverage_command(args: argparse.Namespace) -> int:
-    check_impl(args.impl)
-    check_at_least(args.world_size, "--world-size")
+    usage.check_impl(args.impl)
+    usage.check_at_least(args.world_size, "--world-size")
     if args.json not in (None, "-"):
-        check_output(args.json, "--json")
+        usage.check_output(args.json, "--json")
     try:
         data = report(args.impl, coverage=args.coverage, world_size=args.world_size)
     except RuntimeError as error:
-        print(f"{PROG} coverage: {error}", file=sys.stderr)
+        print(f"{usage.PROG} coverage: {error}", file=sys.stderr)
         return 1
     if args.json == "-":
         print(json.dumps(data, indent=1))
         return 0
     if args.json is not None:
-        write_json(args.json, data, indent=1)
+        usage.write_json(args.json, data, indent=1)
     print(render_text(data))
     return 0
 
 
 def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
-    parser = _subcommand(
+    parser = usage._subcommand(
         commands,
         formatter,
         "coverage",
@@ -170,11 +163,7 @@ def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
         "fsdp-conformance coverage --impl torch-fsdp2",
         "cd examples && fsdp-conformance coverage --impl my_fsdp_adapter:ADAPTER --json -",
     )
-    _add_impl(
-        parser,
-        "FSDP adapter: impl (default), torch-fsdp1, torch-fsdp2, fairscale, deepspeed or "
-        "pkg.module:ATTR (the current directory and PYTHONPATH are searched)",
-    )
+    usage._add_impl(parser)
     parser.add_argument(
         "--world-size",
         type=int,
@@ -185,8 +174,8 @@ def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
     parser.add_argument(
         "--coverage",
         choices=COVERAGES,
-        default=DEFAULT_COVERAGE,
-        help=f"parity configurations as `run` collects them (default {DEFAULT_COVERAGE})",
+        default=usage.DEFAULT_COVERAGE,
+        help=f"parity configurations as `run` collects them (default {usage.DEFAULT_COVERAGE})",
     )
     parser.add_argument(
         "--json",

@@ -13,17 +13,7 @@ import threading
 import time
 from typing import Any
 
-from fsdp_conformance.cli.usage import (
-    PROG,
-    UsageError,
-    _add_impl,
-    _subcommand,
-    check_at_least,
-    check_impl,
-    check_output,
-    check_world_size,
-    ranks_verdict,
-)
+from fsdp_conformance.cli import usage
 
 DEFAULT_EXAMPLES = 100
 DEFAULT_OUT = "repro.py"
@@ -33,20 +23,20 @@ PROGRESS_LINE_S = 10.0  # how often a progress line is printed when stderr is no
 
 
 def _fuzz_command(args: argparse.Namespace) -> int:
-    check_at_least(args.examples, "--examples")
-    check_at_least(args.seed, "--seed", 0)
+    usage.check_at_least(args.examples, "--examples")
+    usage.check_at_least(args.seed, "--seed", 0)
     for option, value in (("--max-seconds", args.max_seconds), ("--timeout", args.timeout)):
         if value is not None and not value > 0:
-            raise UsageError(f"{option} {value:g}: must be > 0")
-    check_impl(args.impl)
-    check_world_size(args.world_size)
-    check_output(args.out, "--out")
+            raise usage.UsageError(f"{option} {value:g}: must be > 0")
+    usage.check_impl(args.impl)
+    usage.check_world_size(args.world_size)
+    usage.check_output(args.out, "--out")
     from fsdp_conformance.suite.fuzz.driver import HYPOTHESIS_MISSING, FuzzResult
 
     try:
         import hypothesis  # noqa: F401
     except ImportError:
-        raise UsageError(HYPOTHESIS_MISSING) from None
+        raise usage.UsageError(HYPOTHESIS_MISSING) from None
     timeout = args.timeout
     if timeout is None:
         timeout = DEFAULT_RUN_TIMEOUT if args.max_seconds is None else 2 * args.max_seconds + 300
@@ -57,7 +47,7 @@ def _fuzz_command(args: argparse.Namespace) -> int:
         kwargs.update(out_file=out_file, progress_file=progress_file)
         status, message = _run_with_progress(kwargs, args, timeout, progress_file)
         if status != "passed":
-            print(f"{PROG} fuzz: the ranks {status}:\n{message}", file=sys.stderr)
+            print(f"{usage.PROG} fuzz: the ranks {status}:\n{message}", file=sys.stderr)
             return 1
         with open(out_file, encoding="utf-8") as stream:
             result = FuzzResult.from_json(stream.read())
@@ -65,8 +55,8 @@ def _fuzz_command(args: argparse.Namespace) -> int:
 
 
 def _report(result: Any, args: argparse.Namespace) -> int:
-    print(f"{PROG} fuzz --impl {args.impl} --seed {args.seed} --world-size {args.world_size}: "
-          f"{result.summary()}")  # fmt: skip
+    command = f"{usage.PROG} fuzz --impl {args.impl} --seed {args.seed}"
+    print(f"{command} --world-size {args.world_size}: {result.summary()}")
     for text, count in result.refusal_reasons:
         print(f"  refused {count}x: {text}")
     for reason in result.deviation_reasons:
@@ -107,7 +97,7 @@ def _run_with_progress(
         world_size=args.world_size,
         timeout=timeout,
         impl=args.impl,
-        test_id=f"{PROG} fuzz",
+        test_id=f"{usage.PROG} fuzz",
     )
     outcome: dict[str, Any] = {}
 
@@ -127,10 +117,7 @@ def _run_with_progress(
             line = _read(progress_file)
             now = time.monotonic()
             if line and line != shown and (tty or now - last_print >= PROGRESS_LINE_S):
-                if tty:
-                    sys.stderr.write("\r\x1b[2K" + line)
-                else:
-                    sys.stderr.write(line + "\n")
+                sys.stderr.write("\r\x1b[2K" + line if tty else line + "\n")
                 sys.stderr.flush()
                 shown, last_print = line, now
         if tty and shown:
@@ -141,7 +128,7 @@ def _run_with_progress(
     runtime.close()
     if "error" in outcome:
         raise outcome["error"]
-    return ranks_verdict(outcome["result"])
+    return usage.ranks_verdict(outcome["result"])
 
 
 def _read(path: str) -> str:
@@ -153,7 +140,7 @@ def _read(path: str) -> str:
 
 
 def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
-    fuzz = _subcommand(
+    fuzz = usage._subcommand(
         commands,
         formatter,
         "fuzz",
@@ -166,11 +153,7 @@ def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
         "fsdp-conformance fuzz --examples 200 --seed 0",
         "fsdp-conformance fuzz --impl torch-fsdp2 --max-seconds 120 --out fsdp2_repro.py",
     )
-    _add_impl(
-        fuzz,
-        "FSDP under test: impl (default), torch-fsdp1, torch-fsdp2, fairscale, deepspeed or "
-        "pkg.module:ATTR",
-    )
+    usage._add_impl(fuzz)
     fuzz.add_argument(
         "--examples", type=int, default=DEFAULT_EXAMPLES, metavar="N",
         help=f"generated cases to run, refused ones not counted (default {DEFAULT_EXAMPLES})",

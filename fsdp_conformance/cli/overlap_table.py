@@ -5,43 +5,34 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from fsdp_conformance.cli.usage import (
-    UsageError,
-    _add_common,
-    _bool,
-    _subcommand,
-    check_at_least,
-    check_impl,
-    check_output,
-    check_world_size,
-    measure_in_ranks,
-    write_json,
-)
+from fsdp_conformance.cli import usage
 from fsdp_conformance.constants import Op
 
 
 def _overlap_command(args: argparse.Namespace) -> int:
-    check_impl(args.impl)
+    usage.check_impl(args.impl)
     why = "a one-rank group all-gathers nothing, so there is no communication to overlap; use 2"
-    check_at_least(args.world_size, "--world-size", 2, why)
-    check_world_size(args.world_size)
-    check_at_least(args.repeats, "--repeats")
-    check_output(args.json, "--json")
+    usage.check_at_least(args.world_size, "--world-size", 2, why)
+    usage.check_world_size(args.world_size)
+    usage.check_at_least(args.repeats, "--repeats")
+    usage.check_output(args.json, "--json")
     cuda = args.device == "cuda"
     if cuda:
         from fsdp_conformance.harness import gpus
 
         if gpus.gpu_count() == 0:
-            raise UsageError("--device cuda: needs a GPU, none available; use --device cpu")
+            raise usage.UsageError("--device cuda: needs a GPU, none available; use --device cpu")
     kwargs = {"limit_all_gathers": args.limit_all_gathers, "repeats": args.repeats}
     # on CUDA: nccl with a GPU per rank, else the ranks share one GPU over gloo
     backend, gpus_needed = (None, 1) if cuda else ("gloo", 0)
-    document = measure_in_ranks("overlap", "overlap_in_rank", kwargs, args, backend, gpus_needed)
+    document = usage.measure_in_ranks(
+        "overlap", "overlap_in_rank", kwargs, args, backend, gpus_needed
+    )
     if document is None:
         return 1
     print(render_overlap(document))
     if args.json:
-        write_json(args.json, document, indent=2)
+        usage.write_json(args.json, document, indent=2)
     return 0
 
 
@@ -92,7 +83,7 @@ def render_overlap(document: dict[str, Any]) -> str:
 
 
 def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
-    overlap = _subcommand(
+    overlap = usage._subcommand(
         commands,
         formatter,
         "overlap",
@@ -106,10 +97,10 @@ def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
         "fsdp-conformance overlap --impl torch-fsdp1 --limit-all-gathers true",
         "fsdp-conformance overlap --device cuda --json overlap.json",
     )
-    _add_common(overlap, "ranks (default 2)")
+    usage._add_common(overlap, "ranks (default 2)")
     overlap.add_argument(
         "--limit-all-gathers",
-        type=_bool,
+        type=usage._bool,
         default=False,
         metavar="true|false",
         help="the rate limiter setting (default false)",

@@ -122,13 +122,16 @@ class _ProbeWrap:
 
 
 @contextlib.contextmanager
-def _swapped(owner: Any, name: str, value: Any):
-    original = getattr(owner, name)
-    setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        setattr(owner, name, original)
+def _patched(*patches: tuple[Any, str, Any]):
+    """While the block runs: each ``(owner, name, value)`` set, and no output."""
+    import pytest
+
+    output = io.StringIO()
+    with pytest.MonkeyPatch.context() as patch:
+        for owner, name, value in patches:
+            patch.setattr(owner, name, value)
+        with contextlib.redirect_stdout(output), contextlib.redirect_stderr(output):
+            yield
 
 
 @contextlib.contextmanager
@@ -178,15 +181,9 @@ def _probe(item: Any, capabilities: Granted, world_size: int) -> Cell:
         cell.blocked = f"needs {gpus} GPU(s), this host has {torch.cuda.device_count()}"
         return cell
     adapter = _ProbeAdapter(capabilities)
-    dist = RankContext(
-        rank=0,
-        world_size=ranks,
-        group=types.SimpleNamespace(rank=lambda: 0, size=lambda: ranks),  # what zoo models ask
-        device=torch.device("cpu"),
-        backend="gloo",
-        tmp_path=Path(tempfile.gettempdir()) / "fsdp-conformance-coverage-probe-unused",
-        test_id=item.nodeid,
-    )
+    group = types.SimpleNamespace(rank=lambda: 0, size=lambda: ranks)  # what zoo models ask
+    unused = Path(tempfile.gettempdir()) / "fsdp-conformance-coverage-probe-unused"
+    dist = RankContext(0, ranks, group, torch.device("cpu"), "gloo", unused, test_id=item.nodeid)
     params = dict(getattr(getattr(item, "callspec", None), "params", {}))
     function = getattr(item.cls(), item.originalname) if item.cls else item.function
     kwargs: dict[str, Any] = {}
@@ -203,10 +200,8 @@ def _probe(item: Any, capabilities: Granted, world_size: int) -> Cell:
     from fsdp_conformance.suite import verdict
 
     try:
-        with (
-            _swapped(verdict, "cell", _probe_cell),
-            _swapped(adapter_features, "require", _probe_require),
-            _quiet(),
+        with _patched(
+            (verdict, "cell", _probe_cell), (adapter_features, "require", _probe_require)
         ):
             function(**kwargs)
     except _Reached:
@@ -220,12 +215,6 @@ def _probe(item: Any, capabilities: Granted, world_size: int) -> Cell:
     cell.needs = tuple(dict.fromkeys([*cell.needs, *adapter.needs]))
     cell.blocked = cell.blocked or adapter.blocked
     return cell
-
-
-@contextlib.contextmanager
-def _quiet():
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        yield
 
 
 class _Collector:
@@ -271,7 +260,7 @@ def collect(
         f"--fsdp-impl={impl}", f"--fsdp-world-size={world_size}",
         f"--fsdp-coverage={coverage}",
     ]  # fmt: skip
-    with _swapped(configs, "dimensions_for_impl", dimensions), _quiet():
+    with _patched((configs, "dimensions_for_impl", dimensions)):
         code = pytest.main(arguments, plugins=[collector])
     if collector.errors or code not in (0, 5):
         errors = "; ".join(collector.errors)

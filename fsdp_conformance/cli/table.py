@@ -19,9 +19,9 @@ from typing import Any
 import fsdp_conformance.suite  # noqa: F401  (importing the suite declares its checks)
 from fsdp_conformance import checks, constants
 from fsdp_conformance.cli.report import _md, package_version
+from fsdp_conformance.harness.extras import EXTRAS
 
 IMPLEMENTATIONS = constants.BUILTIN_ADAPTERS  # in column order
-_OPTIONAL_PACKAGES = ("fairscale", "deepspeed")  # impls whose package is an extra of that name
 VERDICTS = checks.VERDICTS
 
 
@@ -55,7 +55,7 @@ def unavailable_reason(impl: str) -> str | None:
     """Why ``impl`` cannot run here (not installed / unknown), or None when it can."""
     from fsdp_conformance.adapters import BUILTIN_ADAPTERS
 
-    if impl in _OPTIONAL_PACKAGES and importlib.util.find_spec(impl) is None:
+    if impl in EXTRAS and importlib.util.find_spec(impl) is None:
         return f"not installed: pip install 'fsdp-conformance[{impl}]'"
     if impl not in BUILTIN_ADAPTERS and ":" not in impl:
         return (

@@ -9,46 +9,35 @@ import os
 from typing import Any
 
 from fsdp_conformance import constants
-from fsdp_conformance.cli import draw
-from fsdp_conformance.cli.usage import (
-    UsageError,
-    _add_common,
-    _subcommand,
-    check_at_least,
-    check_impl,
-    check_output,
-    check_world_size,
-    measure_in_ranks,
-    write_json,
-)
+from fsdp_conformance.cli import draw, usage
 
 
 def _timeline_command(args: argparse.Namespace) -> int:
-    check_impl(args.impl)
-    check_world_size(args.world_size, minimum=2)
-    check_at_least(args.iterations, "--iterations")
+    usage.check_impl(args.impl)
+    usage.check_world_size(args.world_size, minimum=2)
+    usage.check_at_least(args.iterations, "--iterations")
     why = "the bound only shows with >= 4 instances (default 6)"
-    check_at_least(args.layers, "--layers", 4, why)
+    usage.check_at_least(args.layers, "--layers", 4, why)
     for path, option in ((args.out, "--out"), (args.data, "--data"), (args.trace, "--trace")):
-        check_output(path, option)
+        usage.check_output(path, option)
     try:
         import matplotlib  # noqa: F401  (imported again, for drawing, in cli.draw)
     except ImportError as error:
-        raise UsageError(
+        raise usage.UsageError(
             "the timeline picture needs matplotlib, which cannot be imported "
             f"({error}): pip install matplotlib"
         ) from None
     names = ("lag", "iterations", "layers", "backward_prefetch", "forward_prefetch")
     kwargs = {name: getattr(args, name) for name in names}
     kwargs["trace_file"] = os.path.abspath(args.trace) if args.trace else None
-    document = measure_in_ranks("timeline", "timeline_in_rank", kwargs, args, "gloo")
+    document = usage.measure_in_ranks("timeline", "timeline_in_rank", kwargs, args, "gloo")
     if document is None:
         return 1
     document["axes_drawn"] = draw.draw(document, args.out)
     print(render_timeline(document))
     written = [f"{args.out} ({document['axes_drawn']} panels)"]
     if args.data:
-        write_json(args.data, document, indent=1)
+        usage.write_json(args.data, document, indent=1)
         written.append(args.data)
     if args.trace:
         with open(args.trace, encoding="utf-8") as stream:
@@ -84,7 +73,7 @@ def render_timeline(document: dict[str, Any]) -> str:
 
 
 def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
-    timeline = _subcommand(
+    timeline = usage._subcommand(
         commands,
         formatter,
         "timeline",
@@ -98,7 +87,7 @@ def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
         "fsdp-conformance timeline --impl torch-fsdp1 --lag drained --data timeline.json",
         "fsdp-conformance timeline --trace trace.json   # open in chrome://tracing or Perfetto",
     )
-    _add_common(timeline, "ranks (default 2, at least 2)")
+    usage._add_common(timeline, "ranks (default 2, at least 2)")
     timeline.add_argument(
         "--lag",
         choices=("strict", "drained"),

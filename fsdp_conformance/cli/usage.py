@@ -255,8 +255,7 @@ def check_output(path: str | None, option: str) -> None:
         raise UsageError(f"{option} {path}: is a directory; give a file name")
     existed = os.path.exists(path)
     try:
-        with open(path, "a", encoding="utf-8"):
-            pass
+        open(path, "a", encoding="utf-8").close()
     except OSError as error:
         raise UsageError(f"{option} {path}: cannot write there ({error.strerror})") from None
     if not existed:
@@ -323,18 +322,20 @@ def check_worker_count(workers: int) -> None:
 
 
 def _add_common(parser: argparse.ArgumentParser, world_size_help: str) -> None:
-    _add_impl(
-        parser,
-        "FSDP under test: impl (the reference FSDP, default), torch-fsdp1, torch-fsdp2, "
-        "fairscale, deepspeed or pkg.module:ATTR (an Adapter instance, subclass or factory; the "
-        "current directory and PYTHONPATH are searched)",
-    )
+    _add_impl(parser)
     parser.add_argument("--world-size", type=int, default=2, metavar="N", help=world_size_help)
     _add_timeout(parser)
 
 
-def _add_impl(parser: argparse.ArgumentParser, help_text: str) -> None:
-    parser.add_argument("--impl", default="impl", metavar="NAME", help=help_text)
+def _add_impl(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--impl",
+        default="impl",
+        metavar="NAME",
+        help="FSDP under test: impl (the reference FSDP, default), torch-fsdp1, torch-fsdp2, "
+        "fairscale, deepspeed or pkg.module:ATTR (an Adapter instance, subclass or factory; the "
+        "current directory and PYTHONPATH are searched)",
+    )
 
 
 def _add_timeout(parser: argparse.ArgumentParser) -> None:

@@ -107,17 +107,15 @@ def acquire_gpus(count: int, total: int, timeout: float, prefer: tuple[int, ...]
     deadline = time.monotonic() + timeout
     while True:
         os.makedirs(directory, exist_ok=True)
-        held: list = []
-        ids: list[int] = []
+        held: dict[int, Any] = {}  # GPU -> its locked file
         for gpu in order:
             file = _lock(os.path.join(directory, f"gpu{gpu}.lock"))
-            if file is None:
-                continue
-            held.append(file)
-            ids.append(gpu)
-            if len(ids) == count:
-                return GpuLease(tuple(ids), held)
-        GpuLease((), held).release()  # all or none: never hold some GPUs while waiting for more
+            if file is not None:
+                held[gpu] = file
+                if len(held) == count:
+                    return GpuLease(tuple(held), list(held.values()))
+        # all or none: never hold some GPUs while waiting for more
+        GpuLease((), list(held.values())).release()
         if time.monotonic() >= deadline:
             raise TimeoutError(
                 f"could not get {count} of {total} GPUs within {timeout:g} s "

@@ -35,8 +35,6 @@ ENV_LAUNCHER = constants.ENV_LAUNCHER
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 # Seconds a rank waits, beyond a test's timeout, for the others' outcomes / rank 0's status.
 OUTCOME_GRACE_S = 5.0
-# RankContext.mode of a test run in place
-MODE = "launcher"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -347,7 +345,7 @@ class TorchrunRanks:
             backend=self._backend,
             tmp_path=pathlib.Path(task.tmp_path),
             impl=self.options.impl,
-            mode=MODE,
+            mode="launcher",  # run in place
             gpu_ids=gpu_ids,
             test_id=request.test_id,
             init_method="env://",

@@ -366,29 +366,23 @@ class _TestRun:
     def collect(self) -> None:
         """Wait for every rank's outcome (or decide it hung), then tell causes from
         consequences."""
-        rank_set = self.rank_set
-        timeout = self.timeout
-        load_deadline = time.monotonic() + max(timeout, STARTUP_TIMEOUT_S)
+        conns, everyone = self.rank_set.conns, set(range(self.rank_set.world_size))
+        load_deadline = time.monotonic() + max(self.timeout, STARTUP_TIMEOUT_S)
         # set when every rank has started the body (or already finished)
         body_deadline: float | None = None
-        pending = dict(enumerate(rank_set.conns))
+        pending = dict(enumerate(conns))
         while pending:
             now = time.monotonic()
             deadline = load_deadline if body_deadline is None else body_deadline
-            limit = deadline
-            if self.trouble_since is not None:
-                limit = min(limit, self.trouble_since + PEER_GRACE_S)
-            if self.mismatch_since is not None:
-                limit = min(limit, self.mismatch_since + PEER_GRACE_S)
+            since = (self.trouble_since, self.mismatch_since)
+            limit = min([deadline, *(t + PEER_GRACE_S for t in since if t is not None)])
             if now >= limit:
                 self._hung(list(pending), now, deadline, body_deadline is None)
                 break
             for conn in wait(list(pending.values()), timeout=min(limit - now, POLL_S)):
-                self._receive(rank_set.conns.index(conn), conn, pending)
-            if body_deadline is None and self.started | set(self.outcomes) == set(
-                range(rank_set.world_size)
-            ):
-                body_deadline = time.monotonic() + timeout
+                self._receive(conns.index(conn), conn, pending)
+            if body_deadline is None and self.started | set(self.outcomes) == everyone:
+                body_deadline = time.monotonic() + self.timeout
             if body_deadline is not None and pending:
                 self._look_for_mismatch(pending)
         self._mark_consequences()

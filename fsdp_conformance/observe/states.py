@@ -146,9 +146,7 @@ class TrainingStateRecorder:
         if not self.enabled:
             return
         label = hook if of is None else f"{hook} of {of}"
-        legal = LEGAL_INSTANCE_TRANSITIONS
-        if hook == END_OF_BACKWARD:
-            legal = _LEGAL_AT_END_OF_BACKWARD
+        legal = _LEGAL_AT_END_OF_BACKWARD if hook == END_OF_BACKWARD else LEGAL_INSTANCE_TRANSITIONS
         for instance in self.instances:
             state = self._instance_state(instance)
             if state is not None:

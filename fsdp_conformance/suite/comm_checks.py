@@ -71,10 +71,7 @@ def trace_training(
 
 def _first(events: list[CommEvent], op: str | tuple[str, ...], label: str) -> int | None:
     ops = (op,) if isinstance(op, str) else op
-    for index, event in enumerate(events):
-        if event.op in ops and event.label == label:
-            return index
-    return None
+    return next((i for i, e in enumerate(events) if e.op in ops and e.label == label), None)
 
 
 def _order(events: list[CommEvent], op: str) -> list[str]:
