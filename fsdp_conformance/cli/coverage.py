@@ -164,26 +164,13 @@ def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
         "cd examples && fsdp-conformance coverage --impl my_fsdp_adapter:ADAPTER --json -",
     )
     usage._add_impl(parser)
-    parser.add_argument(
-        "--world-size",
-        type=int,
-        default=2,
-        metavar="N",
-        help="ranks for cells that do not fix their own world size, as `run` (default 2)",
-    )
-    parser.add_argument(
-        "--coverage",
-        choices=COVERAGES,
-        default=usage.DEFAULT_COVERAGE,
-        help=f"parity configurations as `run` collects them (default {usage.DEFAULT_COVERAGE})",
-    )
-    parser.add_argument(
-        "--json",
-        nargs="?",
-        const="-",
-        metavar="FILE",
-        help="write the report as JSON to FILE (no FILE or '-': to stdout, instead of the text)",
-    )
+    ranks = "ranks for cells that do not fix their own world size, as `run` (default 2)"
+    parser.add_argument("--world-size", type=int, default=2, metavar="N", help=ranks)
+    default = usage.DEFAULT_COVERAGE
+    configurations = f"parity configurations as `run` collects them (default {default})"
+    parser.add_argument("--coverage", choices=COVERAGES, default=default, help=configurations)
+    to_json = "write the report as JSON to FILE (no FILE or '-': to stdout, instead of the text)"
+    parser.add_argument("--json", nargs="?", const="-", metavar="FILE", help=to_json)
     parser.set_defaults(handler=_coverage_command)
 
 

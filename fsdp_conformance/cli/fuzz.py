@@ -154,25 +154,18 @@ def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
         "fsdp-conformance fuzz --impl torch-fsdp2 --max-seconds 120 --out fsdp2_repro.py",
     )
     usage._add_impl(fuzz)
-    fuzz.add_argument(
-        "--examples", type=int, default=DEFAULT_EXAMPLES, metavar="N",
-        help=f"generated cases to run, refused ones not counted (default {DEFAULT_EXAMPLES})",
-    )  # fmt: skip
+    examples = f"generated cases to run, refused ones not counted (default {DEFAULT_EXAMPLES})"
+    fuzz.add_argument("--examples", type=int, default=DEFAULT_EXAMPLES, metavar="N", help=examples)
     fuzz.add_argument(
         "--seed", type=int, default=0, metavar="S", help="hypothesis seed (default 0)"
     )
     fuzz.add_argument("--world-size", type=int, default=2, metavar="W", help="ranks (default 2)")
-    fuzz.add_argument(
-        "--max-seconds", type=float, default=None, metavar="T",
-        help="stop generating (or shrinking) after T seconds",
-    )  # fmt: skip
-    fuzz.add_argument(
-        "--out", default=DEFAULT_OUT, metavar="FILE",
-        help=f"where a counterexample's reproduction is written (default {DEFAULT_OUT})",
-    )  # fmt: skip
-    fuzz.add_argument(
-        "--timeout", type=float, default=None, metavar="SECONDS",
-        help="fail the ranks (a hang) after this long in all (default: 3600, or 2 x "
-        "--max-seconds + 300)",
-    )  # fmt: skip
+    stop = "stop generating (or shrinking) after T seconds"
+    fuzz.add_argument("--max-seconds", type=float, default=None, metavar="T", help=stop)
+    out = f"where a counterexample's reproduction is written (default {DEFAULT_OUT})"
+    fuzz.add_argument("--out", default=DEFAULT_OUT, metavar="FILE", help=out)
+    hang = (
+        "fail the ranks (a hang) after this long in all (default: 3600, or 2 x --max-seconds + 300)"
+    )
+    fuzz.add_argument("--timeout", type=float, default=None, metavar="SECONDS", help=hang)
     fuzz.set_defaults(handler=_fuzz_command)

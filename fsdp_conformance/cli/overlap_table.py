@@ -77,8 +77,7 @@ def render_overlap(document: dict[str, Any]) -> str:
                 "the adapter issues its all-gathers synchronously (async_op=False): the CPU "
                 "thread blocks in each, so nothing can overlap on CPU"
             )
-    verdict = document["failure"] or "communication overlaps computation"
-    lines.append(f"verdict: {verdict}")
+    lines.append(f"verdict: {document['failure'] or 'communication overlaps computation'}")
     return "\n".join(lines)
 
 
@@ -98,16 +97,12 @@ def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
         "fsdp-conformance overlap --device cuda --json overlap.json",
     )
     usage._add_common(overlap, "ranks (default 2)")
+    limiter = "the rate limiter setting (default false)"
     overlap.add_argument(
-        "--limit-all-gathers",
-        type=usage._bool,
-        default=False,
-        metavar="true|false",
-        help="the rate limiter setting (default false)",
+        "--limit-all-gathers", type=usage._bool, default=False, metavar="true|false", help=limiter
     )
     overlap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    overlap.add_argument(
-        "--repeats", type=int, default=4, metavar="K", help="runs per case, Min-k (default 4)"
-    )
+    repeats = "runs per case, Min-k (default 4)"
+    overlap.add_argument("--repeats", type=int, default=4, metavar="K", help=repeats)
     overlap.add_argument("--json", metavar="FILE", help="write the measurement as JSON")
     overlap.set_defaults(handler=_overlap_command)

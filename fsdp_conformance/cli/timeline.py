@@ -88,18 +88,15 @@ def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
         "fsdp-conformance timeline --trace trace.json   # open in chrome://tracing or Perfetto",
     )
     usage._add_common(timeline, "ranks (default 2, at least 2)")
-    timeline.add_argument(
-        "--lag",
-        choices=("strict", "drained"),
-        default="strict",
-        help="strict: the device never catches up by itself (default); drained: it catches up "
-        "at the end of every iteration",
+    lag = (
+        "strict: the device never catches up by itself (default); drained: it catches up at the "
+        "end of every iteration"
     )
+    timeline.add_argument("--lag", choices=("strict", "drained"), default="strict", help=lag)
     timeline.add_argument("--out", default="timeline.png", metavar="FILE.png")
     timeline.add_argument("--data", metavar="FILE.json", help="write the plotted data as JSON")
-    timeline.add_argument(
-        "--trace", metavar="FILE.json", help="write a Chrome trace (torch.profiler) of rank 0"
-    )
+    trace = "write a Chrome trace (torch.profiler) of rank 0"
+    timeline.add_argument("--trace", metavar="FILE.json", help=trace)
     timeline.add_argument("--iterations", type=int, default=3, metavar="N")
     timeline.add_argument("--layers", type=int, default=6, metavar="N", help="instances (>= 4)")
     timeline.add_argument(

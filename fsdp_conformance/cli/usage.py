@@ -328,23 +328,18 @@ def _add_common(parser: argparse.ArgumentParser, world_size_help: str) -> None:
 
 
 def _add_impl(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--impl",
-        default="impl",
-        metavar="NAME",
-        help="FSDP under test: impl (the reference FSDP, default), torch-fsdp1, torch-fsdp2, "
+    what = (
+        "FSDP under test: impl (the reference FSDP, default), torch-fsdp1, torch-fsdp2, "
         "fairscale, deepspeed or pkg.module:ATTR (an Adapter instance, subclass or factory; the "
-        "current directory and PYTHONPATH are searched)",
+        "current directory and PYTHONPATH are searched)"
     )
+    parser.add_argument("--impl", default="impl", metavar="NAME", help=what)
 
 
 def _add_timeout(parser: argparse.ArgumentParser) -> None:
+    why = f"fail a rank body still running after this long (default {CLI_TIMEOUT_S:g})"
     parser.add_argument(
-        "--timeout",
-        type=_positive_float,
-        default=CLI_TIMEOUT_S,
-        metavar="SECONDS",
-        help=f"fail a rank body still running after this long (default {CLI_TIMEOUT_S:g})",
+        "--timeout", type=_positive_float, default=CLI_TIMEOUT_S, metavar="SECONDS", help=why
     )
 
 

@@ -186,10 +186,8 @@ class _ProcessRanks:
         )
         share = want_gpus and size > total
         if options.backend == "nccl" and (share or not want_gpus):
-            return not_run(
-                SKIPPED,
-                f"backend nccl needs one GPU per rank: {size} needed, {total} available",
-            )
+            why = f"backend nccl needs one GPU per rank: {size} needed, {total} available"
+            return not_run(SKIPPED, why)
         backend = options.backend or ("nccl" if want_gpus and not fake and not share else "gloo")
         task = dataclasses.replace(
             task,

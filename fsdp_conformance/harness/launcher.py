@@ -140,8 +140,7 @@ class _Watchdog:
                 return
             self.dump = dump
             self.fired = True
-        rank = self.runtime.env.rank
-        self.runtime._post(self.key, _hung(rank, self.timeout, dump))
+        self.runtime._post(self.key, _hung(self.runtime.env.rank, self.timeout, dump))
         if self._main:
             signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR2)
         if not self._done.wait(self.timeout + OUTCOME_GRACE_S):

@@ -82,8 +82,7 @@ def instance_labels(adapter: Any, root: nn.Module) -> dict[int, str]:
     paths = {id(module): name for name, module in root.named_modules()}
     labels = {}
     for instance in adapter.instances(root):
-        wrapped = adapter.unwrap(instance)
-        path = paths.get(id(wrapped), paths.get(id(instance), ""))
+        path = paths.get(id(adapter.unwrap(instance)), paths.get(id(instance), ""))
         path = clean_param_name(path + ".", adapter.declarations.wrapper_segments).rstrip(".")
         labels[id(instance)] = path if path and instance is not root else ROOT_LABEL
     return labels
@@ -113,9 +112,8 @@ class CommTrace:
             self._stack.enter_context(observing_collectives(self._on_collective))
         if self.compute:
             for instance in self.instances.values():
-                module = self.adapter.unwrap(instance)
                 on_compute = functools.partial(self._on_compute, instance)
-                hook = module.register_forward_pre_hook(on_compute)
+                hook = self.adapter.unwrap(instance).register_forward_pre_hook(on_compute)
                 self._stack.callback(hook.remove)
         return self
 
@@ -173,8 +171,7 @@ class CommTrace:
 
     def count(self, op: str | Iterable[str], phase: str | None = None) -> int:
         """Number of ``op`` events (or of any of several ops) in ``phase``."""
-        ops = (op,) if isinstance(op, str) else tuple(op)
-        return len(self.select(phase, ops))
+        return len(self.select(phase, (op,) if isinstance(op, str) else tuple(op)))
 
     def render(
         self, phases: Iterable[str] | None = None, ops: Iterable[str] | None = COMM_OPS

@@ -104,8 +104,7 @@ def prefetch_failures(trace: CommTrace, config: dict[str, Any]) -> list[str]:
                         "compute (expected before)"
                     )
         if kind == "backward" and backward_prefetch in ("BACKWARD_PRE", "BACKWARD_POST"):
-            forward = trace.select(f"iteration {iteration} forward")
-            post_forward_order = _order(forward, Op.FREE)
+            post_forward_order = _order(trace.select(f"iteration {iteration} forward"), Op.FREE)
             order = [label for label in reversed(post_forward_order) if label in gathering]
             for current, following in itertools.pairwise(order):
                 gather = _first(events, Op.ALL_GATHER, following)

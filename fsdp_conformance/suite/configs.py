@@ -145,8 +145,7 @@ def supported_dimensions(
         if key == "device_init":
             kept[key] = values
             continue
-        runnable = tuple(value for value in values if _runs(adapter, key, value))
-        kept[key] = runnable or values[:1]
+        kept[key] = tuple(value for value in values if _runs(adapter, key, value)) or values[:1]
     return kept
 
 
