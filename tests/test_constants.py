@@ -35,7 +35,6 @@ def test_modules_reuse_the_vocabulary():
     from fsdp_conformance.cli import records, usage
     from fsdp_conformance.cli import run as cli_run
     from fsdp_conformance.harness import controller as runtime
-    from fsdp_conformance.harness import gpus
     from fsdp_conformance.impl import limiter
     from fsdp_conformance.impl import runtime as impl_runtime
     from fsdp_conformance.suite import memory_bound
@@ -49,8 +48,6 @@ def test_modules_reuse_the_vocabulary():
         (runtime.ENV_MODE, constants.ENV_MODE),
         (runtime.ENV_TIMEOUT, constants.ENV_TIMEOUT),
         (runtime.ENV_BACKEND, constants.ENV_BACKEND),
-        (gpus.ENV_FAKE_GPUS, constants.ENV_FAKE_GPUS),
-        (gpus.ENV_LOCK_DIR, constants.ENV_GPU_LOCK_DIR),
         (records.ENV_RESULTS, constants.ENV_CLI_RESULTS),
         (impl_runtime.RATE_LIMITER_RANGE, constants.RATE_LIMITER_RANGE),
         (limiter.MAX_INFLIGHT, constants.MAX_INFLIGHT),

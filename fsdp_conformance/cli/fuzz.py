@@ -72,11 +72,9 @@ def _report(result: Any, args: argparse.Namespace) -> int:
 
     names = {cls.__name__: cls for cls in (Block, FuzzCase, ModelSpec, Program, Seq, Step)}
     case = eval(result.case, {"__builtins__": {}}, names)  # our own repr of a FuzzCase
-    print(
-        f"COUNTEREXAMPLE after {result.found_at} examples, shrunk in {result.shrinks} runs"
-        + (" (shrinking stopped by --max-seconds)" if result.time_limited else "")
-        + ":"
-    )
+    stopped = " (shrinking stopped by --max-seconds)" if result.time_limited else ""
+    shrunk = f"shrunk in {result.shrinks} runs{stopped}"
+    print(f"COUNTEREXAMPLE after {result.found_at} examples, {shrunk}:")
     print(result.description)
     print(f"first difference: {result.message}")
     write_repro(args.out, case, args.impl, args.world_size, args.seed, result.message)

@@ -186,17 +186,13 @@ def _probe(item: Any, capabilities: Granted, world_size: int) -> Cell:
     dist = RankContext(0, ranks, group, torch.device("cpu"), "gloo", unused, test_id=item.nodeid)
     params = dict(getattr(getattr(item, "callspec", None), "params", {}))
     function = getattr(item.cls(), item.originalname) if item.cls else item.function
-    kwargs: dict[str, Any] = {}
-    for name in inspect.signature(function).parameters:
-        if name == "fsdp_adapter":
-            kwargs[name] = adapter
-        elif name == "dist":
-            kwargs[name] = dist
-        elif name in params:
-            kwargs[name] = params[name]
-        else:  # a fixture only pytest can make: the registry's and the case's needs stand
-            cell.probed = False
-            return cell
+    known = {**params, "fsdp_adapter": adapter, "dist": dist}
+    names = list(inspect.signature(function).parameters)
+    if any(name not in known for name in names):
+        # a fixture only pytest can make: the registry's and the case's needs stand
+        cell.probed = False
+        return cell
+    kwargs = {name: known[name] for name in names}
     from fsdp_conformance.suite import verdict
 
     try:

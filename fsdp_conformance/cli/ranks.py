@@ -59,20 +59,15 @@ def overlap_in_rank(dist: Any, out_file: str, limit_all_gathers: bool, repeats: 
     _write(dist, out_file, document)
 
 
-def _bound_of(adapter: Any, case: memory_bound.BoundCase) -> tuple[str, dict[str, int]]:
-    """(name, bound per phase) of the bound ``adapter`` is held to: its own
-    (``memory_bound.OWN_BOUNDS``, as the memory-bound check does) or the limiter's."""
-    own = memory_bound.own_bound_of(adapter, memory_bound.OWN_BOUNDS)
-    if own is not None:
-        return own.name, {phase: own.bound(phase) for phase in PHASES}
-    name = "the rate limiter's bound (2 instances, +1 for a prefetch before the reshard)"
-    return name, {phase: case.bound(phase) for phase in PHASES}
-
-
 def _panel(tracker: Any, case: memory_bound.BoundCase, adapter: Any) -> dict[str, Any]:
-    """One panel's data; ``over``: the phases whose peak exceeds the bound (the verdict)."""
+    """One panel's data; ``over``: the phases whose peak exceeds the bound (the verdict). The
+    bound is the one ``adapter`` is held to: its own (``memory_bound.OWN_BOUNDS``, as the
+    memory-bound check does) or the limiter's."""
     samples = tracker.rows()
-    bound_name, bound = _bound_of(adapter, case)
+    own = memory_bound.own_bound_of(adapter, memory_bound.OWN_BOUNDS)
+    limiter = "the rate limiter's bound (2 instances, +1 for a prefetch before the reshard)"
+    bound_name, bound_of = (own.name, own.bound) if own is not None else (limiter, case.bound)
+    bound = {phase: bound_of(phase) for phase in PHASES}
     peaks = [
         {
             "iteration": iteration,

@@ -115,16 +115,15 @@ def render_table(results: Iterable[ImplResult], header: dict[str, str]) -> str:
     """docs/conformance.md: the check x implementation table, its notes and how it was made."""
     results = list(results)
     notes: dict[str, int] = {}  # reason -> its number
-    rows: list[str] = []  # check ids (and tests that are no registered check)
     per_impl: list[dict[str, list[tuple[str, str]]]] = []
     for result in results:
         grouped: dict[str, list[tuple[str, str]]] = {}
         for cell in result.cells:
-            if cell.check not in rows:
-                rows.append(cell.check)
             grouped.setdefault(cell.check, []).append((cell.verdict, cell.reason))
         per_impl.append(grouped)
-    rows.sort(key=lambda row: (row not in checks.CHECKS, row))
+    # check ids (and tests that are no registered check)
+    rows = sorted({check for grouped in per_impl for check in grouped})
+    rows.sort(key=lambda row: row not in checks.CHECKS)
     columns = [f"`{r.impl}`" + (f" ({r.adapter_name})" if r.adapter_name else "") for r in results]
     lines = [
         "# Conformance across implementations",

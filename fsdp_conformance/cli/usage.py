@@ -48,10 +48,9 @@ def private_tempdir() -> Iterator[str]:
     saved_tempdir = tempfile.tempdir
     from fsdp_conformance.harness import gpus
 
-    shared_locks = os.environ.get(constants.ENV_GPU_LOCK_DIR) or gpus.lock_dir_path()
+    os.environ[constants.ENV_GPU_LOCK_DIR] = gpus.lock_dir_path()  # before TMPDIR changes
     path = tempfile.mkdtemp(prefix="fsdp-cli-")
     os.environ["TMPDIR"] = path
-    os.environ[constants.ENV_GPU_LOCK_DIR] = shared_locks
     tempfile.tempdir = path
     try:
         yield path

@@ -295,7 +295,9 @@ class RankSet:
             sizes = now
         dumps = {}
         for rank in ranks:
-            text = _drop_watchdog_thread(self._read_log(rank))
+            # without the rank's parent-watchdog thread (noise)
+            blocks = self._read_log(rank).split("\n\n")
+            text = "\n\n".join(block for block in blocks if "in _watch_parent" not in block)
             if not text.strip():
                 text = f"(no stack dump: the rank {describe_exit(self.procs[rank].poll())})"
             dumps[rank] = text
@@ -456,8 +458,3 @@ class _TestRun:
                     )
             self.outcomes[rank] = RankOutcome(rank, HUNG, message=why, traceback=dumps[rank])
         self.reusable = False
-
-
-def _drop_watchdog_thread(dump: str) -> str:
-    """Remove the rank's parent-watchdog thread from a faulthandler dump (noise)."""
-    return "\n\n".join(b for b in dump.split("\n\n") if "in _watch_parent" not in b)

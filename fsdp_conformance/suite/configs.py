@@ -115,11 +115,9 @@ def pairwise(dimensions: dict[str, tuple[Any, ...]] = DIMENSIONS) -> list[dict[s
 def _per_strategy(dimensions: dict[str, tuple[Any, ...]]) -> list[dict[str, Any]]:
     """The default config per sharding strategy, with backward prefetch BACKWARD_PRE and None
     (those of them the dimensions have), so an adapter without backward prefetch is covered."""
-    prefetches = [
-        prefetch
-        for prefetch in ("BACKWARD_PRE", None)
-        if prefetch in dimensions["backward_prefetch"]
-    ] or [dimensions["backward_prefetch"][0]]
+    supported = dimensions["backward_prefetch"]
+    prefetches = [prefetch for prefetch in ("BACKWARD_PRE", None) if prefetch in supported]
+    prefetches = prefetches or [supported[0]]
     return [
         {**_defaults(dimensions), "sharding_strategy": strategy, "backward_prefetch": prefetch}
         for strategy in dimensions["sharding_strategy"]
