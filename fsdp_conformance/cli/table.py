@@ -17,28 +17,17 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import fsdp_conformance.suite  # noqa: F401  (importing the suite declares its checks)
-from fsdp_conformance import checks, constants
+from fsdp_conformance import checks
 from fsdp_conformance.cli.report import _md, package_version
 from fsdp_conformance.harness.extras import EXTRAS
 
-IMPLEMENTATIONS = constants.BUILTIN_ADAPTERS  # in column order
-VERDICTS = checks.VERDICTS
 
-
-@dataclasses.dataclass(frozen=True)
-class TableCell:
-    """One configuration of one check, as the table needs it."""
-
-    check: str  # the registered check id, or "Class::test" for no registered check
-    verdict: str
-    reason: str = ""
-
-
-def table_cell(cell: Any) -> TableCell:
-    """A ``cli.report.Cell`` as a TableCell (a collection error is a FAIL)."""
+def table_cell(cell: Any) -> checks.Result:
+    """A ``cli.report.Cell`` as the verdict record the table folds (``check``: the registered
+    check id, or "Class::test" for no registered check; a collection error is a FAIL)."""
     if cell.verdict:
-        return TableCell(cell.check_id or cell.check, cell.verdict, cell.reason)
-    return TableCell(cell.check, checks.FAIL, " ".join(cell.detail.split()))
+        return checks.Result(cell.check_id or cell.check, cell.verdict, cell.reason)
+    return checks.Result(cell.check, checks.FAIL, " ".join(cell.detail.split()))
 
 
 @dataclasses.dataclass
@@ -47,7 +36,7 @@ class ImplResult:
 
     impl: str  # the name given to --impl (column header)
     adapter_name: str = ""  # the adapter's own name when it differs from `impl`
-    cells: list[TableCell] = dataclasses.field(default_factory=list)
+    cells: list[checks.Result] = dataclasses.field(default_factory=list)
     unavailable: str | None = None  # why the implementation could not run at all
 
 
@@ -101,7 +90,7 @@ def _cell_text(verdicts: list[tuple[str, str]], notes: dict[str, int]) -> str:
     for verdict, reason in verdicts:
         by_verdict.setdefault(verdict, []).append(reason)
     parts = []
-    for verdict in VERDICTS:
+    for verdict in checks.VERDICTS:
         reasons = by_verdict.get(verdict)
         if not reasons:
             continue

@@ -30,7 +30,7 @@ def _timeline_command(args: argparse.Namespace) -> int:
     names = ("lag", "iterations", "layers", "backward_prefetch", "forward_prefetch")
     kwargs = {name: getattr(args, name) for name in names}
     kwargs["trace_file"] = os.path.abspath(args.trace) if args.trace else None
-    document = usage.measure_in_ranks("timeline", "timeline_in_rank", kwargs, args, "gloo")
+    document = usage.measure_in_ranks("timeline", kwargs, args, "gloo")
     if document is None:
         return 1
     document["axes_drawn"] = draw.draw(document, args.out)

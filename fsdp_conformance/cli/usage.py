@@ -263,17 +263,17 @@ def check_output(path: str | None, option: str) -> None:
 
 def measure_in_ranks(
     command: str,
-    function: str,
     kwargs: dict[str, Any],
     args: argparse.Namespace,
     backend: str | None,
     gpus: int = 0,
 ) -> dict[str, Any] | None:
-    """The JSON document rank 0 wrote from ``cli.ranks.<function>(dist, out_file, **kwargs)``
-    in every rank (on ``backend``, None: chosen; needing ``gpus``); None (the reason on stderr)
-    when the ranks skipped or failed."""
+    """The JSON document rank 0 wrote from ``cli.ranks.<command>_in_rank(dist, out_file,
+    **kwargs)`` in every rank (on ``backend``, None: chosen; needing ``gpus``); None (the reason
+    on stderr) when the ranks skipped or failed."""
     from fsdp_conformance.harness.controller import run_function
 
+    function = f"{command}_in_rank"
     with tempfile.TemporaryDirectory(prefix="fsdp-cli-") as workdir:
         out_file = os.path.join(workdir, f"{command}.json")
         result = run_function(
