@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from fsdp_conformance.cli import conformance, coverage, fuzz, overlap_table, run, timeline, usage
 from fsdp_conformance.harness import signals
@@ -39,10 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """The console script ``fsdp-conformance``."""
     args = build_parser().parse_args(argv)
-    handler: Callable[[argparse.Namespace], int] = args.handler
     try:
         with signals.cli_signals(), usage.private_tempdir():
-            return handler(args)
+            return args.handler(args)
     except usage.UsageError as error:
         sys.stderr.write(f"{usage.PROG} {args.command}: error: {error}\n")
         return 2

@@ -103,7 +103,7 @@ class CommTrace:
         self.instances = {id(i): i for i in adapter.instances(root)}
         self.events: list[CommEvent] = []
         self._phase = NO_PHASE
-        self._entered: list[str] = []  # in the order first entered
+        self._entered: dict[str, None] = {}  # phases in the order first entered
         self._stack = contextlib.ExitStack()
 
     def __enter__(self) -> Self:
@@ -124,8 +124,7 @@ class CommTrace:
     def phase(self, name: str) -> Iterator[None]:
         """Record the events inside the block under phase ``name``."""
         previous, self._phase = self._phase, name
-        if name not in self._entered:
-            self._entered.append(name)
+        self._entered.setdefault(name)
         try:
             yield
         finally:

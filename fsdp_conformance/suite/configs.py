@@ -78,9 +78,7 @@ class ParityCase:
 
 def _full_product(dimensions: dict[str, tuple[Any, ...]]) -> list[dict[str, Any]]:
     keys = list(dimensions)
-    return [
-        dict(zip(keys, values, strict=True)) for values in itertools.product(*dimensions.values())
-    ]
+    return [dict(zip(keys, v, strict=True)) for v in itertools.product(*dimensions.values())]
 
 
 def _defaults(dimensions: dict[str, tuple[Any, ...]]) -> dict[str, Any]:
