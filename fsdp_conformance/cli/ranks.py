@@ -5,21 +5,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 from typing import Any
 
 import torch
 
 from fsdp_conformance.adapters import features as adapter_features
 from fsdp_conformance.adapters import get_adapter
+from fsdp_conformance.cli import usage
 from fsdp_conformance.observe.residency import PHASES
 from fsdp_conformance.suite import memory_bound, overlap
-
-
-def _write(dist: Any, out_file: str, document: dict[str, Any]) -> None:
-    if dist.rank == 0:
-        with open(out_file, "w", encoding="utf-8") as stream:
-            json.dump(document, stream, indent=1)
 
 
 def overlap_in_rank(dist: Any, out_file: str, limit_all_gathers: bool, repeats: int) -> None:
@@ -56,7 +50,8 @@ def overlap_in_rank(dist: Any, out_file: str, limit_all_gathers: bool, repeats: 
         "max_ratio": overlap.MAX_OVERLAP_RATIO,
         "failure": failure,
     }
-    _write(dist, out_file, document)
+    if dist.rank == 0:
+        usage.write_json(out_file, document, indent=1)
 
 
 def _panel(tracker: Any, case: memory_bound.BoundCase, adapter: Any) -> dict[str, Any]:
@@ -125,4 +120,5 @@ def timeline_in_rank(
         "world_size": dist.world_size,
         "panels": panels,
     }
-    _write(dist, out_file, document)
+    if dist.rank == 0:
+        usage.write_json(out_file, document, indent=1)

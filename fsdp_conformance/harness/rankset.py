@@ -99,21 +99,19 @@ class RankSet:
         for rank in range(self.world_size):
             collectives.create_slot_file(self.slot_paths[rank])
             parent_sock, child_sock = socket.socketpair()
-            env = dict(os.environ)
-            env.update(
-                {
-                    rank_process.ENV_FD: str(child_sock.fileno()),
-                    rank_process.ENV_RANK: str(rank),
-                    rank_process.ENV_WORLD_SIZE: str(self.world_size),
-                    rank_process.ENV_STORE: store,
-                    rank_process.ENV_BACKEND: self.backend,
-                    rank_process.ENV_GPU_IDS: ",".join(map(str, self.gpu_ids)),
-                    rank_process.ENV_TIMEOUT: str(max(self.timeout, STARTUP_TIMEOUT_S)),
-                    rank_process.ENV_MODE: self.mode,
-                    rank_process.ENV_COLLECTIVE_SLOT: self.slot_paths[rank],
-                    "PYTHONUNBUFFERED": "1",
-                }
-            )
+            env = {
+                **os.environ,
+                rank_process.ENV_FD: str(child_sock.fileno()),
+                rank_process.ENV_RANK: str(rank),
+                rank_process.ENV_WORLD_SIZE: str(self.world_size),
+                rank_process.ENV_STORE: store,
+                rank_process.ENV_BACKEND: self.backend,
+                rank_process.ENV_GPU_IDS: ",".join(map(str, self.gpu_ids)),
+                rank_process.ENV_TIMEOUT: str(max(self.timeout, STARTUP_TIMEOUT_S)),
+                rank_process.ENV_MODE: self.mode,
+                rank_process.ENV_COLLECTIVE_SLOT: self.slot_paths[rank],
+                "PYTHONUNBUFFERED": "1",
+            }
             # one intra-op thread per rank unless the user chose (torchrun's default too):
             # ranks share the host's cores, and an oversubscribed OpenMP region costs
             # milliseconds per small op (layer_norm on a (6, 2, 16) tensor: 7 ms, not 6 us)

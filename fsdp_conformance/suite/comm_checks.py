@@ -220,12 +220,9 @@ def prefetch_case_id(model_name: str, backward_prefetch: str | None, forward_pre
 
 
 def prefetch_params() -> list[Any]:
-    return [
-        pytest.param(model, backward, forward, id=prefetch_case_id(model, backward, forward))
-        for model in TRACE_MODELS
-        for backward in (None, "BACKWARD_PRE", "BACKWARD_POST")
-        for forward in (False, True)
-    ]
+    # (model, backward prefetch, forward prefetch)
+    cases = itertools.product(TRACE_MODELS, (None, "BACKWARD_PRE", "BACKWARD_POST"), (False, True))
+    return [pytest.param(*case, id=prefetch_case_id(*case)) for case in cases]
 
 
 def prefetch_config(backward_prefetch: Any, forward_prefetch: bool) -> dict[str, Any]:
