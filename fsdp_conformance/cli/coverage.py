@@ -35,7 +35,7 @@ def report(
 
     adapter = get_adapter(impl)
     problem = adapter_features.support_problem(adapter)
-    cells = collect(impl, adapter, coverage=coverage, world_size=world_size)
+    cells = collect(impl, adapter, coverage, world_size)
 
     def runs(cell: Cell, supports: Any) -> bool:
         return problem is None and not cell.blocked and not cell.missing(supports)
@@ -57,9 +57,7 @@ def report(
         granted = Granted(adapter, frozenset({feature}))
         then = cells  # collected again only where the feature changes the configs
         if configs.supported_dimensions(granted) != dimensions:
-            then = collect(
-                impl, adapter, coverage=coverage, world_size=world_size, granted=granted.granted
-            )
+            then = collect(impl, adapter, coverage, world_size, granted.granted)
         running_then = Counter(cell.check for cell in then if runs(cell, granted.has))
         gains = {
             check: running_then[check] - running_now[check]

@@ -17,7 +17,6 @@ from fsdp_conformance import checks
 from fsdp_conformance.adapters import Adapter, UnsupportedFeatureError, normalize_config
 from fsdp_conformance.adapters import features as adapter_features
 from fsdp_conformance.cli.records import NO_LITTER
-from fsdp_conformance.cli.usage import DEFAULT_COVERAGE
 from fsdp_conformance.harness.gpus import gpus_needed
 
 
@@ -231,12 +230,7 @@ class _Collector:
 
 
 def collect(
-    impl: str,
-    adapter: Any,
-    *,
-    coverage: str = DEFAULT_COVERAGE,
-    world_size: int = 2,
-    granted: frozenset[str] = frozenset(),
+    impl: str, adapter: Any, coverage: str, world_size: int, granted: frozenset[str] = frozenset()
 ) -> list[Cell]:
     """The suite's cells for `impl`, as collected if `adapter` also supported `granted`;
     RuntimeError when the suite does not collect."""

@@ -172,14 +172,12 @@ class CommTrace:
         """Number of ``op`` events (or of any of several ops) in ``phase``."""
         return len(self.select(phase, (op,) if isinstance(op, str) else tuple(op)))
 
-    def render(
-        self, phases: Iterable[str] | None = None, ops: Iterable[str] | None = COMM_OPS
-    ) -> str:
+    def render(self, ops: Iterable[str] | None = COMM_OPS) -> str:
         """A ``phase:`` line, then ``  op label state`` per event; a phase equal to the last one
         with the same suffix (``forward`` / ``backward``) renders as ``phase: same as <it>``."""
         lines = []
         last_of_kind: dict[str, tuple[str, list[str]]] = {}
-        for phase in self.phases if phases is None else phases:
+        for phase in self.phases:
             events = [event.render() for event in self.select(phase, ops)]
             kind = phase.rsplit(" ", 1)[-1]
             previous = last_of_kind.get(kind)

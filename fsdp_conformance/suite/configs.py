@@ -131,13 +131,11 @@ def _configs_for(coverage: str, dimensions: dict[str, tuple[Any, ...]]) -> list[
     raise ValueError(f"unknown coverage {coverage!r}; use one of {', '.join(constants.COVERAGES)}")
 
 
-def supported_dimensions(
-    adapter: Any, dimensions: dict[str, tuple[Any, ...]] = DIMENSIONS
-) -> dict[str, tuple[Any, ...]]:
-    """`dimensions` without the values `adapter` cannot run (by the features the value needs and
-    the adapter's unsupported values); a dimension left empty keeps its first value."""
+def supported_dimensions(adapter: Any) -> dict[str, tuple[Any, ...]]:
+    """``DIMENSIONS`` without the values `adapter` cannot run (by the features the value needs
+    and the adapter's unsupported values); a dimension left empty keeps its first value."""
     kept: dict[str, tuple[Any, ...]] = {}
-    for key, values in dimensions.items():
+    for key, values in DIMENSIONS.items():
         if key == "device_init":
             kept[key] = values
             continue
