@@ -123,10 +123,8 @@ def render_text(data: dict[str, Any]) -> str:
         )
     if not data["unlocks"]:
         lines.append("no single unsupported feature unlocks a cell")
-    if data["unprobed"]:
-        lines.append(
-            f"({data['unprobed']} cells counted from their check's and case's features only)"
-        )
+    if unprobed := data["unprobed"]:
+        lines.append(f"({unprobed} cells counted from their check's and case's features only)")
     return "\n".join(lines)
 
 

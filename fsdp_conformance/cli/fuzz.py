@@ -121,9 +121,7 @@ def _run_with_progress(
         if tty and shown:
             sys.stderr.write("\n")
     finally:
-        if thread.is_alive():  # interrupted: the runtime kills the ranks on close
-            runtime.close()
-    runtime.close()
+        runtime.close()  # interrupted: this kills the ranks
     if "error" in outcome:
         raise outcome["error"]
     return usage.ranks_verdict(outcome["result"])

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import fsdp_conformance.suite  # noqa: F401  (importing the suite declares its checks)
-from fsdp_conformance import checks
+from fsdp_conformance import checks, constants
 from fsdp_conformance.cli.report import _md, package_version
 from fsdp_conformance.harness.extras import EXTRAS
 
@@ -42,14 +42,12 @@ class ImplResult:
 
 def unavailable_reason(impl: str) -> str | None:
     """Why ``impl`` cannot run here (not installed / unknown), or None when it can."""
-    from fsdp_conformance.adapters import BUILTIN_ADAPTERS
-
     if impl in EXTRAS and importlib.util.find_spec(impl) is None:
         return f"not installed: pip install 'fsdp-conformance[{impl}]'"
-    if impl not in BUILTIN_ADAPTERS and ":" not in impl:
+    if impl not in constants.BUILTIN_ADAPTERS and ":" not in impl:
         return (
             f"no built-in adapter {impl!r} in this fsdp-conformance "
-            f"(built in: {', '.join(BUILTIN_ADAPTERS)})"
+            f"(built in: {', '.join(constants.BUILTIN_ADAPTERS)})"
         )
     return None
 

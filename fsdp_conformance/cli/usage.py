@@ -9,6 +9,7 @@ import datetime
 import importlib.util
 import json
 import os
+import pathlib
 import shutil
 import sys
 import tempfile
@@ -72,9 +73,7 @@ def keep_log(path: str, command: str) -> str:
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
     kept = os.path.join(directory, f"{command}-{stamp}-{os.getpid()}.log")
     shutil.move(path, kept)
-    logs = sorted(
-        (os.path.join(directory, name) for name in os.listdir(directory)), key=os.path.getmtime
-    )
+    logs = sorted(pathlib.Path(directory).iterdir(), key=os.path.getmtime)
     for old in logs[:-KEPT_LOGS]:
         with contextlib.suppress(OSError):
             os.remove(old)

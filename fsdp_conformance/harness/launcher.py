@@ -464,9 +464,8 @@ class LauncherPlugin:
             runtime._post("exit", int(exitstatus))
             return
         wait = OUTCOME_GRACE_S + (runtime.options.timeout if runtime.broken is None else 0)
-        status = None
-        if 0 not in runtime._gone and not runtime._missing(["exit/0"], wait):
-            status = runtime._read("exit/0")
+        reported = 0 not in runtime._gone and not runtime._missing(["exit/0"], wait)
+        status = runtime._read("exit/0") if reported else None
         if status is None:
             sys.stderr.write(
                 f"fsdp-conformance: rank {self.env.rank}: rank 0 reported no exit status "

@@ -130,9 +130,7 @@ def _run_in_ranks(case: RankTestCase, method_name: str) -> None:
         function=lambda: cls(method_name).debug(),
     )
     result = runtime.run(request)
-    output = result.output() + "".join(f"fsdp-conformance: {note}\n" for note in result.notes)
-    if output:
-        sys.stdout.write(output)
+    sys.stdout.write(result.output() + "".join(f"fsdp-conformance: {n}\n" for n in result.notes))
     verdict = result.verdict
     if verdict.status in (SKIPPED, XFAILED):
         raise unittest.SkipTest(verdict.message)

@@ -231,14 +231,9 @@ def summarize(outcomes: dict[int, RankOutcome], world_size: int, mismatch: str =
                 return Verdict(status, first.message, list(recorded))
         return Verdict(PASSED, "", list(recorded))
     lines = [mismatch] if mismatch else []
-    for o in problems:
+    for o in [*problems, *(o for o in ordered if o.status in (SKIPPED, XFAILED))]:
         what = o.message.removeprefix(f"rank {o.rank} ") if o.status == DIED else o.message
         lines.append(f"rank {o.rank} of {world_size} {o.status}: {what}")
-    lines += [
-        f"rank {o.rank} of {world_size} {o.status}: {o.message}"
-        for o in ordered
-        if o.status in (SKIPPED, XFAILED)
-    ]
     passed = [str(o.rank) for o in ordered if o.status == PASSED]
     if passed:
         lines.append(f"ranks that passed: {', '.join(passed)}")
