@@ -107,9 +107,8 @@ def patch_attribute(
         if isinstance(owner, type) and attribute in vars(owner):
             original = vars(owner)[attribute]  # what undo puts back, binding as before
         setattr(owner, attribute, replacement)
-        record = PatchRecord(
-            owner, attribute, key, original, replacement, written_for, library_version(library)
-        )
+        running = library_version(library)
+        record = PatchRecord(owner, attribute, key, original, replacement, written_for, running)
         _records[record_key] = record
         return record
 

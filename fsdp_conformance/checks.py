@@ -68,15 +68,13 @@ def declare(
     """
     test = function.__qualname__
     known = CHECKS.get(check_id)
+    first = Check(check_id, description, (test,), tuple(features), strict, case)
     if description:
-        declared = Check(check_id, description, (test,), tuple(features), strict, case)
-        if known is not None:
-            if dataclasses.replace(known, tests=(test,)) != declared:
-                raise ValueError(
-                    f"check {check_id!r} is declared twice, differently ({known.tests[0]} and "
-                    f"{test}); give the description and options on its first test only"
-                )
-            declared = known
+        if known is not None and dataclasses.replace(known, tests=(test,)) != first:
+            raise ValueError(
+                f"check {check_id!r} is declared twice, differently ({known.tests[0]} and "
+                f"{test}); give the description and options on its first test only"
+            )
     elif known is None:
         raise ValueError(
             f"check {check_id!r} (on {test}) is not declared yet; give its description (and "
@@ -87,8 +85,7 @@ def declare(
             f"check {check_id!r} (on {test}): options belong to its first declaration "
             f"({known.tests[0]}); name only the id here"
         )
-    else:
-        declared = known
+    declared = first if known is None else known
     if test not in declared.tests:
         declared = dataclasses.replace(declared, tests=(*declared.tests, test))
     CHECKS[check_id] = declared
@@ -147,7 +144,7 @@ def verdict_of_outcome(
         verdict = PASS
     if recorded.get(PROPERTY_VERDICT) == verdict:
         return verdict, recorded.get(PROPERTY_REASON, "")
-    return verdict, "" if verdict == PASS else " ".join(text.split())
+    return verdict, "" if verdict == PASS else _one_line(text)
 
 
 def _one_line(text: str) -> str:
@@ -168,18 +165,15 @@ class Result:
 
     def properties(self) -> list[tuple[str, str]]:
         """The record as report properties, each value on one line."""
-        pairs = [
+        recorded = [
             (PROPERTY_CHECK, self.check),
             (PROPERTY_VERDICT, self.verdict),
             (PROPERTY_REASON, _one_line(self.reason)),
+            (PROPERTY_FEATURE, self.feature and _one_line(self.feature)),
+            (PROPERTY_FAILURE, self.failure and _one_line(self.failure)),
+            (PROPERTY_RERUN, self.rerun),
         ]
-        if self.feature is not None:
-            pairs.append((PROPERTY_FEATURE, _one_line(self.feature)))
-        if self.failure is not None:
-            pairs.append((PROPERTY_FAILURE, _one_line(self.failure)))
-        if self.rerun is not None:
-            pairs.append((PROPERTY_RERUN, self.rerun))
-        return pairs
+        return [(name, value) for name, value in recorded if value is not None]
 
     @classmethod
     def from_properties(cls, properties: Iterable[tuple[str, object]]) -> Result | None:
@@ -187,14 +181,9 @@ class Result:
         values = {name: str(value) for name, value in properties}
         if PROPERTY_VERDICT not in values:
             return None
-        return cls(
-            values.get(PROPERTY_CHECK, ""),
-            values[PROPERTY_VERDICT],
-            values.get(PROPERTY_REASON, ""),
-            values.get(PROPERTY_FAILURE),
-            values.get(PROPERTY_FEATURE),
-            values.get(PROPERTY_RERUN),
-        )
+        check, reason = values.get(PROPERTY_CHECK, ""), values.get(PROPERTY_REASON, "")
+        optional = (PROPERTY_FAILURE, PROPERTY_FEATURE, PROPERTY_RERUN)  # None: not recorded
+        return cls(check, values[PROPERTY_VERDICT], reason, *map(values.get, optional))
 
     @classmethod
     def of_report(cls, check: str, report: object, recorded: Result | None = None) -> Result:

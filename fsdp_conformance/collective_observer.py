@@ -90,9 +90,7 @@ def install() -> None:
         if _libraries:
             return
         after = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.BackendSelect)
-        libraries = {
-            namespace: torch.library.Library(namespace, "IMPL") for namespace in NAMESPACES
-        }
+        libraries = {space: torch.library.Library(space, "IMPL") for space in NAMESPACES}
         _libraries.extend(libraries.values())
         for qualified in torch._C._dispatch_get_all_op_names():
             namespace, _, name = qualified.partition("::")

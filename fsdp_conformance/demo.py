@@ -59,17 +59,17 @@ def _rank_main(rank: int, store_path: str) -> None:
     fsdp_losses = _train(fsdp_model, rank)
     full = fsdp_model.state_dict()
     same_params = all(torch.equal(full[k], v) for k, v in ddp_model.module.state_dict().items())
+    match = fsdp_losses == ddp_losses and same_params
     if rank == 0:
         instances = len(FSDP.fsdp_modules(fsdp_model))
         print(f"reference FSDP, {WORLD_SIZE} CPU ranks, {instances} instances (root + nested)")
         for step, (a, b) in enumerate(zip(fsdp_losses, ddp_losses)):
             print(f"step {step}: loss fsdp {a:.6f}  ddp {b:.6f}")
-        verdict = "match" if fsdp_losses == ddp_losses and same_params else "DIFFER"
-        print(f"losses and parameters {verdict} DDP (bit-exact fp32)")
+        print(f"losses and parameters {'match' if match else 'DIFFER'} DDP (bit-exact fp32)")
         sys.stdout.flush()
     dist.barrier()
     dist.destroy_process_group()
-    if rank == 0 and not (fsdp_losses == ddp_losses and same_params):
+    if rank == 0 and not match:
         os._exit(1)
 
 

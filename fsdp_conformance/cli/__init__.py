@@ -9,22 +9,9 @@ from __future__ import annotations
 import argparse
 import sys
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
-from fsdp_conformance.cli import conformance as _conformance
-from fsdp_conformance.cli import coverage as _coverage
-from fsdp_conformance.cli import fuzz as _fuzz
-from fsdp_conformance.cli import overlap_table as _overlap
-from fsdp_conformance.cli import run as _run
-from fsdp_conformance.cli import timeline as _timeline
-from fsdp_conformance.cli.usage import (
-    PROG,
-    BrokenAdapter,
-    UsageError,
-    _Parser,
-    exit_codes_epilog,
-    private_tempdir,
-)
+from fsdp_conformance.cli import conformance, coverage, fuzz, overlap_table, run, timeline, usage
 from fsdp_conformance.harness import signals
 
 # the package exports these two; each command's names live in its module (cli.run, cli.usage, ...)
@@ -34,36 +21,34 @@ __all__ = ["build_parser", "main"]
 def build_parser() -> argparse.ArgumentParser:
     """The parser of ``fsdp-conformance`` and its subcommands."""
     formatter = argparse.RawDescriptionHelpFormatter
-    parser = _Parser(
-        prog=PROG,
+    parser = usage._Parser(
+        prog=usage.PROG,
         description="Conformance suite for Fully Sharded Data Parallel implementations.",
         epilog="examples:\n  fsdp-conformance run\n  fsdp-conformance overlap --help\n"
         "  fsdp-conformance timeline --out timeline.png",
         formatter_class=formatter,
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for module in (_run, _overlap, _timeline, _conformance, _fuzz, _coverage):
+    for module in (run, overlap_table, timeline, conformance, fuzz, coverage):
         module.add_parser(commands, formatter)
     for name, command in commands.choices.items():
-        command.epilog = "\n\n".join(filter(None, (command.epilog, exit_codes_epilog(name))))
+        command.epilog = "\n\n".join(filter(None, (command.epilog, usage.exit_codes_epilog(name))))
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The console script ``fsdp-conformance``."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    handler: Callable[[argparse.Namespace], int] = args.handler
+    args = build_parser().parse_args(argv)
     try:
-        with signals.cli_signals(), private_tempdir():
-            return handler(args)
-    except UsageError as error:
-        sys.stderr.write(f"{PROG} {args.command}: error: {error}\n")
+        with signals.cli_signals(), usage.private_tempdir():
+            return args.handler(args)
+    except usage.UsageError as error:
+        sys.stderr.write(f"{usage.PROG} {args.command}: error: {error}\n")
         return 2
-    except BrokenAdapter as error:
+    except usage.BrokenAdapter as error:
         sys.stderr.write("".join(traceback.format_exception(error.__cause__ or error)))
-        sys.stderr.write(f"{PROG} {args.command}: error: {error} (the adapter is broken)\n")
+        sys.stderr.write(f"{usage.PROG} {args.command}: error: {error} (the adapter is broken)\n")
         return 1
     except KeyboardInterrupt as interrupt:
-        sys.stderr.write(f"\n{PROG} {args.command}: interrupted\n")
+        sys.stderr.write(f"\n{usage.PROG} {args.command}: interrupted\n")
         return 128 + interrupt.signum if isinstance(interrupt, signals.Terminated) else 130

@@ -6,28 +6,17 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from fsdp_conformance.cli.usage import (
-    BUILTIN_IMPLS,
-    COVERAGES,
-    DEFAULT_COVERAGE,
-    PROG,
-    _add_timeout,
-    _subcommand,
-    check_impl,
-    check_keyword_expression,
-    check_output,
-    check_worker_count,
-)
+from fsdp_conformance.cli import usage
 
 
 def _conformance_command(args: argparse.Namespace) -> int:
-    impls = args.impl or list(BUILTIN_IMPLS)
+    impls = args.impl or list(usage.BUILTIN_IMPLS)
     for impl in impls:
-        if impl not in BUILTIN_IMPLS:  # a built-in without its extra gets a column saying so
-            check_impl(impl)
-    check_keyword_expression(args.k)
-    check_output(args.out, "--out")
-    check_worker_count(args.workers)
+        if impl not in usage.BUILTIN_IMPLS:  # a built-in without its extra gets a column saying so
+            usage.check_impl(impl)
+    usage.check_keyword_expression(args.k)
+    usage.check_output(args.out, "--out")
+    usage.check_worker_count(args.workers)
     pytest_args = [f"--fsdp-coverage={args.coverage}", f"--fsdp-timeout={args.timeout:g}"]
     if args.workers > 0:
         pytest_args += ["-n", str(args.workers)]
@@ -36,12 +25,12 @@ def _conformance_command(args: argparse.Namespace) -> int:
     from fsdp_conformance.cli import table  # imports the suite (and torch)
 
     table.generate(impls, args.out, pytest_args)
-    print(f"{PROG} conformance: wrote {args.out}")
+    print(f"{usage.PROG} conformance: wrote {args.out}")
     return 0
 
 
 def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
-    conformance = _subcommand(
+    conformance = usage._subcommand(
         commands,
         formatter,
         "conformance",
@@ -58,9 +47,9 @@ def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
     )
     conformance.add_argument("--out", default="docs/conformance.md", metavar="FILE.md")
     conformance.add_argument("-k", metavar="EXPR", help="only checks matching this expression")
-    conformance.add_argument("--coverage", choices=COVERAGES, default=DEFAULT_COVERAGE)
+    conformance.add_argument("--coverage", choices=usage.COVERAGES, default=usage.DEFAULT_COVERAGE)
     conformance.add_argument(
         "-n", dest="workers", type=int, default=0, metavar="WORKERS", help="xdist workers"
     )
-    _add_timeout(conformance)
+    usage._add_timeout(conformance)
     conformance.set_defaults(handler=_conformance_command)

@@ -9,6 +9,7 @@ declarations are the adapter's; it records what the body requires and stops the 
 keeps its check's and case's features. A feature *unlocks* the cells that would run if the
 adapter supported it too.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,22 +18,15 @@ import sys
 from collections import Counter
 from typing import Any
 
-from fsdp_conformance.cli.usage import (
-    DEFAULT_COVERAGE,
-    PROG,
-    _add_impl,
-    _subcommand,
-    check_at_least,
-    check_impl,
-    check_output,
-    write_json,
-)
+from fsdp_conformance.cli import usage
 from fsdp_conformance.constants import COVERAGES
 
 JSON_SCHEMA_VERSION = 1
 
 
-def report(impl: str, *, coverage: str = DEFAULT_COVERAGE, world_size: int = 2) -> dict[str, Any]:
+def report(
+    impl: str, *, coverage: str = usage.DEFAULT_COVERAGE, world_size: int = 2
+) -> dict[str, Any]:
     """The coverage of adapter `impl` as the JSON-ready dict ``--json`` writes (docs/cli.md)."""
     from fsdp_conformance.adapters import features as adapter_features
     from fsdp_conformance.adapters import get_adapter
@@ -41,7 +35,7 @@ def report(impl: str, *, coverage: str = DEFAULT_COVERAGE, world_size: int = 2) 
 
     adapter = get_adapter(impl)
     problem = adapter_features.support_problem(adapter)
-    cells = collect(impl, adapter, coverage=coverage, world_size=world_size)
+    cells = collect(impl, adapter, coverage, world_size)
 
     def runs(cell: Cell, supports: Any) -> bool:
         return problem is None and not cell.blocked and not cell.missing(supports)
@@ -63,9 +57,7 @@ def report(impl: str, *, coverage: str = DEFAULT_COVERAGE, world_size: int = 2) 
         granted = Granted(adapter, frozenset({feature}))
         then = cells  # collected again only where the feature changes the configs
         if configs.supported_dimensions(granted) != dimensions:
-            then = collect(
-                impl, adapter, coverage=coverage, world_size=world_size, granted=granted.granted
-            )
+            then = collect(impl, adapter, coverage, world_size, granted.granted)
         running_then = Counter(cell.check for cell in then if runs(cell, granted.has))
         gains = {
             check: running_then[check] - running_now[check]
@@ -112,12 +104,8 @@ def _family_counts(gains: dict[str, int]) -> str:
 
 def render_text(data: dict[str, Any]) -> str:
     """The report as the terminal shows it."""
-    lines = [
-        (
-            f"adapter {data['adapter']!r} ({data['impl']}), coverage {data['coverage']}: "
-            f"{data['cells']} cells collected, {data['run']} would run, {data['skip']} would skip"
-        )
-    ]
+    counts = f"{data['cells']} cells collected, {data['run']} would run, {data['skip']} would skip"
+    lines = [f"adapter {data['adapter']!r} ({data['impl']}), coverage {data['coverage']}: {counts}"]
     if data["support_problem"]:
         lines.append(f"every cell skips: {data['support_problem']}")
     lines.append("")
@@ -135,34 +123,32 @@ def render_text(data: dict[str, Any]) -> str:
         )
     if not data["unlocks"]:
         lines.append("no single unsupported feature unlocks a cell")
-    if data["unprobed"]:
-        lines.append(
-            f"({data['unprobed']} cells counted from their check's and case's features only)"
-        )
+    if unprobed := data["unprobed"]:
+        lines.append(f"({unprobed} cells counted from their check's and case's features only)")
     return "\n".join(lines)
 
 
 def _coverage_command(args: argparse.Namespace) -> int:
-    check_impl(args.impl)
-    check_at_least(args.world_size, "--world-size")
+    usage.check_impl(args.impl)
+    usage.check_at_least(args.world_size, "--world-size")
     if args.json not in (None, "-"):
-        check_output(args.json, "--json")
+        usage.check_output(args.json, "--json")
     try:
         data = report(args.impl, coverage=args.coverage, world_size=args.world_size)
     except RuntimeError as error:
-        print(f"{PROG} coverage: {error}", file=sys.stderr)
+        print(f"{usage.PROG} coverage: {error}", file=sys.stderr)
         return 1
     if args.json == "-":
         print(json.dumps(data, indent=1))
         return 0
     if args.json is not None:
-        write_json(args.json, data, indent=1)
+        usage.write_json(args.json, data, indent=1)
     print(render_text(data))
     return 0
 
 
 def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
-    parser = _subcommand(
+    parser = usage._subcommand(
         commands,
         formatter,
         "coverage",
@@ -173,31 +159,14 @@ def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
         "fsdp-conformance coverage --impl torch-fsdp2",
         "cd examples && fsdp-conformance coverage --impl my_fsdp_adapter:ADAPTER --json -",
     )
-    _add_impl(
-        parser,
-        "FSDP adapter: impl (default), torch-fsdp1, torch-fsdp2, fairscale, deepspeed or "
-        "pkg.module:ATTR (the current directory and PYTHONPATH are searched)",
-    )
-    parser.add_argument(
-        "--world-size",
-        type=int,
-        default=2,
-        metavar="N",
-        help="ranks for cells that do not fix their own world size, as `run` (default 2)",
-    )
-    parser.add_argument(
-        "--coverage",
-        choices=COVERAGES,
-        default=DEFAULT_COVERAGE,
-        help=f"parity configurations as `run` collects them (default {DEFAULT_COVERAGE})",
-    )
-    parser.add_argument(
-        "--json",
-        nargs="?",
-        const="-",
-        metavar="FILE",
-        help="write the report as JSON to FILE (no FILE or '-': to stdout, instead of the text)",
-    )
+    usage._add_impl(parser)
+    ranks = "ranks for cells that do not fix their own world size, as `run` (default 2)"
+    parser.add_argument("--world-size", type=int, default=2, metavar="N", help=ranks)
+    default = usage.DEFAULT_COVERAGE
+    configurations = f"parity configurations as `run` collects them (default {default})"
+    parser.add_argument("--coverage", choices=COVERAGES, default=default, help=configurations)
+    to_json = "write the report as JSON to FILE (no FILE or '-': to stdout, instead of the text)"
+    parser.add_argument("--json", nargs="?", const="-", metavar="FILE", help=to_json)
     parser.set_defaults(handler=_coverage_command)
 
 

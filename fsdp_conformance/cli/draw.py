@@ -97,9 +97,7 @@ def draw(document: dict[str, Any], out_file: str) -> int:
             f"resident non-root buffers; {verdict(panel)}",
             fontsize=10,
         )
-        ax.set_ylabel("resident buffers")
-        ax.set_ylim(0, top)
-        ax.set_xlim(-0.5, max(index, default=0) + 0.5)
+        ax.set(ylabel="resident buffers", ylim=(0, top), xlim=(-0.5, max(index, default=0) + 0.5))
         ax.grid(axis="y", alpha=0.3)
     axes[0, 0].legend(loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8)
     axes[-1, 0].set_xlabel("event (all-gather, free, device progress, phase start)")

@@ -13,17 +13,7 @@ import threading
 import time
 from typing import Any
 
-from fsdp_conformance.cli.usage import (
-    PROG,
-    UsageError,
-    _add_impl,
-    _subcommand,
-    check_at_least,
-    check_impl,
-    check_output,
-    check_world_size,
-    ranks_verdict,
-)
+from fsdp_conformance.cli import usage
 
 DEFAULT_EXAMPLES = 100
 DEFAULT_OUT = "repro.py"
@@ -33,36 +23,31 @@ PROGRESS_LINE_S = 10.0  # how often a progress line is printed when stderr is no
 
 
 def _fuzz_command(args: argparse.Namespace) -> int:
-    check_at_least(args.examples, "--examples")
-    check_at_least(args.seed, "--seed", 0)
+    usage.check_at_least(args.examples, "--examples")
+    usage.check_at_least(args.seed, "--seed", 0)
     for option, value in (("--max-seconds", args.max_seconds), ("--timeout", args.timeout)):
         if value is not None and not value > 0:
-            raise UsageError(f"{option} {value:g}: must be > 0")
-    check_impl(args.impl)
-    check_world_size(args.world_size)
-    check_output(args.out, "--out")
+            raise usage.UsageError(f"{option} {value:g}: must be > 0")
+    usage.check_impl(args.impl)
+    usage.check_world_size(args.world_size)
+    usage.check_output(args.out, "--out")
     from fsdp_conformance.suite.fuzz.driver import HYPOTHESIS_MISSING, FuzzResult
 
     try:
         import hypothesis  # noqa: F401
     except ImportError:
-        raise UsageError(HYPOTHESIS_MISSING) from None
+        raise usage.UsageError(HYPOTHESIS_MISSING) from None
     timeout = args.timeout
     if timeout is None:
         timeout = DEFAULT_RUN_TIMEOUT if args.max_seconds is None else 2 * args.max_seconds + 300
     with tempfile.TemporaryDirectory(prefix="fsdp-fuzz-", ignore_cleanup_errors=True) as workdir:
         out_file = os.path.join(workdir, "result.json")
         progress_file = os.path.join(workdir, "progress.txt")
-        kwargs = {
-            "out_file": out_file,
-            "examples": args.examples,
-            "seed": args.seed,
-            "max_seconds": args.max_seconds,
-            "progress_file": progress_file,
-        }
+        kwargs = {name: getattr(args, name) for name in ("examples", "seed", "max_seconds")}
+        kwargs.update(out_file=out_file, progress_file=progress_file)
         status, message = _run_with_progress(kwargs, args, timeout, progress_file)
         if status != "passed":
-            print(f"{PROG} fuzz: the ranks {status}:\n{message}", file=sys.stderr)
+            print(f"{usage.PROG} fuzz: the ranks {status}:\n{message}", file=sys.stderr)
             return 1
         with open(out_file, encoding="utf-8") as stream:
             result = FuzzResult.from_json(stream.read())
@@ -70,8 +55,8 @@ def _fuzz_command(args: argparse.Namespace) -> int:
 
 
 def _report(result: Any, args: argparse.Namespace) -> int:
-    print(f"{PROG} fuzz --impl {args.impl} --seed {args.seed} --world-size {args.world_size}: "
-          f"{result.summary()}")  # fmt: skip
+    command = f"{usage.PROG} fuzz --impl {args.impl} --seed {args.seed}"
+    print(f"{command} --world-size {args.world_size}: {result.summary()}")
     for text, count in result.refusal_reasons:
         print(f"  refused {count}x: {text}")
     for reason in result.deviation_reasons:
@@ -87,11 +72,9 @@ def _report(result: Any, args: argparse.Namespace) -> int:
 
     names = {cls.__name__: cls for cls in (Block, FuzzCase, ModelSpec, Program, Seq, Step)}
     case = eval(result.case, {"__builtins__": {}}, names)  # our own repr of a FuzzCase
-    print(
-        f"COUNTEREXAMPLE after {result.found_at} examples, shrunk in {result.shrinks} runs"
-        + (" (shrinking stopped by --max-seconds)" if result.time_limited else "")
-        + ":"
-    )
+    stopped = " (shrinking stopped by --max-seconds)" if result.time_limited else ""
+    shrunk = f"shrunk in {result.shrinks} runs{stopped}"
+    print(f"COUNTEREXAMPLE after {result.found_at} examples, {shrunk}:")
     print(result.description)
     print(f"first difference: {result.message}")
     write_repro(args.out, case, args.impl, args.world_size, args.seed, result.message)
@@ -103,22 +86,16 @@ def _run_with_progress(
     kwargs: dict[str, Any], args: argparse.Namespace, timeout: float, progress_file: str
 ) -> tuple[str, str]:
     """Run ``fuzz_in_rank`` in a rank set, echoing rank 0's progress line."""
-    from fsdp_conformance.harness.controller import Runtime, RuntimeOptions, TestRequest
-    from fsdp_conformance.harness.wire import TestTarget
+    from fsdp_conformance.harness.controller import function_request
 
-    world_size = args.world_size
-    runtime = Runtime(
-        RuntimeOptions(
-            mode="process", timeout=timeout, world_size=world_size, impl=args.impl, backend="gloo"
-        )
-    )
-    request = TestRequest(
-        target=TestTarget("fsdp_conformance.suite.fuzz.driver", None, (), "fuzz_in_rank"),
-        kwargs=kwargs,
-        test_id=f"{PROG} fuzz",
-        world_size=world_size,
-        mode="process",
+    runtime, request = function_request(
+        "fsdp_conformance.suite.fuzz.driver",
+        "fuzz_in_rank",
+        kwargs,
+        world_size=args.world_size,
         timeout=timeout,
+        impl=args.impl,
+        test_id=f"{usage.PROG} fuzz",
     )
     outcome: dict[str, Any] = {}
 
@@ -138,21 +115,16 @@ def _run_with_progress(
             line = _read(progress_file)
             now = time.monotonic()
             if line and line != shown and (tty or now - last_print >= PROGRESS_LINE_S):
-                if tty:
-                    sys.stderr.write("\r\x1b[2K" + line)
-                else:
-                    sys.stderr.write(line + "\n")
+                sys.stderr.write("\r\x1b[2K" + line if tty else line + "\n")
                 sys.stderr.flush()
                 shown, last_print = line, now
         if tty and shown:
             sys.stderr.write("\n")
     finally:
-        if thread.is_alive():  # interrupted: the runtime kills the ranks on close
-            runtime.close()
-    runtime.close()
+        runtime.close()  # interrupted: this kills the ranks
     if "error" in outcome:
         raise outcome["error"]
-    return ranks_verdict(outcome["result"])
+    return usage.ranks_verdict(outcome["result"])
 
 
 def _read(path: str) -> str:
@@ -164,7 +136,7 @@ def _read(path: str) -> str:
 
 
 def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
-    fuzz = _subcommand(
+    fuzz = usage._subcommand(
         commands,
         formatter,
         "fuzz",
@@ -177,30 +149,19 @@ def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
         "fsdp-conformance fuzz --examples 200 --seed 0",
         "fsdp-conformance fuzz --impl torch-fsdp2 --max-seconds 120 --out fsdp2_repro.py",
     )
-    _add_impl(
-        fuzz,
-        "FSDP under test: impl (default), torch-fsdp1, torch-fsdp2, fairscale, deepspeed or "
-        "pkg.module:ATTR",
-    )
-    fuzz.add_argument(
-        "--examples", type=int, default=DEFAULT_EXAMPLES, metavar="N",
-        help=f"generated cases to run, refused ones not counted (default {DEFAULT_EXAMPLES})",
-    )  # fmt: skip
+    usage._add_impl(fuzz)
+    examples = f"generated cases to run, refused ones not counted (default {DEFAULT_EXAMPLES})"
+    fuzz.add_argument("--examples", type=int, default=DEFAULT_EXAMPLES, metavar="N", help=examples)
     fuzz.add_argument(
         "--seed", type=int, default=0, metavar="S", help="hypothesis seed (default 0)"
     )
     fuzz.add_argument("--world-size", type=int, default=2, metavar="W", help="ranks (default 2)")
-    fuzz.add_argument(
-        "--max-seconds", type=float, default=None, metavar="T",
-        help="stop generating (or shrinking) after T seconds",
-    )  # fmt: skip
-    fuzz.add_argument(
-        "--out", default=DEFAULT_OUT, metavar="FILE",
-        help=f"where a counterexample's reproduction is written (default {DEFAULT_OUT})",
-    )  # fmt: skip
-    fuzz.add_argument(
-        "--timeout", type=float, default=None, metavar="SECONDS",
-        help="fail the ranks (a hang) after this long in all (default: 3600, or 2 x "
-        "--max-seconds + 300)",
-    )  # fmt: skip
+    stop = "stop generating (or shrinking) after T seconds"
+    fuzz.add_argument("--max-seconds", type=float, default=None, metavar="T", help=stop)
+    out = f"where a counterexample's reproduction is written (default {DEFAULT_OUT})"
+    fuzz.add_argument("--out", default=DEFAULT_OUT, metavar="FILE", help=out)
+    hang = (
+        "fail the ranks (a hang) after this long in all (default: 3600, or 2 x --max-seconds + 300)"
+    )
+    fuzz.add_argument("--timeout", type=float, default=None, metavar="SECONDS", help=hang)
     fuzz.set_defaults(handler=_fuzz_command)

@@ -4,6 +4,7 @@ memory over what one xdist worker with its ``world_size`` rank processes takes.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 # Memory budgeted for one pytest worker, and for one CPU rank process (torch and gloo, small
@@ -14,13 +15,10 @@ RANK_BYTES = 512 * 2**20
 
 def available_memory() -> int | None:
     """Bytes available to new processes (``MemAvailable``, else the free pages), or None."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
+    with contextlib.suppress(OSError, ValueError, IndexError), open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):

@@ -5,47 +5,32 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from fsdp_conformance.cli.usage import (
-    UsageError,
-    _add_common,
-    _bool,
-    _subcommand,
-    check_at_least,
-    check_impl,
-    check_output,
-    check_world_size,
-    measure_in_ranks,
-    write_json,
-)
+from fsdp_conformance.cli import usage
 from fsdp_conformance.constants import Op
 
 
 def _overlap_command(args: argparse.Namespace) -> int:
-    check_impl(args.impl)
-    check_at_least(
-        args.world_size,
-        "--world-size",
-        2,
-        "a one-rank group all-gathers nothing, so there is no communication to overlap; use 2",
-    )
-    check_world_size(args.world_size)
-    check_at_least(args.repeats, "--repeats")
-    check_output(args.json, "--json")
+    usage.check_impl(args.impl)
+    why = "a one-rank group all-gathers nothing, so there is no communication to overlap; use 2"
+    usage.check_at_least(args.world_size, "--world-size", 2, why)
+    usage.check_world_size(args.world_size)
+    usage.check_at_least(args.repeats, "--repeats")
+    usage.check_output(args.json, "--json")
     cuda = args.device == "cuda"
     if cuda:
         from fsdp_conformance.harness import gpus
 
         if gpus.gpu_count() == 0:
-            raise UsageError("--device cuda: needs a GPU, none available; use --device cpu")
+            raise usage.UsageError("--device cuda: needs a GPU, none available; use --device cpu")
     kwargs = {"limit_all_gathers": args.limit_all_gathers, "repeats": args.repeats}
     # on CUDA: nccl with a GPU per rank, else the ranks share one GPU over gloo
     backend, gpus_needed = (None, 1) if cuda else ("gloo", 0)
-    document = measure_in_ranks("overlap", "overlap_in_rank", kwargs, args, backend, gpus_needed)
+    document = usage.measure_in_ranks("overlap", kwargs, args, backend, gpus_needed)
     if document is None:
         return 1
     print(render_overlap(document))
     if args.json:
-        write_json(args.json, document, indent=2)
+        usage.write_json(args.json, document, indent=2)
     return 0
 
 
@@ -63,16 +48,12 @@ def render_overlap(document: dict[str, Any]) -> str:
     ]
     width = max(len(name) for name, _ in rows)
     lines = [
-        (
-            f"overlap of {document['impl']!r} on {document['placement']} (world size "
-            f"{document['world_size']}, {document['layers']} layers, {config})"
-        ),
+        f"overlap of {document['impl']!r} on {document['placement']} (world size "
+        + f"{document['world_size']}, {document['layers']} layers, {config})",
         f"forward time, minimum of {document['repeats']} runs, maximum over ranks:",
         "",
         f"  {'case':<{width}}  {unit:>10}",
-    ]
-    lines += [f"  {name:<{width}}  {value:10.1f}" for name, value in rows]
-    lines += [
+        *(f"  {name:<{width}}  {value:10.1f}" for name, value in rows),
         "",
         f"all-gathers per forward: {times['all_gathers']} ({times['synchronous']} synchronous)",
     ]
@@ -82,9 +63,8 @@ def render_overlap(document: dict[str, Any]) -> str:
             "(> 1.1: overlapped)"
         )
     else:
-        serialised = (
-            times["all_gathers"] * document["comm_ms"] + times["compute"] - times["nothing"]
-        )
+        communication = times["all_gathers"] * document["comm_ms"]
+        serialised = communication + times["compute"] - times["nothing"]
         lines.append(
             f"overlap ratio (both - nothing) / (communication + compute serialised) = "
             f"{times['both'] - times['nothing']:.1f} / {serialised:.1f} = {document['ratio']:.2f} "
@@ -95,13 +75,12 @@ def render_overlap(document: dict[str, Any]) -> str:
                 "the adapter issues its all-gathers synchronously (async_op=False): the CPU "
                 "thread blocks in each, so nothing can overlap on CPU"
             )
-    verdict = document["failure"] or "communication overlaps computation"
-    lines.append(f"verdict: {verdict}")
+    lines.append(f"verdict: {document['failure'] or 'communication overlaps computation'}")
     return "\n".join(lines)
 
 
 def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
-    overlap = _subcommand(
+    overlap = usage._subcommand(
         commands,
         formatter,
         "overlap",
@@ -115,17 +94,13 @@ def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
         "fsdp-conformance overlap --impl torch-fsdp1 --limit-all-gathers true",
         "fsdp-conformance overlap --device cuda --json overlap.json",
     )
-    _add_common(overlap, "ranks (default 2)")
+    usage._add_common(overlap, "ranks (default 2)")
+    limiter = "the rate limiter setting (default false)"
     overlap.add_argument(
-        "--limit-all-gathers",
-        type=_bool,
-        default=False,
-        metavar="true|false",
-        help="the rate limiter setting (default false)",
+        "--limit-all-gathers", type=usage._bool, default=False, metavar="true|false", help=limiter
     )
     overlap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    overlap.add_argument(
-        "--repeats", type=int, default=4, metavar="K", help="runs per case, Min-k (default 4)"
-    )
+    repeats = "runs per case, Min-k (default 4)"
+    overlap.add_argument("--repeats", type=int, default=4, metavar="K", help=repeats)
     overlap.add_argument("--json", metavar="FILE", help="write the measurement as JSON")
     overlap.set_defaults(handler=_overlap_command)

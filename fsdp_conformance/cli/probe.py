@@ -17,7 +17,6 @@ from fsdp_conformance import checks
 from fsdp_conformance.adapters import Adapter, UnsupportedFeatureError, normalize_config
 from fsdp_conformance.adapters import features as adapter_features
 from fsdp_conformance.cli.records import NO_LITTER
-from fsdp_conformance.cli.usage import DEFAULT_COVERAGE
 from fsdp_conformance.harness.gpus import gpus_needed
 
 
@@ -122,13 +121,16 @@ class _ProbeWrap:
 
 
 @contextlib.contextmanager
-def _swapped(owner: Any, name: str, value: Any):
-    original = getattr(owner, name)
-    setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        setattr(owner, name, original)
+def _patched(*patches: tuple[Any, str, Any]):
+    """While the block runs: each ``(owner, name, value)`` set, and no output."""
+    import pytest
+
+    output = io.StringIO()
+    with pytest.MonkeyPatch.context() as patch:
+        for owner, name, value in patches:
+            patch.setattr(owner, name, value)
+        with contextlib.redirect_stdout(output), contextlib.redirect_stderr(output):
+            yield
 
 
 @contextlib.contextmanager
@@ -149,7 +151,7 @@ def _probe_require(adapter: Any, *features: str) -> None:
 _REQUIRE = adapter_features.require
 
 
-def _static_needs(item: Any, check: checks.Check | None, adapter: Any) -> list[str]:
+def _static_needs(item: Any, check: checks.Check | None) -> list[str]:
     """The registry's features and those of each parameter's ``wrap_config``."""
     needs = list(check.features) if check else []
     for value in getattr(getattr(item, "callspec", None), "params", {}).values():
@@ -171,42 +173,30 @@ def _probe(item: Any, capabilities: Granted, world_size: int) -> Cell:
     check = checks.check_for_test(names, item.originalname)
     marker = item.get_closest_marker("world_size")
     ranks = int(marker.args[0]) if marker is not None and marker.args else world_size
-    static = _static_needs(item, check, capabilities.adapter)
+    static = _static_needs(item, check)
     cell = Cell(item.nodeid, check.id if check else "", tuple(dict.fromkeys(static)))
     gpus = gpus_needed(item)
     if gpus > torch.cuda.device_count():
         cell.blocked = f"needs {gpus} GPU(s), this host has {torch.cuda.device_count()}"
         return cell
     adapter = _ProbeAdapter(capabilities)
-    dist = RankContext(
-        rank=0,
-        world_size=ranks,
-        group=types.SimpleNamespace(rank=lambda: 0, size=lambda: ranks),  # what zoo models ask
-        device=torch.device("cpu"),
-        backend="gloo",
-        tmp_path=Path(tempfile.gettempdir()) / "fsdp-conformance-coverage-probe-unused",
-        test_id=item.nodeid,
-    )
+    group = types.SimpleNamespace(rank=lambda: 0, size=lambda: ranks)  # what zoo models ask
+    unused = Path(tempfile.gettempdir()) / "fsdp-conformance-coverage-probe-unused"
+    dist = RankContext(0, ranks, group, torch.device("cpu"), "gloo", unused, test_id=item.nodeid)
     params = dict(getattr(getattr(item, "callspec", None), "params", {}))
     function = getattr(item.cls(), item.originalname) if item.cls else item.function
-    kwargs: dict[str, Any] = {}
-    for name in inspect.signature(function).parameters:
-        if name == "fsdp_adapter":
-            kwargs[name] = adapter
-        elif name == "dist":
-            kwargs[name] = dist
-        elif name in params:
-            kwargs[name] = params[name]
-        else:  # a fixture only pytest can make: the registry's and the case's needs stand
-            cell.probed = False
-            return cell
+    known = {**params, "fsdp_adapter": adapter, "dist": dist}
+    names = list(inspect.signature(function).parameters)
+    if any(name not in known for name in names):
+        # a fixture only pytest can make: the registry's and the case's needs stand
+        cell.probed = False
+        return cell
+    kwargs = {name: known[name] for name in names}
     from fsdp_conformance.suite import verdict
 
     try:
-        with (
-            _swapped(verdict, "cell", _probe_cell),
-            _swapped(adapter_features, "require", _probe_require),
-            _quiet(),
+        with _patched(
+            (verdict, "cell", _probe_cell), (adapter_features, "require", _probe_require)
         ):
             function(**kwargs)
     except _Reached:
@@ -220,12 +210,6 @@ def _probe(item: Any, capabilities: Granted, world_size: int) -> Cell:
     cell.needs = tuple(dict.fromkeys([*cell.needs, *adapter.needs]))
     cell.blocked = cell.blocked or adapter.blocked
     return cell
-
-
-@contextlib.contextmanager
-def _quiet():
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        yield
 
 
 class _Collector:
@@ -246,12 +230,7 @@ class _Collector:
 
 
 def collect(
-    impl: str,
-    adapter: Any,
-    *,
-    coverage: str = DEFAULT_COVERAGE,
-    world_size: int = 2,
-    granted: frozenset[str] = frozenset(),
+    impl: str, adapter: Any, coverage: str, world_size: int, granted: frozenset[str] = frozenset()
 ) -> list[Cell]:
     """The suite's cells for `impl`, as collected if `adapter` also supported `granted`;
     RuntimeError when the suite does not collect."""
@@ -271,14 +250,10 @@ def collect(
         f"--fsdp-impl={impl}", f"--fsdp-world-size={world_size}",
         f"--fsdp-coverage={coverage}",
     ]  # fmt: skip
-    with _swapped(configs, "dimensions_for_impl", dimensions), _quiet():
+    with _patched((configs, "dimensions_for_impl", dimensions)):
         code = pytest.main(arguments, plugins=[collector])
     if collector.errors or code not in (0, 5):
-        raise RuntimeError(
-            f"the suite did not collect (pytest exit {int(code)}): "
-            + (
-                "; ".join(collector.errors)
-                or "see pytest --collect-only --pyargs fsdp_conformance.suite"
-            )
-        )
+        errors = "; ".join(collector.errors)
+        why = errors or "see pytest --collect-only --pyargs fsdp_conformance.suite"
+        raise RuntimeError(f"the suite did not collect (pytest exit {int(code)}): {why}")
     return collector.cells

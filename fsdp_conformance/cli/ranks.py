@@ -5,39 +5,24 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 from typing import Any
 
 import torch
 
 from fsdp_conformance.adapters import features as adapter_features
 from fsdp_conformance.adapters import get_adapter
+from fsdp_conformance.cli import usage
 from fsdp_conformance.observe.residency import PHASES
 from fsdp_conformance.suite import memory_bound, overlap
 
 
-def _write(dist: Any, out_file: str, document: dict[str, Any]) -> None:
-    if dist.rank == 0:
-        with open(out_file, "w", encoding="utf-8") as stream:
-            json.dump(document, stream, indent=1)
-
-
-def overlap_in_rank(
-    dist: Any,
-    out_file: str,
-    limit_all_gathers: bool,
-    repeats: int,
-    compute_ms: float | None = None,
-    comm_ms: float | None = None,
-) -> None:
-    """Time the four cases of ``[Note: overlap timing]`` (each the minimum of ``repeats`` runs;
-    delays default to the suite's CPU or CUDA values)."""
+def overlap_in_rank(dist: Any, out_file: str, limit_all_gathers: bool, repeats: int) -> None:
+    """Time the four cases of ``[Note: overlap timing]`` (each the minimum of ``repeats`` runs,
+    with the suite's CPU or CUDA delays)."""
     adapter = get_adapter(dist.impl)
     cuda = dist.device.type == "cuda"
-    if compute_ms is None:
-        compute_ms = overlap.CUDA_COMPUTE_MS if cuda else overlap.CPU_COMPUTE_MS
-    if comm_ms is None:
-        comm_ms = overlap.CUDA_COMM_MS if cuda else overlap.CPU_COMM_MS
+    compute_ms = overlap.CUDA_COMPUTE_MS if cuda else overlap.CPU_COMPUTE_MS
+    comm_ms = overlap.CUDA_COMM_MS if cuda else overlap.CPU_COMM_MS
     wrap_config = overlap.overlap_config(dist.device, limit_all_gathers)
     adapter_features.skip_unless(adapter, *adapter_features.wrap_features(**wrap_config))
     times = overlap.measure_overlap(
@@ -50,41 +35,34 @@ def overlap_in_rank(
     else:
         failure = overlap.cpu_overlap_failure(times, comm_ms, label)
         ratio = times.cpu_ratio(comm_ms)
-    _write(
-        dist,
-        out_file,
-        {
-            "impl": adapter.name,
-            "device": dist.device.type,
-            "placement": dist.placement,
-            "world_size": dist.world_size,
-            "config": {key: str(value) for key, value in wrap_config.items()},
-            "compute_ms": compute_ms,
-            "comm_ms": comm_ms,
-            "repeats": repeats,
-            "layers": overlap.LAYERS,
-            "times": dataclasses.asdict(times),
-            "ratio": ratio,
-            "max_ratio": overlap.MAX_OVERLAP_RATIO,
-            "failure": failure,
-        },
-    )
-
-
-def _bound_of(adapter: Any, case: memory_bound.BoundCase) -> tuple[str, dict[str, int]]:
-    """(name, bound per phase) of the bound ``adapter`` is held to: its own
-    (``memory_bound.OWN_BOUNDS``, as the memory-bound check does) or the limiter's."""
-    own = memory_bound.own_bound_of(adapter, memory_bound.OWN_BOUNDS)
-    if own is not None:
-        return own.name, {phase: own.bound(phase) for phase in PHASES}
-    name = "the rate limiter's bound (2 instances, +1 for a prefetch before the reshard)"
-    return name, {phase: case.bound(phase) for phase in PHASES}
+    document = {
+        "impl": adapter.name,
+        "device": dist.device.type,
+        "placement": dist.placement,
+        "world_size": dist.world_size,
+        "config": {key: str(value) for key, value in wrap_config.items()},
+        "compute_ms": compute_ms,
+        "comm_ms": comm_ms,
+        "repeats": repeats,
+        "layers": overlap.LAYERS,
+        "times": dataclasses.asdict(times),
+        "ratio": ratio,
+        "max_ratio": overlap.MAX_OVERLAP_RATIO,
+        "failure": failure,
+    }
+    if dist.rank == 0:
+        usage.write_json(out_file, document, indent=1)
 
 
 def _panel(tracker: Any, case: memory_bound.BoundCase, adapter: Any) -> dict[str, Any]:
-    """One panel's data; ``over``: the phases whose peak exceeds the bound (the verdict)."""
+    """One panel's data; ``over``: the phases whose peak exceeds the bound (the verdict). The
+    bound is the one ``adapter`` is held to: its own (``memory_bound.OWN_BOUNDS``, as the
+    memory-bound check does) or the limiter's."""
     samples = tracker.rows()
-    bound_name, bound = _bound_of(adapter, case)
+    own = memory_bound.own_bound_of(adapter, memory_bound.OWN_BOUNDS)
+    limiter = "the rate limiter's bound (2 instances, +1 for a prefetch before the reshard)"
+    bound_name, bound_of = (own.name, own.bound) if own is not None else (limiter, case.bound)
+    bound = {phase: bound_of(phase) for phase in PHASES}
     peaks = [
         {
             "iteration": iteration,
@@ -125,11 +103,8 @@ def timeline_in_rank(
     for limit in (True, False):
         case = memory_bound.BoundCase(lag, "FULL_SHARD", backward_prefetch, forward_prefetch, limit)
         profile = limit and trace_file is not None and dist.rank == 0
-        profiler = (
-            torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
-            if profile
-            else contextlib.nullcontext()
-        )
+        cpu = [torch.profiler.ProfilerActivity.CPU]
+        profiler = torch.profiler.profile(activities=cpu) if profile else contextlib.nullcontext()
         with profiler:
             tracker = memory_bound.measure_residency(
                 adapter, dist.group, case.wrap_config, lag, iterations, layers
@@ -137,15 +112,13 @@ def timeline_in_rank(
         if profile:
             profiler.export_chrome_trace(trace_file)
         panels.append(_panel(tracker, case, adapter))
-    _write(
-        dist,
-        out_file,
-        {
-            "impl": adapter.name,
-            "lag": lag,
-            "layers": layers,
-            "iterations": iterations,
-            "world_size": dist.world_size,
-            "panels": panels,
-        },
-    )
+    document = {
+        "impl": adapter.name,
+        "lag": lag,
+        "layers": layers,
+        "iterations": iterations,
+        "world_size": dist.world_size,
+        "panels": panels,
+    }
+    if dist.rank == 0:
+        usage.write_json(out_file, document, indent=1)

@@ -69,15 +69,11 @@ def cells_from_records(records: Iterable[dict[str, Any]]) -> list[Cell]:
 
 def read_records(path: str) -> list[dict[str, Any]]:
     """The records so far (a partly written last line is left for later)."""
-    records = []
     try:
         with open(path, encoding="utf-8") as stream:
-            for line in stream:
-                if line.endswith("\n"):
-                    records.append(json.loads(line))
+            return [json.loads(line) for line in stream if line.endswith("\n")]
     except FileNotFoundError:
-        pass
-    return records
+        return []
 
 
 def by_check(cells: Iterable[Cell]) -> dict[str, list[Cell]]:
@@ -99,11 +95,7 @@ def counts(cells: Iterable[Cell]) -> dict[str, int]:
 def summary_line(cells: list[Cell], impl: str, wall_s: float) -> str:
     """``impl: 160 pass, 0 fail, 3 xfail, 2 skip (165 cells, 12 checks) in 4m12s -- conforms``."""
     total = counts(cells)
-    parts = [
-        f"{total[outcome]} {outcome}"
-        for outcome in OUTCOMES
-        if total[outcome] or outcome in ("pass", "fail")
-    ]
+    parts = ", ".join(f"{total[o]} {o}" for o in OUTCOMES if total[o] or o in ("pass", "fail"))
     if total["fail"]:
         verdict = f"{total['fail']} FAILED"
     elif total["xfail"]:
@@ -112,7 +104,7 @@ def summary_line(cells: list[Cell], impl: str, wall_s: float) -> str:
         verdict = "conforms (nothing failed)"
     checks = len(by_check(cells))
     return (
-        f"{impl}: {', '.join(parts)} ({len(cells)} cell{'' if len(cells) == 1 else 's'}, "
+        f"{impl}: {parts} ({len(cells)} cell{'' if len(cells) == 1 else 's'}, "
         f"{checks} check{'' if checks == 1 else 's'}) in {format_duration(wall_s)} -- {verdict}"
     )
 

@@ -19,26 +19,15 @@ from typing import Any
 import fsdp_conformance.suite  # noqa: F401  (importing the suite declares its checks)
 from fsdp_conformance import checks, constants
 from fsdp_conformance.cli.report import _md, package_version
-
-IMPLEMENTATIONS = constants.BUILTIN_ADAPTERS  # in column order
-_OPTIONAL_PACKAGES = ("fairscale", "deepspeed")  # impls whose package is an extra of that name
-VERDICTS = checks.VERDICTS
+from fsdp_conformance.harness.extras import EXTRAS
 
 
-@dataclasses.dataclass(frozen=True)
-class TableCell:
-    """One configuration of one check, as the table needs it."""
-
-    check: str  # the registered check id, or "Class::test" for no registered check
-    verdict: str
-    reason: str = ""
-
-
-def table_cell(cell: Any) -> TableCell:
-    """A ``cli.report.Cell`` as a TableCell (a collection error is a FAIL)."""
+def table_cell(cell: Any) -> checks.Result:
+    """A ``cli.report.Cell`` as the verdict record the table folds (``check``: the registered
+    check id, or "Class::test" for no registered check; a collection error is a FAIL)."""
     if cell.verdict:
-        return TableCell(cell.check_id or cell.check, cell.verdict, cell.reason)
-    return TableCell(cell.check, checks.FAIL, " ".join(cell.detail.split()))
+        return checks.Result(cell.check_id or cell.check, cell.verdict, cell.reason)
+    return checks.Result(cell.check, checks.FAIL, " ".join(cell.detail.split()))
 
 
 @dataclasses.dataclass
@@ -47,28 +36,25 @@ class ImplResult:
 
     impl: str  # the name given to --impl (column header)
     adapter_name: str = ""  # the adapter's own name when it differs from `impl`
-    cells: list[TableCell] = dataclasses.field(default_factory=list)
+    cells: list[checks.Result] = dataclasses.field(default_factory=list)
     unavailable: str | None = None  # why the implementation could not run at all
 
 
 def unavailable_reason(impl: str) -> str | None:
     """Why ``impl`` cannot run here (not installed / unknown), or None when it can."""
-    from fsdp_conformance.adapters import BUILTIN_ADAPTERS
-
-    if impl in _OPTIONAL_PACKAGES and importlib.util.find_spec(impl) is None:
+    if impl in EXTRAS and importlib.util.find_spec(impl) is None:
         return f"not installed: pip install 'fsdp-conformance[{impl}]'"
-    if impl not in BUILTIN_ADAPTERS and ":" not in impl:
+    if impl not in constants.BUILTIN_ADAPTERS and ":" not in impl:
         return (
             f"no built-in adapter {impl!r} in this fsdp-conformance "
-            f"(built in: {', '.join(BUILTIN_ADAPTERS)})"
+            f"(built in: {', '.join(constants.BUILTIN_ADAPTERS)})"
         )
     return None
 
 
-def run_implementation(
-    impl: str, pytest_args: Sequence[str], timeout: float | None = None
-) -> ImplResult:
-    """The cells of ``run``'s pytest on ``impl`` with ``pytest_args`` (``timeout``: seconds)."""
+def run_implementation(impl: str, pytest_args: Sequence[str]) -> ImplResult:
+    """The cells of ``run``'s pytest on ``impl`` with ``pytest_args``."""
+    from fsdp_conformance.adapters import get_adapter
     from fsdp_conformance.cli import records, report
 
     reason = unavailable_reason(impl)
@@ -79,53 +65,35 @@ def run_implementation(
         command = records.suite_command(impl, *pytest_args)
         env = records.suite_environment(results)
         quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.STDOUT}
-        try:
-            returncode = subprocess.run(command, env=env, timeout=timeout, **quiet).returncode
-        except subprocess.TimeoutExpired:
-            returncode = None
+        returncode = subprocess.run(command, check=False, env=env, **quiet).returncode
         written = report.read_records(results)
         cells = report.cells_from_records(written)
         if not cells:
-            why = "timed out" if returncode is None else f"pytest exit code {returncode}"
             refusal = next((r["detail"] for r in written if "detail" in r), None)
             see = refusal or f"run {shlex.join(command)} to see its output"
-            return ImplResult(impl, unavailable=f"the run reported no check ({why}): {see}")
-    return ImplResult(impl, _adapter_name(impl), [table_cell(cell) for cell in cells])
+            why = f"the run reported no check (pytest exit code {returncode})"
+            return ImplResult(impl, unavailable=f"{why}: {see}")
+    name = get_adapter(impl).name  # shown when it differs from `impl`
+    return ImplResult(impl, "" if name == impl else name, [table_cell(cell) for cell in cells])
 
 
-def _adapter_name(impl: str) -> str:
-    from fsdp_conformance.adapters import get_adapter
-
-    name = get_adapter(impl).name
-    return "" if name == impl else name
+def _ref(notes: dict[str, int], reason: str) -> str:
+    """`` [n]``, the number of ``reason`` among the numbered notes (each listed once)."""
+    return f" [{notes.setdefault(reason, len(notes) + 1)}]" if reason else ""
 
 
-class _Notes:
-    """Numbered reasons, each listed once."""
-
-    def __init__(self) -> None:
-        self.numbers: dict[str, int] = {}
-
-    def ref(self, reason: str) -> str:
-        if not reason:
-            return ""
-        if reason not in self.numbers:
-            self.numbers[reason] = len(self.numbers) + 1
-        return f" [{self.numbers[reason]}]"
-
-
-def _cell_text(verdicts: list[tuple[str, str]], notes: _Notes) -> str:
+def _cell_text(verdicts: list[tuple[str, str]], notes: dict[str, int]) -> str:
     """A table cell from (verdict, reason) per configuration."""
     by_verdict: dict[str, list[str]] = {}
     for verdict, reason in verdicts:
         by_verdict.setdefault(verdict, []).append(reason)
     parts = []
-    for verdict in VERDICTS:
+    for verdict in checks.VERDICTS:
         reasons = by_verdict.get(verdict)
         if not reasons:
             continue
         count = f" {len(reasons)}" if len(by_verdict) > 1 or len(verdicts) > 1 else ""
-        refs = "" if verdict == "pass" else "".join(notes.ref(r) for r in dict.fromkeys(reasons))
+        refs = "" if verdict == "pass" else "".join(_ref(notes, r) for r in dict.fromkeys(reasons))
         parts.append(f"{verdict}{count}{refs}")
     return ", ".join(parts)
 
@@ -133,17 +101,16 @@ def _cell_text(verdicts: list[tuple[str, str]], notes: _Notes) -> str:
 def render_table(results: Iterable[ImplResult], header: dict[str, str]) -> str:
     """docs/conformance.md: the check x implementation table, its notes and how it was made."""
     results = list(results)
-    notes = _Notes()
-    rows: list[str] = []  # check ids (and tests that are no registered check)
+    notes: dict[str, int] = {}  # reason -> its number
     per_impl: list[dict[str, list[tuple[str, str]]]] = []
     for result in results:
         grouped: dict[str, list[tuple[str, str]]] = {}
         for cell in result.cells:
-            if cell.check not in rows:
-                rows.append(cell.check)
             grouped.setdefault(cell.check, []).append((cell.verdict, cell.reason))
         per_impl.append(grouped)
-    rows.sort(key=lambda row: (row not in checks.CHECKS, row))
+    # check ids (and tests that are no registered check)
+    rows = sorted({check for grouped in per_impl for check in grouped})
+    rows.sort(key=lambda row: row not in checks.CHECKS)
     columns = [f"`{r.impl}`" + (f" ({r.adapter_name})" if r.adapter_name else "") for r in results]
     lines = [
         "# Conformance across implementations",
@@ -165,7 +132,7 @@ def render_table(results: Iterable[ImplResult], header: dict[str, str]) -> str:
         row = []
         for result, grouped in zip(results, per_impl, strict=True):
             if result.unavailable is not None:
-                row.append("not applicable" + notes.ref(result.unavailable))
+                row.append("not applicable" + _ref(notes, result.unavailable))
             elif check in grouped:
                 row.append(_cell_text(grouped[check], notes))
             else:
@@ -174,10 +141,10 @@ def render_table(results: Iterable[ImplResult], header: dict[str, str]) -> str:
         promise = _md(registered.description) if registered else "(not a registered check)"
         lines.append(f"| `{check}` | {promise} | " + " | ".join(row) + " |")
     if not rows:
-        row = ["not applicable" + notes.ref(r.unavailable or "no check ran") for r in results]
+        row = ["not applicable" + _ref(notes, r.unavailable or "no check ran") for r in results]
         lines.append("| (no check ran) | | " + " | ".join(row) + " |")
     lines += ["", "## Notes", ""]
-    lines += [f"{number}. {_md(reason)}" for reason, number in notes.numbers.items()]
+    lines += [f"{number}. {_md(reason)}" for reason, number in notes.items()]
     return "\n".join(lines) + "\n"
 
 
@@ -192,20 +159,14 @@ def default_header(pytest_args: Sequence[str]) -> dict[str, str]:
     }
 
 
-def generate(
-    impls: Sequence[str],
-    out: str,
-    pytest_args: Sequence[str],
-    timeout: float | None = None,
-    log: Any = sys.stderr,
-) -> list[ImplResult]:
+def generate(impls: Sequence[str], out: str, pytest_args: Sequence[str]) -> list[ImplResult]:
     """Run every implementation of ``impls`` and write the table to ``out``."""
     results = []
     for impl in impls:
-        print(f"conformance: running the suite on {impl!r} ...", file=log, flush=True)
-        result = run_implementation(impl, pytest_args, timeout)
+        print(f"conformance: running the suite on {impl!r} ...", file=sys.stderr, flush=True)
+        result = run_implementation(impl, pytest_args)
         status = result.unavailable or f"{len(result.cells)} cells"
-        print(f"conformance: {impl!r}: {status}", file=log, flush=True)
+        print(f"conformance: {impl!r}: {status}", file=sys.stderr, flush=True)
         results.append(result)
     text = render_table(results, default_header(pytest_args))
     with open(out, "w", encoding="utf-8") as stream:

@@ -9,71 +9,52 @@ import os
 from typing import Any
 
 from fsdp_conformance import constants
-from fsdp_conformance.cli import draw
-from fsdp_conformance.cli.usage import (
-    UsageError,
-    _add_common,
-    _subcommand,
-    check_at_least,
-    check_impl,
-    check_output,
-    check_world_size,
-    measure_in_ranks,
-    write_json,
-)
+from fsdp_conformance.cli import draw, usage
 
 
 def _timeline_command(args: argparse.Namespace) -> int:
-    check_impl(args.impl)
-    check_world_size(args.world_size, minimum=2)
-    check_at_least(args.iterations, "--iterations")
+    usage.check_impl(args.impl)
+    usage.check_world_size(args.world_size, minimum=2)
+    usage.check_at_least(args.iterations, "--iterations")
     why = "the bound only shows with >= 4 instances (default 6)"
-    check_at_least(args.layers, "--layers", 4, why)
+    usage.check_at_least(args.layers, "--layers", 4, why)
     for path, option in ((args.out, "--out"), (args.data, "--data"), (args.trace, "--trace")):
-        check_output(path, option)
+        usage.check_output(path, option)
     try:
         import matplotlib  # noqa: F401  (imported again, for drawing, in cli.draw)
     except ImportError as error:
-        raise UsageError(
+        raise usage.UsageError(
             "the timeline picture needs matplotlib, which cannot be imported "
             f"({error}): pip install matplotlib"
         ) from None
     names = ("lag", "iterations", "layers", "backward_prefetch", "forward_prefetch")
     kwargs = {name: getattr(args, name) for name in names}
     kwargs["trace_file"] = os.path.abspath(args.trace) if args.trace else None
-    document = measure_in_ranks("timeline", "timeline_in_rank", kwargs, args, "gloo")
+    document = usage.measure_in_ranks("timeline", kwargs, args, "gloo")
     if document is None:
         return 1
     document["axes_drawn"] = draw.draw(document, args.out)
     print(render_timeline(document))
     written = [f"{args.out} ({document['axes_drawn']} panels)"]
     if args.data:
-        write_json(args.data, document, indent=1)
+        usage.write_json(args.data, document, indent=1)
         written.append(args.data)
     if args.trace:
-        ranges = _count_trace_ranges(args.trace, RATE_LIMITER_RANGE)
-        written.append(f"{args.trace} (Chrome trace: {ranges} {RATE_LIMITER_RANGE} ranges)")
+        with open(args.trace, encoding="utf-8") as stream:
+            trace = json.load(stream)
+        events = trace.get("traceEvents", []) if isinstance(trace, dict) else trace
+        name = constants.RATE_LIMITER_RANGE
+        ranges = sum(1 for event in events if event.get("name") == name and event.get("ph") == "X")
+        written.append(f"{args.trace} (Chrome trace: {ranges} {name} ranges)")
     print("wrote " + ", ".join(written))
     return 0
-
-
-RATE_LIMITER_RANGE = constants.RATE_LIMITER_RANGE
-
-
-def _count_trace_ranges(path: str, name: str) -> int:
-    with open(path, encoding="utf-8") as stream:
-        trace = json.load(stream)
-    events = trace.get("traceEvents", []) if isinstance(trace, dict) else trace
-    return sum(1 for event in events if event.get("name") == name and event.get("ph") == "X")
 
 
 def render_timeline(document: dict[str, Any]) -> str:
     """Peak resident non-root buffers per iteration and phase, next to the bound."""
     lines = [
-        (
-            f"resident unsharded buffers of {document['impl']!r}: {document['layers']} instances "
-            f"under a root, {document['lag']} lagging device, world size {document['world_size']}"
-        ),
+        f"resident unsharded buffers of {document['impl']!r}: {document['layers']} instances "
+        + f"under a root, {document['lag']} lagging device, world size {document['world_size']}",
         f"bound: {document['panels'][0]['bound_name']}" if document["panels"] else "",
         "",
         "  limit_all_gathers  iteration  phase     peak  bound",
@@ -92,7 +73,7 @@ def render_timeline(document: dict[str, Any]) -> str:
 
 
 def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
-    timeline = _subcommand(
+    timeline = usage._subcommand(
         commands,
         formatter,
         "timeline",
@@ -106,19 +87,16 @@ def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
         "fsdp-conformance timeline --impl torch-fsdp1 --lag drained --data timeline.json",
         "fsdp-conformance timeline --trace trace.json   # open in chrome://tracing or Perfetto",
     )
-    _add_common(timeline, "ranks (default 2, at least 2)")
-    timeline.add_argument(
-        "--lag",
-        choices=("strict", "drained"),
-        default="strict",
-        help="strict: the device never catches up by itself (default); drained: it catches up "
-        "at the end of every iteration",
+    usage._add_common(timeline, "ranks (default 2, at least 2)")
+    lag = (
+        "strict: the device never catches up by itself (default); drained: it catches up at the "
+        "end of every iteration"
     )
+    timeline.add_argument("--lag", choices=("strict", "drained"), default="strict", help=lag)
     timeline.add_argument("--out", default="timeline.png", metavar="FILE.png")
     timeline.add_argument("--data", metavar="FILE.json", help="write the plotted data as JSON")
-    timeline.add_argument(
-        "--trace", metavar="FILE.json", help="write a Chrome trace (torch.profiler) of rank 0"
-    )
+    trace = "write a Chrome trace (torch.profiler) of rank 0"
+    timeline.add_argument("--trace", metavar="FILE.json", help=trace)
     timeline.add_argument("--iterations", type=int, default=3, metavar="N")
     timeline.add_argument("--layers", type=int, default=6, metavar="N", help="instances (>= 4)")
     timeline.add_argument(

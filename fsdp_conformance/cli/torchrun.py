@@ -34,19 +34,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def check(args: argparse.Namespace, default_workers: int, default_mode: str) -> str | None:
     """The one-line problem with the launcher options, or None."""
+    options = ("--nnodes", "--nproc-per-node", "--rdzv-endpoint")  # torchrun's own
+    given = {option: getattr(args, option[2:].replace("-", "_")) for option in options}
     if args.launcher != "torchrun":
-        for option, value in (
-            ("--nnodes", args.nnodes),
-            ("--nproc-per-node", args.nproc_per_node),
-            ("--rdzv-endpoint", args.rdzv_endpoint),
-        ):
-            if value is not None:
-                return f"{option} needs --launcher torchrun"
-        return None
-    if args.nnodes is not None and args.nnodes < 1:
-        return f"--nnodes {args.nnodes}: give at least 1"
-    if args.nproc_per_node is not None and args.nproc_per_node < 1:
-        return f"--nproc-per-node {args.nproc_per_node}: give at least 1"
+        extra = next((option for option, value in given.items() if value is not None), None)
+        return None if extra is None else f"{extra} needs --launcher torchrun"
+    for option in options[:2]:
+        if given[option] is not None and given[option] < 1:
+            return f"{option} {given[option]}: give at least 1"
     if (args.nnodes or 1) > 1 and args.rdzv_endpoint is None:
         return (
             f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT (the same on every node, "

@@ -9,6 +9,7 @@ import datetime
 import importlib.util
 import json
 import os
+import pathlib
 import shutil
 import sys
 import tempfile
@@ -28,7 +29,6 @@ COVERAGES = constants.COVERAGES
 DEFAULT_COVERAGE = "pairwise"
 DEFAULT_WORKERS = 2
 CLI_TIMEOUT_S = 300.0  # per-test timeout of `run` and `conformance` (xdist workers share CPUs)
-RANK_MEMORY_BYTES = limits.RANK_BYTES  # for the world-size limit
 RANKS_PER_CPU = 4  # beyond this a world does not run in reasonable time
 KEPT_LOGS = 20  # pytest logs of failed or interrupted `run`s kept in cache_dir("logs")
 
@@ -49,10 +49,9 @@ def private_tempdir() -> Iterator[str]:
     saved_tempdir = tempfile.tempdir
     from fsdp_conformance.harness import gpus
 
-    shared_locks = os.environ.get(constants.ENV_GPU_LOCK_DIR) or gpus.lock_dir_path()
+    os.environ[constants.ENV_GPU_LOCK_DIR] = gpus.lock_dir_path()  # before TMPDIR changes
     path = tempfile.mkdtemp(prefix="fsdp-cli-")
     os.environ["TMPDIR"] = path
-    os.environ[constants.ENV_GPU_LOCK_DIR] = shared_locks
     tempfile.tempdir = path
     try:
         yield path
@@ -74,9 +73,7 @@ def keep_log(path: str, command: str) -> str:
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
     kept = os.path.join(directory, f"{command}-{stamp}-{os.getpid()}.log")
     shutil.move(path, kept)
-    logs = sorted(
-        (os.path.join(directory, name) for name in os.listdir(directory)), key=os.path.getmtime
-    )
+    logs = sorted(pathlib.Path(directory).iterdir(), key=os.path.getmtime)
     for old in logs[:-KEPT_LOGS]:
         with contextlib.suppress(OSError):
             os.remove(old)
@@ -231,20 +228,17 @@ def check_keyword_expression(expression: str | None) -> None:
         raise UsageError(f"-k {expression!r}: not a pytest -k expression ({reason})") from None
 
 
-def max_world_size() -> tuple[int, str]:
-    """The most CPU ranks this machine runs, and why (cores x RANKS_PER_CPU, memory)."""
+def check_world_size(world_size: int, minimum: int = 1) -> None:
+    """UsageError unless ``minimum`` <= ``world_size`` <= the most CPU ranks this machine runs
+    (cores x RANKS_PER_CPU, memory)."""
+    check_at_least(world_size, "--world-size", minimum)
     cpus = os.cpu_count() or 1
     caps = [(cpus * RANKS_PER_CPU, f"{cpus} CPUs x {RANKS_PER_CPU} ranks each")]
     available = limits.available_memory()
     if available is not None:
-        why = f"{available / 1024**3:.1f} GiB available memory / {RANK_MEMORY_BYTES // 1024**2} MiB"
-        caps.append((max(1, available // RANK_MEMORY_BYTES), why + " per rank"))
-    return min(caps)
-
-
-def check_world_size(world_size: int, minimum: int = 1) -> None:
-    check_at_least(world_size, "--world-size", minimum)
-    limit, why = max_world_size()
+        why = f"{available / 1024**3:.1f} GiB available memory / {limits.RANK_BYTES // 1024**2} MiB"
+        caps.append((max(1, available // limits.RANK_BYTES), why + " per rank"))
+    limit, why = min(caps)
     if world_size > limit:
         raise UsageError(
             f"--world-size {world_size}: this machine can run at most {limit} ranks ({why})"
@@ -259,8 +253,7 @@ def check_output(path: str | None, option: str) -> None:
         raise UsageError(f"{option} {path}: is a directory; give a file name")
     existed = os.path.exists(path)
     try:
-        with open(path, "a", encoding="utf-8"):
-            pass
+        open(path, "a", encoding="utf-8").close()
     except OSError as error:
         raise UsageError(f"{option} {path}: cannot write there ({error.strerror})") from None
     if not existed:
@@ -269,17 +262,17 @@ def check_output(path: str | None, option: str) -> None:
 
 def measure_in_ranks(
     command: str,
-    function: str,
     kwargs: dict[str, Any],
     args: argparse.Namespace,
     backend: str | None,
     gpus: int = 0,
 ) -> dict[str, Any] | None:
-    """The JSON document rank 0 wrote from ``cli.ranks.<function>(dist, out_file, **kwargs)``
-    in every rank (on ``backend``, None: chosen; needing ``gpus``); None (the reason on stderr)
-    when the ranks skipped or failed."""
+    """The JSON document rank 0 wrote from ``cli.ranks.<command>_in_rank(dist, out_file,
+    **kwargs)`` in every rank (on ``backend``, None: chosen; needing ``gpus``); None (the reason
+    on stderr) when the ranks skipped or failed."""
     from fsdp_conformance.harness.controller import run_function
 
+    function = f"{command}_in_rank"
     with tempfile.TemporaryDirectory(prefix="fsdp-cli-") as workdir:
         out_file = os.path.join(workdir, f"{command}.json")
         result = run_function(
@@ -327,27 +320,24 @@ def check_worker_count(workers: int) -> None:
 
 
 def _add_common(parser: argparse.ArgumentParser, world_size_help: str) -> None:
-    _add_impl(
-        parser,
-        "FSDP under test: impl (the reference FSDP, default), torch-fsdp1, torch-fsdp2, "
-        "fairscale, deepspeed or pkg.module:ATTR (an Adapter instance, subclass or factory; the "
-        "current directory and PYTHONPATH are searched)",
-    )
+    _add_impl(parser)
     parser.add_argument("--world-size", type=int, default=2, metavar="N", help=world_size_help)
     _add_timeout(parser)
 
 
-def _add_impl(parser: argparse.ArgumentParser, help_text: str) -> None:
-    parser.add_argument("--impl", default="impl", metavar="NAME", help=help_text)
+def _add_impl(parser: argparse.ArgumentParser) -> None:
+    what = (
+        "FSDP under test: impl (the reference FSDP, default), torch-fsdp1, torch-fsdp2, "
+        "fairscale, deepspeed or pkg.module:ATTR (an Adapter instance, subclass or factory; the "
+        "current directory and PYTHONPATH are searched)"
+    )
+    parser.add_argument("--impl", default="impl", metavar="NAME", help=what)
 
 
 def _add_timeout(parser: argparse.ArgumentParser) -> None:
+    why = f"fail a rank body still running after this long (default {CLI_TIMEOUT_S:g})"
     parser.add_argument(
-        "--timeout",
-        type=_positive_float,
-        default=CLI_TIMEOUT_S,
-        metavar="SECONDS",
-        help=f"fail a rank body still running after this long (default {CLI_TIMEOUT_S:g})",
+        "--timeout", type=_positive_float, default=CLI_TIMEOUT_S, metavar="SECONDS", help=why
     )
 
 

@@ -46,10 +46,8 @@ class RankContext:
         """Block until every rank reached this barrier (on the default group)."""
         import torch.distributed as torch_dist
 
-        if self.backend == "nccl":
-            torch_dist.barrier(group=self.group, device_ids=[self.device.index])
-        else:
-            torch_dist.barrier(group=self.group)
+        device_ids = [self.device.index] if self.backend == "nccl" else None
+        torch_dist.barrier(group=self.group, device_ids=device_ids)
 
 
 class DistPlaceholder:

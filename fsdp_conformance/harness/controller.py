@@ -21,7 +21,7 @@ from typing import Any
 from fsdp_conformance import constants
 from fsdp_conformance.harness import gpus, rank, wire
 from fsdp_conformance.harness.rankset import RankSet, RankSetError
-from fsdp_conformance.harness.wire import FAILED, SKIPPED, RankTask, RunResult, TestTarget
+from fsdp_conformance.harness.wire import FAILED, SKIPPED, RankTask, RunResult, TestTarget, not_run
 
 MODES = constants.MODES
 ENV_BACKEND = constants.ENV_BACKEND
@@ -130,10 +130,6 @@ class TestRequest:
     wants_dist: bool = True
 
 
-def _result(status: str, message: str) -> RunResult:
-    return RunResult(wire.Verdict(status, message))
-
-
 def pickle_kwargs(kwargs: dict[str, Any]) -> bytes:
     """Pickle fixture values for rank processes (``monkeypatch`` becomes a rank-side one),
     or :class:`FixtureNotPicklable` naming the fixture that cannot be sent and the fixes."""
@@ -190,10 +186,8 @@ class _ProcessRanks:
         )
         share = want_gpus and size > total
         if options.backend == "nccl" and (share or not want_gpus):
-            return _result(
-                SKIPPED,
-                f"backend nccl needs one GPU per rank: {size} needed, {total} available",
-            )
+            why = f"backend nccl needs one GPU per rank: {size} needed, {total} available"
+            return not_run(SKIPPED, why)
         backend = options.backend or ("nccl" if want_gpus and not fake and not share else "gloo")
         task = dataclasses.replace(
             task,
@@ -211,7 +205,7 @@ class _ProcessRanks:
                 lease = gpus.acquire_gpus(request.gpus if share else size, total, wait, prefer)
             except TimeoutError as exc:
                 if wait:
-                    return _result(FAILED, str(exc))
+                    return not_run(FAILED, str(exc))
                 backend = "gloo"  # no backend was forced (nccl waits above)
         gpu_ids = tuple(lease.ids[r % len(lease.ids)] for r in range(size)) if lease else ()
         try:
@@ -244,7 +238,7 @@ class _ProcessRanks:
                 rank_set.start()
             except RankSetError as exc:
                 self.busy.discard(rank_set)
-                return _result(FAILED, f"could not start {size} ranks: {exc}")
+                return not_run(FAILED, f"could not start {size} ranks: {exc}")
         self.busy.add(rank_set)
         try:
             return rank_set.run(blob, request.timeout)
@@ -314,21 +308,21 @@ class Runtime:
         if self.launcher is not None:
             return self.launcher.run(request, task)
         if request.mode not in MODES:
-            return _result(
+            return not_run(
                 FAILED, f"unknown fsdp mode {request.mode!r}; use one of {', '.join(MODES)}"
             )
         if request.world_size < 1:
-            return _result(FAILED, f"world_size must be >= 1, got {request.world_size}")
+            return not_run(FAILED, f"world_size must be >= 1, got {request.world_size}")
         if not request.timeout > 0:
-            return _result(FAILED, f"the timeout must be > 0 seconds, got {request.timeout!r}")
+            return not_run(FAILED, f"the timeout must be > 0 seconds, got {request.timeout!r}")
         total = self.gpu_total(request)
         if request.gpus > total:
             where = " (CPU-only host)" if total == 0 else ""
-            return _result(SKIPPED, gpus.shortage(request.gpus, total, where))
+            return not_run(SKIPPED, gpus.shortage(request.gpus, total, where))
         backend: Any = self._processes
         if request.mode == "thread":
             if request.gpus:
-                return _result(SKIPPED, "thread mode runs ranks on CPU; this test needs GPUs")
+                return not_run(SKIPPED, "thread mode runs ranks on CPU; this test needs GPUs")
             if self._threads is None:
                 from fsdp_conformance.harness.threads import ThreadRanks
 
@@ -368,7 +362,7 @@ def get_runtime() -> Runtime:
     return _active
 
 
-def run_function(
+def function_request(
     module: str,
     function: str,
     kwargs: dict[str, Any],
@@ -379,23 +373,19 @@ def run_function(
     test_id: str,
     backend: str | None = "gloo",
     gpus: int = 0,
-) -> RunResult:
-    """Call ``module.function(dist=..., **kwargs)`` once in ``world_size`` rank processes of a
-    runtime of its own (the CLI's commands), closed afterwards; ``gpus``: as ``TestRequest``'s."""
-    runtime = Runtime(
-        RuntimeOptions(
-            mode="process", timeout=timeout, world_size=world_size, impl=impl, backend=backend
-        )
-    )
-    request = TestRequest(
-        target=TestTarget(module, None, (), function),
-        kwargs=kwargs,
-        test_id=test_id,
-        world_size=world_size,
-        mode="process",
-        timeout=timeout,
-        gpus=gpus,
-    )
+) -> tuple[Runtime, TestRequest]:
+    """A runtime of its own (close it after) and the request that calls
+    ``module.function(dist=..., **kwargs)`` once in its ``world_size`` rank processes (the CLI's
+    commands); ``gpus``: as ``TestRequest``'s."""
+    options = RuntimeOptions("process", timeout, world_size, impl, backend)
+    target = TestTarget(module, None, (), function)
+    request = TestRequest(target, kwargs, test_id, world_size, "process", timeout, gpus)
+    return Runtime(options), request
+
+
+def run_function(module: str, function: str, kwargs: dict[str, Any], **options: Any) -> RunResult:
+    """Run :func:`function_request`'s request (same arguments), then close its runtime."""
+    runtime, request = function_request(module, function, kwargs, **options)
     try:
         return runtime.run(request)
     finally:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import importlib
 
-# adapter -> (package, the extra that installs it)
-EXTRAS = {"fairscale": ("fairscale", "fairscale"), "deepspeed": ("deepspeed", "deepspeed")}
+# built-in adapters whose package, and the extra that installs it, bear the adapter's name
+EXTRAS = ("fairscale", "deepspeed")
 
 
 def missing_extra(impl: str) -> str | None:
@@ -13,13 +13,12 @@ def missing_extra(impl: str) -> str | None:
     real: a broken one is refused too), naming the install command; None when it can."""
     if impl not in EXTRAS:
         return None
-    package, extra = EXTRAS[impl]
     try:
-        importlib.import_module(package)
+        importlib.import_module(impl)
     except Exception as error:  # noqa: BLE001  any failure to import the package refuses it
         reason = " ".join(f"{type(error).__name__}: {error}".split())
         return (
-            f"adapter {impl!r} needs {package}, which cannot be imported here ({reason}); "
-            f"install it with: pip install 'fsdp-conformance[{extra}]'"
+            f"adapter {impl!r} needs {impl}, which cannot be imported here ({reason}); "
+            f"install it with: pip install 'fsdp-conformance[{impl}]'"
         )
     return None

@@ -17,14 +17,12 @@ from typing import Any
 
 from fsdp_conformance import constants
 
-ENV_FAKE_GPUS = constants.ENV_FAKE_GPUS
-ENV_LOCK_DIR = constants.ENV_GPU_LOCK_DIR
 # Seconds between attempts to take GPUs that other workers hold.
 POLL_S = 0.05
 
 
 def fake_gpu_count() -> int | None:
-    text = os.environ.get(ENV_FAKE_GPUS, "").strip()
+    text = os.environ.get(constants.ENV_FAKE_GPUS, "").strip()
     return int(text) if text else None
 
 
@@ -34,9 +32,8 @@ def gpu_count() -> int:
     fake = fake_gpu_count()
     if fake is not None:
         return fake
-    if os.environ.get("CUDA_VISIBLE_DEVICES", None) == "":
-        return 0
-    if not glob.glob("/dev/nvidia[0-9]*") and not os.path.exists("/dev/kfd"):
+    devices = glob.glob("/dev/nvidia[0-9]*") or os.path.exists("/dev/kfd")
+    if os.environ.get("CUDA_VISIBLE_DEVICES") == "" or not devices:
         return 0
     import torch
 
@@ -59,7 +56,7 @@ def shortage(needed: int, available: int, where: str = "") -> str:
 def lock_dir_path() -> str:
     """Where the per-GPU lock files are (``FSDP_CONFORMANCE_GPU_LOCK_DIR``, else one folder in
     the temp directory per user)."""
-    return os.environ.get(ENV_LOCK_DIR) or os.path.join(
+    return os.environ.get(constants.ENV_GPU_LOCK_DIR) or os.path.join(
         tempfile.gettempdir(), f"fsdp-conformance-gpu-locks-{os.getuid()}"
     )
 
@@ -107,17 +104,15 @@ def acquire_gpus(count: int, total: int, timeout: float, prefer: tuple[int, ...]
     deadline = time.monotonic() + timeout
     while True:
         os.makedirs(directory, exist_ok=True)
-        held: list = []
-        ids: list[int] = []
+        held: dict[int, Any] = {}  # GPU -> its locked file
         for gpu in order:
             file = _lock(os.path.join(directory, f"gpu{gpu}.lock"))
-            if file is None:
-                continue
-            held.append(file)
-            ids.append(gpu)
-            if len(ids) == count:
-                return GpuLease(tuple(ids), held)
-        GpuLease((), held).release()  # all or none: never hold some GPUs while waiting for more
+            if file is not None:
+                held[gpu] = file
+                if len(held) == count:
+                    return GpuLease(tuple(held), list(held.values()))
+        # all or none: never hold some GPUs while waiting for more
+        GpuLease((), list(held.values())).release()
         if time.monotonic() >= deadline:
             raise TimeoutError(
                 f"could not get {count} of {total} GPUs within {timeout:g} s "

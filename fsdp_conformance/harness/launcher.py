@@ -35,8 +35,6 @@ ENV_LAUNCHER = constants.ENV_LAUNCHER
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 # Seconds a rank waits, beyond a test's timeout, for the others' outcomes / rank 0's status.
 OUTCOME_GRACE_S = 5.0
-# RankContext.mode of a test run in place
-MODE = "launcher"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,8 +140,7 @@ class _Watchdog:
                 return
             self.dump = dump
             self.fired = True
-        rank = self.runtime.env.rank
-        self.runtime._post(self.key, _hung(rank, self.timeout, dump))
+        self.runtime._post(self.key, _hung(self.runtime.env.rank, self.timeout, dump))
         if self._main:
             signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR2)
         if not self._done.wait(self.timeout + OUTCOME_GRACE_S):
@@ -154,10 +151,6 @@ _NO_OUTCOME = (
     f"sent no outcome within the timeout + {OUTCOME_GRACE_S:g} s (the process ended, or is "
     "stuck where the watchdog cannot interrupt it)"
 )
-
-
-def _result(status: str, message: str) -> wire.RunResult:
-    return wire.RunResult(wire.Verdict(status, message))
 
 
 def _hung(rank: int, timeout: float, dump: str) -> RankOutcome:
@@ -292,18 +285,18 @@ class TorchrunRanks:
         self.start()
         size, jobs = request.world_size, self.env.world_size
         if size < 1:
-            return _result(FAILED, f"world_size must be >= 1, got {size}")
+            return wire.not_run(FAILED, f"world_size must be >= 1, got {size}")
         if size > jobs:
-            return _result(
+            return wire.not_run(
                 SKIPPED, f"needs {size} ranks, the launcher's job has {jobs} (WORLD_SIZE)"
             )
         if request.gpus and (self._backend != "nccl" or request.gpus > jobs):
             # the spawning modes' reason; here every rank of an nccl job holds one GPU
             held = jobs if self._backend == "nccl" else 0
             where = " (CPU-only host)" if self._gpu_count == 0 else " (gloo job)"
-            return _result(SKIPPED, gpus.shortage(request.gpus, held, where))
+            return wire.not_run(SKIPPED, gpus.shortage(request.gpus, held, where))
         if self.broken is not None:
-            return _result(FAILED, f"not run: {self.broken}")
+            return wire.not_run(FAILED, f"not run: {self.broken}")
         occurrence = self._occurrences.get(request.test_id, 0)
         self._occurrences[request.test_id] = occurrence + 1
         key = f"test/{request.test_id}#{occurrence}"
@@ -351,7 +344,7 @@ class TorchrunRanks:
             backend=self._backend,
             tmp_path=pathlib.Path(task.tmp_path),
             impl=self.options.impl,
-            mode=MODE,
+            mode="launcher",  # run in place
             gpu_ids=gpu_ids,
             test_id=request.test_id,
             init_method="env://",
@@ -471,9 +464,8 @@ class LauncherPlugin:
             runtime._post("exit", int(exitstatus))
             return
         wait = OUTCOME_GRACE_S + (runtime.options.timeout if runtime.broken is None else 0)
-        status = None
-        if 0 not in runtime._gone and not runtime._missing(["exit/0"], wait):
-            status = runtime._read("exit/0")
+        reported = 0 not in runtime._gone and not runtime._missing(["exit/0"], wait)
+        status = runtime._read("exit/0") if reported else None
         if status is None:
             sys.stderr.write(
                 f"fsdp-conformance: rank {self.env.rank}: rank 0 reported no exit status "

@@ -99,21 +99,19 @@ class RankSet:
         for rank in range(self.world_size):
             collectives.create_slot_file(self.slot_paths[rank])
             parent_sock, child_sock = socket.socketpair()
-            env = dict(os.environ)
-            env.update(
-                {
-                    rank_process.ENV_FD: str(child_sock.fileno()),
-                    rank_process.ENV_RANK: str(rank),
-                    rank_process.ENV_WORLD_SIZE: str(self.world_size),
-                    rank_process.ENV_STORE: store,
-                    rank_process.ENV_BACKEND: self.backend,
-                    rank_process.ENV_GPU_IDS: ",".join(map(str, self.gpu_ids)),
-                    rank_process.ENV_TIMEOUT: str(max(self.timeout, STARTUP_TIMEOUT_S)),
-                    rank_process.ENV_MODE: self.mode,
-                    rank_process.ENV_COLLECTIVE_SLOT: self.slot_paths[rank],
-                    "PYTHONUNBUFFERED": "1",
-                }
-            )
+            env = {
+                **os.environ,
+                rank_process.ENV_FD: str(child_sock.fileno()),
+                rank_process.ENV_RANK: str(rank),
+                rank_process.ENV_WORLD_SIZE: str(self.world_size),
+                rank_process.ENV_STORE: store,
+                rank_process.ENV_BACKEND: self.backend,
+                rank_process.ENV_GPU_IDS: ",".join(map(str, self.gpu_ids)),
+                rank_process.ENV_TIMEOUT: str(max(self.timeout, STARTUP_TIMEOUT_S)),
+                rank_process.ENV_MODE: self.mode,
+                rank_process.ENV_COLLECTIVE_SLOT: self.slot_paths[rank],
+                "PYTHONUNBUFFERED": "1",
+            }
             # one intra-op thread per rank unless the user chose (torchrun's default too):
             # ranks share the host's cores, and an oversubscribed OpenMP region costs
             # milliseconds per small op (layer_norm on a (6, 2, 16) tensor: 7 ms, not 6 us)
@@ -295,7 +293,9 @@ class RankSet:
             sizes = now
         dumps = {}
         for rank in ranks:
-            text = _drop_watchdog_thread(self._read_log(rank))
+            # without the rank's parent-watchdog thread (noise)
+            blocks = self._read_log(rank).split("\n\n")
+            text = "\n\n".join(block for block in blocks if "in _watch_parent" not in block)
             if not text.strip():
                 text = f"(no stack dump: the rank {describe_exit(self.procs[rank].poll())})"
             dumps[rank] = text
@@ -366,29 +366,23 @@ class _TestRun:
     def collect(self) -> None:
         """Wait for every rank's outcome (or decide it hung), then tell causes from
         consequences."""
-        rank_set = self.rank_set
-        timeout = self.timeout
-        load_deadline = time.monotonic() + max(timeout, STARTUP_TIMEOUT_S)
+        conns, everyone = self.rank_set.conns, set(range(self.rank_set.world_size))
+        load_deadline = time.monotonic() + max(self.timeout, STARTUP_TIMEOUT_S)
         # set when every rank has started the body (or already finished)
         body_deadline: float | None = None
-        pending = dict(enumerate(rank_set.conns))
+        pending = dict(enumerate(conns))
         while pending:
             now = time.monotonic()
             deadline = load_deadline if body_deadline is None else body_deadline
-            limit = deadline
-            if self.trouble_since is not None:
-                limit = min(limit, self.trouble_since + PEER_GRACE_S)
-            if self.mismatch_since is not None:
-                limit = min(limit, self.mismatch_since + PEER_GRACE_S)
+            since = (self.trouble_since, self.mismatch_since)
+            limit = min([deadline, *(t + PEER_GRACE_S for t in since if t is not None)])
             if now >= limit:
                 self._hung(list(pending), now, deadline, body_deadline is None)
                 break
             for conn in wait(list(pending.values()), timeout=min(limit - now, POLL_S)):
-                self._receive(rank_set.conns.index(conn), conn, pending)
-            if body_deadline is None and self.started | set(self.outcomes) == set(
-                range(rank_set.world_size)
-            ):
-                body_deadline = time.monotonic() + timeout
+                self._receive(conns.index(conn), conn, pending)
+            if body_deadline is None and self.started | set(self.outcomes) == everyone:
+                body_deadline = time.monotonic() + self.timeout
             if body_deadline is not None and pending:
                 self._look_for_mismatch(pending)
         self._mark_consequences()
@@ -462,8 +456,3 @@ class _TestRun:
                     )
             self.outcomes[rank] = RankOutcome(rank, HUNG, message=why, traceback=dumps[rank])
         self.reusable = False
-
-
-def _drop_watchdog_thread(dump: str) -> str:
-    """Remove the rank's parent-watchdog thread from a faulthandler dump (noise)."""
-    return "\n\n".join(b for b in dump.split("\n\n") if "in _watch_parent" not in b)

@@ -97,7 +97,7 @@ class RankTestCase(unittest.TestCase):
         previous = self.__dict__.get(name)
         setattr(self, name, functools.partial(_run_in_ranks, self, name))
         # setUp / tearDown run in the ranks, not here
-        self.setUp = self.tearDown = _nothing  # type: ignore[method-assign]
+        self.setUp = self.tearDown = lambda: None  # type: ignore[method-assign]
         try:
             return super().run(result)
         finally:
@@ -106,10 +106,6 @@ class RankTestCase(unittest.TestCase):
                 setattr(self, name, previous)
             else:
                 delattr(self, name)
-
-
-def _nothing() -> None:
-    pass
 
 
 def _run_in_ranks(case: RankTestCase, method_name: str) -> None:
@@ -134,9 +130,7 @@ def _run_in_ranks(case: RankTestCase, method_name: str) -> None:
         function=lambda: cls(method_name).debug(),
     )
     result = runtime.run(request)
-    output = result.output() + "".join(f"fsdp-conformance: {note}\n" for note in result.notes)
-    if output:
-        sys.stdout.write(output)
+    sys.stdout.write(result.output() + "".join(f"fsdp-conformance: {n}\n" for n in result.notes))
     verdict = result.verdict
     if verdict.status in (SKIPPED, XFAILED):
         raise unittest.SkipTest(verdict.message)

@@ -202,6 +202,11 @@ class RunResult:
         )
 
 
+def not_run(status: str, message: str) -> RunResult:
+    """The result of a test decided without running it in ranks."""
+    return RunResult(Verdict(status, message))
+
+
 # Order in which problems are reported: the cause first, its consequences after.
 _SEVERITY = {DIED: 0, FAILED: 1, HUNG: 2, ABORTED: 3}
 
@@ -226,14 +231,9 @@ def summarize(outcomes: dict[int, RankOutcome], world_size: int, mismatch: str =
                 return Verdict(status, first.message, list(recorded))
         return Verdict(PASSED, "", list(recorded))
     lines = [mismatch] if mismatch else []
-    for o in problems:
+    for o in [*problems, *(o for o in ordered if o.status in (SKIPPED, XFAILED))]:
         what = o.message.removeprefix(f"rank {o.rank} ") if o.status == DIED else o.message
         lines.append(f"rank {o.rank} of {world_size} {o.status}: {what}")
-    lines += [
-        f"rank {o.rank} of {world_size} {o.status}: {o.message}"
-        for o in ordered
-        if o.status in (SKIPPED, XFAILED)
-    ]
     passed = [str(o.rank) for o in ordered if o.status == PASSED]
     if passed:
         lines.append(f"ranks that passed: {', '.join(passed)}")

@@ -25,15 +25,12 @@ import torch
 import torch.distributed as torch_dist
 from torch import nn
 
-from fsdp_conformance import collective_observer, constants
+from fsdp_conformance import collective_observer
 from fsdp_conformance.adapters import features as adapter_features
 from fsdp_conformance.adapters.base import clean_param_name, scoped_observer
 from fsdp_conformance.adapters.features import Feature
-from fsdp_conformance.constants import Op
+from fsdp_conformance.constants import COMM_OPS, REDUCE_OPS, Op
 
-# what every adapter with `comm_trace` reports (others, e.g. impl's `Op.PREFETCH`, are dropped)
-COMM_OPS = constants.COMM_OPS
-REDUCE_OPS = constants.REDUCE_OPS
 # the phase of events outside any `phase()` block
 NO_PHASE = "outside"
 ROOT_LABEL = "<root>"
@@ -85,8 +82,7 @@ def instance_labels(adapter: Any, root: nn.Module) -> dict[int, str]:
     paths = {id(module): name for name, module in root.named_modules()}
     labels = {}
     for instance in adapter.instances(root):
-        wrapped = adapter.unwrap(instance)
-        path = paths.get(id(wrapped), paths.get(id(instance), ""))
+        path = paths.get(id(adapter.unwrap(instance)), paths.get(id(instance), ""))
         path = clean_param_name(path + ".", adapter.declarations.wrapper_segments).rstrip(".")
         labels[id(instance)] = path if path and instance is not root else ROOT_LABEL
     return labels
@@ -107,7 +103,7 @@ class CommTrace:
         self.instances = {id(i): i for i in adapter.instances(root)}
         self.events: list[CommEvent] = []
         self._phase = NO_PHASE
-        self._entered: list[str] = []  # in the order first entered
+        self._entered: dict[str, None] = {}  # phases in the order first entered
         self._stack = contextlib.ExitStack()
 
     def __enter__(self) -> Self:
@@ -116,9 +112,8 @@ class CommTrace:
             self._stack.enter_context(observing_collectives(self._on_collective))
         if self.compute:
             for instance in self.instances.values():
-                module = self.adapter.unwrap(instance)
                 on_compute = functools.partial(self._on_compute, instance)
-                hook = module.register_forward_pre_hook(on_compute)
+                hook = self.adapter.unwrap(instance).register_forward_pre_hook(on_compute)
                 self._stack.callback(hook.remove)
         return self
 
@@ -129,8 +124,7 @@ class CommTrace:
     def phase(self, name: str) -> Iterator[None]:
         """Record the events inside the block under phase ``name``."""
         previous, self._phase = self._phase, name
-        if name not in self._entered:
-            self._entered.append(name)
+        self._entered.setdefault(name)
         try:
             yield
         finally:
@@ -145,6 +139,7 @@ class CommTrace:
             return "-"
 
     def _on_op(self, op: str, instance: nn.Module, info: dict) -> None:
+        # what every adapter with `comm_trace` reports (others, e.g. impl's `Op.PREFETCH`, dropped)
         if op not in COMM_OPS or id(instance) not in self.labels:
             return
         label = self.labels[id(instance)]
@@ -175,17 +170,14 @@ class CommTrace:
 
     def count(self, op: str | Iterable[str], phase: str | None = None) -> int:
         """Number of ``op`` events (or of any of several ops) in ``phase``."""
-        ops = (op,) if isinstance(op, str) else tuple(op)
-        return len(self.select(phase, ops))
+        return len(self.select(phase, (op,) if isinstance(op, str) else tuple(op)))
 
-    def render(
-        self, phases: Iterable[str] | None = None, ops: Iterable[str] | None = COMM_OPS
-    ) -> str:
+    def render(self, ops: Iterable[str] | None = COMM_OPS) -> str:
         """A ``phase:`` line, then ``  op label state`` per event; a phase equal to the last one
         with the same suffix (``forward`` / ``backward``) renders as ``phase: same as <it>``."""
         lines = []
         last_of_kind: dict[str, tuple[str, list[str]]] = {}
-        for phase in self.phases if phases is None else phases:
+        for phase in self.phases:
             events = [event.render() for event in self.select(phase, ops)]
             kind = phase.rsplit(" ", 1)[-1]
             previous = last_of_kind.get(kind)

@@ -79,12 +79,8 @@ class TrainingStateRecorder:
         self.model = model
         self.instances: list[nn.Module] = list(adapter.instances(model))
         segments = adapter.declarations.wrapper_segments
-        names = {
-            id(module): clean_param_name(name, segments) for name, module in model.named_modules()
-        }
-        self.names: dict[int, str] = {
-            id(instance): names.get(id(instance)) or "<root>" for instance in self.instances
-        }
+        names = {id(module): clean_param_name(n, segments) for n, module in model.named_modules()}
+        self.names: dict[int, str] = {id(i): names.get(id(i)) or "<root>" for i in self.instances}
         self.root = self.instances[0] if self.instances else None
         # False: the implementation has no training states; nothing is read
         self.enabled = adapter_features.supports(adapter, Feature.TRAINING_STATES)
@@ -146,9 +142,7 @@ class TrainingStateRecorder:
         if not self.enabled:
             return
         label = hook if of is None else f"{hook} of {of}"
-        legal = LEGAL_INSTANCE_TRANSITIONS
-        if hook == END_OF_BACKWARD:
-            legal = _LEGAL_AT_END_OF_BACKWARD
+        legal = _LEGAL_AT_END_OF_BACKWARD if hook == END_OF_BACKWARD else LEGAL_INSTANCE_TRANSITIONS
         for instance in self.instances:
             state = self._instance_state(instance)
             if state is not None:

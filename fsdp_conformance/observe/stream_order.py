@@ -23,6 +23,4 @@ def reusable_at_free(stream: Any, used_after: int | None) -> bool:
     """Whether a block allocated on ``stream`` is reusable the moment the CPU frees it;
     ``used_after``: the device's last recorded sequence number when another stream last used
     the block (None: only ``stream`` used it)."""
-    if used_after is None:
-        return True
-    return getattr(stream, "waited", 0) > used_after
+    return used_after is None or getattr(stream, "waited", 0) > used_after

@@ -45,10 +45,8 @@ class UnshardedParams(TorchFunctionMode):
     def __enter__(self) -> UnshardedParams:  # noqa: PYI034
         for instance in self.instances:
             label = self.labels[id(instance)]
-            self._handles.append(
-                instance.register_forward_pre_hook(lambda *_, label=label: self._push(label))
-            )
-            self._handles.append(instance.register_forward_hook(lambda *_: self._pop()))
+            push = instance.register_forward_pre_hook(lambda *_, label=label: self._push(label))
+            self._handles += [push, instance.register_forward_hook(lambda *_: self._pop())]
         return super().__enter__()
 
     def __exit__(self, *exc_info: object) -> None:

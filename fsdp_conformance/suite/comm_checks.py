@@ -29,8 +29,8 @@ from torch import nn
 
 from fsdp_conformance.adapters import Feature
 from fsdp_conformance.adapters import features as adapter_features
-from fsdp_conformance.constants import Op
-from fsdp_conformance.observe.comm_trace import REDUCE_OPS, CommEvent, CommTrace
+from fsdp_conformance.constants import REDUCE_OPS, Op
+from fsdp_conformance.observe.comm_trace import CommEvent, CommTrace
 
 from . import training
 
@@ -71,10 +71,7 @@ def trace_training(
 
 def _first(events: list[CommEvent], op: str | tuple[str, ...], label: str) -> int | None:
     ops = (op,) if isinstance(op, str) else op
-    for index, event in enumerate(events):
-        if event.op in ops and event.label == label:
-            return index
-    return None
+    return next((i for i, e in enumerate(events) if e.op in ops and e.label == label), None)
 
 
 def _order(events: list[CommEvent], op: str) -> list[str]:
@@ -107,8 +104,7 @@ def prefetch_failures(trace: CommTrace, config: dict[str, Any]) -> list[str]:
                         "compute (expected before)"
                     )
         if kind == "backward" and backward_prefetch in ("BACKWARD_PRE", "BACKWARD_POST"):
-            forward = trace.select(f"iteration {iteration} forward")
-            post_forward_order = _order(forward, Op.FREE)
+            post_forward_order = _order(trace.select(f"iteration {iteration} forward"), Op.FREE)
             order = [label for label in reversed(post_forward_order) if label in gathering]
             for current, following in itertools.pairwise(order):
                 gather = _first(events, Op.ALL_GATHER, following)
@@ -224,12 +220,9 @@ def prefetch_case_id(model_name: str, backward_prefetch: str | None, forward_pre
 
 
 def prefetch_params() -> list[Any]:
-    return [
-        pytest.param(model, backward, forward, id=prefetch_case_id(model, backward, forward))
-        for model in TRACE_MODELS
-        for backward in (None, "BACKWARD_PRE", "BACKWARD_POST")
-        for forward in (False, True)
-    ]
+    # (model, backward prefetch, forward prefetch)
+    cases = itertools.product(TRACE_MODELS, (None, "BACKWARD_PRE", "BACKWARD_POST"), (False, True))
+    return [pytest.param(*case, id=prefetch_case_id(*case)) for case in cases]
 
 
 def prefetch_config(backward_prefetch: Any, forward_prefetch: bool) -> dict[str, Any]:

@@ -29,17 +29,9 @@ DIMENSIONS: dict[str, tuple[Any, ...]] = {
     "cpu_offload": (False, True),
     "device_init": ("after", "before", "never"),  # models.DeviceInit (the same on CPU)
 }
-COVERAGES = constants.COVERAGES
 
-# case id labels (None: the value alone)
-_LABELS = {
-    "sharding_strategy": None,
-    "backward_prefetch": "bwd",
-    "forward_prefetch": "fwd",
-    "limit_all_gathers": "limit",
-    "cpu_offload": "offload",
-    "device_init": "init",
-}
+# each dimension's label in case ids (None: the value alone)
+_LABELS = dict(zip(DIMENSIONS, (None, "bwd", "fwd", "limit", "offload", "init"), strict=True))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,9 +78,7 @@ class ParityCase:
 
 def _full_product(dimensions: dict[str, tuple[Any, ...]]) -> list[dict[str, Any]]:
     keys = list(dimensions)
-    return [
-        dict(zip(keys, values, strict=True)) for values in itertools.product(*dimensions.values())
-    ]
+    return [dict(zip(keys, v, strict=True)) for v in itertools.product(*dimensions.values())]
 
 
 def _defaults(dimensions: dict[str, tuple[Any, ...]]) -> dict[str, Any]:
@@ -123,11 +113,9 @@ def pairwise(dimensions: dict[str, tuple[Any, ...]] = DIMENSIONS) -> list[dict[s
 def _per_strategy(dimensions: dict[str, tuple[Any, ...]]) -> list[dict[str, Any]]:
     """The default config per sharding strategy, with backward prefetch BACKWARD_PRE and None
     (those of them the dimensions have), so an adapter without backward prefetch is covered."""
-    prefetches = [
-        prefetch
-        for prefetch in ("BACKWARD_PRE", None)
-        if prefetch in dimensions["backward_prefetch"]
-    ] or [dimensions["backward_prefetch"][0]]
+    supported = dimensions["backward_prefetch"]
+    prefetches = [prefetch for prefetch in ("BACKWARD_PRE", None) if prefetch in supported]
+    prefetches = prefetches or [supported[0]]
     return [
         {**_defaults(dimensions), "sharding_strategy": strategy, "backward_prefetch": prefetch}
         for strategy in dimensions["sharding_strategy"]
@@ -140,21 +128,18 @@ def _configs_for(coverage: str, dimensions: dict[str, tuple[Any, ...]]) -> list[
         return _full_product(dimensions)
     if coverage == "pairwise":
         return pairwise(dimensions)
-    raise ValueError(f"unknown coverage {coverage!r}; use one of {', '.join(COVERAGES)}")
+    raise ValueError(f"unknown coverage {coverage!r}; use one of {', '.join(constants.COVERAGES)}")
 
 
-def supported_dimensions(
-    adapter: Any, dimensions: dict[str, tuple[Any, ...]] = DIMENSIONS
-) -> dict[str, tuple[Any, ...]]:
-    """`dimensions` without the values `adapter` cannot run (by the features the value needs and
-    the adapter's unsupported values); a dimension left empty keeps its first value."""
+def supported_dimensions(adapter: Any) -> dict[str, tuple[Any, ...]]:
+    """``DIMENSIONS`` without the values `adapter` cannot run (by the features the value needs
+    and the adapter's unsupported values); a dimension left empty keeps its first value."""
     kept: dict[str, tuple[Any, ...]] = {}
-    for key, values in dimensions.items():
+    for key, values in DIMENSIONS.items():
         if key == "device_init":
             kept[key] = values
             continue
-        runnable = tuple(value for value in values if _runs(adapter, key, value))
-        kept[key] = runnable or values[:1]
+        kept[key] = tuple(value for value in values if _runs(adapter, key, value)) or values[:1]
     return kept
 
 

@@ -96,16 +96,13 @@ def nearest_version(versions: list[str], running: str) -> str | None:
 
 
 def _nearest(adapter_name: str, case: str) -> str | None:
-    if adapter_name not in BASE_TORCH_VERSIONS:
-        return None
     return nearest_version(recorded_versions(adapter_name, case), _running_minor())
 
 
 def _version_folder(folder: Any, adapter_name: str, version: str | None) -> Any:
     """``folder``, or its ``torch-<version>/`` for a release other than the adapter's base."""
-    if version is not None and version != BASE_TORCH_VERSIONS.get(adapter_name):
-        return folder / f"{VERSION_DIR_PREFIX}{version}"
-    return folder
+    base = version is None or version == BASE_TORCH_VERSIONS.get(adapter_name)
+    return folder if base else folder / f"{VERSION_DIR_PREFIX}{version}"
 
 
 def read_golden(adapter_name: str, case: str, version: str | None = None) -> str | None:
@@ -114,9 +111,7 @@ def read_golden(adapter_name: str, case: str, version: str | None = None) -> str
     if version is None:
         version = _nearest(adapter_name, case)
     golden = _version_folder(_packaged(adapter_name), adapter_name, version) / f"{case}.txt"
-    if not golden.is_file():
-        return None
-    return golden.read_text(encoding="utf-8")
+    return golden.read_text(encoding="utf-8") if golden.is_file() else None
 
 
 def has_goldens(adapter_name: str) -> bool:
@@ -124,15 +119,11 @@ def has_goldens(adapter_name: str) -> bool:
 
 
 def accept_golden(
-    adapter_name: str,
-    case: str,
-    rendered: str,
-    package_dir: pathlib.Path | None = None,
-    version: str | None = None,
+    adapter_name: str, case: str, rendered: str, package_dir: pathlib.Path | None = None
 ) -> pathlib.Path:
     """Write ``rendered`` as the golden of ``adapter_name`` / ``case`` in the source checkout
-    whose ``fsdp_conformance/suite`` is ``package_dir`` (default: this one), for torch release
-    ``version`` (default: the running one); GoldenAcceptError for an installed package."""
+    whose ``fsdp_conformance/suite`` is ``package_dir`` (default: this one), for the running
+    torch release; GoldenAcceptError for an installed package."""
     directory = pathlib.Path(package_dir or pathlib.Path(__file__).parent).resolve()
     if any(part in _INSTALLED_PARTS for part in directory.parts):
         raise GoldenAcceptError(
@@ -142,7 +133,7 @@ def accept_golden(
         )
     folder = directory / GOLDENS_DIR / adapter_name
     if adapter_name in BASE_TORCH_VERSIONS:
-        folder = _version_folder(folder, adapter_name, version or _running_minor())
+        folder = _version_folder(folder, adapter_name, _running_minor())
     path = folder / f"{case}.txt"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(rendered, encoding="utf-8")
@@ -184,14 +175,8 @@ def check_golden(adapter_name: str, case: str, rendered: str) -> str | None:
                 f"difference to review on torch {torch.__version__}; if torch {running}'s "
                 f"order is right, accepting records a golden for torch {running}"
             )
-        diff = "".join(
-            difflib.unified_diff(
-                golden.splitlines(keepends=True),
-                rendered.splitlines(keepends=True),
-                fromfile=source,
-                tofile="this run",
-            )
-        )
+        texts = golden.splitlines(keepends=True), rendered.splitlines(keepends=True)
+        diff = "".join(difflib.unified_diff(*texts, fromfile=source, tofile="this run"))
         raise AssertionError(
             f"adapter {adapter_name!r}, case {case!r}: the prefetch order differs from the "
             f"golden{where} ({fix}):\n{diff}"

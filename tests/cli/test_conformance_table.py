@@ -6,13 +6,14 @@ import importlib.util
 
 import pytest
 
+from fsdp_conformance import checks
 from fsdp_conformance.cli import main, table
 
 REASON = "torch FSDP1 wraps a module twice. Reproduction: FSDP(lin); FSDP(lin)"
 
 
 def _fake_results() -> list[table.ImplResult]:
-    cell = table.TableCell
+    cell = checks.Result
     return [
         table.ImplResult(
             "impl",
@@ -57,7 +58,7 @@ def test_table_folds_configurations_and_numbers_the_reasons() -> None:
 
 def test_failures_show_first() -> None:
     result = table.ImplResult(
-        "impl", cells=[table.TableCell("T::c", "pass"), table.TableCell("T::c", "FAIL", "boom | x")]
+        "impl", cells=[checks.Result("T::c", "pass"), checks.Result("T::c", "FAIL", "boom | x")]
     )
     text = table.render_table([result], {})
     assert "| `T::c` | (not a registered check) | FAIL 1 [1], pass 1 |" in text

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from conftest import write_test
+from fsdp_conformance import constants
 from fsdp_conformance.harness import gpus
 
 pytest_plugins = ["pytester"]
@@ -68,8 +69,8 @@ def test_gpu_pool_never_gives_a_gpu_to_two_tests(pytester, tmp_path, monkeypatch
     out = tmp_path / "intervals"
     out.mkdir()
     monkeypatch.setenv("HARNESS_OUT", str(out))
-    monkeypatch.setenv(gpus.ENV_FAKE_GPUS, "2")
-    monkeypatch.setenv(gpus.ENV_LOCK_DIR, str(tmp_path / "locks"))
+    monkeypatch.setenv(constants.ENV_FAKE_GPUS, "2")
+    monkeypatch.setenv(constants.ENV_GPU_LOCK_DIR, str(tmp_path / "locks"))
     write_test(pytester, "test_gpus", GPU_TESTS)
     result = pytester.runpytest("-p", "no:cacheprovider", "-n", "2", "-rs")
     result.assert_outcomes(passed=4, skipped=1)
@@ -100,7 +101,7 @@ def test_needs_a_gpu(dist):
 
 
 def test_cuda_tests_skip_with_a_reason_on_cpu(pytester, monkeypatch):
-    monkeypatch.delenv(gpus.ENV_FAKE_GPUS, raising=False)
+    monkeypatch.delenv(constants.ENV_FAKE_GPUS, raising=False)
     if gpus.gpu_count() > 0:
         pytest.skip("this host has GPUs")
     write_test(pytester, "test_cuda", CUDA_ON_CPU)
@@ -136,8 +137,8 @@ def test_a_collective_gloo_cannot_carry_for_cuda_skips(dist):
 def test_ranks_of_a_cuda_test_share_one_gpu_over_gloo(pytester, tmp_path, monkeypatch):
     # one (fake) GPU, two ranks: the test runs, its ranks on GPU 0 over gloo; a collective gloo
     # cannot carry for CUDA tensors skips, naming it
-    monkeypatch.setenv(gpus.ENV_FAKE_GPUS, "1")
-    monkeypatch.setenv(gpus.ENV_LOCK_DIR, str(tmp_path / "locks"))
+    monkeypatch.setenv(constants.ENV_FAKE_GPUS, "1")
+    monkeypatch.setenv(constants.ENV_GPU_LOCK_DIR, str(tmp_path / "locks"))
     write_test(pytester, "test_shared", SHARED)
     junit = tmp_path / "junit.xml"
     result = pytester.runpytest("-p", "no:cacheprovider", "-rs", f"--junitxml={junit}")
@@ -162,7 +163,7 @@ def test_the_report_names_the_device_and_backend_of_the_ranks():
 
 
 def test_acquire_is_all_or_none_and_times_out(tmp_path, monkeypatch):
-    monkeypatch.setenv(gpus.ENV_LOCK_DIR, str(tmp_path / "locks"))
+    monkeypatch.setenv(constants.ENV_GPU_LOCK_DIR, str(tmp_path / "locks"))
     first = gpus.acquire_gpus(1, total=2, timeout=1, prefer=(1,))
     assert first.ids == (1,)
     with pytest.raises(TimeoutError, match="could not get 2 of 2 GPUs within 0.2 s"):
@@ -182,7 +183,7 @@ def test_acquire_is_all_or_none_and_times_out(tmp_path, monkeypatch):
 def test_a_lock_file_unlinked_by_its_releasing_holder_is_not_taken(tmp_path, monkeypatch):
     # a waiter that opened gpu0.lock before its holder unlinked it must not count that stale
     # file as a lock: another worker may already lock the new file at the same path
-    monkeypatch.setenv(gpus.ENV_LOCK_DIR, str(tmp_path))
+    monkeypatch.setenv(constants.ENV_GPU_LOCK_DIR, str(tmp_path))
     holder = gpus.acquire_gpus(1, total=1, timeout=1)
     with open(tmp_path / "gpu0.lock") as stale:
         holder.release()
@@ -197,8 +198,8 @@ def test_a_test_that_needs_no_gpu_runs_on_cpu_while_the_gpus_are_held(monkeypatc
     # one "real" GPU, held by another worker: a 1-rank test that does not need it runs on
     # CPU at once instead of waiting for it (and failing at the timeout), its ranks seeing
     # no GPU (CUDA_VISIBLE_DEVICES="")
-    monkeypatch.delenv(gpus.ENV_FAKE_GPUS, raising=False)
-    monkeypatch.setenv(gpus.ENV_LOCK_DIR, os.path.join(os.getcwd(), "locks"))
+    monkeypatch.delenv(constants.ENV_FAKE_GPUS, raising=False)
+    monkeypatch.setenv(constants.ENV_GPU_LOCK_DIR, os.path.join(os.getcwd(), "locks"))
     monkeypatch.setattr(gpus, "gpu_count", lambda: 1)
     held = gpus.acquire_gpus(1, total=1, timeout=1)
     try:
