@@ -287,14 +287,41 @@ def module_predicate(policy: Any) -> Callable[[nn.Module], bool]:
     return policy
 
 
-def fsdp1_style_policy(policy: Any) -> Callable[[nn.Module, bool, int], bool]:
-    """`auto_wrap_policy` as torch FSDP1's ``(module, recurse, nonwrapped_numel)`` form."""
-    predicate = module_predicate(policy)
+def fsdp1_style_kwargs(config: dict[str, Any], api: Any) -> dict[str, Any]:
+    """A normalised config as keywords of an FSDP1-style constructor (torch FSDP1's or impl's,
+    whose `api` module has ``ShardingStrategy``, ``BackwardPrefetch``, ``CPUOffload`` and
+    ``MixedPrecision``): ``sharding_strategy``, ``backward_prefetch``, ``forward_prefetch``,
+    ``limit_all_gathers``, ``sync_module_states``, ``cpu_offload``, ``mixed_precision`` and
+    ``auto_wrap_policy``, each only when given; the caller maps the other keys."""
+    passed = ("forward_prefetch", "limit_all_gathers", "sync_module_states")
+    kwargs = {key: config[key] for key in passed if key in config}
+    if "sharding_strategy" in config:
+        kwargs["sharding_strategy"] = api.ShardingStrategy[config["sharding_strategy"]]
+    if "backward_prefetch" in config:
+        prefetch = config["backward_prefetch"]
+        kwargs["backward_prefetch"] = None if prefetch is None else api.BackwardPrefetch[prefetch]
+    if "cpu_offload" in config:
+        kwargs["cpu_offload"] = api.CPUOffload(offload_params=config["cpu_offload"])
+    mixed = config.get("mixed_precision")
+    if mixed is not None:
+        output = {} if mixed.output_dtype is None else {"output_dtype": mixed.output_dtype}
+        kwargs["mixed_precision"] = api.MixedPrecision(
+            param_dtype=mixed.param_dtype,
+            reduce_dtype=mixed.reduce_dtype,
+            buffer_dtype=mixed.buffer_dtype,
+            # every instance casts its inputs, as impl and FSDP2 do (FSDP1's default: the root
+            # only, so a nested instance may get fp32 activations and fail its matmul)
+            cast_forward_inputs=mixed.cast_forward_inputs is not False,
+            **output,
+        )
+    if config.get("auto_wrap_policy") is not None:
+        predicate = module_predicate(config["auto_wrap_policy"])
 
-    def fsdp1_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
-        return True if recurse else bool(predicate(module))
+        def fsdp1_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
+            return True if recurse else bool(predicate(module))
 
-    return fsdp1_policy
+        kwargs["auto_wrap_policy"] = fsdp1_policy
+    return kwargs
 
 
 def auto_wrap_targets(

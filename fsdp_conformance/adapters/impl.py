@@ -23,8 +23,7 @@ from .base import (
 from .features import (
     Declarations,
     Feature,
-    MixedPrecisionConfig,
-    fsdp1_style_policy,
+    fsdp1_style_kwargs,
     ignored_parameters,
     require,
 )
@@ -54,34 +53,12 @@ class ImplAdapter(Adapter):
         self._impl = impl
 
     def _wrap(self, module: nn.Module, process_group: Any, config: dict[str, Any]) -> nn.Module:
-        impl = self._impl
-        kwargs: dict[str, Any] = {}
-        if "sharding_strategy" in config:
-            kwargs["sharding_strategy"] = impl.ShardingStrategy[config["sharding_strategy"]]
-        if "backward_prefetch" in config:
-            prefetch = config["backward_prefetch"]
-            kwargs["backward_prefetch"] = (
-                None if prefetch is None else impl.BackwardPrefetch[prefetch]
-            )
-        for key in ("forward_prefetch", "limit_all_gathers", "sync_module_states", "device_id"):
-            if key in config:
-                kwargs[key] = config[key]
-        if "cpu_offload" in config:
-            kwargs["cpu_offload"] = impl.CPUOffload(offload_params=config["cpu_offload"])
-        mixed: MixedPrecisionConfig | None = config.get("mixed_precision")
-        if mixed is not None:
-            kwargs["mixed_precision"] = impl.MixedPrecision(
-                param_dtype=mixed.param_dtype,
-                reduce_dtype=mixed.reduce_dtype,
-                buffer_dtype=mixed.buffer_dtype,
-                output_dtype=mixed.output_dtype,
-                cast_forward_inputs=mixed.cast_forward_inputs is not False,
-            )
-        if config.get("auto_wrap_policy") is not None:
-            kwargs["auto_wrap_policy"] = fsdp1_style_policy(config["auto_wrap_policy"])
+        kwargs = fsdp1_style_kwargs(config, self._impl)
+        if "device_id" in config:
+            kwargs["device_id"] = config["device_id"]
         if config.get("ignored_params"):
             kwargs["ignored_modules"] = self._ignored_modules(module, config)
-        return impl.FullyShardedDataParallel(module, process_group=process_group, **kwargs)
+        return self._impl.FullyShardedDataParallel(module, process_group=process_group, **kwargs)
 
     def _ignored_modules(self, module: nn.Module, config: dict[str, Any]) -> list[nn.Module]:
         """``ignored_params`` as impl's ``ignored_modules``: the largest submodules all of whose
