@@ -26,17 +26,15 @@ from typing import Any
 
 from torch import nn
 
-from fsdp_conformance._patching import patch_attribute
 from fsdp_conformance.constants import Op
 
 from . import _fsdp2_internals as internals
 from .base import ObserverRegistry, require_before_first_forward
 
-_PATCH_KEY = "fsdp-conformance torch-fsdp2 buffer lifetimes"
-_WRITTEN_FOR = "torch " + "/".join(internals.VERIFIED_ON)
-
 # process-wide: observers of the buffer events, and param group -> its module (the instance)
-_BUFFERS = ObserverRegistry()
+_BUFFERS = ObserverRegistry(
+    "fsdp-conformance torch-fsdp2 buffer lifetimes", "torch " + "/".join(internals.VERIFIED_ON)
+)
 INSTANCE_OF_GROUP: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -136,13 +134,10 @@ def _patch_buffer_lifetimes() -> None:
 
         return patched
 
-    for attribute, make in (
-        ("unshard", unshard),
-        ("_to_unsharded", to_unsharded),
-        ("_to_sharded", freeing),
-        ("_to_sharded_post_forward", freeing),
-    ):
-        patch_attribute(group_class, attribute, make, key=_PATCH_KEY, written_for=_WRITTEN_FOR)
+    _BUFFERS.patch(group_class, "unshard", unshard)
+    _BUFFERS.patch(group_class, "_to_unsharded", to_unsharded)
+    _BUFFERS.patch(group_class, "_to_sharded", freeing)
+    _BUFFERS.patch(group_class, "_to_sharded_post_forward", freeing)
 
 
 # group -> records of its all-gather outputs not yet copied out

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from fsdp_conformance import constants
+from fsdp_conformance._patching import patch_attribute
 from fsdp_conformance.constants import Op
 from fsdp_conformance.training_states import InstanceState, RootState
 
@@ -463,10 +464,18 @@ class AdapterWrap:
 class ObserverRegistry:
     """Process-wide observers for hooks installed once (patches): a patched function calls
     `emit(op, instance, info)` (skipped while not `active`); each observer gets it filtered by
-    `scoped_observer`."""
+    `scoped_observer`.
 
-    def __init__(self) -> None:
+    Args:
+        key: the patches' key (``_patching.patch_attribute``), e.g. "fsdp-conformance torch-fsdp1
+            comm trace"; needed by `patch` only.
+        written_for: ``"<library> <version>"`` the patches were verified against.
+        library: the patched library's distribution name.
+    """
+
+    def __init__(self, key: str = "", written_for: str = "", library: str = "torch") -> None:
         self._observers: list[Observer] = []
+        self._patch_options = {"key": key, "written_for": written_for, "library": library}
 
     def emit(self, op: str, instance: nn.Module | None, info: dict) -> None:
         if instance is None:  # not created through an adapter
@@ -497,6 +506,19 @@ class ObserverRegistry:
             return observed
 
         return wrap
+
+    def patch(
+        self, owner: Any, attribute: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]
+    ) -> None:
+        """``owner.<attribute>`` replaced by ``make(original)``, once per process (under this
+        registry's key)."""
+        patch_attribute(owner, attribute, make, **self._patch_options)
+
+    def patch_before(
+        self, owner: Any, attribute: str, event: Callable[..., Any], always: bool = False
+    ) -> None:
+        """``owner.<attribute>`` emitting ``event``'s operations first (`before`)."""
+        self.patch(owner, attribute, self.before(event, always))
 
     @contextlib.contextmanager
     def observing(self, callback: Observer, instances: list[nn.Module] | None) -> Iterator[None]:

@@ -55,7 +55,7 @@ _GROUP_CACHES = (
     "_ALL_TO_ALL_GROUP"
 ).split()
 
-_REGISTRY = ObserverRegistry()
+_REGISTRY = ObserverRegistry("fsdp-conformance deepspeed comm trace", WRITTEN_FOR, "deepspeed")
 _lock = threading.Lock()
 _NESTED: weakref.WeakSet = weakref.WeakSet()  # nested instances marked by wrap(root=False)
 
@@ -771,8 +771,6 @@ def _install_trace() -> None:
     from deepspeed.runtime.zero import stage3, stage_1_and_2
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
-    from fsdp_conformance._patching import patch_attribute
-
     cls = coordinator.PartitionedParameterCoordinator
 
     def gather(coordinator: Any, params: Any, forward: bool) -> Iterator[tuple[str, nn.Module]]:
@@ -808,21 +806,11 @@ def _install_trace() -> None:
                 yield (Op.REDUCE_SCATTER if sharded else Op.ALL_REDUCE), instance
 
     reduce = "reduce_independent_p_g_buckets_and_remove_grads"
+    _REGISTRY.patch_before(cls, "_PartitionedParameterCoordinator__all_gather_params", gather)
     # releases and reductions keep per-instance state: their events run at every call
-    for owner, attribute, make in (
-        (cls, "_PartitionedParameterCoordinator__all_gather_params", _REGISTRY.before(gather)),
-        (cls, "_PartitionedParameterCoordinator__release_param", _REGISTRY.before(release, True)),
-        (stage3.DeepSpeedZeroOptimizer_Stage3, reduce, _REGISTRY.before(reduce_param, True)),
-        (stage_1_and_2.DeepSpeedZeroOptimizer, reduce, _REGISTRY.before(reduce_param, True)),
-    ):
-        patch_attribute(
-            owner,
-            attribute,
-            make,
-            key="fsdp-conformance deepspeed comm trace",
-            written_for=WRITTEN_FOR,
-            library="deepspeed",
-        )
+    _REGISTRY.patch_before(cls, "_PartitionedParameterCoordinator__release_param", release, True)
+    _REGISTRY.patch_before(stage3.DeepSpeedZeroOptimizer_Stage3, reduce, reduce_param, True)
+    _REGISTRY.patch_before(stage_1_and_2.DeepSpeedZeroOptimizer, reduce, reduce_param, True)
 
 
 if __name__ == "__main__":  # python -m fsdp_conformance.adapters.deepspeed: build the CPU op

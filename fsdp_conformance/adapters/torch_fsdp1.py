@@ -16,7 +16,6 @@ import torch.distributed.fsdp
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel
 
-from fsdp_conformance._patching import patch_attribute
 from fsdp_conformance.constants import Op
 from fsdp_conformance.device_handle import accelerator_available
 from fsdp_conformance.training_states import InstanceState, RootState
@@ -35,10 +34,10 @@ from .deviations import Deviation
 from .features import Declarations, Feature, fsdp1_style_kwargs, ignored_parameters, require
 
 # process-wide: observers of the patched FSDP1 internals, and handle -> its FSDP instance
-_REGISTRY = ObserverRegistry()
+_REGISTRY = ObserverRegistry(
+    "fsdp-conformance torch-fsdp1 comm trace", "torch " + "/".join(internals.VERIFIED_ON)
+)
 _INSTANCE_OF_HANDLE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_PATCH_KEY = "fsdp-conformance torch-fsdp1 comm trace"
-_WRITTEN_FOR = "torch " + "/".join(internals.VERIFIED_ON)
 
 
 def _patch_torch_fsdp1() -> None:
@@ -53,8 +52,8 @@ def _patch_torch_fsdp1() -> None:
         (runtime_utils, "_reduce_grad", Op.REDUCE_SCATTER, lambda state: state),
         (runtime_utils, "_reduce_grad_no_shard", Op.ALL_REDUCE, lambda state: state),
     ):
-        make = _REGISTRY.before(lambda first, *_, op=op, of=instance_of, **__: [(op, of(first))])
-        patch_attribute(owner, attribute, make, key=_PATCH_KEY, written_for=_WRITTEN_FOR)
+        event = lambda first, *_, op=op, of=instance_of, **__: [(op, of(first))]
+        _REGISTRY.patch_before(owner, attribute, event)
 
 
 def label_instances(model: nn.Module) -> None:

@@ -20,7 +20,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from fsdp_conformance._patching import patch_attribute
 from fsdp_conformance.constants import Op
 from fsdp_conformance.device_handle import accelerator_available
 from fsdp_conformance.training_states import InstanceState, RootState
@@ -35,9 +34,9 @@ from .deviations import Deviation
 from .features import Declarations, Feature, auto_wrap_targets, ignored_parameters, require
 
 # process-wide: observers of the patched FSDP2 internals
-_REGISTRY = ObserverRegistry()
-_PATCH_KEY = "fsdp-conformance torch-fsdp2 comm trace"
-_WRITTEN_FOR = "torch " + "/".join(internals.VERIFIED_ON)
+_REGISTRY = ObserverRegistry(
+    "fsdp-conformance torch-fsdp2 comm trace", "torch " + "/".join(internals.VERIFIED_ON)
+)
 
 
 def _fsdp2_api() -> Any:
@@ -80,13 +79,9 @@ def _patch_torch_fsdp2() -> None:
         if group.is_unsharded and reduces:
             yield Op.REDUCE_SCATTER, INSTANCE_OF_GROUP.get(group)
 
-    for attribute, event in (
-        ("unshard", unshard),
-        ("reshard", reshard),
-        ("post_backward", post_backward),
-    ):
-        make = _REGISTRY.before(event)
-        patch_attribute(group_class, attribute, make, key=_PATCH_KEY, written_for=_WRITTEN_FOR)
+    _REGISTRY.patch_before(group_class, "unshard", unshard)
+    _REGISTRY.patch_before(group_class, "reshard", reshard)
+    _REGISTRY.patch_before(group_class, "post_backward", post_backward)
 
 
 # measured on CPU, gloo, world size 2 (docs/checks.md)
