@@ -244,7 +244,9 @@ def ignored_parameters(config: dict[str, Any]) -> list[nn.Parameter]:
 
 def features_for(config: dict[str, Any]) -> frozenset[str]:
     """The features a normalised wrap config needs."""
-    needed: set[str] = set()
+    # a true value of one of these config keys needs the feature of the same name
+    flags = "forward_prefetch cpu_offload sync_module_states ignored_params use_orig_params"
+    needed = {key for key in flags.split() if config.get(key)}
     if config.get("sharding_strategy") in HYBRID_STRATEGIES:
         needed.add(Feature.HYBRID_SHARD)
     elif "sharding_strategy" in config:
@@ -256,12 +258,8 @@ def features_for(config: dict[str, Any]) -> frozenset[str]:
             if prefetch is None
             else f"backward_prefetch_{prefetch.removeprefix('BACKWARD_').lower()}"
         )
-    if config.get("forward_prefetch"):
-        needed.add(Feature.FORWARD_PREFETCH)
     if "limit_all_gathers" in config:
         needed.add(Feature.LIMIT_ALL_GATHERS)
-    if config.get("cpu_offload"):
-        needed.add(Feature.CPU_OFFLOAD)
     mixed = config.get("mixed_precision")
     if mixed is not None:
         needed.add(Feature.MIXED_PRECISION)
@@ -271,12 +269,6 @@ def features_for(config: dict[str, Any]) -> frozenset[str]:
             needed.add(Feature.MIXED_PRECISION_POLICY)
     if config.get("auto_wrap_policy") is not None:
         needed.add(Feature.AUTO_WRAP_POLICY)
-    if config.get("sync_module_states"):
-        needed.add(Feature.SYNC_MODULE_STATES)
-    if config.get("ignored_params"):
-        needed.add(Feature.IGNORED_PARAMS)
-    if config.get("use_orig_params"):
-        needed.add(Feature.USE_ORIG_PARAMS)
     return frozenset(needed)
 
 

@@ -175,7 +175,9 @@ def test_fsdp2_patches_are_recorded_once_with_the_versions():
     unshard = group_class.unshard
     torch_fsdp2._patch_torch_fsdp2()  # idempotent: not wrapped twice
     assert group_class.unshard is unshard
-    records = [r for r in _patching.active_patches() if r.key == torch_fsdp2._PATCH_KEY]
+    records = [
+        r for r in _patching.active_patches() if r.key == "fsdp-conformance torch-fsdp2 comm trace"
+    ]
     assert {r.attribute for r in records} == {"unshard", "reshard", "post_backward"}
     assert all(r.written_for == "torch 2.8.0/2.13.0/2.14.1/2.15.0" for r in records)
     assert all(r.running == f"torch {torch.__version__}" for r in records)
