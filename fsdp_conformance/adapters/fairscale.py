@@ -27,6 +27,7 @@ from torch import nn
 from fsdp_conformance.constants import Op
 from fsdp_conformance.training_states import InstanceState, RootState
 
+from . import _fairscale_device
 from ._support import RANGES
 from .base import (
     Adapter,
@@ -378,8 +379,6 @@ class FairscaleAdapter(Adapter):
 
         from fsdp_conformance.impl.device import CPUDeviceHandle
 
-        from . import _fairscale_device
-
         _fairscale_device.check_internals()
         group = process_group if process_group is not None else torch.distributed.group.WORLD
         kwargs: dict[str, Any] = {
@@ -432,8 +431,6 @@ class FairscaleAdapter(Adapter):
 
     @staticmethod
     def _route(instance: nn.Module, handle: Any) -> None:
-        from . import _fairscale_device
-
         _fairscale_device.route(instance, handle, _observer_wrappers(instance))
 
     def unwrap(self, model: nn.Module) -> nn.Module:
@@ -478,16 +475,11 @@ class FairscaleAdapter(Adapter):
     def _assert_state(self, instance: nn.Module, states: tuple[RootState, ...]) -> None:
         from fairscale.nn.data_parallel.fully_sharded_data_parallel import TrainingState
 
+        forward_backward = ("FORWARD", "BACKWARD_PRE", "BACKWARD_POST")
         allowed = []
         for state in states:
-            if state == RootState.FORWARD_BACKWARD:
-                allowed += [
-                    TrainingState.FORWARD,
-                    TrainingState.BACKWARD_PRE,
-                    TrainingState.BACKWARD_POST,
-                ]
-            else:
-                allowed.append(TrainingState[state.value])
+            names = forward_backward if state == RootState.FORWARD_BACKWARD else (state.value,)
+            allowed += [TrainingState[name] for name in names]
         instance.assert_state(allowed)
 
     def _summon_full_params(self, model: nn.Module, writeback: bool):
@@ -505,13 +497,10 @@ class FairscaleAdapter(Adapter):
 
 
 def _compute_device(device_id: Any) -> torch.device:
-    if device_id is None and not torch.cuda.is_available():
-        return torch.device("cpu")
     if device_id is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    if isinstance(device_id, int):
-        return torch.device("cuda", device_id)
-    return device_id
+        cuda = torch.cuda.is_available()
+        return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    return torch.device("cuda", device_id) if isinstance(device_id, int) else device_id
 
 
 def _replace(root: nn.Module, name: str, replacement: nn.Module) -> None:
@@ -532,7 +521,6 @@ class _CudaHandle:
 
 def _observer_wrappers(instance: nn.Module) -> dict[str, Callable]:
     """Wrappers of the routed methods that report all-gathers, frees and reductions."""
-    from . import _fairscale_device
 
     def rebuild(force_full_precision: bool = False) -> Iterator[tuple[str, nn.Module]]:
         # summon_full_params gathers (and frees) a separate copy: not reported

@@ -46,14 +46,13 @@ def _fsdp2_api() -> Any:
     return api
 
 
-def _instance_state(training_state: Any) -> InstanceState:
-    names = {
-        "IDLE": InstanceState.IDLE,
-        "FORWARD": InstanceState.FORWARD,
-        "PRE_BACKWARD": InstanceState.BACKWARD_PRE,
-        "POST_BACKWARD": InstanceState.BACKWARD_POST,
-    }
-    return names[training_state.name]
+# FSDP2's TrainingState names -> the canonical instance states
+_INSTANCE_STATES = {
+    "IDLE": InstanceState.IDLE,
+    "FORWARD": InstanceState.FORWARD,
+    "PRE_BACKWARD": InstanceState.BACKWARD_PRE,
+    "POST_BACKWARD": InstanceState.BACKWARD_POST,
+}
 
 
 def _patch_torch_fsdp2() -> None:
@@ -170,10 +169,9 @@ class TorchFSDP2Adapter(Adapter):
         group = process_group[0] if hybrid else process_group
         group = group if group is not None else dist.group.WORLD
         device_id = config.get("device_id")
-        if device_id is not None:
-            device_type = torch.device(device_id).type if not isinstance(device_id, int) else "cuda"
-        else:
-            device_type = "cuda" if accelerator_available() else "cpu"  # (gloo on a GPU too)
+        if device_id is None:
+            device_id = "cuda" if accelerator_available() else "cpu"  # (gloo on a GPU too)
+        device_type = "cuda" if isinstance(device_id, int) else torch.device(device_id).type
         api = _fsdp2_api()
         if hybrid:
             mesh = _hybrid_mesh(*process_group, device_type)
@@ -200,22 +198,17 @@ class TorchFSDP2Adapter(Adapter):
             )
         if config.get("ignored_params"):
             kwargs["ignored_params"] = set(ignored_parameters(config))
-        prefetch = (
-            config.get("forward_prefetch", False),
-            config.get("backward_prefetch"),
-            "backward_prefetch" in config,
-        )
         policy = config.get("auto_wrap_policy")
         if policy is not None:
             for _, submodule in auto_wrap_targets(module, policy, wrapped=(api.FSDPModule,)):
-                self._register(api.fully_shard(submodule, **kwargs), prefetch)
-        return self._register(api.fully_shard(module, **kwargs), prefetch)
+                self._register(api.fully_shard(submodule, **kwargs), config)
+        return self._register(api.fully_shard(module, **kwargs), config)
 
     @staticmethod
-    def _register(module: nn.Module, prefetch: tuple[bool, Any, bool]) -> nn.Module:
+    def _register(module: nn.Module, config: dict[str, Any]) -> nn.Module:
         for param_group in internals.module_param_groups(module):
             INSTANCE_OF_GROUP[param_group] = module
-        configure_prefetch(module, *prefetch)
+        configure_prefetch(module, config)
         return module
 
     def instances(self, model: nn.Module) -> list[nn.Module]:
@@ -227,7 +220,7 @@ class TorchFSDP2Adapter(Adapter):
             return InstanceState.SUMMON_FULL_PARAMS
         state = internals.fsdp_state(instance)
         groups = internals.param_groups(state)
-        return _instance_state(internals.training_state(groups[0] if groups else state))
+        return _INSTANCE_STATES[internals.training_state(groups[0] if groups else state).name]
 
     def root_state(self, instance: nn.Module) -> RootState:
         if instance in self._summoned:
