@@ -239,19 +239,16 @@ class Adapter:
         self, callback: Observer, instances: Iterable[nn.Module] | None = None
     ) -> contextlib.AbstractContextManager[None]:
         """Context manager: report operations to `callback` ([Note: observation])."""
-        features.require(self, Feature.COMM_TRACE)
         observe = _primitive(self, "_observe", Feature.COMM_TRACE)
         return observe(callback, None if instances is None else list(instances))
 
     def install_device_handle(self, model: nn.Module, handle: Any) -> None:
         """Make every instance in `model` use `handle` for streams/events (before forward)."""
-        features.require(self, Feature.DEVICE_HANDLE)
         _primitive(self, "_install_device_handle", Feature.DEVICE_HANDLE)(model, handle)
 
     def assert_state(self, instance: nn.Module, *states: RootState) -> None:
         """The implementation's own assertion that `instance` is in one of `states`
         (`_assert_state`; feature `assert_state`)."""
-        features.require(self, Feature.ASSERT_STATE)
         _primitive(self, "_assert_state", Feature.ASSERT_STATE)(instance, states)
 
     def group_size(self, instance: nn.Module) -> int:
@@ -304,7 +301,6 @@ class Adapter:
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
         """Context manager: a backward inside accumulates gradients without reducing them."""
-        features.require(self, Feature.GRADIENT_ACCUMULATION)
         return _root_method(self, model, "no_sync", Feature.GRADIENT_ACCUMULATION)()
 
     def clip_grad_norm_(
@@ -312,7 +308,6 @@ class Adapter:
     ) -> torch.Tensor:
         """Clip the gradients by their global norm; the norm before clipping (as torch's
         ``clip_grad_norm_`` over the unsharded model)."""
-        features.require(self, Feature.CLIP_GRAD_NORM)
         clip = _root_method(self, model, "clip_grad_norm_", Feature.CLIP_GRAD_NORM)
         return clip(max_norm, norm_type)
 
@@ -406,7 +401,10 @@ def _negotiated(adapter: Adapter, config: dict[str, Any]) -> dict[str, Any]:
 
 
 def _primitive(adapter: Adapter, name: str, feature: str | None = None) -> Callable[..., Any]:
-    """``adapter.<name>``, or FeatureNotImplementedError naming it."""
+    """``adapter.<name>`` (UnsupportedFeatureError first unless `adapter` supports `feature`),
+    or FeatureNotImplementedError naming it."""
+    if feature is not None:
+        features.require(adapter, feature)
     method = getattr(adapter, name, None)
     if method is None:
         raise FeatureNotImplementedError(adapter.name, f"Adapter.{name}", feature)
@@ -414,7 +412,9 @@ def _primitive(adapter: Adapter, name: str, feature: str | None = None) -> Calla
 
 
 def _root_method(adapter: Adapter, model: nn.Module, name: str, feature: str) -> Any:
-    """``model.<name>``, or UnsupportedFeatureError naming the hook to override."""
+    """``model.<name>``, or UnsupportedFeatureError: `adapter` lacks `feature`, or the root has no
+    such method (naming the hook to override)."""
+    features.require(adapter, feature)
     method = getattr(model, name, None)
     if method is None:
         raise UnsupportedFeatureError(
