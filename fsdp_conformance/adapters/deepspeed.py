@@ -32,7 +32,7 @@ from fsdp_conformance._patching import patch_attribute
 from fsdp_conformance.constants import Op
 from fsdp_conformance.training_states import InstanceState, RootState
 
-from ._support import RANGES
+from ._support import DEEPSPEED_RANGE, DEEPSPEED_TORCH_RANGE
 from .base import Adapter, ObserverRegistry, UnsupportedFeatureError, optimizer_class
 from .deviations import Deviation
 from .features import ALL_FEATURES, Declarations, Feature, auto_wrap_targets
@@ -349,7 +349,7 @@ class DeepSpeedAdapter(Adapter):
         return Declarations(
             unsupported=self._unsupported(),
             known_deviations=DEEPSPEED_DEVIATIONS,
-            support=RANGES["deepspeed"],
+            support=(DEEPSPEED_TORCH_RANGE, DEEPSPEED_RANGE),
             instance_states=False,  # per-parameter status only
         )
 

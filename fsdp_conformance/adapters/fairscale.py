@@ -28,7 +28,7 @@ from fsdp_conformance.constants import Op
 from fsdp_conformance.training_states import InstanceState, RootState
 
 from . import _fairscale_device
-from ._support import RANGES
+from ._support import FAIRSCALE_RANGE, TORCH_RANGE
 from .base import (
     Adapter,
     ObserverRegistry,
@@ -274,7 +274,7 @@ class FairscaleAdapter(Adapter):
         return Declarations(
             unsupported=self._unsupported(),
             known_deviations=deviations,
-            support=RANGES["fairscale"],
+            support=(TORCH_RANGE, FAIRSCALE_RANGE),
             wrapper_segments=("_fpw_module",),
         )
 

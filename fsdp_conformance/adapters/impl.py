@@ -9,9 +9,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from fsdp_conformance import impl
+from fsdp_conformance.impl import checkpoint, optim
 from fsdp_conformance.training_states import InstanceState, RootState
 
-from ._support import RANGES
+from ._support import TORCH_RANGE
 from .base import (
     Adapter,
     UnsupportedFeatureError,
@@ -44,21 +46,16 @@ class ImplAdapter(Adapter):
                 "group to all-reduce across (HYBRID_SHARD)"
             ),
         },
-        support=RANGES["impl"],
+        support=(TORCH_RANGE,),
     )
 
-    def __init__(self) -> None:
-        from fsdp_conformance import impl
-
-        self._impl = impl
-
     def _wrap(self, module: nn.Module, process_group: Any, config: dict[str, Any]) -> nn.Module:
-        kwargs = fsdp1_style_kwargs(config, self._impl)
+        kwargs = fsdp1_style_kwargs(config, impl)
         if "device_id" in config:
             kwargs["device_id"] = config["device_id"]
         if config.get("ignored_params"):
             kwargs["ignored_modules"] = self._ignored_modules(module, config)
-        return self._impl.FullyShardedDataParallel(module, process_group=process_group, **kwargs)
+        return impl.FullyShardedDataParallel(module, process_group=process_group, **kwargs)
 
     def _ignored_modules(self, module: nn.Module, config: dict[str, Any]) -> list[nn.Module]:
         """``ignored_params`` as impl's ``ignored_modules``: the largest submodules all of whose
@@ -81,12 +78,12 @@ class ImplAdapter(Adapter):
         return modules
 
     def unwrap(self, model: nn.Module) -> nn.Module:
-        if isinstance(model, self._impl.FullyShardedDataParallel):
+        if isinstance(model, impl.FullyShardedDataParallel):
             return model.module
         return model
 
     def instances(self, model: nn.Module) -> list[nn.Module]:
-        return list(self._impl.FullyShardedDataParallel.fsdp_modules(model))
+        return list(impl.FullyShardedDataParallel.fsdp_modules(model))
 
     def training_state(self, instance: nn.Module) -> InstanceState:
         return InstanceState[instance.handle_training_state.name]
@@ -107,7 +104,7 @@ class ImplAdapter(Adapter):
         }
 
     def _assert_state(self, instance: nn.Module, states: tuple[RootState, ...]) -> None:
-        instance._assert_state([self._impl.TrainingState[state.value] for state in states])
+        instance._assert_state([impl.TrainingState[state.value] for state in states])
 
     def _summon_full_params(self, model: nn.Module, writeback: bool):
         return model.summon_full_params(writeback=writeback)
@@ -116,12 +113,12 @@ class ImplAdapter(Adapter):
     def _observe(self, callback, instances):
         with (
             scoped_observer(callback, instances) as observer,
-            self._impl.trace.observe(observer),
+            impl.trace.observe(observer),
         ):
             yield
 
     def _install_device_handle(self, model: nn.Module, handle: Any) -> None:
-        self._impl.device.install_device_handle(model, handle)
+        impl.device.install_device_handle(model, handle)
 
     def grad_scaler(self, model: nn.Module, **options: Any) -> Any:
         """torch's ``ShardedGradScaler`` over the root's group (plain sharded gradients)."""
@@ -142,14 +139,9 @@ class ImplAdapter(Adapter):
                 prefix = paths[id(slot.module)]
                 names.setdefault(slot.index, clean_param_name(f"{prefix}.{slot.name}".lstrip(".")))
             start = handle.rank * handle.shard_numel if handle.sharded else 0
-            pieces.update(
-                flat_grad_pieces(
-                    [names[index] for index in range(len(handle.numels))],
-                    handle.numels,
-                    handle.flat_param.grad.detach(),
-                    start,
-                )
-            )
+            ordered = [names[index] for index in range(len(handle.numels))]
+            grad = handle.flat_param.grad.detach()
+            pieces.update(flat_grad_pieces(ordered, handle.numels, grad, start))
         return pieces
 
     def state_dict(
@@ -178,8 +170,6 @@ class ImplAdapter(Adapter):
         if param_groups is None:
             return super().optimizer(model, name, **hyperparameters)
         require(self, Feature.PARAM_GROUPS)
-        from fsdp_conformance.impl import optim
-
         return optim.optimizer(model, optimizer_class(self, name), param_groups, **hyperparameters)
 
     def register_forward_method(self, instance: nn.Module, name: str) -> None:
@@ -187,11 +177,7 @@ class ImplAdapter(Adapter):
         instance.register_forward_method(name)
 
     def save_checkpoint(self, model: nn.Module, optimizer: Any, directory: str) -> None:
-        from fsdp_conformance.impl import checkpoint
-
         checkpoint.save_checkpoint(model, optimizer, directory)
 
     def load_checkpoint(self, model: nn.Module, optimizer: Any, directory: str) -> None:
-        from fsdp_conformance.impl import checkpoint
-
         checkpoint.load_checkpoint(model, optimizer, directory)

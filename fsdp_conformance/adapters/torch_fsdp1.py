@@ -22,7 +22,7 @@ from fsdp_conformance.training_states import InstanceState, RootState
 
 from . import _dcp
 from . import _fsdp1_internals as internals
-from ._support import RANGES, release
+from ._support import TORCH_RANGE, release
 from .base import (
     Adapter,
     ObserverRegistry,
@@ -305,7 +305,7 @@ class TorchFSDP1Adapter(Adapter):
         return Declarations(
             unsupported=_fsdp1_unsupported(),
             known_deviations=FSDP1_DEVIATIONS,
-            support=RANGES["torch-fsdp1"],
+            support=(TORCH_RANGE,),
         )
 
     def _wrap(self, module: nn.Module, process_group: Any, config: dict[str, Any]) -> nn.Module:

@@ -28,7 +28,7 @@ from . import _dcp
 from . import _fsdp2_internals as internals
 from ._fsdp2_device import INSTANCE_OF_GROUP, install_lagging_device, observe_buffers
 from ._fsdp2_prefetch import configure_prefetch
-from ._support import RANGES
+from ._support import FSDP2_TORCH_RANGE
 from .base import Adapter, ObserverRegistry, UnsupportedFeatureError
 from .deviations import Deviation
 from .features import Declarations, Feature, auto_wrap_targets, ignored_parameters, require
@@ -157,7 +157,7 @@ class TorchFSDP2Adapter(Adapter):
             ),
         },
         known_deviations=FSDP2_DEVIATIONS,
-        support=RANGES["torch-fsdp2"],
+        support=(FSDP2_TORCH_RANGE,),
     )
 
     def __init__(self) -> None:
