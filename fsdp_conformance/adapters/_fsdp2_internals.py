@@ -29,10 +29,7 @@ class FSDP2InternalsError(RuntimeError):
 
 
 _probe = InternalsProbe(
-    "torch FSDP2",
-    "fsdp_conformance/adapters/_fsdp2_internals.py",
-    FSDP2InternalsError,
-    VERIFIED_ON,
+    "torch FSDP2", "fsdp_conformance/adapters/_fsdp2_internals.py", FSDP2InternalsError, VERIFIED_ON
 )
 moved = _probe.moved
 require = _probe.require

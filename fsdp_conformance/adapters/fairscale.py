@@ -29,12 +29,7 @@ from fsdp_conformance.training_states import InstanceState, RootState
 
 from . import _fairscale_device
 from ._support import FAIRSCALE_RANGE, TORCH_RANGE
-from .base import (
-    Adapter,
-    ObserverRegistry,
-    UnsupportedFeatureError,
-    require_before_first_forward,
-)
+from .base import Adapter, ObserverRegistry, UnsupportedFeatureError, require_before_first_forward
 from .deviations import Deviation
 from .features import ALL_FEATURES, Declarations, Feature, auto_wrap_targets, require
 

@@ -22,13 +22,7 @@ from .base import (
     optimizer_class,
     scoped_observer,
 )
-from .features import (
-    Declarations,
-    Feature,
-    fsdp1_style_kwargs,
-    ignored_parameters,
-    require,
-)
+from .features import Declarations, Feature, fsdp1_style_kwargs, ignored_parameters, require
 
 
 class ImplAdapter(Adapter):
@@ -111,10 +105,7 @@ class ImplAdapter(Adapter):
 
     @contextlib.contextmanager
     def _observe(self, callback, instances):
-        with (
-            scoped_observer(callback, instances) as observer,
-            impl.trace.observe(observer),
-        ):
+        with scoped_observer(callback, instances) as observer, impl.trace.observe(observer):
             yield
 
     def _install_device_handle(self, model: nn.Module, handle: Any) -> None:
