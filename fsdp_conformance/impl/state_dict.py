@@ -3,6 +3,7 @@ both walking the same ``StateEntry``s."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -141,21 +142,17 @@ class StateDictMixin:
                 "them"
             )
         present = [entry for entry in expected if entry.name in state_dict]
-        if sharded:
+        flats = [entry for entry in present if entry.kind == "flat"]  # the sharded form only
+        for entry in flats:
+            _check_shard(entry.name, state_of(entry.module), state_dict[entry.name])
+        # the full form loads into the summoned parameters, written back on exit
+        summoned = summon_full_params(self._fsdp_state, True, False, False, True)
+        with torch.no_grad(), contextlib.nullcontext() if sharded else summoned:
             for entry in present:
                 if entry.kind == "flat":
-                    _check_shard(entry.name, state_of(entry.module), state_dict[entry.name])
-        with torch.no_grad():
-            if sharded:
-                for entry in present:
-                    if entry.kind == "flat":
-                        state_of(entry.module).handle.flat_param.copy_(state_dict[entry.name].shard)
-                    else:
-                        self._load_plain(entry, state_dict[entry.name])
-            else:
-                with summon_full_params(self._fsdp_state, True, False, False, True):
-                    for entry in present:
-                        self._load_plain(entry, state_dict[entry.name])
+                    state_of(entry.module).handle.flat_param.copy_(state_dict[entry.name].shard)
+                else:
+                    self._load_plain(entry, state_dict[entry.name])
         return _IncompatibleKeys(missing, unexpected)
 
     @staticmethod
