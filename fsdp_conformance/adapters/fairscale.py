@@ -250,10 +250,8 @@ class FairscaleAdapter(Adapter):
     name = "fairscale"
 
     def __init__(self, *, flatten_parameters: bool = True, sync_after_free: bool = False) -> None:
-        for option, value in (
-            ("flatten_parameters", flatten_parameters),
-            ("sync_after_free", sync_after_free),
-        ):
+        options = {"flatten_parameters": flatten_parameters, "sync_after_free": sync_after_free}
+        for option, value in options.items():
             if not isinstance(value, bool):
                 raise TypeError(f"FairscaleAdapter({option}={value!r}): give True or False")
         self.flatten_parameters = flatten_parameters

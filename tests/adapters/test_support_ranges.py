@@ -158,15 +158,6 @@ def test_fsdp2_internals_raise_one_clear_error_when_none_matches():
         _fsdp2_internals.comm_context(types.SimpleNamespace(_device_handle=1, _is_root=None))
 
 
-def test_fsdp2_stream_wait_is_found_where_this_torch_keeps_it():
-    owner, attribute = _fsdp2_internals.stream_wait_target()
-    assert callable(getattr(owner, attribute))
-    assert (owner.__name__, attribute) in {
-        ("FSDPParamGroup", "_wait_all_gather_streams_on_event"),  # up to 2.14
-        ("FSDPCommContext", "wait_all_gather_streams_on_event"),  # 2.15
-    }
-
-
 def test_fsdp2_patches_are_recorded_once_with_the_versions():
     from fsdp_conformance.adapters import torch_fsdp2
 
