@@ -412,7 +412,9 @@ class FairscaleAdapter(Adapter):
         if policy is not None:
             targets = auto_wrap_targets(module, policy, wrapped=(FullyShardedDataParallel,))
             for name, submodule in targets:
-                _replace(module, name, FullyShardedDataParallel(submodule, **kwargs))
+                parent, _, child = name.rpartition(".")  # get_submodule(""): the module itself
+                inner = FullyShardedDataParallel(submodule, **kwargs)
+                setattr(module.get_submodule(parent), child, inner)
         wrapped = FullyShardedDataParallel(module, **kwargs)
         # one handle for the whole tree: the root shares its streams with every inner instance
         handle = _CudaHandle() if torch.cuda.is_available() else CPUDeviceHandle()
@@ -494,12 +496,6 @@ def _compute_device(device_id: Any) -> torch.device:
         cuda = torch.cuda.is_available()
         return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     return torch.device("cuda", device_id) if isinstance(device_id, int) else device_id
-
-
-def _replace(root: nn.Module, name: str, replacement: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    parent = root.get_submodule(parent_name) if parent_name else root
-    setattr(parent, child, replacement)
 
 
 class _CudaHandle:
