@@ -43,9 +43,7 @@ def install_lagging_device(model: nn.Module, device: Any) -> None:
     RuntimeError when it already ran forward."""
     from torch.distributed.fsdp import FSDPModule
 
-    states = [
-        internals.fsdp_state(module) for module in model.modules() if isinstance(module, FSDPModule)
-    ]
+    states = [internals.fsdp_state(m) for m in model.modules() if isinstance(m, FSDPModule)]
     contexts = [internals.comm_context(state) for state in states]
     require_before_first_forward("torch-fsdp2", model, states)
     for state, context in zip(states, contexts):
@@ -97,11 +95,8 @@ def _patch_buffer_lifetimes() -> None:
             before = internals.all_gather_result(self)
             result = original(self, async_op)
             after = internals.all_gather_result(self)
-            if (
-                after is not None
-                and after is not before
-                and internals.all_gather_group_size(self) > 1
-            ):
+            issued = after is not None and after is not before
+            if issued and internals.all_gather_group_size(self) > 1:
                 stream = internals.all_gather_copy_in_stream(self, async_op)
                 internals.set_all_gather_result(self, _track_all_gather_output(self, after, stream))
             return result
