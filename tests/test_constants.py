@@ -31,14 +31,13 @@ def test_op_reads_as_its_string():
 
 def test_modules_reuse_the_vocabulary():
     from fsdp_conformance import models, plugin
-    from fsdp_conformance.adapters import base, features, registry
+    from fsdp_conformance.adapters import features, registry
     from fsdp_conformance.cli import records, usage
     from fsdp_conformance.cli import run as cli_run
     from fsdp_conformance.cli import timeline as cli_timeline
     from fsdp_conformance.harness import controller as runtime
     from fsdp_conformance.harness import gpus
     from fsdp_conformance.impl import limiter
-    from fsdp_conformance.impl import runtime as impl_runtime
     from fsdp_conformance.observe import comm_trace
     from fsdp_conformance.suite import configs, memory_bound
 
@@ -55,13 +54,11 @@ def test_modules_reuse_the_vocabulary():
         (gpus.ENV_FAKE_GPUS, constants.ENV_FAKE_GPUS),
         (gpus.ENV_LOCK_DIR, constants.ENV_GPU_LOCK_DIR),
         (records.ENV_RESULTS, constants.ENV_CLI_RESULTS),
-        (impl_runtime.RATE_LIMITER_RANGE, constants.RATE_LIMITER_RANGE),
         (cli_timeline.RATE_LIMITER_RANGE, constants.RATE_LIMITER_RANGE),
         (limiter.MAX_INFLIGHT, constants.MAX_INFLIGHT),
         (memory_bound.MAX_INFLIGHT, constants.MAX_INFLIGHT),
         (comm_trace.COMM_OPS, constants.COMM_OPS),
         (comm_trace.REDUCE_OPS, constants.REDUCE_OPS),
-        (base.REDUCE_OPS, constants.REDUCE_OPS),
         (runtime.DEFAULT_TIMEOUT_S, constants.DEFAULT_TIMEOUT_S),
         (registry.BUILTIN_ADAPTERS, constants.BUILTIN_ADAPTERS),
         (usage.BUILTIN_IMPLS, constants.BUILTIN_ADAPTERS),

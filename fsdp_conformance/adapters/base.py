@@ -40,7 +40,6 @@ from .features import (  # the errors and claimed_but_not_implemented: also impo
 
 # callback(op, instance, info): [Note: observation]
 Observer = Callable[[str, nn.Module, dict], None]
-REDUCE_OPS = constants.REDUCE_OPS
 
 # what torch FSDP1 and activation checkpointing insert into parameter names
 _WRAPPER_NAME_PARTS = re.compile(r"(_fsdp_wrapped_module|_checkpoint_wrapped_module)\.")
@@ -537,7 +536,7 @@ def delay_before_reduction(
     """While active, `delay()` runs before each gradient reduction (needs `comm_trace`)."""
 
     def on_op(op: str, instance: nn.Module, info: dict) -> None:
-        if op in REDUCE_OPS:
+        if op in constants.REDUCE_OPS:
             delay()
 
     with adapter.observe(on_op, instances):

@@ -31,8 +31,6 @@ from fsdp_conformance.impl.state import (
     transition,
 )
 
-RATE_LIMITER_RANGE = constants.RATE_LIMITER_RANGE
-
 
 def lazy_init(root: FSDPState) -> None:
     """Make ``root`` the root of every instance under it (first forward)."""
@@ -81,7 +79,7 @@ def unshard(state: FSDPState, prefetch: str | None = None, early: bool = False) 
     if state.limit_all_gathers and handle.sharded:
         counted = not state.is_root
         while (event := context.free_events.dequeue_if_needed(counted, early)) is not None:
-            with torch.profiler.record_function(RATE_LIMITER_RANGE):
+            with torch.profiler.record_function(constants.RATE_LIMITER_RANGE):
                 trace.emit(Op.RATE_LIMITER_WAIT, state.owner, event=event)
                 event.synchronize()
     with state.device_handle.stream(context.unshard_stream):
