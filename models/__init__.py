@@ -8,29 +8,21 @@ the unwrapped reference), is seeded without the global RNG, and has `get_input(d
 
 from __future__ import annotations
 
-from .buffered import Affine, BufferedBlock, BufferedModule, SeededLinear
+from .buffered import BufferedBlock, BufferedModule
 from .ddp import DummyDDP
 from .delay import cycles_per_ms, sleep_cycles, sleep_ms
 from .layer import Layer
 from .loops import CheckpointedModule, CheckpointingWrap, LoopModule
-from .model_base import (
-    DelayHooks,
-    DeviceInit,
-    Wrap,
-    move_after_wrap,
-    move_before_wrap,
-    seeded_init_,
-)
+from .model_base import DelayHooks, DeviceInit, Wrap, move_after_wrap
 from .moe import MixtureOfExperts
 from .nested import ALWAYS_WRAP, AlwaysWrapNestedWrappedModule, NestedWrappedModule
 from .tied import TiedInstances
 from .transformer import TransformerWithSharedParams
-from .uneven import Gain, UnevenModule
+from .uneven import UnevenModule
 from .with_delay import ModuleWithDelay, NestedWrappedModuleWithDelay
 
 __all__ = [
     "ALWAYS_WRAP",
-    "Affine",
     "AlwaysWrapNestedWrappedModule",
     "BufferedBlock",
     "BufferedModule",
@@ -39,22 +31,18 @@ __all__ = [
     "DelayHooks",
     "DeviceInit",
     "DummyDDP",
-    "Gain",
     "Layer",
     "LoopModule",
     "MixtureOfExperts",
     "ModuleWithDelay",
     "NestedWrappedModule",
     "NestedWrappedModuleWithDelay",
-    "SeededLinear",
     "TiedInstances",
     "TransformerWithSharedParams",
     "UnevenModule",
     "Wrap",
     "cycles_per_ms",
     "move_after_wrap",
-    "move_before_wrap",
-    "seeded_init_",
     "sleep_cycles",
     "sleep_ms",
 ]

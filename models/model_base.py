@@ -74,12 +74,19 @@ def move_after_wrap(model: nn.Module, device_init: DeviceInit, device: torch.dev
     return model
 
 
-def require_delay_hooks(owner: str, arg: str, ms: float, wrap: Wrap | None, hook: str) -> None:
+# each delay argument's DelayHooks method
+_DELAY_HOOKS = {
+    "delay_before_reduction_ms": "delay_before_reduction(delay)",
+    "delay_before_free_ms": "delay_before_free(instance, delay)",
+}
+
+
+def require_delay_hooks(owner: str, arg: str, ms: float, wrap: Wrap | None) -> None:
     """TypeError unless a positive delay ``arg`` of ``owner`` comes with a ``DelayHooks`` wrap."""
     if ms > 0 and wrap is not None and not isinstance(wrap, DelayHooks):
         raise TypeError(
-            f"{owner}({arg}={ms}) needs a wrap with a `{hook}` hook; got {wrap!r}. Pass "
-            f"`adapter.wrapper(...)`, or {arg}=0."
+            f"{owner}({arg}={ms}) needs a wrap with a `{_DELAY_HOOKS[arg]}` hook; got {wrap!r}. "
+            f"Pass `adapter.wrapper(...)`, or {arg}=0."
         )
 
 

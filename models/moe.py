@@ -55,13 +55,7 @@ class MixtureOfExperts(ZooModel):
         self.group = group
         self.wrapped = wrap is not None
         self.delay_before_free_ms = delay_before_free_ms
-        require_delay_hooks(
-            "MixtureOfExperts",
-            "delay_before_free_ms",
-            delay_before_free_ms,
-            wrap,
-            "delay_before_free(instance, delay)",
-        )
+        require_delay_hooks("MixtureOfExperts", "delay_before_free_ms", delay_before_free_ms, wrap)
         self._wrap = wrap
         d_input, d_shared, d_expert = 8, 12, 23
         expert = seeded_init_(nn.Linear(d_expert, d_shared), seed=42 + self.rank)  # per rank

@@ -40,13 +40,8 @@ class ModuleWithDelay(nn.Module):
         wrap: Wrap | None = None,
     ) -> None:
         super().__init__()
-        require_delay_hooks(
-            "ModuleWithDelay",
-            "delay_before_reduction_ms",
-            delay_before_reduction_ms,
-            wrap,
-            "delay_before_reduction(delay)",
-        )
+        reduction_ms = delay_before_reduction_ms
+        require_delay_hooks("ModuleWithDelay", "delay_before_reduction_ms", reduction_ms, wrap)
         self.module = module
         self.delay_after_loss_ms = delay_after_loss_ms
         self.delay_before_reduction_ms = delay_before_reduction_ms

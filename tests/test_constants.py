@@ -31,12 +31,11 @@ def test_op_reads_as_its_string():
 
 def test_modules_reuse_the_vocabulary():
     from fsdp_conformance import models, plugin
-    from fsdp_conformance.adapters import base, features, registry
+    from fsdp_conformance.adapters import features, registry
     from fsdp_conformance.cli import records, usage
     from fsdp_conformance.cli import run as cli_run
     from fsdp_conformance.harness import controller as runtime
     from fsdp_conformance.impl import limiter
-    from fsdp_conformance.impl import runtime as impl_runtime
     from fsdp_conformance.suite import memory_bound
 
     pairs = [
@@ -49,10 +48,8 @@ def test_modules_reuse_the_vocabulary():
         (runtime.ENV_TIMEOUT, constants.ENV_TIMEOUT),
         (runtime.ENV_BACKEND, constants.ENV_BACKEND),
         (records.ENV_RESULTS, constants.ENV_CLI_RESULTS),
-        (impl_runtime.RATE_LIMITER_RANGE, constants.RATE_LIMITER_RANGE),
         (limiter.MAX_INFLIGHT, constants.MAX_INFLIGHT),
         (memory_bound.MAX_INFLIGHT, constants.MAX_INFLIGHT),
-        (base.REDUCE_OPS, constants.REDUCE_OPS),
         (runtime.DEFAULT_TIMEOUT_S, constants.DEFAULT_TIMEOUT_S),
         (registry.BUILTIN_ADAPTERS, constants.BUILTIN_ADAPTERS),
         (usage.BUILTIN_IMPLS, constants.BUILTIN_ADAPTERS),

@@ -59,8 +59,5 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer, directory: str, gro
     state = {"model": model_state, "optimizer": optimizer_state}
     dcp.load(state, checkpoint_id=directory, process_group=group)
     set_state_dict(
-        model,
-        optimizer,
-        model_state_dict=state["model"],
-        optim_state_dict=state["optimizer"],
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
     )

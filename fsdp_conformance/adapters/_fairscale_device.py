@@ -121,22 +121,12 @@ def _routing(handle: Any) -> Iterator[None]:
         if _depth == 0:
             # on torch.Tensor itself, or inherited from the C base class (torch 2.13.0)
             _saved["own_record_stream"] = "record_stream" in vars(torch.Tensor)
+            patch = functools.partial(
+                patch_attribute, key=_PATCH_KEY, written_for=f"fairscale {FAIRSCALE_VERSION}"
+            )
             _saved["records"] = [
-                patch_attribute(
-                    _fsdp_module(),
-                    "torch",
-                    lambda original: _TORCH_PROXY,
-                    key=_PATCH_KEY,
-                    written_for=f"fairscale {FAIRSCALE_VERSION}",
-                    library="fairscale",
-                ),
-                patch_attribute(
-                    torch.Tensor,
-                    "record_stream",
-                    lambda original: _record_stream,
-                    key=_PATCH_KEY,
-                    written_for=f"fairscale {FAIRSCALE_VERSION}",
-                ),
+                patch(_fsdp_module(), "torch", lambda original: _TORCH_PROXY, library="fairscale"),
+                patch(torch.Tensor, "record_stream", lambda original: _record_stream),
             ]
         _depth += 1
     handles = _local.__dict__.setdefault("handles", [])

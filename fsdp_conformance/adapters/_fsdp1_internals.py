@@ -20,10 +20,7 @@ class FSDP1InternalsError(RuntimeError):
 
 
 _probe = InternalsProbe(
-    "torch FSDP1",
-    "fsdp_conformance/adapters/_fsdp1_internals.py",
-    FSDP1InternalsError,
-    VERIFIED_ON,
+    "torch FSDP1", "fsdp_conformance/adapters/_fsdp1_internals.py", FSDP1InternalsError, VERIFIED_ON
 )
 moved = _probe.moved
 require = _probe.require

@@ -26,17 +26,15 @@ from typing import Any
 
 from torch import nn
 
-from fsdp_conformance._patching import patch_attribute
 from fsdp_conformance.constants import Op
 
 from . import _fsdp2_internals as internals
 from .base import ObserverRegistry, require_before_first_forward
 
-_PATCH_KEY = "fsdp-conformance torch-fsdp2 buffer lifetimes"
-_WRITTEN_FOR = "torch " + "/".join(internals.VERIFIED_ON)
-
 # process-wide: observers of the buffer events, and param group -> its module (the instance)
-_BUFFERS = ObserverRegistry()
+_BUFFERS = ObserverRegistry(
+    "fsdp-conformance torch-fsdp2 buffer lifetimes", "torch " + "/".join(internals.VERIFIED_ON)
+)
 INSTANCE_OF_GROUP: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -45,9 +43,7 @@ def install_lagging_device(model: nn.Module, device: Any) -> None:
     RuntimeError when it already ran forward."""
     from torch.distributed.fsdp import FSDPModule
 
-    states = [
-        internals.fsdp_state(module) for module in model.modules() if isinstance(module, FSDPModule)
-    ]
+    states = [internals.fsdp_state(m) for m in model.modules() if isinstance(m, FSDPModule)]
     contexts = [internals.comm_context(state) for state in states]
     require_before_first_forward("torch-fsdp2", model, states)
     for state, context in zip(states, contexts):
@@ -99,11 +95,8 @@ def _patch_buffer_lifetimes() -> None:
             before = internals.all_gather_result(self)
             result = original(self, async_op)
             after = internals.all_gather_result(self)
-            if (
-                after is not None
-                and after is not before
-                and internals.all_gather_group_size(self) > 1
-            ):
+            issued = after is not None and after is not before
+            if issued and internals.all_gather_group_size(self) > 1:
                 stream = internals.all_gather_copy_in_stream(self, async_op)
                 internals.set_all_gather_result(self, _track_all_gather_output(self, after, stream))
             return result
@@ -136,13 +129,10 @@ def _patch_buffer_lifetimes() -> None:
 
         return patched
 
-    for attribute, make in (
-        ("unshard", unshard),
-        ("_to_unsharded", to_unsharded),
-        ("_to_sharded", freeing),
-        ("_to_sharded_post_forward", freeing),
-    ):
-        patch_attribute(group_class, attribute, make, key=_PATCH_KEY, written_for=_WRITTEN_FOR)
+    _BUFFERS.patch(group_class, "unshard", unshard)
+    _BUFFERS.patch(group_class, "_to_unsharded", to_unsharded)
+    _BUFFERS.patch(group_class, "_to_sharded", freeing)
+    _BUFFERS.patch(group_class, "_to_sharded_post_forward", freeing)
 
 
 # group -> records of its all-gather outputs not yet copied out

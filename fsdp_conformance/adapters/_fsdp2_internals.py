@@ -1,10 +1,8 @@
 """Every torch FSDP2 internal the torch-fsdp2 adapter touches, found by feature detection.
 
 Each accessor looks for the shapes it knows (not a version string) and raises
-``FSDP2InternalsError`` naming what is missing, the torch running and ``VERIFIED_ON``. Shapes
-that differ: an ``FSDPState``'s ``_fsdp_param_groups`` (2.13 on) or ``_fsdp_param_group`` (2.8);
-the wait of the all-gather streams on the copy-out event on ``FSDPParamGroup`` (up to 2.14) or
-``FSDPCommContext`` (2.15).
+``FSDP2InternalsError`` naming what is missing, the torch running and ``VERIFIED_ON``. A shape
+that differs: an ``FSDPState``'s ``_fsdp_param_groups`` (2.13 on) or ``_fsdp_param_group`` (2.8).
 """
 
 from __future__ import annotations
@@ -29,10 +27,7 @@ class FSDP2InternalsError(RuntimeError):
 
 
 _probe = InternalsProbe(
-    "torch FSDP2",
-    "fsdp_conformance/adapters/_fsdp2_internals.py",
-    FSDP2InternalsError,
-    VERIFIED_ON,
+    "torch FSDP2", "fsdp_conformance/adapters/_fsdp2_internals.py", FSDP2InternalsError, VERIFIED_ON
 )
 moved = _probe.moved
 require = _probe.require
@@ -45,37 +40,10 @@ def param_group_class() -> type:
     return cls
 
 
-def comm_context_class() -> type:
-    cls = _import("torch.distributed.fsdp._fully_shard._fsdp_param_group", "FSDPCommContext")
-    require(cls, "lazy_init", "get_all_gather_streams")
-    return cls
-
-
 def training_state_enum() -> Any:
     enum = _import("torch.distributed.fsdp._fully_shard._fsdp_common", "TrainingState")
     require(enum, "IDLE", "FORWARD", "PRE_BACKWARD", "POST_BACKWARD")
     return enum
-
-
-def stream_wait_target() -> tuple[type, str]:
-    """``(owner class, attribute)`` of the wait of both all-gather streams on the previous
-    copy-out's event."""
-    group = param_group_class()
-    if hasattr(group, "_wait_all_gather_streams_on_event"):
-        return group, "_wait_all_gather_streams_on_event"
-    context = comm_context_class()
-    if hasattr(context, "wait_all_gather_streams_on_event"):
-        return context, "wait_all_gather_streams_on_event"
-    raise moved(
-        "neither FSDPParamGroup._wait_all_gather_streams_on_event nor "
-        "FSDPCommContext.wait_all_gather_streams_on_event exists"
-    )
-
-
-def releases_previous_output_before_copy_out() -> bool:
-    """Whether a forward unshard drops the previous all-gather output before its own copy-out
-    (torch 2.15) rather than when its wait returns: one output fewer in flight."""
-    return hasattr(comm_context_class(), "release_all_gather_state_for_comm_reuse")
 
 
 def fsdp_state(module: Any) -> Any:

@@ -33,11 +33,13 @@ _PREFETCH_CONFIG = "_fsdp_conformance_prefetch_config"
 _recording = threading.local()  # .root: weakref to the root whose forward is running
 
 
-def configure_prefetch(module: nn.Module, forward: bool, backward: Any, given: bool) -> None:
-    """Apply [Note: FSDP2 prefetch mapping] to a module just passed to ``fully_shard``
-    (`given`: whether ``backward_prefetch`` was given)."""
-    setattr(module, _PREFETCH_CONFIG, (forward, backward if given else "BACKWARD_PRE"))
-    if given and backward is None:
+def configure_prefetch(module: nn.Module, config: dict[str, Any]) -> None:
+    """Apply [Note: FSDP2 prefetch mapping] to a module just passed to ``fully_shard`` with the
+    normalised wrap `config`."""
+    forward = config.get("forward_prefetch", False)
+    backward = config.get("backward_prefetch", "BACKWARD_PRE")
+    setattr(module, _PREFETCH_CONFIG, (forward, backward))
+    if backward is None:
         module.set_modules_to_backward_prefetch([module])
     if forward or backward == "BACKWARD_POST":
         module.register_forward_pre_hook(_record_order, prepend=True)

@@ -100,10 +100,3 @@ FSDP2_TORCH_RANGE = SupportRange("torch", "2.13.0", "2.16", ("2.13.0", "2.14.1",
 # deepspeed: its patches and deviations were written against 0.19.8 (docs/deepspeed.md)
 DEEPSPEED_RANGE = SupportRange("deepspeed", "0.19.0", "0.20", ("0.19.8",))
 DEEPSPEED_TORCH_RANGE = SupportRange("torch", "2.13.0", "2.15", ("2.13.0", "2.14.1"))
-RANGES: dict[str, tuple[SupportRange, ...]] = {
-    "impl": (TORCH_RANGE,),
-    "torch-fsdp1": (TORCH_RANGE,),
-    "torch-fsdp2": (FSDP2_TORCH_RANGE,),
-    "fairscale": (TORCH_RANGE, FAIRSCALE_RANGE),
-    "deepspeed": (DEEPSPEED_TORCH_RANGE, DEEPSPEED_RANGE),
-}

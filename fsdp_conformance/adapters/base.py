@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from fsdp_conformance import constants
+from fsdp_conformance._patching import patch_attribute
 from fsdp_conformance.constants import Op
 from fsdp_conformance.training_states import InstanceState, RootState
 
@@ -39,7 +40,6 @@ from .features import (  # the errors and claimed_but_not_implemented: also impo
 
 # callback(op, instance, info): [Note: observation]
 Observer = Callable[[str, nn.Module, dict], None]
-REDUCE_OPS = constants.REDUCE_OPS
 
 # what torch FSDP1 and activation checkpointing insert into parameter names
 _WRAPPER_NAME_PARTS = re.compile(r"(_fsdp_wrapped_module|_checkpoint_wrapped_module)\.")
@@ -238,19 +238,16 @@ class Adapter:
         self, callback: Observer, instances: Iterable[nn.Module] | None = None
     ) -> contextlib.AbstractContextManager[None]:
         """Context manager: report operations to `callback` ([Note: observation])."""
-        features.require(self, Feature.COMM_TRACE)
         observe = _primitive(self, "_observe", Feature.COMM_TRACE)
         return observe(callback, None if instances is None else list(instances))
 
     def install_device_handle(self, model: nn.Module, handle: Any) -> None:
         """Make every instance in `model` use `handle` for streams/events (before forward)."""
-        features.require(self, Feature.DEVICE_HANDLE)
         _primitive(self, "_install_device_handle", Feature.DEVICE_HANDLE)(model, handle)
 
     def assert_state(self, instance: nn.Module, *states: RootState) -> None:
         """The implementation's own assertion that `instance` is in one of `states`
         (`_assert_state`; feature `assert_state`)."""
-        features.require(self, Feature.ASSERT_STATE)
         _primitive(self, "_assert_state", Feature.ASSERT_STATE)(instance, states)
 
     def group_size(self, instance: nn.Module) -> int:
@@ -303,7 +300,6 @@ class Adapter:
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
         """Context manager: a backward inside accumulates gradients without reducing them."""
-        features.require(self, Feature.GRADIENT_ACCUMULATION)
         return _root_method(self, model, "no_sync", Feature.GRADIENT_ACCUMULATION)()
 
     def clip_grad_norm_(
@@ -311,7 +307,6 @@ class Adapter:
     ) -> torch.Tensor:
         """Clip the gradients by their global norm; the norm before clipping (as torch's
         ``clip_grad_norm_`` over the unsharded model)."""
-        features.require(self, Feature.CLIP_GRAD_NORM)
         clip = _root_method(self, model, "clip_grad_norm_", Feature.CLIP_GRAD_NORM)
         return clip(max_norm, norm_type)
 
@@ -405,7 +400,10 @@ def _negotiated(adapter: Adapter, config: dict[str, Any]) -> dict[str, Any]:
 
 
 def _primitive(adapter: Adapter, name: str, feature: str | None = None) -> Callable[..., Any]:
-    """``adapter.<name>``, or FeatureNotImplementedError naming it."""
+    """``adapter.<name>`` (UnsupportedFeatureError first unless `adapter` supports `feature`),
+    or FeatureNotImplementedError naming it."""
+    if feature is not None:
+        features.require(adapter, feature)
     method = getattr(adapter, name, None)
     if method is None:
         raise FeatureNotImplementedError(adapter.name, f"Adapter.{name}", feature)
@@ -413,7 +411,9 @@ def _primitive(adapter: Adapter, name: str, feature: str | None = None) -> Calla
 
 
 def _root_method(adapter: Adapter, model: nn.Module, name: str, feature: str) -> Any:
-    """``model.<name>``, or UnsupportedFeatureError naming the hook to override."""
+    """``model.<name>``, or UnsupportedFeatureError: `adapter` lacks `feature`, or the root has no
+    such method (naming the hook to override)."""
+    features.require(adapter, feature)
     method = getattr(model, name, None)
     if method is None:
         raise UnsupportedFeatureError(
@@ -463,10 +463,18 @@ class AdapterWrap:
 class ObserverRegistry:
     """Process-wide observers for hooks installed once (patches): a patched function calls
     `emit(op, instance, info)` (skipped while not `active`); each observer gets it filtered by
-    `scoped_observer`."""
+    `scoped_observer`.
 
-    def __init__(self) -> None:
+    Args:
+        key: the patches' key (``_patching.patch_attribute``), e.g. "fsdp-conformance torch-fsdp1
+            comm trace"; needed by `patch` only.
+        written_for: ``"<library> <version>"`` the patches were verified against.
+        library: the patched library's distribution name.
+    """
+
+    def __init__(self, key: str = "", written_for: str = "", library: str = "torch") -> None:
         self._observers: list[Observer] = []
+        self._patch_options = {"key": key, "written_for": written_for, "library": library}
 
     def emit(self, op: str, instance: nn.Module | None, info: dict) -> None:
         if instance is None:  # not created through an adapter
@@ -498,6 +506,19 @@ class ObserverRegistry:
 
         return wrap
 
+    def patch(
+        self, owner: Any, attribute: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]
+    ) -> None:
+        """``owner.<attribute>`` replaced by ``make(original)``, once per process (under this
+        registry's key)."""
+        patch_attribute(owner, attribute, make, **self._patch_options)
+
+    def patch_before(
+        self, owner: Any, attribute: str, event: Callable[..., Any], always: bool = False
+    ) -> None:
+        """``owner.<attribute>`` emitting ``event``'s operations first (`before`)."""
+        self.patch(owner, attribute, self.before(event, always))
+
     @contextlib.contextmanager
     def observing(self, callback: Observer, instances: list[nn.Module] | None) -> Iterator[None]:
         with scoped_observer(callback, instances) as observer:
@@ -515,7 +536,7 @@ def delay_before_reduction(
     """While active, `delay()` runs before each gradient reduction (needs `comm_trace`)."""
 
     def on_op(op: str, instance: nn.Module, info: dict) -> None:
-        if op in REDUCE_OPS:
+        if op in constants.REDUCE_OPS:
             delay()
 
     with adapter.observe(on_op, instances):

@@ -28,13 +28,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from fsdp_conformance._patching import patch_attribute
 from fsdp_conformance.constants import Op
 from fsdp_conformance.training_states import InstanceState, RootState
 
-from ._support import RANGES
+from ._support import DEEPSPEED_RANGE, DEEPSPEED_TORCH_RANGE
 from .base import Adapter, ObserverRegistry, UnsupportedFeatureError, optimizer_class
 from .deviations import Deviation
-from .features import ALL_FEATURES, Declarations, Feature, auto_wrap_targets, require
+from .features import ALL_FEATURES, Declarations, Feature, auto_wrap_targets
 
 INSTALL_HINT = "install it with: pip install 'fsdp-conformance[deepspeed]'"
 WRITTEN_FOR = "deepspeed 0.19.8"
@@ -55,7 +56,7 @@ _GROUP_CACHES = (
     "_ALL_TO_ALL_GROUP"
 ).split()
 
-_REGISTRY = ObserverRegistry()
+_REGISTRY = ObserverRegistry("fsdp-conformance deepspeed comm trace", WRITTEN_FOR, "deepspeed")
 _lock = threading.Lock()
 _NESTED: weakref.WeakSet = weakref.WeakSet()  # nested instances marked by wrap(root=False)
 
@@ -92,14 +93,13 @@ def _compiler_problem() -> str | None:
     built = os.path.join(extensions_dir(), "deepspeed_shm_comm")
     if os.path.isdir(built) and any(name.endswith(".so") for name in os.listdir(built)):
         return None
-    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if not compiler:
-        return (
-            "DeepSpeed's CPU accelerator builds its deepspeed_shm_comm C++ op at first use and "
-            "no C++ compiler is on PATH (c++, g++ or $CXX): install one (e.g. apt-get install "
-            f"g++) or prebuild the op into {extensions_dir()} on a machine that has one"
-        )
-    return None
+    if os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++"):
+        return None
+    return (
+        "DeepSpeed's CPU accelerator builds its deepspeed_shm_comm C++ op at first use and "
+        "no C++ compiler is on PATH (c++, g++ or $CXX): install one (e.g. apt-get install "
+        f"g++) or prebuild the op into {extensions_dir()} on a machine that has one"
+    )
 
 
 def prepare_environment() -> None:
@@ -148,16 +148,18 @@ def _build_shm_op_only_where_used() -> None:
     """DeepSpeed's CPU backend builds its shared-memory op when it starts (a JIT build of
     minutes, or a wait on torch's extension lock) and uses it only where ``LOCAL_SIZE`` equals
     the world size: its ``build_shm_op`` builds it there and returns None (no op) elsewhere."""
-    from fsdp_conformance._patching import patch_attribute
-
-    patch_attribute(
+    _patch(
         importlib.import_module("deepspeed.comm.torch"),  # by name: its package attribute is torch
         "build_shm_op",
         lambda original: lambda: original() if _shm_op_used() else None,
-        key="fsdp-conformance deepspeed shm op where used",
-        written_for=WRITTEN_FOR,
-        library="deepspeed",
+        "shm op where used",
     )
+
+
+def _patch(owner: Any, attribute: str, make: Any, purpose: str) -> None:
+    """`patch_attribute` of a DeepSpeed internal, keyed "fsdp-conformance deepspeed <purpose>"."""
+    key = f"fsdp-conformance deepspeed {purpose}"
+    patch_attribute(owner, attribute, make, key=key, written_for=WRITTEN_FOR, library="deepspeed")
 
 
 def _deviation(check: str, reason: str, applies: Any = None, **covers: Any) -> Deviation:
@@ -347,7 +349,7 @@ class DeepSpeedAdapter(Adapter):
         return Declarations(
             unsupported=self._unsupported(),
             known_deviations=DEEPSPEED_DEVIATIONS,
-            support=RANGES["deepspeed"],
+            support=(DEEPSPEED_TORCH_RANGE, DEEPSPEED_RANGE),
             instance_states=False,  # per-parameter status only
         )
 
@@ -457,9 +459,7 @@ class DeepSpeedAdapter(Adapter):
             "contiguous_gradients": False,
         }
         if stage == 3:
-            largest = max(
-                [_own_numel(instance) for instance in _nested_in(module)] + [_own_numel(module)]
-            )
+            largest = max(map(_own_numel, [module, *_nested_in(module)]))
             prefetch = config.get("backward_prefetch", "BACKWARD_PRE") == "BACKWARD_PRE" or bool(
                 config.get("forward_prefetch")
             )
@@ -489,9 +489,7 @@ class DeepSpeedAdapter(Adapter):
             ds_config["bf16"] = {"enabled": True}
         # replaced by the optimizer of the `optimizer` hook (lr 0 until then)
         placeholder = torch.optim.SGD(module.parameters(), lr=0.0)
-        engine, _, _, _ = deepspeed.initialize(
-            model=module, optimizer=placeholder, config=ds_config
-        )
+        engine = deepspeed.initialize(model=module, optimizer=placeholder, config=ds_config)[0]
         engine._fsdpc_stage = stage
         _assign_owners(engine, self.instances(engine))
         return engine
@@ -563,9 +561,7 @@ class DeepSpeedAdapter(Adapter):
         param_groups: Any = None,
         **hyperparameters: Any,
     ) -> Any:
-        if param_groups is not None:
-            require(self, Feature.PARAM_GROUPS)
-        if not _is_engine(model):
+        if param_groups is not None or not _is_engine(model):  # param_groups: not mapped
             return super().optimizer(model, name, param_groups=param_groups, **hyperparameters)
         optimizer_type = optimizer_class(self, name)
         zero_optimizer = model.optimizer
@@ -575,8 +571,7 @@ class DeepSpeedAdapter(Adapter):
 
     def backward(self, model: nn.Module, loss: torch.Tensor) -> None:
         if not _is_engine(model):
-            loss.backward()
-            return
+            return super().backward(model, loss)
         model._fsdpc_in_step = True
         model.backward(loss)
 
@@ -736,8 +731,6 @@ def _install_accelerator_routing() -> None:
     """Patch the CPU accelerator's event, stream and back-pressure methods to use ``_DEVICE``."""
     from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
 
-    from fsdp_conformance._patching import patch_attribute
-
     def routed(name: str, use_handle: Any) -> None:
         def make(original: Any) -> Any:
             def method(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -748,14 +741,7 @@ def _install_accelerator_routing() -> None:
 
             return method
 
-        patch_attribute(
-            CPU_Accelerator,
-            name,
-            make,
-            key="fsdp-conformance deepspeed device handle",
-            written_for=WRITTEN_FOR,
-            library="deepspeed",
-        )
+        _patch(CPU_Accelerator, name, make, "device handle")
 
     routed("handles_memory_backpressure", lambda handle: False)
     routed("Event", lambda handle, **kwargs: handle.Event())
@@ -770,8 +756,6 @@ def _install_trace() -> None:
     from deepspeed.runtime.zero import partitioned_param_coordinator as coordinator
     from deepspeed.runtime.zero import stage3, stage_1_and_2
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-
-    from fsdp_conformance._patching import patch_attribute
 
     cls = coordinator.PartitionedParameterCoordinator
 
@@ -808,21 +792,11 @@ def _install_trace() -> None:
                 yield (Op.REDUCE_SCATTER if sharded else Op.ALL_REDUCE), instance
 
     reduce = "reduce_independent_p_g_buckets_and_remove_grads"
+    _REGISTRY.patch_before(cls, "_PartitionedParameterCoordinator__all_gather_params", gather)
     # releases and reductions keep per-instance state: their events run at every call
-    for owner, attribute, make in (
-        (cls, "_PartitionedParameterCoordinator__all_gather_params", _REGISTRY.before(gather)),
-        (cls, "_PartitionedParameterCoordinator__release_param", _REGISTRY.before(release, True)),
-        (stage3.DeepSpeedZeroOptimizer_Stage3, reduce, _REGISTRY.before(reduce_param, True)),
-        (stage_1_and_2.DeepSpeedZeroOptimizer, reduce, _REGISTRY.before(reduce_param, True)),
-    ):
-        patch_attribute(
-            owner,
-            attribute,
-            make,
-            key="fsdp-conformance deepspeed comm trace",
-            written_for=WRITTEN_FOR,
-            library="deepspeed",
-        )
+    _REGISTRY.patch_before(cls, "_PartitionedParameterCoordinator__release_param", release, True)
+    _REGISTRY.patch_before(stage3.DeepSpeedZeroOptimizer_Stage3, reduce, reduce_param, True)
+    _REGISTRY.patch_before(stage_1_and_2.DeepSpeedZeroOptimizer, reduce, reduce_param, True)
 
 
 if __name__ == "__main__":  # python -m fsdp_conformance.adapters.deepspeed: build the CPU op

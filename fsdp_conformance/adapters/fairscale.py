@@ -27,13 +27,9 @@ from torch import nn
 from fsdp_conformance.constants import Op
 from fsdp_conformance.training_states import InstanceState, RootState
 
-from ._support import RANGES
-from .base import (
-    Adapter,
-    ObserverRegistry,
-    UnsupportedFeatureError,
-    require_before_first_forward,
-)
+from . import _fairscale_device
+from ._support import FAIRSCALE_RANGE, TORCH_RANGE
+from .base import Adapter, ObserverRegistry, UnsupportedFeatureError, require_before_first_forward
 from .deviations import Deviation
 from .features import ALL_FEATURES, Declarations, Feature, auto_wrap_targets, require
 
@@ -254,10 +250,8 @@ class FairscaleAdapter(Adapter):
     name = "fairscale"
 
     def __init__(self, *, flatten_parameters: bool = True, sync_after_free: bool = False) -> None:
-        for option, value in (
-            ("flatten_parameters", flatten_parameters),
-            ("sync_after_free", sync_after_free),
-        ):
+        options = {"flatten_parameters": flatten_parameters, "sync_after_free": sync_after_free}
+        for option, value in options.items():
             if not isinstance(value, bool):
                 raise TypeError(f"FairscaleAdapter({option}={value!r}): give True or False")
         self.flatten_parameters = flatten_parameters
@@ -273,7 +267,7 @@ class FairscaleAdapter(Adapter):
         return Declarations(
             unsupported=self._unsupported(),
             known_deviations=deviations,
-            support=RANGES["fairscale"],
+            support=(TORCH_RANGE, FAIRSCALE_RANGE),
             wrapper_segments=("_fpw_module",),
         )
 
@@ -378,8 +372,6 @@ class FairscaleAdapter(Adapter):
 
         from fsdp_conformance.impl.device import CPUDeviceHandle
 
-        from . import _fairscale_device
-
         _fairscale_device.check_internals()
         group = process_group if process_group is not None else torch.distributed.group.WORLD
         kwargs: dict[str, Any] = {
@@ -420,7 +412,9 @@ class FairscaleAdapter(Adapter):
         if policy is not None:
             targets = auto_wrap_targets(module, policy, wrapped=(FullyShardedDataParallel,))
             for name, submodule in targets:
-                _replace(module, name, FullyShardedDataParallel(submodule, **kwargs))
+                parent, _, child = name.rpartition(".")  # get_submodule(""): the module itself
+                inner = FullyShardedDataParallel(submodule, **kwargs)
+                setattr(module.get_submodule(parent), child, inner)
         wrapped = FullyShardedDataParallel(module, **kwargs)
         # one handle for the whole tree: the root shares its streams with every inner instance
         handle = _CudaHandle() if torch.cuda.is_available() else CPUDeviceHandle()
@@ -432,8 +426,6 @@ class FairscaleAdapter(Adapter):
 
     @staticmethod
     def _route(instance: nn.Module, handle: Any) -> None:
-        from . import _fairscale_device
-
         _fairscale_device.route(instance, handle, _observer_wrappers(instance))
 
     def unwrap(self, model: nn.Module) -> nn.Module:
@@ -478,16 +470,11 @@ class FairscaleAdapter(Adapter):
     def _assert_state(self, instance: nn.Module, states: tuple[RootState, ...]) -> None:
         from fairscale.nn.data_parallel.fully_sharded_data_parallel import TrainingState
 
+        forward_backward = ("FORWARD", "BACKWARD_PRE", "BACKWARD_POST")
         allowed = []
         for state in states:
-            if state == RootState.FORWARD_BACKWARD:
-                allowed += [
-                    TrainingState.FORWARD,
-                    TrainingState.BACKWARD_PRE,
-                    TrainingState.BACKWARD_POST,
-                ]
-            else:
-                allowed.append(TrainingState[state.value])
+            names = forward_backward if state == RootState.FORWARD_BACKWARD else (state.value,)
+            allowed += [TrainingState[name] for name in names]
         instance.assert_state(allowed)
 
     def _summon_full_params(self, model: nn.Module, writeback: bool):
@@ -505,19 +492,10 @@ class FairscaleAdapter(Adapter):
 
 
 def _compute_device(device_id: Any) -> torch.device:
-    if device_id is None and not torch.cuda.is_available():
-        return torch.device("cpu")
     if device_id is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    if isinstance(device_id, int):
-        return torch.device("cuda", device_id)
-    return device_id
-
-
-def _replace(root: nn.Module, name: str, replacement: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    parent = root.get_submodule(parent_name) if parent_name else root
-    setattr(parent, child, replacement)
+        cuda = torch.cuda.is_available()
+        return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    return torch.device("cuda", device_id) if isinstance(device_id, int) else device_id
 
 
 class _CudaHandle:
@@ -532,7 +510,6 @@ class _CudaHandle:
 
 def _observer_wrappers(instance: nn.Module) -> dict[str, Callable]:
     """Wrappers of the routed methods that report all-gathers, frees and reductions."""
-    from . import _fairscale_device
 
     def rebuild(force_full_precision: bool = False) -> Iterator[tuple[str, nn.Module]]:
         # summon_full_params gathers (and frees) a separate copy: not reported

@@ -244,7 +244,9 @@ def ignored_parameters(config: dict[str, Any]) -> list[nn.Parameter]:
 
 def features_for(config: dict[str, Any]) -> frozenset[str]:
     """The features a normalised wrap config needs."""
-    needed: set[str] = set()
+    # a true value of one of these config keys needs the feature of the same name
+    flags = "forward_prefetch cpu_offload sync_module_states ignored_params use_orig_params"
+    needed = {key for key in flags.split() if config.get(key)}
     if config.get("sharding_strategy") in HYBRID_STRATEGIES:
         needed.add(Feature.HYBRID_SHARD)
     elif "sharding_strategy" in config:
@@ -256,12 +258,8 @@ def features_for(config: dict[str, Any]) -> frozenset[str]:
             if prefetch is None
             else f"backward_prefetch_{prefetch.removeprefix('BACKWARD_').lower()}"
         )
-    if config.get("forward_prefetch"):
-        needed.add(Feature.FORWARD_PREFETCH)
     if "limit_all_gathers" in config:
         needed.add(Feature.LIMIT_ALL_GATHERS)
-    if config.get("cpu_offload"):
-        needed.add(Feature.CPU_OFFLOAD)
     mixed = config.get("mixed_precision")
     if mixed is not None:
         needed.add(Feature.MIXED_PRECISION)
@@ -271,12 +269,6 @@ def features_for(config: dict[str, Any]) -> frozenset[str]:
             needed.add(Feature.MIXED_PRECISION_POLICY)
     if config.get("auto_wrap_policy") is not None:
         needed.add(Feature.AUTO_WRAP_POLICY)
-    if config.get("sync_module_states"):
-        needed.add(Feature.SYNC_MODULE_STATES)
-    if config.get("ignored_params"):
-        needed.add(Feature.IGNORED_PARAMS)
-    if config.get("use_orig_params"):
-        needed.add(Feature.USE_ORIG_PARAMS)
     return frozenset(needed)
 
 
@@ -287,14 +279,41 @@ def module_predicate(policy: Any) -> Callable[[nn.Module], bool]:
     return policy
 
 
-def fsdp1_style_policy(policy: Any) -> Callable[[nn.Module, bool, int], bool]:
-    """`auto_wrap_policy` as torch FSDP1's ``(module, recurse, nonwrapped_numel)`` form."""
-    predicate = module_predicate(policy)
+def fsdp1_style_kwargs(config: dict[str, Any], api: Any) -> dict[str, Any]:
+    """A normalised config as keywords of an FSDP1-style constructor (torch FSDP1's or impl's,
+    whose `api` module has ``ShardingStrategy``, ``BackwardPrefetch``, ``CPUOffload`` and
+    ``MixedPrecision``): ``sharding_strategy``, ``backward_prefetch``, ``forward_prefetch``,
+    ``limit_all_gathers``, ``sync_module_states``, ``cpu_offload``, ``mixed_precision`` and
+    ``auto_wrap_policy``, each only when given; the caller maps the other keys."""
+    passed = ("forward_prefetch", "limit_all_gathers", "sync_module_states")
+    kwargs = {key: config[key] for key in passed if key in config}
+    if "sharding_strategy" in config:
+        kwargs["sharding_strategy"] = api.ShardingStrategy[config["sharding_strategy"]]
+    if "backward_prefetch" in config:
+        prefetch = config["backward_prefetch"]
+        kwargs["backward_prefetch"] = None if prefetch is None else api.BackwardPrefetch[prefetch]
+    if "cpu_offload" in config:
+        kwargs["cpu_offload"] = api.CPUOffload(offload_params=config["cpu_offload"])
+    mixed = config.get("mixed_precision")
+    if mixed is not None:
+        output = {} if mixed.output_dtype is None else {"output_dtype": mixed.output_dtype}
+        kwargs["mixed_precision"] = api.MixedPrecision(
+            param_dtype=mixed.param_dtype,
+            reduce_dtype=mixed.reduce_dtype,
+            buffer_dtype=mixed.buffer_dtype,
+            # every instance casts its inputs, as impl and FSDP2 do (FSDP1's default: the root
+            # only, so a nested instance may get fp32 activations and fail its matmul)
+            cast_forward_inputs=mixed.cast_forward_inputs is not False,
+            **output,
+        )
+    if config.get("auto_wrap_policy") is not None:
+        predicate = module_predicate(config["auto_wrap_policy"])
 
-    def fsdp1_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
-        return True if recurse else bool(predicate(module))
+        def fsdp1_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
+            return True if recurse else bool(predicate(module))
 
-    return fsdp1_policy
+        kwargs["auto_wrap_policy"] = fsdp1_policy
+    return kwargs
 
 
 def auto_wrap_targets(

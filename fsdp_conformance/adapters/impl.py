@@ -9,9 +9,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from fsdp_conformance import impl
+from fsdp_conformance.impl import checkpoint, optim
 from fsdp_conformance.training_states import InstanceState, RootState
 
-from ._support import RANGES
+from ._support import TORCH_RANGE
 from .base import (
     Adapter,
     UnsupportedFeatureError,
@@ -20,14 +22,7 @@ from .base import (
     optimizer_class,
     scoped_observer,
 )
-from .features import (
-    Declarations,
-    Feature,
-    MixedPrecisionConfig,
-    fsdp1_style_policy,
-    ignored_parameters,
-    require,
-)
+from .features import Declarations, Feature, fsdp1_style_kwargs, ignored_parameters, require
 
 
 class ImplAdapter(Adapter):
@@ -45,40 +40,13 @@ class ImplAdapter(Adapter):
                 "group to all-reduce across (HYBRID_SHARD)"
             ),
         },
-        support=RANGES["impl"],
+        support=(TORCH_RANGE,),
     )
 
-    def __init__(self) -> None:
-        from fsdp_conformance import impl
-
-        self._impl = impl
-
     def _wrap(self, module: nn.Module, process_group: Any, config: dict[str, Any]) -> nn.Module:
-        impl = self._impl
-        kwargs: dict[str, Any] = {}
-        if "sharding_strategy" in config:
-            kwargs["sharding_strategy"] = impl.ShardingStrategy[config["sharding_strategy"]]
-        if "backward_prefetch" in config:
-            prefetch = config["backward_prefetch"]
-            kwargs["backward_prefetch"] = (
-                None if prefetch is None else impl.BackwardPrefetch[prefetch]
-            )
-        for key in ("forward_prefetch", "limit_all_gathers", "sync_module_states", "device_id"):
-            if key in config:
-                kwargs[key] = config[key]
-        if "cpu_offload" in config:
-            kwargs["cpu_offload"] = impl.CPUOffload(offload_params=config["cpu_offload"])
-        mixed: MixedPrecisionConfig | None = config.get("mixed_precision")
-        if mixed is not None:
-            kwargs["mixed_precision"] = impl.MixedPrecision(
-                param_dtype=mixed.param_dtype,
-                reduce_dtype=mixed.reduce_dtype,
-                buffer_dtype=mixed.buffer_dtype,
-                output_dtype=mixed.output_dtype,
-                cast_forward_inputs=mixed.cast_forward_inputs is not False,
-            )
-        if config.get("auto_wrap_policy") is not None:
-            kwargs["auto_wrap_policy"] = fsdp1_style_policy(config["auto_wrap_policy"])
+        kwargs = fsdp1_style_kwargs(config, impl)
+        if "device_id" in config:
+            kwargs["device_id"] = config["device_id"]
         if config.get("ignored_params"):
             kwargs["ignored_modules"] = self._ignored_modules(module, config)
         return impl.FullyShardedDataParallel(module, process_group=process_group, **kwargs)
@@ -104,12 +72,12 @@ class ImplAdapter(Adapter):
         return modules
 
     def unwrap(self, model: nn.Module) -> nn.Module:
-        if isinstance(model, self._impl.FullyShardedDataParallel):
+        if isinstance(model, impl.FullyShardedDataParallel):
             return model.module
         return model
 
     def instances(self, model: nn.Module) -> list[nn.Module]:
-        return list(self._impl.FullyShardedDataParallel.fsdp_modules(model))
+        return list(impl.FullyShardedDataParallel.fsdp_modules(model))
 
     def training_state(self, instance: nn.Module) -> InstanceState:
         return InstanceState[instance.handle_training_state.name]
@@ -130,21 +98,18 @@ class ImplAdapter(Adapter):
         }
 
     def _assert_state(self, instance: nn.Module, states: tuple[RootState, ...]) -> None:
-        instance._assert_state([self._impl.TrainingState[state.value] for state in states])
+        instance._assert_state([impl.TrainingState[state.value] for state in states])
 
     def _summon_full_params(self, model: nn.Module, writeback: bool):
         return model.summon_full_params(writeback=writeback)
 
     @contextlib.contextmanager
     def _observe(self, callback, instances):
-        with (
-            scoped_observer(callback, instances) as observer,
-            self._impl.trace.observe(observer),
-        ):
+        with scoped_observer(callback, instances) as observer, impl.trace.observe(observer):
             yield
 
     def _install_device_handle(self, model: nn.Module, handle: Any) -> None:
-        self._impl.device.install_device_handle(model, handle)
+        impl.device.install_device_handle(model, handle)
 
     def grad_scaler(self, model: nn.Module, **options: Any) -> Any:
         """torch's ``ShardedGradScaler`` over the root's group (plain sharded gradients)."""
@@ -165,14 +130,9 @@ class ImplAdapter(Adapter):
                 prefix = paths[id(slot.module)]
                 names.setdefault(slot.index, clean_param_name(f"{prefix}.{slot.name}".lstrip(".")))
             start = handle.rank * handle.shard_numel if handle.sharded else 0
-            pieces.update(
-                flat_grad_pieces(
-                    [names[index] for index in range(len(handle.numels))],
-                    handle.numels,
-                    handle.flat_param.grad.detach(),
-                    start,
-                )
-            )
+            ordered = [names[index] for index in range(len(handle.numels))]
+            grad = handle.flat_param.grad.detach()
+            pieces.update(flat_grad_pieces(ordered, handle.numels, grad, start))
         return pieces
 
     def state_dict(
@@ -201,8 +161,6 @@ class ImplAdapter(Adapter):
         if param_groups is None:
             return super().optimizer(model, name, **hyperparameters)
         require(self, Feature.PARAM_GROUPS)
-        from fsdp_conformance.impl import optim
-
         return optim.optimizer(model, optimizer_class(self, name), param_groups, **hyperparameters)
 
     def register_forward_method(self, instance: nn.Module, name: str) -> None:
@@ -210,11 +168,7 @@ class ImplAdapter(Adapter):
         instance.register_forward_method(name)
 
     def save_checkpoint(self, model: nn.Module, optimizer: Any, directory: str) -> None:
-        from fsdp_conformance.impl import checkpoint
-
         checkpoint.save_checkpoint(model, optimizer, directory)
 
     def load_checkpoint(self, model: nn.Module, optimizer: Any, directory: str) -> None:
-        from fsdp_conformance.impl import checkpoint
-
         checkpoint.load_checkpoint(model, optimizer, directory)

@@ -12,23 +12,17 @@ import weakref
 from typing import Any
 
 import torch
+import torch.distributed.fsdp
 from torch import nn
-from torch.distributed.fsdp import (
-    BackwardPrefetch,
-    CPUOffload,
-    FullyShardedDataParallel,
-    MixedPrecision,
-    ShardingStrategy,
-)
+from torch.distributed.fsdp import FullyShardedDataParallel
 
-from fsdp_conformance._patching import patch_attribute
 from fsdp_conformance.constants import Op
 from fsdp_conformance.device_handle import accelerator_available
 from fsdp_conformance.training_states import InstanceState, RootState
 
 from . import _dcp
 from . import _fsdp1_internals as internals
-from ._support import RANGES, release
+from ._support import TORCH_RANGE, release
 from .base import (
     Adapter,
     ObserverRegistry,
@@ -37,13 +31,13 @@ from .base import (
     require_before_first_forward,
 )
 from .deviations import Deviation
-from .features import Declarations, Feature, fsdp1_style_policy, ignored_parameters, require
+from .features import Declarations, Feature, fsdp1_style_kwargs, ignored_parameters, require
 
 # process-wide: observers of the patched FSDP1 internals, and handle -> its FSDP instance
-_REGISTRY = ObserverRegistry()
+_REGISTRY = ObserverRegistry(
+    "fsdp-conformance torch-fsdp1 comm trace", "torch " + "/".join(internals.VERIFIED_ON)
+)
 _INSTANCE_OF_HANDLE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_PATCH_KEY = "fsdp-conformance torch-fsdp1 comm trace"
-_WRITTEN_FOR = "torch " + "/".join(internals.VERIFIED_ON)
 
 
 def _patch_torch_fsdp1() -> None:
@@ -58,8 +52,8 @@ def _patch_torch_fsdp1() -> None:
         (runtime_utils, "_reduce_grad", Op.REDUCE_SCATTER, lambda state: state),
         (runtime_utils, "_reduce_grad_no_shard", Op.ALL_REDUCE, lambda state: state),
     ):
-        make = _REGISTRY.before(lambda first, *_, op=op, of=instance_of, **__: [(op, of(first))])
-        patch_attribute(owner, attribute, make, key=_PATCH_KEY, written_for=_WRITTEN_FOR)
+        event = lambda first, *_, op=op, of=instance_of, **__: [(op, of(first))]
+        _REGISTRY.patch_before(owner, attribute, event)
 
 
 def label_instances(model: nn.Module) -> None:
@@ -311,44 +305,20 @@ class TorchFSDP1Adapter(Adapter):
         return Declarations(
             unsupported=_fsdp1_unsupported(),
             known_deviations=FSDP1_DEVIATIONS,
-            support=RANGES["torch-fsdp1"],
+            support=(TORCH_RANGE,),
         )
 
     def _wrap(self, module: nn.Module, process_group: Any, config: dict[str, Any]) -> nn.Module:
-        kwargs: dict[str, Any] = {}
-        if "sharding_strategy" in config:
-            kwargs["sharding_strategy"] = ShardingStrategy[config["sharding_strategy"]]
-        if "backward_prefetch" in config:
-            prefetch = config["backward_prefetch"]
-            kwargs["backward_prefetch"] = None if prefetch is None else BackwardPrefetch[prefetch]
-        for key in (
-            "forward_prefetch",
-            "limit_all_gathers",
-            "sync_module_states",
-            "use_orig_params",
-        ):
-            if key in config:
-                kwargs[key] = config[key]
-        if "cpu_offload" in config:
-            kwargs["cpu_offload"] = CPUOffload(offload_params=config["cpu_offload"])
-        if config.get("mixed_precision") is not None:
-            mixed = config["mixed_precision"]
-            if mixed.output_dtype is not None:
-                raise UnsupportedFeatureError(
-                    self.name,
-                    Feature.MIXED_PRECISION_POLICY,
-                    "torch FSDP1's MixedPrecision has no output_dtype (FSDP2's policy has)",
-                )
-            kwargs["mixed_precision"] = MixedPrecision(
-                param_dtype=mixed.param_dtype,
-                reduce_dtype=mixed.reduce_dtype,
-                buffer_dtype=mixed.buffer_dtype,
-                # every instance casts its inputs, as impl and FSDP2 do (FSDP1's default: the
-                # root only, so a nested instance may get fp32 activations and fail its matmul)
-                cast_forward_inputs=mixed.cast_forward_inputs is not False,
+        mixed = config.get("mixed_precision")
+        if mixed is not None and mixed.output_dtype is not None:
+            raise UnsupportedFeatureError(
+                self.name,
+                Feature.MIXED_PRECISION_POLICY,
+                "torch FSDP1's MixedPrecision has no output_dtype (FSDP2's policy has)",
             )
-        if config.get("auto_wrap_policy") is not None:
-            kwargs["auto_wrap_policy"] = fsdp1_style_policy(config["auto_wrap_policy"])
+        kwargs = fsdp1_style_kwargs(config, torch.distributed.fsdp)
+        if "use_orig_params" in config:
+            kwargs["use_orig_params"] = config["use_orig_params"]
         device_id = config.get("device_id")
         if device_id is None and not accelerator_available():
             device_id = torch.device("cpu")  # FSDP1 refuses a CPU-only host without it

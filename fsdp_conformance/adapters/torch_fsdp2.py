@@ -20,7 +20,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from fsdp_conformance._patching import patch_attribute
 from fsdp_conformance.constants import Op
 from fsdp_conformance.device_handle import accelerator_available
 from fsdp_conformance.training_states import InstanceState, RootState
@@ -29,15 +28,15 @@ from . import _dcp
 from . import _fsdp2_internals as internals
 from ._fsdp2_device import INSTANCE_OF_GROUP, install_lagging_device, observe_buffers
 from ._fsdp2_prefetch import configure_prefetch
-from ._support import RANGES
+from ._support import FSDP2_TORCH_RANGE
 from .base import Adapter, ObserverRegistry, UnsupportedFeatureError
 from .deviations import Deviation
 from .features import Declarations, Feature, auto_wrap_targets, ignored_parameters, require
 
 # process-wide: observers of the patched FSDP2 internals
-_REGISTRY = ObserverRegistry()
-_PATCH_KEY = "fsdp-conformance torch-fsdp2 comm trace"
-_WRITTEN_FOR = "torch " + "/".join(internals.VERIFIED_ON)
+_REGISTRY = ObserverRegistry(
+    "fsdp-conformance torch-fsdp2 comm trace", "torch " + "/".join(internals.VERIFIED_ON)
+)
 
 
 def _fsdp2_api() -> Any:
@@ -47,14 +46,13 @@ def _fsdp2_api() -> Any:
     return api
 
 
-def _instance_state(training_state: Any) -> InstanceState:
-    names = {
-        "IDLE": InstanceState.IDLE,
-        "FORWARD": InstanceState.FORWARD,
-        "PRE_BACKWARD": InstanceState.BACKWARD_PRE,
-        "POST_BACKWARD": InstanceState.BACKWARD_POST,
-    }
-    return names[training_state.name]
+# FSDP2's TrainingState names -> the canonical instance states
+_INSTANCE_STATES = {
+    "IDLE": InstanceState.IDLE,
+    "FORWARD": InstanceState.FORWARD,
+    "PRE_BACKWARD": InstanceState.BACKWARD_PRE,
+    "POST_BACKWARD": InstanceState.BACKWARD_POST,
+}
 
 
 def _patch_torch_fsdp2() -> None:
@@ -80,13 +78,9 @@ def _patch_torch_fsdp2() -> None:
         if group.is_unsharded and reduces:
             yield Op.REDUCE_SCATTER, INSTANCE_OF_GROUP.get(group)
 
-    for attribute, event in (
-        ("unshard", unshard),
-        ("reshard", reshard),
-        ("post_backward", post_backward),
-    ):
-        make = _REGISTRY.before(event)
-        patch_attribute(group_class, attribute, make, key=_PATCH_KEY, written_for=_WRITTEN_FOR)
+    _REGISTRY.patch_before(group_class, "unshard", unshard)
+    _REGISTRY.patch_before(group_class, "reshard", reshard)
+    _REGISTRY.patch_before(group_class, "post_backward", post_backward)
 
 
 # measured on CPU, gloo, world size 2 (docs/checks.md)
@@ -163,7 +157,7 @@ class TorchFSDP2Adapter(Adapter):
             ),
         },
         known_deviations=FSDP2_DEVIATIONS,
-        support=RANGES["torch-fsdp2"],
+        support=(FSDP2_TORCH_RANGE,),
     )
 
     def __init__(self) -> None:
@@ -175,10 +169,9 @@ class TorchFSDP2Adapter(Adapter):
         group = process_group[0] if hybrid else process_group
         group = group if group is not None else dist.group.WORLD
         device_id = config.get("device_id")
-        if device_id is not None:
-            device_type = torch.device(device_id).type if not isinstance(device_id, int) else "cuda"
-        else:
-            device_type = "cuda" if accelerator_available() else "cpu"  # (gloo on a GPU too)
+        if device_id is None:
+            device_id = "cuda" if accelerator_available() else "cpu"  # (gloo on a GPU too)
+        device_type = "cuda" if isinstance(device_id, int) else torch.device(device_id).type
         api = _fsdp2_api()
         if hybrid:
             mesh = _hybrid_mesh(*process_group, device_type)
@@ -205,22 +198,17 @@ class TorchFSDP2Adapter(Adapter):
             )
         if config.get("ignored_params"):
             kwargs["ignored_params"] = set(ignored_parameters(config))
-        prefetch = (
-            config.get("forward_prefetch", False),
-            config.get("backward_prefetch"),
-            "backward_prefetch" in config,
-        )
         policy = config.get("auto_wrap_policy")
         if policy is not None:
             for _, submodule in auto_wrap_targets(module, policy, wrapped=(api.FSDPModule,)):
-                self._register(api.fully_shard(submodule, **kwargs), prefetch)
-        return self._register(api.fully_shard(module, **kwargs), prefetch)
+                self._register(api.fully_shard(submodule, **kwargs), config)
+        return self._register(api.fully_shard(module, **kwargs), config)
 
     @staticmethod
-    def _register(module: nn.Module, prefetch: tuple[bool, Any, bool]) -> nn.Module:
+    def _register(module: nn.Module, config: dict[str, Any]) -> nn.Module:
         for param_group in internals.module_param_groups(module):
             INSTANCE_OF_GROUP[param_group] = module
-        configure_prefetch(module, *prefetch)
+        configure_prefetch(module, config)
         return module
 
     def instances(self, model: nn.Module) -> list[nn.Module]:
@@ -232,7 +220,7 @@ class TorchFSDP2Adapter(Adapter):
             return InstanceState.SUMMON_FULL_PARAMS
         state = internals.fsdp_state(instance)
         groups = internals.param_groups(state)
-        return _instance_state(internals.training_state(groups[0] if groups else state))
+        return _INSTANCE_STATES[internals.training_state(groups[0] if groups else state).name]
 
     def root_state(self, instance: nn.Module) -> RootState:
         if instance in self._summoned:

@@ -8,6 +8,7 @@ gathered into the unpadded full flat tensor. Loading cuts them into this rank's 
 
 from __future__ import annotations
 
+import itertools
 import os
 from typing import Any
 
@@ -111,11 +112,9 @@ def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 
 def _group_indices(optimizer: torch.optim.Optimizer) -> list[list[int]]:
-    indices, start = [], 0
-    for group in optimizer.param_groups:
-        indices.append(list(range(start, start + len(group["params"]))))
-        start += len(group["params"])
-    return indices
+    """Each group's parameters as their positions in ``_optimizer_params``."""
+    position = itertools.count()
+    return [[next(position) for _ in group["params"]] for group in optimizer.param_groups]
 
 
 def _param_names(root: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:

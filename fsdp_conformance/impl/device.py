@@ -16,23 +16,14 @@ from fsdp_conformance.device_handle import DeviceHandle, UsesDeviceHandle
 class CPUWork:
     """A CPU event or stream: complete at once, ordered by program order."""
 
-    def record(self, stream: Any = None) -> None:
-        pass
+    def _nothing(self, *stream_or_event: Any) -> None:
+        """Nothing to record or wait for: CPU work is done when the call returns."""
 
-    def wait(self, stream: Any = None) -> None:
-        pass
-
-    def wait_stream(self, stream: Any) -> None:
-        pass
-
-    def wait_event(self, event: Any) -> None:
-        pass
+    # an event's record / wait / synchronize, a stream's wait_stream / wait_event
+    record = wait = synchronize = wait_stream = wait_event = _nothing
 
     def record_event(self, event: Any = None) -> Any:
         return event if event is not None else CPUWork()
-
-    def synchronize(self) -> None:
-        pass
 
     def query(self) -> bool:
         return True

@@ -187,14 +187,9 @@ class FullyShardedDataParallel(ForwardMixin, StateDictMixin, nn.Module):
             state.context.create_streams(handle)
 
     @staticmethod
-    def fsdp_modules(module: nn.Module, root_only: bool = False) -> list[FullyShardedDataParallel]:
-        """FSDP instances in ``module``'s tree, pre-order; ``root_only``: only those with no FSDP
-        ancestor inside ``module``."""
-        found = [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
-        if not root_only:
-            return found
-        nested = {id(inner) for outer in found for inner in list(outer.modules())[1:]}
-        return [m for m in found if id(m) not in nested]
+    def fsdp_modules(module: nn.Module) -> list[FullyShardedDataParallel]:
+        """FSDP instances in ``module``'s tree, pre-order."""
+        return [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip all gradients under this root by their global norm (``impl/clip.py``)."""

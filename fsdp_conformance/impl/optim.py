@@ -66,10 +66,7 @@ def optimizer(
 def _pieces(root: nn.Module) -> list[tuple[str, nn.Parameter, tuple | None]]:
     """(name, optimizer parameter, (flat parameter, start, end) or None) per original parameter
     with elements on this rank, in the model's order."""
-    names = {
-        id(module): name.replace("_fsdp_wrapped_module.", "").replace("_fsdp_wrapped_module", "")
-        for name, module in root.named_modules()
-    }
+    paths = {id(module): name for name, module in root.named_modules()}
     found: list[tuple[str, nn.Parameter, tuple | None]] = []
     flats = set()
     for state in fsdp_states(root):
@@ -90,11 +87,15 @@ def _pieces(root: nn.Module) -> list[tuple[str, nn.Parameter, tuple | None]]:
             if start >= end:
                 continue
             slot = first_slot[index]
-            name = f"{names[id(slot.module)]}.{slot.name}".lstrip(".")
+            name = _unwrapped(f"{paths[id(slot.module)]}.{slot.name}".lstrip("."))
             piece = nn.Parameter(flat.data[start - low : end - low], flat.requires_grad)
             found.append((name, piece, (flat, start - low, end - low)))
     for name, param in root.named_parameters():
         if id(param) not in flats:  # left unflattened (frozen next to trainable parameters)
-            clean = name.replace("_fsdp_wrapped_module.", "")
-            found.append((clean, param, None))
+            found.append((_unwrapped(name), param, None))
     return found
+
+
+def _unwrapped(name: str) -> str:
+    """A parameter's name in the unwrapped model."""
+    return name.replace("_fsdp_wrapped_module.", "")

@@ -31,8 +31,6 @@ from fsdp_conformance.impl.state import (
     transition,
 )
 
-RATE_LIMITER_RANGE = constants.RATE_LIMITER_RANGE
-
 
 def lazy_init(root: FSDPState) -> None:
     """Make ``root`` the root of every instance under it (first forward)."""
@@ -55,7 +53,9 @@ def lazy_init(root: FSDPState) -> None:
         state.is_root = state is root
         state.device_handle = handle
         state.context = context
-        state.fqn = _clean_name(names.get(id(state.owner), ""))
+        # path from the root without the wrapper's segments
+        path = names.get(id(state.owner), "")
+        state.fqn = path.replace("_fsdp_wrapped_module.", "").replace("._fsdp_wrapped_module", "")
     mp = root.mixed_precision
     if mp is not None and mp.buffer_dtype is not None:
         for module in root.owner.modules():
@@ -63,10 +63,6 @@ def lazy_init(root: FSDPState) -> None:
                 if buffer is not None and buffer.is_floating_point():
                     root.orig_buffer_dtypes[(id(module), name)] = buffer.dtype
                     module._buffers[name] = buffer.to(mp.buffer_dtype)
-
-
-def _clean_name(name: str) -> str:
-    return name.replace("_fsdp_wrapped_module.", "").replace("._fsdp_wrapped_module", "")
 
 
 def unshard(state: FSDPState, prefetch: str | None = None, early: bool = False) -> None:
@@ -83,7 +79,7 @@ def unshard(state: FSDPState, prefetch: str | None = None, early: bool = False) 
     if state.limit_all_gathers and handle.sharded:
         counted = not state.is_root
         while (event := context.free_events.dequeue_if_needed(counted, early)) is not None:
-            with torch.profiler.record_function(RATE_LIMITER_RANGE):
+            with torch.profiler.record_function(constants.RATE_LIMITER_RANGE):
                 trace.emit(Op.RATE_LIMITER_WAIT, state.owner, event=event)
                 event.synchronize()
     with state.device_handle.stream(context.unshard_stream):
@@ -118,26 +114,19 @@ def reshard(state: FSDPState) -> None:
 def prefetch(state: FSDPState, direction: str) -> None:
     """Issue the next instance's all-gather (no-op if it is unsharded or done this phase)."""
     exec_order = state.context.exec_order
-    if direction == "forward":
+    forward = direction == "forward"
+    if forward:
         target = exec_order.forward_prefetch_target(state)
-        done = target is not None and target.ran_forward
     else:
         target = exec_order.backward_prefetch_target(state)
-        done = target is not None and (
-            target.ran_post_backward or target.handle is None or not target.handle.requires_grad
-        )
-    if target is None or done or target.handle is None:
+    handle = None if target is None else target.handle
+    if handle is None or not handle.copies or handle.is_unsharded:
         return
-    if not target.handle.copies or target.handle.is_unsharded:
-        return
+    if target.ran_forward if forward else (target.ran_post_backward or not handle.requires_grad):
+        return  # done in this phase
     own = state.handle
-    early = (
-        direction != "backward_post"
-        and not state.is_root
-        and own is not None
-        and own.sharded
-        and own.is_unsharded
-    )
+    holds_own = own is not None and own.sharded and own.is_unsharded
+    early = direction != "backward_post" and not state.is_root and holds_own
     trace.emit(Op.PREFETCH, state.owner, target=target.owner, direction=direction)
     unshard(target, prefetch=direction, early=early)
 

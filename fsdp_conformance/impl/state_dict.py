@@ -3,6 +3,7 @@ both walking the same ``StateEntry``s."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -95,25 +96,21 @@ class StateDictMixin:
                         shard, handle.rank, handle.world_size, handle.numel
                     )
                 elif entry.kind != "param":
-                    result[prefix + entry.name] = self._plain_value(entry)
+                    result[prefix + entry.name] = self._value(entry)
             return result
         with summon_full_params(self._fsdp_state, False, rank0_only, offload_to_cpu, True):
             if rank0_only and dist.get_rank() != 0:
                 return result
             for entry in self._state_entries():
-                if entry.kind == "flat":
-                    continue
-                value = (
-                    entry.module._parameters[entry.attr].detach().clone()
-                    if entry.kind == "param"
-                    else self._plain_value(entry)
-                )
-                result[prefix + entry.name] = value.cpu() if offload_to_cpu else value
+                if entry.kind != "flat":
+                    value = self._value(entry)
+                    result[prefix + entry.name] = value.cpu() if offload_to_cpu else value
         return result
 
-    def _plain_value(self, entry: StateEntry) -> torch.Tensor:
-        """A copy of a "plain" or "buffer" entry's tensor (buffers in their original dtype)."""
-        if entry.kind == "plain":
+    def _value(self, entry: StateEntry) -> torch.Tensor:
+        """A copy of a "param", "plain" or "buffer" entry's tensor (buffers in their original
+        dtype)."""
+        if entry.kind != "buffer":
             return entry.module._parameters[entry.attr].detach().clone()
         buffer = entry.module._buffers[entry.attr].detach().clone()
         dtype = self._fsdp_state.orig_buffer_dtypes.get((id(entry.module), entry.attr))
@@ -141,21 +138,17 @@ class StateDictMixin:
                 "them"
             )
         present = [entry for entry in expected if entry.name in state_dict]
-        if sharded:
+        flats = [entry for entry in present if entry.kind == "flat"]  # the sharded form only
+        for entry in flats:
+            _check_shard(entry.name, state_of(entry.module), state_dict[entry.name])
+        # the full form loads into the summoned parameters, written back on exit
+        summoned = summon_full_params(self._fsdp_state, True, False, False, True)
+        with torch.no_grad(), contextlib.nullcontext() if sharded else summoned:
             for entry in present:
                 if entry.kind == "flat":
-                    _check_shard(entry.name, state_of(entry.module), state_dict[entry.name])
-        with torch.no_grad():
-            if sharded:
-                for entry in present:
-                    if entry.kind == "flat":
-                        state_of(entry.module).handle.flat_param.copy_(state_dict[entry.name].shard)
-                    else:
-                        self._load_plain(entry, state_dict[entry.name])
-            else:
-                with summon_full_params(self._fsdp_state, True, False, False, True):
-                    for entry in present:
-                        self._load_plain(entry, state_dict[entry.name])
+                    state_of(entry.module).handle.flat_param.copy_(state_dict[entry.name].shard)
+                else:
+                    self._load_plain(entry, state_dict[entry.name])
         return _IncompatibleKeys(missing, unexpected)
 
     @staticmethod

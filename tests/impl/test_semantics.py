@@ -461,3 +461,17 @@ def test_module_moved_after_wrapping_computes_where_it_moved(dist, param_dtype):
     assert {i.compute_device.type for i in FSDP.fsdp_modules(model)} == {"meta"}
     for param in model.parameters():  # the gradient reached the moved flat parameters
         assert param.device.type == "meta" and param.grad is not None
+
+
+@pytest.mark.world_size(2)
+def test_param_group_names_are_the_unwrapped_models(dist):
+    """``optim.optimizer`` names each piece as the unwrapped model does, also for a parameter
+    of a module wrapped directly (once ``0..weight`` for ``0.weight``)."""
+    from fsdp_conformance.impl import optim
+
+    model = FSDP(nn.Sequential(FSDP(nn.Linear(4, 4)), nn.Sequential(nn.Linear(4, 4))))
+    names = []
+    optim.optimizer(model, torch.optim.SGD, lambda name, param: names.append(name) or {}, lr=0.1)
+    every_rank: list = [None] * 2
+    torch.distributed.all_gather_object(every_rank, names)  # each rank names its own pieces
+    assert set(every_rank[0] + every_rank[1]) == {"0.weight", "0.bias", "1.0.weight", "1.0.bias"}

@@ -12,13 +12,9 @@ from unittest import mock
 import pytest
 import torch
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
-from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPCommContext, FSDPParamGroup
 
 from fsdp_conformance.adapters import get_adapter
-from fsdp_conformance.adapters._fsdp2_internals import (
-    releases_previous_output_before_copy_out,
-    stream_wait_target,
-)
 from fsdp_conformance.suite.memory_bound import (
     LAYERS,
     OWN_BOUNDS,
@@ -32,6 +28,25 @@ from fsdp_conformance.suite.memory_bound import (
 pytestmark = [pytest.mark.fsdp_mode("process"), pytest.mark.world_size(2)]
 
 ADAPTER = "torch-fsdp2"
+
+
+def stream_wait_target() -> tuple[type, str]:
+    """``(owner class, attribute)`` of the wait of both all-gather streams on the previous
+    copy-out's event: on ``FSDPParamGroup`` up to torch 2.14, ``FSDPCommContext`` in 2.15."""
+    if hasattr(FSDPParamGroup, "_wait_all_gather_streams_on_event"):
+        return FSDPParamGroup, "_wait_all_gather_streams_on_event"
+    return FSDPCommContext, "wait_all_gather_streams_on_event"
+
+
+def releases_previous_output_before_copy_out() -> bool:
+    """Whether a forward unshard drops the previous all-gather output before its own copy-out
+    (torch 2.15) rather than when its wait returns: one output fewer in flight."""
+    return hasattr(FSDPCommContext, "release_all_gather_state_for_comm_reuse")
+
+
+def test_fsdp2_stream_wait_is_found_where_this_torch_keeps_it():
+    owner, attribute = stream_wait_target()
+    assert callable(getattr(owner, attribute))
 
 
 def failure_of(dist, case: BoundCase) -> str:

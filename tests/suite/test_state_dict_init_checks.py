@@ -162,7 +162,7 @@ BROKEN = textwrap.dedent(
 
 
     _state_dict = state_dict.StateDictMixin.state_dict
-    _plain_value = state_dict.StateDictMixin._plain_value
+    _value = state_dict.StateDictMixin._value
     _load = state_dict.StateDictMixin.load_state_dict
     _materialize = fully_sharded._materialize_meta
 
@@ -177,13 +177,13 @@ BROKEN = textwrap.dedent(
         return result
 
 
-    def _broken_plain_value(self, entry):
+    def _broken_value(self, entry):
         if _flagged(self, "_mutant_cast_buffers") and entry.kind == "buffer":
             return entry.module._buffers[entry.attr].detach().clone()
         if _flagged(self, "_mutant_mixes_buffers") and entry.kind == "buffer":
             last = list(entry.module._buffers)[-1]
-            return _plain_value(self, entry._replace(attr=last))
-        return _plain_value(self, entry)
+            return _value(self, entry._replace(attr=last))
+        return _value(self, entry)
 
 
     def _broken_load(self, state_dict, strict=True, assign=False):
@@ -237,7 +237,7 @@ BROKEN = textwrap.dedent(
 
     MODES = set()
     state_dict.StateDictMixin.state_dict = _broken_state_dict
-    state_dict.StateDictMixin._plain_value = _broken_plain_value
+    state_dict.StateDictMixin._value = _broken_value
     state_dict.StateDictMixin.load_state_dict = _broken_load
     fully_sharded._materialize_meta = _broken_materialize
     torch.nn.Module._save_to_state_dict = _broken_save
