@@ -205,14 +205,7 @@ class BaseGradientClippingTests:
             detail=f"FSDP norms {fsdp[1].tolist()}, DDP norms {ref[1].tolist()}",
         )
         assert_losses(label, fsdp[0], ref[0], CLIP_PARAM_TOL)
-        assert_params(
-            label,
-            fsdp[2],
-            ref[2],
-            CLIP_STEPS,
-            CLIP_PARAM_TOL,
-            CLIP_PARAM_TOL,
-        )
+        assert_params(label, fsdp[2], ref[2], CLIP_STEPS, CLIP_PARAM_TOL, CLIP_PARAM_TOL)
 
 
 def _clip_run(driver: Driver, max_norm: float, norm_type: float) -> tuple[Any, Any, dict]:

@@ -43,10 +43,7 @@ class BaseDDPParityTests:
     world_sizes: ClassVar[tuple[int, ...]] = (1, 2, 4)
     coverage: ClassVar[str] = "full"
     # the bf16 check's models (bf16 params and reduction vs fp32 DDP)
-    mixed_precision_models: ClassVar[tuple[str, ...]] = (
-        "nested",
-        "transformer_without_batchnorm",
-    )
+    mixed_precision_models: ClassVar[tuple[str, ...]] = ("nested", "transformer_without_batchnorm")
 
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
         coverage = metafunc.config.getoption("fsdp_coverage", None) or self.coverage
