@@ -377,42 +377,30 @@ def assert_same_training(
     detail = f"FSDP losses {actual.losses.tolist()}, DDP losses {expected.losses.tolist()}"
     if actual.losses.shape != expected.losses.shape:
         raise AssertionError(f"{label}: {len(actual.losses)} losses, DDP {len(expected.losses)}")
-    for step in range(len(expected.losses)):
-        assert_close(
-            f"{label}: losses differ from DDP's at step {step} "
-            f"({tolerance_text(loss_atol, loss_rtol)})",
-            actual.losses[step],
-            expected.losses[step],
-            loss_atol,
-            loss_rtol,
-            detail=detail,
-        )
-        if actual.grads is not None and expected.grads is not None:
-            full = expected.grads[step]
-            for name, (start, values) in actual.grads[step].items():
-                if name not in full:
-                    raise AssertionError(
-                        f"{label}: after step {step}'s backward the FSDP run holds a gradient "
-                        f"of {name!r}, DDP has none (DDP's: {sorted(full)})"
-                    )
-                assert_close(
-                    f"{label}: after step {step}'s backward, this rank's gradient shard of "
-                    f"{name!r} (elements {start}..{start + values.numel()} of the flattened "
-                    f"parameter) differs from DDP's gradient there ({tolerance_text(atol, rtol)})",
-                    values,
-                    full[name].reshape(-1)[start : start + values.numel()],
-                    atol,
-                    rtol,
+    tol, loss_tol = tolerance_text(atol, rtol), tolerance_text(loss_atol, loss_rtol)
+    for step, (loss, reference) in enumerate(zip(actual.losses, expected.losses)):
+        message = f"{label}: losses differ from DDP's at step {step} ({loss_tol})"
+        assert_close(message, loss, reference, loss_atol, loss_rtol, detail=detail)
+        if actual.grads is None or expected.grads is None:
+            continue
+        full = expected.grads[step]
+        for name, (start, values) in actual.grads[step].items():
+            if name not in full:
+                raise AssertionError(
+                    f"{label}: after step {step}'s backward the FSDP run holds a gradient "
+                    f"of {name!r}, DDP has none (DDP's: {sorted(full)})"
                 )
+            end = start + values.numel()
+            message = (
+                f"{label}: after step {step}'s backward, this rank's gradient shard of {name!r} "
+                f"(elements {start}..{end} of the flattened parameter) differs from DDP's "
+                f"gradient there ({tol})"
+            )
+            assert_close(message, values, full[name].reshape(-1)[start:end], atol, rtol)
     for name, reference in expected.params.items():
-        assert_close(
-            f"{label}: parameter {name!r} differs from DDP's after {len(expected.losses)} "
-            f"steps ({tolerance_text(atol, rtol)})",
-            actual.params[name],
-            reference,
-            atol,
-            rtol,
-        )
+        message = f"{label}: parameter {name!r} differs from DDP's after {len(expected.losses)} "
+        message += f"steps ({tol})"
+        assert_close(message, actual.params[name], reference, atol, rtol)
 
 
 def tolerance_text(atol: float, rtol: float) -> str:

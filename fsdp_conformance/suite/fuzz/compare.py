@@ -15,6 +15,7 @@ with ``set_to_none=False`` (flat parameters cannot tell zero from none).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -136,11 +137,10 @@ def fsdp_train(adapter: Any, root: nn.Module, model: nn.Module, case: FuzzCase, 
         adapter.load_state_dict(root, weights)
     driver = Driver(root, model, dist.device, adapter)
     recorder = _recorder(adapter, root)
-    if recorder is None:
-        return run_program(driver, case, dist)
-    with recorder:
-        trace = run_program(driver, case, dist, recorder.after_step)
-    recorder.assert_legal()
+    with recorder or contextlib.nullcontext():
+        trace = run_program(driver, case, dist, recorder and recorder.after_step)
+    if recorder is not None:
+        recorder.assert_legal()
     return trace
 
 
