@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import functools
 import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -46,27 +45,38 @@ def trace_training(
     compute: bool = True,
     inside_no_sync: Callable[[int], bool] | None = None,
 ) -> tuple[CommTrace, nn.Module]:
-    """Train the zoo model ``model_name`` wrapped with ``config``, tracing every phase; returns
-    the trace and the root. Iterations for which ``inside_no_sync`` is true run inside the root's
-    ``no_sync()`` and accumulate into the next (no optimizer step)."""
+    """Train the zoo model ``model_name`` wrapped with ``config`` (``iterate``), tracing every
+    phase; returns the trace and the root."""
     adapter_features.skip_unless(adapter, Feature.COMM_TRACE)
-    root, zoo_model = training.wrap_model(adapter, model_name, dist, config)
-    optimizer = adapter.optimizer(root, "sgd", lr=training.LR, momentum=training.MOMENTUM)
-    backward = functools.partial(training.adapter_backward, adapter, root)
-    trace = CommTrace(adapter, root, compute=compute)
-    with trace:
+    driver = training.fsdp_driver(adapter, model_name, dist, config)
+    trace = CommTrace(adapter, driver.model, compute=compute)
+    iterate(driver, trace, inside_no_sync)
+    return trace, driver.model
+
+
+def iterate(
+    driver: training.Driver,
+    trace: CommTrace | None = None,
+    inside_no_sync: Callable[[int], bool] | None = None,
+) -> None:
+    """``ITERATIONS`` iterations on the zoo model's input, in phases ``iteration i forward`` and
+    ``iteration i backward`` of ``trace`` (the optimizer made before). Iterations for which
+    ``inside_no_sync`` is true run inside ``no_sync`` and accumulate into the next (no
+    optimizer step)."""
+    zoo_model, optimizer = driver.zoo_model, driver.optimizer
+    phase = trace.phase if trace is not None else lambda name: contextlib.nullcontext()
+    with trace or contextlib.nullcontext():
         for iteration in range(1, ITERATIONS + 1):
             no_sync = inside_no_sync is not None and inside_no_sync(iteration)
-            with adapter.no_sync(root) if no_sync else contextlib.nullcontext():
-                inputs = zoo_model.get_input(dist.device)
-                with trace.phase(f"iteration {iteration} forward"):
-                    loss = zoo_model.get_loss(inputs, root(*inputs))
-                with trace.phase(f"iteration {iteration} backward"):
-                    zoo_model.run_backward(loss, backward)
+            with driver.no_sync() if no_sync else contextlib.nullcontext():
+                inputs = zoo_model.get_input(driver.device)
+                with phase(f"iteration {iteration} forward"):
+                    loss = zoo_model.get_loss(inputs, driver.model(*inputs))
+                with phase(f"iteration {iteration} backward"):
+                    driver.backward(loss)
             if not no_sync:  # gradients of no_sync iterations accumulate into the next one
                 optimizer.step()
                 optimizer.zero_grad()
-    return trace, root
 
 
 def _first(events: list[CommEvent], op: str | tuple[str, ...], label: str) -> int | None:

@@ -3,16 +3,14 @@
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import pytest
-import torch
 
 from fsdp_conformance.adapters import Adapter, Feature
 from fsdp_conformance.adapters import features as adapter_features
 
-from . import comm_checks, loop_driver, training
+from . import comm_checks, training
 from .declare import check
 
 
@@ -54,7 +52,7 @@ class BaseCollectiveCountTests:
         config = {"sharding_strategy": strategy}
         adapter_features.skip_unless(fsdp_adapter, *adapter_features.wrap_features(**config))
         adapter_features.skip_unless(fsdp_adapter, Feature.GRADIENT_ACCUMULATION)
-        root, _ = training.wrap_model(fsdp_adapter, "nested", dist, config)
+        root, _ = training.build(fsdp_adapter, "nested", dist, config)
         plain = getattr(fsdp_adapter.no_sync, "__func__", None) is Adapter.no_sync
         if plain and not callable(getattr(root, "no_sync", None)):
             pytest.skip(
@@ -69,31 +67,10 @@ class BaseCollectiveCountTests:
         # all-gathers are not counted (implementation-specific)
         failures = [failure for failure in failures if "gradient reductions" in failure]
         comm_checks.raise_failures(f"no_sync broken ({label})", failures, trace.render())
-        reference = _ddp_no_sync_params(dist, no_sync_iterations=(1,))
-        actual = fsdp_adapter.full_params(root)
-        training.assert_same_training(
-            f"{label}, iteration 1 inside no_sync (accumulated gradients)",
-            training.TrainingResult(torch.zeros(0), actual),
-            training.TrainingResult(torch.zeros(0), reference),
-        )
-
-
-def _ddp_no_sync_params(dist: Any, no_sync_iterations: tuple[int, ...]) -> dict[str, torch.Tensor]:
-    """``nested`` trained as ``trace_training`` does, under DDP's own ``no_sync``."""
-    ddp, model = loop_driver.build_reference("nested", dist)
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=training.LR, momentum=training.MOMENTUM)
-    for iteration in range(1, comm_checks.ITERATIONS + 1):
-        no_sync = iteration in no_sync_iterations
-        with ddp.no_sync() if no_sync else contextlib.nullcontext():
-            inputs = model.get_input(dist.device)
-            model.run_backward(model.get_loss(inputs, ddp(*inputs)))
-        if not no_sync:
-            optimizer.step()
-            optimizer.zero_grad()
-    return {
-        name: param.detach().clone()
-        for name, param in model.named_parameters(remove_duplicate=False)
-    }
+        reference = training.ddp_driver("nested", dist)  # under DDP's own no_sync
+        comm_checks.iterate(reference, inside_no_sync=lambda iteration: iteration == 1)
+        label += ", iteration 1 inside no_sync (accumulated gradients)"
+        training.assert_params(label, fsdp_adapter.full_params(root), reference.params(), 0)
 
 
 class TestCollectiveCounts(BaseCollectiveCountTests):

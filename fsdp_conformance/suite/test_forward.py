@@ -15,13 +15,13 @@ from fsdp_conformance.adapters import Feature
 from fsdp_conformance.adapters import features as adapter_features
 from fsdp_conformance.observe.states import TrainingStateRecorder
 
-from . import loop_driver
+from . import training
 from .declare import check
 
 
-def _loss(driver: loop_driver.Driver, variant: str, step: int, index: int) -> torch.Tensor:
+def _loss(driver: training.Driver, variant: str, step: int, index: int) -> torch.Tensor:
     zoo_model, model = driver.zoo_model, driver.model
-    inputs = loop_driver.micro_input(zoo_model, driver.device, index)
+    inputs = training.micro_input(zoo_model, driver.device, index)
     if variant == "method":
         return model.encode(*inputs).square().sum()
     if step % 2 == 1:  # the head alone, on a (B, 16) input
@@ -37,19 +37,19 @@ class BaseForwardMethodTests:
     strategies: ClassVar[tuple[str, ...]] = ("FULL_SHARD", "SHARD_GRAD_OP")
 
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
-        loop_driver.parametrize(metafunc, variant=self.variants, strategy=self.strategies)
+        training.parametrize(metafunc, variant=self.variants, strategy=self.strategies)
 
     @check(
         "forward.other_method",
         "a registered method other than forward, and a nested instance's forward called alone: "
         "parameters unsharded while used, legal states, resharded after, matches DDP",
-        case="suite.loop_driver.LoopCase",
-        case_of=lambda variant, strategy: loop_driver.LoopCase("loops", strategy, variant),
+        case="suite.training.LoopCase",
+        case_of=lambda variant, strategy: training.LoopCase("loops", strategy, variant),
     )
     @pytest.mark.world_size(2)
     def test_other_forward_method(self, fsdp_adapter: Any, dist: Any, variant: str, strategy: str):
         adapter = fsdp_adapter
-        driver = loop_driver.fsdp_driver(adapter, "loops", dist, {"sharding_strategy": strategy})
+        driver = training.fsdp_driver(adapter, "loops", dist, {"sharding_strategy": strategy})
         root, zoo_model = driver.model, driver.zoo_model
         if variant == "method":  # the nested instance alone needs no registration
             adapter_features.require(adapter, Feature.FORWARD_METHOD)
@@ -73,7 +73,7 @@ class BaseForwardMethodTests:
         def after_step(step: int) -> None:
             recorder.after_step()
             if strategy == "FULL_SHARD":
-                resident.extend(loop_driver.unsharded(adapter, root, step))
+                resident.extend(training.unsharded(adapter, root, step))
 
         hook = zoo_model.trunk.register_forward_pre_hook(root_params_in_use)
         with TrainingStateRecorder(adapter, root) as recorder:
@@ -81,14 +81,14 @@ class BaseForwardMethodTests:
         hook.remove()
         recorder.assert_legal()
         assert not resident, f"{label}: unsharded parameters left after the step: {resident}"
-        reference = loop_driver.ddp_driver("loops", dist, ddp=False)
+        reference = training.ddp_driver("loops", dist, ddp=False)
         reference_losses = reference.run(
             self.STEPS,
             loss=lambda step, index: _loss(reference, variant, step, index),
-            after_backward=lambda step: loop_driver.average_gradients(reference.model, dist.group),
+            after_backward=lambda step: training.average_gradients(reference.model, dist.group),
         )
-        loop_driver.assert_losses(label, losses, reference_losses)
-        loop_driver.assert_params(label, driver.params(), reference.params(), self.STEPS)
+        training.assert_losses(label, losses, reference_losses)
+        training.assert_params(label, driver.params(), reference.params(), self.STEPS)
 
 
 class TestForwardMethod(BaseForwardMethodTests):

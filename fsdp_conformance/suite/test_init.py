@@ -15,7 +15,7 @@ import torch
 from fsdp_conformance.adapters import features as adapter_features
 from fsdp_conformance.models import BufferedBlock
 
-from . import loop_driver, zoo
+from . import training, zoo
 from .declare import check
 
 STEPS = 2
@@ -31,7 +31,7 @@ class BaseMetaInitTests:
     wrappings: ClassVar[tuple[str, ...]] = ("nested", "auto_wrap")
 
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
-        loop_driver.parametrize(metafunc, wrapping=self.wrappings)
+        training.parametrize(metafunc, wrapping=self.wrappings)
 
     @check(
         "init.meta",
@@ -64,7 +64,7 @@ class BaseMetaInitTests:
         assert sorted(full) == sorted(expected), (
             f"{label}: full parameter names {sorted(full)}, the plain model's {sorted(expected)}"
         )
-        buffers = loop_driver.by_clean_name(adapter, adapter.unwrap(root).named_buffers())
+        buffers = training.by_clean_name(adapter, adapter.unwrap(root).named_buffers())
         for name, value in plain.named_buffers():  # persistent and not
             assert name in buffers, f"{label}: buffer {name!r} is gone ({sorted(buffers)})"
             expected[name] = value
@@ -81,11 +81,11 @@ class BaseMetaInitTests:
             "re-initialised by its root's materialisation -- or left uninitialised)"
         )
         adapter.load_state_dict(root, plain.state_dict())
-        driver = loop_driver.Driver(root, zoo_model, dist.device, adapter)
+        driver = training.Driver(root, zoo_model, dist.device, adapter)
         losses = driver.run(STEPS)
         ddp = torch.nn.parallel.DistributedDataParallel(plain, process_group=dist.group)
-        reference = loop_driver.Driver(ddp, plain, dist.device)
-        loop_driver.compare(label, driver, losses, reference, reference.run(STEPS), STEPS)
+        reference = training.Driver(ddp, plain, dist.device)
+        training.compare(label, driver, losses, reference, reference.run(STEPS), STEPS)
 
 
 class TestMetaInit(BaseMetaInitTests):

@@ -6,7 +6,6 @@ value and weak reference (``observe/unsharded.py``). SHARD_GRAD_OP keeps them by
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import pytest
@@ -18,7 +17,7 @@ from fsdp_conformance.observe.unsharded import UnshardedParams
 
 from . import training
 from .declare import check
-from .loop_driver import LoopCase, parametrize
+from .training import LoopCase, parametrize
 
 # the last step's forward is observed (the first runs any lazy init)
 STEPS = 2
@@ -31,16 +30,15 @@ def observed_training(
     returns the probe (``seen``, ``alive``) and the losses."""
     probes: list[UnshardedParams] = []
 
-    @contextlib.contextmanager
-    def around_forward(step: int) -> Iterator[None]:
+    def loss(step: int, index: int) -> torch.Tensor:
+        inputs = zoo_model.get_input(dist.device)
         if step == STEPS - 1:
             probes.append(UnshardedParams(adapter, root, adapter.full_params(root)))
         with probes[0] if probes else contextlib.nullcontext():
-            yield
+            output = root(*inputs)
+        return zoo_model.get_loss(inputs, output)
 
-    losses = training.train(
-        root, zoo_model, dist.device, STEPS, adapter=adapter, around_forward=around_forward
-    )
+    losses = training.train(root, zoo_model, dist.device, STEPS, adapter, loss=loss)
     return probes[0], losses
 
 
@@ -67,7 +65,7 @@ class BaseReshardAfterForwardTests:
         "memory.reshard_after_forward",
         "with resharding after forward configured (FULL_SHARD), no unsharded parameter of a "
         "non-root instance stays alive after the model's forward",
-        case="suite.loop_driver.LoopCase",
+        case="suite.training.LoopCase",
         case_of=lambda model_name: LoopCase(model_name, "FULL_SHARD", "reshard_after_forward"),
     )
     @pytest.mark.world_size(2)
@@ -75,7 +73,7 @@ class BaseReshardAfterForwardTests:
         self, fsdp_adapter: Any, dist: Any, model_name: str
     ):
         adapter = fsdp_adapter
-        root, zoo_model = training.wrap_model(
+        root, zoo_model = training.build(
             adapter, model_name, dist, {"sharding_strategy": "FULL_SHARD"}
         )
         probe, _ = observed_training(adapter, root, zoo_model, dist)

@@ -15,7 +15,7 @@ from fsdp_conformance.adapters import Feature
 from fsdp_conformance.adapters import features as adapter_features
 from fsdp_conformance.adapters.base import group_by
 
-from . import loop_driver
+from . import training
 from .declare import check
 
 ADAMW_LR = 1e-2
@@ -48,15 +48,15 @@ class BaseParamGroupTests:
     strategies: ClassVar[tuple[str, ...]] = ("FULL_SHARD", "SHARD_GRAD_OP")
 
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
-        loop_driver.parametrize(metafunc, model_name=self.models, strategy=self.strategies)
+        training.parametrize(metafunc, model_name=self.models, strategy=self.strategies)
 
     @check(
         "optim.param_groups",
         "optimizer parameter groups by name (no weight decay on biases and norms, one block at "
         "another learning rate): AdamW matches DDP",
         features=("param_groups",),
-        case="suite.loop_driver.LoopCase",
-        case_of=lambda model_name, strategy: loop_driver.LoopCase(
+        case="suite.training.LoopCase",
+        case_of=lambda model_name, strategy: training.LoopCase(
             model_name, strategy, "adamw_groups"
         ),
     )
@@ -68,7 +68,7 @@ class BaseParamGroupTests:
         config: dict[str, Any] = {"sharding_strategy": strategy}
         if adapter_features.supports(adapter, Feature.USE_ORIG_PARAMS):  # FSDP1 needs it
             config["use_orig_params"] = True
-        driver = loop_driver.fsdp_driver(adapter, model_name, dist, config)
+        driver = training.fsdp_driver(adapter, model_name, dist, config)
         driver.optimizer = adapter.optimizer(
             driver.model,
             "adamw",
@@ -77,7 +77,7 @@ class BaseParamGroupTests:
             weight_decay=WEIGHT_DECAY,
         )
         losses = driver.run(self.STEPS)
-        reference = loop_driver.ddp_driver(model_name, dist)
+        reference = training.ddp_driver(model_name, dist)
         reference.optimizer = torch.optim.AdamW(
             reference_groups(reference.zoo_model), lr=ADAMW_LR, weight_decay=WEIGHT_DECAY
         )
@@ -85,8 +85,8 @@ class BaseParamGroupTests:
             f"adapter {adapter.name!r}, {model_name}, {strategy}, AdamW with groups (no "
             f"weight decay on biases and norms, lr/10 for {SLOW_BLOCK}*)"
         )
-        loop_driver.assert_losses(label, losses, reference.run(self.STEPS))
-        loop_driver.assert_params(label, driver.params(), reference.params(), self.STEPS)
+        training.assert_losses(label, losses, reference.run(self.STEPS))
+        training.assert_params(label, driver.params(), reference.params(), self.STEPS)
 
 
 class TestParamGroups(BaseParamGroupTests):

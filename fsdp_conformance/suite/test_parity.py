@@ -43,10 +43,7 @@ class BaseDDPParityTests:
     world_sizes: ClassVar[tuple[int, ...]] = (1, 2, 4)
     coverage: ClassVar[str] = "full"
     # the bf16 check's models (bf16 params and reduction vs fp32 DDP)
-    mixed_precision_models: ClassVar[tuple[str, ...]] = (
-        "nested",
-        "transformer_without_batchnorm",
-    )
+    mixed_precision_models: ClassVar[tuple[str, ...]] = ("nested", "transformer_without_batchnorm")
 
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
         coverage = metafunc.config.getoption("fsdp_coverage", None) or self.coverage
@@ -128,7 +125,7 @@ class BaseSummonFullParamsTests:
         adapter = fsdp_adapter
         if writeback:
             adapter_features.skip_unless(adapter, Feature.SUMMON_FULL_PARAMS_WRITEBACK)
-        root, zoo_model = training.wrap_model(adapter, summon_model, dist, {})
+        root, zoo_model = training.build(adapter, summon_model, dist, {})
         training.train(root, zoo_model, dist.device, steps=1, adapter=adapter)
         full_before = adapter.full_params(root)
         shards_before = _local_shards(root)
@@ -205,7 +202,7 @@ class BaseStateDictTests:
 
 def _state_dict_round_trip(adapter: Any, dist: Any, model_name: str, default: bool) -> None:
     """Save after one step, train two more, load: the full parameters are the saved ones."""
-    root, zoo_model = training.wrap_model(adapter, model_name, dist, {})
+    root, zoo_model = training.build(adapter, model_name, dist, {})
     training.train(root, zoo_model, dist.device, steps=1, adapter=adapter)
     saved_full = adapter.full_params(root)
     if default:

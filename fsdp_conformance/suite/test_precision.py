@@ -32,9 +32,9 @@ from fsdp_conformance.adapters import features as adapter_features
 from fsdp_conformance.constants import REDUCE_OPS
 from fsdp_conformance.observe.comm_trace import observing_collectives
 
-from . import loop_driver, training
+from . import training
 from .declare import check
-from .loop_driver import LoopCase
+from .training import LoopCase
 
 MODEL = "loops_buffer"
 # the accumulation model: one instance around it (no fp32 buffer meeting bf16 activations)
@@ -131,7 +131,7 @@ class BasePrecisionTests:
     MICRO_BATCHES: ClassVar[int] = 32
 
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
-        loop_driver.parametrize(metafunc, policy=self.policies, accumulation=self.accumulations)
+        training.parametrize(metafunc, policy=self.policies, accumulation=self.accumulations)
 
     @check(
         "precision.dtypes",
@@ -139,7 +139,7 @@ class BasePrecisionTests:
         "shards and gradients, buffers and their state dict in the promised dtype, fp32 "
         "accumulation over many micro-batches, training within tolerance of fp32 DDP",
         features=("mixed_precision", "mixed_precision_policy"),
-        case="suite.loop_driver.LoopCase",
+        case="suite.training.LoopCase",
         case_of=lambda policy: LoopCase(MODEL, "FULL_SHARD", policy),
     )
     @pytest.mark.world_size(2)
@@ -154,15 +154,15 @@ class BasePrecisionTests:
             "output_dtype": output_dtype,
         }
         config = {"sharding_strategy": "FULL_SHARD", "mixed_precision": mixed}
-        driver = loop_driver.fsdp_driver(adapter, MODEL, dist, config)
-        root, zoo_model, optimizer = driver.model, driver.zoo_model, driver.optimizer
+        driver = training.fsdp_driver(adapter, MODEL, dist, config)
+        root, zoo_model = driver.model, driver.zoo_model
         label = f"adapter {adapter.name!r}, {MODEL}, mixed_precision {policy}"
         failures: list[str] = []
         losses = []
         state_dtypes: dict[str, torch.dtype] = {}
         for step in range(STEPS):
-            optimizer.zero_grad()
-            inputs = loop_driver.micro_input(zoo_model, dist.device, step)
+            driver.zero_grad()
+            inputs = training.micro_input(zoo_model, dist.device, step)
             with recording_forward_dtypes(adapter.unwrap(root)) as seen:
                 output = root(*inputs)
             loss = zoo_model.get_loss(inputs, output)
@@ -195,13 +195,13 @@ class BasePrecisionTests:
             low = {n: d for n, d in _params_and_grads(root).items() if d != torch.float32}
             if low:
                 failures.append(f"step {step}: sharded parameters / gradients not float32: {low}")
-            optimizer.step()
+            driver.step()
             losses.append(loss.detach().float())
             if step == 0:
                 state = adapter.state_dict(root).items()
-                state = loop_driver.by_clean_name(adapter, state)
+                state = training.by_clean_name(adapter, state)
                 state_dtypes = {k: v.dtype for k, v in state.items() if isinstance(v, torch.Tensor)}
-        reference = loop_driver.ddp_driver(MODEL, dist)
+        reference = training.ddp_driver(MODEL, dist)
         buffers = {name: b.dtype for name, b in reference.zoo_model.named_buffers()}
         wrong_state = {
             name: state_dtypes.get(name, "missing")
@@ -236,16 +236,16 @@ class BasePrecisionTests:
         config = {"sharding_strategy": "FULL_SHARD", "mixed_precision": mixed}
         # the reference: float32 DDP, one micro-batch (N identical micro-batches with the
         # loss divided by N have the same gradient; see [Note: precision tolerances])
-        reference = loop_driver.ddp_driver(ACCUMULATION_MODEL, dist)
+        reference = training.ddp_driver(ACCUMULATION_MODEL, dist)
         reference.optimizer = torch.optim.SGD(reference.model.parameters(), lr=ACCUMULATION_LR)
         reference.run(1)
         expected = reference.params()
         errors = {}
         for micro_batches in (1, self.MICRO_BATCHES):
             # one instance around the whole model: 32 micro-batches cost 32 all-gathers
-            zoo_model, _ = loop_driver.build_reference(ACCUMULATION_MODEL, dist, ddp=False)
+            zoo_model, _ = training.build_reference(ACCUMULATION_MODEL, dist, ddp=False)
             root = adapter.wrap(zoo_model, process_group=dist.group, root=True, **config)
-            driver = loop_driver.Driver(root, zoo_model, dist.device, adapter)
+            driver = training.Driver(root, zoo_model, dist.device, adapter)
             before = driver.params()
             driver.optimizer = adapter.optimizer(root, "sgd", lr=ACCUMULATION_LR)
             sync_every = sync == "sync_every"
@@ -266,17 +266,17 @@ class BasePrecisionTests:
         "the implementation's grad scaler with an inf gradient on one rank: every rank skips the "
         "step, the scale shrinks identically, parameters equal DDP + GradScaler's",
         features=("grad_scaler",),
-        case="suite.loop_driver.LoopCase",
+        case="suite.training.LoopCase",
         case_of=lambda: LoopCase(MODEL, "FULL_SHARD", "inf"),
     )
     @pytest.mark.world_size(2)
     def test_grad_scaler(self, fsdp_adapter: Any, dist: Any):
         adapter = fsdp_adapter
-        driver = loop_driver.fsdp_driver(adapter, MODEL, dist, {"sharding_strategy": "FULL_SHARD"})
+        driver = training.fsdp_driver(adapter, MODEL, dist, {"sharding_strategy": "FULL_SHARD"})
         optimizer = driver.optimizer  # before the scaler, as users make them
         scaler = adapter.grad_scaler(driver.model, **SCALER_OPTIONS)
         fsdp = _scaled_run(driver, optimizer, scaler, adapter.unwrap(driver.model), dist)
-        reference = loop_driver.ddp_driver(MODEL, dist)
+        reference = training.ddp_driver(MODEL, dist)
         scaler = torch.amp.GradScaler(dist.device.type, **SCALER_OPTIONS)
         ddp_run = _scaled_run(reference, reference.optimizer, scaler, reference.zoo_model, dist)
         label = f"adapter {adapter.name!r}, {MODEL}, an inf gradient on rank 1 in step 1"
@@ -293,7 +293,7 @@ class BasePrecisionTests:
             f"{label}: steps that left the parameters unchanged, per rank: {skipped}; "
             f"expected only step {INF_STEP} on every rank"
         )
-        loop_driver.assert_params(label, fsdp["params"], ddp_run["params"], SCALER_STEPS)
+        training.assert_params(label, fsdp["params"], ddp_run["params"], SCALER_STEPS)
 
 
 SCALER_OPTIONS = {"init_scale": 2.0**10, "growth_interval": 1000}

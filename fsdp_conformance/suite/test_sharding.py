@@ -17,7 +17,7 @@ from fsdp_conformance.adapters.features import HYBRID_STRATEGIES
 from fsdp_conformance.constants import Op
 from fsdp_conformance.observe.comm_trace import CommTrace
 
-from . import loop_driver, test_parity, training
+from . import test_parity, training
 from .declare import check
 
 UNEVEN_MODEL = "uneven"
@@ -39,7 +39,7 @@ def full_state_dict(adapter: Any, root: nn.Module) -> dict[str, torch.Tensor]:
 
     state = adapter.state_dict(root).items()
     full = ((k, v.full_tensor() if isinstance(v, DTensor) else v) for k, v in state)
-    return loop_driver.by_clean_name(adapter, full)
+    return training.by_clean_name(adapter, full)
 
 
 class BaseUnevenShardingTests:
@@ -50,7 +50,7 @@ class BaseUnevenShardingTests:
     strategies: ClassVar[tuple[str, ...]] = ("FULL_SHARD", "SHARD_GRAD_OP")
 
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
-        loop_driver.parametrize(metafunc, uneven_strategy=self.strategies)
+        training.parametrize(metafunc, uneven_strategy=self.strategies)
 
     @check(
         "sharding.uneven",
@@ -63,8 +63,8 @@ class BaseUnevenShardingTests:
     def test_uneven_shards_match_ddp(self, fsdp_adapter: Any, dist: Any, uneven_strategy: str):
         adapter = fsdp_adapter
         config = {"sharding_strategy": uneven_strategy}
-        root, zoo_model = training.wrap_model(adapter, UNEVEN_MODEL, dist, config)
-        result = training.fsdp_train(adapter, root, zoo_model, dist, self.STEPS)
+        driver = training.fsdp_driver(adapter, UNEVEN_MODEL, dist, config)
+        result = driver.trained(self.STEPS)
         reference = training.reference_run(UNEVEN_MODEL, dist, self.STEPS)
         atol, rtol = test_parity.tolerance(dist.world_size)
         label = (
@@ -72,10 +72,10 @@ class BaseUnevenShardingTests:
             f"with sharding_strategy={uneven_strategy!r}"
         )
         training.assert_same_training(label, result, reference, atol, rtol)
-        state = full_state_dict(adapter, root)
+        state = full_state_dict(adapter, driver.model)
         params = {name: value for name, value in state.items() if name in reference.params}
         label += ", full state dict"
-        loop_driver.assert_params(label, params, reference.params, self.STEPS, atol, rtol)
+        training.assert_params(label, params, reference.params, self.STEPS, atol, rtol)
 
 
 def hybrid_groups(dist: Any, shard_size: int = 2) -> tuple[Any, Any]:
@@ -105,7 +105,7 @@ class BaseHybridShardingTests:
     strategies: ClassVar[tuple[str, ...]] = HYBRID_STRATEGIES
 
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
-        loop_driver.parametrize(metafunc, hybrid_strategy=self.strategies)
+        training.parametrize(metafunc, hybrid_strategy=self.strategies)
 
     @check(
         "sharding.hybrid",
@@ -121,18 +121,13 @@ class BaseHybridShardingTests:
 
         adapter = fsdp_adapter
         shard, replicate = hybrid_groups(dist)
-        root, zoo_model = loop_driver.build(
-            adapter,
-            HYBRID_MODEL,
-            dist,
-            {"sharding_strategy": hybrid_strategy},
-            process_group=(shard, replicate),
-        )
+        config = {"sharding_strategy": hybrid_strategy}
+        pair = (shard, replicate)
+        driver = training.fsdp_driver(adapter, HYBRID_MODEL, dist, config, process_group=pair)
+        root = driver.model
         trace = CommTrace(adapter, root, collectives=True)
         with trace:
-            result = training.fsdp_train(
-                adapter, root, zoo_model, dist, self.STEPS, lambda s: trace.phase(f"step {s}")
-            )
+            result = driver.trained(self.STEPS, phase=lambda step, _: trace.phase(f"step {step}"))
         label = (
             f"adapter {adapter.name!r}, {HYBRID_MODEL} at world size {dist.world_size} with "
             f"sharding_strategy={hybrid_strategy!r} on a 2 x 2 mesh"
@@ -140,7 +135,7 @@ class BaseHybridShardingTests:
         shard_ranks = tuple(tdist.get_process_group_ranks(shard))
         replicate_ranks = tuple(tdist.get_process_group_ranks(replicate))
         groups = {shard_ranks: "shard", replicate_ranks: "replicate"}
-        labels = loop_driver.trainable_labels(adapter, root, trace)
+        labels = training.trainable_labels(adapter, root, trace)
         trainable = sorted(name for name, trains in labels.items() if trains)
         failures = []
         for step in range(self.STEPS):
@@ -182,7 +177,7 @@ def _hybrid_step_failures(
             failures.append(f"{phase}: {counts[op, group]} {op} over the {group} group")
     # each instance's reductions: at most once per all-gather of it ([Note: counts as bounds]
     # in comm_checks.py), once for an instance that never gathers
-    gathers = loop_driver.reductions_per_label(trace, phase, (Op.ALL_GATHER,))
+    gathers = training.reductions_per_label(trace, phase, (Op.ALL_GATHER,))
     allowed = {label: max(1, gathers.get(label, 0)) for label in trainable}
     for op, group in ((Op.REDUCE_SCATTER, "shard"), (Op.ALL_REDUCE, "replicate")):
         count = counts.get((op, group), 0)
@@ -192,7 +187,7 @@ def _hybrid_step_failures(
                 f"{sum(allowed.values())} (at most one per reduction the instances may issue, "
                 "fewer where bucketed)"
             )
-    reported = loop_driver.reductions_per_label(trace, phase)
+    reported = training.reductions_per_label(trace, phase)
     if set(reported) != set(trainable) or any(n > allowed[k] for k, n in reported.items()):
         failures.append(
             f"{phase}: gradient reductions per instance {reported}; expected each of "

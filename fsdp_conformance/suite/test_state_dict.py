@@ -18,7 +18,7 @@ from torch import nn
 from fsdp_conformance.adapters import Feature, UnsupportedFeatureError
 from fsdp_conformance.adapters import features as adapter_features
 
-from . import loop_driver, zoo
+from . import training, zoo
 from .declare import check
 
 MODEL = "buffered"
@@ -91,7 +91,7 @@ def _plain(dist: Any, state: dict[str, torch.Tensor] | None = None, group: Any =
 def _ddp_run(dist: Any, model: nn.Module, start: int = 0):
     """STEPS SGD steps of `model` under DDP from step `start`: (losses, full parameters)."""
     ddp = nn.parallel.DistributedDataParallel(model, process_group=dist.group)
-    driver = loop_driver.Driver(ddp, model, dist.device)
+    driver = training.Driver(ddp, model, dist.device)
     return driver.run(STEPS, start=start), driver.params()
 
 
@@ -118,7 +118,7 @@ class BaseFullStateDictTests:
     members: ClassVar[tuple[str, ...]] = ("first", "last")
 
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
-        loop_driver.parametrize(metafunc, option=self.options, load=self.loads, member=self.members)
+        training.parametrize(metafunc, option=self.options, load=self.loads, member=self.members)
 
     @check(
         "state_dict.full",
@@ -133,12 +133,12 @@ class BaseFullStateDictTests:
         adapter = fsdp_adapter
         options = {name: option == name for name in ("rank0_only", "offload_to_cpu")}
         label = f"adapter {adapter.name!r}, {MODEL}, full state dict ({option})"
-        driver = loop_driver.fsdp_driver(adapter, MODEL, dist)
+        driver = training.fsdp_driver(adapter, MODEL, dist)
         root = driver.model
         early = root.state_dict()  # the default form, taken before training
         losses = driver.run(STEPS)
-        reference = loop_driver.ddp_driver(MODEL, dist)
-        loop_driver.assert_losses(label, losses, reference.run(STEPS))
+        reference = training.ddp_driver(MODEL, dist)
+        training.assert_losses(label, losses, reference.run(STEPS))
         state = reference.zoo_model.state_dict()
         expected = {key: value.detach().clone() for key, value in state.items()}
         _assert_views(label, early, expected)
@@ -153,10 +153,10 @@ class BaseFullStateDictTests:
         if option == "default":  # a plain module loads it and trains as DDP's weights do
             loaded = _ddp_run(dist, _plain(dist, full), STEPS)
             expected_run = _ddp_run(dist, _plain(dist, expected), STEPS)
-            loop_driver.assert_losses(
+            training.assert_losses(
                 f"{label}, loaded into a plain module", loaded[0], expected_run[0]
             )
-            loop_driver.assert_params(label, loaded[1], expected_run[1], 2 * STEPS)
+            training.assert_params(label, loaded[1], expected_run[1], 2 * STEPS)
 
     @check("state_dict.full", case_of=lambda: StateDictCase("mixed_precision_buffers"))
     @pytest.mark.world_size(2)
@@ -164,10 +164,10 @@ class BaseFullStateDictTests:
         adapter = fsdp_adapter
         low = torch.float16
         config = {"mixed_precision": {"param_dtype": low, "reduce_dtype": low, "buffer_dtype": low}}
-        root, zoo_model = loop_driver.build(adapter, MODEL, dist, config)
+        root, zoo_model = training.build(adapter, MODEL, dist, config)
         inputs = zoo_model.get_input(dist.device)
         loss = zoo_model.get_loss(inputs, root(*inputs)).float()
-        loop_driver.Driver(root, zoo_model, dist.device, adapter).backward(loss)
+        training.Driver(root, zoo_model, dist.device, adapter).backward(loss)
         full = adapter.state_dict(root)
         plain = _plain(dist)
         expected = plain.state_dict()
@@ -191,14 +191,14 @@ class BaseFullStateDictTests:
             key: value * 0.5 + 0.125 if value.is_floating_point() else value.clone()
             for key, value in _plain(dist).state_dict().items()
         }
-        driver = loop_driver.fsdp_driver(adapter, MODEL, dist)
+        driver = training.fsdp_driver(adapter, MODEL, dist)
         # a copy: DCP's set_model_state_dict replaces the given dict's values by its shards
         assign = load == "assign"
         call_with_options(adapter, "load_state_dict", driver.model, dict(source), assign=assign)
         losses = driver.run(STEPS)
         reference_losses, reference_params = _ddp_run(dist, _plain(dist, source))
-        loop_driver.assert_losses(label, losses, reference_losses)
-        loop_driver.assert_params(label, driver.params(), reference_params, STEPS)
+        training.assert_losses(label, losses, reference_losses)
+        training.assert_params(label, driver.params(), reference_params, STEPS)
 
     @check("state_dict.full", case_of=_subgroup_case)
     @pytest.mark.world_size(2)
@@ -212,15 +212,15 @@ class BaseFullStateDictTests:
         if tdist.get_rank() != member_rank:  # outside the group: nothing may wait for this rank
             return
         label = f"adapter {adapter.name!r}, {MODEL}, on a one-rank subgroup"
-        driver = loop_driver.fsdp_driver(adapter, MODEL, dist, group=solo, optimizer_name="adam")
+        driver = training.fsdp_driver(adapter, MODEL, dist, group=solo, optimizer_name="adam")
         driver.run(STEPS)
         reference = _plain(dist, group=solo)
-        loop_driver.Driver(reference, reference, dist.device, optimizer_name="adam").run(STEPS)
+        training.Driver(reference, reference, dist.device, optimizer_name="adam").run(STEPS)
         state = adapter.state_dict(driver.model)
         assert_state_dict(label, state, reference.state_dict())
-        fresh = loop_driver.fsdp_driver(adapter, MODEL, dist, group=solo, optimizer_name="adam")
+        fresh = training.fsdp_driver(adapter, MODEL, dist, group=solo, optimizer_name="adam")
         adapter.load_state_dict(fresh.model, reference.state_dict())
-        loop_driver.assert_params(
+        training.assert_params(
             f"{label}, loaded into a fresh model",
             fresh.params(),
             dict(reference.named_parameters()),
@@ -233,8 +233,8 @@ class BaseFullStateDictTests:
             adapter.load_checkpoint(fresh.model, fresh.optimizer, directory)
         after = [d.run(1, start=STEPS) for d in (driver, fresh)]
         label += ", a step after save/load_checkpoint"
-        loop_driver.assert_losses(label, after[1], after[0])
-        loop_driver.assert_params(label, fresh.params(), driver.params(), STEPS + 1)
+        training.assert_losses(label, after[1], after[0])
+        training.assert_params(label, fresh.params(), driver.params(), STEPS + 1)
 
 
 def _assert_views(label: str, early: dict[str, Any], expected: dict[str, torch.Tensor]) -> None:

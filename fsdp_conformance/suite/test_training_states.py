@@ -71,9 +71,7 @@ class BaseTrainingStateTests:
         self, fsdp_adapter: Any, dist: Any, state_case: configs.ParityCase
     ):
         adapter = fsdp_adapter
-        root, zoo_model = training.wrap_model(
-            adapter, state_case.model, dist, state_case.wrap_config
-        )
+        root, zoo_model = training.build(adapter, state_case.model, dist, state_case.wrap_config)
         # without the implementation's own summon_full_params the summon hooks are not sampled
         summon = adapter_features.supports(adapter, Feature.SUMMON_FULL_PARAMS)
         with TrainingStateRecorder(adapter, root) as recorder:
@@ -120,7 +118,7 @@ class BaseTrainingStateTests:
     def test_assert_state(self, fsdp_adapter: Any, dist: Any):
         adapter = fsdp_adapter
         adapter_features.skip_unless(adapter, Feature.ASSERT_STATE)
-        root, zoo_model = training.wrap_model(adapter, "nested", dist, {})
+        root, zoo_model = training.build(adapter, "nested", dist, {})
         inner = adapter.instances(root)[1]
         outcomes: dict[str, BaseException | None] = {}
 

@@ -15,7 +15,7 @@ from torch import nn
 from fsdp_conformance.adapters import UnsupportedFeatureError
 from fsdp_conformance.models import DeviceInit, move_after_wrap
 
-from . import loop_driver, training, zoo
+from . import training, zoo
 from .declare import check
 
 # an error that names the shared parameter: its attribute name and one of its modules
@@ -30,14 +30,14 @@ class BaseSharedParamsTests:
     strategies: ClassVar[tuple[str, ...]] = ("FULL_SHARD", "SHARD_GRAD_OP")
 
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
-        loop_driver.parametrize(metafunc, strategy=self.strategies)
+        training.parametrize(metafunc, strategy=self.strategies)
 
     @check(
         "wrap.shared_across_instances",
         "one parameter used by two instances (tied embedding and head wrapped apart): a clear "
         "error at wrap naming the parameter, or training that matches DDP",
-        case="suite.loop_driver.LoopCase",
-        case_of=lambda self, strategy: loop_driver.LoopCase(self.model, strategy, "tied_apart"),
+        case="suite.training.LoopCase",
+        case_of=lambda self, strategy: training.LoopCase(self.model, strategy, "tied_apart"),
     )
     @pytest.mark.world_size(2)
     def test_shared_parameter_across_instances(self, fsdp_adapter: Any, dist: Any, strategy: str):
@@ -47,7 +47,7 @@ class BaseSharedParamsTests:
             f"wrapped apart), {strategy}"
         )
         try:
-            root, zoo_model = loop_driver.build(
+            root, zoo_model = training.build(
                 adapter, self.model, dist, {"sharding_strategy": strategy}
             )
             with torch.no_grad():  # the root's lazy init (FSDP2 checks parameters there)
@@ -82,7 +82,7 @@ def _ignored(model: nn.Module) -> dict[str, nn.Parameter]:
     return {name: p for name, p in model.named_parameters() if name.startswith(IGNORED)}
 
 
-def _ignored_run(driver: loop_driver.Driver, dist: Any, steps: int, ignored: dict):
+def _ignored_run(driver: training.Driver, dist: Any, steps: int, ignored: dict):
     """(losses, the ignored parameters' gradients after the first backward, full parameters);
     the reference (no adapter) averages every gradient but the ignored ones."""
     first_grads = {}
@@ -94,7 +94,7 @@ def _ignored_run(driver: loop_driver.Driver, dist: Any, steps: int, ignored: dic
             saved = {name: p.grad for name, p in ignored.items()}
             for p in ignored.values():
                 p.grad = None
-            loop_driver.average_gradients(driver.zoo_model, dist.group)
+            training.average_gradients(driver.zoo_model, dist.group)
             for name, p in ignored.items():
                 p.grad = saved[name]
 
@@ -111,15 +111,15 @@ class BaseIgnoredParamsTests:
     strategies: ClassVar[tuple[str, ...]] = ("FULL_SHARD", "SHARD_GRAD_OP")
 
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
-        loop_driver.parametrize(metafunc, variant=self.variants, strategy=self.strategies)
+        training.parametrize(metafunc, variant=self.variants, strategy=self.strategies)
 
     @check(
         "wrap.ignored",
         "ignored parameters, alone and under an auto-wrap policy: registered whole on every rank, "
         "not reduced, in the state dict under their keys; the rest trains as DDP",
         features=("ignored_params",),
-        case="suite.loop_driver.LoopCase",
-        case_of=lambda variant, strategy: loop_driver.LoopCase("loops", strategy, variant),
+        case="suite.training.LoopCase",
+        case_of=lambda variant, strategy: training.LoopCase("loops", strategy, variant),
     )
     @pytest.mark.world_size(2)
     def test_ignored_params(self, fsdp_adapter: Any, dist: Any, variant: str, strategy: str):
@@ -136,7 +136,7 @@ class BaseIgnoredParamsTests:
         root = adapter.wrap(zoo_model, process_group=dist.group, root=True, **config)
         root = move_after_wrap(root, DeviceInit.AFTER, dist.device)
         label = f"adapter {adapter.name!r}, loops, {strategy}, {IGNORED}* ignored, {variant}"
-        registered = loop_driver.by_clean_name(adapter, root.named_parameters())
+        registered = training.by_clean_name(adapter, root.named_parameters())
         for name, param in ignored.items():
             seen = registered.get(name)
             assert seen is param and type(seen) is nn.Parameter, (
@@ -144,9 +144,9 @@ class BaseIgnoredParamsTests:
                 f"the same nn.Parameter (found {type(seen).__name__}"
                 f"{'' if seen is None else tuple(seen.shape)})"
             )
-        driver = loop_driver.Driver(root, zoo_model, dist.device, adapter)
+        driver = training.Driver(root, zoo_model, dist.device, adapter)
         losses, grads, params = _ignored_run(driver, dist, self.STEPS, ignored)
-        reference = loop_driver.ddp_driver("loops", dist, ddp=False)
+        reference = training.ddp_driver("loops", dist, ddp=False)
         ref_losses, ref_grads, ref_params = _ignored_run(
             reference, dist, self.STEPS, _ignored(reference.model)
         )
@@ -162,8 +162,8 @@ class BaseIgnoredParamsTests:
                 f"{label}: the full state dict does not hold ignored parameter {name!r} "
                 f"under its own key with its value (keys: {sorted(state)})"
             )
-        loop_driver.assert_losses(label, losses, ref_losses)
-        loop_driver.assert_params(label, params, ref_params, self.STEPS)
+        training.assert_losses(label, losses, ref_losses)
+        training.assert_params(label, params, ref_params, self.STEPS)
 
 
 class TestIgnoredParams(BaseIgnoredParamsTests):

@@ -16,8 +16,8 @@ from fsdp_conformance.observe.unsharded import UnshardedParams
 
 from . import test_parity, training
 from .declare import check
-from .loop_driver import parametrize
 from .test_memory import STEPS, observed_training, unseen_instances
+from .training import parametrize
 
 BF16 = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.bfloat16}
 # axis -> (first config, second config)
@@ -55,7 +55,7 @@ class BaseConfigIsolationTests:
         first, second = CONFIGS[axis]
         for config in (first, second):  # skip before wrapping either
             adapter_features.skip_unless(adapter, *adapter_features.wrap_features(**config))
-        models = [training.wrap_model(adapter, self.model, dist, c) for c in (first, second)]
+        models = [training.build(adapter, self.model, dist, c) for c in (first, second)]
         probes, results = [], []
         for root, zoo_model in models:
             probe, losses = observed_training(adapter, root, zoo_model, dist)

@@ -1,6 +1,9 @@
-"""Train FSDP (`fsdp_run`) and DDP (`reference_run`, cached per rank process), compare
-(`assert_same_training`): torch's `_test_identical_outputs`, adapter-driven. Both alternate
-``zero_grad(set_to_none=...)`` (True in step 0).
+"""The one training driver of the suite and the fuzzer: a model wrapped through an adapter
+(FSDP) or the reference (DDP, or bare), each driven by the same step primitives (``Driver``:
+zero_grad, forward, backward with the loss divisor, no_sync, clip, optimizer step, accumulation
+boundary, full parameters, gradient shards, state-dict round trip, eval forward), and the
+comparison of two runs (``assert_same_training``: torch's ``_test_identical_outputs``,
+adapter-driven). The DDP reference of the parity checks is cached per rank process.
 """
 
 from __future__ import annotations
@@ -8,21 +11,38 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
-from fsdp_conformance.adapters import Adapter
+from fsdp_conformance.adapters import Adapter, clean_param_name
 from fsdp_conformance.adapters import features as adapter_features
-from fsdp_conformance.models import DeviceInit, DummyDDP, move_after_wrap
+from fsdp_conformance.models import CheckpointingWrap, DeviceInit, DummyDDP, move_after_wrap
+from fsdp_conformance.observe.comm_trace import REDUCE_OPS, CommTrace
 
 from . import zoo
 
 STEPS = 3
 LR = 0.01
 MOMENTUM = 0.9
+ADAM_LR = 1e-2
+
+Phase = Callable[[int], contextlib.AbstractContextManager[Any]]
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopCase:
+    """The case a loop check's cell hands to ``Deviation.applies``."""
+
+    model: str  # zoo model name
+    sharding_strategy: str  # of every instance (the model may override one, e.g. NO_SHARD)
+    # "no_sync" / "sync_every", "norm2" / "inf", "frozen", "inside" / "outside",
+    # "unused_branch" / "two_forwards" / "eval_forward", ...
+    variant: str
 
 
 @dataclasses.dataclass
@@ -37,44 +57,227 @@ class TrainingResult:
     grads: list[dict[str, Any]] | None = None
 
 
+def build(
+    adapter: Adapter,
+    model_name: str,
+    dist: Any,
+    config: dict[str, Any],
+    *,
+    device_init: str = "after",
+    checkpointing: bool | str = False,
+    group: Any = None,
+    process_group: Any = None,
+) -> tuple[nn.Module, nn.Module]:
+    """The zoo model wrapped by `adapter` with `config`: (root, zoo model); skips when the
+    adapter lacks a feature the config or the model needs. `checkpointing`: each wrapped block
+    under activation checkpointing, "inside" (or True) or "outside" its instance; `group`: the
+    model's (None: the test's); `process_group`: what the instances shard over if not `group`
+    (a hybrid pair; both None: the default group)."""
+    adapter_features.skip_unless(adapter, *zoo.MODELS[model_name].features)
+    adapter_features.skip_unless(adapter, *adapter_features.wrap_features(**config))
+    process_group = group if process_group is None else process_group
+    wrap: Any = adapter.wrapper(process_group=process_group, **config)
+    if checkpointing:
+        wrap = CheckpointingWrap(wrap, outside=checkpointing == "outside")
+    group = dist.group if group is None else group
+    zoo_model = zoo.build(model_name, group, wrap, dist.device, device_init)
+    root_config = {**config, **zoo_model.ROOT_WRAP_CONFIG}
+    adapter_features.skip_unless(adapter, *adapter_features.wrap_features(**root_config))
+    if DeviceInit(device_init) is DeviceInit.NEVER and dist.device.type != "cpu":
+        root_config.setdefault("device_id", dist.device)  # the implementation moves it
+    root = adapter.wrap(zoo_model, process_group=process_group, root=True, **root_config)
+    return move_after_wrap(root, DeviceInit(device_init), dist.device), zoo_model
+
+
+def build_reference(
+    model_name: str, dist: Any, *, group: Any = None, ddp: bool = True, **ddp_options: Any
+) -> tuple[nn.Module, nn.Module]:
+    """The unwrapped zoo model under DistributedDataParallel (DummyDDP for a model reducing
+    its own gradients; bare with ``ddp=False``): (that module, the zoo model)."""
+    group = dist.group if group is None else group
+    model = zoo.build(model_name, group, None, dist.device)
+    model.to(dist.device)
+    if not ddp:
+        return model, model
+    if zoo.MODELS[model_name].reference == "dummy_ddp":
+        return DummyDDP(model), model
+    return nn.parallel.DistributedDataParallel(model, process_group=group, **ddp_options), model
+
+
+def micro_input(zoo_model: nn.Module, device: torch.device, index: int) -> tuple:
+    """The zoo model's input made different per `index` (floats scaled, integer ids rolled;
+    index 0: the input itself)."""
+    return tuple(
+        (t * (1.0 + 0.25 * index) if t.is_floating_point() else torch.roll(t, index, 0))
+        if isinstance(t, torch.Tensor)
+        else t
+        for t in zoo_model.get_input(device)
+    )
+
+
+@dataclasses.dataclass
+class Driver:
+    """One model in training: FSDP through an adapter, or the reference (DDP or bare), through
+    the same step primitives; `run` is the suite's loop of them, the fuzzer interprets its
+    programs with them."""
+
+    model: nn.Module  # the wrapped root, the DDP module or the bare model
+    zoo_model: nn.Module  # the unwrapped model: get_input, get_loss, run_backward
+    device: torch.device
+    adapter: Adapter | None = None  # None: the reference
+    optimizer_name: str = "sgd"  # "sgd" or "adam"; or assign `optimizer`
+
+    @functools.cached_property
+    def optimizer(self) -> torch.optim.Optimizer:
+        adam = self.optimizer_name == "adam"
+        options = {"lr": ADAM_LR} if adam else {"lr": LR, "momentum": MOMENTUM}
+        if self.adapter is not None:
+            return self.adapter.optimizer(self.model, self.optimizer_name, **options)
+        return (torch.optim.Adam if adam else torch.optim.SGD)(self.model.parameters(), **options)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def loss(self, index: int) -> torch.Tensor:
+        """The zoo model's loss of a forward of ``micro_input(index)``."""
+        inputs = micro_input(self.zoo_model, self.device, index)
+        return self.zoo_model.get_loss(inputs, self.model(*inputs))
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """The zoo model's backward of `loss`: through ``adapter_backward`` (the loss divisor
+        of summed reductions), or torch's for the reference."""
+        if self.adapter is None:
+            self.zoo_model.run_backward(loss)
+        else:
+            backward = functools.partial(adapter_backward, self.adapter, self.model)
+            self.zoo_model.run_backward(loss, backward)
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        if self.adapter is None:
+            return self.model.no_sync()
+        return self.adapter.no_sync(self.model)
+
+    def clip(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """The total gradient norm before clipping to `max_norm`."""
+        if self.adapter is None:
+            return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, norm_type)
+        return self.adapter.clip_grad_norm_(self.model, max_norm, norm_type)
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+    def eval_forward(self, *inputs: Any) -> Any:
+        with torch.no_grad():
+            return self.model(*inputs)
+
+    def round_trip(self) -> None:
+        """Load the adapter's state dict back into the model (the reference's parameters are
+        its state: nothing to do)."""
+        if self.adapter is not None:
+            self.adapter.load_state_dict(self.model, self.adapter.state_dict(self.model))
+
+    def params(self) -> dict[str, torch.Tensor]:
+        """Copies of the full parameters by the unwrapped model's names (tied: under each)."""
+        if self.adapter is not None:
+            return self.adapter.full_params(self.model)
+        named = self.zoo_model.named_parameters(remove_duplicate=False)
+        return {name: param.detach().clone() for name, param in named}
+
+    def grads(self) -> dict[str, Any] | None:
+        """Copies of the gradients after backward: the reference's full ones by name, or this
+        rank's ``Adapter.grad_shards`` (None: the adapter does not read them)."""
+        if self.adapter is None:
+            named = self.zoo_model.named_parameters(remove_duplicate=False)
+            return {name: p.grad.detach().clone() for name, p in named if p.grad is not None}
+        shards = self.adapter.grad_shards(self.model)
+        if shards is None:
+            return None
+        return {name: (start, values.clone()) for name, (start, values) in shards.items()}
+
+    def accumulate(
+        self, syncs: Sequence[bool], loss: Callable[[int], torch.Tensor], phase: Phase | None = None
+    ) -> list[torch.Tensor]:
+        """One optimizer step's micro-batches: micro-batch i's ``loss(i)`` divided by their
+        number and run backward, inside ``no_sync`` unless ``syncs[i]`` and inside
+        ``phase(i)``; with more than one, the adapter's ``accumulation_boundary`` before each.
+        Returns the divided losses (fp32)."""
+        count, losses = len(syncs), []
+        for micro, sync in enumerate(syncs):
+            if count > 1 and self.adapter is not None:
+                self.adapter.accumulation_boundary(self.model, micro == count - 1)
+            with contextlib.ExitStack() as contexts:
+                if not sync:
+                    contexts.enter_context(self.no_sync())
+                if phase is not None:
+                    contexts.enter_context(phase(micro))
+                value = loss(micro)
+                value = value / count if count > 1 else value
+                self.backward(value)
+            losses.append(value.detach().float())
+        return losses
+
+    def run(
+        self,
+        steps: int,
+        *,
+        start: int = 0,
+        micro_batches: int = 1,
+        sync_every: bool = True,
+        same_input: bool = False,
+        alternate_set_to_none: bool = False,
+        phase: Callable[[int, int], contextlib.AbstractContextManager[Any]] | None = None,
+        loss: Callable[[int, int], torch.Tensor] | None = None,
+        after_backward: Callable[[int], None] | None = None,
+        after_step: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
+        """`steps` optimizer steps from `start` of `micro_batches` micro-batches (all but the
+        last inside ``no_sync`` unless `sync_every`; inputs ``micro_input(index)``, index 0
+        for all with `same_input`); returns every micro loss. ``zero_grad(set_to_none=True)``
+        each step (`alternate_set_to_none`: in even steps only); `loss(step, index)` replaces
+        ``self.loss(index)``; `phase(step, micro)` is a context manager around each
+        micro-batch; the hooks get the step."""
+        losses: list[torch.Tensor] = []
+        syncs = [sync_every or micro == micro_batches - 1 for micro in range(micro_batches)]
+        for step in range(start, start + steps):
+            self.zero_grad(set_to_none=not alternate_set_to_none or step % 2 == 0)
+
+            def micro_loss(micro: int, step: int = step) -> torch.Tensor:
+                index = 0 if same_input else step * micro_batches + micro
+                return self.loss(index) if loss is None else loss(step, index)
+
+            step_phase = None if phase is None else functools.partial(phase, step)
+            losses += self.accumulate(syncs, micro_loss, step_phase)
+            if after_backward is not None:
+                after_backward(step)
+            self.step()
+            if after_step is not None:
+                after_step(step)
+        return torch.stack(losses)
+
+    def trained(self, steps: int = STEPS, **options: Any) -> TrainingResult:
+        """`train`'s loop of `steps` steps (`options`: ``run``'s), with the gradients after
+        every backward and the full parameters after the last step."""
+        grads: list[Any] = []
+        options.update(same_input=True, alternate_set_to_none=True)
+        losses = self.run(steps, after_backward=lambda _: grads.append(self.grads()), **options)
+        readable = all(g is not None for g in grads)
+        return TrainingResult(losses, self.params(), grads if readable else None)
+
+
 def train(
     model: nn.Module,
     zoo_model: nn.Module,
     device: torch.device,
     steps: int = STEPS,
-    after_backward: Callable[[int], None] | None = None,
-    after_step: Callable[[int], None] | None = None,
     adapter: Adapter | None = None,
-    around_forward: Callable[[int], contextlib.AbstractContextManager[Any]] | None = None,
-    phase: Callable[[int], contextlib.AbstractContextManager[None]] | None = None,
+    **options: Any,
 ) -> torch.Tensor:
-    """`steps` SGD+momentum steps of `model` (a wrapped `zoo_model`); the fp32 losses.
-    `adapter`: the one that wrapped `model` (its optimizer and backward; None: torch's); the
-    hooks get the step; `around_forward(step)` / `phase(step)`: context managers the step's
-    forward / forward and backward run in."""
-    if adapter is None:
-        optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    else:
-        optimizer = adapter.optimizer(model, "sgd", lr=LR, momentum=MOMENTUM)
-    losses = []
-    for step in range(steps):
-        optimizer.zero_grad(set_to_none=step % 2 == 0)
-        with contextlib.nullcontext() if phase is None else phase(step):
-            inputs = zoo_model.get_input(device)
-            with around_forward(step) if around_forward else contextlib.nullcontext():
-                output = model(*inputs)
-            loss = zoo_model.get_loss(inputs, output)
-            if adapter is None:
-                zoo_model.run_backward(loss)
-            else:
-                zoo_model.run_backward(loss, functools.partial(adapter_backward, adapter, model))
-        if after_backward is not None:
-            after_backward(step)
-        optimizer.step()
-        if after_step is not None:
-            after_step(step)
-        losses.append(loss.detach().float())
-    return torch.stack(losses)
+    """`steps` SGD+momentum steps of `model` (a wrapped `zoo_model`, DDP or bare): the parity
+    checks' loop (the zoo model's own input every step, ``zero_grad`` alternating
+    ``set_to_none``, True in step 0); the fp32 losses. `adapter`: the one that wrapped `model`
+    (None: torch's optimizer and backward); `options`: ``Driver.run``'s hooks."""
+    driver = Driver(model, zoo_model, device, adapter)
+    return driver.run(steps, same_input=True, alternate_set_to_none=True, **options)
 
 
 def adapter_backward(adapter: Adapter, model: nn.Module, loss: torch.Tensor) -> None:
@@ -113,52 +316,20 @@ def own_parameters(instances: list[nn.Module], instance: nn.Module) -> list[torc
     return params
 
 
-# (model, rank, world size, device, steps) -> result; per rank process (and per rank thread)
-_reference_cache: dict[tuple, TrainingResult] = {}
+def fsdp_driver(
+    adapter: Adapter, model_name: str, dist: Any, config: dict | None = None, **options: Any
+) -> Driver:
+    """``build``'s model in a Driver (`options`: ``build``'s, and ``optimizer_name``)."""
+    name = options.pop("optimizer_name", "sgd")
+    root, zoo_model = build(adapter, model_name, dist, config or {}, **options)
+    return Driver(root, zoo_model, dist.device, adapter, name)
 
 
-def reference_run(model_name: str, dist: Any, steps: int = STEPS) -> TrainingResult:
-    """The unwrapped model trained under DDP (DummyDDP for self-reducing models), cached."""
-    key = (model_name, dist.rank, dist.world_size, str(dist.device), steps)
-    if key not in _reference_cache:
-        model = zoo.build(model_name, dist.group, None, dist.device)
-        model.to(dist.device)
-        if zoo.MODELS[model_name].reference == "dummy_ddp":
-            wrapped: nn.Module = DummyDDP(model)
-        else:
-            wrapped = nn.parallel.DistributedDataParallel(model, process_group=dist.group)
-        grads: list[dict[str, Any]] = []
-
-        def record_grads(step: int) -> None:
-            named = model.named_parameters(remove_duplicate=False)
-            grads.append({n: p.grad.detach().clone() for n, p in named if p.grad is not None})
-
-        losses = train(wrapped, model, dist.device, steps, after_backward=record_grads)
-        params = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
-        _reference_cache[key] = TrainingResult(losses, params, grads)
-    return _reference_cache[key]
-
-
-def wrap_model(
-    adapter: Adapter,
-    model_name: str,
-    dist: Any,
-    config: dict[str, Any],
-    device_init: str = "after",
-) -> tuple[nn.Module, nn.Module]:
-    """The zoo model wrapped by `adapter` with `config`: (root, zoo model). Skips when the
-    adapter lacks a feature the config or the model needs."""
-    adapter_features.skip_unless(adapter, *zoo.MODELS[model_name].features)
-    adapter_features.skip_unless(adapter, *adapter_features.wrap_features(**config))
-    zoo_model = zoo.build(
-        model_name, dist.group, adapter.wrapper(**config), dist.device, device_init
-    )
-    root_config = {**config, **zoo_model.ROOT_WRAP_CONFIG}
-    adapter_features.skip_unless(adapter, *adapter_features.wrap_features(**root_config))
-    if DeviceInit(device_init) is DeviceInit.NEVER and dist.device.type != "cpu":
-        root_config.setdefault("device_id", dist.device)  # the implementation moves it
-    root = adapter.wrap(zoo_model, root=True, **root_config)
-    return move_after_wrap(root, DeviceInit(device_init), dist.device), zoo_model
+def ddp_driver(model_name: str, dist: Any, **options: Any) -> Driver:
+    """``build_reference``'s model in a Driver (`options`: its, and ``optimizer_name``)."""
+    name = options.pop("optimizer_name", "sgd")
+    model, zoo_model = build_reference(model_name, dist, **options)
+    return Driver(model, zoo_model, dist.device, optimizer_name=name)
 
 
 def fsdp_run(
@@ -170,31 +341,19 @@ def fsdp_run(
     steps: int = STEPS,
 ) -> TrainingResult:
     """The zoo model wrapped by `adapter` with `config`, trained `steps` steps."""
-    root, zoo_model = wrap_model(adapter, model_name, dist, config, device_init)
-    return fsdp_train(adapter, root, zoo_model, dist, steps)
+    return fsdp_driver(adapter, model_name, dist, config, device_init=device_init).trained(steps)
 
 
-def fsdp_train(
-    adapter: Adapter,
-    root: nn.Module,
-    zoo_model: nn.Module,
-    dist: Any,
-    steps: int = STEPS,
-    phase: Callable[[int], contextlib.AbstractContextManager[None]] | None = None,
-) -> TrainingResult:
-    """Train a wrapped root `steps` steps, with its gradient shards after every backward."""
-    grads: list[Any] = []
+# (model, rank, world size, device, steps) -> result; per rank process (and per rank thread)
+_reference_cache: dict[tuple, TrainingResult] = {}
 
-    def record_grads(step: int) -> None:
-        shards = adapter.grad_shards(root)
-        if shards is not None:
-            shards = {name: (start, values.clone()) for name, (start, values) in shards.items()}
-        grads.append(shards)
 
-    losses = train(root, zoo_model, dist.device, steps, record_grads, adapter=adapter, phase=phase)
-    readable = all(shards is not None for shards in grads)
-    params = adapter.full_params(root)
-    return TrainingResult(losses, params, grads if readable else None)
+def reference_run(model_name: str, dist: Any, steps: int = STEPS) -> TrainingResult:
+    """The unwrapped model trained under DDP (DummyDDP for self-reducing models), cached."""
+    key = (model_name, dist.rank, dist.world_size, str(dist.device), steps)
+    if key not in _reference_cache:
+        _reference_cache[key] = ddp_driver(model_name, dist).trained(steps)
+    return _reference_cache[key]
 
 
 def assert_same_training(
@@ -218,42 +377,30 @@ def assert_same_training(
     detail = f"FSDP losses {actual.losses.tolist()}, DDP losses {expected.losses.tolist()}"
     if actual.losses.shape != expected.losses.shape:
         raise AssertionError(f"{label}: {len(actual.losses)} losses, DDP {len(expected.losses)}")
-    for step in range(len(expected.losses)):
-        assert_close(
-            f"{label}: losses differ from DDP's at step {step} "
-            f"({tolerance_text(loss_atol, loss_rtol)})",
-            actual.losses[step],
-            expected.losses[step],
-            loss_atol,
-            loss_rtol,
-            detail=detail,
-        )
-        if actual.grads is not None and expected.grads is not None:
-            full = expected.grads[step]
-            for name, (start, values) in actual.grads[step].items():
-                if name not in full:
-                    raise AssertionError(
-                        f"{label}: after step {step}'s backward the FSDP run holds a gradient "
-                        f"of {name!r}, DDP has none (DDP's: {sorted(full)})"
-                    )
-                assert_close(
-                    f"{label}: after step {step}'s backward, this rank's gradient shard of "
-                    f"{name!r} (elements {start}..{start + values.numel()} of the flattened "
-                    f"parameter) differs from DDP's gradient there ({tolerance_text(atol, rtol)})",
-                    values,
-                    full[name].reshape(-1)[start : start + values.numel()],
-                    atol,
-                    rtol,
+    tol, loss_tol = tolerance_text(atol, rtol), tolerance_text(loss_atol, loss_rtol)
+    for step, (loss, reference) in enumerate(zip(actual.losses, expected.losses)):
+        message = f"{label}: losses differ from DDP's at step {step} ({loss_tol})"
+        assert_close(message, loss, reference, loss_atol, loss_rtol, detail=detail)
+        if actual.grads is None or expected.grads is None:
+            continue
+        full = expected.grads[step]
+        for name, (start, values) in actual.grads[step].items():
+            if name not in full:
+                raise AssertionError(
+                    f"{label}: after step {step}'s backward the FSDP run holds a gradient "
+                    f"of {name!r}, DDP has none (DDP's: {sorted(full)})"
                 )
+            end = start + values.numel()
+            message = (
+                f"{label}: after step {step}'s backward, this rank's gradient shard of {name!r} "
+                f"(elements {start}..{end} of the flattened parameter) differs from DDP's "
+                f"gradient there ({tol})"
+            )
+            assert_close(message, values, full[name].reshape(-1)[start:end], atol, rtol)
     for name, reference in expected.params.items():
-        assert_close(
-            f"{label}: parameter {name!r} differs from DDP's after {len(expected.losses)} "
-            f"steps ({tolerance_text(atol, rtol)})",
-            actual.params[name],
-            reference,
-            atol,
-            rtol,
-        )
+        message = f"{label}: parameter {name!r} differs from DDP's after {len(expected.losses)} "
+        message += f"steps ({tol})"
+        assert_close(message, actual.params[name], reference, atol, rtol)
 
 
 def tolerance_text(atol: float, rtol: float) -> str:
@@ -282,3 +429,94 @@ def assert_close(
         raise AssertionError(
             f"{message}: max |difference| {difference:.3g}" + (f"; {detail}" if detail else "")
         )
+
+
+def assert_params(
+    label: str, actual: dict, expected: dict, steps: int, atol: float = 0.0, rtol: float = 0.0
+) -> None:
+    """Full parameters after `steps` optimizer steps equal the reference's."""
+    assert_same_training(
+        label,
+        TrainingResult(torch.zeros(steps), actual),
+        TrainingResult(torch.zeros(steps), expected),
+        atol,
+        rtol,
+    )
+
+
+def assert_losses(label: str, actual: torch.Tensor, expected: torch.Tensor, tol: float = 0.0):
+    assert_close(
+        f"{label}: losses differ from DDP's ({tolerance_text(tol, tol)})",
+        actual,
+        expected,
+        tol,
+        tol,
+        detail=f"FSDP losses {actual.tolist()}, DDP losses {expected.tolist()}",
+    )
+
+
+def compare(
+    label: str, driver: Driver, losses: Any, reference: Driver, expected: Any, steps: int, tol=0.0
+) -> None:
+    """`losses` equal the reference's `expected`, and so do `driver`'s full parameters."""
+    assert_losses(label, losses, expected, tol)
+    assert_params(label, driver.params(), reference.params(), steps, tol, tol)
+
+
+def by_clean_name(adapter: Adapter, named: Iterable[tuple[str, Any]]) -> dict[str, Any]:
+    """`named`'s (name, value) pairs by the unwrapped model's names (wrapper segments cut)."""
+    segments = adapter.declarations.wrapper_segments
+    return {clean_param_name(name, segments): value for name, value in named}
+
+
+def unsharded(adapter: Adapter, root: nn.Module, step: int, skip_root: bool = False) -> list[str]:
+    """``step <step>: <module>`` for each instance of `root` holding unsharded parameters."""
+    instances = adapter.instances(root)[1 if skip_root else 0 :]
+    return [
+        f"step {step}: {type(adapter.unwrap(instance)).__name__}"
+        for instance in instances
+        if adapter.is_unsharded(instance)
+    ]
+
+
+def trainable_labels(adapter: Adapter, root: nn.Module, trace: CommTrace) -> dict[str, bool]:
+    """Instance label -> whether the instance's own parameters include a trainable one."""
+    instances = adapter.instances(root)
+    return {
+        trace.labels[id(instance)]: any(
+            p.requires_grad for p in own_parameters(instances, instance)
+        )
+        for instance in instances
+    }
+
+
+def reductions_per_label(trace: CommTrace, phase: str, ops: Any = REDUCE_OPS) -> dict[str, int]:
+    """Instance label -> how many of `ops` (gradient reductions by default) it issued."""
+    counts: dict[str, int] = {}
+    for event in trace.select(phase, ops):
+        counts[event.label] = counts.get(event.label, 0) + 1
+    return counts
+
+
+def parametrize(metafunc: pytest.Metafunc, **values: tuple[Any, ...]) -> None:
+    """Parametrize each of `values`' fixture names the test takes, in the order given (the
+    test id joins them in that order: ``loops-FULL_SHARD-no_sync``)."""
+    for name, options in values.items():
+        if name in metafunc.fixturenames:
+            metafunc.parametrize(name, [pytest.param(v, id=_id(v)) for v in options])
+
+
+def _id(value: Any) -> str:
+    if isinstance(value, float):
+        return "inf" if math.isinf(value) else f"norm{value:g}"
+    return getattr(value, "id", str(value))
+
+
+def average_gradients(model: nn.Module, group: Any) -> None:
+    """DDP's averaging by hand: each gradient divided by the world size, then summed."""
+    import torch.distributed as dist
+
+    for param in model.parameters():
+        if param.grad is not None:
+            param.grad.div_(group.size())
+            dist.all_reduce(param.grad, group=group)

@@ -361,7 +361,7 @@ def test_generated_model_deviations_reproduce(dist):
 @pytest.mark.world_size(2)
 def test_shared_parameter_across_instances_is_untied(dist):
     """The declared wrap.shared_across_instances deviation: one step unties the tied weight."""
-    from fsdp_conformance.suite.loop_driver import build
+    from fsdp_conformance.suite.training import build
 
     adapter = get_adapter("fairscale")
     root, zoo_model = build(adapter, "tied_instances", dist, {})
@@ -376,7 +376,7 @@ def test_shared_parameter_across_instances_is_untied(dist):
 @pytest.mark.world_size(2)
 def test_nested_instance_called_alone_stays_in_backward_post(dist):
     """The declared forward.other_method deviation (a nested instance called alone)."""
-    from fsdp_conformance.suite.loop_driver import build
+    from fsdp_conformance.suite.training import build
     from fsdp_conformance.training_states import InstanceState
 
     adapter = get_adapter("fairscale")

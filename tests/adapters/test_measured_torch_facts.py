@@ -356,7 +356,7 @@ def test_torch_fsdp1_unties_a_parameter_shared_across_instances(dist):
 def test_torch_fsdp1_nested_instance_called_alone_stays_in_backward_post(dist):
     """torch-fsdp1's forward.other_method deviation (the nested instance called alone)."""
     from fsdp_conformance.adapters import get_adapter
-    from fsdp_conformance.suite.loop_driver import build
+    from fsdp_conformance.suite.training import build
     from fsdp_conformance.training_states import InstanceState
 
     adapter = get_adapter("torch-fsdp1")

@@ -167,7 +167,7 @@ def test_no_reshard_after_forward_is_within_the_counts_and_caught_by_the_memory_
         trace, instances = trace_of(dist, {"sharding_strategy": "FULL_SHARD"}, compute=False)
         comm_checks.assert_counts(trace, "FULL_SHARD", instances, "adapter 'impl' (broken)")
         config = {"sharding_strategy": "FULL_SHARD"}
-        root, zoo_model = training.wrap_model(adapter, "nested", dist, config)
+        root, zoo_model = training.build(adapter, "nested", dist, config)
         probe, _ = observed_training(adapter, root, zoo_model, dist)
     kept = {label: names for label, names in probe.alive.items() if label != probe.root_label}
     assert all(kept.get(label) for label in ("module.1", "module.1.0", "module.2")), kept

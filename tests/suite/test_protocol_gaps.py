@@ -66,7 +66,7 @@ class OneQueueRecorder(TrainingStateRecorder):
 
 def _violations(recorder_type: type, dist: object) -> list[str]:
     adapter = FinalCallbackLast()
-    root, zoo_model = training.wrap_model(adapter, "always_wrap", dist, {})
+    root, zoo_model = training.build(adapter, "always_wrap", dist, {})
     adapter.emulate_root(root)
     with recorder_type(adapter, root) as recorder:
         training.train(

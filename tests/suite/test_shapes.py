@@ -168,7 +168,7 @@ def test_deepspeed_zero3_keeps_parameters_after_forward_from_the_second_step(dis
     if adapter_features.why_unsupported(adapter, Feature.FULL_SHARD) is not None:
         pytest.skip(adapter_features.why_unsupported(adapter, Feature.FULL_SHARD))
     config = {"sharding_strategy": "FULL_SHARD"}
-    root, zoo_model = training.wrap_model(adapter, "nested", dist, config)
+    root, zoo_model = training.build(adapter, "nested", dist, config)
     optimizer = adapter.optimizer(root, "sgd", lr=training.LR)
     gathered = []  # per step: parameter name -> whether it holds its full data after forward
     for _ in range(2):
@@ -194,7 +194,7 @@ def test_simple_fsdp_reductions_are_observed_with_their_dtypes(dist, monkeypatch
     from fsdp_conformance.suite import training
 
     mixed = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
-    root, zoo_model = training.wrap_model(ADAPTER, "nested", dist, {"mixed_precision": mixed})
+    root, zoo_model = training.build(ADAPTER, "nested", dist, {"mixed_precision": mixed})
     calls = []
     with observing_collectives(calls.append):
         inputs = zoo_model.get_input(dist.device)
@@ -215,7 +215,7 @@ def test_simple_fsdp_unties_tied_weights(dist, monkeypatch) -> None:
 
     from fsdp_conformance.suite import training
 
-    _, zoo_model = training.wrap_model(ADAPTER, "transformer", dist, {})
+    _, zoo_model = training.build(ADAPTER, "transformer", dist, {})
     shards = [
         module.parametrizations.weight.original
         for module in (zoo_model.embed_tokens, zoo_model.output_proj)

@@ -25,9 +25,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_conformance.adapters import UnsupportedFeatureError, clean_param_name
+from fsdp_conformance.adapters import UnsupportedFeatureError
 from fsdp_conformance.adapters import deviations as adapter_deviations
-from fsdp_conformance.suite.training import LR, MOMENTUM, adapter_backward
+from fsdp_conformance.suite.training import Driver
 
 from .model import build_model, make_batch, unpack
 from .spec import Block, FuzzCase, iter_nodes
@@ -57,16 +57,9 @@ class Trace:
     params: dict[str, torch.Tensor]
 
 
-def _train(
-    model: nn.Module,
-    case: FuzzCase,
-    dist: Any,
-    optimizer: Any,
-    adapter: Any = None,
-    after_step: Any = None,
-) -> list[tuple[str, float]]:
-    """Run the program: ``model`` is the DDP reference when ``adapter`` is None, else the root
-    wrapped through ``adapter``. Returns the named losses and norms in program order."""
+def run_program(driver: Driver, case: FuzzCase, dist: Any, after_step: Any = None) -> Trace:
+    """The case's program through ``driver`` (the DDP reference, or the FSDP root through its
+    adapter): the named losses and norms in program order, and the full parameters."""
     values: list[tuple[str, float]] = []
     program = case.program
     forwards = itertools.count()  # every forward gets its own batch
@@ -77,46 +70,26 @@ def _train(
             case.model, program.batch, program.data_seed, dist.rank, index, dist.device
         )
 
+    def loss(output: Any) -> torch.Tensor:
+        return unpack(output).float().pow(2).mean()
+
     for step_index, step in enumerate(program.steps):
-        optimizer.zero_grad(set_to_none=False)
-        for micro_index, sync in enumerate(step.micro):
-            x, tokens = batch()
-            if adapter is not None and len(step.micro) > 1:
-                last = micro_index == len(step.micro) - 1
-                adapter.accumulation_boundary(model, last)
-            if sync:
-                context = contextlib.nullcontext()
-            elif adapter is None:
-                context = model.no_sync()
-            else:
-                context = adapter.no_sync(model)
-            with context:
-                output = unpack(model(x, tokens, step_index))
-                loss = output.float().pow(2).mean() / len(step.micro)
-                if adapter is None:
-                    loss.backward()
-                else:
-                    adapter_backward(adapter, model, loss)
-            values.append((f"step {step_index} micro-batch {micro_index} loss", loss.item()))
+        driver.zero_grad(set_to_none=False)
+        forward = lambda _, it=step_index: loss(driver.model(*batch(), it))
+        losses = driver.accumulate(step.micro, forward)
+        for micro_index, value in enumerate(losses):
+            values.append((f"step {step_index} micro-batch {micro_index} loss", value.item()))
         if step.clip is not None:
-            if adapter is None:
-                trainable = [param for param in model.parameters() if param.requires_grad]
-                norm = torch.nn.utils.clip_grad_norm_(trainable, step.clip)
-            else:
-                norm = adapter.clip_grad_norm_(model, step.clip)
-            values.append((f"step {step_index} total grad norm", float(norm)))
-        optimizer.step()
+            values.append((f"step {step_index} total grad norm", float(driver.clip(step.clip))))
+        driver.step()
         if after_step is not None:
             after_step()
-        if adapter is not None and step.round_trip:
-            state = adapter.state_dict(model)
-            adapter.load_state_dict(model, state)
+        if step.round_trip:
+            driver.round_trip()
         if step.eval:
-            x, tokens = batch()
-            with torch.no_grad():
-                output = unpack(model(x, tokens, step_index))
-            values.append((f"step {step_index} eval loss", output.float().pow(2).mean().item()))
-    return values
+            output = driver.eval_forward(*batch(), step_index)
+            values.append((f"step {step_index} eval loss", loss(output).item()))
+    return Trace(values, driver.params())
 
 
 def reference_run(case: FuzzCase, dist: Any) -> Trace:
@@ -125,19 +98,16 @@ def reference_run(case: FuzzCase, dist: Any) -> Trace:
     ddp = nn.parallel.DistributedDataParallel(
         model, process_group=dist.group, find_unused_parameters=True
     )
-    trainable = [param for param in model.parameters() if param.requires_grad]
-    values = _train(ddp, case, dist, torch.optim.SGD(trainable, lr=LR, momentum=MOMENTUM))
-    params = model.named_parameters(remove_duplicate=False)
-    return Trace(values, {name: param.detach().clone() for name, param in params})
+    return run_program(Driver(ddp, model, dist.device), case, dist)
 
 
 class RefusedAtWrap(Exception):
     """``adapter.wrap`` raised: the implementation refused the model or config at wrap time."""
 
 
-def fsdp_wrap(adapter: Any, case: FuzzCase, dist: Any) -> nn.Module:
+def fsdp_wrap(adapter: Any, case: FuzzCase, dist: Any) -> tuple[nn.Module, nn.Module]:
     """The case's model wrapped as the plan says (nested instances innermost first, then the
-    root); RefusedAtWrap when a wrap raises."""
+    root): (root, the model); RefusedAtWrap when a wrap raises."""
     config = case.wrap_config
     try:
         model = build_model(case.model, "meta" if case.meta else "cpu")
@@ -154,27 +124,24 @@ def fsdp_wrap(adapter: Any, case: FuzzCase, dist: Any) -> nn.Module:
         raise
     except Exception as error:  # noqa: BLE001  any error at wrap time is a refusal
         raise RefusedAtWrap(f"{type(error).__name__}: {error}") from error
-    return root if dist.device.type == "cpu" else root.to(dist.device)
+    return (root if dist.device.type == "cpu" else root.to(dist.device)), model
 
 
-def fsdp_train(adapter: Any, root: nn.Module, case: FuzzCase, dist: Any) -> Trace:
-    """Train the wrapped ``root`` through ``adapter`` (states recorded where it has them); a
-    meta-device case is materialised and loaded with the CPU build's weights first."""
+def fsdp_train(adapter: Any, root: nn.Module, model: nn.Module, case: FuzzCase, dist: Any) -> Trace:
+    """Train the wrapped ``root`` of ``model`` through ``adapter`` (states recorded where it
+    has them); a meta-device case is materialised and loaded with the CPU build's weights
+    first."""
     if case.meta:
         adapter.materialize(root, device=dist.device)
         weights = build_model(case.model, dist.device).state_dict()
         adapter.load_state_dict(root, weights)
+    driver = Driver(root, model, dist.device, adapter)
     recorder = _recorder(adapter, root)
-    optimizer = adapter.optimizer(root, "sgd", lr=LR, momentum=MOMENTUM)
-    if recorder is None:
-        values = _train(root, case, dist, optimizer, adapter)
-    else:
-        with recorder:
-            values = _train(root, case, dist, optimizer, adapter, recorder.after_step)
+    with recorder or contextlib.nullcontext():
+        trace = run_program(driver, case, dist, recorder and recorder.after_step)
+    if recorder is not None:
         recorder.assert_legal()
-    segments = adapter.declarations.wrapper_segments
-    params = adapter.full_params(root).items()
-    return Trace(values, {clean_param_name(name, segments): p for name, p in params})
+    return trace
 
 
 def _recorder(adapter: Any, root: nn.Module) -> Any:
@@ -256,7 +223,7 @@ def run_case(adapter: Any, case: FuzzCase, dist: Any) -> Outcome:
     FSDP collective is in flight), then the FSDP training.
     """
     try:
-        root = fsdp_wrap(adapter, case, dist)
+        root, model = fsdp_wrap(adapter, case, dist)
     except (UnsupportedFeatureError, RefusedAtWrap) as refusal:
         return Outcome(UNSUPPORTED, str(refusal))
     try:
@@ -268,7 +235,7 @@ def run_case(adapter: Any, case: FuzzCase, dist: Any) -> Outcome:
             "FSDP): " + "".join(traceback.format_exception(raised)).rstrip(),
         )
     try:
-        actual = fsdp_train(adapter, root, case, dist)
+        actual = fsdp_train(adapter, root, model, case, dist)
         difference = first_difference(case, actual, expected, dist.world_size)
         if difference is None:
             return Outcome(OK)

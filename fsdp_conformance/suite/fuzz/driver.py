@@ -161,6 +161,94 @@ def _follow(adapter: Any, dist: Any) -> None:
         tdist.all_gather_object([None] * dist.world_size, outcome)
 
 
+@dataclasses.dataclass
+class _Search:
+    """Rank 0's side of one hypothesis run: the property, and what it has seen so far."""
+
+    adapter: Any
+    dist: Any
+    result: FuzzResult
+    max_seconds: float | None
+    progress_file: str | None
+    start: float = dataclasses.field(default_factory=time.monotonic)
+    # repr(case) -> (message, size), when it failed
+    failing: dict[str, tuple[str, int]] = dataclasses.field(default_factory=dict)
+    minimal: Any = None  # the last case that raised (hypothesis replays the minimum last)
+    last_refusal: str = "none"
+    counts: dict[str, int] = dataclasses.field(default_factory=dict)  # refusal headline -> count
+
+    def report(self) -> None:
+        result = self.result
+        result.elapsed = time.monotonic() - self.start
+        if self.progress_file is None:
+            return
+        line = (
+            f"examples {result.examples} ({result.unsupported} unsupported, "
+            f"{result.deviations} deviations), {result.rate:.2f} examples/s"
+        )
+        if self.failing:
+            line += (
+                f", shrinking: {result.shrinks} cases tried, smallest failing case size "
+                f"{min(size for _, size in self.failing.values())}"
+            )
+        with open(self.progress_file + ".tmp", "w", encoding="utf-8") as stream:
+            stream.write(line)
+        os.replace(self.progress_file + ".tmp", self.progress_file)
+
+    def prop(self, case: FuzzCase) -> None:
+        key = repr(case)
+        # hypothesis replays the minimal case: do not run it again
+        message = self.failing[key][0] if key in self.failing else self.judge(case, key)
+        if message is not None:
+            self.minimal = case
+            raise FuzzFailure(message)  # one raising line: hypothesis sees one bug
+
+    def judge(self, case: FuzzCase, key: str) -> str | None:
+        import torch.distributed as tdist
+
+        result, dist = self.result, self.dist
+        if self.max_seconds is not None and time.monotonic() - self.start > self.max_seconds:
+            result.time_limited = True
+            if not self.failing:
+                raise _OutOfTime
+            return None  # shrinking past the deadline: stop with the smallest failure so far
+        tdist.broadcast_object_list([case], src=0)  # the other ranks run it in _follow
+        gathered: list[Any] = [None] * dist.world_size
+        tdist.all_gather_object(gathered, run_case(self.adapter, case, dist))
+        outcome = combine(gathered)
+        if self.failing:
+            result.shrinks += 1
+        if outcome.kind == UNSUPPORTED:
+            self.refused(outcome.message)
+        if not self.failing:
+            result.examples += 1
+            if outcome.kind == DEVIATION:
+                result.deviations += 1
+                reasons = result.deviation_reasons
+                if outcome.message not in reasons and len(reasons) < 5:
+                    reasons.append(outcome.message)
+        self.report()
+        if outcome.kind != FAIL:
+            return None
+        if not self.failing:
+            result.found_at = result.examples
+        self.failing[key] = (outcome.message, case.size())
+        return outcome.message
+
+    def refused(self, message: str) -> None:
+        """Count a refused case and reject it (hypothesis draws another)."""
+        from hypothesis import reject
+
+        self.result.unsupported += 1
+        self.last_refusal = message
+        headline = message.strip().splitlines()[0][:200] if message else ""
+        self.counts[headline] = self.counts.get(headline, 0) + 1
+        ranked = sorted(self.counts.items(), key=lambda kv: -kv[1])[:3]
+        self.result.refusal_reasons = [[text, count] for text, count in ranked]
+        self.report()
+        reject()
+
+
 def _drive(
     adapter: Any,
     dist: Any,
@@ -170,80 +258,13 @@ def _drive(
     max_seconds: float | None,
     progress_file: str | None,
 ) -> FuzzResult:
-    import torch.distributed as tdist
-    from hypothesis import HealthCheck, Phase, Verbosity, given, reject, settings
+    from hypothesis import HealthCheck, Phase, Verbosity, given, settings
     from hypothesis import seed as fixed_seed
     from hypothesis.errors import Unsatisfiable
 
     result = FuzzResult("pass", adapter.name, seed, dist.world_size)
-    start = time.monotonic()
+    search = _Search(adapter, dist, result, max_seconds, progress_file)
     cpu_start = time.process_time()
-    failing: dict[str, tuple[str, int]] = {}  # repr(case) -> (message, size), when it failed
-    minimal: list[Any] = [None]  # the last case that raised (hypothesis replays the minimum last)
-    refusals: list[str] = []
-    counts: dict[str, int] = {}  # refusal headline -> how often
-
-    def report() -> None:
-        result.elapsed = time.monotonic() - start
-        if progress_file is None:
-            return
-        line = (
-            f"examples {result.examples} ({result.unsupported} unsupported, "
-            f"{result.deviations} deviations), {result.rate:.2f} examples/s"
-        )
-        if failing:
-            line += (
-                f", shrinking: {result.shrinks} cases tried, smallest failing case size "
-                f"{min(size for _, size in failing.values())}"
-            )
-        with open(progress_file + ".tmp", "w", encoding="utf-8") as stream:
-            stream.write(line)
-        os.replace(progress_file + ".tmp", progress_file)
-
-    def prop(case: FuzzCase) -> None:
-        key = repr(case)
-        # hypothesis replays the minimal case: do not run it again
-        message = failing[key][0] if key in failing else judge(case, key)
-        if message is not None:
-            minimal[0] = case
-            raise FuzzFailure(message)  # one raising line: hypothesis sees one bug
-
-    def judge(case: FuzzCase, key: str) -> str | None:
-        if max_seconds is not None and time.monotonic() - start > max_seconds:
-            result.time_limited = True
-            if not failing:
-                raise _OutOfTime
-            return None  # shrinking past the deadline: stop with the smallest failure so far
-        tdist.broadcast_object_list([case], src=0)  # the other ranks run it in _follow
-        gathered: list[Any] = [None] * dist.world_size
-        tdist.all_gather_object(gathered, run_case(adapter, case, dist))
-        outcome = combine(gathered)
-        if failing:
-            result.shrinks += 1
-        if outcome.kind == UNSUPPORTED:
-            result.unsupported += 1
-            refusals.append(outcome.message)
-            headline = outcome.message.strip().splitlines()[0][:200] if outcome.message else ""
-            counts[headline] = counts.get(headline, 0) + 1
-            ranked = sorted(counts.items(), key=lambda kv: -kv[1])[:3]
-            result.refusal_reasons = [[text, count] for text, count in ranked]
-            report()
-            reject()
-        if not failing:
-            result.examples += 1
-            if outcome.kind == DEVIATION:
-                result.deviations += 1
-                reasons = result.deviation_reasons
-                if outcome.message not in reasons and len(reasons) < 5:
-                    reasons.append(outcome.message)
-        report()
-        if outcome.kind != FAIL:
-            return None
-        if not failing:
-            result.found_at = result.examples
-        failing[key] = (outcome.message, case.size())
-        return outcome.message
-
     test = settings(
         max_examples=examples,
         database=None,
@@ -254,24 +275,23 @@ def _drive(
         report_multiple_bugs=False,
         verbosity=Verbosity.quiet,
         print_blob=False,
-    )(fixed_seed(seed)(given(strategy)(prop)))
+    )(fixed_seed(seed)(given(strategy)(lambda case: search.prop(case))))
     try:
         with _hypothesis_storage():
             test()
     except FuzzFailure:
-        case = minimal[0]
+        case = search.minimal
         result.status = "fail"
         result.case = repr(case)
         result.description = describe(case, dist.world_size)
-        result.message = failing[repr(case)][0]
+        result.message = search.failing[repr(case)][0]
     except _OutOfTime:
         pass
     except Unsatisfiable:
         result.status = "unsatisfiable"
-        last = refusals[-1] if refusals else "none"
-        result.message = f"every drawn case was refused; the last refusal: {last}"
+        result.message = f"every drawn case was refused; the last refusal: {search.last_refusal}"
     result.cpu_seconds = time.process_time() - cpu_start
-    report()
+    search.report()
     return result
 
 

@@ -15,6 +15,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from fsdp_conformance.models.model_base import run_loss_backward
+
 from .spec import Block, ModelSpec, Seq, final_width
 
 HEAD_WIDTH = 2
@@ -110,7 +112,10 @@ class FuzzSeq(nn.Module):
 
 
 class FuzzModel(nn.Module):
-    """The generated model: ``body`` then a trainable ``head``."""
+    """The generated model: ``body`` then a trainable ``head``; ``run_backward`` as the zoo's
+    models (what ``training.Driver`` calls)."""
+
+    run_backward = staticmethod(run_loss_backward)
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
