@@ -111,7 +111,7 @@ def test_counts_compare_phases_without_events(dist) -> None:
 
 def test_phases_lists_entered_phases_in_order() -> None:
     trace = CommTrace.__new__(CommTrace)
-    trace.events, trace._entered, trace._phase = [], [], "outside"
+    trace.events, trace._entered, trace._phase = [], {}, "outside"
     with trace.phase("a"), trace.phase("b"):
         pass
     assert trace.phases == ["a", "b"]
