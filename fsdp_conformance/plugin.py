@@ -424,7 +424,12 @@ def _not_applicable(adapter: Any, check: Any) -> Any:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """A cell not applicable to the adapter is skipped here, its verdict recorded."""
+    """A cell not applicable to the adapter is skipped here, its verdict recorded. The rank
+    processes' zygote imports the installed suite's collected modules before it forks."""
+    from fsdp_conformance.harness import zygote
+
+    modules = {getattr(getattr(item, "module", None), "__name__", "") for item in items}
+    zygote.preload(sorted(name for name in modules if name.startswith(_SUITE)))
     adapter: Any = _UNRESOLVED  # resolved once, at the first registered check
     for item in items:
         check = _registered_check(item)

@@ -9,6 +9,8 @@ Every field comes from the cell's ``checks.Result``; no message text is parsed.
 
 from __future__ import annotations
 
+import collections
+import gc
 import json
 import os
 import sys
@@ -128,6 +130,27 @@ def pytest_configure(config: pytest.Config) -> None:
     path = os.environ.get(ENV_RESULTS)
     if path and not hasattr(config, "workerinput"):  # the controller (or the only process)
         config.pluginmanager.register(_Recorder(path), "fsdp-conformance-cli-recorder")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The cells of world sizes other than the run's go first, the smallest group first: xdist
+    hands each worker a run of consecutive cells, so that one worker starts a rank set of such
+    a size rather than every worker."""
+    default = str(config.getoption("fsdp_world_size"))
+
+    def size(item: pytest.Item) -> str:
+        marker = item.get_closest_marker("world_size")
+        return str(marker.args[0]) if marker is not None and marker.args else default
+
+    counts = collections.Counter(map(size, items))
+    items.sort(key=lambda item: (size(item) == default, counts[size(item)], size(item)))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """What collection imported lives as long as the session: frozen, the collections during
+    the run (and the five at its end) no longer walk it."""
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.hookimpl(wrapper=True)

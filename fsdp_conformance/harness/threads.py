@@ -133,91 +133,15 @@ def run_threaded(
     is reported ABORTED, not blamed.
     """
     import torch
-    import torch.distributed as dist
     from torch.testing._internal.distributed import multi_threaded_pg as mtpg
 
-    timeout = task.timeout
     mtpg.ProcessLocalGroup.reset()
     # per-thread registry of process group names (each rank thread has group "0")
     torch._C._distributed_c10d._set_thread_isolation_mode(True)
     _install_threaded_world(mtpg)
-    store = dist.HashStore()
-    baton = RngBaton(world_size)
-    outcomes: dict[int, RankOutcome] = {}
-    slots = {rank: collectives.CollectiveSlot.in_memory() for rank in range(world_size)}
-    # ranks whose body began (they held the baton at least once)
-    began: set[int] = set()
-    # the first rank that stopped without passing
-    first_stop: list[RankOutcome] = []
-
-    def records() -> dict[int, collectives.CollectiveRecord]:
-        return {r: slot.read() for r, slot in slots.items()}
-
-    def unmatched(rank: int) -> str:
-        passed = {r for r, o in outcomes.items() if o.status == PASSED}
-        return collectives.unmatched(records(), passed, rank)
-
-    def rank_thread(rank: int) -> None:
-        collectives.set_thread_slot(slots[rank])
-        try:
-            dist.init_process_group(
-                "threaded",
-                rank=rank,
-                world_size=world_size,
-                store=store,
-                timeout=datetime.timedelta(seconds=timeout),
-            )
-            ctx = RankContext(
-                rank=rank,
-                world_size=world_size,
-                group=dist.group.WORLD,
-                device=torch.device("cpu"),
-                backend="threaded",
-                tmp_path=pathlib.Path(task.tmp_path),
-                impl=task.impl,
-                mode="thread",
-                test_id=task.test_id,
-                init_method="threaded://",
-            )
-            baton.acquire(rank)
-            began.add(rank)
-            _local.held = (baton, rank)
-            try:
-                outcome = rank_task.run_task(task, ctx, call, values)
-            finally:
-                _local.held = None
-                baton.release(rank)
-        except BaseException as exc:  # noqa: BLE001  init failure
-            outcome = rank_task.classify_exception(rank, exc)
-        if outcome.status == FAILED and "Test termination event occurs" in outcome.message:
-            first = first_stop[0] if first_stop else None
-            where = slots[rank].read()
-            missing = unmatched(rank)
-            if first is None and missing:
-                # the ranks that finished ended the threaded group under this one
-                why = f"waiting in {where.where()}; never entered by the others: {missing}"
-                outcome = RankOutcome(rank, HUNG, message=why)
-            else:
-                why = (
-                    f"stopped because rank {first.rank} {first.status}"
-                    if first is not None
-                    else "stopped because the threaded process group was terminated"
-                )
-                if where.count and where.state != collectives.LEFT:
-                    why += f" while this rank waited in {where.where()}"
-                outcome = RankOutcome(rank, ABORTED, message=why)
-        elif outcome.status != PASSED:
-            if not first_stop:
-                first_stop.append(outcome)
-            # wake the ranks waiting for this one in a collective
-            mtpg.ProcessLocalGroup.exception_handle(None)
-        outcomes[rank] = outcome
-        collectives.set_thread_slot(None)
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group()
-
+    run = _ThreadedRun(task, world_size, call, values)
     threads = [
-        threading.Thread(target=rank_thread, args=(r,), name=f"fsdp-rank-{r}", daemon=True)
+        threading.Thread(target=run.rank_thread, args=(r,), name=f"fsdp-rank-{r}", daemon=True)
         for r in range(world_size)
     ]
     snapshot = isolation.StateSnapshot.take()
@@ -226,42 +150,16 @@ def run_threaded(
         with _patched_wait_points(mtpg):
             for thread in threads:
                 thread.start()
-            deadline = time.monotonic() + timeout
+            deadline = time.monotonic() + task.timeout
             for thread in threads:
                 thread.join(timeout=max(0.0, deadline - time.monotonic()))
             hung = [r for r, t in enumerate(threads) if t.is_alive()]
             if hung:
                 frames = sys._current_frames()
-                running = [r for r in hung if r in began]
+                running = [r for r in hung if r in run.began]
                 for rank in hung:
                     frame = frames.get(threads[rank].ident)
-                    stack = "".join(traceback.format_stack(frame)) if frame else "(no frame)"
-                    dump = f"Stack of rank thread {rank} (most recent call last):\n{stack}"
-                    if rank not in began:
-                        outcomes[rank] = RankOutcome(
-                            rank,
-                            ABORTED,
-                            message="never started its body: rank(s) "
-                            f"{', '.join(map(str, running)) or '?'} kept the turn until the "
-                            f"timeout of {timeout:g} s (thread ranks take turns; see "
-                            "[Note: per-rank RNG in threads])",
-                        )
-                        continue
-                    now = records()
-                    where = now[rank]
-                    missing = unmatched(rank)
-                    message = f"did not finish within the timeout of {timeout:g} s"
-                    outside = [r for r in running if not now[r].inside]
-                    if where.inside and outside:
-                        message = (
-                            f"waiting {where.describe()} for rank(s) "
-                            f"{', '.join(map(str, outside))}, which {message}"
-                        )
-                    elif where.inside:
-                        message += f" ({where.describe()})"
-                    if missing:
-                        message += f"; never entered by the others: {missing}"
-                    outcomes[rank] = RankOutcome(rank, HUNG, message=message, traceback=dump)
+                    run.outcomes[rank] = run.hung_outcome(rank, frame, running)
                 mtpg.ProcessLocalGroup.exception_handle(None)  # release collective waiters
     finally:
         uninstall()
@@ -271,4 +169,133 @@ def run_threaded(
             mtpg.ProcessLocalGroup.reset()
             torch._C._distributed_c10d._set_thread_isolation_mode(False)
         snapshot.restore(keep_warnings_guard=False)
-    return dict(outcomes), collectives.mismatch(records())
+    return dict(run.outcomes), collectives.mismatch(run.records())
+
+
+class _ThreadedRun:
+    """One test in rank threads: what the threads share, and how each rank's end reads."""
+
+    def __init__(
+        self, task: RankTask, world_size: int, call: Callable[..., Any], values: dict[str, Any]
+    ) -> None:
+        import torch.distributed as dist
+
+        self.task, self.world_size, self.call, self.values = task, world_size, call, values
+        self.store = dist.HashStore()
+        self.baton = RngBaton(world_size)
+        self.outcomes: dict[int, RankOutcome] = {}
+        self.slots = {rank: collectives.CollectiveSlot.in_memory() for rank in range(world_size)}
+        # ranks whose body began (they held the baton at least once)
+        self.began: set[int] = set()
+        # the first rank that stopped without passing
+        self.first_stop: RankOutcome | None = None
+
+    def records(self) -> dict[int, collectives.CollectiveRecord]:
+        return {r: slot.read() for r, slot in self.slots.items()}
+
+    def unmatched(self, rank: int) -> str:
+        passed = {r for r, o in self.outcomes.items() if o.status == PASSED}
+        return collectives.unmatched(self.records(), passed, rank)
+
+    def rank_thread(self, rank: int) -> None:
+        import torch.distributed as dist
+        from torch.testing._internal.distributed import multi_threaded_pg as mtpg
+
+        collectives.set_thread_slot(self.slots[rank])
+        try:
+            outcome = self._run_body(rank)
+        except BaseException as exc:  # noqa: BLE001  init failure
+            outcome = rank_task.classify_exception(rank, exc)
+        if outcome.status == FAILED and "Test termination event occurs" in outcome.message:
+            outcome = self._stopped(rank)
+        elif outcome.status != PASSED:
+            if self.first_stop is None:
+                self.first_stop = outcome
+            # wake the ranks waiting for this one in a collective
+            mtpg.ProcessLocalGroup.exception_handle(None)
+        self.outcomes[rank] = outcome
+        collectives.set_thread_slot(None)
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+    def _run_body(self, rank: int) -> RankOutcome:
+        import torch
+        import torch.distributed as dist
+
+        task = self.task
+        dist.init_process_group(
+            "threaded",
+            rank=rank,
+            world_size=self.world_size,
+            store=self.store,
+            timeout=datetime.timedelta(seconds=task.timeout),
+        )
+        ctx = RankContext(
+            rank=rank,
+            world_size=self.world_size,
+            group=dist.group.WORLD,
+            device=torch.device("cpu"),
+            backend="threaded",
+            tmp_path=pathlib.Path(task.tmp_path),
+            impl=task.impl,
+            mode="thread",
+            test_id=task.test_id,
+            init_method="threaded://",
+        )
+        self.baton.acquire(rank)
+        self.began.add(rank)
+        _local.held = (self.baton, rank)
+        try:
+            return rank_task.run_task(task, ctx, self.call, self.values)
+        finally:
+            _local.held = None
+            self.baton.release(rank)
+
+    def _stopped(self, rank: int) -> RankOutcome:
+        """The outcome of a rank whose collective the threaded group's termination ended."""
+        first = self.first_stop
+        where = self.slots[rank].read()
+        missing = self.unmatched(rank)
+        if first is None and missing:
+            # the ranks that finished ended the threaded group under this one
+            why = f"waiting in {where.where()}; never entered by the others: {missing}"
+            return RankOutcome(rank, HUNG, message=why)
+        why = (
+            f"stopped because rank {first.rank} {first.status}"
+            if first is not None
+            else "stopped because the threaded process group was terminated"
+        )
+        if where.count and where.state != collectives.LEFT:
+            why += f" while this rank waited in {where.where()}"
+        return RankOutcome(rank, ABORTED, message=why)
+
+    def hung_outcome(self, rank: int, frame: Any, running: list[int]) -> RankOutcome:
+        """The outcome of a rank thread still running at the timeout (``frame``: its stack;
+        ``running``: the ranks still in their bodies)."""
+        timeout = self.task.timeout
+        if rank not in self.began:
+            return RankOutcome(
+                rank,
+                ABORTED,
+                message="never started its body: rank(s) "
+                f"{', '.join(map(str, running)) or '?'} kept the turn until the "
+                f"timeout of {timeout:g} s (thread ranks take turns; see "
+                "[Note: per-rank RNG in threads])",
+            )
+        stack = "".join(traceback.format_stack(frame)) if frame else "(no frame)"
+        dump = f"Stack of rank thread {rank} (most recent call last):\n{stack}"
+        now = self.records()
+        where = now[rank]
+        missing = self.unmatched(rank)
+        message = f"did not finish within the timeout of {timeout:g} s"
+        outside = [r for r in running if not now[r].inside]
+        if where.inside and outside:
+            message = (
+                f"waiting {where.describe()} for rank(s) "
+                f"{', '.join(map(str, outside))}, which {message}"
+            )
+        elif where.inside:
+            message += f" ({where.describe()})"
+        if missing:
+            message += f"; never entered by the others: {missing}"
+        return RankOutcome(rank, HUNG, message=message, traceback=dump)

@@ -9,6 +9,11 @@ into the log, the given environment and cwd), and the zygote answers with its pi
 reaps its children and reports each exit code, which :class:`ForkedProcess` reads with the
 ``poll``/``wait``/``pid`` surface of :class:`subprocess.Popen` that the rank set uses.
 
+Before forking, the zygote also imports the modules :func:`preload` named (the plugin names the
+installed suite's test modules: every rank of a conformance run imports them) and freezes the
+garbage collector's view of everything imported, so that no rank's collection walks (and so
+copies) the zygote's objects.
+
 One zygote serves every spawn whose import-time environment (``PYTHON*``, ``OMP_*``, ``MKL_*``,
 ``KMP_*``, ``TORCH*``, ``LD_*``) matches its own; any other environment gets a zygote of its
 own. It exits when the controller's end of the socket closes (the controller exited), and its
@@ -19,6 +24,8 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
+import importlib
 import os
 import pickle
 import select
@@ -32,6 +39,7 @@ import warnings
 from typing import Any
 
 ENV_FD = "FSDP_CONFORMANCE_ZYGOTE_FD"
+ENV_PRELOAD = "FSDP_CONFORMANCE_ZYGOTE_PRELOAD"
 # environment variables read when the interpreter or torch starts: a zygote is reused only
 # for spawns that agree with it on these
 _IMPORT_TIME = ("PYTHON", "OMP_", "MKL_", "KMP_", "TORCH", "LD_")
@@ -43,6 +51,13 @@ _COMMAND = "from fsdp_conformance.harness.zygote import serve; serve()"
 
 _zygotes: dict[tuple, Zygote] = {}
 _lock = threading.Lock()
+_preload: set[str] = set()
+
+
+def preload(modules: list[str]) -> None:
+    """Have zygotes started from now on import ``modules`` (names; fork-safe at import: no
+    threads, no CUDA) before they fork a rank."""
+    _preload.update(modules)
 
 
 def available() -> bool:
@@ -110,7 +125,8 @@ class Zygote:
     def __init__(self, env: dict[str, str]) -> None:
         self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         env = {k: v for k, v in env.items() if not k.startswith("FSDP_CONFORMANCE_")}
-        env.update({ENV_FD: str(theirs.fileno()), "PYTHONUNBUFFERED": "1"})
+        env.update({ENV_FD: str(theirs.fileno()), ENV_PRELOAD: ",".join(sorted(_preload))})
+        env["PYTHONUNBUFFERED"] = "1"
         self.proc = subprocess.Popen(
             [sys.executable, "-c", _COMMAND],
             stdin=subprocess.DEVNULL,
@@ -192,6 +208,11 @@ def serve() -> None:
     from fsdp_conformance.harness import rank
 
     rank.preimport()
+    for module in filter(None, os.environ.pop(ENV_PRELOAD, "").split(",")):
+        with contextlib.suppress(Exception):  # a rank imports it again and reports the error
+            importlib.import_module(module)
+    gc.collect()
+    gc.freeze()
     children: dict[int, int] = {}  # pid -> serial
     serial = 0
     while True:

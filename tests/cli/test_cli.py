@@ -20,6 +20,8 @@ from xml.etree import ElementTree
 
 import pytest
 
+pytest_plugins = ["pytester"]
+
 # What a subprocess may take at most (the suite's start-up is ~20 s on a loaded 2-core host)
 TIMEOUT = 420
 
@@ -452,3 +454,34 @@ def test_a_cell_on_a_gpu_names_where_its_ranks_ran(tmp_path: Path) -> None:
         "test_where.py::test_gpu": "[ranks on cuda:0 shared by 2 ranks (gloo)]",
         "test_where.py::test_cpu": "",
     }
+
+
+def test_cells_of_other_world_sizes_run_first_grouped(pytester: pytest.Pytester) -> None:
+    # xdist hands a worker consecutive cells: a size's cells together start one rank set
+    pytester.makepyfile(
+        test_sizes="""
+        import pytest
+
+        def test_a(): pass
+
+        @pytest.mark.world_size(1)
+        def test_one_a(): pass
+
+        @pytest.mark.world_size(3)
+        def test_three(): pass
+
+        def test_b(): pass
+
+        @pytest.mark.world_size(1)
+        def test_one_b(): pass
+
+        @pytest.mark.world_size(2)
+        def test_two(): pass
+        """
+    )
+    # a subprocess: the plugin freezes the garbage collector's view of the session
+    result = pytester.runpytest_subprocess(
+        "-p", "fsdp_conformance.cli.records", "--collect-only", "-q", "--fsdp-world-size=2"
+    )
+    order = [line.split("::")[1] for line in result.outlines if "::" in line]
+    assert order == ["test_three", "test_one_a", "test_one_b", "test_a", "test_b", "test_two"]

@@ -4,6 +4,7 @@ fails standalone on the variant and passes on the real implementation."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import re
 import subprocess
@@ -19,6 +20,11 @@ def _run(command: list[str], timeout: float = 600) -> subprocess.CompletedProces
     return subprocess.run(
         command, cwd=HERE, capture_output=True, text=True, timeout=timeout, check=False
     )
+
+
+def _run_together(*commands: list[str], timeout: float = 600) -> list[subprocess.CompletedProcess]:
+    with concurrent.futures.ThreadPoolExecutor(len(commands)) as pool:
+        return list(pool.map(lambda command: _run(command, timeout), commands))
 
 
 @pytest.mark.parametrize(
@@ -56,9 +62,11 @@ def test_fuzz_finds_shrinks_and_reproduces(mutant: str, shrunk_to: str, standalo
     assert repro.exists()
     if not standalone:
         return
-    fails = _run([sys.executable, str(repro)])
+    # on the variant and on the real implementation, side by side (neither waits for the other)
+    fails, fixed = _run_together(
+        [sys.executable, str(repro)], [sys.executable, str(repro), "--impl", "impl"]
+    )
     assert fails.returncode == 1, fails.stdout + fails.stderr
     assert "FAILS:" in fails.stdout
-    fixed = _run([sys.executable, str(repro), "--impl", "impl"])
     assert fixed.returncode == 0, fixed.stdout + fixed.stderr
     assert "passes" in fixed.stdout

@@ -91,7 +91,7 @@ def rank_children(under: pathlib.Path) -> list[int]:
 
 # A function that reports, from inside a 1-rank test, how its rank process was started.
 PROBE = """
-import json, os
+import json, os, sys
 
 def probe(dist, out):
     with open(out, "w") as stream:
@@ -103,6 +103,7 @@ def probe(dist, out):
             "parent": os.getppid(),
             "device": dist.device.type,
             "backend": dist.backend,
+            "suite_modules": sorted(m for m in sys.modules if m.startswith("fsdp_conformance.s")),
         }, stream)
 """
 

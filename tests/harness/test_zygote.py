@@ -10,6 +10,8 @@ import pytest
 
 from fsdp_conformance.harness import zygote
 
+pytest_plugins = ["pytester"]
+
 
 @pytest.mark.skipif(not zygote.available(), reason="the zygote needs Linux (fork, SCM_RIGHTS)")
 def test_forked_rank_starts_like_an_interpreter(tmp_path, monkeypatch, rank_probe):
@@ -29,6 +31,30 @@ def test_forked_rank_starts_like_an_interpreter(tmp_path, monkeypatch, rank_prob
         first["parent"],
         os.getpid(),
     )
+
+
+@pytest.mark.skipif(not zygote.available(), reason="the zygote needs Linux (fork, SCM_RIGHTS)")
+def test_a_zygote_imports_the_preloaded_modules_before_it_forks(monkeypatch, rank_probe):
+    monkeypatch.setattr(zygote, "_preload", set())
+    zygote.preload(["fsdp_conformance.suite.test_exec_order", "no_such_module_here"])
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")  # an import-time environment of its own
+    seen = rank_probe("preloaded")  # (the probe itself imports no suite module)
+    assert "fsdp_conformance.suite.test_exec_order" in seen["suite_modules"]
+
+
+def test_the_plugin_preloads_the_suite_modules_it_collected(pytester):
+    pytester.makeconftest(
+        """
+        def pytest_collection_finish(session):
+            from fsdp_conformance.harness import zygote
+            print("preload:", sorted(zygote._preload))
+        """
+    )
+    pytester.makepyfile(test_mine="def test_mine(dist): pass")
+    result = pytester.runpytest_subprocess(
+        "--collect-only", "-q", "test_mine.py", "--pyargs", "fsdp_conformance.suite.test_exec_order"
+    )
+    result.stdout.fnmatch_lines(["preload: ['fsdp_conformance.suite.test_exec_order']"])
 
 
 def test_without_a_zygote_a_rank_is_a_fresh_interpreter(tmp_path, monkeypatch, rank_probe):
