@@ -124,5 +124,4 @@ class BaseBadInputTests:
         )
 
 
-class TestBadInputs(BaseBadInputTests):
-    pass
+class TestBadInputs(BaseBadInputTests): ...

@@ -100,5 +100,4 @@ class BaseExecOrderTests:
         )
 
 
-class TestExecOrder(BaseExecOrderTests):
-    pass
+class TestExecOrder(BaseExecOrderTests): ...

@@ -91,5 +91,4 @@ class BaseForwardMethodTests:
         training.assert_params(label, driver.params(), reference.params(), self.STEPS)
 
 
-class TestForwardMethod(BaseForwardMethodTests):
-    pass
+class TestForwardMethod(BaseForwardMethodTests): ...

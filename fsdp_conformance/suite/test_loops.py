@@ -47,12 +47,11 @@ from .training import (
     average_gradients,
     build,
     by_clean_name,
-    compare,
     ddp_driver,
+    events_per_label,
     fsdp_driver,
     micro_input,
     parametrize,
-    reductions_per_label,
     trainable_labels,
     unsharded,
 )
@@ -102,9 +101,8 @@ class BaseGradientAccumulationTests:
             f"micro-batches per step, {'sync on every micro-batch' if sync_every else 'no_sync'}"
         )
         tol = SYNC_EVERY_TOL if sync_every else 0.0  # [Note: loop tolerances]
-        compare(
-            label, driver, losses, reference, reference.run(self.STEPS, **options), self.STEPS, tol
-        )
+        assert_losses(label, losses, reference.run(self.STEPS, **options), tol)
+        assert_params(label, driver.params(), reference.params(), self.STEPS, tol, tol)
 
     @check(
         "loops.grad_accumulation_comm",
@@ -128,8 +126,8 @@ class BaseGradientAccumulationTests:
         for step in range(self.STEPS):
             for micro in range(self.MICRO_BATCHES):
                 phase = f"step {step} micro {micro}"
-                counts = reductions_per_label(trace, phase)
-                gathers = reductions_per_label(trace, phase, (Op.ALL_GATHER,))
+                counts = events_per_label(trace, phase)
+                gathers = events_per_label(trace, phase, (Op.ALL_GATHER,))
                 if micro < self.MICRO_BATCHES - 1:
                     if counts:
                         failures.append(f"{phase} (inside no_sync): gradient reductions {counts}")
@@ -273,7 +271,7 @@ class BaseFrozenParameterTests:
             labels = trainable_labels(adapter, driver.model, trace)
             frozen = [name for name, trains in labels.items() if not trains]
             assert frozen, f"{label}: no instance without trainable parameters was found"
-            counts = reductions_per_label(trace, "training")
+            counts = events_per_label(trace, "training")
             reduced = {name: counts[name] for name in frozen if counts.get(name)}
             assert not reduced, (
                 f"{label}: gradients were reduced for the fully frozen instance(s) {reduced} "
@@ -605,25 +603,19 @@ def _resume(
     return loaded, state, losses, loading.params()
 
 
-class TestGradientAccumulation(BaseGradientAccumulationTests):
-    pass
+class TestGradientAccumulation(BaseGradientAccumulationTests): ...
 
 
-class TestGradientClipping(BaseGradientClippingTests):
-    pass
+class TestGradientClipping(BaseGradientClippingTests): ...
 
 
-class TestFrozenParameters(BaseFrozenParameterTests):
-    pass
+class TestFrozenParameters(BaseFrozenParameterTests): ...
 
 
-class TestActivationCheckpointing(BaseActivationCheckpointingTests):
-    pass
+class TestActivationCheckpointing(BaseActivationCheckpointingTests): ...
 
 
-class TestForwardVariants(BaseForwardVariantsTests):
-    pass
+class TestForwardVariants(BaseForwardVariantsTests): ...
 
 
-class TestCheckpointResume(BaseCheckpointResumeTests):
-    pass
+class TestCheckpointResume(BaseCheckpointResumeTests): ...

@@ -89,5 +89,4 @@ class BaseParamGroupTests:
         training.assert_params(label, driver.params(), reference.params(), self.STEPS)
 
 
-class TestParamGroups(BaseParamGroupTests):
-    pass
+class TestParamGroups(BaseParamGroupTests): ...

@@ -243,7 +243,7 @@ class BasePrecisionTests:
         errors = {}
         for micro_batches in (1, self.MICRO_BATCHES):
             # one instance around the whole model: 32 micro-batches cost 32 all-gathers
-            zoo_model, _ = training.build_reference(ACCUMULATION_MODEL, dist, ddp=False)
+            zoo_model = training.ddp_driver(ACCUMULATION_MODEL, dist, ddp=False).zoo_model
             root = adapter.wrap(zoo_model, process_group=dist.group, root=True, **config)
             driver = training.Driver(root, zoo_model, dist.device, adapter)
             before = driver.params()
@@ -324,10 +324,11 @@ def _scaled_run(driver: Any, optimizer: Any, scaler: Any, module: nn.Module, dis
         driver.backward(scaler.scale(driver.loss(step)))
         for handle in handles:
             handle.remove()
-        before = [_local(p).clone() for p in driver.model.parameters()]
+        before = training.local_shards(driver.model)
         scaler.step(optimizer)
         scaler.update()
-        if all(torch.equal(b, _local(a)) for b, a in zip(before, driver.model.parameters())):
+        after = training.local_shards(driver.model)
+        if all(torch.equal(before[name], after[name]) for name in before):
             skipped.append(step)
         scales.append(float(scaler.get_scale()))
     return {"scales": scales, "skipped": skipped, "params": driver.params()}
@@ -339,15 +340,8 @@ def _per_rank(value: Any, dist: Any) -> list[Any]:
     return values
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a registered parameter (a DTensor's local shard)."""
-    to_local = getattr(tensor, "to_local", None)
-    return (to_local() if to_local is not None else tensor).detach()
-
-
 def _names(dtypes: set[torch.dtype]) -> str:
     return ", ".join(sorted(str(d) for d in dtypes)) or "nothing (no forward seen)"
 
 
-class TestPrecision(BasePrecisionTests):
-    pass
+class TestPrecision(BasePrecisionTests): ...

@@ -177,7 +177,7 @@ def _hybrid_step_failures(
             failures.append(f"{phase}: {counts[op, group]} {op} over the {group} group")
     # each instance's reductions: at most once per all-gather of it ([Note: counts as bounds]
     # in comm_checks.py), once for an instance that never gathers
-    gathers = training.reductions_per_label(trace, phase, (Op.ALL_GATHER,))
+    gathers = training.events_per_label(trace, phase, (Op.ALL_GATHER,))
     allowed = {label: max(1, gathers.get(label, 0)) for label in trainable}
     for op, group in ((Op.REDUCE_SCATTER, "shard"), (Op.ALL_REDUCE, "replicate")):
         count = counts.get((op, group), 0)
@@ -187,7 +187,7 @@ def _hybrid_step_failures(
                 f"{sum(allowed.values())} (at most one per reduction the instances may issue, "
                 "fewer where bucketed)"
             )
-    reported = training.reductions_per_label(trace, phase)
+    reported = training.events_per_label(trace, phase)
     if set(reported) != set(trainable) or any(n > allowed[k] for k, n in reported.items()):
         failures.append(
             f"{phase}: gradient reductions per instance {reported}; expected each of "
@@ -196,9 +196,7 @@ def _hybrid_step_failures(
     return failures
 
 
-class TestUnevenSharding(BaseUnevenShardingTests):
-    pass
+class TestUnevenSharding(BaseUnevenShardingTests): ...
 
 
-class TestHybridSharding(BaseHybridShardingTests):
-    pass
+class TestHybridSharding(BaseHybridShardingTests): ...

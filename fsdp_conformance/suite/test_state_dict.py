@@ -252,5 +252,4 @@ def _assert_views(label: str, early: dict[str, Any], expected: dict[str, torch.T
             )
 
 
-class TestFullStateDict(BaseFullStateDictTests):
-    pass
+class TestFullStateDict(BaseFullStateDictTests): ...

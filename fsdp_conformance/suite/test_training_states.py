@@ -173,5 +173,4 @@ def _outcome(adapter: Any, instance: torch.nn.Module, state: RootState) -> BaseE
     return None
 
 
-class TestTrainingStates(BaseTrainingStateTests):
-    pass
+class TestTrainingStates(BaseTrainingStateTests): ...

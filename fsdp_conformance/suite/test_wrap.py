@@ -70,8 +70,7 @@ class BaseSharedParamsTests:
         )
 
 
-class TestSharedParams(BaseSharedParamsTests):
-    pass
+class TestSharedParams(BaseSharedParamsTests): ...
 
 
 # the ignored parameters: block 1's Linear (inside a block the auto_wrap variant wraps)
@@ -166,5 +165,4 @@ class BaseIgnoredParamsTests:
         training.assert_params(label, params, ref_params, self.STEPS)
 
 
-class TestIgnoredParams(BaseIgnoredParamsTests):
-    pass
+class TestIgnoredParams(BaseIgnoredParamsTests): ...

@@ -103,5 +103,4 @@ class BaseConfigIsolationTests:
             )
 
 
-class TestConfigIsolation(BaseConfigIsolationTests):
-    pass
+class TestConfigIsolation(BaseConfigIsolationTests): ...
