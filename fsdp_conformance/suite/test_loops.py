@@ -20,6 +20,7 @@ where DDP reduces their sum.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import math
@@ -182,28 +183,26 @@ class BaseGradientClippingTests:
         adapter = fsdp_adapter
         max_norm = CLIP_MAX_NORM[model_name]
         driver = fsdp_driver(adapter, model_name, dist, {"sharding_strategy": strategy})
-        fsdp = _clip_run(driver, max_norm, norm_type)
-        ref = _clip_run(ddp_driver(model_name, dist), max_norm, norm_type)
+        losses, norms, params = _clip_run(driver, max_norm, norm_type)
+        reference = ddp_driver(model_name, dist)
+        ref_losses, ref_norms, ref_params = _clip_run(reference, max_norm, norm_type)
         label = f"adapter {adapter.name!r}, {model_name}, {strategy}, norm_type={norm_type}"
-        assert bool((ref[1] > max_norm).all()), (
-            f"{label}: DDP's unclipped norms {ref[1].tolist()} are not all above max_norm="
+        assert bool((ref_norms > max_norm).all()), (
+            f"{label}: DDP's unclipped norms {ref_norms.tolist()} are not all above max_norm="
             f"{max_norm}; the check would not exercise clipping (suite bug: lower CLIP_MAX_NORM)"
         )
-        assert bool((fsdp[1] > max_norm).all()), (
-            f"{label}: clip_grad_norm_ returned norms {fsdp[1].tolist()}, not all above "
-            f"max_norm={max_norm} although DDP's are {ref[1].tolist()}"
+        assert bool((norms > max_norm).all()), (
+            f"{label}: clip_grad_norm_ returned norms {norms.tolist()}, not all above "
+            f"max_norm={max_norm} although DDP's are {ref_norms.tolist()}"
         )
-        training.assert_close(
+        message = (
             f"{label}: total norms returned by clip_grad_norm_ differ from DDP + "
-            f"torch.nn.utils.clip_grad_norm_ (rtol={CLIP_NORM_RTOL:g})",
-            fsdp[1],
-            ref[1],
-            0.0,
-            CLIP_NORM_RTOL,
-            detail=f"FSDP norms {fsdp[1].tolist()}, DDP norms {ref[1].tolist()}",
+            f"torch.nn.utils.clip_grad_norm_ (rtol={CLIP_NORM_RTOL:g})"
         )
-        assert_losses(label, fsdp[0], ref[0], CLIP_PARAM_TOL)
-        assert_params(label, fsdp[2], ref[2], CLIP_STEPS, CLIP_PARAM_TOL, CLIP_PARAM_TOL)
+        detail = f"FSDP norms {norms.tolist()}, DDP norms {ref_norms.tolist()}"
+        training.assert_close(message, norms, ref_norms, 0.0, CLIP_NORM_RTOL, detail=detail)
+        assert_losses(label, losses, ref_losses, CLIP_PARAM_TOL)
+        assert_params(label, params, ref_params, CLIP_STEPS, CLIP_PARAM_TOL, CLIP_PARAM_TOL)
 
 
 def _clip_run(driver: Driver, max_norm: float, norm_type: float) -> tuple[Any, Any, dict]:
@@ -311,30 +310,22 @@ class BaseActivationCheckpointingTests:
         blocks = [m for m in root.modules() if isinstance(m, CheckpointedModule)]
         # the checkpointed module itself: checkpoint calls it in forward and in the recompute
         inner_modules = [block._checkpoint_wrapped_module for block in blocks]
-        calls = {id(module): 0 for module in inner_modules}
-
-        def count(module: nn.Module, args: Any) -> None:
-            calls[id(module)] += 1
-
-        handles = [module.register_forward_pre_hook(count) for module in inner_modules]
-        recorder = TrainingStateRecorder(adapter, root)
+        calls: collections.Counter[nn.Module] = collections.Counter()
+        for module in inner_modules:
+            module.register_forward_pre_hook(lambda module, _: calls.update([module]))
         steps = training.STEPS
-        try:
-            with recorder:
-                after_step = lambda _: recorder.after_step()
-                losses = training.train(
-                    root, zoo_model, dist.device, steps, adapter, after_step=after_step
-                )
-        finally:
-            for handle in handles:
-                handle.remove()
+        with TrainingStateRecorder(adapter, root) as recorder:
+            after_step = lambda _: recorder.after_step()
+            losses = training.train(
+                root, zoo_model, dist.device, steps, adapter, after_step=after_step
+            )
         label = (
             f"adapter {adapter.name!r}, {model_name} with activation checkpointing {placement} "
             f"the FSDP instances, {strategy}"
         )
         recorder.assert_legal()
         # a nested block also runs in each recompute of the block around it: at least twice
-        lacking = [type(m).__name__ for m in inner_modules if calls[id(m)] < 2 * steps]
+        lacking = [type(m).__name__ for m in inner_modules if calls[m] < 2 * steps]
         assert blocks and not lacking, (
             f"{label}: checkpointed blocks {lacking} ran fewer than {2 * steps} times in {steps} "
             "steps: the recompute did not happen"
@@ -413,13 +404,8 @@ class BaseForwardVariantsTests:
                 f"{label}: after the evaluation forward under torch.no_grad() these non-root "
                 f"instances still hold their unsharded parameters: {resident}"
             )
-            training.assert_close(
-                f"{label}: evaluation outputs differ from the reference's (bit-exact)",
-                fsdp[2],
-                expected[2],
-                0.0,
-                0.0,
-            )
+            message = f"{label}: evaluation outputs differ from the reference's (bit-exact)"
+            training.assert_close(message, fsdp[2], expected[2], 0.0, 0.0)
         # two forwards may reduce once per forward, as sync_every does ([Note: loop tolerances])
         tol = SYNC_EVERY_TOL if variant == "two_forwards" else 0.0
         assert_losses(label, fsdp[0], expected[0], tol)
@@ -552,9 +538,7 @@ def _from_rank_0(value: Any, dist: Any) -> Any:
     import torch.distributed as tdist
 
     box = [value]
-    tdist.broadcast_object_list(
-        box, src=tdist.get_process_group_ranks(dist.group)[0], group=dist.group
-    )
+    tdist.broadcast_object_list(box, group_src=0, group=dist.group)
     return box[0]
 
 

@@ -54,11 +54,7 @@ def _policy(name: str) -> tuple[torch.dtype, torch.dtype, torch.dtype | None]:
     param, *pairs = name.split("-")
     fields = dict(zip(pairs[::2], pairs[1::2], strict=True))
     output = fields.get("output")
-    return (
-        _DTYPES[param],
-        _DTYPES[fields.get("reduce", param)],
-        None if output is None else _DTYPES[output],
-    )
+    return _DTYPES[param], _DTYPES[fields.get("reduce", param)], output and _DTYPES[output]
 
 
 @contextlib.contextmanager
@@ -198,8 +194,7 @@ class BasePrecisionTests:
             driver.step()
             losses.append(loss.detach().float())
             if step == 0:
-                state = adapter.state_dict(root).items()
-                state = training.by_clean_name(adapter, state)
+                state = training.by_clean_name(adapter, adapter.state_dict(root).items())
                 state_dtypes = {k: v.dtype for k, v in state.items() if isinstance(v, torch.Tensor)}
         reference = training.ddp_driver(MODEL, dist)
         buffers = {name: b.dtype for name, b in reference.zoo_model.named_buffers()}

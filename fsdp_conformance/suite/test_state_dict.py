@@ -43,18 +43,15 @@ def call_with_options(adapter: Any, method: str, *args: Any, **options: bool) ->
     not take makes the cell not applicable, naming the member to extend."""
     given = {name: value for name, value in options.items() if value}
     bound = getattr(adapter, method)
-    if given:
-        parameters = inspect.signature(bound).parameters.values()
-        if not any(p.kind is p.VAR_KEYWORD for p in parameters):
-            names = {p.name for p in parameters}
-            missing = sorted(name for name in given if name not in names)
-            if missing:
-                raise UnsupportedFeatureError(
-                    adapter.name,
-                    Feature.FULL_STATE_DICT,
-                    f"{type(adapter).__name__}.{method} takes no keyword {', '.join(missing)}; "
-                    f"extend that override of Adapter.{method}",
-                )
+    parameters = inspect.signature(bound).parameters.values() if given else ()
+    missing = sorted(set(given) - {p.name for p in parameters})
+    if missing and not any(p.kind is p.VAR_KEYWORD for p in parameters):
+        raise UnsupportedFeatureError(
+            adapter.name,
+            Feature.FULL_STATE_DICT,
+            f"{type(adapter).__name__}.{method} takes no keyword {', '.join(missing)}; "
+            f"extend that override of Adapter.{method}",
+        )
     return bound(*args, **given)
 
 
@@ -151,12 +148,10 @@ class BaseFullStateDictTests:
             elsewhere = sorted(key for key, value in full.items() if value.device.type != "cpu")
             assert not elsewhere, f"{label}: not on the CPU: {elsewhere}"
         if option == "default":  # a plain module loads it and trains as DDP's weights do
-            loaded = _ddp_run(dist, _plain(dist, full), STEPS)
-            expected_run = _ddp_run(dist, _plain(dist, expected), STEPS)
-            training.assert_losses(
-                f"{label}, loaded into a plain module", loaded[0], expected_run[0]
-            )
-            training.assert_params(label, loaded[1], expected_run[1], 2 * STEPS)
+            plain_losses, plain_params = _ddp_run(dist, _plain(dist, full), STEPS)
+            ref_losses, ref_params = _ddp_run(dist, _plain(dist, expected), STEPS)
+            training.assert_losses(f"{label}, loaded into a plain module", plain_losses, ref_losses)
+            training.assert_params(label, plain_params, ref_params, 2 * STEPS)
 
     @check("state_dict.full", case_of=lambda: StateDictCase("mixed_precision_buffers"))
     @pytest.mark.world_size(2)
@@ -220,12 +215,8 @@ class BaseFullStateDictTests:
         assert_state_dict(label, state, reference.state_dict())
         fresh = training.fsdp_driver(adapter, MODEL, dist, group=solo, optimizer_name="adam")
         adapter.load_state_dict(fresh.model, reference.state_dict())
-        training.assert_params(
-            f"{label}, loaded into a fresh model",
-            fresh.params(),
-            dict(reference.named_parameters()),
-            STEPS,
-        )
+        reloaded = f"{label}, loaded into a fresh model"
+        training.assert_params(reloaded, fresh.params(), dict(reference.named_parameters()), STEPS)
         if not adapter_features.supports(adapter, Feature.CHECKPOINT_RESUME):
             return
         with tempfile.TemporaryDirectory(prefix="fsdp_state_dict_") as directory:

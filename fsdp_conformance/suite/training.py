@@ -329,15 +329,10 @@ def ddp_driver(
 
 
 def fsdp_run(
-    adapter: Adapter,
-    model_name: str,
-    dist: Any,
-    config: dict[str, Any],
-    device_init: str = "after",
-    steps: int = STEPS,
+    adapter: Adapter, model_name: str, dist: Any, config: dict[str, Any], device_init: str = "after"
 ) -> TrainingResult:
-    """The zoo model wrapped by `adapter` with `config`, trained `steps` steps."""
-    return fsdp_driver(adapter, model_name, dist, config, device_init=device_init).trained(steps)
+    """The zoo model wrapped by `adapter` with `config`, trained ``STEPS`` steps."""
+    return fsdp_driver(adapter, model_name, dist, config, device_init=device_init).trained()
 
 
 # (model, rank, world size, device, steps) -> result; per rank process (and per rank thread)
@@ -416,11 +411,7 @@ def assert_close(
     expected = expected.detach().float().cpu()
     if actual.shape != expected.shape:
         raise AssertionError(f"{message}: shape {tuple(actual.shape)} != {tuple(expected.shape)}")
-    if atol == rtol == 0:
-        same = torch.equal(actual, expected)
-    else:
-        same = torch.allclose(actual, expected, atol=atol, rtol=rtol)
-    if not same:
+    if not torch.allclose(actual, expected, atol=atol, rtol=rtol):  # at 0, 0: torch.equal
         difference = (actual - expected).abs().max().item()
         raise AssertionError(
             f"{message}: max |difference| {difference:.3g}" + (f"; {detail}" if detail else "")
@@ -431,24 +422,16 @@ def assert_params(
     label: str, actual: dict, expected: dict, steps: int, atol: float = 0.0, rtol: float = 0.0
 ) -> None:
     """Full parameters after `steps` optimizer steps equal the reference's."""
+    zeros = torch.zeros(steps)
     assert_same_training(
-        label,
-        TrainingResult(torch.zeros(steps), actual),
-        TrainingResult(torch.zeros(steps), expected),
-        atol,
-        rtol,
+        label, TrainingResult(zeros, actual), TrainingResult(zeros, expected), atol, rtol
     )
 
 
 def assert_losses(label: str, actual: torch.Tensor, expected: torch.Tensor, tol: float = 0.0):
-    assert_close(
-        f"{label}: losses differ from DDP's ({tolerance_text(tol, tol)})",
-        actual,
-        expected,
-        tol,
-        tol,
-        detail=f"FSDP losses {actual.tolist()}, DDP losses {expected.tolist()}",
-    )
+    message = f"{label}: losses differ from DDP's ({tolerance_text(tol, tol)})"
+    detail = f"FSDP losses {actual.tolist()}, DDP losses {expected.tolist()}"
+    assert_close(message, actual, expected, tol, tol, detail=detail)
 
 
 def by_clean_name(adapter: Adapter, named: Iterable[tuple[str, Any]]) -> dict[str, Any]:
