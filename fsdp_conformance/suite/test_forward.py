@@ -56,7 +56,7 @@ class BaseForwardMethodTests:
             adapter.register_forward_method(root, "encode")
         label = f"adapter {adapter.name!r}, loops, {strategy}, {variant}"
         resident: list[str] = []
-        step_of = [0]
+        step_of = [0]  # the step running
 
         def root_params_in_use(module: Any, args: Any) -> None:
             if adapter.is_unsharded(adapter.instances(root)[0]) is False:
@@ -66,17 +66,15 @@ class BaseForwardMethodTests:
                     f"{step_of[0]})"
                 )
 
-        def loss(step: int, index: int) -> torch.Tensor:
-            step_of[0] = step
-            return _loss(driver, variant, step, index)
-
         def after_step(step: int) -> None:
+            step_of[0] = step + 1
             recorder.after_step()
             if strategy == "FULL_SHARD":
                 resident.extend(training.unsharded(adapter, root, step))
 
         hook = zoo_model.trunk.register_forward_pre_hook(root_params_in_use)
         with TrainingStateRecorder(adapter, root) as recorder:
+            loss = lambda step, index: _loss(driver, variant, step, index)
             losses = driver.run(self.STEPS, loss=loss, after_step=after_step)
         hook.remove()
         recorder.assert_legal()

@@ -52,11 +52,8 @@ class BaseMetaInitTests:
         root = adapter.wrap(zoo_model, process_group=dist.group, root=True, **config)
         adapter.materialize(root, device=dist.device)
         label = f"adapter {adapter.name!r}, buffered_meta ({wrapping})"
-        on_meta = [
-            name
-            for name, tensor in itertools.chain(root.named_parameters(), root.named_buffers())
-            if tensor.is_meta
-        ]
+        named = itertools.chain(root.named_parameters(), root.named_buffers())
+        on_meta = [name for name, tensor in named if tensor.is_meta]
         assert not on_meta, f"{label}: still on the meta device after materialize: {on_meta}"
         plain = zoo.build("buffered", dist.group, None, dist.device).to(dist.device)
         full = adapter.full_params(root)

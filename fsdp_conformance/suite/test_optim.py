@@ -69,18 +69,13 @@ class BaseParamGroupTests:
         if adapter_features.supports(adapter, Feature.USE_ORIG_PARAMS):  # FSDP1 needs it
             config["use_orig_params"] = True
         driver = training.fsdp_driver(adapter, model_name, dist, config)
+        adamw = {"lr": ADAMW_LR, "weight_decay": WEIGHT_DECAY}
         driver.optimizer = adapter.optimizer(
-            driver.model,
-            "adamw",
-            param_groups=group_options,
-            lr=ADAMW_LR,
-            weight_decay=WEIGHT_DECAY,
+            driver.model, "adamw", param_groups=group_options, **adamw
         )
         losses = driver.run(self.STEPS)
         reference = training.ddp_driver(model_name, dist)
-        reference.optimizer = torch.optim.AdamW(
-            reference_groups(reference.zoo_model), lr=ADAMW_LR, weight_decay=WEIGHT_DECAY
-        )
+        reference.optimizer = torch.optim.AdamW(reference_groups(reference.zoo_model), **adamw)
         label = (
             f"adapter {adapter.name!r}, {model_name}, {strategy}, AdamW with groups (no "
             f"weight decay on biases and norms, lr/10 for {SLOW_BLOCK}*)"

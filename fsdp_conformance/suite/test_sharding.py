@@ -6,6 +6,7 @@ float32 gradients depends on the order; measured within 6e-8, parameters 1.5e-8)
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Any, ClassVar
 
@@ -85,15 +86,10 @@ def hybrid_groups(dist: Any, shard_size: int = 2) -> tuple[Any, Any]:
     import torch.distributed as tdist
 
     ranks = tdist.get_process_group_ranks(dist.group)
-    rows = [ranks[start : start + shard_size] for start in range(0, len(ranks), shard_size)]
-    mine = ranks[dist.rank]
-    shard = replicate = None
-    for row in rows:
-        group = tdist.new_group(row)
-        shard = group if mine in row else shard
-    for column in zip(*rows):
-        group = tdist.new_group(list(column))
-        replicate = group if mine in column else replicate
+    rows = [tuple(ranks[start : start + shard_size]) for start in range(0, len(ranks), shard_size)]
+    # rows, then columns: this rank is in one of each
+    groups = {members: tdist.new_group(list(members)) for members in [*rows, *zip(*rows)]}
+    shard, replicate = (group for members, group in groups.items() if ranks[dist.rank] in members)
     return shard, replicate
 
 
@@ -162,7 +158,7 @@ def _hybrid_step_failures(
 ) -> list[str]:
     """What one step's forward and backward did against the hybrid promise."""
     failures = []
-    counts: dict[tuple[str, str], int] = {}
+    counts: collections.Counter[tuple[str, str]] = collections.Counter()
     for collective in (c for c in trace.collectives if c.phase == phase):
         group = groups.get(collective.ranks)
         if group is None:
@@ -171,16 +167,16 @@ def _hybrid_step_failures(
                 "shard nor the replicate group"
             )
             continue
-        counts[collective.op, group] = counts.get((collective.op, group), 0) + 1
-    for op, group in counts:
+        counts[collective.op, group] += 1
+    for (op, group), count in counts.items():
         if (op, group) not in _PROMISED:
-            failures.append(f"{phase}: {counts[op, group]} {op} over the {group} group")
+            failures.append(f"{phase}: {count} {op} over the {group} group")
     # each instance's reductions: at most once per all-gather of it ([Note: counts as bounds]
     # in comm_checks.py), once for an instance that never gathers
     gathers = training.events_per_label(trace, phase, (Op.ALL_GATHER,))
     allowed = {label: max(1, gathers.get(label, 0)) for label in trainable}
     for op, group in ((Op.REDUCE_SCATTER, "shard"), (Op.ALL_REDUCE, "replicate")):
-        count = counts.get((op, group), 0)
+        count = counts[op, group]
         if not 1 <= count <= sum(allowed.values()):
             failures.append(
                 f"{phase}: {count} {op} over the {group} group; expected 1 to "

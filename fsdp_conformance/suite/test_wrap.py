@@ -46,10 +46,9 @@ class BaseSharedParamsTests:
             f"adapter {adapter.name!r}, {self.model} (embed.weight is head.weight, the two "
             f"wrapped apart), {strategy}"
         )
+        config = {"sharding_strategy": strategy}
         try:
-            root, zoo_model = training.build(
-                adapter, self.model, dist, {"sharding_strategy": strategy}
-            )
+            root, zoo_model = training.build(adapter, self.model, dist, config)
             with torch.no_grad():  # the root's lazy init (FSDP2 checks parameters there)
                 root(*zoo_model.get_input(dist.device))
         except UnsupportedFeatureError:
@@ -63,11 +62,8 @@ class BaseSharedParamsTests:
             return
         losses = training.train(root, zoo_model, dist.device, adapter=adapter)
         result = training.TrainingResult(losses, adapter.full_params(root))
-        training.assert_same_training(
-            f"{label}: the wrap was accepted, so training must match DDP",
-            result,
-            training.reference_run(self.model, dist),
-        )
+        label += ": the wrap was accepted, so training must match DDP"
+        training.assert_same_training(label, result, training.reference_run(self.model, dist))
 
 
 class TestSharedParams(BaseSharedParamsTests): ...

@@ -97,10 +97,9 @@ class BaseConfigIsolationTests:
                 "resharded as FULL_SHARD would be)"
             )
         bf16 = {"atol": test_parity.ATOL_BF16_PARAMS, "loss_rtol": test_parity.RTOL_BF16_LOSSES}
-        for label, result, tolerance in zip(labels, results, ({}, bf16)):
-            training.assert_same_training(
-                label, result, reference, **(tolerance if axis == "mixed_precision" else {})
-            )
+        tolerances = ({}, bf16 if axis == "mixed_precision" else {})
+        for label, result, tolerance in zip(labels, results, tolerances):
+            training.assert_same_training(label, result, reference, **tolerance)
 
 
 class TestConfigIsolation(BaseConfigIsolationTests): ...
