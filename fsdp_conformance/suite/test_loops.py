@@ -89,16 +89,15 @@ class BaseGradientAccumulationTests:
     def test_accumulation_matches_ddp(
         self, fsdp_adapter: Any, dist: Any, model_name: str, strategy: str, sync: str
     ):
-        adapter = fsdp_adapter
         sync_every = sync == "sync_every"
         if not sync_every:
-            adapter_features.skip_unless(adapter, Feature.GRADIENT_ACCUMULATION)
+            adapter_features.skip_unless(fsdp_adapter, Feature.GRADIENT_ACCUMULATION)
         options = {"micro_batches": self.MICRO_BATCHES, "sync_every": sync_every}
-        driver = fsdp_driver(adapter, model_name, dist, {"sharding_strategy": strategy})
+        driver = fsdp_driver(fsdp_adapter, model_name, dist, {"sharding_strategy": strategy})
         losses = driver.run(self.STEPS, **options)
         reference = ddp_driver(model_name, dist)
         label = (
-            f"adapter {adapter.name!r}, {model_name}, {strategy}, {self.MICRO_BATCHES} "
+            f"adapter {fsdp_adapter.name!r}, {model_name}, {strategy}, {self.MICRO_BATCHES} "
             f"micro-batches per step, {'sync on every micro-batch' if sync_every else 'no_sync'}"
         )
         tol = SYNC_EVERY_TOL if sync_every else 0.0  # [Note: loop tolerances]
@@ -115,13 +114,12 @@ class BaseGradientAccumulationTests:
     )
     @pytest.mark.world_size(2)
     def test_no_reduction_while_accumulating(self, fsdp_adapter: Any, dist: Any, strategy: str):
-        adapter = fsdp_adapter
-        driver = fsdp_driver(adapter, "loops", dist, {"sharding_strategy": strategy})
-        trace = CommTrace(adapter, driver.model)
+        driver = fsdp_driver(fsdp_adapter, "loops", dist, {"sharding_strategy": strategy})
+        trace = CommTrace(fsdp_adapter, driver.model)
         with trace:
             phase = lambda step, micro: trace.phase(f"step {step} micro {micro}")
             driver.run(self.STEPS, micro_batches=self.MICRO_BATCHES, sync_every=False, phase=phase)
-        labels = trainable_labels(adapter, driver.model, trace)
+        labels = trainable_labels(fsdp_adapter, driver.model, trace)
         expected = {label for label, trains in labels.items() if trains}
         failures = []
         for step in range(self.STEPS):
@@ -141,8 +139,8 @@ class BaseGradientAccumulationTests:
                         f"of it ({gathers}; [Note: counts as bounds] in comm_checks.py)"
                     )
         assert not failures, (
-            f"adapter {adapter.name!r}, loops, {strategy}: gradient accumulation broke no_sync's "
-            "promise:\n  " + "\n  ".join(failures) + "\ntrace:\n" + trace.render()
+            f"adapter {fsdp_adapter.name!r}, loops, {strategy}: gradient accumulation broke "
+            "no_sync's promise:\n  " + "\n  ".join(failures) + "\ntrace:\n" + trace.render()
         )
 
 
@@ -180,13 +178,12 @@ class BaseGradientClippingTests:
     def test_clipping_matches_ddp(
         self, fsdp_adapter: Any, dist: Any, model_name: str, strategy: str, norm_type: float
     ):
-        adapter = fsdp_adapter
         max_norm = CLIP_MAX_NORM[model_name]
-        driver = fsdp_driver(adapter, model_name, dist, {"sharding_strategy": strategy})
+        driver = fsdp_driver(fsdp_adapter, model_name, dist, {"sharding_strategy": strategy})
         losses, norms, params = _clip_run(driver, max_norm, norm_type)
         reference = ddp_driver(model_name, dist)
         ref_losses, ref_norms, ref_params = _clip_run(reference, max_norm, norm_type)
-        label = f"adapter {adapter.name!r}, {model_name}, {strategy}, norm_type={norm_type}"
+        label = f"adapter {fsdp_adapter.name!r}, {model_name}, {strategy}, norm_type={norm_type}"
         assert bool((ref_norms > max_norm).all()), (
             f"{label}: DDP's unclipped norms {ref_norms.tolist()} are not all above max_norm="
             f"{max_norm}; the check would not exercise clipping (suite bug: lower CLIP_MAX_NORM)"
@@ -243,21 +240,20 @@ class BaseFrozenParameterTests:
     )
     @pytest.mark.world_size(2)
     def test_frozen_parameters(self, fsdp_adapter: Any, dist: Any, model_name: str, strategy: str):
-        adapter = fsdp_adapter
         config: dict[str, Any] = {"sharding_strategy": strategy}
         supports = adapter_features.supports
-        if model_name == "loops_frozen_mixed" and supports(adapter, Feature.USE_ORIG_PARAMS):
+        if model_name == "loops_frozen_mixed" and supports(fsdp_adapter, Feature.USE_ORIG_PARAMS):
             config["use_orig_params"] = True
-        traced = model_name == "loops_frozen" and supports(adapter, Feature.COMM_TRACE)
-        driver = fsdp_driver(adapter, model_name, dist, config)
+        traced = model_name == "loops_frozen" and supports(fsdp_adapter, Feature.COMM_TRACE)
+        driver = fsdp_driver(fsdp_adapter, model_name, dist, config)
         initial = driver.params()
-        trace = CommTrace(adapter, driver.model) if traced else None
+        trace = CommTrace(fsdp_adapter, driver.model) if traced else None
         phase = trace.phase("training") if trace else contextlib.nullcontext()
         with trace or contextlib.nullcontext(), phase:
             losses = driver.run(3)
         reference = ddp_driver(model_name, dist)
         reference_losses = reference.run(3)
-        label = f"adapter {adapter.name!r}, {model_name}, {strategy}"
+        label = f"adapter {fsdp_adapter.name!r}, {model_name}, {strategy}"
         after = driver.params()
         for name in FROZEN[model_name]:
             assert torch.equal(after[name], initial[name]), (
@@ -267,7 +263,7 @@ class BaseFrozenParameterTests:
         assert_losses(label, losses, reference_losses)
         assert_params(label, after, reference.params(), 3)
         if trace is not None:
-            labels = trainable_labels(adapter, driver.model, trace)
+            labels = trainable_labels(fsdp_adapter, driver.model, trace)
             frozen = [name for name, trains in labels.items() if not trains]
             assert frozen, f"{label}: no instance without trainable parameters was found"
             counts = events_per_label(trace, "training")
@@ -304,9 +300,8 @@ class BaseActivationCheckpointingTests:
     def test_activation_checkpointing(
         self, fsdp_adapter: Any, dist: Any, model_name: str, strategy: str, placement: str
     ):
-        adapter = fsdp_adapter
         config = {"sharding_strategy": strategy}
-        root, zoo_model = build(adapter, model_name, dist, config, checkpointing=placement)
+        root, zoo_model = build(fsdp_adapter, model_name, dist, config, checkpointing=placement)
         blocks = [m for m in root.modules() if isinstance(m, CheckpointedModule)]
         # the checkpointed module itself: checkpoint calls it in forward and in the recompute
         inner_modules = [block._checkpoint_wrapped_module for block in blocks]
@@ -314,14 +309,14 @@ class BaseActivationCheckpointingTests:
         for module in inner_modules:
             module.register_forward_pre_hook(lambda module, _: calls.update([module]))
         steps = training.STEPS
-        with TrainingStateRecorder(adapter, root) as recorder:
+        with TrainingStateRecorder(fsdp_adapter, root) as recorder:
             after_step = lambda _: recorder.after_step()
             losses = training.train(
-                root, zoo_model, dist.device, steps, adapter, after_step=after_step
+                root, zoo_model, dist.device, steps, fsdp_adapter, after_step=after_step
             )
         label = (
-            f"adapter {adapter.name!r}, {model_name} with activation checkpointing {placement} "
-            f"the FSDP instances, {strategy}"
+            f"adapter {fsdp_adapter.name!r}, {model_name} with activation checkpointing "
+            f"{placement} the FSDP instances, {strategy}"
         )
         recorder.assert_legal()
         # a nested block also runs in each recompute of the block around it: at least twice
@@ -331,7 +326,7 @@ class BaseActivationCheckpointingTests:
             "steps: the recompute did not happen"
         )
         # by the names of the model without checkpointing (what DDP trained)
-        params = by_clean_name(adapter, adapter.full_params(root).items())
+        params = by_clean_name(fsdp_adapter, fsdp_adapter.full_params(root).items())
         training.assert_same_training(
             label, training.TrainingResult(losses, params), training.reference_run(model_name, dist)
         )
@@ -364,17 +359,16 @@ class BaseForwardVariantsTests:
     )
     @pytest.mark.world_size(2)
     def test_forward_variant(self, fsdp_adapter: Any, dist: Any, variant: str, strategy: str):
-        adapter = fsdp_adapter
         model_name = "loops_branch" if variant == "unused_branch" else "loops"
-        driver = fsdp_driver(adapter, model_name, dist, {"sharding_strategy": strategy})
+        driver = fsdp_driver(fsdp_adapter, model_name, dist, {"sharding_strategy": strategy})
         root = driver.model
-        label = f"adapter {adapter.name!r}, {model_name}, {strategy}, {variant}"
-        recorder = TrainingStateRecorder(adapter, root)
+        label = f"adapter {fsdp_adapter.name!r}, {model_name}, {strategy}, {variant}"
+        recorder = TrainingStateRecorder(fsdp_adapter, root)
         resident: list[str] = []
 
         def after_eval(step: int) -> None:
             if strategy == "FULL_SHARD":
-                resident.extend(unsharded(adapter, root, step, skip_root=True))
+                resident.extend(unsharded(fsdp_adapter, root, step, skip_root=True))
 
         def after_step(step: int) -> None:
             try:
@@ -489,22 +483,21 @@ class BaseCheckpointResumeTests:
     )
     @pytest.mark.world_size(2)
     def test_checkpoint_resume(self, fsdp_adapter: Any, dist: Any, case: ResumeCase):
-        adapter = fsdp_adapter
         # on every rank alike, before a world the other rank waits out (no one-rank skip)
         for method in ("save_checkpoint", "load_checkpoint"):
-            if getattr(type(adapter), method) is getattr(Adapter, method):
+            if getattr(type(fsdp_adapter), method) is getattr(Adapter, method):
                 raise UnsupportedFeatureError(
-                    adapter.name,
+                    fsdp_adapter.name,
                     Feature.CHECKPOINT_RESUME,
                     f"the adapter does not override Adapter.{method}",
                 )
         label = (
-            f"adapter {adapter.name!r}, {case.model}, saved at world size {case.save_world}, "
+            f"adapter {fsdp_adapter.name!r}, {case.model}, saved at world size {case.save_world}, "
             f"loaded at {case.load_world}"
         )
         with _shared_directory(dist) as directory:
             worlds = _worlds(dist)
-            fsdp = _resume(dist, case, worlds, adapter, directory)
+            fsdp = _resume(dist, case, worlds, fsdp_adapter, directory)
             reference = _resume(dist, case, worlds)
         if fsdp is None:  # this rank is not in the load world
             return

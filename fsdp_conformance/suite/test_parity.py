@@ -123,26 +123,25 @@ class BaseSummonFullParamsTests:
     def test_summon_full_params(
         self, fsdp_adapter: Any, dist: Any, summon_model: str, writeback: bool
     ):
-        adapter = fsdp_adapter
         if writeback:
-            adapter_features.skip_unless(adapter, Feature.SUMMON_FULL_PARAMS_WRITEBACK)
-        root, zoo_model = training.build(adapter, summon_model, dist, {})
-        training.train(root, zoo_model, dist.device, steps=1, adapter=adapter)
-        full_before = adapter.full_params(root)
+            adapter_features.skip_unless(fsdp_adapter, Feature.SUMMON_FULL_PARAMS_WRITEBACK)
+        root, zoo_model = training.build(fsdp_adapter, summon_model, dist, {})
+        training.train(root, zoo_model, dist.device, steps=1, adapter=fsdp_adapter)
+        full_before = fsdp_adapter.full_params(root)
         shards_before = training.local_shards(root)
-        with adapter.summon_full_params(root, writeback=writeback), torch.no_grad():
+        with fsdp_adapter.summon_full_params(root, writeback=writeback), torch.no_grad():
             # the registered parameters by the unwrapped model's names (the unwrapped's first)
             named = itertools.chain(
                 root.named_parameters(remove_duplicate=False),
-                adapter.unwrap(root).named_parameters(remove_duplicate=False),
+                fsdp_adapter.unwrap(root).named_parameters(remove_duplicate=False),
             )
-            by_name = training.by_clean_name(adapter, named)
+            by_name = training.by_clean_name(fsdp_adapter, named)
             # a tied parameter is listed under each name: increase it once
             for param in {id(by_name[name]): by_name[name] for name in full_before}.values():
                 param.add_(1.0)
-        full_after = adapter.full_params(root)
+        full_after = fsdp_adapter.full_params(root)
         shards_after = training.local_shards(root)
-        label = f"adapter {adapter.name!r}, {summon_model}"
+        label = f"adapter {fsdp_adapter.name!r}, {summon_model}"
         changed = sorted(
             name
             for name in shards_before

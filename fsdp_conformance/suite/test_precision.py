@@ -222,10 +222,9 @@ class BasePrecisionTests:
     @check("precision.dtypes", case_of=_accumulation_case)
     @pytest.mark.world_size(2)
     def test_accumulation(self, fsdp_adapter: Any, dist: Any, accumulation: str):
-        adapter = fsdp_adapter
         sync, _, policy = accumulation.partition(":")
         if sync == "no_sync":
-            adapter_features.skip_unless(adapter, Feature.GRADIENT_ACCUMULATION)
+            adapter_features.skip_unless(fsdp_adapter, Feature.GRADIENT_ACCUMULATION)
         param_dtype, reduce_dtype, _ = _policy(policy)
         mixed = {"param_dtype": param_dtype, "reduce_dtype": reduce_dtype}
         config = {"sharding_strategy": "FULL_SHARD", "mixed_precision": mixed}
@@ -239,16 +238,16 @@ class BasePrecisionTests:
         for micro_batches in (1, self.MICRO_BATCHES):
             # one instance around the whole model: 32 micro-batches cost 32 all-gathers
             zoo_model = training.ddp_driver(ACCUMULATION_MODEL, dist, ddp=False).zoo_model
-            root = adapter.wrap(zoo_model, process_group=dist.group, root=True, **config)
-            driver = training.Driver(root, zoo_model, dist.device, adapter)
+            root = fsdp_adapter.wrap(zoo_model, process_group=dist.group, root=True, **config)
+            driver = training.Driver(root, zoo_model, dist.device, fsdp_adapter)
             before = driver.params()
-            driver.optimizer = adapter.optimizer(root, "sgd", lr=ACCUMULATION_LR)
+            driver.optimizer = fsdp_adapter.optimizer(root, "sgd", lr=ACCUMULATION_LR)
             sync_every = sync == "sync_every"
             driver.run(1, micro_batches=micro_batches, sync_every=sync_every, same_input=True)
             errors[micro_batches] = _relative_error(driver.params(), expected, before)
         one, many = errors[1], errors[self.MICRO_BATCHES]
         assert many <= GROWTH * one, (
-            f"adapter {adapter.name!r}, {ACCUMULATION_MODEL}, mixed_precision {policy}, "
+            f"adapter {fsdp_adapter.name!r}, {ACCUMULATION_MODEL}, mixed_precision {policy}, "
             f"{'no_sync' if sync == 'no_sync' else 'sync on every micro-batch'}: the "
             f"gradient accumulated over {self.MICRO_BATCHES} micro-batches is {many:.3g} "
             f"(relative) away from float32 DDP's, {many / one:.3g}x the error of one "

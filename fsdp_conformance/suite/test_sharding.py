@@ -62,18 +62,17 @@ class BaseUnevenShardingTests:
     )
     @pytest.mark.world_size(3)
     def test_uneven_shards_match_ddp(self, fsdp_adapter: Any, dist: Any, uneven_strategy: str):
-        adapter = fsdp_adapter
         config = {"sharding_strategy": uneven_strategy}
-        driver = training.fsdp_driver(adapter, UNEVEN_MODEL, dist, config)
+        driver = training.fsdp_driver(fsdp_adapter, UNEVEN_MODEL, dist, config)
         result = driver.trained(self.STEPS)
         reference = training.reference_run(UNEVEN_MODEL, dist, self.STEPS)
         atol, rtol = test_parity.tolerance(dist.world_size)
         label = (
-            f"adapter {adapter.name!r}, {UNEVEN_MODEL} at world size {dist.world_size} "
+            f"adapter {fsdp_adapter.name!r}, {UNEVEN_MODEL} at world size {dist.world_size} "
             f"with sharding_strategy={uneven_strategy!r}"
         )
         training.assert_same_training(label, result, reference, atol, rtol)
-        state = full_state_dict(adapter, driver.model)
+        state = full_state_dict(fsdp_adapter, driver.model)
         params = {name: value for name, value in state.items() if name in reference.params}
         label += ", full state dict"
         training.assert_params(label, params, reference.params, self.STEPS, atol, rtol)
@@ -115,23 +114,22 @@ class BaseHybridShardingTests:
     def test_hybrid_matches_ddp(self, fsdp_adapter: Any, dist: Any, hybrid_strategy: str):
         import torch.distributed as tdist
 
-        adapter = fsdp_adapter
         shard, replicate = hybrid_groups(dist)
         config = {"sharding_strategy": hybrid_strategy}
         pair = (shard, replicate)
-        driver = training.fsdp_driver(adapter, HYBRID_MODEL, dist, config, process_group=pair)
+        driver = training.fsdp_driver(fsdp_adapter, HYBRID_MODEL, dist, config, process_group=pair)
         root = driver.model
-        trace = CommTrace(adapter, root, collectives=True)
+        trace = CommTrace(fsdp_adapter, root, collectives=True)
         with trace:
             result = driver.trained(self.STEPS, phase=lambda step, _: trace.phase(f"step {step}"))
         label = (
-            f"adapter {adapter.name!r}, {HYBRID_MODEL} at world size {dist.world_size} with "
+            f"adapter {fsdp_adapter.name!r}, {HYBRID_MODEL} at world size {dist.world_size} with "
             f"sharding_strategy={hybrid_strategy!r} on a 2 x 2 mesh"
         )
         shard_ranks = tuple(tdist.get_process_group_ranks(shard))
         replicate_ranks = tuple(tdist.get_process_group_ranks(replicate))
         groups = {shard_ranks: "shard", replicate_ranks: "replicate"}
-        labels = training.trainable_labels(adapter, root, trace)
+        labels = training.trainable_labels(fsdp_adapter, root, trace)
         trainable = sorted(name for name, trains in labels.items() if trains)
         failures = []
         for step in range(self.STEPS):
