@@ -17,7 +17,6 @@ inside none."""
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import itertools
 from collections.abc import Callable, Iterator
@@ -148,14 +147,6 @@ def raise_failures(headline: str, failures: list[str], rendered_trace: str) -> N
         raise AssertionError(f"{headline}:{lines}\ntrace:\n{rendered_trace}")
 
 
-def _per_label(trace: CommTrace, phase: str, ops: tuple[str, ...]) -> dict[str, int]:
-    return dict(collections.Counter(event.label for event in trace.select(phase, ops)))
-
-
-def _total(counts: dict[str, int]) -> int:
-    return sum(counts.values())
-
-
 def count_failures(
     trace: CommTrace, strategy: str, no_sync_iterations: tuple[int, ...] = ()
 ) -> list[str]:
@@ -165,44 +156,45 @@ def count_failures(
     failures: list[str] = []
     uses: dict[int, dict[str, int]] = {}  # iteration -> forward all-gathers per instance
     for phase, iteration, kind in _iteration_phases(trace):
-        gathers = _per_label(trace, phase, (Op.ALL_GATHER,))
-        reductions = _per_label(trace, phase, tuple(REDUCE_OPS))
+        gathers = training.events_per_label(trace, phase, (Op.ALL_GATHER,))
+        reductions = training.events_per_label(trace, phase)
+        gathered, reduced = sum(gathers.values()), sum(reductions.values())
         if kind == "forward":
             uses[iteration] = gathers
             missing = [label for label in labels if not gathers.get(label)]
             if missing:
                 failures.append(
-                    f"{phase}: {_total(gathers)} all-gathers, expected at least one per instance "
+                    f"{phase}: {gathered} all-gathers, expected at least one per instance "
                     f"(every parameter is gathered before use); none for {missing}"
                 )
             if reductions:
-                failures.append(f"{phase}: {_total(reductions)} gradient reductions in forward")
+                failures.append(f"{phase}: {reduced} gradient reductions in forward")
             continue
         used = uses.get(iteration, {})
         if strategy == "SHARD_GRAD_OP" and gathers:
             failures.append(
-                f"{phase}: {_total(gathers)} all-gathers, expected 0 (SHARD_GRAD_OP keeps "
+                f"{phase}: {gathered} all-gathers, expected 0 (SHARD_GRAD_OP keeps "
                 "parameters unsharded from forward to backward)"
             )
         elif strategy != "SHARD_GRAD_OP":
             over = {label: n for label, n in gathers.items() if n > used.get(label, 0)}
             if over:
                 failures.append(
-                    f"{phase}: {_total(gathers)} all-gathers, expected at most "
-                    f"{_total(used)}: no instance gathers more often than in its forward "
+                    f"{phase}: {gathered} all-gathers, expected at most "
+                    f"{sum(used.values())}: no instance gathers more often than in its forward "
                     f"(instance: backward all-gathers {over}, forward {used})"
                 )
         if iteration in no_sync_iterations:
             if reductions:
                 failures.append(
-                    f"{phase} inside no_sync: {_total(reductions)} gradient reductions, expected 0"
+                    f"{phase} inside no_sync: {reduced} gradient reductions, expected 0"
                 )
             continue
         missing = [label for label in labels if not reductions.get(label)]
         over = {label: n for label, n in reductions.items() if n > max(1, used.get(label, 0))}
         if missing or over:
             failures.append(
-                f"{phase}: {_total(reductions)} gradient reductions, expected every instance's "
+                f"{phase}: {reduced} gradient reductions, expected every instance's "
                 f"gradients reduced once per parameter gathered in its forward: not reduced "
                 f"{missing}, reduced more often {over} (forward all-gathers {used})"
             )

@@ -40,24 +40,22 @@ class BaseBadInputTests:
     )
     @pytest.mark.world_size(2)
     def test_wrapping_a_module_twice(self, fsdp_adapter: Any, dist: Any):
-        adapter = fsdp_adapter
         linear = _linear()
-        adapter.wrap(linear, root=True)
+        fsdp_adapter.wrap(linear, root=True)
         expect_error(
-            lambda: adapter.wrap(linear, root=True),
+            lambda: fsdp_adapter.wrap(linear, root=True),
             r"already|twice|again",
-            f"adapter {adapter.name!r}, wrapping the same module twice",
+            f"adapter {fsdp_adapter.name!r}, wrapping the same module twice",
         )
 
     @check("misuse.mixed_devices", "wrapping parameters on cpu and meta is refused", strict=False)
     @pytest.mark.world_size(2)
     def test_parameters_on_mixed_devices(self, fsdp_adapter: Any, dist: Any):
-        adapter = fsdp_adapter
         module = nn.Sequential(_linear(), nn.Linear(WIDTH, WIDTH, device="meta"))
         expect_error(
-            lambda: adapter.wrap(module, root=True),
+            lambda: fsdp_adapter.wrap(module, root=True),
             r"device|meta",
-            f"adapter {adapter.name!r}, parameters on cpu and meta",
+            f"adapter {fsdp_adapter.name!r}, parameters on cpu and meta",
         )
 
     @check(
@@ -68,17 +66,16 @@ class BaseBadInputTests:
     )
     @pytest.mark.world_size(2)
     def test_forward_inside_summon_full_params(self, fsdp_adapter: Any, dist: Any):
-        adapter = fsdp_adapter
-        model, x = _trained(adapter, dist)
+        model, x = _trained(fsdp_adapter, dist)
 
         def forward_inside() -> None:
-            with adapter.summon_full_params(model):
+            with fsdp_adapter.summon_full_params(model):
                 model(x)
 
         expect_error(
             forward_inside,
             r"summon|SUMMON|state",
-            f"adapter {adapter.name!r}, forward inside summon_full_params",
+            f"adapter {fsdp_adapter.name!r}, forward inside summon_full_params",
         )
 
     @check(
@@ -89,12 +86,11 @@ class BaseBadInputTests:
     )
     @pytest.mark.world_size(2)
     def test_summon_full_params_during_forward(self, fsdp_adapter: Any, dist: Any):
-        adapter = fsdp_adapter
-        model, x = _trained(adapter, dist)
-        inner = adapter.unwrap(model)[1]
+        model, x = _trained(fsdp_adapter, dist)
+        inner = fsdp_adapter.unwrap(model)[1]
 
         def summon(*_: Any) -> None:
-            with adapter.summon_full_params(model):
+            with fsdp_adapter.summon_full_params(model):
                 pass
 
         handle = inner.register_forward_hook(summon)
@@ -102,7 +98,7 @@ class BaseBadInputTests:
             expect_error(
                 lambda: model(x),
                 r"forward|backward|FORWARD_BACKWARD|IDLE|state",
-                f"adapter {adapter.name!r}, summon_full_params inside forward",
+                f"adapter {fsdp_adapter.name!r}, summon_full_params inside forward",
             )
         finally:
             handle.remove()
@@ -115,14 +111,13 @@ class BaseBadInputTests:
     )
     @pytest.mark.world_size(2)
     def test_sync_module_states_with_different_shapes(self, fsdp_adapter: Any, dist: Any):
-        adapter = fsdp_adapter
         module = nn.Sequential(_linear(), nn.Linear(WIDTH, WIDTH + dist.rank))
         expect_error(
-            lambda: adapter.wrap(module, root=True, sync_module_states=True),
+            lambda: fsdp_adapter.wrap(module, root=True, sync_module_states=True),
             r"shape|size|differ",
-            f"adapter {adapter.name!r}, sync_module_states with shapes that differ across ranks",
+            f"adapter {fsdp_adapter.name!r}, sync_module_states with shapes that differ across "
+            "ranks",
         )
 
 
-class TestBadInputs(BaseBadInputTests):
-    pass
+class TestBadInputs(BaseBadInputTests): ...

@@ -73,5 +73,4 @@ class BaseCollectiveCountTests:
         training.assert_params(label, fsdp_adapter.full_params(root), reference.params(), 0)
 
 
-class TestCollectiveCounts(BaseCollectiveCountTests):
-    pass
+class TestCollectiveCounts(BaseCollectiveCountTests): ...

@@ -87,18 +87,16 @@ class BaseExecOrderTests:
     )
     @pytest.mark.world_size(2)
     def test_divergent_exec_order_raises(self, fsdp_adapter: Any, dist: Any):
-        adapter = fsdp_adapter
-        wrap = adapter.wrapper()
-        model = adapter.wrap(TwoBranches(wrap), root=True)
-        adapter.unwrap(model).swapped = dist.rank == 1
+        wrap = fsdp_adapter.wrapper()
+        model = fsdp_adapter.wrap(TwoBranches(wrap), root=True)
+        fsdp_adapter.unwrap(model).swapped = dist.rank == 1
         x = torch.ones(2, WIDTH, device=dist.device)
         expect_error(
-            lambda: adapter.backward(model, model(x).sum()),
+            lambda: fsdp_adapter.backward(model, model(x).sum()),
             r"order.*branch_[ab]|branch_[ab].*order",
-            f"adapter {adapter.name!r}, rank {dist.rank} running "
+            f"adapter {fsdp_adapter.name!r}, rank {dist.rank} running "
             f"{'branch_b, branch_a' if dist.rank == 1 else 'branch_a, branch_b'}",
         )
 
 
-class TestExecOrder(BaseExecOrderTests):
-    pass
+class TestExecOrder(BaseExecOrderTests): ...

@@ -48,35 +48,32 @@ class BaseForwardMethodTests:
     )
     @pytest.mark.world_size(2)
     def test_other_forward_method(self, fsdp_adapter: Any, dist: Any, variant: str, strategy: str):
-        adapter = fsdp_adapter
-        driver = training.fsdp_driver(adapter, "loops", dist, {"sharding_strategy": strategy})
+        driver = training.fsdp_driver(fsdp_adapter, "loops", dist, {"sharding_strategy": strategy})
         root, zoo_model = driver.model, driver.zoo_model
         if variant == "method":  # the nested instance alone needs no registration
-            adapter_features.require(adapter, Feature.FORWARD_METHOD)
-            adapter.register_forward_method(root, "encode")
-        label = f"adapter {adapter.name!r}, loops, {strategy}, {variant}"
+            adapter_features.require(fsdp_adapter, Feature.FORWARD_METHOD)
+            fsdp_adapter.register_forward_method(root, "encode")
+        label = f"adapter {fsdp_adapter.name!r}, loops, {strategy}, {variant}"
         resident: list[str] = []
-        step_of = [0]
+        step_of = [0]  # the step running
 
         def root_params_in_use(module: Any, args: Any) -> None:
-            if adapter.is_unsharded(adapter.instances(root)[0]) is False:
+            if fsdp_adapter.is_unsharded(fsdp_adapter.instances(root)[0]) is False:
                 raise AssertionError(
                     f"{label}: the root's own parameters (the trunk's) are sharded while "
                     f"{'encode' if variant == 'method' else 'forward'} uses them (step "
                     f"{step_of[0]})"
                 )
 
-        def loss(step: int, index: int) -> torch.Tensor:
-            step_of[0] = step
-            return _loss(driver, variant, step, index)
-
         def after_step(step: int) -> None:
+            step_of[0] = step + 1
             recorder.after_step()
             if strategy == "FULL_SHARD":
-                resident.extend(training.unsharded(adapter, root, step))
+                resident.extend(training.unsharded(fsdp_adapter, root, step))
 
         hook = zoo_model.trunk.register_forward_pre_hook(root_params_in_use)
-        with TrainingStateRecorder(adapter, root) as recorder:
+        with TrainingStateRecorder(fsdp_adapter, root) as recorder:
+            loss = lambda step, index: _loss(driver, variant, step, index)
             losses = driver.run(self.STEPS, loss=loss, after_step=after_step)
         hook.remove()
         recorder.assert_legal()
@@ -91,5 +88,4 @@ class BaseForwardMethodTests:
         training.assert_params(label, driver.params(), reference.params(), self.STEPS)
 
 
-class TestForwardMethod(BaseForwardMethodTests):
-    pass
+class TestForwardMethod(BaseForwardMethodTests): ...

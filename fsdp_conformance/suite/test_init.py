@@ -43,28 +43,24 @@ class BaseMetaInitTests:
     )
     @pytest.mark.world_size(2)
     def test_meta_init(self, fsdp_adapter: Any, dist: Any, wrapping: str):
-        adapter = fsdp_adapter
-        adapter_features.skip_unless(adapter, *zoo.MODELS["buffered_meta"].features)
+        adapter_features.skip_unless(fsdp_adapter, *zoo.MODELS["buffered_meta"].features)
         config = {"auto_wrap_policy": _is_block} if wrapping == "auto_wrap" else {}
-        adapter_features.skip_unless(adapter, *adapter_features.wrap_features(**config))
-        nested = adapter.wrapper(process_group=dist.group) if wrapping == "nested" else None
+        adapter_features.skip_unless(fsdp_adapter, *adapter_features.wrap_features(**config))
+        nested = fsdp_adapter.wrapper(process_group=dist.group) if wrapping == "nested" else None
         zoo_model = zoo.build("buffered_meta", dist.group, nested, dist.device)
-        root = adapter.wrap(zoo_model, process_group=dist.group, root=True, **config)
-        adapter.materialize(root, device=dist.device)
-        label = f"adapter {adapter.name!r}, buffered_meta ({wrapping})"
-        on_meta = [
-            name
-            for name, tensor in itertools.chain(root.named_parameters(), root.named_buffers())
-            if tensor.is_meta
-        ]
+        root = fsdp_adapter.wrap(zoo_model, process_group=dist.group, root=True, **config)
+        fsdp_adapter.materialize(root, device=dist.device)
+        label = f"adapter {fsdp_adapter.name!r}, buffered_meta ({wrapping})"
+        named = itertools.chain(root.named_parameters(), root.named_buffers())
+        on_meta = [name for name, tensor in named if tensor.is_meta]
         assert not on_meta, f"{label}: still on the meta device after materialize: {on_meta}"
         plain = zoo.build("buffered", dist.group, None, dist.device).to(dist.device)
-        full = adapter.full_params(root)
+        full = fsdp_adapter.full_params(root)
         expected = {name: p.detach() for name, p in plain.named_parameters()}
         assert sorted(full) == sorted(expected), (
             f"{label}: full parameter names {sorted(full)}, the plain model's {sorted(expected)}"
         )
-        buffers = training.by_clean_name(adapter, adapter.unwrap(root).named_buffers())
+        buffers = training.by_clean_name(fsdp_adapter, fsdp_adapter.unwrap(root).named_buffers())
         for name, value in plain.named_buffers():  # persistent and not
             assert name in buffers, f"{label}: buffer {name!r} is gone ({sorted(buffers)})"
             expected[name] = value
@@ -80,13 +76,13 @@ class BaseMetaInitTests:
             "its own reset_parameters() (initialised twice -- e.g. a nested instance "
             "re-initialised by its root's materialisation -- or left uninitialised)"
         )
-        adapter.load_state_dict(root, plain.state_dict())
-        driver = training.Driver(root, zoo_model, dist.device, adapter)
+        fsdp_adapter.load_state_dict(root, plain.state_dict())
+        driver = training.Driver(root, zoo_model, dist.device, fsdp_adapter)
         losses = driver.run(STEPS)
         ddp = torch.nn.parallel.DistributedDataParallel(plain, process_group=dist.group)
         reference = training.Driver(ddp, plain, dist.device)
-        training.compare(label, driver, losses, reference, reference.run(STEPS), STEPS)
+        training.assert_losses(label, losses, reference.run(STEPS))
+        training.assert_params(label, driver.params(), reference.params(), STEPS)
 
 
-class TestMetaInit(BaseMetaInitTests):
-    pass
+class TestMetaInit(BaseMetaInitTests): ...

@@ -20,6 +20,7 @@ where DDP reduces their sum.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import math
@@ -47,12 +48,11 @@ from .training import (
     average_gradients,
     build,
     by_clean_name,
-    compare,
     ddp_driver,
+    events_per_label,
     fsdp_driver,
     micro_input,
     parametrize,
-    reductions_per_label,
     trainable_labels,
     unsharded,
 )
@@ -89,22 +89,20 @@ class BaseGradientAccumulationTests:
     def test_accumulation_matches_ddp(
         self, fsdp_adapter: Any, dist: Any, model_name: str, strategy: str, sync: str
     ):
-        adapter = fsdp_adapter
         sync_every = sync == "sync_every"
         if not sync_every:
-            adapter_features.skip_unless(adapter, Feature.GRADIENT_ACCUMULATION)
+            adapter_features.skip_unless(fsdp_adapter, Feature.GRADIENT_ACCUMULATION)
         options = {"micro_batches": self.MICRO_BATCHES, "sync_every": sync_every}
-        driver = fsdp_driver(adapter, model_name, dist, {"sharding_strategy": strategy})
+        driver = fsdp_driver(fsdp_adapter, model_name, dist, {"sharding_strategy": strategy})
         losses = driver.run(self.STEPS, **options)
         reference = ddp_driver(model_name, dist)
         label = (
-            f"adapter {adapter.name!r}, {model_name}, {strategy}, {self.MICRO_BATCHES} "
+            f"adapter {fsdp_adapter.name!r}, {model_name}, {strategy}, {self.MICRO_BATCHES} "
             f"micro-batches per step, {'sync on every micro-batch' if sync_every else 'no_sync'}"
         )
         tol = SYNC_EVERY_TOL if sync_every else 0.0  # [Note: loop tolerances]
-        compare(
-            label, driver, losses, reference, reference.run(self.STEPS, **options), self.STEPS, tol
-        )
+        assert_losses(label, losses, reference.run(self.STEPS, **options), tol)
+        assert_params(label, driver.params(), reference.params(), self.STEPS, tol, tol)
 
     @check(
         "loops.grad_accumulation_comm",
@@ -116,20 +114,19 @@ class BaseGradientAccumulationTests:
     )
     @pytest.mark.world_size(2)
     def test_no_reduction_while_accumulating(self, fsdp_adapter: Any, dist: Any, strategy: str):
-        adapter = fsdp_adapter
-        driver = fsdp_driver(adapter, "loops", dist, {"sharding_strategy": strategy})
-        trace = CommTrace(adapter, driver.model)
+        driver = fsdp_driver(fsdp_adapter, "loops", dist, {"sharding_strategy": strategy})
+        trace = CommTrace(fsdp_adapter, driver.model)
         with trace:
             phase = lambda step, micro: trace.phase(f"step {step} micro {micro}")
             driver.run(self.STEPS, micro_batches=self.MICRO_BATCHES, sync_every=False, phase=phase)
-        labels = trainable_labels(adapter, driver.model, trace)
+        labels = trainable_labels(fsdp_adapter, driver.model, trace)
         expected = {label for label, trains in labels.items() if trains}
         failures = []
         for step in range(self.STEPS):
             for micro in range(self.MICRO_BATCHES):
                 phase = f"step {step} micro {micro}"
-                counts = reductions_per_label(trace, phase)
-                gathers = reductions_per_label(trace, phase, (Op.ALL_GATHER,))
+                counts = events_per_label(trace, phase)
+                gathers = events_per_label(trace, phase, (Op.ALL_GATHER,))
                 if micro < self.MICRO_BATCHES - 1:
                     if counts:
                         failures.append(f"{phase} (inside no_sync): gradient reductions {counts}")
@@ -142,8 +139,8 @@ class BaseGradientAccumulationTests:
                         f"of it ({gathers}; [Note: counts as bounds] in comm_checks.py)"
                     )
         assert not failures, (
-            f"adapter {adapter.name!r}, loops, {strategy}: gradient accumulation broke no_sync's "
-            "promise:\n  " + "\n  ".join(failures) + "\ntrace:\n" + trace.render()
+            f"adapter {fsdp_adapter.name!r}, loops, {strategy}: gradient accumulation broke "
+            "no_sync's promise:\n  " + "\n  ".join(failures) + "\ntrace:\n" + trace.render()
         )
 
 
@@ -181,31 +178,28 @@ class BaseGradientClippingTests:
     def test_clipping_matches_ddp(
         self, fsdp_adapter: Any, dist: Any, model_name: str, strategy: str, norm_type: float
     ):
-        adapter = fsdp_adapter
         max_norm = CLIP_MAX_NORM[model_name]
-        driver = fsdp_driver(adapter, model_name, dist, {"sharding_strategy": strategy})
-        fsdp = _clip_run(driver, max_norm, norm_type)
-        ref = _clip_run(ddp_driver(model_name, dist), max_norm, norm_type)
-        label = f"adapter {adapter.name!r}, {model_name}, {strategy}, norm_type={norm_type}"
-        assert bool((ref[1] > max_norm).all()), (
-            f"{label}: DDP's unclipped norms {ref[1].tolist()} are not all above max_norm="
+        driver = fsdp_driver(fsdp_adapter, model_name, dist, {"sharding_strategy": strategy})
+        losses, norms, params = _clip_run(driver, max_norm, norm_type)
+        reference = ddp_driver(model_name, dist)
+        ref_losses, ref_norms, ref_params = _clip_run(reference, max_norm, norm_type)
+        label = f"adapter {fsdp_adapter.name!r}, {model_name}, {strategy}, norm_type={norm_type}"
+        assert bool((ref_norms > max_norm).all()), (
+            f"{label}: DDP's unclipped norms {ref_norms.tolist()} are not all above max_norm="
             f"{max_norm}; the check would not exercise clipping (suite bug: lower CLIP_MAX_NORM)"
         )
-        assert bool((fsdp[1] > max_norm).all()), (
-            f"{label}: clip_grad_norm_ returned norms {fsdp[1].tolist()}, not all above "
-            f"max_norm={max_norm} although DDP's are {ref[1].tolist()}"
+        assert bool((norms > max_norm).all()), (
+            f"{label}: clip_grad_norm_ returned norms {norms.tolist()}, not all above "
+            f"max_norm={max_norm} although DDP's are {ref_norms.tolist()}"
         )
-        training.assert_close(
+        message = (
             f"{label}: total norms returned by clip_grad_norm_ differ from DDP + "
-            f"torch.nn.utils.clip_grad_norm_ (rtol={CLIP_NORM_RTOL:g})",
-            fsdp[1],
-            ref[1],
-            0.0,
-            CLIP_NORM_RTOL,
-            detail=f"FSDP norms {fsdp[1].tolist()}, DDP norms {ref[1].tolist()}",
+            f"torch.nn.utils.clip_grad_norm_ (rtol={CLIP_NORM_RTOL:g})"
         )
-        assert_losses(label, fsdp[0], ref[0], CLIP_PARAM_TOL)
-        assert_params(label, fsdp[2], ref[2], CLIP_STEPS, CLIP_PARAM_TOL, CLIP_PARAM_TOL)
+        detail = f"FSDP norms {norms.tolist()}, DDP norms {ref_norms.tolist()}"
+        training.assert_close(message, norms, ref_norms, 0.0, CLIP_NORM_RTOL, detail=detail)
+        assert_losses(label, losses, ref_losses, CLIP_PARAM_TOL)
+        assert_params(label, params, ref_params, CLIP_STEPS, CLIP_PARAM_TOL, CLIP_PARAM_TOL)
 
 
 def _clip_run(driver: Driver, max_norm: float, norm_type: float) -> tuple[Any, Any, dict]:
@@ -246,21 +240,20 @@ class BaseFrozenParameterTests:
     )
     @pytest.mark.world_size(2)
     def test_frozen_parameters(self, fsdp_adapter: Any, dist: Any, model_name: str, strategy: str):
-        adapter = fsdp_adapter
         config: dict[str, Any] = {"sharding_strategy": strategy}
         supports = adapter_features.supports
-        if model_name == "loops_frozen_mixed" and supports(adapter, Feature.USE_ORIG_PARAMS):
+        if model_name == "loops_frozen_mixed" and supports(fsdp_adapter, Feature.USE_ORIG_PARAMS):
             config["use_orig_params"] = True
-        traced = model_name == "loops_frozen" and supports(adapter, Feature.COMM_TRACE)
-        driver = fsdp_driver(adapter, model_name, dist, config)
+        traced = model_name == "loops_frozen" and supports(fsdp_adapter, Feature.COMM_TRACE)
+        driver = fsdp_driver(fsdp_adapter, model_name, dist, config)
         initial = driver.params()
-        trace = CommTrace(adapter, driver.model) if traced else None
+        trace = CommTrace(fsdp_adapter, driver.model) if traced else None
         phase = trace.phase("training") if trace else contextlib.nullcontext()
         with trace or contextlib.nullcontext(), phase:
             losses = driver.run(3)
         reference = ddp_driver(model_name, dist)
         reference_losses = reference.run(3)
-        label = f"adapter {adapter.name!r}, {model_name}, {strategy}"
+        label = f"adapter {fsdp_adapter.name!r}, {model_name}, {strategy}"
         after = driver.params()
         for name in FROZEN[model_name]:
             assert torch.equal(after[name], initial[name]), (
@@ -270,10 +263,10 @@ class BaseFrozenParameterTests:
         assert_losses(label, losses, reference_losses)
         assert_params(label, after, reference.params(), 3)
         if trace is not None:
-            labels = trainable_labels(adapter, driver.model, trace)
+            labels = trainable_labels(fsdp_adapter, driver.model, trace)
             frozen = [name for name, trains in labels.items() if not trains]
             assert frozen, f"{label}: no instance without trainable parameters was found"
-            counts = reductions_per_label(trace, "training")
+            counts = events_per_label(trace, "training")
             reduced = {name: counts[name] for name in frozen if counts.get(name)}
             assert not reduced, (
                 f"{label}: gradients were reduced for the fully frozen instance(s) {reduced} "
@@ -307,42 +300,33 @@ class BaseActivationCheckpointingTests:
     def test_activation_checkpointing(
         self, fsdp_adapter: Any, dist: Any, model_name: str, strategy: str, placement: str
     ):
-        adapter = fsdp_adapter
         config = {"sharding_strategy": strategy}
-        root, zoo_model = build(adapter, model_name, dist, config, checkpointing=placement)
+        root, zoo_model = build(fsdp_adapter, model_name, dist, config, checkpointing=placement)
         blocks = [m for m in root.modules() if isinstance(m, CheckpointedModule)]
         # the checkpointed module itself: checkpoint calls it in forward and in the recompute
         inner_modules = [block._checkpoint_wrapped_module for block in blocks]
-        calls = {id(module): 0 for module in inner_modules}
-
-        def count(module: nn.Module, args: Any) -> None:
-            calls[id(module)] += 1
-
-        handles = [module.register_forward_pre_hook(count) for module in inner_modules]
-        recorder = TrainingStateRecorder(adapter, root)
+        calls: collections.Counter[nn.Module] = collections.Counter()
+        for module in inner_modules:
+            module.register_forward_pre_hook(lambda module, _: calls.update([module]))
         steps = training.STEPS
-        try:
-            with recorder:
-                after_step = lambda _: recorder.after_step()
-                losses = training.train(
-                    root, zoo_model, dist.device, steps, adapter, after_step=after_step
-                )
-        finally:
-            for handle in handles:
-                handle.remove()
+        with TrainingStateRecorder(fsdp_adapter, root) as recorder:
+            after_step = lambda _: recorder.after_step()
+            losses = training.train(
+                root, zoo_model, dist.device, steps, fsdp_adapter, after_step=after_step
+            )
         label = (
-            f"adapter {adapter.name!r}, {model_name} with activation checkpointing {placement} "
-            f"the FSDP instances, {strategy}"
+            f"adapter {fsdp_adapter.name!r}, {model_name} with activation checkpointing "
+            f"{placement} the FSDP instances, {strategy}"
         )
         recorder.assert_legal()
         # a nested block also runs in each recompute of the block around it: at least twice
-        lacking = [type(m).__name__ for m in inner_modules if calls[id(m)] < 2 * steps]
+        lacking = [type(m).__name__ for m in inner_modules if calls[m] < 2 * steps]
         assert blocks and not lacking, (
             f"{label}: checkpointed blocks {lacking} ran fewer than {2 * steps} times in {steps} "
             "steps: the recompute did not happen"
         )
         # by the names of the model without checkpointing (what DDP trained)
-        params = by_clean_name(adapter, adapter.full_params(root).items())
+        params = by_clean_name(fsdp_adapter, fsdp_adapter.full_params(root).items())
         training.assert_same_training(
             label, training.TrainingResult(losses, params), training.reference_run(model_name, dist)
         )
@@ -375,17 +359,16 @@ class BaseForwardVariantsTests:
     )
     @pytest.mark.world_size(2)
     def test_forward_variant(self, fsdp_adapter: Any, dist: Any, variant: str, strategy: str):
-        adapter = fsdp_adapter
         model_name = "loops_branch" if variant == "unused_branch" else "loops"
-        driver = fsdp_driver(adapter, model_name, dist, {"sharding_strategy": strategy})
+        driver = fsdp_driver(fsdp_adapter, model_name, dist, {"sharding_strategy": strategy})
         root = driver.model
-        label = f"adapter {adapter.name!r}, {model_name}, {strategy}, {variant}"
-        recorder = TrainingStateRecorder(adapter, root)
+        label = f"adapter {fsdp_adapter.name!r}, {model_name}, {strategy}, {variant}"
+        recorder = TrainingStateRecorder(fsdp_adapter, root)
         resident: list[str] = []
 
         def after_eval(step: int) -> None:
             if strategy == "FULL_SHARD":
-                resident.extend(unsharded(adapter, root, step, skip_root=True))
+                resident.extend(unsharded(fsdp_adapter, root, step, skip_root=True))
 
         def after_step(step: int) -> None:
             try:
@@ -415,13 +398,8 @@ class BaseForwardVariantsTests:
                 f"{label}: after the evaluation forward under torch.no_grad() these non-root "
                 f"instances still hold their unsharded parameters: {resident}"
             )
-            training.assert_close(
-                f"{label}: evaluation outputs differ from the reference's (bit-exact)",
-                fsdp[2],
-                expected[2],
-                0.0,
-                0.0,
-            )
+            message = f"{label}: evaluation outputs differ from the reference's (bit-exact)"
+            training.assert_close(message, fsdp[2], expected[2], 0.0, 0.0)
         # two forwards may reduce once per forward, as sync_every does ([Note: loop tolerances])
         tol = SYNC_EVERY_TOL if variant == "two_forwards" else 0.0
         assert_losses(label, fsdp[0], expected[0], tol)
@@ -505,22 +483,21 @@ class BaseCheckpointResumeTests:
     )
     @pytest.mark.world_size(2)
     def test_checkpoint_resume(self, fsdp_adapter: Any, dist: Any, case: ResumeCase):
-        adapter = fsdp_adapter
         # on every rank alike, before a world the other rank waits out (no one-rank skip)
         for method in ("save_checkpoint", "load_checkpoint"):
-            if getattr(type(adapter), method) is getattr(Adapter, method):
+            if getattr(type(fsdp_adapter), method) is getattr(Adapter, method):
                 raise UnsupportedFeatureError(
-                    adapter.name,
+                    fsdp_adapter.name,
                     Feature.CHECKPOINT_RESUME,
                     f"the adapter does not override Adapter.{method}",
                 )
         label = (
-            f"adapter {adapter.name!r}, {case.model}, saved at world size {case.save_world}, "
+            f"adapter {fsdp_adapter.name!r}, {case.model}, saved at world size {case.save_world}, "
             f"loaded at {case.load_world}"
         )
         with _shared_directory(dist) as directory:
             worlds = _worlds(dist)
-            fsdp = _resume(dist, case, worlds, adapter, directory)
+            fsdp = _resume(dist, case, worlds, fsdp_adapter, directory)
             reference = _resume(dist, case, worlds)
         if fsdp is None:  # this rank is not in the load world
             return
@@ -554,9 +531,7 @@ def _from_rank_0(value: Any, dist: Any) -> Any:
     import torch.distributed as tdist
 
     box = [value]
-    tdist.broadcast_object_list(
-        box, src=tdist.get_process_group_ranks(dist.group)[0], group=dist.group
-    )
+    tdist.broadcast_object_list(box, group_src=0, group=dist.group)
     return box[0]
 
 
@@ -605,25 +580,19 @@ def _resume(
     return loaded, state, losses, loading.params()
 
 
-class TestGradientAccumulation(BaseGradientAccumulationTests):
-    pass
+class TestGradientAccumulation(BaseGradientAccumulationTests): ...
 
 
-class TestGradientClipping(BaseGradientClippingTests):
-    pass
+class TestGradientClipping(BaseGradientClippingTests): ...
 
 
-class TestFrozenParameters(BaseFrozenParameterTests):
-    pass
+class TestFrozenParameters(BaseFrozenParameterTests): ...
 
 
-class TestActivationCheckpointing(BaseActivationCheckpointingTests):
-    pass
+class TestActivationCheckpointing(BaseActivationCheckpointingTests): ...
 
 
-class TestForwardVariants(BaseForwardVariantsTests):
-    pass
+class TestForwardVariants(BaseForwardVariantsTests): ...
 
 
-class TestCheckpointResume(BaseCheckpointResumeTests):
-    pass
+class TestCheckpointResume(BaseCheckpointResumeTests): ...

@@ -64,30 +64,23 @@ class BaseParamGroupTests:
     def test_param_groups_match_ddp(
         self, fsdp_adapter: Any, dist: Any, model_name: str, strategy: str
     ):
-        adapter = fsdp_adapter
         config: dict[str, Any] = {"sharding_strategy": strategy}
-        if adapter_features.supports(adapter, Feature.USE_ORIG_PARAMS):  # FSDP1 needs it
+        if adapter_features.supports(fsdp_adapter, Feature.USE_ORIG_PARAMS):  # FSDP1 needs it
             config["use_orig_params"] = True
-        driver = training.fsdp_driver(adapter, model_name, dist, config)
-        driver.optimizer = adapter.optimizer(
-            driver.model,
-            "adamw",
-            param_groups=group_options,
-            lr=ADAMW_LR,
-            weight_decay=WEIGHT_DECAY,
+        driver = training.fsdp_driver(fsdp_adapter, model_name, dist, config)
+        adamw = {"lr": ADAMW_LR, "weight_decay": WEIGHT_DECAY}
+        driver.optimizer = fsdp_adapter.optimizer(
+            driver.model, "adamw", param_groups=group_options, **adamw
         )
         losses = driver.run(self.STEPS)
         reference = training.ddp_driver(model_name, dist)
-        reference.optimizer = torch.optim.AdamW(
-            reference_groups(reference.zoo_model), lr=ADAMW_LR, weight_decay=WEIGHT_DECAY
-        )
+        reference.optimizer = torch.optim.AdamW(reference_groups(reference.zoo_model), **adamw)
         label = (
-            f"adapter {adapter.name!r}, {model_name}, {strategy}, AdamW with groups (no "
+            f"adapter {fsdp_adapter.name!r}, {model_name}, {strategy}, AdamW with groups (no "
             f"weight decay on biases and norms, lr/10 for {SLOW_BLOCK}*)"
         )
         training.assert_losses(label, losses, reference.run(self.STEPS))
         training.assert_params(label, driver.params(), reference.params(), self.STEPS)
 
 
-class TestParamGroups(BaseParamGroupTests):
-    pass
+class TestParamGroups(BaseParamGroupTests): ...

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from typing import Any, ClassVar
 
 import pytest
@@ -122,21 +123,25 @@ class BaseSummonFullParamsTests:
     def test_summon_full_params(
         self, fsdp_adapter: Any, dist: Any, summon_model: str, writeback: bool
     ):
-        adapter = fsdp_adapter
         if writeback:
-            adapter_features.skip_unless(adapter, Feature.SUMMON_FULL_PARAMS_WRITEBACK)
-        root, zoo_model = training.build(adapter, summon_model, dist, {})
-        training.train(root, zoo_model, dist.device, steps=1, adapter=adapter)
-        full_before = adapter.full_params(root)
-        shards_before = _local_shards(root)
-        with adapter.summon_full_params(root, writeback=writeback), torch.no_grad():
-            by_name = _params_by_clean_name(adapter, root)
+            adapter_features.skip_unless(fsdp_adapter, Feature.SUMMON_FULL_PARAMS_WRITEBACK)
+        root, zoo_model = training.build(fsdp_adapter, summon_model, dist, {})
+        training.train(root, zoo_model, dist.device, steps=1, adapter=fsdp_adapter)
+        full_before = fsdp_adapter.full_params(root)
+        shards_before = training.local_shards(root)
+        with fsdp_adapter.summon_full_params(root, writeback=writeback), torch.no_grad():
+            # the registered parameters by the unwrapped model's names (the unwrapped's first)
+            named = itertools.chain(
+                root.named_parameters(remove_duplicate=False),
+                fsdp_adapter.unwrap(root).named_parameters(remove_duplicate=False),
+            )
+            by_name = training.by_clean_name(fsdp_adapter, named)
             # a tied parameter is listed under each name: increase it once
             for param in {id(by_name[name]): by_name[name] for name in full_before}.values():
                 param.add_(1.0)
-        full_after = adapter.full_params(root)
-        shards_after = _local_shards(root)
-        label = f"adapter {adapter.name!r}, {summon_model}"
+        full_after = fsdp_adapter.full_params(root)
+        shards_after = training.local_shards(root)
+        label = f"adapter {fsdp_adapter.name!r}, {summon_model}"
         changed = sorted(
             name
             for name in shards_before
@@ -237,35 +242,10 @@ def _clone(value: Any) -> Any:
     return value.detach().clone() if isinstance(value, torch.Tensor) else value
 
 
-def _params_by_clean_name(adapter: Any, root: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The registered parameters of `root` under the unwrapped model's names."""
-    from fsdp_conformance.adapters.base import clean_param_name
-
-    params = {}
-    for module in (adapter.unwrap(root), root):
-        for name, param in module.named_parameters(remove_duplicate=False):
-            params.setdefault(clean_param_name(name, adapter.declarations.wrapper_segments), param)
-    return params
+class TestDDPParity(BaseDDPParityTests): ...
 
 
-def _local_shards(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Copies of this rank's registered parameters (DTensors' local shards)."""
-    from torch.distributed.tensor import DTensor
-
-    shards = {}
-    for name, param in model.named_parameters():
-        local = param.to_local() if isinstance(param, DTensor) else param
-        shards[name] = local.detach().clone()
-    return shards
+class TestSummonFullParams(BaseSummonFullParamsTests): ...
 
 
-class TestDDPParity(BaseDDPParityTests):
-    pass
-
-
-class TestSummonFullParams(BaseSummonFullParamsTests):
-    pass
-
-
-class TestStateDict(BaseStateDictTests):
-    pass
+class TestStateDict(BaseStateDictTests): ...

@@ -54,11 +54,7 @@ def _policy(name: str) -> tuple[torch.dtype, torch.dtype, torch.dtype | None]:
     param, *pairs = name.split("-")
     fields = dict(zip(pairs[::2], pairs[1::2], strict=True))
     output = fields.get("output")
-    return (
-        _DTYPES[param],
-        _DTYPES[fields.get("reduce", param)],
-        None if output is None else _DTYPES[output],
-    )
+    return _DTYPES[param], _DTYPES[fields.get("reduce", param)], output and _DTYPES[output]
 
 
 @contextlib.contextmanager
@@ -198,8 +194,7 @@ class BasePrecisionTests:
             driver.step()
             losses.append(loss.detach().float())
             if step == 0:
-                state = adapter.state_dict(root).items()
-                state = training.by_clean_name(adapter, state)
+                state = training.by_clean_name(adapter, adapter.state_dict(root).items())
                 state_dtypes = {k: v.dtype for k, v in state.items() if isinstance(v, torch.Tensor)}
         reference = training.ddp_driver(MODEL, dist)
         buffers = {name: b.dtype for name, b in reference.zoo_model.named_buffers()}
@@ -227,10 +222,9 @@ class BasePrecisionTests:
     @check("precision.dtypes", case_of=_accumulation_case)
     @pytest.mark.world_size(2)
     def test_accumulation(self, fsdp_adapter: Any, dist: Any, accumulation: str):
-        adapter = fsdp_adapter
         sync, _, policy = accumulation.partition(":")
         if sync == "no_sync":
-            adapter_features.skip_unless(adapter, Feature.GRADIENT_ACCUMULATION)
+            adapter_features.skip_unless(fsdp_adapter, Feature.GRADIENT_ACCUMULATION)
         param_dtype, reduce_dtype, _ = _policy(policy)
         mixed = {"param_dtype": param_dtype, "reduce_dtype": reduce_dtype}
         config = {"sharding_strategy": "FULL_SHARD", "mixed_precision": mixed}
@@ -243,17 +237,17 @@ class BasePrecisionTests:
         errors = {}
         for micro_batches in (1, self.MICRO_BATCHES):
             # one instance around the whole model: 32 micro-batches cost 32 all-gathers
-            zoo_model, _ = training.build_reference(ACCUMULATION_MODEL, dist, ddp=False)
-            root = adapter.wrap(zoo_model, process_group=dist.group, root=True, **config)
-            driver = training.Driver(root, zoo_model, dist.device, adapter)
+            zoo_model = training.ddp_driver(ACCUMULATION_MODEL, dist, ddp=False).zoo_model
+            root = fsdp_adapter.wrap(zoo_model, process_group=dist.group, root=True, **config)
+            driver = training.Driver(root, zoo_model, dist.device, fsdp_adapter)
             before = driver.params()
-            driver.optimizer = adapter.optimizer(root, "sgd", lr=ACCUMULATION_LR)
+            driver.optimizer = fsdp_adapter.optimizer(root, "sgd", lr=ACCUMULATION_LR)
             sync_every = sync == "sync_every"
             driver.run(1, micro_batches=micro_batches, sync_every=sync_every, same_input=True)
             errors[micro_batches] = _relative_error(driver.params(), expected, before)
         one, many = errors[1], errors[self.MICRO_BATCHES]
         assert many <= GROWTH * one, (
-            f"adapter {adapter.name!r}, {ACCUMULATION_MODEL}, mixed_precision {policy}, "
+            f"adapter {fsdp_adapter.name!r}, {ACCUMULATION_MODEL}, mixed_precision {policy}, "
             f"{'no_sync' if sync == 'no_sync' else 'sync on every micro-batch'}: the "
             f"gradient accumulated over {self.MICRO_BATCHES} micro-batches is {many:.3g} "
             f"(relative) away from float32 DDP's, {many / one:.3g}x the error of one "
@@ -324,10 +318,11 @@ def _scaled_run(driver: Any, optimizer: Any, scaler: Any, module: nn.Module, dis
         driver.backward(scaler.scale(driver.loss(step)))
         for handle in handles:
             handle.remove()
-        before = [_local(p).clone() for p in driver.model.parameters()]
+        before = training.local_shards(driver.model)
         scaler.step(optimizer)
         scaler.update()
-        if all(torch.equal(b, _local(a)) for b, a in zip(before, driver.model.parameters())):
+        after = training.local_shards(driver.model)
+        if all(torch.equal(before[name], after[name]) for name in before):
             skipped.append(step)
         scales.append(float(scaler.get_scale()))
     return {"scales": scales, "skipped": skipped, "params": driver.params()}
@@ -339,15 +334,8 @@ def _per_rank(value: Any, dist: Any) -> list[Any]:
     return values
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a registered parameter (a DTensor's local shard)."""
-    to_local = getattr(tensor, "to_local", None)
-    return (to_local() if to_local is not None else tensor).detach()
-
-
 def _names(dtypes: set[torch.dtype]) -> str:
     return ", ".join(sorted(str(d) for d in dtypes)) or "nothing (no forward seen)"
 
 
-class TestPrecision(BasePrecisionTests):
-    pass
+class TestPrecision(BasePrecisionTests): ...

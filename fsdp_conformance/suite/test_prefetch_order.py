@@ -90,5 +90,4 @@ class BasePrefetchOrderTests:
         )
 
 
-class TestPrefetchOrder(BasePrefetchOrderTests):
-    pass
+class TestPrefetchOrder(BasePrefetchOrderTests): ...

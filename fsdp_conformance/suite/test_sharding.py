@@ -6,6 +6,7 @@ float32 gradients depends on the order; measured within 6e-8, parameters 1.5e-8)
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Any, ClassVar
 
@@ -61,18 +62,17 @@ class BaseUnevenShardingTests:
     )
     @pytest.mark.world_size(3)
     def test_uneven_shards_match_ddp(self, fsdp_adapter: Any, dist: Any, uneven_strategy: str):
-        adapter = fsdp_adapter
         config = {"sharding_strategy": uneven_strategy}
-        driver = training.fsdp_driver(adapter, UNEVEN_MODEL, dist, config)
+        driver = training.fsdp_driver(fsdp_adapter, UNEVEN_MODEL, dist, config)
         result = driver.trained(self.STEPS)
         reference = training.reference_run(UNEVEN_MODEL, dist, self.STEPS)
         atol, rtol = test_parity.tolerance(dist.world_size)
         label = (
-            f"adapter {adapter.name!r}, {UNEVEN_MODEL} at world size {dist.world_size} "
+            f"adapter {fsdp_adapter.name!r}, {UNEVEN_MODEL} at world size {dist.world_size} "
             f"with sharding_strategy={uneven_strategy!r}"
         )
         training.assert_same_training(label, result, reference, atol, rtol)
-        state = full_state_dict(adapter, driver.model)
+        state = full_state_dict(fsdp_adapter, driver.model)
         params = {name: value for name, value in state.items() if name in reference.params}
         label += ", full state dict"
         training.assert_params(label, params, reference.params, self.STEPS, atol, rtol)
@@ -85,15 +85,10 @@ def hybrid_groups(dist: Any, shard_size: int = 2) -> tuple[Any, Any]:
     import torch.distributed as tdist
 
     ranks = tdist.get_process_group_ranks(dist.group)
-    rows = [ranks[start : start + shard_size] for start in range(0, len(ranks), shard_size)]
-    mine = ranks[dist.rank]
-    shard = replicate = None
-    for row in rows:
-        group = tdist.new_group(row)
-        shard = group if mine in row else shard
-    for column in zip(*rows):
-        group = tdist.new_group(list(column))
-        replicate = group if mine in column else replicate
+    rows = [tuple(ranks[start : start + shard_size]) for start in range(0, len(ranks), shard_size)]
+    # rows, then columns: this rank is in one of each
+    groups = {members: tdist.new_group(list(members)) for members in [*rows, *zip(*rows)]}
+    shard, replicate = (group for members, group in groups.items() if ranks[dist.rank] in members)
     return shard, replicate
 
 
@@ -119,23 +114,22 @@ class BaseHybridShardingTests:
     def test_hybrid_matches_ddp(self, fsdp_adapter: Any, dist: Any, hybrid_strategy: str):
         import torch.distributed as tdist
 
-        adapter = fsdp_adapter
         shard, replicate = hybrid_groups(dist)
         config = {"sharding_strategy": hybrid_strategy}
         pair = (shard, replicate)
-        driver = training.fsdp_driver(adapter, HYBRID_MODEL, dist, config, process_group=pair)
+        driver = training.fsdp_driver(fsdp_adapter, HYBRID_MODEL, dist, config, process_group=pair)
         root = driver.model
-        trace = CommTrace(adapter, root, collectives=True)
+        trace = CommTrace(fsdp_adapter, root, collectives=True)
         with trace:
             result = driver.trained(self.STEPS, phase=lambda step, _: trace.phase(f"step {step}"))
         label = (
-            f"adapter {adapter.name!r}, {HYBRID_MODEL} at world size {dist.world_size} with "
+            f"adapter {fsdp_adapter.name!r}, {HYBRID_MODEL} at world size {dist.world_size} with "
             f"sharding_strategy={hybrid_strategy!r} on a 2 x 2 mesh"
         )
         shard_ranks = tuple(tdist.get_process_group_ranks(shard))
         replicate_ranks = tuple(tdist.get_process_group_ranks(replicate))
         groups = {shard_ranks: "shard", replicate_ranks: "replicate"}
-        labels = training.trainable_labels(adapter, root, trace)
+        labels = training.trainable_labels(fsdp_adapter, root, trace)
         trainable = sorted(name for name, trains in labels.items() if trains)
         failures = []
         for step in range(self.STEPS):
@@ -162,7 +156,7 @@ def _hybrid_step_failures(
 ) -> list[str]:
     """What one step's forward and backward did against the hybrid promise."""
     failures = []
-    counts: dict[tuple[str, str], int] = {}
+    counts: collections.Counter[tuple[str, str]] = collections.Counter()
     for collective in (c for c in trace.collectives if c.phase == phase):
         group = groups.get(collective.ranks)
         if group is None:
@@ -171,23 +165,23 @@ def _hybrid_step_failures(
                 "shard nor the replicate group"
             )
             continue
-        counts[collective.op, group] = counts.get((collective.op, group), 0) + 1
-    for op, group in counts:
+        counts[collective.op, group] += 1
+    for (op, group), count in counts.items():
         if (op, group) not in _PROMISED:
-            failures.append(f"{phase}: {counts[op, group]} {op} over the {group} group")
+            failures.append(f"{phase}: {count} {op} over the {group} group")
     # each instance's reductions: at most once per all-gather of it ([Note: counts as bounds]
     # in comm_checks.py), once for an instance that never gathers
-    gathers = training.reductions_per_label(trace, phase, (Op.ALL_GATHER,))
+    gathers = training.events_per_label(trace, phase, (Op.ALL_GATHER,))
     allowed = {label: max(1, gathers.get(label, 0)) for label in trainable}
     for op, group in ((Op.REDUCE_SCATTER, "shard"), (Op.ALL_REDUCE, "replicate")):
-        count = counts.get((op, group), 0)
+        count = counts[op, group]
         if not 1 <= count <= sum(allowed.values()):
             failures.append(
                 f"{phase}: {count} {op} over the {group} group; expected 1 to "
                 f"{sum(allowed.values())} (at most one per reduction the instances may issue, "
                 "fewer where bucketed)"
             )
-    reported = training.reductions_per_label(trace, phase)
+    reported = training.events_per_label(trace, phase)
     if set(reported) != set(trainable) or any(n > allowed[k] for k, n in reported.items()):
         failures.append(
             f"{phase}: gradient reductions per instance {reported}; expected each of "
@@ -196,9 +190,7 @@ def _hybrid_step_failures(
     return failures
 
 
-class TestUnevenSharding(BaseUnevenShardingTests):
-    pass
+class TestUnevenSharding(BaseUnevenShardingTests): ...
 
 
-class TestHybridSharding(BaseHybridShardingTests):
-    pass
+class TestHybridSharding(BaseHybridShardingTests): ...

@@ -43,18 +43,15 @@ def call_with_options(adapter: Any, method: str, *args: Any, **options: bool) ->
     not take makes the cell not applicable, naming the member to extend."""
     given = {name: value for name, value in options.items() if value}
     bound = getattr(adapter, method)
-    if given:
-        parameters = inspect.signature(bound).parameters.values()
-        if not any(p.kind is p.VAR_KEYWORD for p in parameters):
-            names = {p.name for p in parameters}
-            missing = sorted(name for name in given if name not in names)
-            if missing:
-                raise UnsupportedFeatureError(
-                    adapter.name,
-                    Feature.FULL_STATE_DICT,
-                    f"{type(adapter).__name__}.{method} takes no keyword {', '.join(missing)}; "
-                    f"extend that override of Adapter.{method}",
-                )
+    parameters = inspect.signature(bound).parameters.values() if given else ()
+    missing = sorted(set(given) - {p.name for p in parameters})
+    if missing and not any(p.kind is p.VAR_KEYWORD for p in parameters):
+        raise UnsupportedFeatureError(
+            adapter.name,
+            Feature.FULL_STATE_DICT,
+            f"{type(adapter).__name__}.{method} takes no keyword {', '.join(missing)}; "
+            f"extend that override of Adapter.{method}",
+        )
     return bound(*args, **given)
 
 
@@ -130,10 +127,9 @@ class BaseFullStateDictTests:
     )
     @pytest.mark.world_size(2)
     def test_full_state_dict(self, fsdp_adapter: Any, dist: Any, option: str):
-        adapter = fsdp_adapter
         options = {name: option == name for name in ("rank0_only", "offload_to_cpu")}
-        label = f"adapter {adapter.name!r}, {MODEL}, full state dict ({option})"
-        driver = training.fsdp_driver(adapter, MODEL, dist)
+        label = f"adapter {fsdp_adapter.name!r}, {MODEL}, full state dict ({option})"
+        driver = training.fsdp_driver(fsdp_adapter, MODEL, dist)
         root = driver.model
         early = root.state_dict()  # the default form, taken before training
         losses = driver.run(STEPS)
@@ -142,7 +138,7 @@ class BaseFullStateDictTests:
         state = reference.zoo_model.state_dict()
         expected = {key: value.detach().clone() for key, value in state.items()}
         _assert_views(label, early, expected)
-        full = call_with_options(adapter, "state_dict", root, **options)
+        full = call_with_options(fsdp_adapter, "state_dict", root, **options)
         if option == "rank0_only" and dist.rank != 0:
             assert not full, f"{label}: rank {dist.rank} got {len(full)} entries, not none"
             return
@@ -151,27 +147,24 @@ class BaseFullStateDictTests:
             elsewhere = sorted(key for key, value in full.items() if value.device.type != "cpu")
             assert not elsewhere, f"{label}: not on the CPU: {elsewhere}"
         if option == "default":  # a plain module loads it and trains as DDP's weights do
-            loaded = _ddp_run(dist, _plain(dist, full), STEPS)
-            expected_run = _ddp_run(dist, _plain(dist, expected), STEPS)
-            training.assert_losses(
-                f"{label}, loaded into a plain module", loaded[0], expected_run[0]
-            )
-            training.assert_params(label, loaded[1], expected_run[1], 2 * STEPS)
+            plain_losses, plain_params = _ddp_run(dist, _plain(dist, full), STEPS)
+            ref_losses, ref_params = _ddp_run(dist, _plain(dist, expected), STEPS)
+            training.assert_losses(f"{label}, loaded into a plain module", plain_losses, ref_losses)
+            training.assert_params(label, plain_params, ref_params, 2 * STEPS)
 
     @check("state_dict.full", case_of=lambda: StateDictCase("mixed_precision_buffers"))
     @pytest.mark.world_size(2)
     def test_mixed_precision_buffers(self, fsdp_adapter: Any, dist: Any):
-        adapter = fsdp_adapter
         low = torch.float16
         config = {"mixed_precision": {"param_dtype": low, "reduce_dtype": low, "buffer_dtype": low}}
-        root, zoo_model = training.build(adapter, MODEL, dist, config)
+        root, zoo_model = training.build(fsdp_adapter, MODEL, dist, config)
         inputs = zoo_model.get_input(dist.device)
         loss = zoo_model.get_loss(inputs, root(*inputs)).float()
-        training.Driver(root, zoo_model, dist.device, adapter).backward(loss)
-        full = adapter.state_dict(root)
+        training.Driver(root, zoo_model, dist.device, fsdp_adapter).backward(loss)
+        full = fsdp_adapter.state_dict(root)
         plain = _plain(dist)
         expected = plain.state_dict()
-        label = f"adapter {adapter.name!r}, {MODEL}, full state dict under fp16 buffers"
+        label = f"adapter {fsdp_adapter.name!r}, {MODEL}, full state dict under fp16 buffers"
         # a buffer may come back rounded once to fp16 (its cast lost those bits), nothing else
         buffers = {name for name, _ in plain.named_buffers()}
         for key, value in list(expected.items()):
@@ -206,31 +199,26 @@ class BaseFullStateDictTests:
     def test_on_a_subgroup(self, fsdp_adapter: Any, dist: Any, member: str):
         import torch.distributed as tdist
 
-        adapter = fsdp_adapter
         member_rank = _member_rank(dist, member)
         solo = tdist.new_group([member_rank])
         if tdist.get_rank() != member_rank:  # outside the group: nothing may wait for this rank
             return
-        label = f"adapter {adapter.name!r}, {MODEL}, on a one-rank subgroup"
-        driver = training.fsdp_driver(adapter, MODEL, dist, group=solo, optimizer_name="adam")
+        label = f"adapter {fsdp_adapter.name!r}, {MODEL}, on a one-rank subgroup"
+        driver = training.fsdp_driver(fsdp_adapter, MODEL, dist, group=solo, optimizer_name="adam")
         driver.run(STEPS)
         reference = _plain(dist, group=solo)
         training.Driver(reference, reference, dist.device, optimizer_name="adam").run(STEPS)
-        state = adapter.state_dict(driver.model)
+        state = fsdp_adapter.state_dict(driver.model)
         assert_state_dict(label, state, reference.state_dict())
-        fresh = training.fsdp_driver(adapter, MODEL, dist, group=solo, optimizer_name="adam")
-        adapter.load_state_dict(fresh.model, reference.state_dict())
-        training.assert_params(
-            f"{label}, loaded into a fresh model",
-            fresh.params(),
-            dict(reference.named_parameters()),
-            STEPS,
-        )
-        if not adapter_features.supports(adapter, Feature.CHECKPOINT_RESUME):
+        fresh = training.fsdp_driver(fsdp_adapter, MODEL, dist, group=solo, optimizer_name="adam")
+        fsdp_adapter.load_state_dict(fresh.model, reference.state_dict())
+        reloaded = f"{label}, loaded into a fresh model"
+        training.assert_params(reloaded, fresh.params(), dict(reference.named_parameters()), STEPS)
+        if not adapter_features.supports(fsdp_adapter, Feature.CHECKPOINT_RESUME):
             return
         with tempfile.TemporaryDirectory(prefix="fsdp_state_dict_") as directory:
-            adapter.save_checkpoint(driver.model, driver.optimizer, directory)
-            adapter.load_checkpoint(fresh.model, fresh.optimizer, directory)
+            fsdp_adapter.save_checkpoint(driver.model, driver.optimizer, directory)
+            fsdp_adapter.load_checkpoint(fresh.model, fresh.optimizer, directory)
         after = [d.run(1, start=STEPS) for d in (driver, fresh)]
         label += ", a step after save/load_checkpoint"
         training.assert_losses(label, after[1], after[0])
@@ -252,5 +240,4 @@ def _assert_views(label: str, early: dict[str, Any], expected: dict[str, torch.T
             )
 
 
-class TestFullStateDict(BaseFullStateDictTests):
-    pass
+class TestFullStateDict(BaseFullStateDictTests): ...

@@ -45,11 +45,11 @@ class BaseTrainingStateTests:
         if "state_case" in metafunc.fixturenames:
             # the prefetch values the adapter has (no cell for a value it lacks)
             supported = configs.dimensions_for_impl(metafunc.config.getoption("fsdp_impl", None))
+            available = supported["backward_prefetch"]
             prefetches = [
-                prefetch
-                for prefetch in self.backward_prefetches
-                if prefetch in supported["backward_prefetch"]
-            ] or list(self.backward_prefetches[:1])
+                prefetch for prefetch in self.backward_prefetches if prefetch in available
+            ]
+            prefetches = prefetches or list(self.backward_prefetches[:1])
             cases = [
                 configs.ParityCase(
                     model, 2, (("sharding_strategy", strategy), ("backward_prefetch", prefetch))
@@ -75,13 +75,8 @@ class BaseTrainingStateTests:
         # without the implementation's own summon_full_params the summon hooks are not sampled
         summon = adapter_features.supports(adapter, Feature.SUMMON_FULL_PARAMS)
         with TrainingStateRecorder(adapter, root) as recorder:
-            training.train(
-                root,
-                zoo_model,
-                dist.device,
-                after_step=lambda step: recorder.after_step(),
-                adapter=adapter,
-            )
+            after_step = lambda step: recorder.after_step()
+            training.train(root, zoo_model, dist.device, adapter=adapter, after_step=after_step)
             if summon:
                 with adapter.summon_full_params(root):
                     recorder.sample("inside summon_full_params")
@@ -149,16 +144,14 @@ ROOT_ONLY_NOT_CHECKED = (
 )
 
 
-def _assert_root_states_seen(label: str, seen: set[str], summon: bool = True) -> None:
+def _assert_root_states_seen(label: str, seen: set[str], summon: bool) -> None:
     """The root went through forward/backward, summon_full_params (if any) and IDLE."""
     for state, where in (
         ("FORWARD_BACKWARD", "in forward and backward"),
         ("SUMMON_FULL_PARAMS", "inside summon_full_params"),
         ("IDLE", "after optimizer.step"),
     ):
-        if state == "SUMMON_FULL_PARAMS" and not summon:
-            continue
-        assert state in seen, (
+        assert state in seen or (state == "SUMMON_FULL_PARAMS" and not summon), (
             f"{label}: the root never reported {state} {where} (root states seen: "
             f"{sorted(seen)}); not checked: {ROOT_ONLY_NOT_CHECKED}"
         )
@@ -173,5 +166,4 @@ def _outcome(adapter: Any, instance: torch.nn.Module, state: RootState) -> BaseE
     return None
 
 
-class TestTrainingStates(BaseTrainingStateTests):
-    pass
+class TestTrainingStates(BaseTrainingStateTests): ...

@@ -41,15 +41,13 @@ class BaseSharedParamsTests:
     )
     @pytest.mark.world_size(2)
     def test_shared_parameter_across_instances(self, fsdp_adapter: Any, dist: Any, strategy: str):
-        adapter = fsdp_adapter
         label = (
-            f"adapter {adapter.name!r}, {self.model} (embed.weight is head.weight, the two "
+            f"adapter {fsdp_adapter.name!r}, {self.model} (embed.weight is head.weight, the two "
             f"wrapped apart), {strategy}"
         )
+        config = {"sharding_strategy": strategy}
         try:
-            root, zoo_model = training.build(
-                adapter, self.model, dist, {"sharding_strategy": strategy}
-            )
+            root, zoo_model = training.build(fsdp_adapter, self.model, dist, config)
             with torch.no_grad():  # the root's lazy init (FSDP2 checks parameters there)
                 root(*zoo_model.get_input(dist.device))
         except UnsupportedFeatureError:
@@ -61,17 +59,13 @@ class BaseSharedParamsTests:
                 "parameter (e.g. 'head.weight', shared with 'embed')"
             )
             return
-        losses = training.train(root, zoo_model, dist.device, adapter=adapter)
-        result = training.TrainingResult(losses, adapter.full_params(root))
-        training.assert_same_training(
-            f"{label}: the wrap was accepted, so training must match DDP",
-            result,
-            training.reference_run(self.model, dist),
-        )
+        losses = training.train(root, zoo_model, dist.device, adapter=fsdp_adapter)
+        result = training.TrainingResult(losses, fsdp_adapter.full_params(root))
+        label += ": the wrap was accepted, so training must match DDP"
+        training.assert_same_training(label, result, training.reference_run(self.model, dist))
 
 
-class TestSharedParams(BaseSharedParamsTests):
-    pass
+class TestSharedParams(BaseSharedParamsTests): ...
 
 
 # the ignored parameters: block 1's Linear (inside a block the auto_wrap variant wraps)
@@ -123,7 +117,6 @@ class BaseIgnoredParamsTests:
     )
     @pytest.mark.world_size(2)
     def test_ignored_params(self, fsdp_adapter: Any, dist: Any, variant: str, strategy: str):
-        adapter = fsdp_adapter
         zoo_model = zoo.build("loops", dist.group, None, dist.device)
         ignored = _ignored(zoo_model)
         config: dict[str, Any] = {
@@ -133,10 +126,10 @@ class BaseIgnoredParamsTests:
         if variant == "auto_wrap":
             targets = [*zoo_model.blocks, zoo_model.head]
             config["auto_wrap_policy"] = lambda module: any(module is t for t in targets)
-        root = adapter.wrap(zoo_model, process_group=dist.group, root=True, **config)
+        root = fsdp_adapter.wrap(zoo_model, process_group=dist.group, root=True, **config)
         root = move_after_wrap(root, DeviceInit.AFTER, dist.device)
-        label = f"adapter {adapter.name!r}, loops, {strategy}, {IGNORED}* ignored, {variant}"
-        registered = training.by_clean_name(adapter, root.named_parameters())
+        label = f"adapter {fsdp_adapter.name!r}, loops, {strategy}, {IGNORED}* ignored, {variant}"
+        registered = training.by_clean_name(fsdp_adapter, root.named_parameters())
         for name, param in ignored.items():
             seen = registered.get(name)
             assert seen is param and type(seen) is nn.Parameter, (
@@ -144,7 +137,7 @@ class BaseIgnoredParamsTests:
                 f"the same nn.Parameter (found {type(seen).__name__}"
                 f"{'' if seen is None else tuple(seen.shape)})"
             )
-        driver = training.Driver(root, zoo_model, dist.device, adapter)
+        driver = training.Driver(root, zoo_model, dist.device, fsdp_adapter)
         losses, grads, params = _ignored_run(driver, dist, self.STEPS, ignored)
         reference = training.ddp_driver("loops", dist, ddp=False)
         ref_losses, ref_grads, ref_params = _ignored_run(
@@ -156,7 +149,7 @@ class BaseIgnoredParamsTests:
                 "backward is not this rank's own (the implementation reduced it?): max "
                 f"|difference| {(grad - ref_grads[name]).abs().max().item():.3g}"
             )
-        state = adapter.state_dict(root)
+        state = fsdp_adapter.state_dict(root)
         for name, param in ignored.items():
             assert name in state and torch.equal(state[name], param.detach()), (
                 f"{label}: the full state dict does not hold ignored parameter {name!r} "
@@ -166,5 +159,4 @@ class BaseIgnoredParamsTests:
         training.assert_params(label, params, ref_params, self.STEPS)
 
 
-class TestIgnoredParams(BaseIgnoredParamsTests):
-    pass
+class TestIgnoredParams(BaseIgnoredParamsTests): ...

@@ -51,19 +51,18 @@ class BaseConfigIsolationTests:
     )
     @pytest.mark.world_size(2)
     def test_two_configs_in_one_process(self, fsdp_adapter: Any, dist: Any, axis: str):
-        adapter = fsdp_adapter
         first, second = CONFIGS[axis]
         for config in (first, second):  # skip before wrapping either
-            adapter_features.skip_unless(adapter, *adapter_features.wrap_features(**config))
-        models = [training.build(adapter, self.model, dist, c) for c in (first, second)]
+            adapter_features.skip_unless(fsdp_adapter, *adapter_features.wrap_features(**config))
+        models = [training.build(fsdp_adapter, self.model, dist, c) for c in (first, second)]
         probes, results = [], []
         for root, zoo_model in models:
-            probe, losses = observed_training(adapter, root, zoo_model, dist)
+            probe, losses = observed_training(fsdp_adapter, root, zoo_model, dist)
             probes.append(probe)
-            results.append(training.TrainingResult(losses, adapter.full_params(root)))
+            results.append(training.TrainingResult(losses, fsdp_adapter.full_params(root)))
         reference = training.reference_run(self.model, dist, STEPS)
         labels = [
-            f"adapter {adapter.name!r}, {self.model} wrapped with {c or 'the defaults'} "
+            f"adapter {fsdp_adapter.name!r}, {self.model} wrapped with {c or 'the defaults'} "
             f"({which} of two models wrapped with different {axis} in one process)"
             for c, which in zip((first, second), ("first", "second"))
         ]
@@ -97,11 +96,9 @@ class BaseConfigIsolationTests:
                 "resharded as FULL_SHARD would be)"
             )
         bf16 = {"atol": test_parity.ATOL_BF16_PARAMS, "loss_rtol": test_parity.RTOL_BF16_LOSSES}
-        for label, result, tolerance in zip(labels, results, ({}, bf16)):
-            training.assert_same_training(
-                label, result, reference, **(tolerance if axis == "mixed_precision" else {})
-            )
+        tolerances = ({}, bf16 if axis == "mixed_precision" else {})
+        for label, result, tolerance in zip(labels, results, tolerances):
+            training.assert_same_training(label, result, reference, **tolerance)
 
 
-class TestConfigIsolation(BaseConfigIsolationTests):
-    pass
+class TestConfigIsolation(BaseConfigIsolationTests): ...

@@ -8,6 +8,7 @@ adapter-driven). The DDP reference of the parity checks is cached per rank proce
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -87,21 +88,6 @@ def build(
         root_config.setdefault("device_id", dist.device)  # the implementation moves it
     root = adapter.wrap(zoo_model, process_group=process_group, root=True, **root_config)
     return move_after_wrap(root, DeviceInit(device_init), dist.device), zoo_model
-
-
-def build_reference(
-    model_name: str, dist: Any, *, group: Any = None, ddp: bool = True, **ddp_options: Any
-) -> tuple[nn.Module, nn.Module]:
-    """The unwrapped zoo model under DistributedDataParallel (DummyDDP for a model reducing
-    its own gradients; bare with ``ddp=False``): (that module, the zoo model)."""
-    group = dist.group if group is None else group
-    model = zoo.build(model_name, group, None, dist.device)
-    model.to(dist.device)
-    if not ddp:
-        return model, model
-    if zoo.MODELS[model_name].reference == "dummy_ddp":
-        return DummyDDP(model), model
-    return nn.parallel.DistributedDataParallel(model, process_group=group, **ddp_options), model
 
 
 def micro_input(zoo_model: nn.Module, device: torch.device, index: int) -> tuple:
@@ -325,23 +311,28 @@ def fsdp_driver(
     return Driver(root, zoo_model, dist.device, adapter, name)
 
 
-def ddp_driver(model_name: str, dist: Any, **options: Any) -> Driver:
-    """``build_reference``'s model in a Driver (`options`: its, and ``optimizer_name``)."""
+def ddp_driver(
+    model_name: str, dist: Any, *, group: Any = None, ddp: bool = True, **options: Any
+) -> Driver:
+    """The unwrapped zoo model under DistributedDataParallel (DummyDDP for a model reducing its
+    own gradients; bare with ``ddp=False``) in a Driver. `group`: the model's (None: the
+    test's); `options`: ``optimizer_name``, and DDP's."""
     name = options.pop("optimizer_name", "sgd")
-    model, zoo_model = build_reference(model_name, dist, **options)
+    group = dist.group if group is None else group
+    zoo_model = zoo.build(model_name, group, None, dist.device).to(dist.device)
+    model = zoo_model
+    if ddp and zoo.MODELS[model_name].reference == "dummy_ddp":
+        model = DummyDDP(zoo_model)
+    elif ddp:
+        model = nn.parallel.DistributedDataParallel(zoo_model, process_group=group, **options)
     return Driver(model, zoo_model, dist.device, optimizer_name=name)
 
 
 def fsdp_run(
-    adapter: Adapter,
-    model_name: str,
-    dist: Any,
-    config: dict[str, Any],
-    device_init: str = "after",
-    steps: int = STEPS,
+    adapter: Adapter, model_name: str, dist: Any, config: dict[str, Any], device_init: str = "after"
 ) -> TrainingResult:
-    """The zoo model wrapped by `adapter` with `config`, trained `steps` steps."""
-    return fsdp_driver(adapter, model_name, dist, config, device_init=device_init).trained(steps)
+    """The zoo model wrapped by `adapter` with `config`, trained ``STEPS`` steps."""
+    return fsdp_driver(adapter, model_name, dist, config, device_init=device_init).trained()
 
 
 # (model, rank, world size, device, steps) -> result; per rank process (and per rank thread)
@@ -420,11 +411,7 @@ def assert_close(
     expected = expected.detach().float().cpu()
     if actual.shape != expected.shape:
         raise AssertionError(f"{message}: shape {tuple(actual.shape)} != {tuple(expected.shape)}")
-    if atol == rtol == 0:
-        same = torch.equal(actual, expected)
-    else:
-        same = torch.allclose(actual, expected, atol=atol, rtol=rtol)
-    if not same:
+    if not torch.allclose(actual, expected, atol=atol, rtol=rtol):  # at 0, 0: torch.equal
         difference = (actual - expected).abs().max().item()
         raise AssertionError(
             f"{message}: max |difference| {difference:.3g}" + (f"; {detail}" if detail else "")
@@ -435,38 +422,30 @@ def assert_params(
     label: str, actual: dict, expected: dict, steps: int, atol: float = 0.0, rtol: float = 0.0
 ) -> None:
     """Full parameters after `steps` optimizer steps equal the reference's."""
+    zeros = torch.zeros(steps)
     assert_same_training(
-        label,
-        TrainingResult(torch.zeros(steps), actual),
-        TrainingResult(torch.zeros(steps), expected),
-        atol,
-        rtol,
+        label, TrainingResult(zeros, actual), TrainingResult(zeros, expected), atol, rtol
     )
 
 
 def assert_losses(label: str, actual: torch.Tensor, expected: torch.Tensor, tol: float = 0.0):
-    assert_close(
-        f"{label}: losses differ from DDP's ({tolerance_text(tol, tol)})",
-        actual,
-        expected,
-        tol,
-        tol,
-        detail=f"FSDP losses {actual.tolist()}, DDP losses {expected.tolist()}",
-    )
-
-
-def compare(
-    label: str, driver: Driver, losses: Any, reference: Driver, expected: Any, steps: int, tol=0.0
-) -> None:
-    """`losses` equal the reference's `expected`, and so do `driver`'s full parameters."""
-    assert_losses(label, losses, expected, tol)
-    assert_params(label, driver.params(), reference.params(), steps, tol, tol)
+    message = f"{label}: losses differ from DDP's ({tolerance_text(tol, tol)})"
+    detail = f"FSDP losses {actual.tolist()}, DDP losses {expected.tolist()}"
+    assert_close(message, actual, expected, tol, tol, detail=detail)
 
 
 def by_clean_name(adapter: Adapter, named: Iterable[tuple[str, Any]]) -> dict[str, Any]:
     """`named`'s (name, value) pairs by the unwrapped model's names (wrapper segments cut)."""
     segments = adapter.declarations.wrapper_segments
     return {clean_param_name(name, segments): value for name, value in named}
+
+
+def local_shards(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Copies of this rank's registered parameters (of a DTensor: its local shard)."""
+    return {
+        name: (param.to_local() if hasattr(param, "to_local") else param).detach().clone()
+        for name, param in model.named_parameters()
+    }
 
 
 def unsharded(adapter: Adapter, root: nn.Module, step: int, skip_root: bool = False) -> list[str]:
@@ -490,12 +469,9 @@ def trainable_labels(adapter: Adapter, root: nn.Module, trace: CommTrace) -> dic
     }
 
 
-def reductions_per_label(trace: CommTrace, phase: str, ops: Any = REDUCE_OPS) -> dict[str, int]:
+def events_per_label(trace: CommTrace, phase: str, ops: Any = REDUCE_OPS) -> dict[str, int]:
     """Instance label -> how many of `ops` (gradient reductions by default) it issued."""
-    counts: dict[str, int] = {}
-    for event in trace.select(phase, ops):
-        counts[event.label] = counts.get(event.label, 0) + 1
-    return counts
+    return dict(collections.Counter(event.label for event in trace.select(phase, ops)))
 
 
 def parametrize(metafunc: pytest.Metafunc, **values: tuple[Any, ...]) -> None:

@@ -122,7 +122,7 @@ def fsdp_wrap(adapter: Any, case: FuzzCase, dist: Any) -> tuple[nn.Module, nn.Mo
         root = adapter.wrap(model, root=True, **config)
     except UnsupportedFeatureError:
         raise
-    except Exception as error:  # noqa: BLE001  any error at wrap time is a refusal
+    except Exception as error:
         raise RefusedAtWrap(f"{type(error).__name__}: {error}") from error
     return (root if dist.device.type == "cpu" else root.to(dist.device)), model
 

@@ -39,7 +39,7 @@ class Block:
 class Seq:
     """A container node: its children applied in order."""
 
-    nodes: tuple[Union[Block, "Seq"], ...]
+    nodes: tuple[Block | Seq, ...]
     checkpoint: bool = False
     output: str = "tensor"
 

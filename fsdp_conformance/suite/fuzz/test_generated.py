@@ -61,5 +61,4 @@ class BaseGeneratedModelTests:
         )
 
 
-class TestGeneratedModels(BaseGeneratedModelTests):
-    pass
+class TestGeneratedModels(BaseGeneratedModelTests): ...
