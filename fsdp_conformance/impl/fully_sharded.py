@@ -6,6 +6,7 @@ everything an instance knows is in its ``FSDPState``.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -128,6 +129,9 @@ class FullyShardedDataParallel(ForwardMixin, StateDictMixin, nn.Module):
         )
         if params:
             _check_uniform(module, params)
+            # a hook on a tensor that views share is invisible to the garbage collector, so
+            # the state it reaches is held weakly: else a dropped model is never freed
+            state_ref = weakref.ref(state)
             state.handle = FlatParamHandle(
                 self,
                 params,
@@ -137,7 +141,7 @@ class FullyShardedDataParallel(ForwardMixin, StateDictMixin, nn.Module):
                 cpu_offload.offload_params,
                 compute_device,
                 pin_memory=accelerator_available(),
-                grad_hook=lambda unsharded: runtime.post_backward_hook(state, unsharded),
+                grad_hook=lambda unsharded: runtime.post_backward_hook(state_ref(), unsharded),
             )
             for _, _, param in params:
                 param._fsdp_flattened = True

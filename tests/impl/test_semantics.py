@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -341,6 +343,19 @@ def test_eval_forward_without_grad_returns_to_idle(dist):
         instance._assert_state(TrainingState.IDLE)
         assert not instance.is_unsharded
     model(torch.ones(2, 8)).sum().backward()
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("strategy", list(ShardingStrategy), ids=lambda s: s.name)
+def test_a_dropped_model_is_freed(dist, strategy):
+    # the old impl's grad hook (on a tensor its parameter views share, which the collector cannot
+    # see into) held its state: every model, and the gloo threads of its groups, stayed alive
+    model = wrapped(lambda w: NestedSequential(dist.group, w), sharding_strategy=strategy)
+    model(torch.ones(2, 8)).sum().backward()
+    instances = [weakref.ref(instance) for instance in FSDP.fsdp_modules(model)]
+    del model
+    gc.collect()
+    assert [ref for ref in instances if ref() is not None] == []
 
 
 class Checkpointed(nn.Module):
