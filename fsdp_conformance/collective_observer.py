@@ -119,6 +119,18 @@ def observe_python_group(group_class: type) -> None:
             patch_attribute(group_class, name, make, key=_PATCH_KEY, written_for="torch 2.13.0")
 
 
+def listeners() -> tuple[Listener, ...]:
+    """The listeners registered now (the harness puts them back after each test)."""
+    return _listeners
+
+
+def set_listeners(kept: tuple[Listener, ...]) -> None:
+    """Make ``kept`` (from :func:`listeners`) the registered listeners again."""
+    global _listeners
+    with _lock:
+        _listeners = kept
+
+
 def add_listener(listener: Listener) -> Callable[[], None]:
     """``listener`` gets every collective call of this process (``install()`` first) until the
     returned function removes it."""

@@ -1,6 +1,6 @@
 """Per-test isolation: a :class:`StateSnapshot` of what a test may change in an interpreter
 (environment, cwd, ``sys.path``, ``warnings`` filters, RNGs, torch's global settings and module
-hooks), restored after each test; the threads a test leaves, Python's and native ones (the gloo
+hooks, listeners of collectives), restored after each test; the threads a test leaves, Python's and native ones (the gloo
 and nccl contexts of process groups that outlive their destruction).
 """
 
@@ -15,6 +15,8 @@ import threading
 import warnings
 from collections.abc import Callable
 from typing import Any
+
+from fsdp_conformance import collective_observer
 
 
 @dataclasses.dataclass
@@ -31,6 +33,8 @@ class StateSnapshot:
     threads: frozenset[int]
     # threads of this process, native ones included (native_threads())
     native_threads: int
+    # collective_observer's listeners (a test's CommTrace it did not exit, say)
+    listeners: tuple[Any, ...]
 
     @classmethod
     def take(cls) -> StateSnapshot:
@@ -45,6 +49,7 @@ class StateSnapshot:
             rng=rng_state(),
             threads=frozenset(t.ident for t in threading.enumerate() if t.ident is not None),
             native_threads=native_threads(),
+            listeners=collective_observer.listeners(),
         )
 
     def restore(self, *, keep_warnings_guard: bool = True) -> None:
@@ -65,6 +70,7 @@ class StateSnapshot:
             self.warnings_guard.__enter__()
         _restore_torch_state(self.torch_state)
         restore_rng(self.rng)
+        collective_observer.set_listeners(self.listeners)
 
 
 def leftover_threads(snapshot: StateSnapshot) -> list[str]:

@@ -32,7 +32,10 @@ import torch
 import torch.distributed as tdist
 from torch.nn.modules import module as nn_module
 
+from fsdp_conformance import collective_observer
 from fsdp_conformance.testing import FSDPTest
+
+LEAKED_LISTENER_CALLS = []
 
 
 def hook(module, args, output):
@@ -52,6 +55,7 @@ def test_a_dirty(dist, monkeypatch, tmp_path):
     torch.manual_seed(1234 + dist.rank)
     random.seed(99)
     tdist.barrier()
+    collective_observer.add_listener(lambda call: LEAKED_LISTENER_CALLS.append(call.op))
     tdist.destroy_process_group()
     monkeypatch.setattr(torch, "ones", lambda *a, **k: "patched")
     torch.autograd.set_detect_anomaly(True)
@@ -86,6 +90,7 @@ def test_b_pristine(dist):
     t = torch.ones(1)
     tdist.all_reduce(t)
     assert t.item() == dist.world_size
+    assert LEAKED_LISTENER_CALLS == []  # the listener test_a left was removed
 
 
 def test_c_parent_pristine():
