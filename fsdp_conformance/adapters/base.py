@@ -40,6 +40,8 @@ from .features import (  # the errors and claimed_but_not_implemented: also impo
 
 # callback(op, instance, info): [Note: observation]
 Observer = Callable[[str, nn.Module, dict], None]
+# what an `ObserverRegistry.before` event yields: (op, instance) pairs
+OpEvents = Iterable[tuple[str, nn.Module | None]]
 
 # what torch FSDP1 and activation checkpointing insert into parameter names
 _WRAPPER_NAME_PARTS = re.compile(r"(_fsdp_wrapped_module|_checkpoint_wrapped_module)\.")
@@ -487,7 +489,7 @@ class ObserverRegistry:
         return bool(self._observers)
 
     def before(
-        self, event: Callable[..., Iterable[tuple[str, nn.Module | None]]], always: bool = False
+        self, event: Callable[..., OpEvents], always: bool = False
     ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         """``original -> replacement`` (for `patch_attribute` or a per-instance method) that
         first emits each ``(op, instance)`` that ``event`` (called with the same arguments)

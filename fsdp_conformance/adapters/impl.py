@@ -72,9 +72,7 @@ class ImplAdapter(Adapter):
         return modules
 
     def unwrap(self, model: nn.Module) -> nn.Module:
-        if isinstance(model, impl.FullyShardedDataParallel):
-            return model.module
-        return model
+        return model.module if isinstance(model, impl.FullyShardedDataParallel) else model
 
     def instances(self, model: nn.Module) -> list[nn.Module]:
         return list(impl.FullyShardedDataParallel.fsdp_modules(model))

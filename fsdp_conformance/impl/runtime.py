@@ -113,12 +113,9 @@ def reshard(state: FSDPState) -> None:
 
 def prefetch(state: FSDPState, direction: str) -> None:
     """Issue the next instance's all-gather (no-op if it is unsharded or done this phase)."""
-    exec_order = state.context.exec_order
+    order = state.context.exec_order
     forward = direction == "forward"
-    if forward:
-        target = exec_order.forward_prefetch_target(state)
-    else:
-        target = exec_order.backward_prefetch_target(state)
+    target = (order.forward_prefetch_target if forward else order.backward_prefetch_target)(state)
     handle = None if target is None else target.handle
     if handle is None or not handle.copies or handle.is_unsharded:
         return

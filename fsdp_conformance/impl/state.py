@@ -165,9 +165,7 @@ def fsdp_states(module: nn.Module) -> list[FSDPState]:
 
 
 def _attribute(state: TrainingState | HandleTrainingState) -> str:
-    if isinstance(state, HandleTrainingState):
-        return "handle_training_state"
-    return "training_state"
+    return "handle_training_state" if isinstance(state, HandleTrainingState) else "training_state"
 
 
 def transition(

@@ -147,15 +147,11 @@ class StateDictMixin:
             for entry in present:
                 if entry.kind == "flat":
                     state_of(entry.module).handle.flat_param.copy_(state_dict[entry.name].shard)
+                elif entry.kind == "buffer":
+                    entry.module._buffers[entry.attr].copy_(state_dict[entry.name])
                 else:
-                    self._load_plain(entry, state_dict[entry.name])
+                    entry.module._parameters[entry.attr].copy_(state_dict[entry.name])
         return _IncompatibleKeys(missing, unexpected)
-
-    @staticmethod
-    def _load_plain(entry: StateEntry, value: torch.Tensor) -> None:
-        module, attr = entry.module, entry.attr
-        target = module._buffers[attr] if entry.kind == "buffer" else module._parameters[attr]
-        target.copy_(value)
 
 
 def _check_shard(name: str, state: FSDPState, value: Any) -> None:
