@@ -99,21 +99,6 @@ def clean_param_name(name: str, segments: Iterable[str] = ()) -> str:
     return name
 
 
-def flat_grad_pieces(
-    names: list[str], numels: list[int], shard_grad: torch.Tensor, shard_start: int
-) -> dict[str, tuple[int, torch.Tensor]]:
-    """`Adapter.grad_shards` of one flat parameter holding `names` (sizes `numels`) back to
-    back, of which `shard_grad` holds the elements from `shard_start` on."""
-    pieces = {}
-    offset, shard_end = 0, shard_start + shard_grad.numel()
-    for name, numel in zip(names, numels):
-        lo, hi = max(offset, shard_start), min(offset + numel, shard_end)
-        if hi > lo:
-            pieces[name] = (lo - offset, shard_grad[lo - shard_start : hi - shard_start])
-        offset += numel
-    return pieces
-
-
 # (name, param) -> the options of the parameter's optimizer group (Adapter.optimizer)
 GroupOptions = Callable[[str, nn.Parameter], dict[str, Any]]
 
