@@ -183,8 +183,8 @@ class TorchFSDP2Adapter(Adapter):
             kwargs["reshard_after_forward"] = None if full_shard else False
         if config.get("cpu_offload"):
             kwargs["offload_policy"] = api.CPUOffloadPolicy(pin_memory=accelerator_available())
-        if config.get("mixed_precision") is not None:
-            mixed = config["mixed_precision"]
+        mixed = config.get("mixed_precision")
+        if mixed is not None:
             kwargs["mp_policy"] = api.MixedPrecisionPolicy(
                 param_dtype=mixed.param_dtype,
                 reduce_dtype=mixed.reduce_dtype,

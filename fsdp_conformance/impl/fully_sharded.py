@@ -417,14 +417,10 @@ def _sync_module_states(module: nn.Module, params: Params, group: Any) -> None:
     if group.size() == 1:
         return
     names = {id(m): n for n, m in module.named_modules()}
-    tensors: list[tuple[str, torch.Tensor]] = []
-    seen: set[int] = set()
-    for m, name, param in params:
-        if id(param) not in seen:
-            seen.add(id(param))
-            tensors.append((f"{names.get(id(m), '?')}.{name}".lstrip("."), param.data))
-    for name, buffer in module.named_buffers():
-        tensors.append((name, buffer))
+    unique: dict[int, tuple[str, torch.Tensor]] = {}
+    for m, name, param in params:  # a tied parameter once, under its first name
+        unique.setdefault(id(param), (f"{names[id(m)]}.{name}".lstrip("."), param.data))
+    tensors = [*unique.values(), *module.named_buffers()]
     local = [(name, tuple(t.shape), str(t.dtype)) for name, t in tensors]
     gathered: list[Any] = [None] * group.size()
     dist.all_gather_object(gathered, local, group=group)
