@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from fsdp_conformance._patching import patch_attribute
@@ -80,8 +81,6 @@ def _cpu_host() -> bool:
 def _shm_op_used() -> bool:
     """Whether DeepSpeed's CPU backend uses its shared-memory op: only when ``LOCAL_SIZE`` equals
     the world size (the harness does not set it)."""
-    import torch.distributed as dist
-
     if not _cpu_host() or not os.environ.get("LOCAL_SIZE"):
         return False
     return not dist.is_initialized() or os.environ["LOCAL_SIZE"] == str(dist.get_world_size())
@@ -133,7 +132,6 @@ def ensure_distributed() -> None:
     """``deepspeed.init_distributed`` over the existing default group (DeepSpeed wraps it)."""
     prepare_environment()
     import deepspeed
-    import torch.distributed as dist
 
     if not dist.is_initialized():
         raise RuntimeError(
@@ -665,8 +663,6 @@ def _is_engine(model: Any) -> bool:
 
 
 def _check_group(process_group: Any) -> None:
-    import torch.distributed as dist
-
     if process_group is None or not dist.is_initialized():
         return
     if dist.get_world_size(process_group) != dist.get_world_size():

@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fsdp_conformance.impl import comm
-from fsdp_conformance.impl.api import MixedPrecision, ShardingStrategy
+from . import comm
+from .api import MixedPrecision, ShardingStrategy
 
 
 class ParamSlot(NamedTuple):

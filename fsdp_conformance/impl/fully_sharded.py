@@ -14,12 +14,13 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_conformance.device_handle import DeviceHandle, accelerator_available
-from fsdp_conformance.impl import runtime
-from fsdp_conformance.impl.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
-from fsdp_conformance.impl.flat_param import FlatParamHandle
-from fsdp_conformance.impl.forward import ForwardMixin
-from fsdp_conformance.impl.state import FSDPState, assert_state, fsdp_states
-from fsdp_conformance.impl.state_dict import StateDictMixin
+
+from . import runtime
+from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from .flat_param import FlatParamHandle
+from .forward import ForwardMixin
+from .state import FSDPState, assert_state, fsdp_states
+from .state_dict import StateDictMixin
 
 AutoWrapPolicy = Callable[..., bool]
 Params = list[tuple[nn.Module, str, nn.Parameter]]  # (module, attribute name, parameter)

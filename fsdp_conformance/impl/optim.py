@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_conformance.impl.state import fsdp_states
+from .state import fsdp_states
 
 # (name, param) -> the options of its group, e.g. {"weight_decay": 0.0}
 GroupOptions = Callable[[str, nn.Parameter], dict[str, Any]]

@@ -19,10 +19,11 @@ from torch.utils._pytree import tree_map_only
 from fsdp_conformance import constants
 from fsdp_conformance._tensors import output_tensors
 from fsdp_conformance.constants import Op
-from fsdp_conformance.impl import trace
-from fsdp_conformance.impl.api import BackwardPrefetch, ShardingStrategy
-from fsdp_conformance.impl.device import device_handle_for
-from fsdp_conformance.impl.state import (
+
+from . import trace
+from .api import BackwardPrefetch, ShardingStrategy
+from .device import device_handle_for
+from .state import (
     FSDPState,
     HandleTrainingState,
     RootContext,

@@ -12,9 +12,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
-from fsdp_conformance.impl.api import ShardedFlatParameter, StateDictType
-from fsdp_conformance.impl.forward import summon_full_params
-from fsdp_conformance.impl.state import FSDPState, fsdp_states, state_of
+from .api import ShardedFlatParameter, StateDictType
+from .forward import summon_full_params
+from .state import FSDPState, fsdp_states, state_of
 
 
 class StateEntry(NamedTuple):
