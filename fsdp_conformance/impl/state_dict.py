@@ -41,13 +41,11 @@ class StateDictMixin:
     _fsdp_state: FSDPState
 
     def _state_entries(self) -> Iterator[StateEntry]:
-        owned: dict[int, list[str]] = {}
+        owned: dict[int, dict[str, None]] = {}  # module id -> its managed names, in order
         for state in fsdp_states(self._fsdp_state.owner):
             if state.handle is not None:
                 for slot in state.handle.slots:
-                    names = owned.setdefault(id(slot.module), [])
-                    if slot.name not in names:
-                        names.append(slot.name)
+                    owned.setdefault(id(slot.module), {})[slot.name] = None
 
         def walk(module: nn.Module, prefix: str) -> Iterator[StateEntry]:
             state = state_of(module)
