@@ -116,12 +116,8 @@ class BufferedModule(ZooModel):
         on = torch.device("meta") if meta else None
         device = None if meta else device
         self.trunk = SeededLinear(8, FEATURES, 1, on)
-        self.blocks = nn.Sequential(
-            *(
-                maybe_wrap(wrap, move_before_wrap(BufferedBlock(seed, on), device_init, device))
-                for seed in (2, 3)
-            )
-        )
+        blocks = [move_before_wrap(BufferedBlock(seed, on), device_init, device) for seed in (2, 3)]
+        self.blocks = nn.Sequential(*(maybe_wrap(wrap, block) for block in blocks))
         head = move_before_wrap(SeededLinear(FEATURES, 8, 4, on), device_init, device)
         self.head = maybe_wrap(wrap, head)
         move_before_wrap(self.trunk, device_init, device)

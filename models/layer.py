@@ -7,6 +7,7 @@ y = layers(x); layers[0].module.get_time()   # ms of the last forward (device ti
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 from torch import nn
@@ -26,21 +27,11 @@ class Layer(nn.Module):
         self._timing: tuple = ()  # (start, end) events on CUDA, perf_counter seconds on CPU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        cuda = x.device.type == "cuda"
-        if cuda:
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-        else:
-            start = time.perf_counter()
+        start = _timestamp(x.device)
         sleep_cycles(self.compute_cycles, x.device)
         if self.optional_param is not None:
             x = x + self.optional_param
-        if cuda:
-            end.record()
-        else:
-            end = time.perf_counter()
-        self._timing = (start, end)
+        self._timing = (start, _timestamp(x.device))
         return x
 
     def get_time(self) -> float:
@@ -52,3 +43,12 @@ class Layer(nn.Module):
             return (end - start) * 1000.0
         end.synchronize()
         return start.elapsed_time(end)
+
+
+def _timestamp(device: torch.device) -> Any:
+    """A recorded timing event on CUDA (on the current stream), ``perf_counter`` seconds else."""
+    if device.type != "cuda":
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event

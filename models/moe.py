@@ -53,7 +53,6 @@ class MixtureOfExperts(ZooModel):
     ) -> None:
         super().__init__(group)
         self.group = group
-        self.wrapped = wrap is not None
         self.delay_before_free_ms = delay_before_free_ms
         require_delay_hooks("MixtureOfExperts", "delay_before_free_ms", delay_before_free_ms, wrap)
         self._wrap = wrap
@@ -89,7 +88,7 @@ class MixtureOfExperts(ZooModel):
         self, loss: torch.Tensor, backward: Callable[[torch.Tensor], None] | None = None
     ) -> None:
         run_loss_backward(loss, backward)
-        if self.wrapped:
+        if self._wrap is not None:
             return
         # the unwrapped reference averages the shared gradients itself (experts stay local)
         with torch.no_grad():

@@ -44,11 +44,8 @@ def save(model: nn.Module, optimizer: torch.optim.Optimizer, directory: str, gro
 
     model_state, optimizer_state = get_state_dict(model, optimizer)
     os.makedirs(directory, exist_ok=True)
-    dcp.save(
-        {"model": model_state, "optimizer": optimizer_state},
-        checkpoint_id=directory,
-        process_group=group,
-    )
+    state = {"model": model_state, "optimizer": optimizer_state}
+    dcp.save(state, checkpoint_id=directory, process_group=group)
 
 
 def load(model: nn.Module, optimizer: torch.optim.Optimizer, directory: str, group: Any) -> None:

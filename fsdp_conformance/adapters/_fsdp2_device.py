@@ -21,6 +21,7 @@ stream last used it, or None}, for the stream-ordered rule of `observe.residency
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any
 
@@ -137,8 +138,6 @@ def _patch_buffer_lifetimes() -> None:
 
 # group -> records of its all-gather outputs not yet copied out
 _READERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# AllGatherResult class -> its tracked subclass
-_TRACKED_CLASSES: dict[type, type] = {}
 
 
 class _ReleaseToken:
@@ -147,14 +146,11 @@ class _ReleaseToken:
     __slots__ = ("__weakref__",)
 
 
+@functools.cache
 def _tracked_class(result_class: type) -> type:
     """A subclass of FSDP2's ``AllGatherResult`` (a NamedTuple) with a ``__dict__`` for the
-    token: equal, unpackable, ``isinstance`` the original."""
-    tracked = _TRACKED_CLASSES.get(result_class)
-    if tracked is None:
-        tracked = type(f"Tracked{result_class.__name__}", (result_class,), {})
-        _TRACKED_CLASSES[result_class] = tracked
-    return tracked
+    token: equal, unpackable, ``isinstance`` the original (one per result class)."""
+    return type(f"Tracked{result_class.__name__}", (result_class,), {})
 
 
 def _track_all_gather_output(group: Any, result: Any, stream: Any) -> Any:

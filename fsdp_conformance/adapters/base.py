@@ -40,6 +40,8 @@ from .features import (  # the errors and claimed_but_not_implemented: also impo
 
 # callback(op, instance, info): [Note: observation]
 Observer = Callable[[str, nn.Module, dict], None]
+# what an `ObserverRegistry.before` event yields: (op, instance) pairs
+OpEvents = Iterable[tuple[str, nn.Module | None]]
 
 # what torch FSDP1 and activation checkpointing insert into parameter names
 _WRAPPER_NAME_PARTS = re.compile(r"(_fsdp_wrapped_module|_checkpoint_wrapped_module)\.")
@@ -95,21 +97,6 @@ def clean_param_name(name: str, segments: Iterable[str] = ()) -> str:
             )
         name = re.sub(rf"(?:(?<=\.)|^){re.escape(segment)}\.", "", name)
     return name
-
-
-def flat_grad_pieces(
-    names: list[str], numels: list[int], shard_grad: torch.Tensor, shard_start: int
-) -> dict[str, tuple[int, torch.Tensor]]:
-    """`Adapter.grad_shards` of one flat parameter holding `names` (sizes `numels`) back to
-    back, of which `shard_grad` holds the elements from `shard_start` on."""
-    pieces = {}
-    offset, shard_end = 0, shard_start + shard_grad.numel()
-    for name, numel in zip(names, numels):
-        lo, hi = max(offset, shard_start), min(offset + numel, shard_end)
-        if hi > lo:
-            pieces[name] = (lo - offset, shard_grad[lo - shard_start : hi - shard_start])
-        offset += numel
-    return pieces
 
 
 # (name, param) -> the options of the parameter's optimizer group (Adapter.optimizer)
@@ -487,7 +474,7 @@ class ObserverRegistry:
         return bool(self._observers)
 
     def before(
-        self, event: Callable[..., Iterable[tuple[str, nn.Module | None]]], always: bool = False
+        self, event: Callable[..., OpEvents], always: bool = False
     ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         """``original -> replacement`` (for `patch_attribute` or a per-instance method) that
         first emits each ``(op, instance)`` that ``event`` (called with the same arguments)

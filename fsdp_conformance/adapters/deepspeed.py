@@ -16,6 +16,7 @@ gradient reaches the reducer.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import os
 import shutil
@@ -26,6 +27,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from fsdp_conformance._patching import patch_attribute
@@ -33,7 +35,7 @@ from fsdp_conformance.constants import Op
 from fsdp_conformance.training_states import InstanceState, RootState
 
 from ._support import DEEPSPEED_RANGE, DEEPSPEED_TORCH_RANGE
-from .base import Adapter, ObserverRegistry, UnsupportedFeatureError, optimizer_class
+from .base import Adapter, ObserverRegistry, OpEvents, UnsupportedFeatureError, optimizer_class
 from .deviations import Deviation
 from .features import ALL_FEATURES, Declarations, Feature, auto_wrap_targets
 
@@ -79,8 +81,6 @@ def _cpu_host() -> bool:
 def _shm_op_used() -> bool:
     """Whether DeepSpeed's CPU backend uses its shared-memory op: only when ``LOCAL_SIZE`` equals
     the world size (the harness does not set it)."""
-    import torch.distributed as dist
-
     if not _cpu_host() or not os.environ.get("LOCAL_SIZE"):
         return False
     return not dist.is_initialized() or os.environ["LOCAL_SIZE"] == str(dist.get_world_size())
@@ -132,7 +132,6 @@ def ensure_distributed() -> None:
     """``deepspeed.init_distributed`` over the existing default group (DeepSpeed wraps it)."""
     prepare_environment()
     import deepspeed
-    import torch.distributed as dist
 
     if not dist.is_initialized():
         raise RuntimeError(
@@ -162,10 +161,7 @@ def _patch(owner: Any, attribute: str, make: Any, purpose: str) -> None:
     patch_attribute(owner, attribute, make, key=key, written_for=WRITTEN_FOR, library="deepspeed")
 
 
-def _deviation(check: str, reason: str, applies: Any = None, **covers: Any) -> Deviation:
-    return Deviation(check, reason, applies, measured_on=MEASURED_ON, **covers)
-
-
+_deviation = functools.partial(Deviation, measured_on=MEASURED_ON)
 # Reproductions: ds = get_adapter("deepspeed"), x = torch.ones(2, 8), 2 CPU ranks
 # (docs/deepspeed.md)
 DEEPSPEED_DEVIATIONS: tuple[Deviation, ...] = (
@@ -453,16 +449,11 @@ class DeepSpeedAdapter(Adapter):
                 f"adapter 'deepspeed': the module's parameters are on {sorted(devices)}; "
                 "deepspeed.initialize needs them materialized on one device"
             )
-        zero: dict[str, Any] = {
-            "stage": stage,
-            "overlap_comm": False,
-            "contiguous_gradients": False,
-        }
+        zero = {"stage": stage, "overlap_comm": False, "contiguous_gradients": False}
         if stage == 3:
             largest = max(map(_own_numel, [module, *_nested_in(module)]))
-            prefetch = config.get("backward_prefetch", "BACKWARD_PRE") == "BACKWARD_PRE" or bool(
-                config.get("forward_prefetch")
-            )
+            backward_pre = config.get("backward_prefetch", "BACKWARD_PRE") == "BACKWARD_PRE"
+            prefetch = backward_pre or config.get("forward_prefetch", False)
             zero.update(
                 stage3_param_persistence_threshold=0,
                 stage3_max_reuse_distance=0,
@@ -511,11 +502,11 @@ class DeepSpeedAdapter(Adapter):
     def root_state(self, instance: nn.Module) -> RootState:
         """SUMMON_FULL_PARAMS inside the summon; FORWARD_BACKWARD while a ZeRO-3 module is
         active or between backward and step; else IDLE."""
-        engine = instance
-        if getattr(engine, "_fsdpc_summoning", False):
+        if getattr(instance, "_fsdpc_summoning", False):
             return RootState.SUMMON_FULL_PARAMS
-        active = any(getattr(p, "ds_active_sub_modules", None) for p in engine.module.parameters())
-        if active or getattr(engine, "_fsdpc_in_step", False):
+        params = instance.module.parameters()
+        active = any(getattr(p, "ds_active_sub_modules", None) for p in params)
+        if active or getattr(instance, "_fsdpc_in_step", False):
             return RootState.FORWARD_BACKWARD
         return RootState.IDLE
 
@@ -523,12 +514,10 @@ class DeepSpeedAdapter(Adapter):
     def _summon_full_params(self, model: nn.Module, writeback: bool) -> Iterator[None]:
         import deepspeed
 
-        engine = model
-        params = list(self.unwrap(engine).parameters())
-        zero3 = getattr(engine, "_fsdpc_stage", 3) == 3
-        engine._fsdpc_summoning = True
+        params = list(self.unwrap(model).parameters())
+        model._fsdpc_summoning = True
         try:
-            if zero3:
+            if getattr(model, "_fsdpc_stage", 3) == 3:
                 # modifier_rank=None: leaving re-partitions without copying back (discarded)
                 modifier = 0 if writeback else None
                 with deepspeed.zero.GatheredParameters(params, modifier_rank=modifier):
@@ -541,9 +530,9 @@ class DeepSpeedAdapter(Adapter):
                         for param, value in zip(params, saved, strict=True):
                             param.copy_(value)
         finally:
-            engine._fsdpc_summoning = False
+            model._fsdpc_summoning = False
         if writeback:
-            _refresh_master(engine)
+            _refresh_master(model)
 
     def full_params(self, model: nn.Module) -> dict[str, torch.Tensor]:
         module = self.unwrap(model)
@@ -674,8 +663,6 @@ def _is_engine(model: Any) -> bool:
 
 
 def _check_group(process_group: Any) -> None:
-    import torch.distributed as dist
-
     if process_group is None or not dist.is_initialized():
         return
     if dist.get_world_size(process_group) != dist.get_world_size():
@@ -699,12 +686,13 @@ def _own_numel(module: nn.Module) -> int:
 
 def _assign_owners(engine: nn.Module, instances: list[nn.Module]) -> None:
     """Each parameter's owner: the nearest instance above it (pre-order: inner ones last)."""
-    for instance in instances:
-        module = engine.module if instance is engine else instance
+    modules = [
+        (engine.module if instance is engine else instance, instance) for instance in instances
+    ]
+    for module, instance in modules:
         for param in module.parameters():
             param._fsdpc_owner = weakref.ref(instance)
-    for instance in instances:
-        module = engine.module if instance is engine else instance
+    for module, instance in modules:
         owned = [p for p in module.parameters() if _owner(p) is instance]
         instance._fsdpc_trainable = sum(1 for p in owned if p.requires_grad)
         instance._fsdpc_live = set()  # ids of its parameters gathered (all-gather issued)
@@ -717,8 +705,7 @@ def _owner(param: Any) -> nn.Module | None:
 
 
 def _refresh_master(engine: nn.Module) -> None:
-    optimizer = getattr(engine, "optimizer", None)
-    refresh = getattr(optimizer, "refresh_fp32_params", None)
+    refresh = getattr(getattr(engine, "optimizer", None), "refresh_fp32_params", None)
     if refresh is not None:
         refresh()
 
@@ -759,7 +746,7 @@ def _install_trace() -> None:
 
     cls = coordinator.PartitionedParameterCoordinator
 
-    def gather(coordinator: Any, params: Any, forward: bool) -> Iterator[tuple[str, nn.Module]]:
+    def gather(coordinator: Any, params: Any, forward: bool) -> OpEvents:
         # ds_id order: DeepSpeed hands a set, whose order differs across ranks
         for param in sorted(params, key=lambda param: param.ds_id):
             instance = _owner(param)
@@ -769,9 +756,7 @@ def _install_trace() -> None:
                 yield Op.ALL_GATHER, instance
             instance._fsdpc_live.add(id(param))
 
-    def release(
-        coordinator: Any, param: Any, *_: Any, **__: Any
-    ) -> Iterator[tuple[str, nn.Module]]:
+    def release(coordinator: Any, param: Any, *_: Any, **__: Any) -> OpEvents:
         instance = _owner(param)
         releasing = param.ds_status == ZeroParamStatus.AVAILABLE and not param.ds_active_sub_modules
         if releasing and instance is not None and id(param) in instance._fsdpc_live:
@@ -779,9 +764,7 @@ def _install_trace() -> None:
             if not instance._fsdpc_live:
                 yield Op.FREE, instance
 
-    def reduce_param(
-        optimizer: Any, param: Any, *_: Any, **__: Any
-    ) -> Iterator[tuple[str, nn.Module]]:
+    def reduce_param(optimizer: Any, param: Any, *_: Any, **__: Any) -> OpEvents:
         instance = _owner(param)
         if instance is not None and param.requires_grad:
             instance._fsdpc_reduced.add(id(param))

@@ -419,28 +419,20 @@ class FairscaleAdapter(Adapter):
         # one handle for the whole tree: the root shares its streams with every inner instance
         handle = _CudaHandle() if torch.cuda.is_available() else CPUDeviceHandle()
         for instance in self.instances(wrapped):
-            self._route(instance, handle)
+            _fairscale_device.route(instance, handle, _observer_wrappers(instance))
             if self.sync_after_free and config.get("limit_all_gathers"):
                 _SYNC_AFTER_FREE.add(instance)
         return wrapped
 
-    @staticmethod
-    def _route(instance: nn.Module, handle: Any) -> None:
-        _fairscale_device.route(instance, handle, _observer_wrappers(instance))
-
     def unwrap(self, model: nn.Module) -> nn.Module:
         from fairscale.nn.data_parallel import FullyShardedDataParallel
 
-        if isinstance(model, FullyShardedDataParallel):
-            return model.module.module
-        return model
+        return model.module.module if isinstance(model, FullyShardedDataParallel) else model
 
     def instances(self, model: nn.Module) -> list[nn.Module]:
         from fairscale.nn.data_parallel import FullyShardedDataParallel
 
-        return [
-            module for module in model.modules() if isinstance(module, FullyShardedDataParallel)
-        ]
+        return [m for m in model.modules() if isinstance(m, FullyShardedDataParallel)]
 
     def grad_scaler(self, model: nn.Module, **options: Any) -> Any:
         """fairscale's own ``ShardedGradScaler`` over the root's process group (CUDA hosts)."""
@@ -488,7 +480,7 @@ class FairscaleAdapter(Adapter):
         instances = self.instances(model)
         require_before_first_forward(self.name, model, instances)
         for instance in instances:
-            self._route(instance, handle)
+            _fairscale_device.route(instance, handle, _observer_wrappers(instance))
 
 
 def _compute_device(device_id: Any) -> torch.device:

@@ -18,7 +18,6 @@ from .base import (
     Adapter,
     UnsupportedFeatureError,
     clean_param_name,
-    flat_grad_pieces,
     optimizer_class,
     scoped_observer,
 )
@@ -72,9 +71,7 @@ class ImplAdapter(Adapter):
         return modules
 
     def unwrap(self, model: nn.Module) -> nn.Module:
-        if isinstance(model, impl.FullyShardedDataParallel):
-            return model.module
-        return model
+        return model.module if isinstance(model, impl.FullyShardedDataParallel) else model
 
     def instances(self, model: nn.Module) -> list[nn.Module]:
         return list(impl.FullyShardedDataParallel.fsdp_modules(model))
@@ -119,20 +116,12 @@ class ImplAdapter(Adapter):
         return ShardedGradScaler(device, process_group=model.process_group, **options)
 
     def grad_shards(self, model: nn.Module) -> dict[str, tuple[int, torch.Tensor]]:
-        paths = {id(module): name for name, module in model.named_modules()}
+        """Each original parameter's piece of its flat gradient shard (``impl/optim.py``)."""
         pieces = {}
-        for instance in self.instances(model):
-            handle = instance._fsdp_state.handle
-            if handle is None or handle.flat_param.grad is None:
-                continue
-            names = {}
-            for slot in handle.slots:  # a tied parameter: its first name
-                prefix = paths[id(slot.module)]
-                names.setdefault(slot.index, clean_param_name(f"{prefix}.{slot.name}".lstrip(".")))
-            start = handle.rank * handle.shard_numel if handle.sharded else 0
-            ordered = [names[index] for index in range(len(handle.numels))]
-            grad = handle.flat_param.grad.detach()
-            pieces.update(flat_grad_pieces(ordered, handle.numels, grad, start))
+        for name, _, source in optim.shard_pieces(model):
+            if source is not None and source[0].grad is not None:
+                flat, start, end, start_in_param = source
+                pieces[clean_param_name(name)] = (start_in_param, flat.grad.detach()[start:end])
         return pieces
 
     def state_dict(

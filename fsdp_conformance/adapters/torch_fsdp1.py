@@ -82,14 +82,6 @@ def install_fsdp1_device_handle(adapter_name: str, model: nn.Module, handle: Any
         internals.set_device_handle(instance, handle)
 
 
-def _prefetches_with_limit(case: Any) -> bool:
-    return (
-        case.limit_all_gathers
-        and case.sharding_strategy == "FULL_SHARD"
-        and (case.backward_prefetch == "BACKWARD_PRE" or case.forward_prefetch)
-    )
-
-
 # measured on CPU, gloo, world size 2 (docs/checks.md, docs/memory_bound.md)
 _on_matrix = functools.partial(Deviation, measured_on="torch 2.13.0 (also 2.8.0, 2.14.1)")
 _on_2_13 = functools.partial(Deviation, measured_on="torch 2.13.0")
@@ -105,7 +97,11 @@ FSDP1_DEVIATIONS = (
         "Reproduction: FSDP(ChainOfLinears, limit_all_gathers=True, "
         "backward_prefetch=BACKWARD_PRE) with 6 inner instances under the lagging device: peak 3 "
         "resident inner buffers (docs/memory_bound.md, 'torch FSDP1')",
-        _prefetches_with_limit,
+        lambda case: (
+            case.limit_all_gathers
+            and case.sharding_strategy == "FULL_SHARD"
+            and (case.backward_prefetch == "BACKWARD_PRE" or case.forward_prefetch)
+        ),
         match=r"^memory bound exceeded: ",
     ),
     _on_matrix(

@@ -29,7 +29,7 @@ from . import _fsdp2_internals as internals
 from ._fsdp2_device import INSTANCE_OF_GROUP, install_lagging_device, observe_buffers
 from ._fsdp2_prefetch import configure_prefetch
 from ._support import FSDP2_TORCH_RANGE
-from .base import Adapter, ObserverRegistry, UnsupportedFeatureError
+from .base import Adapter, ObserverRegistry, OpEvents, UnsupportedFeatureError
 from .deviations import Deviation
 from .features import Declarations, Feature, auto_wrap_targets, ignored_parameters, require
 
@@ -46,13 +46,8 @@ def _fsdp2_api() -> Any:
     return api
 
 
-# FSDP2's TrainingState names -> the canonical instance states
-_INSTANCE_STATES = {
-    "IDLE": InstanceState.IDLE,
-    "FORWARD": InstanceState.FORWARD,
-    "PRE_BACKWARD": InstanceState.BACKWARD_PRE,
-    "POST_BACKWARD": InstanceState.BACKWARD_POST,
-}
+# FSDP2's TrainingState names that differ from the canonical instance states
+_RENAMED_STATES = {"PRE_BACKWARD": "BACKWARD_PRE", "POST_BACKWARD": "BACKWARD_POST"}
 
 
 def _patch_torch_fsdp2() -> None:
@@ -62,17 +57,17 @@ def _patch_torch_fsdp2() -> None:
     group_class = internals.param_group_class()
     forward = internals.training_state_enum().FORWARD
 
-    def unshard(group: Any, *_: Any, **__: Any) -> Iterator[tuple[str, Any]]:
+    def unshard(group: Any, *_: Any, **__: Any) -> OpEvents:
         if internals.all_gather_result(group) is None and not group.is_unsharded:
             yield Op.ALL_GATHER, INSTANCE_OF_GROUP.get(group)
 
-    def reshard(group: Any) -> Iterator[tuple[str, Any]]:
+    def reshard(group: Any) -> OpEvents:
         after_forward = internals.training_state(group) == forward
         kept = after_forward and not internals.reshards_after_forward(group)  # not freed
         if group.is_unsharded and not kept:
             yield Op.FREE, INSTANCE_OF_GROUP.get(group)
 
-    def post_backward(group: Any, *_: Any, **__: Any) -> Iterator[tuple[str, Any]]:
+    def post_backward(group: Any, *_: Any, **__: Any) -> OpEvents:
         # only with gradient sync on and some gradient to reduce (not a frozen group)
         reduces = getattr(group, "reduce_grads", True) and internals.has_grads_to_reduce(group)
         if group.is_unsharded and reduces:
@@ -188,8 +183,8 @@ class TorchFSDP2Adapter(Adapter):
             kwargs["reshard_after_forward"] = None if full_shard else False
         if config.get("cpu_offload"):
             kwargs["offload_policy"] = api.CPUOffloadPolicy(pin_memory=accelerator_available())
-        if config.get("mixed_precision") is not None:
-            mixed = config["mixed_precision"]
+        mixed = config.get("mixed_precision")
+        if mixed is not None:
             kwargs["mp_policy"] = api.MixedPrecisionPolicy(
                 param_dtype=mixed.param_dtype,
                 reduce_dtype=mixed.reduce_dtype,
@@ -220,7 +215,8 @@ class TorchFSDP2Adapter(Adapter):
             return InstanceState.SUMMON_FULL_PARAMS
         state = internals.fsdp_state(instance)
         groups = internals.param_groups(state)
-        return _INSTANCE_STATES[internals.training_state(groups[0] if groups else state).name]
+        name = internals.training_state(groups[0] if groups else state).name
+        return InstanceState[_RENAMED_STATES.get(name, name)]
 
     def root_state(self, instance: nn.Module) -> RootState:
         if instance in self._summoned:

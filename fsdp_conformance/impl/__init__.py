@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from fsdp_conformance.impl import device, trace
-from fsdp_conformance.impl.api import (
+from . import device, trace
+from .api import (
     BackwardPrefetch,
     CPUOffload,
     MixedPrecision,
@@ -11,10 +11,10 @@ from fsdp_conformance.impl.api import (
     ShardingStrategy,
     StateDictType,
 )
-from fsdp_conformance.impl.device import CPUDeviceHandle, CUDADeviceHandle, install_device_handle
-from fsdp_conformance.impl.fully_sharded import FullyShardedDataParallel
-from fsdp_conformance.impl.limiter import MAX_INFLIGHT
-from fsdp_conformance.impl.state import HandleTrainingState, TrainingState
+from .device import CPUDeviceHandle, CUDADeviceHandle, install_device_handle
+from .fully_sharded import FullyShardedDataParallel
+from .limiter import MAX_INFLIGHT
+from .state import HandleTrainingState, TrainingState
 
 FSDP = FullyShardedDataParallel
 

@@ -39,17 +39,11 @@ def save_checkpoint(root: nn.Module, optimizer: torch.optim.Optimizer, directory
         {key: value for key, value in group.items() if key != "params"}
         for group in optimizer.param_groups
     ]
-    group_of = {
-        names[index]: number
-        for number, group in enumerate(_group_indices(optimizer))
-        for index in group
-    }
     payload = {
         "format": FORMAT,
         "model": model_state,
         "optimizer": optimizer_state,
         "param_groups": groups,
-        "group_of": group_of,
     }
     group = root.process_group
     if dist.get_rank(group) == 0:

@@ -69,8 +69,4 @@ def _accumulate(local: torch.Tensor, grad: torch.Tensor, norm_type: float) -> to
 def _unmanaged_grads(root: nn.Module) -> list[torch.Tensor]:
     """Gradients of parameters no instance flattened (replicated: the same on every rank)."""
     flat = {id(i.flat_param) for i in root.fsdp_modules(root) if i.flat_param is not None}
-    return [
-        param.grad
-        for param in root.parameters()
-        if id(param) not in flat and param.grad is not None
-    ]
+    return [p.grad for p in root.parameters() if id(p) not in flat and p.grad is not None]

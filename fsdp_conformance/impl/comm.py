@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 
 from fsdp_conformance.constants import Op
-from fsdp_conformance.impl import trace
+
+from . import trace
 
 
 # torch 2.13 renamed the tensor collectives; looked up at each call, as torch FSDP does, so a

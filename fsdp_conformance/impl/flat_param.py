@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fsdp_conformance.impl import comm
-from fsdp_conformance.impl.api import MixedPrecision, ShardingStrategy
+from . import comm
+from .api import MixedPrecision, ShardingStrategy
 
 
 class ParamSlot(NamedTuple):
@@ -62,14 +62,11 @@ class FlatParamHandle:
         self.strategy = ShardingStrategy.NO_SHARD if self.world_size == 1 else strategy
         self.sharded = self.strategy != ShardingStrategy.NO_SHARD
 
-        self.slots: list[ParamSlot] = []
-        unique: list[nn.Parameter] = []
-        index_of: dict[int, int] = {}
-        for module, name, param in params:
-            if id(param) not in index_of:
-                index_of[id(param)] = len(unique)
-                unique.append(param)
-            self.slots.append(ParamSlot(module, name, index_of[id(param)]))
+        unique = list({id(param): param for _, _, param in params}.values())  # tied: once
+        index_of = {id(param): index for index, param in enumerate(unique)}
+        self.slots = [
+            ParamSlot(module, name, index_of[id(param)]) for module, name, param in params
+        ]
         self.shapes: list[torch.Size] = [p.shape for p in unique]
         self.numels: list[int] = [p.numel() for p in unique]
         self.numel = sum(self.numels)  # before padding

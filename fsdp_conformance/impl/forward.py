@@ -12,14 +12,9 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_map_only
 
 from fsdp_conformance.constants import Op
-from fsdp_conformance.impl import runtime, trace
-from fsdp_conformance.impl.state import (
-    FSDPState,
-    HandleTrainingState,
-    TrainingState,
-    fsdp_states,
-    transition,
-)
+
+from . import runtime, trace
+from .state import FSDPState, HandleTrainingState, TrainingState, fsdp_states, transition
 
 
 class ForwardMixin:

@@ -15,12 +15,13 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_conformance.device_handle import DeviceHandle, accelerator_available
-from fsdp_conformance.impl import runtime
-from fsdp_conformance.impl.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
-from fsdp_conformance.impl.flat_param import FlatParamHandle
-from fsdp_conformance.impl.forward import ForwardMixin
-from fsdp_conformance.impl.state import FSDPState, assert_state, fsdp_states
-from fsdp_conformance.impl.state_dict import StateDictMixin
+
+from . import runtime
+from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from .flat_param import FlatParamHandle
+from .forward import ForwardMixin
+from .state import FSDPState, assert_state, fsdp_states
+from .state_dict import StateDictMixin
 
 AutoWrapPolicy = Callable[..., bool]
 Params = list[tuple[nn.Module, str, nn.Parameter]]  # (module, attribute name, parameter)
@@ -272,30 +273,32 @@ def _recursive_wrap(
     return module, wrapped_numel
 
 
+def _managed_modules(module: nn.Module, ignored: set[nn.Module]) -> list[nn.Module]:
+    """`module` and its submodules this instance manages (not in a nested instance or
+    ignored), pre-order, each once."""
+    if isinstance(module, FullyShardedDataParallel) or module in ignored:
+        return []
+    found = [module]
+    for child in module.children():
+        found += [m for m in _managed_modules(child, ignored) if m not in found]
+    return found
+
+
 def _collect_params(module: nn.Module, ignored: set[nn.Module]) -> Params:
     """Every parameter this instance manages, in order."""
+    paths = {id(m): f"{path}." if path else "" for path, m in module.named_modules()}
     found: Params = []
-    seen: set[tuple[int, str]] = set()
-
-    def visit(m: nn.Module, path: str) -> None:
-        if isinstance(m, FullyShardedDataParallel) or m in ignored:
-            return
+    for m in _managed_modules(module, ignored):
         for name, param in m._parameters.items():
-            if param is None or (id(m), name) in seen:
+            if param is None:
                 continue
             if getattr(param, "_fsdp_flattened", False):
                 raise ValueError(
-                    f"parameter '{path}{name}' of {type(m).__name__} is shared with another FSDP "
-                    "instance that already flattened it (a tied parameter); wrap all modules "
-                    "sharing a parameter in the same instance (e.g. their common parent)"
+                    f"parameter '{paths[id(m)]}{name}' of {type(m).__name__} is shared with "
+                    "another FSDP instance that already flattened it (a tied parameter); wrap all "
+                    "modules sharing a parameter in the same instance (e.g. their common parent)"
                 )
-            seen.add((id(m), name))
             found.append((m, name, param))
-        for name, child in m._modules.items():
-            if child is not None:
-                visit(child, f"{path}{name}.")
-
-    visit(module, "")
     return found
 
 
@@ -309,16 +312,7 @@ def _materialize_meta(
     mixed with other devices is left to ``_compute_device``'s error)."""
     if param_init_fn is not None and not callable(param_init_fn):
         raise TypeError(f"param_init_fn must be callable (module) -> None, got {param_init_fn!r}")
-    owned: list[nn.Module] = []
-
-    def visit(m: nn.Module) -> None:
-        if isinstance(m, FullyShardedDataParallel) or m in ignored:
-            return
-        owned.append(m)
-        for child in m.children():
-            visit(child)
-
-    visit(module)
+    owned = _managed_modules(module, ignored)
     tensors = [
         t for m in owned for t in (*m._parameters.values(), *m._buffers.values()) if t is not None
     ]
@@ -428,14 +422,10 @@ def _sync_module_states(module: nn.Module, params: Params, group: Any) -> None:
     if group.size() == 1:
         return
     names = {id(m): n for n, m in module.named_modules()}
-    tensors: list[tuple[str, torch.Tensor]] = []
-    seen: set[int] = set()
-    for m, name, param in params:
-        if id(param) not in seen:
-            seen.add(id(param))
-            tensors.append((f"{names.get(id(m), '?')}.{name}".lstrip("."), param.data))
-    for name, buffer in module.named_buffers():
-        tensors.append((name, buffer))
+    unique: dict[int, tuple[str, torch.Tensor]] = {}
+    for m, name, param in params:  # a tied parameter once, under its first name
+        unique.setdefault(id(param), (f"{names[id(m)]}.{name}".lstrip("."), param.data))
+    tensors = [*unique.values(), *module.named_buffers()]
     local = [(name, tuple(t.shape), str(t.dtype)) for name, t in tensors]
     gathered: list[Any] = [None] * group.size()
     dist.all_gather_object(gathered, local, group=group)

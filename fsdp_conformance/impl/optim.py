@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_conformance.impl.state import fsdp_states
+from .state import fsdp_states
 
 # (name, param) -> the options of its group, e.g. {"weight_decay": 0.0}
 GroupOptions = Callable[[str, nn.Parameter], dict[str, Any]]
@@ -31,7 +31,7 @@ def optimizer(
     (``blocks.1.0.weight``; the parameter is a one-dimensional piece, so decide by the name) ->
     that group's options. ``defaults``: the optimizer's keyword arguments.
     """
-    pieces = _pieces(root)
+    pieces = shard_pieces(root)
     groups: dict[tuple, dict[str, Any]] = {}
     for name, param, _ in pieces:
         options = group_options(name, param)
@@ -47,7 +47,7 @@ def optimizer(
 
     class ShardPieceOptimizer(optimizer_class):  # type: ignore[misc, valid-type]
         def step(self, closure: Any = None) -> Any:
-            for param, (flat, start, end) in slices:
+            for param, (flat, start, end, _) in slices:
                 param.grad = None if flat.grad is None else flat.grad[start:end]
             return super().step(closure)
 
@@ -63,9 +63,10 @@ def optimizer(
     return ShardPieceOptimizer(list(groups.values()), **defaults)
 
 
-def _pieces(root: nn.Module) -> list[tuple[str, nn.Parameter, tuple | None]]:
-    """(name, optimizer parameter, (flat parameter, start, end) or None) per original parameter
-    with elements on this rank, in the model's order."""
+def shard_pieces(root: nn.Module) -> list[tuple[str, nn.Parameter, tuple | None]]:
+    """(name, optimizer parameter, (flat parameter, start, end in its shard, start in the
+    original parameter) or None) per original parameter with elements on this rank, in the
+    model's order."""
     paths = {id(module): name for name, module in root.named_modules()}
     found: list[tuple[str, nn.Parameter, tuple | None]] = []
     flats = set()
@@ -82,14 +83,14 @@ def _pieces(root: nn.Module) -> list[tuple[str, nn.Parameter, tuple | None]]:
         for slot in handle.slots:
             first_slot.setdefault(slot.index, slot)
         for index, numel in enumerate(handle.numels):
-            start, end = max(offset, low), min(offset + numel, high)
-            offset += numel
+            begin, offset = offset, offset + numel  # the parameter's place in the flat parameter
+            start, end = max(begin, low), min(offset, high)
             if start >= end:
                 continue
             slot = first_slot[index]
             name = _unwrapped(f"{paths[id(slot.module)]}.{slot.name}".lstrip("."))
             piece = nn.Parameter(flat.data[start - low : end - low], flat.requires_grad)
-            found.append((name, piece, (flat, start - low, end - low)))
+            found.append((name, piece, (flat, start - low, end - low, start - begin)))
     for name, param in root.named_parameters():
         if id(param) not in flats:  # left unflattened (frozen next to trainable parameters)
             found.append((_unwrapped(name), param, None))

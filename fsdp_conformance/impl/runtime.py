@@ -19,10 +19,11 @@ from torch.utils._pytree import tree_map_only
 from fsdp_conformance import constants
 from fsdp_conformance._tensors import output_tensors
 from fsdp_conformance.constants import Op
-from fsdp_conformance.impl import trace
-from fsdp_conformance.impl.api import BackwardPrefetch, ShardingStrategy
-from fsdp_conformance.impl.device import device_handle_for
-from fsdp_conformance.impl.state import (
+
+from . import trace
+from .api import BackwardPrefetch, ShardingStrategy
+from .device import device_handle_for
+from .state import (
     FSDPState,
     HandleTrainingState,
     RootContext,
@@ -113,12 +114,9 @@ def reshard(state: FSDPState) -> None:
 
 def prefetch(state: FSDPState, direction: str) -> None:
     """Issue the next instance's all-gather (no-op if it is unsharded or done this phase)."""
-    exec_order = state.context.exec_order
+    order = state.context.exec_order
     forward = direction == "forward"
-    if forward:
-        target = exec_order.forward_prefetch_target(state)
-    else:
-        target = exec_order.backward_prefetch_target(state)
+    target = (order.forward_prefetch_target if forward else order.backward_prefetch_target)(state)
     handle = None if target is None else target.handle
     if handle is None or not handle.copies or handle.is_unsharded:
         return

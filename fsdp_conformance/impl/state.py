@@ -18,11 +18,12 @@ from torch import nn
 
 from fsdp_conformance import training_states
 from fsdp_conformance.device_handle import DeviceHandle
-from fsdp_conformance.impl.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
-from fsdp_conformance.impl.exec_order import ExecOrder
-from fsdp_conformance.impl.flat_param import FlatParamHandle, PendingReduction
-from fsdp_conformance.impl.limiter import FreeEventQueue
 from fsdp_conformance.training_states import InstanceState
+
+from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from .exec_order import ExecOrder
+from .flat_param import FlatParamHandle, PendingReduction
+from .limiter import FreeEventQueue
 
 
 class TrainingState(enum.Enum):
@@ -165,9 +166,7 @@ def fsdp_states(module: nn.Module) -> list[FSDPState]:
 
 
 def _attribute(state: TrainingState | HandleTrainingState) -> str:
-    if isinstance(state, HandleTrainingState):
-        return "handle_training_state"
-    return "training_state"
+    return "handle_training_state" if isinstance(state, HandleTrainingState) else "training_state"
 
 
 def transition(

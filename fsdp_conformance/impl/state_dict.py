@@ -12,9 +12,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
-from fsdp_conformance.impl.api import ShardedFlatParameter, StateDictType
-from fsdp_conformance.impl.forward import summon_full_params
-from fsdp_conformance.impl.state import FSDPState, fsdp_states, state_of
+from .api import ShardedFlatParameter, StateDictType
+from .forward import summon_full_params
+from .state import FSDPState, fsdp_states, state_of
 
 
 class StateEntry(NamedTuple):
@@ -41,13 +41,11 @@ class StateDictMixin:
     _fsdp_state: FSDPState
 
     def _state_entries(self) -> Iterator[StateEntry]:
-        owned: dict[int, list[str]] = {}
+        owned: dict[int, dict[str, None]] = {}  # module id -> its managed names, in order
         for state in fsdp_states(self._fsdp_state.owner):
             if state.handle is not None:
                 for slot in state.handle.slots:
-                    names = owned.setdefault(id(slot.module), [])
-                    if slot.name not in names:
-                        names.append(slot.name)
+                    owned.setdefault(id(slot.module), {})[slot.name] = None
 
         def walk(module: nn.Module, prefix: str) -> Iterator[StateEntry]:
             state = state_of(module)
@@ -147,15 +145,11 @@ class StateDictMixin:
             for entry in present:
                 if entry.kind == "flat":
                     state_of(entry.module).handle.flat_param.copy_(state_dict[entry.name].shard)
+                elif entry.kind == "buffer":
+                    entry.module._buffers[entry.attr].copy_(state_dict[entry.name])
                 else:
-                    self._load_plain(entry, state_dict[entry.name])
+                    entry.module._parameters[entry.attr].copy_(state_dict[entry.name])
         return _IncompatibleKeys(missing, unexpected)
-
-    @staticmethod
-    def _load_plain(entry: StateEntry, value: torch.Tensor) -> None:
-        module, attr = entry.module, entry.attr
-        target = module._buffers[attr] if entry.kind == "buffer" else module._parameters[attr]
-        target.copy_(value)
 
 
 def _check_shard(name: str, state: FSDPState, value: Any) -> None:

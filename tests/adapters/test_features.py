@@ -209,9 +209,10 @@ def test_canonical_states_and_transitions():
 def test_fsdp2_state_mapping_covers_every_fsdp2_state():
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
-    from fsdp_conformance.adapters.torch_fsdp2 import _INSTANCE_STATES
+    from fsdp_conformance.adapters.torch_fsdp2 import _RENAMED_STATES
 
-    mapped = {state: _INSTANCE_STATES[state.name] for state in TrainingState}  # KeyError: a new one
+    # KeyError: a new one
+    mapped = {s: InstanceState[_RENAMED_STATES.get(s.name, s.name)] for s in TrainingState}
     assert set(mapped.values()) == {
         InstanceState.IDLE,
         InstanceState.FORWARD,
