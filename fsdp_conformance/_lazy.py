@@ -26,14 +26,3 @@ def lazy_exports(
         return sorted(set(vars(sys.modules[package])) | set(exports))
 
     return __getattr__, __dir__
-
-
-class LazyModule:
-    """Module ``name``, imported at its first attribute access (a command line that only parses
-    its arguments must not import torch)."""
-
-    def __init__(self, name: str) -> None:
-        self._name = name
-
-    def __getattr__(self, attribute: str) -> Any:
-        return getattr(importlib.import_module(self._name), attribute)

@@ -16,9 +16,6 @@ import pytest
 from fsdp_conformance import constants
 from fsdp_conformance.harness import signals as _signals
 
-_MODES = constants.MODES
-COVERAGES = constants.COVERAGES
-
 
 @dataclasses.dataclass
 class PluginState:
@@ -62,7 +59,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("fsdp-conformance", "fsdp-conformance: running tests in N ranks")
     group.addoption(
         "--fsdp-mode",
-        choices=_MODES,
+        choices=constants.MODES,
         help="how ranks run: 'process' (reused rank processes, default), 'process-fresh' "
         "(new processes per test) or 'thread' (threads of the pytest process). "
         "Env: FSDP_CONFORMANCE_MODE.",
@@ -95,7 +92,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     group.addoption(
         "--fsdp-coverage",
-        choices=COVERAGES,
+        choices=constants.COVERAGES,
         help="conformance suite: run every combination of a check's config dimensions "
         "('full') or a smaller set covering every pair of values ('pairwise'); default: "
         "what each check class says (the classes in fsdp_conformance.suite: full).",
@@ -161,16 +158,16 @@ def _validated_options(config: pytest.Config) -> dict[str, Any]:
     try:
         return {
             "mode": runtime.parse_mode(
-                *pick("fsdp_mode", runtime.ENV_MODE, constants.DEFAULT_MODE)
+                *pick("fsdp_mode", constants.ENV_MODE, constants.DEFAULT_MODE)
             ),
             "timeout": runtime.parse_timeout(
-                *pick("fsdp_timeout", runtime.ENV_TIMEOUT, runtime.DEFAULT_TIMEOUT_S)
+                *pick("fsdp_timeout", constants.ENV_TIMEOUT, constants.DEFAULT_TIMEOUT_S)
             ),
             "world_size": runtime.parse_world_size(
                 config.getoption("fsdp_world_size"), "--fsdp-world-size"
             ),
             "impl": _validated_impl(config.getoption("fsdp_impl")),
-            "backend": runtime.parse_backend(*pick("fsdp_backend", runtime.ENV_BACKEND, None)),
+            "backend": runtime.parse_backend(*pick("fsdp_backend", constants.ENV_BACKEND, None)),
             "coverage": config.getoption("fsdp_coverage"),
         }
     except runtime.OptionError as error:
@@ -242,9 +239,9 @@ def _world_size(item: pytest.Item, state: PluginState) -> int:
 
 def _mode(item: pytest.Item, state: PluginState) -> str:
     mode = _marker_arg(item, "fsdp_mode", state.mode)
-    if mode not in _MODES:
+    if mode not in constants.MODES:
         raise pytest.UsageError(
-            f"{item.nodeid}: fsdp_mode({mode!r}) is not one of {', '.join(_MODES)}"
+            f"{item.nodeid}: fsdp_mode({mode!r}) is not one of {', '.join(constants.MODES)}"
         )
     return mode
 

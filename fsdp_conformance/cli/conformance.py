@@ -7,12 +7,13 @@ import argparse
 from typing import Any
 
 from fsdp_conformance.cli import usage
+from fsdp_conformance.constants import BUILTIN_ADAPTERS, COVERAGES
 
 
 def _conformance_command(args: argparse.Namespace) -> int:
-    impls = args.impl or list(usage.BUILTIN_IMPLS)
+    impls = args.impl or list(BUILTIN_ADAPTERS)
     for impl in impls:
-        if impl not in usage.BUILTIN_IMPLS:  # a built-in without its extra gets a column saying so
+        if impl not in BUILTIN_ADAPTERS:  # a built-in without its extra gets a column saying so
             usage.check_impl(impl)
     usage.check_keyword_expression(args.k)
     usage.check_output(args.out, "--out")
@@ -47,7 +48,7 @@ def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
     )
     conformance.add_argument("--out", default="docs/conformance.md", metavar="FILE.md")
     conformance.add_argument("-k", metavar="EXPR", help="only checks matching this expression")
-    conformance.add_argument("--coverage", choices=usage.COVERAGES, default=usage.DEFAULT_COVERAGE)
+    conformance.add_argument("--coverage", choices=COVERAGES, default=usage.DEFAULT_COVERAGE)
     conformance.add_argument(
         "-n", dest="workers", type=int, default=0, metavar="WORKERS", help="xdist workers"
     )

@@ -24,10 +24,8 @@ from fsdp_conformance import checks, constants
 from fsdp_conformance.cli import limits, records, report, torchrun
 from fsdp_conformance.cli.report import split_nodeid
 from fsdp_conformance.cli.usage import (
-    COVERAGES,
     DEFAULT_COVERAGE,
     DEFAULT_WORKERS,
-    MODES,
     PROG,
     UsageError,
     _add_common,
@@ -347,7 +345,7 @@ def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
     )
     run.add_argument(
         "--mode",
-        choices=MODES,
+        choices=constants.MODES,
         default="process",
         help="how ranks run: reused processes (default), a fresh set per check, or threads",
     )
@@ -361,7 +359,7 @@ def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
     )
     run.add_argument(
         "--coverage",
-        choices=COVERAGES,
+        choices=constants.COVERAGES,
         default=DEFAULT_COVERAGE,
         help="parity configurations: every pair of settings (default) or the full product",
     )

@@ -22,9 +22,6 @@ from fsdp_conformance.cli import limits
 from fsdp_conformance.harness.extras import missing_extra
 
 PROG = "fsdp-conformance"
-BUILTIN_IMPLS = constants.BUILTIN_ADAPTERS
-MODES = constants.MODES
-COVERAGES = constants.COVERAGES
 # `run` defaults: the whole default run fits in 10 minutes on a 2-core CPU host (docs/cli.md)
 DEFAULT_COVERAGE = "pairwise"
 DEFAULT_WORKERS = 2
@@ -159,14 +156,14 @@ def check_impl(name: str) -> None:
     """Resolve ``name`` as the ranks will (``pkg.mod:ATTR`` with the current directory on
     ``sys.path``; of a built-in only its extra is checked); UsageError with the reason if it
     does not resolve, BrokenAdapter when its module raises."""
-    if name in BUILTIN_IMPLS:
+    if name in constants.BUILTIN_ADAPTERS:
         problem = missing_extra(name)
         if problem is not None:
             raise UsageError(f"--impl {name}: {problem}")
         return
     if ":" not in name:
         raise UsageError(
-            f"unknown --impl {name!r}: use one of {', '.join(BUILTIN_IMPLS)} or "
+            f"unknown --impl {name!r}: use one of {', '.join(constants.BUILTIN_ADAPTERS)} or "
             "'pkg.module:ATTR' naming an Adapter instance, subclass or factory"
         )
     if os.getcwd() not in sys.path:
@@ -206,7 +203,7 @@ def _missing_module(module: str) -> str | None:
 
 def adapter_name(impl: str) -> str:
     """The adapter's own name (``impl`` for a built-in)."""
-    if impl in BUILTIN_IMPLS:
+    if impl in constants.BUILTIN_ADAPTERS:
         return impl
     from fsdp_conformance.adapters import get_adapter
 

@@ -23,15 +23,10 @@ from fsdp_conformance.harness import gpus, rank, wire
 from fsdp_conformance.harness.rankset import RankSet, RankSetError
 from fsdp_conformance.harness.wire import FAILED, SKIPPED, RankTask, RunResult, TestTarget, not_run
 
-MODES = constants.MODES
-ENV_BACKEND = constants.ENV_BACKEND
-ENV_MODE = constants.ENV_MODE
-ENV_TIMEOUT = constants.ENV_TIMEOUT
 # At most this many pooled rank processes stay alive (least recently used sets go first).
 MAX_POOLED_RANKS = 8
 # Backends --fsdp-backend / FSDP_CONFORMANCE_BACKEND accept.
 BACKENDS = ("gloo", "nccl", "ucc", "mpi", "xccl")
-DEFAULT_TIMEOUT_S = constants.DEFAULT_TIMEOUT_S
 
 
 class OptionError(ValueError):
@@ -53,8 +48,8 @@ def parse_timeout(value: object, source: str) -> float:
 
 
 def parse_mode(value: str, source: str) -> str:
-    if value not in MODES:
-        raise OptionError(f"{source}={value!r}: use one of {', '.join(MODES)}")
+    if value not in constants.MODES:
+        raise OptionError(f"{source}={value!r}: use one of {', '.join(constants.MODES)}")
     return value
 
 
@@ -91,7 +86,7 @@ class RuntimeOptions:
     # default mode: "process", "process-fresh" or "thread"
     mode: str = constants.DEFAULT_MODE
     # seconds a test may run in its ranks before it is failed with stack dumps
-    timeout: float = DEFAULT_TIMEOUT_S
+    timeout: float = constants.DEFAULT_TIMEOUT_S
     world_size: int = 2
     # --fsdp-impl, passed to the ranks as dist.impl
     impl: str = "impl"
@@ -103,10 +98,11 @@ class RuntimeOptions:
     @classmethod
     def from_env(cls) -> RuntimeOptions:
         """Options from ``FSDP_CONFORMANCE_MODE`` / ``_TIMEOUT`` / ``_BACKEND``."""
+        mode, timeout, backend = constants.ENV_MODE, constants.ENV_TIMEOUT, constants.ENV_BACKEND
         return cls(
-            mode=parse_mode(os.environ.get(ENV_MODE) or constants.DEFAULT_MODE, ENV_MODE),
-            timeout=parse_timeout(os.environ.get(ENV_TIMEOUT) or DEFAULT_TIMEOUT_S, ENV_TIMEOUT),
-            backend=parse_backend(os.environ.get(ENV_BACKEND), ENV_BACKEND),
+            mode=parse_mode(os.environ.get(mode) or constants.DEFAULT_MODE, mode),
+            timeout=parse_timeout(os.environ.get(timeout) or constants.DEFAULT_TIMEOUT_S, timeout),
+            backend=parse_backend(os.environ.get(backend), backend),
         )
 
 
@@ -307,10 +303,9 @@ class Runtime:
         )
         if self.launcher is not None:
             return self.launcher.run(request, task)
-        if request.mode not in MODES:
-            return not_run(
-                FAILED, f"unknown fsdp mode {request.mode!r}; use one of {', '.join(MODES)}"
-            )
+        if request.mode not in constants.MODES:
+            modes = ", ".join(constants.MODES)
+            return not_run(FAILED, f"unknown fsdp mode {request.mode!r}; use one of {modes}")
         if request.world_size < 1:
             return not_run(FAILED, f"world_size must be >= 1, got {request.world_size}")
         if not request.timeout > 0:

@@ -29,8 +29,6 @@ from fsdp_conformance.harness import gpus, wire
 from fsdp_conformance.harness import rank as rank_task
 from fsdp_conformance.harness.wire import DIED, FAILED, HUNG, SKIPPED, RankOutcome, RankTask
 
-LAUNCHERS = constants.LAUNCHERS
-ENV_LAUNCHER = constants.ENV_LAUNCHER
 # What torchrun sets in every process it starts.
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 # Seconds a rank waits, beyond a test's timeout, for the others' outcomes / rank 0's status.
@@ -61,10 +59,9 @@ def _int_env(name: str, default: str | None = None) -> int:
 def detect(choice: str) -> LauncherEnv | None:
     """This process's :class:`LauncherEnv` when pytest runs inside a launcher, else None
     (``choice``: ``auto``, ``torchrun``: required, or ``none``)."""
-    if choice not in LAUNCHERS:
-        raise pytest.UsageError(
-            f"--fsdp-launcher {choice!r}: use one of {', '.join(LAUNCHERS)} (env {ENV_LAUNCHER})"
-        )
+    if choice not in constants.LAUNCHERS:
+        launchers, env = ", ".join(constants.LAUNCHERS), constants.ENV_LAUNCHER
+        raise pytest.UsageError(f"--fsdp-launcher {choice!r}: use one of {launchers} (env {env})")
     if choice == "none":
         return None
     # torch is imported only when it already is (the plugin stays import-light)

@@ -39,9 +39,8 @@ from fsdp_conformance.training_states import (
 # violations kept (the first ones explain the rest)
 MAX_VIOLATIONS = 20
 END_OF_BACKWARD = "end of backward"
-END_OF_BACKWARD_TRANSITIONS = training_states.END_OF_BACKWARD_TRANSITIONS
 _LEGAL_AT_END_OF_BACKWARD = {
-    source: targets | END_OF_BACKWARD_TRANSITIONS.get(source, frozenset())
+    source: targets | training_states.END_OF_BACKWARD_TRANSITIONS.get(source, frozenset())
     for source, targets in LEGAL_INSTANCE_TRANSITIONS.items()
 }
 
