@@ -306,15 +306,10 @@ def _target(item: pytest.Function) -> Any:
     from fsdp_conformance.harness.wire import TestTarget
 
     module = item.module
-    class_path: list[str] = []
-    node = item.parent
-    while node is not None and isinstance(node, pytest.Class):
-        class_path.insert(0, node.name)
-        node = node.parent
     return TestTarget(
         module_name=module.__name__,
         module_file=getattr(module, "__file__", None),
-        class_path=tuple(class_path),
+        class_path=tuple(node.name for node in item.listchain() if isinstance(node, pytest.Class)),
         function_name=item.originalname,
     )
 

@@ -30,10 +30,9 @@ def _conformance_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
+def add_parser(commands: Any) -> None:
     conformance = usage._subcommand(
         commands,
-        formatter,
         "conformance",
         "run the suite per implementation and write the check x implementation table",
         "Run the conformance suite once per implementation (--impl, repeatable; default every "

@@ -147,10 +147,9 @@ def _coverage_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
+def add_parser(commands: Any) -> None:
     parser = usage._subcommand(
         commands,
-        formatter,
         "coverage",
         "which cells an adapter would run or skip, and what to implement next",
         "Collect the conformance suite for one adapter (no rank starts, nothing runs) and "

@@ -135,10 +135,9 @@ def _read(path: str) -> str:
         return ""
 
 
-def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
+def add_parser(commands: Any) -> None:
     fuzz = usage._subcommand(
         commands,
-        formatter,
         "fuzz",
         "generated models and training programs, FSDP vs DDP, shrunk to a repro.py",
         "Differential fuzzing (docs/fuzz.md): hypothesis draws small models, a nested wrap "

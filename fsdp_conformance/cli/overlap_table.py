@@ -79,10 +79,9 @@ def render_overlap(document: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
+def add_parser(commands: Any) -> None:
     overlap = usage._subcommand(
         commands,
-        formatter,
         "overlap",
         "time compute only / communication only / both and print the overlap ratio",
         "Reproduce the suite's overlap-timing experiment (fsdp_conformance.suite.overlap): 4 "

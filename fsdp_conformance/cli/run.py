@@ -122,12 +122,9 @@ def _run_command(args: argparse.Namespace) -> int:
     not_run = (collected or 0) - sum(1 for c in cells if not c.check.startswith("collecting "))
     if not_run > 0:
         summary += f"; {not_run} collected cells did not report (see the pytest output)"
-    print(report.render_text(cells))
-    print()
-    print(summary)
+    print(f"{report.render_text(cells)}\n\n{summary}")
     if _remember_failures(args, cells):
-        words = [*_rerun_words(args), "--failed"]
-        line = checks.shell_line(args.impl, words)
+        line = checks.shell_line(args.impl, [*_rerun_words(args), "--failed"])
         print(f"re-run the failing and deviating cells: {line}", file=sys.stderr)
     _write_outputs(args, cells, _report_header(args, command, wall), summary, returncode)
     failed = any(cell.outcome == "fail" for cell in cells) or returncode != 0 or not_run > 0
@@ -322,10 +319,9 @@ def _report_header(args: argparse.Namespace, command: list[str], wall: float) ->
     }
 
 
-def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
+def add_parser(commands: Any) -> None:
     run = _subcommand(
         commands,
-        formatter,
         "run",
         "run the conformance suite and print the check x configuration matrix",
         "Run the conformance suite (pytest --pyargs fsdp_conformance.suite) against one FSDP "

@@ -72,10 +72,9 @@ def render_timeline(document: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
+def add_parser(commands: Any) -> None:
     timeline = usage._subcommand(
         commands,
-        formatter,
         "timeline",
         "draw resident unsharded buffers over time with limit_all_gathers on and off",
         "Train a chain of --layers FSDP instances under a root on the lagging device "

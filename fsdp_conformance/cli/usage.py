@@ -339,7 +339,7 @@ def _add_timeout(parser: argparse.ArgumentParser) -> None:
 
 
 def _subcommand(
-    commands: Any, formatter: type, name: str, summary: str, description: str, *examples: str
+    commands: Any, name: str, summary: str, description: str, *examples: str
 ) -> argparse.ArgumentParser:
     """Add subcommand ``name``: its description filled to 79 columns (the raw formatter keeps
     the examples' layout), ``examples`` under it."""
@@ -348,5 +348,5 @@ def _subcommand(
         help=summary,
         description=textwrap.fill(description, width=79),
         epilog="examples:\n" + "\n".join(f"  {example}" for example in examples),
-        formatter_class=formatter,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -171,9 +171,7 @@ def mismatch(records: dict[int, CollectiveRecord]) -> str:
     for count in sorted(by_count):
         group = by_count[count]
         if len({r.op for r in group.values()}) > 1:
-            parts = ", ".join(
-                f"rank {rank} entered {group[rank].where()}" for rank in sorted(group)
-            )
+            parts = ", ".join(f"rank {r} entered {group[r].where()}" for r in sorted(group))
             return f"mismatched collectives: {parts}"
     return ""
 

@@ -1,6 +1,6 @@
 """The controller, the pytest side of the harness: options, the choice of backend and GPUs, and
 :class:`Runtime`, which hands a test to a rank backend (``run(request, task)`` -> ``RunResult``,
-``close()``: rank sets, ``threads.ThreadRanks``, ``launcher.TorchrunRanks``) and returns the
+``close()``: rank sets, ``launcher.TorchrunRanks``; ``threads.run_request``) and returns the
 verdict combined from the ranks' outcomes. One :class:`Runtime` per pytest process;
 :func:`get_runtime` gives ``RankTestCase`` the active one, or one from the environment.
 """
@@ -258,7 +258,6 @@ class Runtime:
         self._gpu_total: int | None = None
         self._tests = 0
         self._processes = _ProcessRanks(self)
-        self._threads: Any = None
         # the torchrun job's backend (launcher.TorchrunRanks)
         self.launcher: Any = None
         if launcher is not None:
@@ -314,19 +313,15 @@ class Runtime:
         if request.gpus > total:
             where = " (CPU-only host)" if total == 0 else ""
             return not_run(SKIPPED, gpus.shortage(request.gpus, total, where))
-        backend: Any = self._processes
+        run = self._processes.run
         if request.mode == "thread":
             if request.gpus:
                 return not_run(SKIPPED, "thread mode runs ranks on CPU; this test needs GPUs")
-            if self._threads is None:
-                from fsdp_conformance.harness.threads import ThreadRanks
-
-                self._threads = ThreadRanks()
-            backend = self._threads
+            from fsdp_conformance.harness.threads import run_request as run
         self._tests += 1
         tmp_path = tempfile.mkdtemp(prefix=f"test{self._tests}-", dir=self.root)
         try:
-            return backend.run(request, dataclasses.replace(task, tmp_path=tmp_path))
+            return run(request, dataclasses.replace(task, tmp_path=tmp_path))
         finally:
             shutil.rmtree(tmp_path, ignore_errors=True)
 

@@ -179,11 +179,7 @@ def rng_state() -> tuple[Any, Any, Any]:
     import torch
 
     numpy = sys.modules.get("numpy")
-    return (
-        torch.get_rng_state(),
-        random.getstate(),
-        numpy.random.get_state() if numpy is not None else None,
-    )
+    return torch.get_rng_state(), random.getstate(), numpy and numpy.random.get_state()
 
 
 def restore_rng(state: tuple[Any, Any, Any]) -> None:

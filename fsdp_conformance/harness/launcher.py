@@ -369,9 +369,8 @@ class TorchrunRanks:
         return outcome
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        watchdog = self._watchdog
-        if watchdog is not None:
-            watchdog.on_signal()
+        if self._watchdog is not None:
+            self._watchdog.on_signal()
 
     def _give_up(self, key: str, size: int) -> None:
         """The body did not return after the watchdog's signal: report and end the process."""
@@ -398,6 +397,7 @@ class LauncherPlugin:
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_sessionstart(self, session: pytest.Session) -> None:
+        self._session = session
         if self.env.rank == 0:
             return
         from _pytest._io import TerminalWriter
@@ -412,9 +412,7 @@ class LauncherPlugin:
     def pytest_collection_modifyitems(self, session: pytest.Session, items: list[Any]) -> None:
         runtime = self.runtime
         runtime.start()
-        ids = [item.nodeid for item in items]
-        runtime._post("collected", hashlib.sha256("\n".join(ids).encode()).hexdigest())
-        runtime._post("collected-ids", ids)
+        runtime._post("collected", [item.nodeid for item in items])
         keys = [f"collected/{rank}" for rank in range(self.env.world_size)]
         missing = runtime._missing(keys, runtime.options.timeout)
         if missing:
@@ -424,13 +422,13 @@ class LauncherPlugin:
                 f"launcher mode: rank(s) {ranks} did not report their collected tests within "
                 f"{runtime.options.timeout:g} s (--fsdp-timeout)"
             )
-        digests = [runtime._read(key) for key in keys]
-        other = next((r for r, d in enumerate(digests) if d != digests[0]), None)
+        collected = [runtime._read(key) or [] for key in keys]
+        reference = collected[0]
+        other = next((r for r, ids in enumerate(collected) if ids != reference), None)
         if other is None:
             return
         # every rank fails the session, with the first rank that differs from rank 0
-        theirs = runtime._read(f"collected-ids/{other}") or []
-        reference = runtime._read("collected-ids/0") or []
+        theirs = collected[other]
         only_there = sorted(set(theirs) - set(reference))[:10]
         only_zero = sorted(set(reference) - set(theirs))[:10]
         runtime.broken = "the ranks collected different tests"
@@ -447,10 +445,6 @@ class LauncherPlugin:
         session = getattr(self, "_session", None)
         if self.runtime.broken is not None and session is not None:
             session.shouldfail = self.runtime.broken
-
-    @pytest.hookimpl(tryfirst=True)
-    def pytest_collection(self, session: pytest.Session) -> None:
-        self._session = session
 
     @pytest.hookimpl(trylast=True)
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:

@@ -110,16 +110,12 @@ def _install_threaded_world(mtpg: Any) -> None:
         mtpg.ThreadLocalWorld.comms = property(lambda self: [])
 
 
-class ThreadRanks:
-    """The rank backend of ``thread`` mode."""
-
-    def run(self, request: Any, task: RankTask) -> wire.RunResult:
-        call = request.function or rank_task.resolve_target(task.target)
-        outcomes, mismatch = run_threaded(task, request.world_size, call, request.kwargs)
-        return wire.RunResult(wire.summarize(outcomes, request.world_size, mismatch))
-
-    def close(self) -> None:
-        pass
+def run_request(request: Any, task: RankTask) -> wire.RunResult:
+    """The rank backend of ``thread`` mode: ``task`` of ``request`` (a ``controller.TestRequest``)
+    in rank threads."""
+    call = request.function or rank_task.resolve_target(task.target)
+    outcomes, mismatch = run_threaded(task, request.world_size, call, request.kwargs)
+    return wire.RunResult(wire.summarize(outcomes, request.world_size, mismatch))
 
 
 def run_threaded(
@@ -260,11 +256,9 @@ class _ThreadedRun:
             # the ranks that finished ended the threaded group under this one
             why = f"waiting in {where.where()}; never entered by the others: {missing}"
             return RankOutcome(rank, HUNG, message=why)
-        why = (
-            f"stopped because rank {first.rank} {first.status}"
-            if first is not None
-            else "stopped because the threaded process group was terminated"
-        )
+        why = "stopped because the threaded process group was terminated"
+        if first is not None:
+            why = f"stopped because rank {first.rank} {first.status}"
         if where.count and where.state != collectives.LEFT:
             why += f" while this rank waited in {where.where()}"
         return RankOutcome(rank, ABORTED, message=why)
