@@ -83,7 +83,4 @@ def accelerator_available() -> bool:
         return device.type != "cpu"
     import torch
 
-    accelerator = getattr(torch, "accelerator", None)
-    if accelerator is not None:
-        return accelerator.is_available()
-    return torch.cuda.is_available()
+    return torch.accelerator.is_available()

@@ -323,15 +323,12 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     from fsdp_conformance.harness.wire import FAILED, SKIPPED, XFAILED
 
     state = pyfuncitem.config.stash[STATE_KEY]
-    runtime = state.get_runtime()
-    world_size = _world_size(pyfuncitem, state)
     argnames = pyfuncitem._fixtureinfo.argnames
-    kwargs = {name: pyfuncitem.funcargs[name] for name in argnames if name != "dist"}
     request = controller.TestRequest(
         target=_target(pyfuncitem),
-        kwargs=kwargs,
+        kwargs={name: pyfuncitem.funcargs[name] for name in argnames if name != "dist"},
         test_id=pyfuncitem.nodeid,
-        world_size=world_size,
+        world_size=_world_size(pyfuncitem, state),
         mode=_mode(pyfuncitem, state),
         timeout=_timeout(pyfuncitem, state),
         gpus=gpus.gpus_needed(pyfuncitem),
@@ -339,13 +336,11 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         wants_dist="dist" in argnames,
     )
     try:
-        result = runtime.run(request)
+        result = state.get_runtime().run(request)
     except controller.FixtureNotPicklable as exc:
         pytest.fail(str(exc), pytrace=False)
     pyfuncitem.user_properties.extend(result.verdict.properties)
-    output = result.output()
-    if output:
-        sys.stdout.write(output)
+    sys.stdout.write(result.output())
     if result.notes:
         pyfuncitem.add_report_section("call", "fsdp-conformance", "\n".join(result.notes))
     verdict = result.verdict

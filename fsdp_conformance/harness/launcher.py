@@ -12,7 +12,6 @@ import datetime
 import faulthandler
 import hashlib
 import os
-import pathlib
 import pickle
 import shutil
 import signal
@@ -333,17 +332,15 @@ class TorchrunRanks:
         except Exception as exc:  # noqa: BLE001  reported like a failure of the body
             return rank_task.classify_exception(rank, exc)
         gpu_ids = (self._device.index,) if self._backend == "nccl" else ()
-        ctx = RankContext(
+        ctx = RankContext.of_task(
+            task,
             rank=rank,
             world_size=size,
             group=group,
             device=self._device,
             backend=self._backend,
-            tmp_path=pathlib.Path(task.tmp_path),
-            impl=self.options.impl,
             mode="launcher",  # run in place
             gpu_ids=gpu_ids,
-            test_id=request.test_id,
             init_method="env://",
         )
         watchdog = _Watchdog(self, key, size, request.timeout)

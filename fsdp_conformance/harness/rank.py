@@ -21,7 +21,6 @@ import importlib
 import importlib.util
 import inspect
 import os
-import pathlib
 import pickle
 import random
 import signal
@@ -437,12 +436,9 @@ class _RankProcess:
         # kept for re-creating the default group after a test destroyed it
         self.store = dist.FileStore(self.store_path, self.world_size)
         self.init_group(self.store)
-        self.slot = None
-        slot_path = os.environ.get(ENV_COLLECTIVE_SLOT)
-        if slot_path:
-            self.slot = collectives.CollectiveSlot.mapped(slot_path)
-            collectives.set_process_slot(self.slot)
-            collectives.install()
+        self.slot = collectives.CollectiveSlot.mapped(os.environ[ENV_COLLECTIVE_SLOT])
+        collectives.set_process_slot(self.slot)
+        collectives.install()
         self.base_environ = dict(os.environ)
         # restored after every test (harness/isolation.py)
         self.snapshot = isolation.StateSnapshot.take()
@@ -478,17 +474,15 @@ class _RankProcess:
         with contextlib.suppress(OSError):
             os.chdir(task.cwd)
         add_after_test(task.after_test)
-        ctx = RankContext(
+        ctx = RankContext.of_task(
+            task,
             rank=self.rank,
             world_size=self.world_size,
             group=self.group,
             device=self.device,
             backend=self.backend,
-            tmp_path=pathlib.Path(task.tmp_path),
-            impl=task.impl,
             mode=self.mode,
             gpu_ids=self.gpu_ids,
-            test_id=task.test_id,
             init_method=f"file://{self.store_path}",
         )
         # importing the test is not test time: the timeout starts once every rank sent Started
@@ -498,8 +492,7 @@ class _RankProcess:
         except BaseException as exc:  # noqa: BLE001  reported like a failure of the body
             return classify_exception(self.rank, exc)
         self.conn.send(wire.Started())
-        if self.slot is not None:
-            self.slot.reset()
+        self.slot.reset()
         return run_task(task, ctx, call, values, self.monkeypatches)
 
 

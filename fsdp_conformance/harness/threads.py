@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import functools
-import pathlib
 import sys
 import threading
 import time
@@ -226,16 +225,14 @@ class _ThreadedRun:
             store=self.store,
             timeout=datetime.timedelta(seconds=task.timeout),
         )
-        ctx = RankContext(
+        ctx = RankContext.of_task(
+            task,
             rank=rank,
             world_size=self.world_size,
             group=dist.group.WORLD,
             device=torch.device("cpu"),
             backend="threaded",
-            tmp_path=pathlib.Path(task.tmp_path),
-            impl=task.impl,
             mode="thread",
-            test_id=task.test_id,
             init_method="threaded://",
         )
         self.baton.acquire(rank)
