@@ -29,9 +29,8 @@ class PluginState:
     coverage: str | None = None  # None: each check's own default (suite.configs)
     runtime: Any = None  # harness.controller.Runtime (starts no process until needed)
     previous_runtime: Any = None  # the one active before this session (pytester runs)
-    # --fsdp-accept-goldens: the accept variable's value before this session set it
-    previous_accept: str | None = None
-    accepting_goldens: bool = False  # whether this session set the accept variable
+    # what this session set in os.environ (--fsdp-accept-goldens), undone at its end
+    environment: pytest.MonkeyPatch = dataclasses.field(default_factory=pytest.MonkeyPatch)
     launcher: Any = None  # harness.launcher.LauncherEnv when pytest runs inside torchrun & co.
 
     def get_runtime(self) -> Any:
@@ -58,61 +57,49 @@ STATE_KEY = pytest.StashKey[PluginState]()
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("fsdp-conformance", "fsdp-conformance: running tests in N ranks")
     group.addoption(
-        "--fsdp-mode",
-        choices=constants.MODES,
+        "--fsdp-mode", choices=constants.MODES,
         help="how ranks run: 'process' (reused rank processes, default), 'process-fresh' "
         "(new processes per test) or 'thread' (threads of the pytest process). "
         "Env: FSDP_CONFORMANCE_MODE.",
-    )
+    )  # fmt: skip
     group.addoption(
-        "--fsdp-timeout",
-        metavar="SECONDS",
+        "--fsdp-timeout", metavar="SECONDS",
         help="fail a test still running in its ranks after this many seconds (> 0), with "
         f"every rank's Python stack (default {constants.DEFAULT_TIMEOUT_S:g}). Env: "
         "FSDP_CONFORMANCE_TIMEOUT.",
-    )
+    )  # fmt: skip
+    ranks = "ranks for tests without @pytest.mark.world_size (default 2)."
+    group.addoption("--fsdp-world-size", default="2", metavar="N", help=ranks)
     group.addoption(
-        "--fsdp-world-size",
-        default="2",
-        metavar="N",
-        help="ranks for tests without @pytest.mark.world_size (default 2).",
-    )
-    group.addoption(
-        "--fsdp-impl",
-        default="impl",
-        metavar="NAME",
+        "--fsdp-impl", default="impl", metavar="NAME",
         help="FSDP implementation under test: 'impl', 'torch-fsdp1', 'torch-fsdp2', "
         "'fairscale', 'deepspeed' or 'pkg.module:ATTR' (default 'impl').",
-    )
+    )  # fmt: skip
     group.addoption(
-        "--fsdp-backend",
-        metavar="NAME",
+        "--fsdp-backend", metavar="NAME",
         help="process group backend override ('gloo', 'nccl'); default: gloo on CPU, nccl "
         "when each rank gets its own GPU. Env: FSDP_CONFORMANCE_BACKEND.",
-    )
+    )  # fmt: skip
     group.addoption(
-        "--fsdp-coverage",
-        choices=constants.COVERAGES,
+        "--fsdp-coverage", choices=constants.COVERAGES,
         help="conformance suite: run every combination of a check's config dimensions "
         "('full') or a smaller set covering every pair of values ('pairwise'); default: "
         "what each check class says (the classes in fsdp_conformance.suite: full).",
-    )
+    )  # fmt: skip
     group.addoption(
-        "--fsdp-accept-goldens",
-        action="store_true",
+        "--fsdp-accept-goldens", action="store_true",
         help="conformance suite: write the prefetch-order goldens of the adapter under test "
         "into the source checkout instead of comparing (run with -p no:xdist). Env: "
         f"{constants.ENV_ACCEPT_GOLDENS}=1 or EXPECTTEST_ACCEPT=1.",
-    )
+    )  # fmt: skip
     group.addoption(
-        "--fsdp-launcher",
-        default=os.environ.get(constants.ENV_LAUNCHER, "auto"),
+        "--fsdp-launcher", default=os.environ.get(constants.ENV_LAUNCHER, "auto"),
         metavar="{auto,torchrun,none}",
         help="'auto' (default): when pytest runs inside torchrun (RANK, WORLD_SIZE, LOCAL_RANK, "
         "MASTER_ADDR, MASTER_PORT set) or a default process group exists, run each test in "
         "place in every process of the job; 'torchrun': require that; 'none': always spawn "
         "ranks. Env: FSDP_CONFORMANCE_LAUNCHER.",
-    )
+    )  # fmt: skip
 
 
 _MARKERS = (
@@ -135,9 +122,7 @@ def pytest_configure(config: pytest.Config) -> None:
     state = config.stash[STATE_KEY] = PluginState(**options, launcher=launcher_env)
     _signals.install_pytest_handler(config)
     if config.getoption("fsdp_accept_goldens"):  # the ranks get this environment with each test
-        state.previous_accept = os.environ.get(constants.ENV_ACCEPT_GOLDENS)
-        state.accepting_goldens = True
-        os.environ[constants.ENV_ACCEPT_GOLDENS] = "1"
+        state.environment.setenv(constants.ENV_ACCEPT_GOLDENS, "1")
     # created now (torch-free, no process yet) so that FSDPTest classes use the session options
     runtime = state.get_runtime()
     if launcher_env is not None:
@@ -210,12 +195,8 @@ def _refuse_removed_names(name: str) -> None:
 def pytest_unconfigure(config: pytest.Config) -> None:
     _signals.uninstall_pytest_handler(config)
     state = config.stash.get(STATE_KEY, None)
-    if state is not None and state.accepting_goldens:
-        if state.previous_accept is None:
-            os.environ.pop(constants.ENV_ACCEPT_GOLDENS, None)
-        else:
-            os.environ[constants.ENV_ACCEPT_GOLDENS] = state.previous_accept
-        state.accepting_goldens = False
+    if state is not None:
+        state.environment.undo()
     if state is not None and state.runtime is not None:
         from fsdp_conformance.harness import controller
 

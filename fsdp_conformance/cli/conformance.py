@@ -42,9 +42,8 @@ def add_parser(commands: Any) -> None:
         "fsdp-conformance conformance --out docs/conformance.md",
         "fsdp-conformance conformance --impl impl --impl torch-fsdp1 -k MemoryBound",
     )
-    conformance.add_argument(
-        "--impl", action="append", metavar="NAME", help="an implementation (repeatable)"
-    )
+    repeatable = "an implementation (repeatable)"
+    conformance.add_argument("--impl", action="append", metavar="NAME", help=repeatable)
     conformance.add_argument("--out", default="docs/conformance.md", metavar="FILE.md")
     conformance.add_argument("-k", metavar="EXPR", help="only checks matching this expression")
     conformance.add_argument("--coverage", choices=COVERAGES, default=usage.DEFAULT_COVERAGE)

@@ -151,9 +151,8 @@ def add_parser(commands: Any) -> None:
     usage._add_impl(fuzz)
     examples = f"generated cases to run, refused ones not counted (default {DEFAULT_EXAMPLES})"
     fuzz.add_argument("--examples", type=int, default=DEFAULT_EXAMPLES, metavar="N", help=examples)
-    fuzz.add_argument(
-        "--seed", type=int, default=0, metavar="S", help="hypothesis seed (default 0)"
-    )
+    seed = "hypothesis seed (default 0)"
+    fuzz.add_argument("--seed", type=int, default=0, metavar="S", help=seed)
     fuzz.add_argument("--world-size", type=int, default=2, metavar="W", help="ranks (default 2)")
     stop = "stop generating (or shrinking) after T seconds"
     fuzz.add_argument("--max-seconds", type=float, default=None, metavar="T", help=stop)

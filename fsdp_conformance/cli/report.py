@@ -35,14 +35,11 @@ class Cell:
 def split_nodeid(nodeid: str) -> tuple[str, str]:
     """``path::Class::test[id]`` -> (``Class::test``, ``id``)."""
     parts = nodeid.split("::")
-    check_parts = parts[1:] if len(parts) > 1 else parts
-    last = check_parts[-1]
-    configuration = DEFAULT_CONFIGURATION
-    if last.endswith("]") and "[" in last:
-        name, _, rest = last.partition("[")
-        check_parts = [*check_parts[:-1], name]
-        configuration = rest[:-1]
-    return "::".join(check_parts), configuration
+    check = "::".join(parts[1:] if len(parts) > 1 else parts)
+    name, bracket, configuration = check.partition("[")
+    if bracket and check.endswith("]"):
+        return name, configuration[:-1]
+    return check, DEFAULT_CONFIGURATION
 
 
 def cells_from_records(records: Iterable[dict[str, Any]]) -> list[Cell]:

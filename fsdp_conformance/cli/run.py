@@ -127,8 +127,7 @@ def _run_command(args: argparse.Namespace) -> int:
         line = checks.shell_line(args.impl, [*_rerun_words(args), "--failed"])
         print(f"re-run the failing and deviating cells: {line}", file=sys.stderr)
     _write_outputs(args, cells, _report_header(args, command, wall), summary, returncode)
-    failed = any(cell.outcome == "fail" for cell in cells) or returncode != 0 or not_run > 0
-    if failed:
+    if any(cell.outcome == "fail" for cell in cells) or returncode != 0 or not_run > 0:
         if returncode not in (0, 1):
             print(_tail(log_path, 15), file=sys.stderr)
         print(f"pytest output (tracebacks): {keep_log(log_path, 'run')}", file=sys.stderr)
@@ -303,10 +302,9 @@ def _tail(path: str, lines: int) -> str:
 
 
 def _report_header(args: argparse.Namespace, command: list[str], wall: float) -> dict[str, str]:
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     return {
         "impl": args.impl,
-        "date": now,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()} "
         f"{platform.release()}, load average {os.getloadavg()[0]:.1f}",
         "versions": f"python {platform.python_version()}, torch "
@@ -339,25 +337,16 @@ def add_parser(commands: Any) -> None:
         "ranks for checks that do not fix their own world size (default 2; most checks fix it, "
         "the parity checks also run at 1 and 4)",
     )
-    run.add_argument(
-        "--mode",
-        choices=constants.MODES,
-        default="process",
-        help="how ranks run: reused processes (default), a fresh set per check, or threads",
+    modes = "how ranks run: reused processes (default), a fresh set per check, or threads"
+    run.add_argument("--mode", choices=constants.MODES, default="process", help=modes)
+    workers = (
+        f"pytest-xdist workers (default {DEFAULT_WORKERS}, 0 with --cell or --failed; 0: run in "
+        "one process)"
     )
+    run.add_argument("-n", dest="workers", type=int, metavar="WORKERS", help=workers)
+    pairs = "parity configurations: every pair of settings (default) or the full product"
     run.add_argument(
-        "-n",
-        dest="workers",
-        type=int,
-        metavar="WORKERS",
-        help=f"pytest-xdist workers (default {DEFAULT_WORKERS}, 0 with --cell or --failed; 0: "
-        "run in one process)",
-    )
-    run.add_argument(
-        "--coverage",
-        choices=constants.COVERAGES,
-        default=DEFAULT_COVERAGE,
-        help="parity configurations: every pair of settings (default) or the full product",
+        "--coverage", choices=constants.COVERAGES, default=DEFAULT_COVERAGE, help=pairs
     )
     run.add_argument("-k", metavar="EXPR", help="only checks matching this pytest -k expression")
     run.add_argument(

@@ -151,10 +151,9 @@ def render_table(results: Iterable[ImplResult], header: dict[str, str]) -> str:
 def default_header(pytest_args: Sequence[str]) -> dict[str, str]:
     """Versions, date and the options of the run."""
     packages = ("torch", "fairscale", "deepspeed", "fsdp-conformance")
-    versions = [f"{package} {package_version(package)}" for package in packages]
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "versions": ", ".join(versions),
+        "versions": ", ".join(f"{package} {package_version(package)}" for package in packages),
         "pytest arguments": " ".join(pytest_args) or "(none)",
     }
 

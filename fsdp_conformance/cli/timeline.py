@@ -99,11 +99,9 @@ def add_parser(commands: Any) -> None:
     timeline.add_argument("--iterations", type=int, default=3, metavar="N")
     timeline.add_argument("--layers", type=int, default=6, metavar="N", help="instances (>= 4)")
     timeline.add_argument(
-        "--backward-prefetch",
+        "--backward-prefetch", default="BACKWARD_PRE", metavar="BACKWARD_PRE|BACKWARD_POST|none",
         type=lambda text: None if text.lower() == "none" else text.upper(),
         choices=("BACKWARD_PRE", "BACKWARD_POST", None),
-        default="BACKWARD_PRE",
-        metavar="BACKWARD_PRE|BACKWARD_POST|none",
-    )
+    )  # fmt: skip
     timeline.add_argument("--forward-prefetch", action="store_true")
     timeline.set_defaults(handler=_timeline_command)

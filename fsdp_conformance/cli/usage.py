@@ -42,24 +42,19 @@ def private_tempdir() -> Iterator[str]:
     """A temp directory for every temp file of this command and its children (``TMPDIR`` and
     ``tempfile.tempdir``), removed however the command ends. The GPU lock files stay in the
     shared temp directory (every process of the user must see them)."""
-    saved = {name: os.environ.get(name) for name in ("TMPDIR", constants.ENV_GPU_LOCK_DIR)}
-    saved_tempdir = tempfile.tempdir
+    import pytest
+
     from fsdp_conformance.harness import gpus
 
-    os.environ[constants.ENV_GPU_LOCK_DIR] = gpus.lock_dir_path()  # before TMPDIR changes
-    path = tempfile.mkdtemp(prefix="fsdp-cli-")
-    os.environ["TMPDIR"] = path
-    tempfile.tempdir = path
-    try:
-        yield path
-    finally:
-        tempfile.tempdir = saved_tempdir
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-        shutil.rmtree(path, ignore_errors=True)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(constants.ENV_GPU_LOCK_DIR, gpus.lock_dir_path())  # before TMPDIR changes
+        path = tempfile.mkdtemp(prefix="fsdp-cli-")
+        patch.setenv("TMPDIR", path)
+        patch.setattr(tempfile, "tempdir", path)
+        try:
+            yield path
+        finally:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def keep_log(path: str, command: str) -> str:
@@ -70,8 +65,7 @@ def keep_log(path: str, command: str) -> str:
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
     kept = os.path.join(directory, f"{command}-{stamp}-{os.getpid()}.log")
     shutil.move(path, kept)
-    logs = sorted(pathlib.Path(directory).iterdir(), key=os.path.getmtime)
-    for old in logs[:-KEPT_LOGS]:
+    for old in sorted(pathlib.Path(directory).iterdir(), key=os.path.getmtime)[:-KEPT_LOGS]:
         with contextlib.suppress(OSError):
             os.remove(old)
     return kept

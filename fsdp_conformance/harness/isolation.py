@@ -53,11 +53,7 @@ class StateSnapshot:
         if dict(os.environ) != self.environ:
             os.environ.clear()
             os.environ.update(self.environ)
-        try:
-            if os.getcwd() != self.cwd:
-                os.chdir(self.cwd)
-        except OSError:
-            os.chdir(self.cwd)
+        os.chdir(self.cwd)
         sys.path[:] = self.sys_path
         self.warnings_guard.__exit__(None, None, None)
         if keep_warnings_guard:
@@ -165,14 +161,11 @@ def _restore_torch_state(state: dict[str, Any]) -> None:
             set_(state[name])
     for name, saved in state["hooks"].items():
         current = getattr(hooks, name)
-        if isinstance(saved, dict):
-            if isinstance(current, dict):
-                current.clear()
-                current.update(saved)
-            else:
-                setattr(hooks, name, saved.copy())
+        if isinstance(saved, dict) and isinstance(current, dict):
+            current.clear()
+            current.update(saved)
         else:
-            setattr(hooks, name, saved)
+            setattr(hooks, name, saved.copy() if isinstance(saved, dict) else saved)
 
 
 def rng_state() -> tuple[Any, Any, Any]:

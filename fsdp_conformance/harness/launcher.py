@@ -102,9 +102,8 @@ class _Watchdog:
         self.timeout = timeout
         self.fired = False
         self.dump = ""
-        self._armed = True
         self._lock = threading.Lock()
-        self._done = threading.Event()
+        self._done = threading.Event()  # set (under the lock) when the body returned
         self._main = threading.get_ident() == threading.main_thread().ident
         self._thread = threading.Thread(target=self._watch, daemon=True, name="fsdp-watchdog")
 
@@ -115,13 +114,12 @@ class _Watchdog:
 
     def __exit__(self, *exc_info: object) -> None:
         with self._lock:
-            self._armed = False
-        self._done.set()
+            self._done.set()
         self.runtime._watchdog = None
 
     def on_signal(self) -> None:
         with self._lock:
-            if self._armed and self.fired:
+            if self.fired and not self._done.is_set():
                 raise _Timeout
 
     def _watch(self) -> None:
@@ -132,7 +130,7 @@ class _Watchdog:
             stream.seek(0)
             dump = stream.read()
         with self._lock:
-            if not self._armed:
+            if self._done.is_set():
                 return
             self.dump = dump
             self.fired = True
@@ -331,7 +329,6 @@ class TorchrunRanks:
                 )
         except Exception as exc:  # noqa: BLE001  reported like a failure of the body
             return rank_task.classify_exception(rank, exc)
-        gpu_ids = (self._device.index,) if self._backend == "nccl" else ()
         ctx = RankContext.of_task(
             task,
             rank=rank,
@@ -340,7 +337,7 @@ class TorchrunRanks:
             device=self._device,
             backend=self._backend,
             mode="launcher",  # run in place
-            gpu_ids=gpu_ids,
+            gpu_ids=(self._device.index,) if self._backend == "nccl" else (),
             init_method="env://",
         )
         watchdog = _Watchdog(self, key, size, request.timeout)
@@ -371,9 +368,8 @@ class TorchrunRanks:
 
     def _give_up(self, key: str, size: int) -> None:
         """The body did not return after the watchdog's signal: report and end the process."""
-        test_id = key.removeprefix("test/")
         head = (
-            f"fsdp-conformance: rank {self.env.rank}: {test_id} did not return "
+            f"fsdp-conformance: rank {self.env.rank}: {key.removeprefix('test/')} did not return "
             f"{self.options.timeout:g} s after its timeout interrupted it; ending this process"
         )
         if self.env.rank == 0:

@@ -113,15 +113,14 @@ def _run_in_ranks(case: RankTestCase, method_name: str) -> None:
 
     runtime = controller.get_runtime()
     cls = type(case)
-    target = TestTarget(
-        module_name=cls.__module__,
-        module_file=getattr(sys.modules[cls.__module__], "__file__", None),
-        class_path=tuple(cls.__qualname__.split(".")),
-        function_name=method_name,
-        kind="unittest",
-    )
     request = controller.TestRequest(
-        target=target,
+        target=TestTarget(
+            module_name=cls.__module__,
+            module_file=getattr(sys.modules[cls.__module__], "__file__", None),
+            class_path=tuple(cls.__qualname__.split(".")),
+            function_name=method_name,
+            kind="unittest",
+        ),
         kwargs={},
         test_id=case.id(),
         world_size=case.world_size,

@@ -50,7 +50,6 @@ class RankTask:
     timeout: float
     # whether the test function takes `dist` itself (else only through a fixture)
     wants_dist: bool = True
-    seed: int = RANK_SEED
     # module-level functions to call after the test (rank.add_after_test)
     after_test: tuple[Callable[[], None], ...] = ()
     # rank processes only: the pickled fixture values (unpickled after the test module is
