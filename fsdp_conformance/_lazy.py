@@ -15,8 +15,7 @@ def lazy_exports(
     module) on first access; a resolved name is cached in the package's namespace."""
 
     def __getattr__(name: str) -> Any:
-        module = exports.get(name)
-        if module is None:
+        if (module := exports.get(name)) is None:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
         value = getattr(importlib.import_module(module), name)
         setattr(sys.modules[package], name, value)

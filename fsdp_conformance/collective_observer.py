@@ -155,8 +155,7 @@ def _observed(call: CollectiveCall, run: Callable[[], Any]) -> Any:
     thread's nested collectives; a nested one's Work tells when the outer one ends)."""
     import torch
 
-    nested = getattr(_local, "futures", None)
-    if nested is not None:
+    if (nested := getattr(_local, "futures", None)) is not None:
         result = run()
         nested += _futures(result)
         return result

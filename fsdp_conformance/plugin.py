@@ -170,8 +170,7 @@ def _validated_impl(name: str) -> str:
         )
     from fsdp_conformance.harness.extras import missing_extra
 
-    problem = missing_extra(name)
-    if problem is not None:
+    if (problem := missing_extra(name)) is not None:
         raise pytest.UsageError(f"--fsdp-impl {name}: {problem}")
     if ":" in name:
         _refuse_removed_names(name)
@@ -380,8 +379,7 @@ def _not_applicable(adapter: Any, check: Any) -> Any:
     from fsdp_conformance.adapters import UnsupportedFeatureError
     from fsdp_conformance.adapters import features as adapter_features
 
-    problem = adapter_features.support_problem(adapter)
-    if problem is not None:
+    if (problem := adapter_features.support_problem(adapter)) is not None:
         reason = f"adapter {adapter.name!r}: {problem}"
         return checks.Result(check.id, checks.NOT_APPLICABLE, reason, feature="version")
     try:
@@ -407,8 +405,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             adapter = _session_adapter(config)
         if adapter is None:
             return
-        result = _not_applicable(adapter, check)
-        if result is not None:
+        if (result := _not_applicable(adapter, check)) is not None:
             item.stash[_RESULT_KEY] = result
             item.add_marker(pytest.mark.skip(reason=result.reason))
 
@@ -452,8 +449,7 @@ def _rerun_line(item: pytest.Item) -> str:
     state = item.config.stash[STATE_KEY]
     module = getattr(getattr(item, "module", None), "__name__", "")
     test = item.nodeid.partition("::")[2]
-    prefix = os.environ.get(constants.ENV_CLI_RERUN)
-    if prefix and module.startswith(_SUITE):
+    if (prefix := os.environ.get(constants.ENV_CLI_RERUN)) and module.startswith(_SUITE):
         return f"{prefix} --cell {shlex.quote(test)}"
     installed = module.startswith("fsdp_conformance.")
     target = ["--pyargs", f"{module}::{test}"] if installed else [f"{item.path}::{test}"]

@@ -64,8 +64,7 @@ def report(
             for check in sorted(set(running_then) | set(running_now))
             if running_then[check] != running_now[check]
         }
-        total = sum(running_then.values()) - sum(running_now.values())
-        if total > 0:
+        if (total := sum(running_then.values()) - sum(running_now.values())) > 0:
             unlocks.append({"feature": feature, "reason": reason, "cells": total, "checks": gains})
     unlocks.sort(key=lambda entry: (-entry["cells"], entry["feature"]))
     return {

@@ -14,8 +14,7 @@ PHASE_COLOURS = {"forward": "#cfe3f7", "backward": "#f9dcc4"}
 
 def verdict(panel: dict[str, Any]) -> str:
     """Whether the panel stays within its bound, phase by phase."""
-    over = panel["over"]
-    if not over:
+    if not (over := panel["over"]):
         return f"within {panel['bound_name']} in every phase"
     first = over[0]
     return (

@@ -25,8 +25,7 @@ def _overlap_command(args: argparse.Namespace) -> int:
     kwargs = {"limit_all_gathers": args.limit_all_gathers, "repeats": args.repeats}
     # on CUDA: nccl with a GPU per rank, else the ranks share one GPU over gloo
     backend, gpus_needed = (None, 1) if cuda else ("gloo", 0)
-    document = usage.measure_in_ranks("overlap", kwargs, args, backend, gpus_needed)
-    if document is None:
+    if (document := usage.measure_in_ranks("overlap", kwargs, args, backend, gpus_needed)) is None:
         return 1
     print(render_overlap(document))
     if args.json:

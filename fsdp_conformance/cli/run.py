@@ -43,8 +43,7 @@ from fsdp_conformance.harness import signals
 
 
 def _run_command(args: argparse.Namespace) -> int:
-    targets = _selected_targets(args)
-    if targets == []:
+    if (targets := _selected_targets(args)) == []:
         print(f"{PROG} run: nothing failed or deviated in the last run; nothing to re-run")
         return 0
     if args.workers is None:  # a few cells: xdist workers would each collect them again

@@ -57,8 +57,7 @@ def run_implementation(impl: str, pytest_args: Sequence[str]) -> ImplResult:
     from fsdp_conformance.adapters import get_adapter
     from fsdp_conformance.cli import records, report
 
-    reason = unavailable_reason(impl)
-    if reason is not None:
+    if (reason := unavailable_reason(impl)) is not None:
         return ImplResult(impl, unavailable=reason)
     with tempfile.TemporaryDirectory(prefix="fsdp-conformance-table-") as workdir:
         results = os.path.join(workdir, "results.jsonl")
@@ -89,8 +88,7 @@ def _cell_text(verdicts: list[tuple[str, str]], notes: dict[str, int]) -> str:
         by_verdict.setdefault(verdict, []).append(reason)
     parts = []
     for verdict in checks.VERDICTS:
-        reasons = by_verdict.get(verdict)
-        if not reasons:
+        if not (reasons := by_verdict.get(verdict)):
             continue
         count = f" {len(reasons)}" if len(by_verdict) > 1 or len(verdicts) > 1 else ""
         refs = "" if verdict == "pass" else "".join(_ref(notes, r) for r in dict.fromkeys(reasons))

@@ -30,8 +30,7 @@ def _timeline_command(args: argparse.Namespace) -> int:
     names = ("lag", "iterations", "layers", "backward_prefetch", "forward_prefetch")
     kwargs = {name: getattr(args, name) for name in names}
     kwargs["trace_file"] = os.path.abspath(args.trace) if args.trace else None
-    document = usage.measure_in_ranks("timeline", kwargs, args, "gloo")
-    if document is None:
+    if (document := usage.measure_in_ranks("timeline", kwargs, args, "gloo")) is None:
         return 1
     document["axes_drawn"] = draw.draw(document, args.out)
     print(render_timeline(document))

@@ -128,8 +128,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _bool(text: str) -> bool:
-    value = text.strip().lower()
-    if value in ("true", "1", "yes", "on"):
+    if (value := text.strip().lower()) in ("true", "1", "yes", "on"):
         return True
     if value in ("false", "0", "no", "off"):
         return False
@@ -151,8 +150,7 @@ def check_impl(name: str) -> None:
     ``sys.path``; of a built-in only its extra is checked); UsageError with the reason if it
     does not resolve, BrokenAdapter when its module raises."""
     if name in constants.BUILTIN_ADAPTERS:
-        problem = missing_extra(name)
-        if problem is not None:
+        if (problem := missing_extra(name)) is not None:
             raise UsageError(f"--impl {name}: {problem}")
         return
     if ":" not in name:
@@ -225,8 +223,7 @@ def check_world_size(world_size: int, minimum: int = 1) -> None:
     check_at_least(world_size, "--world-size", minimum)
     cpus = os.cpu_count() or 1
     caps = [(cpus * RANKS_PER_CPU, f"{cpus} CPUs x {RANKS_PER_CPU} ranks each")]
-    available = limits.available_memory()
-    if available is not None:
+    if (available := limits.available_memory()) is not None:
         why = f"{available / 1024**3:.1f} GiB available memory / {limits.RANK_BYTES // 1024**2} MiB"
         caps.append((max(1, available // limits.RANK_BYTES), why + " per rank"))
     limit, why = min(caps)

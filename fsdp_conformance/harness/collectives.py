@@ -179,8 +179,7 @@ def mismatch(records: dict[int, CollectiveRecord]) -> str:
 def unmatched(records: dict[int, CollectiveRecord], finished: set[int], rank: int) -> str:
     """Why ``rank`` waits in vain: 'rank 1 finished the test after 0 collective(s)' when ranks
     in ``finished`` ended without entering the collective ``rank`` is in (or raised in)."""
-    mine = records.get(rank)
-    if mine is None or mine.state == LEFT:
+    if (mine := records.get(rank)) is None or mine.state == LEFT:
         return ""
     gone = sorted(r for r in finished if r in records and records[r].count < mine.count)
     return ", ".join(

@@ -69,8 +69,7 @@ def detect(choice: str) -> LauncherEnv | None:
         rank, size = tdist.get_rank(), tdist.get_world_size()
         local = _int_env("LOCAL_RANK", str(rank)), _int_env("LOCAL_WORLD_SIZE", str(size))
         return LauncherEnv(rank, size, *local)
-    missing = [name for name in LAUNCHER_ENV if name not in os.environ]
-    if missing:
+    if missing := [name for name in LAUNCHER_ENV if name not in os.environ]:
         if choice == "torchrun":
             raise pytest.UsageError(
                 f"--fsdp-launcher torchrun: {', '.join(missing)} not set; start pytest with "
@@ -303,8 +302,7 @@ class TorchrunRanks:
         outcomes = self._gather(key, size, deadline)
         if self.env.local_rank == 0:
             shutil.rmtree(tmp_path, ignore_errors=True)
-        gone = [o.rank for o in outcomes.values() if o.status in (DIED, HUNG)]
-        if gone:
+        if gone := [o.rank for o in outcomes.values() if o.status in (DIED, HUNG)]:
             self.broken = (
                 f"rank(s) {', '.join(map(str, gone))} hung or ended in {request.test_id}; the "
                 "process group cannot be trusted after that, so the session stopped"
@@ -407,8 +405,7 @@ class LauncherPlugin:
         runtime.start()
         runtime._post("collected", [item.nodeid for item in items])
         keys = [f"collected/{rank}" for rank in range(self.env.world_size)]
-        missing = runtime._missing(keys, runtime.options.timeout)
-        if missing:
+        if missing := runtime._missing(keys, runtime.options.timeout):
             ranks = ", ".join(key.rpartition("/")[2] for key in missing)
             runtime.broken = f"rank(s) {ranks} did not finish collecting"
             raise pytest.UsageError(

@@ -87,8 +87,7 @@ def load_test_module(name: str, file: str | None) -> types.ModuleType:
         return module
     if file is None:
         return importlib.import_module(name)
-    parent = name.rpartition(".")[0]
-    if parent:
+    if parent := name.rpartition(".")[0]:
         with contextlib.suppress(ImportError):  # pytest's importlib mode: synthetic package names
             importlib.import_module(parent)  # for relative imports in the test module
     spec = importlib.util.spec_from_file_location(name, file)
@@ -183,8 +182,7 @@ def seed_all(seed: int) -> None:
 
     torch.manual_seed(seed)
     random.seed(seed)
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:
+    if (numpy := sys.modules.get("numpy")) is not None:
         numpy.random.seed(seed)
 
 
@@ -312,8 +310,7 @@ def reset_after_test(
         destroy_subgroups()
         notes = isolation.leftover_native_threads(snapshot, rank)
     snapshot.restore()
-    left = isolation.leftover_threads(snapshot)
-    if left:
+    if left := isolation.leftover_threads(snapshot):
         notes.append(f"the test left thread(s) running in rank {rank}: {', '.join(left)}")
     return notes
 

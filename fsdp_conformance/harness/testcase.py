@@ -41,8 +41,7 @@ class RankTestCase(unittest.TestCase):
         """The rank's context (``rank``, ``group``, ``device``, ``backend``, ``tmp_path``)."""
         from fsdp_conformance.harness.rank import current_context
 
-        ctx = current_context()
-        if ctx is None:
+        if (ctx := current_context()) is None:
             raise RuntimeError(
                 f"{type(self).__name__}.dist / .rank exist only while a test runs in its ranks"
             )

@@ -63,8 +63,7 @@ def _releasing_baton(wait: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(wait)
     def releasing(*args: Any, **kwargs: Any) -> Any:
-        held = getattr(_local, "held", None)
-        if held is None:
+        if (held := getattr(_local, "held", None)) is None:
             return wait(*args, **kwargs)
         baton, rank = held
         baton.release(rank)
@@ -148,8 +147,7 @@ def run_threaded(
             deadline = time.monotonic() + task.timeout
             for thread in threads:
                 thread.join(timeout=max(0.0, deadline - time.monotonic()))
-            hung = [r for r, t in enumerate(threads) if t.is_alive()]
-            if hung:
+            if hung := [r for r, t in enumerate(threads) if t.is_alive()]:
                 frames = sys._current_frames()
                 running = [r for r in hung if r in run.began]
                 for rank in hung:

@@ -233,8 +233,7 @@ def summarize(outcomes: dict[int, RankOutcome], world_size: int, mismatch: str =
     for o in [*problems, *(o for o in ordered if o.status in (SKIPPED, XFAILED))]:
         what = o.message.removeprefix(f"rank {o.rank} ") if o.status == DIED else o.message
         lines.append(f"rank {o.rank} of {world_size} {o.status}: {what}")
-    passed = [str(o.rank) for o in ordered if o.status == PASSED]
-    if passed:
+    if passed := [str(o.rank) for o in ordered if o.status == PASSED]:
         lines.append(f"ranks that passed: {', '.join(passed)}")
     shown: dict[str, int] = {}  # traceback text -> first rank that showed it
     for o in problems:

@@ -70,8 +70,7 @@ def spawn(env: dict[str, str], log_path: str, fd: int) -> ForkedProcess:
     OSError when no zygote can serve it."""
     key = (*sorted((k, v) for k, v in env.items() if k.startswith(_IMPORT_TIME)), sys.executable)
     with _lock:
-        zygote = _zygotes.get(key)
-        if zygote is None or not zygote.alive():
+        if (zygote := _zygotes.get(key)) is None or not zygote.alive():
             zygote = _zygotes[key] = Zygote(env)
     return zygote.spawn(env, log_path, fd)
 

@@ -154,8 +154,7 @@ class ResidencyTracker:
     def _sample(self, op: str, label: str) -> Sample:
         sample = Sample(len(self.samples), self.iteration, self.phase, op, label, *self.resident())
         self.samples.append(sample)
-        peak = self.peaks.get((self.iteration, self.phase))
-        if peak is not None:
+        if (peak := self.peaks.get((self.iteration, self.phase))) is not None:
             peak.root_resident = max(peak.root_resident, sample.root_resident)
         return sample
 

@@ -143,8 +143,7 @@ class TrainingStateRecorder:
         label = hook if of is None else f"{hook} of {of}"
         legal = _LEGAL_AT_END_OF_BACKWARD if hook == END_OF_BACKWARD else LEGAL_INSTANCE_TRANSITIONS
         for instance in self.instances:
-            state = self._instance_state(instance)
-            if state is not None:
+            if (state := self._instance_state(instance)) is not None:
                 self.states_seen[self.names[id(instance)]].add(str(state))
                 self._check(instance, label, "instance", state, legal)
         if self.root is not None:
