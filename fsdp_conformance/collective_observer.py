@@ -168,8 +168,7 @@ def _observed(call: CollectiveCall, run: Callable[[], Any]) -> Any:
         raise
     finally:
         _local.futures = None
-    futures = _futures(result) or nested
-    if not futures:
+    if not (futures := _futures(result) or nested):
         _finish(dones, None)
     elif dones:
         ended = torch.futures.collect_all(futures)
@@ -210,12 +209,11 @@ def _process_group(group: Any) -> Any:
     import torch
     import torch.distributed as dist
 
+    resolve = dist.distributed_c10d._resolve_process_group
     try:
         if isinstance(group, torch.ScriptObject):
             return dist.ProcessGroup.unbox(group)
-        return (
-            dist.distributed_c10d._resolve_process_group(group) if isinstance(group, str) else group
-        )
+        return resolve(group) if isinstance(group, str) else group
     except (RuntimeError, ValueError):
         return None
 

@@ -38,13 +38,9 @@ class PluginState:
             from fsdp_conformance.harness import controller
 
             options = controller.RuntimeOptions(
-                mode=self.mode,
-                timeout=self.timeout,
-                world_size=self.world_size,
-                impl=self.impl,
-                backend=self.backend,
-                after_test=(adapters_test_end,),
-            )
+                mode=self.mode, timeout=self.timeout, world_size=self.world_size, impl=self.impl,
+                backend=self.backend, after_test=(adapters_test_end,),
+            )  # fmt: skip
             self.runtime = controller.Runtime(options, launcher=self.launcher)
             self.previous_runtime = controller.active_runtime()
             controller.set_active_runtime(self.runtime, pytest_session=True)
@@ -135,8 +131,7 @@ def _validated_options(config: pytest.Config) -> dict[str, Any]:
     from fsdp_conformance.harness import controller as runtime
 
     def pick(option: str, env: str, default: Any) -> tuple[Any, str]:
-        value = config.getoption(option)
-        if value is None and os.environ.get(env):
+        if (value := config.getoption(option)) is None and os.environ.get(env):
             return os.environ[env], env
         return default if value is None else value, "--" + option.replace("_", "-")
 
@@ -193,8 +188,7 @@ def _refuse_removed_names(name: str) -> None:
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     _signals.uninstall_pytest_handler(config)
-    state = config.stash.get(STATE_KEY, None)
-    if state is not None:
+    if (state := config.stash.get(STATE_KEY, None)) is not None:
         state.environment.undo()
     if state is not None and state.runtime is not None:
         from fsdp_conformance.harness import controller
@@ -218,8 +212,7 @@ def _world_size(item: pytest.Item, state: PluginState) -> int:
 
 
 def _mode(item: pytest.Item, state: PluginState) -> str:
-    mode = _marker_arg(item, "fsdp_mode", state.mode)
-    if mode not in constants.MODES:
+    if (mode := _marker_arg(item, "fsdp_mode", state.mode)) not in constants.MODES:
         raise pytest.UsageError(
             f"{item.nodeid}: fsdp_mode({mode!r}) is not one of {', '.join(constants.MODES)}"
         )
@@ -398,8 +391,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     zygote.preload(sorted(name for name in modules if name.startswith(_SUITE)))
     adapter: Any = _UNRESOLVED  # resolved once, at the first registered check
     for item in items:
-        check = _registered_check(item)
-        if check is None or not _uses_session_impl(item):
+        if (check := _registered_check(item)) is None or not _uses_session_impl(item):
             continue
         if adapter is _UNRESOLVED:
             adapter = _session_adapter(config)
@@ -421,8 +413,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     if call.when == "call":
         item.user_properties.extend(properties.take_pending())
     report = yield
-    check = _registered_check(item)
-    if check is None or (report.when != "call" and report.passed):
+    if (check := _registered_check(item)) is None or (report.when != "call" and report.passed):
         return report
     recorded = item.stash.get(_RESULT_KEY, None) or checks.Result.from_properties(
         item.user_properties

@@ -55,8 +55,7 @@ def _fit_titles(figure: Any) -> None:
         figure.canvas.draw()  # the titles' places are decided while drawing
         renderer, box = figure.canvas.get_renderer(), figure.bbox
         extents = [title.get_window_extent(renderer) for title in titles]
-        wide = [t for t, e in zip(titles, extents) if e.x0 < box.x0 or e.x1 > box.x1]
-        if not wide:
+        if not (wide := [t for t, e in zip(titles, extents) if e.x0 < box.x0 or e.x1 > box.x1]):
             return
         for title in wide:
             width = max(len(line) for line in title.get_text().splitlines())

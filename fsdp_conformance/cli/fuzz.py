@@ -37,8 +37,7 @@ def _fuzz_command(args: argparse.Namespace) -> int:
         import hypothesis  # noqa: F401
     except ImportError:
         raise usage.UsageError(HYPOTHESIS_MISSING) from None
-    timeout = args.timeout
-    if timeout is None:
+    if (timeout := args.timeout) is None:
         timeout = DEFAULT_RUN_TIMEOUT if args.max_seconds is None else 2 * args.max_seconds + 300
     with tempfile.TemporaryDirectory(prefix="fsdp-fuzz-", ignore_cleanup_errors=True) as workdir:
         out_file = os.path.join(workdir, "result.json")

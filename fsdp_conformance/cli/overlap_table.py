@@ -16,8 +16,7 @@ def _overlap_command(args: argparse.Namespace) -> int:
     usage.check_world_size(args.world_size)
     usage.check_at_least(args.repeats, "--repeats")
     usage.check_output(args.json, "--json")
-    cuda = args.device == "cuda"
-    if cuda:
+    if cuda := args.device == "cuda":
         from fsdp_conformance.harness import gpus
 
         if gpus.gpu_count() == 0:

@@ -3,6 +3,7 @@ cells (one check in one configuration), the summary, text / Markdown / JSON."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import importlib.metadata
 import json
@@ -83,10 +84,7 @@ def by_check(cells: Iterable[Cell]) -> dict[str, list[Cell]]:
 
 def counts(cells: Iterable[Cell]) -> dict[str, int]:
     """Outcome -> number of cells (every outcome present, zero included)."""
-    result = dict.fromkeys(OUTCOMES, 0)
-    for cell in cells:
-        result[cell.outcome] += 1
-    return result
+    return {**dict.fromkeys(OUTCOMES, 0), **collections.Counter(cell.outcome for cell in cells)}
 
 
 def summary_line(cells: list[Cell], impl: str, wall_s: float) -> str:

@@ -48,11 +48,9 @@ def _run_command(args: argparse.Namespace) -> int:
         return 0
     if args.workers is None:  # a few cells: xdist workers would each collect them again
         args.workers = DEFAULT_WORKERS if targets is None else 0
-    launcher_problem = torchrun.check(args, DEFAULT_WORKERS, "process")
-    if launcher_problem is not None:
+    if (launcher_problem := torchrun.check(args, DEFAULT_WORKERS, "process")) is not None:
         raise UsageError(launcher_problem)
-    uses_torchrun = torchrun.uses_torchrun(args)
-    if uses_torchrun:
+    if uses_torchrun := torchrun.uses_torchrun(args):
         args.workers = 0  # one pytest session per torchrun process
     check_impl(args.impl)
     check_world_size(args.world_size)
@@ -108,8 +106,7 @@ def _run_command(args: argparse.Namespace) -> int:
         return torchrun.no_results_here(child.returncode, keep_log(log_path, "run"))
     cells = report.cells_from_records(written)
     collected = next((r["count"] for r in written if r.get("event") == "collected"), None)
-    returncode = child.returncode
-    if returncode == 4 or (returncode == 5 and not cells):
+    if (returncode := child.returncode) == 4 or (returncode == 5 and not cells):
         if returncode == 5:
             message = f"-k {args.k!r}: no check matches" if args.k else "no check collected"
         else:
@@ -182,8 +179,7 @@ def _selected_targets(args: argparse.Namespace) -> list[str] | None:
         return None
     cells = list(args.cell or [])
     if args.failed:
-        path = _failures_file(args)
-        if not path.exists():
+        if not (path := _failures_file(args)).exists():
             raise UsageError(
                 f"--failed: no earlier run of --impl {args.impl} (coverage {args.coverage}, world "
                 f"size {args.world_size}) is recorded; run it once without --failed"
@@ -254,8 +250,7 @@ class _Progress:
     def update(self, records: list[dict[str, Any]], elapsed: float) -> None:
         latest = ""
         for record in records[self.seen :]:
-            event = record.get("event")
-            if event == "collected":
+            if (event := record.get("event")) == "collected":
                 self.total = record["count"]
                 self._line(f"collected {self.total} cells (check x configuration)", elapsed)
             elif event in ("test", "collect_error"):

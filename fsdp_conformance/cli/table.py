@@ -66,8 +66,7 @@ def run_implementation(impl: str, pytest_args: Sequence[str]) -> ImplResult:
         quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.STDOUT}
         returncode = subprocess.run(command, check=False, env=env, **quiet).returncode
         written = report.read_records(results)
-        cells = report.cells_from_records(written)
-        if not cells:
+        if not (cells := report.cells_from_records(written)):
             refusal = next((r["detail"] for r in written if "detail" in r), None)
             see = refusal or f"run {shlex.join(command)} to see its output"
             why = f"the run reported no check (pytest exit code {returncode})"

@@ -129,8 +129,7 @@ class TestRequest:
 def pickle_kwargs(kwargs: dict[str, Any]) -> bytes:
     """Pickle fixture values for rank processes (``monkeypatch`` becomes a rank-side one),
     or :class:`FixtureNotPicklable` naming the fixture that cannot be sent and the fixes."""
-    monkeypatch = sys.modules.get("_pytest.monkeypatch")
-    if monkeypatch is not None:
+    if (monkeypatch := sys.modules.get("_pytest.monkeypatch")) is not None:
         kwargs = {
             name: wire.RankMonkeyPatch() if isinstance(value, monkeypatch.MonkeyPatch) else value
             for name, value in kwargs.items()
@@ -292,14 +291,10 @@ class Runtime:
     def run(self, request: TestRequest) -> RunResult:
         """Run one test in its ranks and return the combined verdict."""
         task = RankTask(
-            target=request.target,
-            test_id=request.test_id,
-            tmp_path="",
-            impl=self.options.impl,
-            timeout=request.timeout,
-            wants_dist=request.wants_dist,
+            target=request.target, test_id=request.test_id, tmp_path="", impl=self.options.impl,
+            timeout=request.timeout, wants_dist=request.wants_dist,
             after_test=tuple(self.options.after_test),
-        )
+        )  # fmt: skip
         if self.launcher is not None:
             return self.launcher.run(request, task)
         if request.mode not in constants.MODES:

@@ -95,8 +95,7 @@ def leftover_native_threads(
     if native_threads() <= snapshot.native_threads + NATIVE_THREAD_SLACK:
         return []
     gc.collect()
-    extra = native_threads() - snapshot.native_threads
-    if extra <= NATIVE_THREAD_SLACK:
+    if (extra := native_threads() - snapshot.native_threads) <= NATIVE_THREAD_SLACK:
         return []
     why = "native: the gloo or nccl contexts of groups still referenced, e.g. by a global"
     return [

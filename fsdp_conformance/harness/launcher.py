@@ -328,16 +328,10 @@ class TorchrunRanks:
         except Exception as exc:  # noqa: BLE001  reported like a failure of the body
             return rank_task.classify_exception(rank, exc)
         ctx = RankContext.of_task(
-            task,
-            rank=rank,
-            world_size=size,
-            group=group,
-            device=self._device,
-            backend=self._backend,
-            mode="launcher",  # run in place
-            gpu_ids=(self._device.index,) if self._backend == "nccl" else (),
-            init_method="env://",
-        )
+            task, rank=rank, world_size=size, group=group, device=self._device,
+            backend=self._backend, mode="launcher",  # run in place
+            gpu_ids=(self._device.index,) if self._backend == "nccl" else (), init_method="env://",
+        )  # fmt: skip
         watchdog = _Watchdog(self, key, size, request.timeout)
         job_group = tdist.group.WORLD
         snapshot = isolation.StateSnapshot.take()
@@ -393,8 +387,7 @@ class LauncherPlugin:
             return
         from _pytest._io import TerminalWriter
 
-        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-        if reporter is not None:
+        if (reporter := session.config.pluginmanager.get_plugin("terminalreporter")) is not None:
             devnull = open(os.devnull, "w")  # noqa: SIM115  (closed with the session)
             session.config.add_cleanup(devnull.close)
             reporter._tw = TerminalWriter(devnull)
@@ -459,8 +452,7 @@ class LauncherPlugin:
 def configure(config: pytest.Config, choice: str) -> LauncherEnv | None:
     """:func:`detect` the launcher; on ranks other than 0 turn off ``--junitxml`` and the CLI's
     result file before their plugins start."""
-    env = detect(choice)
-    if env is not None and env.rank != 0:
+    if (env := detect(choice)) is not None and env.rank != 0:
         config.option.xmlpath = None
         os.environ.pop("FSDP_CONFORMANCE_CLI_RESULTS", None)
     return env

@@ -90,8 +90,7 @@ def load_test_module(name: str, file: str | None) -> types.ModuleType:
     if parent := name.rpartition(".")[0]:
         with contextlib.suppress(ImportError):  # pytest's importlib mode: synthetic package names
             importlib.import_module(parent)  # for relative imports in the test module
-    spec = importlib.util.spec_from_file_location(name, file)
-    if spec is None or spec.loader is None:
+    if (spec := importlib.util.spec_from_file_location(name, file)) is None or spec.loader is None:
         raise ImportError(f"cannot load test module {name!r} from {file}")
     module = importlib.util.module_from_spec(spec)
     with open(file, "rb") as source_file:
@@ -472,16 +471,10 @@ class _RankProcess:
             os.chdir(task.cwd)
         add_after_test(task.after_test)
         ctx = RankContext.of_task(
-            task,
-            rank=self.rank,
-            world_size=self.world_size,
-            group=self.group,
-            device=self.device,
-            backend=self.backend,
-            mode=self.mode,
-            gpu_ids=self.gpu_ids,
+            task, rank=self.rank, world_size=self.world_size, group=self.group, device=self.device,
+            backend=self.backend, mode=self.mode, gpu_ids=self.gpu_ids,
             init_method=f"file://{self.store_path}",
-        )
+        )  # fmt: skip
         # importing the test is not test time: the timeout starts once every rank sent Started
         try:
             call = resolve_target(task.target)

@@ -133,8 +133,7 @@ class RankSet:
     def _await_ready(self, deadline: float) -> None:
         pending = dict(enumerate(self.conns))
         while pending:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            if (remaining := deadline - time.monotonic()) <= 0:
                 dumps = self._dump_stacks(list(pending))
                 raise RankSetError(
                     f"ranks {sorted(pending)} did not join the process group within "
@@ -223,8 +222,7 @@ class RankSet:
     def _restore_group(self, run: _TestRun) -> None:
         """Re-create the default group when the test destroyed it in every rank; replace
         the set when only some ranks destroyed it or the re-creation fails."""
-        gone = sorted(r for r, alive in run.group_alive.items() if not alive)
-        if not gone:
+        if not (gone := sorted(r for r, alive in run.group_alive.items() if not alive)):
             return
         if len(gone) < self.world_size:
             ranks = ", ".join(map(str, gone))

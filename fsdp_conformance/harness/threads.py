@@ -224,15 +224,9 @@ class _ThreadedRun:
             timeout=datetime.timedelta(seconds=task.timeout),
         )
         ctx = RankContext.of_task(
-            task,
-            rank=rank,
-            world_size=self.world_size,
-            group=dist.group.WORLD,
-            device=torch.device("cpu"),
-            backend="threaded",
-            mode="thread",
-            init_method="threaded://",
-        )
+            task, rank=rank, world_size=self.world_size, group=dist.group.WORLD, mode="thread",
+            device=torch.device("cpu"), backend="threaded", init_method="threaded://",
+        )  # fmt: skip
         self.baton.acquire(rank)
         self.began.add(rank)
         _local.held = (self.baton, rank)

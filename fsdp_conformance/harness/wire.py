@@ -225,8 +225,7 @@ def summarize(outcomes: dict[int, RankOutcome], world_size: int, mismatch: str =
     )
     if not problems:
         for status in (XFAILED, SKIPPED):
-            first = next((o for o in ordered if o.status == status), None)
-            if first is not None:
+            if (first := next((o for o in ordered if o.status == status), None)) is not None:
                 return Verdict(status, first.message, list(recorded))
         return Verdict(PASSED, "", list(recorded))
     lines = [mismatch] if mismatch else []
@@ -237,8 +236,7 @@ def summarize(outcomes: dict[int, RankOutcome], world_size: int, mismatch: str =
         lines.append(f"ranks that passed: {', '.join(passed)}")
     shown: dict[str, int] = {}  # traceback text -> first rank that showed it
     for o in problems:
-        details = o.traceback.rstrip()
-        if details in shown:
+        if (details := o.traceback.rstrip()) in shown:
             lines.append(f"\n===== rank {o.rank}: same traceback as rank {shown[details]} =====")
         elif details:
             shown[details] = o.rank

@@ -190,8 +190,7 @@ class Zygote:
         """One message (exit reports are recorded on the way); None on timeout or EOF."""
         if self.eof or not select.select([self.sock], [], [], timeout)[0]:
             return None
-        data = self.sock.recv(_MAX_MESSAGE)
-        if not data:
+        if not (data := self.sock.recv(_MAX_MESSAGE)):
             self.eof = True
             return None
         message = pickle.loads(data)

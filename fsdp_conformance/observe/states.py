@@ -167,8 +167,7 @@ class TrainingStateRecorder:
             if state is not None and state != InstanceState.IDLE:
                 self._record(instance, hook, "instance", None, state, ("IDLE",))
         if self.root is not None:
-            root_state = RootState(self.adapter.root_state(self.root))
-            if root_state != RootState.IDLE:
+            if (root_state := RootState(self.adapter.root_state(self.root))) != RootState.IDLE:
                 self._record(self.root, hook, "root", None, root_state, ("IDLE",))
         self.assert_legal()
 
