@@ -15,8 +15,7 @@ def lazy_exports(
     module) on first access; a resolved name is cached in the package's namespace."""
 
     def __getattr__(name: str) -> Any:
-        module = exports.get(name)
-        if module is None:
+        if (module := exports.get(name)) is None:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
         value = getattr(importlib.import_module(module), name)
         setattr(sys.modules[package], name, value)
@@ -26,14 +25,3 @@ def lazy_exports(
         return sorted(set(vars(sys.modules[package])) | set(exports))
 
     return __getattr__, __dir__
-
-
-class LazyModule:
-    """Module ``name``, imported at its first attribute access (a command line that only parses
-    its arguments must not import torch)."""
-
-    def __init__(self, name: str) -> None:
-        self._name = name
-
-    def __getattr__(self, attribute: str) -> Any:
-        return getattr(importlib.import_module(self._name), attribute)

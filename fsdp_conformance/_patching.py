@@ -92,11 +92,9 @@ def patch_attribute(
         raise ValueError(f"patch_attribute({attribute!r}): give a non-empty key naming the patcher")
     with _lock:
         record_key = (id(owner), attribute, key)
-        record = _records.get(record_key)
-        if record is not None:
+        if (record := _records.get(record_key)) is not None:
             return record
-        original = getattr(owner, attribute, _MISSING)
-        if original is _MISSING:
+        if (original := getattr(owner, attribute, _MISSING)) is _MISSING:
             name = getattr(owner, "__qualname__", None) or getattr(owner, "__name__", repr(owner))
             written = f" (written for {written_for})" if written_for else ""
             raise AttributeError(

@@ -167,8 +167,7 @@ def _observed(call: CollectiveCall, run: Callable[[], Any]) -> Any:
     thread's nested collectives; a nested one's Work tells when the outer one ends)."""
     import torch
 
-    nested = getattr(_local, "futures", None)
-    if nested is not None:
+    if (nested := getattr(_local, "futures", None)) is not None:
         result = run()
         nested += _futures(result)
         return result
@@ -181,8 +180,7 @@ def _observed(call: CollectiveCall, run: Callable[[], Any]) -> Any:
         raise
     finally:
         _local.futures = None
-    futures = _futures(result) or nested
-    if not futures:
+    if not (futures := _futures(result) or nested):
         _finish(dones, None)
     elif dones:
         ended = torch.futures.collect_all(futures)
@@ -223,12 +221,11 @@ def _process_group(group: Any) -> Any:
     import torch
     import torch.distributed as dist
 
+    resolve = dist.distributed_c10d._resolve_process_group
     try:
         if isinstance(group, torch.ScriptObject):
             return dist.ProcessGroup.unbox(group)
-        return (
-            dist.distributed_c10d._resolve_process_group(group) if isinstance(group, str) else group
-        )
+        return resolve(group) if isinstance(group, str) else group
     except (RuntimeError, ValueError):
         return None
 

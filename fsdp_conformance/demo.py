@@ -35,9 +35,8 @@ def _train(model, rank: int) -> list[float]:
     generator = torch.Generator().manual_seed(rank)
     losses = []
     for _ in range(STEPS):
-        x = torch.randn(32, 8, generator=generator)
         optim.zero_grad()
-        loss = model(x).pow(2).mean()
+        loss = model(torch.randn(32, 8, generator=generator)).pow(2).mean()
         loss.backward()
         optim.step()
         losses.append(loss.item())

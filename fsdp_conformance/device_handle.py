@@ -78,12 +78,8 @@ def accelerator_available() -> bool:
     """Whether this code computes on an accelerator (CUDA or another ``torch.accelerator``
     device): in a test rank, whether the rank's device is one (a rank on CPU on a GPU host,
     a thread-mode rank too, says no); elsewhere whether torch can use one. Imports torch."""
-    device = getattr(_rank, "device", None)
-    if device is not None:
+    if (device := getattr(_rank, "device", None)) is not None:
         return device.type != "cpu"
     import torch
 
-    accelerator = getattr(torch, "accelerator", None)
-    if accelerator is not None:
-        return accelerator.is_available()
-    return torch.cuda.is_available()
+    return torch.accelerator.is_available()

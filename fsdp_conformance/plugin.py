@@ -16,9 +16,6 @@ import pytest
 from fsdp_conformance import constants
 from fsdp_conformance.harness import signals as _signals
 
-_MODES = constants.MODES
-COVERAGES = constants.COVERAGES
-
 
 @dataclasses.dataclass
 class PluginState:
@@ -32,9 +29,8 @@ class PluginState:
     coverage: str | None = None  # None: each check's own default (suite.configs)
     runtime: Any = None  # harness.controller.Runtime (starts no process until needed)
     previous_runtime: Any = None  # the one active before this session (pytester runs)
-    # --fsdp-accept-goldens: the accept variable's value before this session set it
-    previous_accept: str | None = None
-    accepting_goldens: bool = False  # whether this session set the accept variable
+    # what this session set in os.environ (--fsdp-accept-goldens), undone at its end
+    environment: pytest.MonkeyPatch = dataclasses.field(default_factory=pytest.MonkeyPatch)
     launcher: Any = None  # harness.launcher.LauncherEnv when pytest runs inside torchrun & co.
 
     def get_runtime(self) -> Any:
@@ -42,13 +38,9 @@ class PluginState:
             from fsdp_conformance.harness import controller
 
             options = controller.RuntimeOptions(
-                mode=self.mode,
-                timeout=self.timeout,
-                world_size=self.world_size,
-                impl=self.impl,
-                backend=self.backend,
-                after_test=(adapters_test_end,),
-            )
+                mode=self.mode, timeout=self.timeout, world_size=self.world_size, impl=self.impl,
+                backend=self.backend, after_test=(adapters_test_end,),
+            )  # fmt: skip
             self.runtime = controller.Runtime(options, launcher=self.launcher)
             self.previous_runtime = controller.active_runtime()
             controller.set_active_runtime(self.runtime, pytest_session=True)
@@ -61,61 +53,49 @@ STATE_KEY = pytest.StashKey[PluginState]()
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("fsdp-conformance", "fsdp-conformance: running tests in N ranks")
     group.addoption(
-        "--fsdp-mode",
-        choices=_MODES,
+        "--fsdp-mode", choices=constants.MODES,
         help="how ranks run: 'process' (reused rank processes, default), 'process-fresh' "
         "(new processes per test) or 'thread' (threads of the pytest process). "
         "Env: FSDP_CONFORMANCE_MODE.",
-    )
+    )  # fmt: skip
     group.addoption(
-        "--fsdp-timeout",
-        metavar="SECONDS",
+        "--fsdp-timeout", metavar="SECONDS",
         help="fail a test still running in its ranks after this many seconds (> 0), with "
         f"every rank's Python stack (default {constants.DEFAULT_TIMEOUT_S:g}). Env: "
         "FSDP_CONFORMANCE_TIMEOUT.",
-    )
+    )  # fmt: skip
+    ranks = "ranks for tests without @pytest.mark.world_size (default 2)."
+    group.addoption("--fsdp-world-size", default="2", metavar="N", help=ranks)
     group.addoption(
-        "--fsdp-world-size",
-        default="2",
-        metavar="N",
-        help="ranks for tests without @pytest.mark.world_size (default 2).",
-    )
-    group.addoption(
-        "--fsdp-impl",
-        default="impl",
-        metavar="NAME",
+        "--fsdp-impl", default="impl", metavar="NAME",
         help="FSDP implementation under test: 'impl', 'torch-fsdp1', 'torch-fsdp2', "
         "'fairscale', 'deepspeed' or 'pkg.module:ATTR' (default 'impl').",
-    )
+    )  # fmt: skip
     group.addoption(
-        "--fsdp-backend",
-        metavar="NAME",
+        "--fsdp-backend", metavar="NAME",
         help="process group backend override ('gloo', 'nccl'); default: gloo on CPU, nccl "
         "when each rank gets its own GPU. Env: FSDP_CONFORMANCE_BACKEND.",
-    )
+    )  # fmt: skip
     group.addoption(
-        "--fsdp-coverage",
-        choices=COVERAGES,
+        "--fsdp-coverage", choices=constants.COVERAGES,
         help="conformance suite: run every combination of a check's config dimensions "
         "('full') or a smaller set covering every pair of values ('pairwise'); default: "
         "what each check class says (the classes in fsdp_conformance.suite: full).",
-    )
+    )  # fmt: skip
     group.addoption(
-        "--fsdp-accept-goldens",
-        action="store_true",
+        "--fsdp-accept-goldens", action="store_true",
         help="conformance suite: write the prefetch-order goldens of the adapter under test "
         "into the source checkout instead of comparing (run with -p no:xdist). Env: "
         f"{constants.ENV_ACCEPT_GOLDENS}=1 or EXPECTTEST_ACCEPT=1.",
-    )
+    )  # fmt: skip
     group.addoption(
-        "--fsdp-launcher",
-        default=os.environ.get(constants.ENV_LAUNCHER, "auto"),
+        "--fsdp-launcher", default=os.environ.get(constants.ENV_LAUNCHER, "auto"),
         metavar="{auto,torchrun,none}",
         help="'auto' (default): when pytest runs inside torchrun (RANK, WORLD_SIZE, LOCAL_RANK, "
         "MASTER_ADDR, MASTER_PORT set) or a default process group exists, run each test in "
         "place in every process of the job; 'torchrun': require that; 'none': always spawn "
         "ranks. Env: FSDP_CONFORMANCE_LAUNCHER.",
-    )
+    )  # fmt: skip
 
 
 _MARKERS = (
@@ -138,9 +118,7 @@ def pytest_configure(config: pytest.Config) -> None:
     state = config.stash[STATE_KEY] = PluginState(**options, launcher=launcher_env)
     _signals.install_pytest_handler(config)
     if config.getoption("fsdp_accept_goldens"):  # the ranks get this environment with each test
-        state.previous_accept = os.environ.get(constants.ENV_ACCEPT_GOLDENS)
-        state.accepting_goldens = True
-        os.environ[constants.ENV_ACCEPT_GOLDENS] = "1"
+        state.environment.setenv(constants.ENV_ACCEPT_GOLDENS, "1")
     # created now (torch-free, no process yet) so that FSDPTest classes use the session options
     runtime = state.get_runtime()
     if launcher_env is not None:
@@ -153,24 +131,23 @@ def _validated_options(config: pytest.Config) -> dict[str, Any]:
     from fsdp_conformance.harness import controller as runtime
 
     def pick(option: str, env: str, default: Any) -> tuple[Any, str]:
-        value = config.getoption(option)
-        if value is None and os.environ.get(env):
+        if (value := config.getoption(option)) is None and os.environ.get(env):
             return os.environ[env], env
         return default if value is None else value, "--" + option.replace("_", "-")
 
     try:
         return {
             "mode": runtime.parse_mode(
-                *pick("fsdp_mode", runtime.ENV_MODE, constants.DEFAULT_MODE)
+                *pick("fsdp_mode", constants.ENV_MODE, constants.DEFAULT_MODE)
             ),
             "timeout": runtime.parse_timeout(
-                *pick("fsdp_timeout", runtime.ENV_TIMEOUT, runtime.DEFAULT_TIMEOUT_S)
+                *pick("fsdp_timeout", constants.ENV_TIMEOUT, constants.DEFAULT_TIMEOUT_S)
             ),
             "world_size": runtime.parse_world_size(
                 config.getoption("fsdp_world_size"), "--fsdp-world-size"
             ),
             "impl": _validated_impl(config.getoption("fsdp_impl")),
-            "backend": runtime.parse_backend(*pick("fsdp_backend", runtime.ENV_BACKEND, None)),
+            "backend": runtime.parse_backend(*pick("fsdp_backend", constants.ENV_BACKEND, None)),
             "coverage": config.getoption("fsdp_coverage"),
         }
     except runtime.OptionError as error:
@@ -188,8 +165,7 @@ def _validated_impl(name: str) -> str:
         )
     from fsdp_conformance.harness.extras import missing_extra
 
-    problem = missing_extra(name)
-    if problem is not None:
+    if (problem := missing_extra(name)) is not None:
         raise pytest.UsageError(f"--fsdp-impl {name}: {problem}")
     if ":" in name:
         _refuse_removed_names(name)
@@ -212,13 +188,8 @@ def _refuse_removed_names(name: str) -> None:
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     _signals.uninstall_pytest_handler(config)
-    state = config.stash.get(STATE_KEY, None)
-    if state is not None and state.accepting_goldens:
-        if state.previous_accept is None:
-            os.environ.pop(constants.ENV_ACCEPT_GOLDENS, None)
-        else:
-            os.environ[constants.ENV_ACCEPT_GOLDENS] = state.previous_accept
-        state.accepting_goldens = False
+    if (state := config.stash.get(STATE_KEY, None)) is not None:
+        state.environment.undo()
     if state is not None and state.runtime is not None:
         from fsdp_conformance.harness import controller
 
@@ -241,10 +212,9 @@ def _world_size(item: pytest.Item, state: PluginState) -> int:
 
 
 def _mode(item: pytest.Item, state: PluginState) -> str:
-    mode = _marker_arg(item, "fsdp_mode", state.mode)
-    if mode not in _MODES:
+    if (mode := _marker_arg(item, "fsdp_mode", state.mode)) not in constants.MODES:
         raise pytest.UsageError(
-            f"{item.nodeid}: fsdp_mode({mode!r}) is not one of {', '.join(_MODES)}"
+            f"{item.nodeid}: fsdp_mode({mode!r}) is not one of {', '.join(constants.MODES)}"
         )
     return mode
 
@@ -309,15 +279,10 @@ def _target(item: pytest.Function) -> Any:
     from fsdp_conformance.harness.wire import TestTarget
 
     module = item.module
-    class_path: list[str] = []
-    node = item.parent
-    while node is not None and isinstance(node, pytest.Class):
-        class_path.insert(0, node.name)
-        node = node.parent
     return TestTarget(
         module_name=module.__name__,
         module_file=getattr(module, "__file__", None),
-        class_path=tuple(class_path),
+        class_path=tuple(node.name for node in item.listchain() if isinstance(node, pytest.Class)),
         function_name=item.originalname,
     )
 
@@ -331,15 +296,12 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     from fsdp_conformance.harness.wire import FAILED, SKIPPED, XFAILED
 
     state = pyfuncitem.config.stash[STATE_KEY]
-    runtime = state.get_runtime()
-    world_size = _world_size(pyfuncitem, state)
     argnames = pyfuncitem._fixtureinfo.argnames
-    kwargs = {name: pyfuncitem.funcargs[name] for name in argnames if name != "dist"}
     request = controller.TestRequest(
         target=_target(pyfuncitem),
-        kwargs=kwargs,
+        kwargs={name: pyfuncitem.funcargs[name] for name in argnames if name != "dist"},
         test_id=pyfuncitem.nodeid,
-        world_size=world_size,
+        world_size=_world_size(pyfuncitem, state),
         mode=_mode(pyfuncitem, state),
         timeout=_timeout(pyfuncitem, state),
         gpus=gpus.gpus_needed(pyfuncitem),
@@ -347,13 +309,11 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         wants_dist="dist" in argnames,
     )
     try:
-        result = runtime.run(request)
+        result = state.get_runtime().run(request)
     except controller.FixtureNotPicklable as exc:
         pytest.fail(str(exc), pytrace=False)
     pyfuncitem.user_properties.extend(result.verdict.properties)
-    output = result.output()
-    if output:
-        sys.stdout.write(output)
+    sys.stdout.write(result.output())
     if result.notes:
         pyfuncitem.add_report_section("call", "fsdp-conformance", "\n".join(result.notes))
     verdict = result.verdict
@@ -412,8 +372,7 @@ def _not_applicable(adapter: Any, check: Any) -> Any:
     from fsdp_conformance.adapters import UnsupportedFeatureError
     from fsdp_conformance.adapters import features as adapter_features
 
-    problem = adapter_features.support_problem(adapter)
-    if problem is not None:
+    if (problem := adapter_features.support_problem(adapter)) is not None:
         reason = f"adapter {adapter.name!r}: {problem}"
         return checks.Result(check.id, checks.NOT_APPLICABLE, reason, feature="version")
     try:
@@ -432,15 +391,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     zygote.preload(sorted(name for name in modules if name.startswith(_SUITE)))
     adapter: Any = _UNRESOLVED  # resolved once, at the first registered check
     for item in items:
-        check = _registered_check(item)
-        if check is None or not _uses_session_impl(item):
+        if (check := _registered_check(item)) is None or not _uses_session_impl(item):
             continue
         if adapter is _UNRESOLVED:
             adapter = _session_adapter(config)
         if adapter is None:
             return
-        result = _not_applicable(adapter, check)
-        if result is not None:
+        if (result := _not_applicable(adapter, check)) is not None:
             item.stash[_RESULT_KEY] = result
             item.add_marker(pytest.mark.skip(reason=result.reason))
 
@@ -456,8 +413,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     if call.when == "call":
         item.user_properties.extend(properties.take_pending())
     report = yield
-    check = _registered_check(item)
-    if check is None or (report.when != "call" and report.passed):
+    if (check := _registered_check(item)) is None or (report.when != "call" and report.passed):
         return report
     recorded = item.stash.get(_RESULT_KEY, None) or checks.Result.from_properties(
         item.user_properties
@@ -484,8 +440,7 @@ def _rerun_line(item: pytest.Item) -> str:
     state = item.config.stash[STATE_KEY]
     module = getattr(getattr(item, "module", None), "__name__", "")
     test = item.nodeid.partition("::")[2]
-    prefix = os.environ.get(constants.ENV_CLI_RERUN)
-    if prefix and module.startswith(_SUITE):
+    if (prefix := os.environ.get(constants.ENV_CLI_RERUN)) and module.startswith(_SUITE):
         return f"{prefix} --cell {shlex.quote(test)}"
     installed = module.startswith("fsdp_conformance.")
     target = ["--pyargs", f"{module}::{test}"] if installed else [f"{item.path}::{test}"]

@@ -53,11 +53,9 @@ def get_full_params(model: Any) -> list[Any]:
     """Unsharded copies of the (possibly FSDP-wrapped) root ``model``'s parameters, in
     ``model.parameters()`` order: through ``summon_full_params`` (the reference implementation,
     torch FSDP1), DTensor ``full_tensor()`` (FSDP2), or as they are (plain modules)."""
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
-    except ImportError:  # pragma: no cover
-        TorchFSDP = None
-    if TorchFSDP is not None and isinstance(model, TorchFSDP):
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+
+    if isinstance(model, TorchFSDP):
         context = TorchFSDP.summon_full_params(model)
     elif callable(getattr(model, "summon_full_params", None)):
         context = model.summon_full_params()

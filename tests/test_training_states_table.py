@@ -39,7 +39,6 @@ def test_the_other_modules_reuse_the_canonical_table():
         assert getattr(adapters, name) is getattr(training_states, name), name
     assert observe_states.LEGAL_INSTANCE_TRANSITIONS is training_states.LEGAL_INSTANCE_TRANSITIONS
     assert observe_states.LEGAL_ROOT_TRANSITIONS is training_states.LEGAL_ROOT_TRANSITIONS
-    assert observe_states.END_OF_BACKWARD_TRANSITIONS is training_states.END_OF_BACKWARD_TRANSITIONS
 
 
 def test_impl_differs_only_where_it_says():

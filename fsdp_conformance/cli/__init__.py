@@ -20,17 +20,16 @@ __all__ = ["build_parser", "main"]
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of ``fsdp-conformance`` and its subcommands."""
-    formatter = argparse.RawDescriptionHelpFormatter
     parser = usage._Parser(
         prog=usage.PROG,
         description="Conformance suite for Fully Sharded Data Parallel implementations.",
         epilog="examples:\n  fsdp-conformance run\n  fsdp-conformance overlap --help\n"
         "  fsdp-conformance timeline --out timeline.png",
-        formatter_class=formatter,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for module in (run, overlap_table, timeline, conformance, fuzz, coverage):
-        module.add_parser(commands, formatter)
+        module.add_parser(commands)
     for name, command in commands.choices.items():
         command.epilog = "\n\n".join(filter(None, (command.epilog, usage.exit_codes_epilog(name))))
     return parser

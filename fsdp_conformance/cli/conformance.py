@@ -7,12 +7,13 @@ import argparse
 from typing import Any
 
 from fsdp_conformance.cli import usage
+from fsdp_conformance.constants import BUILTIN_ADAPTERS, COVERAGES
 
 
 def _conformance_command(args: argparse.Namespace) -> int:
-    impls = args.impl or list(usage.BUILTIN_IMPLS)
+    impls = args.impl or list(BUILTIN_ADAPTERS)
     for impl in impls:
-        if impl not in usage.BUILTIN_IMPLS:  # a built-in without its extra gets a column saying so
+        if impl not in BUILTIN_ADAPTERS:  # a built-in without its extra gets a column saying so
             usage.check_impl(impl)
     usage.check_keyword_expression(args.k)
     usage.check_output(args.out, "--out")
@@ -29,10 +30,9 @@ def _conformance_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
+def add_parser(commands: Any) -> None:
     conformance = usage._subcommand(
         commands,
-        formatter,
         "conformance",
         "run the suite per implementation and write the check x implementation table",
         "Run the conformance suite once per implementation (--impl, repeatable; default every "
@@ -42,12 +42,11 @@ def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
         "fsdp-conformance conformance --out docs/conformance.md",
         "fsdp-conformance conformance --impl impl --impl torch-fsdp1 -k MemoryBound",
     )
-    conformance.add_argument(
-        "--impl", action="append", metavar="NAME", help="an implementation (repeatable)"
-    )
+    repeatable = "an implementation (repeatable)"
+    conformance.add_argument("--impl", action="append", metavar="NAME", help=repeatable)
     conformance.add_argument("--out", default="docs/conformance.md", metavar="FILE.md")
     conformance.add_argument("-k", metavar="EXPR", help="only checks matching this expression")
-    conformance.add_argument("--coverage", choices=usage.COVERAGES, default=usage.DEFAULT_COVERAGE)
+    conformance.add_argument("--coverage", choices=COVERAGES, default=usage.DEFAULT_COVERAGE)
     conformance.add_argument(
         "-n", dest="workers", type=int, default=0, metavar="WORKERS", help="xdist workers"
     )

@@ -64,8 +64,7 @@ def report(
             for check in sorted(set(running_then) | set(running_now))
             if running_then[check] != running_now[check]
         }
-        total = sum(running_then.values()) - sum(running_now.values())
-        if total > 0:
+        if (total := sum(running_then.values()) - sum(running_now.values())) > 0:
             unlocks.append({"feature": feature, "reason": reason, "cells": total, "checks": gains})
     unlocks.sort(key=lambda entry: (-entry["cells"], entry["feature"]))
     return {
@@ -147,10 +146,9 @@ def _coverage_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
+def add_parser(commands: Any) -> None:
     parser = usage._subcommand(
         commands,
-        formatter,
         "coverage",
         "which cells an adapter would run or skip, and what to implement next",
         "Collect the conformance suite for one adapter (no rank starts, nothing runs) and "

@@ -14,8 +14,7 @@ PHASE_COLOURS = {"forward": "#cfe3f7", "backward": "#f9dcc4"}
 
 def verdict(panel: dict[str, Any]) -> str:
     """Whether the panel stays within its bound, phase by phase."""
-    over = panel["over"]
-    if not over:
+    if not (over := panel["over"]):
         return f"within {panel['bound_name']} in every phase"
     first = over[0]
     return (
@@ -56,8 +55,7 @@ def _fit_titles(figure: Any) -> None:
         figure.canvas.draw()  # the titles' places are decided while drawing
         renderer, box = figure.canvas.get_renderer(), figure.bbox
         extents = [title.get_window_extent(renderer) for title in titles]
-        wide = [t for t, e in zip(titles, extents) if e.x0 < box.x0 or e.x1 > box.x1]
-        if not wide:
+        if not (wide := [t for t, e in zip(titles, extents) if e.x0 < box.x0 or e.x1 > box.x1]):
             return
         for title in wide:
             width = max(len(line) for line in title.get_text().splitlines())

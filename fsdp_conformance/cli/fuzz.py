@@ -37,8 +37,7 @@ def _fuzz_command(args: argparse.Namespace) -> int:
         import hypothesis  # noqa: F401
     except ImportError:
         raise usage.UsageError(HYPOTHESIS_MISSING) from None
-    timeout = args.timeout
-    if timeout is None:
+    if (timeout := args.timeout) is None:
         timeout = DEFAULT_RUN_TIMEOUT if args.max_seconds is None else 2 * args.max_seconds + 300
     with tempfile.TemporaryDirectory(prefix="fsdp-fuzz-", ignore_cleanup_errors=True) as workdir:
         out_file = os.path.join(workdir, "result.json")
@@ -135,10 +134,9 @@ def _read(path: str) -> str:
         return ""
 
 
-def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
+def add_parser(commands: Any) -> None:
     fuzz = usage._subcommand(
         commands,
-        formatter,
         "fuzz",
         "generated models and training programs, FSDP vs DDP, shrunk to a repro.py",
         "Differential fuzzing (docs/fuzz.md): hypothesis draws small models, a nested wrap "
@@ -152,9 +150,8 @@ def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
     usage._add_impl(fuzz)
     examples = f"generated cases to run, refused ones not counted (default {DEFAULT_EXAMPLES})"
     fuzz.add_argument("--examples", type=int, default=DEFAULT_EXAMPLES, metavar="N", help=examples)
-    fuzz.add_argument(
-        "--seed", type=int, default=0, metavar="S", help="hypothesis seed (default 0)"
-    )
+    seed = "hypothesis seed (default 0)"
+    fuzz.add_argument("--seed", type=int, default=0, metavar="S", help=seed)
     fuzz.add_argument("--world-size", type=int, default=2, metavar="W", help="ranks (default 2)")
     stop = "stop generating (or shrinking) after T seconds"
     fuzz.add_argument("--max-seconds", type=float, default=None, metavar="T", help=stop)

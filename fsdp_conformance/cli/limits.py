@@ -35,8 +35,7 @@ def cpu_count() -> int:
 def max_workers(world_size: int) -> tuple[int, str]:
     """The most xdist workers this machine holds for ``world_size``-rank tests, and why."""
     cpus = cpu_count()
-    memory = available_memory()
-    if memory is None:
+    if (memory := available_memory()) is None:
         return cpus, f"{cpus} CPUs"
     per_worker = WORKER_BYTES + world_size * RANK_BYTES
     by_memory = max(1, memory // per_worker)

@@ -16,8 +16,7 @@ def _overlap_command(args: argparse.Namespace) -> int:
     usage.check_world_size(args.world_size)
     usage.check_at_least(args.repeats, "--repeats")
     usage.check_output(args.json, "--json")
-    cuda = args.device == "cuda"
-    if cuda:
+    if cuda := args.device == "cuda":
         from fsdp_conformance.harness import gpus
 
         if gpus.gpu_count() == 0:
@@ -25,8 +24,7 @@ def _overlap_command(args: argparse.Namespace) -> int:
     kwargs = {"limit_all_gathers": args.limit_all_gathers, "repeats": args.repeats}
     # on CUDA: nccl with a GPU per rank, else the ranks share one GPU over gloo
     backend, gpus_needed = (None, 1) if cuda else ("gloo", 0)
-    document = usage.measure_in_ranks("overlap", kwargs, args, backend, gpus_needed)
-    if document is None:
+    if (document := usage.measure_in_ranks("overlap", kwargs, args, backend, gpus_needed)) is None:
         return 1
     print(render_overlap(document))
     if args.json:
@@ -79,10 +77,9 @@ def render_overlap(document: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
+def add_parser(commands: Any) -> None:
     overlap = usage._subcommand(
         commands,
-        formatter,
         "overlap",
         "time compute only / communication only / both and print the overlap ratio",
         "Reproduce the suite's overlap-timing experiment (fsdp_conformance.suite.overlap): 4 "

@@ -175,8 +175,7 @@ def _probe(item: Any, capabilities: Granted, world_size: int) -> Cell:
     ranks = int(marker.args[0]) if marker is not None and marker.args else world_size
     static = _static_needs(item, check)
     cell = Cell(item.nodeid, check.id if check else "", tuple(dict.fromkeys(static)))
-    gpus = gpus_needed(item)
-    if gpus > torch.cuda.device_count():
+    if (gpus := gpus_needed(item)) > torch.cuda.device_count():
         cell.blocked = f"needs {gpus} GPU(s), this host has {torch.cuda.device_count()}"
         return cell
     adapter = _ProbeAdapter(capabilities)

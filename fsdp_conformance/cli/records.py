@@ -21,7 +21,6 @@ import pytest
 
 from fsdp_conformance import checks, constants
 
-ENV_RESULTS = constants.ENV_CLI_RESULTS
 # Plugins that would leave files in the user's working directory
 NO_LITTER = ("-p", "no:cacheprovider", "-p", "no:benchmark")
 # hypothesis' plugin imports hypothesis at the end of every session (start-up time); the
@@ -51,7 +50,7 @@ def suite_environment(results: str) -> dict[str, str]:
         for key, value in os.environ.items()
         if not key.startswith(("PYTEST_XDIST_", "PYTEST_CURRENT_TEST"))
     }
-    env[ENV_RESULTS] = results
+    env[constants.ENV_CLI_RESULTS] = results
     return env
 
 
@@ -127,7 +126,7 @@ class _Recorder:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    path = os.environ.get(ENV_RESULTS)
+    path = os.environ.get(constants.ENV_CLI_RESULTS)
     if path and not hasattr(config, "workerinput"):  # the controller (or the only process)
         config.pluginmanager.register(_Recorder(path), "fsdp-conformance-cli-recorder")
 
@@ -159,7 +158,7 @@ def pytest_cmdline_main(config: pytest.Config) -> Any:
     try:
         return (yield)
     except pytest.UsageError as error:
-        path = os.environ.get(ENV_RESULTS)
+        path = os.environ.get(constants.ENV_CLI_RESULTS)
         if path and not hasattr(config, "workerinput"):
             _append(path, {"event": "usage_error", "detail": " ".join(str(error).split())})
         raise

@@ -3,6 +3,7 @@ cells (one check in one configuration), the summary, text / Markdown / JSON."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import importlib.metadata
 import json
@@ -35,14 +36,11 @@ class Cell:
 def split_nodeid(nodeid: str) -> tuple[str, str]:
     """``path::Class::test[id]`` -> (``Class::test``, ``id``)."""
     parts = nodeid.split("::")
-    check_parts = parts[1:] if len(parts) > 1 else parts
-    last = check_parts[-1]
-    configuration = DEFAULT_CONFIGURATION
-    if last.endswith("]") and "[" in last:
-        name, _, rest = last.partition("[")
-        check_parts = [*check_parts[:-1], name]
-        configuration = rest[:-1]
-    return "::".join(check_parts), configuration
+    check = "::".join(parts[1:] if len(parts) > 1 else parts)
+    name, bracket, configuration = check.partition("[")
+    if bracket and check.endswith("]"):
+        return name, configuration[:-1]
+    return check, DEFAULT_CONFIGURATION
 
 
 def cells_from_records(records: Iterable[dict[str, Any]]) -> list[Cell]:
@@ -86,10 +84,7 @@ def by_check(cells: Iterable[Cell]) -> dict[str, list[Cell]]:
 
 def counts(cells: Iterable[Cell]) -> dict[str, int]:
     """Outcome -> number of cells (every outcome present, zero included)."""
-    result = dict.fromkeys(OUTCOMES, 0)
-    for cell in cells:
-        result[cell.outcome] += 1
-    return result
+    return {**dict.fromkeys(OUTCOMES, 0), **collections.Counter(cell.outcome for cell in cells)}
 
 
 def summary_line(cells: list[Cell], impl: str, wall_s: float) -> str:

@@ -24,10 +24,8 @@ from fsdp_conformance import checks, constants
 from fsdp_conformance.cli import limits, records, report, torchrun
 from fsdp_conformance.cli.report import split_nodeid
 from fsdp_conformance.cli.usage import (
-    COVERAGES,
     DEFAULT_COVERAGE,
     DEFAULT_WORKERS,
-    MODES,
     PROG,
     UsageError,
     _add_common,
@@ -45,17 +43,14 @@ from fsdp_conformance.harness import signals
 
 
 def _run_command(args: argparse.Namespace) -> int:
-    targets = _selected_targets(args)
-    if targets == []:
+    if (targets := _selected_targets(args)) == []:
         print(f"{PROG} run: nothing failed or deviated in the last run; nothing to re-run")
         return 0
     if args.workers is None:  # a few cells: xdist workers would each collect them again
         args.workers = DEFAULT_WORKERS if targets is None else 0
-    launcher_problem = torchrun.check(args, DEFAULT_WORKERS, "process")
-    if launcher_problem is not None:
+    if (launcher_problem := torchrun.check(args, DEFAULT_WORKERS, "process")) is not None:
         raise UsageError(launcher_problem)
-    uses_torchrun = torchrun.uses_torchrun(args)
-    if uses_torchrun:
+    if uses_torchrun := torchrun.uses_torchrun(args):
         args.workers = 0  # one pytest session per torchrun process
     check_impl(args.impl)
     check_world_size(args.world_size)
@@ -111,8 +106,7 @@ def _run_command(args: argparse.Namespace) -> int:
         return torchrun.no_results_here(child.returncode, keep_log(log_path, "run"))
     cells = report.cells_from_records(written)
     collected = next((r["count"] for r in written if r.get("event") == "collected"), None)
-    returncode = child.returncode
-    if returncode == 4 or (returncode == 5 and not cells):
+    if (returncode := child.returncode) == 4 or (returncode == 5 and not cells):
         if returncode == 5:
             message = f"-k {args.k!r}: no check matches" if args.k else "no check collected"
         else:
@@ -124,16 +118,12 @@ def _run_command(args: argparse.Namespace) -> int:
     not_run = (collected or 0) - sum(1 for c in cells if not c.check.startswith("collecting "))
     if not_run > 0:
         summary += f"; {not_run} collected cells did not report (see the pytest output)"
-    print(report.render_text(cells))
-    print()
-    print(summary)
+    print(f"{report.render_text(cells)}\n\n{summary}")
     if _remember_failures(args, cells):
-        words = [*_rerun_words(args), "--failed"]
-        line = checks.shell_line(args.impl, words)
+        line = checks.shell_line(args.impl, [*_rerun_words(args), "--failed"])
         print(f"re-run the failing and deviating cells: {line}", file=sys.stderr)
     _write_outputs(args, cells, _report_header(args, command, wall), summary, returncode)
-    failed = any(cell.outcome == "fail" for cell in cells) or returncode != 0 or not_run > 0
-    if failed:
+    if any(cell.outcome == "fail" for cell in cells) or returncode != 0 or not_run > 0:
         if returncode not in (0, 1):
             print(_tail(log_path, 15), file=sys.stderr)
         print(f"pytest output (tracebacks): {keep_log(log_path, 'run')}", file=sys.stderr)
@@ -189,8 +179,7 @@ def _selected_targets(args: argparse.Namespace) -> list[str] | None:
         return None
     cells = list(args.cell or [])
     if args.failed:
-        path = _failures_file(args)
-        if not path.exists():
+        if not (path := _failures_file(args)).exists():
             raise UsageError(
                 f"--failed: no earlier run of --impl {args.impl} (coverage {args.coverage}, world "
                 f"size {args.world_size}) is recorded; run it once without --failed"
@@ -261,8 +250,7 @@ class _Progress:
     def update(self, records: list[dict[str, Any]], elapsed: float) -> None:
         latest = ""
         for record in records[self.seen :]:
-            event = record.get("event")
-            if event == "collected":
+            if (event := record.get("event")) == "collected":
                 self.total = record["count"]
                 self._line(f"collected {self.total} cells (check x configuration)", elapsed)
             elif event in ("test", "collect_error"):
@@ -308,10 +296,9 @@ def _tail(path: str, lines: int) -> str:
 
 
 def _report_header(args: argparse.Namespace, command: list[str], wall: float) -> dict[str, str]:
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     return {
         "impl": args.impl,
-        "date": now,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()} "
         f"{platform.release()}, load average {os.getloadavg()[0]:.1f}",
         "versions": f"python {platform.python_version()}, torch "
@@ -324,10 +311,9 @@ def _report_header(args: argparse.Namespace, command: list[str], wall: float) ->
     }
 
 
-def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
+def add_parser(commands: Any) -> None:
     run = _subcommand(
         commands,
-        formatter,
         "run",
         "run the conformance suite and print the check x configuration matrix",
         "Run the conformance suite (pytest --pyargs fsdp_conformance.suite) against one FSDP "
@@ -345,25 +331,16 @@ def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
         "ranks for checks that do not fix their own world size (default 2; most checks fix it, "
         "the parity checks also run at 1 and 4)",
     )
-    run.add_argument(
-        "--mode",
-        choices=MODES,
-        default="process",
-        help="how ranks run: reused processes (default), a fresh set per check, or threads",
+    modes = "how ranks run: reused processes (default), a fresh set per check, or threads"
+    run.add_argument("--mode", choices=constants.MODES, default="process", help=modes)
+    workers = (
+        f"pytest-xdist workers (default {DEFAULT_WORKERS}, 0 with --cell or --failed; 0: run in "
+        "one process)"
     )
+    run.add_argument("-n", dest="workers", type=int, metavar="WORKERS", help=workers)
+    pairs = "parity configurations: every pair of settings (default) or the full product"
     run.add_argument(
-        "-n",
-        dest="workers",
-        type=int,
-        metavar="WORKERS",
-        help=f"pytest-xdist workers (default {DEFAULT_WORKERS}, 0 with --cell or --failed; 0: "
-        "run in one process)",
-    )
-    run.add_argument(
-        "--coverage",
-        choices=COVERAGES,
-        default=DEFAULT_COVERAGE,
-        help="parity configurations: every pair of settings (default) or the full product",
+        "--coverage", choices=constants.COVERAGES, default=DEFAULT_COVERAGE, help=pairs
     )
     run.add_argument("-k", metavar="EXPR", help="only checks matching this pytest -k expression")
     run.add_argument(

@@ -57,8 +57,7 @@ def run_implementation(impl: str, pytest_args: Sequence[str]) -> ImplResult:
     from fsdp_conformance.adapters import get_adapter
     from fsdp_conformance.cli import records, report
 
-    reason = unavailable_reason(impl)
-    if reason is not None:
+    if (reason := unavailable_reason(impl)) is not None:
         return ImplResult(impl, unavailable=reason)
     with tempfile.TemporaryDirectory(prefix="fsdp-conformance-table-") as workdir:
         results = os.path.join(workdir, "results.jsonl")
@@ -67,8 +66,7 @@ def run_implementation(impl: str, pytest_args: Sequence[str]) -> ImplResult:
         quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.STDOUT}
         returncode = subprocess.run(command, check=False, env=env, **quiet).returncode
         written = report.read_records(results)
-        cells = report.cells_from_records(written)
-        if not cells:
+        if not (cells := report.cells_from_records(written)):
             refusal = next((r["detail"] for r in written if "detail" in r), None)
             see = refusal or f"run {shlex.join(command)} to see its output"
             why = f"the run reported no check (pytest exit code {returncode})"
@@ -89,8 +87,7 @@ def _cell_text(verdicts: list[tuple[str, str]], notes: dict[str, int]) -> str:
         by_verdict.setdefault(verdict, []).append(reason)
     parts = []
     for verdict in checks.VERDICTS:
-        reasons = by_verdict.get(verdict)
-        if not reasons:
+        if not (reasons := by_verdict.get(verdict)):
             continue
         count = f" {len(reasons)}" if len(by_verdict) > 1 or len(verdicts) > 1 else ""
         refs = "" if verdict == "pass" else "".join(_ref(notes, r) for r in dict.fromkeys(reasons))
@@ -151,10 +148,9 @@ def render_table(results: Iterable[ImplResult], header: dict[str, str]) -> str:
 def default_header(pytest_args: Sequence[str]) -> dict[str, str]:
     """Versions, date and the options of the run."""
     packages = ("torch", "fairscale", "deepspeed", "fsdp-conformance")
-    versions = [f"{package} {package_version(package)}" for package in packages]
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "versions": ", ".join(versions),
+        "versions": ", ".join(f"{package} {package_version(package)}" for package in packages),
         "pytest arguments": " ".join(pytest_args) or "(none)",
     }
 

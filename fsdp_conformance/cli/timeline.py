@@ -30,8 +30,7 @@ def _timeline_command(args: argparse.Namespace) -> int:
     names = ("lag", "iterations", "layers", "backward_prefetch", "forward_prefetch")
     kwargs = {name: getattr(args, name) for name in names}
     kwargs["trace_file"] = os.path.abspath(args.trace) if args.trace else None
-    document = usage.measure_in_ranks("timeline", kwargs, args, "gloo")
-    if document is None:
+    if (document := usage.measure_in_ranks("timeline", kwargs, args, "gloo")) is None:
         return 1
     document["axes_drawn"] = draw.draw(document, args.out)
     print(render_timeline(document))
@@ -72,10 +71,9 @@ def render_timeline(document: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
+def add_parser(commands: Any) -> None:
     timeline = usage._subcommand(
         commands,
-        formatter,
         "timeline",
         "draw resident unsharded buffers over time with limit_all_gathers on and off",
         "Train a chain of --layers FSDP instances under a root on the lagging device "
@@ -100,11 +98,9 @@ def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
     timeline.add_argument("--iterations", type=int, default=3, metavar="N")
     timeline.add_argument("--layers", type=int, default=6, metavar="N", help="instances (>= 4)")
     timeline.add_argument(
-        "--backward-prefetch",
+        "--backward-prefetch", default="BACKWARD_PRE", metavar="BACKWARD_PRE|BACKWARD_POST|none",
         type=lambda text: None if text.lower() == "none" else text.upper(),
         choices=("BACKWARD_PRE", "BACKWARD_POST", None),
-        default="BACKWARD_PRE",
-        metavar="BACKWARD_PRE|BACKWARD_POST|none",
-    )
+    )  # fmt: skip
     timeline.add_argument("--forward-prefetch", action="store_true")
     timeline.set_defaults(handler=_timeline_command)

@@ -15,12 +15,10 @@ CLI_LAUNCHERS = ("none", "torchrun")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--launcher",
-        choices=CLI_LAUNCHERS,
-        default="none",
+        "--launcher", choices=CLI_LAUNCHERS, default="none",
         help="'torchrun': run the suite as one torchrun job (every process runs each check in "
         "place; multi-node: run the same command on every node); default: spawn ranks",
-    )
+    )  # fmt: skip
     parser.add_argument("--nnodes", type=int, metavar="N", help="torchrun: nodes (default 1)")
     parser.add_argument(
         "--nproc-per-node", type=int, metavar="M",
@@ -61,9 +59,8 @@ def check(args: argparse.Namespace, default_workers: int, default_mode: str) -> 
 def torchrun_command(args: argparse.Namespace, pytest_command: list[str]) -> list[str]:
     """``pytest_command`` (``[python, "-m", "pytest", ...]``, no ``-n``) as a torchrun job."""
     assert pytest_command[1:3] == ["-m", "pytest"], pytest_command
-    nproc = args.nproc_per_node or args.world_size
     command = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={args.nnodes or 1}",
-               f"--nproc-per-node={nproc}"]  # fmt: skip
+               f"--nproc-per-node={args.nproc_per_node or args.world_size}"]  # fmt: skip
     if args.rdzv_endpoint is None:
         command.append("--standalone")
     else:

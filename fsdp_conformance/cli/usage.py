@@ -22,9 +22,6 @@ from fsdp_conformance.cli import limits
 from fsdp_conformance.harness.extras import missing_extra
 
 PROG = "fsdp-conformance"
-BUILTIN_IMPLS = constants.BUILTIN_ADAPTERS
-MODES = constants.MODES
-COVERAGES = constants.COVERAGES
 # `run` defaults: the whole default run fits in 10 minutes on a 2-core CPU host (docs/cli.md)
 DEFAULT_COVERAGE = "pairwise"
 DEFAULT_WORKERS = 2
@@ -45,24 +42,19 @@ def private_tempdir() -> Iterator[str]:
     """A temp directory for every temp file of this command and its children (``TMPDIR`` and
     ``tempfile.tempdir``), removed however the command ends. The GPU lock files stay in the
     shared temp directory (every process of the user must see them)."""
-    saved = {name: os.environ.get(name) for name in ("TMPDIR", constants.ENV_GPU_LOCK_DIR)}
-    saved_tempdir = tempfile.tempdir
+    import pytest
+
     from fsdp_conformance.harness import gpus
 
-    os.environ[constants.ENV_GPU_LOCK_DIR] = gpus.lock_dir_path()  # before TMPDIR changes
-    path = tempfile.mkdtemp(prefix="fsdp-cli-")
-    os.environ["TMPDIR"] = path
-    tempfile.tempdir = path
-    try:
-        yield path
-    finally:
-        tempfile.tempdir = saved_tempdir
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-        shutil.rmtree(path, ignore_errors=True)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(constants.ENV_GPU_LOCK_DIR, gpus.lock_dir_path())  # before TMPDIR changes
+        path = tempfile.mkdtemp(prefix="fsdp-cli-")
+        patch.setenv("TMPDIR", path)
+        patch.setattr(tempfile, "tempdir", path)
+        try:
+            yield path
+        finally:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def keep_log(path: str, command: str) -> str:
@@ -73,8 +65,7 @@ def keep_log(path: str, command: str) -> str:
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
     kept = os.path.join(directory, f"{command}-{stamp}-{os.getpid()}.log")
     shutil.move(path, kept)
-    logs = sorted(pathlib.Path(directory).iterdir(), key=os.path.getmtime)
-    for old in logs[:-KEPT_LOGS]:
+    for old in sorted(pathlib.Path(directory).iterdir(), key=os.path.getmtime)[:-KEPT_LOGS]:
         with contextlib.suppress(OSError):
             os.remove(old)
     return kept
@@ -137,8 +128,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _bool(text: str) -> bool:
-    value = text.strip().lower()
-    if value in ("true", "1", "yes", "on"):
+    if (value := text.strip().lower()) in ("true", "1", "yes", "on"):
         return True
     if value in ("false", "0", "no", "off"):
         return False
@@ -159,14 +149,13 @@ def check_impl(name: str) -> None:
     """Resolve ``name`` as the ranks will (``pkg.mod:ATTR`` with the current directory on
     ``sys.path``; of a built-in only its extra is checked); UsageError with the reason if it
     does not resolve, BrokenAdapter when its module raises."""
-    if name in BUILTIN_IMPLS:
-        problem = missing_extra(name)
-        if problem is not None:
+    if name in constants.BUILTIN_ADAPTERS:
+        if (problem := missing_extra(name)) is not None:
             raise UsageError(f"--impl {name}: {problem}")
         return
     if ":" not in name:
         raise UsageError(
-            f"unknown --impl {name!r}: use one of {', '.join(BUILTIN_IMPLS)} or "
+            f"unknown --impl {name!r}: use one of {', '.join(constants.BUILTIN_ADAPTERS)} or "
             "'pkg.module:ATTR' naming an Adapter instance, subclass or factory"
         )
     if os.getcwd() not in sys.path:
@@ -206,7 +195,7 @@ def _missing_module(module: str) -> str | None:
 
 def adapter_name(impl: str) -> str:
     """The adapter's own name (``impl`` for a built-in)."""
-    if impl in BUILTIN_IMPLS:
+    if impl in constants.BUILTIN_ADAPTERS:
         return impl
     from fsdp_conformance.adapters import get_adapter
 
@@ -234,8 +223,7 @@ def check_world_size(world_size: int, minimum: int = 1) -> None:
     check_at_least(world_size, "--world-size", minimum)
     cpus = os.cpu_count() or 1
     caps = [(cpus * RANKS_PER_CPU, f"{cpus} CPUs x {RANKS_PER_CPU} ranks each")]
-    available = limits.available_memory()
-    if available is not None:
+    if (available := limits.available_memory()) is not None:
         why = f"{available / 1024**3:.1f} GiB available memory / {limits.RANK_BYTES // 1024**2} MiB"
         caps.append((max(1, available // limits.RANK_BYTES), why + " per rank"))
     limit, why = min(caps)
@@ -342,7 +330,7 @@ def _add_timeout(parser: argparse.ArgumentParser) -> None:
 
 
 def _subcommand(
-    commands: Any, formatter: type, name: str, summary: str, description: str, *examples: str
+    commands: Any, name: str, summary: str, description: str, *examples: str
 ) -> argparse.ArgumentParser:
     """Add subcommand ``name``: its description filled to 79 columns (the raw formatter keeps
     the examples' layout), ``examples`` under it."""
@@ -351,5 +339,5 @@ def _subcommand(
         help=summary,
         description=textwrap.fill(description, width=79),
         epilog="examples:\n" + "\n".join(f"  {example}" for example in examples),
-        formatter_class=formatter,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -171,9 +171,7 @@ def mismatch(records: dict[int, CollectiveRecord]) -> str:
     for count in sorted(by_count):
         group = by_count[count]
         if len({r.op for r in group.values()}) > 1:
-            parts = ", ".join(
-                f"rank {rank} entered {group[rank].where()}" for rank in sorted(group)
-            )
+            parts = ", ".join(f"rank {r} entered {group[r].where()}" for r in sorted(group))
             return f"mismatched collectives: {parts}"
     return ""
 
@@ -181,8 +179,7 @@ def mismatch(records: dict[int, CollectiveRecord]) -> str:
 def unmatched(records: dict[int, CollectiveRecord], finished: set[int], rank: int) -> str:
     """Why ``rank`` waits in vain: 'rank 1 finished the test after 0 collective(s)' when ranks
     in ``finished`` ended without entering the collective ``rank`` is in (or raised in)."""
-    mine = records.get(rank)
-    if mine is None or mine.state == LEFT:
+    if (mine := records.get(rank)) is None or mine.state == LEFT:
         return ""
     gone = sorted(r for r in finished if r in records and records[r].count < mine.count)
     return ", ".join(

@@ -31,6 +31,13 @@ class RankContext:
     # rendezvous URL ("file://<FileStore path>"; "threaded://" in thread mode)
     init_method: str = ""
 
+    @classmethod
+    def of_task(cls, task: Any, **fields: Any) -> RankContext:
+        """The context of one rank running ``task`` (a ``wire.RankTask``: its ``tmp_path``,
+        ``impl`` and ``test_id``); ``fields``: the others."""
+        tmp_path = pathlib.Path(task.tmp_path)
+        return cls(tmp_path=tmp_path, impl=task.impl, test_id=task.test_id, **fields)
+
     @property
     def placement(self) -> str:
         """Where the ranks run, for the report: ``cpu (gloo)``, ``cuda:0 shared by 2 ranks

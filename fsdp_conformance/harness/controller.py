@@ -1,6 +1,6 @@
 """The controller, the pytest side of the harness: options, the choice of backend and GPUs, and
 :class:`Runtime`, which hands a test to a rank backend (``run(request, task)`` -> ``RunResult``,
-``close()``: rank sets, ``threads.ThreadRanks``, ``launcher.TorchrunRanks``) and returns the
+``close()``: rank sets, ``launcher.TorchrunRanks``; ``threads.run_request``) and returns the
 verdict combined from the ranks' outcomes. One :class:`Runtime` per pytest process;
 :func:`get_runtime` gives ``RankTestCase`` the active one, or one from the environment.
 """
@@ -23,15 +23,10 @@ from fsdp_conformance.harness import gpus, rank, wire
 from fsdp_conformance.harness.rankset import RankSet, RankSetError
 from fsdp_conformance.harness.wire import FAILED, SKIPPED, RankTask, RunResult, TestTarget, not_run
 
-MODES = constants.MODES
-ENV_BACKEND = constants.ENV_BACKEND
-ENV_MODE = constants.ENV_MODE
-ENV_TIMEOUT = constants.ENV_TIMEOUT
 # At most this many pooled rank processes stay alive (least recently used sets go first).
 MAX_POOLED_RANKS = 8
 # Backends --fsdp-backend / FSDP_CONFORMANCE_BACKEND accept.
 BACKENDS = ("gloo", "nccl", "ucc", "mpi", "xccl")
-DEFAULT_TIMEOUT_S = constants.DEFAULT_TIMEOUT_S
 
 
 class OptionError(ValueError):
@@ -53,8 +48,8 @@ def parse_timeout(value: object, source: str) -> float:
 
 
 def parse_mode(value: str, source: str) -> str:
-    if value not in MODES:
-        raise OptionError(f"{source}={value!r}: use one of {', '.join(MODES)}")
+    if value not in constants.MODES:
+        raise OptionError(f"{source}={value!r}: use one of {', '.join(constants.MODES)}")
     return value
 
 
@@ -91,7 +86,7 @@ class RuntimeOptions:
     # default mode: "process", "process-fresh" or "thread"
     mode: str = constants.DEFAULT_MODE
     # seconds a test may run in its ranks before it is failed with stack dumps
-    timeout: float = DEFAULT_TIMEOUT_S
+    timeout: float = constants.DEFAULT_TIMEOUT_S
     world_size: int = 2
     # --fsdp-impl, passed to the ranks as dist.impl
     impl: str = "impl"
@@ -103,10 +98,11 @@ class RuntimeOptions:
     @classmethod
     def from_env(cls) -> RuntimeOptions:
         """Options from ``FSDP_CONFORMANCE_MODE`` / ``_TIMEOUT`` / ``_BACKEND``."""
+        mode, timeout, backend = constants.ENV_MODE, constants.ENV_TIMEOUT, constants.ENV_BACKEND
         return cls(
-            mode=parse_mode(os.environ.get(ENV_MODE) or constants.DEFAULT_MODE, ENV_MODE),
-            timeout=parse_timeout(os.environ.get(ENV_TIMEOUT) or DEFAULT_TIMEOUT_S, ENV_TIMEOUT),
-            backend=parse_backend(os.environ.get(ENV_BACKEND), ENV_BACKEND),
+            mode=parse_mode(os.environ.get(mode) or constants.DEFAULT_MODE, mode),
+            timeout=parse_timeout(os.environ.get(timeout) or constants.DEFAULT_TIMEOUT_S, timeout),
+            backend=parse_backend(os.environ.get(backend), backend),
         )
 
 
@@ -133,8 +129,7 @@ class TestRequest:
 def pickle_kwargs(kwargs: dict[str, Any]) -> bytes:
     """Pickle fixture values for rank processes (``monkeypatch`` becomes a rank-side one),
     or :class:`FixtureNotPicklable` naming the fixture that cannot be sent and the fixes."""
-    monkeypatch = sys.modules.get("_pytest.monkeypatch")
-    if monkeypatch is not None:
+    if (monkeypatch := sys.modules.get("_pytest.monkeypatch")) is not None:
         kwargs = {
             name: wire.RankMonkeyPatch() if isinstance(value, monkeypatch.MonkeyPatch) else value
             for name, value in kwargs.items()
@@ -262,7 +257,6 @@ class Runtime:
         self._gpu_total: int | None = None
         self._tests = 0
         self._processes = _ProcessRanks(self)
-        self._threads: Any = None
         # the torchrun job's backend (launcher.TorchrunRanks)
         self.launcher: Any = None
         if launcher is not None:
@@ -297,20 +291,15 @@ class Runtime:
     def run(self, request: TestRequest) -> RunResult:
         """Run one test in its ranks and return the combined verdict."""
         task = RankTask(
-            target=request.target,
-            test_id=request.test_id,
-            tmp_path="",
-            impl=self.options.impl,
-            timeout=request.timeout,
-            wants_dist=request.wants_dist,
+            target=request.target, test_id=request.test_id, tmp_path="", impl=self.options.impl,
+            timeout=request.timeout, wants_dist=request.wants_dist,
             after_test=tuple(self.options.after_test),
-        )
+        )  # fmt: skip
         if self.launcher is not None:
             return self.launcher.run(request, task)
-        if request.mode not in MODES:
-            return not_run(
-                FAILED, f"unknown fsdp mode {request.mode!r}; use one of {', '.join(MODES)}"
-            )
+        if request.mode not in constants.MODES:
+            modes = ", ".join(constants.MODES)
+            return not_run(FAILED, f"unknown fsdp mode {request.mode!r}; use one of {modes}")
         if request.world_size < 1:
             return not_run(FAILED, f"world_size must be >= 1, got {request.world_size}")
         if not request.timeout > 0:
@@ -319,19 +308,15 @@ class Runtime:
         if request.gpus > total:
             where = " (CPU-only host)" if total == 0 else ""
             return not_run(SKIPPED, gpus.shortage(request.gpus, total, where))
-        backend: Any = self._processes
+        run = self._processes.run
         if request.mode == "thread":
             if request.gpus:
                 return not_run(SKIPPED, "thread mode runs ranks on CPU; this test needs GPUs")
-            if self._threads is None:
-                from fsdp_conformance.harness.threads import ThreadRanks
-
-                self._threads = ThreadRanks()
-            backend = self._threads
+            from fsdp_conformance.harness.threads import run_request as run
         self._tests += 1
         tmp_path = tempfile.mkdtemp(prefix=f"test{self._tests}-", dir=self.root)
         try:
-            return backend.run(request, dataclasses.replace(task, tmp_path=tmp_path))
+            return run(request, dataclasses.replace(task, tmp_path=tmp_path))
         finally:
             shutil.rmtree(tmp_path, ignore_errors=True)
 

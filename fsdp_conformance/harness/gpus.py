@@ -29,8 +29,7 @@ def fake_gpu_count() -> int | None:
 def gpu_count() -> int:
     """GPUs visible to this process (the fake count when set); imports torch only on hosts
     with GPU device files."""
-    fake = fake_gpu_count()
-    if fake is not None:
+    if (fake := fake_gpu_count()) is not None:
         return fake
     devices = glob.glob("/dev/nvidia[0-9]*") or os.path.exists("/dev/kfd")
     if os.environ.get("CUDA_VISIBLE_DEVICES") == "" or not devices:
@@ -106,8 +105,7 @@ def acquire_gpus(count: int, total: int, timeout: float, prefer: tuple[int, ...]
         os.makedirs(directory, exist_ok=True)
         held: dict[int, Any] = {}  # GPU -> its locked file
         for gpu in order:
-            file = _lock(os.path.join(directory, f"gpu{gpu}.lock"))
-            if file is not None:
+            if (file := _lock(os.path.join(directory, f"gpu{gpu}.lock"))) is not None:
                 held[gpu] = file
                 if len(held) == count:
                     return GpuLease(tuple(held), list(held.values()))

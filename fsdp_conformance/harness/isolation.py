@@ -58,11 +58,7 @@ class StateSnapshot:
         if dict(os.environ) != self.environ:
             os.environ.clear()
             os.environ.update(self.environ)
-        try:
-            if os.getcwd() != self.cwd:
-                os.chdir(self.cwd)
-        except OSError:
-            os.chdir(self.cwd)
+        os.chdir(self.cwd)
         sys.path[:] = self.sys_path
         self.warnings_guard.__exit__(None, None, None)
         if keep_warnings_guard:
@@ -105,8 +101,7 @@ def leftover_native_threads(
     if native_threads() <= snapshot.native_threads + NATIVE_THREAD_SLACK:
         return []
     gc.collect()
-    extra = native_threads() - snapshot.native_threads
-    if extra <= NATIVE_THREAD_SLACK:
+    if (extra := native_threads() - snapshot.native_threads) <= NATIVE_THREAD_SLACK:
         return []
     why = "native: the gloo or nccl contexts of groups still referenced, e.g. by a global"
     return [
@@ -171,25 +166,18 @@ def _restore_torch_state(state: dict[str, Any]) -> None:
             set_(state[name])
     for name, saved in state["hooks"].items():
         current = getattr(hooks, name)
-        if isinstance(saved, dict):
-            if isinstance(current, dict):
-                current.clear()
-                current.update(saved)
-            else:
-                setattr(hooks, name, saved.copy())
+        if isinstance(saved, dict) and isinstance(current, dict):
+            current.clear()
+            current.update(saved)
         else:
-            setattr(hooks, name, saved)
+            setattr(hooks, name, saved.copy() if isinstance(saved, dict) else saved)
 
 
 def rng_state() -> tuple[Any, Any, Any]:
     import torch
 
     numpy = sys.modules.get("numpy")
-    return (
-        torch.get_rng_state(),
-        random.getstate(),
-        numpy.random.get_state() if numpy is not None else None,
-    )
+    return torch.get_rng_state(), random.getstate(), numpy and numpy.random.get_state()
 
 
 def restore_rng(state: tuple[Any, Any, Any]) -> None:

@@ -12,7 +12,6 @@ import datetime
 import faulthandler
 import hashlib
 import os
-import pathlib
 import pickle
 import shutil
 import signal
@@ -29,8 +28,6 @@ from fsdp_conformance.harness import gpus, wire
 from fsdp_conformance.harness import rank as rank_task
 from fsdp_conformance.harness.wire import DIED, FAILED, HUNG, SKIPPED, RankOutcome, RankTask
 
-LAUNCHERS = constants.LAUNCHERS
-ENV_LAUNCHER = constants.ENV_LAUNCHER
 # What torchrun sets in every process it starts.
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 # Seconds a rank waits, beyond a test's timeout, for the others' outcomes / rank 0's status.
@@ -61,10 +58,9 @@ def _int_env(name: str, default: str | None = None) -> int:
 def detect(choice: str) -> LauncherEnv | None:
     """This process's :class:`LauncherEnv` when pytest runs inside a launcher, else None
     (``choice``: ``auto``, ``torchrun``: required, or ``none``)."""
-    if choice not in LAUNCHERS:
-        raise pytest.UsageError(
-            f"--fsdp-launcher {choice!r}: use one of {', '.join(LAUNCHERS)} (env {ENV_LAUNCHER})"
-        )
+    if choice not in constants.LAUNCHERS:
+        launchers, env = ", ".join(constants.LAUNCHERS), constants.ENV_LAUNCHER
+        raise pytest.UsageError(f"--fsdp-launcher {choice!r}: use one of {launchers} (env {env})")
     if choice == "none":
         return None
     # torch is imported only when it already is (the plugin stays import-light)
@@ -73,8 +69,7 @@ def detect(choice: str) -> LauncherEnv | None:
         rank, size = tdist.get_rank(), tdist.get_world_size()
         local = _int_env("LOCAL_RANK", str(rank)), _int_env("LOCAL_WORLD_SIZE", str(size))
         return LauncherEnv(rank, size, *local)
-    missing = [name for name in LAUNCHER_ENV if name not in os.environ]
-    if missing:
+    if missing := [name for name in LAUNCHER_ENV if name not in os.environ]:
         if choice == "torchrun":
             raise pytest.UsageError(
                 f"--fsdp-launcher torchrun: {', '.join(missing)} not set; start pytest with "
@@ -106,9 +101,8 @@ class _Watchdog:
         self.timeout = timeout
         self.fired = False
         self.dump = ""
-        self._armed = True
         self._lock = threading.Lock()
-        self._done = threading.Event()
+        self._done = threading.Event()  # set (under the lock) when the body returned
         self._main = threading.get_ident() == threading.main_thread().ident
         self._thread = threading.Thread(target=self._watch, daemon=True, name="fsdp-watchdog")
 
@@ -119,13 +113,12 @@ class _Watchdog:
 
     def __exit__(self, *exc_info: object) -> None:
         with self._lock:
-            self._armed = False
-        self._done.set()
+            self._done.set()
         self.runtime._watchdog = None
 
     def on_signal(self) -> None:
         with self._lock:
-            if self._armed and self.fired:
+            if self.fired and not self._done.is_set():
                 raise _Timeout
 
     def _watch(self) -> None:
@@ -136,7 +129,7 @@ class _Watchdog:
             stream.seek(0)
             dump = stream.read()
         with self._lock:
-            if not self._armed:
+            if self._done.is_set():
                 return
             self.dump = dump
             self.fired = True
@@ -309,8 +302,7 @@ class TorchrunRanks:
         outcomes = self._gather(key, size, deadline)
         if self.env.local_rank == 0:
             shutil.rmtree(tmp_path, ignore_errors=True)
-        gone = [o.rank for o in outcomes.values() if o.status in (DIED, HUNG)]
-        if gone:
+        if gone := [o.rank for o in outcomes.values() if o.status in (DIED, HUNG)]:
             self.broken = (
                 f"rank(s) {', '.join(map(str, gone))} hung or ended in {request.test_id}; the "
                 "process group cannot be trusted after that, so the session stopped"
@@ -335,20 +327,11 @@ class TorchrunRanks:
                 )
         except Exception as exc:  # noqa: BLE001  reported like a failure of the body
             return rank_task.classify_exception(rank, exc)
-        gpu_ids = (self._device.index,) if self._backend == "nccl" else ()
-        ctx = RankContext(
-            rank=rank,
-            world_size=size,
-            group=group,
-            device=self._device,
-            backend=self._backend,
-            tmp_path=pathlib.Path(task.tmp_path),
-            impl=self.options.impl,
-            mode="launcher",  # run in place
-            gpu_ids=gpu_ids,
-            test_id=request.test_id,
-            init_method="env://",
-        )
+        ctx = RankContext.of_task(
+            task, rank=rank, world_size=size, group=group, device=self._device,
+            backend=self._backend, mode="launcher",  # run in place
+            gpu_ids=(self._device.index,) if self._backend == "nccl" else (), init_method="env://",
+        )  # fmt: skip
         watchdog = _Watchdog(self, key, size, request.timeout)
         job_group = tdist.group.WORLD
         snapshot = isolation.StateSnapshot.take()
@@ -372,15 +355,13 @@ class TorchrunRanks:
         return outcome
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        watchdog = self._watchdog
-        if watchdog is not None:
-            watchdog.on_signal()
+        if self._watchdog is not None:
+            self._watchdog.on_signal()
 
     def _give_up(self, key: str, size: int) -> None:
         """The body did not return after the watchdog's signal: report and end the process."""
-        test_id = key.removeprefix("test/")
         head = (
-            f"fsdp-conformance: rank {self.env.rank}: {test_id} did not return "
+            f"fsdp-conformance: rank {self.env.rank}: {key.removeprefix('test/')} did not return "
             f"{self.options.timeout:g} s after its timeout interrupted it; ending this process"
         )
         if self.env.rank == 0:
@@ -401,12 +382,12 @@ class LauncherPlugin:
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_sessionstart(self, session: pytest.Session) -> None:
+        self._session = session
         if self.env.rank == 0:
             return
         from _pytest._io import TerminalWriter
 
-        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-        if reporter is not None:
+        if (reporter := session.config.pluginmanager.get_plugin("terminalreporter")) is not None:
             devnull = open(os.devnull, "w")  # noqa: SIM115  (closed with the session)
             session.config.add_cleanup(devnull.close)
             reporter._tw = TerminalWriter(devnull)
@@ -415,25 +396,22 @@ class LauncherPlugin:
     def pytest_collection_modifyitems(self, session: pytest.Session, items: list[Any]) -> None:
         runtime = self.runtime
         runtime.start()
-        ids = [item.nodeid for item in items]
-        runtime._post("collected", hashlib.sha256("\n".join(ids).encode()).hexdigest())
-        runtime._post("collected-ids", ids)
+        runtime._post("collected", [item.nodeid for item in items])
         keys = [f"collected/{rank}" for rank in range(self.env.world_size)]
-        missing = runtime._missing(keys, runtime.options.timeout)
-        if missing:
+        if missing := runtime._missing(keys, runtime.options.timeout):
             ranks = ", ".join(key.rpartition("/")[2] for key in missing)
             runtime.broken = f"rank(s) {ranks} did not finish collecting"
             raise pytest.UsageError(
                 f"launcher mode: rank(s) {ranks} did not report their collected tests within "
                 f"{runtime.options.timeout:g} s (--fsdp-timeout)"
             )
-        digests = [runtime._read(key) for key in keys]
-        other = next((r for r, d in enumerate(digests) if d != digests[0]), None)
+        collected = [runtime._read(key) or [] for key in keys]
+        reference = collected[0]
+        other = next((r for r, ids in enumerate(collected) if ids != reference), None)
         if other is None:
             return
         # every rank fails the session, with the first rank that differs from rank 0
-        theirs = runtime._read(f"collected-ids/{other}") or []
-        reference = runtime._read("collected-ids/0") or []
+        theirs = collected[other]
         only_there = sorted(set(theirs) - set(reference))[:10]
         only_zero = sorted(set(reference) - set(theirs))[:10]
         runtime.broken = "the ranks collected different tests"
@@ -450,10 +428,6 @@ class LauncherPlugin:
         session = getattr(self, "_session", None)
         if self.runtime.broken is not None and session is not None:
             session.shouldfail = self.runtime.broken
-
-    @pytest.hookimpl(tryfirst=True)
-    def pytest_collection(self, session: pytest.Session) -> None:
-        self._session = session
 
     @pytest.hookimpl(trylast=True)
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
@@ -478,8 +452,7 @@ class LauncherPlugin:
 def configure(config: pytest.Config, choice: str) -> LauncherEnv | None:
     """:func:`detect` the launcher; on ranks other than 0 turn off ``--junitxml`` and the CLI's
     result file before their plugins start."""
-    env = detect(choice)
-    if env is not None and env.rank != 0:
+    if (env := detect(choice)) is not None and env.rank != 0:
         config.option.xmlpath = None
         os.environ.pop("FSDP_CONFORMANCE_CLI_RESULTS", None)
     return env

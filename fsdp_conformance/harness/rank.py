@@ -21,7 +21,6 @@ import importlib
 import importlib.util
 import inspect
 import os
-import pathlib
 import pickle
 import random
 import signal
@@ -88,12 +87,10 @@ def load_test_module(name: str, file: str | None) -> types.ModuleType:
         return module
     if file is None:
         return importlib.import_module(name)
-    parent = name.rpartition(".")[0]
-    if parent:
+    if parent := name.rpartition(".")[0]:
         with contextlib.suppress(ImportError):  # pytest's importlib mode: synthetic package names
             importlib.import_module(parent)  # for relative imports in the test module
-    spec = importlib.util.spec_from_file_location(name, file)
-    if spec is None or spec.loader is None:
+    if (spec := importlib.util.spec_from_file_location(name, file)) is None or spec.loader is None:
         raise ImportError(f"cannot load test module {name!r} from {file}")
     module = importlib.util.module_from_spec(spec)
     with open(file, "rb") as source_file:
@@ -184,8 +181,7 @@ def seed_all(seed: int) -> None:
 
     torch.manual_seed(seed)
     random.seed(seed)
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:
+    if (numpy := sys.modules.get("numpy")) is not None:
         numpy.random.seed(seed)
 
 
@@ -229,7 +225,7 @@ def run_task(
     _current_context.ctx = ctx
     device_handle.set_rank_device(ctx.device)
     try:
-        seed_all(task.seed)
+        seed_all(wire.RANK_SEED)
         start = time.perf_counter()
         with properties.collecting() as recorded:
             try:
@@ -313,8 +309,7 @@ def reset_after_test(
         destroy_subgroups()
         notes = isolation.leftover_native_threads(snapshot, rank)
     snapshot.restore()
-    left = isolation.leftover_threads(snapshot)
-    if left:
+    if left := isolation.leftover_threads(snapshot):
         notes.append(f"the test left thread(s) running in rank {rank}: {', '.join(left)}")
     return notes
 
@@ -437,12 +432,9 @@ class _RankProcess:
         # kept for re-creating the default group after a test destroyed it
         self.store = dist.FileStore(self.store_path, self.world_size)
         self.init_group(self.store)
-        self.slot = None
-        slot_path = os.environ.get(ENV_COLLECTIVE_SLOT)
-        if slot_path:
-            self.slot = collectives.CollectiveSlot.mapped(slot_path)
-            collectives.set_process_slot(self.slot)
-            collectives.install()
+        self.slot = collectives.CollectiveSlot.mapped(os.environ[ENV_COLLECTIVE_SLOT])
+        collectives.set_process_slot(self.slot)
+        collectives.install()
         self.base_environ = dict(os.environ)
         # restored after every test (harness/isolation.py)
         self.snapshot = isolation.StateSnapshot.take()
@@ -478,19 +470,11 @@ class _RankProcess:
         with contextlib.suppress(OSError):
             os.chdir(task.cwd)
         add_after_test(task.after_test)
-        ctx = RankContext(
-            rank=self.rank,
-            world_size=self.world_size,
-            group=self.group,
-            device=self.device,
-            backend=self.backend,
-            tmp_path=pathlib.Path(task.tmp_path),
-            impl=task.impl,
-            mode=self.mode,
-            gpu_ids=self.gpu_ids,
-            test_id=task.test_id,
+        ctx = RankContext.of_task(
+            task, rank=self.rank, world_size=self.world_size, group=self.group, device=self.device,
+            backend=self.backend, mode=self.mode, gpu_ids=self.gpu_ids,
             init_method=f"file://{self.store_path}",
-        )
+        )  # fmt: skip
         # importing the test is not test time: the timeout starts once every rank sent Started
         try:
             call = resolve_target(task.target)
@@ -498,8 +482,7 @@ class _RankProcess:
         except BaseException as exc:  # noqa: BLE001  reported like a failure of the body
             return classify_exception(self.rank, exc)
         self.conn.send(wire.Started())
-        if self.slot is not None:
-            self.slot.reset()
+        self.slot.reset()
         return run_task(task, ctx, call, values, self.monkeypatches)
 
 

@@ -12,7 +12,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from multiprocessing.connection import Connection, wait
@@ -125,16 +124,8 @@ class RankSet:
                 with contextlib.suppress(OSError):  # else a fresh interpreter, as without one
                     proc = zygote.spawn(env, self.log_paths[rank], child_sock.fileno())
             if proc is None:
-                with open(self.log_paths[rank], "wb") as log:
-                    proc = subprocess.Popen(
-                        [sys.executable, "-c", _RANK_COMMAND],
-                        stdin=subprocess.DEVNULL,
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        pass_fds=[child_sock.fileno()],
-                        env=env,
-                        start_new_session=True,  # Ctrl-C goes to pytest, which kills the set
-                    )
+                with open(self.log_paths[rank], "wb") as log:  # Ctrl-C: pytest kills the set
+                    proc = zygote.start_python(_RANK_COMMAND, log, child_sock.fileno(), env)
             child_sock.close()
             self.procs.append(proc)
             self.conns.append(Connection(parent_sock.detach()))
@@ -142,8 +133,7 @@ class RankSet:
     def _await_ready(self, deadline: float) -> None:
         pending = dict(enumerate(self.conns))
         while pending:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            if (remaining := deadline - time.monotonic()) <= 0:
                 dumps = self._dump_stacks(list(pending))
                 raise RankSetError(
                     f"ranks {sorted(pending)} did not join the process group within "
@@ -155,9 +145,8 @@ class RankSet:
                 try:
                     message = conn.recv()
                 except (EOFError, OSError):
-                    returncode = self._reap(rank)
                     raise RankSetError(
-                        f"rank {rank} {describe_exit(returncode)} while starting:\n"
+                        f"rank {rank} {describe_exit(self._reap(rank))} while starting:\n"
                         + self._read_log(rank)
                     ) from None
                 try:
@@ -233,8 +222,7 @@ class RankSet:
     def _restore_group(self, run: _TestRun) -> None:
         """Re-create the default group when the test destroyed it in every rank; replace
         the set when only some ranks destroyed it or the re-creation fails."""
-        gone = sorted(r for r, alive in run.group_alive.items() if not alive)
-        if not gone:
+        if not (gone := sorted(r for r, alive in run.group_alive.items() if not alive)):
             return
         if len(gone) < self.world_size:
             ranks = ", ".join(map(str, gone))
@@ -287,8 +275,7 @@ class RankSet:
         while time.monotonic() < deadline:
             time.sleep(0.1)
             now = {rank: os.path.getsize(self.log_paths[rank]) for rank in ranks}
-            written = all(now[r] > self.log_offsets[r] for r in ranks)
-            if written and now == sizes:
+            if all(now[r] > self.log_offsets[r] for r in ranks) and now == sizes:
                 break
             sizes = now
         dumps = {}
@@ -416,10 +403,9 @@ class _TestRun:
     def _look_for_mismatch(self, pending: dict[int, Connection]) -> None:
         records = self.records()
         inside = all(rank in records and records[rank].inside for rank in pending)
-        finished = self._passed()
         stuck = inside and (
             collectives.mismatch(records)
-            or all(collectives.unmatched(records, finished, rank) for rank in pending)
+            or all(collectives.unmatched(records, self._passed(), rank) for rank in pending)
         )
         if stuck and records == self.stuck_records:
             self.mismatch_since = self.mismatch_since or time.monotonic()

@@ -41,8 +41,7 @@ class RankTestCase(unittest.TestCase):
         """The rank's context (``rank``, ``group``, ``device``, ``backend``, ``tmp_path``)."""
         from fsdp_conformance.harness.rank import current_context
 
-        ctx = current_context()
-        if ctx is None:
+        if (ctx := current_context()) is None:
             raise RuntimeError(
                 f"{type(self).__name__}.dist / .rank exist only while a test runs in its ranks"
             )
@@ -113,15 +112,14 @@ def _run_in_ranks(case: RankTestCase, method_name: str) -> None:
 
     runtime = controller.get_runtime()
     cls = type(case)
-    target = TestTarget(
-        module_name=cls.__module__,
-        module_file=getattr(sys.modules[cls.__module__], "__file__", None),
-        class_path=tuple(cls.__qualname__.split(".")),
-        function_name=method_name,
-        kind="unittest",
-    )
     request = controller.TestRequest(
-        target=target,
+        target=TestTarget(
+            module_name=cls.__module__,
+            module_file=getattr(sys.modules[cls.__module__], "__file__", None),
+            class_path=tuple(cls.__qualname__.split(".")),
+            function_name=method_name,
+            kind="unittest",
+        ),
         kwargs={},
         test_id=case.id(),
         world_size=case.world_size,

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import functools
-import pathlib
 import sys
 import threading
 import time
@@ -64,8 +63,7 @@ def _releasing_baton(wait: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(wait)
     def releasing(*args: Any, **kwargs: Any) -> Any:
-        held = getattr(_local, "held", None)
-        if held is None:
+        if (held := getattr(_local, "held", None)) is None:
             return wait(*args, **kwargs)
         baton, rank = held
         baton.release(rank)
@@ -110,16 +108,12 @@ def _install_threaded_world(mtpg: Any) -> None:
         mtpg.ThreadLocalWorld.comms = property(lambda self: [])
 
 
-class ThreadRanks:
-    """The rank backend of ``thread`` mode."""
-
-    def run(self, request: Any, task: RankTask) -> wire.RunResult:
-        call = request.function or rank_task.resolve_target(task.target)
-        outcomes, mismatch = run_threaded(task, request.world_size, call, request.kwargs)
-        return wire.RunResult(wire.summarize(outcomes, request.world_size, mismatch))
-
-    def close(self) -> None:
-        pass
+def run_request(request: Any, task: RankTask) -> wire.RunResult:
+    """The rank backend of ``thread`` mode: ``task`` of ``request`` (a ``controller.TestRequest``)
+    in rank threads."""
+    call = request.function or rank_task.resolve_target(task.target)
+    outcomes, mismatch = run_threaded(task, request.world_size, call, request.kwargs)
+    return wire.RunResult(wire.summarize(outcomes, request.world_size, mismatch))
 
 
 def run_threaded(
@@ -153,8 +147,7 @@ def run_threaded(
             deadline = time.monotonic() + task.timeout
             for thread in threads:
                 thread.join(timeout=max(0.0, deadline - time.monotonic()))
-            hung = [r for r, t in enumerate(threads) if t.is_alive()]
-            if hung:
+            if hung := [r for r, t in enumerate(threads) if t.is_alive()]:
                 frames = sys._current_frames()
                 running = [r for r in hung if r in run.began]
                 for rank in hung:
@@ -230,18 +223,10 @@ class _ThreadedRun:
             store=self.store,
             timeout=datetime.timedelta(seconds=task.timeout),
         )
-        ctx = RankContext(
-            rank=rank,
-            world_size=self.world_size,
-            group=dist.group.WORLD,
-            device=torch.device("cpu"),
-            backend="threaded",
-            tmp_path=pathlib.Path(task.tmp_path),
-            impl=task.impl,
-            mode="thread",
-            test_id=task.test_id,
-            init_method="threaded://",
-        )
+        ctx = RankContext.of_task(
+            task, rank=rank, world_size=self.world_size, group=dist.group.WORLD, mode="thread",
+            device=torch.device("cpu"), backend="threaded", init_method="threaded://",
+        )  # fmt: skip
         self.baton.acquire(rank)
         self.began.add(rank)
         _local.held = (self.baton, rank)
@@ -260,11 +245,9 @@ class _ThreadedRun:
             # the ranks that finished ended the threaded group under this one
             why = f"waiting in {where.where()}; never entered by the others: {missing}"
             return RankOutcome(rank, HUNG, message=why)
-        why = (
-            f"stopped because rank {first.rank} {first.status}"
-            if first is not None
-            else "stopped because the threaded process group was terminated"
-        )
+        why = "stopped because the threaded process group was terminated"
+        if first is not None:
+            why = f"stopped because rank {first.rank} {first.status}"
         if where.count and where.state != collectives.LEFT:
             why += f" while this rank waited in {where.where()}"
         return RankOutcome(rank, ABORTED, message=why)

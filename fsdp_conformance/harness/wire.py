@@ -50,7 +50,6 @@ class RankTask:
     timeout: float
     # whether the test function takes `dist` itself (else only through a fixture)
     wants_dist: bool = True
-    seed: int = RANK_SEED
     # module-level functions to call after the test (rank.add_after_test)
     after_test: tuple[Callable[[], None], ...] = ()
     # rank processes only: the pickled fixture values (unpickled after the test module is
@@ -226,21 +225,18 @@ def summarize(outcomes: dict[int, RankOutcome], world_size: int, mismatch: str =
     )
     if not problems:
         for status in (XFAILED, SKIPPED):
-            first = next((o for o in ordered if o.status == status), None)
-            if first is not None:
+            if (first := next((o for o in ordered if o.status == status), None)) is not None:
                 return Verdict(status, first.message, list(recorded))
         return Verdict(PASSED, "", list(recorded))
     lines = [mismatch] if mismatch else []
     for o in [*problems, *(o for o in ordered if o.status in (SKIPPED, XFAILED))]:
         what = o.message.removeprefix(f"rank {o.rank} ") if o.status == DIED else o.message
         lines.append(f"rank {o.rank} of {world_size} {o.status}: {what}")
-    passed = [str(o.rank) for o in ordered if o.status == PASSED]
-    if passed:
+    if passed := [str(o.rank) for o in ordered if o.status == PASSED]:
         lines.append(f"ranks that passed: {', '.join(passed)}")
     shown: dict[str, int] = {}  # traceback text -> first rank that showed it
     for o in problems:
-        details = o.traceback.rstrip()
-        if details in shown:
+        if (details := o.traceback.rstrip()) in shown:
             lines.append(f"\n===== rank {o.rank}: same traceback as rank {shown[details]} =====")
         elif details:
             shown[details] = o.rank

@@ -68,13 +68,25 @@ def spawn(env: dict[str, str], log_path: str, fd: int) -> ForkedProcess:
     """Fork a rank process with environment ``env``, output into ``log_path``, holding ``fd``
     (its end of the controller's socket; the rank finds its number in ``rank.ENV_FD``).
     OSError when no zygote can serve it."""
-    key = tuple(sorted((k, v) for k, v in env.items() if k.startswith(_IMPORT_TIME)))
-    key += (sys.executable,)
+    key = (*sorted((k, v) for k, v in env.items() if k.startswith(_IMPORT_TIME)), sys.executable)
     with _lock:
-        zygote = _zygotes.get(key)
-        if zygote is None or not zygote.alive():
+        if (zygote := _zygotes.get(key)) is None or not zygote.alive():
             zygote = _zygotes[key] = Zygote(env)
     return zygote.spawn(env, log_path, fd)
+
+
+def start_python(command: str, output: Any, fd: int, env: dict[str, str]) -> subprocess.Popen:
+    """``python -c command`` holding ``fd``, in a session of its own (Ctrl-C goes to the
+    controller), stdin from /dev/null, stdout and stderr into ``output``."""
+    return subprocess.Popen(
+        [sys.executable, "-c", command],
+        stdin=subprocess.DEVNULL,
+        stdout=output,
+        stderr=subprocess.STDOUT,
+        pass_fds=[fd],
+        env=env,
+        start_new_session=True,
+    )
 
 
 def _exists(pid: int) -> bool:
@@ -127,15 +139,7 @@ class Zygote:
         env = {k: v for k, v in env.items() if not k.startswith("FSDP_CONFORMANCE_")}
         env.update({ENV_FD: str(theirs.fileno()), ENV_PRELOAD: ",".join(sorted(_preload))})
         env["PYTHONUNBUFFERED"] = "1"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", _COMMAND],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            pass_fds=[theirs.fileno()],
-            env=env,
-            start_new_session=True,  # Ctrl-C goes to the controller
-        )
+        self.proc = start_python(_COMMAND, subprocess.DEVNULL, theirs.fileno(), env)
         theirs.close()
         self.exited: dict[int, int] = {}
         self.eof = False
@@ -186,8 +190,7 @@ class Zygote:
         """One message (exit reports are recorded on the way); None on timeout or EOF."""
         if self.eof or not select.select([self.sock], [], [], timeout)[0]:
             return None
-        data = self.sock.recv(_MAX_MESSAGE)
-        if not data:
+        if not (data := self.sock.recv(_MAX_MESSAGE)):
             self.eof = True
             return None
         message = pickle.loads(data)

@@ -180,8 +180,7 @@ class CommTrace:
         for phase in self.phases:
             events = [event.render() for event in self.select(phase, ops)]
             kind = phase.rsplit(" ", 1)[-1]
-            previous = last_of_kind.get(kind)
-            if previous is not None and previous[1] == events:
+            if (previous := last_of_kind.get(kind)) is not None and previous[1] == events:
                 lines.append(f"{phase}: same as {previous[0]}")
                 continue
             last_of_kind[kind] = (phase, events)

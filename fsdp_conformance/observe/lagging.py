@@ -84,8 +84,7 @@ class OrderedStream(LaggingStream):
         self.waited = 0  # the latest device sequence number this stream waited for (0: none)
 
     def wait_event(self, event: Any) -> None:
-        seq = getattr(event, "seq", None)
-        if seq is not None:
+        if (seq := getattr(event, "seq", None)) is not None:
             self.waited = max(self.waited, seq)
 
     def wait_stream(self, stream: Any) -> None:

@@ -152,14 +152,10 @@ class ResidencyTracker:
         self._sample("complete", "")
 
     def _sample(self, op: str, label: str) -> Sample:
-        resident, root_resident = self.resident()
-        sample = Sample(
-            len(self.samples), self.iteration, self.phase, op, label, resident, root_resident
-        )
+        sample = Sample(len(self.samples), self.iteration, self.phase, op, label, *self.resident())
         self.samples.append(sample)
-        peak = self.peaks.get((self.iteration, self.phase))
-        if peak is not None:
-            peak.root_resident = max(peak.root_resident, root_resident)
+        if (peak := self.peaks.get((self.iteration, self.phase))) is not None:
+            peak.root_resident = max(peak.root_resident, sample.root_resident)
         return sample
 
     def _note_peak(self, sample: Sample, all_gather: bool = True) -> None:

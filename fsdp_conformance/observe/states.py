@@ -39,9 +39,8 @@ from fsdp_conformance.training_states import (
 # violations kept (the first ones explain the rest)
 MAX_VIOLATIONS = 20
 END_OF_BACKWARD = "end of backward"
-END_OF_BACKWARD_TRANSITIONS = training_states.END_OF_BACKWARD_TRANSITIONS
 _LEGAL_AT_END_OF_BACKWARD = {
-    source: targets | END_OF_BACKWARD_TRANSITIONS.get(source, frozenset())
+    source: targets | training_states.END_OF_BACKWARD_TRANSITIONS.get(source, frozenset())
     for source, targets in LEGAL_INSTANCE_TRANSITIONS.items()
 }
 
@@ -144,8 +143,7 @@ class TrainingStateRecorder:
         label = hook if of is None else f"{hook} of {of}"
         legal = _LEGAL_AT_END_OF_BACKWARD if hook == END_OF_BACKWARD else LEGAL_INSTANCE_TRANSITIONS
         for instance in self.instances:
-            state = self._instance_state(instance)
-            if state is not None:
+            if (state := self._instance_state(instance)) is not None:
                 self.states_seen[self.names[id(instance)]].add(str(state))
                 self._check(instance, label, "instance", state, legal)
         if self.root is not None:
@@ -169,8 +167,7 @@ class TrainingStateRecorder:
             if state is not None and state != InstanceState.IDLE:
                 self._record(instance, hook, "instance", None, state, ("IDLE",))
         if self.root is not None:
-            root_state = RootState(self.adapter.root_state(self.root))
-            if root_state != RootState.IDLE:
+            if (root_state := RootState(self.adapter.root_state(self.root))) != RootState.IDLE:
                 self._record(self.root, hook, "root", None, root_state, ("IDLE",))
         self.assert_legal()
 

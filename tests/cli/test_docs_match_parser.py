@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from fsdp_conformance.cli import build_parser
-from fsdp_conformance.cli.usage import BUILTIN_IMPLS, EXIT_CODES
+from fsdp_conformance.cli.usage import EXIT_CODES
+from fsdp_conformance.constants import BUILTIN_ADAPTERS
 
 ROOT = Path(__file__).resolve().parents[2]
 CLI_DOC = (ROOT / "docs" / "cli.md").read_text()
@@ -69,7 +70,7 @@ def test_each_command_documents_its_exit_codes_and_option_defaults(command: str)
             assert options[name] == "", (command, name, options[name])
         elif action.default is None:
             if name == "--impl":  # conformance --impl (repeatable): every built-in
-                assert options[name] == ", ".join(BUILTIN_IMPLS), (command, name)
+                assert options[name] == ", ".join(BUILTIN_ADAPTERS), (command, name)
         else:
             assert options[name] == _shown(action.default), (command, name, options[name])
     known = {max(a.option_strings, key=len) for a in parser._actions if a.option_strings}
