@@ -6,6 +6,7 @@ runs exactly that cell and fails the same way (a suite cell and the fuzz cell), 
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import re
@@ -115,17 +116,20 @@ def test_printed_rerun_lines_rerun_one_cell_anywhere_and_failed_reruns_the_failu
     properties = {p.get("value") for p in junit.iter("property") if p.get("name") == "fsdp_rerun"}
     assert properties == reruns
 
-    # pasted in another directory, each runs exactly its cell and fails the same way
-    for name in (f"{BOUND}[strict-FULL_SHARD-bwd=None-fwd=0-limit=1]", FUZZ):
-        again = _shell(failing[name][2], elsewhere, cache)
+    # pasted in another directory, each runs exactly its cell and fails the same way; --failed
+    # re-runs the three failures (not the passing cell); the three side by side (the pasted
+    # lines with caches of their own: they need no recorded run)
+    assert "re-run the failing and deviating cells: " in first.stderr
+    line = first.stderr.split("re-run the failing and deviating cells: ")[1].splitlines()[0]
+    pasted = [f"{BOUND}[strict-FULL_SHARD-bwd=None-fwd=0-limit=1]", FUZZ]
+    jobs = [(failing[name][2], tmp_path / f"cache{i}") for i, name in enumerate(pasted)]
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        done = list(pool.map(lambda job: _shell(job[0], elsewhere, job[1]), [*jobs, (line, cache)]))
+    for name, again in zip(pasted, done):
         assert again.returncode == 1, again.stdout + again.stderr
         assert _cells(again.stdout) == {name: failing[name]}, again.stdout
     assert sorted(os.listdir(elsewhere)) == []
-
-    # --failed: the three failures (the passing cell is not run again), in the user's directory
-    assert "re-run the failing and deviating cells: " in first.stderr
-    line = first.stderr.split("re-run the failing and deviating cells: ")[1].splitlines()[0]
-    failed = _shell(line, elsewhere, cache)
+    failed = done[-1]
     assert failed.returncode == 1, failed.stdout + failed.stderr
     assert _cells(failed.stdout) == failing
     written = sorted(set(os.listdir(user)) - {"__pycache__"})
