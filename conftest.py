@@ -8,8 +8,9 @@ import gc
 import pytest
 
 # Tests that take 8 s or more (the longest case's seconds in a full `pytest -n auto` run on 2
-# cores, 2026-11-28), by node id without parameters. They run first so that `-n auto`'s load
-# scheduling hands them out at the start instead of leaving one to extend the end of the run.
+# cores, 2026-11-28), by node id without parameters. They run first: pyproject.toml's
+# `--dist worksteal` lets an idle worker take half of another's queue, so a run ends within one
+# test of balanced, and the tests left for the end are then short ones.
 LONG_TESTS = {
     "tests/cli/test_rerun.py::"
     "test_printed_rerun_lines_rerun_one_cell_anywhere_and_failed_reruns_the_failures": 39,
