@@ -231,8 +231,15 @@ def _process_group(group: Any) -> Any:
 
 
 def _dtypes(value: Any) -> tuple[Any, ...]:
-    """The dtypes of the tensors in ``value`` (nested lists, tuples and dicts)."""
+    """The dtypes of the tensors in ``value`` (nested lists, tuples and dicts). A plain walk: it
+    runs on every collective of every rank, and torch's pytree walk was a third of the
+    observer's own cost."""
     import torch
-    from torch.utils._pytree import tree_leaves
 
-    return tuple(leaf.dtype for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor))
+    if isinstance(value, torch.Tensor):
+        return (value.dtype,)
+    if isinstance(value, dict):
+        value = value.values()
+    elif not isinstance(value, (list, tuple)):
+        return ()
+    return tuple(dtype for item in value for dtype in _dtypes(item))
