@@ -1,7 +1,8 @@
 """Per-test isolation: a :class:`StateSnapshot` of what a test may change in an interpreter
 (environment, cwd, ``sys.path``, ``warnings`` filters, RNGs, torch's global settings and module
-hooks, listeners of collectives), restored after each test; the threads a test leaves, Python's and native ones (the gloo
-and nccl contexts of process groups that outlive their destruction).
+hooks, listeners of collectives), restored after each test; the threads a test leaves,
+Python's and native ones (the gloo and nccl contexts of process groups that outlive their
+destruction).
 """
 
 from __future__ import annotations
