@@ -43,6 +43,8 @@ class Check:
     # declaration); False where conforming after all is fine (a misuse refused anyway)
     strict: bool = True
     case: str = ""  # what the `case` handed to Deviation.applies is ("" for none)
+    # the public FSDP API items it drives (suite/api_coverage.py, docs/api_coverage.md)
+    api: tuple[str, ...] = ()
 
 
 # check id -> Check, in declaration order (import fsdp_conformance.suite for all of them)
@@ -58,6 +60,7 @@ def declare(
     features: Iterable[str] = (),
     strict: bool = True,
     case: str = "",
+    api: Iterable[str] = (),
 ) -> Check:
     """Record that `function` (a suite test) implements `check_id`. The first declaration of an
     id gives its description and options; the check's other tests name only its id.
@@ -68,7 +71,7 @@ def declare(
     """
     test = function.__qualname__
     known = CHECKS.get(check_id)
-    first = Check(check_id, description, (test,), tuple(features), strict, case)
+    first = Check(check_id, description, (test,), tuple(features), strict, case, tuple(api))
     if description:
         if known is not None and dataclasses.replace(known, tests=(test,)) != first:
             raise ValueError(
@@ -80,7 +83,7 @@ def declare(
             f"check {check_id!r} (on {test}) is not declared yet; give its description (and "
             "options) on the check's first test"
         )
-    elif features or not strict or case:
+    elif features or not strict or case or api:
         raise ValueError(
             f"check {check_id!r} (on {test}): options belong to its first declaration "
             f"({known.tests[0]}); name only the id here"

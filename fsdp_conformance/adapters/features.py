@@ -83,12 +83,17 @@ class Feature:
     # - What an FSDP of another shape may not have (docs/adapters.md, "FSDPs of other shapes")
     TRAINING_STATES = "training_states"  # `training_state` / `root_state` report real states
     SUMMON_FULL_PARAMS = "summon_full_params"  # `summon_full_params` is the implementation's own
+    # - A public API of the implementation's own, driven by the suite's API families (opt-in:
+    #   claimed only where `Declarations.api` names its namespace; docs/api_coverage.md)
+    FSDP1_API = "fsdp1_api"  # api["fsdp1"]: FullyShardedDataParallel, MixedPrecision, ...
+    FSDP2_API = "fsdp2_api"  # api["fsdp2"]: fully_shard, FSDPModule, MixedPrecisionPolicy, ...
 
 
 ALL_FEATURES: frozenset[str] = frozenset(
     value for key, value in vars(Feature).items() if not key.startswith("_")
 )
 
+API_FAMILIES = {Feature.FSDP1_API: "fsdp1", Feature.FSDP2_API: "fsdp2"}  # feature -> family
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
 HYBRID_STRATEGIES = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
 BACKWARD_PREFETCHES = ("BACKWARD_PRE", "BACKWARD_POST")
@@ -348,6 +353,23 @@ class Declarations:
     instance_states: bool = True  # False: root states only
     # the adapter this one drives the implementation through: its deviations apply here too
     delegates_to: Any = None
+    # API family ("fsdp1", "fsdp2") -> the namespace holding that public API under torch's names
+    # (e.g. torch.distributed.fsdp); the family's checks call it directly
+    api: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.api) - set(API_FAMILIES.values()))
+        if unknown:
+            raise ValueError(
+                f"Declarations(api=...) names unknown API families {unknown}; use "
+                f"{sorted(API_FAMILIES.values())} (family -> namespace)"
+            )
+        undeclared = {
+            feature: f"declares no {family} API namespace (Declarations.api[{family!r}])"
+            for feature, family in API_FAMILIES.items()
+            if family not in self.api
+        }
+        object.__setattr__(self, "unsupported", {**undeclared, **self.unsupported})
 
 
 def support_problem(adapter: Any) -> str | None:

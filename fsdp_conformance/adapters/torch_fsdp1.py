@@ -302,6 +302,7 @@ class TorchFSDP1Adapter(Adapter):
             unsupported=_fsdp1_unsupported(),
             known_deviations=FSDP1_DEVIATIONS,
             support=(TORCH_RANGE,),
+            api={"fsdp1": torch.distributed.fsdp},
         )
 
     def _wrap(self, module: nn.Module, process_group: Any, config: dict[str, Any]) -> nn.Module:

@@ -153,6 +153,7 @@ class TorchFSDP2Adapter(Adapter):
         },
         known_deviations=FSDP2_DEVIATIONS,
         support=(FSDP2_TORCH_RANGE,),
+        api={"fsdp2": torch.distributed.fsdp},
     )
 
     def __init__(self) -> None:

@@ -25,9 +25,11 @@ def check(
     strict: bool = True,
     case: str = "",
     case_of: str | Callable[..., Any] | None = None,
+    api: Iterable[str] = (),
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Declare the decorated test as (a test of) check `check_id`, run as one cell; the other
-    arguments are the ``checks.Check`` fields (on a check's first test only). ``case_of``: the
+    arguments are the ``checks.Check`` fields (on a check's first test only; ``api``: the public
+    FSDP API items it drives, suite/api_coverage.py). ``case_of``: the
     test argument naming the case for ``Deviation.applies``, or a function of test arguments
     returning it."""
 
@@ -46,7 +48,9 @@ def check(
                 f"{function.__qualname__}: a check's test takes the fsdp_adapter fixture; add "
                 "it to the test's parameters"
             )
-        checks.declare(run_cell, check_id, description, features=features, strict=strict, case=case)
+        checks.declare(
+            run_cell, check_id, description, features=features, strict=strict, case=case, api=api
+        )
         return run_cell
 
     return decorate
