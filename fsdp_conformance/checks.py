@@ -10,6 +10,7 @@ on its pytest report as the properties ``PROPERTY_*``. Shared layer: no torch, n
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shlex
 from collections.abc import Callable, Iterable, Sequence
@@ -29,6 +30,45 @@ PROPERTY_FEATURE = "fsdp_feature"  # the missing feature of a not-applicable cel
 PROPERTY_FAILURE = "fsdp_failure"  # what failed in a deviating cell (the declared failure)
 PROPERTY_RERUN = "fsdp_rerun"  # the shell line re-running a failing or deviating cell alone
 PROPERTY_DEVICE = "fsdp_device"  # where the cell's ranks ran: "cuda:0 shared by 2 ranks (gloo)"
+PROPERTY_MEASURED = "fsdp_measured"  # a failing or deviating cell's CheckFailure, as JSON
+
+
+class CheckFailure(AssertionError):
+    """A check's own failure with what it measured, the figure a declared deviation's envelope
+    is compared with (``adapters.deviations.Envelope``) -- never parsed back from the message.
+
+    Args:
+        message: what failed, for a reader.
+        failure: what kind of failure, a fixed phrase (e.g. ``"memory bound exceeded"``).
+        **figures: the measured values. A number grows as the failure worsens (a peak, a gap, a
+            shortfall); any other value (a dtype's name, a state, a hook, counts) is what was
+            seen.
+    """
+
+    def __init__(self, message: str, failure: str, **figures: Any) -> None:
+        super().__init__(message)
+        self.failure = failure
+        self.figures = figures
+
+    def measured(self) -> str:
+        """``failure (name value, ...)``: the measured figure in words."""
+        return describe_figure(self.failure, self.figures)
+
+    def as_json(self) -> str:
+        """The figure as one line of JSON (``PROPERTY_MEASURED``)."""
+        return json.dumps({"failure": self.failure, **self.figures}, default=str, sort_keys=True)
+
+
+def describe_figure(failure: str, figures: dict[str, Any]) -> str:
+    """``failure (name value, ...)``."""
+    values = ", ".join(f"{name} {_figure_text(value)}" for name, value in figures.items())
+    return f"{failure} ({values})" if values else failure
+
+
+def _figure_text(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    return getattr(value, "pattern", None) or str(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,6 +205,7 @@ class Result:
     failure: str | None = None  # PROPERTY_FAILURE (None: not recorded)
     feature: str | None = None  # PROPERTY_FEATURE (None: not recorded)
     rerun: str | None = None  # PROPERTY_RERUN (None: not recorded)
+    measured: str | None = None  # PROPERTY_MEASURED (None: not recorded)
 
     def properties(self) -> list[tuple[str, str]]:
         """The record as report properties, each value on one line."""
@@ -175,6 +216,7 @@ class Result:
             (PROPERTY_FEATURE, self.feature and _one_line(self.feature)),
             (PROPERTY_FAILURE, self.failure and _one_line(self.failure)),
             (PROPERTY_RERUN, self.rerun),
+            (PROPERTY_MEASURED, self.measured),
         ]
         return [(name, value) for name, value in recorded if value is not None]
 
@@ -185,7 +227,8 @@ class Result:
         if PROPERTY_VERDICT not in values:
             return None
         check, reason = values.get(PROPERTY_CHECK, ""), values.get(PROPERTY_REASON, "")
-        optional = (PROPERTY_FAILURE, PROPERTY_FEATURE, PROPERTY_RERUN)  # None: not recorded
+        # None: not recorded
+        optional = (PROPERTY_FAILURE, PROPERTY_FEATURE, PROPERTY_RERUN, PROPERTY_MEASURED)
         return cls(check, values[PROPERTY_VERDICT], reason, *map(values.get, optional))
 
     @classmethod

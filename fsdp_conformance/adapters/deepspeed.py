@@ -172,7 +172,7 @@ DEEPSPEED_DEVIATIONS: tuple[Deviation, ...] = (
         "0.038 at SHARD_GRAD_OP); DeepSpeed or the adapter's mapping is at fault (not settled). "
         "Reproduction: fsdp-conformance run --impl deepspeed -k nested_alone",
         applies=lambda case: case.variant == "nested_alone",
-        match=r"nested_alone: losses differ from DDP's",
+        raises=AssertionError, match=r"nested_alone: losses differ from DDP's",
     ),
     _deviation(
         "parity.default_state_dict",
@@ -180,7 +180,7 @@ DEEPSPEED_DEVIATIONS: tuple[Deviation, ...] = (
         "loading it reports 'All keys matched' and restores nothing (DeepSpeed's own path: "
         "GatheredParameters or engine.save_checkpoint). Reproduction: e = ds.wrap(nn.Linear(8, 8), "
         "root=True); e.state_dict()['weight'].shape -> torch.Size([0])",
-        match=r"the load restored nothing",
+        raises=AssertionError, match=r"the load restored nothing",
     ),
     _deviation(
         "memory_bound",
@@ -189,7 +189,7 @@ DEEPSPEED_DEVIATIONS: tuple[Deviation, ...] = (
         "ds.wrap(nn.Linear(8, 8), root=True, sharding_strategy='SHARD_GRAD_OP'); "
         "e.module.weight.shape -> torch.Size([8, 8]), no all-gather in the comm trace",
         applies=lambda case: case.sharding_strategy == "SHARD_GRAD_OP",
-        match=r"SHARD_GRAD_OP forward keeps too few buffers: .*peak 0 <",
+        raises=AssertionError, match=r"SHARD_GRAD_OP forward keeps too few buffers: .*peak 0 <",
     ),
     _deviation(
         "parity.ddp",
@@ -203,7 +203,7 @@ DEEPSPEED_DEVIATIONS: tuple[Deviation, ...] = (
             and case.world_size <= 2
             and dict(case.settings).get("sharding_strategy") == "FULL_SHARD"
         ),
-        match=r"(losses differ|parameter 'embed_tokens.weight' differs) from DDP's .*"
+        raises=AssertionError, match=r"(losses differ|parameter 'embed_tokens.weight' differs) from DDP's .*"
         r"max \|difference\| [0-9.]+e-0[6-9]",
     ),
     _deviation(
@@ -212,7 +212,7 @@ DEEPSPEED_DEVIATIONS: tuple[Deviation, ...] = (
         "reproduction: fsdp_conformance.suite.comm_checks.trace_training(ds, 'nested', dist, "
         "{'sharding_strategy': 'SHARD_GRAD_OP'})[0].render()",
         applies=lambda case: case == "SHARD_GRAD_OP",
-        match=r"collective counts differ",
+        raises=AssertionError, match=r"collective counts differ",
     ),
     _deviation(
         "comm.prefetch_happens",
@@ -223,7 +223,7 @@ DEEPSPEED_DEVIATIONS: tuple[Deviation, ...] = (
         "{'sharding_strategy': 'FULL_SHARD', 'backward_prefetch': 'BACKWARD_PRE'})[0], ...) lists "
         "iteration 1 only",
         applies=lambda config: config.get("backward_prefetch") == "BACKWARD_PRE",
-        match=r"prefetch does not happen",
+        raises=AssertionError, match=r"prefetch does not happen",
     ),
     _deviation(
         "parity.bf16",
@@ -239,7 +239,7 @@ DEEPSPEED_DEVIATIONS: tuple[Deviation, ...] = (
         "bare assert whose message is the parameter's repr ('Parameter containing: ...'); "
         "reproduction: register_forward_hook(lambda *a: GatheredParameters(params).__enter__()) on "
         "an inner module, then e(x)",
-        match=r"does not name the problem .*got AssertionError: +Parameter containing",
+        raises=AssertionError, match=r"does not name the problem .*got AssertionError: +Parameter containing",
     ),
     _deviation(
         "overlap",
@@ -247,21 +247,21 @@ DEEPSPEED_DEVIATIONS: tuple[Deviation, ...] = (
         "first module computes, so nothing overlaps: 1.01x the serialised time (1 all-gather x 30 "
         "ms + 121 ms compute), the check expects <= 0.8x; reproduction: "
         "fsdp_conformance.suite.overlap.measure_overlap(ds, dist, 30.0, 30.0)",
-        match=r"no overlap of communication and computation",
+        raises=AssertionError, match=r"no overlap of communication and computation",
     ),
     _deviation(
         "misuse.wrap_twice",
         "deepspeed.initialize builds a second engine over a module an engine already owns, without "
         "an error; reproduction: lin = nn.Linear(8, 8); ds.wrap(lin, root=True); ds.wrap(lin, "
         "root=True)",
-        match=r"no exception was raised",
+        raises=AssertionError, match=r"no exception was raised",
     ),
     _deviation(
         "exec_order.divergent",
         "DeepSpeed does not compare the execution order across ranks: same-shaped modules run in "
         "different orders silently all-gather each other's shards; reproduction: rank 0 runs "
         "b(a(x)), rank 1 a(b(x)) under one ZeRO-3 engine: no error",
-        match=r"no exception was raised",
+        raises=AssertionError, match=r"no exception was raised",
     ),
     _deviation(
         "loops.activation_checkpointing",
@@ -270,7 +270,7 @@ DEEPSPEED_DEVIATIONS: tuple[Deviation, ...] = (
         "9.54e-07 on a loss after 3 steps, checkpoint inside or outside; ZeRO-2 bit-exact); "
         "reproduction: the loops.activation_checkpointing cell transformer-FULL_SHARD-inside",
         applies=lambda case: case.model == "transformer" and case.sharding_strategy == "FULL_SHARD",
-        match=r"(losses differ|parameter 'embed_tokens.weight' differs) from DDP's .*"
+        raises=AssertionError, match=r"(losses differ|parameter 'embed_tokens.weight' differs) from DDP's .*"
         r"max \|difference\| [0-9.]+e-0[6-9]",
     ),
     _deviation(
@@ -281,7 +281,7 @@ DEEPSPEED_DEVIATIONS: tuple[Deviation, ...] = (
         "b(a(x)) with b skipped in step 1 of 3, engine.backward + engine.step vs "
         "DDP(find_unused_parameters=True)",
         applies=lambda case: case.variant == "unused_branch",
-        match=r"differs? from DDP's",
+        raises=AssertionError, match=r"differs? from DDP's",
     ),
     _deviation(
         "memory.reshard_after_forward",
@@ -290,7 +290,7 @@ DEEPSPEED_DEVIATIONS: tuple[Deviation, ...] = (
         "notwithstanding; reproduction: wrap 'nested' FULL_SHARD, train one step, forward again -> "
         "every zoo_model parameter has ds_status AVAILABLE and p.data.numel() > 0 (after the first "
         "forward: NOT_AVAILABLE, 0)",
-        match=r"still hold unsharded parameters",
+        raises=AssertionError, match=r"still hold unsharded parameters",
     ),
     _deviation(
         "wrap.configs_isolated",
@@ -298,7 +298,7 @@ DEEPSPEED_DEVIATIONS: tuple[Deviation, ...] = (
         "keeps full parameters after forward from iteration 2); reproduction: see "
         "memory.reshard_after_forward",
         applies=lambda case: case == "sharding",
-        match=r"FULL_SHARD reshards after forward, but",
+        raises=AssertionError, match=r"FULL_SHARD reshards after forward, but",
     ),
     _deviation(
         "wrap.configs_isolated",
@@ -315,7 +315,7 @@ DEEPSPEED_DEVIATIONS: tuple[Deviation, ...] = (
         "steps is updated unlike DDP's); reproduction: see loops.forward_variants (found by "
         "fsdp-conformance fuzz --impl deepspeed --seed 0)",
         applies=lambda case: case is not None and "branch" in case.uses(),
-        match=r"FSDP .* != DDP |differs from DDP's",
+        raises=AssertionError, match=r"FSDP .* != DDP |differs from DDP's",
     ),
     _deviation(
         "fuzz.generated",
@@ -330,7 +330,7 @@ DEEPSPEED_DEVIATIONS: tuple[Deviation, ...] = (
         "misuse.forward_inside_summon",
         "a forward inside deepspeed.zero.GatheredParameters runs without an error; reproduction: "
         "with deepspeed.zero.GatheredParameters(list(e.parameters())): e(x)",
-        match=r"no exception was raised",
+        raises=AssertionError, match=r"no exception was raised",
     ),
 )
 

@@ -1,24 +1,80 @@
 """Known deviations: what an implementation does differently from a check, declared by its
 adapter (``Declarations.known_deviations``); the cell then reports a deviation, not a failure.
 
-A deviation covers one failure (``raises`` and ``match``): any other error in that cell is a
-failure. It stays with subclasses and with adapters that delegate (``delegates_to``). The
-verdict is decided in ``fsdp_conformance/suite/verdict.py``.
+[Note: envelopes]
+A deviation covers only what was measured. A check's own failure (``checks.CheckFailure``)
+carries its figure -- what failed and the measured values -- and a deviation of it declares an
+``Envelope``: the same failure, and for each figure the measured value (a number: the worst
+covered, within ``rtol``; anything else: exactly that value, or a ``re.Pattern`` it matches).
+Inside the envelope the cell is a deviation; a worse figure, another figure or another failure
+is a FAIL naming both ("declared: ...; measured: ..."). An error of the implementation itself
+(not a ``CheckFailure``) is covered by its exact signature: ``raises`` and ``match``. A deviation
+stays with subclasses and with adapters that delegate (``delegates_to``). The verdict is decided
+in ``fsdp_conformance/suite/verdict.py``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import re
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 
-from fsdp_conformance.checks import CHECKS, get_check
+from fsdp_conformance.checks import CHECKS, CheckFailure, describe_figure, get_check
 
 from .base import Adapter
+
+
+@dataclasses.dataclass(frozen=True, init=False)
+class Envelope:
+    """What a deviation measured: the check's ``failure`` and its figures ([Note: envelopes]).
+
+    ``Envelope("memory bound exceeded", peak=3)`` covers a peak of at most 3; ``rtol=0.5``
+    widens every number by half of it (numerics that vary across releases).
+    """
+
+    failure: str
+    figures: Mapping[str, Any]
+    rtol: float
+
+    def __init__(self, failure: str, *, rtol: float = 0.0, **figures: Any) -> None:
+        if not isinstance(failure, str) or not failure:
+            raise ValueError(f"Envelope({failure!r}): name the check's failure (a phrase)")
+        if not isinstance(rtol, (int, float)) or rtol < 0:
+            raise ValueError(f"Envelope({failure!r}): rtol={rtol!r} must be a number >= 0")
+        object.__setattr__(self, "failure", failure)
+        object.__setattr__(self, "figures", dict(figures))
+        object.__setattr__(self, "rtol", float(rtol))
+
+    def outside(self, error: CheckFailure) -> list[str]:
+        """What of ``error``'s figure lies outside this envelope (empty: inside)."""
+        if error.failure != self.failure:
+            return [f"another failure ({error.failure!r})"]
+        problems = [f"{name} not declared" for name in error.figures if name not in self.figures]
+        for name, declared in self.figures.items():
+            if name not in error.figures:
+                problems.append(f"{name} not measured")
+            elif not self._within(declared, error.figures[name]):
+                problems.append(f"{name} {error.figures[name]!r} beyond {declared!r}")
+        return problems
+
+    def _within(self, declared: Any, measured: Any) -> bool:
+        if isinstance(declared, re.Pattern):
+            return declared.search(str(measured)) is not None
+        if isinstance(declared, numbers.Real) and not isinstance(declared, bool):
+            return (
+                isinstance(measured, numbers.Real)
+                and not isinstance(measured, bool)
+                and measured <= declared + abs(declared) * self.rtol
+            )
+        return measured == declared
+
+    def __str__(self) -> str:
+        return describe_figure(self.failure, dict(self.figures))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,52 +83,61 @@ class Deviation:
 
     Args:
         check: the check id, one of ``fsdp_conformance.checks.CHECKS`` (e.g.
-            ``"misuse.wrap_twice"``).
+            ``"memory_bound"``).
         reason: why, with a minimal reproduction.
         applies: ``applies(case) -> bool``, the check's cases it covers; None: every case.
-        raises: the exception type(s) it covers (``AssertionError``: the check's own assertion,
-            ``pytest.fail`` and a failed ``pytest.raises`` too).
-        match: a regular expression searched in the failure's message; None: any message.
+        envelope: the check's own failure it covers, as measured ([Note: envelopes]).
+        raises: or the implementation's own error it covers: its exception type(s) ...
+        match: ... and a regular expression searched in its message (both required).
         measured_on: where it was measured, e.g. ``"torch 2.13.0"``.
     """
 
     check: str
     reason: str
     applies: Callable[[Any], bool] | None = None
-    raises: type[BaseException] | tuple[type[BaseException], ...] = AssertionError
+    envelope: Envelope | None = None
+    raises: type[BaseException] | tuple[type[BaseException], ...] | None = None
     match: str | None = None
     measured_on: str = ""
 
     def __post_init__(self) -> None:
+        def refuse(problem: str) -> None:
+            raise ValueError(f"Deviation(check={self.check!r}): {problem}")
+
         if not isinstance(self.reason, str) or not self.reason.strip():
-            raise ValueError(
-                f"Deviation(check={self.check!r}): give a non-empty reason (why, with a minimal "
-                "reproduction)"
-            )
+            refuse("give a non-empty reason (why, with a minimal reproduction)")
         if self.applies is not None and not callable(self.applies):
-            raise ValueError(
-                f"Deviation(check={self.check!r}): applies={self.applies!r} must be None or a "
-                "callable(case) -> bool"
-            )
+            refuse(f"applies={self.applies!r} must be None or a callable(case) -> bool")
+        if self.envelope is not None:
+            if not isinstance(self.envelope, Envelope):
+                refuse(f"envelope={self.envelope!r} must be an Envelope(failure, **figures)")
+            if self.raises is not None or self.match is not None:
+                refuse(
+                    "give an envelope (the check's failure) or raises and match (the "
+                    "implementation's own error), not both"
+                )
+            return
         types = self._types
         if not types or not all(
             isinstance(t, type) and issubclass(t, BaseException) for t in types
         ):
-            raise ValueError(
-                f"Deviation(check={self.check!r}): raises={self.raises!r} must be an exception "
-                "type or a tuple of them (the failure the deviation covers)"
+            refuse(
+                f"raises={self.raises!r}: declare envelope=Envelope(failure, **figures) for the "
+                "check's own failure, or raises (exception types) and match for the "
+                "implementation's own error"
             )
-        if self.match is not None:
-            try:
-                re.compile(self.match)
-            except (re.error, TypeError) as error:
-                raise ValueError(
-                    f"Deviation(check={self.check!r}): match={self.match!r} is not a regular "
-                    f"expression ({error})"
-                ) from None
+        try:
+            re.compile(self.match)  # type: ignore[arg-type]
+        except (re.error, TypeError) as error:
+            refuse(
+                f"match={self.match!r} must be the regular expression of the error's message "
+                f"({error})"
+            )
 
     @property
     def _types(self) -> tuple[type[BaseException], ...]:
+        if self.raises is None:
+            return ()
         return self.raises if isinstance(self.raises, tuple) else (self.raises,)
 
     def matches(self, check: str, case: Any = None) -> bool:
@@ -80,9 +145,15 @@ class Deviation:
         return self.check == check and (self.applies is None or bool(self.applies(case)))
 
     def covers(self, error: BaseException) -> bool:
-        """Whether ``error`` is the failure this deviation declares (type and message); an
-        assertion raised *from* another error is that error's failure, so its cause must be
-        covered too."""
+        """Whether ``error`` is the failure this deviation declares: a ``CheckFailure`` inside
+        the envelope, or the implementation's error (type and message); an assertion raised
+        *from* another error is that error's failure, so its cause must be covered too."""
+        if isinstance(error, CheckFailure) or self.envelope is not None:
+            return (
+                self.envelope is not None
+                and isinstance(error, CheckFailure)
+                and not self.envelope.outside(error)
+            )
         types = self._types
         if not self._is_type(error, types):
             return False
@@ -91,10 +162,8 @@ class Deviation:
             cause = cause.__cause__
         if error.__cause__ is not None and cause is not None and not self._is_type(cause, types):
             return False
-        if self.match is None:
-            return True
         message = str(getattr(error, "msg", None) or error)
-        return re.search(self.match, message, re.DOTALL) is not None
+        return re.search(self.match or "", message, re.DOTALL) is not None
 
     @staticmethod
     def _is_assertion(error: BaseException) -> bool:
@@ -106,8 +175,20 @@ class Deviation:
 
     def covers_text(self) -> str:
         """What it covers, in words."""
-        names = " or ".join(t.__name__ for t in self._types)
-        return names + (f" matching {self.match!r}" if self.match else "")
+        if self.envelope is not None:
+            return str(self.envelope)
+        return " or ".join(t.__name__ for t in self._types) + f" matching {self.match!r}"
+
+    def outside_text(self, error: BaseException) -> str:
+        """``declared: ...; measured: ...``, for a failure this deviation does not cover."""
+        if isinstance(error, CheckFailure):
+            measured = error.measured()
+            if self.envelope is not None:
+                measured += f" -- {'; '.join(self.envelope.outside(error))}"
+        else:
+            lines = str(getattr(error, "msg", None) or error).strip().splitlines()
+            measured = f"{type(error).__name__}: {lines[0] if lines else ''}"
+        return f"declared: {self.covers_text()}; measured: {measured}"
 
 
 def _is_pytest_failure(error: BaseException) -> bool:

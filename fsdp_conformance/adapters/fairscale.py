@@ -68,7 +68,7 @@ FAIRSCALE_DEVIATIONS: tuple[Deviation, ...] = (
         "fsdp_conformance.suite.memory_bound.measure_residency(fs, group, {'limit_all_gathers': "
         "True}, 'strict').peak_table() (docs/fairscale.md)",
         applies=lambda case: case.limit_all_gathers,
-        match=r"^memory bound exceeded: ",
+        raises=AssertionError, match=r"^memory bound exceeded: ",
     ),
     _on_matrix(
         "parity.bf16",
@@ -105,13 +105,13 @@ FAIRSCALE_DEVIATIONS: tuple[Deviation, ...] = (
         "in different orders silently all-gather each other's shards; reproduce: a, b = "
         "fs.wrap(nn.Linear(8, 8)), fs.wrap(nn.Linear(8, 8)); rank 0 runs b(a(x)).sum().backward(), "
         "rank 1 a(b(x)).sum().backward(): no error",
-        match=r"no exception was raised",
+        raises=AssertionError, match=r"no exception was raised",
     ),
     _on_matrix(
         "misuse.wrap_twice",
         "fairscale 0.4.13 wraps a module that another instance already wraps without an error; "
         "reproduce: lin = nn.Linear(8, 8); fs.wrap(lin); fs.wrap(lin)",
-        match=r"no exception was raised",
+        raises=AssertionError, match=r"no exception was raised",
     ),
     _on_matrix(
         "misuse.forward_inside_summon",
@@ -119,7 +119,7 @@ FAIRSCALE_DEVIATIONS: tuple[Deviation, ...] = (
         "_rebuild_full_params (an AssertionError with an empty message, removed by python -O); "
         "reproduce: m = fs.wrap(nn.Sequential(fs.wrap(nn.Linear(8, 8)), nn.Linear(8, 8))); "
         "m(x).sum().backward(); with fs.summon_full_params(m): m(x)",
-        match=r"does not name the problem .*got AssertionError: $",
+        raises=AssertionError, match=r"does not name the problem .*got AssertionError: $",
     ),
     _on_2_13(
         "loops.activation_checkpointing",
@@ -221,7 +221,7 @@ FAIRSCALE_DEVIATIONS: tuple[Deviation, ...] = (
         "head(h).sum().backward(): head's state is BACKWARD_POST "
         "(tests/adapters/test_fairscale.py)",
         lambda case: case.variant == "nested_alone",
-        match=r"instance 'head' at after optimizer.step: instance state BACKWARD_POST",
+        raises=AssertionError, match=r"instance 'head' at after optimizer.step: instance state BACKWARD_POST",
     ),
     _on_2_13(
         "wrap.shared_across_instances",
@@ -229,7 +229,7 @@ FAIRSCALE_DEVIATIONS: tuple[Deviation, ...] = (
         "(each flattens its own copy), so training diverges from DDP. Reproduction: (2 ranks) "
         "tied_instances (head.weight = embed.weight, embed and head wrapped apart), one SGD step: "
         "full parameters embed.weight and head.weight differ (tests/adapters/test_fairscale.py)",
-        match=r"the wrap was accepted, so training must match DDP: losses differ from DDP's",
+        raises=AssertionError, match=r"the wrap was accepted, so training must match DDP: losses differ from DDP's",
     ),
 )
 

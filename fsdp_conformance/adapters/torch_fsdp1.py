@@ -30,7 +30,7 @@ from .base import (
     clean_param_name,
     require_before_first_forward,
 )
-from .deviations import Deviation
+from .deviations import Deviation, Envelope
 from .features import Declarations, Feature, fsdp1_style_kwargs, ignored_parameters, require
 
 # process-wide: observers of the patched FSDP1 internals, and handle -> its FSDP instance
@@ -88,21 +88,34 @@ _on_2_13 = functools.partial(Deviation, measured_on="torch 2.13.0")
 # FULL_STATE_DICT offload_to_cpu on a CPU flat parameter: fixed in torch 2.14 (measured: 2.14.1)
 OFFLOAD_FAILS = release(torch.__version__) < (2, 14, 0)
 _fuzz = functools.partial(Deviation, measured_on="torch 2.13.0 (also 2.8.0, 2.14.1, 2.15.0)")
+
+
+def _prefetching(case: Any) -> int:
+    """How many of backward_prefetch=BACKWARD_PRE and forward_prefetch a limited FULL_SHARD
+    memory-bound case sets (BACKWARD_POST prefetches with forward_prefetch only)."""
+    if not (case.limit_all_gathers and case.sharding_strategy == "FULL_SHARD"):
+        return 0
+    return (case.backward_prefetch == "BACKWARD_PRE") + bool(case.forward_prefetch)
+
+
 FSDP1_DEVIATIONS = (
-    _on_matrix(
-        "memory_bound",
-        "torch FSDP1 2.13.0 exceeds the two-instance bound from iteration 2 when handles are "
-        "prefetched: the skipped unshard of a prefetched handle dequeues no free event, so 3 "
-        "events are queued and one buffer more than 'two consecutive FSDP instances' stays. "
-        "Reproduction: FSDP(ChainOfLinears, limit_all_gathers=True, "
-        "backward_prefetch=BACKWARD_PRE) with 6 inner instances under the lagging device: peak 3 "
-        "resident inner buffers (docs/memory_bound.md, 'torch FSDP1')",
-        lambda case: (
-            case.limit_all_gathers
-            and case.sharding_strategy == "FULL_SHARD"
-            and (case.backward_prefetch == "BACKWARD_PRE" or case.forward_prefetch)
-        ),
-        match=r"^memory bound exceeded: ",
+    *(
+        _on_2_13(
+            "memory_bound",
+            "torch FSDP1 2.13.0 exceeds the two-instance bound from iteration 2 when handles are "
+            "prefetched: the skipped unshard of a prefetched handle dequeues no free event, so "
+            "3 events are queued and one buffer more than 'two consecutive FSDP instances' "
+            "stays. Reproduction: FSDP(ChainOfLinears, limit_all_gathers=True, "
+            f"backward_prefetch=BACKWARD_PRE{fwd}) with 6 inner instances under the lagging "
+            f"device: peak {peak} resident inner buffers in forward and backward "
+            "(docs/memory_bound.md, 'torch FSDP1')",
+            applies,
+            envelope=Envelope("memory bound exceeded", peak_forward=peak, peak_backward=peak),
+        )
+        for fwd, peak, applies in (
+            (", forward_prefetch=True", 4, lambda case: _prefetching(case) == 2),
+            ("", 3, lambda case: _prefetching(case) == 1),
+        )
     ),
     _on_matrix(
         "exec_order.divergent",
@@ -110,12 +123,14 @@ FSDP1_DEVIATIONS = (
         "TORCH_DISTRIBUTED_DEBUG=DETAIL (_ExecOrderData); by default same-shaped instances "
         "silently exchange each other's all-gathers. Reproduction: root Linear with two wrapped "
         "Linear(8, 8) branches, rank 1 runs them in the other order: no error",
+        raises=AssertionError,
         match=r"no exception was raised",
     ),
     _on_matrix(
         "misuse.wrap_twice",
         "torch FSDP1 wraps a module that another instance already wraps, without an error. "
         "Reproduction: lin = nn.Linear(8, 8); FSDP(lin); FSDP(lin) -> no error",
+        raises=AssertionError,
         match=r"no exception was raised",
     ),
     _on_matrix(
@@ -123,6 +138,7 @@ FSDP1_DEVIATIONS = (
         "torch FSDP1 wraps a module with cpu and meta parameters without an error. Reproduction: "
         "FSDP(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8, device='meta')), device_id=cpu) -> no "
         "error",
+        raises=AssertionError,
         match=r"no exception was raised",
     ),
     _on_matrix(
@@ -130,6 +146,7 @@ FSDP1_DEVIATIONS = (
         "torch FSDP1 fails with an internal AssertionError ('Expects tensor to be unsharded with "
         "size ... but got ...') that does not name summon_full_params. Reproduction: with "
         "FSDP.summon_full_params(model): model(x)",
+        raises=AssertionError,
         match=r"does not name the problem .*got AssertionError: Expects tensor to be unsharded",
     ),
     _on_2_13(
@@ -142,6 +159,7 @@ FSDP1_DEVIATIONS = (
         "instance), 32 identical micro-batches: the update is 0.0178 (relative) away from float32 "
         "DDP's, 4.5x one micro-batch's 0.0039 (impl, FSDP2: 1.0x)",
         lambda case: case is not None and case.variant.startswith("no_sync"),
+        raises=AssertionError,
         match=r"gradients accumulate in a low precision",
     ),
     _on_2_13(
@@ -152,6 +170,7 @@ FSDP1_DEVIATIONS = (
         "FSDP(head), FSDP(root): the flat parameters hold 96 + 96 + 12 elements (the (12, 8) "
         "weight twice); after one SGD step embed's and head's weights differ under "
         "summon_full_params (tests/adapters/test_measured_torch_facts.py)",
+        raises=AssertionError,
         match=r"the wrap was accepted, so training must match DDP: losses differ from DDP's",
     ),
     _on_2_13(
@@ -191,6 +210,7 @@ FSDP1_DEVIATIONS = (
         "-1.0 filled}, assign=True) under FULL_STATE_DICT, one step: summon_full_params shows "
         "other values (assign=False loads them)",
         lambda case: case is not None and getattr(case, "option", "") == "assign",
+        raises=AssertionError,
         match=r"losses differ from DDP's",
     ),
     Deviation(

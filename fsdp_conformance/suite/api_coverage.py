@@ -76,8 +76,10 @@ def _forms(owner: str, name: str, annotation: Any, default: Any) -> list[str]:
             forms += [f"{owner}({name}={value})" for value in values]
     else:
         forms.append(f"{owner}({name})")
-    if default is not None and default is not inspect.Parameter.empty and "None" in _short(
-        annotation
+    if (
+        default is not None
+        and default is not inspect.Parameter.empty
+        and "None" in _short(annotation)
     ):
         forms.append(f"{owner}({name}=None)")
     return forms

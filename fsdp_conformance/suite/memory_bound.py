@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from fsdp_conformance import constants
+from fsdp_conformance.checks import CheckFailure
 from fsdp_conformance.adapters import Adapter, Feature
 from fsdp_conformance.adapters import deviations as adapter_deviations
 from fsdp_conformance.adapters import features as adapter_features
@@ -250,9 +251,11 @@ def check_residency(
     iterations = sorted({iteration for iteration, _ in tracker.peaks if iteration > 0})
     violations = []
     first_at = -1  # sample index of the first violation's peak
+    worst: dict[str, int] = {}  # the figure: peak per checked phase over the iterations
     for iteration in iterations:
         for phase in case.checked_phases():
             peak = tracker.peak(iteration, phase)
+            worst[f"peak_{phase}"] = max(worst.get(f"peak_{phase}", 0), peak.resident)
             bound = case.bound(phase) if own_bound is None else own_bound.bound(phase)
             if peak.resident > bound:
                 first_at = peak.at_index if not violations else first_at
@@ -272,11 +275,13 @@ def check_residency(
             lead_up = "\n  events before the peak: " + "; ".join(
                 f"{sample.op} {sample.instance} -> {sample.resident}" for sample in events
             )
-        raise AssertionError(
+        raise CheckFailure(
             f"memory bound exceeded: {violations[0]}\n  {label}, {case.describe()}\n  "
             + "\n  ".join(violations)
             + f"\n  peaks per iteration and phase: {table}"
-            + lead_up
+            + lead_up,
+            "memory bound exceeded",
+            **worst,
         )
 
 

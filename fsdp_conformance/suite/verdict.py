@@ -73,20 +73,25 @@ def cell(adapter: Adapter, check_id: str, case: Any = None) -> Iterator[None]:
         if isinstance(error, (KeyboardInterrupt, SystemExit)):
             raise
         failure = failure_line(error)
+        measured = error.as_json() if isinstance(error, checks.CheckFailure) else None
         covering = adapter_deviations.find_deviation(adapter, check_id, case, error)
         if covering is not None:
             reason = adapter_deviations.deviation_text(adapter, covering)
-            _record(checks.Result(check_id, checks.DEVIATION, reason, failure=failure))
+            _record(
+                checks.Result(
+                    check_id, checks.DEVIATION, reason, failure=failure, measured=measured
+                )
+            )
             pytest.xfail(
                 f"{failure} -- known deviation of adapter {adapter.name!r} ({check_id}): {reason}"
             )
         why = ""
         if deviation is not None:
             why = (
-                f" (adapter {adapter.name!r} declares a deviation of {check_id!r} here, but it "
-                f"covers {deviation.covers_text()}, not this failure)"
+                f" (outside the deviation adapter {adapter.name!r} declares for {check_id!r} "
+                f"here: {deviation.outside_text(error)})"
             )
-        _record(checks.Result(check_id, checks.FAIL, failure + why))
+        _record(checks.Result(check_id, checks.FAIL, failure + why, measured=measured))
         if why and isinstance(error, Exception):
             error.add_note(why.strip())
         raise
