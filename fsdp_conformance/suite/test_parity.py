@@ -114,6 +114,10 @@ class BaseSummonFullParamsTests:
     @check(
         "parity.summon_full_params",
         "summon_full_params shows the full parameters; writeback writes them back",
+        api=(  # torch-fsdp1: FSDP.summon_full_params(model, writeback=...)
+            "FullyShardedDataParallel.summon_full_params()",
+            "FullyShardedDataParallel.summon_full_params(writeback=False)",
+        ),
         features=("summon_full_params",),
         case="writeback (bool)",
         case_of="writeback",
