@@ -132,7 +132,7 @@ FSDP1_DEVIATIONS = (
     _on_2_13(
         "fsdp1.optim_state_dicts",
         _ALIASED_OPTIM_STATE,
-        lambda case: _on_cpu_host(case, "full scatter rekey", True, offload_bug=False),
+        lambda case: _on_cpu_host(case, "full", True, offload_bug=False),
         envelope=Envelope("optimizer state dict differs from the reference", max_gap=1e-5),
     ),
     _on_2_13(

@@ -148,6 +148,20 @@ BROKEN = textwrap.dedent(
                                            with_grads)
 
 
+    class NoSyncDropsGradients(FSDP):
+        """no_sync() drops the gradients accumulated inside it."""
+
+        @contextlib.contextmanager
+        def no_sync(self):
+            with super().no_sync():
+                yield
+            for module in FSDP.fsdp_modules(self):
+                if module._flat_param is not None:
+                    module._flat_param.grad = None
+            for param in self.parameters():
+                param.grad = None
+
+
     class InfNormAsTwoNorm(FSDP):
         """clip_grad_norm_(norm_type=inf) computes the 2-norm."""
 
@@ -188,7 +202,7 @@ BROKEN = textwrap.dedent(
     for _class in (
         KeepsStateDictType, DropsLoadedOptimState, ShardedLoadsNothing, Rank0OnlyIgnored,
         DropsGroup, MisKeysFullState, RekeysInReverse, FlattenLoadsNothing, ZeroGradsShown,
-        SummonsEverything, InfNormAsTwoNorm, IgnoresCommHook,
+        SummonsEverything, NoSyncDropsGradients, InfNormAsTwoNorm, IgnoresCommHook,
     ):
         globals()[f"{_class.__name__.upper()}"] = _adapter(_class)
         _test = type(f"Test{_class.__name__}", (BaseFSDP1MethodTests,), {})
@@ -206,7 +220,7 @@ GROUPS = {
             "TestShardedLoadsNothing::test_state_dict_types[sharded-orig_params]",
             "TestRank0OnlyIgnored::test_state_dict_types[full_rank0-flat_params]",
             "TestDropsGroup::test_state_dict_types[full-orig_params]",
-            "TestDropsGroup::test_optim_state_dicts[scatter-flat_params]",
+            "TestDropsGroup::test_optim_state_dicts[scatter-orig_params]",
         ],
         [
             (
@@ -227,7 +241,7 @@ GROUPS = {
             ),
             "*'DropsGroup', uneven, full-orig_params: collectives ran outside the model's group*",
             (
-                "*'DropsGroup', uneven, scatter-flat_params: collectives ran outside the model's "
+                "*'DropsGroup', uneven, scatter-orig_params: collectives ran outside the model's "
                 "group*"
             ),
         ],
@@ -235,11 +249,12 @@ GROUPS = {
     "optim-summon-hook": (
         [
             "TestMisKeysFullState::test_optim_state_dicts[full-flat_params]",
-            "TestRekeysInReverse::test_optim_state_dicts[rekey-flat_params]",
+            "TestRekeysInReverse::test_optim_state_dicts[rekey-orig_params]",
             "TestFlattenLoadsNothing::test_optim_state_dicts[sharded-orig_params]",
             "TestZeroGradsShown::test_summon_options[with_grads-orig_params]",
             "TestSummonsEverything::test_summon_options[rank0_only-flat_params]",
             "TestSummonsEverything::test_summon_options[recurse_false-flat_params]",
+            "TestNoSyncDropsGradients::test_summon_options[with_grads-orig_params]",
             "TestInfNormAsTwoNorm::test_summon_options[with_grads-orig_params]",
             "TestIgnoresCommHook::test_comm_hook[FULL_SHARD-flat_params]",
         ],
@@ -249,7 +264,7 @@ GROUPS = {
                 ": * differs from the reference by*"
             ),
             (
-                "*'RekeysInReverse', uneven, rekey-flat_params, rekey_optim_state_dict(..., "
+                "*'RekeysInReverse', uneven, rekey-orig_params, rekey_optim_state_dict(..., "
                 "OptimStateKeyType.PARAM_ID, unwrapped model) (default)*"
             ),
             (
@@ -257,8 +272,8 @@ GROUPS = {
                 ", one step, full parameters: * differs from the reference*"
             ),
             (
-                "*'ZeroGradsShown', uneven, summon_full_params with_grads-orig_params: * differs from "
-                "the reference*"
+                "*'ZeroGradsShown', uneven, summon_full_params with_grads-orig_params, the full grads: "
+                "* differs from the reference*"
             ),
             (
                 "*'SummonsEverything', uneven, summon_full_params rank0_only-flat_params: the "
@@ -267,6 +282,10 @@ GROUPS = {
             (
                 "*'SummonsEverything', uneven, summon_full_params recurse_false-flat_params: the "
                 "parameters under [[]'odd.', *[]] show * elements, in full*"
+            ),
+            (
+                "*'NoSyncDropsGradients', uneven, summon_full_params with_grads-orig_params, the "
+                "full grads: * differs from the reference*"
             ),
             (
                 "*'InfNormAsTwoNorm', uneven, summon_full_params with_grads-orig_params, then "
