@@ -35,6 +35,7 @@ import contextlib
 import copy
 import dataclasses
 import math
+import types
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
@@ -182,12 +183,9 @@ def _only_on(group: Any, label: str) -> Iterator[None]:
     finally:
         remove()
     if foreign:
-        raise CheckFailure(
-            f"{label}: collectives ran outside the model's group {name!r} passed as group=: "
-            f"{sorted(set(foreign))}",
-            "collectives outside the given group",
-            count=len(foreign),
-        )
+        message = f"{label}: collectives ran outside the model's group {name!r} passed as group="
+        failure = "collectives outside the given group"
+        raise CheckFailure(f"{message}: {sorted(set(foreign))}", failure, count=len(foreign))
 
 
 def _gap(actual: Any, expected: torch.Tensor) -> float:
@@ -200,14 +198,10 @@ def _gap(actual: Any, expected: torch.Tensor) -> float:
 
 
 def _assert_keys(label: str, failure: str, actual: Any, expected: Any) -> None:
-    if set(actual) != set(expected):
-        missing, extra = sorted(set(expected) - set(actual)), sorted(set(actual) - set(expected))
-        raise CheckFailure(
-            f"{label}: keys differ: missing {missing[:6]}, unexpected {extra[:6]}",
-            failure,
-            missing=len(missing),
-            unexpected=len(extra),
-        )
+    missing, extra = sorted(set(expected) - set(actual)), sorted(set(actual) - set(expected))
+    if missing or extra:
+        message = f"{label}: keys differ: missing {missing[:6]}, unexpected {extra[:6]}"
+        raise CheckFailure(message, failure, missing=len(missing), unexpected=len(extra))
 
 
 def _assert_same(label: str, failure: str, actual: dict, expected: dict) -> None:
@@ -216,12 +210,9 @@ def _assert_same(label: str, failure: str, actual: dict, expected: dict) -> None
     gaps = {key: _gap(actual[key], value) for key, value in expected.items()}
     worst = max(gaps, key=gaps.__getitem__, default=None)
     if worst is not None and gaps[worst] > 0:
-        raise CheckFailure(
-            f"{label}: {worst!r} differs from the reference by {gaps[worst]:.3g} "
-            f"({sum(g > 0 for g in gaps.values())} of {len(gaps)} differ)",
-            failure,
-            max_gap=gaps[worst],
-        )
+        count = f"{sum(g > 0 for g in gaps.values())} of {len(gaps)} differ"
+        message = f"{label}: {worst!r} differs from the reference by {gaps[worst]:.3g} ({count})"
+        raise CheckFailure(message, failure, max_gap=gaps[worst])
 
 
 class _Failures:
@@ -278,24 +269,19 @@ def _flat(state: dict, prefix: str = "") -> dict[str, Any]:
 
 
 def _assert_equal_dicts(label: str, failure: str, actual: dict, expected: dict) -> None:
-    """Two (optimizer) state dicts equal leaf by leaf (tensors bit for bit)."""
-    got, want = (_local_values(_flat(d)) for d in (actual, expected))
+    """Two (optimizer) state dicts equal leaf by leaf (tensors bit for bit, this rank's values
+    of a ShardedTensor / DTensor)."""
+    got, want = _flat(actual), _flat(expected)
     others = {key for key, value in want.items() if not isinstance(value, torch.Tensor)}
     unequal = sorted(key for key in others if key not in got or got[key] != want[key])
     if unequal:
         raise CheckFailure(f"{label}: {unequal[:4]} differ", failure, count=len(unequal))
-    tensors = lambda flat: {k: v for k, v in flat.items() if k not in others}
-    _assert_same(label, failure, tensors(got), tensors(want))
-
-
-def _local_values(flat: dict[str, Any]) -> dict[str, Any]:
-    """`flat` with each ShardedTensor / DTensor as this rank's pieces' values, concatenated."""
-    return {
-        key: torch.cat([t.reshape(-1) for _, t, _ in _pieces(v)] or [torch.zeros(0)])
-        if isinstance(v, torch.Tensor) and type(v) is not torch.Tensor
-        else v
-        for key, v in flat.items()
+    local = lambda flat: {
+        key: torch.cat([t.reshape(-1) for _, t, _ in _pieces(value)] or [torch.zeros(0)])
+        for key, value in flat.items()
+        if key not in others
     }
+    _assert_same(label, failure, local(got), local(want))
 
 
 def _reference_adam(reference: training.Driver) -> dict[str, torch.Tensor]:
@@ -369,29 +355,19 @@ def _assert_state(
                 region = tuple(slice(o, o + n) for o, n in zip(offsets, values.shape))
                 gap = _gap(values, full.cpu()[region])
                 if gap > 0:
+                    message = f"{label} (rank {rank}): {key!r} at offsets {offsets} differs"
                     raise CheckFailure(
-                        f"{label} (rank {rank}): {key!r} at offsets {offsets} differs from the "
-                        f"reference there by {gap:.3g}",
-                        failure,
-                        max_gap=gap,
+                        f"{message} from the reference by {gap:.3g}", failure, max_gap=gap
                     )
     for key, full in expected.items():
         copies = len(ranks) if layout == "full" or full.dim() == 0 else 1
         held = sum(values.numel() for state in ranks for _, values, _ in state[key])
-        if held != copies * full.numel():
-            raise CheckFailure(
-                f"{label}: the ranks hold {held} elements of {key!r}, expected "
-                f"{copies} x {full.numel()}",
-                failure,
-                element_gap=abs(held - copies * full.numel()),
+        gap = abs(held - copies * full.numel())
+        if gap:
+            message = (
+                f"{label}: the ranks hold {held} elements of {key!r}, not {copies} x {full.numel()}"
             )
-
-
-def _assert_empty_off_rank0(label: str, ranks: list[dict]) -> None:
-    held = sum(len(state) for state in ranks[1:])
-    if held:
-        message = f"{label}: rank0_only=True, yet the other ranks hold {held} entries"
-        raise CheckFailure(message, "state dict not empty off rank 0", entries=held)
+            raise CheckFailure(message, failure, element_gap=gap)
 
 
 class BaseFSDP1MethodTests:
@@ -455,16 +431,14 @@ class BaseFSDP1MethodTests:
             message = f"{label}, optim_state_dict(optim_state_dict=optim.state_dict())"
             _assert_equal_dicts(message, _OPTIMIZER_DIFFERS, from_given, state["optimizer"])
         saved = copy.deepcopy(state)  # LOCAL_STATE_DICT's values are views of the shards
-        layout = kind.split("_")[0].lower()  # the optimizer's LOCAL state: sharded originals
-        parts = (
-            ("model", state["model"], layout),
-            (
-                "optimizer",
-                state["optimizer"].get("state", {}),
-                "full" if layout == "full" else "sharded",
-            ),
-        )
-        for (part, values, part_layout), config in zip(parts, configs):
+        layout = kind.split("_")[0].lower()
+        optimizer_layout = "full" if layout == "full" else "sharded"  # LOCAL: sharded originals
+        optimizer_state = state["optimizer"].get("state", {})
+        parts = {
+            "model": (state["model"], layout),
+            "optimizer": (optimizer_state, optimizer_layout),
+        }
+        for (part, (values, part_layout)), config in zip(parts.items(), configs):
             ranks, message = _gathered(values, group), f"{label}, the {part} state dict"
             device = "cpu" if config.offload_to_cpu else dist.device.type
             with failures.kept():
@@ -590,7 +564,7 @@ class BaseFSDP1MethodTests:
         case, api = hook_case, _api(fsdp_adapter)
         strategy = api.ShardingStrategy[case.form]
         driver = _driver(fsdp_adapter, dist, case, sharding_strategy=strategy)
-        state = _HookState(dist.group)
+        state = types.SimpleNamespace(group=dist.group, calls=0)
         driver.model.register_comm_hook(state, _halving_hook)
         calls: list[int] = []
         losses = driver.run(self.STEPS, after_backward=lambda step: calls.append(state.calls))
@@ -810,17 +784,9 @@ def _assert_forms(
         _assert_equal_dicts(f"{label} ({form})", failure, result, expected)
 
 
-class _HookState:
-    """The state given to register_comm_hook: the group to reduce over, and the calls seen."""
-
-    def __init__(self, group: Any) -> None:
-        self.group = group
-        self.calls = 0
-
-
-def _halving_hook(state: _HookState, grad: torch.Tensor, output: Any = None) -> None:
-    """Our reduction: the sum over the group divided by twice its size (sharded strategies:
-    this rank's part into `output`)."""
+def _halving_hook(state: Any, grad: torch.Tensor, output: Any = None) -> None:
+    """Our reduction: the sum over ``state.group`` divided by twice its size (sharded
+    strategies: this rank's part into `output`); counts its calls in ``state.calls``."""
     import torch.distributed as tdist
 
     state.calls += 1
