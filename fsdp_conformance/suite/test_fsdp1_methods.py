@@ -23,7 +23,8 @@ methods"), each promise against a reference:
   halved loss, bit for bit.
 
 The model is the zoo's ``uneven`` (odd sizes: padded flat parameters, a parameter that rank 1
-holds only padding of), wrapped by the namespace's ``FullyShardedDataParallel``. Checks of the
+holds only padding of), wrapped by the namespace's ``FullyShardedDataParallel``; Adam runs in two
+parameter groups. Checks of the
 optimizer state wrap it on a group G of the test's ranks that is not the default group and pass
 ``group=G``: every collective the calls issue must run on G (a ``group`` dropped runs on the
 default group).
@@ -43,6 +44,7 @@ import pytest
 import torch
 
 from fsdp_conformance import collective_observer
+from fsdp_conformance.adapters.base import group_by
 from fsdp_conformance.checks import CheckFailure
 from fsdp_conformance.observe.comm_trace import ROOT_LABEL, instance_labels
 
@@ -50,6 +52,7 @@ from . import training, zoo
 from .declare import check
 
 MODEL = "uneven"
+NESTED = ("odd.", "pair.", "one.")  # the wrapped submodules of MODEL (name prefixes)
 FEATURES = ("fsdp1_api",)
 # StateDictType name -> its (state dict config, optimizer state dict config) classes
 CONFIGS = {
@@ -151,13 +154,32 @@ def _driver(
     FullyShardedDataParallel (on `group`, default the test's; `options`: its other keywords and
     ``optimizer_name``), driven through `adapter`."""
     fsdp = _api(adapter).FullyShardedDataParallel
-    optimizer_name = options.pop("optimizer_name", "sgd")
+    adam = options.pop("optimizer_name", "sgd") == "adam"
     options = {"device_id": dist.device, "use_orig_params": case.use_orig_params, **options}
     if "device_mesh" not in options:
         options["process_group"] = dist.group if group is None else group
     zoo_model = zoo.build(MODEL, dist.group, lambda module: fsdp(module, **options), dist.device)
     root = fsdp(zoo_model, **options)
-    return training.Driver(root, zoo_model, dist.device, adapter, optimizer_name)
+    driver = training.Driver(root, zoo_model, dist.device, adapter)
+    if adam:
+        driver.optimizer = _adam(adapter, root)
+    return driver
+
+
+def _adam(adapter: Any, model: Any) -> torch.optim.Optimizer:
+    """Adam in two parameter groups, the nested instances' parameters at half the learning rate
+    (by the unwrapped model's names; `adapter` None: torch's over the unwrapped `model`)."""
+    groups = lambda name, param: {"lr": training.ADAM_LR / 2} if name.startswith(NESTED) else {}
+    if adapter is None:
+        return torch.optim.Adam(group_by(model.named_parameters(), groups), lr=training.ADAM_LR)
+    return adapter.optimizer(model, "adam", param_groups=groups, lr=training.ADAM_LR)
+
+
+def _reference(dist: Any) -> training.Driver:
+    """The DDP reference with ``_adam``."""
+    reference = training.ddp_driver(MODEL, dist)
+    reference.optimizer = _adam(None, reference.zoo_model)
+    return reference
 
 
 def _other_group(dist: Any) -> Any:
@@ -286,7 +308,9 @@ def _assert_equal_dicts(label: str, failure: str, actual: dict, expected: dict) 
 
 def _reference_adam(reference: training.Driver) -> dict[str, torch.Tensor]:
     """The DDP reference's Adam state by ``<parameter name>.<field>`` (copies)."""
-    names = [name for name, _ in reference.zoo_model.named_parameters()]
+    name_of = {id(param): name for name, param in reference.zoo_model.named_parameters()}
+    groups = reference.optimizer.param_groups
+    names = [name_of[id(param)] for group in groups for param in group["params"]]
     state = reference.optimizer.state_dict()["state"]
     by_name = {names[i]: {k: v.clone() for k, v in entry.items()} for i, entry in state.items()}
     return _flat(by_name)
@@ -415,7 +439,7 @@ class BaseFSDP1MethodTests:
         driver = _driver(fsdp_adapter, dist, case, group, **options)
         root, optimizer = driver.model, driver.optimizer
         label = f"adapter {fsdp_adapter.name!r}, {MODEL}, {case.id}"
-        reference = training.ddp_driver(MODEL, dist, optimizer_name="adam")
+        reference = _reference(dist)
         first = (driver.run(1), reference.run(1))
         expected = {"model": reference.params(), "optimizer": _reference_adam(reference)}
         default = _triple(fsdp.get_state_dict_type(root))
@@ -484,10 +508,10 @@ class BaseFSDP1MethodTests:
         case, api, failures = optim_case, _api(fsdp_adapter), _Failures()
         group = _other_group(dist)
         driver = _driver(fsdp_adapter, dist, case, group, optimizer_name="adam")
-        reference = training.ddp_driver(MODEL, dist, optimizer_name="adam")
+        reference = _reference(dist)
         first = (driver.run(1), reference.run(1))
         label = f"adapter {fsdp_adapter.name!r}, {MODEL}, {case.id}"
-        fresh = fsdp_adapter.optimizer(driver.model, "adam", lr=training.ADAM_LR)
+        fresh = _adam(fsdp_adapter, driver.model)
         with _only_on(group, label):
             to_load = _ROUTES[case.form](label, api, driver, fresh, reference, group, failures)
         fresh.load_state_dict(to_load)
@@ -673,7 +697,7 @@ def _route_full(label, api, driver, fresh, reference, group, failures) -> dict:
     full = fsdp.full_optim_state_dict(root, optimizer, rank0_only=False, group=group)
     on_rank0 = fsdp.full_optim_state_dict(root, optimizer, group=group)
     forms = {"rank0_only=True (default)": on_rank0} if group.rank() == 0 else {}
-    for form, inputs in _optim_inputs(optimizer, root).items():
+    for form, inputs in _optim_inputs(optimizer).items():
         forms[form] = fsdp.full_optim_state_dict(
             root, optimizer, optim_input=inputs, rank0_only=False, group=group
         )
@@ -685,7 +709,7 @@ def _route_full(label, api, driver, fresh, reference, group, failures) -> dict:
     shard = fsdp.shard_full_optim_state_dict
     result = shard(copy.deepcopy(full), root, optim=fresh)
     forms = {"default": shard(copy.deepcopy(full), root)}
-    for form, inputs in _optim_inputs(fresh, root).items():
+    for form, inputs in _optim_inputs(fresh).items():
         forms[form] = shard(copy.deepcopy(full), root, optim_input=inputs)
     with failures.kept():
         _assert_forms(f"{label}, shard_full_optim_state_dict", forms, result)
@@ -714,7 +738,7 @@ def _route_scatter(label, api, driver, fresh, reference, group, failures) -> dic
     scatter = fsdp.scatter_full_optim_state_dict
     result = scatter(source(), root, optim=fresh, group=group)
     forms = {"default": scatter(source(), root, group=group)}
-    for form, inputs in _optim_inputs(fresh, root).items():
+    for form, inputs in _optim_inputs(fresh).items():
         forms[form] = scatter(source(), root, optim_input=inputs, group=group)
     with failures.kept():
         _assert_forms(f"{label}, scatter_full_optim_state_dict", forms, result)
@@ -746,7 +770,7 @@ def _route_rekey(label, api, driver, fresh, reference, group, failures) -> dict:
     ):
         forms = {"default": rekey(copy.deepcopy(source), key_type, plain)}
         forms["optim"] = rekey(copy.deepcopy(source), key_type, plain, optim=plain_optimizer)
-        for form, inputs in _optim_inputs(plain_optimizer, plain).items():
+        for form, inputs in _optim_inputs(plain_optimizer).items():
             forms[form] = rekey(copy.deepcopy(source), key_type, plain, optim_input=inputs)
         with failures.kept():
             message = f"{label}, rekey_optim_state_dict(..., {key_type}, unwrapped model)"
@@ -763,11 +787,13 @@ _ROUTES: dict[str, Callable[..., dict]] = {
 }
 
 
-def _optim_inputs(optimizer: Any, model: Any) -> dict[str, Any]:
-    """The two forms of ``optim_input``: the parameter groups, or an iterable of parameters."""
+def _optim_inputs(optimizer: Any) -> dict[str, Any]:
+    """The two forms of ``optim_input``: the parameter groups, or an iterable of parameters (in
+    the optimizer's order)."""
+    params = [param for group in optimizer.param_groups for param in group["params"]]
     return {
         "optim_input=param_groups": optimizer.param_groups,
-        "optim_input=parameters()": iter(list(model.parameters())),
+        "optim_input=parameters": iter(params),
     }
 
 
