@@ -37,22 +37,21 @@ MODEL = "loops"
 FAMILY = (Feature.FSDP1_API,)
 FSDP = "FullyShardedDataParallel"
 BF16 = torch.bfloat16
-REDUCTIONS = ("reduce_scatter", "all_reduce")
 
 
-def _api(adapter: Any) -> Any:
-    return adapter.declarations.api["fsdp1"]
-
-
-def _fail(label: str, failure: str, detail: str, **figures: Any) -> None:
-    raise CheckFailure(f"{label}: {detail}", failure, **figures)
+def _built(adapter: Any, dist: Any, name: str = MODEL) -> tuple[Any, nn.Module]:
+    """(the adapter's FSDP1 API namespace, the zoo model `name` built unwrapped)."""
+    return adapter.declarations.api["fsdp1"], zoo.build(name, dist.group, None, dist.device)
 
 
 def _wrap(api: Any, module: nn.Module, dist: Any, **kwargs: Any) -> nn.Module:
-    """``FullyShardedDataParallel(module, **kwargs)`` on the test's group and device."""
+    """``FullyShardedDataParallel(module, **kwargs)`` on the test's group and device, by default
+    auto-wrapping the blocks and the head ([Note: the FSDP1 family's model])."""
     if "device_mesh" not in kwargs:
         kwargs.setdefault("process_group", dist.group)
     kwargs.setdefault("device_id", dist.device)
+    if "auto_wrap_policy" not in kwargs:
+        kwargs["auto_wrap_policy"] = _selecting([*module.blocks, module.head])
     return api.FullyShardedDataParallel(module, **kwargs)
 
 
@@ -62,8 +61,16 @@ def _selecting(modules: list[nn.Module]) -> Any:
     return lambda module, recurse, nonwrapped_numel: recurse or id(module) in chosen
 
 
-def _targets(model: nn.Module) -> list[nn.Module]:
-    return [*model.blocks, model.head]
+def _names(model: nn.Module) -> dict[int, str]:
+    return {id(module): name or "<root>" for name, module in model.named_modules()}
+
+
+def _expect(label: str, failure: str, seen: dict[str, Any], expected: dict[str, Any]) -> None:
+    """CheckFailure(`failure`) naming every observation in `seen` that is not as `expected`."""
+    wrong = [key for key in expected if seen.get(key) != expected[key]]
+    details = "; ".join(f"{key}: {seen.get(key)}, expected {expected[key]}" for key in wrong)
+    if wrong:
+        raise CheckFailure(f"{label}: {details}", failure, offenders=len(wrong))
 
 
 def _full(api: Any, root: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -76,7 +83,7 @@ def _full(api: Any, root: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str,
 
 def _gap(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> float:
     """The largest |difference| between same-named tensors (inf: a name or shape differs)."""
-    if actual.keys() != expected.keys():
+    if list(actual) != list(expected):
         return math.inf
     gaps = [
         (actual[n].detach().float().cpu() - expected[n].detach().float().cpu()).abs().max().item()
@@ -91,7 +98,6 @@ def _assert_trains_as(
     label: str,
     api: Any,
     root: nn.Module,
-    model: nn.Module,
     reference: training.Driver,
     dist: Any,
     dtype: torch.dtype | None = None,
@@ -99,24 +105,24 @@ def _assert_trains_as(
     optimizer: Any = None,
     **run: Any,
 ) -> None:
-    """``STEPS`` steps of `root` (wrapping `model`; `run`: ``Driver.run``'s hooks; its
-    collectives into `calls`) against `reference`: losses and full parameters equal (test_parity's tolerance of the world size;
-    with `dtype`, test_precision's of that dtype)."""
+    """``STEPS`` steps of `root` (`run`: ``Driver.run``'s hooks; its collectives into `calls`)
+    against `reference`: the same parameter names under ``summon_full_params``, losses and full
+    parameters within test_parity's tolerance of the world size (with `dtype`:
+    test_precision's for it)."""
     expected_losses = reference.run(STEPS)  # first: only `root`'s collectives are observed
-    driver = training.Driver(root, model, dist.device)
+    driver = training.Driver(root, root.module, dist.device)
     if optimizer is not None:
         driver.optimizer = optimizer
     with observing_collectives((calls if calls is not None else []).append):
         losses = driver.run(STEPS, **run)
     params, expected = _full(api, root)[0], reference.params()
-    if list(params) != list(expected):
-        _fail(
-            label,
-            "parameter names differ from the plain module's",
-            f"under summon_full_params named_parameters() gives {list(params)}, the plain "
-            f"module {list(expected)}",
-            offenders=len(set(params) ^ set(expected)),
-        )
+    names = {"parameter names under summon_full_params": list(params)}
+    _expect(
+        label,
+        "parameter names differ from the plain module's",
+        names,
+        {"parameter names under summon_full_params": list(expected)},
+    )
     eps = test_precision.EPS.get(dtype, 0.0)
     atol, rtol = test_parity.tolerance(dist.world_size)
     atol = max(atol, test_precision.PARAM_ATOL_PER_EPS * eps)
@@ -124,31 +130,31 @@ def _assert_trains_as(
     loss_gap = ((losses - expected_losses).abs() / expected_losses.abs()).max().item()
     param_gap = _gap(params, expected)
     if loss_gap > rtol or param_gap > atol:
-        _fail(
-            label,
+        raise CheckFailure(
+            f"{label}: after {STEPS} steps losses {losses.tolist()} vs the reference's "
+            f"{expected_losses.tolist()}, max |parameter difference| {param_gap:.3g} (atol "
+            f"{atol:g}, losses rtol {rtol:g})",
             "training differs from the reference",
-            f"after {STEPS} steps losses {losses.tolist()} vs {expected_losses.tolist()}, max "
-            f"|parameter difference| {param_gap:.3g} (atol {atol:g}, losses rtol {rtol:g})",
             loss_gap=loss_gap,
             param_gap=param_gap,
         )
 
 
-def _recording(modules: list[nn.Module]) -> dict[str, set]:
+def _dtypes(modules: list[nn.Module]) -> dict[str, set[str]]:
     """Forward hooks on `modules` recording, by class name, the dtypes each computes with
-    (its input's and its weight's, as the forward sees them)."""
-    seen: dict[str, set] = collections.defaultdict(set)
+    (its input's and its weight's, as its forward sees them)."""
+    seen: dict[str, set[str]] = collections.defaultdict(set)
 
     def hook(module: nn.Module, args: tuple, output: Any) -> None:
-        seen[type(module).__name__] |= {args[0].dtype, module.weight.dtype}
+        seen[type(module).__name__] |= {str(args[0].dtype), str(module.weight.dtype)}
 
     for module in modules:
         module.register_forward_hook(hook)
     return seen
 
 
-def _reductions(calls: list[Any]) -> set[str]:
-    return {str(d) for call in calls if call.op in REDUCTIONS for d in call.dtypes}
+def _of(cls: type, model: nn.Module) -> list[nn.Module]:
+    return [module for module in model.modules() if isinstance(module, cls)]
 
 
 class BaseFSDP1ConstructorTests:
@@ -172,15 +178,13 @@ class BaseFSDP1ConstructorTests:
     @pytest.mark.world_size(2)
     @pytest.mark.parametrize("policy", ["callable", "module_wrap", "custom"])
     def test_auto_wrap_policy(self, fsdp_adapter: Any, dist: Any, policy: str):
-        api = _api(fsdp_adapter)
-        model = zoo.build(MODEL, dist.group, None, dist.device)
-        blocks, head = list(model.blocks), model.head
-        selected, dtype = _targets(model), None
-        linears = [module for module in model.modules() if isinstance(module, nn.Linear)]
+        api, model = _built(fsdp_adapter, dist)
+        blocks, head, names = list(model.blocks), model.head, _names(model)
+        selected, dtype = [*blocks, head], None
         if policy == "callable":
             auto = _selecting(selected)
         elif policy == "module_wrap":
-            auto, selected = api.wrap.ModuleWrapPolicy({nn.Linear}), linears
+            auto, selected = api.wrap.ModuleWrapPolicy({nn.Linear}), _of(nn.Linear, model)
         else:  # block 1 without sharding, the head in bfloat16, the rest as the root
             dtype = BF16
             low = api.MixedPrecision(param_dtype=BF16, cast_forward_inputs=True)
@@ -190,41 +194,32 @@ class BaseFSDP1ConstructorTests:
             }
             chosen = {id(module) for module in selected}
             auto = api.wrap.CustomPolicy(lambda m: kwargs.get(id(m), id(m) in chosen))
-        sizes = {id(b): sum(p.numel() for p in b.parameters()) for b in blocks}
-        seen = {id(linear): _recording([linear]) for linear in linears}
-        names = {id(m): name or "<root>" for name, m in model.named_modules()}
+        sizes = [sum(p.numel() for p in block.parameters()) for block in blocks]
+        computed = {"head": _dtypes([head]), "trunk": _dtypes([model.trunk])}
         root = _wrap(api, model, dist, auto_wrap_policy=auto)
         label = f"adapter {fsdp_adapter.name!r}, {MODEL}, auto_wrap_policy {policy}"
-        made = {id(i.module) for i in api.FullyShardedDataParallel.fsdp_modules(root)}
-        wanted = {id(module) for module in [model, *selected]}
-        if made != wanted:
-            _fail(
-                label,
-                "instances differ from what the policy selects",
-                f"instances around {sorted(names[i] for i in made)}, the policy selects "
-                f"{sorted(names[i] for i in wanted)}",
-                offenders=len(made ^ wanted),
-            )
-        reference = training.ddp_driver(MODEL, dist)
-        _assert_trains_as(label, api, root, model, reference, dist, dtype)
-        if policy != "custom":
-            return
-        # NO_SHARD keeps every element of block 1 on each rank; the others are sharded
-        held = {id(b): sum(p.numel() for p in b.parameters()) for b in blocks}
-        wrong = [i for i, b in enumerate(blocks) if (held[id(b)] == sizes[id(b)]) != (i == 1)]
-        computed = {id(m): set().union(*seen[id(m)].values()) for m in linears}
-        low_precision = [i for i, m in enumerate(linears) if computed[id(m)] != {torch.float32}]
-        if wrong or low_precision != [len(linears) - 1] or computed[id(head)] != {BF16}:
-            _fail(
-                label,
-                "per-module kwargs not applied",
-                f"blocks holding all their elements on this rank: "
-                f"{[i for i, b in enumerate(blocks) if held[id(b)] == sizes[id(b)]]} (NO_SHARD: "
-                f"[1]); the head computed in {sorted(map(str, computed[id(head)]))} (its "
-                "kwargs: bfloat16), Linear layers not in float32: "
-                f"{low_precision} (only the head, {len(linears) - 1})",
-                offenders=len(wrong) + len(low_precision),
-            )
+        made = [names[id(i.module)] for i in api.FullyShardedDataParallel.fsdp_modules(root)]
+        wanted = [names[id(module)] for module in [model, *selected]]
+        _expect(
+            label,
+            "instances differ from what the policy selects",
+            {"instances around": sorted(made)},
+            {"instances around": sorted(wanted)},
+        )
+        _assert_trains_as(label, api, root, training.ddp_driver(MODEL, dist), dist, dtype)
+        if policy == "custom":  # NO_SHARD keeps all of block 1 on each rank, sharded others not
+            held = [sum(p.numel() for p in block.parameters()) for block in blocks]
+            seen = {
+                "blocks holding all their elements": [i for i in range(3) if held[i] == sizes[i]],
+                "head computes in": dict(computed["head"]),
+                "trunk computes in": dict(computed["trunk"]),
+            }
+            expected = {
+                "blocks holding all their elements": [1],
+                "head computes in": {"Linear": {str(BF16)}},
+                "trunk computes in": {"Linear": {str(torch.float32)}},
+            }
+            _expect(label, "per-module kwargs not applied", seen, expected)
 
     @check(
         "fsdp1.mixed_precision",
@@ -247,24 +242,15 @@ class BaseFSDP1ConstructorTests:
     @pytest.mark.world_size(2)
     @pytest.mark.parametrize("use_orig_params", [False, True], ids=["flat", "orig"])
     def test_keep_low_precision_grads(self, fsdp_adapter: Any, dist: Any, use_orig_params: bool):
-        api = _api(fsdp_adapter)
-        model = zoo.build(MODEL, dist.group, None, dist.device)
+        api, model = _built(fsdp_adapter, dist)
         mixed = api.MixedPrecision(param_dtype=BF16, keep_low_precision_grads=True)
-        root = _wrap(
-            api,
-            model,
-            dist,
-            auto_wrap_policy=_selecting(_targets(model)),
-            mixed_precision=mixed,
-            use_orig_params=use_orig_params,
-        )
-        dtypes: dict[str, set[str]] = {"param": set(), "grad": set()}
+        root = _wrap(api, model, dist, mixed_precision=mixed, use_orig_params=use_orig_params)
+        seen: dict[str, set[str]] = collections.defaultdict(set)
 
         def after_backward(step: int) -> None:
             for param in root.parameters():
-                dtypes["param"].add(str(param.dtype))
-                if param.grad is not None:
-                    dtypes["grad"].add(str(param.grad.dtype))
+                seen["parameters"].add(str(param.dtype))
+                seen["gradients"] |= {str(param.grad.dtype)} if param.grad is not None else set()
 
         label = (
             f"adapter {fsdp_adapter.name!r}, {MODEL}, MixedPrecision(param_dtype=bfloat16, "
@@ -273,79 +259,61 @@ class BaseFSDP1ConstructorTests:
         calls: list[Any] = []
         reference = training.ddp_driver(MODEL, dist)
         _assert_trains_as(
-            label, api, root, model, reference, dist, BF16, calls, after_backward=after_backward
+            label,
+            api,
+            root,
+            reference,
+            dist,
+            dtype=BF16,
+            calls=calls,
+            after_backward=after_backward,
         )
-        seen = {**dtypes, "reduction": _reductions(calls)}
-        expected = {"param": {"torch.float32"}, "grad": {"torch.bfloat16"}}
-        expected["reduction"] = expected["grad"]
-        if seen != expected:
-            _fail(
-                label,
-                "gradients not kept in low precision",
-                f"after backward: parameters, gradients and reductions in {seen}, expected "
-                f"{expected} (reduce_dtype None takes param_dtype)",
-                grad=",".join(sorted(seen["grad"])),
-            )
+        seen["reductions"] = {str(d) for c in calls if c.op != "all_gather" for d in c.dtypes}
+        # reduce_dtype None takes param_dtype
+        expected = {"parameters": {"torch.float32"}, "gradients": {"torch.bfloat16"}}
+        expected["reductions"] = expected["gradients"]
+        _expect(label, "gradients not kept in low precision", seen, expected)
 
     @check("fsdp1.mixed_precision", case_of=lambda policy: f"_module_classes_to_ignore:{policy}")
     @pytest.mark.world_size(2)
     @pytest.mark.parametrize("policy", ["callable", "module_wrap"])
     def test_module_classes_to_ignore(self, fsdp_adapter: Any, dist: Any, policy: str):
-        api = _api(fsdp_adapter)
-        model = zoo.build("loops_norm", dist.group, None, dist.device)
-        norms = [m for m in model.modules() if isinstance(m, nn.LayerNorm)]
-        seen = _recording([*norms, *(m for m in model.modules() if isinstance(m, nn.Linear))])
-        auto = _selecting(_targets(model))
-        if policy == "module_wrap":
-            auto = api.wrap.ModuleWrapPolicy({nn.Linear})
+        api, model = _built(fsdp_adapter, dist, "loops_norm")
+        seen = _dtypes(_of(nn.LayerNorm, model) + _of(nn.Linear, model))
+        auto = {"module_wrap": api.wrap.ModuleWrapPolicy({nn.Linear})}.get(policy)
+        kwargs = {"auto_wrap_policy": auto} if auto else {}
         mixed = api.MixedPrecision(param_dtype=BF16, _module_classes_to_ignore=(nn.LayerNorm,))
-        root = _wrap(api, model, dist, auto_wrap_policy=auto, mixed_precision=mixed)
+        root = _wrap(api, model, dist, mixed_precision=mixed, **kwargs)
         label = (
             f"adapter {fsdp_adapter.name!r}, loops_norm, MixedPrecision(param_dtype=bfloat16, "
             f"_module_classes_to_ignore=(LayerNorm,)), auto_wrap_policy {policy}"
         )
-        reference = training.ddp_driver("loops_norm", dist)
-        _assert_trains_as(label, api, root, model, reference, dist, BF16)
-        expected = {"LayerNorm": {torch.float32}, "Linear": {BF16}}
-        if dict(seen) != expected:
-            _fail(
-                label,
-                "ignored module classes not in full precision",
-                f"inputs and weights in forward: {dict(seen)}, expected {expected}",
-                norm=",".join(sorted(map(str, seen["LayerNorm"]))),
-            )
+        _assert_trains_as(label, api, root, training.ddp_driver("loops_norm", dist), dist, BF16)
+        expected = {"LayerNorm": {"torch.float32"}, "Linear": {"torch.bfloat16"}}
+        _expect(label, "ignored module classes not in full precision", seen, expected)
 
     @check("fsdp1.mixed_precision", case_of=lambda: "cast_forward_inputs")
     @pytest.mark.world_size(2)
     def test_cast_forward_inputs(self, fsdp_adapter: Any, dist: Any):
-        api = _api(fsdp_adapter)
-        model = zoo.build(MODEL, dist.group, None, dist.device)
-        seen: dict[str, torch.dtype] = {}
-        model.register_forward_pre_hook(lambda m, args: seen.update(root=args[0].dtype))
+        api, model = _built(fsdp_adapter, dist)
+        seen: dict[str, str] = {}
+        model.register_forward_pre_hook(lambda m, args: seen.update(root=str(args[0].dtype)))
         # the model casts its input itself, as a model given float32 inputs must
         model.register_forward_pre_hook(lambda m, args: (args[0].to(m.trunk.weight.dtype),))
-        model.head.register_forward_pre_hook(lambda m, args: seen.update(head=args[0].dtype))
+        model.head.register_forward_pre_hook(lambda m, a: seen.update(head=str(a[0].dtype)))
         fp16 = api.MixedPrecision(param_dtype=torch.float16, cast_forward_inputs=True)
-        model.head = _wrap(api, model.head, dist, mixed_precision=fp16)
+        model.head = _wrap(api, model.head, dist, mixed_precision=fp16, auto_wrap_policy=None)
         bf16 = api.MixedPrecision(param_dtype=BF16, cast_root_forward_inputs=False)
-        root = _wrap(api, model, dist, mixed_precision=bf16)
+        root = _wrap(api, model, dist, mixed_precision=bf16, auto_wrap_policy=None)
         label = (
             f"adapter {fsdp_adapter.name!r}, {MODEL}, root MixedPrecision(param_dtype=bfloat16,"
             " cast_root_forward_inputs=False), head MixedPrecision(param_dtype=float16, "
             "cast_forward_inputs=True)"
         )
-        reference = training.ddp_driver(MODEL, dist)
-        _assert_trains_as(label, api, root, model, reference, dist, BF16)
-        expected = {"root": torch.float32, "head": torch.float16}
-        if seen != expected:
-            _fail(
-                label,
-                "forward inputs cast against the configuration",
-                f"the root's module got {seen.get('root')} (float32 inputs, not to be cast), "
-                f"the head {seen.get('head')} (to be cast to its float16)",
-                root=str(seen.get("root")),
-                head=str(seen.get("head")),
-            )
+        _assert_trains_as(label, api, root, training.ddp_driver(MODEL, dist), dist, BF16)
+        # the root's module gets the float32 inputs as given, the head casts to its float16
+        expected = {"root": "torch.float32", "head": "torch.float16"}
+        _expect(label, "forward inputs cast against the configuration", seen, expected)
 
     @check(
         "fsdp1.param_init_fn",
@@ -356,10 +324,8 @@ class BaseFSDP1ConstructorTests:
     )
     @pytest.mark.world_size(2)
     def test_param_init_fn(self, fsdp_adapter: Any, dist: Any):
-        api = _api(fsdp_adapter)
-        model = zoo.build("buffered_meta", dist.group, None, dist.device)
-        names = {id(module): name or "<root>" for name, module in model.named_modules()}
-        owners = {names[id(m)] for m in model.modules() if _own_tensors(m)}
+        api, model = _built(fsdp_adapter, dist, "buffered_meta")
+        names = _names(model)
         calls: collections.Counter[str] = collections.Counter()
 
         def init(module: nn.Module) -> None:  # the documented recipe: this module only
@@ -368,32 +334,23 @@ class BaseFSDP1ConstructorTests:
             if hasattr(module, "reset_parameters"):
                 module.reset_parameters()
 
-        policy = _selecting(_targets(model))
-        root = _wrap(api, model, dist, param_init_fn=init, auto_wrap_policy=policy)
+        # each module holding tensors on meta (its own) initialised exactly once
+        owners = [m for m in model.modules() if [*m.parameters(False), *m.buffers(False)]]
+        expected = {"calls": {names[id(m)]: 1 for m in owners}}
+        root = _wrap(api, model, dist, param_init_fn=init)
         label = f"adapter {fsdp_adapter.name!r}, buffered_meta, param_init_fn, auto-wrapped"
-        wrong = {name: calls[name] for name in owners | set(calls) if calls[name] != 1}
-        if wrong:
-            _fail(
-                label,
-                "param_init_fn not called once per module",
-                f"calls per module {dict(calls)}; each module holding meta tensors must be "
-                f"initialised exactly once (wrong: {wrong})",
-                offenders=len(wrong),
-            )
+        seen = {
+            "calls": {name: n for name, n in calls.items() if n != 1 or name in expected["calls"]}
+        }
+        _expect(label, "param_init_fn not called once per module", seen, expected)
         plain = zoo.build("buffered", dist.group, None, dist.device).to(dist.device)
         params, buffers = _full(api, root)
-        expected = dict(plain.named_parameters()) | dict(plain.named_buffers())
-        got = params | buffers
-        if sorted(got) != sorted(expected) or _gap(got, expected) > 0:
-            _fail(
-                label,
-                "materialised values differ from the reference",
-                f"after wrapping: {sorted(got)} vs the model built on {dist.device} "
-                f"{sorted(expected)}",
-                gap=_gap(got, expected) if sorted(got) == sorted(expected) else math.inf,
-            )
-        reference = training.ddp_driver("buffered", dist)
-        _assert_trains_as(label, api, root, model, reference, dist)
+        want = dict(plain.named_parameters()) | dict(plain.named_buffers())
+        seen = {"max |difference| from the model built on the device": _gap(params | buffers, want)}
+        _expect(
+            label, "materialised values differ from the reference", seen, {key: 0.0 for key in seen}
+        )
+        _assert_trains_as(label, api, root, training.ddp_driver("buffered", dist), dist)
 
     @check(
         "fsdp1.ignored",
@@ -407,42 +364,33 @@ class BaseFSDP1ConstructorTests:
     @pytest.mark.world_size(2)
     @pytest.mark.parametrize("argument", ["ignored_modules", "ignored_states"])
     def test_ignored_modules(self, fsdp_adapter: Any, dist: Any, argument: str):
-        api = _api(fsdp_adapter)
-        models = [zoo.build(MODEL, dist.group, None, dist.device) for _ in range(2)]
-        model, plain = models
-        policy, block = _selecting(_targets(model)), model.blocks[1]  # selected, but ignored
-        ignored = dict(block.named_parameters())
-        root = _wrap(api, model, dist, auto_wrap_policy=policy, **{argument: [block]})
+        api, model = _built(fsdp_adapter, dist)
+        block = model.blocks[1]  # selected by the policy, but ignored
+        ignored = {id(param): name for name, param in block.named_parameters()}
+        root = _wrap(api, model, dist, **{argument: [block]})
         label = f"adapter {fsdp_adapter.name!r}, {MODEL}, {argument}=[blocks[1]], auto-wrapped"
-        mine = {id(param) for param in ignored.values()}
-        registered = [n for n, p in root.named_parameters() if id(p) in mine]
         instances = api.FullyShardedDataParallel.fsdp_modules(root)
-        wrapped = [i for i in instances if i.module is block]
-        if wrapped or len(registered) != len(ignored):
-            _fail(
-                label,
-                "ignored module managed by FSDP",
-                f"instances around it: {len(wrapped)}; its parameters registered as themselves "
-                f"(whole): {registered}, expected all of {sorted(ignored)}",
-                offenders=len(wrapped) + len(ignored) - len(registered),
-            )
-        losses, grads = _ignored_run(root, model, block, dist, reduce=False)
-        plain.to(dist.device)
-        ref_losses, ref_grads = _ignored_run(plain, plain, plain.blocks[1], dist, reduce=True)
-        params, ref_params = _full(api, root)[0], dict(plain.named_parameters())
-        gaps = {
-            "grad_gap": _gap(grads, ref_grads),
-            "loss_gap": (losses - ref_losses).abs().max().item(),
-            "param_gap": _gap(params, ref_params),
+        seen = {
+            "instances around it": sum(i.module is block for i in instances),
+            "its parameters registered as themselves": sorted(
+                ignored[id(p)] for p in root.parameters() if id(p) in ignored
+            ),
         }
-        if any(gaps.values()):
-            _fail(
-                label,
-                "training differs from the reference",
-                f"against the plain model with every gradient but the ignored module's averaged "
-                f"(bit-exact): {gaps} (grad_gap: the ignored gradients after the first backward)",
-                **gaps,
-            )
+        expected = {"instances around it": 0}
+        expected["its parameters registered as themselves"] = sorted(ignored.values())
+        _expect(label, "ignored module managed by FSDP", seen, expected)
+        losses, grads = _ignored_run(root, model, block, dist, reduce=False)
+        plain = zoo.build(MODEL, dist.group, None, dist.device).to(dist.device)
+        ref_losses, ref_grads = _ignored_run(plain, plain, plain.blocks[1], dist, reduce=True)
+        # bit-exact against the plain model with every gradient but the ignored ones averaged
+        seen = {
+            "max |difference| of its gradients after the first backward": _gap(grads, ref_grads),
+            "max |difference| of the losses": (losses - ref_losses).abs().max().item(),
+            "max |difference| of the parameters": _gap(
+                _full(api, root)[0], dict(plain.named_parameters())
+            ),
+        }
+        _expect(label, "training differs from the reference", seen, {key: 0.0 for key in seen})
 
     @check(
         "fsdp1.device_id",
@@ -456,7 +404,7 @@ class BaseFSDP1ConstructorTests:
     @pytest.mark.world_size(2)
     @pytest.mark.parametrize("form", ["device", "int"])
     def test_device_id(self, fsdp_adapter: Any, dist: Any, form: str):
-        api = _api(fsdp_adapter)
+        api = fsdp_adapter.declarations.api["fsdp1"]
         model = zoo.build("loops_buffer", dist.group, None, torch.device("cpu"))
         device = dist.device
         label = f"adapter {fsdp_adapter.name!r}, loops_buffer built on cpu, device_id {form}"
@@ -464,29 +412,18 @@ class BaseFSDP1ConstructorTests:
             try:
                 _wrap(api, model, dist, device_id=0)
             except (RuntimeError, ValueError) as error:
-                if not any(word in str(error).lower() for word in ("accelerator", "cuda")):
-                    _fail(label, "unclear error", f"refused with {error!r}, naming no device")
+                seen = {"the error names the accelerator": "accelerator" in str(error).lower()}
+                _expect(label, "unclear error", seen, {"the error names the accelerator": True})
                 return
-            _fail(
-                label,
+            raise CheckFailure(
+                f"{label}: device_id=0 (an accelerator's index) was accepted on a host without one",
                 "an accelerator index accepted without an accelerator",
-                "device_id=0 (an accelerator's index) was accepted on a host without one",
             )
         root = _wrap(api, model, dist, device_id=device.index if form == "int" else device)
-        elsewhere = sorted(
-            name
-            for name, tensor in [*root.named_parameters(), *root.named_buffers()]
-            if tensor.device != device
-        )
-        if elsewhere:
-            _fail(
-                label,
-                "tensors not on device_id",
-                f"not on {device}: {elsewhere}",
-                offenders=len(elsewhere),
-            )
-        reference = training.ddp_driver("loops_buffer", dist)
-        _assert_trains_as(label, api, root, model, reference, dist)
+        tensors = [*root.named_parameters(), *root.named_buffers()]
+        seen = {f"not on {device}": [name for name, t in tensors if t.device != device]}
+        _expect(label, "tensors not on device_id", seen, {f"not on {device}": []})
+        _assert_trains_as(label, api, root, training.ddp_driver("loops_buffer", dist), dist)
 
     @check(
         "fsdp1.device_mesh",
@@ -508,37 +445,27 @@ class BaseFSDP1ConstructorTests:
     def test_device_mesh(self, fsdp_adapter: Any, dist: Any, mesh_dims: str):
         from torch.distributed.device_mesh import init_device_mesh
 
-        api = _api(fsdp_adapter)
-        model = zoo.build(MODEL, dist.group, None, dist.device)
-        kwargs: dict[str, Any] = {"auto_wrap_policy": _selecting(_targets(model))}
+        api, model = _built(fsdp_adapter, dist)
+        kwargs: dict[str, Any] = {}
         if mesh_dims == "1d":
             mesh = init_device_mesh(dist.device.type, (dist.world_size,))
-            groups = {"all_gather": mesh.get_group(), "reduce_scatter": mesh.get_group()}
-        else:
+            shard = replicate = mesh.get_group()
+        else:  # replicate across the rows, shard within them: torch's DeviceMesh layout
             shape, dims = (2, dist.world_size // 2), ("replicate", "shard")
             mesh = init_device_mesh(dist.device.type, shape, mesh_dim_names=dims)
             kwargs["sharding_strategy"] = api.ShardingStrategy.HYBRID_SHARD
-            groups = {
-                "all_gather": mesh.get_group("shard"),
-                "reduce_scatter": mesh.get_group("shard"),
-                "all_reduce": mesh.get_group("replicate"),
-            }
+            shard, replicate = mesh.get_group("shard"), mesh.get_group("replicate")
         root = _wrap(api, model, dist, device_mesh=mesh, **kwargs)
         label = f"adapter {fsdp_adapter.name!r}, {MODEL}, device_mesh {mesh_dims} {mesh}"
         calls: list[Any] = []
-        reference = training.ddp_driver(MODEL, dist)
-        _assert_trains_as(label, api, root, model, reference, dist, calls=calls)
-        ranks = {op: tdist.get_process_group_ranks(g) for op, g in groups.items()}
-        seen = {(c.op, tuple(tdist.get_process_group_ranks(c.group))) for c in calls}
-        wrong = sorted(f"{op} over {list(r)}" for op, r in seen if list(r) != ranks.get(op))
-        missing = sorted(op for op in ranks if op not in {op for op, _ in seen})
-        if wrong or missing:
-            _fail(
-                label,
-                "collectives outside the mesh's groups",
-                f"{wrong}, none of {missing}; expected each op over {ranks}",
-                offenders=len(wrong) + len(missing),
-            )
+        _assert_trains_as(label, api, root, training.ddp_driver(MODEL, dist), dist, calls=calls)
+        expected = {"all_gather": shard, "reduce_scatter": shard}
+        expected |= {"all_reduce": replicate} if mesh_dims == "2d" else {}
+        seen: dict[str, set] = collections.defaultdict(set)
+        for call in calls:
+            seen[call.op].add(tuple(tdist.get_process_group_ranks(call.group)))
+        ranks = {op: {tuple(tdist.get_process_group_ranks(g))} for op, g in expected.items()}
+        _expect(label, "collectives outside the mesh's groups", dict(seen), ranks)
 
     @check(
         "fsdp1.use_orig_params",
@@ -551,33 +478,25 @@ class BaseFSDP1ConstructorTests:
     )
     @pytest.mark.world_size(2)
     def test_use_orig_params(self, fsdp_adapter: Any, dist: Any):
-        api, name = _api(fsdp_adapter), "loops_frozen_mixed"
-        model = zoo.build(name, dist.group, None, dist.device)
-        plain = {n: (p.detach().clone(), p.requires_grad) for n, p in model.named_parameters()}
-        policy = _selecting(_targets(model))
-        root = _wrap(api, model, dist, auto_wrap_policy=policy, use_orig_params=True)
-        label = f"adapter {fsdp_adapter.name!r}, {name}, use_orig_params=True, auto-wrapped"
+        api, model = _built(fsdp_adapter, dist, "loops_frozen_mixed")
+        plain = {n: p.detach().clone() for n, p in model.named_parameters()}
+        trainable = [(n, p.requires_grad) for n, p in model.named_parameters()]
+        root = _wrap(api, model, dist, use_orig_params=True)
+        label = f"adapter {fsdp_adapter.name!r}, loops_frozen_mixed, use_orig_params=True"
         named = [(clean_param_name(n), p) for n, p in root.named_parameters()]
-        listed = [(n, p.requires_grad) for n, p in named]
-        full = _full(api, root)[0]
-        gap = _gap(full, {n: value for n, (value, _) in plain.items()})
-        if listed != [(n, trains) for n, (_, trains) in plain.items()] or gap > 0:
-            _fail(
-                label,
-                "original parameters not exposed",
-                f"named_parameters() gives {listed} (under summon_full_params: max |difference| "
-                f"{gap:.3g} from the plain module's values), the plain module "
-                f"{[(n, trains) for n, (_, trains) in plain.items()]}",
-                offenders=len(set(listed) ^ {(n, t) for n, (_, t) in plain.items()}),
-            )
+        seen = {
+            "named_parameters() (name, requires_grad)": [(n, p.requires_grad) for n, p in named],
+            "max |difference| under summon_full_params": _gap(_full(api, root)[0], plain),
+        }
+        expected = {"named_parameters() (name, requires_grad)": trainable}
+        expected["max |difference| under summon_full_params"] = 0.0
+        _expect(label, "original parameters not exposed", seen, expected)
         adamw = {"lr": test_optim.ADAMW_LR, "weight_decay": test_optim.WEIGHT_DECAY}
-        groups = group_by(named, test_optim.group_options)
-        reference = training.ddp_driver(name, dist)
-        reference.optimizer = torch.optim.AdamW(
-            test_optim.reference_groups(reference.zoo_model), **adamw
-        )
-        optimizer = torch.optim.AdamW(groups, **adamw)
-        _assert_trains_as(label, api, root, model, reference, dist, optimizer=optimizer)
+        reference = training.ddp_driver("loops_frozen_mixed", dist)
+        groups = test_optim.reference_groups(reference.zoo_model)
+        reference.optimizer = torch.optim.AdamW(groups, **adamw)
+        optimizer = torch.optim.AdamW(group_by(named, test_optim.group_options), **adamw)
+        _assert_trains_as(label, api, root, reference, dist, optimizer=optimizer)
 
     @check(
         "fsdp1.module_api",
@@ -599,61 +518,45 @@ class BaseFSDP1ConstructorTests:
     )
     @pytest.mark.world_size(2)
     def test_module_api(self, fsdp_adapter: Any, dist: Any):
-        api, name = _api(fsdp_adapter), "loops_buffer"
-        model, plain = (zoo.build(name, dist.group, None, dist.device) for _ in range(2))
-        plain.to(dist.device)
+        api, model = _built(fsdp_adapter, dist, "loops_buffer")
+        plain = zoo.build("loops_buffer", dist.group, None, dist.device).to(dist.device)
         side = nn.Linear(8, 8)  # a second root in the same module tree
-        labels = {id(m): n or "<root>" for n, m in model.named_modules()} | {id(side): "side"}
-        everything = sorted(labels[id(m)] for m in [model, *_targets(model), side])
-        root = _wrap(api, model, dist, auto_wrap_policy=_selecting(_targets(model)))
-        tree = nn.ModuleList([root, _wrap(api, side, dist)])
+        names = _names(model) | {id(side): "side"}
+        every = sorted(names[id(m)] for m in [model, *model.blocks, model.head, side])
+        root = _wrap(api, model, dist)
+        tree = nn.ModuleList([root, _wrap(api, side, dist, auto_wrap_policy=None)])
         inputs = plain.get_input(dist.device)
         output = root(*inputs)
         tree[1](inputs[0])
-        label = f"adapter {fsdp_adapter.name!r}, {name} auto-wrapped next to a wrapped Linear"
+        label = f"adapter {fsdp_adapter.name!r}, loops_buffer auto-wrapped next to a wrapped Linear"
         listing = api.FullyShardedDataParallel.fsdp_modules
 
         def wrapped(instances: Any) -> list[str]:
-            return sorted(labels.get(id(i.module), type(i.module).__name__) for i in instances)
+            return sorted(names.get(id(i.module), type(i.module).__name__) for i in instances)
 
+        params, buffers = _full(api, root)
+        want = dict(plain.named_parameters()) | dict(plain.named_buffers())
+        values = params | buffers
         seen = {
+            "root.module is the model": root.module is model,
             "fsdp_modules()": wrapped(listing(tree)),
             "fsdp_modules(root_only=True)": wrapped(listing(tree, root_only=True)),
-            "check_is_root() True": wrapped(i for i in listing(tree) if i.check_is_root()),
-            "root.module is the model": root.module is model,
+            "check_is_root() is True on": wrapped(i for i in listing(tree) if i.check_is_root()),
+            "forward(): max |difference|": _gap({"out": output}, {"out": plain(*inputs)}),
+            "named_parameters() + named_buffers()": list(values),
+            "their max |difference|": _gap(values, want),
         }
+        roots = ["<root>", "side"]
         expected = {
-            "fsdp_modules()": everything,
-            "fsdp_modules(root_only=True)": ["<root>", "side"],
-            "check_is_root() True": ["<root>", "side"],
             "root.module is the model": True,
+            "fsdp_modules()": every,
+            "fsdp_modules(root_only=True)": roots,
+            "check_is_root() is True on": roots,
+            "forward(): max |difference|": 0.0,
+            "named_parameters() + named_buffers()": list(want),
+            "their max |difference|": 0.0,
         }
-        wrong = {key: seen[key] for key in seen if seen[key] != expected[key]}
-        if wrong:
-            _fail(
-                label,
-                "instances differ from the documented ones",
-                f"{wrong}; expected {expected}",
-                offenders=len(wrong),
-            )
-        if not torch.equal(output, plain(*inputs)):
-            _fail(
-                label,
-                "forward differs from the plain module's",
-                "the root's output is not the plain module's (bit-exact)",
-                gap=(output - plain(*inputs)).abs().max().item(),
-            )
-        params, buffers = _full(api, root)
-        values = params | buffers
-        expected_values = dict(plain.named_parameters()) | dict(plain.named_buffers())
-        if list(values) != list(expected_values) or _gap(values, expected_values) > 0:
-            _fail(
-                label,
-                "named tensors differ from the plain module's",
-                f"under summon_full_params: {list(values)} vs the plain module's "
-                f"{list(expected_values)} (names, then shapes and values)",
-                offenders=len(set(values) ^ set(expected_values)),
-            )
+        _expect(label, "the instance API differs from the documented one", seen, expected)
 
     @check(
         "fsdp1.apply",
@@ -664,37 +567,26 @@ class BaseFSDP1ConstructorTests:
     )
     @pytest.mark.world_size(2)
     def test_apply(self, fsdp_adapter: Any, dist: Any):
-        api = _api(fsdp_adapter)
-        model = zoo.build(MODEL, dist.group, None, dist.device)
+        api, model = _built(fsdp_adapter, dist)
         reference = training.ddp_driver(MODEL, dist)
-        shapes: dict[str, dict[str, tuple]] = {"fsdp": {}, "plain": {}}
-        for key, module in (("fsdp", model), ("plain", reference.zoo_model)):
-            names = {id(m): n for n, m in module.named_modules()}
+        names = _names(model) | _names(reference.zoo_model)  # by id: the two models' modules
+        root = _wrap(api, model, dist)
+        shapes: dict[str, dict[str, tuple]] = {}
+        for key, module in (("fn saw", root), ("the plain module's", reference.zoo_model)):
+            seen = shapes.setdefault(key, {})
 
             @torch.no_grad()
-            def fn(m: nn.Module, names: dict = names, seen: dict = shapes[key]) -> None:
+            def fn(m: nn.Module, seen: dict = seen) -> None:
                 if isinstance(m, nn.Linear):
                     seen[names[id(m)]] = tuple(m.weight.shape)
                     m.bias.fill_(0.25)
 
-            if key == "fsdp":
-                root = _wrap(api, model, dist, auto_wrap_policy=_selecting(_targets(model)))
-                root.apply(fn)
-            else:
-                module.apply(fn)
+            module.apply(fn)
         label = f"adapter {fsdp_adapter.name!r}, {MODEL}, apply(fn) setting every Linear's bias"
-        if shapes["fsdp"] != shapes["plain"]:
-            _fail(
-                label,
-                "fn did not see the full parameters",
-                f"Linear weights seen by fn {shapes['fsdp']}, the plain module's {shapes['plain']}",
-                offenders=len(set(shapes["fsdp"].items()) ^ set(shapes["plain"].items())),
-            )
-        _assert_trains_as(label, api, root, model, reference, dist)
-
-
-def _own_tensors(module: nn.Module) -> list[torch.Tensor]:
-    return [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+        seen = {"Linear weight shapes": shapes["fn saw"]}
+        expected = {"Linear weight shapes": shapes["the plain module's"]}
+        _expect(label, "fn did not see the full parameters", seen, expected)
+        _assert_trains_as(label, api, root, reference, dist)
 
 
 def _ignored_run(

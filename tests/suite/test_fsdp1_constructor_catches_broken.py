@@ -203,62 +203,63 @@ CASES = {
         ["test_auto_wrap_policy[custom]", "test_auto_wrap_policy[module_wrap]"],
         [
             (
-                "*auto_wrap_policy custom: blocks holding all their elements on this rank: ?? "
-                "(NO_SHARD: ?1?); the head computed in ?'torch.float32'?*"
+                "*auto_wrap_policy custom: blocks holding all their elements: ??, expected ?1?; "
+                "head computes in: {'Linear': {'torch.float32'}}, expected*"
             ),
             (
-                "*auto_wrap_policy module_wrap: instances around ?'<root>', 'blocks.0.0', *"
-                "the policy selects ?'<root>', 'blocks.0.0', *'trunk'?"
+                "*auto_wrap_policy module_wrap: instances around: ?'<root>', 'blocks.0.0', *'head'?, "
+                "expected ?'<root>', *'head', 'trunk'?"
             ),
         ],
     ),
     "TestKeepLowPrecisionGradsDropped": (
         ["test_keep_low_precision_grads[flat]", "test_keep_low_precision_grads[orig]"],
         [
-            (
-                "*keep_low_precision_grads=True), use_orig_params=False: after backward: parameters, "
-                "gradients and reductions in {'param': {'torch.float32'}, 'grad': {'torch.float32'}*"
-            ),
-            "*keep_low_precision_grads=True), use_orig_params=True: after backward*",
+            f"*keep_low_precision_grads=True), use_orig_params={flag}: gradients: "
+            "{'torch.float32'}, expected {'torch.bfloat16'}"
+            for flag in (False, True)
         ],
     ),
     "TestModuleClassesNotIgnored": (
         ["test_module_classes_to_ignore[callable]", "test_module_classes_to_ignore[module_wrap]"],
         [
-            f"*_module_classes_to_ignore=(LayerNorm,)), auto_wrap_policy {policy}: inputs and "
-            "weights in forward: {'Linear': {torch.bfloat16}, 'LayerNorm': {torch.bfloat16}}*"
+            f"*auto_wrap_policy {policy}: LayerNorm: {{'torch.bfloat16'}}, expected "
+            "{'torch.float32'}"
             for policy in ("callable", "module_wrap")
         ],
     ),
     "TestRootAlwaysCasts": (
         ["test_cast_forward_inputs"],
-        ["*the root's module got torch.bfloat16 (float32 inputs, not to be cast)*"],
+        ["*cast_forward_inputs=True): root: torch.bfloat16, expected torch.float32"],
     ),
     "TestInitTwice": (
         ["test_param_init_fn"],
-        ["*param_init_fn, auto-wrapped: calls per module {'blocks.0': 2, *"],
+        ["*param_init_fn, auto-wrapped: calls: {'blocks.0': 2, *, expected {'trunk': 1, *"],
     ),
     "TestIgnoredModulesWrapped": (
         ["test_ignored_modules[ignored_modules]"],
-        ["*ignored_modules=?blocks?1??, auto-wrapped: instances around it: 1*"],
+        ["*ignored_modules=?blocks?1??, auto-wrapped: instances around it: 1, expected 0"],
     ),
     "TestIntDeviceIsCpu": (
         ["test_device_id[int]"],
-        ["*device_id=0 (an accelerator's index) was accepted on a host without one*"],
+        ["*device_id int: device_id=0 (an accelerator's index) was accepted on a host without one"],
     ),
     "TestMeshDimsSwapped": (
         ["test_device_mesh[2d]"],
-        ["*device_mesh 2d *: ?'all_gather over ?0, 2?', 'all_reduce over ?0, 1?'*"],
+        ["*device_mesh 2d *: all_gather: {(0, 2)}, expected {(0, 1)}; *"],
     ),
     "TestOrigParamsAllTrainable": (
         ["test_use_orig_params"],
         [
-            "*use_orig_params=True, auto-wrapped: named_parameters() gives *('blocks.0.0.weight', True)*"
+            (
+                "*use_orig_params=True: named_parameters() (name, requires_grad): ?*"
+                "('blocks.0.0.weight', True)*, expected ?*('blocks.0.0.weight', False)*"
+            )
         ],
     ),
     "TestRootOnlyListsAll": (
         ["test_module_api"],
-        ["*{'fsdp_modules(root_only=True)': ?'<root>', 'blocks.0', *"],
+        ["*fsdp_modules(root_only=True): ?'<root>', 'blocks.0', *, expected ?'<root>', 'side'?"],
     ),
     "TestApplyWithoutWriteback": (
         ["test_apply"],
