@@ -27,6 +27,7 @@ from torch import nn
 from fsdp_conformance.adapters import Feature, clean_param_name
 from fsdp_conformance.adapters.base import group_by
 from fsdp_conformance.checks import CheckFailure
+from fsdp_conformance.constants import REDUCE_OPS, Op
 from fsdp_conformance.observe.comm_trace import observing_collectives
 
 from . import test_optim, test_parity, test_precision, training, zoo
@@ -229,7 +230,7 @@ class BaseFSDP1ConstructorTests:
         "cast_forward_inputs=True instance casts; each trains within tolerance of fp32 DDP",
         features=FAMILY,
         case="the MixedPrecision field driven",
-        case_of=lambda use_orig_params: f"keep_low_precision_grads:{use_orig_params}",
+        case_of=lambda strategy: f"keep_low_precision_grads:{strategy}",
         api=(
             f"{FSDP}(mixed_precision)",
             "MixedPrecision(param_dtype)",
@@ -240,11 +241,13 @@ class BaseFSDP1ConstructorTests:
         ),
     )
     @pytest.mark.world_size(2)
-    @pytest.mark.parametrize("use_orig_params", [False, True], ids=["flat", "orig"])
-    def test_keep_low_precision_grads(self, fsdp_adapter: Any, dist: Any, use_orig_params: bool):
+    @pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD"])
+    def test_keep_low_precision_grads(self, fsdp_adapter: Any, dist: Any, strategy: str):
         api, model = _built(fsdp_adapter, dist)
         mixed = api.MixedPrecision(param_dtype=BF16, keep_low_precision_grads=True)
-        root = _wrap(api, model, dist, mixed_precision=mixed, use_orig_params=use_orig_params)
+        # NO_SHARD with the original parameters: the other reduction and gradient paths
+        kwargs = {"sharding_strategy": api.ShardingStrategy[strategy], "mixed_precision": mixed}
+        root = _wrap(api, model, dist, use_orig_params=strategy == "NO_SHARD", **kwargs)
         seen: dict[str, set[str]] = collections.defaultdict(set)
 
         def after_backward(step: int) -> None:
@@ -254,7 +257,7 @@ class BaseFSDP1ConstructorTests:
 
         label = (
             f"adapter {fsdp_adapter.name!r}, {MODEL}, MixedPrecision(param_dtype=bfloat16, "
-            f"keep_low_precision_grads=True), use_orig_params={use_orig_params}"
+            f"keep_low_precision_grads=True), {strategy}, use_orig_params={strategy == 'NO_SHARD'}"
         )
         calls: list[Any] = []
         reference = training.ddp_driver(MODEL, dist)
@@ -267,8 +270,9 @@ class BaseFSDP1ConstructorTests:
             dtype=BF16,
             calls=calls,
             after_backward=after_backward,
+            alternate_set_to_none=True,  # step 1 accumulates into zeroed low-precision gradients
         )
-        seen["reductions"] = {str(d) for c in calls if c.op != "all_gather" for d in c.dtypes}
+        seen["reductions"] = {str(d) for c in calls if c.op in REDUCE_OPS for d in c.dtypes}
         # reduce_dtype None takes param_dtype
         expected = {"parameters": {"torch.float32"}, "gradients": {"torch.bfloat16"}}
         expected["reductions"] = expected["gradients"]
@@ -459,8 +463,8 @@ class BaseFSDP1ConstructorTests:
         label = f"adapter {fsdp_adapter.name!r}, {MODEL}, device_mesh {mesh_dims} {mesh}"
         calls: list[Any] = []
         _assert_trains_as(label, api, root, training.ddp_driver(MODEL, dist), dist, calls=calls)
-        expected = {"all_gather": shard, "reduce_scatter": shard}
-        expected |= {"all_reduce": replicate} if mesh_dims == "2d" else {}
+        expected = {Op.ALL_GATHER: shard, Op.REDUCE_SCATTER: shard}
+        expected |= {Op.ALL_REDUCE: replicate} if mesh_dims == "2d" else {}
         seen: dict[str, set] = collections.defaultdict(set)
         for call in calls:
             seen[call.op].add(tuple(tdist.get_process_group_ranks(call.group)))

@@ -213,11 +213,11 @@ CASES = {
         ],
     ),
     "TestKeepLowPrecisionGradsDropped": (
-        ["test_keep_low_precision_grads[flat]", "test_keep_low_precision_grads[orig]"],
+        ["test_keep_low_precision_grads[FULL_SHARD]", "test_keep_low_precision_grads[NO_SHARD]"],
         [
-            f"*keep_low_precision_grads=True), use_orig_params={flag}: gradients: "
+            f"*keep_low_precision_grads=True), {strategy}, use_orig_params=*: gradients: "
             "{'torch.float32'}, expected {'torch.bfloat16'}"
-            for flag in (False, True)
+            for strategy in ("FULL_SHARD", "NO_SHARD")
         ],
     ),
     "TestModuleClassesNotIgnored": (
