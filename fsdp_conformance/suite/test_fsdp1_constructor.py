@@ -369,6 +369,7 @@ class BaseFSDP1ConstructorTests:
     @pytest.mark.parametrize("argument", ["ignored_modules", "ignored_states"])
     def test_ignored_modules(self, fsdp_adapter: Any, dist: Any, argument: str):
         api, model = _built(fsdp_adapter, dist)
+        model.to(dist.device)  # FSDP moves no ignored module
         block = model.blocks[1]  # selected by the policy, but ignored
         ignored = {id(param): name for name, param in block.named_parameters()}
         root = _wrap(api, model, dist, **{argument: [block]})
