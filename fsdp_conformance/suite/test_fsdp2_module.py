@@ -401,7 +401,8 @@ class BaseFSDP2ModuleTests:
     @check(
         "fsdp2_module.hsdp_all_reduce",
         "HSDP on a 2 x 2 mesh: set_requires_all_reduce(False) reduce-scatters without "
-        "all-reducing and the last micro-batch all-reduces the accumulated sum; the all-reduce "
+        "all-reducing, set_requires_gradient_sync(False) does neither, and the last "
+        "micro-batch all-reduces the accumulated sum; the all-reduce "
         "hook gets the all-reduced gradient; the gradient divide factor and sum-only "
         "reductions give sum / factor and the mean; matches the reference",
         features=(Feature.FSDP2_API,),
@@ -410,6 +411,7 @@ class BaseFSDP2ModuleTests:
             "FSDPModule.set_requires_all_reduce(recurse=False)",
             "FSDPModule.set_all_reduce_hook()",
             "FSDPModule.set_gradient_divide_factor()",
+            "FSDPModule.set_requires_gradient_sync()",
         ),
     )
     @pytest.mark.world_size(4)
@@ -425,22 +427,27 @@ class BaseFSDP2ModuleTests:
         run.scale = {"blocks.2": dist.world_size / 2.0}
         children = [unit for unit in units if unit != "root"]
         with run.observing():
-            for step, recurse in enumerate((True, False)):
+            for step, mode in enumerate(("all_reduce", "all_reduce_root", "no_sync")):
                 for micro in range(MICRO_BATCHES):
                     last = micro == MICRO_BATCHES - 1
-                    root.set_requires_all_reduce(last, recurse=recurse)
+                    if mode == "no_sync":  # neither reduce-scatter nor all-reduce but the last
+                        root.set_requires_gradient_sync(last)
+                    else:
+                        root.set_requires_all_reduce(last, recurse=mode == "all_reduce")
                     hooked.clear()
                     run.micro_batch(step, micro, MICRO_BATCHES)
                     phase = f"step {step} micro {micro} backward"
-                    reducing = children if not recurse or last else []
-                    why = "reduce-scatters within the shard group every micro-batch"
-                    run.check_count(phase, Op.REDUCE_SCATTER, 1, len(units), why, [shard])
-                    why = f"all-reduces across replicas only from {reducing or 'no unit'}"
-                    high = len(units) if last else len(reducing)
-                    run.check_count(phase, Op.ALL_REDUCE, min(high, 1), high, why, [replicate])
-                    run.check_grads(f"{phase}", units=units if last else reducing)
-                    if last or not recurse:  # the hook runs after each all-reduce
-                        grads = run.grads if step == 0 else run.micro_grads
+                    scattering = units if last or mode != "no_sync" else []
+                    reducing = units if last else children if mode == "all_reduce_root" else []
+                    for op, group, among in (
+                        (Op.REDUCE_SCATTER, shard, scattering),
+                        (Op.ALL_REDUCE, replicate, reducing),
+                    ):
+                        why = f"{op} in {list(among) or 'no unit'} ({mode})"
+                        run.check_count(phase, op, min(1, len(among)), len(among), why, [group])
+                    run.check_grads(phase, units=reducing)
+                    if "blocks.1" in reducing:  # the hook runs after each all-reduce
+                        grads = run.micro_grads if mode == "all_reduce_root" else run.grads
                         _check_hook(run, phase, hooked, grads, dist.rank % 2)
                 run.step(step)
 
@@ -454,6 +461,7 @@ class BaseFSDP2ModuleTests:
         api=(
             "FSDPModule.set_custom_reduce_scatter()",
             "FSDPModule.set_force_sum_reduction_for_comms()",
+            "FSDPModule.set_gradient_divide_factor()",
             "FSDPModule.set_reduce_scatter_divide_factor()",
             "FSDPModule.set_separate_reduce_scatter_group()",
             "FSDPModule.set_separate_reduce_scatter_group(enable=False)",
