@@ -427,18 +427,18 @@ class BaseFSDP2ModuleTests:
         run.scale = {"blocks.2": dist.world_size / 2.0}
         children = [unit for unit in units if unit != "root"]
         with run.observing():
-            for step, mode in enumerate(("all_reduce", "all_reduce_root", "no_sync")):
+            for step, mode in enumerate(("deferred", "deferred_root", "no_sync")):
                 for micro in range(MICRO_BATCHES):
                     last = micro == MICRO_BATCHES - 1
                     if mode == "no_sync":  # neither reduce-scatter nor all-reduce but the last
                         root.set_requires_gradient_sync(last)
                     else:
-                        root.set_requires_all_reduce(last, recurse=mode == "all_reduce")
+                        root.set_requires_all_reduce(last, recurse=mode == "deferred")
                     hooked.clear()
                     run.micro_batch(step, micro, MICRO_BATCHES)
                     phase = f"step {step} micro {micro} backward"
                     scattering = units if last or mode != "no_sync" else []
-                    reducing = units if last else children if mode == "all_reduce_root" else []
+                    reducing = units if last else children if mode == "deferred_root" else []
                     for op, group, among in (
                         (Op.REDUCE_SCATTER, shard, scattering),
                         (Op.ALL_REDUCE, replicate, reducing),
@@ -447,7 +447,7 @@ class BaseFSDP2ModuleTests:
                         run.check_count(phase, op, min(1, len(among)), len(among), why, [group])
                     run.check_grads(phase, units=reducing)
                     if "blocks.1" in reducing:  # the hook runs after each all-reduce
-                        grads = run.micro_grads if mode == "all_reduce_root" else run.grads
+                        grads = run.micro_grads if mode == "deferred_root" else run.grads
                         _check_hook(run, phase, hooked, grads, dist.rank % 2)
                 run.step(step)
 
