@@ -106,15 +106,12 @@ class _Comm:
         self.calls.append((op, bool({output_tensor.data_ptr(), input_tensor.data_ptr()} & ours)))
         kind = Op.ALL_GATHER if op is None else Op.REDUCE_SCATTER
         self.run.events.append((self.run.phase, kind, self.label))
+        collective = tdist.all_gather_into_tensor
+        if op is not None:
+            collective = functools.partial(tdist.reduce_scatter_tensor, op=op)
         self.run.inside_comm += 1
         try:
-            if op is None:
-                return tdist.all_gather_into_tensor(
-                    output_tensor, input_tensor, group=group, async_op=async_op
-                )
-            return tdist.reduce_scatter_tensor(
-                output_tensor, input_tensor, op=op, group=group, async_op=async_op
-            )
+            return collective(output_tensor, input_tensor, group=group, async_op=async_op)
         finally:
             self.run.inside_comm -= 1
 
@@ -306,16 +303,12 @@ class _Run:
                 seen=str(wrong),
             )
 
-    def count(self, phase: str, op: str, groups: Any = None) -> int:
-        """Collectives `op` this rank issued in `phase` (on one of `groups` if given)."""
-        return sum(
-            1
-            for where, kind, group in self.collectives
-            if where == phase and kind == op and (groups is None or group in groups)
-        )
-
     def check_count(self, phase: str, op: str, low: int, high: int, why: str, groups=None):
-        issued = self.count(phase, op, groups)
+        """`phase` issued `low` to `high` collectives `op` (on one of `groups` if given)."""
+        issued = sum(
+            where == phase and kind == op and (groups is None or group in groups)
+            for where, kind, group in self.collectives
+        )
         if not low <= issued <= high:
             self.fail(
                 f"{phase}: {issued} {op} collective(s), the methods called promise "
