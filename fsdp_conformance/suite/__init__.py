@@ -36,6 +36,8 @@ from .test_optim import BaseParamGroupTests
 from .test_forward import BaseForwardMethodTests
 from .test_memory import BaseReshardAfterForwardTests
 from .test_wrap_isolation import BaseConfigIsolationTests
+from .test_fsdp1_constructor import BaseFSDP1ConstructorTests
+from .test_fsdp2_module import BaseFSDP2ModuleTests
 from .test_fsdp1_methods import BaseFSDP1MethodTests
 # isort: on
 
@@ -47,7 +49,9 @@ __all__ = [
     "BaseConfigIsolationTests",
     "BaseDDPParityTests",
     "BaseExecOrderTests",
+    "BaseFSDP1ConstructorTests",
     "BaseFSDP1MethodTests",
+    "BaseFSDP2ModuleTests",
     "BaseForwardMethodTests",
     "BaseForwardVariantsTests",
     "BaseFrozenParameterTests",
