@@ -36,6 +36,7 @@ from .test_optim import BaseParamGroupTests
 from .test_forward import BaseForwardMethodTests
 from .test_memory import BaseReshardAfterForwardTests
 from .test_wrap_isolation import BaseConfigIsolationTests
+from .test_fsdp2_api import BaseFSDP2APITests
 # isort: on
 
 __all__ = [
@@ -46,6 +47,7 @@ __all__ = [
     "BaseConfigIsolationTests",
     "BaseDDPParityTests",
     "BaseExecOrderTests",
+    "BaseFSDP2APITests",
     "BaseForwardMethodTests",
     "BaseForwardVariantsTests",
     "BaseFrozenParameterTests",
