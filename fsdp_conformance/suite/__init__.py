@@ -37,6 +37,7 @@ from .test_forward import BaseForwardMethodTests
 from .test_memory import BaseReshardAfterForwardTests
 from .test_wrap_isolation import BaseConfigIsolationTests
 from .test_fsdp2_api import BaseFSDP2APITests
+from .test_fsdp2_module import BaseFSDP2ModuleTests
 # isort: on
 
 __all__ = [
@@ -48,6 +49,7 @@ __all__ = [
     "BaseDDPParityTests",
     "BaseExecOrderTests",
     "BaseFSDP2APITests",
+    "BaseFSDP2ModuleTests",
     "BaseForwardMethodTests",
     "BaseForwardVariantsTests",
     "BaseFrozenParameterTests",

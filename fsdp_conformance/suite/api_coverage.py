@@ -38,6 +38,10 @@ from fsdp_conformance import checks
 OUT_OF_SCOPE = {
     "FSDPModule.set_post_optim_event()": "CUDA-only: takes a CUDA event the all-gather stream waits on",
     "FSDPModule.set_symm_mem_for_comm()": "CUDA-only: NCCL symmetric memory",
+    "FSDPModule.set_symm_mem_for_comm(backend)": "CUDA-only: its one backend is 'NCCL'",
+    "FSDPModule.set_all_reduce_hook(stream)": (
+        "CUDA-only: a torch.cuda.Stream to run the hook on (the hook itself is driven)"
+    ),
     "FSDPModule.set_allocate_memory_from_process_group_for_comm()": (
         "CUDA-only: NCCL memory pools for the communication buffers"
     ),
