@@ -24,10 +24,14 @@ precision and clipping checks' own ([Note: precision tolerances], ``CLIP_*``).
 from __future__ import annotations
 
 import collections
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
 import pytest
 import torch
+import torch.distributed as torch_dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -37,7 +41,6 @@ from fsdp_conformance.checks import CheckFailure
 from fsdp_conformance.constants import REDUCE_OPS, Op
 from fsdp_conformance.models.model_base import ZooModel, generator, rand_input, seeded_init_
 
-from . import fsdp2_family as family
 from . import test_loops, test_parity, test_precision, training, zoo
 from .declare import check
 from .training import LoopCase
@@ -53,6 +56,69 @@ MESH_DIMS = {
     "shard_flat": {"shard": ("r", "s")},
     "replicate_flat": {"replicate": ("r", "s")},
 }
+
+
+def _api(adapter: Any) -> Any:
+    """The adapter's FSDP2 namespace (``Declarations.api["fsdp2"]``: ``fully_shard``,
+    ``FSDPModule``, ``MixedPrecisionPolicy``, ...)."""
+    return adapter.declarations.api["fsdp2"]
+
+
+def _mesh(dist: Any, shape: tuple[int, ...] = (), names: tuple[str, ...] = ("dp",)) -> Any:
+    """A device mesh of the test's ranks (`shape`; default: 1-D over all of them), each dimension
+    named ``names[i]`` plus a suffix new in every test: torch keeps a mesh's submeshes and
+    flattenings per layout and names, so an equal mesh of an earlier test would hand out that
+    test's destroyed groups (measured, torch 2.13.0: "Expected param's DTensor mesh to be the
+    same mesh passed to fully_shard"). Read the names back from ``mesh.mesh_dim_names``."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    ranks = list(range(dist.world_size))
+    tag = torch_dist.new_group(ranks).group_name  # the same on every rank, new in every test
+    return init_device_mesh(
+        dist.device.type,
+        shape or (dist.world_size,),
+        mesh_dim_names=tuple(f"{name}{tag}" for name in names),
+    )
+
+
+@contextlib.contextmanager
+def _observing(dist: Any, callback: Callable[[Any], None]) -> Iterator[None]:
+    """``observing_collectives(callback)`` on every rank at once: entered and left at a barrier,
+    so that no rank's collectives outside it reach another's `callback` (ranks that are threads
+    of one process see each other's collectives while these do not observe)."""
+    from fsdp_conformance.observe.comm_trace import observing_collectives
+
+    with observing_collectives(callback):
+        dist.barrier()
+        yield
+        dist.barrier()
+
+
+def _shard_loops(ns: Any, model: nn.Module, **options: Any) -> nn.Module:
+    """``ns.fully_shard`` the zoo's ``loops`` model as users shard a model: each block, the head,
+    then the root (the trunk), every unit with `options`; returns the root."""
+    for block in model.blocks:
+        ns.fully_shard(block, **options)
+    ns.fully_shard(model.head, **options)
+    return ns.fully_shard(model, **options)
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's ``full_tensor()`` (a collective), a plain tensor itself; detached."""
+    if hasattr(tensor, "full_tensor"):
+        tensor = tensor.full_tensor()
+    return tensor.detach()
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard, a plain tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Copies of every registered parameter's full value, by name (tied: under each name)."""
+    named = model.named_parameters(remove_duplicate=False)
+    return {name: _full(param).clone() for name, param in named}
 
 
 def _case(variant: str, model: str = LOOPS) -> LoopCase:
@@ -71,8 +137,10 @@ def _fail(label: str, failure: str, problems: list[str], **figures: Any) -> None
 
 
 def _assert_trained(label: str, driver: Any, losses: Any, reference: Any, ref_losses: Any, tol=0.0):
+    """Losses and full parameters (names without checkpoint_wrapper's segment) as the reference's."""
+    params = {n.replace("_checkpoint_wrapped_module.", ""): v for n, v in driver.params().items()}
     training.assert_losses(label, losses, ref_losses, tol)
-    training.assert_params(label, driver.params(), reference.params(), STEPS, tol, tol)
+    training.assert_params(label, params, reference.params(), STEPS, tol, tol)
 
 
 class _Block(nn.Module):
@@ -170,9 +238,10 @@ class _TPNet(ZooModel):
         return output.square().sum()
 
 
-def _reference(model: ZooModel, dist: Any, after_backward: Any = None) -> tuple[Any, torch.Tensor]:
-    """The unwrapped `model` trained ``STEPS`` steps, its gradients averaged over the test's
-    ranks by hand (then ``after_backward(driver, step)``): (driver, losses)."""
+def _reference(model: ZooModel, dist: Any, after_backward: Any = None, loss: Any = None):
+    """The unwrapped `model` trained ``STEPS`` steps (``loss(model)``: ``Driver.run``'s `loss`),
+    its gradients averaged over the test's ranks by hand, then ``after_backward(driver, step)``:
+    (driver, losses)."""
     driver = training.Driver(model.to(dist.device), model, dist.device)
 
     def average(step: int) -> None:
@@ -180,7 +249,19 @@ def _reference(model: ZooModel, dist: Any, after_backward: Any = None) -> tuple[
         if after_backward is not None:
             after_backward(driver, step)
 
-    return driver, driver.run(STEPS, after_backward=average)
+    return driver, driver.run(STEPS, after_backward=average, loss=loss and loss(model))
+
+
+def _two_forwards(model: ZooModel) -> Any:
+    """``Driver.run``'s `loss`: the sum of two forwards' losses (inputs `index`, `index` + 9)."""
+
+    def loss(step: int, index: int) -> torch.Tensor:
+        inputs = [
+            training.micro_input(model, model.trunk.weight.device, i) for i in (index, index + 9)
+        ]
+        return sum(model.get_loss(x, model(*x)) for x in inputs)
+
+    return loss
 
 
 def _holding(model: nn.Module, expected: dict[str, torch.Tensor], parts: int) -> list[str]:
@@ -188,10 +269,10 @@ def _holding(model: nn.Module, expected: dict[str, torch.Tensor], parts: int) ->
     value is not `expected`'s."""
     wrong = []
     for name, param in model.named_parameters():
-        shape, value = tuple(family.local(param).shape), expected[name]
-        if family.local(param).numel() * parts != value.numel():
+        shape, value = tuple(_local(param).shape), expected[name]
+        if _local(param).numel() * parts != value.numel():
             wrong.append(f"{name}: holds {shape} of {tuple(value.shape)}, 1/{parts} promised")
-        elif not torch.equal(family.full(param), value):
+        elif not torch.equal(_full(param), value):
             wrong.append(f"{name}: holds {shape}, but its full value is not the parameter's")
     return wrong
 
@@ -215,7 +296,7 @@ def _misplaced(model: nn.Module, expected: dict[str, torch.Tensor], when: str) -
             continue
         mesh = param.device_mesh
         chunk = expected[name].chunk(mesh.size(), dim)[mesh.get_local_rank()]
-        if not torch.equal(family.local(param).detach(), chunk):
+        if not torch.equal(_local(param).detach(), chunk):
             wrong.append(f"{when}: {name}'s local shard is not its chunk {mesh.get_local_rank()}")
     return wrong
 
@@ -301,7 +382,8 @@ class BaseFSDP2APITests:
     reshard_cases: ClassVar[tuple[str, ...]] = tuple(RESHARD_VALUES)
     offload_cases: ClassVar[tuple[str, ...]] = ("no_sync", "sync_every")
     mesh_dims_cases: ClassVar[tuple[str, ...]] = tuple(MESH_DIMS)
-    PAIRWISE: ClassVar[frozenset[str]] = frozenset({"True", "int", "no_sync", "hsdp"})
+    checkpointing_cases: ClassVar[tuple[str, ...]] = ("wrapper", "composable")
+    PAIRWISE: ClassVar[frozenset[str]] = frozenset({"True", "int", "no_sync", "hsdp", "composable"})
     MAX_NORM: ClassVar[float] = 1.0
 
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
@@ -310,6 +392,7 @@ class BaseFSDP2APITests:
             ("reshard", self.reshard_cases),
             ("offload", self.offload_cases),
             ("mesh_dims", self.mesh_dims_cases),
+            ("checkpointing", self.checkpointing_cases),
         ):
             if name in metafunc.fixturenames:
                 chosen = [case for case in cases if full or case in self.PAIRWISE]
@@ -337,9 +420,7 @@ class BaseFSDP2APITests:
     def test_reshard_after_forward(self, fsdp_adapter: Any, dist: Any, reshard: str):
         value = RESHARD_VALUES[reshard]
         model = zoo.build(LOOPS, dist.group, None, dist.device)
-        family.shard_loops(
-            family.api(fsdp_adapter), model, mesh=family.mesh(dist), reshard_after_forward=value
-        )
+        _shard_loops(_api(fsdp_adapter), model, mesh=_mesh(dist), reshard_after_forward=value)
         parts = {True: dist.world_size, False: 1}.get(value, value)  # of each parameter held
         label = _label(
             fsdp_adapter,
@@ -350,7 +431,7 @@ class BaseFSDP2APITests:
         backward_of: dict = {}  # "step": the step whose backward runs
 
         def loss(step: int, index: int) -> torch.Tensor:
-            before = family.full_params(model)
+            before = _full_params(model)
             inputs = training.micro_input(model, dist.device, index)
             value = model.get_loss(inputs, model(*inputs))
             problems.extend(f"step {step}: {text}" for text in _holding(model, before, parts))
@@ -362,7 +443,7 @@ class BaseFSDP2APITests:
                 gathers[backward_of["step"]].add(call.group.size())
 
         driver = training.Driver(model, model, dist.device, fsdp_adapter)
-        with family.observing(dist, record):
+        with _observing(dist, record):
             losses = driver.run(STEPS, loss=loss, after_backward=lambda _: backward_of.clear())
         for step in range(STEPS):
             if sorted(gathers[step]) != ([] if parts == 1 else [parts]):
@@ -396,7 +477,7 @@ class BaseFSDP2APITests:
     @pytest.mark.world_size(2)
     def test_mixed_precision(self, fsdp_adapter: Any, dist: Any):
         model = _SideInputNet(dist.group).to(dist.device)
-        units = _mixed_precision_units(family.api(fsdp_adapter), model, family.mesh(dist))
+        units = _mixed_precision_units(_api(fsdp_adapter), model, _mesh(dist))
         seen, calls, events = _observe_dtypes(units)
         driver = training.Driver(model, model, dist.device, fsdp_adapter)
 
@@ -404,7 +485,7 @@ class BaseFSDP2APITests:
             if call.op in REDUCE_OPS:
                 events.append(tuple(call.dtypes))
 
-        with family.observing(dist, reductions):
+        with _observing(dist, reductions):
             losses = driver.run(STEPS)
         reduced = _reductions_by_unit(events)
         problems = []
@@ -447,9 +528,9 @@ class BaseFSDP2APITests:
     )
     @pytest.mark.world_size(2)
     def test_grouped_tied(self, fsdp_adapter: Any, dist: Any):
-        ns = family.api(fsdp_adapter)
+        ns = _api(fsdp_adapter)
         model = _TiedChunks(dist.group).to(dist.device)
-        mesh = family.mesh(dist)
+        mesh = _mesh(dist)
         grouped = ns.fully_shard([model.embed, model.head], mesh=mesh)
         ns.fully_shard(model, mesh=mesh)
         label = _label(fsdp_adapter, "fully_shard([embed, head]) with head.weight = embed.weight")
@@ -465,7 +546,7 @@ class BaseFSDP2APITests:
             problems.append("after training head.weight is no longer embed.weight")
         state = fsdp_adapter.state_dict(model)
         tied = [state.get(name) for name in ("embed.weight", "head.weight")]
-        if any(value is None for value in tied) or not torch.equal(*map(family.full, tied)):
+        if any(value is None for value in tied) or not torch.equal(*map(_full, tied)):
             problems.append(
                 f"the full state dict does not hold the weight under both names: {sorted(state)}"
             )
@@ -486,17 +567,15 @@ class BaseFSDP2APITests:
     @pytest.mark.world_size(2)
     def test_shard_placement_fn(self, fsdp_adapter: Any, dist: Any):
         model = zoo.build(LOOPS, dist.group, None, dist.device)
-        initial = family.full_params(model)
-        family.shard_loops(
-            family.api(fsdp_adapter), model, mesh=family.mesh(dist), shard_placement_fn=_dim_one
-        )
+        initial = _full_params(model)
+        _shard_loops(_api(fsdp_adapter), model, mesh=_mesh(dist), shard_placement_fn=_dim_one)
         label = _label(fsdp_adapter, "loops, fully_shard(shard_placement_fn=Shard(1) for matrices)")
         problems = _misplaced(model, initial, "after fully_shard")
         grads: list = []
 
         def record(step: int) -> None:
             named = model.named_parameters()
-            grads.append({name: (p.grad, family.full(p.grad)) for name, p in named})
+            grads.append({name: (p.grad, _full(p.grad)) for name, p in named})
 
         driver = training.Driver(model, model, dist.device, fsdp_adapter)
         losses = driver.run(STEPS, after_backward=record)
@@ -515,7 +594,7 @@ class BaseFSDP2APITests:
         _fail(label, "Shard(1) layout not kept", problems)
         _assert_trained(label, driver, losses, reference, ref_losses)
         saved = {name: value.detach().clone() for name, value in model.state_dict().items()}
-        full_state = {name: family.full(value) for name, value in saved.items()}
+        full_state = {name: _full(value) for name, value in saved.items()}
         for when, load in (
             ("load_state_dict of its sharded state dict", lambda: model.load_state_dict(saved)),
             (
@@ -540,10 +619,10 @@ class BaseFSDP2APITests:
         api=("fully_shard(offload_policy)", "CPUOffloadPolicy(pin_memory=False)"),
     )
     def test_cpu_offload(self, fsdp_adapter: Any, dist: Any, offload: str):
-        ns = family.api(fsdp_adapter)
+        ns = _api(fsdp_adapter)
         model = zoo.build(LOOPS, dist.group, None, dist.device)
         policy = ns.CPUOffloadPolicy(pin_memory=False)
-        family.shard_loops(ns, model, mesh=family.mesh(dist), offload_policy=policy)
+        _shard_loops(ns, model, mesh=_mesh(dist), offload_policy=policy)
         label = _label(fsdp_adapter, f"loops, CPUOffloadPolicy(pin_memory=False), {offload}")
         driver = training.Driver(model, model, dist.device, fsdp_adapter)
         wrong: list[str] = []
@@ -594,8 +673,8 @@ class BaseFSDP2APITests:
     def test_dp_mesh_dims(self, fsdp_adapter: Any, dist: Any, mesh_dims: str):
         from torch.distributed.tensor import DTensor, Replicate, distribute_module
 
-        ns = family.api(fsdp_adapter)
-        mesh = family.mesh(dist, (1, dist.world_size), ("r", "s"))
+        ns = _api(fsdp_adapter)
+        mesh = _mesh(dist, (1, dist.world_size), ("r", "s"))
         named = dict(zip(("r", "s"), mesh.mesh_dim_names))
         dims = {
             field: named[value] if isinstance(value, str) else tuple(named[v] for v in value)
@@ -604,13 +683,13 @@ class BaseFSDP2APITests:
         model = zoo.build(LOOPS, dist.group, None, dist.device)
         distribute_module(model, mesh)  # every parameter a DTensor replicated over the mesh
         spec = ns.DataParallelMeshDims(**dims)
-        family.shard_loops(ns, model, mesh=mesh, dp_mesh_dims=spec)
+        _shard_loops(ns, model, mesh=mesh, dp_mesh_dims=spec)
         label = _label(fsdp_adapter, f"loops on a {tuple(mesh.shape)} mesh, {spec}")
         parts = dist.world_size if "shard" in dims else 1
         _fail(
             label,
             "parameters not sharded over the shard dims",
-            _holding(model, family.full_params(model), parts),
+            _holding(model, _full_params(model), parts),
         )
 
         def loss(step: int, index: int) -> torch.Tensor:
@@ -623,6 +702,52 @@ class BaseFSDP2APITests:
         losses = driver.run(STEPS, loss=loss)
         reference = training.ddp_driver(LOOPS, dist)
         _assert_trained(label, driver, losses, reference, reference.run(STEPS))
+
+    @check(
+        "fsdp2.activation_checkpointing",
+        "activation checkpointing composed with fully_shard, two forwards before one backward: "
+        "checkpoint_wrapper (apply_activation_checkpointing) around each unit, or composable "
+        "checkpoint(block) around a fully_shard'ed child: every block recomputed, state dict "
+        "keys those of the unwrapped model, training as the unwrapped model's",
+        features=(Feature.FSDP2_API,),
+        case="suite.training.LoopCase",
+        case_of=lambda checkpointing: _case(f"checkpointing {checkpointing}"),
+    )
+    def test_activation_checkpointing(self, fsdp_adapter: Any, dist: Any, checkpointing: str):
+        from torch.distributed._composable import checkpoint as checkpoint_module
+        from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as wrapper
+
+        ns, mesh = _api(fsdp_adapter), _mesh(dist)
+        model = zoo.build(LOOPS, dist.group, None, dist.device)
+        keys, calls = sorted(model.state_dict()), collections.Counter()
+        for index, block in enumerate(model.blocks):
+            block[0].register_forward_pre_hook(lambda *_, index=index: calls.update([index]))
+        if checkpointing == "wrapper":
+            blocks = set(model.blocks)
+            no_reentrant = functools.partial(
+                wrapper.checkpoint_wrapper, checkpoint_impl=wrapper.CheckpointImpl.NO_REENTRANT
+            )
+            wrapper.apply_activation_checkpointing(
+                model, checkpoint_wrapper_fn=no_reentrant, check_fn=blocks.__contains__
+            )
+            _shard_loops(ns, model, mesh=mesh)
+        else:
+            for block in model.blocks:
+                checkpoint_module(block)
+                ns.fully_shard(block[0], mesh=mesh)
+            ns.fully_shard(model.head, mesh=mesh)
+            ns.fully_shard(model, mesh=mesh)
+        driver = training.Driver(model, model, dist.device, fsdp_adapter)
+        losses = driver.run(STEPS, loss=_two_forwards(model))
+        label = _label(fsdp_adapter, f"loops, checkpointing {checkpointing}, two forwards")
+        problems = [f"block {i} ran {calls[i]} times" for i in range(3) if calls[i] < 4 * STEPS]
+        if sorted(model.state_dict()) != keys:
+            problems.append(f"state dict keys {sorted(model.state_dict())}, not {keys}")
+        _fail(label, "activation checkpointing not composed", problems)
+        reference, ref_losses = _reference(
+            zoo.build(LOOPS, dist.group, None, dist.device), dist, loss=_two_forwards
+        )
+        _assert_trained(label, driver, losses, reference, ref_losses, SUM_ORDER_TOL)
 
     @check(
         "fsdp2.tensor_parallel",
@@ -642,11 +767,11 @@ class BaseFSDP2APITests:
             parallelize_module,
         )
 
-        ns = family.api(fsdp_adapter)
-        mesh = family.mesh(dist, (2, 2), ("dp", "tp"))
+        ns = _api(fsdp_adapter)
+        mesh = _mesh(dist, (2, 2), ("dp", "tp"))
         dp, tp = (mesh[name] for name in mesh.mesh_dim_names)
         model = _TPNet(dp.get_group()).to(dist.device)
-        initial = family.full_params(model)
+        initial = _full_params(model)
         for block in model.blocks:
             parallelize_module(block, tp, {"up": ColwiseParallel(), "down": RowwiseParallel()})
             ns.fully_shard(block, mesh=dp)
@@ -669,7 +794,7 @@ class BaseFSDP2APITests:
         _assert_trained(label, driver, losses, reference, ref_losses, test_loops.CLIP_PARAM_TOL)
         tol = test_loops.CLIP_PARAM_TOL
         state = training.by_clean_name(fsdp_adapter, fsdp_adapter.state_dict(model).items())
-        full_state = {name: family.full(value) for name, value in state.items()}
+        full_state = {name: _full(value) for name, value in state.items()}
         training.assert_params(
             f"{label}, full state dict", full_state, reference.params(), STEPS, tol, tol
         )
@@ -680,7 +805,7 @@ class BaseFSDP2APITests:
         ]
         _fail(label, "the layout changed when loading the full state dict", moved)
         training.assert_params(
-            f"{label}, loaded initial state dict", family.full_params(model), initial, 0
+            f"{label}, loaded initial state dict", _full_params(model), initial, 0
         )
 
 

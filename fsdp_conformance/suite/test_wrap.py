@@ -114,6 +114,7 @@ class BaseIgnoredParamsTests:
         features=("ignored_params",),
         case="suite.training.LoopCase",
         case_of=lambda variant, strategy: training.LoopCase("loops", strategy, variant),
+        api=("fully_shard(ignored_params)",),  # through torch-fsdp2
     )
     @pytest.mark.world_size(2)
     def test_ignored_params(self, fsdp_adapter: Any, dist: Any, variant: str, strategy: str):

@@ -13,6 +13,8 @@ a patched init function looks); one suite class per variant, one cell each:
 - ``output_dtype`` ignored; forward inputs cast despite ``cast_forward_inputs=False``; no input
   cast in an activation-checkpoint recompute (pytorch#159359); gradients reduced in
   ``param_dtype``, not ``reduce_dtype``;
+- a recompute under ``checkpoint(block)`` that does not unshard a ``fully_shard``'ed child the
+  first of two forwards' backward resharded (the error of pytorch#153354);
 - grouped ``fully_shard([embed, head])`` giving each module its own copy of the tied weight;
 - ``Shard(1)`` gradients reduce-scattered as dim-0 chunks;
 - CPU offload overwriting the gradient accumulated over micro-batches with the newest one;
@@ -114,6 +116,12 @@ BROKEN = textwrap.dedent(
         return original(state, args, kwargs)
 
 
+    def recompute_stays_sharded(original, state, module, args, kwargs):
+        if state._training_state == TrainingState.PRE_BACKWARD:
+            return state._cast_forward_inputs(args, kwargs)
+        return original(state, module, args, kwargs)
+
+
     def reduces_in_param_dtype(original, group):
         original(group)
         for fsdp_param in group.fsdp_params:
@@ -175,6 +183,7 @@ BROKEN = textwrap.dedent(
     broken(State, "_cast_output_dtype", "output_dtype_ignored", lambda original, state, out: out)
     broken(State, "_cast_forward_inputs", "casts_anyway", casts_anyway)
     broken(State, "_cast_forward_inputs", "recompute_skips_casts", recompute_skips_casts)
+    broken(State, "_pre_forward", "recompute_stays_sharded", recompute_stays_sharded)
     broken(Group, "_init_mp_dtypes", "reduces_in_param_dtype", reduces_in_param_dtype)
     broken(_fsdp_init, "_get_managed_states", "unties", unties)
     broken(_fully_shard, "_get_mesh_info", "first_dim_only", first_dim_only)
@@ -216,7 +225,8 @@ BROKEN = textwrap.dedent(
 
     MUTANTS = (
         "root_keeps_unsharded", "int_as_true", "output_dtype_ignored", "casts_anyway",
-        "recompute_skips_casts", "reduces_in_param_dtype", "unties", "reduces_rows",
+        "recompute_skips_casts", "recompute_stays_sharded", "reduces_in_param_dtype", "unties",
+        "reduces_rows",
         "overwrites_accumulated", "first_dim_only", "strided_as_shard",
     )
     for _mutant in MUTANTS:
@@ -249,6 +259,10 @@ CELLS = [
     (
         "Test_recompute_skips_casts::test_mixed_precision",
         "*CheckpointError: torch.utils.checkpoint: Recomputed values for the following tensors*",
+    ),
+    (  # the second forward's recompute finds the first backward's resharded parameters
+        "Test_recompute_stays_sharded::test_activation_checkpointing[composable]",
+        "*RuntimeError: aten.addmm.default got mixed torch.Tensor and DTensor*",
     ),
     (
         "Test_reduces_in_param_dtype::test_mixed_precision",
