@@ -12,6 +12,8 @@ held to its documented promise against a reference (docs/suite.md, "The FSDP2 AP
 - ``fsdp2.shard_placement_fn``: ``Shard(1)`` layouts of parameters, gradients and both state dicts;
 - ``fsdp2.cpu_offload``: ``CPUOffloadPolicy(pin_memory=False)`` with gradient accumulation;
 - ``fsdp2.dp_mesh_dims``: ``DataParallelMeshDims`` naming the data-parallel dims of an SPMD mesh;
+- ``fsdp2.activation_checkpointing``: ``checkpoint_wrapper`` around units (state dict keys), and
+  composable ``checkpoint(block)`` around a sharded child, with two forwards per backward;
 - ``fsdp2.tensor_parallel``: FSDP over the dp dim of a 2 x 2 (dp, tp) mesh: parity, 2-D
   clipping, the full state dict both ways (world size 4).
 
@@ -40,6 +42,7 @@ from fsdp_conformance.adapters import Feature
 from fsdp_conformance.checks import CheckFailure
 from fsdp_conformance.constants import REDUCE_OPS, Op
 from fsdp_conformance.models.model_base import ZooModel, generator, rand_input, seeded_init_
+from fsdp_conformance.observe.comm_trace import observing_collectives
 
 from . import test_loops, test_parity, test_precision, training, zoo
 from .declare import check
@@ -59,8 +62,7 @@ MESH_DIMS = {
 
 
 def _api(adapter: Any) -> Any:
-    """The adapter's FSDP2 namespace (``Declarations.api["fsdp2"]``: ``fully_shard``,
-    ``FSDPModule``, ``MixedPrecisionPolicy``, ...)."""
+    """The adapter's FSDP2 namespace (``fully_shard``, ``MixedPrecisionPolicy``, ...)."""
     return adapter.declarations.api["fsdp2"]
 
 
@@ -86,8 +88,6 @@ def _observing(dist: Any, callback: Callable[[Any], None]) -> Iterator[None]:
     """``observing_collectives(callback)`` on every rank at once: entered and left at a barrier,
     so that no rank's collectives outside it reach another's `callback` (ranks that are threads
     of one process see each other's collectives while these do not observe)."""
-    from fsdp_conformance.observe.comm_trace import observing_collectives
-
     with observing_collectives(callback):
         dist.barrier()
         yield
@@ -433,10 +433,10 @@ class BaseFSDP2APITests:
         def loss(step: int, index: int) -> torch.Tensor:
             before = _full_params(model)
             inputs = training.micro_input(model, dist.device, index)
-            value = model.get_loss(inputs, model(*inputs))
+            step_loss = model.get_loss(inputs, model(*inputs))
             problems.extend(f"step {step}: {text}" for text in _holding(model, before, parts))
             backward_of["step"] = step
-            return value
+            return step_loss
 
         def record(call: Any) -> None:
             if call.op == Op.ALL_GATHER and "step" in backward_of:
@@ -451,7 +451,7 @@ class BaseFSDP2APITests:
                     f"step {step}: backward all-gathered over groups of {sorted(gathers[step])} "
                     f"ranks; {'none' if parts == 1 else f'{parts} ranks'} promised"
                 )
-        _fail(label, "parameters after forward break reshard_after_forward", problems)
+        _fail(label, "reshard_after_forward not kept", problems)
         reference = training.ddp_driver(LOOPS, dist)
         ref_losses = reference.run(STEPS)
         tol = test_parity.tolerance(dist.world_size)[0]

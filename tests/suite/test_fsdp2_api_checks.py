@@ -1,5 +1,5 @@
-"""Each check of the FSDP2 API family (suite/test_fsdp2_api.py) fails on a torch FSDP2 broken in
-the way it checks.
+"""Each check of the FSDP2 API family (suite/test_fsdp2_api.py) passes on torch FSDP2 and fails on
+a torch FSDP2 broken in the way it checks.
 
 One pytest run (a subprocess, through pytester, ranks as threads) of a test file that patches
 torch FSDP2's internals (torch 2.13) so that they misbehave only for the modules a broken FSDP2
@@ -30,8 +30,21 @@ import textwrap
 import pytest
 
 from fsdp_conformance.adapters import features, get_adapter
+from fsdp_conformance.suite import BaseFSDP2APITests
 
 pytest_plugins = ["pytester"]
+
+
+class TestFSDP2APIOnTorchFSDP2(BaseFSDP2APITests):
+    """No false failure: the default run's cells pass on torch FSDP2 (``--fsdp-coverage full``
+    runs the rest)."""
+
+    coverage = "pairwise"
+
+    @pytest.fixture
+    def fsdp_impl(self) -> str:
+        return "torch-fsdp2"
+
 
 BROKEN = textwrap.dedent(
     '''
