@@ -1,5 +1,5 @@
 """Each check of the FSDP2 API family (suite/test_fsdp2_api.py) passes on torch FSDP2 and fails on
-a torch FSDP2 broken in the way it checks.
+a torch FSDP2 broken in the way it checks (the passing cells run in the same subprocess).
 
 One pytest run (a subprocess, through pytester, ranks as threads) of a test file that patches
 torch FSDP2's internals (torch 2.13) so that they misbehave only for the modules a broken FSDP2
@@ -30,20 +30,8 @@ import textwrap
 import pytest
 
 from fsdp_conformance.adapters import features, get_adapter
-from fsdp_conformance.suite import BaseFSDP2APITests
 
 pytest_plugins = ["pytester"]
-
-
-class TestFSDP2APIOnTorchFSDP2(BaseFSDP2APITests):
-    """No false failure: the default run's cells pass on torch FSDP2 (``--fsdp-coverage full``
-    runs the rest)."""
-
-    coverage = "pairwise"
-
-    @pytest.fixture
-    def fsdp_impl(self) -> str:
-        return "torch-fsdp2"
 
 
 BROKEN = textwrap.dedent(
@@ -251,6 +239,17 @@ BROKEN = textwrap.dedent(
                 return f"test_broken_fsdp2:Adapter_{mutant}"
 
         globals()[f"Test_{_mutant}"] = _Test
+
+
+    class TestOnTorchFSDP2(BaseFSDP2APITests):
+        """No false failure: the default run's cells pass on torch FSDP2 itself (its states
+        unmarked, every patch above passes through)."""
+
+        coverage = "pairwise"
+
+        @pytest.fixture
+        def fsdp_impl(self):
+            return "torch-fsdp2"
     '''
 )
 
@@ -301,13 +300,19 @@ CELLS = [
 ]
 
 
-def test_each_fsdp2_api_check_fails_on_its_broken_variant(pytester: pytest.Pytester) -> None:
+PASSING = 9  # TestOnTorchFSDP2: the cells of fsdp-conformance run's default coverage
+
+
+def test_each_fsdp2_api_check_passes_on_torch_and_fails_on_its_broken_variant(
+    pytester: pytest.Pytester,
+) -> None:
     if features.support_problem(get_adapter("torch-fsdp2")) is not None:
         pytest.skip("torch FSDP2 outside the torch-fsdp2 adapter's tested range")
     pytester.makepyfile(test_broken_fsdp2=BROKEN)
     cells = [f"test_broken_fsdp2.py::{cell}" for cell, _ in CELLS]
+    cells.append("test_broken_fsdp2.py::TestOnTorchFSDP2")
     result = pytester.runpytest_subprocess(
         "-p", "no:cacheprovider", "-rf", "-n", "0", "--fsdp-mode=thread", *cells
     )
-    result.assert_outcomes(failed=len(CELLS))
+    result.assert_outcomes(failed=len(CELLS), passed=PASSING)
     result.stdout.fnmatch_lines([line for _, line in CELLS], consecutive=False)
