@@ -383,7 +383,7 @@ class BaseFSDP2APITests:
     offload_cases: ClassVar[tuple[str, ...]] = ("no_sync", "sync_every")
     mesh_dims_cases: ClassVar[tuple[str, ...]] = tuple(MESH_DIMS)
     checkpointing_cases: ClassVar[tuple[str, ...]] = ("wrapper", "composable")
-    PAIRWISE: ClassVar[frozenset[str]] = frozenset({"True", "int", "no_sync", "hsdp", "composable"})
+    PAIRWISE: ClassVar[frozenset[str]] = frozenset({"True", "no_sync", "hsdp", "composable"})
     MAX_NORM: ClassVar[float] = 1.0
 
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
