@@ -237,6 +237,7 @@ class BaseFrozenParameterTests:
         "frozen parameters stay bit-identical (none reduced), the rest trains as DDP",
         case="suite.training.LoopCase",
         case_of=lambda model_name, strategy: LoopCase(model_name, strategy, "frozen"),
+        api=("FullyShardedDataParallel(use_orig_params=True)",),
     )
     @pytest.mark.world_size(2)
     def test_frozen_parameters(self, fsdp_adapter: Any, dist: Any, model_name: str, strategy: str):
