@@ -37,6 +37,7 @@ from .test_forward import BaseForwardMethodTests
 from .test_memory import BaseReshardAfterForwardTests
 from .test_wrap_isolation import BaseConfigIsolationTests
 from .test_fsdp1_constructor import BaseFSDP1ConstructorTests
+from .test_fsdp2_api import BaseFSDP2APITests
 from .test_fsdp2_module import BaseFSDP2ModuleTests
 from .test_fsdp1_methods import BaseFSDP1MethodTests
 # isort: on
@@ -51,6 +52,7 @@ __all__ = [
     "BaseExecOrderTests",
     "BaseFSDP1ConstructorTests",
     "BaseFSDP1MethodTests",
+    "BaseFSDP2APITests",
     "BaseFSDP2ModuleTests",
     "BaseForwardMethodTests",
     "BaseForwardVariantsTests",
