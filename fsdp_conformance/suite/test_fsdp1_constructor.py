@@ -16,7 +16,6 @@ documented). Mixed precision against float32 DDP: ``test_precision``'s tolerance
 from __future__ import annotations
 
 import collections
-import math
 from typing import Any
 
 import pytest
@@ -32,6 +31,7 @@ from fsdp_conformance.observe.comm_trace import observing_collectives
 
 from . import test_optim, test_parity, test_precision, training, zoo
 from .declare import check
+from .test_sharding import device_mesh
 
 STEPS = 2
 MODEL = "loops"
@@ -66,12 +66,20 @@ def _names(model: nn.Module) -> dict[int, str]:
     return {id(module): name or "<root>" for name, module in model.named_modules()}
 
 
-def _expect(label: str, failure: str, seen: dict[str, Any], expected: dict[str, Any]) -> None:
-    """CheckFailure(`failure`) naming every observation in `seen` that is not as `expected`."""
-    wrong = [key for key in expected if seen.get(key) != expected[key]]
-    details = "; ".join(f"{key}: {seen.get(key)}, expected {expected[key]}" for key in wrong)
+def _expect(label: str, failure: str, *observations: tuple[str, Any, Any]) -> None:
+    """CheckFailure(`failure`) naming each ``(what, seen, expected)`` of `observations` whose
+    seen value is not the expected one."""
+    wrong = [(what, seen, expected) for what, seen, expected in observations if seen != expected]
     if wrong:
+        details = "; ".join(
+            f"{what}: {seen}, expected {expected}" for what, seen, expected in wrong
+        )
         raise CheckFailure(f"{label}: {details}", failure, offenders=len(wrong))
+
+
+def _per_key(seen: dict[str, Any], expected: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """``_expect``'s observations: each key of `expected`, what `seen` holds under it."""
+    return [(key, seen.get(key), value) for key, value in expected.items()]
 
 
 def _full(api: Any, root: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -80,19 +88,6 @@ def _full(api: Any, root: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str,
         params = {n: p.detach().clone() for n, p in root.named_parameters()}
         buffers = {n: b.detach().clone() for n, b in root.named_buffers()}
     return params, buffers
-
-
-def _gap(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> float:
-    """The largest |difference| between same-named tensors (inf: a name or shape differs)."""
-    if list(actual) != list(expected):
-        return math.inf
-    gaps = [
-        (actual[n].detach().float().cpu() - expected[n].detach().float().cpu()).abs().max().item()
-        if actual[n].shape == expected[n].shape
-        else math.inf
-        for n in expected
-    ]
-    return max(gaps, default=0.0)
 
 
 def _assert_trains_as(
@@ -110,35 +105,22 @@ def _assert_trains_as(
     against `reference`: the same parameter names under ``summon_full_params``, losses and full
     parameters within test_parity's tolerance of the world size (with `dtype`:
     test_precision's for it)."""
-    expected_losses = reference.run(STEPS)  # first: only `root`'s collectives are observed
+    expected = training.TrainingResult(reference.run(STEPS), reference.params())  # unobserved
     driver = training.Driver(root, root.module, dist.device)
     if optimizer is not None:
         driver.optimizer = optimizer
     with observing_collectives((calls if calls is not None else []).append):
         losses = driver.run(STEPS, **run)
-    params, expected = _full(api, root)[0], reference.params()
-    names = {"parameter names under summon_full_params": list(params)}
-    _expect(
-        label,
-        "parameter names differ from the plain module's",
-        names,
-        {"parameter names under summon_full_params": list(expected)},
-    )
+    params = _full(api, root)[0]
+    names = "parameter names under summon_full_params"
+    failure = "parameter names differ from the plain module's"
+    _expect(label, failure, (names, list(params), list(expected.params)))
     eps = test_precision.EPS.get(dtype, 0.0)
     atol, rtol = test_parity.tolerance(dist.world_size)
     atol = max(atol, test_precision.PARAM_ATOL_PER_EPS * eps)
     rtol = max(rtol, test_precision.LOSS_RTOL_PER_EPS * eps)
-    loss_gap = ((losses - expected_losses).abs() / expected_losses.abs()).max().item()
-    param_gap = _gap(params, expected)
-    if loss_gap > rtol or param_gap > atol:
-        raise CheckFailure(
-            f"{label}: after {STEPS} steps losses {losses.tolist()} vs the reference's "
-            f"{expected_losses.tolist()}, max |parameter difference| {param_gap:.3g} (atol "
-            f"{atol:g}, losses rtol {rtol:g})",
-            "training differs from the reference",
-            loss_gap=loss_gap,
-            param_gap=param_gap,
-        )
+    actual = training.TrainingResult(losses, params)
+    training.assert_same_training(label, actual, expected, atol, loss_rtol=rtol)
 
 
 def _dtypes(modules: list[nn.Module]) -> dict[str, set[str]]:
@@ -201,26 +183,19 @@ class BaseFSDP1ConstructorTests:
         label = f"adapter {fsdp_adapter.name!r}, {MODEL}, auto_wrap_policy {policy}"
         made = [names[id(i.module)] for i in api.FullyShardedDataParallel.fsdp_modules(root)]
         wanted = [names[id(module)] for module in [model, *selected]]
-        _expect(
-            label,
-            "instances differ from what the policy selects",
-            {"instances around": sorted(made)},
-            {"instances around": sorted(wanted)},
-        )
+        failure = "instances differ from what the policy selects"
+        _expect(label, failure, ("instances around", sorted(made), sorted(wanted)))
         _assert_trains_as(label, api, root, training.ddp_driver(MODEL, dist), dist, dtype)
         if policy == "custom":  # NO_SHARD keeps all of block 1 on each rank, sharded others not
             held = [sum(p.numel() for p in block.parameters()) for block in blocks]
-            seen = {
-                "blocks holding all their elements": [i for i in range(3) if held[i] == sizes[i]],
-                "head computes in": dict(computed["head"]),
-                "trunk computes in": dict(computed["trunk"]),
-            }
-            expected = {
-                "blocks holding all their elements": [1],
-                "head computes in": {"Linear": {str(BF16)}},
-                "trunk computes in": {"Linear": {str(torch.float32)}},
-            }
-            _expect(label, "per-module kwargs not applied", seen, expected)
+            whole = [i for i in range(3) if held[i] == sizes[i]]
+            _expect(
+                label,
+                "per-module kwargs not applied",
+                ("blocks holding all their elements", whole, [1]),
+                ("head computes in", dict(computed["head"]), {"Linear": {str(BF16)}}),
+                ("trunk computes in", dict(computed["trunk"]), {"Linear": {str(torch.float32)}}),
+            )
 
     @check(
         "fsdp1.mixed_precision",
@@ -261,22 +236,14 @@ class BaseFSDP1ConstructorTests:
         )
         calls: list[Any] = []
         reference = training.ddp_driver(MODEL, dist)
-        _assert_trains_as(
-            label,
-            api,
-            root,
-            reference,
-            dist,
-            dtype=BF16,
-            calls=calls,
-            after_backward=after_backward,
-            alternate_set_to_none=True,  # step 1 accumulates into zeroed low-precision gradients
-        )
+        # alternate_set_to_none: step 1 accumulates into zeroed low-precision gradients
+        hooks = {"after_backward": after_backward, "alternate_set_to_none": True}
+        _assert_trains_as(label, api, root, reference, dist, BF16, calls, **hooks)
         seen["reductions"] = {str(d) for c in calls if c.op in REDUCE_OPS for d in c.dtypes}
         # reduce_dtype None takes param_dtype
         expected = {"parameters": {"torch.float32"}, "gradients": {"torch.bfloat16"}}
         expected["reductions"] = expected["gradients"]
-        _expect(label, "gradients not kept in low precision", seen, expected)
+        _expect(label, "gradients not kept in low precision", *_per_key(seen, expected))
 
     @check("fsdp1.mixed_precision", case_of=lambda policy: f"_module_classes_to_ignore:{policy}")
     @pytest.mark.world_size(2)
@@ -294,7 +261,7 @@ class BaseFSDP1ConstructorTests:
         )
         _assert_trains_as(label, api, root, training.ddp_driver("loops_norm", dist), dist, BF16)
         expected = {"LayerNorm": {"torch.float32"}, "Linear": {"torch.bfloat16"}}
-        _expect(label, "ignored module classes not in full precision", seen, expected)
+        _expect(label, "ignored module classes not in full precision", *_per_key(seen, expected))
 
     @check("fsdp1.mixed_precision", case_of=lambda: "cast_forward_inputs")
     @pytest.mark.world_size(2)
@@ -317,7 +284,7 @@ class BaseFSDP1ConstructorTests:
         _assert_trains_as(label, api, root, training.ddp_driver(MODEL, dist), dist, BF16)
         # the root's module gets the float32 inputs as given, the head casts to its float16
         expected = {"root": "torch.float32", "head": "torch.float16"}
-        _expect(label, "forward inputs cast against the configuration", seen, expected)
+        _expect(label, "forward inputs cast against the configuration", *_per_key(seen, expected))
 
     @check(
         "fsdp1.param_init_fn",
@@ -340,20 +307,17 @@ class BaseFSDP1ConstructorTests:
 
         # each module holding tensors on meta (its own) initialised exactly once
         owners = [m for m in model.modules() if [*m.parameters(False), *m.buffers(False)]]
-        expected = {"calls": {names[id(m)]: 1 for m in owners}}
+        expected = {names[id(m)]: 1 for m in owners}
         root = _wrap(api, model, dist, param_init_fn=init)
         label = f"adapter {fsdp_adapter.name!r}, buffered_meta, param_init_fn, auto-wrapped"
-        seen = {
-            "calls": {name: n for name, n in calls.items() if n != 1 or name in expected["calls"]}
-        }
-        _expect(label, "param_init_fn not called once per module", seen, expected)
+        seen = {name: n for name, n in calls.items() if n != 1 or name in expected}
+        _expect(label, "param_init_fn not called once per module", ("calls", seen, expected))
         plain = zoo.build("buffered", dist.group, None, dist.device).to(dist.device)
         params, buffers = _full(api, root)
         want = dict(plain.named_parameters()) | dict(plain.named_buffers())
-        seen = {"max |difference| from the model built on the device": _gap(params | buffers, want)}
-        _expect(
-            label, "materialised values differ from the reference", seen, {key: 0.0 for key in seen}
-        )
+        message = f"{label}, the values against the model built on the device"
+        failure = "materialised values differ from the reference"
+        training.check_same_values(message, failure, params | buffers, want)
         _assert_trains_as(label, api, root, training.ddp_driver("buffered", dist), dist)
 
     @check(
@@ -375,27 +339,23 @@ class BaseFSDP1ConstructorTests:
         root = _wrap(api, model, dist, **{argument: [block]})
         label = f"adapter {fsdp_adapter.name!r}, {MODEL}, {argument}=[blocks[1]], auto-wrapped"
         instances = api.FullyShardedDataParallel.fsdp_modules(root)
-        seen = {
-            "instances around it": sum(i.module is block for i in instances),
-            "its parameters registered as themselves": sorted(
-                ignored[id(p)] for p in root.parameters() if id(p) in ignored
-            ),
-        }
-        expected = {"instances around it": 0}
-        expected["its parameters registered as themselves"] = sorted(ignored.values())
-        _expect(label, "ignored module managed by FSDP", seen, expected)
+        own = sorted(ignored[id(p)] for p in root.parameters() if id(p) in ignored)
+        _expect(
+            label,
+            "ignored module managed by FSDP",
+            ("instances around it", sum(i.module is block for i in instances), 0),
+            ("its parameters registered as themselves", own, sorted(ignored.values())),
+        )
         losses, grads = _ignored_run(root, model, block, dist, reduce=False)
         plain = zoo.build(MODEL, dist.group, None, dist.device).to(dist.device)
         ref_losses, ref_grads = _ignored_run(plain, plain, plain.blocks[1], dist, reduce=True)
         # bit-exact against the plain model with every gradient but the ignored ones averaged
-        seen = {
-            "max |difference| of its gradients after the first backward": _gap(grads, ref_grads),
-            "max |difference| of the losses": (losses - ref_losses).abs().max().item(),
-            "max |difference| of the parameters": _gap(
-                _full(api, root)[0], dict(plain.named_parameters())
-            ),
-        }
-        _expect(label, "training differs from the reference", seen, {key: 0.0 for key in seen})
+        failure = "training differs from the reference"
+        message = f"{label}, its gradients after the first backward"
+        training.check_same_values(message, failure, grads, ref_grads)
+        actual = {"losses": losses, **_full(api, root)[0]}
+        expected = {"losses": ref_losses, **dict(plain.named_parameters())}
+        training.check_same_values(f"{label}, losses and parameters", failure, actual, expected)
 
     @check(
         "fsdp1.device_id",
@@ -417,8 +377,8 @@ class BaseFSDP1ConstructorTests:
             try:
                 _wrap(api, model, dist, device_id=0)
             except (RuntimeError, ValueError) as error:
-                seen = {"the error names the accelerator": "accelerator" in str(error).lower()}
-                _expect(label, "unclear error", seen, {"the error names the accelerator": True})
+                named = "accelerator" in str(error).lower()
+                _expect(label, "unclear error", ("the error names the accelerator", named, True))
                 return
             raise CheckFailure(
                 f"{label}: device_id=0 (an accelerator's index) was accepted on a host without one",
@@ -426,8 +386,8 @@ class BaseFSDP1ConstructorTests:
             )
         root = _wrap(api, model, dist, device_id=device.index if form == "int" else device)
         tensors = [*root.named_parameters(), *root.named_buffers()]
-        seen = {f"not on {device}": [name for name, t in tensors if t.device != device]}
-        _expect(label, "tensors not on device_id", seen, {f"not on {device}": []})
+        elsewhere = [name for name, t in tensors if t.device != device]
+        _expect(label, "tensors not on device_id", (f"not on {device}", elsewhere, []))
         _assert_trains_as(label, api, root, training.ddp_driver("loops_buffer", dist), dist)
 
     @check(
@@ -448,18 +408,15 @@ class BaseFSDP1ConstructorTests:
         ],
     )
     def test_device_mesh(self, fsdp_adapter: Any, dist: Any, mesh_dims: str):
-        from torch.distributed.device_mesh import init_device_mesh
-
         api, model = _built(fsdp_adapter, dist)
         kwargs: dict[str, Any] = {}
         if mesh_dims == "1d":
-            mesh = init_device_mesh(dist.device.type, (dist.world_size,))
+            mesh = device_mesh(dist)
             shard = replicate = mesh.get_group()
         else:  # replicate across the rows, shard within them: torch's DeviceMesh layout
-            shape, dims = (2, dist.world_size // 2), ("replicate", "shard")
-            mesh = init_device_mesh(dist.device.type, shape, mesh_dim_names=dims)
+            mesh = device_mesh(dist, (2, dist.world_size // 2), ("replicate", "shard"))
             kwargs["sharding_strategy"] = api.ShardingStrategy.HYBRID_SHARD
-            shard, replicate = mesh.get_group("shard"), mesh.get_group("replicate")
+            shard, replicate = mesh.get_group(1), mesh.get_group(0)
         root = _wrap(api, model, dist, device_mesh=mesh, **kwargs)
         label = f"adapter {fsdp_adapter.name!r}, {MODEL}, device_mesh {mesh_dims} {mesh}"
         calls: list[Any] = []
@@ -470,7 +427,7 @@ class BaseFSDP1ConstructorTests:
         for call in calls:
             seen[call.op].add(tuple(tdist.get_process_group_ranks(call.group)))
         ranks = {op: {tuple(tdist.get_process_group_ranks(g))} for op, g in expected.items()}
-        _expect(label, "collectives outside the mesh's groups", dict(seen), ranks)
+        _expect(label, "collectives outside the mesh's groups", *_per_key(seen, ranks))
 
     @check(
         "fsdp1.use_orig_params",
@@ -489,13 +446,11 @@ class BaseFSDP1ConstructorTests:
         root = _wrap(api, model, dist, use_orig_params=True)
         label = f"adapter {fsdp_adapter.name!r}, loops_frozen_mixed, use_orig_params=True"
         named = [(clean_param_name(n), p) for n, p in root.named_parameters()]
-        seen = {
-            "named_parameters() (name, requires_grad)": [(n, p.requires_grad) for n, p in named],
-            "max |difference| under summon_full_params": _gap(_full(api, root)[0], plain),
-        }
-        expected = {"named_parameters() (name, requires_grad)": trainable}
-        expected["max |difference| under summon_full_params"] = 0.0
-        _expect(label, "original parameters not exposed", seen, expected)
+        failure = "original parameters not exposed"
+        seen = [(n, p.requires_grad) for n, p in named]
+        _expect(label, failure, ("named_parameters() (name, requires_grad)", seen, trainable))
+        message = f"{label}, under summon_full_params"
+        training.check_same_values(message, failure, _full(api, root)[0], plain)
         adamw = {"lr": test_optim.ADAMW_LR, "weight_decay": test_optim.WEIGHT_DECAY}
         reference = training.ddp_driver("loops_frozen_mixed", dist)
         groups = test_optim.reference_groups(reference.zoo_model)
@@ -541,27 +496,23 @@ class BaseFSDP1ConstructorTests:
 
         params, buffers = _full(api, root)
         want = dict(plain.named_parameters()) | dict(plain.named_buffers())
-        values = params | buffers
-        seen = {
-            "root.module is the model": root.module is model,
-            "fsdp_modules()": wrapped(listing(tree)),
-            "fsdp_modules(root_only=True)": wrapped(listing(tree, root_only=True)),
-            "check_is_root() is True on": wrapped(i for i in listing(tree) if i.check_is_root()),
-            "forward(): max |difference|": _gap({"out": output}, {"out": plain(*inputs)}),
-            "named_parameters() + named_buffers()": list(values),
-            "their max |difference|": _gap(values, want),
-        }
-        roots = ["<root>", "side"]
-        expected = {
-            "root.module is the model": True,
-            "fsdp_modules()": every,
-            "fsdp_modules(root_only=True)": roots,
-            "check_is_root() is True on": roots,
-            "forward(): max |difference|": 0.0,
-            "named_parameters() + named_buffers()": list(want),
-            "their max |difference|": 0.0,
-        }
-        _expect(label, "the instance API differs from the documented one", seen, expected)
+        values, roots, instances = params | buffers, ["<root>", "side"], listing(tree)
+        failure = "the instance API differs from the documented one"
+        _expect(
+            label,
+            failure,
+            ("root.module is the model", root.module is model, True),
+            ("fsdp_modules()", wrapped(instances), every),
+            ("fsdp_modules(root_only=True)", wrapped(listing(tree, root_only=True)), roots),
+            (
+                "check_is_root() is True on",
+                wrapped(i for i in instances if i.check_is_root()),
+                roots,
+            ),
+            ("named_parameters() + named_buffers()", list(values), list(want)),
+        )
+        expected = {"forward()": plain(*inputs), **want}
+        training.check_same_values(label, failure, {"forward()": output, **values}, expected)
 
     @check(
         "fsdp1.apply",
@@ -588,9 +539,8 @@ class BaseFSDP1ConstructorTests:
 
             module.apply(fn)
         label = f"adapter {fsdp_adapter.name!r}, {MODEL}, apply(fn) setting every Linear's bias"
-        seen = {"Linear weight shapes": shapes["fn saw"]}
-        expected = {"Linear weight shapes": shapes["the plain module's"]}
-        _expect(label, "fn did not see the full parameters", seen, expected)
+        expected = ("Linear weight shapes", shapes["fn saw"], shapes["the plain module's"])
+        _expect(label, "fn did not see the full parameters", expected)
         _assert_trains_as(label, api, root, reference, dist)
 
 

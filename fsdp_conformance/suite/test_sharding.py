@@ -36,11 +36,8 @@ class ShardingCase:
 def full_state_dict(adapter: Any, root: nn.Module) -> dict[str, torch.Tensor]:
     """``adapter.state_dict(root)`` by the unwrapped model's names, DTensor values as their
     ``full_tensor()`` (torch FSDP2's default state dict is sharded)."""
-    from torch.distributed.tensor import DTensor
-
     state = adapter.state_dict(root).items()
-    full = ((k, v.full_tensor() if isinstance(v, DTensor) else v) for k, v in state)
-    return training.by_clean_name(adapter, full)
+    return training.by_clean_name(adapter, ((k, training.full_tensor(v)) for k, v in state))
 
 
 class BaseUnevenShardingTests:
@@ -90,6 +87,21 @@ def hybrid_groups(dist: Any, shard_size: int = 2) -> tuple[Any, Any]:
     groups = {members: tdist.new_group(list(members)) for members in [*rows, *zip(*rows)]}
     shard, replicate = (group for members, group in groups.items() if ranks[dist.rank] in members)
     return shard, replicate
+
+
+def device_mesh(dist: Any, shape: tuple[int, ...] = (), names: tuple[str, ...] = ("dp",)) -> Any:
+    """A device mesh of the test's ranks, row-major (`shape`; default: 1-D over all of them;
+    (replicate, shard): the layout of ``hybrid_groups``), each dimension named ``names[i]`` plus
+    a suffix new in every test: torch keeps a mesh's submeshes and flattenings per layout and
+    names, so an equal mesh of an earlier test would hand out that test's destroyed groups
+    (measured, torch 2.13.0: "Expected param's DTensor mesh to be the same mesh passed to
+    fully_shard"). Read the names back from ``mesh.mesh_dim_names``."""
+    import torch.distributed as tdist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    tag = tdist.new_group(list(range(dist.world_size))).group_name  # new in every test
+    dims = tuple(f"{name}{tag}" for name in names)
+    return init_device_mesh(dist.device.type, shape or (dist.world_size,), mesh_dim_names=dims)
 
 
 class BaseHybridShardingTests:

@@ -22,6 +22,7 @@ from torch import nn
 
 from fsdp_conformance.adapters import Adapter, clean_param_name
 from fsdp_conformance.adapters import features as adapter_features
+from fsdp_conformance.checks import CheckFailure
 from fsdp_conformance.models import CheckpointingWrap, DeviceInit, DummyDDP, move_after_wrap
 from fsdp_conformance.observe.comm_trace import REDUCE_OPS, CommTrace
 
@@ -496,3 +497,63 @@ def average_gradients(model: nn.Module, group: Any) -> None:
         if param.grad is not None:
             param.grad.div_(group.size())
             dist.all_reduce(param.grad, group=group)
+
+
+# [Note: tensor comparisons] the API families' comparisons of tensors, CheckFailure with the gap
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's ``full_tensor()`` (a collective), a plain tensor itself; detached."""
+    if hasattr(tensor, "full_tensor"):
+        tensor = tensor.full_tensor()
+    return tensor.detach()
+
+
+def full_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Copies of every registered parameter's full value by name (tied: under each name)."""
+    named = model.named_parameters(remove_duplicate=False)
+    return {name: full_tensor(param).clone() for name, param in named}
+
+
+def max_gap(actual: Any, expected: Any) -> float:
+    """max |actual - expected| in float64 (0 when empty; inf when either is not a tensor or their
+    shapes differ)."""
+    tensors = isinstance(actual, torch.Tensor) and isinstance(expected, torch.Tensor)
+    if not tensors or actual.shape != expected.shape:
+        return math.inf
+    if actual.numel() == 0:
+        return 0.0
+    difference = actual.detach().cpu().double() - expected.detach().cpu().double()
+    return difference.abs().max().item()
+
+
+def check_gap(message: str, failure: str, actual: Any, expected: Any, tol: float = 0.0) -> None:
+    """CheckFailure(`failure`, max_gap) ``<message> by <gap>`` when `actual` differs from
+    `expected` by more than `tol` somewhere."""
+    gap = max_gap(actual, expected)
+    if gap > tol:
+        raise CheckFailure(f"{message} by {gap:.3g}", failure, max_gap=gap)
+
+
+def check_same_values(
+    label: str, failure: str, actual: dict, expected: dict, tol: float = 0.0
+) -> None:
+    """`actual` has `expected`'s keys (CheckFailure with the missing and unexpected counts) and
+    their tensors within `tol` (with the largest gap, the key holding it named)."""
+    missing, extra = sorted(set(expected) - set(actual)), sorted(set(actual) - set(expected))
+    if missing or extra:
+        message = f"{label}: keys differ: missing {missing[:6]}, unexpected {extra[:6]}"
+        raise CheckFailure(message, failure, missing=len(missing), unexpected=len(extra))
+    gaps = {key: max_gap(actual[key], value) for key, value in expected.items()}
+    worst = max(gaps, key=gaps.__getitem__, default=None)
+    if worst is not None and gaps[worst] > tol:
+        count = f"{sum(gap > tol for gap in gaps.values())} of {len(gaps)} differ"
+        message = f"{label}: {worst!r} differs from the reference by {gaps[worst]:.3g} ({count})"
+        raise CheckFailure(message, failure, max_gap=gaps[worst])
+
+
+def check_listed(label: str, failure: str, problems: list[str], **figures: Any) -> None:
+    """CheckFailure(`failure`, offenders) listing `problems`, one a line (none: nothing)."""
+    if problems:
+        message = f"{failure}: {label}:\n  " + "\n  ".join(problems)
+        raise CheckFailure(message, failure, offenders=len(problems), **figures)
