@@ -60,9 +60,13 @@ class Collective(NamedTuple):
 @contextlib.contextmanager
 def observing_collectives(
     callback: Callable[[collective_observer.CollectiveCall], None],
+    barrier: Callable[[], Any] | None = None,
 ) -> Iterator[None]:
     """``callback(call)`` for each all-gather, reduce-scatter and all-reduce this rank issues
-    while active (filtered by thread as [Note: observation] says)."""
+    while active (filtered by thread as [Note: observation] says). `barrier` (the test's
+    ``dist.barrier``): run on entering and before leaving, so that every rank observes at once
+    (ranks that are threads of one process see each other's collectives while those do not
+    observe)."""
     with scoped_observer(lambda op, instance, info: callback(info["call"]), None) as observer:
 
         def listener(call: collective_observer.CollectiveCall) -> None:
@@ -71,7 +75,11 @@ def observing_collectives(
 
         remove = collective_observer.add_listener(listener)
         try:
+            if barrier is not None:
+                barrier()
             yield
+            if barrier is not None:
+                barrier()
         finally:
             remove()
 

@@ -70,3 +70,9 @@ def _case_getter(
     if isinstance(case_of, str):
         return lambda arguments: arguments[case_of]
     return lambda arguments: case_of(**{name: arguments[name] for name in names})
+
+
+def calls(name: str, *forms: str) -> tuple[str, ...]:
+    """The API items (suite/api_coverage.py) of method or function `name` called, ``name()``,
+    and called with each of `forms` (``"recurse=False"``): ``check``'s `api`."""
+    return (f"{name}()", *(f"{name}({form})" for form in forms))

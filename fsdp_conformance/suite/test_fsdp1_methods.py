@@ -49,7 +49,7 @@ from fsdp_conformance.checks import CheckFailure
 from fsdp_conformance.observe.comm_trace import ROOT_LABEL, instance_labels
 
 from . import training, zoo
-from .declare import check
+from .declare import calls, check
 
 MODEL = "uneven"
 NESTED = ("odd.", "pair.", "one.")  # the wrapped submodules of MODEL (name prefixes)
@@ -75,11 +75,8 @@ _OPTIMIZER_DIFFERS = "optimizer state dict differs from the reference"
 
 
 def _method(name: str, *forms: str) -> tuple[str, ...]:
-    """The API items (suite/api_coverage.py) of FullyShardedDataParallel.`name` called, and
-    with each of `forms`."""
-    return (f"FullyShardedDataParallel.{name}()",) + tuple(
-        f"FullyShardedDataParallel.{name}({form})" for form in forms
-    )
+    """The API items of FullyShardedDataParallel.`name` called, and with each of `forms`."""
+    return calls(f"FullyShardedDataParallel.{name}", *forms)
 
 
 def _config_items() -> tuple[str, ...]:

@@ -26,27 +26,24 @@ precision and clipping checks' own ([Note: precision tolerances], ``CLIP_*``).
 from __future__ import annotations
 
 import collections
-import contextlib
 import functools
-from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
 import pytest
 import torch
-import torch.distributed as torch_dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fsdp_conformance.adapters import Feature
-from fsdp_conformance.checks import CheckFailure
 from fsdp_conformance.constants import REDUCE_OPS, Op
 from fsdp_conformance.models.model_base import ZooModel, generator, rand_input, seeded_init_
 from fsdp_conformance.observe.comm_trace import observing_collectives
 
 from . import test_loops, test_parity, test_precision, training, zoo
 from .declare import check
-from .training import LoopCase
+from .test_sharding import device_mesh
+from .training import LoopCase, check_listed, full_tensor, full_tensors
 
 STEPS = 2
 LOOPS = "loops"
@@ -66,34 +63,6 @@ def _api(adapter: Any) -> Any:
     return adapter.declarations.api["fsdp2"]
 
 
-def _mesh(dist: Any, shape: tuple[int, ...] = (), names: tuple[str, ...] = ("dp",)) -> Any:
-    """A device mesh of the test's ranks (`shape`; default: 1-D over all of them), each dimension
-    named ``names[i]`` plus a suffix new in every test: torch keeps a mesh's submeshes and
-    flattenings per layout and names, so an equal mesh of an earlier test would hand out that
-    test's destroyed groups (measured, torch 2.13.0: "Expected param's DTensor mesh to be the
-    same mesh passed to fully_shard"). Read the names back from ``mesh.mesh_dim_names``."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    ranks = list(range(dist.world_size))
-    tag = torch_dist.new_group(ranks).group_name  # the same on every rank, new in every test
-    return init_device_mesh(
-        dist.device.type,
-        shape or (dist.world_size,),
-        mesh_dim_names=tuple(f"{name}{tag}" for name in names),
-    )
-
-
-@contextlib.contextmanager
-def _observing(dist: Any, callback: Callable[[Any], None]) -> Iterator[None]:
-    """``observing_collectives(callback)`` on every rank at once: entered and left at a barrier,
-    so that no rank's collectives outside it reach another's `callback` (ranks that are threads
-    of one process see each other's collectives while these do not observe)."""
-    with observing_collectives(callback):
-        dist.barrier()
-        yield
-        dist.barrier()
-
-
 def _shard_loops(ns: Any, model: nn.Module, **options: Any) -> nn.Module:
     """``ns.fully_shard`` the zoo's ``loops`` model as users shard a model: each block, the head,
     then the root (the trunk), every unit with `options`; returns the root."""
@@ -103,22 +72,9 @@ def _shard_loops(ns: Any, model: nn.Module, **options: Any) -> nn.Module:
     return ns.fully_shard(model, **options)
 
 
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's ``full_tensor()`` (a collective), a plain tensor itself; detached."""
-    if hasattr(tensor, "full_tensor"):
-        tensor = tensor.full_tensor()
-    return tensor.detach()
-
-
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard, a plain tensor itself."""
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-
-def _full_params(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Copies of every registered parameter's full value, by name (tied: under each name)."""
-    named = model.named_parameters(remove_duplicate=False)
-    return {name: _full(param).clone() for name, param in named}
 
 
 def _case(variant: str, model: str = LOOPS) -> LoopCase:
@@ -127,13 +83,6 @@ def _case(variant: str, model: str = LOOPS) -> LoopCase:
 
 def _label(adapter: Any, what: str) -> str:
     return f"adapter {adapter.name!r}, {what}"
-
-
-def _fail(label: str, failure: str, problems: list[str], **figures: Any) -> None:
-    """``CheckFailure(failure)`` listing `problems` (none: nothing to raise)."""
-    if problems:
-        message = f"{failure}: {label}:\n  " + "\n  ".join(problems)
-        raise CheckFailure(message, failure, offenders=len(problems), **figures)
 
 
 def _assert_trained(label: str, driver: Any, losses: Any, reference: Any, ref_losses: Any, tol=0.0):
@@ -272,7 +221,7 @@ def _holding(model: nn.Module, expected: dict[str, torch.Tensor], parts: int) ->
         shape, value = tuple(_local(param).shape), expected[name]
         if _local(param).numel() * parts != value.numel():
             wrong.append(f"{name}: holds {shape} of {tuple(value.shape)}, 1/{parts} promised")
-        elif not torch.equal(_full(param), value):
+        elif not torch.equal(full_tensor(param), value):
             wrong.append(f"{name}: holds {shape}, but its full value is not the parameter's")
     return wrong
 
@@ -420,7 +369,7 @@ class BaseFSDP2APITests:
     def test_reshard_after_forward(self, fsdp_adapter: Any, dist: Any, reshard: str):
         value = RESHARD_VALUES[reshard]
         model = zoo.build(LOOPS, dist.group, None, dist.device)
-        _shard_loops(_api(fsdp_adapter), model, mesh=_mesh(dist), reshard_after_forward=value)
+        _shard_loops(_api(fsdp_adapter), model, mesh=device_mesh(dist), reshard_after_forward=value)
         parts = {True: dist.world_size, False: 1}.get(value, value)  # of each parameter held
         label = _label(
             fsdp_adapter,
@@ -431,7 +380,7 @@ class BaseFSDP2APITests:
         backward_of: dict = {}  # "step": the step whose backward runs
 
         def loss(step: int, index: int) -> torch.Tensor:
-            before = _full_params(model)
+            before = full_tensors(model)
             inputs = training.micro_input(model, dist.device, index)
             step_loss = model.get_loss(inputs, model(*inputs))
             problems.extend(f"step {step}: {text}" for text in _holding(model, before, parts))
@@ -443,7 +392,7 @@ class BaseFSDP2APITests:
                 gathers[backward_of["step"]].add(call.group.size())
 
         driver = training.Driver(model, model, dist.device, fsdp_adapter)
-        with _observing(dist, record):
+        with observing_collectives(record, dist.barrier):
             losses = driver.run(STEPS, loss=loss, after_backward=lambda _: backward_of.clear())
         for step in range(STEPS):
             if sorted(gathers[step]) != ([] if parts == 1 else [parts]):
@@ -451,7 +400,7 @@ class BaseFSDP2APITests:
                     f"step {step}: backward all-gathered over groups of {sorted(gathers[step])} "
                     f"ranks; {'none' if parts == 1 else f'{parts} ranks'} promised"
                 )
-        _fail(label, "reshard_after_forward not kept", problems)
+        check_listed(label, "reshard_after_forward not kept", problems)
         reference = training.ddp_driver(LOOPS, dist)
         ref_losses = reference.run(STEPS)
         tol = test_parity.tolerance(dist.world_size)[0]
@@ -477,7 +426,7 @@ class BaseFSDP2APITests:
     @pytest.mark.world_size(2)
     def test_mixed_precision(self, fsdp_adapter: Any, dist: Any):
         model = _SideInputNet(dist.group).to(dist.device)
-        units = _mixed_precision_units(_api(fsdp_adapter), model, _mesh(dist))
+        units = _mixed_precision_units(_api(fsdp_adapter), model, device_mesh(dist))
         seen, calls, events = _observe_dtypes(units)
         driver = training.Driver(model, model, dist.device, fsdp_adapter)
 
@@ -485,7 +434,7 @@ class BaseFSDP2APITests:
             if call.op in REDUCE_OPS:
                 events.append(tuple(call.dtypes))
 
-        with _observing(dist, reductions):
+        with observing_collectives(reductions, dist.barrier):
             losses = driver.run(STEPS)
         reduced = _reductions_by_unit(events)
         problems = []
@@ -505,7 +454,7 @@ class BaseFSDP2APITests:
                     f"{name}: sharded parameter / gradient in {sorted(map(str, dtypes))}"
                 )
         label = _label(fsdp_adapter, "a MixedPrecisionPolicy per unit (module docstring)")
-        _fail(label, "dtypes differ from the policies'", problems)
+        check_listed(label, "dtypes differ from the policies'", problems)
         reference, ref_losses = _reference(_SideInputNet(dist.group), dist)
         eps = test_precision.EPS[BF16]
         training.assert_same_training(
@@ -530,7 +479,7 @@ class BaseFSDP2APITests:
     def test_grouped_tied(self, fsdp_adapter: Any, dist: Any):
         ns = _api(fsdp_adapter)
         model = _TiedChunks(dist.group).to(dist.device)
-        mesh = _mesh(dist)
+        mesh = device_mesh(dist)
         grouped = ns.fully_shard([model.embed, model.head], mesh=mesh)
         ns.fully_shard(model, mesh=mesh)
         label = _label(fsdp_adapter, "fully_shard([embed, head]) with head.weight = embed.weight")
@@ -546,11 +495,11 @@ class BaseFSDP2APITests:
             problems.append("after training head.weight is no longer embed.weight")
         state = fsdp_adapter.state_dict(model)
         tied = [state.get(name) for name in ("embed.weight", "head.weight")]
-        if any(value is None for value in tied) or not torch.equal(*map(_full, tied)):
+        if any(value is None for value in tied) or not torch.equal(*map(full_tensor, tied)):
             problems.append(
                 f"the full state dict does not hold the weight under both names: {sorted(state)}"
             )
-        _fail(label, "the tied weight is not kept", problems)
+        check_listed(label, "the tied weight is not kept", problems)
         reference, ref_losses = _reference(_TiedChunks(dist.group), dist)
         _assert_trained(label, driver, losses, reference, ref_losses, SUM_ORDER_TOL)
 
@@ -567,15 +516,15 @@ class BaseFSDP2APITests:
     @pytest.mark.world_size(2)
     def test_shard_placement_fn(self, fsdp_adapter: Any, dist: Any):
         model = zoo.build(LOOPS, dist.group, None, dist.device)
-        initial = _full_params(model)
-        _shard_loops(_api(fsdp_adapter), model, mesh=_mesh(dist), shard_placement_fn=_dim_one)
+        initial = full_tensors(model)
+        _shard_loops(_api(fsdp_adapter), model, mesh=device_mesh(dist), shard_placement_fn=_dim_one)
         label = _label(fsdp_adapter, "loops, fully_shard(shard_placement_fn=Shard(1) for matrices)")
         problems = _misplaced(model, initial, "after fully_shard")
         grads: list = []
 
         def record(step: int) -> None:
             named = model.named_parameters()
-            grads.append({name: (p.grad, _full(p.grad)) for name, p in named})
+            grads.append({name: (p.grad, full_tensor(p.grad)) for name, p in named})
 
         driver = training.Driver(model, model, dist.device, fsdp_adapter)
         losses = driver.run(STEPS, after_backward=record)
@@ -591,10 +540,10 @@ class BaseFSDP2APITests:
                     problems.append(f"step {step}: {name}'s gradient placed {grad.placements}")
                 elif not torch.equal(value, expected[name]):
                     problems.append(f"step {step}: {name}'s gradient differs from DDP's")
-        _fail(label, "Shard(1) layout not kept", problems)
+        check_listed(label, "Shard(1) layout not kept", problems)
         _assert_trained(label, driver, losses, reference, ref_losses)
         saved = {name: value.detach().clone() for name, value in model.state_dict().items()}
-        full_state = {name: _full(value) for name, value in saved.items()}
+        full_state = {name: full_tensor(value) for name, value in saved.items()}
         for when, load in (
             ("load_state_dict of its sharded state dict", lambda: model.load_state_dict(saved)),
             (
@@ -605,7 +554,7 @@ class BaseFSDP2APITests:
             driver.run(1, start=STEPS)  # moves the parameters away from the state dict's
             load()
             problems += _misplaced(model, full_state, f"after {when}")
-        _fail(label, "Shard(1) layout not kept", problems)
+        check_listed(label, "Shard(1) layout not kept", problems)
 
     @check(
         "fsdp2.cpu_offload",
@@ -622,7 +571,7 @@ class BaseFSDP2APITests:
         ns = _api(fsdp_adapter)
         model = zoo.build(LOOPS, dist.group, None, dist.device)
         policy = ns.CPUOffloadPolicy(pin_memory=False)
-        _shard_loops(ns, model, mesh=_mesh(dist), offload_policy=policy)
+        _shard_loops(ns, model, mesh=device_mesh(dist), offload_policy=policy)
         label = _label(fsdp_adapter, f"loops, CPUOffloadPolicy(pin_memory=False), {offload}")
         driver = training.Driver(model, model, dist.device, fsdp_adapter)
         wrong: list[str] = []
@@ -649,7 +598,7 @@ class BaseFSDP2APITests:
 
         options = {"micro_batches": 2, "sync_every": offload == "sync_every"}
         losses = driver.run(STEPS, after_backward=after_backward, after_step=after_step, **options)
-        _fail(label, "offloaded state not on the CPU", wrong)
+        check_listed(label, "offloaded state not on the CPU", wrong)
         reference = training.ddp_driver(LOOPS, dist)
         ref_losses = reference.run(STEPS, **options)
         _assert_trained(label, driver, losses, reference, ref_losses, SUM_ORDER_TOL)
@@ -674,7 +623,7 @@ class BaseFSDP2APITests:
         from torch.distributed.tensor import DTensor, Replicate, distribute_module
 
         ns = _api(fsdp_adapter)
-        mesh = _mesh(dist, (1, dist.world_size), ("r", "s"))
+        mesh = device_mesh(dist, (1, dist.world_size), ("r", "s"))
         named = dict(zip(("r", "s"), mesh.mesh_dim_names))
         dims = {
             field: named[value] if isinstance(value, str) else tuple(named[v] for v in value)
@@ -686,10 +635,10 @@ class BaseFSDP2APITests:
         _shard_loops(ns, model, mesh=mesh, dp_mesh_dims=spec)
         label = _label(fsdp_adapter, f"loops on a {tuple(mesh.shape)} mesh, {spec}")
         parts = dist.world_size if "shard" in dims else 1
-        _fail(
+        check_listed(
             label,
             "parameters not sharded over the shard dims",
-            _holding(model, _full_params(model), parts),
+            _holding(model, full_tensors(model), parts),
         )
 
         def loss(step: int, index: int) -> torch.Tensor:
@@ -717,7 +666,7 @@ class BaseFSDP2APITests:
         from torch.distributed._composable import checkpoint as checkpoint_module
         from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as wrapper
 
-        ns, mesh = _api(fsdp_adapter), _mesh(dist)
+        ns, mesh = _api(fsdp_adapter), device_mesh(dist)
         model = zoo.build(LOOPS, dist.group, None, dist.device)
         keys, calls = sorted(model.state_dict()), collections.Counter()
         for index, block in enumerate(model.blocks):
@@ -743,7 +692,7 @@ class BaseFSDP2APITests:
         problems = [f"block {i} ran {calls[i]} times" for i in range(3) if calls[i] < 4 * STEPS]
         if sorted(model.state_dict()) != keys:
             problems.append(f"state dict keys {sorted(model.state_dict())}, not {keys}")
-        _fail(label, "activation checkpointing not composed", problems)
+        check_listed(label, "activation checkpointing not composed", problems)
         reference, ref_losses = _reference(
             zoo.build(LOOPS, dist.group, None, dist.device), dist, loss=_two_forwards
         )
@@ -768,10 +717,10 @@ class BaseFSDP2APITests:
         )
 
         ns = _api(fsdp_adapter)
-        mesh = _mesh(dist, (2, 2), ("dp", "tp"))
+        mesh = device_mesh(dist, (2, 2), ("dp", "tp"))
         dp, tp = (mesh[name] for name in mesh.mesh_dim_names)
         model = _TPNet(dp.get_group()).to(dist.device)
-        initial = _full_params(model)
+        initial = full_tensors(model)
         for block in model.blocks:
             parallelize_module(block, tp, {"up": ColwiseParallel(), "down": RowwiseParallel()})
             ns.fully_shard(block, mesh=dp)
@@ -794,7 +743,7 @@ class BaseFSDP2APITests:
         _assert_trained(label, driver, losses, reference, ref_losses, test_loops.CLIP_PARAM_TOL)
         tol = test_loops.CLIP_PARAM_TOL
         state = training.by_clean_name(fsdp_adapter, fsdp_adapter.state_dict(model).items())
-        full_state = {name: _full(value) for name, value in state.items()}
+        full_state = {name: full_tensor(value) for name, value in state.items()}
         training.assert_params(
             f"{label}, full state dict", full_state, reference.params(), STEPS, tol, tol
         )
@@ -803,9 +752,9 @@ class BaseFSDP2APITests:
         moved = [
             name for name, param in model.named_parameters() if param.placements != layout[name]
         ]
-        _fail(label, "the layout changed when loading the full state dict", moved)
+        check_listed(label, "the layout changed when loading the full state dict", moved)
         training.assert_params(
-            f"{label}, loaded initial state dict", _full_params(model), initial, 0
+            f"{label}, loaded initial state dict", full_tensors(model), initial, 0
         )
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import warnings
 from collections.abc import Iterator
 from typing import Any, ClassVar
@@ -44,33 +45,16 @@ from fsdp_conformance.device_handle import accelerator_available
 from fsdp_conformance.observe.comm_trace import observing_collectives
 
 from . import training, zoo
-from .declare import check
-from .test_sharding import hybrid_groups
+from .declare import calls, check
+from .test_sharding import device_mesh
+from .training import full_tensor
 
 TOL = 1e-6  # [Note: FSDP2 module references]
 MICRO_BATCHES = 3
 BLOCKS = ("blocks.0", "blocks.1", "blocks.2")
-
-
-def _mesh(dist: Any, shard_size: int) -> Any:
-    """The 1-D mesh over the test's group, or the (replicate, shard) mesh of ``hybrid_groups``;
-    dimension names carry a group's name (a mesh equal to one of an earlier test would resolve
-    that test's destroyed groups, see adapters/torch_fsdp2.py)."""
-    from torch.distributed.device_mesh import DeviceMesh
-
-    if shard_size == dist.world_size:
-        names = (f"shard{dist.group.group_name}",)
-        return DeviceMesh.from_group(dist.group, dist.device.type, mesh_dim_names=names)
-    shard, replicate = hybrid_groups(dist, shard_size)
-    ranks = torch.tensor(tdist.get_process_group_ranks(dist.group)).view(-1, shard_size)
-    names = (f"replicate{shard.group_name}", f"shard{shard.group_name}")
-    return DeviceMesh.from_group(
-        [replicate, shard], dist.device.type, mesh=ranks, mesh_dim_names=names
-    )
-
-
-def _full(tensor: torch.Tensor | None) -> torch.Tensor | None:
-    return None if tensor is None else getattr(tensor, "full_tensor", tensor.detach)()
+GRADIENTS_DIFFER = "gradients differ from the reference"
+PARAMETERS_DIFFER = "parameters differ from the reference"
+HSDP_DIMS = ("replicate", "shard")
 
 
 def _averaged(param: torch.Tensor, group: Any) -> torch.Tensor | None:
@@ -126,7 +110,7 @@ class _Run:
         dist: Any,
         label: str,
         *,
-        shard_size: int | None = None,
+        mesh: Any = None,
         branch: bool = False,
         roots: tuple[str, ...] = ("",),
         meshes: dict[str, Any] | None = None,
@@ -136,7 +120,7 @@ class _Run:
         self.dist, self.label = dist, label
         name = "loops_branch" if branch else "loops"
         self.model = zoo.build(name, dist.group, None, dist.device).to(dist.device)
-        self.mesh = _mesh(dist, shard_size or dist.world_size)
+        self.mesh = device_mesh(dist) if mesh is None else mesh
         names = list(dict.fromkeys([*BLOCKS, "head", *(["branch"] if branch else []), *roots]))
         self.units: dict[str, nn.Module] = {}
         for unit in names:
@@ -182,6 +166,9 @@ class _Run:
 
     def fail(self, message: str, failure: str, **figures: Any) -> None:
         raise CheckFailure(f"{self.label}: {message}", failure, **figures)
+
+    def check_gap(self, message: str, failure: str, actual: Any, expected: Any, tol: float):
+        training.check_gap(f"{self.label}: {message}", failure, actual, expected, tol)
 
     # training
 
@@ -229,53 +216,37 @@ class _Run:
     # comparisons
 
     def _check_losses(self, where: str) -> None:
-        gap = (torch.stack(self.losses) - torch.stack(self.reference_losses)).abs().max().item()
-        if gap > TOL:
-            self.fail(
-                f"{where}: loss {self.losses[-1].item()} differs from the reference's "
-                f"{self.reference_losses[-1].item()}",
-                "losses differ from the reference",
-                max_gap=gap,
-            )
+        message = (
+            f"{where}: loss {self.losses[-1].item()} differs from the reference's "
+            f"{self.reference_losses[-1].item()}"
+        )
+        losses, expected = torch.stack(self.losses), torch.stack(self.reference_losses)
+        self.check_gap(message, "losses differ from the reference", losses, expected, TOL)
 
     def check_grads(self, where: str, units: Any = None) -> None:
         """The gradients of `units` (all by default) equal the reference's accumulated ones; no
         gradient where the reference has none."""
         for param_name, param in self.model.named_parameters():
             unit = self.owner[param_name]
-            if units is not None and unit not in units:
+            actual, wanted = param.grad, self.grads.get(param_name)
+            if (units is not None and unit not in units) or (actual is None and wanted is None):
                 continue
-            actual, wanted = _full(param.grad), self.grads.get(param_name)
             if actual is None or wanted is None:
-                if actual is not wanted:
-                    self.fail(
-                        f"{where}: {param_name!r} of unit {unit!r} has "
-                        f"{'no' if actual is None else 'a'} gradient, the reference "
-                        f"{'none' if wanted is None else 'one'}",
-                        "gradients differ from the reference",
-                        max_gap=float("inf"),
-                    )
-                continue
-            gap = (actual.float() - wanted.float()).abs().max().item()
-            if gap > TOL * (1 + wanted.abs().max().item()):
-                self.fail(
-                    f"{where}: the gradient of {param_name!r} (unit {unit!r}) differs from the "
-                    f"reference's by {gap:.3g} (reference gradients are scaled by "
-                    f"{self.scale.get(unit, 1.0)} for this unit)",
-                    "gradients differ from the reference",
-                    max_gap=gap,
-                )
+                held, reference = ("no", "one") if actual is None else ("a", "none")
+                message = f"{where}: {param_name!r} of unit {unit!r} has {held} gradient, "
+                message += f"the reference {reference}"
+                self.fail(message, GRADIENTS_DIFFER, max_gap=math.inf)
+            message = (
+                f"{where}: the gradient of {param_name!r} (unit {unit!r}, the reference's scaled "
+                f"by {self.scale.get(unit, 1.0)}) differs from the reference's"
+            )
+            tol = TOL * (1 + wanted.abs().max().item())
+            self.check_gap(message, GRADIENTS_DIFFER, full_tensor(actual), wanted, tol)
 
     def check_params(self, where: str) -> None:
-        reference = dict(self.reference.zoo_model.named_parameters())
-        for param_name, param in self.model.named_parameters():
-            gap = (_full(param).float() - reference[param_name].detach()).abs().max().item()
-            if gap > TOL:
-                self.fail(
-                    f"{where}: parameter {param_name!r} differs from the reference's by {gap:.3g}",
-                    "parameters differ from the reference",
-                    max_gap=gap,
-                )
+        full = {name: full_tensor(param) for name, param in self.model.named_parameters()}
+        expected = dict(self.reference.zoo_model.named_parameters())
+        training.check_same_values(f"{self.label}: {where}", PARAMETERS_DIFFER, full, expected, TOL)
 
     def layout(self, unit: str) -> str:
         """``sharded`` (every parameter it registers a DTensor), ``unsharded`` (none) or
@@ -352,10 +323,8 @@ class BaseFSDP2ModuleTests:
         case="offload: 'no_offload' or 'cpu_offload'",
         case_of="offload",
         api=(
-            "FSDPModule.set_requires_gradient_sync()",
-            "FSDPModule.set_requires_gradient_sync(recurse=False)",
-            "FSDPModule.set_reshard_after_backward()",
-            "FSDPModule.set_reshard_after_backward(recurse=False)",
+            *calls("FSDPModule.set_requires_gradient_sync", "recurse=False"),
+            *calls("FSDPModule.set_reshard_after_backward", "recurse=False"),
             "FSDPModule.set_is_last_backward()",
         ),
     )
@@ -400,8 +369,7 @@ class BaseFSDP2ModuleTests:
         "reductions give sum / factor and the mean; matches the reference",
         features=(Feature.FSDP2_API,),
         api=(
-            "FSDPModule.set_requires_all_reduce()",
-            "FSDPModule.set_requires_all_reduce(recurse=False)",
+            *calls("FSDPModule.set_requires_all_reduce", "recurse=False"),
             "FSDPModule.set_all_reduce_hook()",
             "FSDPModule.set_gradient_divide_factor()",
             "FSDPModule.set_requires_gradient_sync()",
@@ -410,7 +378,7 @@ class BaseFSDP2ModuleTests:
     @pytest.mark.world_size(4)
     def test_hsdp_all_reduce(self, fsdp_adapter: Any, dist: Any):
         label = f"adapter {fsdp_adapter.name!r}, LoopModule, HSDP on a 2 x 2 mesh"
-        run = _Run(fsdp_adapter, dist, label, shard_size=2)
+        run = _Run(fsdp_adapter, dist, label, mesh=device_mesh(dist, (2, 2), HSDP_DIMS))
         root, units = run.units["root"], run.units
         shard, replicate = (run.mesh.get_group(dim) for dim in (1, 0))
         hooked: list[torch.Tensor] = []
@@ -456,19 +424,16 @@ class BaseFSDP2ModuleTests:
             "FSDPModule.set_force_sum_reduction_for_comms()",
             "FSDPModule.set_gradient_divide_factor()",
             "FSDPModule.set_reduce_scatter_divide_factor()",
-            "FSDPModule.set_separate_reduce_scatter_group()",
-            "FSDPModule.set_separate_reduce_scatter_group(enable=False)",
-            "FSDPModule.set_separate_reduce_scatter_group(recurse=False)",
-            "FSDPModule.set_reduce_scatter_unused_params()",
-            "FSDPModule.set_reduce_scatter_unused_params(recurse=False)",
-            "FSDPModule.set_reduce_scatter_max_input_buffers()",
-            "FSDPModule.set_reduce_scatter_max_input_buffers(recurse=False)",
+            *calls("FSDPModule.set_separate_reduce_scatter_group", "enable=False", "recurse=False"),
+            *calls("FSDPModule.set_reduce_scatter_unused_params", "recurse=False"),
+            *calls("FSDPModule.set_reduce_scatter_max_input_buffers", "recurse=False"),
         ),
     )
     @pytest.mark.world_size(2)
     def test_reduction(self, fsdp_adapter: Any, dist: Any):
         label = f"adapter {fsdp_adapter.name!r}, LoopModule with a branch"
-        replicated = _mesh(dist, 1)  # (2, 1): whole parameters, all-reduced
+        # (2, 1): whole parameters, all-reduced
+        replicated = device_mesh(dist, (dist.world_size, 1), HSDP_DIMS)
         run = _Run(fsdp_adapter, dist, label, branch=True, meshes={"blocks.2": replicated})
         root, units = run.units["root"], run.units
         comm = _Comm(run, "head")
@@ -529,12 +494,10 @@ class BaseFSDP2ModuleTests:
         "reshards everything and training goes on as the reference",
         features=(Feature.FSDP2_API,),
         api=(
-            "FSDPModule.unshard()",
-            "FSDPModule.unshard(async_op=True)",
+            *calls("FSDPModule.unshard", "async_op=True"),
             "UnshardHandle.wait()",
             "FSDPModule.reshard()",
-            "FSDPModule.set_reshard_after_forward()",
-            "FSDPModule.set_reshard_after_forward(recurse=False)",
+            *calls("FSDPModule.set_reshard_after_forward", "recurse=False"),
             "FSDPModule.set_unshard_in_backward()",
             "FSDPModule.reset_iter_state()",
         ),
@@ -668,22 +631,16 @@ def _check_hook(
     gradient: this rank's shard of `grads` of blocks.1."""
     names = [name for name in grads if run.owner[name] == "blocks.1"]
     wanted = _flat_shard([grads[name] for name in names], shard, 2)
+    failure = "all-reduce hook not called with the reduced gradient"
     if not hooked:
         run.fail(
-            f"{phase}: the all-reduce hook of blocks.1 was not called",
-            "all-reduce hook not called with the reduced gradient",
-            max_gap=float("inf"),
+            f"{phase}: the all-reduce hook of blocks.1 was not called", failure, max_gap=math.inf
         )
-    got = hooked[-1].reshape(-1)
-    gap = (got - wanted).abs().max().item() if got.shape == wanted.shape else float("inf")
-    if gap > TOL:
-        run.fail(
-            f"{phase}: the all-reduce hook of blocks.1 got a tensor of {hooked[-1].numel()} "
-            f"elements differing from this rank's shard of the all-reduced gradient by "
-            f"{gap:.3g}",
-            "all-reduce hook not called with the reduced gradient",
-            max_gap=gap,
-        )
+    message = (
+        f"{phase}: the all-reduce hook of blocks.1 got a tensor of {hooked[-1].numel()} elements "
+        "differing from this rank's shard of the all-reduced gradient"
+    )
+    run.check_gap(message, failure, hooked[-1].reshape(-1), wanted, TOL)
 
 
 class _Interrupted(Exception):
@@ -736,14 +693,9 @@ def _check_unsharded(run: _Run, unit: str, where: str) -> None:
             seen=run.layout(unit),
         )
     reference = dict(run.reference.zoo_model.get_submodule(unit).named_parameters())
-    for name, param in run.units[unit].named_parameters():
-        gap = (param.detach() - reference[name].detach()).abs().max().item()
-        if gap > TOL:
-            run.fail(
-                f"{where}: {unit}.{name} differs from the full parameter by {gap:.3g}",
-                "parameters differ from the reference",
-                max_gap=gap,
-            )
+    held = dict(run.units[unit].named_parameters())
+    message = f"{run.label}: {where}: the parameters of {unit}"
+    training.check_same_values(message, PARAMETERS_DIFFER, held, reference, TOL)
 
 
 def _check_separate_group(run: _Run, phase: str, shared: Any, bounds: tuple[int, int]) -> None:
