@@ -50,6 +50,7 @@ from fsdp_conformance.observe.comm_trace import ROOT_LABEL, instance_labels
 
 from . import training, zoo
 from .declare import calls, check
+from .training import check_gap, check_same_keys, check_same_values
 
 MODEL = "uneven"
 NESTED = ("odd.", "pair.", "one.")  # the wrapped submodules of MODEL (name prefixes)
@@ -207,33 +208,6 @@ def _only_on(group: Any, label: str) -> Iterator[None]:
         raise CheckFailure(f"{message}: {sorted(set(foreign))}", failure, count=len(foreign))
 
 
-def _gap(actual: Any, expected: torch.Tensor) -> float:
-    """max |actual - expected| (inf when not a tensor of the same shape)."""
-    if not isinstance(actual, torch.Tensor) or actual.shape != expected.shape:
-        return math.inf
-    if actual.numel() == 0:
-        return 0.0
-    return (actual.detach().cpu().double() - expected.detach().cpu().double()).abs().max().item()
-
-
-def _assert_keys(label: str, failure: str, actual: Any, expected: Any) -> None:
-    missing, extra = sorted(set(expected) - set(actual)), sorted(set(actual) - set(expected))
-    if missing or extra:
-        message = f"{label}: keys differ: missing {missing[:6]}, unexpected {extra[:6]}"
-        raise CheckFailure(message, failure, missing=len(missing), unexpected=len(extra))
-
-
-def _assert_same(label: str, failure: str, actual: dict, expected: dict) -> None:
-    """`actual` has `expected`'s keys and bit-equal tensors (CheckFailure with the worst gap)."""
-    _assert_keys(label, failure, actual, expected)
-    gaps = {key: _gap(actual[key], value) for key, value in expected.items()}
-    worst = max(gaps, key=gaps.__getitem__, default=None)
-    if worst is not None and gaps[worst] > 0:
-        count = f"{sum(g > 0 for g in gaps.values())} of {len(gaps)} differ"
-        message = f"{label}: {worst!r} differs from the reference by {gaps[worst]:.3g} ({count})"
-        raise CheckFailure(message, failure, max_gap=gaps[worst])
-
-
 class _Failures:
     """A cell's failures, kept until its collectives are done (a rank failing early would leave
     the other waiting in one), then the first raised."""
@@ -265,8 +239,8 @@ class _Failures:
 def _assert_training(label: str, driver: training.Driver, losses: Any, reference: Any) -> None:
     """`losses` and the full parameters equal the reference's (`reference`: (losses, params))."""
     failure = "training differs from the reference"
-    _assert_same(label + ", losses", failure, {"losses": losses}, {"losses": reference[0]})
-    _assert_same(label + ", full parameters", failure, driver.params(), reference[1])
+    check_same_values(label + ", losses", failure, {"losses": losses}, {"losses": reference[0]})
+    check_same_values(label + ", full parameters", failure, driver.params(), reference[1])
 
 
 def _flat(state: dict, prefix: str = "") -> dict[str, Any]:
@@ -300,7 +274,7 @@ def _assert_equal_dicts(label: str, failure: str, actual: dict, expected: dict) 
         for key, value in flat.items()
         if key not in others
     }
-    _assert_same(label, failure, local(got), local(want))
+    check_same_values(label, failure, local(got), local(want))
 
 
 def _reference_adam(reference: training.Driver) -> dict[str, torch.Tensor]:
@@ -367,19 +341,15 @@ def _assert_state(
         held = [v.reshape(-1).double() for s in ranks for p in s.values() for _, v, _ in p]
         full = [v.reshape(-1).cpu().double() for v in expected.values()]
         values = {"values": torch.sort(torch.cat(held or [torch.zeros(0)])).values}
-        _assert_same(label, failure, values, {"values": torch.sort(torch.cat(full)).values})
+        check_same_values(label, failure, values, {"values": torch.sort(torch.cat(full)).values})
         return
     for rank, state in enumerate(ranks):
-        _assert_keys(f"{label} (rank {rank})", failure, state, expected)
+        check_same_keys(f"{label} (rank {rank})", failure, state, expected)
         for key, full in expected.items():
             for offsets, values, _ in state[key]:
                 region = tuple(slice(o, o + n) for o, n in zip(offsets, values.shape))
-                gap = _gap(values, full.cpu()[region])
-                if gap > 0:
-                    message = f"{label} (rank {rank}): {key!r} at offsets {offsets} differs"
-                    raise CheckFailure(
-                        f"{message} from the reference by {gap:.3g}", failure, max_gap=gap
-                    )
+                message = f"{label} (rank {rank}): {key!r} at offsets {offsets} differs from "
+                check_gap(message + "the reference", failure, values, full.cpu()[region])
     for key, full in expected.items():
         copies = len(ranks) if layout == "full" or full.dim() == 0 else 1
         held = sum(values.numel() for state in ranks for _, values, _ in state[key])
@@ -560,11 +530,11 @@ class BaseFSDP1MethodTests:
             expected_norm = {"norm": reference.clip(max_norm, math.inf)}
             with failures.kept():
                 message = f"{label}, then clip_grad_norm_(max_norm, norm_type=inf)'s total norm"
-                _assert_same(message, "norm differs from the reference", norm, expected_norm)
+                check_same_values(message, "norm differs from the reference", norm, expected_norm)
         with failures.kept():
             message = f"{label}, the shards after the context"
             failure = "changes inside summon_full_params persisted"
-            _assert_same(message, failure, training.local_shards(root), before)
+            check_same_values(message, failure, training.local_shards(root), before)
         failures.raise_first(dist.group)  # before training on, which such a failure may break
         driver.step()
         reference.step()
@@ -659,7 +629,7 @@ def _assert_summoned(
         )
     if form == "recurse_false":
         own = {name: value for name, value in reference.items() if not name.startswith(nested)}
-        _assert_same(
+        check_same_values(
             label, "full params differ from the reference", {n: params.get(n) for n in own}, own
         )
         _assert_sharded(label, "nested instances unsharded", params, reference, nested)
@@ -669,7 +639,7 @@ def _assert_summoned(
         return
     for part, values in shown.items():
         message = f"{label}, the full {part}"
-        _assert_same(message, f"full {part} differ from the reference", values, expected[part])
+        check_same_values(message, f"full {part} differ from the reference", values, expected[part])
     on_device = sorted(name for name, t in params.items() if t.device.type != "cpu")
     if form == "offload_to_cpu" and on_device:
         message = f"{label}: offload_to_cpu=True, yet {on_device} are not on the CPU"
@@ -796,7 +766,7 @@ def _optim_inputs(optimizer: Any) -> dict[str, Any]:
 
 def _assert_full_osd(label: str, full: dict, reference: Any) -> None:
     """A full optimizer state dict: DDP's Adam state by parameter name."""
-    _assert_same(label, _OPTIMIZER_DIFFERS, _flat(full["state"]), _reference_adam(reference))
+    check_same_values(label, _OPTIMIZER_DIFFERS, _flat(full["state"]), _reference_adam(reference))
 
 
 def _assert_forms(

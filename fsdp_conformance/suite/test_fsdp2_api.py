@@ -37,7 +37,8 @@ from torch.utils.checkpoint import checkpoint
 
 from fsdp_conformance.adapters import Feature
 from fsdp_conformance.constants import REDUCE_OPS, Op
-from fsdp_conformance.models.model_base import ZooModel, generator, rand_input, seeded_init_
+from fsdp_conformance.models import TiedInstances
+from fsdp_conformance.models.model_base import ZooModel, rand_input, seeded_init_
 from fsdp_conformance.observe.comm_trace import observing_collectives
 
 from . import test_loops, test_parity, test_precision, training, zoo
@@ -85,11 +86,15 @@ def _label(adapter: Any, what: str) -> str:
     return f"adapter {adapter.name!r}, {what}"
 
 
-def _assert_trained(label: str, driver: Any, losses: Any, reference: Any, ref_losses: Any, tol=0.0):
-    """Losses and full parameters (names without checkpoint_wrapper's segment) as the reference's."""
+def _assert_trained(label, driver, losses, reference, ref_losses, tol=0.0, **tolerances) -> None:
+    """Losses and full parameters (names without checkpoint_wrapper's segment) as the
+    reference's, within `tol` (absolute and relative) or `tolerances` (``assert_same_training``'s
+    atol, rtol, loss_rtol)."""
     params = {n.replace("_checkpoint_wrapped_module.", ""): v for n, v in driver.params().items()}
-    training.assert_losses(label, losses, ref_losses, tol)
-    training.assert_params(label, params, reference.params(), STEPS, tol, tol)
+    actual = training.TrainingResult(losses, params)
+    expected = training.TrainingResult(ref_losses, reference.params())
+    tolerances = tolerances or {"atol": tol, "rtol": tol}
+    training.assert_same_training(label, actual, expected, **tolerances)
 
 
 class _Block(nn.Module):
@@ -132,20 +137,10 @@ class _SideInputNet(ZooModel):
         return output.float().square().sum()
 
 
-class _TiedChunks(ZooModel):
-    """Embedding(12, 8) -> Linear(8, 8) -> tanh, returned by forward; the loss runs the head
-    Linear(8, 12), whose weight is the embedding's, on each half of the batch (chunked loss)."""
-
-    def __init__(self, group: Any) -> None:
-        super().__init__(group)
-        self.embed = nn.Embedding(12, 8)
-        self.body = nn.Linear(8, 8)
-        self.head = nn.Linear(8, 12)
-        self.head.weight = self.embed.weight
-        seeded_init_(self, 3)
-
-    def get_input(self, device: torch.device) -> tuple[torch.Tensor]:
-        return (torch.randint(0, 12, (4, 3), generator=generator(5 + self.rank)).to(device),)
+class _TiedChunks(TiedInstances):
+    """The zoo's ``TiedInstances`` (head.weight is embed.weight) whose forward stops before the
+    head, Embedding(12, 8) -> Linear(8, 8) -> tanh; the loss runs the head on each half of the
+    batch (chunked loss)."""
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return torch.tanh(self.body(self.embed(ids)))
@@ -457,13 +452,9 @@ class BaseFSDP2APITests:
         check_listed(label, "dtypes differ from the policies'", problems)
         reference, ref_losses = _reference(_SideInputNet(dist.group), dist)
         eps = test_precision.EPS[BF16]
-        training.assert_same_training(
-            f"{label}, against fp32",
-            training.TrainingResult(losses, driver.params()),
-            training.TrainingResult(ref_losses, reference.params()),
-            atol=test_precision.PARAM_ATOL_PER_EPS * eps,
-            loss_rtol=test_precision.LOSS_RTOL_PER_EPS * eps,
-        )
+        fp32 = {"atol": test_precision.PARAM_ATOL_PER_EPS * eps}
+        fp32["loss_rtol"] = test_precision.LOSS_RTOL_PER_EPS * eps
+        _assert_trained(f"{label}, against fp32", driver, losses, reference, ref_losses, **fp32)
 
     @check(
         "fsdp2.grouped",

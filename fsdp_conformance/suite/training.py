@@ -535,15 +535,20 @@ def check_gap(message: str, failure: str, actual: Any, expected: Any, tol: float
         raise CheckFailure(f"{message} by {gap:.3g}", failure, max_gap=gap)
 
 
-def check_same_values(
-    label: str, failure: str, actual: dict, expected: dict, tol: float = 0.0
-) -> None:
-    """`actual` has `expected`'s keys (CheckFailure with the missing and unexpected counts) and
-    their tensors within `tol` (with the largest gap, the key holding it named)."""
+def check_same_keys(label: str, failure: str, actual: Any, expected: Any) -> None:
+    """`actual` has `expected`'s keys (CheckFailure with the missing and unexpected counts)."""
     missing, extra = sorted(set(expected) - set(actual)), sorted(set(actual) - set(expected))
     if missing or extra:
         message = f"{label}: keys differ: missing {missing[:6]}, unexpected {extra[:6]}"
         raise CheckFailure(message, failure, missing=len(missing), unexpected=len(extra))
+
+
+def check_same_values(
+    label: str, failure: str, actual: dict, expected: dict, tol: float = 0.0
+) -> None:
+    """`actual` has `expected`'s keys (``check_same_keys``) and their tensors within `tol`
+    (CheckFailure with the largest gap, the key holding it named)."""
+    check_same_keys(label, failure, actual, expected)
     gaps = {key: max_gap(actual[key], value) for key, value in expected.items()}
     worst = max(gaps, key=gaps.__getitem__, default=None)
     if worst is not None and gaps[worst] > tol:
