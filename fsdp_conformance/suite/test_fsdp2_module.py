@@ -148,7 +148,7 @@ class _Run:
 
     @contextlib.contextmanager
     def observing(self) -> Iterator[None]:
-        with observing_collectives(self._on_collective):
+        with observing_collectives(self._on_collective, self.dist.barrier):
             yield
 
     def _on_collective(self, call: Any) -> None:

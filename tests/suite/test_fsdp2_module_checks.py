@@ -1,11 +1,12 @@
 """The ``fsdp2_module.*`` checks (suite/test_fsdp2_module.py) pass on torch FSDP2 and each fails
 on torch FSDP2 broken in the way it checks.
 
-The broken variants: one pytest run (a subprocess, through pytester) of a test file defining broken variants of
-torch FSDP2: each an adapter whose FSDP2 namespace (``Declarations.api["fsdp2"]``) hands out
-modules with one ``FSDPModule`` method broken, or marks its modules for a patch of torch's
-internals (applied in the ranks when they import the file, active only on marked modules), and
-one suite class per variant pointing its ``fsdp_impl`` fixture at it.
+One pytest run (a subprocess, through pytester, ranks as threads) of a test file defining broken
+variants of torch FSDP2: each an adapter whose FSDP2 namespace (``Declarations.api["fsdp2"]``)
+hands out modules with one ``FSDPModule`` method broken, or marks its modules for a patch of
+torch's internals (applied when the file is imported, active only on marked modules), and one
+suite class per variant pointing its ``fsdp_impl`` fixture at it; every cell also runs on torch
+FSDP2 itself, in the same run (no false failure).
 """
 
 from __future__ import annotations
@@ -14,17 +15,7 @@ import textwrap
 
 import pytest
 
-from fsdp_conformance.suite import BaseFSDP2ModuleTests
-
 pytest_plugins = ["pytester"]
-
-
-class TestFSDP2ModuleOnTorchFSDP2(BaseFSDP2ModuleTests):
-    """No false failure: every cell passes on torch FSDP2 (the other adapters skip them)."""
-
-    @pytest.fixture
-    def fsdp_impl(self) -> str:
-        return "torch-fsdp2"
 
 
 BROKEN = textwrap.dedent(
@@ -171,6 +162,15 @@ BROKEN = textwrap.dedent(
 
     for _attr in [name for name in dir() if name.isupper() and name != "MARK"]:
         globals()[f"Test_{_attr}"] = _case(_attr)
+
+
+    class TestOnTorchFSDP2(BaseFSDP2ModuleTests):
+        """No false failure: every cell passes on torch FSDP2 (its modules unmarked, every patch
+        above passes through)."""
+
+        @pytest.fixture
+        def fsdp_impl(self):
+            return "torch-fsdp2"
     '''
 )
 
@@ -213,11 +213,19 @@ CASES = {
 }
 
 
-def test_each_fsdp2_module_check_fails_on_its_broken_variant(pytester: pytest.Pytester) -> None:
+PASSING = 6  # TestOnTorchFSDP2: every cell
+
+
+def test_each_fsdp2_module_check_passes_on_torch_and_fails_on_its_broken_variant(
+    pytester: pytest.Pytester,
+) -> None:
     pytester.makepyfile(test_broken_fsdp2=BROKEN)
     selected = [f"test_broken_fsdp2.py::Test_{case}" for case in CASES]
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-rf", "-n", "0", *selected)
-    result.assert_outcomes(failed=len(CASES))
+    selected.append("test_broken_fsdp2.py::TestOnTorchFSDP2")
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "-rf", "-n", "0", "--fsdp-mode=thread", *selected
+    )
+    result.assert_outcomes(failed=len(CASES), passed=PASSING)
     for case, line in CASES.items():
         header = "*_ Test_" + case.replace("::", ".").replace("[", "[[]") + " _*"
         result.stdout.fnmatch_lines([header, line], consecutive=False)
