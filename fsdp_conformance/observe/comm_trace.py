@@ -61,16 +61,17 @@ class Collective(NamedTuple):
 def observing_collectives(
     callback: Callable[[collective_observer.CollectiveCall], None],
     barrier: Callable[[], Any] | None = None,
+    ops: Iterable[str] | None = (Op.ALL_GATHER, *REDUCE_OPS),
 ) -> Iterator[None]:
-    """``callback(call)`` for each all-gather, reduce-scatter and all-reduce this rank issues
-    while active (filtered by thread as [Note: observation] says). `barrier` (the test's
-    ``dist.barrier``): run on entering and before leaving, so that every rank observes at once
-    (ranks that are threads of one process see each other's collectives while those do not
-    observe)."""
+    """``callback(call)`` for each all-gather, reduce-scatter and all-reduce (`ops`; None: every
+    collective) this rank issues while active (filtered by thread as [Note: observation] says).
+    `barrier` (e.g. the test's ``dist.barrier``): run on entering and before leaving, so that
+    every rank observes at once (ranks that are threads of one process see each other's
+    collectives while those do not observe)."""
     with scoped_observer(lambda op, instance, info: callback(info["call"]), None) as observer:
 
         def listener(call: collective_observer.CollectiveCall) -> None:
-            if call.op in (Op.ALL_GATHER, *REDUCE_OPS):
+            if ops is None or call.op in ops:
                 observer(call.op, None, {"call": call})
 
         remove = collective_observer.add_listener(listener)

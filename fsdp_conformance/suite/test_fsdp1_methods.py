@@ -42,11 +42,12 @@ from typing import Any, ClassVar
 
 import pytest
 import torch
+import torch.distributed as tdist
 
 from fsdp_conformance import collective_observer
 from fsdp_conformance.adapters.base import group_by
 from fsdp_conformance.checks import CheckFailure
-from fsdp_conformance.observe.comm_trace import ROOT_LABEL, instance_labels
+from fsdp_conformance.observe.comm_trace import ROOT_LABEL, instance_labels, observing_collectives
 
 from . import training, zoo
 from .declare import calls, check
@@ -182,8 +183,6 @@ def _reference(dist: Any) -> training.Driver:
 
 def _other_group(dist: Any) -> Any:
     """A new group of the test's ranks: not the default group."""
-    import torch.distributed as tdist
-
     return tdist.new_group(tdist.get_process_group_ranks(dist.group))
 
 
@@ -197,11 +196,8 @@ def _only_on(group: Any, label: str) -> Iterator[None]:
         if call.group is None or call.group.group_name != name:
             foreign.append(f"{call.name} on {getattr(call.group, 'group_name', None)}")
 
-    remove = collective_observer.add_listener(listener)
-    try:
+    with observing_collectives(listener, ops=None):
         yield
-    finally:
-        remove()
     if foreign:
         message = f"{label}: collectives ran outside the model's group {name!r} passed as group="
         failure = "collectives outside the given group"
@@ -224,8 +220,6 @@ class _Failures:
 
     def raise_first(self, group: Any) -> None:
         """Raise the first failure of the lowest failing rank, on every rank (one verdict)."""
-        import torch.distributed as tdist
-
         first = self.seen[0] if self.seen else None
         mine = None if first is None else (str(first), first.failure, first.figures)
         every: list[Any] = [None] * group.size()
@@ -308,8 +302,6 @@ def _pieces(value: torch.Tensor) -> list[Piece]:
 def _gathered(state: dict, group: Any) -> list[dict[str, list[Piece]]]:
     """Every rank's tensors of `state` (by dotted path) as pieces, so that every rank checks
     the same data: the verdict is the same on all."""
-    import torch.distributed as tdist
-
     flat = _flat(state)
     mine = {key: _pieces(v) for key, v in flat.items() if isinstance(v, torch.Tensor)}
     every: list[Any] = [None] * group.size()
@@ -439,8 +431,6 @@ class BaseFSDP1MethodTests:
                 _assert_state(message, part, ranks, expected[part], part_layout, device)
         driver.run(1, start=1)  # train on, then load what was saved
         if case.form == "full_rank0":  # the full state dict exists on rank 0 only: send it
-            import torch.distributed as tdist
-
             sent = [saved["model"]]
             tdist.broadcast_object_list(sent, group_src=0, group=dist.group)
             saved["model"] = sent[0]
@@ -780,8 +770,6 @@ def _assert_forms(
 def _halving_hook(state: Any, grad: torch.Tensor, output: Any = None) -> None:
     """Our reduction: the sum over ``state.group`` divided by twice its size (sharded
     strategies: this rank's part into `output`); counts its calls in ``state.calls``."""
-    import torch.distributed as tdist
-
     state.calls += 1
     divisor = 2 * state.group.size()
     if output is None:

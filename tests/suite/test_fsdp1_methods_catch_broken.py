@@ -1,7 +1,7 @@
 """Each check of the ``fsdp1`` method family (suite/test_fsdp1_methods.py) fails on a torch FSDP1
 broken in the way it checks.
 
-One pytest run per group (a subprocess, through pytester) of a file defining broken variants of
+One pytest run (a subprocess, through pytester) of a file defining broken variants of
 torch's FullyShardedDataParallel (a subclass overriding one public method each, as a bug in it
 would behave), each served as the ``fsdp1`` API namespace of a torch-fsdp1 adapter, and one suite
 class per variant pointing its ``fsdp_impl`` fixture at that adapter.
@@ -211,7 +211,7 @@ BROKEN = textwrap.dedent(
     '''
 )
 
-# (selected tests, the lines the run must show), in two subprocesses (-n spreads them)
+# (selected tests, the lines the run must show) by area; one subprocess runs them all
 GROUPS = {
     "state-dict-types": (
         [
@@ -300,15 +300,12 @@ GROUPS = {
 }
 
 
-@pytest.mark.parametrize("group", list(GROUPS))
-def test_each_fsdp1_method_check_fails_on_its_broken_variant(
-    pytester: pytest.Pytester, group: str
-) -> None:
-    tests, lines = GROUPS[group]
+def test_each_fsdp1_method_check_fails_on_its_broken_variant(pytester: pytest.Pytester) -> None:
+    tests = [test for group_tests, _ in GROUPS.values() for test in group_tests]
+    lines = [line for _, group_lines in GROUPS.values() for line in group_lines]
     pytester.makepyfile(test_broken_fsdp1=BROKEN)
     selected = [f"test_broken_fsdp1.py::{test}" for test in tests]
-    result = pytester.runpytest_subprocess(
-        "-p", "no:cacheprovider", "-rf", "-n", "0", "--fsdp-timeout", "60", *selected
-    )
+    options = ["-p", "no:cacheprovider", "-rf", "-n", "0", "--fsdp-timeout", "60"]
+    result = pytester.runpytest_subprocess(*options, *selected)
     result.stdout.fnmatch_lines(lines, consecutive=False)
     result.assert_outcomes(failed=len(tests))
