@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import math
 import types
 from collections.abc import Callable, Iterator
@@ -416,11 +417,8 @@ class BaseFSDP1MethodTests:
         saved = copy.deepcopy(state)  # LOCAL_STATE_DICT's values are views of the shards
         layout = kind.split("_")[0].lower()
         optimizer_layout = "full" if layout == "full" else "sharded"  # LOCAL: sharded originals
-        optimizer_state = state["optimizer"].get("state", {})
-        parts = {
-            "model": (state["model"], layout),
-            "optimizer": (optimizer_state, optimizer_layout),
-        }
+        parts = {"model": (state["model"], layout)}
+        parts["optimizer"] = (state["optimizer"].get("state", {}), optimizer_layout)
         for (part, (values, part_layout)), config in zip(parts.items(), configs):
             ranks, message = _gathered(values, group), f"{label}, the {part} state dict"
             device = "cpu" if config.offload_to_cpu else dist.device.type
@@ -614,14 +612,12 @@ def _assert_summoned(
     freed = sorted(name for name, value in params.items() if value is None)
     if freed:
         message = f"{label}: inside the context {freed} are views past the end of their storage"
-        raise CheckFailure(
-            message + " (reading them crashes)", "parameters in freed memory", count=len(freed)
-        )
+        message += " (reading them crashes)"
+        raise CheckFailure(message, "parameters in freed memory", count=len(freed))
     if form == "recurse_false":
         own = {name: value for name, value in reference.items() if not name.startswith(nested)}
-        check_same_values(
-            label, "full params differ from the reference", {n: params.get(n) for n in own}, own
-        )
+        shown_own = {name: params.get(name) for name in own}
+        check_same_values(label, "full params differ from the reference", shown_own, own)
         _assert_sharded(label, "nested instances unsharded", params, reference, nested)
         return
     if form == "rank0_only" and rank != 0:
@@ -641,23 +637,19 @@ def _assert_sharded(label: str, failure: str, shown: dict, full: dict, prefixes:
     held = sum(t.numel() for name, t in shown.items() if name.startswith(prefixes))
     total = sum(t.numel() for name, t in full.items() if name.startswith(prefixes))
     if held >= total:
-        message = (
-            f"{label}: the parameters under {list(prefixes)} show {held} elements, in full {total}"
-        )
-        raise CheckFailure(message, failure, elements=held)
+        message = f"{label}: the parameters under {list(prefixes)} show {held} elements, "
+        raise CheckFailure(message + f"in full {total}", failure, elements=held)
 
 
 def _route_full(label, api, driver, fresh, reference, group, failures) -> dict:
     """full_optim_state_dict (rank 0, every rank, each optim_input form) ->
     shard_full_optim_state_dict (default, optim, each optim_input form)."""
     fsdp, root, optimizer = api.FullyShardedDataParallel, driver.model, driver.optimizer
-    full = fsdp.full_optim_state_dict(root, optimizer, rank0_only=False, group=group)
-    on_rank0 = fsdp.full_optim_state_dict(root, optimizer, group=group)
+    full_osd = functools.partial(fsdp.full_optim_state_dict, root, optimizer, group=group)
+    full, on_rank0 = full_osd(rank0_only=False), full_osd()
     forms = {"rank0_only=True (default)": on_rank0} if group.rank() == 0 else {}
     for form, inputs in _optim_inputs(optimizer).items():
-        forms[form] = fsdp.full_optim_state_dict(
-            root, optimizer, optim_input=inputs, rank0_only=False, group=group
-        )
+        forms[form] = full_osd(optim_input=inputs, rank0_only=False)
     with failures.kept():
         _assert_full_osd(f"{label}, full_optim_state_dict(rank0_only=False)", full, reference)
         if group.rank() != 0:

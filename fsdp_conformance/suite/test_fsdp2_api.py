@@ -43,7 +43,7 @@ from fsdp_conformance.observe.comm_trace import observing_collectives
 
 from . import test_loops, test_parity, test_precision, training, zoo
 from .declare import check
-from .test_sharding import device_mesh
+from .test_sharding import device_mesh, full_state_dict
 from .training import LoopCase, check_listed, full_tensor, full_tensors
 
 STEPS = 2
@@ -200,9 +200,8 @@ def _two_forwards(model: ZooModel) -> Any:
     """``Driver.run``'s `loss`: the sum of two forwards' losses (inputs `index`, `index` + 9)."""
 
     def loss(step: int, index: int) -> torch.Tensor:
-        inputs = [
-            training.micro_input(model, model.trunk.weight.device, i) for i in (index, index + 9)
-        ]
+        device = model.trunk.weight.device
+        inputs = [training.micro_input(model, device, i) for i in (index, index + 9)]
         return sum(model.get_loss(x, model(*x)) for x in inputs)
 
     return loss
@@ -366,10 +365,8 @@ class BaseFSDP2APITests:
         model = zoo.build(LOOPS, dist.group, None, dist.device)
         _shard_loops(_api(fsdp_adapter), model, mesh=device_mesh(dist), reshard_after_forward=value)
         parts = {True: dist.world_size, False: 1}.get(value, value)  # of each parameter held
-        label = _label(
-            fsdp_adapter,
-            f"loops, fully_shard(reshard_after_forward={value!r}) on {dist.world_size} ranks",
-        )
+        what = f"loops, fully_shard(reshard_after_forward={value!r}) on {dist.world_size} ranks"
+        label = _label(fsdp_adapter, what)
         problems: list[str] = []
         gathers: dict[int, set] = collections.defaultdict(set)  # step -> groups of backward's
         backward_of: dict = {}  # "step": the step whose backward runs
@@ -437,17 +434,14 @@ class BaseFSDP2APITests:
             for what, promised in _PROMISED[kind].items():
                 got = reduced[name] if what == "reduction" else seen[name, what]
                 if got != {promised}:
-                    problems.append(
-                        f"{name} ({kind}) {what}: {sorted(map(str, got))}, {promised} promised"
-                    )
+                    seen_dtypes = sorted(map(str, got))
+                    problems.append(f"{name} ({kind}) {what}: {seen_dtypes}, {promised} promised")
         if calls["blocks.0.norm"] < 2 * STEPS:  # the check's premise
             problems.append("blocks.0.norm ran no activation-checkpoint recompute (suite bug)")
         for name, param in model.named_parameters():
-            dtypes = {param.dtype, getattr(param.grad, "dtype", FP32)}
-            if dtypes != {FP32}:
-                problems.append(
-                    f"{name}: sharded parameter / gradient in {sorted(map(str, dtypes))}"
-                )
+            dtypes = {str(param.dtype), str(getattr(param.grad, "dtype", FP32))}
+            if dtypes != {str(FP32)}:
+                problems.append(f"{name}: sharded parameter / gradient in {sorted(dtypes)}")
         label = _label(fsdp_adapter, "a MixedPrecisionPolicy per unit (module docstring)")
         check_listed(label, "dtypes differ from the policies'", problems)
         reference, ref_losses = _reference(_SideInputNet(dist.group), dist)
@@ -521,9 +515,8 @@ class BaseFSDP2APITests:
         losses = driver.run(STEPS, after_backward=record)
         reference = training.ddp_driver(LOOPS, dist)
         ref_grads: list = []
-        ref_losses = reference.run(
-            STEPS, after_backward=lambda step: ref_grads.append(reference.grads())
-        )
+        ref_backward = lambda step: ref_grads.append(reference.grads())
+        ref_losses = reference.run(STEPS, after_backward=ref_backward)
         for step, (step_grads, expected) in enumerate(zip(grads, ref_grads)):
             for name, (grad, value) in step_grads.items():
                 param = model.get_parameter(name)
@@ -626,11 +619,8 @@ class BaseFSDP2APITests:
         _shard_loops(ns, model, mesh=mesh, dp_mesh_dims=spec)
         label = _label(fsdp_adapter, f"loops on a {tuple(mesh.shape)} mesh, {spec}")
         parts = dist.world_size if "shard" in dims else 1
-        check_listed(
-            label,
-            "parameters not sharded over the shard dims",
-            _holding(model, full_tensors(model), parts),
-        )
+        held = _holding(model, full_tensors(model), parts)
+        check_listed(label, "parameters not sharded over the shard dims", held)
 
         def loss(step: int, index: int) -> torch.Tensor:
             inputs = training.micro_input(model, dist.device, index)
@@ -721,32 +711,25 @@ class BaseFSDP2APITests:
         driver = training.Driver(model, model, dist.device, fsdp_adapter)
         clip = lambda step: norms.append(driver.clip(self.MAX_NORM))
         losses = driver.run(STEPS, after_backward=clip)
-        reference, ref_losses = _reference(
-            _TPNet(dp.get_group()), dist, lambda d, step: ref_norms.append(d.clip(self.MAX_NORM))
-        )
+        ref_clip = lambda reference, step: ref_norms.append(reference.clip(self.MAX_NORM))
+        reference, ref_losses = _reference(_TPNet(dp.get_group()), dist, ref_clip)
         assert min(ref_norms) > self.MAX_NORM, (
             f"{label}: norms {ref_norms} clip nothing (suite bug)"
         )
         message = f"{label}: clip_grad_norm_ returned norms other than the unsharded model's"
-        training.assert_close(
-            message, torch.stack(norms), torch.stack(ref_norms), 0.0, test_loops.CLIP_NORM_RTOL
-        )
-        _assert_trained(label, driver, losses, reference, ref_losses, test_loops.CLIP_PARAM_TOL)
+        clipped, ref_clipped = torch.stack(norms), torch.stack(ref_norms)
+        training.assert_close(message, clipped, ref_clipped, 0.0, test_loops.CLIP_NORM_RTOL)
         tol = test_loops.CLIP_PARAM_TOL
-        state = training.by_clean_name(fsdp_adapter, fsdp_adapter.state_dict(model).items())
-        full_state = {name: full_tensor(value) for name, value in state.items()}
-        training.assert_params(
-            f"{label}, full state dict", full_state, reference.params(), STEPS, tol, tol
-        )
+        _assert_trained(label, driver, losses, reference, ref_losses, tol)
+        full_state, expected = full_state_dict(fsdp_adapter, model), reference.params()
+        training.assert_params(f"{label}, full state dict", full_state, expected, STEPS, tol, tol)
         layout = {name: param.placements for name, param in model.named_parameters()}
         fsdp_adapter.load_state_dict(model, dict(initial))  # it replaces the values
-        moved = [
-            name for name, param in model.named_parameters() if param.placements != layout[name]
-        ]
+        named = model.named_parameters()
+        moved = [name for name, param in named if param.placements != layout[name]]
         check_listed(label, "the layout changed when loading the full state dict", moved)
-        training.assert_params(
-            f"{label}, loaded initial state dict", full_tensors(model), initial, 0
-        )
+        loaded = full_tensors(model)
+        training.assert_params(f"{label}, loaded initial state dict", loaded, initial, 0)
 
 
 class TestFSDP2API(BaseFSDP2APITests): ...

@@ -54,6 +54,9 @@ MICRO_BATCHES = 3
 BLOCKS = ("blocks.0", "blocks.1", "blocks.2")
 GRADIENTS_DIFFER = "gradients differ from the reference"
 PARAMETERS_DIFFER = "parameters differ from the reference"
+NOT_IN_LAYOUT = "parameters not in the promised layout"
+PATTERN_BROKEN = "collectives break the promised pattern"
+CUSTOM_COMM_UNUSED = "custom communication not used"
 HSDP_DIMS = ("replicate", "shard")
 
 
@@ -266,13 +269,9 @@ class _Run:
         wanted = {unit: "unsharded" if unit in unsharded else "sharded" for unit in seen}
         wrong = {unit: kind for unit, kind in seen.items() if kind != wanted[unit]}
         if wrong:
-            self.fail(
-                f"{where}: parameters not where the methods called promise them: expected "
-                f"{wanted}, seen {seen}",
-                "parameters not in the promised layout",
-                offenders=len(wrong),
-                seen=str(wrong),
-            )
+            message = f"{where}: parameters not where the methods called promise them: "
+            message += f"expected {wanted}, seen {seen}"
+            self.fail(message, NOT_IN_LAYOUT, offenders=len(wrong), seen=str(wrong))
 
     def check_count(self, phase: str, op: str, low: int, high: int, why: str, groups=None):
         """`phase` issued `low` to `high` collectives `op` (on one of `groups` if given)."""
@@ -281,12 +280,9 @@ class _Run:
             for where, kind, group in self.collectives
         )
         if not low <= issued <= high:
-            self.fail(
-                f"{phase}: {issued} {op} collective(s), the methods called promise "
-                f"{low} to {high}: {why}",
-                "collectives break the promised pattern",
-                excess=max(issued - high, low - issued),
-            )
+            message = f"{phase}: {issued} {op} collective(s), the methods called promise "
+            message += f"{low} to {high}: {why}"
+            self.fail(message, PATTERN_BROKEN, excess=max(issued - high, low - issued))
 
     def check_raises(self, error: type, call: Any, what: str) -> None:
         try:
@@ -448,12 +444,10 @@ class BaseFSDP2ModuleTests:
             run.scale[unit] = dist.world_size / factor
         for unit in ("head", "blocks.0"):  # gloo has no PREMUL_SUM: scale before or after
             units[unit].set_force_sum_reduction_for_comms(True)
+        cap = root.set_reduce_scatter_max_input_buffers
         for bad, error in ((0, ValueError), (True, TypeError)):
-            run.check_raises(
-                error,
-                lambda bad=bad: root.set_reduce_scatter_max_input_buffers(bad),
-                f"set_reduce_scatter_max_input_buffers({bad!r})",
-            )
+            misuse = f"set_reduce_scatter_max_input_buffers({bad!r})"
+            run.check_raises(error, lambda bad=bad: cap(bad), misuse)
         root.set_reduce_scatter_max_input_buffers(2)
         units["blocks.1"].set_reduce_scatter_max_input_buffers(3, recurse=False)
         shared = run.mesh.get_group(0)
@@ -524,11 +518,8 @@ class BaseFSDP2ModuleTests:
         run.check_layouts("after blocks.2.reshard()", unsharded=("blocks.1",))
         kept = [tuple(p.shape) for p in full if p.untyped_storage().size() > 0]
         if kept:
-            run.fail(
-                f"after blocks.2.reshard() the unsharded parameters {kept} still hold memory",
-                "unsharded storage not freed",
-                offenders=len(kept),
-            )
+            message = f"after blocks.2.reshard() the unsharded parameters {kept} still hold memory"
+            run.fail(message, "unsharded storage not freed", offenders=len(kept))
         units["blocks.2"].unshard(async_op=True)  # not waited for: its pre-forward waits
         with run.observing():
             for step in range(3):
@@ -572,21 +563,17 @@ class BaseFSDP2ModuleTests:
         label = f"adapter {fsdp_adapter.name!r}, LoopModule as three roots"
         run = _Run(fsdp_adapter, dist, label, roots=("trunk", "blocks", "head"))
         units, ns = run.units, run.ns
-        run.check_raises(
-            ValueError,
-            lambda: ns.share_comm_ctx([units["trunk"], nn.Linear(2, 2)]),
-            "share_comm_ctx with a module that is not an FSDPModule",
-        )
+        stranger = nn.Linear(2, 2)  # not an FSDPModule
+        misuse = "share_comm_ctx with a module that is not an FSDPModule"
+        run.check_raises(ValueError, lambda: ns.share_comm_ctx([units["trunk"], stranger]), misuse)
         ns.share_comm_ctx([units["trunk"], units["blocks"], units["head"]])
         comms = {unit: _Comm(run, unit) for unit in units if run.own(unit)}
         for unit, comm in comms.items():
             units[unit].set_custom_all_gather(comm)
         block = [units[name] for name in BLOCKS]
-        run.check_raises(
-            ValueError,
-            lambda: block[0].set_modules_to_forward_prefetch([nn.Linear(2, 2)]),
-            "set_modules_to_forward_prefetch with a module that is not an FSDPModule",
-        )
+        misuse = "set_modules_to_forward_prefetch with a module that is not an FSDPModule"
+        prefetch = block[0].set_modules_to_forward_prefetch
+        run.check_raises(ValueError, lambda: prefetch([stranger]), misuse)
         block[0].set_modules_to_forward_prefetch([block[1], block[2]])
         block[2].set_modules_to_backward_prefetch([block[1], block[0]])
         block[0].set_modules_to_backward_prefetch([block[2]])  # mis-targeted: its backward is over
@@ -594,9 +581,7 @@ class BaseFSDP2ModuleTests:
             units[name].register_forward_pre_hook(
                 lambda *_, name=name: _event(run, "compute", name)
             )
-            units[name].register_forward_hook(
-                lambda *args, name=name: _on_backward(run, name, args[2])
-            )
+            units[name].register_forward_hook(lambda *a, name=name: _on_backward(run, name, a[2]))
         with run.observing():
             for step in range(3):
                 run.micro_batch(step)
@@ -633,9 +618,7 @@ def _check_hook(
     wanted = _flat_shard([grads[name] for name in names], shard, 2)
     failure = "all-reduce hook not called with the reduced gradient"
     if not hooked:
-        run.fail(
-            f"{phase}: the all-reduce hook of blocks.1 was not called", failure, max_gap=math.inf
-        )
+        run.fail(f"{phase}: blocks.1's all-reduce hook was not called", failure, max_gap=math.inf)
     message = (
         f"{phase}: the all-reduce hook of blocks.1 got a tensor of {hooked[-1].numel()} elements "
         "differing from this rank's shard of the all-reduced gradient"
@@ -685,13 +668,10 @@ def _drop_bias(run: _Run, unit: str, drop: bool) -> list[Any]:
 
 def _check_unsharded(run: _Run, unit: str, where: str) -> None:
     """`unit` registers its unsharded parameters, equal to the reference's full ones."""
-    if run.layout(unit) != "unsharded":
-        run.fail(
-            f"{where}: the parameters of {unit} are {run.layout(unit)}, not unsharded",
-            "parameters not in the promised layout",
-            offenders=1,
-            seen=run.layout(unit),
-        )
+    layout = run.layout(unit)
+    if layout != "unsharded":
+        message = f"{where}: the parameters of {unit} are {layout}, not unsharded"
+        run.fail(message, NOT_IN_LAYOUT, offenders=1, seen=layout)
     reference = dict(run.reference.zoo_model.get_submodule(unit).named_parameters())
     held = dict(run.units[unit].named_parameters())
     message = f"{run.label}: {where}: the parameters of {unit}"
@@ -710,25 +690,22 @@ def _check_separate_group(run: _Run, phase: str, shared: Any, bounds: tuple[int,
     strangers = [g for g in others if tdist.get_process_group_ranks(g) != ranks]
     low, high = bounds
     if strangers or not low <= len(others) <= high:
-        run.fail(
+        message = (
             f"{phase}: {len(others)} reduce-scatter(s) on a group other than the all-gather "
             f"group (over ranks {[tdist.get_process_group_ranks(g) for g in others]}); the "
-            f"separate reduce-scatter group enabled promises {low} to {high}, over {ranks}",
-            "collectives break the promised pattern",
-            excess=max(len(others) - high, low - len(others), len(strangers)),
+            f"separate reduce-scatter group enabled promises {low} to {high}, over {ranks}"
         )
+        excess = max(len(others) - high, low - len(others), len(strangers))
+        run.fail(message, PATTERN_BROKEN, excess=excess)
 
 
 def _check_comm(run: _Run, phase: str, comm: _Comm, calls: list, op: Any) -> None:
     """`comm` (a custom collective) ran in `phase`, with reduce op `op`, on its own buffers."""
     wrong = [(str(used), ours) for used, ours in calls if used != op or not ours]
     if not calls or wrong:
-        run.fail(
-            f"{phase}: the custom collective of {comm.label} ran {len(calls)} time(s); calls "
-            f"with another op than {op} or buffers not from its allocate(): {wrong}",
-            "custom communication not used",
-            offenders=len(wrong) + (not calls),
-        )
+        message = f"{phase}: the custom collective of {comm.label} ran {len(calls)} time(s); "
+        message += f"calls with another op than {op} or buffers not from its allocate(): {wrong}"
+        run.fail(message, CUSTOM_COMM_UNUSED, offenders=len(wrong) + (not calls))
 
 
 def _event(run: _Run, what: str, label: str) -> None:
@@ -745,13 +722,13 @@ def _check_comms_carry_all_gathers(run: _Run, phase: str, comms: dict[str, _Comm
     foreign = {unit: sum(not ours for _, ours in comm.calls) for unit, comm in comms.items()}
     through = [e for e in run.events if str(e[0]).startswith(phase) and e[1] == Op.ALL_GATHER]
     if run.outside_comm or any(foreign.values()) or not through:
-        run.fail(
+        message = (
             f"{phase}: {run.outside_comm} all-gather(s) issued outside the custom all-gathers "
             f"set on every unit, {len(through)} through them; calls on buffers not from their "
-            f"allocate(): {foreign}",
-            "custom communication not used",
-            offenders=run.outside_comm + sum(foreign.values()) + (not through),
+            f"allocate(): {foreign}"
         )
+        offenders = run.outside_comm + sum(foreign.values()) + (not through)
+        run.fail(message, CUSTOM_COMM_UNUSED, offenders=offenders)
 
 
 def _check_order(run: _Run, phase: str, first: tuple, listed: tuple, marker: str) -> None:
@@ -763,12 +740,10 @@ def _check_order(run: _Run, phase: str, first: tuple, listed: tuple, marker: str
         for item in [*(f"all_gather {unit}" for unit in (*first, *listed)), marker]
     ]
     if positions != sorted(positions) or len(set(positions)) < len(positions):
-        run.fail(
-            f"{phase}: the prefetch list {list(listed)} promises their all-gathers in that "
-            f"order before {marker!r}; seen: {seen}",
-            "prefetch out of the promised order",
-            offenders=sum(p >= positions[-1] for p in positions[:-1]),
-        )
+        message = f"{phase}: the prefetch list {list(listed)} promises their all-gathers in that "
+        message += f"order before {marker!r}; seen: {seen}"
+        offenders = sum(p >= positions[-1] for p in positions[:-1])
+        run.fail(message, "prefetch out of the promised order", offenders=offenders)
 
 
 class TestFSDP2Module(BaseFSDP2ModuleTests): ...
