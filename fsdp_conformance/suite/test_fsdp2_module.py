@@ -134,9 +134,8 @@ class _Run:
         for param_name, _ in self.model.named_parameters():
             prefixes = [u for u in names if u and param_name.startswith(u + ".")]
             self.owner[param_name] = max(prefixes, key=len) if prefixes else "root"
-        self.optimizer = torch.optim.SGD(
-            self.model.parameters(), lr=training.LR, momentum=training.MOMENTUM
-        )
+        self.driver = training.Driver(self.model, self.model, dist.device)
+        self.driver.zero_grad()  # its SGD (the reference's) built now, over the sharded parameters
         self.reference = training.ddp_driver(name, dist, ddp=False)
         self.scale: dict[str, float] = {}  # unit -> factor its gradients are promised to carry
         self.grads: dict[str, torch.Tensor] = {}  # the reference's accumulated gradients
@@ -184,9 +183,8 @@ class _Run:
         reference's."""
         index = step * count + micro
         where = f"step {step} micro {micro}"
-        inputs = training.micro_input(self.model, self.dist.device, index)
         with self.in_phase(f"{where} forward"):
-            loss = self.model.get_loss(inputs, self.model(*inputs)) / count
+            loss = self.driver.loss(index) / count
         if after_forward is not None:
             after_forward(where)
         with self.in_phase(f"{where} backward"):
@@ -208,8 +206,8 @@ class _Run:
         self._check_losses(where)
 
     def step(self, step: int) -> None:
-        self.optimizer.step()
-        self.optimizer.zero_grad()
+        self.driver.step()
+        self.driver.zero_grad()
         for param_name, param in self.reference.zoo_model.named_parameters():
             param.grad = self.grads.get(param_name)
         self.reference.optimizer.step()
@@ -643,15 +641,14 @@ def _interrupted(run: _Run, during: str) -> None:
     block = run.units["blocks.1"]
     handle = block.register_forward_pre_hook(abort) if during == "forward" else None
     handle = handle or block.register_forward_hook(arm)
-    inputs = training.micro_input(run.model, run.dist.device, 99)
     try:
-        run.model.get_loss(inputs, run.model(*inputs)).backward()
+        run.driver.loss(99).backward()
     except _Interrupted:
         pass
     finally:
         handle.remove()
     run.units["root"].reset_iter_state()
-    run.optimizer.zero_grad()
+    run.driver.zero_grad()
     run.check_layouts(f"after reset_iter_state() following a failed {during}")
 
 
