@@ -46,6 +46,7 @@ import torch
 import torch.distributed as tdist
 
 from fsdp_conformance import collective_observer
+from fsdp_conformance.adapters import Feature
 from fsdp_conformance.adapters.base import group_by
 from fsdp_conformance.checks import CheckFailure
 from fsdp_conformance.observe.comm_trace import ROOT_LABEL, instance_labels, observing_collectives
@@ -56,7 +57,7 @@ from .training import check_gap, check_same_keys, check_same_values
 
 MODEL = "uneven"
 NESTED = ("odd.", "pair.", "one.")  # the wrapped submodules of MODEL (name prefixes)
-FEATURES = ("fsdp1_api",)
+FEATURES = (Feature.FSDP1_API,)
 # StateDictType name -> its (state dict config, optimizer state dict config) classes
 CONFIGS = {
     "FULL_STATE_DICT": ("FullStateDictConfig", "FullOptimStateDictConfig"),
