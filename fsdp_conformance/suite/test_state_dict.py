@@ -17,6 +17,7 @@ from torch import nn
 
 from fsdp_conformance.adapters import Feature, UnsupportedFeatureError
 from fsdp_conformance.adapters import features as adapter_features
+from fsdp_conformance.checks import CheckFailure
 
 from . import training, zoo
 from .declare import check
@@ -56,24 +57,39 @@ def call_with_options(adapter: Any, method: str, *args: Any, **options: bool) ->
 
 
 def assert_state_dict(label: str, actual: dict[str, Any], expected: dict[str, Any]) -> None:
-    """`actual` has exactly `expected`'s keys, and per key its dtype, shape and values."""
+    """`actual` has exactly `expected`'s keys, and per key its dtype, shape and values; else
+    ``CheckFailure`` "state dict keys differ" (``missing``, ``unexpected``), "a state dict
+    entry differs" (``key``, ``seen``: "DTensor" / dtype and shape) or "a state dict value
+    differs" (``key``, ``gap``)."""
     missing = sorted(set(expected) - set(actual))
     unexpected = sorted(set(actual) - set(expected))
-    assert not missing and not unexpected, (
-        f"{label}: keys differ from the plain module's state_dict(): missing {missing}, "
-        f"unexpected {unexpected}"
-    )
+    if missing or unexpected:
+        raise CheckFailure(
+            f"{label}: keys differ from the plain module's state_dict(): missing {missing}, "
+            f"unexpected {unexpected}",
+            "state dict keys differ",
+            missing=", ".join(missing),
+            unexpected=", ".join(unexpected),
+        )
     for key, value in expected.items():
         got = actual[key]
-        assert not hasattr(got, "full_tensor"), f"{label}: {key!r} is a DTensor, not a full tensor"
-        assert got.dtype == value.dtype and got.shape == value.shape, (
-            f"{label}: {key!r} is {got.dtype} {tuple(got.shape)}, the plain module's is "
-            f"{value.dtype} {tuple(value.shape)}"
-        )
-        assert torch.equal(got.cpu(), value.cpu()), (
-            f"{label}: {key!r} differs from DDP's by "
-            f"{(got.cpu().double() - value.cpu().double()).abs().max().item():.3g}"
-        )
+        entry = "DTensor" if hasattr(got, "full_tensor") else f"{got.dtype} {tuple(got.shape)}"
+        if entry != f"{value.dtype} {tuple(value.shape)}":
+            raise CheckFailure(
+                f"{label}: {key!r} is {entry}, the plain module's is {value.dtype} "
+                f"{tuple(value.shape)}",
+                "a state dict entry differs",
+                key=key,
+                seen=entry,
+            )
+        if not torch.equal(got.cpu(), value.cpu()):
+            gap = (got.cpu().double() - value.cpu().double()).abs().max().item()
+            raise CheckFailure(
+                f"{label}: {key!r} differs from DDP's by {gap:.3g}",
+                "a state dict value differs",
+                key=key,
+                gap=gap,
+            )
 
 
 def _plain(dist: Any, state: dict[str, torch.Tensor] | None = None, group: Any = None):
@@ -134,7 +150,7 @@ class BaseFullStateDictTests:
         early = root.state_dict()  # the default form, taken before training
         losses = driver.run(STEPS)
         reference = training.ddp_driver(MODEL, dist)
-        training.assert_losses(label, losses, reference.run(STEPS))
+        training.assert_trained(label, (losses, {}), (reference.run(STEPS), {}), STEPS)
         state = reference.zoo_model.state_dict()
         expected = {key: value.detach().clone() for key, value in state.items()}
         _assert_views(label, early, expected)
@@ -149,8 +165,9 @@ class BaseFullStateDictTests:
         if option == "default":  # a plain module loads it and trains as DDP's weights do
             plain_losses, plain_params = _ddp_run(dist, _plain(dist, full), STEPS)
             ref_losses, ref_params = _ddp_run(dist, _plain(dist, expected), STEPS)
-            training.assert_losses(f"{label}, loaded into a plain module", plain_losses, ref_losses)
-            training.assert_params(label, plain_params, ref_params, 2 * STEPS)
+            plain = (plain_losses, plain_params)
+            label += ", loaded into a plain module"
+            training.assert_trained(label, plain, (ref_losses, ref_params), 2 * STEPS)
 
     @check("state_dict.full", case_of=lambda: StateDictCase("mixed_precision_buffers"))
     @pytest.mark.world_size(2)
@@ -190,8 +207,8 @@ class BaseFullStateDictTests:
         call_with_options(adapter, "load_state_dict", driver.model, dict(source), assign=assign)
         losses = driver.run(STEPS)
         reference_losses, reference_params = _ddp_run(dist, _plain(dist, source))
-        training.assert_losses(label, losses, reference_losses)
-        training.assert_params(label, driver.params(), reference_params, STEPS)
+        expected = (reference_losses, reference_params)
+        training.assert_trained(label, (losses, driver.params()), expected, STEPS)
 
     @check("state_dict.full", case_of=_subgroup_case)
     @pytest.mark.world_size(2)
@@ -221,8 +238,8 @@ class BaseFullStateDictTests:
             fsdp_adapter.load_checkpoint(fresh.model, fresh.optimizer, directory)
         after = [d.run(1, start=STEPS) for d in (driver, fresh)]
         label += ", a step after save/load_checkpoint"
-        training.assert_losses(label, after[1], after[0])
-        training.assert_params(label, fresh.params(), driver.params(), STEPS + 1)
+        expected = (after[0], driver.params())
+        training.assert_trained(label, (after[1], fresh.params()), expected, STEPS + 1)
 
 
 def _assert_views(label: str, early: dict[str, Any], expected: dict[str, torch.Tensor]) -> None:

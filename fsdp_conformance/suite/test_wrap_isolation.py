@@ -12,11 +12,12 @@ import pytest
 import torch
 
 from fsdp_conformance.adapters import features as adapter_features
+from fsdp_conformance.checks import CheckFailure
 from fsdp_conformance.observe.unsharded import UnshardedParams
 
 from . import test_parity, training
 from .declare import check
-from .test_memory import STEPS, observed_training, unseen_instances
+from .test_memory import ALIVE, STEPS, observed_training, require_seen
 from .training import parametrize
 
 BF16 = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.bfloat16}
@@ -67,11 +68,7 @@ class BaseConfigIsolationTests:
             for c, which in zip((first, second), ("first", "second"))
         ]
         for label, probe in zip(labels, probes):
-            unseen = unseen_instances(probe)
-            assert not unseen, (
-                f"{label}: no unsharded parameter was recognised in the forward of "
-                f"instance(s) {unseen}; the check cannot see this implementation's parameters"
-            )
+            require_seen(probe, label)
         if axis == "mixed_precision":
             for label, probe, dtype in zip(labels, probes, (torch.float32, torch.bfloat16)):
                 other = {
@@ -80,21 +77,28 @@ class BaseConfigIsolationTests:
                     for name, used in names.items()
                     if used != dtype
                 }
-                assert not other, (
-                    f"{label}: its forward used unsharded parameters in another dtype than "
-                    f"its configuration's {dtype}: {other}"
-                )
+                if other:
+                    raise CheckFailure(
+                        f"{label}: its forward used unsharded parameters in another dtype than "
+                        f"its configuration's {dtype}: {other}",
+                        "unsharded parameters in another dtype",
+                        dtypes=", ".join(sorted(set(other.values()))),
+                    )
         else:
-            alive = _non_root_alive(probes[0])
-            assert not alive, (
-                f"{labels[0]}: FULL_SHARD reshards after forward, but after the forward these "
-                f"non-root instances still hold unsharded parameters: {alive}"
-            )
-            assert _non_root_alive(probes[1]), (
-                f"{labels[1]}: SHARD_GRAD_OP keeps the unsharded parameters from forward to "
-                "backward, but after the forward no non-root instance holds any (it was "
-                "resharded as FULL_SHARD would be)"
-            )
+            if alive := _non_root_alive(probes[0]):
+                raise CheckFailure(
+                    f"{labels[0]}: FULL_SHARD reshards after forward, but after the forward "
+                    f"these non-root instances still hold unsharded parameters: {alive}",
+                    ALIVE,
+                    instances=", ".join(sorted(alive)),
+                )
+            if not _non_root_alive(probes[1]):
+                raise CheckFailure(
+                    f"{labels[1]}: SHARD_GRAD_OP keeps the unsharded parameters from forward "
+                    "to backward, but after the forward no non-root instance holds any (it was "
+                    "resharded as FULL_SHARD would be)",
+                    "SHARD_GRAD_OP resharded after forward",
+                )
         bf16 = {"atol": test_parity.ATOL_BF16_PARAMS, "loss_rtol": test_parity.RTOL_BF16_LOSSES}
         tolerances = ({}, bf16 if axis == "mixed_precision" else {})
         for label, result, tolerance in zip(labels, results, tolerances):

@@ -19,6 +19,7 @@ from fsdp_conformance.adapters import (
     Adapter,
     Declarations,
     Deviation,
+    Envelope,
     Feature,
     FeatureNotImplementedError,
     UnsupportedFeatureError,
@@ -44,7 +45,9 @@ class _Declaring(Adapter):
     name = "declaring"
     declarations = Declarations(
         unsupported={Feature.NO_SHARD: "always shards"},
-        known_deviations=(Deviation("misuse.wrap_twice", "accepts it"),),
+        known_deviations=(
+            Deviation("misuse.wrap_twice", "accepts it", envelope=Envelope("no error raised")),
+        ),
         grad_reduction="sum",
     )
 
