@@ -253,9 +253,14 @@ _OUTCOME_OF_VERDICT = {PASS: "pass", FAIL: "fail", DEVIATION: "xfail", NOT_APPLI
 
 
 def shell_line(impl: str, words: Sequence[str]) -> str:
-    """``words`` as one shell line that works pasted in any directory: for a ``pkg.mod:ATTR``
-    adapter (imported from the current directory) it starts with ``cd <this directory> &&``."""
+    """``words`` as one shell line that works pasted in any fresh shell: it carries the
+    ``PYTHONPATH`` this run had (absolute), and for a ``pkg.mod:ATTR`` adapter (imported from
+    the current directory) it starts with ``cd <this directory> &&``."""
     line = shlex.join(words)
+    entries = [entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
+    if entries:
+        path = os.pathsep.join(os.path.abspath(entry) for entry in entries)
+        line = f"PYTHONPATH={shlex.quote(path)} {line}"
     return f"cd {shlex.quote(os.getcwd())} && {line}" if ":" in impl else line
 
 

@@ -172,3 +172,24 @@ def test_an_empty_registry_says_which_import_fills_it(monkeypatch):
         ValueError, match=r"no check is registered yet; import fsdp_conformance\.suite"
     ):
         checks.get_check("parity.ddp")
+
+
+def test_a_rerun_line_carries_the_pythonpath_the_run_needed(monkeypatch, tmp_path):
+    """Pasted into a fresh shell (no PYTHONPATH), the line still finds an adapter that the run
+    imported through PYTHONPATH: it carries the path, made absolute."""
+    import os
+    import shlex
+    import subprocess
+
+    (tmp_path / "adapters").mkdir()
+    (tmp_path / "adapters" / "found_here.py").write_text("VALUE = 'found'\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", "adapters")
+    line = checks.shell_line("found_here:ADAPTER", ["python", "-c", "import found_here"])
+    assert line.startswith(f"cd {shlex.quote(str(tmp_path))} && PYTHONPATH=")
+    assert f"PYTHONPATH={tmp_path / 'adapters'} python -c" in line, line
+    fresh = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    done = subprocess.run(["bash", "-c", line], cwd="/", env=fresh, check=False, timeout=60)
+    assert done.returncode == 0, line
+    monkeypatch.delenv("PYTHONPATH")
+    assert "PYTHONPATH" not in checks.shell_line("impl", ["fsdp-conformance", "run"])

@@ -105,7 +105,78 @@ def _prefetching(case: Any) -> int:
     return (case.backward_prefetch == "BACKWARD_PRE") + bool(case.forward_prefetch)
 
 
+def _on_cpu_host(case: Any, form: str, use_orig_params: bool, offload_bug: bool = True) -> bool:
+    """A case of the fsdp1 family (suite/test_fsdp1_methods.py) on a host without an
+    accelerator (where FSDP1's offload to the CPU copies nothing); `offload_bug`: on a torch
+    before 2.14 only."""
+    return (
+        case is not None
+        and case.form in form.split()
+        and case.use_orig_params == use_orig_params
+        and not accelerator_available()
+        and (OFFLOAD_FAILS or not offload_bug)
+    )
+
+
+_ALIASED_OPTIM_STATE = (
+    "torch FSDP1 with use_orig_params=True on a CPU host returns a full optimizer state dict "
+    "(full_optim_state_dict, or optim_state_dict under FullOptimStateDictConfig(offload_to_cpu="
+    "True), the default) whose exp_avg is exp_avg_sq: _allgather_orig_param_states gathers "
+    "every state into one buffer and 'offloads' the views with .cpu(), which copies nothing "
+    "there, so the next state overwrites the last. Reproduction (2 ranks): FSDP(nn.Linear(8, 5), "
+    "device_id=cpu, use_orig_params=True), one Adam step, FSDP.full_optim_state_dict(model, "
+    "optim) on rank 0: state['weight']['exp_avg'] equals ['exp_avg_sq'] (the local shards "
+    "differ); resuming from it trains another way"
+)
+
 FSDP1_DEVIATIONS = (
+    _on_2_13(
+        "fsdp1.state_dict_types",
+        _ALIASED_OPTIM_STATE,
+        lambda case: _on_cpu_host(case, "full_rank0", True, offload_bug=False),
+        envelope=Envelope("optimizer state dict differs from the reference", max_gap=1e-5),
+    ),
+    _on_2_13(
+        "fsdp1.optim_state_dicts",
+        _ALIASED_OPTIM_STATE,
+        lambda case: _on_cpu_host(case, "full", True, offload_bug=False),
+        envelope=Envelope("optimizer state dict differs from the reference", max_gap=1e-5),
+    ),
+    _on_2_13(
+        "fsdp1.state_dict_types",
+        "torch FSDP1's LOCAL_STATE_DICT with use_orig_params=True holds each instance's "
+        "_flat_param next to the original parameters, and load_state_dict rejects it "
+        "(pytorch/pytorch#102667). Reproduction (2 ranks): FSDP(nn.Linear(8, 5), device_id=cpu, "
+        "use_orig_params=True); under state_dict_type(LOCAL_STATE_DICT) model.state_dict() has "
+        "keys ['_flat_param', 'bias', 'weight'] and model.load_state_dict(it) raises",
+        lambda case: case is not None and case.form == "local" and case.use_orig_params,
+        raises=RuntimeError,
+        match=r'Unexpected key\(s\) in state_dict: "_flat_param"',
+    ),
+    Deviation(
+        "fsdp1.summon_options",
+        "torch FSDP1 before 2.14: summon_full_params(offload_to_cpu=True) on a CPU host fails "
+        "('setStorage: ... out of bounds for storage of size 0', as FULL_STATE_DICT's offload in "
+        "state_dict.full). Reproduction (2 ranks): FSDP(nn.Linear(8, 5), device_id=cpu), with "
+        "FSDP.summon_full_params(model, offload_to_cpu=True, writeback=False): raises",
+        lambda case: _on_cpu_host(case, "offload_to_cpu", False),
+        raises=RuntimeError,
+        match=r"setStorage: .* out of bounds for storage of size 0",
+        measured_on="torch 2.13.0 (CPU build)",
+    ),
+    Deviation(
+        "fsdp1.summon_options",
+        "torch FSDP1 before 2.14: summon_full_params(offload_to_cpu=True) with "
+        "use_orig_params=True on a CPU host shows every parameter as a view of a freed (0-byte) "
+        "storage: reading one crashes the process (segmentation fault), and the next forward "
+        "fails ('Output 0 of Split is a view and is being modified inplace'). Reproduction "
+        "(2 ranks): FSDP(nn.Linear(8, 5), device_id=cpu, use_orig_params=True), inside "
+        "FSDP.summon_full_params(model, offload_to_cpu=True, writeback=False): "
+        "model.weight.untyped_storage().nbytes() is 0, the view needs 160",
+        lambda case: _on_cpu_host(case, "offload_to_cpu", True),
+        envelope=Envelope("parameters in freed memory", count=6),
+        measured_on="torch 2.13.0 (CPU build)",
+    ),
     *(
         _on_2_13(
             "memory_bound",

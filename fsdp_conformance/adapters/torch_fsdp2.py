@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.fsdp  # the FSDP2 namespace of Declarations.api
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 

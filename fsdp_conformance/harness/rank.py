@@ -18,6 +18,7 @@ import faulthandler
 import functools
 import gc
 import importlib
+import importlib.machinery
 import importlib.util
 import inspect
 import os
@@ -79,11 +80,13 @@ def run_after_test() -> None:
 
 def load_test_module(name: str, file: str | None) -> types.ModuleType:
     """Import the test module ``name`` from ``file`` with pytest's assertion rewriting; reuse
-    it when already loaded from the same file."""
+    it when this process already holds a rewritten copy from the same file (a copy imported
+    plainly is replaced, so a bare ``assert`` explains itself in every rank)."""
     if name == "__main__":  # a unittest script run as `python test_x.py`
         name = "__mp_main__"
     module = sys.modules.get(name)
-    if module is not None and _same_file(getattr(module, "__file__", None), file):
+    rewritten = file is None or getattr(module, _REWRITTEN, False)
+    if module is not None and rewritten and _same_file(getattr(module, "__file__", None), file):
         return module
     if file is None:
         return importlib.import_module(name)
@@ -93,6 +96,21 @@ def load_test_module(name: str, file: str | None) -> types.ModuleType:
     if (spec := importlib.util.spec_from_file_location(name, file)) is None or spec.loader is None:
         raise ImportError(f"cannot load test module {name!r} from {file}")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        _exec_rewritten(module, file)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    return module
+
+
+_REWRITTEN = "__fsdp_conformance_rewritten__"  # set on a module executed with rewritten asserts
+
+
+def _exec_rewritten(module: types.ModuleType, file: str) -> None:
+    """Execute ``file``'s code in ``module`` with pytest's assertion rewriting (plain asserts
+    when pytest's internals moved)."""
     with open(file, "rb") as source_file:
         source = source_file.read()
     tree = ast.parse(source, filename=file)
@@ -103,13 +121,32 @@ def load_test_module(name: str, file: str | None) -> types.ModuleType:
         util._reprcompare = _reprcompare  # rich `==` explanations, as pytest shows them
     except Exception:  # noqa: BLE001  pytest internals moved: plain asserts still work
         tree = ast.parse(source, filename=file)
-    sys.modules[name] = module
-    try:
-        exec(compile(tree, file, "exec", dont_inherit=True), module.__dict__)  # noqa: S102
-    except BaseException:
-        sys.modules.pop(name, None)
-        raise
-    return module
+    setattr(module, _REWRITTEN, True)
+    exec(compile(tree, file, "exec", dont_inherit=True), module.__dict__)  # noqa: S102
+
+
+class _RewritingLoader(importlib.machinery.SourceFileLoader):
+    def exec_module(self, module: types.ModuleType) -> None:
+        _exec_rewritten(module, self.path)
+
+
+class _SuiteRewriter:
+    """A meta-path finder importing the suite's test modules (``fsdp_conformance.suite``'s
+    ``test_*.py``) with rewritten asserts in a rank, as pytest's import hook does in the
+    controller: the package's own imports of them get the rewritten copies."""
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        package, _, leaf = name.rpartition(".")
+        if not (package.startswith(_SUITE_PACKAGE) and leaf.startswith("test_")):
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or not str(spec.origin).endswith(".py"):
+            return spec
+        spec.loader = _RewritingLoader(name, spec.origin)
+        return spec
+
+
+_SUITE_PACKAGE = "fsdp_conformance.suite"
 
 
 def _same_file(a: str | None, b: str | None) -> bool:
@@ -505,6 +542,8 @@ def preimport() -> None:
 
     with contextlib.suppress(ImportError):
         import numpy  # noqa: F401
+    if not any(isinstance(finder, _SuiteRewriter) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _SuiteRewriter())
 
 
 def main() -> None:

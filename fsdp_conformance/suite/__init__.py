@@ -36,6 +36,10 @@ from .test_optim import BaseParamGroupTests
 from .test_forward import BaseForwardMethodTests
 from .test_memory import BaseReshardAfterForwardTests
 from .test_wrap_isolation import BaseConfigIsolationTests
+from .test_fsdp1_constructor import BaseFSDP1ConstructorTests
+from .test_fsdp2_api import BaseFSDP2APITests
+from .test_fsdp2_module import BaseFSDP2ModuleTests
+from .test_fsdp1_methods import BaseFSDP1MethodTests
 # isort: on
 
 __all__ = [
@@ -46,6 +50,10 @@ __all__ = [
     "BaseConfigIsolationTests",
     "BaseDDPParityTests",
     "BaseExecOrderTests",
+    "BaseFSDP1ConstructorTests",
+    "BaseFSDP1MethodTests",
+    "BaseFSDP2APITests",
+    "BaseFSDP2ModuleTests",
     "BaseForwardMethodTests",
     "BaseForwardVariantsTests",
     "BaseFrozenParameterTests",

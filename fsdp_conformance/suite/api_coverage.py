@@ -34,10 +34,24 @@ import torch.distributed.fsdp as fsdp
 
 from fsdp_conformance import checks
 
+_FSDP1_OFFLOAD = (
+    "needs an accelerator in torch FSDP1 (on a CPU host forward fails: 'Cannot access "
+    "accelerator device when none is available'); parity.ddp's offload cells drive it on a GPU host"
+)
 # item -> why no check can drive it on a CPU host with gloo (at most 12)
 OUT_OF_SCOPE = {
     "FSDPModule.set_post_optim_event()": "CUDA-only: takes a CUDA event the all-gather stream waits on",
     "FSDPModule.set_symm_mem_for_comm()": "CUDA-only: NCCL symmetric memory",
+    "FSDPModule.set_symm_mem_for_comm(backend)": "CUDA-only: its one backend is 'NCCL'",
+    "FullyShardedDataParallel(cpu_offload)": _FSDP1_OFFLOAD,
+    "CPUOffload(offload_params=True)": _FSDP1_OFFLOAD,
+    "FullyShardedDataParallel(sync_module_states=True)": (
+        "needs an accelerator in torch FSDP1 (on a CPU host the wrap refuses CPU modules even "
+        "with device_id=cpu); misuse.sync_module_states_shapes drives it on a GPU host"
+    ),
+    "FSDPModule.set_all_reduce_hook(stream)": (
+        "CUDA-only: a torch.cuda.Stream to run the hook on (the hook itself is driven)"
+    ),
     "FSDPModule.set_allocate_memory_from_process_group_for_comm()": (
         "CUDA-only: NCCL memory pools for the communication buffers"
     ),

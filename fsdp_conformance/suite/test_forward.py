@@ -45,6 +45,7 @@ class BaseForwardMethodTests:
         "parameters unsharded while used, legal states, resharded after, matches DDP",
         case="suite.training.LoopCase",
         case_of=lambda variant, strategy: training.LoopCase("loops", strategy, variant),
+        api=("register_fsdp_forward_method()",),  # through torch-fsdp2
     )
     @pytest.mark.world_size(2)
     def test_other_forward_method(self, fsdp_adapter: Any, dist: Any, variant: str, strategy: str):

@@ -81,6 +81,7 @@ class BaseGradientAccumulationTests:
     @check(
         "loops.grad_accumulation",
         "gradient accumulation (micro-batches under no_sync, or synchronising each) matches DDP",
+        api=("FullyShardedDataParallel.no_sync()",),  # torch-fsdp1: the root's no_sync()
         case="suite.training.LoopCase",
         case_of=lambda model_name, strategy, sync: LoopCase(model_name, strategy, sync),
     )
@@ -169,6 +170,11 @@ class BaseGradientClippingTests:
     @check(
         "loops.clipping",
         "clip_grad_norm_ returns DDP's global norm (2, inf), really clips, and trains as DDP",
+        api=(  # torch-fsdp1: the root's clip_grad_norm_(max_norm, norm_type)
+            "FullyShardedDataParallel.clip_grad_norm_()",
+            "FullyShardedDataParallel.clip_grad_norm_(max_norm)",
+            "FullyShardedDataParallel.clip_grad_norm_(norm_type)",
+        ),
         features=("clip_grad_norm",),
         case="suite.training.LoopCase",
         case_of=_clipping_case,
@@ -236,6 +242,7 @@ class BaseFrozenParameterTests:
         "frozen parameters stay bit-identical (none reduced), the rest trains as DDP",
         case="suite.training.LoopCase",
         case_of=lambda model_name, strategy: LoopCase(model_name, strategy, "frozen"),
+        api=("FullyShardedDataParallel(use_orig_params=True)",),
     )
     @pytest.mark.world_size(2)
     def test_frozen_parameters(self, fsdp_adapter: Any, dist: Any, model_name: str, strategy: str):

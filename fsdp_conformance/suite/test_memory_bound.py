@@ -69,6 +69,7 @@ class BaseMemoryBoundTests:
         features=("limit_all_gathers_off",),
         case="memory_bound.BoundCase",
         case_of="unlimited_case",
+        api=("FullyShardedDataParallel(limit_all_gathers=False)",),
     )
     def test_unlimited_all_gathers_exceed_bound(
         self, fsdp_adapter: Adapter, dist: Any, unlimited_case: BoundCase

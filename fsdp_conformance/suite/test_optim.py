@@ -59,6 +59,7 @@ class BaseParamGroupTests:
         case_of=lambda model_name, strategy: training.LoopCase(
             model_name, strategy, "adamw_groups"
         ),
+        api=("FullyShardedDataParallel(use_orig_params=True)",),
     )
     @pytest.mark.world_size(2)
     def test_param_groups_match_ddp(

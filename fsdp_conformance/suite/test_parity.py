@@ -68,6 +68,21 @@ class BaseDDPParityTests:
         "training matches DDP (losses and full parameters)",
         case="configs.ParityCase",
         case_of="parity_case",
+        api=(
+            "FullyShardedDataParallel()",
+            "FullyShardedDataParallel(process_group=ProcessGroup)",
+            "FullyShardedDataParallel(sharding_strategy)",
+            "ShardingStrategy.FULL_SHARD",
+            "ShardingStrategy.SHARD_GRAD_OP",
+            "ShardingStrategy.NO_SHARD",
+            "FullyShardedDataParallel(backward_prefetch)",
+            "FullyShardedDataParallel(backward_prefetch=None)",
+            "BackwardPrefetch.BACKWARD_PRE",
+            "BackwardPrefetch.BACKWARD_POST",
+            "FullyShardedDataParallel(forward_prefetch=True)",
+            "FullyShardedDataParallel(limit_all_gathers=False)",
+            "FullyShardedDataParallel(auto_wrap_policy=Callable)",
+        ),
     )
     def test_matches_ddp(self, fsdp_adapter: Any, dist: Any, parity_case: configs.ParityCase):
         case = parity_case
@@ -115,6 +130,10 @@ class BaseSummonFullParamsTests:
     @check(
         "parity.summon_full_params",
         "summon_full_params shows the full parameters; writeback writes them back",
+        api=(  # torch-fsdp1: FSDP.summon_full_params(model, writeback=...)
+            "FullyShardedDataParallel.summon_full_params()",
+            "FullyShardedDataParallel.summon_full_params(writeback=False)",
+        ),
         features=("summon_full_params",),
         case="writeback (bool)",
         case_of="writeback",

@@ -138,6 +138,12 @@ class BasePrecisionTests:
         features=("mixed_precision", "mixed_precision_policy"),
         case="suite.training.LoopCase",
         case_of=lambda policy: LoopCase(MODEL, "FULL_SHARD", policy),
+        api=(
+            "FullyShardedDataParallel(mixed_precision)",
+            "MixedPrecision(param_dtype)",
+            "MixedPrecision(reduce_dtype)",
+            "MixedPrecision(buffer_dtype)",
+        ),
     )
     @pytest.mark.world_size(2)
     def test_dtypes(self, fsdp_adapter: Any, dist: Any, policy: str):

@@ -48,6 +48,12 @@ class BasePrefetchOrderTests:
         features=("comm_trace",),
         case="the wrap config dict",
         case_of=comm_checks.prefetch_config,
+        api=(
+            "FullyShardedDataParallel(backward_prefetch)",
+            "BackwardPrefetch.BACKWARD_PRE",
+            "BackwardPrefetch.BACKWARD_POST",
+            "FullyShardedDataParallel(forward_prefetch=True)",
+        ),
     )
     def test_prefetch_happens(
         self, fsdp_adapter, dist, model_name, backward_prefetch, forward_prefetch
@@ -65,6 +71,7 @@ class BasePrefetchOrderTests:
         features=("comm_trace",),
         case="the golden case name",
         case_of=comm_checks.prefetch_case_id,
+        api=("FullyShardedDataParallel(backward_prefetch=None)",),
     )
     def test_trace_matches_golden(
         self, fsdp_adapter, dist, model_name, backward_prefetch, forward_prefetch

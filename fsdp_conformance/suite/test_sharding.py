@@ -109,6 +109,10 @@ class BaseHybridShardingTests:
         features=("hybrid_shard", "comm_trace"),
         case="suite.test_sharding.ShardingCase",
         case_of=lambda hybrid_strategy: ShardingCase(HYBRID_MODEL, hybrid_strategy),
+        api=(
+            "FullyShardedDataParallel(process_group=tuple[ProcessGroup, ProcessGroup])",
+            "ShardingStrategy.HYBRID_SHARD",
+        ),
     )
     @pytest.mark.world_size(4)
     def test_hybrid_matches_ddp(self, fsdp_adapter: Any, dist: Any, hybrid_strategy: str):

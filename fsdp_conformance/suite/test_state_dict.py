@@ -137,6 +137,14 @@ class BaseFullStateDictTests:
         "state_dict.full",
         "the full state dict has the plain module's keys and DDP's values, loads both ways "
         "(strict, assign, via DCP on a subgroup) and trains as DDP",
+        # torch-fsdp1: state_dict_type(model, FULL_STATE_DICT, FullStateDictConfig(...))
+        api=(
+            "FullyShardedDataParallel.state_dict_type()",
+            "FullyShardedDataParallel.state_dict_type(state_dict_config)",
+            "StateDictType.FULL_STATE_DICT",
+            "FullStateDictConfig(offload_to_cpu=True)",
+            "FullStateDictConfig(rank0_only=True)",
+        ),
         features=("full_state_dict",),
         case="suite.test_state_dict.StateDictCase",
         case_of=lambda option: StateDictCase("full", option),

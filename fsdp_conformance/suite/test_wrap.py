@@ -114,6 +114,11 @@ class BaseIgnoredParamsTests:
         features=("ignored_params",),
         case="suite.training.LoopCase",
         case_of=lambda variant, strategy: training.LoopCase("loops", strategy, variant),
+        # through torch-fsdp1 and torch-fsdp2
+        api=(
+            "FullyShardedDataParallel(ignored_states=Iterable[Parameter])",
+            "fully_shard(ignored_params)",
+        ),
     )
     @pytest.mark.world_size(2)
     def test_ignored_params(self, fsdp_adapter: Any, dist: Any, variant: str, strategy: str):

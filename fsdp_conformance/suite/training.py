@@ -484,6 +484,11 @@ def assert_params(
     )
 
 
+def assert_losses(label: str, actual: torch.Tensor, expected: torch.Tensor, tol: float = 0.0):
+    """Losses equal the reference's within `tol` (``assert_trained`` without parameters)."""
+    assert_trained(label, (actual, {}), (expected, {}), len(expected), tol)
+
+
 def by_clean_name(adapter: Adapter, named: Iterable[tuple[str, Any]]) -> dict[str, Any]:
     """`named`'s (name, value) pairs by the unwrapped model's names (wrapper segments cut)."""
     segments = adapter.declarations.wrapper_segments
