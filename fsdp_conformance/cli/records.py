@@ -119,7 +119,7 @@ class _Recorder:
                 record.update(
                     outcome=result.outcome, detail=text,
                     check_id=result.check, verdict=result.verdict, reason=result.reason,
-                    rerun=result.rerun or "", measured=result.measured or "",
+                    rerun=result.rerun or "", measured=json.loads(result.measured or "null"),
                 )  # fmt: skip
         if report.when == "teardown":
             self.decided.discard(report.nodeid)

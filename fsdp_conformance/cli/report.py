@@ -33,14 +33,13 @@ class Cell:
     verdict: str = ""
     reason: str = ""
     rerun: str = ""  # the shell line re-running a failing or deviating cell alone
-    measured: str = ""  # a failing or deviating check's figure (checks.PROPERTY_MEASURED)
+    # a failing or deviating check's figure (checks.PROPERTY_MEASURED): {"failure": ..., ...}
+    measured: dict[str, Any] | None = None
 
     def figure(self) -> str:
         """The measured figure in words (``checks.describe_figure``), or ""."""
-        if not self.measured:
-            return ""
-        figures = json.loads(self.measured)
-        return checks.describe_figure(figures.pop("failure"), figures)
+        figures = dict(self.measured or {})
+        return checks.describe_figure(figures.pop("failure"), figures) if figures else ""
 
 
 def split_nodeid(nodeid: str) -> tuple[str, str]:
@@ -189,10 +188,6 @@ def render_json(cells: list[Cell], header: dict[str, Any]) -> str:
         **header,
         "summary": counts(cells),
         "checks": {check: counts(group) for check, group in groups.items()},
-        "cells": [
-            {**dataclasses.asdict(cell), "measured": json.loads(cell.measured or "null")}
-            for group in groups.values()
-            for cell in group
-        ],
+        "cells": [dataclasses.asdict(cell) for group in groups.values() for cell in group],
     }
     return json.dumps(document, indent=2) + "\n"

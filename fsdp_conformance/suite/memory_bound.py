@@ -233,11 +233,9 @@ def check_cuda_forward_peaks(measured: CudaForwardPeaks, case: BoundCase, label:
         if peak > allowed
     ]
     if over:
-        raise CheckFailure(
+        raise AssertionError(
             f"memory bound exceeded (CUDA allocator): {over[0]}\n  {label}, {case.describe()}"
-            + "".join(f"\n  {line}" for line in over),
-            "memory bound exceeded (CUDA allocator)",
-            peak_bytes=max(measured.forward_peaks),
+            + "".join(f"\n  {line}" for line in over)
         )
 
 

@@ -307,8 +307,6 @@ def check_overlap(adapter: Any, dist: Any, label: str, retries: int = 1) -> Over
         if failure is None:
             return times
     failure += f" (failed {retries + 1} measurements)"
-    if times.all_gathers == 0:
-        raise CheckFailure(failure, "no all-gather in forward")
     # overlapped / serialised time: about 1 without overlap
     ratio = times.both / (times.compute + times.all_gather) if cuda else times.cpu_ratio(comm_ms)
     raise CheckFailure(failure, "no overlap of communication and computation", ratio=ratio)

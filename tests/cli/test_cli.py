@@ -407,7 +407,7 @@ def test_a_deviating_cell_carries_its_measured_figure() -> None:
         [
             {"event": "test", "nodeid": "t.py::TestB::test_y[lag]", "outcome": "xfail",
              "detail": "CheckFailure: memory bound exceeded -- known deviation", "duration": 1.0,
-             "check_id": "memory_bound", "verdict": "deviation", "measured": figure},
+             "check_id": "memory_bound", "verdict": "deviation", "measured": json.loads(figure)},
         ]
     )  # fmt: skip
     words = "memory bound exceeded (peak_backward 3, peak_forward 3)"

@@ -211,12 +211,11 @@ def first_difference(
     difference, at = found
     if (none_gradient := _none_gradient(actual, expected, at)) is not None:
         return CheckFailure(f"{none_gradient}; then {difference}", NONE_GRADIENT)
-    results = [
-        training.TrainingResult(torch.tensor([value for _, value in trace.values]), trace.params)
-        for trace in (actual, expected)
-    ]  # different lengths: a loss gap of inf
-    gaps = training.training_gaps(*results)
-    return CheckFailure(difference, training.TRAINING_DIFFERS, **gaps)
+    runs = [
+        training.TrainingResult(torch.tensor([v for _, v in t.values]), t.params)
+        for t in (actual, expected)
+    ]
+    return CheckFailure(difference, training.TRAINING_DIFFERS, **training.training_gaps(*runs))
 
 
 def _difference(
@@ -254,8 +253,7 @@ def _none_gradient(actual: Trace, expected: Trace, at: int) -> str | None:
     which a registered FSDP parameter that had a gradient has none while DDP's gradients are
     all there, some all zeros (SGD's momentum then moves DDP's parameter, not FSDP's); or
     None."""
-    had_fsdp: set[str] = set()
-    had_ddp: set[str] = set()
+    had_fsdp, had_ddp = set(), set()  # the parameters that had a gradient
     for step, (fsdp, ddp) in enumerate(zip(actual.steps, expected.steps)):
         (recorded, fsdp_grads, _), (_, ddp_grads, ddp_zeros) = fsdp, ddp
         if recorded > at:
