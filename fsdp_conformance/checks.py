@@ -50,6 +50,9 @@ class CheckFailure(AssertionError):
         self.failure = failure
         self.figures = figures
 
+    def __reduce__(self) -> tuple[Any, ...]:  # pickled with its figure (keywords)
+        return _check_failure, (str(self), self.failure, self.figures)
+
     def measured(self) -> str:
         """``failure (name value, ...)``: the measured figure in words."""
         return describe_figure(self.failure, self.figures)
@@ -57,6 +60,10 @@ class CheckFailure(AssertionError):
     def as_json(self) -> str:
         """The figure as one line of JSON (``PROPERTY_MEASURED``)."""
         return json.dumps({"failure": self.failure, **self.figures}, default=str, sort_keys=True)
+
+
+def _check_failure(message: str, failure: str, figures: dict[str, Any]) -> CheckFailure:
+    return CheckFailure(message, failure, **figures)
 
 
 def describe_figure(failure: str, figures: dict[str, Any]) -> str:

@@ -15,7 +15,7 @@ from fsdp_conformance.training_states import (
 from . import deviations, features
 from ._removed import REMOVED_EXPORTS, removed_export
 from .base import Adapter, AdapterWrap, ObserverRegistry, clean_param_name
-from .deviations import Deviation
+from .deviations import Deviation, Envelope
 from .features import (
     ALL_FEATURES,
     ALWAYS_WRAP,
@@ -40,6 +40,7 @@ __all__ = [
     "Declarations",
     "Deviation",
     "DeviceHandle",
+    "Envelope",
     "Feature",
     "FeatureNotImplementedError",
     "InstanceState",

@@ -19,6 +19,7 @@ import contextlib
 import functools
 import importlib.util
 import os
+import re
 import shutil
 import sys
 import threading
@@ -36,7 +37,7 @@ from fsdp_conformance.training_states import InstanceState, RootState
 
 from ._support import DEEPSPEED_RANGE, DEEPSPEED_TORCH_RANGE
 from .base import Adapter, ObserverRegistry, OpEvents, UnsupportedFeatureError, optimizer_class
-from .deviations import Deviation
+from .deviations import Deviation, Envelope
 from .features import ALL_FEATURES, Declarations, Feature, auto_wrap_targets
 
 INSTALL_HINT = "install it with: pip install 'fsdp-conformance[deepspeed]'"
@@ -162,17 +163,28 @@ def _patch(owner: Any, attribute: str, make: Any, purpose: str) -> None:
 
 
 _deviation = functools.partial(Deviation, measured_on=MEASURED_ON)
+_NESTED_KEPT = "module.module.1, module.module.1.0, module.module.2"
+_DECODER_KEPT = "module.transformer.decoder.layers.0, module.transformer.decoder.layers.1"
+_KEPT = re.compile(f"^({re.escape(_NESTED_KEPT)}|{re.escape(_DECODER_KEPT)})$")
+
+
+def _trained(loss_gap: float, param_gap: float, parameter: Any) -> Envelope:
+    """The envelope of "training differs from DDP's" (suite/training.py), within 25%."""
+    figures = {"loss_gap": loss_gap, "param_gap": param_gap, "parameter": parameter}
+    return Envelope("training differs from DDP's", rtol=0.25, **figures)
+
+
 # Reproductions: ds = get_adapter("deepspeed"), x = torch.ones(2, 8), 2 CPU ranks
 # (docs/deepspeed.md)
 DEEPSPEED_DEVIATIONS: tuple[Deviation, ...] = (
     _deviation(
         "forward.other_method",
-        "a wrapped submodule called alone (not through the engine's forward) trains unlike DDP: in "
-        "loops, step 1 runs head(h) alone and from step 2 the losses differ (0.075 at FULL_SHARD, "
-        "0.038 at SHARD_GRAD_OP); DeepSpeed or the adapter's mapping is at fault (not settled). "
-        "Reproduction: fsdp-conformance run --impl deepspeed -k nested_alone",
-        applies=lambda case: case.variant == "nested_alone",
-        raises=AssertionError, match=r"nested_alone: losses differ from DDP's",
+        "a wrapped submodule called alone (not through the engine's forward) trains unlike "
+        "DDP: in loops, step 1 runs head(h) alone and from step 2 the losses differ (0.075 at "
+        "FULL_SHARD, 0.038 at SHARD_GRAD_OP); DeepSpeed or the adapter's mapping is at fault "
+        "(not settled). Reproduction: fsdp-conformance run --impl deepspeed -k nested_alone",
+        lambda case: case.variant == "nested_alone",
+        envelope=_trained(0.0751, 0.0451, "blocks.2.0.bias"),  # FULL_SHARD's (SHARD_GRAD_OP: half)
     ),
     _deviation(
         "parity.default_state_dict",
@@ -180,7 +192,7 @@ DEEPSPEED_DEVIATIONS: tuple[Deviation, ...] = (
         "loading it reports 'All keys matched' and restores nothing (DeepSpeed's own path: "
         "GatheredParameters or engine.save_checkpoint). Reproduction: e = ds.wrap(nn.Linear(8, 8), "
         "root=True); e.state_dict()['weight'].shape -> torch.Size([0])",
-        raises=AssertionError, match=r"the load restored nothing",
+        envelope=Envelope("the load restored nothing"),
     ),
     _deviation(
         "memory_bound",
@@ -189,22 +201,23 @@ DEEPSPEED_DEVIATIONS: tuple[Deviation, ...] = (
         "ds.wrap(nn.Linear(8, 8), root=True, sharding_strategy='SHARD_GRAD_OP'); "
         "e.module.weight.shape -> torch.Size([8, 8]), no all-gather in the comm trace",
         applies=lambda case: case.sharding_strategy == "SHARD_GRAD_OP",
-        raises=AssertionError, match=r"SHARD_GRAD_OP forward keeps too few buffers: .*peak 0 <",
+        envelope=Envelope("SHARD_GRAD_OP forward keeps too few buffers", missing=6),
     ),
     _deviation(
         "parity.ddp",
         "ZeRO-3 sums the two gradient contributions of a tied parameter (the transformer's "
-        "embedding and output projection) in another order than DDP: after 3 steps 1.5e-08 on the "
-        "weight, 9.5e-07 on the third loss (every other model bit-exact; world size 1 too); "
-        "reproduction: fsdp_conformance.suite.training.fsdp_run(ds, 'transformer', dist, "
-        "{'sharding_strategy': 'FULL_SHARD'}) vs reference_run('transformer', dist), 2 ranks",
-        applies=lambda case: (
+        "embedding and output projection) in another order than DDP: after 3 steps 3.0e-08 "
+        "on a parameter at world size 2, 1.2e-07 at world size 1, 9.5e-07 on a loss (every "
+        "other model bit-exact); reproduction: fsdp_conformance.suite.training."
+        "fsdp_run(ds, 'transformer', dist, {'sharding_strategy': 'FULL_SHARD'}) vs "
+        "reference_run('transformer', dist)",
+        lambda case: (
             case.model == "transformer"
             and case.world_size <= 2
             and dict(case.settings).get("sharding_strategy") == "FULL_SHARD"
         ),
-        raises=AssertionError, match=r"(losses differ|parameter 'embed_tokens.weight' differs) from DDP's .*"
-        r"max \|difference\| [0-9.]+e-0[6-9]",
+        # world size 1: encoder.layers.1.norm2.weight 1.2e-07; 2: layers.0.linear1.weight 3e-08
+        envelope=_trained(9.54e-07, 1.2e-07, re.compile(r"^transformer\.encoder\.layers\.")),
     ),
     _deviation(
         "comm.counts",
@@ -212,18 +225,32 @@ DEEPSPEED_DEVIATIONS: tuple[Deviation, ...] = (
         "reproduction: fsdp_conformance.suite.comm_checks.trace_training(ds, 'nested', dist, "
         "{'sharding_strategy': 'SHARD_GRAD_OP'})[0].render()",
         applies=lambda case: case == "SHARD_GRAD_OP",
-        raises=AssertionError, match=r"collective counts differ",
+        # no all-gather; in forward no reduction, in backward one per instance (4 or 5)
+        envelope=Envelope(
+            "collective counts differ",
+            counts=re.compile(
+                r"^(iteration \d (forward: 0 all-gathers, 0|backward: 0 all-gathers, [45]) "
+                r"reductions(; |$))+$"
+            ),
+        ),
     ),
     _deviation(
         "comm.prefetch_happens",
         "DeepSpeed prefetches from the trace it records in the first iteration, so iteration 1's "
         "backward prefetches nothing (module.1's all-gather after module.2's reduction in "
-        "NestedWrappedModule), later ones as BACKWARD_PRE asks; reproduction: "
+        "NestedWrappedModule: 2 prefetches missed), later ones as BACKWARD_PRE asks; in the "
+        "transformer 5 are missed over iterations 1-3; reproduction: "
         "fsdp_conformance.suite.comm_checks.prefetch_failures(trace_training(ds, 'nested', dist, "
         "{'sharding_strategy': 'FULL_SHARD', 'backward_prefetch': 'BACKWARD_PRE'})[0], ...) lists "
         "iteration 1 only",
         applies=lambda config: config.get("backward_prefetch") == "BACKWARD_PRE",
-        raises=AssertionError, match=r"prefetch does not happen",
+        envelope=Envelope(
+            "prefetch does not happen",
+            missed=5,
+            phases=re.compile(
+                r"^iteration 1 backward(, iteration 2 backward, iteration 3 backward)?$"
+            ),
+        ),
     ),
     _deviation(
         "parity.bf16",
@@ -239,7 +266,10 @@ DEEPSPEED_DEVIATIONS: tuple[Deviation, ...] = (
         "bare assert whose message is the parameter's repr ('Parameter containing: ...'); "
         "reproduction: register_forward_hook(lambda *a: GatheredParameters(params).__enter__()) on "
         "an inner module, then e(x)",
-        raises=AssertionError, match=r"does not name the problem .*got AssertionError: +Parameter containing",
+        envelope=Envelope(
+            "an error that does not name the problem",
+            error=re.compile(r"^AssertionError: Parameter containing: .*Cannot partition a param"),
+        ),
     ),
     _deviation(
         "overlap",
@@ -247,21 +277,21 @@ DEEPSPEED_DEVIATIONS: tuple[Deviation, ...] = (
         "first module computes, so nothing overlaps: 1.01x the serialised time (1 all-gather x 30 "
         "ms + 121 ms compute), the check expects <= 0.8x; reproduction: "
         "fsdp_conformance.suite.overlap.measure_overlap(ds, dist, 30.0, 30.0)",
-        raises=AssertionError, match=r"no overlap of communication and computation",
+        envelope=Envelope("no overlap of communication and computation", ratio=1.01, rtol=0.5),
     ),
     _deviation(
         "misuse.wrap_twice",
         "deepspeed.initialize builds a second engine over a module an engine already owns, without "
         "an error; reproduction: lin = nn.Linear(8, 8); ds.wrap(lin, root=True); ds.wrap(lin, "
         "root=True)",
-        raises=AssertionError, match=r"no exception was raised",
+        envelope=Envelope("no error raised"),
     ),
     _deviation(
         "exec_order.divergent",
         "DeepSpeed does not compare the execution order across ranks: same-shaped modules run in "
         "different orders silently all-gather each other's shards; reproduction: rank 0 runs "
         "b(a(x)), rank 1 a(b(x)) under one ZeRO-3 engine: no error",
-        raises=AssertionError, match=r"no exception was raised",
+        envelope=Envelope("no error raised"),
     ),
     _deviation(
         "loops.activation_checkpointing",
@@ -270,27 +300,28 @@ DEEPSPEED_DEVIATIONS: tuple[Deviation, ...] = (
         "9.54e-07 on a loss after 3 steps, checkpoint inside or outside; ZeRO-2 bit-exact); "
         "reproduction: the loops.activation_checkpointing cell transformer-FULL_SHARD-inside",
         applies=lambda case: case.model == "transformer" and case.sharding_strategy == "FULL_SHARD",
-        raises=AssertionError, match=r"(losses differ|parameter 'embed_tokens.weight' differs) from DDP's .*"
-        r"max \|difference\| [0-9.]+e-0[6-9]",
+        envelope=_trained(9.54e-07, 2.99e-08, "transformer.encoder.layers.0.linear1.weight"),
     ),
     _deviation(
         "loops.forward_variants",
-        "a parameter unused in one step (a branch skipped on every rank) is updated unlike DDP's "
-        "zero-gradient update: ZeRO-3 even with plain SGD (off by 0.0098 after 3 steps at lr 0.1), "
-        "ZeRO-1/2 with momentum 0.9 (0.0079, the used parameters 3e-4); reproduction: m = a(x) + "
-        "b(a(x)) with b skipped in step 1 of 3, engine.backward + engine.step vs "
-        "DDP(find_unused_parameters=True)",
-        applies=lambda case: case.variant == "unused_branch",
-        raises=AssertionError, match=r"differs? from DDP's",
+        "a parameter unused in one step (a branch skipped on every rank) is updated unlike "
+        "DDP's zero-gradient update: ZeRO-3 even with plain SGD (off by 0.0098 after 3 steps "
+        "at lr 0.1), ZeRO-1/2 with momentum 0.9 (0.0079, the used parameters 3e-4); "
+        "reproduction: m = a(x) + b(a(x)) with b skipped in step 1 of 3, engine.backward + "
+        "engine.step vs DDP(find_unused_parameters=True)",
+        lambda case: case.variant == "unused_branch",
+        envelope=_trained(0.0578, 0.0576, "branch.bias"),  # FULL_SHARD's (SHARD_GRAD_OP: half)
     ),
     _deviation(
         "memory.reshard_after_forward",
         "ZeRO-3 releases a module's parameters after its forward in the first iteration only: "
-        "later every module keeps them from forward into backward, stage3_max_reuse_distance=0 "
-        "notwithstanding; reproduction: wrap 'nested' FULL_SHARD, train one step, forward again -> "
-        "every zoo_model parameter has ds_status AVAILABLE and p.data.numel() > 0 (after the first "
+        "later modules keep them from forward into backward (every wrapped module of nested, "
+        "the transformer's decoder layers), stage3_max_reuse_distance=0 notwithstanding; "
+        "reproduction: wrap 'nested' FULL_SHARD, train one step, forward again -> every "
+        "zoo_model parameter has ds_status AVAILABLE and p.data.numel() > 0 (after the first "
         "forward: NOT_AVAILABLE, 0)",
-        raises=AssertionError, match=r"still hold unsharded parameters",
+        # nested's every wrapped module; the transformer's decoder layers
+        envelope=Envelope("unsharded parameters alive after forward", instances=_KEPT),
     ),
     _deviation(
         "wrap.configs_isolated",
@@ -298,7 +329,10 @@ DEEPSPEED_DEVIATIONS: tuple[Deviation, ...] = (
         "keeps full parameters after forward from iteration 2); reproduction: see "
         "memory.reshard_after_forward",
         applies=lambda case: case == "sharding",
-        raises=AssertionError, match=r"FULL_SHARD reshards after forward, but",
+        envelope=Envelope(
+            "unsharded parameters alive after forward",
+            instances=_NESTED_KEPT,
+        ),
     ),
     _deviation(
         "wrap.configs_isolated",
@@ -315,22 +349,26 @@ DEEPSPEED_DEVIATIONS: tuple[Deviation, ...] = (
         "steps is updated unlike DDP's); reproduction: see loops.forward_variants (found by "
         "fsdp-conformance fuzz --impl deepspeed --seed 0)",
         applies=lambda case: case is not None and "branch" in case.uses(),
-        raises=AssertionError, match=r"FSDP .* != DDP |differs from DDP's",
+        # the largest of 16 reproductions (up to 3 steps of 3 micro-batches) and of the cases
+        # of fsdp-conformance fuzz --impl deepspeed --examples 200 --seed 0: 0.027 on a loss,
+        # 0.061 on a parameter (a generated model's)
+        envelope=_trained(0.03, 0.065, re.compile("")),
     ),
     _deviation(
         "fuzz.generated",
         "the parity.bf16 deviation met by a generated bfloat16 policy ('expected m1 and m2 to have "
-        "the same dtype, but got: float != c10::BFloat16' without a bias); reproduction: see "
+        "the same dtype, but got: float != c10::BFloat16' without a bias; a LayerNorm: 'mixed "
+        "dtype (CPU): expect parameter to have scalar type of Float'); reproduction: see "
         "parity.bf16 (found by fsdp-conformance fuzz --impl deepspeed --seed 0)",
         applies=lambda case: case is not None and "precision:bf16" in case.uses(),
         raises=RuntimeError,
-        match=r"same dtype",
+        match=r"same dtype|mixed dtype \(CPU\): expect parameter to have scalar type of Float",
     ),
     _deviation(
         "misuse.forward_inside_summon",
         "a forward inside deepspeed.zero.GatheredParameters runs without an error; reproduction: "
         "with deepspeed.zero.GatheredParameters(list(e.parameters())): e(x)",
-        raises=AssertionError, match=r"no exception was raised",
+        envelope=Envelope("no error raised"),
     ),
 )
 

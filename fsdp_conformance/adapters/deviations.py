@@ -5,7 +5,8 @@ adapter (``Declarations.known_deviations``); the cell then reports a deviation, 
 A deviation covers only what was measured. A check's own failure (``checks.CheckFailure``)
 carries its figure -- what failed and the measured values -- and a deviation of it declares an
 ``Envelope``: the same failure, and for each figure the measured value (a number: the worst
-covered, within ``rtol``; anything else: exactly that value, or a ``re.Pattern`` it matches).
+covered, within ``rtol``; anything else: exactly that value, or a ``re.Pattern`` it matches;
+a figure not declared: zero, or empty).
 Inside the envelope the cell is a deviation; a worse figure, another figure or another failure
 is a FAIL naming both ("declared: ...; measured: ..."). An error of the implementation itself
 (not a ``CheckFailure``) is covered by its exact signature: ``raises`` and ``match``. A deviation
@@ -46,6 +47,12 @@ class Envelope:
             raise ValueError(f"Envelope({failure!r}): name the check's failure (a phrase)")
         if not isinstance(rtol, (int, float)) or rtol < 0:
             raise ValueError(f"Envelope({failure!r}): rtol={rtol!r} must be a number >= 0")
+        for name, value in figures.items():
+            if not isinstance(value, (numbers.Real, str, re.Pattern)):
+                raise ValueError(  # noqa: TRY004 -- a bad declaration, as every check here
+                    f"Envelope({failure!r}): figure {name}={value!r} must be a number (the worst "
+                    "covered), a string (exactly that) or a re.compile() pattern (searched)"
+                )
         object.__setattr__(self, "failure", failure)
         object.__setattr__(self, "figures", dict(figures))
         object.__setattr__(self, "rtol", float(rtol))
@@ -54,7 +61,11 @@ class Envelope:
         """What of ``error``'s figure lies outside this envelope (empty: inside)."""
         if error.failure != self.failure:
             return [f"another failure ({error.failure!r})"]
-        problems = [f"{name} not declared" for name in error.figures if name not in self.figures]
+        problems = [
+            f"{name} not declared"
+            for name, value in error.figures.items()
+            if name not in self.figures and value not in (0, "")  # undeclared: zero, empty
+        ]
         for name, declared in self.figures.items():
             if name not in error.figures:
                 problems.append(f"{name} not measured")

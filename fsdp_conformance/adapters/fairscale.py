@@ -17,6 +17,7 @@ with the install line. docs/fairscale.md has the mapping and the measured facts 
 from __future__ import annotations
 
 import functools
+import re
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -30,7 +31,7 @@ from fsdp_conformance.training_states import InstanceState, RootState
 from . import _fairscale_device
 from ._support import FAIRSCALE_RANGE, TORCH_RANGE
 from .base import Adapter, ObserverRegistry, UnsupportedFeatureError, require_before_first_forward
-from .deviations import Deviation
+from .deviations import Deviation, Envelope
 from .features import ALL_FEATURES, Declarations, Feature, auto_wrap_targets, require
 
 INSTALL_HINT = "install it with: pip install 'fsdp-conformance[fairscale]'"
@@ -56,19 +57,25 @@ _on_matrix = functools.partial(
     Deviation, measured_on="fairscale 0.4.13, torch 2.13.0 (also 2.8.0, 2.15.0)"
 )
 _on_2_13 = functools.partial(Deviation, measured_on="fairscale 0.4.13, torch 2.13.0")
+_DIFFERS = "training differs from DDP's"  # suite/training.py's failure
 FAIRSCALE_DEVIATIONS: tuple[Deviation, ...] = (
-    _on_matrix(
-        "memory_bound",
-        "fairscale 0.4.13 has no all-gather rate limiter (the synchronize after free of fairscale "
-        "PR 972 was never merged): the CPU never waits for the device to finish with freed full "
-        "parameters, so under a lagging device they stay resident (the high reserved memory of "
-        "fairscale PR 972, pytorch PR 83917). Peak resident non-root buffers forward/backward (6 "
-        "wrapped Linears): 6/12, 18/24, 30/36 in iterations 1-3 (strict lagging device), 6/12 "
-        "(drained), bound 2/2; reproduce: "
-        "fsdp_conformance.suite.memory_bound.measure_residency(fs, group, {'limit_all_gathers': "
-        "True}, 'strict').peak_table() (docs/fairscale.md)",
-        applies=lambda case: case.limit_all_gathers,
-        raises=AssertionError, match=r"^memory bound exceeded: ",
+    *(
+        _on_matrix(
+            "memory_bound",
+            "fairscale 0.4.13 has no all-gather rate limiter (the synchronize after free of "
+            "fairscale PR 972 was never merged): the CPU never waits for the device to finish with "
+            "freed full parameters, so under a lagging device they stay resident (the high reserved "
+            "memory of fairscale PR 972, pytorch PR 83917). Peak resident non-root buffers "
+            "forward/backward (6 wrapped Linears): 6/12, 18/24, 30/36 in iterations 1-3 (strict "
+            "lagging device), 6/12 (drained), bound 2/2; reproduce: "
+            "fsdp_conformance.suite.memory_bound.measure_residency(fs, group, "
+            "{'limit_all_gathers': True}, 'strict').peak_table() (docs/fairscale.md)",
+            applies=lambda case, lag=lag: case.limit_all_gathers and case.lag == lag,
+            envelope=Envelope(
+                "memory bound exceeded", peak_forward=peaks[0], peak_backward=peaks[1]
+            ),
+        )
+        for lag, peaks in (("strict", (30, 36)), ("drained", (6, 12)))
     ),
     _on_matrix(
         "parity.bf16",
@@ -105,13 +112,13 @@ FAIRSCALE_DEVIATIONS: tuple[Deviation, ...] = (
         "in different orders silently all-gather each other's shards; reproduce: a, b = "
         "fs.wrap(nn.Linear(8, 8)), fs.wrap(nn.Linear(8, 8)); rank 0 runs b(a(x)).sum().backward(), "
         "rank 1 a(b(x)).sum().backward(): no error",
-        raises=AssertionError, match=r"no exception was raised",
+        envelope=Envelope("no error raised"),
     ),
     _on_matrix(
         "misuse.wrap_twice",
         "fairscale 0.4.13 wraps a module that another instance already wraps without an error; "
         "reproduce: lin = nn.Linear(8, 8); fs.wrap(lin); fs.wrap(lin)",
-        raises=AssertionError, match=r"no exception was raised",
+        envelope=Envelope("no error raised"),
     ),
     _on_matrix(
         "misuse.forward_inside_summon",
@@ -119,7 +126,7 @@ FAIRSCALE_DEVIATIONS: tuple[Deviation, ...] = (
         "_rebuild_full_params (an AssertionError with an empty message, removed by python -O); "
         "reproduce: m = fs.wrap(nn.Sequential(fs.wrap(nn.Linear(8, 8)), nn.Linear(8, 8))); "
         "m(x).sum().backward(); with fs.summon_full_params(m): m(x)",
-        raises=AssertionError, match=r"does not name the problem .*got AssertionError: $",
+        envelope=Envelope("an error that does not name the problem", error="AssertionError"),
     ),
     _on_2_13(
         "loops.activation_checkpointing",
@@ -156,25 +163,41 @@ FAIRSCALE_DEVIATIONS: tuple[Deviation, ...] = (
         # whichever hook runs next finds FORWARD
         match=r"expected to be in states \[[^\]]*\] but current state is TrainingState\.FORWARD",
     ),
-    _on_2_13(
-        "fuzz.generated",
-        "fairscale 0.4.13 FSDP registers pre-backward hooks only on tensors in tensors, lists, "
-        "tuples, namedtuples, dicts and sets (apply_to_type): an instance returning its activation "
-        "in a dataclass gets none, and its post-backward hook fails with ValueError 'expected to "
-        "be in states [BACKWARD_PRE, BACKWARD_POST] (or [BACKWARD_PRE]) but current state is "
-        "TrainingState.IDLE', or backward reads its freed full parameters (RuntimeError 'The "
-        "tensor has a non-zero number of elements, but its data is not allocated yet' or '... out "
-        "of bounds for storage of size 0'); a root returning one never runs its end-of-backward "
-        "callback (inner instances stay BACKWARD_POST). Reproduction: a wrapped root whose forward "
-        "returns Out(y=lin(x)) for a @dataclass Out; out.y.sum().backward() (found by "
-        "fsdp-conformance fuzz --impl fairscale --seed 0)",
-        applies=lambda case: case is not None and "instance-output:dataclass" in case.uses(),
-        raises=(ValueError, RuntimeError, AssertionError),
-        match=r"expected to be in states \[[^\]]*\] but current state is TrainingState\.IDLE"
-        r"|non-zero number of elements, but its data is not allocated yet"
-        r"|out of bounds for storage of size 0"
-        r"|illegal training states? seen by TrainingStateRecorder.*instance state BACKWARD_POST; "
-        r"allowed: IDLE",
+    *(
+        _on_2_13(
+            "fuzz.generated",
+            "fairscale 0.4.13 FSDP registers pre-backward hooks only on tensors in tensors, lists, "
+            "tuples, namedtuples, dicts and sets (apply_to_type): an instance returning its activation "
+            "in a dataclass gets none, and its post-backward hook fails with ValueError 'expected to "
+            "be in states [BACKWARD_PRE, BACKWARD_POST] (or [BACKWARD_PRE]) but current state is "
+            "TrainingState.IDLE', or backward reads its freed full parameters (RuntimeError 'The "
+            "tensor has a non-zero number of elements, but its data is not allocated yet' or '... out "
+            "of bounds for storage of size 0'); a root returning one never runs its end-of-backward "
+            "callback (inner instances stay BACKWARD_POST). Reproduction: a wrapped root whose forward "
+            "returns Out(y=lin(x)) for a @dataclass Out; out.y.sum().backward() (with a second "
+            "micro-batch, its forward takes them from BACKWARD_POST to FORWARD) (found by "
+            "fsdp-conformance fuzz --impl fairscale --seed 0)",
+            applies=lambda case: case is not None and "instance-output:dataclass" in case.uses(),
+            **covers,
+        )
+        for covers in (
+            {
+                "raises": (ValueError, RuntimeError),
+                "match": r"expected to be in states \[[^\]]*\] but current state is "
+                r"TrainingState\.IDLE|non-zero number of elements, but its data is not allocated "
+                r"yet|out of bounds for storage of size 0",
+            },
+            # instances left in BACKWARD_POST after the step; with a next micro-batch, its
+            # forward takes them on to FORWARD
+            {
+                "envelope": Envelope(
+                    "illegal training state",
+                    instance=re.compile("."),
+                    hook=re.compile(r"^(pre_forward of [^,]+, )*after optimizer\.step$"),
+                    state=re.compile(r"^(instance FORWARD, )?instance BACKWARD_POST$"),
+                )
+            },
+        )
     ),
     _on_2_13(
         "fuzz.generated",
@@ -199,8 +222,9 @@ FAIRSCALE_DEVIATIONS: tuple[Deviation, ...] = (
         "optimizer step: the Linear's weight is off DDP's by 0.02 (lr 0.01) (found by "
         "fsdp-conformance fuzz --impl fairscale --seed 0)",
         applies=lambda case: case is not None and "accumulate:synced" in case.uses(),
-        raises=AssertionError,
-        match=r"FSDP .* != DDP |differs from DDP's",
+        # the gaps of that reproduction over the programs drawn: up to 3 steps of up to 3
+        # micro-batches (0.014 on the weight after 1 step of 2)
+        envelope=Envelope(_DIFFERS, loss_gap=0.215, param_gap=0.129, parameter=re.compile("")),
     ),
     _on_2_13(
         "fuzz.generated",
@@ -221,7 +245,12 @@ FAIRSCALE_DEVIATIONS: tuple[Deviation, ...] = (
         "head(h).sum().backward(): head's state is BACKWARD_POST "
         "(tests/adapters/test_fairscale.py)",
         lambda case: case.variant == "nested_alone",
-        raises=AssertionError, match=r"instance 'head' at after optimizer.step: instance state BACKWARD_POST",
+        envelope=Envelope(
+            "illegal training state",
+            instance="head",
+            hook="after optimizer.step",
+            state="instance BACKWARD_POST",
+        ),
     ),
     _on_2_13(
         "wrap.shared_across_instances",
@@ -229,7 +258,9 @@ FAIRSCALE_DEVIATIONS: tuple[Deviation, ...] = (
         "(each flattens its own copy), so training diverges from DDP. Reproduction: (2 ranks) "
         "tied_instances (head.weight = embed.weight, embed and head wrapped apart), one SGD step: "
         "full parameters embed.weight and head.weight differ (tests/adapters/test_fairscale.py)",
-        raises=AssertionError, match=r"the wrap was accepted, so training must match DDP: losses differ from DDP's",
+        envelope=Envelope(
+            _DIFFERS, rtol=0.25, loss_gap=0.064, param_gap=0.0282, parameter="embed.weight"
+        ),
     ),
 )
 

@@ -2,7 +2,8 @@
 
 The controlling pytest process appends to the file ``FSDP_CONFORMANCE_CLI_RESULTS`` names
 (inert without it) records ``{"event": "collected", "count": N}``, ``{"event": "test",
-"nodeid", "outcome", "detail", "duration", "check_id", "verdict", "reason", "rerun"}``,
+"nodeid", "outcome", "detail", "duration", "check_id", "verdict", "reason", "rerun",
+"measured"}``,
 ``{"event": "collect_error", "nodeid", "detail"}`` and ``{"event": "usage_error", "detail"}``.
 Every field comes from the cell's ``checks.Result``; no message text is parsed.
 """
@@ -118,7 +119,7 @@ class _Recorder:
                 record.update(
                     outcome=result.outcome, detail=text,
                     check_id=result.check, verdict=result.verdict, reason=result.reason,
-                    rerun=result.rerun or "",
+                    rerun=result.rerun or "", measured=json.loads(result.measured or "null"),
                 )  # fmt: skip
         if report.when == "teardown":
             self.decided.discard(report.nodeid)

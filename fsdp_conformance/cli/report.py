@@ -12,6 +12,8 @@ import textwrap
 from collections.abc import Iterable
 from typing import Any
 
+from fsdp_conformance import checks
+
 OUTCOMES = ("pass", "fail", "xfail", "xpass", "skip")
 DEFAULT_CONFIGURATION = "(default)"  # of a test that is not parametrised
 
@@ -31,6 +33,13 @@ class Cell:
     verdict: str = ""
     reason: str = ""
     rerun: str = ""  # the shell line re-running a failing or deviating cell alone
+    # a failing or deviating check's figure (checks.PROPERTY_MEASURED): {"failure": ..., ...}
+    measured: dict[str, Any] | None = None
+
+    def figure(self) -> str:
+        """The measured figure in words (``checks.describe_figure``), or ""."""
+        figures = dict(self.measured or {})
+        return checks.describe_figure(figures.pop("failure"), figures) if figures else ""
 
 
 def split_nodeid(nodeid: str) -> tuple[str, str]:
@@ -48,7 +57,7 @@ def cells_from_records(records: Iterable[dict[str, Any]]) -> list[Cell]:
     cells = []
     for record in records:
         if record.get("event") == "test":
-            names = ("check_id", "verdict", "reason", "rerun")
+            names = ("check_id", "verdict", "reason", "rerun", "measured")
             cells.append(
                 Cell(
                     *split_nodeid(record["nodeid"]), record["outcome"], record.get("detail", ""),
@@ -134,6 +143,8 @@ def render_text(cells: list[Cell], detail_width: int = 160) -> str:
             parts = [part.replace("\0", " ") for part in parts]
             lines.append((line + (parts[0] if parts else "")).rstrip())
             lines.extend(" " * len(line) + part for part in parts[1:])
+            if cell.measured:
+                lines.append(f"{' ' * len(line)}measured: {cell.figure()}")
             if cell.rerun:
                 lines.append(f"{' ' * len(line)}re-run: {cell.rerun}")
     return "\n".join(lines)
@@ -164,7 +175,8 @@ def render_markdown(cells: list[Cell], header: dict[str, str], summary: str) -> 
         lines += ["", f"## `{check}`", "", "| configuration | result | detail |", "|---|---|---|"]
         for cell in group:
             result = f"**{_label(cell.outcome)}**" if cell.outcome == "fail" else cell.outcome
-            rerun = f"<br>re-run: `{_md(cell.rerun)}`" if cell.rerun else ""
+            rerun = f"<br>measured: {_md(cell.figure())}" if cell.measured else ""
+            rerun += f"<br>re-run: `{_md(cell.rerun)}`" if cell.rerun else ""
             lines.append(f"| `{_md(cell.configuration)}` | {result} | {_md(cell.detail)}{rerun} |")
     return "\n".join(lines) + "\n"
 

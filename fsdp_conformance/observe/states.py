@@ -29,6 +29,7 @@ from fsdp_conformance import training_states
 from fsdp_conformance._tensors import output_tensors
 from fsdp_conformance.adapters import Adapter, Feature, clean_param_name
 from fsdp_conformance.adapters import features as adapter_features
+from fsdp_conformance.checks import CheckFailure
 from fsdp_conformance.training_states import (
     LEGAL_INSTANCE_TRANSITIONS,
     LEGAL_ROOT_TRANSITIONS,
@@ -38,6 +39,7 @@ from fsdp_conformance.training_states import (
 
 # violations kept (the first ones explain the rest)
 MAX_VIOLATIONS = 20
+FIGURES = ("instance", "hook", "state")  # of IllegalTrainingState
 END_OF_BACKWARD = "end of backward"
 _LEGAL_AT_END_OF_BACKWARD = {
     source: targets | training_states.END_OF_BACKWARD_TRANSITIONS.get(source, frozenset())
@@ -65,8 +67,10 @@ class Violation:
         )
 
 
-class IllegalTrainingState(AssertionError):
-    """The recorder saw states outside the canonical transitions (``training_states.py``)."""
+class IllegalTrainingState(CheckFailure):
+    """The recorder saw states outside the canonical transitions (``training_states.py``):
+    failure "illegal training state", figures ``instance``, ``hook`` and ``state`` (each the
+    distinct values of the violations, joined by ", ")."""
 
 
 class TrainingStateRecorder:
@@ -177,9 +181,12 @@ class TrainingStateRecorder:
             return
         shown = "\n".join(f"  {violation}" for violation in self.violations)
         more = " (first ones)" if len(self.violations) >= MAX_VIOLATIONS else ""
+        seen = [(v.instance, v.hook, f"{v.level} {v.seen}") for v in self.violations]
         raise IllegalTrainingState(
             f"{len(self.violations)} illegal training states{more} seen by "
-            f"{type(self).__name__} (adapter {self.adapter.name!r}):\n{shown}"
+            f"{type(self).__name__} (adapter {self.adapter.name!r}):\n{shown}",
+            "illegal training state",
+            **{key: ", ".join(dict.fromkeys(values)) for key, values in zip(FIGURES, zip(*seen))},
         )
 
     def _instance_state(self, instance: nn.Module) -> InstanceState | None:

@@ -27,6 +27,7 @@ from torch import nn
 
 from fsdp_conformance.adapters import Feature
 from fsdp_conformance.adapters import features as adapter_features
+from fsdp_conformance.checks import CheckFailure
 from fsdp_conformance.constants import REDUCE_OPS, Op
 from fsdp_conformance.observe.comm_trace import CommEvent, CommTrace
 
@@ -135,16 +136,32 @@ def prefetch_failures(trace: CommTrace, config: dict[str, Any]) -> list[str]:
 
 
 def assert_prefetch_happens(trace: CommTrace, config: dict[str, Any], label: str) -> None:
-    """Raise AssertionError listing every configured prefetch the trace does not show."""
+    """Raise ``CheckFailure`` "prefetch does not happen" listing every configured prefetch the
+    trace does not show (figures: ``missed``, how many; ``phases``, where)."""
     failures = prefetch_failures(trace, config)
-    raise_failures(f"prefetch does not happen ({label})", failures, trace.render(ops=None))
+    phases = ", ".join(dict.fromkeys(failure.partition(":")[0] for failure in failures))
+    figures = {"missed": len(failures), "phases": phases}
+    raise_failures("prefetch does not happen", label, failures, trace.render(ops=None), **figures)
 
 
-def raise_failures(headline: str, failures: list[str], rendered_trace: str) -> None:
-    """AssertionError listing ``failures`` under ``headline``, then the trace; none: nothing."""
+def raise_failures(
+    failure: str, label: str, failures: list[str], rendered_trace: str, **figures: Any
+) -> None:
+    """``CheckFailure(failure, **figures)`` listing ``failures`` under ``failure (label)``,
+    then the trace; none: nothing."""
     if failures:
         lines = "".join(f"\n  {failure}" for failure in failures)
-        raise AssertionError(f"{headline}:{lines}\ntrace:\n{rendered_trace}")
+        message = f"{failure} ({label}):{lines}\ntrace:\n{rendered_trace}"
+        raise CheckFailure(message, failure, **figures)
+
+
+def phase_counts(trace: CommTrace) -> str:
+    """The figure of collective counts: ``<phase>: N all-gathers, M reductions; ...``."""
+    return "; ".join(
+        f"{phase}: {trace.count(Op.ALL_GATHER, phase)} all-gathers, "
+        f"{trace.count(REDUCE_OPS, phase)} reductions"
+        for phase, _, _ in _iteration_phases(trace)
+    )
 
 
 def count_failures(
@@ -208,10 +225,12 @@ def assert_counts(
     label: str,
     no_sync_iterations: tuple[int, ...] = (),
 ) -> None:
-    """Raise AssertionError naming each phase whose collective counts break a bound."""
+    """Raise ``CheckFailure`` "collective counts differ" naming each phase whose collective
+    counts break a bound (figure ``counts``: ``phase_counts``)."""
     failures = count_failures(trace, strategy, no_sync_iterations)
-    headline = f"collective counts differ ({label}, {strategy}, {instances} instances)"
-    raise_failures(headline, failures, trace.render())
+    label = f"{label}, {strategy}, {instances} instances"
+    counts = phase_counts(trace)
+    raise_failures("collective counts differ", label, failures, trace.render(), counts=counts)
 
 
 TRACE_MODELS = ("nested", "transformer")

@@ -23,11 +23,11 @@ import torch
 from torch import nn
 
 from fsdp_conformance import constants
-from fsdp_conformance.checks import CheckFailure
 from fsdp_conformance.adapters import Adapter, Feature
 from fsdp_conformance.adapters import deviations as adapter_deviations
 from fsdp_conformance.adapters import features as adapter_features
 from fsdp_conformance.adapters.base import delay_before_free, delay_before_reduction
+from fsdp_conformance.checks import CheckFailure
 from fsdp_conformance.observe.lagging import LAG_VARIANTS, LaggingDevice
 from fsdp_conformance.observe.residency import PHASES, ResidencyTracker
 from fsdp_conformance.suite.stream_bound import FSDP2_BOUND, StreamOrderedBound
@@ -298,16 +298,20 @@ def check_shard_grad_op_forward(
     most = LAYERS if own_bound is None else own_bound.shard_grad_op_forward(LAYERS)
     where = f"{label}, {case.describe()}"
     if peak < LAYERS:
-        raise AssertionError(
+        raise CheckFailure(
             f"SHARD_GRAD_OP forward keeps too few buffers: iteration 1 forward should all-gather "
             f"all {LAYERS} instances and keep them (no reshard after forward), peak "
-            f"{peak} < {LAYERS} resident non-root unsharded buffers\n  {where}"
+            f"{peak} < {LAYERS} resident non-root unsharded buffers\n  {where}",
+            "SHARD_GRAD_OP forward keeps too few buffers",
+            missing=LAYERS - peak,
         )
     if peak > most:
-        raise AssertionError(
+        raise CheckFailure(
             f"SHARD_GRAD_OP forward holds more than it keeps: iteration 1 forward peak {peak} "
             f"resident non-root buffers > {most} ({LAYERS} kept unsharded + {most - LAYERS} "
-            f"all-gather outputs in flight)\n  {where}"
+            f"all-gather outputs in flight)\n  {where}",
+            "SHARD_GRAD_OP forward holds more than it keeps",
+            peak_forward=peak,
         )
 
 

@@ -28,6 +28,7 @@ from torch import nn
 
 from fsdp_conformance._patching import patch_attribute
 from fsdp_conformance.adapters import features as adapter_features
+from fsdp_conformance.checks import CheckFailure
 from fsdp_conformance.constants import Op
 from fsdp_conformance.models import Layer, delay
 
@@ -305,4 +306,7 @@ def check_overlap(adapter: Any, dist: Any, label: str, retries: int = 1) -> Over
             failure = cpu_overlap_failure(times, comm_ms, label)
         if failure is None:
             return times
-    raise AssertionError(f"{failure} (failed {retries + 1} measurements)")
+    failure += f" (failed {retries + 1} measurements)"
+    # overlapped / serialised time: about 1 without overlap
+    ratio = times.both / (times.compute + times.all_gather) if cuda else times.cpu_ratio(comm_ms)
+    raise CheckFailure(failure, "no overlap of communication and computation", ratio=ratio)

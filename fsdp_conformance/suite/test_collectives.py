@@ -66,7 +66,8 @@ class BaseCollectiveCountTests:
         failures = comm_checks.count_failures(trace, "", no_sync_iterations=(1,))
         # all-gathers are not counted (implementation-specific)
         failures = [failure for failure in failures if "gradient reductions" in failure]
-        comm_checks.raise_failures(f"no_sync broken ({label})", failures, trace.render())
+        counts = comm_checks.phase_counts(trace)
+        comm_checks.raise_failures("no_sync broken", label, failures, trace.render(), counts=counts)
         reference = training.ddp_driver("nested", dist)  # under DDP's own no_sync
         comm_checks.iterate(reference, inside_no_sync=lambda iteration: iteration == 1)
         label += ", iteration 1 inside no_sync (accumulated gradients)"

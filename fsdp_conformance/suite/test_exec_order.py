@@ -18,7 +18,10 @@ import pytest
 import torch
 from torch import nn
 
+from fsdp_conformance.checks import CheckFailure
+
 from .declare import check
+from .verdict import failure_line
 
 # generous for a loaded machine; the harness timeout (default 120 s) is the backstop
 DEADLINE_S = 30.0
@@ -27,8 +30,9 @@ WIDTH = 8
 
 def expect_error(action: Callable[[], Any], pattern: str, label: str) -> BaseException:
     """Run ``action``: it must raise within ``DEADLINE_S`` with a message matching ``pattern``;
-    else AssertionError (raised *from* an error not naming the problem, which a deviation covers
-    only by that error's type)."""
+    else ``CheckFailure`` "no error raised", "an error raised too late" (``seconds``) or, raised
+    *from* the error, "an error that does not name the problem" (``error``: its type and first
+    line, as ``verdict.failure_line`` writes them)."""
     start = time.perf_counter()
     try:
         action()
@@ -36,21 +40,24 @@ def expect_error(action: Callable[[], Any], pattern: str, label: str) -> BaseExc
         elapsed = time.perf_counter() - start
         message = f"{type(error).__name__}: {error}"
         if elapsed > DEADLINE_S:
-            failure = (
+            raise CheckFailure(
                 f"{label}: raised only after {elapsed:.1f} s (expected within "
-                f"{DEADLINE_S:g} s): {message}"
-            )
-        elif not re.search(pattern, message, re.IGNORECASE | re.DOTALL):
-            # some other error: reported as the cause, so "accepts the misuse" does not cover it
-            raise AssertionError(
-                f"{label}: the error does not name the problem (expected a message matching "
-                f"{pattern!r}), got {message}"
+                f"{DEADLINE_S:g} s): {message}",
+                "an error raised too late",
+                seconds=round(elapsed, 1),
             ) from error
-        else:
-            return error
-    else:
-        failure = f"{label}: no exception was raised (expected one matching {pattern!r})"
-    raise AssertionError(failure)
+        if not re.search(pattern, message, re.IGNORECASE | re.DOTALL):
+            # some other error: reported as the cause, so "accepts the misuse" does not cover it
+            raise CheckFailure(
+                f"{label}: the error does not name the problem (expected a message matching "
+                f"{pattern!r}), got {message}",
+                "an error that does not name the problem",
+                error=failure_line(error),
+            ) from error
+        return error
+    raise CheckFailure(
+        f"{label}: no exception was raised (expected one matching {pattern!r})", "no error raised"
+    )
 
 
 class TwoBranches(nn.Module):

@@ -85,8 +85,8 @@ class BaseForwardMethodTests:
             loss=lambda step, index: _loss(reference, variant, step, index),
             after_backward=lambda step: training.average_gradients(reference.model, dist.group),
         )
-        training.assert_losses(label, losses, reference_losses)
-        training.assert_params(label, driver.params(), reference.params(), self.STEPS)
+        expected = (reference_losses, reference.params())
+        training.assert_trained(label, (losses, driver.params()), expected, self.STEPS)
 
 
 class TestForwardMethod(BaseForwardMethodTests): ...

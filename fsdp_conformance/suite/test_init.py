@@ -81,8 +81,8 @@ class BaseMetaInitTests:
         losses = driver.run(STEPS)
         ddp = torch.nn.parallel.DistributedDataParallel(plain, process_group=dist.group)
         reference = training.Driver(ddp, plain, dist.device)
-        training.assert_losses(label, losses, reference.run(STEPS))
-        training.assert_params(label, driver.params(), reference.params(), STEPS)
+        expected = (reference.run(STEPS), reference.params())
+        training.assert_trained(label, (losses, driver.params()), expected, STEPS)
 
 
 class TestMetaInit(BaseMetaInitTests): ...

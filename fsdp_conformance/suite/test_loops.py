@@ -43,8 +43,7 @@ from .declare import check
 from .training import (
     Driver,
     LoopCase,
-    assert_losses,
-    assert_params,
+    assert_trained,
     average_gradients,
     build,
     by_clean_name,
@@ -102,8 +101,8 @@ class BaseGradientAccumulationTests:
             f"micro-batches per step, {'sync on every micro-batch' if sync_every else 'no_sync'}"
         )
         tol = SYNC_EVERY_TOL if sync_every else 0.0  # [Note: loop tolerances]
-        assert_losses(label, losses, reference.run(self.STEPS, **options), tol)
-        assert_params(label, driver.params(), reference.params(), self.STEPS, tol, tol)
+        expected = (reference.run(self.STEPS, **options), reference.params())
+        assert_trained(label, (losses, driver.params()), expected, self.STEPS, tol)
 
     @check(
         "loops.grad_accumulation_comm",
@@ -204,8 +203,8 @@ class BaseGradientClippingTests:
         )
         detail = f"FSDP norms {norms.tolist()}, DDP norms {ref_norms.tolist()}"
         training.assert_close(message, norms, ref_norms, 0.0, CLIP_NORM_RTOL, detail=detail)
-        assert_losses(label, losses, ref_losses, CLIP_PARAM_TOL)
-        assert_params(label, params, ref_params, CLIP_STEPS, CLIP_PARAM_TOL, CLIP_PARAM_TOL)
+        expected = (ref_losses, ref_params)
+        assert_trained(label, (losses, params), expected, CLIP_STEPS, CLIP_PARAM_TOL)
 
 
 def _clip_run(driver: Driver, max_norm: float, norm_type: float) -> tuple[Any, Any, dict]:
@@ -267,8 +266,7 @@ class BaseFrozenParameterTests:
                 f"{label}: frozen parameter {name!r} (requires_grad=False) changed in training "
                 f"by {(after[name] - initial[name]).abs().max().item():.3g}"
             )
-        assert_losses(label, losses, reference_losses)
-        assert_params(label, after, reference.params(), 3)
+        assert_trained(label, (losses, after), (reference_losses, reference.params()), 3)
         if trace is not None:
             labels = trainable_labels(fsdp_adapter, driver.model, trace)
             frozen = [name for name, trains in labels.items() if not trains]
@@ -409,8 +407,7 @@ class BaseForwardVariantsTests:
             training.assert_close(message, fsdp[2], expected[2], 0.0, 0.0)
         # two forwards may reduce once per forward, as sync_every does ([Note: loop tolerances])
         tol = SYNC_EVERY_TOL if variant == "two_forwards" else 0.0
-        assert_losses(label, fsdp[0], expected[0], tol)
-        assert_params(label, fsdp[1], expected[1], self.STEPS, tol, tol)
+        assert_trained(label, fsdp[:2], expected[:2], self.STEPS, tol)
 
 
 def _variant_run(
@@ -515,8 +512,8 @@ class BaseCheckpointResumeTests:
                 f"saved one by {(loaded[name] - value).abs().max().item():.3g} (the load did not "
                 "restore the model)"
             )
-        assert_losses(f"{label}, the {case.m} steps after the load", losses, reference[2])
-        assert_params(label, params, reference[3], case.n + case.m)
+        label += f", the {case.m} steps after the load"
+        assert_trained(label, (losses, params), reference[2:4], case.n + case.m)
 
 
 @contextlib.contextmanager

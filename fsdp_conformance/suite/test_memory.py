@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from fsdp_conformance.adapters import Adapter
+from fsdp_conformance.checks import CheckFailure
 from fsdp_conformance.observe.unsharded import UnshardedParams
 
 from . import training
@@ -21,6 +22,7 @@ from .training import LoopCase, parametrize
 
 # the last step's forward is observed (the first runs any lazy init)
 STEPS = 2
+ALIVE = "unsharded parameters alive after forward"  # figure: the instances
 
 
 def observed_training(
@@ -42,14 +44,21 @@ def observed_training(
     return probes[0], losses
 
 
-def unseen_instances(probe: UnshardedParams) -> list[str]:
-    """Non-root instances in whose forward no unsharded parameter was recognised (a check
-    that sees nothing must not pass)."""
-    return [
-        label
-        for label in probe.labels.values()
-        if label != probe.root_label and not probe.seen.get(label)
+def require_seen(probe: UnshardedParams, label: str, how: str = "") -> None:
+    """``CheckFailure`` "no unsharded parameter recognised" (``instances``) naming the non-root
+    instances in whose forward none was (a check that sees nothing must not pass)."""
+    unseen = [
+        name
+        for name in probe.labels.values()
+        if name != probe.root_label and not probe.seen.get(name)
     ]
+    if unseen:
+        raise CheckFailure(
+            f"{label}: no unsharded parameter was recognised in the forward of instance(s) "
+            f"{unseen}{how}; the check cannot see this implementation's parameters",
+            "no unsharded parameter recognised",
+            instances=", ".join(unseen),
+        )
 
 
 class BaseReshardAfterForwardTests:
@@ -78,19 +87,19 @@ class BaseReshardAfterForwardTests:
         )
         probe, _ = observed_training(adapter, root, zoo_model, dist)
         label = f"adapter {adapter.name!r}, {model_name}, FULL_SHARD"
-        unseen = unseen_instances(probe)
-        assert not unseen, (
-            f"{label}: no unsharded parameter was recognised in the forward of instance(s) "
-            f"{unseen} (tensors equal to a full parameter, passed to a torch function); the "
-            "check cannot see this implementation's parameters"
+        require_seen(
+            probe, label, " (tensors equal to a full parameter, given to a torch function)"
         )
         alive = {name: names for name, names in probe.alive.items() if names}
         alive.pop(probe.root_label, None)
-        assert not alive, (
-            f"{label}: resharding after forward is configured, but after the model's forward "
-            f"these non-root instances still hold unsharded parameters (alive, storage not "
-            f"freed): {alive}"
-        )
+        if alive:
+            raise CheckFailure(
+                f"{label}: resharding after forward is configured, but after the model's "
+                f"forward these non-root instances still hold unsharded parameters (alive, "
+                f"storage not freed): {alive}",
+                ALIVE,
+                instances=", ".join(sorted(alive)),
+            )
 
 
 class TestReshardAfterForward(BaseReshardAfterForwardTests):

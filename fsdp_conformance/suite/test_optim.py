@@ -80,8 +80,8 @@ class BaseParamGroupTests:
             f"adapter {fsdp_adapter.name!r}, {model_name}, {strategy}, AdamW with groups (no "
             f"weight decay on biases and norms, lr/10 for {SLOW_BLOCK}*)"
         )
-        training.assert_losses(label, losses, reference.run(self.STEPS))
-        training.assert_params(label, driver.params(), reference.params(), self.STEPS)
+        expected = (reference.run(self.STEPS), reference.params())
+        training.assert_trained(label, (losses, driver.params()), expected, self.STEPS)
 
 
 class TestParamGroups(BaseParamGroupTests): ...

@@ -15,6 +15,7 @@ import torch
 
 from fsdp_conformance.adapters import Feature
 from fsdp_conformance.adapters import features as adapter_features
+from fsdp_conformance.checks import CheckFailure
 
 from . import configs, training, zoo
 from .declare import check
@@ -246,15 +247,17 @@ def _state_dict_round_trip(adapter: Any, dist: Any, model_name: str, default: bo
     label = f"adapter {adapter.name!r}, {model_name}, {path}"
     unchanged = [name for name in saved_full if torch.equal(loaded[name], moved[name])]
     for name, expected in saved_full.items():
-        assert torch.equal(loaded[name], expected), (
+        if torch.equal(loaded[name], expected):
+            continue
+        gap = (loaded[name] - expected).abs().max().item()
+        message = (
             f"{label}: after loading the state saved at step 1, full parameter {name!r} differs "
-            f"from the saved one by {(loaded[name] - expected).abs().max().item():.3g}"
-            + (
-                "; the load restored nothing (every full parameter kept its trained value)"
-                if len(unchanged) == len(saved_full)
-                else ""
-            )
+            f"from the saved one by {gap:.3g}"
         )
+        if len(unchanged) == len(saved_full):
+            message += "; the load restored nothing (every full parameter kept its trained value)"
+            raise CheckFailure(message, "the load restored nothing")
+        raise CheckFailure(message, "a loaded parameter differs from the saved one", gap=gap)
 
 
 def _clone(value: Any) -> Any:

@@ -29,6 +29,7 @@ from torch import nn
 
 from fsdp_conformance.adapters import Feature
 from fsdp_conformance.adapters import features as adapter_features
+from fsdp_conformance.checks import CheckFailure
 from fsdp_conformance.constants import REDUCE_OPS
 from fsdp_conformance.observe.comm_trace import observing_collectives
 
@@ -160,6 +161,7 @@ class BasePrecisionTests:
         root, zoo_model = driver.model, driver.zoo_model
         label = f"adapter {adapter.name!r}, {MODEL}, mixed_precision {policy}"
         failures: list[str] = []
+        seen_wrong: dict[str, str] = {}  # the figure: what was seen, per kind of tensor
         losses = []
         state_dtypes: dict[str, torch.dtype] = {}
         for step in range(STEPS):
@@ -169,6 +171,7 @@ class BasePrecisionTests:
                 output = root(*inputs)
             loss = zoo_model.get_loss(inputs, output)
             if output_dtype is not None and output.dtype != output_dtype:
+                seen_wrong["output"] = str(output.dtype)
                 failures.append(
                     f"step {step} forward: the root's output in {output.dtype}, "
                     f"output_dtype is {output_dtype}"
@@ -182,6 +185,7 @@ class BasePrecisionTests:
                 ("buffer", "floating-point buffers", mixed["buffer_dtype"] or torch.float32),
             ):
                 if seen[key] != {expected}:
+                    seen_wrong[key] = _names(seen[key])
                     failures.append(
                         f"step {step} forward: {what} in {_names(seen[key])}, expected {expected}"
                     )
@@ -190,12 +194,14 @@ class BasePrecisionTests:
             ]
             wrong = sorted({f"{op} in {dtype}" for op, dtype in reduced if dtype != reduce_dtype})
             if not reduced or wrong:
+                seen_wrong["reduction"] = ", ".join(wrong) or "none observed"
                 failures.append(
                     f"step {step} backward: gradient reductions "
                     f"{wrong or 'none observed'}, expected every one in {reduce_dtype}"
                 )
             low = {n: d for n, d in _params_and_grads(root).items() if d != torch.float32}
             if low:
+                seen_wrong["sharded"] = _names(set(low.values()))
                 failures.append(f"step {step}: sharded parameters / gradients not float32: {low}")
             driver.step()
             losses.append(loss.detach().float())
@@ -210,11 +216,14 @@ class BasePrecisionTests:
             if state_dtypes.get(name) != dtype
         }
         if wrong_state:
+            seen_wrong["state_dict"] = ", ".join(sorted(set(map(str, wrong_state.values()))))
             failures.append(
                 f"the state dict holds buffers {wrong_state}; the unwrapped module has "
                 f"them in {sorted(set(map(str, buffers.values())))}"
             )
-        assert not failures, f"{label}:\n  " + "\n  ".join(failures)
+        if failures:
+            message = f"{label}:\n  " + "\n  ".join(failures)
+            raise CheckFailure(message, "dtypes differ from the policy", **seen_wrong)
         reference_losses = reference.run(STEPS)
         eps = EPS[param_dtype]
         training.assert_same_training(
@@ -252,14 +261,17 @@ class BasePrecisionTests:
             driver.run(1, micro_batches=micro_batches, sync_every=sync_every, same_input=True)
             errors[micro_batches] = _relative_error(driver.params(), expected, before)
         one, many = errors[1], errors[self.MICRO_BATCHES]
-        assert many <= GROWTH * one, (
-            f"adapter {fsdp_adapter.name!r}, {ACCUMULATION_MODEL}, mixed_precision {policy}, "
-            f"{'no_sync' if sync == 'no_sync' else 'sync on every micro-batch'}: the "
-            f"gradient accumulated over {self.MICRO_BATCHES} micro-batches is {many:.3g} "
-            f"(relative) away from float32 DDP's, {many / one:.3g}x the error of one "
-            f"micro-batch ({one:.3g}; at most {GROWTH}x): gradients accumulate in a low "
-            "precision, not in float32"
-        )
+        if many > GROWTH * one:
+            raise CheckFailure(
+                f"adapter {fsdp_adapter.name!r}, {ACCUMULATION_MODEL}, mixed_precision "
+                f"{policy}, {'no_sync' if sync == 'no_sync' else 'sync on every micro-batch'}: "
+                f"the gradient accumulated over {self.MICRO_BATCHES} micro-batches is "
+                f"{many:.3g} (relative) away from float32 DDP's, {many / one:.3g}x the error of "
+                f"one micro-batch ({one:.3g}; at most {GROWTH}x): gradients accumulate in a low "
+                "precision, not in float32",
+                "gradients accumulate in a low precision",
+                growth=many / one,
+            )
 
     @check(
         "precision.grad_scaler",

@@ -157,8 +157,9 @@ class BaseFullStateDictTests:
         if option == "default":  # a plain module loads it and trains as DDP's weights do
             plain_losses, plain_params = _ddp_run(dist, _plain(dist, full), STEPS)
             ref_losses, ref_params = _ddp_run(dist, _plain(dist, expected), STEPS)
-            training.assert_losses(f"{label}, loaded into a plain module", plain_losses, ref_losses)
-            training.assert_params(label, plain_params, ref_params, 2 * STEPS)
+            plain = (plain_losses, plain_params)
+            label += ", loaded into a plain module"
+            training.assert_trained(label, plain, (ref_losses, ref_params), 2 * STEPS)
 
     @check("state_dict.full", case_of=lambda: StateDictCase("mixed_precision_buffers"))
     @pytest.mark.world_size(2)
@@ -198,8 +199,8 @@ class BaseFullStateDictTests:
         call_with_options(adapter, "load_state_dict", driver.model, dict(source), assign=assign)
         losses = driver.run(STEPS)
         reference_losses, reference_params = _ddp_run(dist, _plain(dist, source))
-        training.assert_losses(label, losses, reference_losses)
-        training.assert_params(label, driver.params(), reference_params, STEPS)
+        expected = (reference_losses, reference_params)
+        training.assert_trained(label, (losses, driver.params()), expected, STEPS)
 
     @check("state_dict.full", case_of=_subgroup_case)
     @pytest.mark.world_size(2)
@@ -229,8 +230,8 @@ class BaseFullStateDictTests:
             fsdp_adapter.load_checkpoint(fresh.model, fresh.optimizer, directory)
         after = [d.run(1, start=STEPS) for d in (driver, fresh)]
         label += ", a step after save/load_checkpoint"
-        training.assert_losses(label, after[1], after[0])
-        training.assert_params(label, fresh.params(), driver.params(), STEPS + 1)
+        expected = (after[0], driver.params())
+        training.assert_trained(label, (after[1], fresh.params()), expected, STEPS + 1)
 
 
 def _assert_views(label: str, early: dict[str, Any], expected: dict[str, torch.Tensor]) -> None:

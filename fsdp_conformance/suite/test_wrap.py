@@ -160,8 +160,7 @@ class BaseIgnoredParamsTests:
                 f"{label}: the full state dict does not hold ignored parameter {name!r} "
                 f"under its own key with its value (keys: {sorted(state)})"
             )
-        training.assert_losses(label, losses, ref_losses)
-        training.assert_params(label, params, ref_params, self.STEPS)
+        training.assert_trained(label, (losses, params), (ref_losses, ref_params), self.STEPS)
 
 
 class TestIgnoredParams(BaseIgnoredParamsTests): ...

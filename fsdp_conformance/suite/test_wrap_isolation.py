@@ -12,11 +12,12 @@ import pytest
 import torch
 
 from fsdp_conformance.adapters import features as adapter_features
+from fsdp_conformance.checks import CheckFailure
 from fsdp_conformance.observe.unsharded import UnshardedParams
 
 from . import test_parity, training
 from .declare import check
-from .test_memory import STEPS, observed_training, unseen_instances
+from .test_memory import ALIVE, STEPS, observed_training, require_seen
 from .training import parametrize
 
 BF16 = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.bfloat16}
@@ -67,11 +68,7 @@ class BaseConfigIsolationTests:
             for c, which in zip((first, second), ("first", "second"))
         ]
         for label, probe in zip(labels, probes):
-            unseen = unseen_instances(probe)
-            assert not unseen, (
-                f"{label}: no unsharded parameter was recognised in the forward of "
-                f"instance(s) {unseen}; the check cannot see this implementation's parameters"
-            )
+            require_seen(probe, label)
         if axis == "mixed_precision":
             for label, probe, dtype in zip(labels, probes, (torch.float32, torch.bfloat16)):
                 other = {
@@ -85,11 +82,13 @@ class BaseConfigIsolationTests:
                     f"its configuration's {dtype}: {other}"
                 )
         else:
-            alive = _non_root_alive(probes[0])
-            assert not alive, (
-                f"{labels[0]}: FULL_SHARD reshards after forward, but after the forward these "
-                f"non-root instances still hold unsharded parameters: {alive}"
-            )
+            if alive := _non_root_alive(probes[0]):
+                raise CheckFailure(
+                    f"{labels[0]}: FULL_SHARD reshards after forward, but after the forward "
+                    f"these non-root instances still hold unsharded parameters: {alive}",
+                    ALIVE,
+                    instances=", ".join(sorted(alive)),
+                )
             assert _non_root_alive(probes[1]), (
                 f"{labels[1]}: SHARD_GRAD_OP keeps the unsharded parameters from forward to "
                 "backward, but after the forward no non-root instance holds any (it was "

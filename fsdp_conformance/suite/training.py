@@ -32,6 +32,9 @@ STEPS = 3
 LR = 0.01
 MOMENTUM = 0.9
 ADAM_LR = 1e-2
+# the failures of a training comparison (``assert_same_training``)
+TRAINING_DIFFERS = "training differs from DDP's"
+NAMES_DIFFER = "parameter names differ from DDP's"
 
 Phase = Callable[[int], contextlib.AbstractContextManager[Any]]
 
@@ -355,44 +358,89 @@ def assert_same_training(
     atol: float = 0.0,
     rtol: float = 0.0,
     loss_rtol: float | None = None,
+    steps: int | None = None,
 ) -> None:
     """Equal losses, gradient shards and full parameters (bit-exact at tolerances 0); `label`
-    names the run; `atol`, `rtol` hold for the losses too unless `loss_rtol` (absolute 0)."""
+    names the run; `atol`, `rtol` hold for the losses too unless `loss_rtol` (absolute 0).
+    Fails with ``CheckFailure`` "training differs from DDP's" and every gap
+    (``training_gaps``), or "parameter names differ from DDP's"."""
     loss_atol, loss_rtol = (atol, rtol) if loss_rtol is None else (0.0, loss_rtol)
-    missing = set(expected.params) - set(actual.params)
-    extra = set(actual.params) - set(expected.params)
-    if missing or extra:
-        raise AssertionError(
-            f"{label}: full parameter names differ from DDP's: missing {sorted(missing)}, "
-            f"unexpected {sorted(extra)}"
-        )
+    if (names := names_failure(f"{label}: ", actual.params, expected.params)) is not None:
+        raise names
     detail = f"FSDP losses {actual.losses.tolist()}, DDP losses {expected.losses.tolist()}"
-    if actual.losses.shape != expected.losses.shape:
-        raise AssertionError(f"{label}: {len(actual.losses)} losses, DDP {len(expected.losses)}")
     tol, loss_tol = tolerance_text(atol, rtol), tolerance_text(loss_atol, loss_rtol)
-    for step, (loss, reference) in enumerate(zip(actual.losses, expected.losses)):
-        message = f"{label}: losses differ from DDP's at step {step} ({loss_tol})"
-        assert_close(message, loss, reference, loss_atol, loss_rtol, detail=detail)
-        if actual.grads is None or expected.grads is None:
-            continue
-        full = expected.grads[step]
-        for name, (start, values) in actual.grads[step].items():
-            if name not in full:
-                raise AssertionError(
-                    f"{label}: after step {step}'s backward the FSDP run holds a gradient "
-                    f"of {name!r}, DDP has none (DDP's: {sorted(full)})"
-                )
-            end = start + values.numel()
-            message = (
-                f"{label}: after step {step}'s backward, this rank's gradient shard of {name!r} "
-                f"(elements {start}..{end} of the flattened parameter) differs from DDP's "
-                f"gradient there ({tol})"
+    try:
+        if actual.losses.shape != expected.losses.shape:
+            raise AssertionError(
+                f"{label}: {len(actual.losses)} losses, DDP {len(expected.losses)}"
             )
-            assert_close(message, values, full[name].reshape(-1)[start:end], atol, rtol)
-    for name, reference in expected.params.items():
-        message = f"{label}: parameter {name!r} differs from DDP's after {len(expected.losses)} "
-        message += f"steps ({tol})"
-        assert_close(message, actual.params[name], reference, atol, rtol)
+        for step, (loss, reference) in enumerate(zip(actual.losses, expected.losses)):
+            message = f"{label}: losses differ from DDP's at step {step} ({loss_tol})"
+            assert_close(message, loss, reference, loss_atol, loss_rtol, detail=detail)
+            if actual.grads is None or expected.grads is None:
+                continue
+            full = expected.grads[step]
+            for name, (start, values) in actual.grads[step].items():
+                if name not in full:
+                    raise AssertionError(
+                        f"{label}: after step {step}'s backward the FSDP run holds a gradient "
+                        f"of {name!r}, DDP has none (DDP's: {sorted(full)})"
+                    )
+                end = start + values.numel()
+                message = (
+                    f"{label}: after step {step}'s backward, this rank's gradient shard of "
+                    f"{name!r} (elements {start}..{end} of the flattened parameter) differs from "
+                    f"DDP's gradient there ({tol})"
+                )
+                assert_close(message, values, full[name].reshape(-1)[start:end], atol, rtol)
+        steps = len(expected.losses) if steps is None else steps
+        for name, reference in expected.params.items():
+            message = f"{label}: parameter {name!r} differs from DDP's after {steps} steps ({tol})"
+            assert_close(message, actual.params[name], reference, atol, rtol)
+    except AssertionError as error:
+        gaps = training_gaps(actual, expected)
+        raise CheckFailure(str(error), TRAINING_DIFFERS, **gaps) from None
+
+
+def names_failure(label: str, actual: dict, expected: dict) -> CheckFailure | None:
+    """``CheckFailure`` "parameter names differ from DDP's" (``missing``, ``unexpected``) unless
+    ``actual`` has ``expected``'s names."""
+    missing, extra = sorted(set(expected) - set(actual)), sorted(set(actual) - set(expected))
+    if not missing and not extra:
+        return None
+    message = (
+        f"{label}full parameter names differ from DDP's: missing {missing}, unexpected {extra}"
+    )
+    return CheckFailure(
+        message, NAMES_DIFFER, missing=", ".join(missing), unexpected=", ".join(extra)
+    )
+
+
+def _gap(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """max |actual - expected| (inf for other shapes or a NaN, 0 for empty tensors)."""
+    actual, expected = actual.detach().float().cpu(), expected.detach().float().cpu()
+    if actual.shape != expected.shape:
+        return math.inf
+    difference = (actual - expected).abs().nan_to_num(math.inf)  # NaN: the worst
+    return difference.max().item() if actual.numel() else 0.0
+
+
+def training_gaps(actual: TrainingResult, expected: TrainingResult) -> dict[str, Any]:
+    """The figure of "training differs from DDP's": the largest loss, gradient-shard (``inf``:
+    a gradient DDP lacks) and parameter gap, and the parameter of the largest ("": none)."""
+    grad_gaps = [0.0]
+    for pieces, full in zip(actual.grads or (), expected.grads or ()):
+        for name, (start, values) in pieces.items():
+            piece = full[name].reshape(-1)[start : start + values.numel()] if name in full else None
+            grad_gaps.append(math.inf if piece is None else _gap(values, piece))
+    param_gaps = {name: _gap(actual.params[name], p) for name, p in expected.params.items()}
+    parameter = max(param_gaps, key=param_gaps.__getitem__, default="")
+    return {
+        "loss_gap": _gap(actual.losses, expected.losses),
+        "grad_gap": max(grad_gaps),
+        "param_gap": param_gaps.get(parameter, 0.0),
+        "parameter": parameter if param_gaps.get(parameter) else "",
+    }
 
 
 def tolerance_text(atol: float, rtol: float) -> str:
@@ -419,6 +467,13 @@ def assert_close(
         )
 
 
+def assert_trained(label: str, actual: tuple, expected: tuple, steps: int, tol: float = 0.0):
+    """(losses, full parameters) after `steps` optimizer steps equal the reference's within
+    `tol` (absolute and relative): ``assert_same_training``."""
+    result, reference = TrainingResult(*actual), TrainingResult(*expected)
+    assert_same_training(label, result, reference, tol, tol, steps=steps)
+
+
 def assert_params(
     label: str, actual: dict, expected: dict, steps: int, atol: float = 0.0, rtol: float = 0.0
 ) -> None:
@@ -430,9 +485,8 @@ def assert_params(
 
 
 def assert_losses(label: str, actual: torch.Tensor, expected: torch.Tensor, tol: float = 0.0):
-    message = f"{label}: losses differ from DDP's ({tolerance_text(tol, tol)})"
-    detail = f"FSDP losses {actual.tolist()}, DDP losses {expected.tolist()}"
-    assert_close(message, actual, expected, tol, tol, detail=detail)
+    """Losses equal the reference's within `tol` (``assert_trained`` without parameters)."""
+    assert_trained(label, (actual, {}), (expected, {}), len(expected), tol)
 
 
 def by_clean_name(adapter: Adapter, named: Iterable[tuple[str, Any]]) -> dict[str, Any]:

@@ -180,6 +180,40 @@ def test_torch_fsdp1_no_shard_orig_params_vanish_after_a_skipped_forward(dist):
     assert vanished or failed, (torch.__version__, seen)
 
 
+def _branch_case(**config):
+    """The generated form of ``_fsdp1_with_branch``: a wrapped branch used in step 0 only."""
+    from fsdp_conformance.suite.fuzz.spec import Block, FuzzCase, ModelSpec, Program, Seq, Step
+
+    body = Seq((Block("linear", 4, 4), Block("branch", 4, 4, period=3)))
+    steps = Program(steps=(Step(), Step(), Step()))
+    return FuzzCase(ModelSpec(4, body), ("body.nodes.1",), tuple(sorted(config.items())), steps)
+
+
+@pytest.mark.world_size(2)
+def test_fuzz_reports_the_none_gradient_as_its_own_failure(dist):
+    """The fuzz comparison names FSDP1's None-versus-zero gradient (``NONE_GRADIENT``), which
+    the deviation's envelope covers; the same case through impl is fine; the figure of a
+    difference before that step (FSDP1 with the first loss changed) is another failure."""
+    from fsdp_conformance.adapters import get_adapter
+    from fsdp_conformance.adapters.deviations import find_deviation
+    from fsdp_conformance.suite.fuzz import compare
+
+    case = _branch_case(sharding_strategy="FULL_SHARD")
+    fsdp1 = get_adapter("torch-fsdp1")
+    root, model = compare.fsdp_wrap(fsdp1, case, dist)
+    expected = compare.reference_run(case, dist)
+    actual = compare.fsdp_train(fsdp1, root, model, case, dist)
+    failure = compare.first_difference(case, actual, expected, dist.world_size)
+    assert failure.failure == compare.NONE_GRADIENT, failure
+    assert "after step 1's backward the FSDP parameters" in str(failure), failure
+    assert find_deviation(fsdp1, "fuzz.generated", case, failure) is not None
+    actual.values[0] = (actual.values[0][0], actual.values[0][1] + 1.0)  # differs before it
+    failure = compare.first_difference(case, actual, expected, dist.world_size)
+    assert failure.failure == "training differs from DDP's", failure
+    assert find_deviation(fsdp1, "fuzz.generated", case, failure) is None
+    assert compare.run_case(get_adapter("impl"), case, dist).kind == compare.OK
+
+
 # ---------------------------------------------------------------- full state dicts and DCP
 def _fsdp1_linear():
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP

@@ -19,6 +19,7 @@ from fsdp_conformance.adapters import (
     Adapter,
     Declarations,
     Deviation,
+    Envelope,
     Feature,
     FeatureNotImplementedError,
     UnsupportedFeatureError,
@@ -44,7 +45,9 @@ class _Declaring(Adapter):
     name = "declaring"
     declarations = Declarations(
         unsupported={Feature.NO_SHARD: "always shards"},
-        known_deviations=(Deviation("misuse.wrap_twice", "accepts it"),),
+        known_deviations=(
+            Deviation("misuse.wrap_twice", "accepts it", envelope=Envelope("no error raised")),
+        ),
         grad_reduction="sum",
     )
 
@@ -54,7 +57,8 @@ def test_the_module_functions_read_the_declarations() -> None:
     assert not features.supports(adapter, Feature.NO_SHARD)
     assert features.supports(adapter, Feature.FULL_SHARD)
     assert features.why_unsupported(adapter, Feature.NO_SHARD) == "always shards"
-    assert features.capabilities(adapter) == ALL_FEATURES - {Feature.NO_SHARD}
+    api_families = {Feature.FSDP1_API, Feature.FSDP2_API}  # opt-in: Declarations.api
+    assert features.capabilities(adapter) == ALL_FEATURES - {Feature.NO_SHARD} - api_families
     with pytest.raises(UnsupportedFeatureError, match="does not support 'no_shard'"):
         features.require(adapter, Feature.NO_SHARD)
     assert deviations.deviation_reason(adapter, "misuse.wrap_twice") == "accepts it"
@@ -164,3 +168,31 @@ def test_importing_a_removed_package_name_says_its_replacement(name: str) -> Non
     line = _line_of(error)
     assert line.startswith(f"fsdp_conformance.adapters.{name} was removed: use "), line
     assert _removed.REMOVED_EXPORTS[name] in line and "Removed names" in line, line
+
+
+def test_api_families_are_opt_in_through_declarations_api() -> None:
+    """An adapter claims an API family only by naming its namespace; an unknown family is
+    refused with the known ones."""
+    import types
+
+    plain = features.Declarations()
+    assert Feature.FSDP2_API in plain.unsupported and Feature.FSDP1_API in plain.unsupported
+    namespace = types.SimpleNamespace(fully_shard=lambda module, **kwargs: module)
+    declaring = features.Declarations(api={"fsdp2": namespace})
+    assert Feature.FSDP2_API not in declaring.unsupported
+    assert "Declarations.api['fsdp1']" in declaring.unsupported[Feature.FSDP1_API]
+    with pytest.raises(ValueError, match=r"unknown API families \['fsdp3'\]; use \['fsdp1', "):
+        features.Declarations(api={"fsdp3": namespace})
+
+
+def test_a_check_failure_travels_with_its_figure() -> None:
+    import pickle
+
+    from fsdp_conformance.checks import CheckFailure
+
+    error = pickle.loads(pickle.dumps(CheckFailure("peak 6 > 3", "memory bound exceeded", peak=6)))
+    assert (str(error), error.failure, error.figures) == (
+        "peak 6 > 3",
+        "memory bound exceeded",
+        {"peak": 6},
+    )

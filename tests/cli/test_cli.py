@@ -131,8 +131,9 @@ def test_run_on_broken_adapter_fails_and_names_the_failing_checks(tmp_path: Path
     ], bound
     for _, _, detail in bound:  # the first assertion message of each failure
         assert detail.startswith(
-            "AssertionError: memory bound exceeded: iteration 1 forward: peak 6 resident"
+            "CheckFailure: memory bound exceeded: iteration 1 forward: peak 6 resident"
         ), detail
+        assert "measured: memory bound exceeded (peak_backward 36, peak_forward 30)" in detail
     assert matrix_cells(out, "TestCollectiveCounts::test_counts_per_phase") == [
         ("pass", "nested-FULL_SHARD", "")
     ]
@@ -153,6 +154,10 @@ def test_run_on_broken_adapter_fails_and_names_the_failing_checks(tmp_path: Path
     ]
     assert "exceeds the bound 2" in failed[0]["detail"]
     assert "exceeds the bound 3 incl. +1 for the early prefetch" in failed[1]["detail"]
+    # the measured figure as data (checks.PROPERTY_MEASURED), not parsed from the message
+    figure = failed[0]["measured"]
+    assert figure["failure"] == "memory bound exceeded" and figure["peak_forward"] >= 6, figure
+    assert all(cell["measured"] is None for cell in cells if cell["outcome"] == "pass"), cells
 
 
 def _documented_run(impl: str) -> list:
@@ -169,6 +174,7 @@ def _documented_run(impl: str) -> list:
 def _unplaced(lines: list[str]) -> list[str]:
     """``lines`` without what differs from run to run: the wall time and the directory."""
     lines = [re.sub(r" in [\d.ms]+ -- ", " in ... -- ", line) for line in lines]
+    lines = [re.sub(r"PYTHONPATH=\S+", "PYTHONPATH=...", line) for line in lines]
     return [re.sub(r"re-run: cd \S+ &&", "re-run: cd ... &&", line) for line in lines]
 
 
@@ -390,6 +396,26 @@ def test_matrix_of_a_collection_error(tmp_path: Path) -> None:
     ]
     text = _cli_report.render_text(cells)
     assert "FAIL   (default)  ImportError: boom" in textwrap.dedent(text)
+
+
+def test_a_deviating_cell_carries_its_measured_figure() -> None:
+    """The figure a check measured (checks.PROPERTY_MEASURED) travels from the record to the
+    matrix's text and Markdown (in words) and to the JSON (as an object)."""
+    from fsdp_conformance.cli import report as _cli_report
+
+    figure = '{"failure": "memory bound exceeded", "peak_backward": 3, "peak_forward": 3}'
+    (cell,) = _cli_report.cells_from_records(
+        [
+            {"event": "test", "nodeid": "t.py::TestB::test_y[lag]", "outcome": "xfail",
+             "detail": "CheckFailure: memory bound exceeded -- known deviation", "duration": 1.0,
+             "check_id": "memory_bound", "verdict": "deviation", "measured": json.loads(figure)},
+        ]
+    )  # fmt: skip
+    words = "memory bound exceeded (peak_backward 3, peak_forward 3)"
+    assert f"measured: {words}" in _cli_report.render_text([cell])
+    assert f"<br>measured: {words}" in _cli_report.render_markdown([cell], {}, "")
+    (data,) = json.loads(_cli_report.render_json([cell], {}))["cells"]
+    assert data["measured"] == json.loads(figure)
 
 
 def test_failure_message_is_the_first_assertion_line() -> None:

@@ -33,7 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.nn.utils import parametrize
 
-from fsdp_conformance.adapters import Adapter, Declarations, Deviation, Feature, _dcp
+from fsdp_conformance.adapters import Adapter, Declarations, Deviation, Envelope, Feature, _dcp
 from fsdp_conformance.adapters.base import ObserverRegistry
 from fsdp_conformance.adapters.features import (
     ALL_FEATURES,
@@ -239,8 +239,14 @@ class SimpleFSDPAdapter(Adapter):
                 "0.11 from step 1); reproduction: tests/suite/test_shapes.py, "
                 "test_simple_fsdp_unties_tied_weights",
                 lambda case: case.model == "transformer",
-                raises=AssertionError,
-                match=r"(losses|parameter '.*') differs? from DDP's",
+                # the largest over world sizes 1, 2, 4 and the ranks (0.228 at world size 2)
+                envelope=Envelope(
+                    "training differs from DDP's",
+                    rtol=0.1,
+                    loss_gap=0.228,
+                    param_gap=0.096,
+                    parameter="embed_tokens.weight",
+                ),
                 measured_on=MEASURED_ON,
             ),
         ),

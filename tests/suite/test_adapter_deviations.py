@@ -16,7 +16,7 @@ import pytest
 
 import fsdp_conformance.suite  # noqa: F401  (the suite declares the checks)
 from fsdp_conformance import checks
-from fsdp_conformance.adapters import Adapter, Declarations, Deviation, get_adapter
+from fsdp_conformance.adapters import Adapter, Declarations, Deviation, Envelope, get_adapter
 from fsdp_conformance.adapters import deviations as adapter_deviations
 from fsdp_conformance.adapters.deviations import deviation_reason, find_deviation
 
@@ -27,8 +27,17 @@ class _Base(Adapter):
     name = "base"
     declarations = Declarations(
         known_deviations=(
-            Deviation("misuse.wrap_twice", "accepts it: FSDP(lin); FSDP(lin)"),
-            Deviation("memory_bound", "one buffer too many", lambda case: case == "prefetch"),
+            Deviation(
+                "misuse.wrap_twice",
+                "accepts it: FSDP(lin); FSDP(lin)",
+                envelope=Envelope("no error raised"),
+            ),
+            Deviation(
+                "memory_bound",
+                "one buffer too many",
+                lambda case: case == "prefetch",
+                envelope=Envelope("memory bound exceeded", peak_forward=3, peak_backward=3),
+            ),
         )
     )
 
@@ -39,7 +48,7 @@ class _Child(_Base):
         _Base.declarations,
         known_deviations=(
             *_Base.declarations.known_deviations,
-            Deviation("parity.bf16", "casts to half"),
+            Deviation("parity.bf16", "casts to half", raises=RuntimeError, match="same dtype"),
         ),
     )
 
@@ -72,10 +81,32 @@ def test_builtin_deviations_use_known_check_ids() -> None:
 
 
 def test_bad_declarations_raise_naming_the_fix() -> None:
+    none = Envelope("no error raised")
     with pytest.raises(ValueError, match="unknown check id.*misuse.wrap_twice"):
-        find_deviation((Deviation("wrap_twice", "why"),), "misuse.wrap_twice")
+        find_deviation((Deviation("wrap_twice", "why", envelope=none),), "misuse.wrap_twice")
     with pytest.raises(ValueError, match="non-empty reason"):
-        Deviation("misuse.wrap_twice", " ")
+        Deviation("misuse.wrap_twice", " ", envelope=none)
+    bad = {
+        "declare envelope=Envelope": {},  # neither
+        r"or raises and match \(the implementation.s own error\), not both": {
+            "envelope": none,
+            "raises": ValueError,
+            "match": "x",
+        },
+        "must be an Envelope": {"envelope": "no error raised"},
+        r"match=None must be the regular expression": {"raises": ValueError},
+        "raises='ValueError'": {"raises": "ValueError", "match": "x"},
+        r"match='\(' must be the regular expression": {"raises": ValueError, "match": "("},
+    }
+    for message, arguments in bad.items():
+        with pytest.raises(ValueError, match=message):
+            Deviation("misuse.wrap_twice", "why", **arguments)
+    with pytest.raises(ValueError, match="name the check's failure"):
+        Envelope("")
+    with pytest.raises(ValueError, match=r"rtol=-0.5 must be a number >= 0"):
+        Envelope("memory bound exceeded", rtol=-0.5, peak_forward=3)
+    with pytest.raises(ValueError, match=r"figure peak_forward=\[3\] must be a number"):
+        Envelope("memory bound exceeded", peak_forward=[3])
     with pytest.raises(ValueError, match="unknown check id"):
         deviation_reason(_Child(), "no.such.check")
 
@@ -199,33 +230,61 @@ def test_several_deviations_of_one_check_each_cover_their_own_failure() -> None:
                 Deviation("fuzz.generated", "state bug. Reproduction: ...", raises=ValueError,
                           match="expected to be in states"),
                 Deviation("fuzz.generated", "drops a grad. Reproduction: ...",
-                          match="differs from DDP's"),
+                          envelope=Envelope("training differs from DDP's", param_gap=0.1)),
             )
         )  # fmt: skip
 
     adapter = _Two()
     state = ValueError("expected to be in states [IDLE]")
-    mismatch = AssertionError("parameter 'w' differs from DDP's")
+    mismatch = checks.CheckFailure("w differs", "training differs from DDP's", param_gap=0.05)
     assert adapter_deviations.find_deviation(
         adapter, "fuzz.generated", None, state
     ).reason.startswith("state")
     assert adapter_deviations.find_deviation(
         adapter, "fuzz.generated", None, mismatch
     ).reason.startswith("drops")
-    assert (
-        adapter_deviations.find_deviation(adapter, "fuzz.generated", None, RuntimeError("boom"))
-        is None
-    )
+    worse = checks.CheckFailure("w differs", "training differs from DDP's", param_gap=0.2)
+    for uncovered in (RuntimeError("boom"), worse, AssertionError("differs from DDP's")):
+        assert adapter_deviations.find_deviation(adapter, "fuzz.generated", None, uncovered) is None
     # without an error: the first that applies (what a cell reports when nothing failed)
     assert adapter_deviations.find_deviation(adapter, "fuzz.generated").reason.startswith("state")
 
 
 def test_every_builtin_deviation_names_its_failure() -> None:
-    """A built-in deviation covers one failure message (`match`), never "any assertion of the
-    check": an unrelated failure in a declared cell stays a FAIL."""
+    """A built-in deviation covers its measured envelope or the implementation's own error
+    (`raises` other than AssertionError, `match`), never "any assertion of the check": another
+    failure in a declared cell stays a FAIL."""
     from fsdp_conformance.constants import BUILTIN_ADAPTERS
 
     for name in BUILTIN_ADAPTERS:
         for deviation in get_adapter(name).declarations.known_deviations:
-            assert deviation.match, (name, deviation.check, deviation.reason[:80])
-            assert deviation.measured_on, (name, deviation.check)
+            where = (name, deviation.check, deviation.reason[:80])
+            assert deviation.envelope or (
+                deviation.match and AssertionError not in deviation._types
+            ), where
+            assert deviation.measured_on, where
+
+
+def test_an_envelope_covers_only_the_measured_figure() -> None:
+    """Numbers up to the declared value (x (1 + rtol)), other values exactly, patterns searched;
+    a figure not declared or not measured, another failure or a bool for a number is outside."""
+    envelope = Envelope(
+        "memory bound exceeded", rtol=0.5, peak=4, hook="after step", state=re.compile("^POST")
+    )
+
+    def outside(failure="memory bound exceeded", **figures):
+        return envelope.outside(checks.CheckFailure("m", failure, **figures))
+
+    inside = {"peak": 6, "hook": "after step", "state": "POST (stale)"}
+    assert outside(**inside) == []
+    assert outside(**{**inside, "peak": 3}) == []
+    assert outside(**{**inside, "peak": 6.5}) == ["peak 6.5 beyond 4"]
+    assert outside(**{**inside, "peak": True}) == ["peak True beyond 4"]
+    assert outside(**{**inside, "hook": "after step 2"}) == [
+        "hook 'after step 2' beyond 'after step'"
+    ]
+    assert outside(**{**inside, "state": "PRE"}) == ["state 'PRE' beyond re.compile('^POST')"]
+    assert outside(**inside, extra=1) == ["extra not declared"]
+    assert outside(peak=4, hook="after step") == ["state not measured"]
+    assert outside("another", **inside) == ["another failure ('another')"]
+    assert str(envelope) == "memory bound exceeded (peak 4, hook after step, state ^POST)"

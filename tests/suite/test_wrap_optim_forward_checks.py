@@ -264,37 +264,37 @@ GROUPS = {
         ],
         [
             (
-                "*AssertionError: adapter 'impl', loops_norm, FULL_SHARD, AdamW "
+                "*: adapter 'impl', loops_norm, FULL_SHARD, AdamW "
                 "with groups*losses differ from DDP's*"
             ),
             (
-                "*AssertionError: adapter 'torch-fsdp2', loops_gains, FULL_SHARD, norm_type=2.0: "
+                "*: adapter 'torch-fsdp2', loops_gains, FULL_SHARD, norm_type=2.0: "
                 "total norms returned by clip_grad_norm_ differ from DDP*"
             ),
             (
-                "*AssertionError: adapter 'impl', tied_instances (embed.weight is head.weight, the "
+                "*: adapter 'impl', tied_instances (embed.weight is head.weight, the "
                 "two wrapped apart), FULL_SHARD: the wrap was accepted, so training must match "
                 "DDP: losses differ from DDP's*"
             ),
             (
-                "*AssertionError: adapter 'impl', loops, FULL_SHARD, blocks.1.0.* ignored, "
+                "*: adapter 'impl', loops, FULL_SHARD, blocks.1.0.* ignored, "
                 "auto_wrap: ignored parameter 'blocks.1.0.weight' is not registered under its "
                 "name as the same nn.Parameter*"
             ),
             (
-                "*AssertionError: adapter 'method-unregistered', loops, FULL_SHARD, method: the "
+                "*: adapter 'method-unregistered', loops, FULL_SHARD, method: the "
                 "root's own parameters (the trunk's) are sharded while encode uses them (step 0)*"
             ),
             (
-                "*AssertionError: adapter 'method-keeps-unsharded', loops, FULL_SHARD, method: "
+                "*: adapter 'method-keeps-unsharded', loops, FULL_SHARD, method: "
                 "unsharded parameters left after the step*"
             ),
             (
-                "*AssertionError: adapter 'torch-fsdp2', loops, FULL_SHARD, method: the root's "
+                "*: adapter 'torch-fsdp2', loops, FULL_SHARD, method: the root's "
                 "own parameters (the trunk's) are sharded while encode uses them (step 0)*"
             ),
             (
-                "*AssertionError: adapter 'torch-fsdp2', loops, FULL_SHARD, blocks.1.0.* ignored, "
+                "*: adapter 'torch-fsdp2', loops, FULL_SHARD, blocks.1.0.* ignored, "
                 "auto_wrap: ignored parameter 'blocks.1.0.weight' is not registered under its "
                 "name as the same nn.Parameter*"
             ),

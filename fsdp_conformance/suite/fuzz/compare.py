@@ -27,6 +27,8 @@ from torch import nn
 
 from fsdp_conformance.adapters import UnsupportedFeatureError
 from fsdp_conformance.adapters import deviations as adapter_deviations
+from fsdp_conformance.checks import CheckFailure
+from fsdp_conformance.suite import training
 from fsdp_conformance.suite.training import Driver
 
 from .model import build_model, make_batch, unpack
@@ -36,6 +38,8 @@ from .spec import Block, FuzzCase, iter_nodes
 ATOL = 1e-6
 RTOL = 1e-5
 CHECK_ID = "fuzz.generated"
+# the failure of a run whose first difference follows a gradient gone None ([Note: the property])
+NONE_GRADIENT = "a gradient is None where DDP's is zero"
 PRECISION_LAYERS = 4  # the layer count [Note: precision tolerances] derives its bounds for
 
 OK, UNSUPPORTED, DEVIATION, FAIL = "ok", "unsupported", "deviation", "FAIL"
@@ -51,16 +55,20 @@ class Outcome:
 
 @dataclasses.dataclass
 class Trace:
-    """What a run produced: named scalars in program order, full parameters."""
+    """What a run produced: named scalars in program order, full parameters, and per step
+    (before its optimizer step) how many values were recorded, the registered parameters
+    holding a gradient and those whose gradient is all zeros."""
 
     values: list[tuple[str, float]]
     params: dict[str, torch.Tensor]
+    steps: list[tuple[int, set[str], set[str]]] = dataclasses.field(default_factory=list)
 
 
 def run_program(driver: Driver, case: FuzzCase, dist: Any, after_step: Any = None) -> Trace:
     """The case's program through ``driver`` (the DDP reference, or the FSDP root through its
     adapter): the named losses and norms in program order, and the full parameters."""
     values: list[tuple[str, float]] = []
+    steps: list[tuple[int, set[str], set[str]]] = []
     program = case.program
     forwards = itertools.count()  # every forward gets its own batch
 
@@ -81,6 +89,9 @@ def run_program(driver: Driver, case: FuzzCase, dist: Any, after_step: Any = Non
             values.append((f"step {step_index} micro-batch {micro_index} loss", value.item()))
         if step.clip is not None:
             values.append((f"step {step_index} total grad norm", float(driver.clip(step.clip))))
+        grads = {name: p.grad for name, p in driver.model.named_parameters() if p.grad is not None}
+        zeros = set() if driver.adapter else {n for n, grad in grads.items() if not grad.any()}
+        steps.append((len(values), set(grads), zeros))
         driver.step()
         if after_step is not None:
             after_step()
@@ -89,7 +100,7 @@ def run_program(driver: Driver, case: FuzzCase, dist: Any, after_step: Any = Non
         if step.eval:
             output = driver.eval_forward(*batch(), step_index)
             values.append((f"step {step_index} eval loss", loss(output).item()))
-    return Trace(values, driver.params())
+    return Trace(values, driver.params(), steps)
 
 
 def reference_run(case: FuzzCase, dist: Any) -> Trace:
@@ -184,27 +195,48 @@ def tolerance(case: FuzzCase, world_size: int) -> tuple[float, float]:
     return atol, rtol
 
 
-def first_difference(case: FuzzCase, actual: Trace, expected: Trace, world_size: int) -> str | None:
-    """The first difference of the FSDP run from the reference, in words, or None."""
+def first_difference(
+    case: FuzzCase, actual: Trace, expected: Trace, world_size: int
+) -> CheckFailure | None:
+    """The first difference of the FSDP run from the reference ([Note: the property]), or
+    None: "parameter names differ from DDP's", ``NONE_GRADIENT`` when it follows a step in
+    which a gradient went None where DDP's are zeros, else "training differs from DDP's" with
+    ``training.training_gaps`` (losses: every recorded value)."""
+    if (names := training.names_failure("", actual.params, expected.params)) is not None:
+        return names
     atol, rtol = tolerance(case, world_size)
+    found = _difference(case, actual, expected, atol, rtol)
+    if found is None:
+        return None
+    difference, at = found
+    if (none_gradient := _none_gradient(actual, expected, at)) is not None:
+        return CheckFailure(f"{none_gradient}; then {difference}", NONE_GRADIENT)
+    runs = [
+        training.TrainingResult(torch.tensor([v for _, v in t.values]), t.params)
+        for t in (actual, expected)
+    ]
+    return CheckFailure(difference, training.TRAINING_DIFFERS, **training.training_gaps(*runs))
+
+
+def _difference(
+    case: FuzzCase, actual: Trace, expected: Trace, atol: float, rtol: float
+) -> tuple[str, int] | None:
+    """The first difference in words, and the index of the first differing value (the number
+    of values when none differs); or None."""
     how = f"atol={atol:g}, rtol={rtol:g}"  # never 0: at least ATOL / RTOL
     close = functools.partial(torch.allclose, atol=atol, rtol=rtol, equal_nan=True)
-    for (name, value), (_, reference) in zip(actual.values, expected.values):
+    for index, ((name, value), (_, reference)) in enumerate(zip(actual.values, expected.values)):
         if not close(torch.tensor(value), torch.tensor(reference)):
-            return f"{name}: FSDP {value!r} != DDP {reference!r} ({how})"
-    if len(actual.values) != len(expected.values):
-        return f"FSDP recorded {len(actual.values)} values, DDP {len(expected.values)}"
-    missing = sorted(set(expected.params) - set(actual.params))
-    extra = sorted(set(actual.params) - set(expected.params))
-    if missing or extra:
-        return f"full parameter names differ from DDP's: missing {missing}, unexpected {extra}"
+            return f"{name}: FSDP {value!r} != DDP {reference!r} ({how})", index
+    count = len(actual.values)
+    if count != len(expected.values):
+        return f"FSDP recorded {count} values, DDP {len(expected.values)}", count
     for name, reference in expected.params.items():
         value = actual.params[name].detach().float().cpu()
         reference = reference.detach().float().cpu()
         if value.shape != reference.shape:
-            return (
-                f"parameter {name!r}: shape {tuple(value.shape)} != DDP's {tuple(reference.shape)}"
-            )
+            shapes = f"{tuple(value.shape)} != DDP's {tuple(reference.shape)}"
+            return f"parameter {name!r}: shape {shapes}", count
         if not close(value, reference):
             worst = (value - reference).abs().flatten().argmax().item()
             return (
@@ -212,7 +244,28 @@ def first_difference(case: FuzzCase, actual: Trace, expected: Trace, world_size:
                 f"({how}): max |difference| {(value - reference).abs().max().item():.3g} at flat "
                 f"index {worst} (FSDP {value.flatten()[worst].item()!r}, DDP "
                 f"{reference.flatten()[worst].item()!r})"
+            ), count
+    return None
+
+
+def _none_gradient(actual: Trace, expected: Trace, at: int) -> str | None:
+    """In words, the first step whose optimizer step precedes the value at index ``at``, in
+    which a registered FSDP parameter that had a gradient has none while DDP's gradients are
+    all there, some all zeros (SGD's momentum then moves DDP's parameter, not FSDP's); or
+    None."""
+    had_fsdp, had_ddp = set(), set()  # the parameters that had a gradient
+    for step, (fsdp, ddp) in enumerate(zip(actual.steps, expected.steps)):
+        (recorded, fsdp_grads, _), (_, ddp_grads, ddp_zeros) = fsdp, ddp
+        if recorded > at:
+            break
+        vanished = had_fsdp - fsdp_grads
+        if vanished and ddp_zeros and had_ddp <= ddp_grads:
+            return (
+                f"after step {step}'s backward the FSDP parameters {sorted(vanished)} have no "
+                f"gradient (None) where DDP's {sorted(ddp_zeros)} are zeros"
             )
+        had_fsdp |= fsdp_grads
+        had_ddp |= ddp_grads
     return None
 
 
@@ -239,7 +292,7 @@ def run_case(adapter: Any, case: FuzzCase, dist: Any) -> Outcome:
         difference = first_difference(case, actual, expected, dist.world_size)
         if difference is None:
             return Outcome(OK)
-        error: BaseException = AssertionError(difference)
+        error: BaseException = difference
     except UnsupportedFeatureError as refusal:
         return Outcome(UNSUPPORTED, str(refusal))
     except Exception as raised:  # noqa: BLE001  any other exception is a failure (or declared)
