@@ -416,15 +416,6 @@ def names_failure(label: str, actual: dict, expected: dict) -> CheckFailure | No
     )
 
 
-def _gap(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """max |actual - expected| (inf for other shapes or a NaN, 0 for empty tensors)."""
-    actual, expected = actual.detach().float().cpu(), expected.detach().float().cpu()
-    if actual.shape != expected.shape:
-        return math.inf
-    difference = (actual - expected).abs().nan_to_num(math.inf)  # NaN: the worst
-    return difference.max().item() if actual.numel() else 0.0
-
-
 def training_gaps(actual: TrainingResult, expected: TrainingResult) -> dict[str, Any]:
     """The figure of "training differs from DDP's": the largest loss, gradient-shard (``inf``:
     a gradient DDP lacks) and parameter gap, and the parameter of the largest ("": none)."""
@@ -432,11 +423,11 @@ def training_gaps(actual: TrainingResult, expected: TrainingResult) -> dict[str,
     for pieces, full in zip(actual.grads or (), expected.grads or ()):
         for name, (start, values) in pieces.items():
             piece = full[name].reshape(-1)[start : start + values.numel()] if name in full else None
-            grad_gaps.append(math.inf if piece is None else _gap(values, piece))
-    param_gaps = {name: _gap(actual.params[name], p) for name, p in expected.params.items()}
+            grad_gaps.append(max_gap(values, piece))
+    param_gaps = {name: max_gap(actual.params[name], p) for name, p in expected.params.items()}
     parameter = max(param_gaps, key=param_gaps.__getitem__, default="")
     return {
-        "loss_gap": _gap(actual.losses, expected.losses),
+        "loss_gap": max_gap(actual.losses, expected.losses),
         "grad_gap": max(grad_gaps),
         "param_gap": param_gaps.get(parameter, 0.0),
         "parameter": parameter if param_gaps.get(parameter) else "",
@@ -570,15 +561,15 @@ def full_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def max_gap(actual: Any, expected: Any) -> float:
-    """max |actual - expected| in float64 (0 when empty; inf when either is not a tensor or their
-    shapes differ)."""
+    """max |actual - expected| in float64 (0 when empty; inf for a NaN, or when either is not a
+    tensor or their shapes differ)."""
     tensors = isinstance(actual, torch.Tensor) and isinstance(expected, torch.Tensor)
     if not tensors or actual.shape != expected.shape:
         return math.inf
     if actual.numel() == 0:
         return 0.0
-    difference = actual.detach().cpu().double() - expected.detach().cpu().double()
-    return difference.abs().max().item()
+    difference = (actual.detach().cpu().double() - expected.detach().cpu().double()).abs()
+    return math.inf if difference.isnan().any() else difference.max().item()
 
 
 def check_gap(message: str, failure: str, actual: Any, expected: Any, tol: float = 0.0) -> None:
