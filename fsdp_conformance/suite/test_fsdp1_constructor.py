@@ -143,6 +143,8 @@ def _of(cls: type, model: nn.Module) -> list[nn.Module]:
 class BaseFSDP1ConstructorTests:
     """The FSDP1 API family's constructor and config checks (see the module docstring)."""
 
+    pytestmark = pytest.mark.world_size(2)  # each cell's, where it names none
+
     @check(
         "fsdp1.auto_wrap_policy",
         "a callable, ModuleWrapPolicy or CustomPolicy auto_wrap_policy makes exactly the "
@@ -158,7 +160,6 @@ class BaseFSDP1ConstructorTests:
             "ShardingStrategy.NO_SHARD",
         ),
     )
-    @pytest.mark.world_size(2)
     @pytest.mark.parametrize("policy", ["callable", "module_wrap", "custom"])
     def test_auto_wrap_policy(self, fsdp_adapter: Any, dist: Any, policy: str):
         api, model = _built(fsdp_adapter, dist)
@@ -215,7 +216,6 @@ class BaseFSDP1ConstructorTests:
             "MixedPrecision(cast_root_forward_inputs=False)",
         ),
     )
-    @pytest.mark.world_size(2)
     @pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD"])
     def test_keep_low_precision_grads(self, fsdp_adapter: Any, dist: Any, strategy: str):
         api, model = _built(fsdp_adapter, dist)
@@ -246,7 +246,6 @@ class BaseFSDP1ConstructorTests:
         _expect(label, "gradients not kept in low precision", *_per_key(seen, expected))
 
     @check("fsdp1.mixed_precision", case_of=lambda policy: f"_module_classes_to_ignore:{policy}")
-    @pytest.mark.world_size(2)
     @pytest.mark.parametrize("policy", ["callable", "module_wrap"])
     def test_module_classes_to_ignore(self, fsdp_adapter: Any, dist: Any, policy: str):
         api, model = _built(fsdp_adapter, dist, "loops_norm")
@@ -264,7 +263,6 @@ class BaseFSDP1ConstructorTests:
         _expect(label, "ignored module classes not in full precision", *_per_key(seen, expected))
 
     @check("fsdp1.mixed_precision", case_of=lambda: "cast_forward_inputs")
-    @pytest.mark.world_size(2)
     def test_cast_forward_inputs(self, fsdp_adapter: Any, dist: Any):
         api, model = _built(fsdp_adapter, dist)
         seen: dict[str, str] = {}
@@ -293,7 +291,6 @@ class BaseFSDP1ConstructorTests:
         features=FAMILY,
         api=(f"{FSDP}(param_init_fn)",),
     )
-    @pytest.mark.world_size(2)
     def test_param_init_fn(self, fsdp_adapter: Any, dist: Any):
         api, model = _built(fsdp_adapter, dist, "buffered_meta")
         names = _names(model)
@@ -329,7 +326,6 @@ class BaseFSDP1ConstructorTests:
         case_of="argument",
         api=(f"{FSDP}(ignored_modules)", f"{FSDP}(ignored_states=Iterable[Module])"),
     )
-    @pytest.mark.world_size(2)
     @pytest.mark.parametrize("argument", ["ignored_modules", "ignored_states"])
     def test_ignored_modules(self, fsdp_adapter: Any, dist: Any, argument: str):
         api, model = _built(fsdp_adapter, dist)
@@ -366,7 +362,6 @@ class BaseFSDP1ConstructorTests:
         case_of="form",
         api=(f"{FSDP}(device_id=device)", f"{FSDP}(device_id=int)"),
     )
-    @pytest.mark.world_size(2)
     @pytest.mark.parametrize("form", ["device", "int"])
     def test_device_id(self, fsdp_adapter: Any, dist: Any, form: str):
         api = fsdp_adapter.declarations.api["fsdp1"]
@@ -438,7 +433,6 @@ class BaseFSDP1ConstructorTests:
         features=FAMILY,
         api=(f"{FSDP}(use_orig_params=True)",),
     )
-    @pytest.mark.world_size(2)
     def test_use_orig_params(self, fsdp_adapter: Any, dist: Any):
         api, model = _built(fsdp_adapter, dist, "loops_frozen_mixed")
         plain = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -476,7 +470,6 @@ class BaseFSDP1ConstructorTests:
             f"{FSDP}.named_buffers()",
         ),
     )
-    @pytest.mark.world_size(2)
     def test_module_api(self, fsdp_adapter: Any, dist: Any):
         api, model = _built(fsdp_adapter, dist, "loops_buffer")
         plain = zoo.build("loops_buffer", dist.group, None, dist.device).to(dist.device)
@@ -521,7 +514,6 @@ class BaseFSDP1ConstructorTests:
         features=FAMILY,
         api=(f"{FSDP}.apply()",),
     )
-    @pytest.mark.world_size(2)
     def test_apply(self, fsdp_adapter: Any, dist: Any):
         api, model = _built(fsdp_adapter, dist)
         reference = training.ddp_driver(MODEL, dist)

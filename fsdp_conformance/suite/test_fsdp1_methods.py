@@ -358,6 +358,8 @@ def _assert_state(
 class BaseFSDP1MethodTests:
     """The ``fsdp1`` family's method checks: see this module's docstring."""
 
+    pytestmark = pytest.mark.world_size(2)  # each cell's, where it names none
+
     STEPS: ClassVar[int] = 2
 
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
@@ -384,7 +386,6 @@ class BaseFSDP1MethodTests:
         case_of="state_dict_case",
         api=STATE_DICT_ITEMS,
     )
-    @pytest.mark.world_size(2)
     def test_state_dict_types(self, fsdp_adapter: Any, dist: Any, state_dict_case: MethodCase):
         case, api, failures = state_dict_case, _api(fsdp_adapter), _Failures()
         fsdp = api.FullyShardedDataParallel
@@ -459,7 +460,6 @@ class BaseFSDP1MethodTests:
         case_of="optim_case",
         api=OPTIM_ITEMS,
     )
-    @pytest.mark.world_size(2)
     def test_optim_state_dicts(self, fsdp_adapter: Any, dist: Any, optim_case: MethodCase):
         case, api, failures = optim_case, _api(fsdp_adapter), _Failures()
         group = _other_group(dist)
@@ -487,7 +487,6 @@ class BaseFSDP1MethodTests:
         case_of="summon_case",
         api=SUMMON_ITEMS,
     )
-    @pytest.mark.world_size(2)
     def test_summon_options(self, fsdp_adapter: Any, dist: Any, summon_case: MethodCase):
         case, fsdp = summon_case, _api(fsdp_adapter).FullyShardedDataParallel
         driver, failures = _driver(fsdp_adapter, dist, case), _Failures()
@@ -539,7 +538,6 @@ class BaseFSDP1MethodTests:
         case_of="hook_case",
         api=("FullyShardedDataParallel.register_comm_hook()",),
     )
-    @pytest.mark.world_size(2)
     def test_comm_hook(self, fsdp_adapter: Any, dist: Any, hook_case: MethodCase):
         case, api = hook_case, _api(fsdp_adapter)
         strategy = api.ShardingStrategy[case.form]

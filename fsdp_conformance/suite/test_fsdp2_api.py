@@ -321,6 +321,8 @@ class BaseFSDP2APITests:
     module docstring). `coverage`: "full" runs every case, "pairwise" (``fsdp-conformance
     run``'s default; ``--fsdp-coverage`` overrides) the cases in ``PAIRWISE``."""
 
+    pytestmark = pytest.mark.world_size(2)  # each cell's, where it names none
+
     coverage: ClassVar[str] = "full"
     reshard_cases: ClassVar[tuple[str, ...]] = tuple(RESHARD_VALUES)
     offload_cases: ClassVar[tuple[str, ...]] = ("no_sync", "sync_every")
@@ -339,9 +341,8 @@ class BaseFSDP2APITests:
         ):
             if name in metafunc.fixturenames:
                 chosen = [case for case in cases if full or case in self.PAIRWISE]
-                ranks = {case: 4 if case == "int" else 2 for case in chosen}
-                marks = {case: pytest.mark.world_size(ranks[case]) for case in chosen}
-                params = [pytest.param(case, id=case, marks=marks[case]) for case in chosen]
+                marks = {"int": pytest.mark.world_size(4)}  # 2 of 4 ranks
+                params = [pytest.param(case, id=case, marks=marks.get(case, ())) for case in chosen]
                 metafunc.parametrize(name, params)
 
     @check(
@@ -415,7 +416,6 @@ class BaseFSDP2APITests:
             "MixedPrecisionPolicy(cast_forward_inputs=False)",
         ),
     )
-    @pytest.mark.world_size(2)
     def test_mixed_precision(self, fsdp_adapter: Any, dist: Any):
         model = _SideInputNet(dist.group).to(dist.device)
         units = _mixed_precision_units(_api(fsdp_adapter), model, device_mesh(dist))
@@ -460,7 +460,6 @@ class BaseFSDP2APITests:
         case_of=lambda: _case("grouped", "tied_chunks"),
         api=("fully_shard(module=list)",),
     )
-    @pytest.mark.world_size(2)
     def test_grouped_tied(self, fsdp_adapter: Any, dist: Any):
         ns = _api(fsdp_adapter)
         model = _TiedChunks(dist.group).to(dist.device)
@@ -498,7 +497,6 @@ class BaseFSDP2APITests:
         case_of=lambda: _case("shard_placement_fn=Shard(1)"),
         api=("fully_shard(shard_placement_fn)",),
     )
-    @pytest.mark.world_size(2)
     def test_shard_placement_fn(self, fsdp_adapter: Any, dist: Any):
         model = zoo.build(LOOPS, dist.group, None, dist.device)
         initial = full_tensors(model)

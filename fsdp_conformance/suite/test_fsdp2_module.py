@@ -302,6 +302,8 @@ class BaseFSDP2ModuleTests:
     """The ``FSDPModule`` methods against a reference ([Note: FSDP2 module references]); one cell
     per check bundles several methods, each promise failing with its own message."""
 
+    pytestmark = pytest.mark.world_size(2)  # each cell's, where it names none
+
     offloads: ClassVar[tuple[str, ...]] = ("no_offload", "cpu_offload")
 
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
@@ -322,7 +324,6 @@ class BaseFSDP2ModuleTests:
             "FSDPModule.set_is_last_backward()",
         ),
     )
-    @pytest.mark.world_size(2)
     def test_gradient_sync_per_module(self, fsdp_adapter: Any, dist: Any, offload: str):
         ns = fsdp_adapter.declarations.api["fsdp2"]
         options = {}
@@ -423,7 +424,6 @@ class BaseFSDP2ModuleTests:
             *calls("FSDPModule.set_reduce_scatter_max_input_buffers", "recurse=False"),
         ),
     )
-    @pytest.mark.world_size(2)
     def test_reduction(self, fsdp_adapter: Any, dist: Any):
         label = f"adapter {fsdp_adapter.name!r}, LoopModule with a branch"
         # (2, 1): whole parameters, all-reduced
@@ -494,7 +494,6 @@ class BaseFSDP2ModuleTests:
             "FSDPModule.reset_iter_state()",
         ),
     )
-    @pytest.mark.world_size(2)
     def test_unshard_reshard(self, fsdp_adapter: Any, dist: Any):
         run = _Run(fsdp_adapter, dist, f"adapter {fsdp_adapter.name!r}, LoopModule")
         root, units = run.units["root"], run.units
@@ -556,7 +555,6 @@ class BaseFSDP2ModuleTests:
             "share_comm_ctx()",
         ),
     )
-    @pytest.mark.world_size(2)
     def test_prefetch(self, fsdp_adapter: Any, dist: Any):
         label = f"adapter {fsdp_adapter.name!r}, LoopModule as three roots"
         run = _Run(fsdp_adapter, dist, label, roots=("trunk", "blocks", "head"))
