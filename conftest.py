@@ -17,6 +17,16 @@ LONG_TESTS = {
     "tests/fuzz/test_fuzz_mutants.py::test_fuzz_finds_shrinks_and_reproduces": 37,
     "tests/harness/test_faults.py::test_fault_matrix": 30,
     "tests/suite/test_shapes.py::test_simple_fsdp_passes_and_its_broken_variants_fail": 26,
+    "tests/suite/test_fsdp1_constructor_catches_broken.py::"
+    "test_each_check_fails_on_its_broken_torch_and_passes_on_torch": 24,
+    "tests/suite/test_envelopes_catch_worse.py::"
+    "test_a_worse_figure_fails_and_the_declared_one_stays_a_deviation": 16,
+    "tests/suite/test_fsdp1_methods_catch_broken.py::"
+    "test_each_fsdp1_method_check_fails_on_its_broken_variant": 16,
+    "tests/suite/test_fsdp2_api_checks.py::"
+    "test_each_fsdp2_api_check_passes_on_torch_and_fails_on_its_broken_variant": 11,
+    "tests/suite/test_fsdp2_module_checks.py::"
+    "test_each_fsdp2_module_check_passes_on_torch_and_fails_on_its_broken_variant": 10,
     "tests/launcher/test_torchrun_harness.py::test_spmd_verdicts_isolation_and_watchdog": 22,
     "tests/launcher/test_torchrun_harness.py::"
     "test_killed_rank_ends_both_agents_within_the_timeout": 22,
