@@ -24,13 +24,12 @@ torch has an item the table lacks, or the table is stale. Regenerate:
 from __future__ import annotations
 
 import dataclasses
-import enum
 import inspect
 import re
 from typing import Any
 
 import torch
-import torch.distributed.fsdp as fsdp
+from torch.distributed import fsdp
 
 from fsdp_conformance import checks
 
@@ -78,9 +77,8 @@ def _members(annotation: Any) -> list[str]:
 def _forms(owner: str, name: str, annotation: Any, default: Any) -> list[str]:
     """The items of one parameter or field (see [Note: API surface])."""
     members = _members(annotation) if annotation is not inspect.Parameter.empty else []
-    if default is not None and default is not inspect.Parameter.empty and "bool" in members:
-        if members == ["bool"]:
-            return [f"{owner}({name}={not default})"]
+    if default is not None and default is not inspect.Parameter.empty and members == ["bool"]:
+        return [f"{owner}({name}={not default})"]
     if set(members) == {"float", "int"}:  # a number, however written
         members = ["float"]
     forms = []
@@ -186,13 +184,15 @@ def table() -> str:
     lines = [
         "# The FSDP API surface and the checks that drive it",
         "",
-        f"Generated from torch {torch.__version__.split('+')[0]}'s own signatures by "
-        "`python -m fsdp_conformance.suite.api_coverage > docs/api_coverage.md` "
-        "([Note: API surface] in `fsdp_conformance/suite/api_coverage.py`); "
-        "`tests/suite/test_api_coverage.py` fails when it is stale. "
-        f"{len(items)} items: {sum(item in driven for item in in_scope)} driven, "
-        f"{len(OUT_OF_SCOPE)} out of scope. Each check asserts the item's promise against a "
-        "reference (docs/checks.md).",
+        (
+            f"Generated from torch {torch.__version__.split('+')[0]}'s own signatures by "
+            "`python -m fsdp_conformance.suite.api_coverage > docs/api_coverage.md` "
+            "([Note: API surface] in `fsdp_conformance/suite/api_coverage.py`); "
+            "`tests/suite/test_api_coverage.py` fails when it is stale. "
+            f"{len(items)} items: {sum(item in driven for item in in_scope)} driven, "
+            f"{len(OUT_OF_SCOPE)} out of scope. Each check asserts the item's promise against a "
+            "reference (docs/checks.md)."
+        ),
         "",
         "| item | driven by |",
         "|---|---|",
