@@ -23,7 +23,8 @@ MARKER = re.compile(r"<!-- figure ([\w-]+) -->(.*?)<!-- /figure -->", re.DOTALL)
 TEMPLATES = {
     "run-impl": "{wall_s:.0f} s wall and {cpu_s:.0f} CPU-seconds (user + sys of every process) "
     "for {cells} cells on {machine}, load average {load:.1f} before the run ({date}, "
-    "`{command}`)",
+    "`{command}`): {units:.2f} calibration units (the run's CPU-seconds over the "
+    "{calibration_cpu_s:.1f} of `benchmarks/bench_run.py`'s calibration workload, same machine)",
 }
 
 
